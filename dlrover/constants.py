@@ -1,0 +1,38 @@
+"""Default values and the names of every environment variable DLRover reads or sets."""
+
+# --- Environment variables a user or launcher sets -------------------------------------------
+ENV_MASTER_ADDR = "DLROVER_MASTER_ADDR"
+"""host:port of the job master's gRPC service."""
+ENV_JOB_TOKEN = "DLROVER_JOB_TOKEN"
+"""Shared secret every RPC must carry."""
+
+# --- Environment variables the agent sets for worker processes (besides torchrun's) ----------
+ENV_NODE_ID = "DLROVER_NODE_ID"
+"""The master's id for the node (agent) that started this worker."""
+ENV_NODE_RANK = "DLROVER_NODE_RANK"
+"""The node's rank in the current rendezvous round (same as GROUP_RANK)."""
+ENV_RDZV_ROUND = "DLROVER_RDZV_ROUND"
+"""The rendezvous round that formed the current world."""
+ENV_CHECKPOINT_SOCKET = "DLROVER_CHECKPOINT_SOCKET"
+"""Unix socket of the agent's checkpoint saver (flash checkpoint)."""
+ENV_JOB_NAME = "DLROVER_JOB_NAME"
+"""Name of the job (the rendezvous id)."""
+
+# --- Defaults ---------------------------------------------------------------------------------
+DEFAULT_JOB_NAME = "none"
+DEFAULT_ROLE = "default"
+DEFAULT_MASTER_PORT = 0
+DEFAULT_MONITOR_INTERVAL_S = 0.1
+DEFAULT_HEARTBEAT_INTERVAL_S = 2.0
+DEFAULT_HEARTBEAT_TIMEOUT_S = 15.0
+DEFAULT_MAX_RESTARTS = 0
+DEFAULT_RDZV_JOIN_TIMEOUT_S = 600.0
+DEFAULT_RDZV_LAST_CALL_TIMEOUT_S = 1.0
+DEFAULT_CONNECT_TIMEOUT_S = 10.0
+DEFAULT_RPC_TIMEOUT_S = 10.0
+DEFAULT_STOP_GRACE_S = 5.0
+DEFAULT_EXIT_BARRIER_TIMEOUT_S = 300.0
+DEFAULT_MASTER_IDLE_TIMEOUT_S = 1800.0
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+MAX_KV_VALUE_BYTES = 1024 * 1024
+TOKEN_METADATA_KEY = "x-dlrover-token"
