@@ -1,0 +1,424 @@
+"""The elastic agent of one node: rendezvous, start workers, watch them, restart, finish."""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import psutil
+
+from dlrover.agent.config import AgentConfig
+from dlrover.agent.worker_env import WorkerPlacement, worker_env
+from dlrover.agent.workers import WorkerExit, WorkerGroup, WorkerLaunch
+from dlrover.client.master_client import MasterClient, MasterClientError
+from dlrover.proto import master_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+
+class AgentError(Exception):
+    """The agent cannot go on (rendezvous timed out, the master refused the node...)."""
+
+
+class RendezvousTimeoutError(AgentError):
+    """Not enough nodes joined within the join timeout."""
+
+
+class SignalReceived(Exception):
+    """SIGTERM/SIGINT reached the agent: workers are stopped, the agent exits."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"received {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+@dataclass
+class RunResult:
+    """How the agent's run ended."""
+
+    exit_code: int
+    reason: str = ""
+
+
+def free_port() -> int:
+    """A port that was free a moment ago on every interface (the rank-0 worker binds it next)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def describe_exit(e: WorkerExit) -> str:
+    if e.returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-e.returncode).name}"
+        except ValueError:
+            return f"killed by signal {-e.returncode}"
+    return f"exit code {e.returncode}"
+
+
+class ElasticAgent:
+    """Runs the workers of one node for the life of the job.
+
+    Loop: join a rendezvous round -> start `nproc_per_node` workers with torchrun's env ->
+    watch them. A failed worker restarts the whole local group after a new round (bounded by
+    max_restarts); a membership change (a node waits to join, or a known node came back)
+    re-forms without using up a restart; success ends in an exit barrier.
+    """
+
+    def __init__(self, config: AgentConfig, client: MasterClient, master_addr: str, token: str):
+        self.config = config
+        self.client = client
+        self._master_addr = master_addr
+        self._token = token
+        self.node_id = ""
+        self.incarnation = 0
+        self.restart_count = 0
+        self._attempt = 0
+        self._round = 0
+        self._group: WorkerGroup | None = None
+        self._stop_hb = threading.Event()
+        self._master_says_stop = threading.Event()
+        self._host = config.local_addr or self._guess_host()
+        self._proc = psutil.Process()
+
+    def _guess_host(self) -> str:
+        host = self._master_addr.rsplit(":", 1)[0].strip("[]")
+        if host in ("127.0.0.1", "localhost", "::1"):
+            return "127.0.0.1"
+        return socket.getfqdn()
+
+    # --- lifecycle -------------------------------------------------------------------------------
+    def run(self) -> RunResult:
+        self._register()
+        hb = threading.Thread(target=self._heartbeat_loop, daemon=True, name="dlrover-heartbeat")
+        hb.start()
+        try:
+            return self._run_loop()
+        finally:
+            if self._group is not None:
+                self._group.stop(self.config.stop_grace_s)
+            self._stop_hb.set()
+            hb.join(timeout=self.config.heartbeat_interval_s + 1.0)
+
+    def _register(self) -> None:
+        cfg = self.config
+        resp = self.client.register_node(
+            pb.RegisterNodeRequest(
+                node_id=self.node_id,
+                host=self._host,
+                role=cfg.role,
+                local_world_size=cfg.nproc_per_node,
+                requested_rank=cfg.requested_node_rank,
+                pid=os.getpid(),
+                config=pb.JobConfig(
+                    min_nodes=cfg.min_nodes,
+                    max_nodes=cfg.max_nodes,
+                    node_unit=cfg.node_unit,
+                    last_call_timeout_s=cfg.last_call_timeout_s,
+                    job_name=cfg.run_id,
+                ),
+            )
+        )
+        self.node_id, self.incarnation = resp.node_id, resp.incarnation
+        logger.info("registered as node %s (incarnation %d)", self.node_id, self.incarnation)
+
+    def _run_loop(self) -> RunResult:
+        cfg = self.config
+        while True:
+            world = self._rendezvous()
+            self._start_workers(world)
+            outcome = self._monitor()
+            assert self._group is not None
+            if outcome == "succeeded":
+                self._group.close()
+                return self._finish_success()
+            if outcome == "stop":
+                self._group.stop(cfg.stop_grace_s)
+                status = self.client.get_job_status()
+                code = 0 if status.state == "succeeded" else (status.exit_code or 1)
+                return RunResult(code, f"the master ended the job: {status.reason}")
+            if outcome == "membership":
+                logger.info("membership changed: re-forming the world (no restart used)")
+                self._group.stop(cfg.stop_grace_s)
+                continue
+            # A worker failed.
+            failures = self._collect_failures()
+            self._group.stop(cfg.stop_grace_s)
+            report = self._failure_report(failures)
+            if self.restart_count < cfg.max_restarts:
+                self.restart_count += 1
+                logger.warning(
+                    "worker failure, restarting workers (%d/%d): %s",
+                    self.restart_count,
+                    cfg.max_restarts,
+                    report,
+                )
+                continue
+            logger.error(
+                "worker failure and no restarts left (max %d): %s", cfg.max_restarts, report
+            )
+            code = self._exit_code(failures)
+            self._report_status("failed", code, report)
+            return RunResult(code, report)
+
+    # --- rendezvous ------------------------------------------------------------------------------
+    def _rendezvous(self) -> pb.CommWorld:
+        cfg = self.config
+        store_host = cfg.store_addr or self._host
+        store_port = cfg.store_port or free_port()
+        self._round = self.client.join_rendezvous(
+            pb.JoinRendezvousRequest(
+                node_id=self.node_id,
+                incarnation=self.incarnation,
+                local_world_size=cfg.nproc_per_node,
+                store_host=store_host,
+                store_port=store_port,
+            )
+        )
+        start = time.monotonic()
+        deadline = start + cfg.join_timeout_s
+        next_log = start + 10.0
+        delay = 0.01
+        while True:
+            world = self.client.get_comm_world(self.node_id, self._round)
+            if world.complete:
+                self._round = world.round
+                logger.info(
+                    "round %d: node rank %d of %d nodes, world size %d (%.2fs)",
+                    world.round,
+                    world.node_rank,
+                    len(world.members),
+                    world.world_size,
+                    time.monotonic() - start,
+                )
+                return world
+            now = time.monotonic()
+            if self._master_says_stop.is_set():
+                raise AgentError("the master ended the job while this node waited to join")
+            if now >= deadline:
+                raise RendezvousTimeoutError(
+                    f"rendezvous round {self._round} did not complete within {cfg.join_timeout_s:.0f}s: "
+                    f"the job needs at least {cfg.min_nodes} nodes; start the missing nodes or "
+                    "lower --nnodes MIN (join_timeout in --rdzv-conf sets this deadline)"
+                )
+            if now >= next_log:
+                logger.info(
+                    "waiting for nodes to join round %d (need %d)", self._round, cfg.min_nodes
+                )
+                next_log = now + 10.0
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
+
+    # --- workers ---------------------------------------------------------------------------------
+    def _start_workers(self, world: pb.CommWorld) -> None:
+        cfg = self.config
+        attempt_dir = ""
+        if cfg.log_dir:
+            attempt_dir = os.path.join(cfg.log_dir, cfg.run_id, f"attempt_{self._attempt}")
+        launches = []
+        for local_rank in range(cfg.nproc_per_node):
+            rank = world.rank_offset + local_rank
+            placement = WorkerPlacement(
+                local_rank=local_rank,
+                local_world_size=cfg.nproc_per_node,
+                rank=rank,
+                world_size=world.world_size,
+                node_rank=world.node_rank,
+                num_nodes=len(world.members),
+            )
+            log_dir = os.path.join(attempt_dir, f"rank_{rank}") if attempt_dir else None
+            env = worker_env(
+                os.environ,
+                placement,
+                role=cfg.role,
+                run_id=cfg.run_id,
+                restart_count=self.restart_count,
+                max_restarts=cfg.max_restarts,
+                store_addr=world.store_host,
+                store_port=world.store_port,
+                error_file=os.path.join(log_dir, "error.json") if log_dir else "",
+                master_addr=self._master_addr,
+                job_token=self._token,
+                node_id=self.node_id,
+                rdzv_round=world.round,
+            )
+            launches.append(
+                WorkerLaunch(
+                    local_rank=local_rank,
+                    rank=rank,
+                    argv=cfg.entrypoint,
+                    env=env,
+                    log_dir=log_dir,
+                    redirect=cfg.redirects.get(local_rank, cfg.default_redirect),
+                    tee=cfg.tee.get(local_rank, cfg.default_tee),
+                    prefix=f"[{cfg.role}{local_rank}]:",
+                )
+            )
+        self._group = WorkerGroup()
+        self._group.start(launches)
+        self._attempt += 1
+        logger.info(
+            "started %d workers (ranks %d..%d, restart %d): %s",
+            cfg.nproc_per_node,
+            world.rank_offset,
+            world.rank_offset + cfg.nproc_per_node - 1,
+            self.restart_count,
+            " ".join(cfg.entrypoint),
+        )
+
+    def _monitor(self) -> str:
+        """Block until the group succeeds, a worker fails, membership changes, or the master stops us."""
+        assert self._group is not None
+        group = self._group
+        done: dict[int, WorkerExit] = {}
+        while True:
+            try:
+                ex = group.exits.get(timeout=self.config.monitor_interval_s)
+            except queue.Empty:
+                ex = None
+            if ex is not None:
+                done[ex.local_rank] = ex
+                group.returncodes[ex.local_rank] = ex.returncode
+                if ex.returncode != 0:
+                    logger.error("worker rank %d (pid %d) %s", ex.rank, ex.pid, describe_exit(ex))
+                    return "failed"
+                if len(done) == self.config.nproc_per_node:
+                    return "succeeded"
+                continue
+            if self._master_says_stop.is_set():
+                return "stop"
+            try:
+                waiting = self.client.num_nodes_waiting(self.node_id, self._round)
+            except MasterClientError as e:
+                logger.warning("cannot ask the master about membership: %s", e)
+                continue
+            if waiting.waiting > 0 or waiting.latest_round > self._round:
+                return "membership"
+
+    def _collect_failures(self) -> list[WorkerExit]:
+        """The failed exit and any others that land within a moment (the first is the root)."""
+        assert self._group is not None
+        failures = [
+            WorkerExit(lr, -1, -1, rc) for lr, rc in self._group.returncodes.items() if rc != 0
+        ]
+        deadline = time.monotonic() + 0.2
+        while time.monotonic() < deadline:
+            try:
+                ex = self._group.exits.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if ex.returncode != 0:
+                failures.append(ex)
+        return failures
+
+    def _failure_report(self, failures: list[WorkerExit]) -> str:
+        parts = []
+        for f in failures:
+            parts.append(f"local rank {f.local_rank}: {describe_exit(f)}")
+        return "; ".join(parts) or "unknown failure"
+
+    @staticmethod
+    def _exit_code(failures: list[WorkerExit]) -> int:
+        for f in failures:
+            if f.returncode > 0:
+                return f.returncode
+        for f in failures:
+            if f.returncode < 0:
+                return 128 - f.returncode
+        return 1
+
+    # --- the end ---------------------------------------------------------------------------------
+    def _finish_success(self) -> RunResult:
+        logger.info(
+            "all %d workers succeeded; waiting for the other nodes", self.config.nproc_per_node
+        )
+        done = self._report_status("succeeded", 0, "")
+        deadline = time.monotonic() + self.config.exit_barrier_timeout_s
+        delay = 0.01
+        while not done:
+            status = self.client.get_job_status()
+            if status.state in ("succeeded", "failed"):
+                done = True
+                if status.state == "failed":
+                    return RunResult(status.exit_code or 1, status.reason)
+                break
+            if time.monotonic() >= deadline:
+                logger.warning(
+                    "exit barrier: other nodes did not finish within %.0fs; exiting anyway",
+                    self.config.exit_barrier_timeout_s,
+                )
+                break
+            time.sleep(delay)
+            delay = min(delay * 2, 0.2)
+        return RunResult(0, "succeeded")
+
+    def _report_status(self, status: str, code: int, reason: str) -> bool:
+        try:
+            return self.client.report_node_status(
+                pb.ReportNodeStatusRequest(
+                    node_id=self.node_id,
+                    incarnation=self.incarnation,
+                    status=status,
+                    exit_code=code,
+                    reason=reason,
+                )
+            )
+        except MasterClientError as e:
+            logger.warning("could not report %s to the master: %s", status, e)
+            return False
+
+    # --- heartbeats ------------------------------------------------------------------------------
+    def _usage(self) -> tuple[float, int]:
+        cpu, mem = 0.0, 0
+        procs = [self._proc]
+        if self._group is not None:
+            for pid in self._group.pids.values():
+                try:
+                    procs.append(psutil.Process(pid))
+                except psutil.Error:
+                    pass
+        for p in procs:
+            try:
+                cpu += p.cpu_percent(None)
+                mem += p.memory_info().rss
+            except psutil.Error:
+                pass
+        return cpu, mem
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop_hb.wait(self.config.heartbeat_interval_s):
+            cpu, mem = self._usage()
+            try:
+                resp = self.client.heartbeat(
+                    pb.HeartbeatRequest(
+                        node_id=self.node_id,
+                        incarnation=self.incarnation,
+                        usage=pb.ResourceUsage(cpu_percent=cpu, memory_bytes=mem),
+                        step=-1,
+                        restart_count=self.restart_count,
+                    )
+                )
+            except MasterClientError as e:
+                logger.warning("heartbeat failed: %s", e)
+                continue
+            if resp.action == "stop":
+                self._master_says_stop.set()
+
+
+def install_signal_handlers() -> None:
+    """Turn SIGTERM/SIGINT into an exception on the main thread so workers get stopped."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise SignalReceived(signum)
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    if sys.platform != "win32":
+        signal.signal(signal.SIGHUP, handler)

@@ -1,0 +1,51 @@
+"""Configuration of one node's elastic agent (what dlrover-run was asked to do)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dlrover import constants as c
+from dlrover.agent.workers import STD_NONE
+
+
+@dataclass
+class AgentConfig:
+    """Everything the agent needs; built by the CLI from torchrun-compatible flags."""
+
+    entrypoint: list[str]
+    """Full argv of a worker, e.g. [python, -u, train.py, --lr, 0.1]."""
+    nproc_per_node: int
+    min_nodes: int = 1
+    max_nodes: int = 1
+    node_unit: int = 1
+    """The number of nodes in the world is always a multiple of this."""
+    max_restarts: int = c.DEFAULT_MAX_RESTARTS
+    """Worker-group restarts after failures allowed on this node (membership changes are free)."""
+    monitor_interval_s: float = c.DEFAULT_MONITOR_INTERVAL_S
+    """How often the agent checks membership changes and its workers' state."""
+    run_id: str = c.DEFAULT_JOB_NAME
+    """TORCHELASTIC_RUN_ID: the job's name, the same on every node."""
+    role: str = c.DEFAULT_ROLE
+    log_dir: str = ""
+    """Root of per-attempt per-rank logs: <log_dir>/<run_id>/attempt_<n>/rank_<r>/."""
+    redirects: dict[int, int] = field(default_factory=dict)
+    """Per local rank: which of stdout(1)/stderr(2) go to files only."""
+    tee: dict[int, int] = field(default_factory=dict)
+    """Per local rank: which of stdout(1)/stderr(2) go to files and the console."""
+    default_redirect: int = STD_NONE
+    default_tee: int = STD_NONE
+    requested_node_rank: int = -1
+    """--node-rank: this node's wished rank (-1: the master assigns one)."""
+    store_addr: str = ""
+    """--master-addr: where the rank-0 worker hosts the process-group store (default: this host)."""
+    store_port: int = 0
+    """--master-port: the store's port (default: a free port, fresh every round)."""
+    local_addr: str = ""
+    """This node's address as other nodes reach it."""
+    join_timeout_s: float = c.DEFAULT_RDZV_JOIN_TIMEOUT_S
+    last_call_timeout_s: float = c.DEFAULT_RDZV_LAST_CALL_TIMEOUT_S
+    heartbeat_interval_s: float = c.DEFAULT_HEARTBEAT_INTERVAL_S
+    stop_grace_s: float = c.DEFAULT_STOP_GRACE_S
+    """After SIGTERM, how long workers get before SIGKILL."""
+    exit_barrier_timeout_s: float = c.DEFAULT_EXIT_BARRIER_TIMEOUT_S
+    """On success, how long to wait for the other nodes to finish too."""

@@ -1,0 +1,162 @@
+"""`dlrover-master`: the job master as its own process, for jobs of several nodes."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+
+from dlrover import constants as c
+from dlrover.cli.common import parse_nnodes, setup_logging
+from dlrover.master.job import JobMaster, JobMasterConfig, JobState
+from dlrover.master.rendezvous import RendezvousConfig, RendezvousError
+from dlrover.master.server import MasterServer, MasterServerError, new_token
+from dlrover.master.state_store import StateStoreError, open_state_store
+
+logger = logging.getLogger("dlrover.master")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dlrover-master",
+        description="Run the DLRover job master. Prints DLROVER_MASTER_ADDR and DLROVER_JOB_TOKEN; "
+        "start each node with those in its environment: dlrover-run --nnodes=N ... train.py",
+    )
+    p.add_argument(
+        "--port", type=int, default=0, help="Port to listen on; 0 picks a free one (default)."
+    )
+    p.add_argument("--host", default="0.0.0.0", help="Address to listen on (default all).")
+    p.add_argument(
+        "--advertise-addr",
+        default="",
+        help="Host name or IP the nodes use to reach the master (default: this host's).",
+    )
+    p.add_argument(
+        "--token",
+        default=None,
+        help=f"The job token (default: ${c.ENV_JOB_TOKEN}, else a random one).",
+    )
+    p.add_argument(
+        "--write-env",
+        default="",
+        metavar="FILE",
+        help="Also write the DLROVER_MASTER_ADDR/DLROVER_JOB_TOKEN lines to FILE.",
+    )
+    p.add_argument(
+        "--nnodes", default="", help="MIN:MAX nodes; by default the first node's --nnodes decides."
+    )
+    p.add_argument(
+        "--node-unit", type=int, default=1, help="Nodes join and leave in multiples of this."
+    )
+    p.add_argument("--job-name", default=c.DEFAULT_JOB_NAME, help="The job's name (rdzv id).")
+    p.add_argument(
+        "--state-db",
+        default="",
+        help="SQLite file of the master's durable state (default: a new file in a temp "
+        "dir); 'memory' keeps it in memory. Give the same file to resume after a restart.",
+    )
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=c.DEFAULT_HEARTBEAT_TIMEOUT_S,
+        help="Seconds without a heartbeat before a node counts as lost.",
+    )
+    p.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=c.DEFAULT_MASTER_IDLE_TIMEOUT_S,
+        help="Exit with an error if no node registers within this many seconds.",
+    )
+    p.add_argument(
+        "--last-call-timeout",
+        type=float,
+        default=c.DEFAULT_RDZV_LAST_CALL_TIMEOUT_S,
+        help="Seconds to wait for more nodes once MIN are present.",
+    )
+    return p
+
+
+def _advertise_host(args: argparse.Namespace) -> str:
+    if args.advertise_addr:
+        return str(args.advertise_addr)
+    if args.host not in ("0.0.0.0", "::", ""):
+        return str(args.host)
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    rdzv = None
+    try:
+        if args.nnodes:
+            lo, hi = parse_nnodes(args.nnodes)
+            rdzv = RendezvousConfig(lo, hi, args.node_unit, args.last_call_timeout)
+            rdzv.validate()
+    except (ValueError, RendezvousError) as e:
+        parser.error(str(e))
+    setup_logging("dlrover-master")
+    token = args.token or os.environ.get(c.ENV_JOB_TOKEN) or new_token()
+    db = args.state_db or os.path.join(tempfile.mkdtemp(prefix="dlrover_master_"), "state.db")
+    try:
+        store = open_state_store(db)
+        job = JobMaster(
+            JobMasterConfig(
+                job_name=args.job_name, rendezvous=rdzv, heartbeat_timeout_s=args.heartbeat_timeout
+            ),
+            store,
+        )
+        server = MasterServer(job, token, host=args.host, port=args.port).start()
+    except (MasterServerError, StateStoreError) as e:
+        print(f"dlrover-master: error: {e}", file=sys.stderr)
+        return 1
+
+    addr = f"{_advertise_host(args)}:{server.port}"
+    lines = f"{c.ENV_MASTER_ADDR}={addr}\n{c.ENV_JOB_TOKEN}={token}\n"
+    if args.write_env:
+        tmp = args.write_env + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(lines)
+        os.replace(tmp, args.write_env)
+    sys.stdout.write(lines)
+    sys.stdout.flush()
+    logger.info("state in %s", db)
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        job.stop(f"master received {signal.Signals(signum).name}")
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    start = time.monotonic()
+    while not job.ended.wait(0.5):
+        if not job.nodes.all() and time.monotonic() - start > args.idle_timeout:
+            job.stop(f"no node registered within {args.idle_timeout:.0f}s")
+    # Let agents still in their exit barrier read the final state before the server goes away.
+    if not stop.is_set():
+        time.sleep(min(2.0, c.DEFAULT_HEARTBEAT_INTERVAL_S))
+    server.stop(grace_s=1.0)
+    store.close()
+    print(f"dlrover-master: job {args.job_name} {job.state.value}: {job.reason}", file=sys.stderr)
+    return 0 if job.state == JobState.SUCCEEDED else (job.exit_code or 1)
+
+
+def main() -> None:
+    sys.exit(run())
+
+
+if __name__ == "__main__":
+    main()

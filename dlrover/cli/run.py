@@ -1,0 +1,361 @@
+"""`dlrover-run`: torchrun's command line, with an elastic, fault-tolerant agent behind it."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import uuid
+from collections.abc import Sequence
+
+from dlrover import constants as c
+from dlrover.agent.agent import ElasticAgent, SignalReceived, install_signal_handlers
+from dlrover.agent.config import AgentConfig
+from dlrover.cli.common import parse_nnodes, parse_std_spec, setup_logging
+from dlrover.client.master_client import MasterClient, MasterClientError
+from dlrover.master.job import JobMaster, JobMasterConfig
+from dlrover.master.server import MasterServer, MasterServerError, new_token
+from dlrover.master.state_store import MemoryStateStore
+
+logger = logging.getLogger("dlrover.run")
+
+
+def _add(p: argparse.ArgumentParser, name: str, **kw: object) -> None:
+    """Add a flag under its dash spelling and torchrun's underscore spelling."""
+    names = [name]
+    if "-" in name[2:]:
+        names.append("--" + name[2:].replace("-", "_"))
+    p.add_argument(*names, **kw)  # type: ignore[arg-type]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dlrover-run",
+        description="Launch a PyTorch training script on this node, like torchrun, with workers "
+        "restarted in place, elastic membership and an embedded or remote DLRover master.",
+    )
+    _add(p, "--nnodes", default="1:1", help="Number of nodes, N or MIN:MAX (default 1).")
+    _add(
+        p,
+        "--nproc-per-node",
+        default="1",
+        help="Worker processes per node: an integer, or auto/cpu (one per CPU), gpu (one per GPU).",
+    )
+    _add(
+        p,
+        "--rdzv-backend",
+        default="static",
+        help="Accepted for torchrun compatibility; rendezvous always goes through the DLRover master.",
+    )
+    _add(
+        p,
+        "--rdzv-endpoint",
+        default="",
+        help="host:port of the master. The node that can bind it hosts the master; the others join it.",
+    )
+    _add(p, "--rdzv-id", default=c.DEFAULT_JOB_NAME, help="The job's id, the same on every node.")
+    _add(
+        p,
+        "--rdzv-conf",
+        default="",
+        help="key=value,... : join_timeout (s), last_call_timeout (s), node_unit.",
+    )
+    p.add_argument(
+        "--standalone",
+        action="store_true",
+        help="Single node, master embedded on a free local port: no infrastructure.",
+    )
+    _add(
+        p,
+        "--max-restarts",
+        type=int,
+        default=c.DEFAULT_MAX_RESTARTS,
+        help="Worker-group restarts after failures before the node gives up (default 0).",
+    )
+    _add(
+        p,
+        "--monitor-interval",
+        type=float,
+        default=c.DEFAULT_MONITOR_INTERVAL_S,
+        help="Seconds between checks of membership and worker state (default 0.1).",
+    )
+    _add(
+        p,
+        "--start-method",
+        default="spawn",
+        choices=["spawn", "fork", "forkserver"],
+        help="Accepted for torchrun compatibility; workers are always fresh processes.",
+    )
+    p.add_argument("--role", default=c.DEFAULT_ROLE, help="The workers' role name (ROLE_NAME).")
+    p.add_argument(
+        "-m",
+        "--module",
+        action="store_true",
+        help="Run the entry point as a module, like python -m.",
+    )
+    _add(
+        p,
+        "--no-python",
+        action="store_true",
+        help="Run the entry point as a program, not through python.",
+    )
+    _add(
+        p,
+        "--run-path",
+        action="store_true",
+        help="Run the script with runpy.run_path (the same as the default here).",
+    )
+    _add(
+        p,
+        "--log-dir",
+        default=None,
+        help="Root of per-attempt per-rank logs: <log-dir>/<rdzv-id>/attempt_<n>/rank_<r>/.",
+    )
+    p.add_argument(
+        "-r",
+        "--redirects",
+        default="0",
+        help="Send worker streams to files only: 0 none, 1 stdout, 2 stderr, 3 both; or 0:1,1:2.",
+    )
+    p.add_argument(
+        "-t",
+        "--tee",
+        default="0",
+        help="Send worker streams to files and the console (same syntax as --redirects).",
+    )
+    _add(p, "--local-ranks-filter", default="", help="Accepted for torchrun compatibility.")
+    _add(
+        p,
+        "--node-rank",
+        type=int,
+        default=-1,
+        help="This node's rank; by default the master assigns stable ranks.",
+    )
+    _add(
+        p,
+        "--master-addr",
+        default="",
+        help="Where the rank-0 worker hosts the process-group store (default: node 0's address).",
+    )
+    _add(
+        p,
+        "--master-port",
+        type=int,
+        default=0,
+        help="The store's port (default: a fresh free port every round, so restarts never see stale keys).",
+    )
+    _add(p, "--local-addr", default="", help="This node's address as the other nodes reach it.")
+    _add(p, "--logs-specs", default=None, help="Accepted for torchrun compatibility.")
+    _add(
+        p,
+        "--shutdown-timeout",
+        type=float,
+        default=c.DEFAULT_STOP_GRACE_S,
+        help="Seconds between SIGTERM and SIGKILL when stopping workers (default 5).",
+    )
+    p.add_argument(
+        "--token",
+        default=None,
+        help=f"The job token (default: ${c.ENV_JOB_TOKEN}, or generated when the master is embedded).",
+    )
+    _add(
+        p,
+        "--node-unit",
+        type=int,
+        default=None,
+        help="The number of nodes is always a multiple of this (default 1).",
+    )
+    p.add_argument("training_script", help="The script (or module, or program) every worker runs.")
+    p.add_argument("training_script_args", nargs=argparse.REMAINDER)
+    return p
+
+
+def _parse_rdzv_conf(value: str) -> dict[str, str]:
+    conf: dict[str, str] = {}
+    for item in filter(None, (s.strip() for s in value.split(","))):
+        if "=" not in item:
+            raise ValueError(f"--rdzv-conf item {item!r}: expected key=value")
+        k, v = item.split("=", 1)
+        conf[k.strip()] = v.strip()
+    return conf
+
+
+def _nproc(value: str) -> int:
+    if value in ("auto", "cpu"):
+        return os.cpu_count() or 1
+    if value == "gpu":
+        raise ValueError("--nproc-per-node gpu: give the number of GPUs explicitly on this build")
+    try:
+        n = int(value)
+    except ValueError:
+        raise ValueError(
+            f"--nproc-per-node {value!r}: expected a positive integer, auto or cpu"
+        ) from None
+    if n < 1:
+        raise ValueError(f"--nproc-per-node {value!r}: must be at least 1")
+    return n
+
+
+def _entrypoint(args: argparse.Namespace) -> list[str]:
+    script = args.training_script
+    if args.no_python:
+        if args.module:
+            raise ValueError("--no-python and --module cannot be used together")
+        if shutil.which(script) is None and not os.path.isfile(script):
+            raise ValueError(f"program {script!r} not found (with --no-python it must be on PATH)")
+        return [script, *args.training_script_args]
+    python = os.environ.get("PYTHON_EXEC", sys.executable)
+    if args.module:
+        return [python, "-u", "-m", script, *args.training_script_args]
+    if not os.path.isfile(script):
+        raise ValueError(f"training script {script!r} not found (cwd {os.getcwd()})")
+    return [python, "-u", script, *args.training_script_args]
+
+
+def config_from_args(args: argparse.Namespace) -> AgentConfig:
+    """Validate flags and build the agent's config; raises ValueError naming the bad flag."""
+    lo, hi = parse_nnodes(args.nnodes)
+    conf = _parse_rdzv_conf(args.rdzv_conf)
+    if args.max_restarts < 0:
+        raise ValueError(f"--max-restarts {args.max_restarts}: must be >= 0")
+    if args.monitor_interval <= 0:
+        raise ValueError(f"--monitor-interval {args.monitor_interval}: must be > 0")
+    red_default, red = parse_std_spec(args.redirects, "--redirects")
+    tee_default, tee = parse_std_spec(args.tee, "--tee")
+    node_unit = args.node_unit if args.node_unit is not None else int(conf.get("node_unit", "1"))
+    if node_unit < 1:
+        raise ValueError(f"--node-unit {node_unit}: must be >= 1")
+    if args.standalone and hi > 1:
+        raise ValueError(
+            f"--standalone runs one node but --nnodes is {args.nnodes}: drop --standalone and "
+            f"start dlrover-master, or give --rdzv-endpoint"
+        )
+    log_dir = args.log_dir or ""
+    if (red_default or tee_default or red or tee) and not log_dir:
+        import tempfile
+
+        log_dir = tempfile.mkdtemp(prefix="dlrover_logs_")
+    return AgentConfig(
+        entrypoint=_entrypoint(args),
+        nproc_per_node=_nproc(args.nproc_per_node),
+        min_nodes=lo,
+        max_nodes=hi,
+        node_unit=node_unit,
+        max_restarts=args.max_restarts,
+        monitor_interval_s=args.monitor_interval,
+        run_id=args.rdzv_id,
+        role=args.role,
+        log_dir=log_dir,
+        redirects=red,
+        tee=tee,
+        default_redirect=red_default,
+        default_tee=tee_default,
+        requested_node_rank=args.node_rank,
+        store_addr=args.master_addr,
+        store_port=args.master_port,
+        local_addr=args.local_addr,
+        join_timeout_s=float(conf.get("join_timeout", c.DEFAULT_RDZV_JOIN_TIMEOUT_S)),
+        last_call_timeout_s=float(
+            conf.get("last_call_timeout", c.DEFAULT_RDZV_LAST_CALL_TIMEOUT_S)
+        ),
+        stop_grace_s=args.shutdown_timeout,
+    )
+
+
+def _embedded_master(job_name: str, host: str, port: int, token: str) -> MasterServer:
+    job = JobMaster(JobMasterConfig(job_name=job_name), MemoryStateStore())
+    return MasterServer(job, token, host=host, port=port).start()
+
+
+def _is_local(host: str) -> bool:
+    import socket
+
+    if host in ("localhost", "127.0.0.1", "::1", "0.0.0.0", ""):
+        return True
+    try:
+        addr = socket.gethostbyname(host)
+    except OSError:
+        return False
+    return addr.startswith("127.") or host in (socket.gethostname(), socket.getfqdn())
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+    setup_logging("dlrover-run")
+    if args.standalone and config.run_id == c.DEFAULT_JOB_NAME:
+        config.run_id = uuid.uuid4().hex[:8]
+
+    token = args.token or os.environ.get(c.ENV_JOB_TOKEN, "")
+    env_addr = os.environ.get(c.ENV_MASTER_ADDR, "")
+    server: MasterServer | None = None
+    try:
+        if args.standalone or (not env_addr and not args.rdzv_endpoint and config.max_nodes == 1):
+            token = token or new_token()
+            server = _embedded_master(config.run_id, "127.0.0.1", 0, token)
+            master_addr = f"127.0.0.1:{server.port}"
+        elif env_addr:
+            master_addr = env_addr
+        elif args.rdzv_endpoint:
+            host, _, port_s = args.rdzv_endpoint.rpartition(":")
+            if not host or not port_s.isdigit():
+                parser.error(f"--rdzv-endpoint {args.rdzv_endpoint!r}: expected host:port")
+            # Every node derives the same token from the job id unless one is given.
+            token = token or hashlib.sha256(f"dlrover:{config.run_id}".encode()).hexdigest()[:32]
+            master_addr = args.rdzv_endpoint
+            if _is_local(host):
+                try:
+                    server = _embedded_master(config.run_id, "0.0.0.0", int(port_s), token)
+                    logger.info("this node hosts the job master at %s", master_addr)
+                except MasterServerError:
+                    logger.info("another node hosts the master at %s; joining it", master_addr)
+        else:
+            parser.error(
+                f"--nnodes {args.nnodes} needs a master: set {c.ENV_MASTER_ADDR} and "
+                f"{c.ENV_JOB_TOKEN} to what dlrover-master printed, or give --rdzv-endpoint host:port"
+            )
+    except MasterServerError as e:
+        print(f"dlrover-run: error: {e}", file=sys.stderr)
+        return 1
+
+    client = MasterClient(master_addr, token)
+    install_signal_handlers()
+    try:
+        client.wait_ready(c.DEFAULT_CONNECT_TIMEOUT_S if server is None else 5.0)
+        agent = ElasticAgent(config, client, master_addr, token)
+        result = agent.run()
+        if result.exit_code != 0:
+            print(f"dlrover-run: job failed: {result.reason}", file=sys.stderr)
+        return result.exit_code
+    except SignalReceived as e:
+        logger.warning("%s: workers stopped", e)
+        return 128 + e.signum
+    except MasterClientError as e:
+        print(f"dlrover-run: error: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:  # a clear line, not a stack trace, for anything the agent raises
+        from dlrover.agent.agent import AgentError
+
+        if not isinstance(e, AgentError):
+            raise
+        print(f"dlrover-run: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+        if server is not None:
+            server.stop(grace_s=0.5)
+
+
+def main() -> None:
+    sys.exit(run())
+
+
+if __name__ == "__main__":
+    main()

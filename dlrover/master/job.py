@@ -1,0 +1,254 @@
+"""The job master's state machine: node table, rendezvous, key-value store and the job's end."""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from dlrover.constants import DEFAULT_HEARTBEAT_TIMEOUT_S
+from dlrover.master.kv_store import KvStore
+from dlrover.master.nodes import ALIVE_STATES, Node, NodeState, NodeTable
+from dlrover.master.rendezvous import RendezvousConfig, RendezvousError, RendezvousManager, World
+from dlrover.master.state_store import StateStore
+
+logger = logging.getLogger(__name__)
+
+
+class JobState(str, enum.Enum):
+    """Lifecycle of the job.
+
+    Legal transitions: PENDING -> RUNNING (first round closed) -> SUCCEEDED | FAILED;
+    PENDING -> FAILED (e.g. every node lost before the first round).
+    """
+
+    PENDING = "pending"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+
+
+@dataclass
+class JobMasterConfig:
+    """What the master is started with."""
+
+    job_name: str = "none"
+    rendezvous: RendezvousConfig | None = None
+    """None: the first agent that registers fixes min/max nodes from its --nnodes."""
+    heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
+    """A node with no heartbeat for this long is lost."""
+
+
+class JobMaster:
+    """The single source of truth of one job. Thread-safe; `tick()` advances time-based work."""
+
+    def __init__(
+        self,
+        config: JobMasterConfig,
+        store: StateStore,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self._clock = clock
+        self._store = store
+        self._lock = threading.RLock()
+        self.nodes = NodeTable(store, clock)
+        self.kv = KvStore(store)
+        self.rendezvous: RendezvousManager | None = None
+        if config.rendezvous is not None:
+            self.rendezvous = RendezvousManager(config.rendezvous, store, clock)
+        saved = store.get_json("job", "state") or {}
+        self.state = JobState(saved.get("state", JobState.PENDING.value))
+        self.reason: str = saved.get("reason", "")
+        self.exit_code: int = saved.get("exit_code", 0)
+        self.ended = threading.Event()
+        if self.state in (JobState.SUCCEEDED, JobState.FAILED):
+            self.ended.set()
+
+    # --- registration and liveness -----------------------------------------------------------
+    def register(
+        self,
+        node_id: str,
+        host: str,
+        role: str,
+        local_world_size: int,
+        requested_rank: int,
+        pid: int,
+        rdzv: RendezvousConfig | None,
+    ) -> Node:
+        with self._lock:
+            if self.rendezvous is None:
+                if rdzv is None:
+                    raise RendezvousError("the first node must say how many nodes the job has")
+                self.rendezvous = RendezvousManager(rdzv, self._store, self._clock)
+                logger.info(
+                    "job %s: nodes %d:%d (node_unit %d)",
+                    self.config.job_name,
+                    rdzv.min_nodes,
+                    rdzv.max_nodes,
+                    rdzv.node_unit,
+                )
+            elif rdzv is not None:
+                have = self.rendezvous.config
+                if (rdzv.min_nodes, rdzv.max_nodes) != (have.min_nodes, have.max_nodes):
+                    raise RendezvousError(
+                        f"this node was started with --nnodes {rdzv.min_nodes}:{rdzv.max_nodes} "
+                        f"but the job has {have.min_nodes}:{have.max_nodes}; start every node "
+                        "with the same --nnodes"
+                    )
+            return self.nodes.register(node_id, host, role, local_world_size, requested_rank, pid)
+
+    def heartbeat(
+        self, node_id: str, incarnation: int, step: int, cpu: float, mem: int, restarts: int
+    ) -> str:
+        """Record liveness; returns the action for the agent ("" or "stop")."""
+        node = self.nodes.get(node_id, incarnation)
+        self.nodes.touch(node_id)
+        node.cpu_percent, node.memory_bytes, node.restart_count = cpu, mem, restarts
+        if step >= 0:
+            node.step = max(node.step, step)
+        if node.state == NodeState.LOST:
+            # A node that was presumed lost is heard again: it must re-register.
+            return "reregister"
+        return "stop" if self.ended.is_set() else ""
+
+    def report_step(self, node_id: str, step: int) -> None:
+        node = self.nodes.get(node_id)
+        self.nodes.touch(node_id)
+        node.step = max(node.step, step)
+
+    # --- rendezvous --------------------------------------------------------------------------
+    def _rdzv(self) -> RendezvousManager:
+        if self.rendezvous is None:
+            raise RendezvousError("no node has registered yet")
+        return self.rendezvous
+
+    def join(
+        self,
+        node_id: str,
+        incarnation: int,
+        local_world_size: int,
+        store_host: str,
+        store_port: int,
+    ) -> int:
+        node = self.nodes.get(node_id, incarnation)
+        self.nodes.touch(node_id)
+        if self.ended.is_set():
+            raise RendezvousError(f"the job has ended ({self.state.value}); nothing to join")
+        if node.state == NodeState.RUNNING:
+            self.nodes.set_state(node_id, NodeState.PENDING, "joins a new rendezvous round")
+        return self._rdzv().join(
+            node_id,
+            local_world_size,
+            node.host,
+            store_host,
+            store_port,
+            node.requested_rank,
+            node.order,
+        )
+
+    def get_world(self, node_id: str, incarnation: int) -> World | None:
+        self.nodes.get(node_id, incarnation)
+        self.nodes.touch(node_id)
+        alive = sum(1 for n in self.nodes.all() if n.state in ALIVE_STATES)
+        world = self._rdzv().get_world(node_id, alive)
+        if world is not None:
+            for m in world.members:
+                n = self.nodes.get(m.node_id)
+                n.node_rank = m.node_rank
+                if n.state == NodeState.PENDING:
+                    self.nodes.set_state(
+                        m.node_id, NodeState.RUNNING, f"member of round {world.round}"
+                    )
+            with self._lock:
+                if self.state == JobState.PENDING:
+                    self._set_job_state(JobState.RUNNING, f"round {world.round} formed")
+        return world
+
+    def num_nodes_waiting(self, node_id: str, round: int) -> tuple[int, int]:
+        self.nodes.touch(node_id)
+        return self._rdzv().num_nodes_waiting(node_id, round)
+
+    # --- the end -----------------------------------------------------------------------------
+    def report_node_status(
+        self, node_id: str, incarnation: int, status: str, exit_code: int, reason: str
+    ) -> bool:
+        """An agent finished. Returns True once the job has succeeded (the exit barrier)."""
+        self.nodes.get(node_id, incarnation)
+        with self._lock:
+            if status == "succeeded":
+                self.nodes.set_state(node_id, NodeState.SUCCEEDED, reason or "workers succeeded")
+                self._check_success()
+            elif status == "failed":
+                self.nodes.set_state(node_id, NodeState.FAILED, reason or "workers failed")
+                node = self.nodes.get(node_id)
+                node.exit_code = exit_code
+                self.nodes.update(node)
+                self._fail(f"node {node_id} failed: {reason}", exit_code or 1)
+            else:
+                raise RendezvousError(f"unknown node status {status!r}: use succeeded or failed")
+            return self.state == JobState.SUCCEEDED
+
+    def _check_success(self) -> None:
+        world = self.rendezvous.world if self.rendezvous else None
+        if world is None or self.ended.is_set():
+            return
+        states = [self.nodes.get(m.node_id).state for m in world.members]
+        if all(s == NodeState.SUCCEEDED for s in states):
+            self._set_job_state(JobState.SUCCEEDED, f"all {len(states)} nodes succeeded")
+            self.exit_code = 0
+            self._save()
+            self.ended.set()
+
+    def _fail(self, reason: str, exit_code: int) -> None:
+        if self.ended.is_set():
+            return
+        self.exit_code = exit_code
+        self._set_job_state(JobState.FAILED, reason)
+        self._save()
+        self.ended.set()
+
+    def stop(self, reason: str) -> None:
+        """End the job from outside (e.g. SIGTERM to the master)."""
+        with self._lock:
+            self._fail(reason, 1)
+
+    def tick(self) -> None:
+        """Time-based work: lose nodes whose heartbeats stopped."""
+        for node in self.nodes.expired(self.config.heartbeat_timeout_s):
+            self.nodes.set_state(
+                node.node_id,
+                NodeState.LOST,
+                f"no heartbeat for {self.config.heartbeat_timeout_s:.1f}s",
+            )
+            if self.rendezvous is not None:
+                self.rendezvous.leave(node.node_id, "lost")
+        with self._lock:
+            nodes = self.nodes.all()
+            if (
+                nodes
+                and not self.ended.is_set()
+                and all(n.state not in ALIVE_STATES for n in nodes)
+                and any(n.state == NodeState.LOST for n in nodes)
+            ):
+                self._fail("every node was lost", 1)
+            elif not self.ended.is_set() and self.state == JobState.RUNNING:
+                self._check_success()
+
+    def _set_job_state(self, new: JobState, reason: str) -> None:
+        logger.info(
+            "job %s: %s -> %s (%s)", self.config.job_name, self.state.value, new.value, reason
+        )
+        self.state = new
+        self.reason = reason
+        self._save()
+
+    def _save(self) -> None:
+        self._store.put_json(
+            "job",
+            "state",
+            {"state": self.state.value, "reason": self.reason, "exit_code": self.exit_code},
+        )

@@ -1,0 +1,47 @@
+"""A small key-value store on the master that agents and workers publish values through."""
+
+from __future__ import annotations
+
+import threading
+
+from dlrover.constants import MAX_KV_VALUE_BYTES
+from dlrover.master.state_store import StateStore
+
+_NAMESPACE = "kv"
+MAX_KV_WAIT_S = 30.0
+MAX_KEYS = 100_000
+
+
+class KvError(Exception):
+    """A key-value request that is refused (value too large, too many keys)."""
+
+
+class KvStore:
+    """Keys -> bytes, persisted in the StateStore; readers may wait (bounded) for a key."""
+
+    def __init__(self, store: StateStore) -> None:
+        self._store = store
+        self._cond = threading.Condition()
+        self._data: dict[str, bytes] = dict(store.items(_NAMESPACE))
+
+    def set(self, key: str, value: bytes) -> None:
+        if not key:
+            raise KvError("empty key")
+        if len(value) > MAX_KV_VALUE_BYTES:
+            raise KvError(
+                f"value of {key!r} is {len(value)} bytes; the limit is {MAX_KV_VALUE_BYTES}"
+            )
+        with self._cond:
+            if key not in self._data and len(self._data) >= MAX_KEYS:
+                raise KvError(f"the key-value store is full ({MAX_KEYS} keys)")
+            self._store.put(_NAMESPACE, key, value)
+            self._data[key] = value
+            self._cond.notify_all()
+
+    def get(self, key: str, wait_s: float = 0.0) -> bytes | None:
+        """The value, waiting up to min(wait_s, MAX_KV_WAIT_S) for it to appear."""
+        with self._cond:
+            self._cond.wait_for(
+                lambda: key in self._data, timeout=min(max(wait_s, 0.0), MAX_KV_WAIT_S)
+            )
+            return self._data.get(key)

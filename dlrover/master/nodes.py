@@ -1,0 +1,196 @@
+"""The master's node table: every agent that registered, its state, liveness and progress."""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+from dlrover.master.state_store import StateStore
+
+logger = logging.getLogger(__name__)
+
+_NAMESPACE = "nodes"
+
+
+class NodeState(str, enum.Enum):
+    """Lifecycle of a node as the master sees it.
+
+    Legal transitions:
+      PENDING -> RUNNING      (the node is a member of a completed rendezvous round)
+      RUNNING -> PENDING      (it joins a new round: restart, membership change)
+      PENDING|RUNNING -> SUCCEEDED | FAILED   (its agent reported the end)
+      PENDING|RUNNING -> LOST (no heartbeat within the timeout)
+      LOST|SUCCEEDED|FAILED -> PENDING  (the agent registers again)
+    """
+
+    PENDING = "pending"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    LOST = "lost"
+
+
+_LEGAL: dict[NodeState, set[NodeState]] = {
+    NodeState.PENDING: {NodeState.RUNNING, NodeState.SUCCEEDED, NodeState.FAILED, NodeState.LOST},
+    NodeState.RUNNING: {NodeState.PENDING, NodeState.SUCCEEDED, NodeState.FAILED, NodeState.LOST},
+    NodeState.LOST: {NodeState.PENDING},
+    NodeState.SUCCEEDED: {NodeState.PENDING},
+    NodeState.FAILED: {NodeState.PENDING},
+}
+
+ALIVE_STATES = frozenset({NodeState.PENDING, NodeState.RUNNING})
+
+
+class NodeError(Exception):
+    """A request named a node the master does not know, or a stale incarnation of it."""
+
+
+@dataclass
+class Node:
+    """One agent (one machine, or one simulated machine) in the job."""
+
+    node_id: str
+    host: str
+    role: str
+    local_world_size: int
+    requested_rank: int
+    order: int
+    """Registration order; ties in rank assignment are broken by it so ranks stay stable."""
+    incarnation: int = 1
+    state: NodeState = NodeState.PENDING
+    node_rank: int = -1
+    step: int = -1
+    restart_count: int = 0
+    cpu_percent: float = 0.0
+    memory_bytes: int = 0
+    exit_code: int = 0
+    reason: str = ""
+    pid: int = 0
+    last_heartbeat: float = field(default=0.0)
+    """Monotonic time of the last sign of life; not persisted (a restarted master re-arms it)."""
+
+    def to_json(self) -> dict[str, object]:
+        d = asdict(self)
+        d["state"] = self.state.value
+        d.pop("last_heartbeat")
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, object]) -> Node:
+        d = dict(d)
+        d["state"] = NodeState(d["state"])
+        return cls(**d)  # type: ignore[arg-type]
+
+
+class NodeTable:
+    """All nodes of the job, persisted through the StateStore on every change.
+
+    Thread-safe. Every state change is logged as `node <id>: old -> new (reason)`.
+    """
+
+    def __init__(self, store: StateStore, clock: Callable[[], float]) -> None:
+        self._store = store
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._nodes: dict[str, Node] = {}
+        for key, raw in store.items(_NAMESPACE).items():
+            node = Node.from_json(json.loads(raw))
+            node.last_heartbeat = clock()
+            self._nodes[key] = node
+
+    def register(
+        self,
+        node_id: str,
+        host: str,
+        role: str,
+        local_world_size: int,
+        requested_rank: int,
+        pid: int,
+    ) -> Node:
+        """Add a new node, or re-admit a known one with a bumped incarnation."""
+        with self._lock:
+            known = self._nodes.get(node_id) if node_id else None
+            if known is None:
+                node_id = node_id or uuid.uuid4().hex[:12]
+                node = Node(
+                    node_id=node_id,
+                    host=host,
+                    role=role,
+                    local_world_size=local_world_size,
+                    requested_rank=requested_rank,
+                    order=len(self._nodes),
+                    pid=pid,
+                    last_heartbeat=self._clock(),
+                )
+                self._nodes[node_id] = node
+                logger.info("node %s: registered from %s (pid %d)", node_id, host, pid)
+            else:
+                node = known
+                node.incarnation += 1
+                node.host, node.pid = host, pid
+                node.local_world_size = local_world_size
+                node.last_heartbeat = self._clock()
+                if node.state != NodeState.PENDING:
+                    self._transition(node, NodeState.PENDING, "registered again")
+                logger.info("node %s: registered again, incarnation %d", node_id, node.incarnation)
+            self._persist(node)
+            return node
+
+    def get(self, node_id: str, incarnation: int | None = None) -> Node:
+        with self._lock:
+            node = self._nodes.get(node_id)
+            if node is None:
+                raise NodeError(f"unknown node {node_id!r}: register it first")
+            if incarnation is not None and incarnation and incarnation != node.incarnation:
+                raise NodeError(
+                    f"node {node_id!r} incarnation {incarnation} is stale "
+                    f"(current {node.incarnation}): another agent took over this node id"
+                )
+            return node
+
+    def all(self) -> list[Node]:
+        with self._lock:
+            return list(self._nodes.values())
+
+    def set_state(self, node_id: str, new: NodeState, reason: str) -> None:
+        with self._lock:
+            node = self.get(node_id)
+            if node.state == new:
+                return
+            self._transition(node, new, reason)
+            self._persist(node)
+
+    def update(self, node: Node) -> None:
+        with self._lock:
+            self._persist(node)
+
+    def touch(self, node_id: str) -> None:
+        with self._lock:
+            self.get(node_id).last_heartbeat = self._clock()
+
+    def expired(self, timeout_s: float) -> list[Node]:
+        """Alive nodes whose last heartbeat is older than `timeout_s`."""
+        now = self._clock()
+        with self._lock:
+            return [
+                n
+                for n in self._nodes.values()
+                if n.state in ALIVE_STATES and now - n.last_heartbeat > timeout_s
+            ]
+
+    def _transition(self, node: Node, new: NodeState, reason: str) -> None:
+        if new not in _LEGAL[node.state]:
+            raise NodeError(
+                f"node {node.node_id}: illegal transition {node.state.value} -> {new.value}"
+            )
+        logger.info("node %s: %s -> %s (%s)", node.node_id, node.state.value, new.value, reason)
+        node.state = new
+        node.reason = reason
+
+    def _persist(self, node: Node) -> None:
+        self._store.put_json(_NAMESPACE, node.node_id, node.to_json())

@@ -1,0 +1,325 @@
+"""The master's gRPC service: token check, message caps, and proto <-> JobMaster translation."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+from collections.abc import Callable
+from concurrent import futures
+from typing import Any, TypeVar
+
+import grpc
+
+from dlrover.constants import MAX_MESSAGE_BYTES, TOKEN_METADATA_KEY
+from dlrover.master.job import JobMaster
+from dlrover.master.kv_store import KvError
+from dlrover.master.nodes import NodeError
+from dlrover.master.rendezvous import RendezvousConfig, RendezvousError
+from dlrover.proto import master_pb2 as pb
+from dlrover.proto import master_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class MasterServerError(Exception):
+    """The master's server could not start (e.g. the port is taken)."""
+
+
+def new_token() -> str:
+    return secrets.token_urlsafe(24)
+
+
+class _TokenInterceptor(grpc.ServerInterceptor):
+    """Refuses every call whose metadata lacks the job's token."""
+
+    def __init__(self, token: str) -> None:
+        self._token = token
+
+        def deny(request: Any, context: grpc.ServicerContext) -> Any:
+            context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "wrong or missing job token: set DLROVER_JOB_TOKEN to the token the master printed",
+            )
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == TOKEN_METADATA_KEY and secrets.compare_digest(str(value), self._token):
+                return continuation(handler_call_details)
+        return self._deny
+
+
+def _guard(context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
+    """Run a handler; a refused request becomes a clear status, never a stack trace."""
+    try:
+        return fn()
+    except NodeError as e:
+        context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+    except (RendezvousError, KvError, ValueError) as e:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+    raise AssertionError("unreachable")
+
+
+class MasterServicer(pb_grpc.MasterServicer):
+    """Thin adapter: validates and converts messages, all decisions live in JobMaster."""
+
+    def __init__(self, job: JobMaster) -> None:
+        self.job = job
+
+    def RegisterNode(
+        self, request: pb.RegisterNodeRequest, context: grpc.ServicerContext
+    ) -> pb.RegisterNodeResponse:  # noqa: N802,E501
+        def run() -> pb.RegisterNodeResponse:
+            rdzv = None
+            c = request.config
+            if request.HasField("config") and c.max_nodes > 0:
+                rdzv = RendezvousConfig(
+                    min_nodes=c.min_nodes,
+                    max_nodes=c.max_nodes,
+                    node_unit=max(1, c.node_unit),
+                    last_call_timeout_s=c.last_call_timeout_s,
+                )
+            if request.local_world_size < 1:
+                raise ValueError(f"local_world_size must be >= 1, got {request.local_world_size}")
+            node = self.job.register(
+                request.node_id,
+                request.host,
+                request.role or "default",
+                request.local_world_size,
+                request.requested_rank,
+                request.pid,
+                rdzv,
+            )
+            have = self.job._rdzv().config
+            return pb.RegisterNodeResponse(
+                node_id=node.node_id,
+                incarnation=node.incarnation,
+                config=pb.JobConfig(
+                    min_nodes=have.min_nodes,
+                    max_nodes=have.max_nodes,
+                    node_unit=have.node_unit,
+                    last_call_timeout_s=have.last_call_timeout_s,
+                    job_name=self.job.config.job_name,
+                ),
+            )
+
+        return _guard(context, run)
+
+    def Heartbeat(
+        self, request: pb.HeartbeatRequest, context: grpc.ServicerContext
+    ) -> pb.HeartbeatResponse:  # noqa: N802,E501
+        def run() -> pb.HeartbeatResponse:
+            action = self.job.heartbeat(
+                request.node_id,
+                request.incarnation,
+                request.step,
+                request.usage.cpu_percent,
+                request.usage.memory_bytes,
+                request.restart_count,
+            )
+            return pb.HeartbeatResponse(action=action, job_state=self.job.state.value)
+
+        return _guard(context, run)
+
+    def JoinRendezvous(
+        self, request: pb.JoinRendezvousRequest, context: grpc.ServicerContext
+    ) -> pb.JoinRendezvousResponse:  # noqa: N802,E501
+        return _guard(
+            context,
+            lambda: pb.JoinRendezvousResponse(
+                round=self.job.join(
+                    request.node_id,
+                    request.incarnation,
+                    request.local_world_size,
+                    request.store_host,
+                    request.store_port,
+                )
+            ),
+        )
+
+    def GetCommWorld(
+        self, request: pb.GetCommWorldRequest, context: grpc.ServicerContext
+    ) -> pb.CommWorld:  # noqa: N802,E501
+        def run() -> pb.CommWorld:
+            world = self.job.get_world(request.node_id, 0)
+            if world is None:
+                return pb.CommWorld(round=request.round, complete=False)
+            me = world.member(request.node_id)
+            assert me is not None
+            return pb.CommWorld(
+                round=world.round,
+                complete=True,
+                members=[
+                    pb.WorldMember(
+                        node_id=m.node_id,
+                        node_rank=m.node_rank,
+                        local_world_size=m.local_world_size,
+                        host=m.host,
+                    )
+                    for m in world.members
+                ],
+                node_rank=me.node_rank,
+                world_size=world.world_size,
+                rank_offset=world.rank_offset(me.node_rank),
+                store_host=world.store_host,
+                store_port=world.store_port,
+            )
+
+        return _guard(context, run)
+
+    def NumNodesWaiting(
+        self, request: pb.NumNodesWaitingRequest, context: grpc.ServicerContext
+    ) -> pb.NumNodesWaitingResponse:  # noqa: N802,E501
+        def run() -> pb.NumNodesWaitingResponse:
+            waiting, latest = self.job.num_nodes_waiting(request.node_id, request.round)
+            return pb.NumNodesWaitingResponse(waiting=waiting, latest_round=latest)
+
+        return _guard(context, run)
+
+    def KvSet(self, request: pb.KvSetRequest, context: grpc.ServicerContext) -> pb.KvSetResponse:  # noqa: N802,E501
+        def run() -> pb.KvSetResponse:
+            self.job.kv.set(request.key, request.value)
+            return pb.KvSetResponse()
+
+        return _guard(context, run)
+
+    def KvGet(self, request: pb.KvGetRequest, context: grpc.ServicerContext) -> pb.KvGetResponse:  # noqa: N802,E501
+        def run() -> pb.KvGetResponse:
+            value = self.job.kv.get(request.key, request.wait_s)
+            if value is None:
+                return pb.KvGetResponse(found=False)
+            return pb.KvGetResponse(found=True, value=value)
+
+        return _guard(context, run)
+
+    def ReportStep(
+        self, request: pb.ReportStepRequest, context: grpc.ServicerContext
+    ) -> pb.ReportStepResponse:  # noqa: N802,E501
+        def run() -> pb.ReportStepResponse:
+            self.job.report_step(request.node_id, request.step)
+            return pb.ReportStepResponse()
+
+        return _guard(context, run)
+
+    def ReportNodeStatus(
+        self, request: pb.ReportNodeStatusRequest, context: grpc.ServicerContext
+    ) -> pb.ReportNodeStatusResponse:  # noqa: N802,E501
+        return _guard(
+            context,
+            lambda: pb.ReportNodeStatusResponse(
+                job_done=self.job.report_node_status(
+                    request.node_id,
+                    request.incarnation,
+                    request.status,
+                    request.exit_code,
+                    request.reason,
+                )
+            ),
+        )
+
+    def GetJobStatus(
+        self, request: pb.GetJobStatusRequest, context: grpc.ServicerContext
+    ) -> pb.JobStatus:  # noqa: N802,E501
+        def run() -> pb.JobStatus:
+            now = self.job._clock()
+            return pb.JobStatus(
+                job_name=self.job.config.job_name,
+                state=self.job.state.value,
+                round=self.job.rendezvous.round if self.job.rendezvous else 0,
+                reason=self.job.reason,
+                exit_code=self.job.exit_code,
+                nodes=[
+                    pb.NodeStatus(
+                        node_id=n.node_id,
+                        state=n.state.value,
+                        node_rank=n.node_rank,
+                        host=n.host,
+                        step=n.step,
+                        restart_count=n.restart_count,
+                        last_heartbeat_age_s=max(0.0, now - n.last_heartbeat),
+                        role=n.role,
+                        cpu_percent=n.cpu_percent,
+                        memory_bytes=n.memory_bytes,
+                    )
+                    for n in self.job.nodes.all()
+                ],
+            )
+
+        return _guard(context, run)
+
+
+class MasterServer:
+    """Serves a JobMaster over gRPC and drives its `tick()` from one background thread."""
+
+    def __init__(
+        self,
+        job: JobMaster,
+        token: str,
+        host: str = "0.0.0.0",
+        port: int = 0,
+        tick_interval_s: float = 0.5,
+        max_workers: int = 32,
+    ) -> None:
+        self.job = job
+        self.token = token
+        self._tick_interval_s = tick_interval_s
+        self._stop = threading.Event()
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(
+                max_workers=max_workers, thread_name_prefix="dlrover-master"
+            ),
+            interceptors=[_TokenInterceptor(token)],
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                # Without this two masters could silently share one port.
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        pb_grpc.add_MasterServicer_to_server(MasterServicer(job), self._server)
+        try:
+            bound = self._server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError as e:
+            raise MasterServerError(
+                f"cannot listen on {host}:{port} ({e}): the port is in use or the address is not "
+                "this machine's; pick another --port, or --port 0 for a free one"
+            ) from e
+        if bound == 0:
+            raise MasterServerError(
+                f"cannot listen on {host}:{port}: the port is in use; pick another --port, "
+                "or --port 0 for a free one"
+            )
+        self.host = host
+        self.port = bound
+        self._ticker = threading.Thread(
+            target=self._tick_loop, name="dlrover-master-tick", daemon=True
+        )
+
+    def start(self) -> MasterServer:
+        self._server.start()
+        self._ticker.start()
+        logger.info(
+            "master of job %s listening on %s:%d", self.job.config.job_name, self.host, self.port
+        )
+        return self
+
+    def _tick_loop(self) -> None:
+        while not self._stop.wait(self._tick_interval_s):
+            try:
+                self.job.tick()
+            except Exception:  # the loop must outlive one bad tick
+                logger.exception("master tick failed")
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        self._stop.set()
+        self._server.stop(grace_s).wait(grace_s + 1.0)
+        if self._ticker.is_alive():
+            self._ticker.join(timeout=self._tick_interval_s + 1.0)
