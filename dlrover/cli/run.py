@@ -218,6 +218,7 @@ def _entrypoint(args: argparse.Namespace) -> list[str]:
 def config_from_args(args: argparse.Namespace) -> AgentConfig:
     """Validate flags and build the agent's config; raises ValueError naming the bad flag."""
     lo, hi = parse_nnodes(args.nnodes)
+    nproc = _nproc(args.nproc_per_node)
     conf = _parse_rdzv_conf(args.rdzv_conf)
     if args.max_restarts < 0:
         raise ValueError(f"--max-restarts {args.max_restarts}: must be >= 0")
@@ -238,9 +239,10 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         import tempfile
 
         log_dir = tempfile.mkdtemp(prefix="dlrover_logs_")
+    entrypoint = _entrypoint(args)
     return AgentConfig(
-        entrypoint=_entrypoint(args),
-        nproc_per_node=_nproc(args.nproc_per_node),
+        entrypoint=entrypoint,
+        nproc_per_node=nproc,
         min_nodes=lo,
         max_nodes=hi,
         node_unit=node_unit,

@@ -1,0 +1,95 @@
+"""Shared test helpers: launch dlrover-run / dlrover-master as real processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The test process's environment without any DLRover/torchelastic variables leaking in."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("DLROVER_", "TORCHELASTIC_"))
+        and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+def run_cmd(module: str) -> list[str]:
+    return [sys.executable, "-m", module]
+
+
+def dlrover_run(
+    args: Sequence[str], env: dict[str, str] | None = None, timeout: float = 120, cwd: Path = REPO
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*run_cmd("dlrover.cli.run"), *args],
+        env=env or clean_env(),
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+class MasterProcess:
+    """A real dlrover-master on port 0; its address and token are read from --write-env."""
+
+    def __init__(self, tmp: Path, *extra: str) -> None:
+        self.env_file = tmp / "master.env"
+        self.log = open(tmp / "master.log", "w")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [
+                *run_cmd("dlrover.cli.master"),
+                "--port",
+                "0",
+                "--write-env",
+                str(self.env_file),
+                *extra,
+            ],
+            env=clean_env(),
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        deadline = time.monotonic() + 30
+        while not self.env_file.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"dlrover-master did not start: {(tmp / 'master.log').read_text()}"
+                )
+            time.sleep(0.02)
+        self.vars = dict(
+            line.split("=", 1) for line in self.env_file.read_text().splitlines() if "=" in line
+        )
+
+    def wait(self, timeout: float = 60) -> int:
+        return self.proc.wait(timeout=timeout)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self.log.close()
+
+
+@pytest.fixture
+def master(tmp_path: Path) -> Iterator[MasterProcess]:
+    m = MasterProcess(tmp_path)
+    try:
+        yield m
+    finally:
+        m.close()

@@ -1,0 +1,166 @@
+"""The master over real gRPC on port 0: tokens, registration, rendezvous, KV, clear refusals."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from dlrover.client.master_client import (
+    MasterClient,
+    MasterRequestError,
+    MasterUnreachableError,
+    WrongTokenError,
+)
+from dlrover.constants import MAX_KV_VALUE_BYTES
+from dlrover.master.job import JobMaster, JobMasterConfig
+from dlrover.master.server import MasterServer, MasterServerError
+from dlrover.master.state_store import MemoryStateStore
+from dlrover.proto import master_pb2 as pb
+
+TOKEN = "secret-token"
+
+
+@pytest.fixture
+def server():
+    s = MasterServer(
+        JobMaster(JobMasterConfig(job_name="t"), MemoryStateStore()), TOKEN, "127.0.0.1", 0
+    )
+    s.start()
+    yield s
+    s.stop(0.1)
+
+
+def client(server: MasterServer, token: str = TOKEN) -> MasterClient:
+    return MasterClient(f"127.0.0.1:{server.port}", token, rpc_timeout_s=5)
+
+
+def register(c: MasterClient, lo: int = 2, hi: int = 2, lws: int = 2) -> pb.RegisterNodeResponse:
+    return c.register_node(
+        pb.RegisterNodeRequest(
+            host="127.0.0.1",
+            local_world_size=lws,
+            requested_rank=-1,
+            config=pb.JobConfig(min_nodes=lo, max_nodes=hi, node_unit=1, last_call_timeout_s=1),
+        )
+    )
+
+
+def test_wrong_or_missing_token_is_refused_and_changes_nothing(server):
+    for bad in ("wrong", ""):
+        with pytest.raises(WrongTokenError, match="DLROVER_JOB_TOKEN"):
+            register(client(server, bad))
+    assert server.job.nodes.all() == []
+    with pytest.raises(WrongTokenError):
+        client(server, "wrong").wait_ready(5)
+
+
+def test_two_nodes_rendezvous_over_grpc(server):
+    c = client(server)
+    a, b = register(c), register(c)
+    assert a.node_id != b.node_id and a.config.max_nodes == 2
+    r = c.join_rendezvous(
+        pb.JoinRendezvousRequest(
+            node_id=a.node_id,
+            incarnation=a.incarnation,
+            local_world_size=2,
+            store_host="h0",
+            store_port=11,
+        )
+    )
+    assert not c.get_comm_world(a.node_id, r).complete
+    c.join_rendezvous(
+        pb.JoinRendezvousRequest(
+            node_id=b.node_id,
+            incarnation=b.incarnation,
+            local_world_size=2,
+            store_host="h1",
+            store_port=12,
+        )
+    )
+    wa, wb = c.get_comm_world(a.node_id, r), c.get_comm_world(b.node_id, r)
+    assert wa.complete and wb.complete
+    assert (wa.node_rank, wb.node_rank) == (0, 1)
+    assert (wa.world_size, wb.rank_offset) == (4, 2)
+    assert (wb.store_host, wb.store_port) == ("h0", 11)
+    status = c.get_job_status()
+    assert status.state == "running" and {n.state for n in status.nodes} == {"running"}
+
+
+def test_conflicting_nnodes_and_unknown_node_get_clear_errors(server):
+    c = client(server)
+    register(c, 2, 2)
+    with pytest.raises(MasterRequestError, match="--nnodes 1:4 .* the job has 2:2"):
+        register(c, 1, 4)
+    with pytest.raises(MasterRequestError, match="unknown node 'nope'"):
+        c.heartbeat(pb.HeartbeatRequest(node_id="nope"))
+    with pytest.raises(MasterRequestError, match="local_world_size"):
+        register(c, 2, 2, lws=0)
+
+
+def test_stale_incarnation_is_fenced(server):
+    c = client(server)
+    first = register(c)
+    again = c.register_node(
+        pb.RegisterNodeRequest(node_id=first.node_id, host="h", local_world_size=2)
+    )
+    assert again.incarnation == first.incarnation + 1
+    with pytest.raises(MasterRequestError, match="stale"):
+        c.heartbeat(pb.HeartbeatRequest(node_id=first.node_id, incarnation=first.incarnation))
+
+
+def test_kv_get_waits_for_a_value_and_caps_sizes(server):
+    c = client(server)
+    got: list[bytes | None] = []
+    t = threading.Thread(target=lambda: got.append(c.kv_get("k", wait_s=5)))
+    t.start()
+    time.sleep(0.05)
+    c.kv_set("k", b"v")
+    t.join(5)
+    assert got == [b"v"]
+    assert c.kv_get("absent", wait_s=0.05) is None
+    with pytest.raises(MasterRequestError, match="limit"):
+        c.kv_set("big", b"x" * (MAX_KV_VALUE_BYTES + 1))
+
+
+def test_unreachable_master_fails_fast_naming_the_address():
+    c = MasterClient("127.0.0.1:1", TOKEN)
+    t0 = time.monotonic()
+    with pytest.raises(MasterUnreachableError, match="127.0.0.1:1"):
+        c.wait_ready(1.0)
+    assert time.monotonic() - t0 < 5
+
+
+def test_port_in_use_is_a_clear_error(server):
+    with pytest.raises(MasterServerError, match="in use"):
+        MasterServer(
+            JobMaster(JobMasterConfig(), MemoryStateStore()), TOKEN, "127.0.0.1", server.port
+        )
+
+
+def test_job_succeeds_when_every_member_reports_success(server):
+    c = client(server)
+    nodes = [register(c) for _ in range(2)]
+    for n in nodes:
+        c.join_rendezvous(
+            pb.JoinRendezvousRequest(
+                node_id=n.node_id,
+                incarnation=n.incarnation,
+                local_world_size=2,
+                store_host="h",
+                store_port=1,
+            )
+        )
+    for n in nodes:
+        assert c.get_comm_world(n.node_id, 1).complete
+    done = [
+        c.report_node_status(
+            pb.ReportNodeStatusRequest(
+                node_id=n.node_id, incarnation=n.incarnation, status="succeeded"
+            )
+        )
+        for n in nodes
+    ]
+    assert done == [False, True]
+    assert c.get_job_status().state == "succeeded"
