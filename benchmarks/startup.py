@@ -36,7 +36,10 @@ def launch_to_first_step(launcher: list[str], nproc: int) -> float:
         t0 = time.time()
         r = subprocess.run(
             [*launcher, "--standalone", f"--nproc-per-node={nproc}", WORKER, out],
-            env=_env(), capture_output=True, text=True, timeout=300,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
         if r.returncode != 0:
             raise RuntimeError(f"{launcher} failed: {r.stderr[-2000:]}")
@@ -52,7 +55,9 @@ def idle_master_rss() -> float:
         env_file = os.path.join(d, "m.env")
         p = subprocess.Popen(
             [sys.executable, "-m", "dlrover.cli.master", "--port", "0", "--write-env", env_file],
-            env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            env=_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         try:
             deadline = time.monotonic() + 30
@@ -72,7 +77,9 @@ def agent_rss() -> float:
         Path(script).write_text("import time\ntime.sleep(30)\n")
         p = subprocess.Popen(
             [sys.executable, "-m", "dlrover.cli.run", "--standalone", "--nproc-per-node=1", script],
-            env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            env=_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         try:
             proc = psutil.Process(p.pid)
@@ -100,16 +107,20 @@ def main() -> None:
     for i in range(args.reps):
         for name, cmd in launchers.items():  # interleaved so machine noise hits both alike
             times[name].append(launch_to_first_step(cmd, args.nproc))
-        print(f"rep {i + 1}/{args.reps}: " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in times.items()),
-              file=sys.stderr)
+        print(
+            f"rep {i + 1}/{args.reps}: " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in times.items()),
+            file=sys.stderr,
+        )
     t_med = statistics.median(times["torchrun"])
     d_med = statistics.median(times["dlrover-run"])
     print(f"\nLaunch -> first step, {args.nproc} gloo workers, {args.reps} reps (median, min-max)")
-    print(f"| launcher | median s | min s | max s | ratio vs torchrun |")
-    print(f"|---|---|---|---|---|")
+    print("| launcher | median s | min s | max s | ratio vs torchrun |")
+    print("|---|---|---|---|---|")
     for name, v in times.items():
-        print(f"| {name} | {statistics.median(v):.2f} | {min(v):.2f} | {max(v):.2f} | "
-              f"{statistics.median(v) / t_med:.2f}x |")
+        print(
+            f"| {name} | {statistics.median(v):.2f} | {min(v):.2f} | {max(v):.2f} | "
+            f"{statistics.median(v) / t_med:.2f}x |"
+        )
     print(f"\ndlrover-run / torchrun = {d_med / t_med:.2f} (target <= 1.10)")
     print("\nResident memory (workers excluded)")
     print("| process | RSS MB | target |")

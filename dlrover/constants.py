@@ -36,3 +36,7 @@ DEFAULT_MASTER_IDLE_TIMEOUT_S = 1800.0
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 MAX_KV_VALUE_BYTES = 1024 * 1024
 TOKEN_METADATA_KEY = "x-dlrover-token"
+ENV_STEP_FILE = "DLROVER_STEP_FILE"
+"""File where a worker's `dlrover.trainer.report_step` writes its latest step for the agent."""
+DEFAULT_HANG_TIMEOUT_S = 0.0
+"""No step reported for this long (after a first one) counts as a hang; 0 turns detection off."""

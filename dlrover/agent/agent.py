@@ -5,9 +5,11 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -18,7 +20,9 @@ from dlrover.agent.config import AgentConfig
 from dlrover.agent.worker_env import WorkerPlacement, worker_env
 from dlrover.agent.workers import WorkerExit, WorkerGroup, WorkerLaunch
 from dlrover.client.master_client import MasterClient, MasterClientError
+from dlrover.constants import ENV_STEP_FILE
 from dlrover.proto import master_pb2 as pb
+from dlrover.trainer.progress import read_step_file
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +91,9 @@ class ElasticAgent:
         self._master_says_stop = threading.Event()
         self._host = config.local_addr or self._guess_host()
         self._proc = psutil.Process()
+        self._run_dir = ""
+        self._step_files: list[str] = []
+        self.step = -1
 
     def _guess_host(self) -> str:
         host = self._master_addr.rsplit(":", 1)[0].strip("[]")
@@ -97,6 +104,7 @@ class ElasticAgent:
     # --- lifecycle -------------------------------------------------------------------------------
     def run(self) -> RunResult:
         self._register()
+        self._run_dir = tempfile.mkdtemp(prefix="dlrover_agent_")
         hb = threading.Thread(target=self._heartbeat_loop, daemon=True, name="dlrover-heartbeat")
         hb.start()
         try:
@@ -106,6 +114,7 @@ class ElasticAgent:
                 self._group.stop(self.config.stop_grace_s)
             self._stop_hb.set()
             hb.join(timeout=self.config.heartbeat_interval_s + 1.0)
+            shutil.rmtree(self._run_dir, ignore_errors=True)
 
     def _register(self) -> None:
         cfg = self.config
@@ -144,6 +153,19 @@ class ElasticAgent:
                 status = self.client.get_job_status()
                 code = 0 if status.state == "succeeded" else (status.exit_code or 1)
                 return RunResult(code, f"the master ended the job: {status.reason}")
+            if outcome == "hang":
+                self._group.stop(cfg.stop_grace_s)
+                if self.restart_count < cfg.max_restarts:
+                    self.restart_count += 1
+                    logger.warning(
+                        "restarting hung workers (%d/%d)", self.restart_count, cfg.max_restarts
+                    )
+                    continue
+                reason = (
+                    f"workers hung (no step for {cfg.hang_timeout_s:.0f}s) and no restarts left"
+                )
+                self._report_status("failed", 1, reason)
+                return RunResult(1, reason)
             if outcome == "membership":
                 logger.info("membership changed: re-forming the world (no restart used)")
                 self._group.stop(cfg.stop_grace_s)
@@ -223,6 +245,7 @@ class ElasticAgent:
         if cfg.log_dir:
             attempt_dir = os.path.join(cfg.log_dir, cfg.run_id, f"attempt_{self._attempt}")
         launches = []
+        self._step_files = []
         for local_rank in range(cfg.nproc_per_node):
             rank = world.rank_offset + local_rank
             placement = WorkerPlacement(
@@ -249,6 +272,9 @@ class ElasticAgent:
                 node_id=self.node_id,
                 rdzv_round=world.round,
             )
+            step_file = os.path.join(self._run_dir, f"step.{self._attempt}.{local_rank}")
+            env[ENV_STEP_FILE] = step_file
+            self._step_files.append(step_file)
             launches.append(
                 WorkerLaunch(
                     local_rank=local_rank,
@@ -278,6 +304,8 @@ class ElasticAgent:
         assert self._group is not None
         group = self._group
         done: dict[int, WorkerExit] = {}
+        started = time.time()
+        next_progress_check = 0.0
         while True:
             try:
                 ex = group.exits.get(timeout=self.config.monitor_interval_s)
@@ -294,6 +322,10 @@ class ElasticAgent:
                 continue
             if self._master_says_stop.is_set():
                 return "stop"
+            if time.monotonic() >= next_progress_check:
+                next_progress_check = time.monotonic() + 1.0
+                if self._check_progress(started, done):
+                    return "hang"
             try:
                 waiting = self.client.num_nodes_waiting(self.node_id, self._round)
             except MasterClientError as e:
@@ -301,6 +333,39 @@ class ElasticAgent:
                 continue
             if waiting.waiting > 0 or waiting.latest_round > self._round:
                 return "membership"
+
+    def _check_progress(self, started: float, done: dict[int, WorkerExit]) -> bool:
+        """Update the node's step from the workers' step files; True when a worker hangs."""
+        now = time.time()
+        stale: list[int] = []
+        for local_rank, path in enumerate(self._step_files):
+            record = read_step_file(path)
+            if record is None:
+                continue
+            step, at = record
+            self.step = max(self.step, step)
+            timeout = self.config.hang_timeout_s
+            if timeout > 0 and local_rank not in done and now - max(at, started) > timeout:
+                stale.append(local_rank)
+        if stale:
+            logger.error(
+                "hang: local ranks %s reported no step for %.0fs (last step %d)",
+                stale,
+                self.config.hang_timeout_s,
+                self.step,
+            )
+            self._dump_stacks()
+            return True
+        return False
+
+    def _dump_stacks(self) -> None:
+        """Ask hung workers for their Python stacks (written to their stderr) before stopping them."""
+        if self._group is None:
+            return
+        try:
+            self._group.signal_all(signal.SIGUSR1, only_leaders=True)
+        except Exception:  # best effort: the restart must happen anyway
+            logger.exception("could not request stack dumps")
 
     def _collect_failures(self) -> list[WorkerExit]:
         """The failed exit and any others that land within a moment (the first is the root)."""

@@ -49,3 +49,5 @@ class AgentConfig:
     """After SIGTERM, how long workers get before SIGKILL."""
     exit_barrier_timeout_s: float = c.DEFAULT_EXIT_BARRIER_TIMEOUT_S
     """On success, how long to wait for the other nodes to finish too."""
+    hang_timeout_s: float = c.DEFAULT_HANG_TIMEOUT_S
+    """No step reported by a worker for this long (after its first) is a hang; 0: off."""

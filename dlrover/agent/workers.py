@@ -163,11 +163,15 @@ class WorkerGroup:
     def alive(self) -> list[int]:
         return [lr for lr, p in self._procs.items() if p.poll() is None]
 
-    def signal_all(self, sig: int) -> None:
+    def signal_all(self, sig: int, only_leaders: bool = False) -> None:
+        """Signal every live worker's process group (or just the worker processes)."""
         for p in self._procs.values():
             if p.poll() is None:
                 try:
-                    os.killpg(p.pid, sig)
+                    if only_leaders:
+                        os.kill(p.pid, sig)
+                    else:
+                        os.killpg(p.pid, sig)
                 except ProcessLookupError:
                     pass
 

@@ -168,6 +168,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="The number of nodes is always a multiple of this (default 1).",
     )
+    _add(
+        p,
+        "--hang-timeout",
+        type=float,
+        default=c.DEFAULT_HANG_TIMEOUT_S,
+        help="Seconds without a reported step (dlrover.trainer.report_step) before workers count "
+        "as hung: their stacks are dumped and they restart like failed ones. 0 (default): off.",
+    )
     p.add_argument("training_script", help="The script (or module, or program) every worker runs.")
     p.add_argument("training_script_args", nargs=argparse.REMAINDER)
     return p
@@ -222,6 +230,8 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
     conf = _parse_rdzv_conf(args.rdzv_conf)
     if args.max_restarts < 0:
         raise ValueError(f"--max-restarts {args.max_restarts}: must be >= 0")
+    if args.hang_timeout < 0:
+        raise ValueError(f"--hang-timeout {args.hang_timeout}: must be >= 0 (0 turns it off)")
     if args.monitor_interval <= 0:
         raise ValueError(f"--monitor-interval {args.monitor_interval}: must be > 0")
     red_default, red = parse_std_spec(args.redirects, "--redirects")
@@ -264,6 +274,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
             conf.get("last_call_timeout", c.DEFAULT_RDZV_LAST_CALL_TIMEOUT_S)
         ),
         stop_grace_s=args.shutdown_timeout,
+        hang_timeout_s=args.hang_timeout,
     )
 
 

@@ -1,1 +1,5 @@
-"""trainer package."""
+"""What a training script imports: progress reporting, checkpointers, elastic data loading."""
+
+from dlrover.trainer.progress import StepReporter, report_step
+
+__all__ = ["StepReporter", "report_step"]

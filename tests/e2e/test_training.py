@@ -197,3 +197,20 @@ def _wait_for(cond, proc, timeout: float = 60) -> None:
 
 
 assert os.name == "posix"
+
+
+def test_hung_workers_are_detected_and_restarted(tmp_path: Path):
+    r = dlrover_run(
+        [
+            "--standalone",
+            "--nproc-per-node=2",
+            "--max-restarts=1",
+            "--hang-timeout=1.5",
+            str(SCRIPTS / "hang_once.py"),
+            str(tmp_path),
+        ],
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "hang: local ranks [0, 1] reported no step" in r.stderr
+    assert sorted(p.read_text() for p in tmp_path.glob("done.*")) == ["1", "1"]
