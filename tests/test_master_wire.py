@@ -164,3 +164,22 @@ def test_job_succeeds_when_every_member_reports_success(server):
     ]
     assert done == [False, True]
     assert c.get_job_status().state == "succeeded"
+
+
+def test_training_process_reports_its_step_through_the_env_client(server):
+    node = register(client(server))
+    env = {
+        "DLROVER_MASTER_ADDR": f"127.0.0.1:{server.port}",
+        "DLROVER_JOB_TOKEN": TOKEN,
+        "DLROVER_NODE_ID": node.node_id,
+    }
+    trainer_client = MasterClient.from_env(env)
+    trainer_client.report_step(41, rank=0, node_id=node.node_id)
+    trainer_client.report_step(42, rank=1, node_id=node.node_id)
+    [status] = client(server).get_job_status().nodes
+    assert status.step == 42
+
+
+def test_client_from_env_without_address_explains_what_to_do():
+    with pytest.raises(Exception, match="DLROVER_MASTER_ADDR is not set"):
+        MasterClient.from_env({})
