@@ -69,7 +69,8 @@ class ShardingClient:
     def start(self) -> ShardingClient:
         """Register the dataset (a no-op if it exists) and start prefetching."""
         self.registration = self.transport.register_dataset(self.spec)
-        self._start_thread()
+        if self._thread is None or not self._thread.is_alive():
+            self._start_thread()
         return self
 
     def _start_thread(self) -> None:
