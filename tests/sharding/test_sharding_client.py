@@ -120,7 +120,7 @@ def test_stuck_worker_loses_its_lease_to_a_live_one() -> None:
     stuck.close()
     clock[0] = 31.0
     assert transport.tick() == 10
-    seen = set()
+    seen: set[int] = set()
     while (shard := live.next_shard(DEADLINE_S)) is not None:
         seen.update(shard.indices())
         live.report_done(shard)
