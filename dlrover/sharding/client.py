@@ -61,6 +61,8 @@ class ShardingClient:
         self._stop = threading.Event()
         self._queued = 0
         self._finished = False
+        self._drained = threading.Event()
+        """Set while the master's last answer was: nothing to hand out now, not finished."""
         self._activity = time.monotonic()
         self._thread: threading.Thread | None = None
         self.registration: RegisterResult | None = None
@@ -100,20 +102,35 @@ class ShardingClient:
         self.close()
 
     # --- consumer side --------------------------------------------------------------------
-    def next_shard(self, timeout_s: float | None = None) -> Shard | None:
-        """The next leased shard, or None once the dataset is finished for every worker."""
+    def next_shard(
+        self, timeout_s: float | None = None, until_drained: bool = False
+    ) -> Shard | None:
+        """The next leased shard, or None once the dataset is finished for every worker.
+
+        With `until_drained`, None also as soon as the master has nothing to hand out right
+        now (what is left is leased to workers, this one included): a reader that must finish
+        its own shards before the others can finish (the elastic sampler) stops there.
+        """
         self.touch()
         if self._finished:
             return None
         wait_s = self.fetch_timeout_s if timeout_s is None else timeout_s
-        try:
-            item = self._queue.get(timeout=wait_s)
-        except queue.Empty:
-            raise ShardingTimeoutError(
-                f"worker {self.worker_id} waited {wait_s:.1f}s for a shard of dataset "
-                f"{self.spec.name!r}; the master did not answer or every remaining shard stayed "
-                f"leased to other workers. Check the master and the other workers."
-            ) from None
+        deadline = time.monotonic() + wait_s
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                # Short slices so a drained master is noticed without waiting the full deadline.
+                item = self._queue.get(timeout=max(0.0, min(remaining, self.poll_interval_s)))
+                break
+            except queue.Empty:
+                if until_drained and self._drained.is_set() and self._queue.empty():
+                    return None
+                if remaining <= 0:
+                    raise ShardingTimeoutError(
+                        f"worker {self.worker_id} waited {wait_s:.1f}s for a shard of dataset "
+                        f"{self.spec.name!r}; the master did not answer or every remaining shard "
+                        f"stayed leased to other workers. Check the master and the other workers."
+                    ) from None
         if isinstance(item, BaseException):
             raise item
         if isinstance(item, _Finished):
@@ -157,6 +174,7 @@ class ShardingClient:
                     break
             self._queued = 0
             self._finished = False
+            self._drained.clear()
         finally:
             self._fetch_lock.release()
         if self._thread is None or not self._thread.is_alive():
@@ -180,6 +198,10 @@ class ShardingClient:
                         for shard in result.shards:
                             self._queue.put_nowait(shard)
                         self._queued += len(result.shards)
+                        if result.shards or result.finished:
+                            self._drained.clear()
+                        else:
+                            self._drained.set()
                 now = time.monotonic()
                 if now - last_renew >= renew_every_s:
                     if self._activity > last_renew:

@@ -162,7 +162,9 @@ class ElasticDistributedSampler(Sampler[int]):
         self._yielded = self._consumed = 0
         epoch: int | None = None
         while True:
-            shard = self._stash if self._stash is not None else client.next_shard()
+            shard = self._stash
+            if shard is None:
+                shard = client.next_shard(until_drained=True)
             self._stash = None
             if shard is None:
                 break
