@@ -57,6 +57,7 @@ class ShardingClient:
         # Held by the prefetcher for one fetch-and-enqueue, and by restore_position, so a
         # restore never races a fetch whose shards the restore has just invalidated.
         self._fetch_lock = threading.Lock()
+        self._count_lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._queued = 0
@@ -136,7 +137,7 @@ class ShardingClient:
         if isinstance(item, _Finished):
             self._finished = True
             return None
-        with self._fetch_lock:
+        with self._count_lock:  # not _fetch_lock: a step must never wait on an RPC
             self._queued -= 1
         self._wake.set()
         return item
@@ -172,7 +173,8 @@ class ShardingClient:
                     drained.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-            self._queued = 0
+            with self._count_lock:
+                self._queued = 0
             self._finished = False
             self._drained.clear()
         finally:
@@ -197,7 +199,8 @@ class ShardingClient:
                         result = self.transport.fetch_shards(self.spec.name, self.worker_id, free)
                         for shard in result.shards:
                             self._queue.put_nowait(shard)
-                        self._queued += len(result.shards)
+                        with self._count_lock:
+                            self._queued += len(result.shards)
                         if result.shards or result.finished:
                             self._drained.clear()
                         else:

@@ -195,3 +195,43 @@ def test_exactly_once_with_checkpoint_and_restore() -> None:
         client.close()
     assert model == Counter({i: 1 for i in range(600)})
     assert manager.dataset_progress("d").finished
+
+
+class GatedTransport(InProcessTransport):
+    """Every fetch after the first blocks until the test opens the gate: a stalled master."""
+
+    def __init__(self, manager: ShardManager) -> None:
+        super().__init__(manager)
+        self.gate = threading.Event()
+        self.stalled = threading.Event()
+        self.fetches = 0
+
+    def fetch_shards(self, dataset: str, worker_id: str, max_count: int):  # type: ignore[override]
+        self.fetches += 1
+        if self.fetches > 1:
+            self.stalled.set()
+            assert self.gate.wait(DEADLINE_S)
+        return super().fetch_shards(dataset, worker_id, max_count)
+
+
+def test_prefetched_shards_are_served_while_the_master_is_stalled() -> None:
+    transport = GatedTransport(ShardManager())
+    spec = DatasetSpec("d", size=100, shard_size=10)
+    client = ShardingClient(transport, spec, "n0/0", prefetch=3).start()
+    first = client.next_shard(DEADLINE_S)
+    assert transport.stalled.wait(DEADLINE_S)  # the prefetcher is now stuck in an RPC
+    # The two shards already queued come without touching the master.
+    served = [client.next_shard(timeout_s=1.0), client.next_shard(timeout_s=1.0)]
+    assert [s.id.index for s in (first, *served) if s is not None] == [0, 1, 2]
+    with pytest.raises(ShardingTimeoutError):
+        client.next_shard(timeout_s=0.1)
+    transport.gate.set()
+    for shard in (first, *served):
+        assert shard is not None
+        client.report_done(shard)
+    rest = []
+    while (shard := client.next_shard(DEADLINE_S)) is not None:
+        rest.append(shard.id.index)
+        client.report_done(shard)
+    client.close()
+    assert rest == list(range(3, 10))
