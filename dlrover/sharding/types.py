@@ -86,6 +86,13 @@ class DatasetSpec:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DatasetSpec:
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(data) - known)
+        if unknown or "name" not in data or "size" not in data:
+            raise InvalidSpecError(
+                f"dataset spec {data.get('name')!r}: unknown fields {unknown} or missing "
+                f"name/size; fields are {sorted(known)}"
+            )
         return cls(**data)
 
 

@@ -7,7 +7,12 @@ import logging
 import os
 
 from dlrover.constants import ENV_MASTER_ADDR, ENV_NODE_ID
-from dlrover.sharding.config import DEFAULT_PREFETCH_SHARDS, ENV_SHARD_PREFETCH
+from dlrover.sharding.config import (
+    DEFAULT_LEASE_S,
+    DEFAULT_PREFETCH_SHARDS,
+    ENV_SHARD_LEASE_S,
+    ENV_SHARD_PREFETCH,
+)
 from dlrover.sharding.transport import ShardingTransport
 
 logger = logging.getLogger(__name__)
@@ -49,3 +54,8 @@ def default_worker_id(rank: int) -> str:
 def prefetch_from_env() -> int:
     value = os.environ.get(ENV_SHARD_PREFETCH, "")
     return int(value) if value else DEFAULT_PREFETCH_SHARDS
+
+
+def lease_s_from_env() -> float:
+    value = os.environ.get(ENV_SHARD_LEASE_S, "")
+    return float(value) if value else DEFAULT_LEASE_S

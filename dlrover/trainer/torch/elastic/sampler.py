@@ -22,6 +22,7 @@ from dlrover.sharding.transport import ShardingTransport
 from dlrover.sharding.types import DatasetSpec, DeliveryMode, Position, Shard
 from dlrover.trainer.torch.elastic.client_factory import (
     default_worker_id,
+    lease_s_from_env,
     prefetch_from_env,
     transport_from_env,
 )
@@ -94,6 +95,7 @@ class ElasticDistributedSampler(Sampler[int]):
                     shuffle=shuffle,
                     seed=seed,
                     mode=mode,
+                    lease_s=lease_s_from_env(),
                 )
                 client = ShardingClient(
                     transport,
