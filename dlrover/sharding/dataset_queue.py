@@ -1,0 +1,284 @@
+"""Todo and in-progress queues of one finite dataset, kept as a cursor plus a few ranges."""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Any
+
+from dlrover.sharding.errors import (
+    InvalidPositionError,
+    InvalidSpecError,
+    ShardRetriesExhaustedError,
+)
+from dlrover.sharding.leases import Lease, LeaseTable
+from dlrover.sharding.permutation import mix64, permute
+from dlrover.sharding.types import (
+    DatasetProgress,
+    DatasetSpec,
+    DeliveryMode,
+    FetchResult,
+    Position,
+    ReportResult,
+    Shard,
+    ShardId,
+    shard_seed,
+)
+
+logger = logging.getLogger(__name__)
+
+# (epoch, index, offset, attempt) of a shard returned to the head of the queue.
+_Requeued = tuple[int, int, int, int]
+
+
+class DatasetQueue:
+    """Hands out the shards of one dataset, epoch after epoch, and takes failed ones back.
+
+    The todo queue is `requeued` (shards that came back, served first) followed by the shards
+    of the current epoch from `cursor` on, in a seeded order computed on demand. In progress
+    are the leases. A shard is done once reported; nothing records done shards one by one,
+    so the state stays the size of the shards in flight, whatever the dataset size.
+    """
+
+    def __init__(self, spec: DatasetSpec) -> None:
+        self.spec = spec
+        self.epoch = 0
+        self.cursor = 0
+        self.requeued: deque[_Requeued] = deque()
+        self.leases: LeaseTable[ShardId] = LeaseTable()
+        self.done_shards = 0
+        self.failure: str | None = None
+        self.restore_token: str | None = None
+
+    # --- hand-out -------------------------------------------------------------------------
+    def fetch(self, worker_id: str, max_count: int, now: float) -> FetchResult:
+        if max_count < 1:
+            raise InvalidSpecError(f"fetch of dataset {self.spec.name!r}: max_count must be >= 1")
+        self._raise_if_failed()
+        shards: list[Shard] = []
+        while len(shards) < max_count:
+            entry = self._next_todo()
+            if entry is None:
+                break
+            epoch, index, offset, attempt = entry
+            shard_id = ShardId(epoch, index)
+            self.leases.grant(shard_id, Lease(worker_id, now + self.spec.lease_s, attempt, offset))
+            shards.append(self._shard(shard_id, offset, attempt))
+        return FetchResult(tuple(shards), self.finished)
+
+    def _next_todo(self) -> _Requeued | None:
+        if self.requeued:
+            return self.requeued.popleft()
+        num_shards = self.spec.num_shards
+        # Start the next epoch as soon as the current one is all handed out: fast workers
+        # keep going while the last shards of the previous epoch are still in flight.
+        if self.cursor >= num_shards and self.epoch + 1 < self.spec.epochs:
+            self.epoch += 1
+            self.cursor = 0
+        if self.cursor >= num_shards:
+            return None
+        index = self._index_at(self.epoch, self.cursor)
+        self.cursor += 1
+        return (self.epoch, index, 0, 0)
+
+    def _index_at(self, epoch: int, ordinal: int) -> int:
+        if not self.spec.shuffle:
+            return ordinal
+        return permute(ordinal, self.spec.num_shards, mix64(self.spec.seed, 0, epoch))
+
+    def _shard(self, shard_id: ShardId, offset: int, attempt: int) -> Shard:
+        size = self.spec.samples_per_shard
+        start = shard_id.index * size
+        return Shard(
+            dataset=self.spec.name,
+            id=shard_id,
+            start=start,
+            end=min(start + size, self.spec.size),
+            offset=offset,
+            shuffle=self.spec.shuffle,
+            seed=shard_seed(self.spec.seed, shard_id) if self.spec.shuffle else 0,
+            attempt=attempt,
+        )
+
+    @property
+    def finished(self) -> bool:
+        return (
+            self.epoch == self.spec.epochs - 1
+            and self.cursor >= self.spec.num_shards
+            and not self.requeued
+            and len(self.leases) == 0
+        ) or (self.spec.num_shards == 0)
+
+    # --- reports --------------------------------------------------------------------------
+    def report_done(self, worker_id: str, shard_ids: list[ShardId]) -> ReportResult:
+        accepted = ignored = 0
+        for shard_id in shard_ids:
+            lease = self.leases.release(shard_id)
+            if lease is None and not self._drop_requeued(shard_id):
+                ignored += 1
+                continue
+            if lease is not None and lease.worker_id != worker_id:
+                # The lease had expired and moved on; the samples were still trained, so the
+                # shard counts as done and the new holder's later report is ignored.
+                logger.info(
+                    "%s of %r done by former holder %s", shard_id, self.spec.name, worker_id
+                )
+            accepted += 1
+            self.done_shards += 1
+        return ReportResult(accepted, ignored)
+
+    def _drop_requeued(self, shard_id: ShardId) -> bool:
+        for entry in self.requeued:
+            if (entry[0], entry[1]) == (shard_id.epoch, shard_id.index):
+                self.requeued.remove(entry)
+                return True
+        return False
+
+    def report_progress(self, worker_id: str, shard_id: ShardId, consumed: int, now: float) -> bool:
+        """Record that the first `consumed` samples (shard order) are trained; renews the lease."""
+        lease = self.leases.get(shard_id)
+        if lease is None or lease.worker_id != worker_id:
+            return False
+        length = len(self._shard(shard_id, 0, 0))
+        if not 0 <= consumed <= length:
+            raise InvalidSpecError(
+                f"progress of {shard_id} in {self.spec.name!r}: consumed={consumed} is outside "
+                f"0..{length}, the shard's length"
+            )
+        lease.offset = max(lease.offset, consumed)
+        lease.deadline = max(lease.deadline, now + self.spec.lease_s)
+        return True
+
+    def renew(self, worker_id: str, now: float) -> int:
+        return self.leases.renew(worker_id, now + self.spec.lease_s)
+
+    # --- failures -------------------------------------------------------------------------
+    def recover_worker(self, worker_id: str) -> list[ShardId]:
+        """Put every shard `worker_id` holds back at the head of the todo queue."""
+        return self._requeue(sorted(self.leases.held_by(worker_id)), f"worker {worker_id} lost")
+
+    def expire(self, now: float) -> list[ShardId]:
+        return self._requeue(sorted(self.leases.expired(now)), "lease expired")
+
+    def _requeue(self, shard_ids: list[ShardId], reason: str) -> list[ShardId]:
+        back: list[_Requeued] = []
+        for shard_id in shard_ids:
+            lease = self.leases.release(shard_id)
+            if lease is None:
+                continue
+            attempt = lease.attempt + 1
+            if attempt > self.spec.max_retries and self.failure is None:
+                shard = self._shard(shard_id, 0, 0)
+                self.failure = (
+                    f"dataset {self.spec.name!r}: {shard_id} (samples "
+                    f"[{shard.start}, {shard.end})) "
+                    f"was handed out {attempt} times and lost each time (last: {reason}); "
+                    f"max_retries={self.spec.max_retries}. Look at the logs of worker "
+                    f"{lease.worker_id!r}, or register the dataset with a larger max_retries."
+                )
+                logger.error(self.failure)
+            offset = lease.offset if self.spec.mode is DeliveryMode.EXACTLY_ONCE else 0
+            back.append((shard_id.epoch, shard_id.index, offset, attempt))
+            logger.info("%s of %r back to the queue head (%s)", shard_id, self.spec.name, reason)
+        # extendleft reverses, so feed it reversed to keep the shards in order at the head.
+        self.requeued.extendleft(reversed(back))
+        return [ShardId(entry[0], entry[1]) for entry in back]
+
+    def _raise_if_failed(self) -> None:
+        if self.failure is not None:
+            raise ShardRetriesExhaustedError(self.failure)
+
+    # --- position (checkpoint / restore) --------------------------------------------------
+    def position(self) -> Position:
+        """The consumed position in canonical form, so equal consumption gives equal positions."""
+        exact = self.spec.mode is DeliveryMode.EXACTLY_ONCE
+        pending = {(e, i): (o if exact else 0) for e, i, o, _ in self.requeued}
+        for shard_id, lease in self.leases.items():
+            pending[(shard_id.epoch, shard_id.index)] = lease.offset if exact else 0
+        epoch, cursor = self.epoch, self.cursor
+        # Untouched shards just behind the cursor belong to the todo part: move the cursor
+        # back over them (across epoch starts too) so racing fetches do not change the form.
+        while True:
+            if cursor == 0:
+                if epoch == 0:
+                    break
+                epoch, cursor = epoch - 1, self.spec.num_shards
+                continue
+            key = (epoch, self._index_at(epoch, cursor - 1))
+            if pending.get(key, -1) != 0:
+                break
+            del pending[key]
+            cursor -= 1
+        entries = tuple(sorted((e, i, o) for (e, i), o in pending.items()))
+        return Position(self.spec.name, epoch, cursor, entries)
+
+    def restore(self, position: Position, token: str | None) -> bool:
+        """Reset the queues to `position`; a repeat of the last applied `token` is a no-op."""
+        self._check_position(position)
+        if token is not None and token == self.restore_token:
+            return False
+        self.epoch, self.cursor = position.epoch, position.cursor
+        self.requeued = deque((e, i, o, 0) for e, i, o in sorted(position.pending))
+        self.leases.clear()
+        self.failure = None
+        self.restore_token = token
+        logger.info("dataset %r restored to %s", self.spec.name, position)
+        return True
+
+    def _check_position(self, position: Position) -> None:
+        spec = self.spec
+        problem = ""
+        if position.dataset != spec.name:
+            problem = f"it belongs to dataset {position.dataset!r}"
+        elif not 0 <= position.epoch < spec.epochs:
+            problem = f"epoch {position.epoch} is outside 0..{spec.epochs - 1}"
+        elif not 0 <= position.cursor <= spec.num_shards:
+            problem = f"cursor {position.cursor} is outside 0..{spec.num_shards}"
+        for epoch, index, offset in position.pending:
+            if problem:
+                break
+            if not (0 <= epoch <= position.epoch and 0 <= index < spec.num_shards):
+                problem = f"pending shard [{epoch}, {index}] does not exist"
+            elif not 0 <= offset <= len(self._shard(ShardId(epoch, index), 0, 0)):
+                problem = f"pending shard [{epoch}, {index}] has offset {offset} > its length"
+        if problem:
+            raise InvalidPositionError(
+                f"cannot restore dataset {spec.name!r}: {problem}. Restore a position taken "
+                f"from this dataset with the same size, shard size and epochs."
+            )
+
+    def progress(self) -> DatasetProgress:
+        todo = len(self.requeued) + max(0, self.spec.num_shards - self.cursor)
+        return DatasetProgress(
+            self.spec.name, self.epoch, todo, len(self.leases), self.done_shards, self.finished
+        )
+
+    # --- state ----------------------------------------------------------------------------
+    def to_state(self) -> dict[str, Any]:
+        return {
+            "spec": self.spec.to_dict(),
+            "epoch": self.epoch,
+            "cursor": self.cursor,
+            "requeued": [list(entry) for entry in self.requeued],
+            "leases": [
+                [k.epoch, k.index, lease.worker_id, lease.offset, lease.attempt]
+                for k, lease in self.leases.items()
+            ],
+            "done_shards": self.done_shards,
+            "failure": self.failure,
+            "restore_token": self.restore_token,
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any], now: float) -> DatasetQueue:
+        """Rebuild from to_state(); leases restart their full lease time from `now`."""
+        queue = cls(DatasetSpec.from_dict(state["spec"]))
+        queue.epoch, queue.cursor = int(state["epoch"]), int(state["cursor"])
+        queue.requeued = deque((int(e), int(i), int(o), int(a)) for e, i, o, a in state["requeued"])
+        for epoch, index, worker_id, offset, attempt in state["leases"]:
+            lease = Lease(str(worker_id), now + queue.spec.lease_s, int(attempt), int(offset))
+            queue.leases.grant(ShardId(int(epoch), int(index)), lease)
+        queue.done_shards = int(state["done_shards"])
+        queue.failure = state["failure"]
+        queue.restore_token = state["restore_token"]
+        return queue

@@ -1,0 +1,65 @@
+"""Who holds which shard until when: the lease table shared by dataset and stream queues."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+Key = TypeVar("Key", bound=Hashable)
+
+
+@dataclass
+class Lease:
+    """One shard held by one worker; `offset` is its reported progress within the shard."""
+
+    worker_id: str
+    deadline: float
+    attempt: int
+    offset: int = 0
+
+
+class LeaseTable(Generic[Key]):
+    """Maps a shard key to its lease. Invariant: a key is held by at most one worker at a time."""
+
+    def __init__(self) -> None:
+        self._leases: dict[Key, Lease] = {}
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._leases
+
+    def items(self) -> list[tuple[Key, Lease]]:
+        return list(self._leases.items())
+
+    def get(self, key: Key) -> Lease | None:
+        return self._leases.get(key)
+
+    def grant(self, key: Key, lease: Lease) -> None:
+        if key in self._leases:
+            # A double grant would hand one shard to two workers: a bug, never a user error.
+            raise AssertionError(f"{key} is already leased to {self._leases[key].worker_id}")
+        self._leases[key] = lease
+
+    def release(self, key: Key) -> Lease | None:
+        return self._leases.pop(key, None)
+
+    def renew(self, worker_id: str, deadline: float) -> int:
+        """Push back the deadline of every lease `worker_id` holds; returns how many."""
+        count = 0
+        for lease in self._leases.values():
+            if lease.worker_id == worker_id:
+                lease.deadline = max(lease.deadline, deadline)
+                count += 1
+        return count
+
+    def held_by(self, worker_id: str) -> list[Key]:
+        return [key for key, lease in self._leases.items() if lease.worker_id == worker_id]
+
+    def expired(self, now: float) -> list[Key]:
+        return [key for key, lease in self._leases.items() if lease.deadline <= now]
+
+    def clear(self) -> None:
+        self._leases.clear()

@@ -1,0 +1,194 @@
+"""The master's registry of datasets and streams: one entry point for every sharding request."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from dlrover.sharding.dataset_queue import DatasetQueue
+from dlrover.sharding.errors import DatasetConflictError, InvalidSpecError, UnknownDatasetError
+from dlrover.sharding.stream import StreamQueue, StreamShard, StreamSource, StreamSpec
+from dlrover.sharding.types import (
+    DatasetProgress,
+    DatasetSpec,
+    FetchResult,
+    Position,
+    RegisterResult,
+    ReportResult,
+    ShardId,
+)
+
+logger = logging.getLogger(__name__)
+
+STATE_VERSION = 1
+
+
+class ShardManager:
+    """Datasets and streams by name, their queues, leases and positions. Pure logic, no I/O.
+
+    Not thread-safe: the caller (the master's servicer, or InProcessTransport) serialises
+    calls. Time comes only from the injected `clock`, so tests step it by hand; `tick()` is
+    the one periodic duty (reassigning expired leases).
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._datasets: dict[str, DatasetQueue] = {}
+        self._streams: dict[str, StreamQueue] = {}
+
+    # --- datasets -------------------------------------------------------------------------
+    def register_dataset(self, spec: DatasetSpec) -> RegisterResult:
+        """Create the dataset; the same spec again is a no-op, a different one an error."""
+        existing = self._datasets.get(spec.name)
+        if existing is not None:
+            if existing.spec != spec:
+                raise DatasetConflictError(
+                    f"dataset {spec.name!r} is already registered with {existing.spec}; "
+                    f"the new registration has {spec}. Use a new name for a different dataset, "
+                    f"or register with the same parameters (a restarted worker re-registering "
+                    f"never resets progress)."
+                )
+            return RegisterResult(spec.name, created=False)
+        self._datasets[spec.name] = DatasetQueue(spec)
+        logger.info("dataset registered: %s (%d shards)", spec, spec.num_shards)
+        return RegisterResult(spec.name, created=True)
+
+    def fetch_shards(self, dataset: str, worker_id: str, max_count: int = 1) -> FetchResult:
+        return self._dataset(dataset).fetch(worker_id, max_count, self._clock())
+
+    def report_done(
+        self, dataset: str, worker_id: str, shard_ids: Sequence[ShardId]
+    ) -> ReportResult:
+        return self._dataset(dataset).report_done(worker_id, list(shard_ids))
+
+    def report_progress(
+        self, dataset: str, worker_id: str, shard_id: ShardId, consumed: int
+    ) -> bool:
+        return self._dataset(dataset).report_progress(worker_id, shard_id, consumed, self._clock())
+
+    def renew_leases(self, dataset: str, worker_id: str) -> int:
+        return self._dataset(dataset).renew(worker_id, self._clock())
+
+    def get_position(self, dataset: str) -> Position:
+        return self._dataset(dataset).position()
+
+    def restore_position(self, position: Position, token: str | None = None) -> bool:
+        """Reset the dataset's queues to `position`. Returns False when `token` was applied last,
+        so every rank of a job can restore the same checkpoint and only the first one acts."""
+        return self._dataset(position.dataset).restore(position, token)
+
+    def dataset_progress(self, dataset: str) -> DatasetProgress:
+        return self._dataset(dataset).progress()
+
+    def datasets(self) -> list[str]:
+        return sorted(self._datasets)
+
+    def _dataset(self, name: str) -> DatasetQueue:
+        queue = self._datasets.get(name)
+        if queue is None:
+            raise UnknownDatasetError(
+                f"dataset {name!r} is not registered (known: {sorted(self._datasets)}); "
+                f"call register_dataset first"
+            )
+        return queue
+
+    # --- streams --------------------------------------------------------------------------
+    def register_stream(self, spec: StreamSpec, source: StreamSource) -> RegisterResult:
+        existing = self._streams.get(spec.name)
+        if existing is not None:
+            if existing.spec != spec:
+                raise DatasetConflictError(
+                    f"stream {spec.name!r} is already registered with {existing.spec}, not {spec}"
+                )
+            return RegisterResult(spec.name, created=False)
+        self._streams[spec.name] = StreamQueue(spec, source)
+        return RegisterResult(spec.name, created=True)
+
+    def fetch_stream_shards(
+        self, stream: str, worker_id: str, max_count: int = 1
+    ) -> list[StreamShard]:
+        return self._stream(stream).fetch(worker_id, max_count, self._clock())
+
+    def report_stream_done(
+        self, stream: str, worker_id: str, shards: Sequence[tuple[int, int]]
+    ) -> int:
+        """Mark shards, named by (partition, start offset), as done; returns how many counted."""
+        return self._stream(stream).report_done(worker_id, shards)
+
+    def stream_committed(self, stream: str) -> dict[int, int]:
+        return self._stream(stream).committed()
+
+    def restore_stream(self, stream: str, committed: Mapping[int, int]) -> None:
+        self._stream(stream).restore(dict(committed))
+
+    def _stream(self, name: str) -> StreamQueue:
+        queue = self._streams.get(name)
+        if queue is None:
+            raise UnknownDatasetError(f"stream {name!r} is not registered; call register_stream")
+        return queue
+
+    # --- failures and time ----------------------------------------------------------------
+    def recover_worker(self, worker_id: str) -> int:
+        """Return every shard `worker_id` holds, in every dataset and stream, to its queue head."""
+        count = 0
+        for queue in self._datasets.values():
+            count += len(queue.recover_worker(worker_id))
+        for stream in self._streams.values():
+            count += len(stream.recover_worker(worker_id))
+        if count:
+            logger.info("recovered %d shards of worker %s", count, worker_id)
+        return count
+
+    def recover_node(self, node_id: str) -> int:
+        """Recover every worker of a node: worker ids are `<node_id>/<local_rank>` by convention."""
+        workers: set[str] = set()
+        for queue in self._datasets.values():
+            workers.update(lease.worker_id for _, lease in queue.leases.items())
+        for stream in self._streams.values():
+            workers.update(lease.worker_id for _, lease in stream.leases.items())
+        prefix = f"{node_id}/"
+        return sum(self.recover_worker(w) for w in sorted(workers) if w.startswith(prefix))
+
+    def tick(self, now: float | None = None) -> int:
+        """Reassign every lease past its deadline; returns how many shards went back."""
+        now = self._clock() if now is None else now
+        count = sum(len(q.expire(now)) for q in self._datasets.values())
+        count += sum(len(s.expire(now)) for s in self._streams.values())
+        return count
+
+    # --- state ----------------------------------------------------------------------------
+    def to_state(self) -> dict[str, Any]:
+        """JSON-able state, sized by shards in flight, not by dataset size."""
+        return {
+            "version": STATE_VERSION,
+            "datasets": [q.to_state() for q in self._datasets.values()],
+            "streams": [s.to_state() for s in self._streams.values()],
+        }
+
+    @classmethod
+    def from_state(
+        cls,
+        state: dict[str, Any],
+        clock: Callable[[], float] = time.monotonic,
+        sources: Mapping[str, StreamSource] | None = None,
+    ) -> ShardManager:
+        """Rebuild a manager saved by to_state(); streams need their sources passed by name."""
+        if state.get("version") != STATE_VERSION:
+            raise InvalidSpecError(
+                f"sharding state version {state.get('version')!r} is not {STATE_VERSION}"
+            )
+        manager = cls(clock)
+        now = clock()
+        for entry in state["datasets"]:
+            queue = DatasetQueue.from_state(entry, now)
+            manager._datasets[queue.spec.name] = queue
+        for entry in state["streams"]:
+            name = entry["spec"]["name"]
+            if sources is None or name not in sources:
+                raise UnknownDatasetError(
+                    f"stream {name!r} is in the state but no source was given"
+                )
+            manager._streams[name] = StreamQueue.from_state(entry, sources[name], now)
+        return manager

@@ -1,0 +1,100 @@
+"""The client-to-master calls of sharding, one method per RPC, and an in-process implementation."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Protocol
+
+from dlrover.sharding.manager import ShardManager
+from dlrover.sharding.types import (
+    DatasetProgress,
+    DatasetSpec,
+    FetchResult,
+    Position,
+    RegisterResult,
+    ReportResult,
+    ShardId,
+)
+
+
+class ShardingTransport(Protocol):
+    """How a ShardingClient reaches the master. Each method is one RPC of the same name.
+
+    Every argument and result is a dataclass with a JSON-able form (`to_dict`/`from_dict`
+    or plain fields), so a wire transport never needs pickle. Implementations must be safe
+    to call from several threads (the client's prefetcher and the training loop).
+    """
+
+    def register_dataset(self, spec: DatasetSpec) -> RegisterResult: ...
+
+    def fetch_shards(self, dataset: str, worker_id: str, max_count: int) -> FetchResult: ...
+
+    def report_done(
+        self, dataset: str, worker_id: str, shard_ids: Sequence[ShardId]
+    ) -> ReportResult: ...
+
+    def report_progress(
+        self, dataset: str, worker_id: str, shard_id: ShardId, consumed: int
+    ) -> bool: ...
+
+    def renew_leases(self, dataset: str, worker_id: str) -> int: ...
+
+    def get_position(self, dataset: str) -> Position: ...
+
+    def restore_position(self, position: Position, token: str | None) -> bool: ...
+
+    def dataset_progress(self, dataset: str) -> DatasetProgress: ...
+
+
+class InProcessTransport:
+    """Calls a ShardManager in this process under a lock: for tests, benchmarks, standalone."""
+
+    def __init__(self, manager: ShardManager) -> None:
+        self.manager = manager
+        self._lock = threading.Lock()
+
+    def register_dataset(self, spec: DatasetSpec) -> RegisterResult:
+        with self._lock:
+            return self.manager.register_dataset(spec)
+
+    def fetch_shards(self, dataset: str, worker_id: str, max_count: int) -> FetchResult:
+        with self._lock:
+            return self.manager.fetch_shards(dataset, worker_id, max_count)
+
+    def report_done(
+        self, dataset: str, worker_id: str, shard_ids: Sequence[ShardId]
+    ) -> ReportResult:
+        with self._lock:
+            return self.manager.report_done(dataset, worker_id, shard_ids)
+
+    def report_progress(
+        self, dataset: str, worker_id: str, shard_id: ShardId, consumed: int
+    ) -> bool:
+        with self._lock:
+            return self.manager.report_progress(dataset, worker_id, shard_id, consumed)
+
+    def renew_leases(self, dataset: str, worker_id: str) -> int:
+        with self._lock:
+            return self.manager.renew_leases(dataset, worker_id)
+
+    def get_position(self, dataset: str) -> Position:
+        with self._lock:
+            return self.manager.get_position(dataset)
+
+    def restore_position(self, position: Position, token: str | None) -> bool:
+        with self._lock:
+            return self.manager.restore_position(position, token)
+
+    def dataset_progress(self, dataset: str) -> DatasetProgress:
+        with self._lock:
+            return self.manager.dataset_progress(dataset)
+
+    # Master-side duties a test drives directly (the real master calls the manager itself).
+    def recover_worker(self, worker_id: str) -> int:
+        with self._lock:
+            return self.manager.recover_worker(worker_id)
+
+    def tick(self, now: float | None = None) -> int:
+        with self._lock:
+            return self.manager.tick(now)

@@ -1,0 +1,61 @@
+"""How the elastic sampler finds its sharding client: an argument, or the master in the env."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+
+from dlrover.constants import ENV_MASTER_ADDR, ENV_NODE_ID
+from dlrover.sharding.config import (
+    DEFAULT_LEASE_S,
+    DEFAULT_PREFETCH_SHARDS,
+    ENV_SHARD_LEASE_S,
+    ENV_SHARD_PREFETCH,
+)
+from dlrover.sharding.transport import ShardingTransport
+
+logger = logging.getLogger(__name__)
+
+GRPC_TRANSPORT_MODULE = "dlrover.client.sharding"
+"""Module the lead's wire client provides; it must define `connect(master_addr) -> transport`."""
+
+
+def transport_from_env() -> ShardingTransport | None:
+    """A transport to the master in DLROVER_MASTER_ADDR, or None when no master is configured.
+
+    None also when the wire transport module is not installed: the sampler then falls back
+    to static sharding and says so in the log, rather than failing a job that ran before.
+    """
+    address = os.environ.get(ENV_MASTER_ADDR, "")
+    if not address:
+        return None
+    try:
+        module = importlib.import_module(GRPC_TRANSPORT_MODULE)
+    except ImportError:
+        logger.warning(
+            "%s=%s is set but %s is not available; using static sharding",
+            ENV_MASTER_ADDR,
+            address,
+            GRPC_TRANSPORT_MODULE,
+        )
+        return None
+    transport: ShardingTransport = module.connect(address)
+    return transport
+
+
+def default_worker_id(rank: int) -> str:
+    """`<node_id>/<local_rank>`: the master recovers all of a node's workers by its id."""
+    node_id = os.environ.get(ENV_NODE_ID, "local")
+    local_rank = os.environ.get("LOCAL_RANK", str(rank))
+    return f"{node_id}/{local_rank}"
+
+
+def prefetch_from_env() -> int:
+    value = os.environ.get(ENV_SHARD_PREFETCH, "")
+    return int(value) if value else DEFAULT_PREFETCH_SHARDS
+
+
+def lease_s_from_env() -> float:
+    value = os.environ.get(ENV_SHARD_LEASE_S, "")
+    return float(value) if value else DEFAULT_LEASE_S

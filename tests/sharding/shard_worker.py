@@ -1,0 +1,49 @@
+"""A worker process for tests: trains (records) the samples of every shard it gets."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from sharding_wire import JsonLineTransport  # noqa: E402
+
+from dlrover.sharding import DatasetSpec, ShardingClient  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--master", required=True)
+    parser.add_argument("--worker-id", required=True)
+    parser.add_argument("--spec", required=True, help="DatasetSpec as JSON")
+    parser.add_argument("--out", required=True, help="one trained sample id per line")
+    parser.add_argument("--sample-s", type=float, default=0.0)
+    parser.add_argument("--hang-after", type=int, default=-1, help="stop (hang) after N samples")
+    args = parser.parse_args()
+    spec = DatasetSpec.from_dict(json.loads(args.spec))
+    trained = 0
+    with (
+        open(args.out, "w") as out,
+        ShardingClient(
+            JsonLineTransport(args.master), spec, args.worker_id, poll_interval_s=0.01
+        ) as client,
+    ):
+        while (shard := client.next_shard(30.0)) is not None:
+            for index in shard.indices():
+                if trained == args.hang_after:
+                    Path(args.out + ".hung").write_text("mid-shard\n")
+                    time.sleep(3600)  # the test SIGKILLs us here, mid-shard
+                out.write(f"{index}\n")
+                out.flush()
+                trained += 1
+                if args.sample_s:
+                    time.sleep(args.sample_s)
+            client.report_done(shard)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""Streaming source: (partition, offset range) shards with the same lease and recovery logic."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+from dlrover.sharding import InMemoryStreamSource, ShardManager, StreamSpec
+
+
+def test_stream_shards_cover_every_record_once_despite_a_lost_worker() -> None:
+    clock = [0.0]
+    manager = ShardManager(clock=lambda: clock[0])
+    source = InMemoryStreamSource(num_partitions=3)
+    manager.register_stream(StreamSpec("s", records_per_shard=5, lease_s=10.0), source)
+    for partition, count in ((0, 12), (1, 7), (2, 0)):
+        source.append(partition, count)
+    lost = manager.fetch_stream_shards("s", "w0", 2)
+    assert manager.recover_worker("w0") == 2
+    seen: Counter[tuple[int, int]] = Counter()
+    first = manager.fetch_stream_shards("s", "w1", 2)
+    assert [(s.partition, s.start) for s in first] == [(s.partition, s.start) for s in lost]
+    pending = list(first)
+    source.append(2, 4)  # the stream grows while it is read
+    while True:
+        pending += manager.fetch_stream_shards("s", "w1", 4)
+        if not pending:
+            break
+        for shard in pending:
+            seen.update((shard.partition, offset) for offset in range(shard.start, shard.end))
+        manager.report_stream_done("s", "w1", [(s.partition, s.start) for s in pending])
+        pending = []
+    expected = {(p, o) for p, n in ((0, 12), (1, 7), (2, 4)) for o in range(n)}
+    assert set(seen) == expected and set(seen.values()) == {1}
+    assert manager.stream_committed("s") == {0: 12, 1: 7, 2: 4}
+
+
+def test_stream_lease_timeout_state_and_restore() -> None:
+    clock = [0.0]
+    source = InMemoryStreamSource(num_partitions=2)
+    source.append(0, 20)
+    source.append(1, 20)
+    manager = ShardManager(clock=lambda: clock[0])
+    manager.register_stream(StreamSpec("s", records_per_shard=10, lease_s=1.0), source)
+    a, b = manager.fetch_stream_shards("s", "w0", 2)
+    manager.report_stream_done("s", "w0", [(a.partition, a.start)])
+    assert manager.stream_committed("s")[b.partition] == b.start
+    clock[0] = 2.0
+    assert manager.tick() == 1
+    state = json.loads(json.dumps(manager.to_state()))
+    restored = ShardManager.from_state(state, clock=lambda: clock[0], sources={"s": source})
+    (again,) = restored.fetch_stream_shards("s", "w1", 1)
+    assert (again.partition, again.start, again.attempt) == (b.partition, b.start, 1)
+    restored.restore_stream("s", {0: 0, 1: 0})
+    assert restored.stream_committed("s") == {0: 0, 1: 0}
