@@ -6,6 +6,7 @@ import json
 import logging
 import re
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
 FileTable = dict[str, dict[str, int]]  # file name -> {"size": n, "crc32": c}
+Finalizer = Callable[["Catalog", int, list[dict[str, Any]]], FileTable]
 
 # Layout of a checkpoint directory:
 #   <dir>/step_<n>/rank_<p>.bin        tensor bytes of saving rank p (plain format)
@@ -85,18 +87,28 @@ class Catalog:
             f"{part}.meta.json": {"size": len(meta_bytes), "crc32": zlib.crc32(meta_bytes)},
         }
 
-    def record_node_part(self, step: int, node_rank: int, files: FileTable) -> None:
-        doc = {"step": step, "node_rank": node_rank, "files": files}
+    def record_node_part(self, step: int, node_rank: int, files: FileTable,
+                         extra: dict[str, Any] | None = None) -> None:
+        doc = {"step": step, "node_rank": node_rank, "files": files, "extra": extra or {}}
         self.storage.write_atomic(f"{step_dir(step)}/node_{node_rank}.json",
                                   json.dumps(doc).encode())
 
-    def commit(self, step: int, fmt: str) -> None:
-        """Merge every node's part into the manifest, then move 'latest' (in that order)."""
+    def commit(self, step: int, fmt: str, finalize: Finalizer | None = None) -> None:
+        """Merge every node's part into the manifest, then move 'latest' (in that order).
+
+        ``finalize(catalog, step, extras)`` may write more files (DCP's .metadata) from the
+        nodes' ``extra`` documents before the manifest is written; it returns their entries.
+        """
         rel = step_dir(step)
         files: FileTable = {}
+        extras: list[dict[str, Any]] = []
         for name in self.storage.listdir(rel):
             if name.startswith("node_") and name.endswith(".json"):
-                files.update(json.loads(self.storage.read_bytes(f"{rel}/{name}"))["files"])
+                doc = json.loads(self.storage.read_bytes(f"{rel}/{name}"))
+                files.update(doc["files"])
+                extras.append(doc.get("extra", {}))
+        if finalize is not None:
+            files.update(finalize(self, step, extras))
         manifest = {"step": step, "format": fmt, "files": files}
         self.storage.write_atomic(f"{rel}/{MANIFEST_FILE}", json.dumps(manifest).encode())
         latest = self.latest_step()

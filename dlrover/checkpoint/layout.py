@@ -28,11 +28,11 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _dtype_from_name(name: str) -> torch.dtype:
+def dtype_from_name(name: str) -> torch.dtype:
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise SegmentStateError(f"unknown dtype {name!r} in checkpoint metadata")
@@ -85,7 +85,7 @@ def plan_layout(state: Any, extra: dict[str, Any] | None = None) -> Layout:
             if value.is_sparse or value.layout != torch.strided:
                 raise StateDictError(f"{path}: only dense (strided) tensors can be saved")
             nbytes = value.numel() * value.element_size()
-            entry.update(dtype=_dtype_name(value.dtype), shape=list(value.shape),
+            entry.update(dtype=dtype_name(value.dtype), shape=list(value.shape),
                          offset=offset, nbytes=nbytes)
             offset = _align(offset + nbytes)
             tensors.append(value)
@@ -102,7 +102,7 @@ def plan_layout(state: Any, extra: dict[str, Any] | None = None) -> Layout:
             kind = "list" if isinstance(value, list) else "tuple"
             return {kind: [encode(v, f"{path}.{i}") for i, v in enumerate(value)]}
         if isinstance(value, torch.dtype):
-            return {"dtype": _dtype_name(value)}
+            return {"dtype": dtype_name(value)}
         if value is None or isinstance(value, (bool, int, float, str)):
             return {"value": value}
         if hasattr(value, "item") and callable(value.item):  # numpy scalars
@@ -185,7 +185,7 @@ def tensor_view(data: torch.Tensor, entry: dict[str, Any], base: int = HEADER_SI
                 ) -> torch.Tensor:
     """A tensor aliasing the bytes of ``entry`` inside the uint8 tensor ``data``."""
     start = base + entry["offset"]
-    dtype = _dtype_from_name(entry["dtype"])
+    dtype = dtype_from_name(entry["dtype"])
     return data[start:start + entry["nbytes"]].view(dtype).view(entry["shape"])
 
 
@@ -219,7 +219,7 @@ def decode(meta: dict[str, Any], data: torch.Tensor, target: Any = None,
                        for i, v in enumerate(node[kind])]
                 return out if kind == "list" else tuple(out)
         if "dtype" in node:
-            return _dtype_from_name(node["dtype"])
+            return dtype_from_name(node["dtype"])
         return node["value"]
 
     return build(meta["tree"], target)

@@ -9,16 +9,17 @@ import queue
 import socketserver
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from dlrover.checkpoint.catalog import Catalog
+from dlrover.checkpoint.catalog import Catalog, Finalizer
 from dlrover.checkpoint.config import DEFAULT_COPY_WAIT_S, DEFAULT_PERSIST_WAIT_S, DEFAULT_SHM_DIR
 from dlrover.checkpoint.coordinator import CommitCoordinator, LocalCommitCoordinator
 from dlrover.checkpoint.errors import CheckpointError, ShmSpaceError
 from dlrover.checkpoint.layout import complete_step, read_metadata
 from dlrover.checkpoint.shm import SharedSegment
-from dlrover.checkpoint.storage import storage_for
+from dlrover.checkpoint.storage import Storage, storage_for
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +54,13 @@ class CheckpointSaver:
 
     def __init__(self, socket_path: str, shm_prefix: str | None = None,
                  coordinator: CommitCoordinator | None = None,
-                 shm_dir: str = DEFAULT_SHM_DIR) -> None:
+                 shm_dir: str = DEFAULT_SHM_DIR,
+                 storage_factory: Callable[[str], Storage] = storage_for) -> None:
         self.socket_path = socket_path
         self.shm_prefix = shm_prefix or f"dlrover-ckpt-{os.getpid()}"
         self.shm_dir = shm_dir
         self.coordinator: CommitCoordinator = coordinator or LocalCommitCoordinator()
+        self._storage_factory = storage_factory
         self._cond = threading.Condition()
         self._segments: dict[int, SharedSegment] = {}
         self._persisting: set[int] = set()
@@ -224,7 +227,7 @@ class CheckpointSaver:
     def _last_committed(self, spec: PersistSpec) -> int | None:
         with self._cond:
             if spec.checkpoint_dir not in self._committed:
-                latest = Catalog(storage_for(spec.checkpoint_dir)).latest_step()
+                latest = Catalog(self._storage_factory(spec.checkpoint_dir)).latest_step()
                 if latest is not None:
                     self._committed[spec.checkpoint_dir] = latest
             return self._committed.get(spec.checkpoint_dir)
@@ -320,13 +323,17 @@ class CheckpointSaver:
         return all(h == step for h in held)
 
     def _write_parts(self, step: int, spec: PersistSpec) -> None:
-        catalog = Catalog(storage_for(spec.checkpoint_dir), spec.keep_last)
+        catalog = Catalog(self._storage_factory(spec.checkpoint_dir), spec.keep_last)
         with self._cond:
             segs = {slot: self._segments[slot] for slot in spec.slots}
+        finalize: Finalizer | None = None
+        extra: dict[str, Any] = {}
         if spec.fmt == "dcp":
-            from dlrover.checkpoint.dcp_writer import persist_dcp
+            from dlrover.checkpoint.dcp_writer import persist_dcp, write_dcp_metadata
 
-            files = persist_dcp(catalog, step, {spec.slots[s]: seg for s, seg in segs.items()})
+            files, extra["dcp"] = persist_dcp(
+                catalog, step, {spec.slots[s]: seg for s, seg in segs.items()})
+            finalize = write_dcp_metadata
         else:
             files = {}
             for slot, seg in segs.items():
@@ -335,9 +342,9 @@ class CheckpointSaver:
                     raise CheckpointError(f"slot {slot} moved on from step {step}")
                 files.update(catalog.persist_plain_part(step, f"rank_{spec.slots[slot]}",
                                                         seg, meta, seq))
-        catalog.record_node_part(step, spec.node_rank, files)
+        catalog.record_node_part(step, spec.node_rank, files, extra)
         if self.coordinator.report_persisted(step, spec.node_rank, spec.persist_nodes):
-            catalog.commit(step, spec.fmt)
+            catalog.commit(step, spec.fmt, finalize)
             self.coordinator.mark_committed(step)
         elif not self.coordinator.wait_committed(step, DEFAULT_PERSIST_WAIT_S):
             raise CheckpointError(f"step {step} was not committed by every node in time")

@@ -33,6 +33,8 @@ class Checkpointer:
         self.checkpoint_dir = checkpoint_dir
         self.keep_last = keep_last
         self._engines: dict[str, CheckpointEngine] = {}
+        self.last_load_source: str | None = None
+        """Where the last load came from: "memory", "storage", or None (nothing found)."""
         self.engine = self._engine_for("")
 
     def _engine_for(self, path: str) -> CheckpointEngine:

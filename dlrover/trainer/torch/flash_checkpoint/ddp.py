@@ -47,12 +47,14 @@ class DdpCheckpointer(Checkpointer):
         saves allocating fresh tensors; the returned dict then shares its tensors.
         """
         engine = self.engine
+        self.last_load_source = None
         catalog, bound = resolve_catalog(engine, resume_path)
         latest = storage_step(catalog)
         if not resume_path and engine.memory_step(latest) is not None:
             try:
                 step, state, _ = engine.load_from_memory(target)
                 log.info("loaded step %d from shared memory", step)
+                self.last_load_source = "memory"
                 return dict(state)
             except SegmentStateError as exc:
                 log.warning("cannot load from memory (%s); loading from storage", exc)
@@ -61,4 +63,5 @@ class DdpCheckpointer(Checkpointer):
             return {}
         step, _ = found
         log.info("loading step %d from %s", step, catalog.storage.root)
+        self.last_load_source = "storage"
         return dict(catalog.load_plain_part(step, "rank_0", target))
