@@ -121,8 +121,9 @@ def run_workers(args: list[str], envs: list[dict[str, str]], timeout: float = 60
                 q.kill()
             raise
         outputs.append(out.decode())
-    for p, out in zip(procs, outputs, strict=True):
-        assert p.returncode == 0, f"worker {p.args} failed ({p.returncode}):\n{out}"
+    failed = [f"worker {p.args} exited {p.returncode}:\n{out}"
+              for p, out in zip(procs, outputs, strict=True) if p.returncode != 0]
+    assert not failed, "\n".join(failed)
 
 
 def kill(proc: subprocess.Popen[bytes]) -> None:
