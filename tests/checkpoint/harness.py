@@ -121,7 +121,7 @@ def run_workers(args: list[str], envs: list[dict[str, str]], timeout: float = 60
                 q.kill()
             raise
         outputs.append(out.decode())
-    failed = [f"worker {p.args} exited {p.returncode}:\n{out}"
+    failed = [f"worker {p.args!r} exited {p.returncode}:\n{out}"
               for p, out in zip(procs, outputs, strict=True) if p.returncode != 0]
     assert not failed, "\n".join(failed)
 
