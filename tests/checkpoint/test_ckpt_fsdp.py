@@ -40,8 +40,9 @@ def test_sharded_save_load_memory_storage_dcp_and_other_world_sizes(tmp_path: Pa
 
     # Plain DCP, no process group, no DLRover: the step directory is a DCP checkpoint.
     expected = torch.load(oracle, weights_only=True)
-    target: dict[str, dict[str, Any]] = {"model": {k: torch.empty_like(v) for k, v in expected["model"].items()},
-              "extra": {"step": None}}
+    target: dict[str, dict[str, Any]] = {
+        "model": {k: torch.empty_like(v) for k, v in expected["model"].items()},
+        "extra": {"step": None}}
     dcp.load(target, checkpoint_id=str(tmp_path / "ckpt" / "step_5"))
     assert_same(expected["model"], target["model"])
     assert target["extra"]["step"] == 5
