@@ -12,6 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
+
 from dlrover.checkpoint.catalog import Catalog
 from dlrover.checkpoint.client import SaverClient
 from dlrover.checkpoint.config import (
@@ -84,6 +87,9 @@ class CheckpointEngine:
         self._load_segment: SharedSegment | None = None
         self._last_disk_step: int | None = None
         self._lock = threading.Lock()
+        self._pending: threading.Event | None = None
+        self._copy_error: BaseException | None = None
+        self._hook: RemovableHandle | None = None
 
     # ------------------------------------------------------------------ roles
     @property
@@ -118,6 +124,7 @@ class CheckpointEngine:
         """
         if not self.saves_to_memory:
             return True
+        self.wait_copy()
         layout = layout or self.plan(state)
         with self._lock:
             seg = self._ensure_segment(layout.required_bytes(step))
@@ -134,6 +141,67 @@ class CheckpointEngine:
             if persist:
                 self._last_disk_step = step
         return True
+
+    def save_overlapped(self, step: int, state: Any, persist: bool,
+                        after_tensor: Callable[[int], None] | None = None) -> bool:
+        """Start copying ``state`` into shared memory in a background thread and return.
+
+        The copy overlaps the next forward/backward. An optimizer pre-step hook (registered
+        once, for every optimizer) waits for it before any parameter or optimizer state
+        changes, so the saved step is consistent without the caller's help. Tensors changed
+        in place outside ``optimizer.step`` (e.g. BatchNorm running stats in forward) may
+        already hold the next step's values: call ``wait_copy`` before such a forward, or
+        use the blocking ``save``.
+        """
+        if not self.saves_to_memory:
+            return True
+        self.wait_copy()
+        layout = self.plan(state)
+        with self._lock:
+            seg = self._ensure_segment(layout.required_bytes(step))
+            reply = self.client.request("begin_copy", slot=self.slot, wait=persist,
+                                        timeout=DEFAULT_COPY_WAIT_S)
+            if not reply.get("ok"):
+                log.warning("skipping the memory save of step %d: the previous step is still "
+                            "being persisted", step)
+                return False
+            if self._hook is None:
+                self._hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
+            done = threading.Event()
+            self._pending = done
+            threading.Thread(target=self._copy_job,
+                             args=(seg, layout, step, persist, done, after_tensor),
+                             name=f"ckpt-copy-{step}", daemon=True).start()
+        return True
+
+    def _copy_job(self, seg: SharedSegment, layout: Layout, step: int, persist: bool,
+                  done: threading.Event, after_tensor: Callable[[int], None] | None) -> None:
+        try:
+            write_state(seg, layout, step, after_tensor)
+            self.client.request("copied", slot=self.slot, step=step, spec=self._spec(),
+                                persist=persist and (self.sharded or self.place.rank == 0))
+            if persist:
+                self._last_disk_step = step
+        except BaseException as exc:  # surfaced to the trainer by wait_copy
+            self._copy_error = exc
+        finally:
+            done.set()
+
+    def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.wait_copy()
+
+    def wait_copy(self, timeout: float = DEFAULT_COPY_WAIT_S) -> None:
+        """Wait for an overlapped copy to finish; re-raise its error if it failed."""
+        pending = self._pending
+        if pending is None:
+            return
+        if not pending.wait(timeout):
+            raise CheckpointError(f"the overlapped copy into shared memory did not finish "
+                                  f"within {timeout} s")
+        self._pending = None
+        error, self._copy_error = self._copy_error, None
+        if error is not None:
+            raise CheckpointError(f"the overlapped checkpoint copy failed: {error}") from error
 
     def plan(self, state: Any) -> Layout:
         return plan_layout(state, {"dir": self.checkpoint_dir, "rank": self.place.rank,
@@ -154,6 +222,7 @@ class CheckpointEngine:
 
     def wait_persisted(self, timeout: float) -> bool:
         """Wait until the last DISK save is committed on storage; raise if its persist failed."""
+        self.wait_copy()
         step = self._last_disk_step
         if step is None:
             return True
@@ -222,6 +291,12 @@ class CheckpointEngine:
 
     def close(self) -> None:
         """Close the connection; an in-process saver first finishes its pending persist."""
+        try:
+            self.wait_copy()
+        finally:
+            if self._hook is not None:
+                self._hook.remove()
+                self._hook = None
         for seg in (self._segment, self._load_segment):
             if seg is not None:
                 seg.close()

@@ -29,14 +29,25 @@ class DdpCheckpointer(Checkpointer):
     sharded = False
 
     def save_checkpoint(self, step: int, state_dict: dict[str, Any], path: str = "",
-                        storage_type: StorageType = StorageType.DISK) -> bool:
+                        storage_type: StorageType = StorageType.DISK,
+                        overlap: bool = False) -> bool:
         """Copy ``state_dict`` into shared memory; with DISK also persist it in the background.
 
-        ``path`` saves into another checkpoint directory. Returns False if a MEMORY save was
-        skipped because the previous step is still being persisted.
+        ``path`` saves into another checkpoint directory. ``overlap`` returns before the copy
+        is done: it runs during the next forward/backward and the next ``optimizer.step``
+        waits for it (see CheckpointEngine.save_overlapped for the one caveat). Returns False
+        if a MEMORY save was skipped because the previous step is still being persisted.
         """
         engine = self._engine_for(path)
-        return engine.save(step, state_dict, persist=storage_type == StorageType.DISK)
+        persist = storage_type == StorageType.DISK
+        if overlap:
+            return engine.save_overlapped(step, state_dict, persist)
+        return engine.save(step, state_dict, persist)
+
+    def wait_copy(self) -> None:
+        """Wait for an overlapped save's copy into shared memory to finish."""
+        for engine in self._engines.values():
+            engine.wait_copy()
 
     def load_checkpoint(self, resume_path: str = "", target: dict[str, Any] | None = None
                         ) -> dict[str, Any]:
