@@ -1,0 +1,348 @@
+"""Flash checkpoint vs torch.save/torch.load and DCP (sync/async): blocking, load and overhead."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import json
+import mmap
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from dlrover.checkpoint.config import ENV_CHECKPOINT_SOCKET  # noqa: E402
+
+Row = tuple[str, list[float]]
+
+
+def make_state(size_gb: float, adam: bool) -> dict[str, Any]:
+    """Parameters of ``size_gb`` GiB in 64 float32 tensors; with ``adam`` two moments each."""
+    numel = int(size_gb * 2**30 / 4 / 64)
+    params = {f"layer{i}.weight": torch.randn(numel) for i in range(64)}
+    state: dict[str, Any] = {"model": params, "step": 1}
+    if adam:
+        state["optimizer"] = {"state": {i: {"step": torch.tensor(1.0),
+                                            "exp_avg": torch.randn(numel),
+                                            "exp_avg_sq": torch.rand(numel)}
+                                        for i in range(64)},
+                              "param_groups": [{"lr": 1e-3, "params": list(range(64))}]}
+    return state
+
+
+def tensors_of(state: Any) -> list[torch.Tensor]:
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, dict):
+        return [t for v in state.values() for t in tensors_of(v)]
+    if isinstance(state, (list, tuple)):
+        return [t for v in state for t in tensors_of(v)]
+    return []
+
+
+def timed(fn: Callable[[], Any], repeats: int, before: Callable[[], Any] | None = None
+          ) -> list[float]:
+    out = []
+    for _ in range(repeats):
+        if before is not None:
+            before()
+        start = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def evict(path: str) -> None:
+    """Drop a file's pages from the page cache (a 'cold' read without root tricks)."""
+    for root, _, files in os.walk(path) if os.path.isdir(path) else [("", [], [path])]:
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+
+
+def shared_views(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Views shaped like ``tensors`` into one shared buffer, allocated and touched now."""
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    path = f"/dev/shm/dlrover-bench-{uuid.uuid4().hex[:8]}"
+    with open(path, "w+b") as f:
+        f.truncate(total)
+        buf = mmap.mmap(f.fileno(), total, flags=mmap.MAP_SHARED)
+    os.unlink(path)
+    flat = torch.frombuffer(buf, dtype=torch.uint8)
+    flat.fill_(1)
+    views, at = [], 0
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        views.append(flat[at:at + n].view(t.dtype).view(t.shape))
+        at += n
+    return views
+
+
+def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> Callable[[], None]:
+    def run() -> None:
+        for d, s in zip(dst, src, strict=True):
+            d.copy_(s)
+
+    return run
+
+
+def start_agent(sock: str) -> subprocess.Popen[bytes]:
+    """The saver in its own process, as the agent runs it."""
+    code = ("import sys; from dlrover.checkpoint.saver import CheckpointSaver;"
+            f"s = CheckpointSaver({sock!r}, shm_prefix='dlrover-bench-{uuid.uuid4().hex[:6]}');"
+            "s.start(); print('ready', flush=True); sys.stdin.read(); s.close(unlink=True)")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+    return proc
+
+
+def child_load(ckpt_dir: str, size_gb: float, adam: bool, repeats: int) -> None:
+    """Run in a fresh process (as after a restart): load from the agent's memory."""
+    from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer
+
+    ckpt = DdpCheckpointer(ckpt_dir)
+    target = make_state(size_gb, adam)  # the restarted job's freshly built model/optimizer
+    live = tensors_of(target)
+    shared = shared_views(live)
+    copy_back = copy_all(live, shared)  # the floor of a load: shared buffer -> live tensors
+    floor: list[float] = []
+    into: list[float] = []
+    for _ in range(repeats):
+        floor += timed(copy_back, 1)
+        into += timed(functools.partial(ckpt.load_checkpoint, target=target), 1)
+    assert ckpt.last_load_source == "memory"
+    del target, live, shared, copy_back
+    gc.collect()
+    fresh = timed(lambda: ckpt.load_checkpoint(), repeats)
+    print(json.dumps({"floor": floor, "into": into, "fresh": fresh}))
+    ckpt.close()
+
+
+def train_step_fn() -> Callable[[], None]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])
+    optim = torch.optim.SGD(model.parameters(), lr=1e-4)
+    batch = torch.randn(256, 1024)
+
+    def step() -> None:
+        model(batch).square().mean().backward()
+        optim.step()
+        optim.zero_grad()
+
+    return step
+
+
+def steps_while(step: Callable[[], None], busy: Callable[[], bool], limit: int = 400
+                ) -> list[float]:
+    times: list[float] = []
+    while busy() and len(times) < limit:
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def bench_flash(state: dict[str, Any], work: Path, args: argparse.Namespace) -> list[Row]:
+    from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer, StorageType
+
+    sock = str(work / "agent.sock")
+    agent = start_agent(sock)
+    os.environ[ENV_CHECKPOINT_SOCKET] = sock
+    rows: list[Row] = []
+    ckpt_dir = str(work / "flash")
+    try:
+        ckpt = DdpCheckpointer(ckpt_dir)
+        ckpt.save_checkpoint(0, state, storage_type=StorageType.MEMORY)  # allocates once
+        step = iter(range(1, 10_000))
+        tensors = tensors_of(state)
+        floor_fn = copy_all(shared_views(tensors), tensors)
+        floor_fn()
+        # Interleaved with the floor, so both see the same load on a shared machine.
+        floor: list[float] = []
+        flash: list[float] = []
+        for _ in range(args.repeats):
+            floor += timed(floor_fn, 1)
+            flash += timed(lambda: ckpt.save_checkpoint(next(step), state,
+                                                        storage_type=StorageType.MEMORY), 1)
+        del floor_fn
+        rows.append(("copy into a touched shared buffer (floor)", floor))
+        rows.append(("flash save, blocking (MEMORY)", flash))
+        overlap: list[float] = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            ckpt.save_checkpoint(next(step), state, storage_type=StorageType.MEMORY,
+                                 overlap=True)
+            overlap.append(time.perf_counter() - start)
+            ckpt.wait_copy()
+        rows.append(("flash save, overlapped: blocking part", overlap))
+        persist: list[float] = []
+        for _ in range(max(1, args.repeats // 2)):
+            ckpt.save_checkpoint(next(step), state, storage_type=StorageType.DISK)
+            start = time.perf_counter()
+            assert ckpt.wait_latest_checkpoint(600)
+            persist.append(time.perf_counter() - start)
+        rows.append(("flash persist in background (agent, fsync)", persist))
+
+        train = train_step_fn()
+        idle = [t for t in timed(train, 25)][5:]
+        ckpt.save_checkpoint(next(step), state, storage_type=StorageType.DISK)
+        during = steps_while(train, lambda: not ckpt.wait_latest_checkpoint(0.0))
+        rows.append(("train step, idle", idle))
+        rows.append(("train step while the agent persists", during or [float("nan")]))
+        ckpt.close()
+
+        env = {**os.environ, "PYTHONPATH": str(REPO), "TORCHELASTIC_RESTART_COUNT": "1"}
+        out = subprocess.run([sys.executable, __file__, "--child-load", ckpt_dir,
+                              "--size-gb", str(args.size_gb), "--repeats", str(args.repeats)]
+                             + (["--adam"] if args.adam_child else []), env=env, check=True,
+                             capture_output=True, text=True, timeout=1200)
+        loads = json.loads(out.stdout.strip().splitlines()[-1])
+        rows.append(("copy back into live tensors (load floor)", loads["floor"]))
+        rows.append(("flash load from memory, new process, into model", loads["into"]))
+        rows.append(("flash load from memory, new process, fresh tensors", loads["fresh"]))
+    finally:
+        os.environ.pop(ENV_CHECKPOINT_SOCKET, None)
+        assert agent.stdin is not None
+        agent.stdin.close()
+        agent.wait(120)
+    return rows
+
+
+def bench_torch_save(state: dict[str, Any], work: Path, repeats: int) -> list[Row]:
+    path = str(work / "model.pt")
+
+    def save(sync: bool) -> None:
+        with open(path, "wb") as f:
+            torch.save(state, f)
+            if sync:
+                f.flush()
+                os.fsync(f.fileno())
+
+    rows: list[Row] = [("torch.save", timed(lambda: save(False), repeats)),
+                       ("torch.save + fsync", timed(lambda: save(True), repeats))]
+    rows.append(("torch.load warm", timed(lambda: torch.load(path, weights_only=True),
+                                          repeats)))
+    rows.append(("torch.load cold (pages evicted)", timed(
+        lambda: torch.load(path, weights_only=True), repeats, before=lambda: evict(path))))
+    os.unlink(path)
+    return rows
+
+
+def bench_dcp(state: dict[str, Any], work: Path, repeats: int) -> list[Row]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+
+    rows: list[Row] = []
+    root = work / "dcp"
+    counter = iter(range(10_000))
+
+    def new_dir() -> str:
+        d = root / str(next(counter))
+        shutil.rmtree(root, ignore_errors=True)
+        return str(d)
+
+    rows.append(("DCP save (fsync)", timed(lambda: dcp.save(state, checkpoint_id=new_dir()),
+                                           repeats)))
+    target = {k: v for k, v in state.items()}
+    last = str(root / str(next(counter) - 1))
+    rows.append(("DCP load warm", timed(lambda: dcp.load(target, checkpoint_id=last),
+                                        repeats)))
+    rows.append(("DCP load cold (pages evicted)", timed(
+        lambda: dcp.load(target, checkpoint_id=last), repeats, before=lambda: evict(last))))
+
+    def async_mode(stager: Any) -> list[float]:
+        blocked = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            kwargs = {"async_stager": stager} if stager is not None else {}
+            response = dcp.async_save(state, checkpoint_id=new_dir(), **kwargs)
+            blocked.append(time.perf_counter() - start)
+            if isinstance(response, AsyncSaveResponse):
+                response.staging_completion.result()
+                response.upload_completion.result()
+            else:
+                response.result()
+        return blocked
+
+    rows.append(("DCP async_save blocking: default", async_mode(None)))
+    for label, options in (("reused stager", StagingOptions(False, False, False, False)),
+                           ("async staging", StagingOptions(False, False, True, False))):
+        try:
+            stager = DefaultStager(options)
+            rows.append((f"DCP async_save blocking: {label}", async_mode(stager)))
+            stager.close()
+        except Exception as exc:  # an option this torch build does not support on CPU
+            print(f"DCP async_save {label}: not available here ({exc})", file=sys.stderr)
+    shutil.rmtree(root, ignore_errors=True)
+    return rows
+
+
+def report(title: str, rows: list[Row], floor: float, flash_save: float, flash_load: float
+           ) -> None:
+    print(f"\n{title}")
+    print(f"{'operation':54} {'median s':>9} {'min':>7} {'max':>7} {'x floor':>8} {'vs ours':>8}")
+    for name, times in rows:
+        med = statistics.median(times)
+        ours = flash_load if ("load" in name) else flash_save
+        print(f"{name:54} {med:9.3f} {min(times):7.3f} {max(times):7.3f} "
+              f"{med / floor:8.2f} {med / ours:8.2f}")
+
+
+def run_case(size_gb: float, adam: bool, args: argparse.Namespace) -> None:
+    state = make_state(size_gb, adam)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors_of(state))
+    work = Path(tempfile.mkdtemp(prefix="dlrover-bench-", dir=args.dir))
+    try:
+        args.adam_child = adam
+        rows: list[Row] = bench_flash(state, work, args)
+        gc.collect()
+        rows += bench_torch_save(state, work, args.repeats)
+        gc.collect()
+        if not args.skip_dcp:
+            rows += bench_dcp(state, work, args.repeats)
+        med = {name: statistics.median(t) for name, t in rows}
+        report(f"state {nbytes / 2**30:.2f} GiB ({'params + Adam' if adam else 'params'}), "
+               f"{args.repeats} repeats, torch {torch.__version__}, {os.cpu_count()} cpus",
+               rows, med["copy into a touched shared buffer (floor)"],
+               med["flash save, blocking (MEMORY)"],
+               med["flash load from memory, new process, into model"])
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--size-gb", type=float, default=1.0, help="GiB of float32 params")
+    parser.add_argument("--adam", action="store_true",
+                        help="also run the params + Adam moments case (3x the size)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dir", default=None, help="where files go (default: the temp dir)")
+    parser.add_argument("--skip-dcp", action="store_true")
+    parser.add_argument("--child-load", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child_load:
+        child_load(args.child_load, args.size_gb, args.adam, args.repeats)
+        return
+    run_case(args.size_gb, False, args)
+    if args.adam:
+        run_case(args.size_gb, True, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""Defaults and environment-variable names of the flash-checkpoint subsystem."""
+
+from dlrover.constants import ENV_CHECKPOINT_SOCKET
+
+__all__ = [
+    "ENV_CHECKPOINT_SOCKET",
+    "DEFAULT_SHM_DIR",
+    "DEFAULT_KEEP_LAST",
+    "DEFAULT_PERSIST_WAIT_S",
+    "DEFAULT_REQUEST_TIMEOUT_S",
+    "DEFAULT_COPY_WAIT_S",
+    "PERSIST_CHUNK_BYTES",
+    "LATEST_FILE",
+    "MANIFEST_FILE",
+]
+
+DEFAULT_SHM_DIR = "/dev/shm"
+"""Where segments live; a tmpfs, so its pages are host memory that outlives a worker."""
+DEFAULT_KEEP_LAST = 3
+"""Persisted steps kept on storage; older complete steps are deleted after a commit."""
+DEFAULT_PERSIST_WAIT_S = 600.0
+"""How long a persist waits for every local saving rank to finish copying the same step."""
+DEFAULT_REQUEST_TIMEOUT_S = 60.0
+"""Deadline of one request from a worker to its saver."""
+DEFAULT_COPY_WAIT_S = 600.0
+"""How long a DISK save waits for the previous persist of its segment to finish."""
+PERSIST_CHUNK_BYTES = 64 * 1024 * 1024
+"""Bytes streamed from a segment to storage per write call."""
+LATEST_FILE = "latest"
+"""Marker file holding the newest committed step, written last by temp + rename."""
+MANIFEST_FILE = "manifest.json"
+"""Per-step list of files, sizes and CRC32 checksums; its presence means 'committed'."""

@@ -1,0 +1,209 @@
+"""Persist sharded segments in the torch.distributed.checkpoint (DCP) format, from the agent."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    BytesIOWriteData,
+    SavePlan,
+    SavePlanner,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import WriteResult
+
+from dlrover.checkpoint.catalog import Catalog, FileTable, crc32_file, step_dir
+from dlrover.checkpoint.errors import CheckpointError, SegmentStateError
+from dlrover.checkpoint.layout import (
+    decode,
+    dtype_from_name,
+    dtype_name,
+    read_metadata,
+    read_seq,
+    tensor_view,
+)
+from dlrover.checkpoint.shm import SharedSegment
+
+# Each saving rank r of the node gets its own DCP plan with storage prefix "__r_", so files of
+# different ranks and nodes never collide. The global .metadata needs every rank's chunks and
+# file offsets: each node stores them as JSON in its node part, and the committing node merges
+# them and writes .metadata through FileSystemWriter.finish (DCP's own encoding of that file).
+
+
+def dcp_leaves(tree: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(fqn, node) of every leaf, flattened the way DCP's default planner flattens a state
+    dict: mappings always, lists only if they contain tensors or mappings; keys joined by '.'."""
+    out: list[tuple[str, dict[str, Any]]] = []
+
+    def terminal(node: dict[str, Any]) -> bool:
+        if "dict" in node:
+            return False
+        if "list" not in node:
+            return True
+        return not any("dict" in c or "tensor" in c or ("list" in c and not terminal(c))
+                       for c in node["list"])
+
+    def walk(path: tuple[str, ...], node: dict[str, Any]) -> None:
+        if "dict" in node:
+            for key, child in node["dict"]:
+                walk(path + (str(key),), child)
+        elif terminal(node):
+            out.append((".".join(path), node))
+        else:
+            for i, child in enumerate(node["list"]):
+                walk(path + (str(i),), child)
+
+    walk((), tree)
+    return out
+
+
+class _SegmentPlanner(SavePlanner):
+    """Only ``resolve_data`` is used: FileSystemWriter.write_data asks it for each item."""
+
+    def __init__(self, data: dict[MetadataIndex, torch.Tensor | io.BytesIO]) -> None:
+        self._data = data
+
+    def set_up_planner(self, state_dict: Any, storage_meta: StorageMeta | None = None,
+                       is_coordinator: bool = False) -> None:
+        pass
+
+    def create_local_plan(self) -> SavePlan:
+        raise NotImplementedError
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        raise NotImplementedError
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        return new_plan
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        return self._data[write_item.index]
+
+
+def _items_of(rank: int, meta: dict[str, Any], data: torch.Tensor
+              ) -> tuple[list[WriteItem], dict[MetadataIndex, torch.Tensor | io.BytesIO]]:
+    """Write items of one rank: its DTensor shards; plain tensors and values from rank 0 only
+    (they are replicated, so one copy is enough)."""
+    items: list[WriteItem] = []
+    payload: dict[MetadataIndex, torch.Tensor | io.BytesIO] = {}
+    for fqn, node in dcp_leaves(meta["tree"]):
+        if "tensor" in node:
+            entry = meta["tensors"][node["tensor"]]
+            sharded = "global_shape" in entry
+            if not sharded and rank != 0:
+                continue
+            offsets = torch.Size(entry.get("chunk_offsets", [0] * len(entry["shape"])))
+            index = MetadataIndex(fqn, offsets)
+            items.append(WriteItem(index=index, type=WriteItemType.SHARD if sharded
+                                   else WriteItemType.TENSOR, tensor_data=TensorWriteData(
+                chunk=ChunkStorageMetadata(offsets, torch.Size(entry["shape"])),
+                properties=TensorProperties(dtype=dtype_from_name(entry["dtype"])),
+                size=torch.Size(entry.get("global_shape", entry["shape"])))))
+            payload[index] = tensor_view(data, entry)
+        elif rank == 0:
+            buf = io.BytesIO()
+            torch.save(decode({"tree": node, "tensors": []}, data), buf)
+            index = MetadataIndex(fqn)
+            items.append(WriteItem(index=index, type=WriteItemType.BYTE_IO,
+                                   bytes_io_data=BytesIOWriteData(buf.getbuffer().nbytes)))
+            payload[index] = buf
+    return items, payload
+
+
+def persist_dcp(catalog: Catalog, step: int, segments: dict[int, SharedSegment]
+                ) -> tuple[FileTable, dict[str, Any]]:
+    """Write the DCP data files of every rank in ``segments`` (global rank -> segment).
+
+    Returns the files written (for the node part) and the JSON the committer needs to build
+    the global .metadata.
+    """
+    rel = step_dir(step)
+    catalog.storage.makedirs(rel)
+    writer = FileSystemWriter(catalog.storage.url(rel), sync_files=True, overwrite=True)
+    writer.set_up_storage_writer(True)
+    world = None
+    metas: dict[int, tuple[int, dict[str, Any]]] = {}
+    for rank, seg in segments.items():
+        seq, meta = read_metadata(seg)
+        if meta["step"] != step:
+            raise CheckpointError(f"rank {rank}'s segment holds step {meta['step']}, not {step}")
+        world = meta["world_size"]
+        metas[rank] = (seq, meta)
+    assert world is not None
+    results: list[dict[str, Any]] = []
+    chunks: dict[str, Any] = {}
+    files: FileTable = {}
+    for rank, (seq, meta) in sorted(metas.items()):
+        seg = segments[rank]
+        items, payload = _items_of(rank, meta, seg.tensor)
+        plans = writer.prepare_global_plan([SavePlan([]) for _ in range(world)])
+        plan = SavePlan(items, storage_data=plans[rank].storage_data)
+        written: list[WriteResult] = writer.write_data(plan, _SegmentPlanner(payload)).wait()
+        if read_seq(seg) != seq:
+            raise SegmentStateError(f"segment {seg.path} was overwritten during the persist")
+        for item in items:
+            fqn = item.index.fqn
+            if item.tensor_data is None:
+                chunks[fqn] = {"bytes": True}
+                continue
+            td = item.tensor_data
+            desc = chunks.setdefault(fqn, {"dtype": dtype_name(td.properties.dtype),
+                                           "size": list(td.size), "chunks": []})
+            desc["chunks"].append([list(td.chunk.offsets), list(td.chunk.sizes)])
+        for wr in written:
+            info = wr.storage_data
+            results.append({"fqn": wr.index.fqn, "offset": None if wr.index.offset is None
+                            else list(wr.index.offset), "size": wr.size_in_bytes,
+                            "path": info.relative_path, "at": info.offset, "len": info.length})
+    for name in sorted({r["path"] for r in results}):
+        size, crc = crc32_file(catalog.storage, f"{rel}/{name}")
+        files[name] = {"size": size, "crc32": crc}
+    return files, {"chunks": chunks, "results": results}
+
+
+def write_dcp_metadata(catalog: Catalog, step: int, node_docs: list[dict[str, Any]]
+                       ) -> FileTable:
+    """Merge every node's DCP part into the global .metadata file; returns its file entry."""
+    # _StorageInfo is the record DCP keeps per item in .metadata; FileSystemReader needs it.
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    state_md: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+    results: list[WriteResult] = []
+    for extra in node_docs:
+        doc = extra["dcp"]
+        for fqn, desc in doc["chunks"].items():
+            if desc.get("bytes"):
+                state_md[fqn] = BytesStorageMetadata()
+                continue
+            md = state_md.get(fqn)
+            if not isinstance(md, TensorStorageMetadata):
+                md = TensorStorageMetadata(TensorProperties(dtype=dtype_from_name(desc["dtype"])),
+                                           torch.Size(desc["size"]), [])
+                state_md[fqn] = md
+            md.chunks.extend(ChunkStorageMetadata(torch.Size(o), torch.Size(s))
+                             for o, s in desc["chunks"])
+        for r in doc["results"]:
+            offset = None if r["offset"] is None else torch.Size(r["offset"])
+            results.append(WriteResult(MetadataIndex(r["fqn"], offset), r["size"],
+                                       _StorageInfo(r["path"], r["at"], r["len"])))
+    rel = step_dir(step)
+    writer = FileSystemWriter(catalog.storage.url(rel), sync_files=True, overwrite=True)
+    writer.set_up_storage_writer(True)
+    writer.finish(Metadata(state_dict_metadata=dict(state_md)), [results])
+    size, crc = crc32_file(catalog.storage, f"{rel}/.metadata")
+    return {".metadata": {"size": size, "crc32": crc}}
+

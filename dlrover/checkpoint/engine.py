@@ -1,0 +1,313 @@
+"""The worker side of flash checkpointing: copy state into the agent's segment, load it back."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import tempfile
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
+
+from dlrover.checkpoint.catalog import Catalog
+from dlrover.checkpoint.client import SaverClient
+from dlrover.checkpoint.config import (
+    DEFAULT_COPY_WAIT_S,
+    DEFAULT_KEEP_LAST,
+    ENV_CHECKPOINT_SOCKET,
+)
+from dlrover.checkpoint.errors import CheckpointError, CheckpointStorageError, SegmentStateError
+from dlrover.checkpoint.layout import Layout, plan_layout, read_state, write_state
+from dlrover.checkpoint.saver import CheckpointSaver
+from dlrover.checkpoint.shm import SharedSegment
+from dlrover.checkpoint.storage import storage_for
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerPlacement:
+    """Where this process sits in the job, read from the torchrun environment."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    node_rank: int
+    round_id: int
+
+    @classmethod
+    def from_env(cls) -> WorkerPlacement:
+        env = os.environ
+        restarts = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        rdzv_round = int(env.get("DLROVER_RDZV_ROUND", "0"))
+        return cls(int(env.get("RANK", "0")), int(env.get("LOCAL_RANK", "0")),
+                   int(env.get("WORLD_SIZE", "1")), int(env.get("LOCAL_WORLD_SIZE", "1")),
+                   int(env.get("GROUP_RANK", env.get("DLROVER_NODE_RANK", "0"))),
+                   rdzv_round * 1_000_000 + restarts)
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, self.world_size // max(1, self.local_world_size))
+
+
+class CheckpointEngine:
+    """Save/load of one process's part of a checkpoint through a CheckpointSaver.
+
+    ``sharded`` selects who saves: every rank its own part (FSDP), else only local rank 0 of
+    each node copies into memory and only global rank 0 persists (DDP: identical replicas, so
+    one copy per node lets every node load from memory while storage gets one copy).
+
+    Without the agent's socket (plain torchrun/python) an in-process saver is started: saves
+    and persists work, but memory does not outlive this process, so crash survival and loading
+    from memory after a restart need dlrover-run.
+    """
+
+    def __init__(self, checkpoint_dir: str, sharded: bool, keep_last: int = DEFAULT_KEEP_LAST,
+                 placement: WorkerPlacement | None = None) -> None:
+        self.checkpoint_dir = checkpoint_dir
+        self.sharded = sharded
+        self.keep_last = keep_last
+        self.place = placement or WorkerPlacement.from_env()
+        self.storage = storage_for(checkpoint_dir)
+        self.storage.makedirs("")  # fail now, with a clear error, if the dir is unwritable
+        self._check_writable()
+        self._own_saver: CheckpointSaver | None = None
+        socket_path = os.environ.get(ENV_CHECKPOINT_SOCKET)
+        if not socket_path:
+            socket_path = self._start_own_saver()
+        self.client = SaverClient(socket_path)
+        self._segment: SharedSegment | None = None
+        self._load_segment: SharedSegment | None = None
+        self._last_disk_step: int | None = None
+        self._lock = threading.Lock()
+        self._pending: threading.Event | None = None
+        self._copy_error: BaseException | None = None
+        self._hook: RemovableHandle | None = None
+
+    # ------------------------------------------------------------------ roles
+    @property
+    def saves_to_memory(self) -> bool:
+        return self.sharded or self.place.local_rank == 0
+
+    @property
+    def slot(self) -> int:
+        return self.place.local_rank if self.sharded else 0
+
+    def _saving_slots(self) -> dict[int, int]:
+        """Local slot -> global rank, for every saving rank of this node."""
+        base = self.place.node_rank * self.place.local_world_size
+        if self.sharded:
+            return {s: base + s for s in range(self.place.local_world_size)}
+        return {0: self.place.rank - self.place.local_rank}
+
+    def _spec(self) -> dict[str, Any]:
+        return {"dir": self.checkpoint_dir, "slots": self._saving_slots(),
+                "format": "dcp" if self.sharded else "plain", "node_rank": self.place.node_rank,
+                "persist_nodes": self.place.num_nodes if self.sharded else 1,
+                "keep_last": self.keep_last}
+
+    # ------------------------------------------------------------------ saving
+    def save(self, step: int, state: Any, persist: bool,
+             after_tensor: Callable[[int], None] | None = None,
+             layout: Layout | None = None) -> bool:
+        """Copy ``state`` into shared memory as ``step``; ask for a persist if ``persist``.
+
+        Returns False when the save was skipped: a memory-only save is skipped (not waited
+        for) while the previous step is still being persisted from the same segment.
+        """
+        if not self.saves_to_memory:
+            return True
+        self.wait_copy()
+        layout = layout or self.plan(state)
+        with self._lock:
+            seg = self._ensure_segment(layout.required_bytes(step))
+            reply = self.client.request("begin_copy", slot=self.slot, wait=persist,
+                                        timeout=DEFAULT_COPY_WAIT_S)
+            if not reply.get("ok"):
+                log.warning("skipping the memory save of step %d: the previous step is still "
+                            "being persisted", step)
+                return False
+            write_state(seg, layout, step, after_tensor)
+            do_persist = persist and (self.sharded or self.place.rank == 0)
+            self.client.request("copied", slot=self.slot, step=step, spec=self._spec(),
+                                persist=do_persist)
+            if persist:
+                self._last_disk_step = step
+        return True
+
+    def save_overlapped(self, step: int, state: Any, persist: bool,
+                        after_tensor: Callable[[int], None] | None = None) -> bool:
+        """Start copying ``state`` into shared memory in a background thread and return.
+
+        The copy overlaps the next forward/backward. An optimizer pre-step hook (registered
+        once, for every optimizer) waits for it before any parameter or optimizer state
+        changes, so the saved step is consistent without the caller's help. Tensors changed
+        in place outside ``optimizer.step`` (e.g. BatchNorm running stats in forward) may
+        already hold the next step's values: call ``wait_copy`` before such a forward, or
+        use the blocking ``save``.
+        """
+        if not self.saves_to_memory:
+            return True
+        self.wait_copy()
+        layout = self.plan(state)
+        with self._lock:
+            seg = self._ensure_segment(layout.required_bytes(step))
+            reply = self.client.request("begin_copy", slot=self.slot, wait=persist,
+                                        timeout=DEFAULT_COPY_WAIT_S)
+            if not reply.get("ok"):
+                log.warning("skipping the memory save of step %d: the previous step is still "
+                            "being persisted", step)
+                return False
+            if self._hook is None:
+                self._hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
+            done = threading.Event()
+            self._pending = done
+            threading.Thread(target=self._copy_job,
+                             args=(seg, layout, step, persist, done, after_tensor),
+                             name=f"ckpt-copy-{step}", daemon=True).start()
+        return True
+
+    def _copy_job(self, seg: SharedSegment, layout: Layout, step: int, persist: bool,
+                  done: threading.Event, after_tensor: Callable[[int], None] | None) -> None:
+        try:
+            write_state(seg, layout, step, after_tensor)
+            self.client.request("copied", slot=self.slot, step=step, spec=self._spec(),
+                                persist=persist and (self.sharded or self.place.rank == 0))
+            if persist:
+                self._last_disk_step = step
+        except BaseException as exc:  # surfaced to the trainer by wait_copy
+            self._copy_error = exc
+        finally:
+            done.set()
+
+    def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.wait_copy()
+
+    def wait_copy(self, timeout: float = DEFAULT_COPY_WAIT_S) -> None:
+        """Wait for an overlapped copy to finish; re-raise its error if it failed."""
+        pending = self._pending
+        if pending is None:
+            return
+        if not pending.wait(timeout):
+            raise CheckpointError(f"the overlapped copy into shared memory did not finish "
+                                  f"within {timeout} s")
+        self._pending = None
+        error, self._copy_error = self._copy_error, None
+        if error is not None:
+            raise CheckpointError(f"the overlapped checkpoint copy failed: {error}") from error
+
+    def plan(self, state: Any) -> Layout:
+        return plan_layout(state, {"dir": self.checkpoint_dir, "rank": self.place.rank,
+                                   "world_size": self.place.world_size})
+
+    def _ensure_segment(self, nbytes: int) -> SharedSegment:
+        seg = self._segment
+        if seg is None or seg.size < nbytes:
+            reply = self.client.request("allocate", slot=self.slot, nbytes=nbytes)
+            if seg is None or seg.path != reply["path"]:
+                if seg is not None:
+                    seg.close()
+                seg = SharedSegment.attach(reply["path"])
+            else:
+                seg.remap()
+            self._segment = seg
+        return seg
+
+    def wait_persisted(self, timeout: float) -> bool:
+        """Wait until the last DISK save is committed on storage; raise if its persist failed."""
+        self.wait_copy()
+        step = self._last_disk_step
+        if step is None:
+            return True
+        reply = self.client.request("wait_persisted", timeout=timeout,
+                                    dir=self.checkpoint_dir, step=step, timeout_s=timeout)
+        if reply.get("failure"):
+            raise CheckpointStorageError(f"persisting to {self.checkpoint_dir} failed: "
+                                         f"{reply['failure']}; the step is still in memory")
+        return bool(reply["ok"])
+
+    # ------------------------------------------------------------------ loading
+    def memory_step(self, storage_step: int | None) -> int | None:
+        """The step every rank agrees to load from memory, if not older than storage's."""
+        if self._own_saver is not None:
+            return None  # in-process memory does not survive a restart
+        slots = self._saving_slots() if self.sharded else {0: None}
+        reply = self.client.request(
+            "load_step", slots=list(slots), ranks=slots if self.sharded else {},
+            world_size=self.place.world_size if self.sharded else None,
+            node_rank=self.place.node_rank, total_nodes=self.place.num_nodes,
+            round=self.place.round_id, timeout=60.0)
+        step = reply.get("step")
+        if step is None or (storage_step is not None and step < storage_step):
+            return None
+        return int(step)
+
+    def load_from_memory(self, target: Any = None) -> tuple[int, Any, dict[str, Any]]:
+        """(step, state, metadata) from this process's load segment; SegmentStateError if none."""
+        reply = self.client.request("attach", slot=self.slot)
+        if reply.get("path") is None:
+            raise SegmentStateError("the saver holds no segment for this rank")
+        seg = self._load_segment
+        if seg is None or seg.path != reply["path"]:
+            seg = SharedSegment.attach(reply["path"])
+            self._load_segment = seg
+        seg.remap()
+        step, state, meta = read_state(seg, target)
+        if meta.get("dir") != self.checkpoint_dir:
+            raise SegmentStateError(f"memory holds a checkpoint of {meta.get('dir')!r}")
+        return step, state, meta
+
+    def catalog(self, resume_path: str = "") -> Catalog:
+        return Catalog(storage_for(resume_path) if resume_path else self.storage, self.keep_last)
+
+    # ------------------------------------------------------------------ lifecycle
+    def _check_writable(self) -> None:
+        probe = f".probe-{uuid.uuid4().hex[:8]}"
+        try:
+            self.storage.write_atomic(probe, b"")
+            self.storage.remove(probe)
+        except (CheckpointError, OSError) as exc:
+            raise CheckpointStorageError(f"checkpoint_dir {self.checkpoint_dir!r} is not "
+                                         f"writable: {exc}") from exc
+
+    def _start_own_saver(self) -> str:
+        log.warning("%s is not set (not launched by dlrover-run): persisting from an in-process"
+                    " saver; checkpoints in memory will not survive a process crash",
+                    ENV_CHECKPOINT_SOCKET)
+        tag = uuid.uuid4().hex[:8]
+        path = os.path.join(tempfile.gettempdir(), f"dlrover-ckpt-{os.getpid()}-{tag}.sock")
+        saver = CheckpointSaver(path, shm_prefix=f"dlrover-ckpt-{os.getpid()}-{tag}")
+        saver.start()
+        self._own_saver = saver
+        atexit.register(self.close)
+        return path
+
+    def close(self) -> None:
+        """Close the connection; an in-process saver first finishes its pending persist."""
+        try:
+            self.wait_copy()
+        finally:
+            if self._hook is not None:
+                self._hook.remove()
+                self._hook = None
+        for seg in (self._segment, self._load_segment):
+            if seg is not None:
+                seg.close()
+        self._segment = self._load_segment = None
+        if self._own_saver is not None:
+            try:
+                self.wait_persisted(60.0)
+            except CheckpointError as exc:
+                log.error("%s", exc)
+            self.client.close()
+            self._own_saver.close(unlink=True)
+            self._own_saver = None
+        else:
+            self.client.close()

@@ -1,0 +1,40 @@
+"""Exception hierarchy of the flash-checkpoint subsystem."""
+
+
+class CheckpointError(Exception):
+    """Base class of every error raised by dlrover.checkpoint."""
+
+
+class ShmSpaceError(CheckpointError):
+    """/dev/shm has too little free space for a checkpoint segment."""
+
+    def __init__(self, path: str, needed: int, free: int) -> None:
+        self.path = path
+        self.needed = needed
+        self.free = free
+        super().__init__(
+            f"shared memory {path!r} needs {needed} bytes ({needed / 2**30:.2f} GiB) more but "
+            f"only {free} bytes ({free / 2**30:.2f} GiB) are free. Enlarge /dev/shm: "
+            "`docker run --shm-size=<size>`, a Kubernetes emptyDir with `medium: Memory` "
+            "mounted at /dev/shm, or `mount -o remount,size=<size> /dev/shm`; or save less state."
+        )
+
+
+class StateDictError(CheckpointError):
+    """A state dict holds a value that a flash checkpoint cannot store."""
+
+
+class SegmentStateError(CheckpointError):
+    """A shared segment holds no complete checkpoint (empty, or a copy was torn)."""
+
+
+class CheckpointStorageError(CheckpointError):
+    """Storage cannot be written or read (permissions, missing path, I/O error)."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A persisted step fails its manifest check (missing file, wrong size or checksum)."""
+
+
+class SaverError(CheckpointError):
+    """The checkpoint saver refused a request or cannot be reached."""

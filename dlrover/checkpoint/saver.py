@@ -1,0 +1,354 @@
+"""CheckpointSaver: the agent-side owner of the checkpoint segments and their background persist."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import socketserver
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from dlrover.checkpoint.catalog import Catalog, Finalizer
+from dlrover.checkpoint.config import DEFAULT_COPY_WAIT_S, DEFAULT_PERSIST_WAIT_S, DEFAULT_SHM_DIR
+from dlrover.checkpoint.coordinator import CommitCoordinator, LocalCommitCoordinator
+from dlrover.checkpoint.errors import CheckpointError, ShmSpaceError
+from dlrover.checkpoint.layout import complete_step, read_metadata
+from dlrover.checkpoint.shm import SharedSegment
+from dlrover.checkpoint.storage import Storage, storage_for
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PersistSpec:
+    """What a persist of one step writes, as sent by the saving workers of this node."""
+
+    checkpoint_dir: str
+    slots: dict[int, int]  # local slot -> global rank whose part it is
+    fmt: str  # "plain" (rank_<r>.bin + meta) or "dcp" (torch.distributed.checkpoint files)
+    node_rank: int
+    persist_nodes: int  # how many nodes write parts of a step; the commit waits for all
+    keep_last: int
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> PersistSpec:
+        fmt = str(doc["format"])
+        if fmt not in ("plain", "dcp"):
+            raise CheckpointError(f"unknown checkpoint format {fmt!r}")
+        return cls(str(doc["dir"]), {int(k): int(v) for k, v in doc["slots"].items()}, fmt,
+                   int(doc["node_rank"]), int(doc["persist_nodes"]), int(doc["keep_last"]))
+
+
+class CheckpointSaver:
+    """Owns one shared segment per local saving rank ("slot") and persists them to storage.
+
+    Workers talk to it over a unix socket (see ``_dispatch`` for the messages). Invariants:
+    a slot is never copied into while it is being persisted (``begin_copy`` waits or reports
+    busy), a segment only grows, and at most one persist runs at a time.
+    """
+
+    def __init__(self, socket_path: str, shm_prefix: str | None = None,
+                 coordinator: CommitCoordinator | None = None,
+                 shm_dir: str = DEFAULT_SHM_DIR,
+                 storage_factory: Callable[[str], Storage] = storage_for) -> None:
+        self.socket_path = socket_path
+        self.shm_prefix = shm_prefix or f"dlrover-ckpt-{os.getpid()}"
+        self.shm_dir = shm_dir
+        self.coordinator: CommitCoordinator = coordinator or LocalCommitCoordinator()
+        self._storage_factory = storage_factory
+        self._cond = threading.Condition()
+        self._segments: dict[int, SharedSegment] = {}
+        self._persisting: set[int] = set()
+        self._spec: PersistSpec | None = None
+        self._committed: dict[str, int] = {}
+        self._errors: dict[str, str] = {}
+        self._votes: dict[int, int | None] = {}
+        self._persist_lock = threading.Lock()
+        self._jobs: queue.Queue[tuple[int, PersistSpec] | None] = queue.Queue()
+        self._server: socketserver.ThreadingUnixStreamServer | None = None
+        self._threads: list[threading.Thread] = []
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Listen on ``socket_path`` and start the persist thread."""
+        if os.path.exists(self.socket_path):
+            os.unlink(self.socket_path)  # left by a previous agent of this node
+        saver = self
+
+        class Handler(socketserver.StreamRequestHandler):
+            def handle(self) -> None:
+                for line in self.rfile:
+                    reply = saver._handle_line(line)
+                    self.wfile.write(json.dumps(reply).encode() + b"\n")
+                    self.wfile.flush()
+
+        server = socketserver.ThreadingUnixStreamServer(self.socket_path, Handler)
+        server.daemon_threads = True
+        self._server = server
+        self._threads = [
+            threading.Thread(target=server.serve_forever, name="ckpt-saver-socket", daemon=True),
+            threading.Thread(target=self._persist_loop, name="ckpt-saver-persist", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+        log.info("checkpoint saver listening on %s", self.socket_path)
+
+    def close(self, unlink: bool = True, timeout: float = 30.0) -> None:
+        """Stop serving and persisting; with ``unlink`` free the shared memory."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        self._jobs.put(None)
+        for t in self._threads:
+            t.join(timeout)
+            if t.is_alive():
+                log.warning("checkpoint saver thread %s did not stop in %.0f s", t.name, timeout)
+        self._threads = []
+        with self._cond:
+            for seg in self._segments.values():
+                seg.close(unlink=unlink)
+            self._segments.clear()
+        if os.path.exists(self.socket_path):
+            os.unlink(self.socket_path)
+
+    # ------------------------------------------------------------------ agent API
+    def held_steps(self) -> dict[int, int | None]:
+        """The complete step in each slot's segment (None: empty or torn)."""
+        with self._cond:
+            return {slot: complete_step(seg) for slot, seg in self._segments.items()}
+
+    def last_persisted(self, checkpoint_dir: str) -> int | None:
+        with self._cond:
+            return self._committed.get(checkpoint_dir)
+
+    def persist_latest_if_newer(self, timeout: float = DEFAULT_PERSIST_WAIT_S) -> int | None:
+        """Persist the newest step complete in every saving slot if storage lacks it.
+
+        Called by the agent after its workers died and before it restarts them, so the step
+        they last copied survives even if the node is lost later. Returns the persisted step.
+        """
+        with self._cond:
+            spec = self._spec
+        if spec is None:
+            return None
+        with self._persist_lock:
+            step = self._common_step(spec)
+            last = self._last_committed(spec)
+            if step is None or (last is not None and step <= last):
+                return None
+            log.info("persisting in-memory step %d after a worker failure", step)
+            return step if self._persist(step, spec, timeout) else None
+
+    # ------------------------------------------------------------------ socket protocol
+    def _handle_line(self, line: bytes) -> dict[str, Any]:
+        try:
+            msg = json.loads(line)
+            return self._dispatch(str(msg.get("op")), msg)
+        except ShmSpaceError as exc:
+            return {"ok": False, "kind": "ShmSpaceError", "error": str(exc), "path": exc.path,
+                    "needed": exc.needed, "free": exc.free}
+        except (CheckpointError, KeyError, ValueError, TypeError, OSError) as exc:
+            log.warning("checkpoint saver rejected a request: %r", exc)
+            return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+
+    def _dispatch(self, op: str, msg: dict[str, Any]) -> dict[str, Any]:
+        if op == "allocate":  # {slot, nbytes} -> {path, nbytes}
+            seg = self._allocate(int(msg["slot"]), int(msg["nbytes"]))
+            return {"ok": True, "path": seg.path, "nbytes": seg.size}
+        if op == "attach":  # {slot} -> {path | None}
+            with self._cond:
+                found = self._segments.get(int(msg["slot"]))
+            return {"ok": True, "path": found.path if found else None}
+        if op == "begin_copy":  # {slot, wait, timeout} -> {ok} | {ok: False, busy: True}
+            return self._begin_copy(int(msg["slot"]), bool(msg.get("wait", True)),
+                                    float(msg.get("timeout", DEFAULT_COPY_WAIT_S)))
+        if op == "copied":  # {slot, step, spec | None, persist}
+            self._copied(int(msg["slot"]), int(msg["step"]), msg.get("spec"),
+                         bool(msg.get("persist", False)))
+            return {"ok": True}
+        if op == "held":
+            return {"ok": True, "steps": {str(k): v for k, v in self.held_steps().items()}}
+        if op == "load_step":  # {slots, node_rank, total_nodes, round, timeout} -> {step}
+            return {"ok": True, "step": self._agree_load_step(msg)}
+        if op == "wait_persisted":  # {dir, step, timeout_s} -> {ok, committed, failure}
+            return self._wait_persisted(str(msg["dir"]), int(msg["step"]),
+                                        float(msg["timeout_s"]))
+        raise CheckpointError(f"unknown saver request {op!r}")
+
+    def _allocate(self, slot: int, nbytes: int) -> SharedSegment:
+        with self._cond:
+            self._cond.wait_for(lambda: slot not in self._persisting, DEFAULT_COPY_WAIT_S)
+            seg = self._segments.get(slot)
+            if seg is None:
+                name = f"{self.shm_prefix}-slot{slot}"
+                seg = SharedSegment.create(name, nbytes, self.shm_dir)
+                self._segments[slot] = seg
+                log.info("allocated %d bytes of shared memory for slot %d at %s",
+                         seg.size, slot, seg.path)
+            elif seg.size < nbytes:
+                old = seg.size
+                seg.grow(nbytes)
+                log.info("grew shared segment %s: %d -> %d bytes", seg.path, old, seg.size)
+            return seg
+
+    def _begin_copy(self, slot: int, wait: bool, timeout: float) -> dict[str, Any]:
+        with self._cond:
+            if slot in self._persisting and not wait:
+                return {"ok": False, "busy": True}
+            if not self._cond.wait_for(lambda: slot not in self._persisting, timeout):
+                return {"ok": False, "busy": True}
+            self._votes.clear()  # memory is about to change: a new restart round must re-vote
+            return {"ok": True}
+
+    def _copied(self, slot: int, step: int, spec_doc: dict[str, Any] | None,
+                persist: bool) -> None:
+        spec = PersistSpec.from_json(spec_doc) if spec_doc else None
+        with self._cond:
+            if spec is not None:
+                self._spec = spec
+                self._errors.pop(spec.checkpoint_dir, None)
+            self._cond.notify_all()
+        # Every saving slot sends "copied"; one job per step is enough (the first one).
+        if persist and spec is not None and slot == min(spec.slots):
+            self._jobs.put((step, spec))
+
+    def _common_step(self, spec: PersistSpec) -> int | None:
+        with self._cond:
+            steps = {complete_step(self._segments[s]) if s in self._segments else None
+                     for s in spec.slots}
+        return steps.pop() if len(steps) == 1 else None
+
+    def _last_committed(self, spec: PersistSpec) -> int | None:
+        with self._cond:
+            if spec.checkpoint_dir not in self._committed:
+                latest = Catalog(self._storage_factory(spec.checkpoint_dir)).latest_step()
+                if latest is not None:
+                    self._committed[spec.checkpoint_dir] = latest
+            return self._committed.get(spec.checkpoint_dir)
+
+    def _agree_load_step(self, msg: dict[str, Any]) -> int | None:
+        slots = [int(s) for s in msg["slots"]]
+        round_id = int(msg["round"])
+        with self._cond:
+            if round_id in self._votes:
+                return self._votes[round_id]
+            expect = {int(k): v for k, v in msg.get("ranks", {}).items()}
+            steps = {self._loadable_step(s, expect.get(s), msg.get("world_size"))
+                     for s in slots}
+        local = steps.pop() if len(steps) == 1 else None
+        agreed = self.coordinator.agree_load_step(int(msg["node_rank"]),
+                                                  int(msg["total_nodes"]), local, round_id,
+                                                  float(msg.get("timeout", 60.0)))
+        with self._cond:
+            self._votes[round_id] = agreed
+        return agreed
+
+    def _loadable_step(self, slot: int, rank: int | None, world_size: int | None
+                       ) -> int | None:
+        """The complete step of ``slot`` if it was saved by ``rank`` at ``world_size``."""
+        seg = self._segments.get(slot)
+        if seg is None:
+            return None
+        try:
+            _, meta = read_metadata(seg)
+        except CheckpointError:
+            return None
+        if rank is not None and meta.get("rank") != rank:
+            return None
+        if world_size is not None and meta.get("world_size") != world_size:
+            return None
+        return int(meta["step"])
+
+    def _wait_persisted(self, checkpoint_dir: str, step: int, timeout: float
+                        ) -> dict[str, Any]:
+        with self._cond:
+            done = self._cond.wait_for(
+                lambda: self._committed.get(checkpoint_dir, -1) >= step
+                or checkpoint_dir in self._errors, timeout)
+            error = self._errors.get(checkpoint_dir)
+            return {"ok": done and error is None, "committed": self._committed.get(checkpoint_dir),
+                    "failure": error}
+
+    # ------------------------------------------------------------------ persisting
+    def _persist_loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            step, spec = job
+            with self._persist_lock:
+                last = self._last_committed(spec)
+                if last is not None and step <= last:
+                    continue
+                self._persist(step, spec, DEFAULT_PERSIST_WAIT_S)
+
+    def _persist(self, step: int, spec: PersistSpec, timeout: float) -> bool:
+        """Write ``step`` of every slot in ``spec``, report it, commit if last. Never raises."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            # Other local saving ranks may still be copying this step.
+            ready = self._cond.wait_for(lambda: self._slots_hold(spec, step) is not False,
+                                        max(0.0, deadline - time.monotonic()))
+            if not ready or not self._slots_hold(spec, step):
+                log.warning("not persisting step %d: its copy is not complete in every slot",
+                            step)
+                return False
+            self._persisting.update(spec.slots)
+        started = time.monotonic()
+        try:
+            self._write_parts(step, spec)
+        except Exception as exc:  # any failure must leave training running and storage intact
+            log.error("persisting step %d to %s failed: %s", step, spec.checkpoint_dir, exc)
+            with self._cond:
+                self._errors[spec.checkpoint_dir] = f"step {step}: {exc}"
+                self._cond.notify_all()
+            return False
+        finally:
+            with self._cond:
+                self._persisting.difference_update(spec.slots)
+                self._cond.notify_all()
+        log.info("persisted step %d to %s in %.2f s", step, spec.checkpoint_dir,
+                 time.monotonic() - started)
+        return True
+
+    def _slots_hold(self, spec: PersistSpec, step: int) -> bool | None:
+        """True: every slot holds ``step``; False: some slot is behind; None: passed it."""
+        held = [complete_step(self._segments[s]) if s in self._segments else None
+                for s in spec.slots]
+        if any(h is not None and h > step for h in held):
+            return None
+        return all(h == step for h in held)
+
+    def _write_parts(self, step: int, spec: PersistSpec) -> None:
+        catalog = Catalog(self._storage_factory(spec.checkpoint_dir), spec.keep_last)
+        with self._cond:
+            segs = {slot: self._segments[slot] for slot in spec.slots}
+        finalize: Finalizer | None = None
+        extra: dict[str, Any] = {}
+        if spec.fmt == "dcp":
+            from dlrover.checkpoint.dcp_writer import persist_dcp, write_dcp_metadata
+
+            files, extra["dcp"] = persist_dcp(
+                catalog, step, {spec.slots[s]: seg for s, seg in segs.items()})
+            finalize = write_dcp_metadata
+        else:
+            files = {}
+            for slot, seg in segs.items():
+                seq, meta = read_metadata(seg)
+                if meta["step"] != step:
+                    raise CheckpointError(f"slot {slot} moved on from step {step}")
+                files.update(catalog.persist_plain_part(step, f"rank_{spec.slots[slot]}",
+                                                        seg, meta, seq))
+        catalog.record_node_part(step, spec.node_rank, files, extra)
+        if self.coordinator.report_persisted(step, spec.node_rank, spec.persist_nodes):
+            catalog.commit(step, spec.fmt, finalize)
+            self.coordinator.mark_committed(step)
+        elif not self.coordinator.wait_committed(step, DEFAULT_PERSIST_WAIT_S):
+            raise CheckpointError(f"step {step} was not committed by every node in time")
+        with self._cond:
+            self._committed[spec.checkpoint_dir] = step
+            self._cond.notify_all()
+

@@ -1,0 +1,209 @@
+"""Where persisted checkpoints go: a small Storage interface over a local path or an fsspec URL."""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from typing import IO, Any
+
+from dlrover.checkpoint.errors import CheckpointStorageError
+
+
+class Storage(abc.ABC):
+    """Byte files addressed by paths relative to a root.
+
+    Invariant: ``write_atomic`` makes a file appear whole or not at all (temp + rename), which
+    is what the commit protocol's markers rely on.
+    """
+
+    root: str
+
+    @abc.abstractmethod
+    def makedirs(self, rel: str) -> None:
+        """Create directory ``rel`` (and parents); fine if it exists."""
+
+    @abc.abstractmethod
+    def open_write(self, rel: str) -> contextlib.AbstractContextManager[IO[bytes]]:
+        """A binary stream that is durable (flushed, fsynced where possible) once closed."""
+
+    @abc.abstractmethod
+    def open_read(self, rel: str) -> contextlib.AbstractContextManager[IO[bytes]]:
+        """A binary stream reading ``rel``."""
+
+    @abc.abstractmethod
+    def write_atomic(self, rel: str, data: bytes) -> None:
+        """Write ``data`` to a temp file, then rename it over ``rel``."""
+
+    @abc.abstractmethod
+    def exists(self, rel: str) -> bool: ...
+
+    @abc.abstractmethod
+    def size(self, rel: str) -> int: ...
+
+    @abc.abstractmethod
+    def listdir(self, rel: str) -> list[str]:
+        """Names (not paths) in directory ``rel``; empty if it does not exist."""
+
+    @abc.abstractmethod
+    def remove_tree(self, rel: str) -> None: ...
+
+    @abc.abstractmethod
+    def remove(self, rel: str) -> None:
+        """Delete one file; fine if it does not exist."""
+
+    def url(self, rel: str) -> str:
+        """The full path/URL of ``rel`` (for DCP readers/writers and messages)."""
+        return f"{self.root.rstrip('/')}/{rel}" if rel else self.root
+
+    def read_bytes(self, rel: str) -> bytes:
+        with self.open_read(rel) as f:
+            return f.read()
+
+
+class LocalStorage(Storage):
+    """A directory on a local or mounted file system; writes are fsynced."""
+
+    def __init__(self, root: str) -> None:
+        self.root = os.path.abspath(root)
+
+    def _p(self, rel: str) -> str:
+        return os.path.join(self.root, rel) if rel else self.root
+
+    def makedirs(self, rel: str) -> None:
+        try:
+            os.makedirs(self._p(rel), exist_ok=True)
+        except OSError as exc:
+            raise CheckpointStorageError(
+                f"cannot create checkpoint directory {self._p(rel)!r}: {exc.strerror}; "
+                "choose a writable checkpoint_dir") from exc
+
+    @contextlib.contextmanager
+    def open_write(self, rel: str) -> Iterator[IO[bytes]]:
+        path = self._p(rel)
+        try:
+            f = open(path, "wb")  # noqa: SIM115 - closed below after fsync
+        except OSError as exc:
+            raise CheckpointStorageError(f"cannot write {path!r}: {exc.strerror}") from exc
+        try:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        finally:
+            f.close()
+
+    @contextlib.contextmanager
+    def open_read(self, rel: str) -> Iterator[IO[bytes]]:
+        with open(self._p(rel), "rb") as f:
+            yield f
+
+    def write_atomic(self, rel: str, data: bytes) -> None:
+        path = self._p(rel)
+        tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            dir_fd = os.open(os.path.dirname(path), os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)  # makes the rename itself durable
+            finally:
+                os.close(dir_fd)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise CheckpointStorageError(f"cannot write {path!r}: {exc.strerror}") from exc
+
+    def exists(self, rel: str) -> bool:
+        return os.path.exists(self._p(rel))
+
+    def size(self, rel: str) -> int:
+        return os.path.getsize(self._p(rel))
+
+    def listdir(self, rel: str) -> list[str]:
+        try:
+            return sorted(os.listdir(self._p(rel)))
+        except FileNotFoundError:
+            return []
+
+    def remove_tree(self, rel: str) -> None:
+        shutil.rmtree(self._p(rel), ignore_errors=True)
+
+    def remove(self, rel: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._p(rel))
+
+
+class FsspecStorage(Storage):
+    """Any fsspec URL (s3://, gs://, hdfs://, memory://...). The rename of ``write_atomic`` is
+    as atomic as the backend's move; object stores make a single put visible atomically, so a
+    marker is written with one put there."""
+
+    def __init__(self, url: str, **options: Any) -> None:
+        import fsspec
+
+        self.fs, path = fsspec.core.url_to_fs(url, **options)
+        self.root = url.rstrip("/")
+        self._path = path.rstrip("/")
+
+    def _p(self, rel: str) -> str:
+        return f"{self._path}/{rel}" if rel else self._path
+
+    def makedirs(self, rel: str) -> None:
+        try:
+            self.fs.makedirs(self._p(rel), exist_ok=True)
+        except OSError as exc:
+            raise CheckpointStorageError(f"cannot create {self.url(rel)!r}: {exc}") from exc
+
+    @contextlib.contextmanager
+    def open_write(self, rel: str) -> Iterator[IO[bytes]]:
+        with self.fs.open(self._p(rel), "wb") as f:
+            yield f
+
+    @contextlib.contextmanager
+    def open_read(self, rel: str) -> Iterator[IO[bytes]]:
+        with self.fs.open(self._p(rel), "rb") as f:
+            yield f
+
+    def write_atomic(self, rel: str, data: bytes) -> None:
+        tmp = f"{self._p(rel)}.tmp-{uuid.uuid4().hex[:8]}"
+        try:
+            self.fs.pipe_file(tmp, data)
+            self.fs.mv(tmp, self._p(rel))
+        except OSError as exc:
+            raise CheckpointStorageError(f"cannot write {self.url(rel)!r}: {exc}") from exc
+
+    def exists(self, rel: str) -> bool:
+        return bool(self.fs.exists(self._p(rel)))
+
+    def size(self, rel: str) -> int:
+        return int(self.fs.size(self._p(rel)))
+
+    def listdir(self, rel: str) -> list[str]:
+        try:
+            names = self.fs.ls(self._p(rel), detail=False)
+        except FileNotFoundError:
+            return []
+        return sorted(str(n).rstrip("/").rsplit("/", 1)[-1] for n in names)
+
+    def remove_tree(self, rel: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(self._p(rel), recursive=True)
+
+    def remove(self, rel: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(self._p(rel))
+
+
+def storage_for(location: str) -> Storage:
+    """LocalStorage for a plain path or file:// URL, FsspecStorage for any other URL."""
+    if location.startswith("file://"):
+        return LocalStorage(location[len("file://"):])
+    if "://" in location:
+        return FsspecStorage(location)
+    return LocalStorage(location)

@@ -1,0 +1,1 @@
+"""Flash checkpointing for PyTorch training scripts (DDP, FSDP)."""

@@ -1,0 +1,78 @@
+"""What every flash checkpointer offers, and where a save goes (StorageType)."""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import re
+
+from dlrover.checkpoint.catalog import Catalog
+from dlrover.checkpoint.engine import CheckpointEngine
+from dlrover.checkpoint.storage import storage_for
+
+log = logging.getLogger(__name__)
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+class StorageType(enum.Enum):
+    """MEMORY: copy into the agent's shared memory only (survives a worker crash, not a node
+    loss). DISK: the same copy, then the agent persists it to storage in the background."""
+
+    MEMORY = "memory"
+    DISK = "disk"
+
+
+class Checkpointer:
+    """Base of the trainer-facing checkpointers; owns one CheckpointEngine per directory."""
+
+    sharded: bool = False
+
+    def __init__(self, checkpoint_dir: str, keep_last: int = 3) -> None:
+        self.checkpoint_dir = checkpoint_dir
+        self.keep_last = keep_last
+        self._engines: dict[str, CheckpointEngine] = {}
+        self.last_load_source: str | None = None
+        """Where the last load came from: "memory", "storage", or None (nothing found)."""
+        self.engine = self._engine_for("")
+
+    def _engine_for(self, path: str) -> CheckpointEngine:
+        key = path or self.checkpoint_dir
+        if key not in self._engines:
+            self._engines[key] = CheckpointEngine(key, self.sharded, self.keep_last)
+        return self._engines[key]
+
+    def wait_latest_checkpoint(self, timeout: float = 1800.0) -> bool:
+        """Block until the newest DISK save is committed on storage (False at the deadline);
+        raises CheckpointStorageError if its persist failed."""
+        return all(e.wait_persisted(timeout) for e in self._engines.values())
+
+    def close(self) -> None:
+        for engine in self._engines.values():
+            engine.close()
+        self._engines.clear()
+
+
+def resolve_catalog(engine: CheckpointEngine, resume_path: str) -> tuple[Catalog, int | None]:
+    """The catalog to load from and an upper bound on the step: a checkpoint directory or one
+    of its ``step_<n>`` directories."""
+    if not resume_path:
+        return engine.catalog(), None
+    base = os.path.basename(resume_path.rstrip("/"))
+    match = _STEP_DIR.match(base)
+    if match:
+        parent = resume_path.rstrip("/")[: -len(base)].rstrip("/") or "."
+        return Catalog(storage_for(parent), engine.keep_last), int(match.group(1))
+    return engine.catalog(resume_path), None
+
+
+def storage_step(catalog: Catalog) -> int | None:
+    """Storage's latest committed step, or None (with a warning) when it cannot be read."""
+    try:
+        return catalog.latest_step()
+    except OSError as exc:
+        log.warning("cannot read the latest step of %s: %s", catalog.storage.root, exc)
+        return None
+
+

@@ -1,0 +1,78 @@
+"""DdpCheckpointer: flash checkpoints of replicated (DDP or single-process) training state."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from dlrover.checkpoint.errors import SegmentStateError
+from dlrover.trainer.torch.flash_checkpoint.checkpointer import (
+    Checkpointer,
+    StorageType,
+    resolve_catalog,
+    storage_step,
+)
+
+__all__ = ["DdpCheckpointer", "StorageType"]
+
+log = logging.getLogger(__name__)
+
+
+class DdpCheckpointer(Checkpointer):
+    """Saves a state dict that every rank holds identically.
+
+    Local rank 0 of each node copies it into its node's shared memory (so every node can load
+    from memory after a restart); only global rank 0 persists it (storage needs one copy).
+    Other ranks' ``save_checkpoint`` calls return at once.
+    """
+
+    sharded = False
+
+    def save_checkpoint(self, step: int, state_dict: dict[str, Any], path: str = "",
+                        storage_type: StorageType = StorageType.DISK,
+                        overlap: bool = False) -> bool:
+        """Copy ``state_dict`` into shared memory; with DISK also persist it in the background.
+
+        ``path`` saves into another checkpoint directory. ``overlap`` returns before the copy
+        is done: it runs during the next forward/backward and the next ``optimizer.step``
+        waits for it (see CheckpointEngine.save_overlapped for the one caveat). Returns False
+        if a MEMORY save was skipped because the previous step is still being persisted.
+        """
+        engine = self._engine_for(path)
+        persist = storage_type == StorageType.DISK
+        if overlap:
+            return engine.save_overlapped(step, state_dict, persist)
+        return engine.save(step, state_dict, persist)
+
+    def wait_copy(self) -> None:
+        """Wait for an overlapped save's copy into shared memory to finish."""
+        for engine in self._engines.values():
+            engine.wait_copy()
+
+    def load_checkpoint(self, resume_path: str = "", target: dict[str, Any] | None = None
+                        ) -> dict[str, Any]:
+        """The newest state: from memory when every rank holds a step not older than storage's,
+        else the newest verified step on storage; {} when there is none.
+
+        ``target`` (e.g. ``{"model": model.state_dict(), ...}``) is filled in place, which
+        saves allocating fresh tensors; the returned dict then shares its tensors.
+        """
+        engine = self.engine
+        self.last_load_source = None
+        catalog, bound = resolve_catalog(engine, resume_path)
+        latest = storage_step(catalog)
+        if not resume_path and engine.memory_step(latest) is not None:
+            try:
+                step, state, _ = engine.load_from_memory(target)
+                log.info("loaded step %d from shared memory", step)
+                self.last_load_source = "memory"
+                return dict(state)
+            except SegmentStateError as exc:
+                log.warning("cannot load from memory (%s); loading from storage", exc)
+        found = catalog.newest_valid(bound)
+        if found is None:
+            return {}
+        step, _ = found
+        log.info("loading step %d from %s", step, catalog.storage.root)
+        self.last_load_source = "storage"
+        return dict(catalog.load_plain_part(step, "rank_0", target))

@@ -1,0 +1,129 @@
+"""Training-process scenarios the checkpoint tests run as real child processes."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer, StorageType
+from tests.checkpoint.harness import assert_same, expected_state
+
+
+def ddp_save(ckpt_dir: str, step: str, kind: str) -> None:
+    ckpt = DdpCheckpointer(ckpt_dir)
+    disk = kind == "disk"
+    ok = ckpt.save_checkpoint(int(step), expected_state(int(step)),
+                              storage_type=StorageType.DISK if disk else StorageType.MEMORY)
+    assert ok
+    if disk:
+        assert ckpt.wait_latest_checkpoint(30)
+    ckpt.close()
+
+
+def ddp_save_then_die_mid_copy(ckpt_dir: str, good: str, torn: str, marker: str) -> None:
+    """Persist step ``good``; start copying step ``torn`` and stop after its second tensor,
+    announcing it with ``marker``, so the parent can SIGKILL this process mid-copy."""
+    ckpt = DdpCheckpointer(ckpt_dir)
+    ckpt.save_checkpoint(int(good), expected_state(int(good)))
+    assert ckpt.wait_latest_checkpoint(30)
+
+    def stop_mid_copy(i: int) -> None:
+        if i == 1:
+            Path(marker).touch()
+            threading.Event().wait(3600)  # the parent kills us here
+
+    ckpt.engine.save(int(torn), expected_state(int(torn)), persist=True,
+                     after_tensor=stop_mid_copy)
+
+
+def ddp_load(ckpt_dir: str, step: str, source: str) -> None:
+    ckpt = DdpCheckpointer(ckpt_dir)
+    state = ckpt.load_checkpoint()
+    if step == "none":
+        assert state == {}, state
+    else:
+        assert_same(expected_state(int(step)), state)
+        assert ckpt.last_load_source == source, (ckpt.last_load_source, source)
+    ckpt.close()
+
+
+def _fsdp_model(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(13, 7), torch.nn.ReLU(), torch.nn.Linear(7, 5))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    optim = torch.optim.Adam(model.parameters(), lr=0.01)
+    return model, optim
+
+
+def _train(model: torch.nn.Module, optim: torch.optim.Optimizer, steps: int) -> None:
+    g = torch.Generator().manual_seed(7 + dist.get_rank())
+    for _ in range(steps):
+        model(torch.randn(4, 13, generator=g)).square().sum().backward()
+        optim.step()
+        optim.zero_grad()
+
+
+def _full_state(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_sd, optim_sd = get_state_dict(model, optim, options=options)
+    return {"model": model_sd, "optimizer": optim_sd.get("state", {})}  # rank 0 only
+
+
+def fsdp_save(ckpt_dir: str, step: str, oracle: str) -> None:
+    """Train a few steps, flash-save at ``step`` (DISK), record the full state as oracle."""
+    from dlrover.trainer.torch.flash_checkpoint.fsdp import FsdpShardCheckpointer
+
+    dist.init_process_group("gloo")
+    model, optim = _fsdp_model(seed=0)
+    _train(model, optim, 2)
+    ckpt = FsdpShardCheckpointer(ckpt_dir)
+    assert ckpt.save_checkpoint(int(step), model, optim, extra_sd={"step": int(step)})
+    assert ckpt.wait_latest_checkpoint(60)
+    full = _full_state(model, optim)
+    if dist.get_rank() == 0:
+        torch.save(full, oracle)  # test oracle file, read back with weights_only=True
+    dist.barrier()
+    ckpt.close()
+    dist.destroy_process_group()
+
+
+def fsdp_load(ckpt_dir: str, step: str, oracle: str, source: str) -> None:
+    """A fresh (differently initialised) job loads the checkpoint; compare to the oracle."""
+    from dlrover.trainer.torch.flash_checkpoint.fsdp import FsdpShardCheckpointer
+
+    dist.init_process_group("gloo")
+    model, optim = _fsdp_model(seed=123)
+    _train(model, optim, 1)  # creates optimizer state to load into
+    ckpt = FsdpShardCheckpointer(ckpt_dir)
+    extra = ckpt.load_checkpoint(model, optim)
+    assert extra == {"step": int(step)}, extra
+    assert ckpt.last_load_source == source, (ckpt.last_load_source, source)
+    full = _full_state(model, optim)  # gathered from every rank's shards
+    if dist.get_rank() == 0:
+        assert_same(torch.load(oracle, weights_only=True), full)
+    ckpt.close()
+    dist.destroy_process_group()
+
+
+def main(argv: list[str]) -> None:
+    scenarios = {f.__name__: f for f in (ddp_save, ddp_save_then_die_mid_copy, ddp_load,
+                                         fsdp_save, fsdp_load)}
+    scenarios[argv[0]](*argv[1:])
+    print(json.dumps({"done": argv[0]}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
