@@ -65,8 +65,9 @@ class Catalog:
         self.keep_last = keep_last
 
     # ------------------------------------------------------------------ writing
-    def persist_plain_part(self, step: int, part: str, seg: SharedSegment,
-                           meta: dict[str, Any], seq: int) -> FileTable:
+    def persist_plain_part(
+        self, step: int, part: str, seg: SharedSegment, meta: dict[str, Any], seq: int
+    ) -> FileTable:
         """Stream the data of ``seg`` (holding ``step`` at ``seq``) into the step directory."""
         rel = step_dir(step)
         self.storage.makedirs(rel)
@@ -75,7 +76,7 @@ class Catalog:
         buf = seg.buffer
         with self.storage.open_write(f"{rel}/{part}.bin") as f:
             for start in range(HEADER_SIZE, HEADER_SIZE + data_len, PERSIST_CHUNK_BYTES):
-                chunk = buf[start:min(start + PERSIST_CHUNK_BYTES, HEADER_SIZE + data_len)]
+                chunk = buf[start : min(start + PERSIST_CHUNK_BYTES, HEADER_SIZE + data_len)]
                 f.write(chunk)
                 crc = zlib.crc32(chunk, crc)
         if read_seq(seg) != seq:
@@ -87,11 +88,13 @@ class Catalog:
             f"{part}.meta.json": {"size": len(meta_bytes), "crc32": zlib.crc32(meta_bytes)},
         }
 
-    def record_node_part(self, step: int, node_rank: int, files: FileTable,
-                         extra: dict[str, Any] | None = None) -> None:
+    def record_node_part(
+        self, step: int, node_rank: int, files: FileTable, extra: dict[str, Any] | None = None
+    ) -> None:
         doc = {"step": step, "node_rank": node_rank, "files": files, "extra": extra or {}}
-        self.storage.write_atomic(f"{step_dir(step)}/node_{node_rank}.json",
-                                  json.dumps(doc).encode())
+        self.storage.write_atomic(
+            f"{step_dir(step)}/node_{node_rank}.json", json.dumps(doc).encode()
+        )
 
     def commit(self, step: int, fmt: str, finalize: Finalizer | None = None) -> None:
         """Merge every node's part into the manifest, then move 'latest' (in that order).
@@ -121,7 +124,7 @@ class Catalog:
         latest = self.latest_step()
         steps = self.steps()
         committed = [s for s in steps if self.storage.exists(f"{step_dir(s)}/{MANIFEST_FILE}")]
-        keep = set(committed[-self.keep_last:])
+        keep = set(committed[-self.keep_last :])
         for s in steps:
             # Uncommitted steps newer than latest may still be in flight; leave them alone.
             if s not in keep and (latest is None or s < latest):
@@ -138,8 +141,9 @@ class Catalog:
         except FileNotFoundError:
             return None
         except OSError as exc:
-            raise CheckpointStorageError(f"cannot read {self.storage.url(LATEST_FILE)}: {exc}"
-                                         ) from exc
+            raise CheckpointStorageError(
+                f"cannot read {self.storage.url(LATEST_FILE)}: {exc}"
+            ) from exc
         if not text.isdigit():
             log.warning("ignoring malformed marker %s: %r", self.storage.url(LATEST_FILE), text)
             return None
@@ -150,8 +154,9 @@ class Catalog:
         try:
             manifest: dict[str, Any] = json.loads(self.storage.read_bytes(rel))
         except FileNotFoundError as exc:
-            raise CheckpointCorruptError(f"{self.storage.url(rel)} is missing: step {step} was"
-                                         " never committed") from exc
+            raise CheckpointCorruptError(
+                f"{self.storage.url(rel)} is missing: step {step} was never committed"
+            ) from exc
         except ValueError as exc:
             raise CheckpointCorruptError(f"{self.storage.url(rel)} is not valid JSON") from exc
         return manifest
@@ -168,7 +173,8 @@ class Catalog:
             if size != info["size"] or crc != info["crc32"]:
                 raise CheckpointCorruptError(
                     f"{self.storage.url(rel)} is corrupt: {size} bytes, crc32 {crc:#010x}; "
-                    f"the manifest says {info['size']} bytes, crc32 {info['crc32']:#010x}")
+                    f"the manifest says {info['size']} bytes, crc32 {info['crc32']:#010x}"
+                )
         return manifest
 
     def newest_valid(self, not_newer_than: int | None = None) -> tuple[int, dict[str, Any]] | None:
@@ -181,8 +187,7 @@ class Catalog:
             try:
                 return step, self.verify(step)
             except CheckpointCorruptError as exc:
-                log.warning("checkpoint step %d is unusable (%s); trying an older step",
-                            step, exc)
+                log.warning("checkpoint step %d is unusable (%s); trying an older step", step, exc)
         return None
 
     def load_plain_part(self, step: int, part: str, target: Any = None) -> Any:

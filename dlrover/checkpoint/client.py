@@ -29,8 +29,10 @@ class SaverClient:
             self._sock.connect(socket_path)
         except OSError as exc:
             self._sock.close()
-            raise SaverError(f"cannot reach the checkpoint saver at {socket_path!r}: {exc}; is "
-                             "the agent (dlrover-run) still running?") from exc
+            raise SaverError(
+                f"cannot reach the checkpoint saver at {socket_path!r}: {exc}; is "
+                "the agent (dlrover-run) still running?"
+            ) from exc
         self._reader = self._sock.makefile("rb")
 
     def request(self, op: str, timeout: float | None = None, **fields: Any) -> dict[str, Any]:

@@ -31,8 +31,14 @@ class CommitCoordinator(Protocol):
 
     def wait_committed(self, step: int, timeout: float) -> bool: ...
 
-    def agree_load_step(self, node_rank: int, total_nodes: int, local_step: int | None,
-                        round_id: int, timeout: float) -> int | None: ...
+    def agree_load_step(
+        self,
+        node_rank: int,
+        total_nodes: int,
+        local_step: int | None,
+        round_id: int,
+        timeout: float,
+    ) -> int | None: ...
 
 
 class LocalCommitCoordinator:
@@ -65,8 +71,14 @@ class LocalCommitCoordinator:
         with self._cond:
             return self._cond.wait_for(lambda: self._committed >= step, timeout)
 
-    def agree_load_step(self, node_rank: int, total_nodes: int, local_step: int | None,
-                        round_id: int, timeout: float) -> int | None:
+    def agree_load_step(
+        self,
+        node_rank: int,
+        total_nodes: int,
+        local_step: int | None,
+        round_id: int,
+        timeout: float,
+    ) -> int | None:
         deadline = time.monotonic() + timeout
         with self._cond:
             votes = self._rounds.setdefault(round_id, {})

@@ -54,8 +54,9 @@ def dcp_leaves(tree: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
             return False
         if "list" not in node:
             return True
-        return not any("dict" in c or "tensor" in c or ("list" in c and not terminal(c))
-                       for c in node["list"])
+        return not any(
+            "dict" in c or "tensor" in c or ("list" in c and not terminal(c)) for c in node["list"]
+        )
 
     def walk(path: tuple[str, ...], node: dict[str, Any]) -> None:
         if "dict" in node:
@@ -77,8 +78,9 @@ class _SegmentPlanner(SavePlanner):
     def __init__(self, data: dict[MetadataIndex, torch.Tensor | io.BytesIO]) -> None:
         self._data = data
 
-    def set_up_planner(self, state_dict: Any, storage_meta: StorageMeta | None = None,
-                       is_coordinator: bool = False) -> None:
+    def set_up_planner(
+        self, state_dict: Any, storage_meta: StorageMeta | None = None, is_coordinator: bool = False
+    ) -> None:
         pass
 
     def create_local_plan(self) -> SavePlan:
@@ -94,8 +96,9 @@ class _SegmentPlanner(SavePlanner):
         return self._data[write_item.index]
 
 
-def _items_of(rank: int, meta: dict[str, Any], data: torch.Tensor
-              ) -> tuple[list[WriteItem], dict[MetadataIndex, torch.Tensor | io.BytesIO]]:
+def _items_of(
+    rank: int, meta: dict[str, Any], data: torch.Tensor
+) -> tuple[list[WriteItem], dict[MetadataIndex, torch.Tensor | io.BytesIO]]:
     """Write items of one rank: its DTensor shards; plain tensors and values from rank 0 only
     (they are replicated, so one copy is enough)."""
     items: list[WriteItem] = []
@@ -108,24 +111,36 @@ def _items_of(rank: int, meta: dict[str, Any], data: torch.Tensor
                 continue
             offsets = torch.Size(entry.get("chunk_offsets", [0] * len(entry["shape"])))
             index = MetadataIndex(fqn, offsets)
-            items.append(WriteItem(index=index, type=WriteItemType.SHARD if sharded
-                                   else WriteItemType.TENSOR, tensor_data=TensorWriteData(
-                chunk=ChunkStorageMetadata(offsets, torch.Size(entry["shape"])),
-                properties=TensorProperties(dtype=dtype_from_name(entry["dtype"])),
-                size=torch.Size(entry.get("global_shape", entry["shape"])))))
+            items.append(
+                WriteItem(
+                    index=index,
+                    type=WriteItemType.SHARD if sharded else WriteItemType.TENSOR,
+                    tensor_data=TensorWriteData(
+                        chunk=ChunkStorageMetadata(offsets, torch.Size(entry["shape"])),
+                        properties=TensorProperties(dtype=dtype_from_name(entry["dtype"])),
+                        size=torch.Size(entry.get("global_shape", entry["shape"])),
+                    ),
+                )
+            )
             payload[index] = tensor_view(data, entry)
         elif rank == 0:
             buf = io.BytesIO()
             torch.save(decode({"tree": node, "tensors": []}, data), buf)
             index = MetadataIndex(fqn)
-            items.append(WriteItem(index=index, type=WriteItemType.BYTE_IO,
-                                   bytes_io_data=BytesIOWriteData(buf.getbuffer().nbytes)))
+            items.append(
+                WriteItem(
+                    index=index,
+                    type=WriteItemType.BYTE_IO,
+                    bytes_io_data=BytesIOWriteData(buf.getbuffer().nbytes),
+                )
+            )
             payload[index] = buf
     return items, payload
 
 
-def persist_dcp(catalog: Catalog, step: int, segments: dict[int, SharedSegment]
-                ) -> tuple[FileTable, dict[str, Any]]:
+def persist_dcp(
+    catalog: Catalog, step: int, segments: dict[int, SharedSegment]
+) -> tuple[FileTable, dict[str, Any]]:
     """Write the DCP data files of every rank in ``segments`` (global rank -> segment).
 
     Returns the files written (for the node part) and the JSON the committer needs to build
@@ -161,22 +176,29 @@ def persist_dcp(catalog: Catalog, step: int, segments: dict[int, SharedSegment]
                 chunks[fqn] = {"bytes": True}
                 continue
             td = item.tensor_data
-            desc = chunks.setdefault(fqn, {"dtype": dtype_name(td.properties.dtype),
-                                           "size": list(td.size), "chunks": []})
+            desc = chunks.setdefault(
+                fqn, {"dtype": dtype_name(td.properties.dtype), "size": list(td.size), "chunks": []}
+            )
             desc["chunks"].append([list(td.chunk.offsets), list(td.chunk.sizes)])
         for wr in written:
             info = wr.storage_data
-            results.append({"fqn": wr.index.fqn, "offset": None if wr.index.offset is None
-                            else list(wr.index.offset), "size": wr.size_in_bytes,
-                            "path": info.relative_path, "at": info.offset, "len": info.length})
+            results.append(
+                {
+                    "fqn": wr.index.fqn,
+                    "offset": None if wr.index.offset is None else list(wr.index.offset),
+                    "size": wr.size_in_bytes,
+                    "path": info.relative_path,
+                    "at": info.offset,
+                    "len": info.length,
+                }
+            )
     for name in sorted({r["path"] for r in results}):
         size, crc = crc32_file(catalog.storage, f"{rel}/{name}")
         files[name] = {"size": size, "crc32": crc}
     return files, {"chunks": chunks, "results": results}
 
 
-def write_dcp_metadata(catalog: Catalog, step: int, node_docs: list[dict[str, Any]]
-                       ) -> FileTable:
+def write_dcp_metadata(catalog: Catalog, step: int, node_docs: list[dict[str, Any]]) -> FileTable:
     """Merge every node's DCP part into the global .metadata file; returns its file entry."""
     # _StorageInfo is the record DCP keeps per item in .metadata; FileSystemReader needs it.
     from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -191,19 +213,27 @@ def write_dcp_metadata(catalog: Catalog, step: int, node_docs: list[dict[str, An
                 continue
             md = state_md.get(fqn)
             if not isinstance(md, TensorStorageMetadata):
-                md = TensorStorageMetadata(TensorProperties(dtype=dtype_from_name(desc["dtype"])),
-                                           torch.Size(desc["size"]), [])
+                md = TensorStorageMetadata(
+                    TensorProperties(dtype=dtype_from_name(desc["dtype"])),
+                    torch.Size(desc["size"]),
+                    [],
+                )
                 state_md[fqn] = md
-            md.chunks.extend(ChunkStorageMetadata(torch.Size(o), torch.Size(s))
-                             for o, s in desc["chunks"])
+            md.chunks.extend(
+                ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in desc["chunks"]
+            )
         for r in doc["results"]:
             offset = None if r["offset"] is None else torch.Size(r["offset"])
-            results.append(WriteResult(MetadataIndex(r["fqn"], offset), r["size"],
-                                       _StorageInfo(r["path"], r["at"], r["len"])))
+            results.append(
+                WriteResult(
+                    MetadataIndex(r["fqn"], offset),
+                    r["size"],
+                    _StorageInfo(r["path"], r["at"], r["len"]),
+                )
+            )
     rel = step_dir(step)
     writer = FileSystemWriter(catalog.storage.url(rel), sync_files=True, overwrite=True)
     writer.set_up_storage_writer(True)
     writer.finish(Metadata(state_dict_metadata=dict(state_md)), [results])
     size, crc = crc32_file(catalog.storage, f"{rel}/.metadata")
     return {".metadata": {"size": size, "crc32": crc}}
-

@@ -54,8 +54,14 @@ class Layout:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def metadata(self, step: int) -> bytes:
-        doc = {"version": FORMAT_VERSION, "step": step, "tree": self.tree,
-               "tensors": self.entries, "data_len": self.data_len, **self.extra}
+        doc = {
+            "version": FORMAT_VERSION,
+            "step": step,
+            "tree": self.tree,
+            "tensors": self.entries,
+            "data_len": self.data_len,
+            **self.extra,
+        }
         return json.dumps(doc, separators=(",", ":")).encode()
 
     def required_bytes(self, step: int) -> int:
@@ -85,8 +91,9 @@ def plan_layout(state: Any, extra: dict[str, Any] | None = None) -> Layout:
             if value.is_sparse or value.layout != torch.strided:
                 raise StateDictError(f"{path}: only dense (strided) tensors can be saved")
             nbytes = value.numel() * value.element_size()
-            entry.update(dtype=dtype_name(value.dtype), shape=list(value.shape),
-                         offset=offset, nbytes=nbytes)
+            entry.update(
+                dtype=dtype_name(value.dtype), shape=list(value.shape), offset=offset, nbytes=nbytes
+            )
             offset = _align(offset + nbytes)
             tensors.append(value)
             entries.append(entry)
@@ -132,8 +139,9 @@ def read_seq(seg: SharedSegment) -> int:
     return int(struct.unpack_from("<Q", seg.buffer, 8)[0])
 
 
-def write_state(seg: SharedSegment, layout: Layout, step: int,
-                after_tensor: Callable[[int], None] | None = None) -> None:
+def write_state(
+    seg: SharedSegment, layout: Layout, step: int, after_tensor: Callable[[int], None] | None = None
+) -> None:
     """Copy the state into ``seg`` (one memcpy per tensor) and publish it as ``step``.
 
     ``after_tensor(i)`` runs after tensor ``i`` is copied; it exists for fault injection.
@@ -141,8 +149,10 @@ def write_state(seg: SharedSegment, layout: Layout, step: int,
     meta = layout.metadata(step)
     meta_offset = HEADER_SIZE + _align(layout.data_len)
     if meta_offset + len(meta) > seg.size:
-        raise SegmentStateError(f"segment {seg.path} of {seg.size} bytes is too small for "
-                                f"{meta_offset + len(meta)} bytes; allocate it first")
+        raise SegmentStateError(
+            f"segment {seg.path} of {seg.size} bytes is too small for "
+            f"{meta_offset + len(meta)} bytes; allocate it first"
+        )
     buf = seg.buffer
     seq = read_seq(seg) if bytes(buf[:8]) == MAGIC else 0
     writing = seq + 1 if seq % 2 == 0 else seq + 2
@@ -151,11 +161,11 @@ def write_state(seg: SharedSegment, layout: Layout, step: int,
     with torch.no_grad():
         for i, (tensor, entry) in enumerate(zip(layout.tensors, layout.entries, strict=True)):
             start = HEADER_SIZE + entry["offset"]
-            view = data[start:start + entry["nbytes"]].view(tensor.dtype).view(tensor.shape)
+            view = data[start : start + entry["nbytes"]].view(tensor.dtype).view(tensor.shape)
             view.copy_(tensor)
             if after_tensor is not None:
                 after_tensor(i)
-    buf[meta_offset:meta_offset + len(meta)] = meta
+    buf[meta_offset : meta_offset + len(meta)] = meta
     _HEADER.pack_into(buf, 0, MAGIC, writing, step, layout.data_len, meta_offset, len(meta))
     struct.pack_into("<Q", buf, 8, writing + 1)
 
@@ -165,7 +175,7 @@ def read_metadata(seg: SharedSegment) -> tuple[int, dict[str, Any]]:
     seq, step, _, meta_offset, meta_len = _read_header(seg)
     if seq % 2 == 1:
         raise SegmentStateError(f"segment {seg.path}: a copy is in progress or was torn")
-    meta = json.loads(bytes(seg.buffer[meta_offset:meta_offset + meta_len]))
+    meta = json.loads(bytes(seg.buffer[meta_offset : meta_offset + meta_len]))
     if read_seq(seg) != seq:
         raise SegmentStateError(f"segment {seg.path} changed while its metadata was read")
     if meta.get("version") != FORMAT_VERSION or meta.get("step") != step:
@@ -181,16 +191,16 @@ def complete_step(seg: SharedSegment) -> int | None:
         return None
 
 
-def tensor_view(data: torch.Tensor, entry: dict[str, Any], base: int = HEADER_SIZE
-                ) -> torch.Tensor:
+def tensor_view(data: torch.Tensor, entry: dict[str, Any], base: int = HEADER_SIZE) -> torch.Tensor:
     """A tensor aliasing the bytes of ``entry`` inside the uint8 tensor ``data``."""
     start = base + entry["offset"]
     dtype = dtype_from_name(entry["dtype"])
-    return data[start:start + entry["nbytes"]].view(dtype).view(entry["shape"])
+    return data[start : start + entry["nbytes"]].view(dtype).view(entry["shape"])
 
 
-def decode(meta: dict[str, Any], data: torch.Tensor, target: Any = None,
-           base: int = HEADER_SIZE) -> Any:
+def decode(
+    meta: dict[str, Any], data: torch.Tensor, target: Any = None, base: int = HEADER_SIZE
+) -> Any:
     """Rebuild the state from ``meta`` and the bytes in ``data``.
 
     Tensors are copied into the matching tensor of ``target`` (same path, shape and dtype) in
@@ -203,8 +213,11 @@ def decode(meta: dict[str, Any], data: torch.Tensor, target: Any = None,
             entry = entries[node["tensor"]]
             src = tensor_view(data, entry, base)
             dest = tgt.to_local() if _is_dtensor(tgt) else tgt
-            if (isinstance(dest, torch.Tensor) and dest.shape == src.shape
-                    and dest.dtype == src.dtype):
+            if (
+                isinstance(dest, torch.Tensor)
+                and dest.shape == src.shape
+                and dest.dtype == src.dtype
+            ):
                 with torch.no_grad():
                     dest.copy_(src)
                 return tgt
@@ -215,8 +228,9 @@ def decode(meta: dict[str, Any], data: torch.Tensor, target: Any = None,
         for kind in ("list", "tuple"):
             if kind in node:
                 tseq = tgt if isinstance(tgt, (list, tuple)) else ()
-                out = [build(v, tseq[i] if i < len(tseq) else None)
-                       for i, v in enumerate(node[kind])]
+                out = [
+                    build(v, tseq[i] if i < len(tseq) else None) for i, v in enumerate(node[kind])
+                ]
                 return out if kind == "list" else tuple(out)
         if "dtype" in node:
             return dtype_from_name(node["dtype"])

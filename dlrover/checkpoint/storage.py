@@ -79,7 +79,8 @@ class LocalStorage(Storage):
         except OSError as exc:
             raise CheckpointStorageError(
                 f"cannot create checkpoint directory {self._p(rel)!r}: {exc.strerror}; "
-                "choose a writable checkpoint_dir") from exc
+                "choose a writable checkpoint_dir"
+            ) from exc
 
     @contextlib.contextmanager
     def open_write(self, rel: str) -> Iterator[IO[bytes]]:
@@ -203,7 +204,7 @@ class FsspecStorage(Storage):
 def storage_for(location: str) -> Storage:
     """LocalStorage for a plain path or file:// URL, FsspecStorage for any other URL."""
     if location.startswith("file://"):
-        return LocalStorage(location[len("file://"):])
+        return LocalStorage(location[len("file://") :])
     if "://" in location:
         return FsspecStorage(location)
     return LocalStorage(location)

@@ -13,6 +13,7 @@ from dlrover.constants import DEFAULT_HEARTBEAT_TIMEOUT_S
 from dlrover.master.kv_store import KvStore
 from dlrover.master.nodes import ALIVE_STATES, Node, NodeState, NodeTable
 from dlrover.master.rendezvous import RendezvousConfig, RendezvousError, RendezvousManager, World
+from dlrover.master.sharding_service import ShardingService
 from dlrover.master.state_store import StateStore
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ class JobMaster:
         self._lock = threading.RLock()
         self.nodes = NodeTable(store, clock)
         self.kv = KvStore(store)
+        self.sharding = ShardingService(store, clock)
         self.rendezvous: RendezvousManager | None = None
         if config.rendezvous is not None:
             self.rendezvous = RendezvousManager(config.rendezvous, store, clock)
@@ -140,6 +142,8 @@ class JobMaster:
             raise RendezvousError(f"the job has ended ({self.state.value}); nothing to join")
         if node.state == NodeState.RUNNING:
             self.nodes.set_state(node_id, NodeState.PENDING, "joins a new rendezvous round")
+        # Its workers are gone (restart or re-form): what they leased goes back to the queues.
+        self.sharding.recover_node(node_id)
         return self._rdzv().join(
             node_id,
             local_world_size,
@@ -226,6 +230,8 @@ class JobMaster:
             )
             if self.rendezvous is not None:
                 self.rendezvous.leave(node.node_id, "lost")
+            self.sharding.recover_node(node.node_id)
+        self.sharding.tick()
         with self._lock:
             nodes = self.nodes.all()
             if (

@@ -18,6 +18,7 @@ from dlrover.master.nodes import NodeError
 from dlrover.master.rendezvous import RendezvousConfig, RendezvousError
 from dlrover.proto import master_pb2 as pb
 from dlrover.proto import master_pb2_grpc as pb_grpc
+from dlrover.sharding.errors import ShardingError
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,9 @@ def _guard(context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
         return fn()
     except NodeError as e:
         context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+    except ShardingError as e:
+        # The class name travels so the client re-raises the same typed error.
+        context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{type(e).__name__}: {e}")
     except (RendezvousError, KvError, ValueError) as e:
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
     raise AssertionError("unreachable")
@@ -254,6 +258,16 @@ class MasterServicer(pb_grpc.MasterServicer):
             )
 
         return _guard(context, run)
+
+    def Sharding(
+        self, request: pb.ShardingRequest, context: grpc.ServicerContext
+    ) -> pb.ShardingResponse:  # noqa: N802
+        return _guard(
+            context,
+            lambda: pb.ShardingResponse(
+                result_json=self.job.sharding.call(request.method, request.args_json)
+            ),
+        )
 
 
 class MasterServer:

@@ -84,6 +84,11 @@ class MasterStub:
                 request_serializer=dlrover_dot_proto_dot_master__pb2.GetJobStatusRequest.SerializeToString,
                 response_deserializer=dlrover_dot_proto_dot_master__pb2.JobStatus.FromString,
                 _registered_method=True)
+        self.Sharding = channel.unary_unary(
+                '/dlrover.Master/Sharding',
+                request_serializer=dlrover_dot_proto_dot_master__pb2.ShardingRequest.SerializeToString,
+                response_deserializer=dlrover_dot_proto_dot_master__pb2.ShardingResponse.FromString,
+                _registered_method=True)
 
 
 class MasterServicer:
@@ -158,6 +163,13 @@ class MasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Sharding(self, request, context):
+        """Dynamic data sharding: one call per ShardingTransport method (see dlrover/sharding/transport.py).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MasterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -210,6 +222,11 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.GetJobStatus,
                     request_deserializer=dlrover_dot_proto_dot_master__pb2.GetJobStatusRequest.FromString,
                     response_serializer=dlrover_dot_proto_dot_master__pb2.JobStatus.SerializeToString,
+            ),
+            'Sharding': grpc.unary_unary_rpc_method_handler(
+                    servicer.Sharding,
+                    request_deserializer=dlrover_dot_proto_dot_master__pb2.ShardingRequest.FromString,
+                    response_serializer=dlrover_dot_proto_dot_master__pb2.ShardingResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -482,6 +499,33 @@ class Master:
             '/dlrover.Master/GetJobStatus',
             dlrover_dot_proto_dot_master__pb2.GetJobStatusRequest.SerializeToString,
             dlrover_dot_proto_dot_master__pb2.JobStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Sharding(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dlrover.Master/Sharding',
+            dlrover_dot_proto_dot_master__pb2.ShardingRequest.SerializeToString,
+            dlrover_dot_proto_dot_master__pb2.ShardingResponse.FromString,
             options,
             channel_credentials,
             insecure,

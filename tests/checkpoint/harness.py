@@ -26,12 +26,21 @@ def expected_state(step: int, rows: int = 64) -> dict[str, Any]:
     """A deterministic DDP-style state for ``step`` (the consistency oracle)."""
     g = torch.Generator().manual_seed(1000 + step)
     return {
-        "model": {"w": torch.randn(rows, 32, generator=g), "b": torch.randn(32, generator=g),
-                  "h": torch.randn(8, 8, generator=g).to(torch.bfloat16),
-                  "n": torch.randint(0, 100, (5,), generator=g)},
-        "optimizer": {"state": {0: {"step": torch.tensor(float(step)),
-                                    "exp_avg": torch.randn(rows, 32, generator=g)}},
-                      "param_groups": [{"lr": 0.01, "betas": (0.9, 0.999), "params": [0]}]},
+        "model": {
+            "w": torch.randn(rows, 32, generator=g),
+            "b": torch.randn(32, generator=g),
+            "h": torch.randn(8, 8, generator=g).to(torch.bfloat16),
+            "n": torch.randint(0, 100, (5,), generator=g),
+        },
+        "optimizer": {
+            "state": {
+                0: {
+                    "step": torch.tensor(float(step)),
+                    "exp_avg": torch.randn(rows, 32, generator=g),
+                }
+            },
+            "param_groups": [{"lr": 0.01, "betas": (0.9, 0.999), "params": [0]}],
+        },
         "step": step,
     }
 
@@ -65,8 +74,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_for_file(path: Path, timeout: float, proc: subprocess.Popen[bytes] | None = None
-                  ) -> None:
+def wait_for_file(path: Path, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> None:
     """Wait for a marker file a child writes at a chosen instant (deadline; child death)."""
     deadline = time.monotonic() + timeout
     while not path.exists():
@@ -82,8 +90,7 @@ def wait_for_file(path: Path, timeout: float, proc: subprocess.Popen[bytes] | No
 def running_saver(tmp: Path, **kwargs: Any) -> Iterator[CheckpointSaver]:
     """An agent-side saver in this process, its socket exported for child workers."""
     tag = uuid.uuid4().hex[:8]
-    saver = CheckpointSaver(str(tmp / f"saver-{tag}.sock"), shm_prefix=f"dlrtest-{tag}",
-                            **kwargs)
+    saver = CheckpointSaver(str(tmp / f"saver-{tag}.sock"), shm_prefix=f"dlrtest-{tag}", **kwargs)
     saver.start()
     try:
         yield saver
@@ -91,22 +98,35 @@ def running_saver(tmp: Path, **kwargs: Any) -> Iterator[CheckpointSaver]:
         saver.close(unlink=True)
 
 
-def worker_env(socket_path: str | None, rank: int = 0, world: int = 1, port: int = 0,
-               restart: int = 0) -> dict[str, str]:
+def worker_env(
+    socket_path: str | None, rank: int = 0, world: int = 1, port: int = 0, restart: int = 0
+) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != ENV_CHECKPOINT_SOCKET}
-    env.update(PYTHONPATH=str(REPO), RANK=str(rank), LOCAL_RANK=str(rank),
-               WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-               TORCHELASTIC_RESTART_COUNT=str(restart), OMP_NUM_THREADS="1")
+    env.update(
+        PYTHONPATH=str(REPO),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        GROUP_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        TORCHELASTIC_RESTART_COUNT=str(restart),
+        OMP_NUM_THREADS="1",
+    )
     if socket_path:
         env[ENV_CHECKPOINT_SOCKET] = socket_path
     return env
 
 
 def start_worker(args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "tests.checkpoint.workers", *args],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.checkpoint.workers", *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
 
 
 def run_workers(args: list[str], envs: list[dict[str, str]], timeout: float = 60.0) -> None:
@@ -121,8 +141,11 @@ def run_workers(args: list[str], envs: list[dict[str, str]], timeout: float = 60
                 q.kill()
             raise
         outputs.append(out.decode())
-    failed = [f"worker {p.args!r} exited {p.returncode}:\n{out}"
-              for p, out in zip(procs, outputs, strict=True) if p.returncode != 0]
+    failed = [
+        f"worker {p.args!r} exited {p.returncode}:\n{out}"
+        for p, out in zip(procs, outputs, strict=True)
+        if p.returncode != 0
+    ]
     assert not failed, "\n".join(failed)
 
 

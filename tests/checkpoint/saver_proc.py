@@ -42,8 +42,11 @@ class HangingStorage(LocalStorage):
 
 
 def main(socket_path: str, prefix: str, hang_step: str, marker: str) -> None:
-    saver = CheckpointSaver(socket_path, shm_prefix=prefix,
-                            storage_factory=lambda d: HangingStorage(d, int(hang_step), marker))
+    saver = CheckpointSaver(
+        socket_path,
+        shm_prefix=prefix,
+        storage_factory=lambda d: HangingStorage(d, int(hang_step), marker),
+    )
     saver.start()
     print("ready", flush=True)
     sys.stdin.read()  # until the parent closes stdin or kills us

@@ -32,11 +32,16 @@ def test_two_ranks_save_then_load_from_memory_then_from_storage(tmp_path: Path) 
         run_workers(["ddp_save", ckpt, "1", "disk"], envs)
         assert (tmp_path / "ckpt" / "latest").read_text() == "1"
         assert sorted(p.name for p in (tmp_path / "ckpt" / "step_1").iterdir()) == [
-            "manifest.json", "node_0.json", "rank_0.bin", "rank_0.meta.json"]
+            "manifest.json",
+            "node_0.json",
+            "rank_0.bin",
+            "rank_0.meta.json",
+        ]
         assert saver.held_steps() == {0: 1}  # only local rank 0 copies (DDP replicas)
-        run_workers(["ddp_load", ckpt, "1", "memory"],
-                    [worker_env(saver.socket_path, rank=r, world=2, restart=1)
-                     for r in range(2)])
+        run_workers(
+            ["ddp_load", ckpt, "1", "memory"],
+            [worker_env(saver.socket_path, rank=r, world=2, restart=1) for r in range(2)],
+        )
     with running_saver(tmp_path) as fresh:  # a new agent: memory is gone, storage remains
         run_workers(["ddp_load", ckpt, "1", "storage"], [worker_env(fresh.socket_path)])
 
@@ -59,8 +64,9 @@ def test_memory_newer_than_storage_wins_and_is_persisted_on_failure(tmp_path: Pa
 
 def test_nothing_saved_loads_empty(tmp_path: Path) -> None:
     with running_saver(tmp_path) as saver:
-        run_workers(["ddp_load", str(tmp_path / "ckpt"), "none", "-"],
-                    [worker_env(saver.socket_path)])
+        run_workers(
+            ["ddp_load", str(tmp_path / "ckpt"), "none", "-"], [worker_env(saver.socket_path)]
+        )
 
 
 def test_without_agent_an_in_process_saver_persists(tmp_path: Path) -> None:
@@ -76,8 +82,7 @@ def test_keep_last_deletes_old_steps(tmp_path: Path, monkeypatch: pytest.MonkeyP
         for step in range(1, 5):
             assert ckpt.save_checkpoint(step, expected_state(step))
             assert ckpt.wait_latest_checkpoint(30)
-        assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == ["step_3",
-                                                                           "step_4"]
+        assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == ["step_3", "step_4"]
         manifest = json.loads((tmp_path / "ckpt" / "step_4" / "manifest.json").read_text())
         assert manifest["files"]["rank_0.bin"]["size"] > 0
         # An explicit resume path (a step directory) loads that step.

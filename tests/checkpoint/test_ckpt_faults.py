@@ -28,23 +28,28 @@ from tests.checkpoint.harness import (
 def test_worker_killed_mid_copy_loads_previous_complete_step(tmp_path: Path) -> None:
     ckpt, marker = str(tmp_path / "ckpt"), tmp_path / "mid-copy"
     with running_saver(tmp_path) as saver:
-        worker = start_worker(["ddp_save_then_die_mid_copy", ckpt, "1", "2", str(marker)],
-                              worker_env(saver.socket_path))
+        worker = start_worker(
+            ["ddp_save_then_die_mid_copy", ckpt, "1", "2", str(marker)],
+            worker_env(saver.socket_path),
+        )
         wait_for_file(marker, 60, worker)
         kill(worker)
         assert saver.held_steps() == {0: None}  # the torn copy is not a step
         assert saver.persist_latest_if_newer() is None
-        run_workers(["ddp_load", ckpt, "1", "storage"],
-                    [worker_env(saver.socket_path, restart=1)])
+        run_workers(["ddp_load", ckpt, "1", "storage"], [worker_env(saver.socket_path, restart=1)])
 
 
 @pytest.mark.slow
 def test_saver_killed_mid_persist_keeps_previous_step(tmp_path: Path) -> None:
     ckpt, marker = str(tmp_path / "ckpt"), tmp_path / "mid-persist"
     sock, prefix = str(tmp_path / "agent.sock"), f"dlrtest-{uuid.uuid4().hex[:8]}"
-    agent = subprocess.Popen([sys.executable, "-m", "tests.checkpoint.saver_proc", sock, prefix,
-                              "2", str(marker)], cwd=REPO, env=worker_env(None),
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "tests.checkpoint.saver_proc", sock, prefix, "2", str(marker)],
+        cwd=REPO,
+        env=worker_env(None),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
     try:
         assert agent.stdout is not None and agent.stdout.readline().strip() == b"ready"
         run_workers(["ddp_save", ckpt, "1", "disk"], [worker_env(sock)])
@@ -54,8 +59,14 @@ def test_saver_killed_mid_persist_keeps_previous_step(tmp_path: Path) -> None:
         raise
     # Step 2 only reaches storage through a persist; ask for one and kill the agent in it.
     client = SaverClient(sock)
-    spec = {"dir": ckpt, "slots": {"0": 0}, "format": "plain", "node_rank": 0,
-            "persist_nodes": 1, "keep_last": 3}
+    spec = {
+        "dir": ckpt,
+        "slots": {"0": 0},
+        "format": "plain",
+        "node_rank": 0,
+        "persist_nodes": 1,
+        "keep_last": 3,
+    }
     client.request("copied", slot=0, step=2, spec=spec, persist=True)
     wait_for_file(marker, 60)
     kill(agent)

@@ -14,8 +14,9 @@ from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer, StorageT
 from tests.checkpoint.harness import assert_same
 
 
-def test_optimizer_step_waits_for_the_overlapped_copy(tmp_path: Path,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_optimizer_step_waits_for_the_overlapped_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv(ENV_CHECKPOINT_SOCKET, raising=False)
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
@@ -30,8 +31,9 @@ def test_optimizer_step_waits_for_the_overlapped_copy(tmp_path: Path,
 
     ckpt = DdpCheckpointer(str(tmp_path / "ckpt"))
     try:
-        assert ckpt.engine.save_overlapped(1, {"model": model.state_dict()}, persist=True,
-                                           after_tensor=gate)
+        assert ckpt.engine.save_overlapped(
+            1, {"model": model.state_dict()}, persist=True, after_tensor=gate
+        )
         about_to_step.set()
         optim.step()  # the pre-step hook blocks until the copy is complete
         assert not torch.equal(model[0].weight, before["0.weight"])
@@ -39,8 +41,9 @@ def test_optimizer_step_waits_for_the_overlapped_copy(tmp_path: Path,
         state = ckpt.load_checkpoint()
         assert_same({"model": before}, state)
         # The plain API path: overlap=True, then another step, then a blocking save.
-        assert ckpt.save_checkpoint(2, {"model": model.state_dict()},
-                                    storage_type=StorageType.MEMORY, overlap=True)
+        assert ckpt.save_checkpoint(
+            2, {"model": model.state_dict()}, storage_type=StorageType.MEMORY, overlap=True
+        )
         ckpt.wait_copy()
     finally:
         ckpt.close()

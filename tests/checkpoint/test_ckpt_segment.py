@@ -28,9 +28,15 @@ def segment_name() -> str:
 
 def test_roundtrip_bit_for_bit_fresh_and_in_place(segment_name: str) -> None:
     state = expected_state(3)
-    state["odd"] = {"empty": torch.zeros(0, 3), "strided": torch.randn(4, 6).t(),
-                    "flag": torch.tensor([True, False]), "nan": float("nan") != 0,
-                    "dtype": torch.float16, "none": None, 7: "int key"}
+    state["odd"] = {
+        "empty": torch.zeros(0, 3),
+        "strided": torch.randn(4, 6).t(),
+        "flag": torch.tensor([True, False]),
+        "nan": float("nan") != 0,
+        "dtype": torch.float16,
+        "none": None,
+        7: "int key",
+    }
     layout = plan_layout(state)
     seg = SharedSegment.create(segment_name, layout.required_bytes(3))
     try:
@@ -79,14 +85,22 @@ def test_another_process_attaches_and_reads(segment_name: str) -> None:
     seg = SharedSegment.create(segment_name, layout.required_bytes(5))
     try:
         write_state(seg, layout, 5)
-        code = ("import sys; from dlrover.checkpoint.shm import SharedSegment;"
-                "from dlrover.checkpoint.layout import read_state;"
-                "from tests.checkpoint.harness import assert_same, expected_state;"
-                "s = SharedSegment.attach(sys.argv[1]); step, st, _ = read_state(s);"
-                "assert_same(expected_state(5), st); print(step)")
-        out = subprocess.run([sys.executable, "-c", code, seg.path], cwd=REPO, check=True,
-                             capture_output=True, text=True, timeout=60,
-                             env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+        code = (
+            "import sys; from dlrover.checkpoint.shm import SharedSegment;"
+            "from dlrover.checkpoint.layout import read_state;"
+            "from tests.checkpoint.harness import assert_same, expected_state;"
+            "s = SharedSegment.attach(sys.argv[1]); step, st, _ = read_state(s);"
+            "assert_same(expected_state(5), st); print(step)"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", code, seg.path],
+            cwd=REPO,
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+        )
         assert out.stdout.strip() == "5"
     finally:
         seg.close(unlink=True)

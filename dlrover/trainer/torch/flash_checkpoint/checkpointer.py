@@ -74,5 +74,3 @@ def storage_step(catalog: Catalog) -> int | None:
     except OSError as exc:
         log.warning("cannot read the latest step of %s: %s", catalog.storage.root, exc)
         return None
-
-

@@ -28,9 +28,14 @@ class DdpCheckpointer(Checkpointer):
 
     sharded = False
 
-    def save_checkpoint(self, step: int, state_dict: dict[str, Any], path: str = "",
-                        storage_type: StorageType = StorageType.DISK,
-                        overlap: bool = False) -> bool:
+    def save_checkpoint(
+        self,
+        step: int,
+        state_dict: dict[str, Any],
+        path: str = "",
+        storage_type: StorageType = StorageType.DISK,
+        overlap: bool = False,
+    ) -> bool:
         """Copy ``state_dict`` into shared memory; with DISK also persist it in the background.
 
         ``path`` saves into another checkpoint directory. ``overlap`` returns before the copy
@@ -49,8 +54,9 @@ class DdpCheckpointer(Checkpointer):
         for engine in self._engines.values():
             engine.wait_copy()
 
-    def load_checkpoint(self, resume_path: str = "", target: dict[str, Any] | None = None
-                        ) -> dict[str, Any]:
+    def load_checkpoint(
+        self, resume_path: str = "", target: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
         """The newest state: from memory when every rank holds a step not older than storage's,
         else the newest verified step on storage; {} when there is none.
 
