@@ -259,6 +259,8 @@ class KubernetesEngine(Engine):
             _preload_content=False)
         self._response = response
         try:
+            if self._stop.is_set():
+                return  # close() ran before this stream existed; it could not shut it
             for line in iter_resp_lines(response):
                 if not line:
                     continue
