@@ -278,6 +278,19 @@ class Engine(abc.ABC):
             raise LaunchManyError(launched, failures)
         return launched
 
+    def delete_many(self, node_ids: Sequence[str],
+                    parallelism: int = DEFAULT_LAUNCH_PARALLELISM) -> None:
+        """Delete a batch concurrently (each delete may wait out a grace period).
+        Raises the first error after every delete has been attempted."""
+        if not node_ids:
+            return
+        with ThreadPoolExecutor(max_workers=min(parallelism, len(node_ids)),
+                                thread_name_prefix="engine-delete") as pool:
+            futures = [pool.submit(self.delete, node_id) for node_id in node_ids]
+            errors = [error for error in (f.exception() for f in futures) if error is not None]
+        if errors:
+            raise errors[0]
+
     def __enter__(self: _EngineT) -> _EngineT:
         return self
 

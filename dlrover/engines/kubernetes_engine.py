@@ -159,9 +159,7 @@ class KubernetesEngine(Engine):
 
     def close(self, delete_nodes: bool = True) -> None:
         if delete_nodes:
-            for node in self.list_nodes():
-                if not node.state.is_final:
-                    self.delete(node.node_id)
+            self.delete_many([n.node_id for n in self.list_nodes() if not n.state.is_final])
         self._stop.set()
         response = self._response
         if response is not None:

@@ -137,9 +137,10 @@ class RayEngine(Engine):
 
     def close(self, delete_nodes: bool = True) -> None:
         if delete_nodes:
-            live = [e.node.node_id for e in self._nodes.values() if not e.node.state.is_final]
-            for node_id in live:
-                self.delete(node_id)
+            with self._lock:
+                live = [e.node.node_id for e in self._nodes.values()
+                        if not e.node.state.is_final]
+            self.delete_many(live)
             # The monitor reports the DELETED events; give it a bounded moment to do so.
             deadline = time.monotonic() + self._stop_grace_s + 5
             while time.monotonic() < deadline and any(

@@ -101,3 +101,14 @@ def test_oom_replacement_grows_memory_up_to_the_cap() -> None:
 def test_oom_policy_refuses_a_factor_that_does_not_grow() -> None:
     with pytest.raises(InvalidNodeSpecError, match="factor is 1.0"):
         OomPolicy(factor=1.0)
+
+
+def test_delete_many_deletes_every_node_and_reports_unknown_ids() -> None:
+    from dlrover.engines.base import NodeNotFoundError
+
+    engine = FakeEngine()
+    nodes = engine.launch_many([_spec(rank) for rank in range(5)])
+    with pytest.raises(NodeNotFoundError):
+        engine.delete_many([n.node_id for n in nodes] + ["job-a-worker-99-0"])
+    assert sorted(engine.deleted) == sorted(n.node_id for n in nodes)
+    assert all(n.state is NodeState.DELETED for n in engine.list_nodes())
