@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -66,6 +67,7 @@ def ray_cluster(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     finally:
         # Cluster.shutdown stops exactly the processes this cluster started, by PID.
         cluster.shutdown()
+        shutil.rmtree(tmpdir, ignore_errors=True)
 
 
 @pytest.mark.slow
