@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 
 from dlrover.constants import DEFAULT_MAX_RESTARTS, ENV_JOB_NAME, ENV_JOB_TOKEN, ENV_MASTER_ADDR
-from dlrover.engines.base import ROLES, InvalidNodeSpecError, NodeSpec, Resources
+from dlrover.engines.base import InvalidNodeSpecError, NodeSpec, Resources
 
 ENGINES = ("local", "ray", "kubernetes")
 """Engine names a job spec may ask for."""
@@ -150,7 +150,7 @@ def _resources(raw: Any) -> Resources:
 
 
 _KEYS = {"name", "entrypoint", "args", "nodes", "nproc_per_node", "resources", "max_restarts",
-         "max_relaunches", "checkpoint_dir", "engine", "engine_settings", "role"}
+         "max_relaunches", "checkpoint_dir", "engine", "engine_settings"}
 
 
 def job_spec_from_dict(raw: Mapping[str, Any]) -> JobSpec:
@@ -171,9 +171,6 @@ def job_spec_from_dict(raw: Mapping[str, Any]) -> JobSpec:
     name = str(raw.get("name") or _default_name(entrypoint))
     if not _NAME.match(name) or len(name) > 40:
         raise JobSpecError(f"name {name!r} must be 1-40 lowercase letters, digits or '-'")
-    role = raw.get("role", "worker")
-    if role not in ROLES:
-        raise JobSpecError(f"role {role!r} is not one of {', '.join(ROLES)}")
     args = raw.get("args") or []
     if isinstance(args, str) or not isinstance(args, Sequence):
         raise JobSpecError("args must be a list of strings, e.g. args: [--epochs, '3']")

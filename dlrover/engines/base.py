@@ -127,7 +127,8 @@ class NodeSpec:
     relaunch_count: int = 0
     """0 for the first node of this slot, +1 for each replacement."""
     resources: Resources = dataclasses.field(default_factory=Resources)
-    env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # Left out of the hash (a dict is not hashable); still compared for equality.
+    env: Mapping[str, str] = dataclasses.field(default_factory=dict, hash=False)
     """Extra environment (DLROVER_MASTER_ADDR, DLROVER_JOB_TOKEN, ...) on top of the engine's."""
 
     def __post_init__(self) -> None:

@@ -112,3 +112,11 @@ def test_delete_many_deletes_every_node_and_reports_unknown_ids() -> None:
         engine.delete_many([n.node_id for n in nodes] + ["job-a-worker-99-0"])
     assert sorted(engine.deleted) == sorted(n.node_id for n in nodes)
     assert all(n.state is NodeState.DELETED for n in engine.list_nodes())
+
+
+def test_node_spec_is_hashable_and_compares_env() -> None:
+    spec = _spec(0)
+    with_env = NodeSpec(job_name="job-a", rank=0, command=("x",), env={"A": "1"})
+    assert {spec, spec.replacement()} == {spec, spec.replacement()}
+    assert hash(with_env) == hash(NodeSpec(job_name="job-a", rank=0, command=("x",)))
+    assert with_env != NodeSpec(job_name="job-a", rank=0, command=("x",), env={"A": "2"})
