@@ -1,1 +1,21 @@
-"""engines package."""
+"""Where nodes run: the Engine interface and its local, Ray and Kubernetes implementations."""
+
+from dlrover.engines.base import (
+    Engine,
+    EngineError,
+    FailureReason,
+    InvalidNodeSpecError,
+    LaunchError,
+    LaunchManyError,
+    Node,
+    NodeEvent,
+    NodeNotFoundError,
+    NodeSpec,
+    NodeState,
+    Resources,
+    wait_for_event,
+)
+
+__all__ = ["Engine", "EngineError", "FailureReason", "InvalidNodeSpecError", "LaunchError",
+           "LaunchManyError", "Node", "NodeEvent", "NodeNotFoundError", "NodeSpec", "NodeState",
+           "Resources", "wait_for_event"]

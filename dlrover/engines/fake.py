@@ -1,0 +1,101 @@
+"""An in-memory engine for policy and controller tests: records calls, lets a test emit events."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+from dlrover.engines.base import (
+    Engine,
+    EventQueue,
+    FailureReason,
+    LaunchError,
+    Node,
+    NodeEvent,
+    NodeNotFoundError,
+    NodeSpec,
+    NodeState,
+)
+
+
+class FakeEngine(Engine):
+    """Runs nothing. `launched` and `deleted` record every call in order; `emit` / `fail` /
+    `succeed` inject lifecycle events as a real engine would report them.
+
+    `fail_launch_of` makes launches of those node ids raise LaunchError (for partial-batch tests).
+    `launch_barrier`, when set, makes every launch wait on it, so a test can prove launches
+    overlap (a batch of N only passes an N-party barrier if all N run at once).
+    """
+
+    def __init__(self) -> None:
+        self.launched: list[NodeSpec] = []
+        self.deleted: list[str] = []
+        self.fail_launch_of: set[str] = set()
+        self.launch_barrier: threading.Barrier | None = None
+        self.closed = False
+        self._nodes: dict[str, Node] = {}
+        self._queue = EventQueue()
+        self._lock = threading.Lock()
+
+    def launch(self, spec: NodeSpec) -> Node:
+        if self.launch_barrier is not None:
+            self.launch_barrier.wait(timeout=10)
+        if spec.node_id in self.fail_launch_of:
+            raise LaunchError(f"{spec.node_id}: refused by the test")
+        with self._lock:
+            existing = self._nodes.get(spec.node_id)
+            if existing is not None:
+                return dataclasses.replace(existing)
+            node = Node(spec=spec)
+            self._nodes[spec.node_id] = node
+            self.launched.append(spec)
+        self._queue.put(NodeEvent(spec.node_id, spec, NodeState.PENDING))
+        return dataclasses.replace(node)
+
+    def delete(self, node_id: str) -> None:
+        with self._lock:
+            node = self._nodes.get(node_id)
+            if node is None:
+                raise NodeNotFoundError(node_id)
+            self.deleted.append(node_id)
+            if node.state.is_final:
+                return
+        self.emit(node_id, NodeState.DELETED)
+
+    def list_nodes(self) -> list[Node]:
+        with self._lock:
+            return [dataclasses.replace(node) for node in self._nodes.values()]
+
+    def events(self, timeout: float) -> list[NodeEvent]:
+        return self._queue.drain(timeout)
+
+    def close(self, delete_nodes: bool = True) -> None:
+        if delete_nodes:
+            for node in self.list_nodes():
+                self.delete(node.node_id)
+        self.closed = True
+
+    # --- what a test drives -----------------------------------------------------------------
+    def emit(self, node_id: str, state: NodeState, reason: FailureReason | None = None,
+             exit_code: int | None = None, signal: int | None = None,
+             message: str = "") -> NodeEvent:
+        with self._lock:
+            node = self._nodes.get(node_id)
+            if node is None:
+                raise NodeNotFoundError(node_id)
+            node.state = state
+        event = NodeEvent(node_id, node.spec, state, reason, exit_code, signal, message)
+        self._queue.put(event)
+        return event
+
+    def run(self, node_id: str) -> NodeEvent:
+        return self.emit(node_id, NodeState.RUNNING)
+
+    def succeed(self, node_id: str) -> NodeEvent:
+        return self.emit(node_id, NodeState.SUCCEEDED)
+
+    def fail(self, node_id: str, reason: FailureReason = FailureReason.EXIT_CODE,
+             exit_code: int | None = 1, message: str = "") -> NodeEvent:
+        return self.emit(node_id, NodeState.FAILED, reason,
+                         exit_code if reason is FailureReason.EXIT_CODE else None,
+                         message=message)

@@ -1,0 +1,278 @@
+"""A small real HTTP server that speaks the Kubernetes core/v1 pod and service API, for tests."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import datetime
+import json
+import re
+import socket
+import threading
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, urlparse
+
+_PATH = re.compile(
+    r"^/api/v1/namespaces/(?P<ns>[^/]+)/(?P<kind>pods|services)(?:/(?P<name>[^/]+))?$")
+_KINDS = {"pods": "Pod", "services": "Service"}
+
+
+@dataclasses.dataclass
+class _Change:
+    resource_version: int
+    kind: str
+    namespace: str
+    type: str
+    obj: dict[str, Any]
+
+
+def _status(code: int, reason: str, message: str, name: str = "", kind: str = "") -> dict[str, Any]:
+    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+            "message": message, "reason": reason, "details": {"name": name, "kind": kind},
+            "code": code}
+
+
+def _matches(labels: dict[str, str], selector: str) -> bool:
+    for term in filter(None, selector.split(",")):
+        key, _, value = term.partition("=")
+        if labels.get(key) != value:
+            return False
+    return True
+
+
+class _QuietServer(ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # Clients hanging up mid-request (a closed watch, pool shutdown) are normal here.
+        return
+
+
+class FakeKubeApi:
+    """Pods and services in memory behind real HTTP, with the API's semantics the engine relies on:
+
+    - every write bumps a cluster-wide resourceVersion, stored in metadata.resourceVersion;
+    - list returns the collection's resourceVersion; `?watch=true&resourceVersion=N` streams every
+      change after N as newline-delimited JSON events over a chunked response, then new ones
+      until timeoutSeconds; a version older than the retained history gets an ERROR event
+      with a 410 Expired Status (as the real API does);
+    - create of an existing name -> 409 AlreadyExists; get/delete of a missing one -> 404
+      NotFound, both as Status objects.
+
+    Test hooks play the kubelet and the cluster: `set_pod_status`, `remove_pod` (someone else
+    deletes), `drop_watches` (cut every open stream mid-flight), `compact` (forget history).
+    """
+
+    def __init__(self) -> None:
+        self._objects: dict[tuple[str, str, str], dict[str, Any]] = {}
+        self._history: list[_Change] = []
+        self._oldest_watchable = 0
+        self._version = 1
+        self._cond = threading.Condition()
+        self._watch_sockets: set[socket.socket] = set()
+        self.hold_watches = threading.Event()
+        """While set, open streams deliver nothing (a slow watch); changes queue up."""
+        self.requests: list[tuple[str, str]] = []
+        self.watch_requests: list[dict[str, str]] = []
+        api = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: Any) -> None:
+                return
+
+            def do_GET(self) -> None:
+                api._handle(self, "GET")
+
+            def do_POST(self) -> None:
+                api._handle(self, "POST")
+
+            def do_DELETE(self) -> None:
+                api._handle(self, "DELETE")
+
+        self._server = _QuietServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
+                                        name="fake-kube-api")
+        self._thread.start()
+
+    @property
+    def host(self) -> str:
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def close(self) -> None:
+        self.drop_watches()
+        self._server.shutdown()
+        self._server.server_close()
+
+    # --- test hooks -------------------------------------------------------------------------
+    def pod(self, namespace: str, name: str) -> dict[str, Any]:
+        with self._cond:
+            return copy.deepcopy(self._objects[("pods", namespace, name)])
+
+    def pods(self, namespace: str) -> list[dict[str, Any]]:
+        with self._cond:
+            return [copy.deepcopy(o) for (k, ns, _), o in self._objects.items()
+                    if k == "pods" and ns == namespace]
+
+    def services(self, namespace: str) -> list[dict[str, Any]]:
+        with self._cond:
+            return [copy.deepcopy(o) for (k, ns, _), o in self._objects.items()
+                    if k == "services" and ns == namespace]
+
+    def set_pod_status(self, namespace: str, name: str, status: dict[str, Any],
+                       node_name: str = "") -> None:
+        with self._cond:
+            pod = self._objects[("pods", namespace, name)]
+            pod["status"] = copy.deepcopy(status)
+            if node_name:
+                pod["spec"]["nodeName"] = node_name
+            self._record("pods", namespace, "MODIFIED", pod)
+
+    def remove_pod(self, namespace: str, name: str) -> None:
+        with self._cond:
+            pod = self._objects.pop(("pods", namespace, name))
+            self._record("pods", namespace, "DELETED", pod)
+
+    def drop_watches(self) -> int:
+        """Cut every open watch stream without the final chunk (a dropped connection)."""
+        with self._cond:
+            sockets = list(self._watch_sockets)
+            self._watch_sockets.clear()
+        for sock in sockets:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        return len(sockets)
+
+    def compact(self) -> None:
+        """Forget the change history: a watch from any earlier resourceVersion gets 410."""
+        with self._cond:
+            self._history.clear()
+            self._oldest_watchable = self._version
+
+    def open_watches(self) -> int:
+        with self._cond:
+            return len(self._watch_sockets)
+
+    # --- the API ----------------------------------------------------------------------------
+    def _record(self, kind: str, namespace: str, change: str, obj: dict[str, Any]) -> None:
+        self._version += 1
+        obj["metadata"]["resourceVersion"] = str(self._version)
+        self._history.append(_Change(self._version, kind, namespace, change, copy.deepcopy(obj)))
+        self._cond.notify_all()
+
+    def _handle(self, request: BaseHTTPRequestHandler, method: str) -> None:
+        url = urlparse(request.path)
+        query = {k: v[-1] for k, v in parse_qs(url.query).items()}
+        self.requests.append((method, url.path))
+        match = _PATH.match(url.path)
+        if match is None:
+            self._reply(request, 404, _status(404, "NotFound", f"no route {url.path}"))
+            return
+        kind, namespace, name = match["kind"], match["ns"], match["name"]
+        length = int(request.headers.get("Content-Length") or 0)
+        body = json.loads(request.rfile.read(length)) if length else None
+        if method == "GET" and name is None and query.get("watch") in ("true", "1", "True"):
+            self._watch(request, kind, namespace, query)
+            return
+        with self._cond:
+            code, reply = self._apply(method, kind, namespace, name, query, body)
+        self._reply(request, code, reply)
+
+    def _apply(self, method: str, kind: str, namespace: str, name: str | None,
+               query: dict[str, str], body: Any) -> tuple[int, dict[str, Any]]:
+        if method == "GET" and name is None:
+            selector = query.get("labelSelector", "")
+            items = [copy.deepcopy(o) for (k, ns, _), o in sorted(self._objects.items())
+                     if k == kind and ns == namespace
+                     and _matches(o["metadata"].get("labels", {}), selector)]
+            return 200, {"kind": f"{_KINDS[kind]}List", "apiVersion": "v1", "items": items,
+                         "metadata": {"resourceVersion": str(self._version)}}
+        if method == "POST" and name is None:
+            obj = copy.deepcopy(body)
+            obj_name = obj["metadata"]["name"]
+            if (kind, namespace, obj_name) in self._objects:
+                return 409, _status(409, "AlreadyExists",
+                                    f'{kind} "{obj_name}" already exists', obj_name, kind)
+            now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+            obj["metadata"].update(namespace=namespace, uid=str(uuid.uuid4()),
+                                   creationTimestamp=now)
+            if kind == "pods":
+                obj.setdefault("status", {"phase": "Pending"})
+            self._objects[(kind, namespace, obj_name)] = obj
+            self._record(kind, namespace, "ADDED", obj)
+            return 201, copy.deepcopy(obj)
+        key = (kind, namespace, name or "")
+        if key not in self._objects:
+            return 404, _status(404, "NotFound", f'{kind} "{name}" not found', name or "", kind)
+        if method == "GET":
+            return 200, copy.deepcopy(self._objects[key])
+        if method == "DELETE":
+            obj = self._objects.pop(key)
+            self._record(kind, namespace, "DELETED", obj)
+            return 200, copy.deepcopy(obj)
+        return 405, _status(405, "MethodNotAllowed", f"{method} not supported here")
+
+    def _reply(self, request: BaseHTTPRequestHandler, code: int, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        request.send_response(code)
+        request.send_header("Content-Type", "application/json")
+        request.send_header("Content-Length", str(len(data)))
+        request.end_headers()
+        request.wfile.write(data)
+
+    def _watch(self, request: BaseHTTPRequestHandler, kind: str, namespace: str,
+               query: dict[str, str]) -> None:
+        self.watch_requests.append(dict(query))
+        selector = query.get("labelSelector", "")
+        timeout = float(query.get("timeoutSeconds", "30"))
+        since = int(query.get("resourceVersion") or 0)
+        request.send_response(200)
+        request.send_header("Content-Type", "application/json")
+        request.send_header("Transfer-Encoding", "chunked")
+        request.end_headers()
+        sock = request.connection
+        with self._cond:
+            self._watch_sockets.add(sock)
+
+        def send(event: dict[str, Any]) -> None:
+            line = json.dumps(event).encode() + b"\n"
+            request.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
+            request.wfile.flush()
+
+        deadline = threading.Event()
+        timer = threading.Timer(timeout, deadline.set)
+        timer.start()
+        try:
+            with self._cond:
+                expired = since < self._oldest_watchable
+            if expired:
+                send({"type": "ERROR", "object": _status(
+                    410, "Expired", f"too old resource version: {since} "
+                    f"({self._oldest_watchable})")})
+            cursor = since
+            while not expired and not deadline.is_set():
+                with self._cond:
+                    if sock not in self._watch_sockets:
+                        return  # dropped: no terminating chunk
+                    pending = [c for c in self._history if c.resource_version > cursor
+                               and c.kind == kind and c.namespace == namespace]
+                    if not pending or self.hold_watches.is_set():
+                        self._cond.wait(0.05)
+                        continue
+                for change in pending:
+                    cursor = change.resource_version
+                    if _matches(change.obj["metadata"].get("labels", {}), selector):
+                        send({"type": change.type, "object": change.obj})
+            request.wfile.write(b"0\r\n\r\n")
+            request.wfile.flush()
+        except OSError:
+            return
+        finally:
+            timer.cancel()
+            with self._cond:
+                self._watch_sockets.discard(sock)
+            request.close_connection = True

@@ -1,0 +1,197 @@
+"""Local engine: each node is a subprocess in its own process group on this machine."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+from dlrover.constants import DEFAULT_STOP_GRACE_S
+from dlrover.engines.base import (
+    Engine,
+    EngineError,
+    EventQueue,
+    FailureReason,
+    LaunchError,
+    Node,
+    NodeEvent,
+    NodeNotFoundError,
+    NodeSpec,
+    NodeState,
+)
+
+log = logging.getLogger(__name__)
+
+_KILL_WAIT_S = 5.0
+"""How long a SIGKILLed process may take to disappear before we log it as stuck."""
+
+
+@dataclasses.dataclass
+class _Process:
+    node: Node
+    popen: subprocess.Popen[bytes]
+    deleting: bool = False
+    finished: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+
+def stop_process_group(pgid: int, grace_s: float, leader: subprocess.Popen[bytes] | None) -> None:
+    """SIGTERM the whole group, wait up to `grace_s` for the leader, then SIGKILL the group.
+
+    The group is SIGKILLed even when the leader exited in time, so children it left behind
+    (an agent's workers) never outlive their node.
+    """
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    if leader is not None:
+        try:
+            leader.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            log.warning("process group %d ignored SIGTERM for %.1fs; sending SIGKILL", pgid,
+                        grace_s)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    if leader is not None:
+        try:
+            leader.wait(timeout=_KILL_WAIT_S)
+        except subprocess.TimeoutExpired:
+            log.error("process %d survived SIGKILL for %.0fs (stuck in the kernel?)", leader.pid,
+                      _KILL_WAIT_S)
+
+
+class LocalEngine(Engine):
+    """Nodes are subprocesses started with `spec.command` and `os.environ | spec.env`.
+
+    Each runs in its own session (process group), so delete and close reach the agent and every
+    worker it spawned: SIGTERM, `stop_grace_s`, SIGKILL. A node whose leader process exits is
+    reported (exit code 0 -> SUCCEEDED, else FAILED with EXIT_CODE or SIGNAL), and whatever it
+    left running in its group is killed. stdout/stderr go to `<log_dir>/<node_id>/`.
+    Resources are not enforced here; they are the job's business on a single machine.
+    """
+
+    def __init__(self, log_dir: str | os.PathLike[str],
+                 stop_grace_s: float = DEFAULT_STOP_GRACE_S) -> None:
+        self._log_dir = Path(log_dir)
+        self._stop_grace_s = stop_grace_s
+        self._processes: dict[str, _Process] = {}
+        self._queue = EventQueue()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._host = socket.gethostname()
+
+    def launch(self, spec: NodeSpec) -> Node:
+        with self._lock:
+            if self._closed:
+                raise EngineError("the local engine is closed")
+            existing = self._processes.get(spec.node_id)
+            if existing is not None:
+                return dataclasses.replace(existing.node)
+            node_dir = self._log_dir / spec.node_id
+            node_dir.mkdir(parents=True, exist_ok=True)
+            env = {**os.environ, **spec.env}
+            try:
+                with open(node_dir / "stdout", "ab") as out, open(node_dir / "stderr", "ab") as err:
+                    popen = subprocess.Popen(list(spec.command), env=env, stdout=out, stderr=err,
+                                             stdin=subprocess.DEVNULL, start_new_session=True)
+            except OSError as error:
+                raise LaunchError(f"{spec.node_id}: cannot start {spec.command[0]!r}: {error}") \
+                    from error
+            node = Node(spec=spec, state=NodeState.RUNNING, host=self._host)
+            process = _Process(node=node, popen=popen)
+            self._processes[spec.node_id] = process
+        log.info("node %s: started pid %d: %s", spec.node_id, popen.pid, " ".join(spec.command))
+        self._queue.put(NodeEvent(spec.node_id, spec, NodeState.RUNNING, host=self._host,
+                                  message=f"pid {popen.pid}"))
+        threading.Thread(target=self._watch, args=(process,), name=f"watch-{spec.node_id}",
+                         daemon=True).start()
+        return dataclasses.replace(node)
+
+    def _watch(self, process: _Process) -> None:
+        # The wait ends when the process exits; delete/close bound that by SIGKILL.
+        returncode = process.popen.wait()
+        # Reap what the leader left behind in its group before reporting the node as ended.
+        stop_process_group(process.popen.pid, self._stop_grace_s, None)
+        spec = process.node.spec
+        with self._lock:
+            deleting = process.deleting
+        if deleting:
+            event = NodeEvent(spec.node_id, spec, NodeState.DELETED, host=self._host,
+                              message="deleted on request")
+        elif returncode == 0:
+            event = NodeEvent(spec.node_id, spec, NodeState.SUCCEEDED, exit_code=0,
+                              host=self._host)
+        elif returncode < 0:
+            sig = -returncode
+            event = NodeEvent(spec.node_id, spec, NodeState.FAILED, FailureReason.SIGNAL,
+                              signal=sig, host=self._host,
+                              message=f"killed by {signal.Signals(sig).name}")
+        else:
+            event = NodeEvent(spec.node_id, spec, NodeState.FAILED, FailureReason.EXIT_CODE,
+                              exit_code=returncode, host=self._host,
+                              message=f"exited with code {returncode}")
+        with self._lock:
+            process.node.state = event.state
+        log.info("node %s: running -> %s", spec.node_id, event)
+        self._queue.put(event)
+        process.finished.set()
+
+    def pid(self, node_id: str) -> int:
+        """The node's leader pid (what a fault-injection test kills)."""
+        with self._lock:
+            process = self._processes.get(node_id)
+        if process is None:
+            raise NodeNotFoundError(node_id)
+        return process.popen.pid
+
+    def delete(self, node_id: str) -> None:
+        with self._lock:
+            process = self._processes.get(node_id)
+            if process is None:
+                raise NodeNotFoundError(node_id)
+            if process.node.state.is_final:
+                return
+            process.deleting = True
+        stop_process_group(process.popen.pid, self._stop_grace_s, process.popen)
+        # Wait for the watcher so the DELETED event is queued when delete returns.
+        if not process.finished.wait(timeout=self._stop_grace_s + 5):
+            raise EngineError(f"node {node_id}: process {process.popen.pid} did not end after "
+                              "SIGKILL")
+
+    def list_nodes(self) -> list[Node]:
+        with self._lock:
+            return [dataclasses.replace(p.node) for p in self._processes.values()]
+
+    def events(self, timeout: float) -> list[NodeEvent]:
+        return self._queue.drain(timeout)
+
+    def close(self, delete_nodes: bool = True) -> None:
+        with self._lock:
+            self._closed = True
+            running = [p for p in self._processes.values() if not p.node.state.is_final]
+            if delete_nodes:
+                for process in running:
+                    process.deleting = True
+        if not delete_nodes:
+            return
+        # Signal every group first, then wait once: closing N nodes costs one grace, not N.
+        for process in running:
+            try:
+                os.killpg(process.popen.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + self._stop_grace_s
+        for process in running:
+            process.finished.wait(timeout=max(0.0, deadline - time.monotonic()))
+        for process in running:
+            if not process.finished.is_set():
+                stop_process_group(process.popen.pid, 0.0, process.popen)
+                process.finished.wait(timeout=5)

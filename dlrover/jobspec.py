@@ -1,0 +1,233 @@
+"""The job spec: what a user submits (YAML or flags), validated once, turned into NodeSpecs."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import yaml
+
+from dlrover.constants import DEFAULT_MAX_RESTARTS, ENV_JOB_NAME, ENV_JOB_TOKEN, ENV_MASTER_ADDR
+from dlrover.engines.base import InvalidNodeSpecError, NodeSpec, Resources
+
+ENGINES = ("local", "ray", "kubernetes")
+"""Engine names a job spec may ask for."""
+DEFAULT_ENGINE = "local"
+DEFAULT_NPROC_PER_NODE = 1
+DEFAULT_AGENT_COMMAND = ("dlrover-run",)
+"""argv prefix that starts a node's agent; the engine runs it on every node."""
+
+_MEMORY_UNITS = {"": 1 / (1024 * 1024), "ki": 1 / 1024, "mi": 1, "gi": 1024, "ti": 1024 * 1024,
+                 "k": 1000 / (1024 * 1024), "m": 1e6 / (1024 * 1024), "g": 1e9 / (1024 * 1024)}
+_MEMORY = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]{0,2})\s*$")
+_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+class JobSpecError(ValueError):
+    """The job spec is invalid; the message names the field and what to do."""
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSpec:
+    """One job as the user describes it. Built by `load_job_spec` / `job_spec_from_dict`, which
+    validate, so an instance is always runnable."""
+
+    name: str
+    """Job name: 1-40 lowercase letters, digits or '-' (it names pods and actors)."""
+    entrypoint: str
+    """Training script (or module with `-m`) each worker runs."""
+    args: tuple[str, ...] = ()
+    """Arguments passed to the entrypoint."""
+    min_nodes: int = 1
+    max_nodes: int = 1
+    """Elastic range: the job runs with any node count in [min_nodes, max_nodes]."""
+    nproc_per_node: int = DEFAULT_NPROC_PER_NODE
+    """Worker processes each agent starts."""
+    resources: Resources = dataclasses.field(default_factory=Resources)
+    """What each node asks for (cpu, memory, gpu, /dev/shm)."""
+    max_restarts: int = DEFAULT_MAX_RESTARTS
+    """In-place restarts of a node's workers before the node counts as failed."""
+    max_relaunches: int = 3
+    """Replacements of one node slot before the job fails."""
+    checkpoint_dir: str = ""
+    """Where flash checkpoints are persisted ("" = no persistence)."""
+    engine: str = DEFAULT_ENGINE
+    """One of ENGINES."""
+    engine_settings: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """Engine-specific settings (ray: address; kubernetes: namespace, image, ...)."""
+
+    @property
+    def nnodes(self) -> str:
+        return f"{self.min_nodes}:{self.max_nodes}"
+
+    def agent_command(self) -> tuple[str, ...]:
+        """argv every node runs: the agent with torchrun-style flags, then the entrypoint."""
+        return (*DEFAULT_AGENT_COMMAND, f"--nnodes={self.nnodes}",
+                f"--nproc-per-node={self.nproc_per_node}", f"--max-restarts={self.max_restarts}",
+                self.entrypoint, *self.args)
+
+    def node_spec(self, rank: int, master_addr: str, token: str, relaunch_count: int = 0,
+                  role: str = "worker") -> NodeSpec:
+        """The blueprint of node `rank`, pointing its agent at the master."""
+        env = {ENV_MASTER_ADDR: master_addr, ENV_JOB_TOKEN: token, ENV_JOB_NAME: self.name}
+        return NodeSpec(job_name=self.name, role=role, rank=rank, relaunch_count=relaunch_count,
+                        command=self.agent_command(), env=env, resources=self.resources)
+
+
+def parse_nnodes(value: str | int) -> tuple[int, int]:
+    """'2:4' -> (2, 4); '3' or 3 -> (3, 3)."""
+    text = str(value).strip()
+    parts = text.split(":")
+    try:
+        if len(parts) == 1:
+            low = high = int(parts[0])
+        elif len(parts) == 2:
+            low, high = int(parts[0]), int(parts[1])
+        else:
+            raise ValueError(text)
+    except ValueError:
+        raise JobSpecError(f"nodes {text!r} must be N or MIN:MAX with integers, "
+                           "e.g. nodes: 2:4") from None
+    if low < 1:
+        raise JobSpecError(f"nodes {text!r}: MIN must be >= 1")
+    if low > high:
+        raise JobSpecError(f"nodes {text!r}: MIN ({low}) is greater than MAX ({high}); "
+                           f"write {high}:{low} or a single number")
+    return low, high
+
+
+def parse_memory_mib(value: str | int | float, field: str = "memory") -> int:
+    """'4Gi' -> 4096, '512Mi' -> 512, 2048 (a number is MiB) -> 2048. Refuses negatives."""
+    if isinstance(value, bool):
+        raise JobSpecError(f"resources.{field} must be a size like 4Gi or 512Mi, not {value!r}")
+    if isinstance(value, (int, float)):
+        mib = float(value)
+    else:
+        text = str(value)
+        if text.strip().startswith("-"):
+            raise JobSpecError(f"resources.{field} is {text}; it must be >= 0")
+        match = _MEMORY.match(text)
+        unit = match.group(2).lower() if match else ""
+        if match is None or unit not in _MEMORY_UNITS:
+            raise JobSpecError(f"resources.{field} {text!r} is not a size; use e.g. 4Gi, 512Mi "
+                               "or a number of MiB")
+        mib = float(match.group(1)) * _MEMORY_UNITS[unit]
+    if mib < 0:
+        raise JobSpecError(f"resources.{field} is {value}; it must be >= 0")
+    return int(round(mib))
+
+
+def _number(section: Mapping[str, Any], key: str, where: str) -> float:
+    value = section.get(key, 0)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise JobSpecError(f"{where}.{key} must be a number, not {value!r}")
+    if value < 0:
+        raise JobSpecError(f"{where}.{key} is {value}; it must be >= 0")
+    return float(value)
+
+
+def _resources(raw: Any) -> Resources:
+    if raw is None:
+        return Resources()
+    if not isinstance(raw, Mapping):
+        raise JobSpecError(f"resources must be a mapping (cpu, memory, gpu, shm), not {raw!r}")
+    unknown = set(raw) - {"cpu", "memory", "gpu", "shm"}
+    if unknown:
+        raise JobSpecError(f"resources has unknown keys {sorted(unknown)}; "
+                           "allowed: cpu, memory, gpu, shm")
+    cpu = _number(raw, "cpu", "resources")
+    gpu = _number(raw, "gpu", "resources")
+    if gpu != int(gpu):
+        raise JobSpecError(f"resources.gpu is {gpu}; it must be a whole number")
+    try:
+        return Resources(cpu=cpu, memory_mib=parse_memory_mib(raw.get("memory", 0)),
+                         gpu=int(gpu), shm_mib=parse_memory_mib(raw.get("shm", 0), "shm"))
+    except InvalidNodeSpecError as error:
+        raise JobSpecError(str(error)) from None
+
+
+_KEYS = {"name", "entrypoint", "args", "nodes", "nproc_per_node", "resources", "max_restarts",
+         "max_relaunches", "checkpoint_dir", "engine", "engine_settings"}
+
+
+def job_spec_from_dict(raw: Mapping[str, Any]) -> JobSpec:
+    """Validate a parsed spec; raises JobSpecError with one message naming the first problem."""
+    if not isinstance(raw, Mapping):
+        raise JobSpecError("the job spec must be a mapping of keys (name, entrypoint, nodes, ...)")
+    unknown = set(raw) - _KEYS
+    if unknown:
+        raise JobSpecError(f"unknown keys {sorted(unknown)} in the job spec; allowed: "
+                           f"{', '.join(sorted(_KEYS))}")
+    entrypoint = raw.get("entrypoint")
+    if not entrypoint or not isinstance(entrypoint, str):
+        raise JobSpecError("entrypoint is missing: give the training script to run, "
+                           "e.g. entrypoint: train.py")
+    engine = raw.get("engine", DEFAULT_ENGINE)
+    if engine not in ENGINES:
+        raise JobSpecError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
+    name = str(raw.get("name") or _default_name(entrypoint))
+    if not _NAME.match(name) or len(name) > 40:
+        raise JobSpecError(f"name {name!r} must be 1-40 lowercase letters, digits or '-'")
+    args = raw.get("args") or []
+    if isinstance(args, str) or not isinstance(args, Sequence):
+        raise JobSpecError("args must be a list of strings, e.g. args: [--epochs, '3']")
+    min_nodes, max_nodes = parse_nnodes(raw.get("nodes", 1))
+    counts = {}
+    for key, default, low in (("nproc_per_node", DEFAULT_NPROC_PER_NODE, 1),
+                              ("max_restarts", DEFAULT_MAX_RESTARTS, 0),
+                              ("max_relaunches", 3, 0)):
+        value = raw.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise JobSpecError(f"{key} is {value!r}; it must be an integer >= {low}")
+        counts[key] = value
+    settings = raw.get("engine_settings") or {}
+    if not isinstance(settings, Mapping):
+        raise JobSpecError("engine_settings must be a mapping")
+    return JobSpec(name=name, entrypoint=entrypoint, args=tuple(str(a) for a in args),
+                   min_nodes=min_nodes, max_nodes=max_nodes,
+                   nproc_per_node=counts["nproc_per_node"],
+                   resources=_resources(raw.get("resources")),
+                   max_restarts=counts["max_restarts"], max_relaunches=counts["max_relaunches"],
+                   checkpoint_dir=str(raw.get("checkpoint_dir") or ""), engine=engine,
+                   engine_settings=dict(settings))
+
+
+def _default_name(entrypoint: str) -> str:
+    stem = os.path.splitext(os.path.basename(entrypoint))[0].lower()
+    stem = re.sub(r"[^a-z0-9-]+", "-", stem).strip("-")[:40]
+    return stem or "job"
+
+
+def load_job_spec(path: str | os.PathLike[str]) -> JobSpec:
+    """Read and validate a YAML job spec file."""
+    try:
+        with open(path, encoding="utf-8") as file:
+            raw = yaml.safe_load(file)
+    except OSError as error:
+        raise JobSpecError(f"cannot read job spec {os.fspath(path)!r}: {error}") from None
+    except yaml.YAMLError as error:
+        raise JobSpecError(f"job spec {os.fspath(path)!r} is not valid YAML: {error}") from None
+    try:
+        return job_spec_from_dict(raw if raw is not None else {})
+    except JobSpecError as error:
+        raise JobSpecError(f"{os.fspath(path)}: {error}") from None
+
+
+def job_spec_from_flags(entrypoint: str | None, args: Sequence[str] = (), nnodes: str = "1",
+                        nproc_per_node: int = DEFAULT_NPROC_PER_NODE,
+                        engine: str = DEFAULT_ENGINE, name: str | None = None,
+                        cpu: float = 0.0, memory: str | int = 0, gpu: int = 0,
+                        max_restarts: int = DEFAULT_MAX_RESTARTS, checkpoint_dir: str = "",
+                        engine_settings: Mapping[str, Any] | None = None) -> JobSpec:
+    """The same spec from CLI flags (`dlrover submit --engine ray --nnodes 2:4 train.py`)."""
+    raw: dict[str, Any] = {"entrypoint": entrypoint, "args": list(args), "nodes": nnodes,
+                           "nproc_per_node": nproc_per_node, "engine": engine,
+                           "resources": {"cpu": cpu, "memory": memory, "gpu": gpu},
+                           "max_restarts": max_restarts, "checkpoint_dir": checkpoint_dir,
+                           "engine_settings": dict(engine_settings or {})}
+    if name:
+        raw["name"] = name
+    return job_spec_from_dict(raw)

@@ -1,0 +1,1 @@
+"""The ElasticJob operator: one DLRover master per ElasticJob resource (needs kopf)."""

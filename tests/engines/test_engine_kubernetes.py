@@ -1,0 +1,227 @@
+"""Kubernetes engine through the official client against a fake API server over real HTTP."""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from dlrover.engines.base import FailureReason, NodeEvent, NodeSpec, NodeState, Resources
+from dlrover.engines.base import wait_for_event as wait_for
+from dlrover.engines.kube_manifests import OwnerReference, PodSettings
+from dlrover.engines.kube_pod_state import pod_outcome
+from dlrover.engines.relaunch import OomPolicy, replacement_spec
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("kubernetes") is None,
+                                reason="kubernetes is not installed (pip install 'dlrover[k8s]')")
+
+NS = "train"
+OWNER = OwnerReference("dlrover.io/v1alpha1", "ElasticJob", "kjob", "uid-1234")
+
+
+@pytest.fixture
+def api() -> Iterator[Any]:
+    from dlrover.engines.kube_fake_api import FakeKubeApi
+
+    server = FakeKubeApi()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def engine(api: Any) -> Iterator[Any]:
+    from kubernetes import client
+
+    from dlrover.engines.kubernetes_engine import KubernetesEngine
+
+    config = client.Configuration()
+    config.host = api.host
+    settings = PodSettings(image="dlrover:test", namespace=NS, owner=OWNER,
+                           service_account="dlrover-worker")
+    kube = KubernetesEngine(client.ApiClient(config), "kjob", settings, watch_timeout_s=30,
+                            reconnect_delay_s=0.05)
+    _until(lambda: api.open_watches() == 1, "the engine's first watch")
+    yield kube
+    kube.close()
+
+
+def _until(condition: Any, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def _spec(rank: int = 0, memory_mib: int = 1024, attempt: int = 0) -> NodeSpec:
+    return NodeSpec(job_name="kjob", rank=rank, relaunch_count=attempt,
+                    command=("dlrover-run", "--nnodes=2:4", "train.py"),
+                    env={"DLROVER_MASTER_ADDR": "kjob-master.train.svc:50001",
+                         "DLROVER_JOB_TOKEN": "tok"},
+                    resources=Resources(cpu=1.5, memory_mib=memory_mib, gpu=1))
+
+
+RUNNING = {"phase": "Running"}
+OOM = {"phase": "Failed", "containerStatuses": [{
+    "name": "worker", "image": "dlrover:test", "imageID": "sha256:0", "ready": False,
+    "restartCount": 0, "state": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}}]}
+
+
+def test_pod_spec_content(engine: Any, api: Any) -> None:
+    engine.launch(_spec(rank=1))
+    pod = api.pod(NS, "kjob-worker-1-0")
+    assert pod["metadata"]["labels"] == {
+        "app.kubernetes.io/name": "dlrover", "dlrover.io/job": "kjob",
+        "dlrover.io/role": "worker", "dlrover.io/rank": "1", "dlrover.io/relaunch-count": "0"}
+    assert pod["metadata"]["ownerReferences"] == [{
+        "apiVersion": "dlrover.io/v1alpha1", "kind": "ElasticJob", "name": "kjob",
+        "uid": "uid-1234", "controller": True, "blockOwnerDeletion": True}]
+    spec = pod["spec"]
+    assert spec["restartPolicy"] == "Never" and spec["serviceAccountName"] == "dlrover-worker"
+    container = spec["containers"][0]
+    assert container["command"] == ["dlrover-run", "--nnodes=2:4", "train.py"]
+    assert container["image"] == "dlrover:test"
+    assert {e["name"]: e["value"] for e in container["env"]} == {
+        "DLROVER_MASTER_ADDR": "kjob-master.train.svc:50001", "DLROVER_JOB_TOKEN": "tok"}
+    assert container["resources"] == {
+        "requests": {"cpu": "1500m", "memory": "1024Mi", "nvidia.com/gpu": "1"},
+        "limits": {"memory": "1024Mi", "nvidia.com/gpu": "1"}}
+    assert container["volumeMounts"] == [{"name": "dshm", "mountPath": "/dev/shm"}]
+    assert spec["volumes"] == [{"name": "dshm",
+                                "emptyDir": {"medium": "Memory", "sizeLimit": "512Mi"}}]
+
+
+def test_oom_killed_pod_is_relaunched_with_more_memory(engine: Any, api: Any) -> None:
+    engine.launch(_spec(memory_mib=1000))
+    api.set_pod_status(NS, "kjob-worker-0-0", RUNNING, node_name="k8s-node-a")
+    running = wait_for(engine, lambda e: e.state is NodeState.RUNNING, 10)
+    assert running.host == "k8s-node-a"
+    api.set_pod_status(NS, "kjob-worker-0-0", OOM)
+    oom = wait_for(engine, lambda e: e.state.is_final, 10)
+    assert (oom.state, oom.reason, oom.exit_code) == (
+        NodeState.FAILED, FailureReason.OOM_KILLED, 137)
+    replacement = replacement_spec(oom, OomPolicy(factor=1.5, max_memory_mib=1200))
+    assert replacement is not None
+    engine.launch(replacement)
+    pod = api.pod(NS, "kjob-worker-0-1")
+    assert pod["spec"]["containers"][0]["resources"]["limits"]["memory"] == "1200Mi"  # capped
+    assert pod["metadata"]["labels"]["dlrover.io/relaunch-count"] == "1"
+
+
+def test_pod_deleted_by_someone_else_is_node_lost_and_relaunched(engine: Any, api: Any) -> None:
+    engine.launch(_spec())
+    api.remove_pod(NS, "kjob-worker-0-0")
+    lost = wait_for(engine, lambda e: e.state.is_final, 10)
+    assert (lost.state, lost.reason) == (NodeState.FAILED, FailureReason.NODE_LOST)
+    engine.launch(lost.spec.replacement())
+    assert [p["metadata"]["name"] for p in api.pods(NS)] == ["kjob-worker-0-1"]
+
+
+def test_dropped_watch_resumes_from_the_last_version(engine: Any, api: Any) -> None:
+    engine.launch(_spec())
+    api.set_pod_status(NS, "kjob-worker-0-0", RUNNING)
+    wait_for(engine, lambda e: e.state is NodeState.RUNNING, 10)
+    version = api.pod(NS, "kjob-worker-0-0")["metadata"]["resourceVersion"]
+    assert api.drop_watches() == 1
+    # This change happens while no stream is open; the resumed watch must still deliver it.
+    api.set_pod_status(NS, "kjob-worker-0-0", {"phase": "Succeeded"})
+    done = wait_for(engine, lambda e: e.state.is_final, 10)
+    assert done.state is NodeState.SUCCEEDED
+    assert engine.relists == 1  # resumed, not re-listed
+    assert api.watch_requests[-1]["resourceVersion"] == version, api.watch_requests
+
+
+def test_expired_version_410_relists_and_diffs(engine: Any, api: Any) -> None:
+    engine.launch_many([_spec(rank=0), _spec(rank=1)])
+    api.hold_watches.set()  # the stream is slow: these changes are not delivered on it
+    api.set_pod_status(NS, "kjob-worker-0-0", {"phase": "Succeeded"})
+    api.remove_pod(NS, "kjob-worker-1-0")
+    api.compact()
+    api.drop_watches()
+    api.hold_watches.clear()
+    seen: list[NodeEvent] = []
+    while len([e for e in seen if e.state.is_final]) < 2:
+        wait_for(engine, lambda e: e.state.is_final, 10, seen)
+    finals = {e.node_id: e for e in seen if e.state.is_final}
+    assert finals["kjob-worker-0-0"].state is NodeState.SUCCEEDED
+    assert finals["kjob-worker-1-0"].reason is FailureReason.NODE_LOST
+    assert engine.relists == 2
+
+
+def test_409_on_create_adopts_the_existing_pod(engine: Any, api: Any) -> None:
+    from kubernetes import client
+
+    from dlrover.engines.kube_manifests import pod_manifest
+    from dlrover.engines.kubernetes_engine import KubernetesEngine
+
+    # A previous master created the pod, then died before recording it.
+    config = client.Configuration()
+    config.host = api.host
+    core = client.CoreV1Api(client.ApiClient(config))
+    settings = PodSettings(image="dlrover:test", namespace=NS)
+    core.create_namespaced_pod(NS, pod_manifest(_spec(), settings))
+    api.set_pod_status(NS, "kjob-worker-0-0", RUNNING)
+    node = engine.launch(_spec())
+    assert node.state is NodeState.RUNNING
+    assert len(api.pods(NS)) == 1
+    assert engine.launch(_spec()).node_id == node.node_id  # idempotent, no request either
+    assert isinstance(engine, KubernetesEngine)
+
+
+def test_404_on_delete_of_a_pod_already_gone(engine: Any, api: Any) -> None:
+    from dlrover.engines.base import NodeNotFoundError
+
+    engine.launch(_spec())
+    api.hold_watches.set()
+    api.remove_pod(NS, "kjob-worker-0-0")
+    engine.delete("kjob-worker-0-0")  # the API answers 404; not an error
+    api.hold_watches.clear()
+    seen: list[NodeEvent] = []
+    deleted = wait_for(engine, lambda e: e.state.is_final, 10, seen)
+    assert deleted.state is NodeState.DELETED
+    time.sleep(0.3)  # give the late watch DELETED a chance to (wrongly) add a second final event
+    assert [e for e in seen + engine.events(0) if e.state.is_final] == [deleted]
+    with pytest.raises(NodeNotFoundError):
+        engine.delete("kjob-worker-7-0")
+
+
+def test_master_service_is_created_once(engine: Any, api: Any) -> None:
+    first = engine.create_master_service(port=50001)
+    second = engine.create_master_service(port=50001)  # 409 -> the existing one
+    assert first["metadata"]["uid"] == second["metadata"]["uid"]
+    (service,) = api.services(NS)
+    assert service["metadata"]["name"] == "kjob-master"
+    assert service["spec"]["selector"]["dlrover.io/role"] == "master"
+    assert service["spec"]["ports"] == [{"name": "grpc", "port": 50001, "targetPort": 50001}]
+
+
+def test_thirty_pods_are_launched_in_parallel(engine: Any, api: Any) -> None:
+    started = time.monotonic()
+    nodes = engine.launch_many([_spec(rank=r) for r in range(30)])
+    elapsed = time.monotonic() - started
+    assert len(nodes) == 30 and len(api.pods(NS)) == 30
+    assert elapsed < 10
+
+
+@pytest.mark.parametrize("status, expected", [
+    ({"phase": "Failed", "reason": "Evicted", "message": "low memory"},
+     (NodeState.FAILED, FailureReason.PREEMPTED, None, None)),
+    ({"phase": "Failed", "containerStatuses": [{"state": {"terminated": {
+        "exitCode": 137, "reason": "Error"}}}]},
+     (NodeState.FAILED, FailureReason.SIGNAL, 137, 9)),
+    ({"phase": "Failed", "containerStatuses": [{"state": {"terminated": {"exitCode": 2}}}]},
+     (NodeState.FAILED, FailureReason.EXIT_CODE, 2, None)),
+    ({"phase": "Pending", "containerStatuses": [{"state": {"waiting": {
+        "reason": "ImagePullBackOff"}}}]},
+     (NodeState.FAILED, FailureReason.LAUNCH_FAILED, None, None)),
+    ({"phase": "Failed", "conditions": [{"type": "DisruptionTarget", "status": "True",
+                                         "reason": "PreemptionByScheduler"}]},
+     (NodeState.FAILED, FailureReason.PREEMPTED, None, None)),
+])
+def test_pod_status_mapping(status: dict[str, Any], expected: tuple[Any, ...]) -> None:
+    outcome = pod_outcome({"status": status, "spec": {}})
+    assert outcome is not None
+    assert (outcome.state, outcome.reason, outcome.exit_code, outcome.signal) == expected
+    assert pod_outcome({"status": {"phase": "Unknown"}}) is None

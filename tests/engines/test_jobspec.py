@@ -1,0 +1,103 @@
+"""Job spec: YAML and flags give the same spec; each kind of bad spec gets one clear error."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from dlrover.engines.base import Resources
+from dlrover.jobspec import (
+    JobSpecError,
+    job_spec_from_dict,
+    job_spec_from_flags,
+    load_job_spec,
+    parse_memory_mib,
+)
+
+GOOD_YAML = """
+name: mnist
+entrypoint: train.py
+args: [--epochs, "3"]
+nodes: "2:4"
+nproc_per_node: 2
+resources: {cpu: 4, memory: 8Gi, gpu: 1, shm: 2Gi}
+max_restarts: 3
+checkpoint_dir: /ckpt/mnist
+engine: kubernetes
+engine_settings: {namespace: train, image: dlrover:latest}
+"""
+
+
+def test_yaml_spec_loads_and_matches_flags(tmp_path: Path) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text(GOOD_YAML)
+    spec = load_job_spec(path)
+    assert (spec.name, spec.entrypoint, spec.args) == ("mnist", "train.py", ("--epochs", "3"))
+    assert (spec.min_nodes, spec.max_nodes, spec.nproc_per_node) == (2, 4, 2)
+    assert spec.resources == Resources(cpu=4, memory_mib=8192, gpu=1, shm_mib=2048)
+    assert spec.engine_settings == {"namespace": "train", "image": "dlrover:latest"}
+    flags = job_spec_from_flags("train.py", ["--epochs", "3"], nnodes="2:4", nproc_per_node=2,
+                                engine="kubernetes", name="mnist", cpu=4, memory="8Gi", gpu=1,
+                                max_restarts=3, checkpoint_dir="/ckpt/mnist",
+                                engine_settings={"namespace": "train", "image": "dlrover:latest"})
+    assert flags.resources == Resources(cpu=4, memory_mib=8192, gpu=1)
+    assert flags == dataclasses.replace(spec, resources=flags.resources)
+    assert flags.agent_command() == spec.agent_command() == (
+        "dlrover-run", "--nnodes=2:4", "--nproc-per-node=2", "--max-restarts=3", "train.py",
+        "--epochs", "3")
+
+
+def test_node_spec_carries_master_address_and_token() -> None:
+    spec = job_spec_from_flags("train.py", nnodes="1:2", name="job-b", memory=1024)
+    node = spec.node_spec(rank=1, master_addr="10.0.0.1:5000", token="s3cret", relaunch_count=2)
+    assert node.node_id == "job-b-worker-1-2"
+    assert node.env["DLROVER_MASTER_ADDR"] == "10.0.0.1:5000"
+    assert node.env["DLROVER_JOB_TOKEN"] == "s3cret"
+    assert node.resources.memory_mib == 1024
+    assert node.command[-1] == "train.py"
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"engine": "slurm"}, "unknown engine 'slurm'; choose one of local, ray, kubernetes"),
+    ({"nodes": "4:2"}, "MIN \\(4\\) is greater than MAX \\(2\\)"),
+    ({"resources": {"cpu": -1}}, "resources.cpu is -1; it must be >= 0"),
+    ({"resources": {"memory": "-2Gi"}}, "resources.memory is -2Gi; it must be >= 0"),
+    ({"resources": {"gpu": -1}}, "resources.gpu is -1; it must be >= 0"),
+    ({"entrypoint": None}, "entrypoint is missing"),
+    ({"entrypoint": ""}, "entrypoint is missing"),
+    ({"nodes": "two"}, "must be N or MIN:MAX"),
+    ({"nproc_per_node": 0}, "nproc_per_node is 0"),
+    ({"resources": {"memory": "lots"}}, "'lots' is not a size"),
+    ({"epochs": 3}, "unknown keys \\['epochs'\\]"),
+])
+def test_bad_spec_gets_one_clear_error(change: dict[str, object], message: str) -> None:
+    raw: dict[str, object] = {"entrypoint": "train.py", "nodes": "1:2"}
+    raw.update(change)
+    with pytest.raises(JobSpecError, match=message) as info:
+        job_spec_from_dict(raw)
+    assert "\n" not in str(info.value)  # one message, not a dump
+
+
+def test_missing_entrypoint_in_a_file_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text("nodes: 2\n")
+    with pytest.raises(JobSpecError, match=f"{path}: entrypoint is missing"):
+        load_job_spec(path)
+
+
+def test_unreadable_and_invalid_yaml_are_clear(tmp_path: Path) -> None:
+    with pytest.raises(JobSpecError, match="cannot read job spec"):
+        load_job_spec(tmp_path / "absent.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("entrypoint: [unclosed\n")
+    with pytest.raises(JobSpecError, match="is not valid YAML"):
+        load_job_spec(bad)
+
+
+def test_memory_sizes() -> None:
+    assert parse_memory_mib("4Gi") == 4096
+    assert parse_memory_mib("512Mi") == 512
+    assert parse_memory_mib(2048) == 2048
+    assert parse_memory_mib("1G") == 954
