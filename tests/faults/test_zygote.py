@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from dlrover.agent.bootstrap import request_stack_dump
 from dlrover.agent.error_file import read_error_file
 from dlrover.agent.zygote import (
     WorkerHandle,
@@ -304,3 +305,24 @@ def test_default_thread_count_matches_a_fresh_interpreter(zygote: Zygote, tmp_pa
     handle = zygote.spawn([str(script)], env, tmp_path, tmp_path / "o", tmp_path / "e")
     assert handle.wait(DEADLINE_S) == 0
     assert (tmp_path / "o").read_text() == fresh.stdout
+
+
+def test_forked_worker_dumps_stacks_on_request(zygote: Zygote, tmp_path: Path) -> None:
+    body = (
+        "import time\n"
+        "def waiting_for_peers():\n"
+        "    print('ready', flush=True)\n"
+        "    time.sleep(600)\n"
+        "waiting_for_peers()\n"
+    )
+    handle, out, err = _spawn(zygote, tmp_path, body)
+    assert _wait_for_line(out) == "ready\n"
+    assert request_stack_dump(handle.pid)
+    deadline = time.monotonic() + DEADLINE_S
+    while "waiting_for_peers" not in err.read_text():
+        assert time.monotonic() < deadline, "no stack dump"
+        time.sleep(0.02)
+    assert handle.poll() is None  # the dump does not end the worker
+    handle.kill()
+    assert handle.wait(DEADLINE_S) == -signal.SIGKILL
+    assert f'File "{tmp_path / "worker.py"}", line 4 in waiting_for_peers' in err.read_text()
