@@ -83,6 +83,12 @@ class WorkerHandle(ABC):
                 return
         callback(self)
 
+    def remove_exit_callback(self, callback: Callable[[WorkerHandle], None]) -> None:
+        """Forget a callback that has not run yet (no-op otherwise)."""
+        with self._lock:
+            if callback in self._callbacks:
+                self._callbacks.remove(callback)
+
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Send `sig` to the worker's whole process group; a no-op once everything is gone."""
         try:
@@ -136,9 +142,18 @@ class PopenWorker(WorkerHandle):
 def wait_any(handles: Sequence[WorkerHandle], timeout: float) -> list[WorkerHandle]:
     """Block until at least one handle has exited or `timeout` passes; the exited handles."""
     woken = threading.Event()
+
+    def wake(_handle: WorkerHandle) -> None:
+        woken.set()
+
     for handle in handles:
-        handle.add_exit_callback(lambda _handle: woken.set())
-    woken.wait(timeout)
+        handle.add_exit_callback(wake)
+    try:
+        woken.wait(timeout)
+    finally:
+        # A monitor loop calls this many times: leave no callbacks behind.
+        for handle in handles:
+            handle.remove_exit_callback(wake)
     return [handle for handle in handles if handle.poll() is not None]
 
 
@@ -177,7 +192,11 @@ class Zygote:
     """Client of one zygote process. Thread-safe; `close()` ends it and its workers."""
 
     def __init__(
-        self, process: subprocess.Popen[bytes], sock: socket.socket, ready: dict[str, Any]
+        self,
+        process: subprocess.Popen[bytes],
+        sock: socket.socket,
+        reader: IO[bytes],
+        ready: dict[str, Any],
     ) -> None:
         self._process = process
         self._sock = sock
@@ -191,7 +210,7 @@ class Zygote:
         self._pending: dict[int, tuple[threading.Event, list[Any]]] = {}
         self._workers: dict[int, ForkedWorker] = {}
         self._lost = False
-        self._reader_file: IO[bytes] = sock.makefile("rb")
+        self._reader_file = reader
         self._reader = threading.Thread(target=self._read_events, name="zygote-reader", daemon=True)
         self._reader.start()
 
@@ -233,8 +252,9 @@ class Zygote:
         finally:
             theirs.close()
         ours.settimeout(timeout)
+        reader = ours.makefile("rb")
         try:
-            line = ours.makefile("rb").readline()
+            line = reader.readline()
         except TimeoutError:
             line = b""
         ours.settimeout(None)
@@ -253,7 +273,7 @@ class Zygote:
             ",".join(preload),
             ready.get("preload_s", 0.0),
         )
-        return cls(process, ours, ready)
+        return cls(process, ours, reader, ready)
 
     @property
     def pid(self) -> int:
@@ -295,7 +315,12 @@ class Zygote:
             "stdout": os.fspath(os.path.abspath(stdout_path)),
             "stderr": os.fspath(os.path.abspath(stderr_path)),
         }
-        self._send(request)
+        try:
+            self._send(request)
+        except ZygoteError:
+            with self._state_lock:
+                self._pending.pop(request_id, None)
+            raise
         if not answered.wait(timeout):
             with self._state_lock:
                 self._pending.pop(request_id, None)

@@ -38,6 +38,7 @@ for step in range({STEPS}):
     model(torch.ones(2, 4)).sum().backward()
     optimizer.step()
     print("step", step, flush=True)
+del model, optimizer
 dist.destroy_process_group()
 """
 

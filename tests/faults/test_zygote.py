@@ -143,6 +143,8 @@ def test_kill_reaches_the_whole_process_group(zygote: Zygote, tmp_path: Path) ->
     handle, out, _ = _spawn(zygote, tmp_path, body)
     grandchild = int(_wait_for_line(out))
     assert _alive(grandchild)
+    for _ in range(3):  # a monitor loop's repeated short waits
+        assert wait_any([handle], 0.01) == []
     handle.kill(signal.SIGKILL)
     assert handle.wait(DEADLINE_S) == -signal.SIGKILL
     _wait_gone(grandchild)
@@ -252,6 +254,7 @@ digest = hashlib.sha256()
 for parameter in model.parameters():
     digest.update(parameter.detach().numpy().tobytes())
 print(digest.hexdigest(), flush=True)
+del model, optimizer
 dist.destroy_process_group()
 """
 
