@@ -1,0 +1,157 @@
+"""Worker entry point: arms stack dumps and error files, then runs the user's script as __main__.
+
+Usage: ``python -m dlrover.agent.bootstrap script.py args...`` or
+``python -m dlrover.agent.bootstrap -m package.module args...``. The script sees the same
+``sys.argv``, ``sys.path[0]``, ``__name__ == "__main__"`` and exit codes as under
+``python script.py``; in addition
+
+- ``SIGUSR1`` (STACK_DUMP_SIGNAL) prints every thread's Python stack to stderr and the
+  worker keeps running: the agent uses it on a hung worker before killing it;
+- fatal signals (SIGSEGV, SIGABRT, ...) print the Python stack before the process dies;
+- an exception escaping the script is written to ``$TORCHELASTIC_ERROR_FILE`` (see error_file).
+"""
+
+from __future__ import annotations
+
+import builtins
+import ctypes
+import faulthandler
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import io
+import os
+import signal
+import sys
+import types
+from collections.abc import Sequence
+
+from dlrover.agent.error_file import ErrorRecorder
+
+STACK_DUMP_SIGNAL = signal.SIGUSR1
+"""Signal that makes a bootstrapped worker dump all thread stacks to stderr (and go on)."""
+
+ENV_PARENT_DEATH_PID = "DLROVER_PARENT_DEATH_PID"
+"""Set by the spawner: the worker kills itself when this process (its parent) dies."""
+
+_PR_SET_PDEATHSIG = 1
+
+USAGE = "usage: python -m dlrover.agent.bootstrap (script.py | -m module) [args...]"
+
+
+class BootstrapError(Exception):
+    """The worker command line names nothing runnable."""
+
+
+def enable_stack_dumps() -> None:
+    """Dump stacks on STACK_DUMP_SIGNAL and on fatal signals, to the current stderr."""
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+    faulthandler.register(STACK_DUMP_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
+
+
+def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
+    """Have the kernel send `sig` to this process when its parent exits (Linux prctl).
+
+    Exits at once when the parent is already gone (we were re-parented before the prctl).
+    Elsewhere than Linux this does nothing: the agent's process-group kill remains.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent_pid:
+        os._exit(128 + int(sig))
+
+
+def request_stack_dump(pid: int) -> bool:
+    """Ask a bootstrapped worker to dump its stacks; False when the process is already gone.
+
+    Send it to the worker's pid only, never its process group: children the worker started
+    (data loader workers) have no handler, and SIGUSR1's default action ends a process.
+    """
+    try:
+        os.kill(pid, STACK_DUMP_SIGNAL)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def run_target(argv: Sequence[str]) -> None:
+    """Run `argv` (``[script, args...]`` or ``["-m", module, args...]``) as ``__main__``.
+
+    Like the interpreter (and unlike runpy.run_path, which discards its temporary module),
+    the code runs in a real ``__main__`` module left in sys.modules afterwards, so the
+    script's objects live until interpreter shutdown: destroying a process group or a DDP
+    model halfway through an exit can hang. Exceptions (SystemExit included) propagate, so
+    the interpreter prints them and picks the exit code exactly as for ``python script.py``.
+    """
+    if not argv or (argv[0] == "-m" and len(argv) < 2):
+        raise BootstrapError(f"no script or module given; {USAGE}")
+    with ErrorRecorder():
+        if argv[0] == "-m":
+            _run_module(argv[1], list(argv[2:]))
+        else:
+            _run_script(argv[0], list(argv[1:]))
+
+
+def _run_script(script: str, args: list[str]) -> None:
+    try:
+        with io.open_code(script) as source_file:
+            source = source_file.read()
+    except OSError as exc:
+        raise BootstrapError(f"can't open file {script!r}: {exc.strerror}") from exc
+    sys.argv = [script, *args]
+    sys.path[0] = os.path.dirname(os.path.realpath(script))
+    module = _fresh_main(script, importlib.machinery.SourceFileLoader("__main__", script), None)
+    exec(compile(source, script, "exec"), module.__dict__)
+
+
+def _run_module(name: str, args: list[str]) -> None:
+    # Like `python -m`: the working directory comes first on the path.
+    sys.path[0] = os.getcwd()
+    sys.argv = ["-m", *args]
+    try:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.submodule_search_locations is not None:
+            name = f"{name}.__main__"  # a package runs its __main__ submodule
+            spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError) as exc:
+        raise BootstrapError(f"error finding module {name!r}: {exc}") from exc
+    if spec is None or spec.loader is None or not hasattr(spec.loader, "get_code"):
+        raise BootstrapError(f"no module named {name!r}")
+    code = spec.loader.get_code(name)
+    if code is None:
+        raise BootstrapError(f"module {name!r} has no code to run")
+    sys.argv[0] = spec.origin or name
+    module = _fresh_main(spec.origin, spec.loader, spec)
+    exec(code, module.__dict__)
+
+
+def _fresh_main(
+    origin: str | None, loader: importlib.abc.Loader, spec: importlib.machinery.ModuleSpec | None
+) -> types.ModuleType:
+    module = types.ModuleType("__main__")
+    module.__file__ = origin
+    module.__loader__ = loader
+    module.__spec__ = spec
+    module.__package__ = spec.parent if spec is not None else None
+    module.__dict__["__builtins__"] = builtins
+    sys.modules["__main__"] = module
+    return module
+
+
+def main() -> None:
+    parent = os.environ.pop(ENV_PARENT_DEATH_PID, "")
+    if parent.isdigit():
+        die_with_parent(int(parent))
+    enable_stack_dumps()
+    try:
+        run_target(sys.argv[1:])
+    except BootstrapError as exc:
+        print(f"dlrover.agent.bootstrap: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

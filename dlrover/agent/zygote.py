@@ -1,0 +1,443 @@
+"""Fast worker start: fork workers from a template process that already imported torch.
+
+The agent starts one `Zygote` per node. Each `spawn` asks it (JSON over a unix socket) to
+fork a worker that runs the user's script as ``__main__`` with the given argv, env, cwd and
+log files, so a restarted worker skips ``import torch`` and the lazy imports of the first
+DDP/optimizer construction. `WorkerLauncher` falls back to a plain Popen of
+``python -m dlrover.agent.bootstrap`` when the zygote cannot be started or refuses.
+
+Exits: the zygote is the workers' parent; it waits on a pidfd per worker, reaps it and
+reports the Popen-style return code on the socket at once, where a reader thread in the
+agent resolves the `WorkerHandle` (milliseconds, no polling). Kills: every worker leads its
+own process group, so `WorkerHandle.kill` reaches everything it started. Lifetime: the zygote
+dies with the agent and workers die with the zygote (PR_SET_PDEATHSIG), so nothing is orphaned.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from dlrover.agent.bootstrap import ENV_PARENT_DEATH_PID
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch.nn.parallel",
+    "torch.optim",
+    "torch._dynamo",
+)
+"""Modules a DDP worker imports before its first step (torch._dynamo: lazily, by the optimizer)."""
+
+# Read once by native libraries when they load: a worker's own value is applied after fork,
+# so the zygote itself starts without them (its defaults are then those of a fresh process).
+_ZYGOTE_UNSET_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+
+
+class ZygoteError(Exception):
+    """The zygote could not be started, refused a spawn, or is gone."""
+
+
+class WorkerHandle(ABC):
+    """A started worker process. Return codes follow Popen: -N means killed by signal N."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._done = threading.Event()
+        self._returncode: int | None = None
+        self._callbacks: list[Callable[[WorkerHandle], None]] = []
+        self._lock = threading.Lock()
+
+    def poll(self) -> int | None:
+        """The return code, or None while the worker runs."""
+        return self._returncode if self._done.is_set() else None
+
+    def wait(self, timeout: float) -> int | None:
+        """Block up to `timeout` seconds for the exit; the return code, or None if still running."""
+        self._done.wait(timeout)
+        return self.poll()
+
+    def add_exit_callback(self, callback: Callable[[WorkerHandle], None]) -> None:
+        """Call `callback(handle)` once the worker has exited (at once if it already has).
+
+        Callbacks run on an internal thread: keep them short (set an event, queue a message).
+        """
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(callback)
+                return
+        callback(self)
+
+    def remove_exit_callback(self, callback: Callable[[WorkerHandle], None]) -> None:
+        """Forget a callback that has not run yet (no-op otherwise)."""
+        with self._lock:
+            if callback in self._callbacks:
+                self._callbacks.remove(callback)
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Send `sig` to the worker's whole process group; a no-op once everything is gone."""
+        try:
+            os.killpg(self.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    @property
+    @abstractmethod
+    def forked(self) -> bool:
+        """True when forked from the zygote, False when started by Popen."""
+
+    def _resolve(self, returncode: int) -> None:
+        with self._lock:
+            if self._done.is_set():
+                return
+            self._returncode = returncode
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            try:
+                callback(self)
+            except Exception:
+                log.exception("exit callback of worker %d failed", self.pid)
+
+
+class ForkedWorker(WorkerHandle):
+    """A worker forked by the zygote; its exit arrives as a message from the zygote."""
+
+    @property
+    def forked(self) -> bool:
+        return True
+
+
+class PopenWorker(WorkerHandle):
+    """A worker started with Popen; a thread blocked in wait() reports its exit."""
+
+    def __init__(self, process: subprocess.Popen[bytes]) -> None:
+        super().__init__(process.pid)
+        self._process = process
+        threading.Thread(target=self._watch, name=f"worker-{self.pid}", daemon=True).start()
+
+    @property
+    def forked(self) -> bool:
+        return False
+
+    def _watch(self) -> None:
+        self._resolve(self._process.wait())
+
+
+def wait_any(handles: Sequence[WorkerHandle], timeout: float) -> list[WorkerHandle]:
+    """Block until at least one handle has exited or `timeout` passes; the exited handles."""
+    woken = threading.Event()
+
+    def wake(_handle: WorkerHandle) -> None:
+        woken.set()
+
+    for handle in handles:
+        handle.add_exit_callback(wake)
+    try:
+        woken.wait(timeout)
+    finally:
+        # A monitor loop calls this many times: leave no callbacks behind.
+        for handle in handles:
+            handle.remove_exit_callback(wake)
+    return [handle for handle in handles if handle.poll() is not None]
+
+
+def spawn_popen(
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    cwd: str | os.PathLike[str],
+    stdout_path: str | os.PathLike[str],
+    stderr_path: str | os.PathLike[str],
+) -> PopenWorker:
+    """Start `python -m dlrover.agent.bootstrap *argv` in its own session (the fallback path)."""
+    child_env = dict(env)
+    child_env[ENV_PARENT_DEATH_PID] = str(os.getpid())
+    with open(stdout_path, "ab") as stdout, open(stderr_path, "ab") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "dlrover.agent.bootstrap", *argv],
+            env=_with_package_on_path(child_env),
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=stdout,
+            stderr=stderr,
+            start_new_session=True,
+        )
+    return PopenWorker(process)
+
+
+def _with_package_on_path(env: dict[str, str]) -> dict[str, str]:
+    # Workers import dlrover.agent.bootstrap; make that work from a source checkout too.
+    entries = [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    if _PACKAGE_ROOT not in entries:
+        env["PYTHONPATH"] = os.pathsep.join([*entries, _PACKAGE_ROOT])
+    return env
+
+
+class Zygote:
+    """Client of one zygote process. Thread-safe; `close()` ends it and its workers."""
+
+    def __init__(
+        self,
+        process: subprocess.Popen[bytes],
+        sock: socket.socket,
+        reader: IO[bytes],
+        ready: dict[str, Any],
+    ) -> None:
+        self._process = process
+        self._sock = sock
+        self.preload_s = float(ready.get("preload_s", 0.0))
+        """Seconds the zygote spent importing the preloaded modules."""
+        self.native_threads = int(ready.get("threads", -1))
+        """Native threads in the zygote after preloading (informational)."""
+        self._send_lock = threading.Lock()
+        self._state_lock = threading.Lock()
+        self._next_id = 0
+        self._pending: dict[int, tuple[threading.Event, list[Any]]] = {}
+        self._workers: dict[int, ForkedWorker] = {}
+        self._lost = False
+        self._reader_file = reader
+        self._reader = threading.Thread(target=self._read_events, name="zygote-reader", daemon=True)
+        self._reader.start()
+
+    @classmethod
+    def start(
+        cls,
+        preload: Sequence[str] = DEFAULT_PRELOAD,
+        timeout: float = 60.0,
+        env: Mapping[str, str] | None = None,
+    ) -> Zygote:
+        """Start a zygote that imports `preload`; raises ZygoteError if not ready in `timeout`."""
+        bad = [name for name in preload if not name or "," in name]
+        if bad:
+            raise ZygoteError(f"invalid module names to preload: {bad!r}")
+        zygote_env = {
+            key: value
+            for key, value in (os.environ if env is None else env).items()
+            if key not in _ZYGOTE_UNSET_ENV
+        }
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            process = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "dlrover.agent.zygote_server",
+                    "--fd",
+                    str(theirs.fileno()),
+                    "--parent-pid",
+                    str(os.getpid()),
+                    "--preload",
+                    ",".join(preload),
+                ],
+                env=_with_package_on_path(zygote_env),
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+            )
+        finally:
+            theirs.close()
+        ours.settimeout(timeout)
+        reader = ours.makefile("rb")
+        try:
+            line = reader.readline()
+        except TimeoutError:
+            line = b""
+        ours.settimeout(None)
+        if not line:
+            process.kill()
+            process.wait(timeout=10)
+            ours.close()
+            raise ZygoteError(
+                f"zygote did not become ready within {timeout:.0f} s (exit {process.returncode});"
+                f" preload {list(preload)} failed? see the agent's stderr"
+            )
+        ready = json.loads(line)
+        log.info(
+            "zygote %d ready: preloaded %s in %.2f s",
+            process.pid,
+            ",".join(preload),
+            ready.get("preload_s", 0.0),
+        )
+        return cls(process, ours, reader, ready)
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    @property
+    def alive(self) -> bool:
+        return not self._lost and self._process.poll() is None
+
+    def spawn(
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        cwd: str | os.PathLike[str],
+        stdout_path: str | os.PathLike[str],
+        stderr_path: str | os.PathLike[str],
+        timeout: float = 10.0,
+    ) -> ForkedWorker:
+        """Fork a worker running `argv` (``[script, args...]`` or ``["-m", module, args...]``).
+
+        `env` is the worker's complete environment (the torchrun contract included); it
+        replaces the zygote's. Output is appended to the two files. Raises ZygoteError when
+        the zygote refuses (the message says why) or does not answer within `timeout`.
+        """
+        with self._state_lock:
+            if self._lost:
+                raise ZygoteError("the zygote is gone; start a new one or use Popen")
+            request_id = self._next_id
+            self._next_id += 1
+            answered = threading.Event()
+            answer: list[Any] = []
+            self._pending[request_id] = (answered, answer)
+        request = {
+            "op": "spawn",
+            "id": request_id,
+            "argv": list(argv),
+            "env": dict(env),
+            "cwd": os.fspath(os.path.abspath(cwd)),
+            "stdout": os.fspath(os.path.abspath(stdout_path)),
+            "stderr": os.fspath(os.path.abspath(stderr_path)),
+        }
+        try:
+            self._send(request)
+        except ZygoteError:
+            with self._state_lock:
+                self._pending.pop(request_id, None)
+            raise
+        if not answered.wait(timeout):
+            with self._state_lock:
+                self._pending.pop(request_id, None)
+            raise ZygoteError(f"zygote {self.pid} did not answer a spawn within {timeout} s")
+        result = answer[0]
+        if isinstance(result, ForkedWorker):
+            return result
+        raise ZygoteError(f"zygote refused to spawn {list(argv)!r}: {result}")
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the zygote; its remaining workers are killed. Waits at most `timeout` seconds."""
+        try:
+            self._send({"op": "exit"})
+        except ZygoteError:
+            pass
+        try:
+            self._process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("zygote %d did not exit within %.1f s; killing it", self.pid, timeout)
+            self._process.kill()
+            self._process.wait(timeout)
+        self._sock.close()
+        self._reader.join(timeout)
+
+    def _send(self, message: dict[str, Any]) -> None:
+        data = json.dumps(message).encode() + b"\n"
+        with self._send_lock:
+            try:
+                self._sock.sendall(data)
+            except OSError as exc:
+                raise ZygoteError(f"zygote {self.pid} is gone: {exc}") from exc
+
+    def _read_events(self) -> None:
+        try:
+            for line in self._reader_file:
+                self._dispatch(json.loads(line))
+        except (OSError, ValueError) as exc:
+            log.warning("zygote %d: reading events failed: %s", self.pid, exc)
+        self._on_lost()
+
+    def _dispatch(self, event: dict[str, Any]) -> None:
+        kind = event.get("event")
+        if kind == "exited":
+            with self._state_lock:
+                worker = self._workers.pop(int(event["pid"]), None)
+            if worker is not None:
+                worker._resolve(int(event["returncode"]))
+        elif kind in ("spawned", "spawn_failed"):
+            with self._state_lock:
+                pending = self._pending.pop(int(event["id"]), None)
+                result: Any = event.get("error", "")
+                if kind == "spawned":
+                    result = ForkedWorker(int(event["pid"]))
+                    self._workers[result.pid] = result
+            if pending is not None:
+                pending[1].append(result)
+                pending[0].set()
+        else:
+            log.warning("zygote %d: %s", self.pid, event.get("error", event))
+
+    def _on_lost(self) -> None:
+        # The zygote is gone: its workers died with it (PDEATHSIG), as if SIGKILLed.
+        with self._state_lock:
+            self._lost = True
+            workers, self._workers = list(self._workers.values()), {}
+            pending, self._pending = list(self._pending.values()), {}
+        for worker in workers:
+            worker.kill()
+            worker._resolve(-signal.SIGKILL)
+        for answered, answer in pending:
+            answer.append("the zygote exited")
+            answered.set()
+
+
+class WorkerLauncher:
+    """Starts workers from a zygote when one is available, else with Popen (same handles)."""
+
+    def __init__(
+        self,
+        use_zygote: bool = True,
+        preload: Sequence[str] = DEFAULT_PRELOAD,
+        start_timeout: float = 60.0,
+    ) -> None:
+        self._zygote: Zygote | None = None
+        self._lock = threading.Lock()
+        if use_zygote:
+            started = time.monotonic()
+            try:
+                self._zygote = Zygote.start(preload, start_timeout)
+            except (ZygoteError, OSError) as exc:
+                log.warning("zygote unavailable (%s); workers start with Popen", exc)
+            else:
+                log.info("zygote started in %.2f s", time.monotonic() - started)
+
+    @property
+    def zygote(self) -> Zygote | None:
+        return self._zygote
+
+    def spawn(
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        cwd: str | os.PathLike[str],
+        stdout_path: str | os.PathLike[str],
+        stderr_path: str | os.PathLike[str],
+    ) -> WorkerHandle:
+        with self._lock:
+            zygote = self._zygote
+        if zygote is not None and zygote.alive:
+            try:
+                return zygote.spawn(argv, env, cwd, stdout_path, stderr_path)
+            except ZygoteError as exc:
+                log.warning("zygote spawn failed (%s); falling back to Popen", exc)
+        return spawn_popen(argv, env, cwd, stdout_path, stderr_path)
+
+    def close(self, timeout: float = 5.0) -> None:
+        with self._lock:
+            zygote, self._zygote = self._zygote, None
+        if zygote is not None:
+            zygote.close(timeout)

@@ -1,0 +1,253 @@
+"""The zygote process: imports torch once, then forks workers on request (JSON lines, no pickle).
+
+Run by `dlrover.agent.zygote.Zygote`, never by hand:
+``python -m dlrover.agent.zygote_server --fd N --parent-pid P --preload torch,torch.optim``.
+
+Protocol on the inherited unix socket, one JSON object per line.
+Agent -> zygote: ``{"op": "spawn", "id", "argv", "env", "cwd", "stdout", "stderr"}``,
+``{"op": "exit"}``.
+Zygote -> agent: ``{"event": "ready", "pid", "preload_s", "threads"}``,
+``{"event": "spawned", "id", "pid"}``, ``{"event": "spawn_failed", "id", "error"}``,
+``{"event": "exited", "pid", "returncode"}`` (Popen convention: -N for signal N).
+
+Fork safety: the zygote runs no torch op and never touches CUDA, so torch's intra-op pool and
+the CUDA driver are not started; the only native thread after ``import torch`` is OpenBLAS's
+(pulled in by numpy), which OpenBLAS itself stops in its pthread_atfork handler and restarts
+lazily. The zygote refuses to fork while a second Python thread exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import io
+import json
+import os
+import selectors
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from dlrover.agent.bootstrap import BootstrapError, die_with_parent, enable_stack_dumps, run_target
+
+
+@dataclass(frozen=True)
+class ChildSpec:
+    """What a freshly forked worker must become."""
+
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str
+    stdout: str
+    stderr: str
+
+
+def _native_threads() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return -1
+
+
+def _send(sock: socket.socket, message: dict[str, Any]) -> None:
+    sock.sendall(json.dumps(message).encode() + b"\n")
+
+
+def _parse_spawn(request: dict[str, Any]) -> ChildSpec:
+    argv, env = request.get("argv"), request.get("env")
+    if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
+        raise ValueError("argv must be a non-empty list of strings")
+    if not isinstance(env, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in env.items()
+    ):
+        raise ValueError("env must map strings to strings")
+    fields = {name: request.get(name) for name in ("cwd", "stdout", "stderr")}
+    for name, value in fields.items():
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"{name} must be a non-empty path string")
+    if not os.path.isdir(str(fields["cwd"])):
+        raise ValueError(f"cwd {fields['cwd']!r} is not a directory")
+    return ChildSpec(argv, env, str(fields["cwd"]), str(fields["stdout"]), str(fields["stderr"]))
+
+
+class _Server:
+    """The zygote's event loop: requests on the socket, child exits on pidfds."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._selector = selectors.DefaultSelector()
+        self._children: dict[int, int] = {}  # pidfd -> pid
+        self._buffer = b""
+
+    def serve(self) -> ChildSpec | None:
+        """Run until told to exit (returns None) or, in a forked child, return its spec."""
+        self._selector.register(self._sock, selectors.EVENT_READ)
+        while True:
+            for key, _ in self._selector.select():
+                if key.fileobj is self._sock:
+                    data = self._sock.recv(1 << 16)
+                    if not data:  # the agent is gone: take the workers with us
+                        self._kill_children()
+                        return None
+                    self._buffer += data
+                    while b"\n" in self._buffer:
+                        line, self._buffer = self._buffer.split(b"\n", 1)
+                        outcome = self._handle(line)
+                        if outcome == "exit":
+                            self._kill_children()
+                            return None
+                        if isinstance(outcome, ChildSpec):
+                            return outcome
+                else:
+                    self._reap(key.fd)
+
+    def _handle(self, line: bytes) -> ChildSpec | str | None:
+        try:
+            request = json.loads(line)
+        except json.JSONDecodeError as exc:
+            _send(self._sock, {"event": "error", "error": f"request is not JSON: {exc}"})
+            return None
+        op = request.get("op") if isinstance(request, dict) else None
+        if op == "exit":
+            return "exit"
+        if op != "spawn":
+            _send(self._sock, {"event": "error", "error": f"unknown op {op!r}"})
+            return None
+        request_id = request.get("id")
+        try:
+            spec = _parse_spawn(request)
+            if threading.active_count() > 1:
+                raise RuntimeError("zygote has a second Python thread; forking is unsafe")
+            torch = sys.modules.get("torch")
+            if torch is not None and torch.cuda.is_initialized():
+                raise RuntimeError("CUDA is initialised in the zygote; forking is unsafe")
+        except (ValueError, RuntimeError) as exc:
+            _send(self._sock, {"event": "spawn_failed", "id": request_id, "error": str(exc)})
+            return None
+        zygote_pid = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            self._become_child(zygote_pid)
+            return spec
+        self._children[self._watch(pid)] = pid
+        _send(self._sock, {"event": "spawned", "id": request_id, "pid": pid})
+        return None
+
+    def _watch(self, pid: int) -> int:
+        pidfd = os.pidfd_open(pid)
+        self._selector.register(pidfd, selectors.EVENT_READ)
+        return pidfd
+
+    def _reap(self, pidfd: int) -> None:
+        pid = self._children.pop(pidfd)
+        self._selector.unregister(pidfd)
+        os.close(pidfd)
+        _, status = os.waitpid(pid, 0)
+        returncode = os.waitstatus_to_exitcode(status)
+        _send(self._sock, {"event": "exited", "pid": pid, "returncode": returncode})
+
+    def _kill_children(self) -> None:
+        for pid in self._children.values():
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def _become_child(self, zygote_pid: int) -> None:
+        # New session: the agent kills the worker and everything it starts with killpg(pid).
+        os.setsid()
+        die_with_parent(zygote_pid)
+        self._selector.close()
+        for pidfd in self._children:
+            os.close(pidfd)
+        self._sock.close()
+
+
+def _redirect(spec: ChildSpec) -> None:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+    for target, path in ((1, spec.stdout), (2, spec.stderr)):
+        fd = os.open(path, flags, 0o644)
+        os.dup2(fd, target)
+        os.close(fd)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    unbuffered = bool(spec.env.get("PYTHONUNBUFFERED"))
+    # Same buffering as a fresh interpreter writing to files: stdout block-buffered,
+    # stderr line-buffered; both write-through under PYTHONUNBUFFERED.
+    sys.stdout = io.TextIOWrapper(
+        io.BufferedWriter(io.FileIO(1, "w", closefd=False)),
+        line_buffering=False,
+        write_through=unbuffered,
+    )
+    sys.stderr = io.TextIOWrapper(
+        io.BufferedWriter(io.FileIO(2, "w", closefd=False)),
+        line_buffering=True,
+        write_through=unbuffered,
+        errors="backslashreplace",
+    )
+    sys.stdin = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)))
+
+
+def _apply_environment(spec: ChildSpec) -> None:
+    os.chdir(spec.cwd)
+    os.environ.clear()
+    os.environ.update(spec.env)
+    # The interpreter read PYTHONPATH when the zygote started; put the worker's entries first.
+    extra = [entry for entry in spec.env.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    sys.path[1:1] = [entry for entry in extra if entry not in sys.path]
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        # libgomp read OMP_NUM_THREADS once, in the zygote; apply the worker's value now.
+        threads = spec.env.get("OMP_NUM_THREADS", "")
+        if threads.isdigit() and int(threads) > 0:
+            torch.set_num_threads(int(threads))
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:
+        # numpy seeded its global generator once in the zygote; siblings must not share it.
+        numpy_random.seed()
+
+
+def run_child(spec: ChildSpec) -> None:
+    """In the forked worker: become the process `python script.py` would have been, run it."""
+    _redirect(spec)
+    _apply_environment(spec)
+    enable_stack_dumps()
+    try:
+        run_target(spec.argv)
+    except BootstrapError as exc:
+        print(f"dlrover zygote worker: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="DLRover zygote (started by the agent)")
+    parser.add_argument("--fd", type=int, required=True, help="inherited unix socket")
+    parser.add_argument("--parent-pid", type=int, required=True, help="the agent's pid")
+    parser.add_argument("--preload", default="", help="comma-separated modules to import")
+    args = parser.parse_args()
+    die_with_parent(args.parent_pid)
+    sock = socket.socket(fileno=args.fd)
+    started = time.perf_counter()
+    for module in filter(None, args.preload.split(",")):
+        importlib.import_module(module)
+    _send(
+        sock,
+        {
+            "event": "ready",
+            "pid": os.getpid(),
+            "preload_s": round(time.perf_counter() - started, 4),
+            "threads": _native_threads(),
+        },
+    )
+    spec = _Server(sock).serve()
+    if spec is not None:
+        run_child(spec)
+
+
+if __name__ == "__main__":
+    main()

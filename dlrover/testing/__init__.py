@@ -1,0 +1,1 @@
+"""Helpers for testing DLRover and training scripts under failures (fault injection)."""

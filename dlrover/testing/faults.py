@@ -1,0 +1,238 @@
+"""Fault injection for training scripts and tests, configured by the DLROVER_FAULTS env var.
+
+A training script calls ``maybe_inject(step)`` once per step. ``DLROVER_FAULTS`` holds faults
+separated by ``;``, each ``kind:key=value:...``, for example::
+
+    kill:rank=1:step=5;raise:rank=0:step=3:restart=1;hang:rank=1:step=4;slow:rank=1:factor=3
+
+Kinds: ``kill`` (SIGKILL itself), ``raise`` (RuntimeError), ``hang`` (block, forever or for
+``seconds``), ``slow`` (each step from ``step`` on takes ``factor`` times as long), ``exit``
+(``os._exit(code)``, as a native library calling exit would), ``kill_agent`` (SIGKILL the pid
+in DLROVER_AGENT_PID). Keys: ``rank`` (global RANK; default every rank), ``step`` (required,
+except for slow: default 0), ``restart`` (TORCHELASTIC_RESTART_COUNT the fault fires on;
+default 0 so a restarted worker recovers; ``*`` for every restart).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from enum import Enum
+
+ENV_FAULTS = "DLROVER_FAULTS"
+"""The fault list (syntax in the module docstring)."""
+ENV_AGENT_PID = "DLROVER_AGENT_PID"
+"""Pid of the worker's agent, for the kill_agent fault (the agent exports it)."""
+
+_COMMON_KEYS = frozenset({"rank", "step", "restart"})
+_EXTRA_KEYS = {
+    "exit": frozenset({"code"}),
+    "slow": frozenset({"factor"}),
+    "hang": frozenset({"seconds"}),
+}
+
+
+class FaultKind(Enum):
+    KILL = "kill"
+    RAISE = "raise"
+    HANG = "hang"
+    SLOW = "slow"
+    EXIT = "exit"
+    KILL_AGENT = "kill_agent"
+
+
+class FaultSpecError(ValueError):
+    """DLROVER_FAULTS cannot be parsed; the message names the item and what is allowed."""
+
+
+class InjectedFault(RuntimeError):
+    """The exception the ``raise`` fault throws."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One fault: what happens, on which rank, at which step, in which restart."""
+
+    kind: FaultKind
+    step: int
+    rank: int | None = None
+    """None: every rank."""
+    restart: int | None = 0
+    """None: every restart count."""
+    code: int = 1
+    factor: float = 1.0
+    seconds: float | None = None
+    """For hang: block this long then go on; None blocks until killed."""
+
+    def applies(self, rank: int, restart_count: int) -> bool:
+        return (self.rank is None or self.rank == rank) and (
+            self.restart is None or self.restart == restart_count
+        )
+
+    def describe(self) -> str:
+        where = "every rank" if self.rank is None else f"rank {self.rank}"
+        when = "every restart" if self.restart is None else f"restart {self.restart}"
+        return f"{self.kind.value} on {where} at step {self.step} ({when})"
+
+
+def _int(item: str, key: str, value: str, minimum: int) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise FaultSpecError(f"{item!r}: {key}={value!r} is not an integer") from None
+    if number < minimum:
+        raise FaultSpecError(f"{item!r}: {key} must be >= {minimum}, got {number}")
+    return number
+
+
+def _float(item: str, key: str, value: str, minimum: float) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise FaultSpecError(f"{item!r}: {key}={value!r} is not a number") from None
+    if not number >= minimum:
+        raise FaultSpecError(f"{item!r}: {key} must be >= {minimum}, got {value}")
+    return number
+
+
+def parse_fault(item: str) -> Fault:
+    """Parse one ``kind:key=value:...`` item."""
+    kind_text, *pairs = item.strip().split(":")
+    try:
+        kind = FaultKind(kind_text)
+    except ValueError:
+        kinds = ", ".join(kind.value for kind in FaultKind)
+        raise FaultSpecError(
+            f"{item!r}: unknown fault kind {kind_text!r}; use one of {kinds}"
+        ) from None
+    allowed = _COMMON_KEYS | _EXTRA_KEYS.get(kind.value, frozenset())
+    values: dict[str, str] = {}
+    for pair in pairs:
+        key, separator, value = pair.partition("=")
+        if not separator or key not in allowed:
+            raise FaultSpecError(
+                f"{item!r}: bad field {pair!r}; {kind.value} takes {', '.join(sorted(allowed))}"
+            )
+        values[key] = value
+    if "step" not in values and kind is not FaultKind.SLOW:
+        raise FaultSpecError(f"{item!r}: {kind.value} needs step=N")
+    if kind is FaultKind.SLOW and "factor" not in values:
+        raise FaultSpecError(f"{item!r}: slow needs factor=X (X >= 1)")
+    restart = values.get("restart", "0")
+    return Fault(
+        kind=kind,
+        step=_int(item, "step", values.get("step", "0"), 0),
+        rank=_int(item, "rank", values["rank"], 0) if values.get("rank", "*") != "*" else None,
+        restart=None if restart == "*" else _int(item, "restart", restart, 0),
+        code=_int(item, "code", values.get("code", "1"), 0),
+        factor=_float(item, "factor", values.get("factor", "1"), 1.0),
+        seconds=_float(item, "seconds", values["seconds"], 0.0) if "seconds" in values else None,
+    )
+
+
+def parse_faults(text: str) -> tuple[Fault, ...]:
+    """Parse a whole DLROVER_FAULTS value; empty items are ignored."""
+    return tuple(parse_fault(item) for item in text.split(";") if item.strip())
+
+
+class FaultInjector:
+    """Fires the faults meant for one worker (its rank and restart count) at their steps."""
+
+    def __init__(
+        self,
+        faults: tuple[Fault, ...],
+        rank: int,
+        restart_count: int,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+        agent_pid: int | None = None,
+    ) -> None:
+        self._faults = tuple(fault for fault in faults if fault.applies(rank, restart_count))
+        self._rank = rank
+        self._clock = clock
+        self._sleep = sleep
+        self._agent_pid = agent_pid
+        self._last_call: float | None = None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> FaultInjector:
+        env = os.environ if env is None else env
+        agent = env.get(ENV_AGENT_PID, "")
+        return cls(
+            parse_faults(env.get(ENV_FAULTS, "")),
+            rank=int(env.get("RANK", "0")),
+            restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            agent_pid=int(agent) if agent.isdigit() else None,
+        )
+
+    @property
+    def faults(self) -> tuple[Fault, ...]:
+        """The faults that apply to this worker."""
+        return self._faults
+
+    def maybe_inject(self, step: int) -> None:
+        """Call once per step, before or after the step's work; fires what is due at `step`."""
+        # The step's own work: the time since the previous call returned (after its sleep).
+        step_time = None if self._last_call is None else self._clock() - self._last_call
+        injected_sleep = 0.0
+        for fault in self._faults:
+            if fault.kind is FaultKind.SLOW:
+                if step >= fault.step and step_time is not None and fault.factor > 1:
+                    injected_sleep += (fault.factor - 1) * step_time
+            elif step == fault.step:
+                self._fire(fault, step)
+        if injected_sleep:
+            self._sleep(injected_sleep)
+        self._last_call = self._clock()
+
+    def _announce(self, fault: Fault, step: int) -> None:
+        # One line on stderr: the log shows the failure was planned, tests can wait for it.
+        print(
+            f"dlrover fault injection: {fault.kind.value} rank {self._rank} step {step}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def _fire(self, fault: Fault, step: int) -> None:
+        self._announce(fault, step)
+        if fault.kind is FaultKind.RAISE:
+            raise InjectedFault(f"injected fault at step {step} on rank {self._rank}")
+        sys.stdout.flush()
+        if fault.kind is FaultKind.KILL:
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif fault.kind is FaultKind.EXIT:
+            os._exit(fault.code)
+        elif fault.kind is FaultKind.KILL_AGENT:
+            if self._agent_pid is None:
+                raise FaultSpecError(f"kill_agent needs {ENV_AGENT_PID} set by the agent")
+            os.kill(self._agent_pid, signal.SIGKILL)
+        elif fault.kind is FaultKind.HANG:
+            if fault.seconds is not None:
+                self._sleep(fault.seconds)
+                return
+            while True:  # until the agent's hang detection (or the test) kills us
+                self._sleep(3600)
+
+
+def maybe_inject(step: int, cache: dict[str, FaultInjector] | None = None) -> None:
+    """Convenience for scripts: ``maybe_inject(step)`` each step, configured by the environment.
+
+    The injector lives in `cache` (by default a per-process dict in this module), keyed by the
+    environment that configured it, because slow faults measure the time between calls.
+    """
+    key = "|".join(
+        os.environ.get(name, "")
+        for name in (ENV_FAULTS, "RANK", "TORCHELASTIC_RESTART_COUNT", ENV_AGENT_PID)
+    )
+    store = _INJECTORS if cache is None else cache
+    injector = store.get(key)
+    if injector is None:
+        injector = store[key] = FaultInjector.from_env()
+    injector.maybe_inject(step)
+
+
+_INJECTORS: dict[str, FaultInjector] = {}
