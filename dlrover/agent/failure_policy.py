@@ -10,22 +10,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from dlrover.agent.error_file import ErrorRecord, describe_exit
+from dlrover.decisions import FailureAction
 
 USER_ERROR_EXIT_CODE = 1
 """Exit code of a Python process that died of an uncaught exception."""
-
-
-class FailureAction(Enum):
-    """What a controller does about a failure (the restart ladder, cheapest first)."""
-
-    RESTART_PROCESSES = "restart_processes"
-    """Stop this node's workers, re-form the world, start them again on the same node."""
-    RELAUNCH_NODE = "relaunch_node"
-    """Drop the node; the engine launches a replacement which joins the job."""
-    RESTART_JOB = "restart_job"
-    """Restart every node's workers from scratch (a controller's last resort before FAIL)."""
-    FAIL = "fail"
-    """Stop the job and report the root cause; exit non-zero."""
 
 
 class ExitKind(Enum):
@@ -81,33 +69,6 @@ LEGAL_GROUP_TRANSITIONS: dict[WorkerGroupState, frozenset[WorkerGroupState]] = {
 }
 
 
-class NodeState(Enum):
-    """The master's view of one node (agent).
-
-    Legal transitions (see LEGAL_NODE_TRANSITIONS):
-    PENDING -> RUNNING | FAILED; RUNNING -> SUCCEEDED | LOST | FAILED;
-    LOST -> RELAUNCHED | FAILED. SUCCEEDED, FAILED and RELAUNCHED are final: a replacement
-    is a new node with its own id, starting at PENDING.
-    """
-
-    PENDING = "pending"
-    RUNNING = "running"
-    LOST = "lost"
-    RELAUNCHED = "relaunched"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-
-
-LEGAL_NODE_TRANSITIONS: dict[NodeState, frozenset[NodeState]] = {
-    NodeState.PENDING: frozenset({NodeState.RUNNING, NodeState.FAILED}),
-    NodeState.RUNNING: frozenset({NodeState.SUCCEEDED, NodeState.LOST, NodeState.FAILED}),
-    NodeState.LOST: frozenset({NodeState.RELAUNCHED, NodeState.FAILED}),
-    NodeState.RELAUNCHED: frozenset(),
-    NodeState.SUCCEEDED: frozenset(),
-    NodeState.FAILED: frozenset(),
-}
-
-
 class IllegalTransitionError(ValueError):
     """A state change that the state's docstring does not allow."""
 
@@ -115,11 +76,6 @@ class IllegalTransitionError(ValueError):
 def check_group_transition(old: WorkerGroupState, new: WorkerGroupState) -> None:
     if new not in LEGAL_GROUP_TRANSITIONS[old]:
         raise IllegalTransitionError(f"worker group: {old.value} -> {new.value} is not allowed")
-
-
-def check_node_transition(old: NodeState, new: NodeState) -> None:
-    if new not in LEGAL_NODE_TRANSITIONS[old]:
-        raise IllegalTransitionError(f"node: {old.value} -> {new.value} is not allowed")
 
 
 @dataclass(frozen=True)
@@ -245,75 +201,4 @@ def decide_worker_failure(observation: WorkerFailureObservation) -> Decision:
     return Decision(
         FailureAction.RESTART_PROCESSES,
         f"{cause}, restart {observation.restart_count + 1}/{observation.max_restarts}; {summary}",
-    )
-
-
-class NodeLossReason(Enum):
-    """Why the master considers a node lost."""
-
-    HEARTBEAT_TIMEOUT = "heartbeat_timeout"
-    PROCESS_EXITED = "process_exited"
-    """The engine reports the agent process (or pod/actor) gone."""
-    OOM_KILLED = "oom_killed"
-    """The engine reports the node killed for memory."""
-
-
-@dataclass(frozen=True)
-class NodeLossObservation:
-    """The master's view when one node is lost."""
-
-    node_id: str
-    reason: NodeLossReason
-    relaunch_count: int
-    """Replacements already launched for this node slot."""
-    max_relaunches: int
-    alive_nodes: int
-    """Nodes still running, not counting the lost one."""
-    min_nodes: int
-
-    def __post_init__(self) -> None:
-        if min(self.relaunch_count, self.max_relaunches, self.alive_nodes) < 0:
-            raise ValueError("relaunch_count, max_relaunches and alive_nodes must be >= 0")
-        if self.min_nodes < 1:
-            raise ValueError(f"min_nodes must be >= 1, got {self.min_nodes}")
-
-
-@dataclass(frozen=True)
-class NodeLossDecision:
-    """The master's answer to a lost node.
-
-    `action` is RELAUNCH_NODE (launch a replacement), RESTART_PROCESSES (no replacement, the
-    survivors re-form at the smaller size) or FAIL. `survivors_continue` says whether the
-    survivors re-form now without waiting for the replacement (at least min_nodes remain).
-    """
-
-    action: FailureAction
-    survivors_continue: bool
-    reason: str
-
-
-def decide_node_loss(observation: NodeLossObservation) -> NodeLossDecision:
-    """Relaunch while relaunches remain; survivors go on when at least min_nodes are alive."""
-    enough = observation.alive_nodes >= observation.min_nodes
-    size = f"{observation.alive_nodes} alive, min {observation.min_nodes}"
-    lost = f"node {observation.node_id} lost ({observation.reason.value})"
-    if observation.relaunch_count < observation.max_relaunches:
-        then = "survivors re-form now" if enough else "survivors wait for the replacement"
-        return NodeLossDecision(
-            FailureAction.RELAUNCH_NODE,
-            enough,
-            f"{lost}: relaunch {observation.relaunch_count + 1}/{observation.max_relaunches}, "
-            f"{then} ({size})",
-        )
-    if enough:
-        return NodeLossDecision(
-            FailureAction.RESTART_PROCESSES,
-            True,
-            f"{lost}: no relaunch left ({observation.max_relaunches}), survivors re-form "
-            f"smaller ({size})",
-        )
-    return NodeLossDecision(
-        FailureAction.FAIL,
-        False,
-        f"{lost}: no relaunch left ({observation.max_relaunches}) and too few nodes ({size})",
     )
