@@ -20,8 +20,16 @@ DEFAULT_NPROC_PER_NODE = 1
 DEFAULT_AGENT_COMMAND = ("dlrover-run",)
 """argv prefix that starts a node's agent; the engine runs it on every node."""
 
-_MEMORY_UNITS = {"": 1 / (1024 * 1024), "ki": 1 / 1024, "mi": 1, "gi": 1024, "ti": 1024 * 1024,
-                 "k": 1000 / (1024 * 1024), "m": 1e6 / (1024 * 1024), "g": 1e9 / (1024 * 1024)}
+_MEMORY_UNITS = {
+    "": 1 / (1024 * 1024),
+    "ki": 1 / 1024,
+    "mi": 1,
+    "gi": 1024,
+    "ti": 1024 * 1024,
+    "k": 1000 / (1024 * 1024),
+    "m": 1e6 / (1024 * 1024),
+    "g": 1e9 / (1024 * 1024),
+}
 _MEMORY = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]{0,2})\s*$")
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
@@ -65,16 +73,30 @@ class JobSpec:
 
     def agent_command(self) -> tuple[str, ...]:
         """argv every node runs: the agent with torchrun-style flags, then the entrypoint."""
-        return (*DEFAULT_AGENT_COMMAND, f"--nnodes={self.nnodes}",
-                f"--nproc-per-node={self.nproc_per_node}", f"--max-restarts={self.max_restarts}",
-                self.entrypoint, *self.args)
+        return (
+            *DEFAULT_AGENT_COMMAND,
+            f"--nnodes={self.nnodes}",
+            f"--rdzv-id={self.name}",
+            f"--nproc-per-node={self.nproc_per_node}",
+            f"--max-restarts={self.max_restarts}",
+            self.entrypoint,
+            *self.args,
+        )
 
-    def node_spec(self, rank: int, master_addr: str, token: str, relaunch_count: int = 0,
-                  role: str = "worker") -> NodeSpec:
+    def node_spec(
+        self, rank: int, master_addr: str, token: str, relaunch_count: int = 0, role: str = "worker"
+    ) -> NodeSpec:
         """The blueprint of node `rank`, pointing its agent at the master."""
         env = {ENV_MASTER_ADDR: master_addr, ENV_JOB_TOKEN: token, ENV_JOB_NAME: self.name}
-        return NodeSpec(job_name=self.name, role=role, rank=rank, relaunch_count=relaunch_count,
-                        command=self.agent_command(), env=env, resources=self.resources)
+        return NodeSpec(
+            job_name=self.name,
+            role=role,
+            rank=rank,
+            relaunch_count=relaunch_count,
+            command=self.agent_command(),
+            env=env,
+            resources=self.resources,
+        )
 
 
 def parse_nnodes(value: str | int) -> tuple[int, int]:
@@ -89,13 +111,16 @@ def parse_nnodes(value: str | int) -> tuple[int, int]:
         else:
             raise ValueError(text)
     except ValueError:
-        raise JobSpecError(f"nodes {text!r} must be N or MIN:MAX with integers, "
-                           "e.g. nodes: 2:4") from None
+        raise JobSpecError(
+            f"nodes {text!r} must be N or MIN:MAX with integers, e.g. nodes: 2:4"
+        ) from None
     if low < 1:
         raise JobSpecError(f"nodes {text!r}: MIN must be >= 1")
     if low > high:
-        raise JobSpecError(f"nodes {text!r}: MIN ({low}) is greater than MAX ({high}); "
-                           f"write {high}:{low} or a single number")
+        raise JobSpecError(
+            f"nodes {text!r}: MIN ({low}) is greater than MAX ({high}); "
+            f"write {high}:{low} or a single number"
+        )
     return low, high
 
 
@@ -112,8 +137,9 @@ def parse_memory_mib(value: str | int | float, field: str = "memory") -> int:
         match = _MEMORY.match(text)
         unit = match.group(2).lower() if match else ""
         if match is None or unit not in _MEMORY_UNITS:
-            raise JobSpecError(f"resources.{field} {text!r} is not a size; use e.g. 4Gi, 512Mi "
-                               "or a number of MiB")
+            raise JobSpecError(
+                f"resources.{field} {text!r} is not a size; use e.g. 4Gi, 512Mi or a number of MiB"
+            )
         mib = float(match.group(1)) * _MEMORY_UNITS[unit]
     if mib < 0:
         raise JobSpecError(f"resources.{field} is {value}; it must be >= 0")
@@ -136,21 +162,37 @@ def _resources(raw: Any) -> Resources:
         raise JobSpecError(f"resources must be a mapping (cpu, memory, gpu, shm), not {raw!r}")
     unknown = set(raw) - {"cpu", "memory", "gpu", "shm"}
     if unknown:
-        raise JobSpecError(f"resources has unknown keys {sorted(unknown)}; "
-                           "allowed: cpu, memory, gpu, shm")
+        raise JobSpecError(
+            f"resources has unknown keys {sorted(unknown)}; allowed: cpu, memory, gpu, shm"
+        )
     cpu = _number(raw, "cpu", "resources")
     gpu = _number(raw, "gpu", "resources")
     if gpu != int(gpu):
         raise JobSpecError(f"resources.gpu is {gpu}; it must be a whole number")
     try:
-        return Resources(cpu=cpu, memory_mib=parse_memory_mib(raw.get("memory", 0)),
-                         gpu=int(gpu), shm_mib=parse_memory_mib(raw.get("shm", 0), "shm"))
+        return Resources(
+            cpu=cpu,
+            memory_mib=parse_memory_mib(raw.get("memory", 0)),
+            gpu=int(gpu),
+            shm_mib=parse_memory_mib(raw.get("shm", 0), "shm"),
+        )
     except InvalidNodeSpecError as error:
         raise JobSpecError(str(error)) from None
 
 
-_KEYS = {"name", "entrypoint", "args", "nodes", "nproc_per_node", "resources", "max_restarts",
-         "max_relaunches", "checkpoint_dir", "engine", "engine_settings"}
+_KEYS = {
+    "name",
+    "entrypoint",
+    "args",
+    "nodes",
+    "nproc_per_node",
+    "resources",
+    "max_restarts",
+    "max_relaunches",
+    "checkpoint_dir",
+    "engine",
+    "engine_settings",
+}
 
 
 def job_spec_from_dict(raw: Mapping[str, Any]) -> JobSpec:
@@ -159,12 +201,14 @@ def job_spec_from_dict(raw: Mapping[str, Any]) -> JobSpec:
         raise JobSpecError("the job spec must be a mapping of keys (name, entrypoint, nodes, ...)")
     unknown = set(raw) - _KEYS
     if unknown:
-        raise JobSpecError(f"unknown keys {sorted(unknown)} in the job spec; allowed: "
-                           f"{', '.join(sorted(_KEYS))}")
+        raise JobSpecError(
+            f"unknown keys {sorted(unknown)} in the job spec; allowed: {', '.join(sorted(_KEYS))}"
+        )
     entrypoint = raw.get("entrypoint")
     if not entrypoint or not isinstance(entrypoint, str):
-        raise JobSpecError("entrypoint is missing: give the training script to run, "
-                           "e.g. entrypoint: train.py")
+        raise JobSpecError(
+            "entrypoint is missing: give the training script to run, e.g. entrypoint: train.py"
+        )
     engine = raw.get("engine", DEFAULT_ENGINE)
     if engine not in ENGINES:
         raise JobSpecError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
@@ -176,9 +220,11 @@ def job_spec_from_dict(raw: Mapping[str, Any]) -> JobSpec:
         raise JobSpecError("args must be a list of strings, e.g. args: [--epochs, '3']")
     min_nodes, max_nodes = parse_nnodes(raw.get("nodes", 1))
     counts = {}
-    for key, default, low in (("nproc_per_node", DEFAULT_NPROC_PER_NODE, 1),
-                              ("max_restarts", DEFAULT_MAX_RESTARTS, 0),
-                              ("max_relaunches", 3, 0)):
+    for key, default, low in (
+        ("nproc_per_node", DEFAULT_NPROC_PER_NODE, 1),
+        ("max_restarts", DEFAULT_MAX_RESTARTS, 0),
+        ("max_relaunches", 3, 0),
+    ):
         value = raw.get(key, default)
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise JobSpecError(f"{key} is {value!r}; it must be an integer >= {low}")
@@ -186,13 +232,20 @@ def job_spec_from_dict(raw: Mapping[str, Any]) -> JobSpec:
     settings = raw.get("engine_settings") or {}
     if not isinstance(settings, Mapping):
         raise JobSpecError("engine_settings must be a mapping")
-    return JobSpec(name=name, entrypoint=entrypoint, args=tuple(str(a) for a in args),
-                   min_nodes=min_nodes, max_nodes=max_nodes,
-                   nproc_per_node=counts["nproc_per_node"],
-                   resources=_resources(raw.get("resources")),
-                   max_restarts=counts["max_restarts"], max_relaunches=counts["max_relaunches"],
-                   checkpoint_dir=str(raw.get("checkpoint_dir") or ""), engine=engine,
-                   engine_settings=dict(settings))
+    return JobSpec(
+        name=name,
+        entrypoint=entrypoint,
+        args=tuple(str(a) for a in args),
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        nproc_per_node=counts["nproc_per_node"],
+        resources=_resources(raw.get("resources")),
+        max_restarts=counts["max_restarts"],
+        max_relaunches=counts["max_relaunches"],
+        checkpoint_dir=str(raw.get("checkpoint_dir") or ""),
+        engine=engine,
+        engine_settings=dict(settings),
+    )
 
 
 def _default_name(entrypoint: str) -> str:
@@ -216,18 +269,32 @@ def load_job_spec(path: str | os.PathLike[str]) -> JobSpec:
         raise JobSpecError(f"{os.fspath(path)}: {error}") from None
 
 
-def job_spec_from_flags(entrypoint: str | None, args: Sequence[str] = (), nnodes: str = "1",
-                        nproc_per_node: int = DEFAULT_NPROC_PER_NODE,
-                        engine: str = DEFAULT_ENGINE, name: str | None = None,
-                        cpu: float = 0.0, memory: str | int = 0, gpu: int = 0,
-                        max_restarts: int = DEFAULT_MAX_RESTARTS, checkpoint_dir: str = "",
-                        engine_settings: Mapping[str, Any] | None = None) -> JobSpec:
+def job_spec_from_flags(
+    entrypoint: str | None,
+    args: Sequence[str] = (),
+    nnodes: str = "1",
+    nproc_per_node: int = DEFAULT_NPROC_PER_NODE,
+    engine: str = DEFAULT_ENGINE,
+    name: str | None = None,
+    cpu: float = 0.0,
+    memory: str | int = 0,
+    gpu: int = 0,
+    max_restarts: int = DEFAULT_MAX_RESTARTS,
+    checkpoint_dir: str = "",
+    engine_settings: Mapping[str, Any] | None = None,
+) -> JobSpec:
     """The same spec from CLI flags (`dlrover submit --engine ray --nnodes 2:4 train.py`)."""
-    raw: dict[str, Any] = {"entrypoint": entrypoint, "args": list(args), "nodes": nnodes,
-                           "nproc_per_node": nproc_per_node, "engine": engine,
-                           "resources": {"cpu": cpu, "memory": memory, "gpu": gpu},
-                           "max_restarts": max_restarts, "checkpoint_dir": checkpoint_dir,
-                           "engine_settings": dict(engine_settings or {})}
+    raw: dict[str, Any] = {
+        "entrypoint": entrypoint,
+        "args": list(args),
+        "nodes": nnodes,
+        "nproc_per_node": nproc_per_node,
+        "engine": engine,
+        "resources": {"cpu": cpu, "memory": memory, "gpu": gpu},
+        "max_restarts": max_restarts,
+        "checkpoint_dir": checkpoint_dir,
+        "engine_settings": dict(engine_settings or {}),
+    }
     if name:
         raw["name"] = name
     return job_spec_from_dict(raw)

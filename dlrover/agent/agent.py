@@ -20,7 +20,7 @@ from dlrover.agent.config import AgentConfig
 from dlrover.agent.worker_env import WorkerPlacement, worker_env
 from dlrover.agent.workers import WorkerExit, WorkerGroup, WorkerLaunch
 from dlrover.client.master_client import MasterClient, MasterClientError
-from dlrover.constants import ENV_STEP_FILE
+from dlrover.constants import ENV_AGENT_PID, ENV_NODE_NAME, ENV_STEP_FILE
 from dlrover.proto import master_pb2 as pb
 from dlrover.trainer.progress import read_step_file
 
@@ -81,7 +81,8 @@ class ElasticAgent:
         self.client = client
         self._master_addr = master_addr
         self._token = token
-        self.node_id = ""
+        # An engine names the node it launched; otherwise the master picks an id.
+        self.node_id = os.environ.get(ENV_NODE_NAME, "")
         self.incarnation = 0
         self.restart_count = 0
         self._attempt = 0
@@ -274,6 +275,8 @@ class ElasticAgent:
             )
             step_file = os.path.join(self._run_dir, f"step.{self._attempt}.{local_rank}")
             env[ENV_STEP_FILE] = step_file
+            env[ENV_AGENT_PID] = str(os.getpid())
+            env.pop(ENV_NODE_NAME, None)
             self._step_files.append(step_file)
             launches.append(
                 WorkerLaunch(
@@ -466,7 +469,7 @@ class ElasticAgent:
                         node_id=self.node_id,
                         incarnation=self.incarnation,
                         usage=pb.ResourceUsage(cpu_percent=cpu, memory_bytes=mem),
-                        step=-1,
+                        step=self.step,
                         restart_count=self.restart_count,
                     )
                 )

@@ -35,8 +35,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="0.0.0.0", help="Address to listen on (default all).")
     p.add_argument(
         "--advertise-addr",
+        "--advertise-address",
         default="",
-        help="Host name or IP the nodes use to reach the master (default: this host's).",
+        help="host or host:port the nodes use to reach the master (default: this host's IP).",
+    )
+    p.add_argument(
+        "--job-spec",
+        default="",
+        metavar="FILE",
+        help="A YAML job spec: the master then launches and replaces the job's nodes through the "
+        "spec's engine (what `dlrover submit` does).",
     )
     p.add_argument(
         "--token",
@@ -97,6 +105,16 @@ def _advertise_host(args: argparse.Namespace) -> str:
 def run(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.job_spec:
+        from dlrover.cli.job import serve_job
+        from dlrover.jobspec import JobSpecError, load_job_spec
+
+        try:
+            spec = load_job_spec(args.job_spec)
+        except (JobSpecError, OSError) as e:
+            parser.error(str(e))
+        setup_logging("dlrover-master")
+        return serve_job(spec, args.host, args.port, args.advertise_addr, args.token or "")
     rdzv = None
     try:
         if args.nnodes:
@@ -121,7 +139,8 @@ def run(argv: Sequence[str] | None = None) -> int:
         print(f"dlrover-master: error: {e}", file=sys.stderr)
         return 1
 
-    addr = f"{_advertise_host(args)}:{server.port}"
+    host = _advertise_host(args)
+    addr = host if ":" in host else f"{host}:{server.port}"
     lines = f"{c.ENV_MASTER_ADDR}={addr}\n{c.ENV_JOB_TOKEN}={token}\n"
     if args.write_env:
         tmp = args.write_env + ".tmp"

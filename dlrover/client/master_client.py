@@ -138,6 +138,9 @@ class MasterClient:
     def get_job_status(self) -> pb.JobStatus:
         return self._call(self._stub.GetJobStatus, pb.GetJobStatusRequest())
 
+    def stop_job(self, reason: str) -> pb.JobStatus:
+        return self._call(self._stub.StopJob, pb.StopJobRequest(reason=reason))
+
     # --- key-value -----------------------------------------------------------------------------
     def kv_set(self, key: str, value: bytes) -> None:
         self._call(self._stub.KvSet, pb.KvSetRequest(key=key, value=value))

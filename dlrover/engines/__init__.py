@@ -16,6 +16,18 @@ from dlrover.engines.base import (
     wait_for_event,
 )
 
-__all__ = ["Engine", "EngineError", "FailureReason", "InvalidNodeSpecError", "LaunchError",
-           "LaunchManyError", "Node", "NodeEvent", "NodeNotFoundError", "NodeSpec", "NodeState",
-           "Resources", "wait_for_event"]
+__all__ = [
+    "Engine",
+    "EngineError",
+    "FailureReason",
+    "InvalidNodeSpecError",
+    "LaunchError",
+    "LaunchManyError",
+    "Node",
+    "NodeEvent",
+    "NodeNotFoundError",
+    "NodeSpec",
+    "NodeState",
+    "Resources",
+    "wait_for_event",
+]

@@ -46,8 +46,9 @@ class LaunchManyError(EngineError):
         self.launched = launched
         self.failures = failures
         details = "; ".join(f"{node_id}: {error}" for node_id, error in failures.items())
-        super().__init__(f"{len(failures)} of {len(launched) + len(failures)} launches failed: "
-                         f"{details}")
+        super().__init__(
+            f"{len(failures)} of {len(launched) + len(failures)} launches failed: {details}"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +69,8 @@ class Resources:
             value = getattr(self, field.name)
             if value < 0:
                 raise InvalidNodeSpecError(
-                    f"resources.{field.name} is {value}; it must be >= 0 (0 means no request)")
+                    f"resources.{field.name} is {value}; it must be >= 0 (0 means no request)"
+                )
 
 
 class NodeState(enum.Enum):
@@ -135,12 +137,14 @@ class NodeSpec:
         if not _DNS_LABEL.match(self.job_name) or len(self.job_name) > 40:
             raise InvalidNodeSpecError(
                 f"job name {self.job_name!r} must be 1-40 lowercase letters, digits or '-', "
-                "starting and ending with a letter or digit (it becomes pod and actor names)")
+                "starting and ending with a letter or digit (it becomes pod and actor names)"
+            )
         if self.role not in ROLES:
             raise InvalidNodeSpecError(f"role {self.role!r} is not one of {', '.join(ROLES)}")
         if self.rank < 0 or self.relaunch_count < 0:
             raise InvalidNodeSpecError(
-                f"rank ({self.rank}) and relaunch_count ({self.relaunch_count}) must be >= 0")
+                f"rank ({self.rank}) and relaunch_count ({self.relaunch_count}) must be >= 0"
+            )
         if not self.command or not all(isinstance(arg, str) for arg in self.command):
             raise InvalidNodeSpecError("command must be a non-empty sequence of strings (argv)")
         # Accept lists from callers but keep the frozen spec hashable and immutable.
@@ -153,8 +157,9 @@ class NodeSpec:
 
     def replacement(self, resources: Resources | None = None) -> NodeSpec:
         """The spec of the node that replaces this one: same slot, next attempt."""
-        return dataclasses.replace(self, relaunch_count=self.relaunch_count + 1,
-                                   resources=resources or self.resources)
+        return dataclasses.replace(
+            self, relaunch_count=self.relaunch_count + 1, resources=resources or self.resources
+        )
 
 
 @dataclasses.dataclass
@@ -252,8 +257,9 @@ class Engine(abc.ABC):
     def close(self, delete_nodes: bool = True) -> None:
         """Stop watching; with `delete_nodes`, remove every node first."""
 
-    def launch_many(self, specs: Sequence[NodeSpec],
-                    parallelism: int = DEFAULT_LAUNCH_PARALLELISM) -> list[Node]:
+    def launch_many(
+        self, specs: Sequence[NodeSpec], parallelism: int = DEFAULT_LAUNCH_PARALLELISM
+    ) -> list[Node]:
         """Launch a batch concurrently (30 failed nodes are replaced at once, not one by one).
 
         Returns the nodes in the order of `specs`; if any launch fails, the others still happen
@@ -263,8 +269,9 @@ class Engine(abc.ABC):
             return []
         results: dict[str, Node] = {}
         failures: dict[str, EngineError] = {}
-        with ThreadPoolExecutor(max_workers=min(parallelism, len(specs)),
-                                thread_name_prefix="engine-launch") as pool:
+        with ThreadPoolExecutor(
+            max_workers=min(parallelism, len(specs)), thread_name_prefix="engine-launch"
+        ) as pool:
             futures = {spec.node_id: pool.submit(self.launch, spec) for spec in specs}
             for node_id, future in futures.items():
                 error = future.exception()
@@ -279,14 +286,16 @@ class Engine(abc.ABC):
             raise LaunchManyError(launched, failures)
         return launched
 
-    def delete_many(self, node_ids: Sequence[str],
-                    parallelism: int = DEFAULT_LAUNCH_PARALLELISM) -> None:
+    def delete_many(
+        self, node_ids: Sequence[str], parallelism: int = DEFAULT_LAUNCH_PARALLELISM
+    ) -> None:
         """Delete a batch concurrently (each delete may wait out a grace period).
         Raises the first error after every delete has been attempted."""
         if not node_ids:
             return
-        with ThreadPoolExecutor(max_workers=min(parallelism, len(node_ids)),
-                                thread_name_prefix="engine-delete") as pool:
+        with ThreadPoolExecutor(
+            max_workers=min(parallelism, len(node_ids)), thread_name_prefix="engine-delete"
+        ) as pool:
             futures = [pool.submit(self.delete, node_id) for node_id in node_ids]
             errors = [error for error in (f.exception() for f in futures) if error is not None]
         if errors:
@@ -299,8 +308,12 @@ class Engine(abc.ABC):
         self.close()
 
 
-def wait_for_event(engine: Engine, matches: Callable[[NodeEvent], bool], timeout: float,
-                   seen: list[NodeEvent] | None = None) -> NodeEvent:
+def wait_for_event(
+    engine: Engine,
+    matches: Callable[[NodeEvent], bool],
+    timeout: float,
+    seen: list[NodeEvent] | None = None,
+) -> NodeEvent:
     """Drain `engine.events` until one matches and return it; every drained event (including
     those after the match in the same batch) is appended to `seen`, so none is lost.
 
@@ -311,8 +324,10 @@ def wait_for_event(engine: Engine, matches: Callable[[NodeEvent], bool], timeout
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise EngineError(f"no matching node event within {timeout:.1f}s "
-                              f"(saw: {', '.join(map(str, seen)) or 'nothing'})")
+            raise EngineError(
+                f"no matching node event within {timeout:.1f}s "
+                f"(saw: {', '.join(map(str, seen)) or 'nothing'})"
+            )
         batch = engine.events(min(left, 1.0))
         seen.extend(batch)
         for event in batch:

@@ -76,9 +76,15 @@ class FakeEngine(Engine):
         self.closed = True
 
     # --- what a test drives -----------------------------------------------------------------
-    def emit(self, node_id: str, state: NodeState, reason: FailureReason | None = None,
-             exit_code: int | None = None, signal: int | None = None,
-             message: str = "") -> NodeEvent:
+    def emit(
+        self,
+        node_id: str,
+        state: NodeState,
+        reason: FailureReason | None = None,
+        exit_code: int | None = None,
+        signal: int | None = None,
+        message: str = "",
+    ) -> NodeEvent:
         with self._lock:
             node = self._nodes.get(node_id)
             if node is None:
@@ -94,8 +100,17 @@ class FakeEngine(Engine):
     def succeed(self, node_id: str) -> NodeEvent:
         return self.emit(node_id, NodeState.SUCCEEDED)
 
-    def fail(self, node_id: str, reason: FailureReason = FailureReason.EXIT_CODE,
-             exit_code: int | None = 1, message: str = "") -> NodeEvent:
-        return self.emit(node_id, NodeState.FAILED, reason,
-                         exit_code if reason is FailureReason.EXIT_CODE else None,
-                         message=message)
+    def fail(
+        self,
+        node_id: str,
+        reason: FailureReason = FailureReason.EXIT_CODE,
+        exit_code: int | None = 1,
+        message: str = "",
+    ) -> NodeEvent:
+        return self.emit(
+            node_id,
+            NodeState.FAILED,
+            reason,
+            exit_code if reason is FailureReason.EXIT_CODE else None,
+            message=message,
+        )

@@ -15,7 +15,8 @@ from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 _PATH = re.compile(
-    r"^/api/v1/namespaces/(?P<ns>[^/]+)/(?P<kind>pods|services)(?:/(?P<name>[^/]+))?$")
+    r"^/api/v1/namespaces/(?P<ns>[^/]+)/(?P<kind>pods|services)(?:/(?P<name>[^/]+))?$"
+)
 _KINDS = {"pods": "Pod", "services": "Service"}
 
 
@@ -29,9 +30,16 @@ class _Change:
 
 
 def _status(code: int, reason: str, message: str, name: str = "", kind: str = "") -> dict[str, Any]:
-    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-            "message": message, "reason": reason, "details": {"name": name, "kind": kind},
-            "code": code}
+    return {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "message": message,
+        "reason": reason,
+        "details": {"name": name, "kind": kind},
+        "code": code,
+    }
 
 
 def _matches(labels: dict[str, str], selector: str) -> bool:
@@ -93,8 +101,9 @@ class FakeKubeApi:
 
         self._server = _QuietServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
-                                        name="fake-kube-api")
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, daemon=True, name="fake-kube-api"
+        )
         self._thread.start()
 
     @property
@@ -113,16 +122,23 @@ class FakeKubeApi:
 
     def pods(self, namespace: str) -> list[dict[str, Any]]:
         with self._cond:
-            return [copy.deepcopy(o) for (k, ns, _), o in self._objects.items()
-                    if k == "pods" and ns == namespace]
+            return [
+                copy.deepcopy(o)
+                for (k, ns, _), o in self._objects.items()
+                if k == "pods" and ns == namespace
+            ]
 
     def services(self, namespace: str) -> list[dict[str, Any]]:
         with self._cond:
-            return [copy.deepcopy(o) for (k, ns, _), o in self._objects.items()
-                    if k == "services" and ns == namespace]
+            return [
+                copy.deepcopy(o)
+                for (k, ns, _), o in self._objects.items()
+                if k == "services" and ns == namespace
+            ]
 
-    def set_pod_status(self, namespace: str, name: str, status: dict[str, Any],
-                       node_name: str = "") -> None:
+    def set_pod_status(
+        self, namespace: str, name: str, status: dict[str, Any], node_name: str = ""
+    ) -> None:
         with self._cond:
             pod = self._objects[("pods", namespace, name)]
             pod["status"] = copy.deepcopy(status)
@@ -182,24 +198,41 @@ class FakeKubeApi:
             code, reply = self._apply(method, kind, namespace, name, query, body)
         self._reply(request, code, reply)
 
-    def _apply(self, method: str, kind: str, namespace: str, name: str | None,
-               query: dict[str, str], body: Any) -> tuple[int, dict[str, Any]]:
+    def _apply(
+        self,
+        method: str,
+        kind: str,
+        namespace: str,
+        name: str | None,
+        query: dict[str, str],
+        body: Any,
+    ) -> tuple[int, dict[str, Any]]:
         if method == "GET" and name is None:
             selector = query.get("labelSelector", "")
-            items = [copy.deepcopy(o) for (k, ns, _), o in sorted(self._objects.items())
-                     if k == kind and ns == namespace
-                     and _matches(o["metadata"].get("labels", {}), selector)]
-            return 200, {"kind": f"{_KINDS[kind]}List", "apiVersion": "v1", "items": items,
-                         "metadata": {"resourceVersion": str(self._version)}}
+            items = [
+                copy.deepcopy(o)
+                for (k, ns, _), o in sorted(self._objects.items())
+                if k == kind
+                and ns == namespace
+                and _matches(o["metadata"].get("labels", {}), selector)
+            ]
+            return 200, {
+                "kind": f"{_KINDS[kind]}List",
+                "apiVersion": "v1",
+                "items": items,
+                "metadata": {"resourceVersion": str(self._version)},
+            }
         if method == "POST" and name is None:
             obj = copy.deepcopy(body)
             obj_name = obj["metadata"]["name"]
             if (kind, namespace, obj_name) in self._objects:
-                return 409, _status(409, "AlreadyExists",
-                                    f'{kind} "{obj_name}" already exists', obj_name, kind)
+                return 409, _status(
+                    409, "AlreadyExists", f'{kind} "{obj_name}" already exists', obj_name, kind
+                )
             now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-            obj["metadata"].update(namespace=namespace, uid=str(uuid.uuid4()),
-                                   creationTimestamp=now)
+            obj["metadata"].update(
+                namespace=namespace, uid=str(uuid.uuid4()), creationTimestamp=now
+            )
             if kind == "pods":
                 obj.setdefault("status", {"phase": "Pending"})
             self._objects[(kind, namespace, obj_name)] = obj
@@ -224,8 +257,9 @@ class FakeKubeApi:
         request.end_headers()
         request.wfile.write(data)
 
-    def _watch(self, request: BaseHTTPRequestHandler, kind: str, namespace: str,
-               query: dict[str, str]) -> None:
+    def _watch(
+        self, request: BaseHTTPRequestHandler, kind: str, namespace: str, query: dict[str, str]
+    ) -> None:
         self.watch_requests.append(dict(query))
         selector = query.get("labelSelector", "")
         timeout = float(query.get("timeoutSeconds", "30"))
@@ -250,16 +284,28 @@ class FakeKubeApi:
             with self._cond:
                 expired = since < self._oldest_watchable
             if expired:
-                send({"type": "ERROR", "object": _status(
-                    410, "Expired", f"too old resource version: {since} "
-                    f"({self._oldest_watchable})")})
+                send(
+                    {
+                        "type": "ERROR",
+                        "object": _status(
+                            410,
+                            "Expired",
+                            f"too old resource version: {since} ({self._oldest_watchable})",
+                        ),
+                    }
+                )
             cursor = since
             while not expired and not deadline.is_set():
                 with self._cond:
                     if sock not in self._watch_sockets:
                         return  # dropped: no terminating chunk
-                    pending = [c for c in self._history if c.resource_version > cursor
-                               and c.kind == kind and c.namespace == namespace]
+                    pending = [
+                        c
+                        for c in self._history
+                        if c.resource_version > cursor
+                        and c.kind == kind
+                        and c.namespace == namespace
+                    ]
                     if not pending or self.hold_watches.is_set():
                         self._cond.wait(0.05)
                         continue

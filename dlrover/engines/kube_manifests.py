@@ -30,8 +30,14 @@ class OwnerReference:
     uid: str
 
     def manifest(self) -> dict[str, Any]:
-        return {"apiVersion": self.api_version, "kind": self.kind, "name": self.name,
-                "uid": self.uid, "controller": True, "blockOwnerDeletion": True}
+        return {
+            "apiVersion": self.api_version,
+            "kind": self.kind,
+            "name": self.name,
+            "uid": self.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,14 +89,23 @@ def pod_manifest(spec: NodeSpec, settings: PodSettings) -> dict[str, Any]:
     shm: dict[str, Any] = {"medium": "Memory"}
     if shm_size_mib(spec):
         shm["sizeLimit"] = f"{shm_size_mib(spec)}Mi"
-    labels = {**job_labels(spec.job_name), LABEL_ROLE: spec.role, LABEL_RANK: str(spec.rank),
-              LABEL_RELAUNCH_COUNT: str(spec.relaunch_count)}
-    metadata: dict[str, Any] = {"name": spec.node_id, "namespace": settings.namespace,
-                                "labels": labels}
+    labels = {
+        **job_labels(spec.job_name),
+        LABEL_ROLE: spec.role,
+        LABEL_RANK: str(spec.rank),
+        LABEL_RELAUNCH_COUNT: str(spec.relaunch_count),
+    }
+    metadata: dict[str, Any] = {
+        "name": spec.node_id,
+        "namespace": settings.namespace,
+        "labels": labels,
+    }
     if settings.owner is not None:
         metadata["ownerReferences"] = [settings.owner.manifest()]
     container: dict[str, Any] = {
-        "name": spec.role, "image": settings.image, "imagePullPolicy": settings.image_pull_policy,
+        "name": spec.role,
+        "image": settings.image,
+        "imagePullPolicy": settings.image_pull_policy,
         "command": list(spec.command),
         "env": [{"name": k, "value": v} for k, v in sorted(spec.env.items())],
         "resources": {"requests": requests, "limits": limits},
@@ -109,35 +124,69 @@ def pod_manifest(spec: NodeSpec, settings: PodSettings) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}
 
 
-def master_service_manifest(job_name: str, namespace: str, port: int = DEFAULT_MASTER_PORT,
-                            owner: OwnerReference | None = None) -> dict[str, Any]:
+def master_service_manifest(
+    job_name: str,
+    namespace: str,
+    port: int = DEFAULT_MASTER_PORT,
+    owner: OwnerReference | None = None,
+) -> dict[str, Any]:
     """The Service agents dial: `<job>-master.<namespace>:<port>` -> the master pod."""
-    metadata: dict[str, Any] = {"name": f"{job_name}-master", "namespace": namespace,
-                                "labels": {**job_labels(job_name), LABEL_ROLE: MASTER_ROLE}}
+    metadata: dict[str, Any] = {
+        "name": f"{job_name}-master",
+        "namespace": namespace,
+        "labels": {**job_labels(job_name), LABEL_ROLE: MASTER_ROLE},
+    }
     if owner is not None:
         metadata["ownerReferences"] = [owner.manifest()]
-    return {"apiVersion": "v1", "kind": "Service", "metadata": metadata,
-            "spec": {"selector": {**job_labels(job_name), LABEL_ROLE: MASTER_ROLE},
-                     "ports": [{"name": "grpc", "port": port, "targetPort": port}]}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata,
+        "spec": {
+            "selector": {**job_labels(job_name), LABEL_ROLE: MASTER_ROLE},
+            "ports": [{"name": "grpc", "port": port, "targetPort": port}],
+        },
+    }
 
 
 def master_address(job_name: str, namespace: str, port: int = DEFAULT_MASTER_PORT) -> str:
     return f"{job_name}-master.{namespace}.svc:{port}"
 
 
-def master_pod_manifest(job_name: str, namespace: str, image: str, command: list[str],
-                        env: dict[str, str], port: int = DEFAULT_MASTER_PORT,
-                        service_account: str = "dlrover-master",
-                        owner: OwnerReference | None = None) -> dict[str, Any]:
+def master_pod_manifest(
+    job_name: str,
+    namespace: str,
+    image: str,
+    command: list[str],
+    env: dict[str, str],
+    port: int = DEFAULT_MASTER_PORT,
+    service_account: str = "dlrover-master",
+    owner: OwnerReference | None = None,
+) -> dict[str, Any]:
     """The pod that runs a job's master (`dlrover-master ...`), selected by its Service."""
-    metadata: dict[str, Any] = {"name": f"{job_name}-master", "namespace": namespace,
-                                "labels": {**job_labels(job_name), LABEL_ROLE: MASTER_ROLE}}
+    metadata: dict[str, Any] = {
+        "name": f"{job_name}-master",
+        "namespace": namespace,
+        "labels": {**job_labels(job_name), LABEL_ROLE: MASTER_ROLE},
+    }
     if owner is not None:
         metadata["ownerReferences"] = [owner.manifest()]
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": {
-        # A crashed master restarts in place and resumes from its StateStore.
-        "restartPolicy": "OnFailure",
-        "serviceAccountName": service_account,
-        "containers": [{"name": MASTER_ROLE, "image": image, "command": command,
-                        "env": [{"name": k, "value": v} for k, v in sorted(env.items())],
-                        "ports": [{"name": "grpc", "containerPort": port}]}]}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": metadata,
+        "spec": {
+            # A crashed master restarts in place and resumes from its StateStore.
+            "restartPolicy": "OnFailure",
+            "serviceAccountName": service_account,
+            "containers": [
+                {
+                    "name": MASTER_ROLE,
+                    "image": image,
+                    "command": command,
+                    "env": [{"name": k, "value": v} for k, v in sorted(env.items())],
+                    "ports": [{"name": "grpc", "containerPort": port}],
+                }
+            ],
+        },
+    }

@@ -8,11 +8,16 @@ from typing import Any
 from dlrover.engines.base import FailureReason, NodeState
 
 # Waiting reasons after which the container will never start without a new spec.
-_NEVER_STARTS = {"ErrImagePull", "ImagePullBackOff", "InvalidImageName",
-                 "CreateContainerConfigError", "CreateContainerError", "RunContainerError"}
+_NEVER_STARTS = {
+    "ErrImagePull",
+    "ImagePullBackOff",
+    "InvalidImageName",
+    "CreateContainerConfigError",
+    "CreateContainerError",
+    "RunContainerError",
+}
 # Pod-level reasons the platform gives when it takes a node away.
-_PREEMPTED = {"Evicted", "Preempting", "DeadlineExceeded", "Shutdown", "NodeShutdown",
-              "Terminated"}
+_PREEMPTED = {"Evicted", "Preempting", "DeadlineExceeded", "Shutdown", "NodeShutdown", "Terminated"}
 _LOST = {"NodeLost", "UnexpectedAdmissionError", "NodeAffinity"}
 _SIGNAL_EXIT_BASE = 128
 """Container runtimes report death by signal N as exit code 128 + N."""
@@ -64,8 +69,9 @@ def pod_outcome(pod: dict[str, Any]) -> PodOutcome | None:
     if phase == "Pending":
         never = _waiting_reason(pod)
         if never:
-            return PodOutcome(NodeState.FAILED, FailureReason.LAUNCH_FAILED, message=never,
-                              host=host)
+            return PodOutcome(
+                NodeState.FAILED, FailureReason.LAUNCH_FAILED, message=never, host=host
+            )
         return PodOutcome(NodeState.PENDING, host=host)
     if phase == "Running":
         return PodOutcome(NodeState.RUNNING, host=host)
@@ -78,21 +84,36 @@ def pod_outcome(pod: dict[str, Any]) -> PodOutcome | None:
     disruption = _disrupted(pod)
     terminated = _terminated(pod)
     if terminated is not None and terminated.get("reason") == "OOMKilled":
-        return PodOutcome(NodeState.FAILED, FailureReason.OOM_KILLED,
-                          exit_code=terminated.get("exitCode"), message="OOMKilled", host=host)
+        return PodOutcome(
+            NodeState.FAILED,
+            FailureReason.OOM_KILLED,
+            exit_code=terminated.get("exitCode"),
+            message="OOMKilled",
+            host=host,
+        )
     if pod_reason in _PREEMPTED or disruption:
-        return PodOutcome(NodeState.FAILED, FailureReason.PREEMPTED,
-                          message=disruption or message, host=host)
+        return PodOutcome(
+            NodeState.FAILED, FailureReason.PREEMPTED, message=disruption or message, host=host
+        )
     if pod_reason in _LOST:
         return PodOutcome(NodeState.FAILED, FailureReason.NODE_LOST, message=message, host=host)
     if terminated is not None:
         code = int(terminated.get("exitCode", 1))
         detail = terminated.get("reason") or "Error"
         if code > _SIGNAL_EXIT_BASE:
-            return PodOutcome(NodeState.FAILED, FailureReason.SIGNAL, exit_code=code,
-                              signal=code - _SIGNAL_EXIT_BASE,
-                              message=f"{detail}: killed by signal {code - _SIGNAL_EXIT_BASE}",
-                              host=host)
-        return PodOutcome(NodeState.FAILED, FailureReason.EXIT_CODE, exit_code=code,
-                          message=f"{detail}: exit code {code}", host=host)
+            return PodOutcome(
+                NodeState.FAILED,
+                FailureReason.SIGNAL,
+                exit_code=code,
+                signal=code - _SIGNAL_EXIT_BASE,
+                message=f"{detail}: killed by signal {code - _SIGNAL_EXIT_BASE}",
+                host=host,
+            )
+        return PodOutcome(
+            NodeState.FAILED,
+            FailureReason.EXIT_CODE,
+            exit_code=code,
+            message=f"{detail}: exit code {code}",
+            host=host,
+        )
     return PodOutcome(NodeState.FAILED, FailureReason.UNKNOWN, message=message, host=host)

@@ -48,14 +48,20 @@ class KubernetesEngine(Engine):
     ends its node as FAILED/NODE_LOST, so the policy relaunches it.
     """
 
-    def __init__(self, api_client: Any, job_name: str, settings: PodSettings,
-                 watch_timeout_s: int = DEFAULT_WATCH_TIMEOUT_S,
-                 reconnect_delay_s: float = DEFAULT_RECONNECT_DELAY_S) -> None:
+    def __init__(
+        self,
+        api_client: Any,
+        job_name: str,
+        settings: PodSettings,
+        watch_timeout_s: int = DEFAULT_WATCH_TIMEOUT_S,
+        reconnect_delay_s: float = DEFAULT_RECONNECT_DELAY_S,
+    ) -> None:
         try:
             from kubernetes import client
         except ImportError as error:
-            raise EngineError("the kubernetes engine needs the kubernetes client: "
-                              "pip install 'dlrover[k8s]'") from error
+            raise EngineError(
+                "the kubernetes engine needs the kubernetes client: pip install 'dlrover[k8s]'"
+            ) from error
         self._core = client.CoreV1Api(api_client)
         self._job_name = job_name
         self._settings = settings
@@ -72,8 +78,9 @@ class KubernetesEngine(Engine):
         """resourceVersion to resume the watch from; None: re-list first."""
         self.relists = 0
         """How many times the pod list was read (start + each 410); for tests and metrics."""
-        self._watcher = threading.Thread(target=self._watch_loop, daemon=True,
-                                         name=f"kube-watch-{job_name}")
+        self._watcher = threading.Thread(
+            target=self._watch_loop, daemon=True, name=f"kube-watch-{job_name}"
+        )
         self._watcher.start()
 
     @classmethod
@@ -92,8 +99,9 @@ class KubernetesEngine(Engine):
         from kubernetes.client.rest import ApiException
 
         if spec.job_name != self._job_name:
-            raise LaunchError(f"{spec.node_id}: this engine runs job {self._job_name!r}, "
-                              f"not {spec.job_name!r}")
+            raise LaunchError(
+                f"{spec.node_id}: this engine runs job {self._job_name!r}, not {spec.job_name!r}"
+            )
         namespace = self._settings.namespace
         with self._lock:
             existing = self._nodes.get(spec.node_id)
@@ -102,25 +110,32 @@ class KubernetesEngine(Engine):
             # Registered before the create so watch events racing the reply are not dropped.
             node = self._nodes[spec.node_id] = Node(spec=spec)
         try:
-            reply = self._core.create_namespaced_pod(namespace, pod_manifest(spec, self._settings),
-                                                     _preload_content=False)
+            reply = self._core.create_namespaced_pod(
+                namespace, pod_manifest(spec, self._settings), _preload_content=False
+            )
             pod = json.loads(reply.data)
         except ApiException as error:
             if error.status != 409:
                 with self._lock:
                     del self._nodes[spec.node_id]
-                raise LaunchError(f"{spec.node_id}: the API refused the pod "
-                                  f"({error.status} {error.reason}): {_message(error)}") from error
+                raise LaunchError(
+                    f"{spec.node_id}: the API refused the pod "
+                    f"({error.status} {error.reason}): {_message(error)}"
+                ) from error
             # A retried launch (our earlier reply was lost): adopt the pod that exists.
             log.info("node %s: pod exists already (409); adopting it", spec.node_id)
             try:
-                pod = json.loads(self._core.read_namespaced_pod(
-                    spec.node_id, namespace, _preload_content=False).data)
+                pod = json.loads(
+                    self._core.read_namespaced_pod(
+                        spec.node_id, namespace, _preload_content=False
+                    ).data
+                )
             except ApiException as read_error:
                 with self._lock:
                     del self._nodes[spec.node_id]
-                raise LaunchError(f"{spec.node_id}: pod exists but cannot be read "
-                                  f"({read_error.status})") from read_error
+                raise LaunchError(
+                    f"{spec.node_id}: pod exists but cannot be read ({read_error.status})"
+                ) from read_error
         with self._lock:
             self._created.add(spec.node_id)
         self._queue.put(NodeEvent(spec.node_id, spec, NodeState.PENDING))
@@ -139,14 +154,17 @@ class KubernetesEngine(Engine):
                 return
             self._deleting.add(node_id)
         try:
-            self._core.delete_namespaced_pod(node_id, self._settings.namespace,
-                                             _preload_content=False)
+            self._core.delete_namespaced_pod(
+                node_id, self._settings.namespace, _preload_content=False
+            )
         except ApiException as error:
             if error.status != 404:
                 with self._lock:
                     self._deleting.discard(node_id)
-                raise EngineError(f"{node_id}: cannot delete pod ({error.status} "
-                                  f"{error.reason}): {_message(error)}") from error
+                raise EngineError(
+                    f"{node_id}: cannot delete pod ({error.status} "
+                    f"{error.reason}): {_message(error)}"
+                ) from error
             # Already gone: end it here; the watch's DELETED, if any, finds it final.
             self._end(node_id, PodOutcome(NodeState.DELETED, message="pod was already gone"))
 
@@ -177,14 +195,17 @@ class KubernetesEngine(Engine):
         namespace = self._settings.namespace
         manifest = master_service_manifest(self._job_name, namespace, port, self._settings.owner)
         try:
-            reply = self._core.create_namespaced_service(namespace, manifest,
-                                                         _preload_content=False)
+            reply = self._core.create_namespaced_service(
+                namespace, manifest, _preload_content=False
+            )
         except ApiException as error:
             if error.status != 409:
-                raise EngineError(f"cannot create the master Service ({error.status}): "
-                                  f"{_message(error)}") from error
-            reply = self._core.read_namespaced_service(manifest["metadata"]["name"], namespace,
-                                                       _preload_content=False)
+                raise EngineError(
+                    f"cannot create the master Service ({error.status}): {_message(error)}"
+                ) from error
+            reply = self._core.read_namespaced_service(
+                manifest["metadata"]["name"], namespace, _preload_content=False
+            )
         return dict(json.loads(reply.data))
 
     # --- watching ---------------------------------------------------------------------------
@@ -194,9 +215,11 @@ class KubernetesEngine(Engine):
         # racing this re-list must not be mistaken for a deleted pod.
         with self._lock:
             created_before = set(self._created)
-        reply = self._core.list_namespaced_pod(self._settings.namespace,
-                                               label_selector=job_selector(self._job_name),
-                                               _preload_content=False)
+        reply = self._core.list_namespaced_pod(
+            self._settings.namespace,
+            label_selector=job_selector(self._job_name),
+            _preload_content=False,
+        )
         listing = json.loads(reply.data)
         self.relists += 1
         present = set()
@@ -205,8 +228,11 @@ class KubernetesEngine(Engine):
             present.add(name)
             self._apply(name, "MODIFIED", pod)
         with self._lock:
-            vanished = [n for n, node in self._nodes.items() if n in created_before
-                        and n not in present and not node.state.is_final]
+            vanished = [
+                n
+                for n, node in self._nodes.items()
+                if n in created_before and n not in present and not node.state.is_final
+            ]
         for name in vanished:
             self._apply(name, "DELETED", None)
         return str(listing["metadata"]["resourceVersion"])
@@ -223,22 +249,28 @@ class KubernetesEngine(Engine):
                 self._watch_once(version)
                 delay = self._reconnect_delay_s
             except _Expired as expired:
-                log.info("watch version %s expired (410 Gone: %s); re-listing pods", version,
-                         expired)
+                log.info(
+                    "watch version %s expired (410 Gone: %s); re-listing pods", version, expired
+                )
                 self._version = None
             except ApiException as error:
                 if error.status == 410:
                     self._version = None
                     continue
-                log.warning("pod watch failed (%s %s); retrying in %.1fs", error.status,
-                            error.reason, delay)
+                log.warning(
+                    "pod watch failed (%s %s); retrying in %.1fs", error.status, error.reason, delay
+                )
                 self._stop.wait(delay)
                 delay = min(delay * 2, 10.0)
             except Exception as error:  # dropped connection, protocol error, DNS...
                 if self._stop.is_set():
                     break
-                log.info("pod watch stream dropped (%s: %s); resuming from version %s",
-                         type(error).__name__, error, self._version)
+                log.info(
+                    "pod watch stream dropped (%s: %s); resuming from version %s",
+                    type(error).__name__,
+                    error,
+                    self._version,
+                )
                 self._stop.wait(delay)
                 delay = min(delay * 2, 10.0)
 
@@ -252,9 +284,13 @@ class KubernetesEngine(Engine):
         from kubernetes.watch.watch import iter_resp_lines
 
         response = self._core.list_namespaced_pod(
-            self._settings.namespace, label_selector=job_selector(self._job_name),
-            resource_version=version, timeout_seconds=self._watch_timeout_s, watch=True,
-            _preload_content=False)
+            self._settings.namespace,
+            label_selector=job_selector(self._job_name),
+            resource_version=version,
+            timeout_seconds=self._watch_timeout_s,
+            watch=True,
+            _preload_content=False,
+        )
         self._response = response
         try:
             if self._stop.is_set():
@@ -286,9 +322,15 @@ class KubernetesEngine(Engine):
             return  # not ours (another attempt's pod) or already ended
         outcome: PodOutcome | None
         if change == "DELETED" or pod is None:
-            outcome = (PodOutcome(NodeState.DELETED, message="deleted on request") if deleting
-                       else PodOutcome(NodeState.FAILED, FailureReason.NODE_LOST,
-                                       message="pod was deleted by someone else"))
+            outcome = (
+                PodOutcome(NodeState.DELETED, message="deleted on request")
+                if deleting
+                else PodOutcome(
+                    NodeState.FAILED,
+                    FailureReason.NODE_LOST,
+                    message="pod was deleted by someone else",
+                )
+            )
         else:
             outcome = pod_outcome(pod)
             if outcome is None:
@@ -315,8 +357,16 @@ class KubernetesEngine(Engine):
                 outcome = dataclasses.replace(outcome, state=NodeState.DELETED, reason=None)
             old, node.state = node.state, outcome.state
             node.host = outcome.host or node.host
-        event = NodeEvent(name, node.spec, outcome.state, outcome.reason, outcome.exit_code,
-                          outcome.signal, outcome.message, host=node.host)
+        event = NodeEvent(
+            name,
+            node.spec,
+            outcome.state,
+            outcome.reason,
+            outcome.exit_code,
+            outcome.signal,
+            outcome.message,
+            host=node.host,
+        )
         log.info("node %s: %s -> %s", name, old.value, event)
         self._queue.put(event)
 

@@ -54,8 +54,9 @@ def stop_process_group(pgid: int, grace_s: float, leader: subprocess.Popen[bytes
         try:
             leader.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
-            log.warning("process group %d ignored SIGTERM for %.1fs; sending SIGKILL", pgid,
-                        grace_s)
+            log.warning(
+                "process group %d ignored SIGTERM for %.1fs; sending SIGKILL", pgid, grace_s
+            )
     try:
         os.killpg(pgid, signal.SIGKILL)
     except ProcessLookupError:
@@ -64,8 +65,11 @@ def stop_process_group(pgid: int, grace_s: float, leader: subprocess.Popen[bytes
         try:
             leader.wait(timeout=_KILL_WAIT_S)
         except subprocess.TimeoutExpired:
-            log.error("process %d survived SIGKILL for %.0fs (stuck in the kernel?)", leader.pid,
-                      _KILL_WAIT_S)
+            log.error(
+                "process %d survived SIGKILL for %.0fs (stuck in the kernel?)",
+                leader.pid,
+                _KILL_WAIT_S,
+            )
 
 
 class LocalEngine(Engine):
@@ -78,8 +82,9 @@ class LocalEngine(Engine):
     Resources are not enforced here; they are the job's business on a single machine.
     """
 
-    def __init__(self, log_dir: str | os.PathLike[str],
-                 stop_grace_s: float = DEFAULT_STOP_GRACE_S) -> None:
+    def __init__(
+        self, log_dir: str | os.PathLike[str], stop_grace_s: float = DEFAULT_STOP_GRACE_S
+    ) -> None:
         self._log_dir = Path(log_dir)
         self._stop_grace_s = stop_grace_s
         self._processes: dict[str, _Process] = {}
@@ -100,19 +105,30 @@ class LocalEngine(Engine):
             env = {**os.environ, **spec.env}
             try:
                 with open(node_dir / "stdout", "ab") as out, open(node_dir / "stderr", "ab") as err:
-                    popen = subprocess.Popen(list(spec.command), env=env, stdout=out, stderr=err,
-                                             stdin=subprocess.DEVNULL, start_new_session=True)
+                    popen = subprocess.Popen(
+                        list(spec.command),
+                        env=env,
+                        stdout=out,
+                        stderr=err,
+                        stdin=subprocess.DEVNULL,
+                        start_new_session=True,
+                    )
             except OSError as error:
-                raise LaunchError(f"{spec.node_id}: cannot start {spec.command[0]!r}: {error}") \
-                    from error
+                raise LaunchError(
+                    f"{spec.node_id}: cannot start {spec.command[0]!r}: {error}"
+                ) from error
             node = Node(spec=spec, state=NodeState.RUNNING, host=self._host)
             process = _Process(node=node, popen=popen)
             self._processes[spec.node_id] = process
         log.info("node %s: started pid %d: %s", spec.node_id, popen.pid, " ".join(spec.command))
-        self._queue.put(NodeEvent(spec.node_id, spec, NodeState.RUNNING, host=self._host,
-                                  message=f"pid {popen.pid}"))
-        threading.Thread(target=self._watch, args=(process,), name=f"watch-{spec.node_id}",
-                         daemon=True).start()
+        self._queue.put(
+            NodeEvent(
+                spec.node_id, spec, NodeState.RUNNING, host=self._host, message=f"pid {popen.pid}"
+            )
+        )
+        threading.Thread(
+            target=self._watch, args=(process,), name=f"watch-{spec.node_id}", daemon=True
+        ).start()
         return dataclasses.replace(node)
 
     def _watch(self, process: _Process) -> None:
@@ -124,20 +140,32 @@ class LocalEngine(Engine):
         with self._lock:
             deleting = process.deleting
         if deleting:
-            event = NodeEvent(spec.node_id, spec, NodeState.DELETED, host=self._host,
-                              message="deleted on request")
+            event = NodeEvent(
+                spec.node_id, spec, NodeState.DELETED, host=self._host, message="deleted on request"
+            )
         elif returncode == 0:
-            event = NodeEvent(spec.node_id, spec, NodeState.SUCCEEDED, exit_code=0,
-                              host=self._host)
+            event = NodeEvent(spec.node_id, spec, NodeState.SUCCEEDED, exit_code=0, host=self._host)
         elif returncode < 0:
             sig = -returncode
-            event = NodeEvent(spec.node_id, spec, NodeState.FAILED, FailureReason.SIGNAL,
-                              signal=sig, host=self._host,
-                              message=f"killed by {signal.Signals(sig).name}")
+            event = NodeEvent(
+                spec.node_id,
+                spec,
+                NodeState.FAILED,
+                FailureReason.SIGNAL,
+                signal=sig,
+                host=self._host,
+                message=f"killed by {signal.Signals(sig).name}",
+            )
         else:
-            event = NodeEvent(spec.node_id, spec, NodeState.FAILED, FailureReason.EXIT_CODE,
-                              exit_code=returncode, host=self._host,
-                              message=f"exited with code {returncode}")
+            event = NodeEvent(
+                spec.node_id,
+                spec,
+                NodeState.FAILED,
+                FailureReason.EXIT_CODE,
+                exit_code=returncode,
+                host=self._host,
+                message=f"exited with code {returncode}",
+            )
         with self._lock:
             process.node.state = event.state
         log.info("node %s: running -> %s", spec.node_id, event)
@@ -163,8 +191,9 @@ class LocalEngine(Engine):
         stop_process_group(process.popen.pid, self._stop_grace_s, process.popen)
         # Wait for the watcher so the DELETED event is queued when delete returns.
         if not process.finished.wait(timeout=self._stop_grace_s + 5):
-            raise EngineError(f"node {node_id}: process {process.popen.pid} did not end after "
-                              "SIGKILL")
+            raise EngineError(
+                f"node {node_id}: process {process.popen.pid} did not end after SIGKILL"
+            )
 
     def list_nodes(self) -> list[Node]:
         with self._lock:

@@ -55,10 +55,14 @@ class RayEngine(Engine):
     no Ray node with the resources within `launch_timeout_s` -> LAUNCH_FAILED.
     """
 
-    def __init__(self, address: str | None = None, namespace: str = DEFAULT_RAY_NAMESPACE,
-                 launch_timeout_s: float = DEFAULT_LAUNCH_TIMEOUT_S,
-                 stop_grace_s: float = DEFAULT_STOP_GRACE_S,
-                 poll_interval_s: float = DEFAULT_POLL_INTERVAL_S) -> None:
+    def __init__(
+        self,
+        address: str | None = None,
+        namespace: str = DEFAULT_RAY_NAMESPACE,
+        launch_timeout_s: float = DEFAULT_LAUNCH_TIMEOUT_S,
+        stop_grace_s: float = DEFAULT_STOP_GRACE_S,
+        poll_interval_s: float = DEFAULT_POLL_INTERVAL_S,
+    ) -> None:
         try:
             import ray
         except ImportError as error:
@@ -75,8 +79,9 @@ class RayEngine(Engine):
         self._queue = EventQueue()
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._monitor = threading.Thread(target=self._monitor_loop, name="ray-engine-monitor",
-                                         daemon=True)
+        self._monitor = threading.Thread(
+            target=self._monitor_loop, name="ray-engine-monitor", daemon=True
+        )
         self._monitor.start()
 
     # --- Engine -----------------------------------------------------------------------------
@@ -96,19 +101,28 @@ class RayEngine(Engine):
         try:
             group = placement_group([bundle], strategy="SPREAD", name=spec.node_id)
             actor: Any = self._runner_class.options(
-                name=spec.node_id, num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
-                memory=bundle.get("memory"), max_restarts=0, max_concurrency=4,
+                name=spec.node_id,
+                num_cpus=bundle["CPU"],
+                num_gpus=bundle.get("GPU", 0),
+                memory=bundle.get("memory"),
+                max_restarts=0,
+                max_concurrency=4,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=group, placement_group_bundle_index=0),
+                    placement_group=group, placement_group_bundle_index=0
+                ),
             ).remote()
             start_ref = actor.start.remote(list(spec.command), dict(spec.env))
         except Exception as error:  # Ray raises ValueError/RayError subclasses here
             raise LaunchError(f"{spec.node_id}: Ray refused the node: {error}") from error
         node = Node(spec=spec)
         with self._lock:
-            self._nodes[spec.node_id] = _RayNode(node=node, placement_group=group, actor=actor,
-                                                 launched_at=time.monotonic(),
-                                                 start_ref=start_ref)
+            self._nodes[spec.node_id] = _RayNode(
+                node=node,
+                placement_group=group,
+                actor=actor,
+                launched_at=time.monotonic(),
+                start_ref=start_ref,
+            )
         log.info("node %s: placement group requested %s", spec.node_id, bundle)
         self._queue.put(NodeEvent(spec.node_id, spec, NodeState.PENDING))
         return dataclasses.replace(node)
@@ -122,8 +136,9 @@ class RayEngine(Engine):
                 return
             entry.deleting = True
         try:
-            self._ray.get(entry.actor.stop.remote(self._stop_grace_s),
-                          timeout=self._stop_grace_s + 5)
+            self._ray.get(
+                entry.actor.stop.remote(self._stop_grace_s), timeout=self._stop_grace_s + 5
+            )
         except Exception as error:  # the actor may already be gone; killing it below suffices
             log.info("node %s: graceful stop failed (%s); killing the actor", node_id, error)
         self._kill(entry)
@@ -138,13 +153,13 @@ class RayEngine(Engine):
     def close(self, delete_nodes: bool = True) -> None:
         if delete_nodes:
             with self._lock:
-                live = [e.node.node_id for e in self._nodes.values()
-                        if not e.node.state.is_final]
+                live = [e.node.node_id for e in self._nodes.values() if not e.node.state.is_final]
             self.delete_many(live)
             # The monitor reports the DELETED events; give it a bounded moment to do so.
             deadline = time.monotonic() + self._stop_grace_s + 5
             while time.monotonic() < deadline and any(
-                    not e.node.state.is_final for e in self._nodes.values()):
+                not e.node.state.is_final for e in self._nodes.values()
+            ):
                 time.sleep(self._poll_interval_s)
         self._stop.set()
         self._monitor.join(timeout=self._poll_interval_s * 10 + 5)
@@ -167,8 +182,12 @@ class RayEngine(Engine):
     def _monitor_loop(self) -> None:
         while not self._stop.is_set():
             with self._lock:
-                pending = {id(ref): (entry, ref) for entry in self._nodes.values()
-                           for ref in (entry.start_ref, entry.wait_ref) if ref is not None}
+                pending = {
+                    id(ref): (entry, ref)
+                    for entry in self._nodes.values()
+                    for ref in (entry.start_ref, entry.wait_ref)
+                    if ref is not None
+                }
             if not pending:
                 self._stop.wait(self._poll_interval_s)
                 continue
@@ -187,13 +206,22 @@ class RayEngine(Engine):
     def _expire_launches(self) -> None:
         now = time.monotonic()
         with self._lock:
-            stuck = [e for e in self._nodes.values() if e.start_ref is not None
-                     and not e.deleting and now - e.launched_at > self._launch_timeout_s]
+            stuck = [
+                e
+                for e in self._nodes.values()
+                if e.start_ref is not None
+                and not e.deleting
+                and now - e.launched_at > self._launch_timeout_s
+            ]
         for entry in stuck:
             self._kill(entry)
-            self._finish(entry, NodeState.FAILED, FailureReason.LAUNCH_FAILED,
-                         message=f"no Ray node offered {entry.node.spec.resources} within "
-                                 f"{self._launch_timeout_s:.0f}s")
+            self._finish(
+                entry,
+                NodeState.FAILED,
+                FailureReason.LAUNCH_FAILED,
+                message=f"no Ray node offered {entry.node.spec.resources} within "
+                f"{self._launch_timeout_s:.0f}s",
+            )
 
     def _on_started(self, entry: _RayNode) -> None:
         try:
@@ -211,10 +239,21 @@ class RayEngine(Engine):
             entry.node.state = NodeState.RUNNING
             entry.node.host = entry.ray_node_id
         spec = entry.node.spec
-        log.info("node %s: pending -> running on Ray node %s (pid %s)", spec.node_id,
-                 entry.ray_node_id, info["pid"])
-        self._queue.put(NodeEvent(spec.node_id, spec, NodeState.RUNNING, host=entry.ray_node_id,
-                                  message=f"pid {info['pid']} on {info['hostname']}"))
+        log.info(
+            "node %s: pending -> running on Ray node %s (pid %s)",
+            spec.node_id,
+            entry.ray_node_id,
+            info["pid"],
+        )
+        self._queue.put(
+            NodeEvent(
+                spec.node_id,
+                spec,
+                NodeState.RUNNING,
+                host=entry.ray_node_id,
+                message=f"pid {info['pid']} on {info['hostname']}",
+            )
+        )
 
     def _on_exited(self, entry: _RayNode) -> None:
         try:
@@ -228,11 +267,21 @@ class RayEngine(Engine):
             self._finish(entry, NodeState.SUCCEEDED, exit_code=0)
         elif returncode < 0:
             name = signal.Signals(-returncode).name
-            self._finish(entry, NodeState.FAILED, FailureReason.SIGNAL, signal=-returncode,
-                         message=f"killed by {name}")
+            self._finish(
+                entry,
+                NodeState.FAILED,
+                FailureReason.SIGNAL,
+                signal=-returncode,
+                message=f"killed by {name}",
+            )
         else:
-            self._finish(entry, NodeState.FAILED, FailureReason.EXIT_CODE, exit_code=returncode,
-                         message=f"exited with code {returncode}")
+            self._finish(
+                entry,
+                NodeState.FAILED,
+                FailureReason.EXIT_CODE,
+                exit_code=returncode,
+                message=f"exited with code {returncode}",
+            )
 
     def _on_actor_error(self, entry: _RayNode, error: Exception) -> None:
         entry.start_ref = entry.wait_ref = None
@@ -245,8 +294,12 @@ class RayEngine(Engine):
         where = entry.ray_node_id or "an unknown Ray node"
         alive = self._ray_node_alive(entry.ray_node_id)
         detail = "its Ray node died" if alive is False else "its actor died"
-        self._finish(entry, NodeState.FAILED, reason,
-                     message=f"{detail} ({where}): {type(error).__name__}: {text[:300]}")
+        self._finish(
+            entry,
+            NodeState.FAILED,
+            reason,
+            message=f"{detail} ({where}): {type(error).__name__}: {text[:300]}",
+        )
 
     def _ray_node_alive(self, ray_node_id: str) -> bool | None:
         if not ray_node_id:
@@ -259,20 +312,32 @@ class RayEngine(Engine):
             log.warning("cannot read Ray node table: %s", error)
         return None
 
-    def _finish(self, entry: _RayNode, state: NodeState, reason: FailureReason | None = None,
-                exit_code: int | None = None, signal: int | None = None,
-                message: str = "") -> None:
+    def _finish(
+        self,
+        entry: _RayNode,
+        state: NodeState,
+        reason: FailureReason | None = None,
+        exit_code: int | None = None,
+        signal: int | None = None,
+        message: str = "",
+    ) -> None:
         with self._lock:
             if entry.node.state.is_final:
                 return
             if entry.deleting:
                 state, reason, exit_code, signal, message = (
-                    NodeState.DELETED, None, None, None, "deleted on request")
+                    NodeState.DELETED,
+                    None,
+                    None,
+                    None,
+                    "deleted on request",
+                )
             old = entry.node.state
             entry.node.state = state
             entry.start_ref = entry.wait_ref = None
         spec = entry.node.spec
-        event = NodeEvent(spec.node_id, spec, state, reason, exit_code, signal, message,
-                          host=entry.ray_node_id)
+        event = NodeEvent(
+            spec.node_id, spec, state, reason, exit_code, signal, message, host=entry.ray_node_id
+        )
         log.info("node %s: %s -> %s", spec.node_id, old.value, event)
         self._queue.put(event)

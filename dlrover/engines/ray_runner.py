@@ -39,12 +39,19 @@ class NodeRunner:
     async def start(self, command: Sequence[str], env: Mapping[str, str]) -> dict[str, object]:
         import ray  # inside the actor: ray is there by construction
 
-        self._popen = subprocess.Popen(list(command), env={**os.environ, **env},
-                                       stdin=subprocess.DEVNULL, start_new_session=True,
-                                       preexec_fn=_die_with_parent())
+        self._popen = subprocess.Popen(
+            list(command),
+            env={**os.environ, **env},
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=_die_with_parent(),
+        )
         context = ray.get_runtime_context()
-        return {"ray_node_id": context.get_node_id(), "hostname": socket.gethostname(),
-                "pid": self._popen.pid}
+        return {
+            "ray_node_id": context.get_node_id(),
+            "hostname": socket.gethostname(),
+            "pid": self._popen.pid,
+        }
 
     async def wait(self) -> int:
         """The command's return code (negative: killed by that signal)."""

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from dlrover.constants import DEFAULT_HEARTBEAT_TIMEOUT_S
 from dlrover.master.kv_store import KvStore
-from dlrover.master.nodes import ALIVE_STATES, Node, NodeState, NodeTable
+from dlrover.master.nodes import ALIVE_STATES, Node, NodeError, NodeState, NodeTable
 from dlrover.master.rendezvous import RendezvousConfig, RendezvousError, RendezvousManager, World
 from dlrover.master.sharding_service import ShardingService
 from dlrover.master.state_store import StateStore
@@ -219,6 +219,18 @@ class JobMaster:
         """End the job from outside (e.g. SIGTERM to the master)."""
         with self._lock:
             self._fail(reason, 1)
+
+    def node_lost(self, node_id: str, reason: str) -> None:
+        """An engine says the node's process is gone: drop it now, not at the heartbeat timeout."""
+        try:
+            node = self.nodes.get(node_id)
+        except NodeError:
+            return  # it died before it registered: nothing of it is in the job
+        if node.state in ALIVE_STATES:
+            self.nodes.set_state(node_id, NodeState.LOST, reason)
+        if self.rendezvous is not None:
+            self.rendezvous.leave(node_id, reason)
+        self.sharding.recover_node(node_id)
 
     def tick(self) -> None:
         """Time-based work: lose nodes whose heartbeats stopped."""

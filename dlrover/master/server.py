@@ -259,6 +259,10 @@ class MasterServicer(pb_grpc.MasterServicer):
 
         return _guard(context, run)
 
+    def StopJob(self, request: pb.StopJobRequest, context: grpc.ServicerContext) -> pb.JobStatus:  # noqa: N802
+        self.job.stop(request.reason or "stopped by request")
+        return self.GetJobStatus(pb.GetJobStatusRequest(), context)
+
     def Sharding(
         self, request: pb.ShardingRequest, context: grpc.ServicerContext
     ) -> pb.ShardingResponse:  # noqa: N802

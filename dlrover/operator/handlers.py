@@ -11,8 +11,12 @@ from kubernetes import client, config
 from dlrover.jobspec import JobSpecError
 from dlrover.operator.master_objects import GROUP, PLURAL, VERSION, master_objects
 
-_CREATORS = {"Secret": "create_namespaced_secret", "ConfigMap": "create_namespaced_config_map",
-             "Service": "create_namespaced_service", "Pod": "create_namespaced_pod"}
+_CREATORS = {
+    "Secret": "create_namespaced_secret",
+    "ConfigMap": "create_namespaced_config_map",
+    "Service": "create_namespaced_service",
+    "Pod": "create_namespaced_pod",
+}
 
 
 @kopf.on.startup()
@@ -24,9 +28,12 @@ def _configure(logger: logging.Logger | logging.LoggerAdapter[Any], **_: Any) ->
 
 
 @kopf.on.create(GROUP, VERSION, PLURAL)
-def create_master(body: kopf.Body, namespace: str | None,
-                  logger: logging.Logger | logging.LoggerAdapter[Any],
-                  **_: Any) -> dict[str, str]:
+def create_master(
+    body: kopf.Body,
+    namespace: str | None,
+    logger: logging.Logger | logging.LoggerAdapter[Any],
+    **_: Any,
+) -> dict[str, str]:
     """Create the master of a new ElasticJob; idempotent (409 = created by an earlier try)."""
     try:
         objects = master_objects(dict(body))
@@ -40,6 +47,7 @@ def create_master(body: kopf.Body, namespace: str | None,
             logger.info("created %s %s", obj["kind"], obj["metadata"]["name"])
         except client.ApiException as error:
             if error.status != 409:
-                raise kopf.TemporaryError(f"creating {obj['kind']}: {error.reason}",
-                                          delay=10) from error
+                raise kopf.TemporaryError(
+                    f"creating {obj['kind']}: {error.reason}", delay=10
+                ) from error
     return {"master": objects[-1]["metadata"]["name"]}

@@ -41,10 +41,19 @@ def job_spec_of(body: dict[str, Any]) -> JobSpec:
     spec = {k: v for k, v in dict(body.get("spec") or {}).items() if k not in _KUBE_KEYS}
     settings = dict(spec.pop("engine_settings", None) or {})
     kube = body.get("spec") or {}
-    settings.update(namespace=body["metadata"].get("namespace", "default"),
-                    image=kube.get("image", ""), service_account=kube.get("serviceAccount", ""))
-    return job_spec_from_dict({**spec, "name": body["metadata"]["name"], "engine": "kubernetes",
-                               "engine_settings": settings})
+    settings.update(
+        namespace=body["metadata"].get("namespace", "default"),
+        image=kube.get("image", ""),
+        service_account=kube.get("serviceAccount", ""),
+    )
+    return job_spec_from_dict(
+        {
+            **spec,
+            "name": body["metadata"]["name"],
+            "engine": "kubernetes",
+            "engine_settings": settings,
+        }
+    )
 
 
 def master_objects(body: dict[str, Any], token: str | None = None) -> list[dict[str, Any]]:
@@ -59,33 +68,77 @@ def master_objects(body: dict[str, Any], token: str | None = None) -> list[dict[
     labels = job_labels(job.name)
     secret_name = f"{job.name}-token"
     config_name = f"{job.name}-spec"
-    job_yaml = yaml.safe_dump({
-        "name": job.name, "entrypoint": job.entrypoint, "args": list(job.args),
-        "nodes": job.nnodes, "nproc_per_node": job.nproc_per_node,
-        "resources": {"cpu": job.resources.cpu, "memory": f"{job.resources.memory_mib}Mi",
-                      "gpu": job.resources.gpu, "shm": f"{job.resources.shm_mib}Mi"},
-        "max_restarts": job.max_restarts, "max_relaunches": job.max_relaunches,
-        "checkpoint_dir": job.checkpoint_dir, "engine": "kubernetes",
-        "engine_settings": dict(job.engine_settings)}, sort_keys=True)
-    secret = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-              "metadata": {"name": secret_name, "namespace": namespace, "labels": labels,
-                           "ownerReferences": [owner.manifest()]},
-              "data": {"token": base64.b64encode(token.encode()).decode()}}
-    config = {"apiVersion": "v1", "kind": "ConfigMap",
-              "metadata": {"name": config_name, "namespace": namespace, "labels": labels,
-                           "ownerReferences": [owner.manifest()]},
-              "data": {SPEC_FILE: job_yaml}}
-    command = ["dlrover-master", f"--job-spec={SPEC_MOUNT_DIR}/{SPEC_FILE}",
-               f"--port={port}", f"--advertise-address={master_address(job.name, namespace, port)}"]
-    pod = master_pod_manifest(job.name, namespace, kube.get("masterImage") or kube["image"],
-                              command, {}, port=port, owner=owner,
-                              service_account=kube.get("serviceAccount") or "dlrover-master")
+    job_yaml = yaml.safe_dump(
+        {
+            "name": job.name,
+            "entrypoint": job.entrypoint,
+            "args": list(job.args),
+            "nodes": job.nnodes,
+            "nproc_per_node": job.nproc_per_node,
+            "resources": {
+                "cpu": job.resources.cpu,
+                "memory": f"{job.resources.memory_mib}Mi",
+                "gpu": job.resources.gpu,
+                "shm": f"{job.resources.shm_mib}Mi",
+            },
+            "max_restarts": job.max_restarts,
+            "max_relaunches": job.max_relaunches,
+            "checkpoint_dir": job.checkpoint_dir,
+            "engine": "kubernetes",
+            "engine_settings": dict(job.engine_settings),
+        },
+        sort_keys=True,
+    )
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": {
+            "name": secret_name,
+            "namespace": namespace,
+            "labels": labels,
+            "ownerReferences": [owner.manifest()],
+        },
+        "data": {"token": base64.b64encode(token.encode()).decode()},
+    }
+    config = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": config_name,
+            "namespace": namespace,
+            "labels": labels,
+            "ownerReferences": [owner.manifest()],
+        },
+        "data": {SPEC_FILE: job_yaml},
+    }
+    command = [
+        "dlrover-master",
+        f"--job-spec={SPEC_MOUNT_DIR}/{SPEC_FILE}",
+        f"--port={port}",
+        f"--advertise-address={master_address(job.name, namespace, port)}",
+    ]
+    pod = master_pod_manifest(
+        job.name,
+        namespace,
+        kube.get("masterImage") or kube["image"],
+        command,
+        {},
+        port=port,
+        owner=owner,
+        service_account=kube.get("serviceAccount") or "dlrover-master",
+    )
     container = pod["spec"]["containers"][0]
     # The token never sits in the pod spec: it comes from the Secret.
-    container["env"].append({"name": ENV_JOB_TOKEN, "valueFrom": {
-        "secretKeyRef": {"name": secret_name, "key": "token"}}})
-    container["volumeMounts"] = [{"name": "job-spec", "mountPath": SPEC_MOUNT_DIR,
-                                  "readOnly": True}]
+    container["env"].append(
+        {
+            "name": ENV_JOB_TOKEN,
+            "valueFrom": {"secretKeyRef": {"name": secret_name, "key": "token"}},
+        }
+    )
+    container["volumeMounts"] = [
+        {"name": "job-spec", "mountPath": SPEC_MOUNT_DIR, "readOnly": True}
+    ]
     pod["spec"]["volumes"] = [{"name": "job-spec", "configMap": {"name": config_name}}]
     service = master_service_manifest(job.name, namespace, port, owner)
     return [secret, config, service, pod]

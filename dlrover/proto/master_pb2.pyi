@@ -290,3 +290,9 @@ class ShardingResponse(_message.Message):
     RESULT_JSON_FIELD_NUMBER: _ClassVar[int]
     result_json: bytes
     def __init__(self, result_json: _Optional[bytes] = ...) -> None: ...
+
+class StopJobRequest(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...

@@ -84,6 +84,11 @@ class MasterStub:
                 request_serializer=dlrover_dot_proto_dot_master__pb2.GetJobStatusRequest.SerializeToString,
                 response_deserializer=dlrover_dot_proto_dot_master__pb2.JobStatus.FromString,
                 _registered_method=True)
+        self.StopJob = channel.unary_unary(
+                '/dlrover.Master/StopJob',
+                request_serializer=dlrover_dot_proto_dot_master__pb2.StopJobRequest.SerializeToString,
+                response_deserializer=dlrover_dot_proto_dot_master__pb2.JobStatus.FromString,
+                _registered_method=True)
         self.Sharding = channel.unary_unary(
                 '/dlrover.Master/Sharding',
                 request_serializer=dlrover_dot_proto_dot_master__pb2.ShardingRequest.SerializeToString,
@@ -163,6 +168,13 @@ class MasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StopJob(self, request, context):
+        """End the job from outside (dlrover stop): agents stop their workers, nodes are removed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Sharding(self, request, context):
         """Dynamic data sharding: one call per ShardingTransport method (see dlrover/sharding/transport.py).
         """
@@ -221,6 +233,11 @@ def add_MasterServicer_to_server(servicer, server):
             'GetJobStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetJobStatus,
                     request_deserializer=dlrover_dot_proto_dot_master__pb2.GetJobStatusRequest.FromString,
+                    response_serializer=dlrover_dot_proto_dot_master__pb2.JobStatus.SerializeToString,
+            ),
+            'StopJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.StopJob,
+                    request_deserializer=dlrover_dot_proto_dot_master__pb2.StopJobRequest.FromString,
                     response_serializer=dlrover_dot_proto_dot_master__pb2.JobStatus.SerializeToString,
             ),
             'Sharding': grpc.unary_unary_rpc_method_handler(
@@ -498,6 +515,33 @@ class Master:
             target,
             '/dlrover.Master/GetJobStatus',
             dlrover_dot_proto_dot_master__pb2.GetJobStatusRequest.SerializeToString,
+            dlrover_dot_proto_dot_master__pb2.JobStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StopJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dlrover.Master/StopJob',
+            dlrover_dot_proto_dot_master__pb2.StopJobRequest.SerializeToString,
             dlrover_dot_proto_dot_master__pb2.JobStatus.FromString,
             options,
             channel_credentials,

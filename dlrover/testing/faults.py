@@ -10,7 +10,9 @@ Kinds: ``kill`` (SIGKILL itself), ``raise`` (RuntimeError), ``hang`` (block, for
 (``os._exit(code)``, as a native library calling exit would), ``kill_agent`` (SIGKILL the pid
 in DLROVER_AGENT_PID). Keys: ``rank`` (global RANK; default every rank), ``step`` (required,
 except for slow: default 0), ``restart`` (TORCHELASTIC_RESTART_COUNT the fault fires on;
-default 0 so a restarted worker recovers; ``*`` for every restart).
+default 0 so a restarted worker recovers; ``*`` for every restart), ``once`` (a file path: the
+fault fires only if the file does not exist yet, and creates it; a replacement node's workers,
+whose restart count starts at 0 again, then do not repeat it).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ ENV_FAULTS = "DLROVER_FAULTS"
 ENV_AGENT_PID = "DLROVER_AGENT_PID"
 """Pid of the worker's agent, for the kill_agent fault (the agent exports it)."""
 
-_COMMON_KEYS = frozenset({"rank", "step", "restart"})
+_COMMON_KEYS = frozenset({"rank", "step", "restart", "once"})
 _EXTRA_KEYS = {
     "exit": frozenset({"code"}),
     "slow": frozenset({"factor"}),
@@ -67,6 +69,18 @@ class Fault:
     factor: float = 1.0
     seconds: float | None = None
     """For hang: block this long then go on; None blocks until killed."""
+    once: str = ""
+    """A marker file: fire only if it does not exist yet (and create it)."""
+
+    def claim(self) -> bool:
+        """True if the fault may fire now; with `once`, only the first claim anywhere succeeds."""
+        if not self.once:
+            return True
+        try:
+            os.close(os.open(self.once, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        except FileExistsError:
+            return False
+        return True
 
     def applies(self, rank: int, restart_count: int) -> bool:
         return (self.rank is None or self.rank == rank) and (
@@ -131,6 +145,7 @@ def parse_fault(item: str) -> Fault:
         code=_int(item, "code", values.get("code", "1"), 0),
         factor=_float(item, "factor", values.get("factor", "1"), 1.0),
         seconds=_float(item, "seconds", values["seconds"], 0.0) if "seconds" in values else None,
+        once=values.get("once", ""),
     )
 
 
@@ -183,7 +198,7 @@ class FaultInjector:
             if fault.kind is FaultKind.SLOW:
                 if step >= fault.step and step_time is not None and fault.factor > 1:
                     injected_sleep += (fault.factor - 1) * step_time
-            elif step == fault.step:
+            elif step == fault.step and fault.claim():
                 self._fire(fault, step)
         if injected_sleep:
             self._sleep(injected_sleep)

@@ -19,8 +19,12 @@ from dlrover.engines.relaunch import OomPolicy, memory_after_oom, replacement_sp
 
 
 def _spec(rank: int, memory_mib: int = 1024) -> NodeSpec:
-    return NodeSpec(job_name="job-a", rank=rank, command=("dlrover-run", "train.py"),
-                    resources=Resources(cpu=1, memory_mib=memory_mib, shm_mib=memory_mib // 2))
+    return NodeSpec(
+        job_name="job-a",
+        rank=rank,
+        command=("dlrover-run", "train.py"),
+        resources=Resources(cpu=1, memory_mib=memory_mib, shm_mib=memory_mib // 2),
+    )
 
 
 def test_node_id_is_a_function_of_the_slot_and_attempt() -> None:
@@ -30,12 +34,15 @@ def test_node_id_is_a_function_of_the_slot_and_attempt() -> None:
     assert spec.replacement().rank == 3
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"job_name": "Bad_Name"}, "job name 'Bad_Name'"),
-    ({"role": "driver"}, "role 'driver'"),
-    ({"rank": -1}, "rank \\(-1\\)"),
-    ({"command": ()}, "command must be"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"job_name": "Bad_Name"}, "job name 'Bad_Name'"),
+        ({"role": "driver"}, "role 'driver'"),
+        ({"rank": -1}, "rank \\(-1\\)"),
+        ({"command": ()}, "command must be"),
+    ],
+)
 def test_invalid_node_spec_names_the_field(kwargs: dict[str, object], message: str) -> None:
     base: dict[str, object] = {"job_name": "ok", "rank": 0, "command": ("x",)}
     with pytest.raises(InvalidNodeSpecError, match=message):
@@ -76,7 +83,9 @@ def test_fake_engine_records_and_emits() -> None:
     engine.fail(node.node_id, FailureReason.OOM_KILLED, message="OOMKilled")
     events = engine.events(0)
     assert [(e.state, e.reason) for e in events] == [
-        (NodeState.RUNNING, None), (NodeState.FAILED, FailureReason.OOM_KILLED)]
+        (NodeState.RUNNING, None),
+        (NodeState.FAILED, FailureReason.OOM_KILLED),
+    ]
     engine.delete(node.node_id)  # already final: recorded, no event
     assert engine.deleted == [node.node_id] and engine.events(0) == []
 
@@ -89,7 +98,10 @@ def test_oom_replacement_grows_memory_up_to_the_cap() -> None:
     first = replacement_spec(event, policy)
     assert first is not None
     assert (first.relaunch_count, first.resources.memory_mib, first.resources.shm_mib) == (
-        1, 2000, 1000)
+        1,
+        2000,
+        1000,
+    )
     second = memory_after_oom(first.resources, policy)
     assert second is not None and second.memory_mib == 3000  # capped, not 4000
     assert memory_after_oom(second, policy) is None  # at the cap: do not relaunch the same size

@@ -15,8 +15,10 @@ from dlrover.engines.kube_manifests import OwnerReference, PodSettings
 from dlrover.engines.kube_pod_state import pod_outcome
 from dlrover.engines.relaunch import OomPolicy, replacement_spec
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("kubernetes") is None,
-                                reason="kubernetes is not installed (pip install 'dlrover[k8s]')")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("kubernetes") is None,
+    reason="kubernetes is not installed (pip install 'dlrover[k8s]')",
+)
 
 NS = "train"
 OWNER = OwnerReference("dlrover.io/v1alpha1", "ElasticJob", "kjob", "uid-1234")
@@ -39,10 +41,12 @@ def engine(api: Any) -> Iterator[Any]:
 
     config = client.Configuration()
     config.host = api.host
-    settings = PodSettings(image="dlrover:test", namespace=NS, owner=OWNER,
-                           service_account="dlrover-worker")
-    kube = KubernetesEngine(client.ApiClient(config), "kjob", settings, watch_timeout_s=30,
-                            reconnect_delay_s=0.05)
+    settings = PodSettings(
+        image="dlrover:test", namespace=NS, owner=OWNER, service_account="dlrover-worker"
+    )
+    kube = KubernetesEngine(
+        client.ApiClient(config), "kjob", settings, watch_timeout_s=30, reconnect_delay_s=0.05
+    )
     _until(lambda: api.open_watches() == 1, "the engine's first watch")
     yield kube
     kube.close()
@@ -56,41 +60,69 @@ def _until(condition: Any, what: str, timeout: float = 10.0) -> None:
 
 
 def _spec(rank: int = 0, memory_mib: int = 1024, attempt: int = 0) -> NodeSpec:
-    return NodeSpec(job_name="kjob", rank=rank, relaunch_count=attempt,
-                    command=("dlrover-run", "--nnodes=2:4", "train.py"),
-                    env={"DLROVER_MASTER_ADDR": "kjob-master.train.svc:50001",
-                         "DLROVER_JOB_TOKEN": "tok"},
-                    resources=Resources(cpu=1.5, memory_mib=memory_mib, gpu=1))
+    return NodeSpec(
+        job_name="kjob",
+        rank=rank,
+        relaunch_count=attempt,
+        command=("dlrover-run", "--nnodes=2:4", "train.py"),
+        env={"DLROVER_MASTER_ADDR": "kjob-master.train.svc:50001", "DLROVER_JOB_TOKEN": "tok"},
+        resources=Resources(cpu=1.5, memory_mib=memory_mib, gpu=1),
+    )
 
 
 RUNNING = {"phase": "Running"}
-OOM = {"phase": "Failed", "containerStatuses": [{
-    "name": "worker", "image": "dlrover:test", "imageID": "sha256:0", "ready": False,
-    "restartCount": 0, "state": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}}]}
+OOM = {
+    "phase": "Failed",
+    "containerStatuses": [
+        {
+            "name": "worker",
+            "image": "dlrover:test",
+            "imageID": "sha256:0",
+            "ready": False,
+            "restartCount": 0,
+            "state": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}},
+        }
+    ],
+}
 
 
 def test_pod_spec_content(engine: Any, api: Any) -> None:
     engine.launch(_spec(rank=1))
     pod = api.pod(NS, "kjob-worker-1-0")
     assert pod["metadata"]["labels"] == {
-        "app.kubernetes.io/name": "dlrover", "dlrover.io/job": "kjob",
-        "dlrover.io/role": "worker", "dlrover.io/rank": "1", "dlrover.io/relaunch-count": "0"}
-    assert pod["metadata"]["ownerReferences"] == [{
-        "apiVersion": "dlrover.io/v1alpha1", "kind": "ElasticJob", "name": "kjob",
-        "uid": "uid-1234", "controller": True, "blockOwnerDeletion": True}]
+        "app.kubernetes.io/name": "dlrover",
+        "dlrover.io/job": "kjob",
+        "dlrover.io/role": "worker",
+        "dlrover.io/rank": "1",
+        "dlrover.io/relaunch-count": "0",
+    }
+    assert pod["metadata"]["ownerReferences"] == [
+        {
+            "apiVersion": "dlrover.io/v1alpha1",
+            "kind": "ElasticJob",
+            "name": "kjob",
+            "uid": "uid-1234",
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+    ]
     spec = pod["spec"]
     assert spec["restartPolicy"] == "Never" and spec["serviceAccountName"] == "dlrover-worker"
     container = spec["containers"][0]
     assert container["command"] == ["dlrover-run", "--nnodes=2:4", "train.py"]
     assert container["image"] == "dlrover:test"
     assert {e["name"]: e["value"] for e in container["env"]} == {
-        "DLROVER_MASTER_ADDR": "kjob-master.train.svc:50001", "DLROVER_JOB_TOKEN": "tok"}
+        "DLROVER_MASTER_ADDR": "kjob-master.train.svc:50001",
+        "DLROVER_JOB_TOKEN": "tok",
+    }
     assert container["resources"] == {
         "requests": {"cpu": "1500m", "memory": "1024Mi", "nvidia.com/gpu": "1"},
-        "limits": {"memory": "1024Mi", "nvidia.com/gpu": "1"}}
+        "limits": {"memory": "1024Mi", "nvidia.com/gpu": "1"},
+    }
     assert container["volumeMounts"] == [{"name": "dshm", "mountPath": "/dev/shm"}]
-    assert spec["volumes"] == [{"name": "dshm",
-                                "emptyDir": {"medium": "Memory", "sizeLimit": "512Mi"}}]
+    assert spec["volumes"] == [
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "512Mi"}}
+    ]
 
 
 def test_oom_killed_pod_is_relaunched_with_more_memory(engine: Any, api: Any) -> None:
@@ -101,7 +133,10 @@ def test_oom_killed_pod_is_relaunched_with_more_memory(engine: Any, api: Any) ->
     api.set_pod_status(NS, "kjob-worker-0-0", OOM)
     oom = wait_for(engine, lambda e: e.state.is_final, 10)
     assert (oom.state, oom.reason, oom.exit_code) == (
-        NodeState.FAILED, FailureReason.OOM_KILLED, 137)
+        NodeState.FAILED,
+        FailureReason.OOM_KILLED,
+        137,
+    )
     replacement = replacement_spec(oom, OomPolicy(factor=1.5, max_memory_mib=1200))
     assert replacement is not None
     engine.launch(replacement)
@@ -205,21 +240,48 @@ def test_thirty_pods_are_launched_in_parallel(engine: Any, api: Any) -> None:
     assert elapsed < 10
 
 
-@pytest.mark.parametrize("status, expected", [
-    ({"phase": "Failed", "reason": "Evicted", "message": "low memory"},
-     (NodeState.FAILED, FailureReason.PREEMPTED, None, None)),
-    ({"phase": "Failed", "containerStatuses": [{"state": {"terminated": {
-        "exitCode": 137, "reason": "Error"}}}]},
-     (NodeState.FAILED, FailureReason.SIGNAL, 137, 9)),
-    ({"phase": "Failed", "containerStatuses": [{"state": {"terminated": {"exitCode": 2}}}]},
-     (NodeState.FAILED, FailureReason.EXIT_CODE, 2, None)),
-    ({"phase": "Pending", "containerStatuses": [{"state": {"waiting": {
-        "reason": "ImagePullBackOff"}}}]},
-     (NodeState.FAILED, FailureReason.LAUNCH_FAILED, None, None)),
-    ({"phase": "Failed", "conditions": [{"type": "DisruptionTarget", "status": "True",
-                                         "reason": "PreemptionByScheduler"}]},
-     (NodeState.FAILED, FailureReason.PREEMPTED, None, None)),
-])
+@pytest.mark.parametrize(
+    "status, expected",
+    [
+        (
+            {"phase": "Failed", "reason": "Evicted", "message": "low memory"},
+            (NodeState.FAILED, FailureReason.PREEMPTED, None, None),
+        ),
+        (
+            {
+                "phase": "Failed",
+                "containerStatuses": [
+                    {"state": {"terminated": {"exitCode": 137, "reason": "Error"}}}
+                ],
+            },
+            (NodeState.FAILED, FailureReason.SIGNAL, 137, 9),
+        ),
+        (
+            {"phase": "Failed", "containerStatuses": [{"state": {"terminated": {"exitCode": 2}}}]},
+            (NodeState.FAILED, FailureReason.EXIT_CODE, 2, None),
+        ),
+        (
+            {
+                "phase": "Pending",
+                "containerStatuses": [{"state": {"waiting": {"reason": "ImagePullBackOff"}}}],
+            },
+            (NodeState.FAILED, FailureReason.LAUNCH_FAILED, None, None),
+        ),
+        (
+            {
+                "phase": "Failed",
+                "conditions": [
+                    {
+                        "type": "DisruptionTarget",
+                        "status": "True",
+                        "reason": "PreemptionByScheduler",
+                    }
+                ],
+            },
+            (NodeState.FAILED, FailureReason.PREEMPTED, None, None),
+        ),
+    ],
+)
 def test_pod_status_mapping(status: dict[str, Any], expected: tuple[Any, ...]) -> None:
     outcome = pod_outcome({"status": status, "spec": {}})
     assert outcome is not None

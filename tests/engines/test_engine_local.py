@@ -41,8 +41,13 @@ os.replace(tmp, os.path.join(workdir, f"part-{rank}"))
 
 
 def _spec(rank: int, command: list[str], attempt: int = 0) -> NodeSpec:
-    return NodeSpec(job_name="localjob", rank=rank, relaunch_count=attempt, command=tuple(command),
-                    env={"ATTEMPT": str(attempt)})
+    return NodeSpec(
+        job_name="localjob",
+        rank=rank,
+        relaunch_count=attempt,
+        command=tuple(command),
+        env={"ATTEMPT": str(attempt)},
+    )
 
 
 def _wait_for_file(path: Path, timeout: float = 15.0) -> None:
@@ -60,8 +65,11 @@ def test_exit_code_signal_and_success_are_reported(tmp_path: Path) -> None:
     with LocalEngine(tmp_path / "logs", stop_grace_s=1.0) as engine:
         engine.launch(_spec(0, [sys.executable, "-c", "pass"]))
         engine.launch(_spec(1, [sys.executable, "-c", "import sys; sys.exit(3)"]))
-        engine.launch(_spec(2, [sys.executable, "-c",
-                                "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]))
+        engine.launch(
+            _spec(
+                2, [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]
+            )
+        )
         seen: list[NodeEvent] = []
         finals: dict[int, NodeEvent] = {}
         while len(finals) < 3:
@@ -96,7 +104,10 @@ def test_killed_node_is_replaced_and_job_result_is_correct(tmp_path: Path) -> No
         lost = wait_for_event(engine, _final, 15.0, seen)
         assert lost.node_id == "localjob-worker-1-0"
         assert (lost.state, lost.reason, lost.signal) == (
-            NodeState.FAILED, FailureReason.SIGNAL, signal.SIGKILL)
+            NodeState.FAILED,
+            FailureReason.SIGNAL,
+            signal.SIGKILL,
+        )
 
         replacement = engine.launch(_spec(1, command(1), attempt=lost.spec.relaunch_count + 1))
         assert replacement.node_id == "localjob-worker-1-1"
@@ -145,8 +156,7 @@ def _gone(pid: int, timeout: float = 10.0) -> bool:
 
 
 def test_close_leaves_no_orphans_even_when_sigterm_is_ignored(tmp_path: Path) -> None:
-    ignore_term = ("import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-                   + CHILD_SCRIPT)
+    ignore_term = "import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" + CHILD_SCRIPT
     engine = LocalEngine(tmp_path / "logs", stop_grace_s=0.5)
     engine.launch(_spec(0, [sys.executable, "-c", ignore_term, str(tmp_path / "c0"), "stay"]))
     engine.launch(_spec(1, [sys.executable, "-c", CHILD_SCRIPT, str(tmp_path / "c1"), "stay"]))
@@ -176,8 +186,7 @@ def test_delete_is_idempotent_and_reports_deleted(tmp_path: Path) -> None:
         assert again.node_id == node.node_id and len(engine.list_nodes()) == 1
         engine.delete(node.node_id)
         event = wait_for_event(engine, _final, 5.0)
-        assert (event.node_id, event.state, event.reason) == (node.node_id, NodeState.DELETED,
-                                                              None)
+        assert (event.node_id, event.state, event.reason) == (node.node_id, NodeState.DELETED, None)
         engine.delete(node.node_id)
         with pytest.raises(NodeNotFoundError):
             engine.delete("localjob-worker-9-0")
@@ -186,5 +195,6 @@ def test_delete_is_idempotent_and_reports_deleted(tmp_path: Path) -> None:
 
 def test_command_not_found_is_a_launch_error(tmp_path: Path) -> None:
     from dlrover.engines.base import LaunchError
+
     with LocalEngine(tmp_path / "logs") as engine, pytest.raises(LaunchError, match="no-such"):
         engine.launch(_spec(0, ["/no-such-dir/no-such-binary"]))

@@ -15,8 +15,10 @@ import pytest
 
 from dlrover.engines.base import FailureReason, NodeEvent, NodeSpec, NodeState, wait_for_event
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
-                                reason="ray is not installed (pip install 'dlrover[ray]')")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("ray") is None,
+    reason="ray is not installed (pip install 'dlrover[ray]')",
+)
 
 # Same tiny job as the local-engine test: each node sums the squares of its share of 0..n-1
 # once the go file exists, and writes its partial sum atomically.
@@ -57,8 +59,9 @@ def ray_cluster(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     monkeypatch.setenv("RAY_health_check_timeout_ms", "500")
     monkeypatch.setenv("RAY_health_check_failure_threshold", "3")
     monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "include_dashboard": False})
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False}
+    )
     try:
         cluster.add_node(num_cpus=2)
         cluster.add_node(num_cpus=2)
@@ -73,7 +76,8 @@ def ray_cluster(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_lost_ray_node_is_relaunched_elsewhere_and_job_result_is_correct(
-        ray_cluster: Any, tmp_path: Path) -> None:
+    ray_cluster: Any, tmp_path: Path
+) -> None:
     from dlrover.engines.ray_engine import RayEngine
 
     nnodes, n = 2, 10_000
@@ -81,10 +85,21 @@ def test_lost_ray_node_is_relaunched_elsewhere_and_job_result_is_correct(
     workdir.mkdir()
 
     def spec(rank: int, attempt: int = 0) -> NodeSpec:
-        return NodeSpec(job_name="rayjob", rank=rank, relaunch_count=attempt,
-                        command=(sys.executable, "-c", NODE_SCRIPT, str(rank), str(nnodes),
-                                 str(n), str(workdir)),
-                        env={"PYTHONUNBUFFERED": "1"})
+        return NodeSpec(
+            job_name="rayjob",
+            rank=rank,
+            relaunch_count=attempt,
+            command=(
+                sys.executable,
+                "-c",
+                NODE_SCRIPT,
+                str(rank),
+                str(nnodes),
+                str(n),
+                str(workdir),
+            ),
+            env={"PYTHONUNBUFFERED": "1"},
+        )
 
     engine = RayEngine(address=ray_cluster.address, stop_grace_s=1.0, launch_timeout_s=60)
     try:
@@ -108,8 +123,12 @@ def test_lost_ray_node_is_relaunched_elsewhere_and_job_result_is_correct(
         assert (lost.state, lost.reason) == (NodeState.FAILED, FailureReason.NODE_LOST)
 
         engine.launch(spec(1, attempt=1))
-        moved = wait_for_event(engine, lambda e: e.node_id == "rayjob-worker-1-1"
-                               and e.state is not NodeState.PENDING, 60, seen)
+        moved = wait_for_event(
+            engine,
+            lambda e: e.node_id == "rayjob-worker-1-1" and e.state is not NodeState.PENDING,
+            60,
+            seen,
+        )
         assert moved.state is NodeState.RUNNING, str(moved)
         assert moved.host == hosts["rayjob-worker-0-0"]  # the only Ray node left
 

@@ -38,15 +38,36 @@ def test_yaml_spec_loads_and_matches_flags(tmp_path: Path) -> None:
     assert (spec.min_nodes, spec.max_nodes, spec.nproc_per_node) == (2, 4, 2)
     assert spec.resources == Resources(cpu=4, memory_mib=8192, gpu=1, shm_mib=2048)
     assert spec.engine_settings == {"namespace": "train", "image": "dlrover:latest"}
-    flags = job_spec_from_flags("train.py", ["--epochs", "3"], nnodes="2:4", nproc_per_node=2,
-                                engine="kubernetes", name="mnist", cpu=4, memory="8Gi", gpu=1,
-                                max_restarts=3, checkpoint_dir="/ckpt/mnist",
-                                engine_settings={"namespace": "train", "image": "dlrover:latest"})
+    flags = job_spec_from_flags(
+        "train.py",
+        ["--epochs", "3"],
+        nnodes="2:4",
+        nproc_per_node=2,
+        engine="kubernetes",
+        name="mnist",
+        cpu=4,
+        memory="8Gi",
+        gpu=1,
+        max_restarts=3,
+        checkpoint_dir="/ckpt/mnist",
+        engine_settings={"namespace": "train", "image": "dlrover:latest"},
+    )
     assert flags.resources == Resources(cpu=4, memory_mib=8192, gpu=1)
     assert flags == dataclasses.replace(spec, resources=flags.resources)
-    assert flags.agent_command() == spec.agent_command() == (
-        "dlrover-run", "--nnodes=2:4", "--nproc-per-node=2", "--max-restarts=3", "train.py",
-        "--epochs", "3")
+    assert (
+        flags.agent_command()
+        == spec.agent_command()
+        == (
+            "dlrover-run",
+            "--nnodes=2:4",
+            "--rdzv-id=mnist",
+            "--nproc-per-node=2",
+            "--max-restarts=3",
+            "train.py",
+            "--epochs",
+            "3",
+        )
+    )
 
 
 def test_node_spec_carries_master_address_and_token() -> None:
@@ -59,19 +80,22 @@ def test_node_spec_carries_master_address_and_token() -> None:
     assert node.command[-1] == "train.py"
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"engine": "slurm"}, "unknown engine 'slurm'; choose one of local, ray, kubernetes"),
-    ({"nodes": "4:2"}, "MIN \\(4\\) is greater than MAX \\(2\\)"),
-    ({"resources": {"cpu": -1}}, "resources.cpu is -1; it must be >= 0"),
-    ({"resources": {"memory": "-2Gi"}}, "resources.memory is -2Gi; it must be >= 0"),
-    ({"resources": {"gpu": -1}}, "resources.gpu is -1; it must be >= 0"),
-    ({"entrypoint": None}, "entrypoint is missing"),
-    ({"entrypoint": ""}, "entrypoint is missing"),
-    ({"nodes": "two"}, "must be N or MIN:MAX"),
-    ({"nproc_per_node": 0}, "nproc_per_node is 0"),
-    ({"resources": {"memory": "lots"}}, "'lots' is not a size"),
-    ({"epochs": 3}, "unknown keys \\['epochs'\\]"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"engine": "slurm"}, "unknown engine 'slurm'; choose one of local, ray, kubernetes"),
+        ({"nodes": "4:2"}, "MIN \\(4\\) is greater than MAX \\(2\\)"),
+        ({"resources": {"cpu": -1}}, "resources.cpu is -1; it must be >= 0"),
+        ({"resources": {"memory": "-2Gi"}}, "resources.memory is -2Gi; it must be >= 0"),
+        ({"resources": {"gpu": -1}}, "resources.gpu is -1; it must be >= 0"),
+        ({"entrypoint": None}, "entrypoint is missing"),
+        ({"entrypoint": ""}, "entrypoint is missing"),
+        ({"nodes": "two"}, "must be N or MIN:MAX"),
+        ({"nproc_per_node": 0}, "nproc_per_node is 0"),
+        ({"resources": {"memory": "lots"}}, "'lots' is not a size"),
+        ({"epochs": 3}, "unknown keys \\['epochs'\\]"),
+    ],
+)
 def test_bad_spec_gets_one_clear_error(change: dict[str, object], message: str) -> None:
     raw: dict[str, object] = {"entrypoint": "train.py", "nodes": "1:2"}
     raw.update(change)

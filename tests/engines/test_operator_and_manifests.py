@@ -32,8 +32,16 @@ def test_every_manifest_parses_with_kind_and_name() -> None:
         for doc in _docs(path.name):
             assert doc["apiVersion"] and doc["metadata"]["name"], path.name
             kinds.setdefault(doc["kind"], []).append(doc["metadata"]["name"])
-    assert {"CustomResourceDefinition", "ClusterRole", "Role", "Deployment", "Job",
-            "ElasticJob", "Service", "ConfigMap"} <= set(kinds)
+    assert {
+        "CustomResourceDefinition",
+        "ClusterRole",
+        "Role",
+        "Deployment",
+        "Job",
+        "ElasticJob",
+        "Service",
+        "ConfigMap",
+    } <= set(kinds)
 
 
 def test_example_fits_the_crd_schema() -> None:
@@ -41,8 +49,10 @@ def test_example_fits_the_crd_schema() -> None:
     version = crd["spec"]["versions"][0]
     schema = version["schema"]["openAPIV3Schema"]["properties"]["spec"]
     job = _example()
-    assert (job["apiVersion"], job["kind"]) == (f"{crd['spec']['group']}/{version['name']}",
-                                                crd["spec"]["names"]["kind"])
+    assert (job["apiVersion"], job["kind"]) == (
+        f"{crd['spec']['group']}/{version['name']}",
+        crd["spec"]["names"]["kind"],
+    )
     assert set(schema["required"]) <= set(job["spec"])
     assert set(job["spec"]) <= set(schema["properties"])
 
@@ -50,8 +60,7 @@ def test_example_fits_the_crd_schema() -> None:
 def test_master_job_config_is_a_valid_job_spec() -> None:
     config = next(d for d in _docs("master-job.yaml") if d["kind"] == "ConfigMap")
     spec = job_spec_from_dict(yaml.safe_load(config["data"]["job.yaml"]))
-    assert (spec.name, spec.engine, spec.min_nodes, spec.max_nodes) == ("mnist", "kubernetes",
-                                                                       2, 4)
+    assert (spec.name, spec.engine, spec.min_nodes, spec.max_nodes) == ("mnist", "kubernetes", 2, 4)
 
 
 def test_operator_builds_an_owned_master_with_the_token_in_a_secret() -> None:
@@ -63,14 +72,15 @@ def test_operator_builds_an_owned_master_with_the_token_in_a_secret() -> None:
     assert base64.b64decode(secret["data"]["token"]) == b"t0k"
     container = pod["spec"]["containers"][0]
     assert "t0k" not in str(pod)
-    assert {"name": "DLROVER_JOB_TOKEN", "valueFrom": {
-        "secretKeyRef": {"name": "mnist-token", "key": "token"}}} in container["env"]
+    assert {
+        "name": "DLROVER_JOB_TOKEN",
+        "valueFrom": {"secretKeyRef": {"name": "mnist-token", "key": "token"}},
+    } in container["env"]
     assert container["command"][0] == "dlrover-master"
     assert pod["spec"]["serviceAccountName"] == "dlrover-master"
     assert service["spec"]["selector"] == pod["metadata"]["labels"]
     # The spec the master reads back is the spec the ElasticJob describes.
-    assert job_spec_from_dict(yaml.safe_load(config["data"]["job.yaml"])) == job_spec_of(
-        _example())
+    assert job_spec_from_dict(yaml.safe_load(config["data"]["job.yaml"])) == job_spec_of(_example())
 
 
 def test_invalid_elasticjob_is_one_clear_error() -> None:

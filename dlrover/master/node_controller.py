@@ -1,0 +1,130 @@
+"""The master's node controller: launches the job's nodes through an engine, replaces lost ones."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from dlrover.constants import ENV_NODE_NAME
+from dlrover.decisions import FailureAction
+from dlrover.engines.base import Engine, EngineError, FailureReason, NodeEvent, NodeSpec, NodeState
+from dlrover.engines.relaunch import OomPolicy, replacement_spec
+from dlrover.jobspec import JobSpec
+from dlrover.master.job import JobMaster
+from dlrover.master.node_policy import NodeLossObservation, NodeLossReason, decide_node_loss
+from dlrover.master.nodes import ALIVE_STATES
+
+logger = logging.getLogger(__name__)
+
+
+class NodeController:
+    """Applies the node-loss policy to engine events; the policy never knows the engine.
+
+    Invariant: every slot (rank) of the job has at most one live node; a replacement gets the
+    same rank and the next relaunch count, and all replacements of one batch of events are
+    launched in parallel.
+    """
+
+    def __init__(
+        self,
+        job: JobMaster,
+        engine: Engine,
+        spec: JobSpec,
+        master_addr: str,
+        token: str,
+        oom_policy: OomPolicy | None = None,
+        relaunch_delay_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.job = job
+        self.engine = engine
+        self.spec = spec
+        self._master_addr = master_addr
+        self._token = token
+        self._oom = oom_policy or OomPolicy()
+        self._relaunch_delay_s = relaunch_delay_s
+        """Wait this long before replacing a node (back-off against crash loops)."""
+        self._clock = clock
+        self._due: list[tuple[float, NodeSpec]] = []
+        self.relaunches: dict[str, int] = {}
+        """Replacements launched, per reason (for metrics and status)."""
+
+    def node_spec(self, rank: int, relaunch_count: int = 0) -> NodeSpec:
+        spec = self.spec.node_spec(rank, self._master_addr, self._token, relaunch_count)
+        return self._named(spec)
+
+    @staticmethod
+    def _named(spec: NodeSpec) -> NodeSpec:
+        # The agent registers under the engine's node id, so engine events map to the node table.
+        return dataclasses.replace(spec, env={**spec.env, ENV_NODE_NAME: spec.node_id})
+
+    def start(self) -> None:
+        """Launch every node of the job (max nodes) at once."""
+        specs = [self.node_spec(rank) for rank in range(self.spec.max_nodes)]
+        logger.info("launching %d nodes of job %s", len(specs), self.spec.name)
+        self.engine.launch_many(specs)
+
+    def step(self, timeout_s: float) -> None:
+        """Handle the engine events that arrive within `timeout_s`."""
+        for event in self.engine.events(timeout_s):
+            spec = self._on_event(event)
+            if spec is not None:
+                self._due.append((self._clock() + self._relaunch_delay_s, self._named(spec)))
+        now = self._clock()
+        replacements = [spec for due, spec in self._due if due <= now]
+        self._due = [(due, spec) for due, spec in self._due if due > now]
+        if replacements and not self.job.ended.is_set():
+            try:
+                self.engine.launch_many(replacements)
+            except EngineError as e:
+                logger.error("relaunch failed: %s", e)
+                self.job.stop(f"could not relaunch nodes: {e}")
+
+    def _on_event(self, event: NodeEvent) -> NodeSpec | None:
+        logger.info("engine: %s", event)
+        if event.state != NodeState.FAILED or self.job.ended.is_set():
+            return None
+        reason = (
+            NodeLossReason.OOM_KILLED
+            if event.reason is FailureReason.OOM_KILLED
+            else NodeLossReason.PROCESS_EXITED
+        )
+        self.job.node_lost(event.node_id, f"{reason.value}: {event.message or event.reason}")
+        alive = sum(
+            1
+            for n in self.job.nodes.all()
+            if n.state in ALIVE_STATES and n.node_id != event.node_id
+        )
+        decision = decide_node_loss(
+            NodeLossObservation(
+                node_id=event.node_id,
+                reason=reason,
+                relaunch_count=event.spec.relaunch_count,
+                max_relaunches=self.spec.max_relaunches,
+                alive_nodes=alive,
+                min_nodes=self.spec.min_nodes,
+            )
+        )
+        logger.info("node %s: %s (%s)", event.node_id, decision.action.value, decision.reason)
+        if decision.action is FailureAction.FAIL:
+            self.job.stop(decision.reason)
+            return None
+        if decision.action is not FailureAction.RELAUNCH_NODE:
+            return None
+        spec = replacement_spec(event, self._oom)
+        if spec is None:
+            self.job.stop(f"node {event.node_id} was OOM-killed at the memory cap; not relaunched")
+            return None
+        self.relaunches[reason.value] = self.relaunches.get(reason.value, 0) + 1
+        return spec
+
+    def run(self, stop: threading.Event, poll_s: float = 0.5) -> None:
+        """Drive the controller until the job ends or `stop` is set; then remove every node."""
+        try:
+            while not self.job.ended.is_set() and not stop.is_set():
+                self.step(poll_s)
+        finally:
+            self.engine.close(delete_nodes=True)

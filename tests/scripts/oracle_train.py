@@ -1,0 +1,92 @@
+"""Deterministic DDP training that checkpoints every k steps and resumes: the consistency oracle.
+
+Rank r's batch at step s depends only on (s, r), so any run at the same world size that resumes
+from its checkpoints ends with the same parameters bit for bit as a run without failures.
+Gradients are averaged with one all_reduce per parameter instead of DDP: DDP re-buckets its
+gradients after the first iteration of every process, so a resumed run would sum some elements
+in another order than an uninterrupted one and differ in the last bits.
+Faults come from DLROVER_FAULTS (dlrover.testing.faults). Rank 0 appends every completed step
+to <out>.steps and writes the final parameters' SHA-256 to <out>.final.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dlrover.testing.faults import FaultInjector
+from dlrover.trainer import StepReporter
+
+
+def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step * 1000 + rank)
+    x = torch.randn(16, 8, generator=g)
+    return x, x.sum(dim=1, keepdim=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--every", type=int, default=1, help="checkpoint every k steps")
+    p.add_argument("--ckpt", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--step-time", type=float, default=0.0, help="simulated compute per step (s)")
+    a = p.parse_args()
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    start = 1
+    path = os.path.join(a.ckpt, "ckpt.pt")
+    if os.path.exists(path):
+        state = torch.load(path, weights_only=True)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        start = int(state["step"]) + 1
+    for t in model.state_dict().values():
+        dist.broadcast(t, 0)
+    faults = FaultInjector.from_env()
+    progress = StepReporter()
+    for step in range(start, a.steps + 1):
+        faults.maybe_inject(step)
+        if a.step_time:
+            time.sleep(a.step_time)  # simulated compute, so membership changes land mid-run
+        x, y = batch(step, rank)
+        loss = nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        for param in model.parameters():
+            assert param.grad is not None
+            dist.all_reduce(param.grad)
+            param.grad /= world
+        opt.step()
+        progress.report(step)
+        if rank == 0:
+            with open(a.out + ".steps", "a") as f:
+                f.write(f"{step} {world} {loss.item():.6f}\n")
+            if step % a.every == 0 or step == a.steps:
+                tmp = path + ".tmp"
+                torch.save(
+                    {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}, tmp
+                )
+                os.replace(tmp, path)
+        dist.barrier()  # nobody runs ahead of the checkpoint it may have to resume from
+    if rank == 0:
+        digest = hashlib.sha256()
+        for t in model.state_dict().values():
+            digest.update(t.detach().numpy().tobytes())
+        with open(a.out + ".final", "w") as f:
+            f.write(digest.hexdigest())
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
