@@ -7,8 +7,10 @@ parameters phase i-1 ended with (params<i>.json) and trains on data<i>.json.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -29,9 +31,17 @@ def wait_for(path: Path, timeout_s: float) -> None:
 
 def train_phase(
     directory: Path, phase: int, rank: int, world: int, micro: int, global_batch: int
-) -> None:
+) -> list[object]:
     wait_for(directory / f"params{phase}.json", 60.0)
-    store = dist.FileStore(str(directory / f"store{phase}"), world)
+    # A fresh TCPStore per phase; rank 0 hosts it on a free port and publishes the port.
+    port_file = directory / f"store{phase}.port"
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+        port_file.with_suffix(".tmp").write_text(str(store.port))
+        os.replace(port_file.with_suffix(".tmp"), port_file)
+    else:
+        wait_for(port_file, 60.0)
+        store = dist.TCPStore("127.0.0.1", int(port_file.read_text()), world, is_master=False)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     params = json.loads((directory / f"params{phase}.json").read_text())
     model = torch.nn.Linear(3, 1)
@@ -63,19 +73,28 @@ def train_phase(
         temporary.write_text(json.dumps({"weight": result["weight"], "bias": result["bias"]}))
         os.replace(temporary, directory / f"params{phase + 1}.json")
     dist.destroy_process_group()
+    # Returned so their destructors do not run while the next phase forms: tearing down a
+    # gloo DDP + TCPStore mid-run hung now and then on this machine (inside torch's C++).
+    return [store, ddp, trainer]
 
 
 def main() -> None:
+    # A hang shows where it hangs (the test waits 90 s for the process).
+    faulthandler.dump_traceback_later(80, exit=True, file=sys.stderr)
     parser = argparse.ArgumentParser()
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--dir", required=True)
     parser.add_argument("--phases", required=True, help="comma-separated WORLDxMICRO")
     parser.add_argument("--global-batch", type=int, required=True)
     args = parser.parse_args()
+    kept: list[object] = []
     for phase, text in enumerate(args.phases.split(",")):
         world, micro = (int(part) for part in text.split("x"))
         if args.rank < world:
-            train_phase(Path(args.dir), phase, args.rank, world, micro, args.global_batch)
+            kept += train_phase(Path(args.dir), phase, args.rank, world, micro, args.global_batch)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # results are on disk; skip the same teardown at interpreter exit
 
 
 if __name__ == "__main__":
