@@ -22,6 +22,44 @@ from dlrover.sharding.transport import ShardingTransport
 TransportFactory = Callable[[ShardManager], ShardingTransport]
 
 
+class GrpcMaster:
+    """A real dlrover-master process (default SQLite state) that each factory call connects to."""
+
+    def __init__(self, *extra: str) -> None:
+        import os
+        import subprocess
+        import sys
+        import tempfile
+        import time
+
+        self._dir = tempfile.mkdtemp(prefix="dlrover_bench_")
+        env_file = os.path.join(self._dir, "master.env")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dlrover.cli.master", "--port", "0", "--write-env", env_file, *extra],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 30
+        while not os.path.exists(env_file):
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise RuntimeError("dlrover-master did not start")
+            time.sleep(0.02)
+        with open(env_file) as f:
+            lines = dict(x.split("=", 1) for x in f.read().split())
+        self.addr, self.token = lines["DLROVER_MASTER_ADDR"], lines["DLROVER_JOB_TOKEN"]
+        self._n = 0
+
+    def factory(self, manager: ShardManager) -> ShardingTransport:
+        from dlrover.client.sharding import connect
+
+        # The master owns its manager; each call gets a fresh dataset name space via a new master
+        # would cost a process, so datasets are told apart by the benchmark's own names.
+        return connect(self.addr, self.token)
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
 def load_factory(spec: str | None) -> TransportFactory:
     if not spec:
         return InProcessTransport
@@ -160,6 +198,9 @@ def master_capacity(args: argparse.Namespace, factory: TransportFactory) -> dict
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--transport", default=None, help="module:factory(manager) -> transport")
+    parser.add_argument("--grpc", action="store_true",
+                        help="Clients talk to a real dlrover-master process over gRPC")
+    parser.add_argument("--master-args", default="", help="extra dlrover-master flags, e.g. '--state-db memory'")
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--batch-ms", type=float, default=4.0, help="fast worker, per batch")
     parser.add_argument("--slow-factor", type=float, default=3.0)
@@ -170,7 +211,8 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--requests", type=int, default=200, help="fetches per client")
     args = parser.parse_args()
-    factory = load_factory(args.transport)
+    master = GrpcMaster(*args.master_args.split()) if args.grpc else None
+    factory = master.factory if master is not None else load_factory(args.transport)
 
     fast = args.batch_ms / 1e3
     speeds = [fast] * (args.workers - 1) + [fast * args.slow_factor]
@@ -205,6 +247,8 @@ def main() -> None:
         f"| {capacity['fetch_per_s']:9.0f} | {capacity['rpc_per_s']:9.0f} | "
         f"{capacity['p50_ms']:7.3f} | {capacity['p99_ms']:7.3f} | {capacity['solo_p50_ms']:11.4f} |"
     )
+    if master is not None:
+        master.close()
 
 
 if __name__ == "__main__":
