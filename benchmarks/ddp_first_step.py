@@ -32,7 +32,7 @@ phases = {
     "first_step": stepped,
 }
 print(json.dumps({"rank": int(os.environ["RANK"]), "phases": phases}), flush=True)
-# Free the DDP model (it holds the process group) before destroying the group: gloo objects
-# left for interpreter shutdown can abort the process (torch issue, any launcher).
-del model, optimizer, loss
 dist.destroy_process_group()
+# Skip interpreter shutdown: with torch 2.13 + gloo it aborts now and then ("terminate called
+# without an active exception"; 4 of 25 plain `python` runs here), whatever the launcher.
+os._exit(0)
