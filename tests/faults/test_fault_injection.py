@@ -61,7 +61,7 @@ def test_parse_every_kind() -> None:
         ("kill:rank=1", "kill needs step=N"),
         ("kill:step=x", "step='x' is not an integer"),
         ("kill:step=-1", "step must be >= 0"),
-        ("kill:step=1:code=3", "bad field 'code=3'; kill takes rank, restart, step"),
+        ("kill:step=1:code=3", "bad field 'code=3'; kill takes once, rank, restart, step"),
         ("slow:rank=1", "slow needs factor=X"),
         ("slow:factor=0.5", "factor must be >= 1.0"),
         ("kill:step", "bad field 'step'"),
@@ -158,3 +158,12 @@ def test_slow_rank_takes_factor_times_longer() -> None:
     durations = json.loads(stdout.splitlines()[-1])
     # Step 0 is measured, later steps sleep 2x the measured work on top of it.
     assert min(durations[2:]) >= 3 * STEP_S
+
+
+def test_once_fires_a_fault_only_the_first_time_anywhere(tmp_path) -> None:
+    from dlrover.testing.faults import parse_faults
+
+    marker = tmp_path / "fired"
+    [fault] = parse_faults(f"raise:step=2:once={marker}")
+    assert fault.claim() and marker.exists()
+    assert not fault.claim()  # a replacement worker with the same restart count does not repeat it
