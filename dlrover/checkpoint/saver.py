@@ -298,18 +298,23 @@ class CheckpointSaver:
                 return False
             self._persisting.update(spec.slots)
         started = time.monotonic()
+        catalog = Catalog(self._storage_factory(spec.checkpoint_dir), spec.keep_last)
         try:
-            self._write_parts(step, spec)
+            try:
+                finalize = self._write_parts(catalog, step, spec)
+            finally:
+                # The segments are free for the next copy as soon as their bytes are out;
+                # the commit below may wait for other nodes.
+                with self._cond:
+                    self._persisting.difference_update(spec.slots)
+                    self._cond.notify_all()
+            self._commit(catalog, step, spec, finalize)
         except Exception as exc:  # any failure must leave training running and storage intact
             log.error("persisting step %d to %s failed: %s", step, spec.checkpoint_dir, exc)
             with self._cond:
                 self._errors[spec.checkpoint_dir] = f"step {step}: {exc}"
                 self._cond.notify_all()
             return False
-        finally:
-            with self._cond:
-                self._persisting.difference_update(spec.slots)
-                self._cond.notify_all()
         log.info("persisted step %d to %s in %.2f s", step, spec.checkpoint_dir,
                  time.monotonic() - started)
         return True
@@ -322,8 +327,9 @@ class CheckpointSaver:
             return None
         return all(h == step for h in held)
 
-    def _write_parts(self, step: int, spec: PersistSpec) -> None:
-        catalog = Catalog(self._storage_factory(spec.checkpoint_dir), spec.keep_last)
+    def _write_parts(self, catalog: Catalog, step: int, spec: PersistSpec
+                     ) -> Finalizer | None:
+        """Stream every slot of ``spec`` to storage and record this node's part."""
         with self._cond:
             segs = {slot: self._segments[slot] for slot in spec.slots}
         finalize: Finalizer | None = None
@@ -343,6 +349,11 @@ class CheckpointSaver:
                 files.update(catalog.persist_plain_part(step, f"rank_{spec.slots[slot]}",
                                                         seg, meta, seq))
         catalog.record_node_part(step, spec.node_rank, files, extra)
+        return finalize
+
+    def _commit(self, catalog: Catalog, step: int, spec: PersistSpec,
+                finalize: Finalizer | None) -> None:
+        """Report this node's part; the last node to report writes manifest and 'latest'."""
         if self.coordinator.report_persisted(step, spec.node_rank, spec.persist_nodes):
             catalog.commit(step, spec.fmt, finalize)
             self.coordinator.mark_committed(step)
@@ -351,4 +362,3 @@ class CheckpointSaver:
         with self._cond:
             self._committed[spec.checkpoint_dir] = step
             self._cond.notify_all()
-

@@ -51,3 +51,17 @@ def test_sharded_save_load_memory_storage_dcp_and_other_world_sizes(tmp_path: Pa
         for world in (1, 3):
             run_workers(["fsdp_load", ckpt, "5", oracle, "storage"],
                         _envs(fresh.socket_path, world, restart=2), timeout=120)
+
+
+@pytest.mark.slow
+def test_full_state_checkpointer_round_trip(tmp_path: Path) -> None:
+    ckpt, oracle = str(tmp_path / "ckpt"), str(tmp_path / "oracle.pt")
+    with running_saver(tmp_path) as saver:
+        run_workers(["fsdp_save", ckpt, "3", oracle, "full"], _envs(saver.socket_path, 2),
+                    timeout=120)
+        assert (tmp_path / "ckpt" / "step_3" / "rank_0.bin").exists()
+        run_workers(["fsdp_load", ckpt, "3", oracle, "memory", "full"],
+                    _envs(saver.socket_path, 2, restart=1), timeout=120)
+    with running_saver(tmp_path) as fresh:
+        run_workers(["fsdp_load", ckpt, "3", oracle, "storage", "full"],
+                    _envs(fresh.socket_path, 2, restart=2), timeout=120)

@@ -12,6 +12,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
     set_state_dict,
 )
 
@@ -116,6 +118,7 @@ class FsdpFullCheckpointer(Checkpointer):
     def load_checkpoint(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                         resume_path: str = "") -> dict[str, Any]:
         engine = self.engine
+        self.last_load_source = None
         catalog, bound = resolve_catalog(engine, resume_path)
         latest = storage_step(catalog)
         from_memory = not resume_path and engine.memory_step(latest) is not None
@@ -124,18 +127,22 @@ class FsdpFullCheckpointer(Checkpointer):
             if from_memory:
                 try:
                     state = dict(engine.load_from_memory()[1])
+                    self.last_load_source = "memory"
                 except SegmentStateError as exc:
                     log.warning("cannot load from memory (%s); loading from storage", exc)
             if not state and (found := catalog.newest_valid(bound)) is not None:
                 state = dict(catalog.load_plain_part(found[0], "rank_0"))
+                self.last_load_source = "storage"
         have = torch.tensor([1 if state else 0])
         if dist.is_initialized():
             dist.broadcast(have, src=0)
         if not int(have.item()):
             return {}
+        # Separate calls: set_state_dict skips the model when rank k>0 passes an empty dict,
+        # and rank 0 would then wait in the broadcast forever.
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        set_state_dict(model, optimizer, model_state_dict=state.get("model", {}),
-                       optim_state_dict=state.get("optimizer", {}), options=options)
+        set_model_state_dict(model, state.get("model", {}), options=options)
+        set_optimizer_state_dict(model, optimizer, state.get("optimizer", {}), options=options)
         return dict(state.get("extra", {}))
 
 
