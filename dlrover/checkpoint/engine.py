@@ -111,7 +111,8 @@ class CheckpointEngine:
         return {"dir": self.checkpoint_dir, "slots": self._saving_slots(),
                 "format": "dcp" if self.sharded else "plain", "node_rank": self.place.node_rank,
                 "persist_nodes": self.place.num_nodes if self.sharded else 1,
-                "keep_last": self.keep_last}
+                "keep_last": self.keep_last,
+                "persists": self.sharded or self.place.rank == 0}
 
     # ------------------------------------------------------------------ saving
     def save(self, step: int, state: Any, persist: bool,

@@ -34,6 +34,7 @@ class PersistSpec:
     node_rank: int
     persist_nodes: int  # how many nodes write parts of a step; the commit waits for all
     keep_last: int
+    persists: bool = True  # False on nodes that only keep a memory copy (DDP, node rank > 0)
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> PersistSpec:
@@ -41,7 +42,8 @@ class PersistSpec:
         if fmt not in ("plain", "dcp"):
             raise CheckpointError(f"unknown checkpoint format {fmt!r}")
         return cls(str(doc["dir"]), {int(k): int(v) for k, v in doc["slots"].items()}, fmt,
-                   int(doc["node_rank"]), int(doc["persist_nodes"]), int(doc["keep_last"]))
+                   int(doc["node_rank"]), int(doc["persist_nodes"]), int(doc["keep_last"]),
+                   bool(doc.get("persists", True)))
 
 
 class CheckpointSaver:
@@ -63,7 +65,8 @@ class CheckpointSaver:
         self._storage_factory = storage_factory
         self._cond = threading.Condition()
         self._segments: dict[int, SharedSegment] = {}
-        self._persisting: set[int] = set()
+        self._persisting: set[int] = set()  # slots being streamed to storage right now
+        self._pending: dict[int, int] = {}  # slot -> step whose persist was asked, not done
         self._spec: PersistSpec | None = None
         self._committed: dict[str, int] = {}
         self._errors: dict[str, str] = {}
@@ -137,13 +140,18 @@ class CheckpointSaver:
             spec = self._spec
         if spec is None:
             return None
-        with self._persist_lock:
+        if not self._persist_lock.acquire(timeout=timeout):
+            log.warning("persist on failure skipped: another persist took over %.0f s", timeout)
+            return None
+        try:
             step = self._common_step(spec)
             last = self._last_committed(spec)
             if step is None or (last is not None and step <= last):
                 return None
             log.info("persisting in-memory step %d after a worker failure", step)
-            return step if self._persist(step, spec, timeout) else None
+            return step if self._persist(step, spec) else None
+        finally:
+            self._persist_lock.release()
 
     # ------------------------------------------------------------------ socket protocol
     def _handle_line(self, line: bytes) -> dict[str, Any]:
@@ -184,6 +192,8 @@ class CheckpointSaver:
     def _allocate(self, slot: int, nbytes: int) -> SharedSegment:
         with self._cond:
             self._cond.wait_for(lambda: slot not in self._persisting, DEFAULT_COPY_WAIT_S)
+            if slot in self._persisting:
+                raise CheckpointError(f"slot {slot} is still being persisted; retry later")
             seg = self._segments.get(slot)
             if seg is None:
                 name = f"{self.shm_prefix}-slot{slot}"
@@ -198,10 +208,13 @@ class CheckpointSaver:
             return seg
 
     def _begin_copy(self, slot: int, wait: bool, timeout: float) -> dict[str, Any]:
+        def free() -> bool:
+            return slot not in self._persisting and slot not in self._pending
+
         with self._cond:
-            if slot in self._persisting and not wait:
+            if not free() and not wait:
                 return {"ok": False, "busy": True}
-            if not self._cond.wait_for(lambda: slot not in self._persisting, timeout):
+            if not self._cond.wait_for(free, timeout):
                 return {"ok": False, "busy": True}
             self._votes.clear()  # memory is about to change: a new restart round must re-vote
             return {"ok": True}
@@ -210,9 +223,13 @@ class CheckpointSaver:
                 persist: bool) -> None:
         spec = PersistSpec.from_json(spec_doc) if spec_doc else None
         with self._cond:
-            if spec is not None:
+            if spec is not None and spec.persists:
                 self._spec = spec
                 self._errors.pop(spec.checkpoint_dir, None)
+            if persist and spec is not None:
+                # Until this step is out, the next copy into the slot must wait: it would
+                # overwrite the bytes the persist is about to read.
+                self._pending[slot] = step
             self._cond.notify_all()
         # Every saving slot sends "copied"; one job per step is enough (the first one).
         if persist and spec is not None and slot == min(spec.slots):
@@ -279,22 +296,38 @@ class CheckpointSaver:
     def _persist_loop(self) -> None:
         while (job := self._jobs.get()) is not None:
             step, spec = job
-            with self._persist_lock:
-                last = self._last_committed(spec)
-                if last is not None and step <= last:
+            try:
+                if not self._wait_ready(step, spec, DEFAULT_PERSIST_WAIT_S):
                     continue
-                self._persist(step, spec, DEFAULT_PERSIST_WAIT_S)
+                with self._persist_lock:
+                    last = self._last_committed(spec)
+                    if last is None or step > last:
+                        self._persist(step, spec)
+            finally:
+                self._release(spec, step)
 
-    def _persist(self, step: int, spec: PersistSpec, timeout: float) -> bool:
-        """Write ``step`` of every slot in ``spec``, report it, commit if last. Never raises."""
-        deadline = time.monotonic() + timeout
+    def _wait_ready(self, step: int, spec: PersistSpec, timeout: float) -> bool:
+        """Wait until every saving slot of the node holds ``step`` (they copy in parallel)."""
         with self._cond:
-            # Other local saving ranks may still be copying this step.
-            ready = self._cond.wait_for(lambda: self._slots_hold(spec, step) is not False,
-                                        max(0.0, deadline - time.monotonic()))
-            if not ready or not self._slots_hold(spec, step):
-                log.warning("not persisting step %d: its copy is not complete in every slot",
-                            step)
+            self._cond.wait_for(lambda: self._slots_hold(spec, step) is not False, timeout)
+            if self._slots_hold(spec, step):
+                return True
+        log.warning("not persisting step %d: its copy is not complete in every slot", step)
+        return False
+
+    def _release(self, spec: PersistSpec, step: int) -> None:
+        with self._cond:
+            self._persisting.difference_update(spec.slots)
+            for slot in spec.slots:
+                if self._pending.get(slot) == step:
+                    del self._pending[slot]
+            self._cond.notify_all()
+
+    def _persist(self, step: int, spec: PersistSpec) -> bool:
+        """Write ``step`` of every slot in ``spec``, report it, commit if last. Never raises."""
+        with self._cond:
+            if not self._slots_hold(spec, step):
+                log.warning("not persisting step %d: a slot no longer holds it", step)
                 return False
             self._persisting.update(spec.slots)
         started = time.monotonic()
@@ -305,9 +338,7 @@ class CheckpointSaver:
             finally:
                 # The segments are free for the next copy as soon as their bytes are out;
                 # the commit below may wait for other nodes.
-                with self._cond:
-                    self._persisting.difference_update(spec.slots)
-                    self._cond.notify_all()
+                self._release(spec, step)
             self._commit(catalog, step, spec, finalize)
         except Exception as exc:  # any failure must leave training running and storage intact
             log.error("persisting step %d to %s failed: %s", step, spec.checkpoint_dir, exc)
