@@ -67,6 +67,7 @@ class CheckpointSaver:
         self._segments: dict[int, SharedSegment] = {}
         self._persisting: set[int] = set()  # slots being streamed to storage right now
         self._pending: dict[int, int] = {}  # slot -> step whose persist was asked, not done
+        self._failures = 0  # bumped when workers die: persists waiting for them give up
         self._spec: PersistSpec | None = None
         self._committed: dict[str, int] = {}
         self._errors: dict[str, str] = {}
@@ -138,6 +139,10 @@ class CheckpointSaver:
         """
         with self._cond:
             spec = self._spec
+            # Persists still waiting for a rank to finish copying will never see it finish.
+            self._failures += 1
+            self._pending.clear()
+            self._cond.notify_all()
         if spec is None:
             return None
         if not self._persist_lock.acquire(timeout=timeout):
@@ -309,8 +314,10 @@ class CheckpointSaver:
     def _wait_ready(self, step: int, spec: PersistSpec, timeout: float) -> bool:
         """Wait until every saving slot of the node holds ``step`` (they copy in parallel)."""
         with self._cond:
-            self._cond.wait_for(lambda: self._slots_hold(spec, step) is not False, timeout)
-            if self._slots_hold(spec, step):
+            failures = self._failures
+            self._cond.wait_for(lambda: self._slots_hold(spec, step) is not False
+                                or self._failures != failures, timeout)
+            if self._slots_hold(spec, step) and self._failures == failures:
                 return True
         log.warning("not persisting step %d: its copy is not complete in every slot", step)
         return False
