@@ -14,7 +14,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from dlrover.checkpoint.catalog import Catalog, Finalizer
-from dlrover.checkpoint.config import DEFAULT_COPY_WAIT_S, DEFAULT_PERSIST_WAIT_S, DEFAULT_SHM_DIR
+from dlrover.checkpoint.config import (
+    DEFAULT_COPY_WAIT_S,
+    DEFAULT_PERSIST_NICE,
+    DEFAULT_PERSIST_WAIT_S,
+    DEFAULT_SHM_DIR,
+)
 from dlrover.checkpoint.coordinator import CommitCoordinator, LocalCommitCoordinator
 from dlrover.checkpoint.errors import CheckpointError, ShmSpaceError
 from dlrover.checkpoint.layout import complete_step, read_metadata
@@ -299,6 +304,11 @@ class CheckpointSaver:
 
     # ------------------------------------------------------------------ persisting
     def _persist_loop(self) -> None:
+        try:
+            # Linux applies niceness per thread: only the persist yields to the trainers.
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), DEFAULT_PERSIST_NICE)
+        except (OSError, AttributeError) as exc:
+            log.debug("cannot lower the persist thread's priority: %s", exc)
         while (job := self._jobs.get()) is not None:
             step, spec = job
             try:
