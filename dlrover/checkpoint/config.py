@@ -10,6 +10,7 @@ __all__ = [
     "DEFAULT_REQUEST_TIMEOUT_S",
     "DEFAULT_COPY_WAIT_S",
     "PERSIST_CHUNK_BYTES",
+    "DEFAULT_PERSIST_NICE",
     "LATEST_FILE",
     "MANIFEST_FILE",
 ]
@@ -30,3 +31,5 @@ LATEST_FILE = "latest"
 """Marker file holding the newest committed step, written last by temp + rename."""
 MANIFEST_FILE = "manifest.json"
 """Per-step list of files, sizes and CRC32 checksums; its presence means 'committed'."""
+DEFAULT_PERSIST_NICE = 10
+"""Niceness of the agent's persist thread: training processes get the CPU first."""

@@ -14,7 +14,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from dlrover.checkpoint.catalog import Catalog, Finalizer
-from dlrover.checkpoint.config import DEFAULT_COPY_WAIT_S, DEFAULT_PERSIST_WAIT_S, DEFAULT_SHM_DIR
+from dlrover.checkpoint.config import (
+    DEFAULT_COPY_WAIT_S,
+    DEFAULT_PERSIST_NICE,
+    DEFAULT_PERSIST_WAIT_S,
+    DEFAULT_SHM_DIR,
+)
 from dlrover.checkpoint.coordinator import CommitCoordinator, LocalCommitCoordinator
 from dlrover.checkpoint.errors import CheckpointError, ShmSpaceError
 from dlrover.checkpoint.layout import complete_step, read_metadata
@@ -34,20 +39,16 @@ class PersistSpec:
     node_rank: int
     persist_nodes: int  # how many nodes write parts of a step; the commit waits for all
     keep_last: int
+    persists: bool = True  # False on nodes that only keep a memory copy (DDP, node rank > 0)
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> PersistSpec:
         fmt = str(doc["format"])
         if fmt not in ("plain", "dcp"):
             raise CheckpointError(f"unknown checkpoint format {fmt!r}")
-        return cls(
-            str(doc["dir"]),
-            {int(k): int(v) for k, v in doc["slots"].items()},
-            fmt,
-            int(doc["node_rank"]),
-            int(doc["persist_nodes"]),
-            int(doc["keep_last"]),
-        )
+        return cls(str(doc["dir"]), {int(k): int(v) for k, v in doc["slots"].items()}, fmt,
+                   int(doc["node_rank"]), int(doc["persist_nodes"]), int(doc["keep_last"]),
+                   bool(doc.get("persists", True)))
 
 
 class CheckpointSaver:
@@ -58,14 +59,10 @@ class CheckpointSaver:
     busy), a segment only grows, and at most one persist runs at a time.
     """
 
-    def __init__(
-        self,
-        socket_path: str,
-        shm_prefix: str | None = None,
-        coordinator: CommitCoordinator | None = None,
-        shm_dir: str = DEFAULT_SHM_DIR,
-        storage_factory: Callable[[str], Storage] = storage_for,
-    ) -> None:
+    def __init__(self, socket_path: str, shm_prefix: str | None = None,
+                 coordinator: CommitCoordinator | None = None,
+                 shm_dir: str = DEFAULT_SHM_DIR,
+                 storage_factory: Callable[[str], Storage] = storage_for) -> None:
         self.socket_path = socket_path
         self.shm_prefix = shm_prefix or f"dlrover-ckpt-{os.getpid()}"
         self.shm_dir = shm_dir
@@ -73,7 +70,9 @@ class CheckpointSaver:
         self._storage_factory = storage_factory
         self._cond = threading.Condition()
         self._segments: dict[int, SharedSegment] = {}
-        self._persisting: set[int] = set()
+        self._persisting: set[int] = set()  # slots being streamed to storage right now
+        self._pending: dict[int, int] = {}  # slot -> step whose persist was asked, not done
+        self._failures = 0  # bumped when workers die: persists waiting for them give up
         self._spec: PersistSpec | None = None
         self._committed: dict[str, int] = {}
         self._errors: dict[str, str] = {}
@@ -145,15 +144,24 @@ class CheckpointSaver:
         """
         with self._cond:
             spec = self._spec
+            # Persists still waiting for a rank to finish copying will never see it finish.
+            self._failures += 1
+            self._pending.clear()
+            self._cond.notify_all()
         if spec is None:
             return None
-        with self._persist_lock:
+        if not self._persist_lock.acquire(timeout=timeout):
+            log.warning("persist on failure skipped: another persist took over %.0f s", timeout)
+            return None
+        try:
             step = self._common_step(spec)
             last = self._last_committed(spec)
             if step is None or (last is not None and step <= last):
                 return None
             log.info("persisting in-memory step %d after a worker failure", step)
-            return step if self._persist(step, spec, timeout) else None
+            return step if self._persist(step, spec) else None
+        finally:
+            self._persist_lock.release()
 
     # ------------------------------------------------------------------ socket protocol
     def _handle_line(self, line: bytes) -> dict[str, Any]:
@@ -161,14 +169,8 @@ class CheckpointSaver:
             msg = json.loads(line)
             return self._dispatch(str(msg.get("op")), msg)
         except ShmSpaceError as exc:
-            return {
-                "ok": False,
-                "kind": "ShmSpaceError",
-                "error": str(exc),
-                "path": exc.path,
-                "needed": exc.needed,
-                "free": exc.free,
-            }
+            return {"ok": False, "kind": "ShmSpaceError", "error": str(exc), "path": exc.path,
+                    "needed": exc.needed, "free": exc.free}
         except (CheckpointError, KeyError, ValueError, TypeError, OSError) as exc:
             log.warning("checkpoint saver rejected a request: %r", exc)
             return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
@@ -182,38 +184,33 @@ class CheckpointSaver:
                 found = self._segments.get(int(msg["slot"]))
             return {"ok": True, "path": found.path if found else None}
         if op == "begin_copy":  # {slot, wait, timeout} -> {ok} | {ok: False, busy: True}
-            return self._begin_copy(
-                int(msg["slot"]),
-                bool(msg.get("wait", True)),
-                float(msg.get("timeout", DEFAULT_COPY_WAIT_S)),
-            )
+            return self._begin_copy(int(msg["slot"]), bool(msg.get("wait", True)),
+                                    float(msg.get("timeout", DEFAULT_COPY_WAIT_S)))
         if op == "copied":  # {slot, step, spec | None, persist}
-            self._copied(
-                int(msg["slot"]), int(msg["step"]), msg.get("spec"), bool(msg.get("persist", False))
-            )
+            self._copied(int(msg["slot"]), int(msg["step"]), msg.get("spec"),
+                         bool(msg.get("persist", False)))
             return {"ok": True}
         if op == "held":
             return {"ok": True, "steps": {str(k): v for k, v in self.held_steps().items()}}
         if op == "load_step":  # {slots, node_rank, total_nodes, round, timeout} -> {step}
             return {"ok": True, "step": self._agree_load_step(msg)}
         if op == "wait_persisted":  # {dir, step, timeout_s} -> {ok, committed, failure}
-            return self._wait_persisted(str(msg["dir"]), int(msg["step"]), float(msg["timeout_s"]))
+            return self._wait_persisted(str(msg["dir"]), int(msg["step"]),
+                                        float(msg["timeout_s"]))
         raise CheckpointError(f"unknown saver request {op!r}")
 
     def _allocate(self, slot: int, nbytes: int) -> SharedSegment:
         with self._cond:
             self._cond.wait_for(lambda: slot not in self._persisting, DEFAULT_COPY_WAIT_S)
+            if slot in self._persisting:
+                raise CheckpointError(f"slot {slot} is still being persisted; retry later")
             seg = self._segments.get(slot)
             if seg is None:
                 name = f"{self.shm_prefix}-slot{slot}"
                 seg = SharedSegment.create(name, nbytes, self.shm_dir)
                 self._segments[slot] = seg
-                log.info(
-                    "allocated %d bytes of shared memory for slot %d at %s",
-                    seg.size,
-                    slot,
-                    seg.path,
-                )
+                log.info("allocated %d bytes of shared memory for slot %d at %s",
+                         seg.size, slot, seg.path)
             elif seg.size < nbytes:
                 old = seg.size
                 seg.grow(nbytes)
@@ -221,20 +218,28 @@ class CheckpointSaver:
             return seg
 
     def _begin_copy(self, slot: int, wait: bool, timeout: float) -> dict[str, Any]:
+        def free() -> bool:
+            return slot not in self._persisting and slot not in self._pending
+
         with self._cond:
-            if slot in self._persisting and not wait:
+            if not free() and not wait:
                 return {"ok": False, "busy": True}
-            if not self._cond.wait_for(lambda: slot not in self._persisting, timeout):
+            if not self._cond.wait_for(free, timeout):
                 return {"ok": False, "busy": True}
             self._votes.clear()  # memory is about to change: a new restart round must re-vote
             return {"ok": True}
 
-    def _copied(self, slot: int, step: int, spec_doc: dict[str, Any] | None, persist: bool) -> None:
+    def _copied(self, slot: int, step: int, spec_doc: dict[str, Any] | None,
+                persist: bool) -> None:
         spec = PersistSpec.from_json(spec_doc) if spec_doc else None
         with self._cond:
-            if spec is not None:
+            if spec is not None and spec.persists:
                 self._spec = spec
                 self._errors.pop(spec.checkpoint_dir, None)
+            if persist and spec is not None:
+                # Until this step is out, the next copy into the slot must wait: it would
+                # overwrite the bytes the persist is about to read.
+                self._pending[slot] = step
             self._cond.notify_all()
         # Every saving slot sends "copied"; one job per step is enough (the first one).
         if persist and spec is not None and slot == min(spec.slots):
@@ -242,10 +247,8 @@ class CheckpointSaver:
 
     def _common_step(self, spec: PersistSpec) -> int | None:
         with self._cond:
-            steps = {
-                complete_step(self._segments[s]) if s in self._segments else None
-                for s in spec.slots
-            }
+            steps = {complete_step(self._segments[s]) if s in self._segments else None
+                     for s in spec.slots}
         return steps.pop() if len(steps) == 1 else None
 
     def _last_committed(self, spec: PersistSpec) -> int | None:
@@ -263,20 +266,18 @@ class CheckpointSaver:
             if round_id in self._votes:
                 return self._votes[round_id]
             expect = {int(k): v for k, v in msg.get("ranks", {}).items()}
-            steps = {self._loadable_step(s, expect.get(s), msg.get("world_size")) for s in slots}
+            steps = {self._loadable_step(s, expect.get(s), msg.get("world_size"))
+                     for s in slots}
         local = steps.pop() if len(steps) == 1 else None
-        agreed = self.coordinator.agree_load_step(
-            int(msg["node_rank"]),
-            int(msg["total_nodes"]),
-            local,
-            round_id,
-            float(msg.get("timeout", 60.0)),
-        )
+        agreed = self.coordinator.agree_load_step(int(msg["node_rank"]),
+                                                  int(msg["total_nodes"]), local, round_id,
+                                                  float(msg.get("timeout", 60.0)))
         with self._cond:
             self._votes[round_id] = agreed
         return agreed
 
-    def _loadable_step(self, slot: int, rank: int | None, world_size: int | None) -> int | None:
+    def _loadable_step(self, slot: int, rank: int | None, world_size: int | None
+                       ) -> int | None:
         """The complete step of ``slot`` if it was saved by ``rank`` at ``world_size``."""
         seg = self._segments.get(slot)
         if seg is None:
@@ -291,77 +292,92 @@ class CheckpointSaver:
             return None
         return int(meta["step"])
 
-    def _wait_persisted(self, checkpoint_dir: str, step: int, timeout: float) -> dict[str, Any]:
+    def _wait_persisted(self, checkpoint_dir: str, step: int, timeout: float
+                        ) -> dict[str, Any]:
         with self._cond:
             done = self._cond.wait_for(
-                lambda: (
-                    self._committed.get(checkpoint_dir, -1) >= step
-                    or checkpoint_dir in self._errors
-                ),
-                timeout,
-            )
+                lambda: self._committed.get(checkpoint_dir, -1) >= step
+                or checkpoint_dir in self._errors, timeout)
             error = self._errors.get(checkpoint_dir)
-            return {
-                "ok": done and error is None,
-                "committed": self._committed.get(checkpoint_dir),
-                "failure": error,
-            }
+            return {"ok": done and error is None, "committed": self._committed.get(checkpoint_dir),
+                    "failure": error}
 
     # ------------------------------------------------------------------ persisting
     def _persist_loop(self) -> None:
+        try:
+            # Linux applies niceness per thread: only the persist yields to the trainers.
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), DEFAULT_PERSIST_NICE)
+        except (OSError, AttributeError) as exc:
+            log.debug("cannot lower the persist thread's priority: %s", exc)
         while (job := self._jobs.get()) is not None:
             step, spec = job
-            with self._persist_lock:
-                last = self._last_committed(spec)
-                if last is not None and step <= last:
+            try:
+                if not self._wait_ready(step, spec, DEFAULT_PERSIST_WAIT_S):
                     continue
-                self._persist(step, spec, DEFAULT_PERSIST_WAIT_S)
+                with self._persist_lock:
+                    last = self._last_committed(spec)
+                    if last is None or step > last:
+                        self._persist(step, spec)
+            finally:
+                self._release(spec, step)
 
-    def _persist(self, step: int, spec: PersistSpec, timeout: float) -> bool:
-        """Write ``step`` of every slot in ``spec``, report it, commit if last. Never raises."""
-        deadline = time.monotonic() + timeout
+    def _wait_ready(self, step: int, spec: PersistSpec, timeout: float) -> bool:
+        """Wait until every saving slot of the node holds ``step`` (they copy in parallel)."""
         with self._cond:
-            # Other local saving ranks may still be copying this step.
-            ready = self._cond.wait_for(
-                lambda: self._slots_hold(spec, step) is not False,
-                max(0.0, deadline - time.monotonic()),
-            )
-            if not ready or not self._slots_hold(spec, step):
-                log.warning("not persisting step %d: its copy is not complete in every slot", step)
+            failures = self._failures
+            self._cond.wait_for(lambda: self._slots_hold(spec, step) is not False
+                                or self._failures != failures, timeout)
+            if self._slots_hold(spec, step) and self._failures == failures:
+                return True
+        log.warning("not persisting step %d: its copy is not complete in every slot", step)
+        return False
+
+    def _release(self, spec: PersistSpec, step: int) -> None:
+        with self._cond:
+            self._persisting.difference_update(spec.slots)
+            for slot in spec.slots:
+                if self._pending.get(slot) == step:
+                    del self._pending[slot]
+            self._cond.notify_all()
+
+    def _persist(self, step: int, spec: PersistSpec) -> bool:
+        """Write ``step`` of every slot in ``spec``, report it, commit if last. Never raises."""
+        with self._cond:
+            if not self._slots_hold(spec, step):
+                log.warning("not persisting step %d: a slot no longer holds it", step)
                 return False
             self._persisting.update(spec.slots)
         started = time.monotonic()
+        catalog = Catalog(self._storage_factory(spec.checkpoint_dir), spec.keep_last)
         try:
-            self._write_parts(step, spec)
+            try:
+                finalize = self._write_parts(catalog, step, spec)
+            finally:
+                # The segments are free for the next copy as soon as their bytes are out;
+                # the commit below may wait for other nodes.
+                self._release(spec, step)
+            self._commit(catalog, step, spec, finalize)
         except Exception as exc:  # any failure must leave training running and storage intact
             log.error("persisting step %d to %s failed: %s", step, spec.checkpoint_dir, exc)
             with self._cond:
                 self._errors[spec.checkpoint_dir] = f"step {step}: {exc}"
                 self._cond.notify_all()
             return False
-        finally:
-            with self._cond:
-                self._persisting.difference_update(spec.slots)
-                self._cond.notify_all()
-        log.info(
-            "persisted step %d to %s in %.2f s",
-            step,
-            spec.checkpoint_dir,
-            time.monotonic() - started,
-        )
+        log.info("persisted step %d to %s in %.2f s", step, spec.checkpoint_dir,
+                 time.monotonic() - started)
         return True
 
     def _slots_hold(self, spec: PersistSpec, step: int) -> bool | None:
         """True: every slot holds ``step``; False: some slot is behind; None: passed it."""
-        held = [
-            complete_step(self._segments[s]) if s in self._segments else None for s in spec.slots
-        ]
+        held = [complete_step(self._segments[s]) if s in self._segments else None
+                for s in spec.slots]
         if any(h is not None and h > step for h in held):
             return None
         return all(h == step for h in held)
 
-    def _write_parts(self, step: int, spec: PersistSpec) -> None:
-        catalog = Catalog(self._storage_factory(spec.checkpoint_dir), spec.keep_last)
+    def _write_parts(self, catalog: Catalog, step: int, spec: PersistSpec
+                     ) -> Finalizer | None:
+        """Stream every slot of ``spec`` to storage and record this node's part."""
         with self._cond:
             segs = {slot: self._segments[slot] for slot in spec.slots}
         finalize: Finalizer | None = None
@@ -370,8 +386,7 @@ class CheckpointSaver:
             from dlrover.checkpoint.dcp_writer import persist_dcp, write_dcp_metadata
 
             files, extra["dcp"] = persist_dcp(
-                catalog, step, {spec.slots[s]: seg for s, seg in segs.items()}
-            )
+                catalog, step, {spec.slots[s]: seg for s, seg in segs.items()})
             finalize = write_dcp_metadata
         else:
             files = {}
@@ -379,10 +394,14 @@ class CheckpointSaver:
                 seq, meta = read_metadata(seg)
                 if meta["step"] != step:
                     raise CheckpointError(f"slot {slot} moved on from step {step}")
-                files.update(
-                    catalog.persist_plain_part(step, f"rank_{spec.slots[slot]}", seg, meta, seq)
-                )
+                files.update(catalog.persist_plain_part(step, f"rank_{spec.slots[slot]}",
+                                                        seg, meta, seq))
         catalog.record_node_part(step, spec.node_rank, files, extra)
+        return finalize
+
+    def _commit(self, catalog: Catalog, step: int, spec: PersistSpec,
+                finalize: Finalizer | None) -> None:
+        """Report this node's part; the last node to report writes manifest and 'latest'."""
         if self.coordinator.report_persisted(step, spec.node_rank, spec.persist_nodes):
             catalog.commit(step, spec.fmt, finalize)
             self.coordinator.mark_committed(step)

@@ -44,6 +44,7 @@ class SharedSegment:
         if not _NAME_RE.match(name):
             raise CheckpointError(f"invalid segment name {name!r}: use letters, digits, _ . -")
         path = os.path.join(shm_dir, name)
+        created = not os.path.exists(path)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             current = os.fstat(fd).st_size
@@ -52,6 +53,8 @@ class SharedSegment:
             return cls(path, fd, max(size, current))
         except BaseException:
             os.close(fd)
+            if created:  # leave nothing behind when the allocation is refused
+                os.unlink(path)
             raise
 
     @classmethod

@@ -9,8 +9,11 @@ import uuid
 from pathlib import Path
 
 import pytest
+import torch
 
 from dlrover.checkpoint.client import SaverClient
+from dlrover.checkpoint.config import ENV_CHECKPOINT_SOCKET
+from dlrover.checkpoint.engine import CheckpointEngine, WorkerPlacement
 from dlrover.checkpoint.errors import CheckpointStorageError, ShmSpaceError
 from dlrover.checkpoint.shm import shm_free_bytes
 from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer
@@ -149,3 +152,20 @@ def test_manifest_lists_checksums(tmp_path: Path) -> None:
     assert manifest["step"] == 1 and manifest["format"] == "plain"
     assert set(manifest["files"]) == {"rank_0.bin", "rank_0.meta.json"}
     assert all("crc32" in v and "size" in v for v in manifest["files"].values())
+
+
+def test_worker_failure_releases_a_persist_waiting_for_a_dead_rank(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with running_saver(tmp_path) as saver:
+        monkeypatch.setenv(ENV_CHECKPOINT_SOCKET, saver.socket_path)
+        rank0 = CheckpointEngine(str(tmp_path / "ckpt"), sharded=True,
+                                 placement=WorkerPlacement(0, 0, 2, 2, 0, 0))
+        try:
+            # Rank 1 dies before copying step 5, so that persist can never start.
+            assert rank0.save(5, {"w": torch.ones(4)}, persist=True)
+            assert not rank0.save(6, {"w": torch.ones(4)}, persist=False)  # slot held for 5
+            assert saver.persist_latest_if_newer() is None  # the agent saw the failure
+            assert rank0.save(6, {"w": torch.ones(4)}, persist=False)  # released at once
+            assert not (tmp_path / "ckpt" / "latest").exists()
+        finally:
+            rank0.close()

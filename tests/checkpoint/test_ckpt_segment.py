@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import uuid
@@ -113,6 +114,7 @@ def test_too_little_shm_is_a_clear_error_and_creates_nothing(segment_name: str) 
     message = str(info.value)
     assert str(free + 2**30) in message and "--shm-size" in message and "emptyDir" in message
     assert info.value.needed == free + 2**30
+    assert not os.path.exists(f"/dev/shm/{segment_name}")  # a refused allocation leaves nothing
 
 
 def test_grow_keeps_the_name_and_enlarges(segment_name: str) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import faulthandler
 import json
+import os
 import sys
 import threading
 from pathlib import Path
@@ -18,11 +20,8 @@ from tests.checkpoint.harness import assert_same, expected_state
 def ddp_save(ckpt_dir: str, step: str, kind: str) -> None:
     ckpt = DdpCheckpointer(ckpt_dir)
     disk = kind == "disk"
-    ok = ckpt.save_checkpoint(
-        int(step),
-        expected_state(int(step)),
-        storage_type=StorageType.DISK if disk else StorageType.MEMORY,
-    )
+    ok = ckpt.save_checkpoint(int(step), expected_state(int(step)),
+                              storage_type=StorageType.DISK if disk else StorageType.MEMORY)
     assert ok
     if disk:
         assert ckpt.wait_latest_checkpoint(30)
@@ -41,7 +40,8 @@ def ddp_save_then_die_mid_copy(ckpt_dir: str, good: str, torn: str, marker: str)
             Path(marker).touch()
             threading.Event().wait(3600)  # the parent kills us here
 
-    ckpt.engine.save(int(torn), expected_state(int(torn)), persist=True, after_tensor=stop_mid_copy)
+    ckpt.engine.save(int(torn), expected_state(int(torn)), persist=True,
+                     after_tensor=stop_mid_copy)
 
 
 def ddp_load(ckpt_dir: str, step: str, source: str) -> None:
@@ -84,14 +84,21 @@ def _full_state(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[st
     return {"model": model_sd, "optimizer": optim_sd.get("state", {})}  # rank 0 only
 
 
-def fsdp_save(ckpt_dir: str, step: str, oracle: str) -> None:
-    """Train a few steps, flash-save at ``step`` (DISK), record the full state as oracle."""
-    from dlrover.trainer.torch.flash_checkpoint.fsdp import FsdpShardCheckpointer
+def _checkpointer(kind: str, ckpt_dir: str) -> Any:
+    from dlrover.trainer.torch.flash_checkpoint.fsdp import (
+        FsdpFullCheckpointer,
+        FsdpShardCheckpointer,
+    )
 
+    return (FsdpFullCheckpointer if kind == "full" else FsdpShardCheckpointer)(ckpt_dir)
+
+
+def fsdp_save(ckpt_dir: str, step: str, oracle: str, kind: str = "shard") -> None:
+    """Train a few steps, flash-save at ``step`` (DISK), record the full state as oracle."""
     dist.init_process_group("gloo")
     model, optim = _fsdp_model(seed=0)
     _train(model, optim, 2)
-    ckpt = FsdpShardCheckpointer(ckpt_dir)
+    ckpt = _checkpointer(kind, ckpt_dir)
     assert ckpt.save_checkpoint(int(step), model, optim, extra_sd={"step": int(step)})
     assert ckpt.wait_latest_checkpoint(60)
     full = _full_state(model, optim)
@@ -102,17 +109,17 @@ def fsdp_save(ckpt_dir: str, step: str, oracle: str) -> None:
     dist.destroy_process_group()
 
 
-def fsdp_load(ckpt_dir: str, step: str, oracle: str, source: str) -> None:
+def fsdp_load(ckpt_dir: str, step: str, oracle: str, source: str, kind: str = "shard"
+              ) -> None:
     """A fresh (differently initialised) job loads the checkpoint; compare to the oracle."""
-    from dlrover.trainer.torch.flash_checkpoint.fsdp import FsdpShardCheckpointer
-
     dist.init_process_group("gloo")
     model, optim = _fsdp_model(seed=123)
     _train(model, optim, 1)  # creates optimizer state to load into
-    ckpt = FsdpShardCheckpointer(ckpt_dir)
+    ckpt = _checkpointer(kind, ckpt_dir)
     extra = ckpt.load_checkpoint(model, optim)
-    assert extra == {"step": int(step)}, extra
-    assert ckpt.last_load_source == source, (ckpt.last_load_source, source)
+    if kind == "shard" or dist.get_rank() == 0:  # the full checkpointer: rank 0 only
+        assert extra == {"step": int(step)}, extra
+        assert ckpt.last_load_source == source, (ckpt.last_load_source, source)
     full = _full_state(model, optim)  # gathered from every rank's shards
     if dist.get_rank() == 0:
         assert_same(torch.load(oracle, weights_only=True), full)
@@ -121,10 +128,10 @@ def fsdp_load(ckpt_dir: str, step: str, oracle: str, source: str) -> None:
 
 
 def main(argv: list[str]) -> None:
-    scenarios = {
-        f.__name__: f
-        for f in (ddp_save, ddp_save_then_die_mid_copy, ddp_load, fsdp_save, fsdp_load)
-    }
+    if os.environ.get("WORKER_DUMP_AFTER"):  # debugging aid: stacks of a hung worker
+        faulthandler.dump_traceback_later(float(os.environ["WORKER_DUMP_AFTER"]), exit=True)
+    scenarios = {f.__name__: f for f in (ddp_save, ddp_save_then_die_mid_copy, ddp_load,
+                                         fsdp_save, fsdp_load)}
     scenarios[argv[0]](*argv[1:])
     print(json.dumps({"done": argv[0]}))
 

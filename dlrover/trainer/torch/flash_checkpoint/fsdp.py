@@ -12,6 +12,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
     set_state_dict,
 )
 
@@ -36,22 +38,16 @@ class FsdpShardCheckpointer(Checkpointer):
 
     sharded = True
 
-    def save_checkpoint(
-        self,
-        step: int,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        extra_sd: dict[str, Any] | None = None,
-        path: str = "",
-        storage_type: StorageType = StorageType.DISK,
-    ) -> bool:
+    def save_checkpoint(self, step: int, model: torch.nn.Module,
+                        optimizer: torch.optim.Optimizer, extra_sd: dict[str, Any] | None = None,
+                        path: str = "", storage_type: StorageType = StorageType.DISK) -> bool:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optimizer": optim_sd, "extra": dict(extra_sd or {})}
-        return self._engine_for(path).save(step, state, persist=storage_type == StorageType.DISK)
+        return self._engine_for(path).save(step, state,
+                                           persist=storage_type == StorageType.DISK)
 
-    def load_checkpoint(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, resume_path: str = ""
-    ) -> dict[str, Any]:
+    def load_checkpoint(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                        resume_path: str = "") -> dict[str, Any]:
         """Load the newest step into ``model`` and ``optimizer``; returns the ``extra_sd``
         that was saved with it ({} when there is no checkpoint)."""
         model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -78,9 +74,8 @@ class FsdpShardCheckpointer(Checkpointer):
             state = target
             self.last_load_source = "storage"
             log.info("loaded step %d from %s", found[0], url)
-        set_state_dict(
-            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
-        )
+        set_state_dict(model, optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
         return dict(state.get("extra", {}))
 
 
@@ -91,7 +86,7 @@ def _extra_target(url: str) -> dict[str, Any]:
     for fqn, md in metadata.state_dict_metadata.items():
         if not fqn.startswith("extra."):
             continue
-        *parents, leaf = fqn[len("extra.") :].split(".")
+        *parents, leaf = fqn[len("extra."):].split(".")
         node = extra
         for key in parents:
             node = node.setdefault(key, {})
@@ -109,26 +104,21 @@ class FsdpFullCheckpointer(Checkpointer):
 
     sharded = False
 
-    def save_checkpoint(
-        self,
-        step: int,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        extra_sd: dict[str, Any] | None = None,
-        path: str = "",
-        storage_type: StorageType = StorageType.DISK,
-    ) -> bool:
+    def save_checkpoint(self, step: int, model: torch.nn.Module,
+                        optimizer: torch.optim.Optimizer, extra_sd: dict[str, Any] | None = None,
+                        path: str = "", storage_type: StorageType = StorageType.DISK) -> bool:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
         if _rank() != 0:
             return True
         state = {"model": model_sd, "optimizer": optim_sd, "extra": dict(extra_sd or {})}
-        return self._engine_for(path).save(step, state, persist=storage_type == StorageType.DISK)
+        return self._engine_for(path).save(step, state,
+                                           persist=storage_type == StorageType.DISK)
 
-    def load_checkpoint(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, resume_path: str = ""
-    ) -> dict[str, Any]:
+    def load_checkpoint(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                        resume_path: str = "") -> dict[str, Any]:
         engine = self.engine
+        self.last_load_source = None
         catalog, bound = resolve_catalog(engine, resume_path)
         latest = storage_step(catalog)
         from_memory = not resume_path and engine.memory_step(latest) is not None
@@ -137,23 +127,22 @@ class FsdpFullCheckpointer(Checkpointer):
             if from_memory:
                 try:
                     state = dict(engine.load_from_memory()[1])
+                    self.last_load_source = "memory"
                 except SegmentStateError as exc:
                     log.warning("cannot load from memory (%s); loading from storage", exc)
             if not state and (found := catalog.newest_valid(bound)) is not None:
                 state = dict(catalog.load_plain_part(found[0], "rank_0"))
+                self.last_load_source = "storage"
         have = torch.tensor([1 if state else 0])
         if dist.is_initialized():
             dist.broadcast(have, src=0)
         if not int(have.item()):
             return {}
+        # Separate calls: set_state_dict skips the model when rank k>0 passes an empty dict,
+        # and rank 0 would then wait in the broadcast forever.
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        set_state_dict(
-            model,
-            optimizer,
-            model_state_dict=state.get("model", {}),
-            optim_state_dict=state.get("optimizer", {}),
-            options=options,
-        )
+        set_model_state_dict(model, state.get("model", {}), options=options)
+        set_optimizer_state_dict(model, optimizer, state.get("optimizer", {}), options=options)
         return dict(state.get("extra", {}))
 
 
