@@ -16,11 +16,16 @@ from dataclasses import dataclass
 
 import psutil
 
+from dlrover.agent.bootstrap import ENV_DONE_FILE, request_stack_dump
 from dlrover.agent.config import AgentConfig
+from dlrover.agent.failure_policy import UserErrorSignature
+from dlrover.agent.failures import judge
 from dlrover.agent.worker_env import WorkerPlacement, worker_env
 from dlrover.agent.workers import WorkerExit, WorkerGroup, WorkerLaunch
+from dlrover.agent.zygote import PendingZygote, Zygote, ZygoteError
 from dlrover.client.master_client import MasterClient, MasterClientError
 from dlrover.constants import ENV_AGENT_PID, ENV_NODE_NAME, ENV_STEP_FILE
+from dlrover.decisions import FailureAction
 from dlrover.proto import master_pb2 as pb
 from dlrover.trainer.progress import read_step_file
 
@@ -94,6 +99,13 @@ class ElasticAgent:
         self._proc = psutil.Process()
         self._run_dir = ""
         self._step_files: list[str] = []
+        self._done_files: dict[int, str] = {}
+        self._error_files: dict[int, str] = {}
+        self._history: list[UserErrorSignature | None] = []
+        self._zygote: PendingZygote | None = None
+        self._hung: list[int] = []
+        self._rank_offset = 0
+        self._started_at = time.monotonic()
         self.step = -1
 
     def _guess_host(self) -> str:
@@ -115,6 +127,8 @@ class ElasticAgent:
                 self._group.stop(self.config.stop_grace_s)
             self._stop_hb.set()
             hb.join(timeout=self.config.heartbeat_interval_s + 1.0)
+            if self._zygote is not None:
+                self._zygote.cancel()
             shutil.rmtree(self._run_dir, ignore_errors=True)
 
     def _register(self) -> None:
@@ -154,42 +168,32 @@ class ElasticAgent:
                 status = self.client.get_job_status()
                 code = 0 if status.state == "succeeded" else (status.exit_code or 1)
                 return RunResult(code, f"the master ended the job: {status.reason}")
-            if outcome == "hang":
-                self._group.stop(cfg.stop_grace_s)
-                if self.restart_count < cfg.max_restarts:
-                    self.restart_count += 1
-                    logger.warning(
-                        "restarting hung workers (%d/%d)", self.restart_count, cfg.max_restarts
-                    )
-                    continue
-                reason = (
-                    f"workers hung (no step for {cfg.hang_timeout_s:.0f}s) and no restarts left"
-                )
-                self._report_status("failed", 1, reason)
-                return RunResult(1, reason)
             if outcome == "membership":
                 logger.info("membership changed: re-forming the world (no restart used)")
                 self._group.stop(cfg.stop_grace_s)
                 continue
-            # A worker failed.
-            failures = self._collect_failures()
+            # A worker failed or hung: the policy decides between a restart and failing fast.
+            exits = self._collect_failures()
             self._group.stop(cfg.stop_grace_s)
-            report = self._failure_report(failures)
-            if self.restart_count < cfg.max_restarts:
+            verdict = judge(
+                exits,
+                self._error_files,
+                self._hung,
+                self.restart_count,
+                cfg.max_restarts,
+                self._history,
+                self.node_id,
+            )
+            self._history.append(verdict.signature)
+            if verdict.decision.action is FailureAction.RESTART_PROCESSES:
                 self.restart_count += 1
                 logger.warning(
-                    "worker failure, restarting workers (%d/%d): %s",
-                    self.restart_count,
-                    cfg.max_restarts,
-                    report,
+                    "restarting workers: %s\n%s", verdict.decision.reason, verdict.report
                 )
                 continue
-            logger.error(
-                "worker failure and no restarts left (max %d): %s", cfg.max_restarts, report
-            )
-            code = self._exit_code(failures)
-            self._report_status("failed", code, report)
-            return RunResult(code, report)
+            logger.error("giving up: %s", verdict.decision.reason)
+            self._report_status("failed", verdict.exit_code, verdict.decision.reason)
+            return RunResult(verdict.exit_code, f"{verdict.decision.reason}\n{verdict.report}")
 
     # --- rendezvous ------------------------------------------------------------------------------
     def _rendezvous(self) -> pb.CommWorld:
@@ -247,6 +251,7 @@ class ElasticAgent:
             attempt_dir = os.path.join(cfg.log_dir, cfg.run_id, f"attempt_{self._attempt}")
         launches = []
         self._step_files = []
+        self._done_files, self._error_files, self._hung = {}, {}, []
         for local_rank in range(cfg.nproc_per_node):
             rank = world.rank_offset + local_rank
             placement = WorkerPlacement(
@@ -267,7 +272,11 @@ class ElasticAgent:
                 max_restarts=cfg.max_restarts,
                 store_addr=world.store_host,
                 store_port=world.store_port,
-                error_file=os.path.join(log_dir, "error.json") if log_dir else "",
+                error_file=os.path.join(
+                    log_dir
+                    or os.path.join(self._run_dir, f"attempt_{self._attempt}", f"rank_{rank}"),
+                    "error.json",
+                ),
                 master_addr=self._master_addr,
                 job_token=self._token,
                 node_id=self.node_id,
@@ -277,6 +286,10 @@ class ElasticAgent:
             env[ENV_STEP_FILE] = step_file
             env[ENV_AGENT_PID] = str(os.getpid())
             env.pop(ENV_NODE_NAME, None)
+            env[ENV_DONE_FILE] = os.path.join(self._run_dir, f"done.{self._attempt}.{local_rank}")
+            os.makedirs(os.path.dirname(env["TORCHELASTIC_ERROR_FILE"]), exist_ok=True)
+            self._done_files[local_rank] = env[ENV_DONE_FILE]
+            self._error_files[rank] = env["TORCHELASTIC_ERROR_FILE"]
             self._step_files.append(step_file)
             launches.append(
                 WorkerLaunch(
@@ -288,10 +301,15 @@ class ElasticAgent:
                     redirect=cfg.redirects.get(local_rank, cfg.default_redirect),
                     tee=cfg.tee.get(local_rank, cfg.default_tee),
                     prefix=f"[{cfg.role}{local_rank}]:",
+                    script_argv=cfg.script_argv,
                 )
             )
+        self._rank_offset = world.rank_offset
+        zygote = self._ready_zygote() if self._attempt > 0 else None
         self._group = WorkerGroup()
-        self._group.start(launches)
+        started = time.monotonic()
+        self._group.start(launches, zygote)
+        self._started_at = started
         self._attempt += 1
         logger.info(
             "started %d workers (ranks %d..%d, restart %d): %s",
@@ -301,6 +319,41 @@ class ElasticAgent:
             self.restart_count,
             " ".join(cfg.entrypoint),
         )
+        if self._group.forked:
+            logger.info(
+                "forked %d workers from the zygote in %.3fs",
+                self._group.forked,
+                time.monotonic() - started,
+            )
+
+    def _maybe_begin_zygote(self) -> None:
+        """Start the template process once the workers are past their imports (so its own
+        imports do not slow the first start), to fork restarted workers in milliseconds."""
+        cfg = self.config
+        if self._zygote is not None or not cfg.fast_restart or cfg.script_argv is None:
+            return
+        if self.step < 0 and time.monotonic() - self._started_at < cfg.zygote_delay_s:
+            return
+        try:
+            self._zygote = Zygote.begin()
+        except (ZygoteError, OSError) as e:
+            logger.warning("fast restarts are off: cannot start the zygote (%s)", e)
+            cfg.fast_restart = False
+
+    def _ready_zygote(self) -> Zygote | None:
+        if self._zygote is None:
+            return None
+        try:
+            zygote = self._zygote.result(timeout=60.0)
+        except ZygoteError as e:
+            logger.warning("restarting workers afresh: %s", e)
+            self._zygote = None
+            return None
+        if not zygote.alive:
+            logger.warning("the zygote is gone; restarting workers afresh")
+            self._zygote = None
+            return None
+        return zygote
 
     def _monitor(self) -> str:
         """Block until the group succeeds, a worker fails, membership changes, or the master stops us."""
@@ -317,6 +370,15 @@ class ElasticAgent:
             if ex is not None:
                 done[ex.local_rank] = ex
                 group.returncodes[ex.local_rank] = ex.returncode
+                if ex.returncode != 0 and os.path.exists(self._done_files.get(ex.local_rank, "")):
+                    logger.warning(
+                        "worker rank %d %s during interpreter shutdown after its script finished; "
+                        "counted as succeeded",
+                        ex.rank,
+                        describe_exit(ex),
+                    )
+                    group.returncodes[ex.local_rank] = 0
+                    ex.returncode = 0
                 if ex.returncode != 0:
                     logger.error("worker rank %d (pid %d) %s", ex.rank, ex.pid, describe_exit(ex))
                     return "failed"
@@ -329,6 +391,7 @@ class ElasticAgent:
                 next_progress_check = time.monotonic() + 1.0
                 if self._check_progress(started, done):
                     return "hang"
+                self._maybe_begin_zygote()
             try:
                 waiting = self.client.num_nodes_waiting(self.node_id, self._round)
             except MasterClientError as e:
@@ -357,25 +420,28 @@ class ElasticAgent:
                 self.config.hang_timeout_s,
                 self.step,
             )
-            self._dump_stacks()
+            self._hung = [self._rank_offset + lr for lr in stale]
+            self._dump_stacks(stale)
             return True
         return False
 
-    def _dump_stacks(self) -> None:
+    def _dump_stacks(self, local_ranks: list[int]) -> None:
         """Ask hung workers for their Python stacks (written to their stderr) before stopping them."""
         if self._group is None:
             return
-        try:
-            self._group.signal_all(signal.SIGUSR1, only_leaders=True)
-        except Exception:  # best effort: the restart must happen anyway
-            logger.exception("could not request stack dumps")
+        pids = self._group.pids
+        for lr in local_ranks:
+            request_stack_dump(pids[lr])
+        # faulthandler writes from a signal handler at once; give it a moment to reach the log.
+        time.sleep(0.5)
 
-    def _collect_failures(self) -> list[WorkerExit]:
-        """The failed exit and any others that land within a moment (the first is the root)."""
+    def _collect_failures(self) -> dict[int, int]:
+        """Global rank -> return code of the failed workers: the one seen, any that follow within
+        a moment (the root cause is picked by time later), and hung ones (stopped by us)."""
         assert self._group is not None
-        failures = [
-            WorkerExit(lr, -1, -1, rc) for lr, rc in self._group.returncodes.items() if rc != 0
-        ]
+        exits = {
+            self._rank_offset + lr: rc for lr, rc in self._group.returncodes.items() if rc != 0
+        }
         deadline = time.monotonic() + 0.2
         while time.monotonic() < deadline:
             try:
@@ -383,24 +449,10 @@ class ElasticAgent:
             except queue.Empty:
                 break
             if ex.returncode != 0:
-                failures.append(ex)
-        return failures
-
-    def _failure_report(self, failures: list[WorkerExit]) -> str:
-        parts = []
-        for f in failures:
-            parts.append(f"local rank {f.local_rank}: {describe_exit(f)}")
-        return "; ".join(parts) or "unknown failure"
-
-    @staticmethod
-    def _exit_code(failures: list[WorkerExit]) -> int:
-        for f in failures:
-            if f.returncode > 0:
-                return f.returncode
-        for f in failures:
-            if f.returncode < 0:
-                return 128 - f.returncode
-        return 1
+                exits[ex.rank] = ex.returncode
+        for rank in self._hung:
+            exits.setdefault(rank, -signal.SIGKILL)
+        return exits
 
     # --- the end ---------------------------------------------------------------------------------
     def _finish_success(self) -> RunResult:

@@ -34,6 +34,8 @@ STACK_DUMP_SIGNAL = signal.SIGUSR1
 ENV_PARENT_DEATH_PID = "DLROVER_PARENT_DEATH_PID"
 """Set by the spawner: the worker kills itself when this process (its parent) dies."""
 
+ENV_DONE_FILE = "DLROVER_DONE_FILE"
+"""Set by the agent: the bootstrap creates this file once the script has finished successfully."""
 _PR_SET_PDEATHSIG = 1
 
 USAGE = "usage: python -m dlrover.agent.bootstrap (script.py | -m module) [args...]"
@@ -88,11 +90,32 @@ def run_target(argv: Sequence[str]) -> None:
     """
     if not argv or (argv[0] == "-m" and len(argv) < 2):
         raise BootstrapError(f"no script or module given; {USAGE}")
-    with ErrorRecorder():
-        if argv[0] == "-m":
-            _run_module(argv[1], list(argv[2:]))
-        else:
-            _run_script(argv[0], list(argv[1:]))
+    try:
+        with ErrorRecorder():
+            if argv[0] == "-m":
+                _run_module(argv[1], list(argv[2:]))
+            else:
+                _run_script(argv[0], list(argv[1:]))
+    except SystemExit as exc:
+        if exc.code in (None, 0):
+            _mark_done()
+        raise
+    _mark_done()
+
+
+def _mark_done() -> None:
+    """The script finished successfully: say so before interpreter shutdown begins.
+
+    With torch 2.13 + gloo a rank sometimes aborts (SIGABRT) while the interpreter shuts down,
+    after all its work is done; the agent counts such a rank as succeeded when this file exists.
+    """
+    path = os.environ.get(ENV_DONE_FILE, "")
+    if path:
+        try:
+            with open(path, "w") as f:
+                f.write("done\n")
+        except OSError:
+            pass
 
 
 def _run_script(script: str, args: list[str]) -> None:

@@ -49,5 +49,12 @@ class AgentConfig:
     """After SIGTERM, how long workers get before SIGKILL."""
     exit_barrier_timeout_s: float = c.DEFAULT_EXIT_BARRIER_TIMEOUT_S
     """On success, how long to wait for the other nodes to finish too."""
+    script_argv: list[str] | None = None
+    """`[script, args...]` or `["-m", module, args...]` for a Python entry point (None with
+    --no-python): what the bootstrap and the zygote run."""
+    fast_restart: bool = True
+    """Fork restarted workers from a zygote that has imported torch already."""
+    zygote_delay_s: float = 20.0
+    """Start the zygote after the first step is reported, or this long after the workers start."""
     hang_timeout_s: float = c.DEFAULT_HANG_TIMEOUT_S
     """No step reported by a worker for this long (after its first) is a hang; 0: off."""

@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
+from dlrover.agent.zygote import PopenWorker, WorkerHandle, Zygote, ZygoteError
+
 logger = logging.getLogger(__name__)
 
 STD_NONE, STD_OUT, STD_ERR, STD_ALL = 0, 1, 2, 3
@@ -47,12 +49,15 @@ class WorkerLaunch:
     local_rank: int
     rank: int
     argv: Sequence[str]
+    """Full command line for a fresh process."""
     env: dict[str, str]
     log_dir: str | None
     """Directory for stdout.log / stderr.log / error.json; None: inherit the agent's streams."""
     redirect: int = STD_NONE
     tee: int = STD_NONE
     prefix: str = ""
+    script_argv: Sequence[str] | None = None
+    """`[script, args...]` or `["-m", module, args...]` when a zygote may fork this worker."""
 
 
 @dataclass
@@ -88,92 +93,118 @@ class _Tee(threading.Thread):
 class WorkerGroup:
     """The worker processes of one attempt on this node.
 
-    Each worker has a waiter thread blocked in wait(); its exit lands in a queue at once, so the
-    agent learns of a dead worker in milliseconds. Workers run in their own process groups (so
-    stopping one also stops what it forked) and die with the agent (PR_SET_PDEATHSIG).
+    A worker's exit lands in `exits` the moment it happens (a waiter thread for a Popen child,
+    the zygote's pidfd report for a forked one), so the agent learns of a dead worker in
+    milliseconds. Workers run in their own process groups (stopping one also stops what it
+    forked) and die with the agent (PR_SET_PDEATHSIG).
     """
 
     def __init__(self) -> None:
         self.exits: queue.Queue[WorkerExit] = queue.Queue()
-        self._procs: dict[int, subprocess.Popen[bytes]] = {}
-        self._ranks: dict[int, int] = {}
+        self._handles: dict[int, WorkerHandle] = {}
         self._threads: list[threading.Thread] = []
         self._files: list[IO[bytes]] = []
         self.returncodes: dict[int, int] = {}
+        self.forked = 0
+        """How many workers of this group were forked from a zygote."""
 
     @property
     def pids(self) -> dict[int, int]:
-        return {lr: p.pid for lr, p in self._procs.items()}
+        return {lr: h.pid for lr, h in self._handles.items()}
 
-    def start(self, launches: Sequence[WorkerLaunch]) -> None:
+    def start(self, launches: Sequence[WorkerLaunch], zygote: Zygote | None = None) -> None:
         """Start every worker; must run on a long-lived thread (the death signal is per thread)."""
         preexec = _pdeathsig_preexec()
         for w in launches:
-            stdout: int | IO[bytes] | None = None
-            stderr: int | IO[bytes] | None = None
-            tees: list[tuple[str, IO[bytes] | None, str]] = []
-            if w.log_dir is not None:
-                os.makedirs(w.log_dir, exist_ok=True)
-                for bit, name, console in (
-                    (STD_OUT, "stdout.log", sys.stdout.buffer),
-                    (STD_ERR, "stderr.log", sys.stderr.buffer),
-                ):
-                    path = os.path.join(w.log_dir, name)
-                    if w.tee & bit:
-                        tees.append((name, console, path))
-                    elif w.redirect & bit:
-                        f = open(path, "ab")  # noqa: SIM115 - closed in close()
-                        self._files.append(f)
-                        if bit == STD_OUT:
-                            stdout = f
-                        else:
-                            stderr = f
-                for name, _console, _path in tees:
-                    if name == "stdout.log":
-                        stdout = subprocess.PIPE
-                    else:
-                        stderr = subprocess.PIPE
-            proc = subprocess.Popen(  # noqa: S603 - the user's own command
-                list(w.argv),
-                env=w.env,
-                stdout=stdout,
-                stderr=stderr,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-                preexec_fn=preexec,  # noqa: PLW1509 - only calls prctl through a resolved pointer
-            )
-            self._procs[w.local_rank] = proc
-            self._ranks[w.local_rank] = w.rank
-            for name, console, path in tees:
-                src = proc.stdout if name == "stdout.log" else proc.stderr
-                assert src is not None
-                t = _Tee(src, path, console, w.prefix.encode())
-                t.start()
-                self._threads.append(t)
-            waiter = threading.Thread(
-                target=self._wait, args=(w.local_rank, proc), daemon=True, name="dlrover-waiter"
-            )
-            waiter.start()
-            self._threads.append(waiter)
+            handle = None
+            if zygote is not None and w.script_argv is not None and not w.tee:
+                handle = self._fork(zygote, w)
+            if handle is None:
+                handle = self._popen(w, preexec)
+            self._handles[w.local_rank] = handle
+            handle.add_exit_callback(self._on_exit(w.local_rank, w.rank))
 
-    def _wait(self, local_rank: int, proc: subprocess.Popen[bytes]) -> None:
-        rc = proc.wait()
-        self.exits.put(WorkerExit(local_rank, self._ranks[local_rank], proc.pid, rc))
+    def _on_exit(self, local_rank: int, rank: int) -> Callable[[WorkerHandle], None]:
+        def report(handle: WorkerHandle) -> None:
+            code = handle.poll()
+            self.exits.put(WorkerExit(local_rank, rank, handle.pid, -9 if code is None else code))
+
+        return report
+
+    def _fork(self, zygote: Zygote, w: WorkerLaunch) -> WorkerHandle | None:
+        assert w.script_argv is not None
+        agent = os.getpid()
+        out, err = f"/proc/{agent}/fd/1", f"/proc/{agent}/fd/2"
+        if w.log_dir is not None:
+            os.makedirs(w.log_dir, exist_ok=True)
+            if w.redirect & STD_OUT:
+                out = os.path.join(w.log_dir, "stdout.log")
+            if w.redirect & STD_ERR:
+                err = os.path.join(w.log_dir, "stderr.log")
+        try:
+            handle = zygote.spawn(w.script_argv, w.env, os.getcwd(), out, err)
+        except ZygoteError as e:
+            logger.warning(
+                "zygote could not fork local rank %d (%s); starting it afresh", w.local_rank, e
+            )
+            return None
+        self.forked += 1
+        return handle
+
+    def _popen(self, w: WorkerLaunch, preexec: Callable[[], None] | None) -> WorkerHandle:
+        stdout: int | IO[bytes] | None = None
+        stderr: int | IO[bytes] | None = None
+        tees: list[tuple[int, IO[bytes], str]] = []
+        if w.log_dir is not None:
+            os.makedirs(w.log_dir, exist_ok=True)
+            for bit, name, console in (
+                (STD_OUT, "stdout.log", sys.stdout.buffer),
+                (STD_ERR, "stderr.log", sys.stderr.buffer),
+            ):
+                path = os.path.join(w.log_dir, name)
+                if w.tee & bit:
+                    tees.append((bit, console, path))
+                    target: int | IO[bytes] = subprocess.PIPE
+                elif w.redirect & bit:
+                    target = open(path, "ab")  # noqa: SIM115 - closed in close()
+                    self._files.append(target)
+                else:
+                    continue
+                if bit == STD_OUT:
+                    stdout = target
+                else:
+                    stderr = target
+        proc = subprocess.Popen(  # noqa: S603 - the user's own command
+            list(w.argv),
+            env=w.env,
+            stdout=stdout,
+            stderr=stderr,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=preexec,  # noqa: PLW1509 - only calls prctl through a resolved pointer
+        )
+        for bit, console, path in tees:
+            src = proc.stdout if bit == STD_OUT else proc.stderr
+            assert src is not None
+            t = _Tee(src, path, console, w.prefix.encode())
+            t.start()
+            self._threads.append(t)
+        return PopenWorker(proc)
 
     def alive(self) -> list[int]:
-        return [lr for lr, p in self._procs.items() if p.poll() is None]
+        return [lr for lr, h in self._handles.items() if h.poll() is None]
 
     def signal_all(self, sig: int, only_leaders: bool = False) -> None:
         """Signal every live worker's process group (or just the worker processes)."""
-        for p in self._procs.values():
-            if p.poll() is None:
-                try:
-                    if only_leaders:
-                        os.kill(p.pid, sig)
-                    else:
-                        os.killpg(p.pid, sig)
-                except ProcessLookupError:
-                    pass
+        for h in self._handles.values():
+            if h.poll() is None:
+                if only_leaders:
+                    try:
+                        os.kill(h.pid, sig)
+                    except ProcessLookupError:
+                        pass
+                else:
+                    h.kill(sig)
 
     def stop(self, grace_s: float, sig: int = signal.SIGTERM) -> None:
         """Send `sig` to every worker's process group; SIGKILL what is left after `grace_s`."""
@@ -186,27 +217,19 @@ class WorkerGroup:
             )
             self.signal_all(sig)
             deadline = time.monotonic() + grace_s
-            for p in self._procs.values():
-                try:
-                    p.wait(timeout=max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    pass
+            for h in self._handles.values():
+                h.wait(max(0.0, deadline - time.monotonic()))
             if self.alive():
                 logger.warning(
                     "workers %s ignored %s; sending SIGKILL", self.alive(), signal.Signals(sig).name
                 )
                 self.signal_all(signal.SIGKILL)
-                for p in self._procs.values():
-                    try:
-                        p.wait(timeout=5.0)
-                    except subprocess.TimeoutExpired:
-                        logger.error("worker pid %d survived SIGKILL for 5s", p.pid)
+                for h in self._handles.values():
+                    if h.wait(5.0) is None:
+                        logger.error("worker pid %d survived SIGKILL for 5s", h.pid)
         # Whatever a worker forked lives in its process group: make sure none outlives it.
-        for p in self._procs.values():
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        for h in self._handles.values():
+            h.kill(signal.SIGKILL)
         self.close()
 
     def close(self) -> None:

@@ -222,6 +222,19 @@ class Zygote:
         env: Mapping[str, str] | None = None,
     ) -> Zygote:
         """Start a zygote that imports `preload`; raises ZygoteError if not ready in `timeout`."""
+        return cls.begin(preload, env).result(timeout)
+
+    @classmethod
+    def begin(
+        cls,
+        preload: Sequence[str] = DEFAULT_PRELOAD,
+        env: Mapping[str, str] | None = None,
+    ) -> PendingZygote:
+        """Start the zygote process and return at once; `result()` waits for its preload.
+
+        Call it from a thread that lives as long as the agent: the zygote's death signal is
+        tied to the thread that started it.
+        """
         bad = [name for name in preload if not name or "," in name]
         if bad:
             raise ZygoteError(f"invalid module names to preload: {bad!r}")
@@ -251,29 +264,7 @@ class Zygote:
             )
         finally:
             theirs.close()
-        ours.settimeout(timeout)
-        reader = ours.makefile("rb")
-        try:
-            line = reader.readline()
-        except TimeoutError:
-            line = b""
-        ours.settimeout(None)
-        if not line:
-            process.kill()
-            process.wait(timeout=10)
-            ours.close()
-            raise ZygoteError(
-                f"zygote did not become ready within {timeout:.0f} s (exit {process.returncode});"
-                f" preload {list(preload)} failed? see the agent's stderr"
-            )
-        ready = json.loads(line)
-        log.info(
-            "zygote %d ready: preloaded %s in %.2f s",
-            process.pid,
-            ",".join(preload),
-            ready.get("preload_s", 0.0),
-        )
-        return cls(process, ours, reader, ready)
+        return PendingZygote(process, ours, list(preload))
 
     @property
     def pid(self) -> int:
@@ -393,6 +384,52 @@ class Zygote:
         for answered, answer in pending:
             answer.append("the zygote exited")
             answered.set()
+
+
+class PendingZygote:
+    """A zygote process that is still importing its preload."""
+
+    def __init__(self, process: subprocess.Popen[bytes], sock: socket.socket, preload: list[str]):
+        self._process = process
+        self._sock = sock
+        self._preload = preload
+        self._result: Zygote | None = None
+
+    def result(self, timeout: float = 60.0) -> Zygote:
+        """Wait up to `timeout` for the preload; raises ZygoteError (and ends it) if not ready."""
+        if self._result is not None:
+            return self._result
+        self._sock.settimeout(timeout)
+        reader = self._sock.makefile("rb")
+        try:
+            line = reader.readline()
+        except (TimeoutError, OSError):
+            line = b""
+        self._sock.settimeout(None)
+        if not line:
+            self.cancel()
+            raise ZygoteError(
+                f"zygote did not become ready within {timeout:.0f} s (exit {self._process.returncode});"
+                f" preload {self._preload} failed? see the agent's stderr"
+            )
+        ready = json.loads(line)
+        log.info(
+            "zygote %d ready: preloaded %s in %.2f s",
+            self._process.pid,
+            ",".join(self._preload),
+            ready.get("preload_s", 0.0),
+        )
+        self._result = Zygote(self._process, self._sock, reader, ready)
+        return self._result
+
+    def cancel(self) -> None:
+        """End a zygote that is not (or no longer) wanted."""
+        if self._result is not None:
+            self._result.close()
+            return
+        self._process.kill()
+        self._process.wait(timeout=10)
+        self._sock.close()
 
 
 class WorkerLauncher:

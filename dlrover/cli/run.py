@@ -176,6 +176,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="Seconds without a reported step (dlrover.trainer.report_step) before workers count "
         "as hung: their stacks are dumped and they restart like failed ones. 0 (default): off.",
     )
+    p.add_argument(
+        "--fast-restart",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Fork restarted workers from a process that has imported torch already, so a "
+        "restart skips the imports (default on; --no-fast-restart starts them afresh).",
+    )
     p.add_argument("training_script", help="The script (or module, or program) every worker runs.")
     p.add_argument("training_script_args", nargs=argparse.REMAINDER)
     return p
@@ -207,20 +214,26 @@ def _nproc(value: str) -> int:
     return n
 
 
-def _entrypoint(args: argparse.Namespace) -> list[str]:
+def _entrypoint(args: argparse.Namespace) -> tuple[list[str], list[str] | None]:
+    """(argv of a fresh worker, the script part a zygote can run); the second is None when the
+    entry point is not Python (--no-python)."""
     script = args.training_script
     if args.no_python:
         if args.module:
             raise ValueError("--no-python and --module cannot be used together")
         if shutil.which(script) is None and not os.path.isfile(script):
             raise ValueError(f"program {script!r} not found (with --no-python it must be on PATH)")
-        return [script, *args.training_script_args]
+        return [script, *args.training_script_args], None
     python = os.environ.get("PYTHON_EXEC", sys.executable)
     if args.module:
-        return [python, "-u", "-m", script, *args.training_script_args]
-    if not os.path.isfile(script):
-        raise ValueError(f"training script {script!r} not found (cwd {os.getcwd()})")
-    return [python, "-u", script, *args.training_script_args]
+        target = ["-m", script, *args.training_script_args]
+    else:
+        if not os.path.isfile(script):
+            raise ValueError(f"training script {script!r} not found (cwd {os.getcwd()})")
+        target = [script, *args.training_script_args]
+    # The bootstrap runs the script exactly as `python -u script.py` would, and adds error
+    # files, stack dumps on SIGUSR1 and a marker of a clean finish.
+    return [python, "-u", "-m", "dlrover.agent.bootstrap", *target], target
 
 
 def config_from_args(args: argparse.Namespace) -> AgentConfig:
@@ -249,9 +262,11 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         import tempfile
 
         log_dir = tempfile.mkdtemp(prefix="dlrover_logs_")
-    entrypoint = _entrypoint(args)
+    entrypoint, script_argv = _entrypoint(args)
     return AgentConfig(
         entrypoint=entrypoint,
+        script_argv=script_argv,
+        fast_restart=args.fast_restart,
         nproc_per_node=nproc,
         min_nodes=lo,
         max_nodes=hi,

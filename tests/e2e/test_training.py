@@ -214,3 +214,20 @@ def test_hung_workers_are_detected_and_restarted(tmp_path: Path):
     assert r.returncode == 0, r.stderr
     assert "hang: local ranks [0, 1] reported no step" in r.stderr
     assert sorted(p.read_text() for p in tmp_path.glob("done.*")) == ["1", "1"]
+
+
+def test_same_user_error_twice_fails_fast_with_the_root_cause(tmp_path: Path):
+    script = tmp_path / "bad.py"
+    script.write_text(
+        "import os\n"
+        "def step():\n"
+        "    raise ValueError('bad learning rate')\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    step()\n"
+    )
+    r = dlrover_run(["--standalone", "--nproc-per-node=2", "--max-restarts=5", str(script)])
+    assert r.returncode == 1
+    assert "ValueError: bad learning rate" in r.stderr
+    assert "root cause: rank 1" in r.stderr
+    # Failed on the second identical error, not after all five restarts.
+    assert r.stderr.count("restart 1/5") == 1 and "restart 2/5" not in r.stderr

@@ -1,0 +1,71 @@
+"""Turns what the agent saw of failed workers into the policy's observation and a root cause."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from dlrover.agent.error_file import ErrorFileError, ErrorRecord, first_failure, read_error_file
+from dlrover.agent.failure_policy import (
+    Decision,
+    ExitKind,
+    UserErrorSignature,
+    WorkerFailure,
+    WorkerFailureObservation,
+    decide_worker_failure,
+    user_error_signature,
+)
+
+
+@dataclass(frozen=True)
+class Judgement:
+    """The policy's decision about one failed attempt, and the report to print."""
+
+    decision: Decision
+    signature: UserErrorSignature | None
+    """What to append to the node's failure history."""
+    report: str
+    exit_code: int
+
+
+def _read(path: str | None) -> ErrorRecord | None:
+    if not path or not os.path.exists(path):
+        return None
+    try:
+        return read_error_file(path)
+    except ErrorFileError:
+        return None
+
+
+def judge(
+    exits: Mapping[int, int],
+    error_files: Mapping[int, str],
+    hung: Sequence[int],
+    restart_count: int,
+    max_restarts: int,
+    history: Sequence[UserErrorSignature | None],
+    node: str,
+) -> Judgement:
+    """`exits`: global rank -> Popen return code of every failed (or hung) worker."""
+    failures = []
+    for rank, code in sorted(exits.items()):
+        if rank in hung:
+            kind = ExitKind.HUNG
+        elif code < 0:
+            kind = ExitKind.SIGNALED
+        else:
+            kind = ExitKind.EXITED
+        failures.append(WorkerFailure(rank, kind, code, _read(error_files.get(rank))))
+    observation = WorkerFailureObservation(
+        tuple(failures), restart_count, max_restarts, tuple(history)
+    )
+    decision = decide_worker_failure(observation)
+    root = first_failure(error_files, {r: (c if c != 0 else 1) for r, c in exits.items()}, node)
+    report = root.format() if root is not None else "workers failed"
+    if hung:
+        report = f"ranks {sorted(hung)} hung (stacks dumped to their stderr); {report}"
+    code = next((c for c in exits.values() if c > 0), 0)
+    if code == 0:
+        code = next((128 - c for c in exits.values() if c < 0), 1)
+    return Judgement(decision, user_error_signature(tuple(failures)), report, code)
