@@ -47,10 +47,14 @@ class WorkerPlacement:
         env = os.environ
         restarts = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
         rdzv_round = int(env.get("DLROVER_RDZV_ROUND", "0"))
-        return cls(int(env.get("RANK", "0")), int(env.get("LOCAL_RANK", "0")),
-                   int(env.get("WORLD_SIZE", "1")), int(env.get("LOCAL_WORLD_SIZE", "1")),
-                   int(env.get("GROUP_RANK", env.get("DLROVER_NODE_RANK", "0"))),
-                   rdzv_round * 1_000_000 + restarts)
+        return cls(
+            int(env.get("RANK", "0")),
+            int(env.get("LOCAL_RANK", "0")),
+            int(env.get("WORLD_SIZE", "1")),
+            int(env.get("LOCAL_WORLD_SIZE", "1")),
+            int(env.get("GROUP_RANK", env.get("DLROVER_NODE_RANK", "0"))),
+            rdzv_round * 1_000_000 + restarts,
+        )
 
     @property
     def num_nodes(self) -> int:
@@ -69,8 +73,13 @@ class CheckpointEngine:
     from memory after a restart need dlrover-run.
     """
 
-    def __init__(self, checkpoint_dir: str, sharded: bool, keep_last: int = DEFAULT_KEEP_LAST,
-                 placement: WorkerPlacement | None = None) -> None:
+    def __init__(
+        self,
+        checkpoint_dir: str,
+        sharded: bool,
+        keep_last: int = DEFAULT_KEEP_LAST,
+        placement: WorkerPlacement | None = None,
+    ) -> None:
         self.checkpoint_dir = checkpoint_dir
         self.sharded = sharded
         self.keep_last = keep_last
@@ -108,16 +117,25 @@ class CheckpointEngine:
         return {0: self.place.rank - self.place.local_rank}
 
     def _spec(self) -> dict[str, Any]:
-        return {"dir": self.checkpoint_dir, "slots": self._saving_slots(),
-                "format": "dcp" if self.sharded else "plain", "node_rank": self.place.node_rank,
-                "persist_nodes": self.place.num_nodes if self.sharded else 1,
-                "keep_last": self.keep_last,
-                "persists": self.sharded or self.place.rank == 0}
+        return {
+            "dir": self.checkpoint_dir,
+            "slots": self._saving_slots(),
+            "format": "dcp" if self.sharded else "plain",
+            "node_rank": self.place.node_rank,
+            "persist_nodes": self.place.num_nodes if self.sharded else 1,
+            "keep_last": self.keep_last,
+            "persists": self.sharded or self.place.rank == 0,
+        }
 
     # ------------------------------------------------------------------ saving
-    def save(self, step: int, state: Any, persist: bool,
-             after_tensor: Callable[[int], None] | None = None,
-             layout: Layout | None = None) -> bool:
+    def save(
+        self,
+        step: int,
+        state: Any,
+        persist: bool,
+        after_tensor: Callable[[int], None] | None = None,
+        layout: Layout | None = None,
+    ) -> bool:
         """Copy ``state`` into shared memory as ``step``; ask for a persist if ``persist``.
 
         Returns False when the save was skipped: a memory-only save is skipped (not waited
@@ -129,22 +147,32 @@ class CheckpointEngine:
         layout = layout or self.plan(state)
         with self._lock:
             seg = self._ensure_segment(layout.required_bytes(step))
-            reply = self.client.request("begin_copy", slot=self.slot, wait=persist,
-                                        timeout=DEFAULT_COPY_WAIT_S)
+            reply = self.client.request(
+                "begin_copy", slot=self.slot, wait=persist, timeout=DEFAULT_COPY_WAIT_S
+            )
             if not reply.get("ok"):
-                log.warning("skipping the memory save of step %d: the previous step is still "
-                            "being persisted", step)
+                log.warning(
+                    "skipping the memory save of step %d: the previous step is still "
+                    "being persisted",
+                    step,
+                )
                 return False
             write_state(seg, layout, step, after_tensor)
             do_persist = persist and (self.sharded or self.place.rank == 0)
-            self.client.request("copied", slot=self.slot, step=step, spec=self._spec(),
-                                persist=do_persist)
+            self.client.request(
+                "copied", slot=self.slot, step=step, spec=self._spec(), persist=do_persist
+            )
             if persist:
                 self._last_disk_step = step
         return True
 
-    def save_overlapped(self, step: int, state: Any, persist: bool,
-                        after_tensor: Callable[[int], None] | None = None) -> bool:
+    def save_overlapped(
+        self,
+        step: int,
+        state: Any,
+        persist: bool,
+        after_tensor: Callable[[int], None] | None = None,
+    ) -> bool:
         """Start copying ``state`` into shared memory in a background thread and return.
 
         The copy overlaps the next forward/backward. An optimizer pre-step hook (registered
@@ -160,27 +188,46 @@ class CheckpointEngine:
         layout = self.plan(state)
         with self._lock:
             seg = self._ensure_segment(layout.required_bytes(step))
-            reply = self.client.request("begin_copy", slot=self.slot, wait=persist,
-                                        timeout=DEFAULT_COPY_WAIT_S)
+            reply = self.client.request(
+                "begin_copy", slot=self.slot, wait=persist, timeout=DEFAULT_COPY_WAIT_S
+            )
             if not reply.get("ok"):
-                log.warning("skipping the memory save of step %d: the previous step is still "
-                            "being persisted", step)
+                log.warning(
+                    "skipping the memory save of step %d: the previous step is still "
+                    "being persisted",
+                    step,
+                )
                 return False
             if self._hook is None:
                 self._hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
             done = threading.Event()
             self._pending = done
-            threading.Thread(target=self._copy_job,
-                             args=(seg, layout, step, persist, done, after_tensor),
-                             name=f"ckpt-copy-{step}", daemon=True).start()
+            threading.Thread(
+                target=self._copy_job,
+                args=(seg, layout, step, persist, done, after_tensor),
+                name=f"ckpt-copy-{step}",
+                daemon=True,
+            ).start()
         return True
 
-    def _copy_job(self, seg: SharedSegment, layout: Layout, step: int, persist: bool,
-                  done: threading.Event, after_tensor: Callable[[int], None] | None) -> None:
+    def _copy_job(
+        self,
+        seg: SharedSegment,
+        layout: Layout,
+        step: int,
+        persist: bool,
+        done: threading.Event,
+        after_tensor: Callable[[int], None] | None,
+    ) -> None:
         try:
             write_state(seg, layout, step, after_tensor)
-            self.client.request("copied", slot=self.slot, step=step, spec=self._spec(),
-                                persist=persist and (self.sharded or self.place.rank == 0))
+            self.client.request(
+                "copied",
+                slot=self.slot,
+                step=step,
+                spec=self._spec(),
+                persist=persist and (self.sharded or self.place.rank == 0),
+            )
             if persist:
                 self._last_disk_step = step
         except BaseException as exc:  # surfaced to the trainer by wait_copy
@@ -197,16 +244,23 @@ class CheckpointEngine:
         if pending is None:
             return
         if not pending.wait(timeout):
-            raise CheckpointError(f"the overlapped copy into shared memory did not finish "
-                                  f"within {timeout} s")
+            raise CheckpointError(
+                f"the overlapped copy into shared memory did not finish within {timeout} s"
+            )
         self._pending = None
         error, self._copy_error = self._copy_error, None
         if error is not None:
             raise CheckpointError(f"the overlapped checkpoint copy failed: {error}") from error
 
     def plan(self, state: Any) -> Layout:
-        return plan_layout(state, {"dir": self.checkpoint_dir, "rank": self.place.rank,
-                                   "world_size": self.place.world_size})
+        return plan_layout(
+            state,
+            {
+                "dir": self.checkpoint_dir,
+                "rank": self.place.rank,
+                "world_size": self.place.world_size,
+            },
+        )
 
     def _ensure_segment(self, nbytes: int) -> SharedSegment:
         seg = self._segment
@@ -227,11 +281,14 @@ class CheckpointEngine:
         step = self._last_disk_step
         if step is None:
             return True
-        reply = self.client.request("wait_persisted", timeout=timeout,
-                                    dir=self.checkpoint_dir, step=step, timeout_s=timeout)
+        reply = self.client.request(
+            "wait_persisted", timeout=timeout, dir=self.checkpoint_dir, step=step, timeout_s=timeout
+        )
         if reply.get("failure"):
-            raise CheckpointStorageError(f"persisting to {self.checkpoint_dir} failed: "
-                                         f"{reply['failure']}; the step is still in memory")
+            raise CheckpointStorageError(
+                f"persisting to {self.checkpoint_dir} failed: "
+                f"{reply['failure']}; the step is still in memory"
+            )
         return bool(reply["ok"])
 
     # ------------------------------------------------------------------ loading
@@ -241,10 +298,15 @@ class CheckpointEngine:
             return None  # in-process memory does not survive a restart
         slots = self._saving_slots() if self.sharded else {0: None}
         reply = self.client.request(
-            "load_step", slots=list(slots), ranks=slots if self.sharded else {},
+            "load_step",
+            slots=list(slots),
+            ranks=slots if self.sharded else {},
             world_size=self.place.world_size if self.sharded else None,
-            node_rank=self.place.node_rank, total_nodes=self.place.num_nodes,
-            round=self.place.round_id, timeout=60.0)
+            node_rank=self.place.node_rank,
+            total_nodes=self.place.num_nodes,
+            round=self.place.round_id,
+            timeout=60.0,
+        )
         step = reply.get("step")
         if step is None or (storage_step is not None and step < storage_step):
             return None
@@ -275,13 +337,16 @@ class CheckpointEngine:
             self.storage.write_atomic(probe, b"")
             self.storage.remove(probe)
         except (CheckpointError, OSError) as exc:
-            raise CheckpointStorageError(f"checkpoint_dir {self.checkpoint_dir!r} is not "
-                                         f"writable: {exc}") from exc
+            raise CheckpointStorageError(
+                f"checkpoint_dir {self.checkpoint_dir!r} is not writable: {exc}"
+            ) from exc
 
     def _start_own_saver(self) -> str:
-        log.warning("%s is not set (not launched by dlrover-run): persisting from an in-process"
-                    " saver; checkpoints in memory will not survive a process crash",
-                    ENV_CHECKPOINT_SOCKET)
+        log.warning(
+            "%s is not set (not launched by dlrover-run): persisting from an in-process"
+            " saver; checkpoints in memory will not survive a process crash",
+            ENV_CHECKPOINT_SOCKET,
+        )
         tag = uuid.uuid4().hex[:8]
         path = os.path.join(tempfile.gettempdir(), f"dlrover-ckpt-{os.getpid()}-{tag}.sock")
         saver = CheckpointSaver(path, shm_prefix=f"dlrover-ckpt-{os.getpid()}-{tag}")

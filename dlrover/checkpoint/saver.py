@@ -46,9 +46,15 @@ class PersistSpec:
         fmt = str(doc["format"])
         if fmt not in ("plain", "dcp"):
             raise CheckpointError(f"unknown checkpoint format {fmt!r}")
-        return cls(str(doc["dir"]), {int(k): int(v) for k, v in doc["slots"].items()}, fmt,
-                   int(doc["node_rank"]), int(doc["persist_nodes"]), int(doc["keep_last"]),
-                   bool(doc.get("persists", True)))
+        return cls(
+            str(doc["dir"]),
+            {int(k): int(v) for k, v in doc["slots"].items()},
+            fmt,
+            int(doc["node_rank"]),
+            int(doc["persist_nodes"]),
+            int(doc["keep_last"]),
+            bool(doc.get("persists", True)),
+        )
 
 
 class CheckpointSaver:
@@ -59,10 +65,14 @@ class CheckpointSaver:
     busy), a segment only grows, and at most one persist runs at a time.
     """
 
-    def __init__(self, socket_path: str, shm_prefix: str | None = None,
-                 coordinator: CommitCoordinator | None = None,
-                 shm_dir: str = DEFAULT_SHM_DIR,
-                 storage_factory: Callable[[str], Storage] = storage_for) -> None:
+    def __init__(
+        self,
+        socket_path: str,
+        shm_prefix: str | None = None,
+        coordinator: CommitCoordinator | None = None,
+        shm_dir: str = DEFAULT_SHM_DIR,
+        storage_factory: Callable[[str], Storage] = storage_for,
+    ) -> None:
         self.socket_path = socket_path
         self.shm_prefix = shm_prefix or f"dlrover-ckpt-{os.getpid()}"
         self.shm_dir = shm_dir
@@ -169,8 +179,14 @@ class CheckpointSaver:
             msg = json.loads(line)
             return self._dispatch(str(msg.get("op")), msg)
         except ShmSpaceError as exc:
-            return {"ok": False, "kind": "ShmSpaceError", "error": str(exc), "path": exc.path,
-                    "needed": exc.needed, "free": exc.free}
+            return {
+                "ok": False,
+                "kind": "ShmSpaceError",
+                "error": str(exc),
+                "path": exc.path,
+                "needed": exc.needed,
+                "free": exc.free,
+            }
         except (CheckpointError, KeyError, ValueError, TypeError, OSError) as exc:
             log.warning("checkpoint saver rejected a request: %r", exc)
             return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
@@ -184,19 +200,22 @@ class CheckpointSaver:
                 found = self._segments.get(int(msg["slot"]))
             return {"ok": True, "path": found.path if found else None}
         if op == "begin_copy":  # {slot, wait, timeout} -> {ok} | {ok: False, busy: True}
-            return self._begin_copy(int(msg["slot"]), bool(msg.get("wait", True)),
-                                    float(msg.get("timeout", DEFAULT_COPY_WAIT_S)))
+            return self._begin_copy(
+                int(msg["slot"]),
+                bool(msg.get("wait", True)),
+                float(msg.get("timeout", DEFAULT_COPY_WAIT_S)),
+            )
         if op == "copied":  # {slot, step, spec | None, persist}
-            self._copied(int(msg["slot"]), int(msg["step"]), msg.get("spec"),
-                         bool(msg.get("persist", False)))
+            self._copied(
+                int(msg["slot"]), int(msg["step"]), msg.get("spec"), bool(msg.get("persist", False))
+            )
             return {"ok": True}
         if op == "held":
             return {"ok": True, "steps": {str(k): v for k, v in self.held_steps().items()}}
         if op == "load_step":  # {slots, node_rank, total_nodes, round, timeout} -> {step}
             return {"ok": True, "step": self._agree_load_step(msg)}
         if op == "wait_persisted":  # {dir, step, timeout_s} -> {ok, committed, failure}
-            return self._wait_persisted(str(msg["dir"]), int(msg["step"]),
-                                        float(msg["timeout_s"]))
+            return self._wait_persisted(str(msg["dir"]), int(msg["step"]), float(msg["timeout_s"]))
         raise CheckpointError(f"unknown saver request {op!r}")
 
     def _allocate(self, slot: int, nbytes: int) -> SharedSegment:
@@ -209,8 +228,12 @@ class CheckpointSaver:
                 name = f"{self.shm_prefix}-slot{slot}"
                 seg = SharedSegment.create(name, nbytes, self.shm_dir)
                 self._segments[slot] = seg
-                log.info("allocated %d bytes of shared memory for slot %d at %s",
-                         seg.size, slot, seg.path)
+                log.info(
+                    "allocated %d bytes of shared memory for slot %d at %s",
+                    seg.size,
+                    slot,
+                    seg.path,
+                )
             elif seg.size < nbytes:
                 old = seg.size
                 seg.grow(nbytes)
@@ -229,8 +252,7 @@ class CheckpointSaver:
             self._votes.clear()  # memory is about to change: a new restart round must re-vote
             return {"ok": True}
 
-    def _copied(self, slot: int, step: int, spec_doc: dict[str, Any] | None,
-                persist: bool) -> None:
+    def _copied(self, slot: int, step: int, spec_doc: dict[str, Any] | None, persist: bool) -> None:
         spec = PersistSpec.from_json(spec_doc) if spec_doc else None
         with self._cond:
             if spec is not None and spec.persists:
@@ -247,8 +269,10 @@ class CheckpointSaver:
 
     def _common_step(self, spec: PersistSpec) -> int | None:
         with self._cond:
-            steps = {complete_step(self._segments[s]) if s in self._segments else None
-                     for s in spec.slots}
+            steps = {
+                complete_step(self._segments[s]) if s in self._segments else None
+                for s in spec.slots
+            }
         return steps.pop() if len(steps) == 1 else None
 
     def _last_committed(self, spec: PersistSpec) -> int | None:
@@ -266,18 +290,20 @@ class CheckpointSaver:
             if round_id in self._votes:
                 return self._votes[round_id]
             expect = {int(k): v for k, v in msg.get("ranks", {}).items()}
-            steps = {self._loadable_step(s, expect.get(s), msg.get("world_size"))
-                     for s in slots}
+            steps = {self._loadable_step(s, expect.get(s), msg.get("world_size")) for s in slots}
         local = steps.pop() if len(steps) == 1 else None
-        agreed = self.coordinator.agree_load_step(int(msg["node_rank"]),
-                                                  int(msg["total_nodes"]), local, round_id,
-                                                  float(msg.get("timeout", 60.0)))
+        agreed = self.coordinator.agree_load_step(
+            int(msg["node_rank"]),
+            int(msg["total_nodes"]),
+            local,
+            round_id,
+            float(msg.get("timeout", 60.0)),
+        )
         with self._cond:
             self._votes[round_id] = agreed
         return agreed
 
-    def _loadable_step(self, slot: int, rank: int | None, world_size: int | None
-                       ) -> int | None:
+    def _loadable_step(self, slot: int, rank: int | None, world_size: int | None) -> int | None:
         """The complete step of ``slot`` if it was saved by ``rank`` at ``world_size``."""
         seg = self._segments.get(slot)
         if seg is None:
@@ -292,15 +318,21 @@ class CheckpointSaver:
             return None
         return int(meta["step"])
 
-    def _wait_persisted(self, checkpoint_dir: str, step: int, timeout: float
-                        ) -> dict[str, Any]:
+    def _wait_persisted(self, checkpoint_dir: str, step: int, timeout: float) -> dict[str, Any]:
         with self._cond:
             done = self._cond.wait_for(
-                lambda: self._committed.get(checkpoint_dir, -1) >= step
-                or checkpoint_dir in self._errors, timeout)
+                lambda: (
+                    self._committed.get(checkpoint_dir, -1) >= step
+                    or checkpoint_dir in self._errors
+                ),
+                timeout,
+            )
             error = self._errors.get(checkpoint_dir)
-            return {"ok": done and error is None, "committed": self._committed.get(checkpoint_dir),
-                    "failure": error}
+            return {
+                "ok": done and error is None,
+                "committed": self._committed.get(checkpoint_dir),
+                "failure": error,
+            }
 
     # ------------------------------------------------------------------ persisting
     def _persist_loop(self) -> None:
@@ -325,8 +357,10 @@ class CheckpointSaver:
         """Wait until every saving slot of the node holds ``step`` (they copy in parallel)."""
         with self._cond:
             failures = self._failures
-            self._cond.wait_for(lambda: self._slots_hold(spec, step) is not False
-                                or self._failures != failures, timeout)
+            self._cond.wait_for(
+                lambda: self._slots_hold(spec, step) is not False or self._failures != failures,
+                timeout,
+            )
             if self._slots_hold(spec, step) and self._failures == failures:
                 return True
         log.warning("not persisting step %d: its copy is not complete in every slot", step)
@@ -363,20 +397,24 @@ class CheckpointSaver:
                 self._errors[spec.checkpoint_dir] = f"step {step}: {exc}"
                 self._cond.notify_all()
             return False
-        log.info("persisted step %d to %s in %.2f s", step, spec.checkpoint_dir,
-                 time.monotonic() - started)
+        log.info(
+            "persisted step %d to %s in %.2f s",
+            step,
+            spec.checkpoint_dir,
+            time.monotonic() - started,
+        )
         return True
 
     def _slots_hold(self, spec: PersistSpec, step: int) -> bool | None:
         """True: every slot holds ``step``; False: some slot is behind; None: passed it."""
-        held = [complete_step(self._segments[s]) if s in self._segments else None
-                for s in spec.slots]
+        held = [
+            complete_step(self._segments[s]) if s in self._segments else None for s in spec.slots
+        ]
         if any(h is not None and h > step for h in held):
             return None
         return all(h == step for h in held)
 
-    def _write_parts(self, catalog: Catalog, step: int, spec: PersistSpec
-                     ) -> Finalizer | None:
+    def _write_parts(self, catalog: Catalog, step: int, spec: PersistSpec) -> Finalizer | None:
         """Stream every slot of ``spec`` to storage and record this node's part."""
         with self._cond:
             segs = {slot: self._segments[slot] for slot in spec.slots}
@@ -386,7 +424,8 @@ class CheckpointSaver:
             from dlrover.checkpoint.dcp_writer import persist_dcp, write_dcp_metadata
 
             files, extra["dcp"] = persist_dcp(
-                catalog, step, {spec.slots[s]: seg for s, seg in segs.items()})
+                catalog, step, {spec.slots[s]: seg for s, seg in segs.items()}
+            )
             finalize = write_dcp_metadata
         else:
             files = {}
@@ -394,13 +433,15 @@ class CheckpointSaver:
                 seq, meta = read_metadata(seg)
                 if meta["step"] != step:
                     raise CheckpointError(f"slot {slot} moved on from step {step}")
-                files.update(catalog.persist_plain_part(step, f"rank_{spec.slots[slot]}",
-                                                        seg, meta, seq))
+                files.update(
+                    catalog.persist_plain_part(step, f"rank_{spec.slots[slot]}", seg, meta, seq)
+                )
         catalog.record_node_part(step, spec.node_rank, files, extra)
         return finalize
 
-    def _commit(self, catalog: Catalog, step: int, spec: PersistSpec,
-                finalize: Finalizer | None) -> None:
+    def _commit(
+        self, catalog: Catalog, step: int, spec: PersistSpec, finalize: Finalizer | None
+    ) -> None:
         """Report this node's part; the last node to report writes manifest and 'latest'."""
         if self.coordinator.report_persisted(step, spec.node_rank, spec.persist_nodes):
             catalog.commit(step, spec.fmt, finalize)

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from dlrover.constants import DEFAULT_HEARTBEAT_TIMEOUT_S
+from dlrover.master.checkpoint_service import CheckpointCoordination
 from dlrover.master.kv_store import KvStore
 from dlrover.master.nodes import ALIVE_STATES, Node, NodeError, NodeState, NodeTable
 from dlrover.master.rendezvous import RendezvousConfig, RendezvousError, RendezvousManager, World
@@ -59,6 +60,7 @@ class JobMaster:
         self.nodes = NodeTable(store, clock)
         self.kv = KvStore(store)
         self.sharding = ShardingService(store, clock)
+        self.checkpoint = CheckpointCoordination(store)
         self.rendezvous: RendezvousManager | None = None
         if config.rendezvous is not None:
             self.rendezvous = RendezvousManager(config.rendezvous, store, clock)

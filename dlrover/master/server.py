@@ -259,6 +259,36 @@ class MasterServicer(pb_grpc.MasterServicer):
 
         return _guard(context, run)
 
+    def CheckpointPersisted(
+        self, request: pb.CheckpointPersistedRequest, context: grpc.ServicerContext
+    ) -> pb.CheckpointPersistedResponse:  # noqa: N802
+        committer = self.job.checkpoint.report_persisted(
+            request.step, request.node_rank, request.total_nodes
+        )
+        return pb.CheckpointPersistedResponse(committer=committer)
+
+    def CheckpointCommitted(
+        self, request: pb.CheckpointCommittedRequest, context: grpc.ServicerContext
+    ) -> pb.CheckpointCommittedResponse:  # noqa: N802
+        if request.mark:
+            self.job.checkpoint.mark_committed(request.step)
+            return pb.CheckpointCommittedResponse(committed=True)
+        return pb.CheckpointCommittedResponse(
+            committed=self.job.checkpoint.wait_committed(request.step, request.wait_s)
+        )
+
+    def AgreeLoadStep(
+        self, request: pb.AgreeLoadStepRequest, context: grpc.ServicerContext
+    ) -> pb.AgreeLoadStepResponse:  # noqa: N802
+        local = request.local_step if request.HasField("local_step") else None
+        decided, step = self.job.checkpoint.agree_load_step(
+            request.node_rank, request.total_nodes, local, request.round_id, request.wait_s
+        )
+        response = pb.AgreeLoadStepResponse(decided=decided)
+        if step is not None:
+            response.step = step
+        return response
+
     def StopJob(self, request: pb.StopJobRequest, context: grpc.ServicerContext) -> pb.JobStatus:  # noqa: N802
         self.job.stop(request.reason or "stopped by request")
         return self.GetJobStatus(pb.GetJobStatusRequest(), context)

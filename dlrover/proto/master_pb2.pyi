@@ -296,3 +296,57 @@ class StopJobRequest(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     reason: str
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class CheckpointPersistedRequest(_message.Message):
+    __slots__ = ("step", "node_rank", "total_nodes")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    NODE_RANK_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_NODES_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    node_rank: int
+    total_nodes: int
+    def __init__(self, step: _Optional[int] = ..., node_rank: _Optional[int] = ..., total_nodes: _Optional[int] = ...) -> None: ...
+
+class CheckpointPersistedResponse(_message.Message):
+    __slots__ = ("committer",)
+    COMMITTER_FIELD_NUMBER: _ClassVar[int]
+    committer: bool
+    def __init__(self, committer: _Optional[bool] = ...) -> None: ...
+
+class CheckpointCommittedRequest(_message.Message):
+    __slots__ = ("step", "mark", "wait_s")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MARK_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    mark: bool
+    wait_s: float
+    def __init__(self, step: _Optional[int] = ..., mark: _Optional[bool] = ..., wait_s: _Optional[float] = ...) -> None: ...
+
+class CheckpointCommittedResponse(_message.Message):
+    __slots__ = ("committed",)
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    committed: bool
+    def __init__(self, committed: _Optional[bool] = ...) -> None: ...
+
+class AgreeLoadStepRequest(_message.Message):
+    __slots__ = ("node_rank", "total_nodes", "local_step", "round_id", "wait_s")
+    NODE_RANK_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_NODES_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_STEP_FIELD_NUMBER: _ClassVar[int]
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    node_rank: int
+    total_nodes: int
+    local_step: int
+    round_id: int
+    wait_s: float
+    def __init__(self, node_rank: _Optional[int] = ..., total_nodes: _Optional[int] = ..., local_step: _Optional[int] = ..., round_id: _Optional[int] = ..., wait_s: _Optional[float] = ...) -> None: ...
+
+class AgreeLoadStepResponse(_message.Message):
+    __slots__ = ("decided", "step")
+    DECIDED_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    decided: bool
+    step: int
+    def __init__(self, decided: _Optional[bool] = ..., step: _Optional[int] = ...) -> None: ...

@@ -89,6 +89,21 @@ class MasterStub:
                 request_serializer=dlrover_dot_proto_dot_master__pb2.StopJobRequest.SerializeToString,
                 response_deserializer=dlrover_dot_proto_dot_master__pb2.JobStatus.FromString,
                 _registered_method=True)
+        self.CheckpointPersisted = channel.unary_unary(
+                '/dlrover.Master/CheckpointPersisted',
+                request_serializer=dlrover_dot_proto_dot_master__pb2.CheckpointPersistedRequest.SerializeToString,
+                response_deserializer=dlrover_dot_proto_dot_master__pb2.CheckpointPersistedResponse.FromString,
+                _registered_method=True)
+        self.CheckpointCommitted = channel.unary_unary(
+                '/dlrover.Master/CheckpointCommitted',
+                request_serializer=dlrover_dot_proto_dot_master__pb2.CheckpointCommittedRequest.SerializeToString,
+                response_deserializer=dlrover_dot_proto_dot_master__pb2.CheckpointCommittedResponse.FromString,
+                _registered_method=True)
+        self.AgreeLoadStep = channel.unary_unary(
+                '/dlrover.Master/AgreeLoadStep',
+                request_serializer=dlrover_dot_proto_dot_master__pb2.AgreeLoadStepRequest.SerializeToString,
+                response_deserializer=dlrover_dot_proto_dot_master__pb2.AgreeLoadStepResponse.FromString,
+                _registered_method=True)
         self.Sharding = channel.unary_unary(
                 '/dlrover.Master/Sharding',
                 request_serializer=dlrover_dot_proto_dot_master__pb2.ShardingRequest.SerializeToString,
@@ -175,6 +190,25 @@ class MasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CheckpointPersisted(self, request, context):
+        """Flash checkpoint commit across nodes (see dlrover/checkpoint/coordinator.py).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CheckpointCommitted(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AgreeLoadStep(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Sharding(self, request, context):
         """Dynamic data sharding: one call per ShardingTransport method (see dlrover/sharding/transport.py).
         """
@@ -239,6 +273,21 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.StopJob,
                     request_deserializer=dlrover_dot_proto_dot_master__pb2.StopJobRequest.FromString,
                     response_serializer=dlrover_dot_proto_dot_master__pb2.JobStatus.SerializeToString,
+            ),
+            'CheckpointPersisted': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckpointPersisted,
+                    request_deserializer=dlrover_dot_proto_dot_master__pb2.CheckpointPersistedRequest.FromString,
+                    response_serializer=dlrover_dot_proto_dot_master__pb2.CheckpointPersistedResponse.SerializeToString,
+            ),
+            'CheckpointCommitted': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckpointCommitted,
+                    request_deserializer=dlrover_dot_proto_dot_master__pb2.CheckpointCommittedRequest.FromString,
+                    response_serializer=dlrover_dot_proto_dot_master__pb2.CheckpointCommittedResponse.SerializeToString,
+            ),
+            'AgreeLoadStep': grpc.unary_unary_rpc_method_handler(
+                    servicer.AgreeLoadStep,
+                    request_deserializer=dlrover_dot_proto_dot_master__pb2.AgreeLoadStepRequest.FromString,
+                    response_serializer=dlrover_dot_proto_dot_master__pb2.AgreeLoadStepResponse.SerializeToString,
             ),
             'Sharding': grpc.unary_unary_rpc_method_handler(
                     servicer.Sharding,
@@ -543,6 +592,87 @@ class Master:
             '/dlrover.Master/StopJob',
             dlrover_dot_proto_dot_master__pb2.StopJobRequest.SerializeToString,
             dlrover_dot_proto_dot_master__pb2.JobStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckpointPersisted(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dlrover.Master/CheckpointPersisted',
+            dlrover_dot_proto_dot_master__pb2.CheckpointPersistedRequest.SerializeToString,
+            dlrover_dot_proto_dot_master__pb2.CheckpointPersistedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckpointCommitted(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dlrover.Master/CheckpointCommitted',
+            dlrover_dot_proto_dot_master__pb2.CheckpointCommittedRequest.SerializeToString,
+            dlrover_dot_proto_dot_master__pb2.CheckpointCommittedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AgreeLoadStep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dlrover.Master/AgreeLoadStep',
+            dlrover_dot_proto_dot_master__pb2.AgreeLoadStepRequest.SerializeToString,
+            dlrover_dot_proto_dot_master__pb2.AgreeLoadStepResponse.FromString,
             options,
             channel_credentials,
             insecure,

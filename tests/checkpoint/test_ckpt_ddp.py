@@ -94,15 +94,17 @@ def test_keep_last_deletes_old_steps(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
 
 def test_memory_save_never_overwrites_a_step_waiting_to_be_persisted(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv(ENV_CHECKPOINT_SOCKET, raising=False)
     ckpt = DdpCheckpointer(str(tmp_path / "ckpt"))
     try:
         for step in range(1, 4):
             assert ckpt.save_checkpoint(step * 10, expected_state(step * 10))
             # Right away: skipped while step*10 is pending/persisting, never a torn persist.
-            ckpt.save_checkpoint(step * 10 + 1, expected_state(step * 10 + 1),
-                                 storage_type=StorageType.MEMORY)
+            ckpt.save_checkpoint(
+                step * 10 + 1, expected_state(step * 10 + 1), storage_type=StorageType.MEMORY
+            )
             assert ckpt.wait_latest_checkpoint(30)
             assert (tmp_path / "ckpt" / "latest").read_text() == str(step * 10)
             state = ckpt.load_checkpoint(resume_path=str(tmp_path / "ckpt"))

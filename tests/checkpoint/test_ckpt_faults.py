@@ -155,11 +155,13 @@ def test_manifest_lists_checksums(tmp_path: Path) -> None:
 
 
 def test_worker_failure_releases_a_persist_waiting_for_a_dead_rank(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     with running_saver(tmp_path) as saver:
         monkeypatch.setenv(ENV_CHECKPOINT_SOCKET, saver.socket_path)
-        rank0 = CheckpointEngine(str(tmp_path / "ckpt"), sharded=True,
-                                 placement=WorkerPlacement(0, 0, 2, 2, 0, 0))
+        rank0 = CheckpointEngine(
+            str(tmp_path / "ckpt"), sharded=True, placement=WorkerPlacement(0, 0, 2, 2, 0, 0)
+        )
         try:
             # Rank 1 dies before copying step 5, so that persist can never start.
             assert rank0.save(5, {"w": torch.ones(4)}, persist=True)

@@ -20,8 +20,10 @@ from tests.checkpoint.harness import (
 
 def _envs(socket_path: str, world: int, restart: int = 0) -> list[dict[str, str]]:
     port = free_port()
-    return [worker_env(socket_path, rank=r, world=world, port=port, restart=restart)
-            for r in range(world)]
+    return [
+        worker_env(socket_path, rank=r, world=world, port=port, restart=restart)
+        for r in range(world)
+    ]
 
 
 @pytest.mark.slow
@@ -32,36 +34,49 @@ def test_sharded_save_load_memory_storage_dcp_and_other_world_sizes(tmp_path: Pa
         assert saver.held_steps() == {0: 5, 1: 5}
         step_dir = tmp_path / "ckpt" / "step_5"
         assert (step_dir / ".metadata").exists()
-        assert sorted(p.name for p in step_dir.glob("*.distcp")) == ["__0_0.distcp",
-                                                                    "__1_0.distcp"]
+        assert sorted(p.name for p in step_dir.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
         # Same world size after a restart: every rank loads its own shards from memory.
-        run_workers(["fsdp_load", ckpt, "5", oracle, "memory"],
-                    _envs(saver.socket_path, 2, restart=1), timeout=120)
+        run_workers(
+            ["fsdp_load", ckpt, "5", oracle, "memory"],
+            _envs(saver.socket_path, 2, restart=1),
+            timeout=120,
+        )
 
     # Plain DCP, no process group, no DLRover: the step directory is a DCP checkpoint.
     expected = torch.load(oracle, weights_only=True)
     target: dict[str, dict[str, Any]] = {
         "model": {k: torch.empty_like(v) for k, v in expected["model"].items()},
-        "extra": {"step": None}}
+        "extra": {"step": None},
+    }
     dcp.load(target, checkpoint_id=str(tmp_path / "ckpt" / "step_5"))
     assert_same(expected["model"], target["model"])
     assert target["extra"]["step"] == 5
 
     with running_saver(tmp_path) as fresh:  # new agents: resume from storage, resharded
         for world in (1, 3):
-            run_workers(["fsdp_load", ckpt, "5", oracle, "storage"],
-                        _envs(fresh.socket_path, world, restart=2), timeout=120)
+            run_workers(
+                ["fsdp_load", ckpt, "5", oracle, "storage"],
+                _envs(fresh.socket_path, world, restart=2),
+                timeout=120,
+            )
 
 
 @pytest.mark.slow
 def test_full_state_checkpointer_round_trip(tmp_path: Path) -> None:
     ckpt, oracle = str(tmp_path / "ckpt"), str(tmp_path / "oracle.pt")
     with running_saver(tmp_path) as saver:
-        run_workers(["fsdp_save", ckpt, "3", oracle, "full"], _envs(saver.socket_path, 2),
-                    timeout=120)
+        run_workers(
+            ["fsdp_save", ckpt, "3", oracle, "full"], _envs(saver.socket_path, 2), timeout=120
+        )
         assert (tmp_path / "ckpt" / "step_3" / "rank_0.bin").exists()
-        run_workers(["fsdp_load", ckpt, "3", oracle, "memory", "full"],
-                    _envs(saver.socket_path, 2, restart=1), timeout=120)
+        run_workers(
+            ["fsdp_load", ckpt, "3", oracle, "memory", "full"],
+            _envs(saver.socket_path, 2, restart=1),
+            timeout=120,
+        )
     with running_saver(tmp_path) as fresh:
-        run_workers(["fsdp_load", ckpt, "3", oracle, "storage", "full"],
-                    _envs(fresh.socket_path, 2, restart=2), timeout=120)
+        run_workers(
+            ["fsdp_load", ckpt, "3", oracle, "storage", "full"],
+            _envs(fresh.socket_path, 2, restart=2),
+            timeout=120,
+        )

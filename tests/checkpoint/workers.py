@@ -20,8 +20,11 @@ from tests.checkpoint.harness import assert_same, expected_state
 def ddp_save(ckpt_dir: str, step: str, kind: str) -> None:
     ckpt = DdpCheckpointer(ckpt_dir)
     disk = kind == "disk"
-    ok = ckpt.save_checkpoint(int(step), expected_state(int(step)),
-                              storage_type=StorageType.DISK if disk else StorageType.MEMORY)
+    ok = ckpt.save_checkpoint(
+        int(step),
+        expected_state(int(step)),
+        storage_type=StorageType.DISK if disk else StorageType.MEMORY,
+    )
     assert ok
     if disk:
         assert ckpt.wait_latest_checkpoint(30)
@@ -40,8 +43,7 @@ def ddp_save_then_die_mid_copy(ckpt_dir: str, good: str, torn: str, marker: str)
             Path(marker).touch()
             threading.Event().wait(3600)  # the parent kills us here
 
-    ckpt.engine.save(int(torn), expected_state(int(torn)), persist=True,
-                     after_tensor=stop_mid_copy)
+    ckpt.engine.save(int(torn), expected_state(int(torn)), persist=True, after_tensor=stop_mid_copy)
 
 
 def ddp_load(ckpt_dir: str, step: str, source: str) -> None:
@@ -109,8 +111,7 @@ def fsdp_save(ckpt_dir: str, step: str, oracle: str, kind: str = "shard") -> Non
     dist.destroy_process_group()
 
 
-def fsdp_load(ckpt_dir: str, step: str, oracle: str, source: str, kind: str = "shard"
-              ) -> None:
+def fsdp_load(ckpt_dir: str, step: str, oracle: str, source: str, kind: str = "shard") -> None:
     """A fresh (differently initialised) job loads the checkpoint; compare to the oracle."""
     dist.init_process_group("gloo")
     model, optim = _fsdp_model(seed=123)
@@ -130,8 +131,10 @@ def fsdp_load(ckpt_dir: str, step: str, oracle: str, source: str, kind: str = "s
 def main(argv: list[str]) -> None:
     if os.environ.get("WORKER_DUMP_AFTER"):  # debugging aid: stacks of a hung worker
         faulthandler.dump_traceback_later(float(os.environ["WORKER_DUMP_AFTER"]), exit=True)
-    scenarios = {f.__name__: f for f in (ddp_save, ddp_save_then_die_mid_copy, ddp_load,
-                                         fsdp_save, fsdp_load)}
+    scenarios = {
+        f.__name__: f
+        for f in (ddp_save, ddp_save_then_die_mid_copy, ddp_load, fsdp_save, fsdp_load)
+    }
     scenarios[argv[0]](*argv[1:])
     print(json.dumps({"done": argv[0]}))
 

@@ -38,16 +38,22 @@ class FsdpShardCheckpointer(Checkpointer):
 
     sharded = True
 
-    def save_checkpoint(self, step: int, model: torch.nn.Module,
-                        optimizer: torch.optim.Optimizer, extra_sd: dict[str, Any] | None = None,
-                        path: str = "", storage_type: StorageType = StorageType.DISK) -> bool:
+    def save_checkpoint(
+        self,
+        step: int,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        extra_sd: dict[str, Any] | None = None,
+        path: str = "",
+        storage_type: StorageType = StorageType.DISK,
+    ) -> bool:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optimizer": optim_sd, "extra": dict(extra_sd or {})}
-        return self._engine_for(path).save(step, state,
-                                           persist=storage_type == StorageType.DISK)
+        return self._engine_for(path).save(step, state, persist=storage_type == StorageType.DISK)
 
-    def load_checkpoint(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                        resume_path: str = "") -> dict[str, Any]:
+    def load_checkpoint(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, resume_path: str = ""
+    ) -> dict[str, Any]:
         """Load the newest step into ``model`` and ``optimizer``; returns the ``extra_sd``
         that was saved with it ({} when there is no checkpoint)."""
         model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -74,8 +80,9 @@ class FsdpShardCheckpointer(Checkpointer):
             state = target
             self.last_load_source = "storage"
             log.info("loaded step %d from %s", found[0], url)
-        set_state_dict(model, optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"])
+        set_state_dict(
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+        )
         return dict(state.get("extra", {}))
 
 
@@ -86,7 +93,7 @@ def _extra_target(url: str) -> dict[str, Any]:
     for fqn, md in metadata.state_dict_metadata.items():
         if not fqn.startswith("extra."):
             continue
-        *parents, leaf = fqn[len("extra."):].split(".")
+        *parents, leaf = fqn[len("extra.") :].split(".")
         node = extra
         for key in parents:
             node = node.setdefault(key, {})
@@ -104,19 +111,25 @@ class FsdpFullCheckpointer(Checkpointer):
 
     sharded = False
 
-    def save_checkpoint(self, step: int, model: torch.nn.Module,
-                        optimizer: torch.optim.Optimizer, extra_sd: dict[str, Any] | None = None,
-                        path: str = "", storage_type: StorageType = StorageType.DISK) -> bool:
+    def save_checkpoint(
+        self,
+        step: int,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        extra_sd: dict[str, Any] | None = None,
+        path: str = "",
+        storage_type: StorageType = StorageType.DISK,
+    ) -> bool:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
         if _rank() != 0:
             return True
         state = {"model": model_sd, "optimizer": optim_sd, "extra": dict(extra_sd or {})}
-        return self._engine_for(path).save(step, state,
-                                           persist=storage_type == StorageType.DISK)
+        return self._engine_for(path).save(step, state, persist=storage_type == StorageType.DISK)
 
-    def load_checkpoint(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                        resume_path: str = "") -> dict[str, Any]:
+    def load_checkpoint(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, resume_path: str = ""
+    ) -> dict[str, Any]:
         engine = self.engine
         self.last_load_source = None
         catalog, bound = resolve_catalog(engine, resume_path)
