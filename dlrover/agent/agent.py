@@ -13,6 +13,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import psutil
 
@@ -23,8 +24,9 @@ from dlrover.agent.failures import judge
 from dlrover.agent.worker_env import WorkerPlacement, worker_env
 from dlrover.agent.workers import WorkerExit, WorkerGroup, WorkerLaunch
 from dlrover.agent.zygote import PendingZygote, Zygote, ZygoteError
+from dlrover.client.checkpoint import MasterCommitCoordinator
 from dlrover.client.master_client import MasterClient, MasterClientError
-from dlrover.constants import ENV_AGENT_PID, ENV_NODE_NAME, ENV_STEP_FILE
+from dlrover.constants import ENV_AGENT_PID, ENV_CHECKPOINT_SOCKET, ENV_NODE_NAME, ENV_STEP_FILE
 from dlrover.decisions import FailureAction
 from dlrover.proto import master_pb2 as pb
 from dlrover.trainer.progress import read_step_file
@@ -103,6 +105,7 @@ class ElasticAgent:
         self._error_files: dict[int, str] = {}
         self._history: list[UserErrorSignature | None] = []
         self._zygote: PendingZygote | None = None
+        self._saver: Any = None
         self._hung: list[int] = []
         self._rank_offset = 0
         self._started_at = time.monotonic()
@@ -118,6 +121,7 @@ class ElasticAgent:
     def run(self) -> RunResult:
         self._register()
         self._run_dir = tempfile.mkdtemp(prefix="dlrover_agent_")
+        self._start_saver()
         hb = threading.Thread(target=self._heartbeat_loop, daemon=True, name="dlrover-heartbeat")
         hb.start()
         try:
@@ -129,7 +133,35 @@ class ElasticAgent:
             hb.join(timeout=self.config.heartbeat_interval_s + 1.0)
             if self._zygote is not None:
                 self._zygote.cancel()
+            if self._saver is not None:
+                # Persists already queued (the last checkpoint) finish before the memory goes.
+                self._saver.close(unlink=True, timeout=self.config.checkpoint_close_timeout_s)
             shutil.rmtree(self._run_dir, ignore_errors=True)
+
+    def _start_saver(self) -> None:
+        """Own the flash-checkpoint shared memory of this node, so it outlives worker crashes."""
+        if not self.config.flash_checkpoint:
+            return
+        from dlrover.checkpoint.saver import CheckpointSaver
+
+        self._saver = CheckpointSaver(
+            socket_path=os.path.join(self._run_dir, "ckpt.sock"),
+            shm_prefix=f"dlrover-{os.getpid()}-ckpt",
+            coordinator=MasterCommitCoordinator(self.client),
+        )
+        self._saver.start()
+
+    def _persist_on_failure(self) -> None:
+        """Before a restart: persist the newest step that only lives in memory."""
+        if self._saver is None:
+            return
+        try:
+            step = self._saver.persist_latest_if_newer()
+        except Exception:  # the restart must happen even if storage is broken
+            logger.exception("could not persist the in-memory checkpoint after the failure")
+            return
+        if step is not None:
+            logger.info("persisted in-memory checkpoint step %d after the failure", step)
 
     def _register(self) -> None:
         cfg = self.config
@@ -185,6 +217,7 @@ class ElasticAgent:
                 self.node_id,
             )
             self._history.append(verdict.signature)
+            self._persist_on_failure()
             if verdict.decision.action is FailureAction.RESTART_PROCESSES:
                 self.restart_count += 1
                 logger.warning(
@@ -285,6 +318,8 @@ class ElasticAgent:
             step_file = os.path.join(self._run_dir, f"step.{self._attempt}.{local_rank}")
             env[ENV_STEP_FILE] = step_file
             env[ENV_AGENT_PID] = str(os.getpid())
+            if self._saver is not None:
+                env[ENV_CHECKPOINT_SOCKET] = self._saver.socket_path
             env.pop(ENV_NODE_NAME, None)
             env[ENV_DONE_FILE] = os.path.join(self._run_dir, f"done.{self._attempt}.{local_rank}")
             os.makedirs(os.path.dirname(env["TORCHELASTIC_ERROR_FILE"]), exist_ok=True)

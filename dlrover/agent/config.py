@@ -56,5 +56,9 @@ class AgentConfig:
     """Fork restarted workers from a zygote that has imported torch already."""
     zygote_delay_s: float = 20.0
     """Start the zygote after the first step is reported, or this long after the workers start."""
+    flash_checkpoint: bool = True
+    """Host the flash-checkpoint saver (shared memory that survives worker restarts)."""
+    checkpoint_close_timeout_s: float = 600.0
+    """At exit, how long queued checkpoint persists may take before the memory is freed."""
     hang_timeout_s: float = c.DEFAULT_HANG_TIMEOUT_S
     """No step reported by a worker for this long (after its first) is a hang; 0: off."""

@@ -146,3 +146,38 @@ def test_three_nodes_shrink_to_two_and_grow_back(tmp_path: Path):
     ref_tail = sum(loss for _, _, loss in steps_log(ref_out)[-5:]) / 5
     # Fewer samples per step for a while: close to, not equal to, the failure-free loss.
     assert tail <= 1.5 * ref_tail + 0.05
+
+
+@pytest.mark.slow
+def test_restarted_workers_resume_from_shared_memory_bit_for_bit(tmp_path: Path):
+    def run(name: str, faults: str = "") -> Path:
+        out = tmp_path / name
+        r = dlrover_run(
+            [
+                "--standalone",
+                "--nproc-per-node=2",
+                "--max-restarts=2",
+                str(SCRIPTS / "flash_train.py"),
+                "--steps",
+                "14",
+                "--disk-every",
+                "5",
+                "--ckpt",
+                str(tmp_path / f"{name}-ckpt"),
+                "--out",
+                str(out),
+            ],
+            env=clean_env(DLROVER_FAULTS=faults),
+        )
+        assert r.returncode == 0, r.stderr
+        return out
+
+    ref = run("ref")
+    killed = run("killed", faults="kill:rank=1:step=8")
+    assert final(killed) == final(ref)
+    lines = Path(f"{killed}.steps").read_text().split("\n")
+    resumes = [line for line in lines if line.startswith("resume")]
+    # Step 7 was only in memory (storage had step 5): the restart loaded it from there.
+    assert resumes == ["resume 1 None", "resume 8 memory"]
+    steps = [int(x) for x in lines if x and not x.startswith("resume")]
+    assert steps == list(range(1, 15))

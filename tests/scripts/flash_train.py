@@ -1,0 +1,86 @@
+"""Deterministic training with DdpCheckpointer: memory every step, storage every k steps.
+
+After a failure the restarted workers must resume from the newest step in the agent's shared
+memory (not the older one on storage), so the final parameters equal a failure-free run's.
+Rank 0 appends "<step> <loaded-from>" lines to <out>.steps and the final SHA-256 to <out>.final.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dlrover.testing.faults import FaultInjector
+from dlrover.trainer import StepReporter
+from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer, StorageType
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--disk-every", type=int, default=5)
+    p.add_argument("--ckpt", required=True)
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    ckpt = DdpCheckpointer(a.ckpt)
+    state = ckpt.load_checkpoint()
+    start = 1
+    if state:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        start = int(state["step"]) + 1
+    for t in model.state_dict().values():
+        dist.broadcast(t, 0)
+    if rank == 0:
+        with open(a.out + ".steps", "a") as f:
+            f.write(f"resume {start} {ckpt.last_load_source}\n")
+    faults, progress = FaultInjector.from_env(), StepReporter()
+    for step in range(start, a.steps + 1):
+        faults.maybe_inject(step)
+        g = torch.Generator().manual_seed(step * 1000 + rank)
+        x = torch.randn(16, 8, generator=g)
+        loss = nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True))
+        opt.zero_grad()
+        loss.backward()
+        for param in model.parameters():  # fixed-order averaging, see oracle_train.py
+            assert param.grad is not None
+            dist.all_reduce(param.grad)
+            param.grad /= world
+        opt.step()
+        storage = StorageType.DISK if step % a.disk_every == 0 else StorageType.MEMORY
+        ckpt.save_checkpoint(
+            step,
+            {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step},
+            storage_type=storage,
+        )
+        if storage == StorageType.DISK:
+            # A memory save is skipped while the segment is being persisted (there is one copy
+            # of the state, no staging buffer); wait so the next steps land in memory for sure.
+            ckpt.wait_latest_checkpoint(60)
+        progress.report(step)
+        if rank == 0:
+            with open(a.out + ".steps", "a") as f:
+                f.write(f"{step}\n")
+        dist.barrier()
+    ckpt.wait_latest_checkpoint(60)
+    if rank == 0:
+        digest = hashlib.sha256()
+        for t in model.state_dict().values():
+            digest.update(t.detach().numpy().tobytes())
+        with open(a.out + ".final", "w") as f:
+            f.write(digest.hexdigest())
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
