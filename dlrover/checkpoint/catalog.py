@@ -1,4 +1,4 @@
-"""The on-storage protocol: step directories, per-node parts, manifests, the 'latest' marker."""
+"""The on-storage protocol: step directories, node parts, manifests, the "latest" marker."""
 
 from __future__ import annotations
 
@@ -8,8 +8,6 @@ import re
 import zlib
 from collections.abc import Callable
 from typing import Any
-
-import torch
 
 from dlrover.checkpoint.config import (
     DEFAULT_KEEP_LAST,
@@ -22,7 +20,7 @@ from dlrover.checkpoint.errors import (
     CheckpointStorageError,
     SegmentStateError,
 )
-from dlrover.checkpoint.layout import HEADER_SIZE, decode, read_seq
+from dlrover.checkpoint.header import HEADER_SIZE, read_seq
 from dlrover.checkpoint.shm import SharedSegment
 from dlrover.checkpoint.storage import Storage
 
@@ -192,6 +190,12 @@ class Catalog:
 
     def load_plain_part(self, step: int, part: str, target: Any = None) -> Any:
         """Read ``part`` of a verified plain step back into a state dict (into ``target``)."""
+        # Loading builds tensors, so torch is needed here (trainer side); the agent, which
+        # only writes parts, imports this module without it.
+        import torch
+
+        from dlrover.checkpoint.layout import decode
+
         rel = step_dir(step)
         meta = json.loads(self.storage.read_bytes(f"{rel}/{part}.meta.json"))
         data = torch.empty(int(meta["data_len"]), dtype=torch.uint8)

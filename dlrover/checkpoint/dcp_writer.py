@@ -28,14 +28,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from dlrover.checkpoint.catalog import Catalog, FileTable, crc32_file, step_dir
 from dlrover.checkpoint.errors import CheckpointError, SegmentStateError
-from dlrover.checkpoint.layout import (
-    decode,
-    dtype_from_name,
-    dtype_name,
-    read_metadata,
-    read_seq,
-    tensor_view,
-)
+from dlrover.checkpoint.header import read_metadata, read_seq
+from dlrover.checkpoint.layout import decode, dtype_from_name, dtype_name, tensor_view
 from dlrover.checkpoint.shm import SharedSegment
 
 # Each saving rank r of the node gets its own DCP plan with storage prefix "__r_", so files of

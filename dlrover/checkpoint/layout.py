@@ -1,9 +1,8 @@
-"""Segment layout: a seqlock header, raw tensor bytes, and JSON metadata describing the state."""
+"""Segment layout: where each tensor of a state goes, the copy into a segment, and decoding."""
 
 from __future__ import annotations
 
 import json
-import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,21 +10,19 @@ from typing import Any
 import torch
 
 from dlrover.checkpoint.errors import SegmentStateError, StateDictError
+from dlrover.checkpoint.header import (
+    FORMAT_VERSION,
+    HEADER_SIZE,
+    begin_write,
+    publish,
+    read_metadata,
+    read_seq,
+)
+from dlrover.checkpoint.header import align as _align
 from dlrover.checkpoint.shm import SharedSegment
 
-MAGIC = b"DLRCKPT1"
-_HEADER = struct.Struct("<8sQqQQQ")  # magic, seq, step, data_len, meta_offset, meta_len
-HEADER_SIZE = 4096  # data starts page aligned, which keeps the copies on the fast path
-ALIGN = 64
-FORMAT_VERSION = 1
-
-# Segment header protocol (a seqlock): the writer makes ``seq`` odd before touching any byte
-# and even again after the metadata is in place. A reader takes a snapshot only if ``seq`` is
-# even and unchanged across its read, so a copy torn by a crash (seq left odd) never loads.
-
-
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
+# The header protocol (seqlock) lives in header.py, which the agent uses without torch; this
+# module places tensors in a segment and rebuilds them, so it is the trainer's side.
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -123,22 +120,6 @@ def plan_layout(state: Any, extra: dict[str, Any] | None = None) -> Layout:
     return Layout(tree, tensors, entries, offset, dict(extra or {}))
 
 
-def _read_header(seg: SharedSegment) -> tuple[int, int, int, int, int]:
-    if seg.size < HEADER_SIZE:
-        raise SegmentStateError(f"segment {seg.path} is empty")
-    magic, seq, step, data_len, meta_offset, meta_len = _HEADER.unpack_from(seg.buffer, 0)
-    if magic != MAGIC:
-        raise SegmentStateError(f"segment {seg.path} holds no checkpoint yet")
-    return seq, step, data_len, meta_offset, meta_len
-
-
-def read_seq(seg: SharedSegment) -> int:
-    """The header's sequence number (odd: a copy is in progress or was torn)."""
-    if seg.size < HEADER_SIZE:
-        return 0
-    return int(struct.unpack_from("<Q", seg.buffer, 8)[0])
-
-
 def write_state(
     seg: SharedSegment, layout: Layout, step: int, after_tensor: Callable[[int], None] | None = None
 ) -> None:
@@ -153,10 +134,7 @@ def write_state(
             f"segment {seg.path} of {seg.size} bytes is too small for "
             f"{meta_offset + len(meta)} bytes; allocate it first"
         )
-    buf = seg.buffer
-    seq = read_seq(seg) if bytes(buf[:8]) == MAGIC else 0
-    writing = seq + 1 if seq % 2 == 0 else seq + 2
-    _HEADER.pack_into(buf, 0, MAGIC, writing, -1, 0, 0, 0)
+    writing = begin_write(seg)
     data = seg.tensor
     with torch.no_grad():
         for i, (tensor, entry) in enumerate(zip(layout.tensors, layout.entries, strict=True)):
@@ -165,30 +143,7 @@ def write_state(
             view.copy_(tensor)
             if after_tensor is not None:
                 after_tensor(i)
-    buf[meta_offset : meta_offset + len(meta)] = meta
-    _HEADER.pack_into(buf, 0, MAGIC, writing, step, layout.data_len, meta_offset, len(meta))
-    struct.pack_into("<Q", buf, 8, writing + 1)
-
-
-def read_metadata(seg: SharedSegment) -> tuple[int, dict[str, Any]]:
-    """Return (seq, metadata) of the complete step in ``seg`` or raise SegmentStateError."""
-    seq, step, _, meta_offset, meta_len = _read_header(seg)
-    if seq % 2 == 1:
-        raise SegmentStateError(f"segment {seg.path}: a copy is in progress or was torn")
-    meta = json.loads(bytes(seg.buffer[meta_offset : meta_offset + meta_len]))
-    if read_seq(seg) != seq:
-        raise SegmentStateError(f"segment {seg.path} changed while its metadata was read")
-    if meta.get("version") != FORMAT_VERSION or meta.get("step") != step:
-        raise SegmentStateError(f"segment {seg.path}: metadata does not match its header")
-    return seq, meta
-
-
-def complete_step(seg: SharedSegment) -> int | None:
-    """The step held completely in ``seg``, or None."""
-    try:
-        return int(read_metadata(seg)[1]["step"])
-    except SegmentStateError:
-        return None
+    publish(seg, writing, step, layout.data_len, meta)
 
 
 def tensor_view(data: torch.Tensor, entry: dict[str, Any], base: int = HEADER_SIZE) -> torch.Tensor:

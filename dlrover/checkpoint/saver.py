@@ -22,7 +22,7 @@ from dlrover.checkpoint.config import (
 )
 from dlrover.checkpoint.coordinator import CommitCoordinator, LocalCommitCoordinator
 from dlrover.checkpoint.errors import CheckpointError, ShmSpaceError
-from dlrover.checkpoint.layout import complete_step, read_metadata
+from dlrover.checkpoint.header import complete_step, read_metadata
 from dlrover.checkpoint.shm import SharedSegment
 from dlrover.checkpoint.storage import Storage, storage_for
 

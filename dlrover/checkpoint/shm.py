@@ -6,11 +6,13 @@ import errno
 import mmap
 import os
 import re
-
-import torch
+from typing import TYPE_CHECKING
 
 from dlrover.checkpoint.config import DEFAULT_SHM_DIR
 from dlrover.checkpoint.errors import CheckpointError, ShmSpaceError
+
+if TYPE_CHECKING:
+    import torch
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 
@@ -24,9 +26,11 @@ def shm_free_bytes(shm_dir: str = DEFAULT_SHM_DIR) -> int:
 class SharedSegment:
     """One mmapped shared file. The creator (the saver) sizes it; others attach to it.
 
-    Invariants: ``size`` is the length of the current mapping; ``tensor`` is a uint8 view of
-    the whole mapping (``torch.frombuffer``), so copies into it are plain memcpys; pages are
-    allocated and faulted in when the segment is created or grown, never during a save.
+    Invariants: ``size`` is the length of the current mapping; ``buffer`` is its raw bytes and
+    ``tensor`` a uint8 view of it (``torch.frombuffer``), so copies into it are plain memcpys;
+    pages are allocated and faulted in when the segment is created or grown, never during a
+    save. torch is imported only when ``tensor`` is first used (by a trainer): the agent maps
+    and streams segments through ``buffer`` alone and never loads torch.
     """
 
     def __init__(self, path: str, fd: int, size: int) -> None:
@@ -34,7 +38,7 @@ class SharedSegment:
         self._fd = fd
         self.size = 0
         self._map: mmap.mmap | None = None
-        self.tensor = torch.empty(0, dtype=torch.uint8)
+        self._tensor: torch.Tensor | None = None
         self._map_file(size)
 
     # ------------------------------------------------------------------ construction
@@ -91,11 +95,10 @@ class SharedSegment:
         # MAP_POPULATE faults every page in now, so the first save pays no page faults.
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
         self._map = mmap.mmap(self._fd, size, flags=flags)
-        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
         self.size = size
 
     def _unmap(self) -> None:
-        self.tensor = torch.empty(0, dtype=torch.uint8)
+        self._tensor = None
         if self._map is not None:
             try:
                 self._map.close()
@@ -104,6 +107,17 @@ class SharedSegment:
                 pass
             self._map = None
         self.size = 0
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """A uint8 tensor aliasing the whole mapping (built on first use, torch loaded then)."""
+        if self._tensor is None:
+            import torch
+
+            if self._map is None:
+                return torch.empty(0, dtype=torch.uint8)
+            self._tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+        return self._tensor
 
     @property
     def buffer(self) -> memoryview:

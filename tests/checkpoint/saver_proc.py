@@ -1,8 +1,12 @@
-"""A CheckpointSaver in its own process (like an agent) whose storage can hang on cue."""
+"""A CheckpointSaver in its own process (like an agent) whose storage can hang on cue.
+
+On a clean exit it prints whether torch was ever imported: the agent must stay torch-free.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
 import threading
 from collections.abc import Iterator
@@ -15,7 +19,7 @@ from dlrover.checkpoint.storage import LocalStorage
 
 class HangingStorage(LocalStorage):
     """Writes half of any file of step ``hang_step``, touches ``marker`` and hangs (until the
-    parent SIGKILLs the process): a crash in the middle of a persist."""
+    parent SIGKILLs the process): a crash in the middle of a persist. ``hang_step`` -1: never."""
 
     def __init__(self, root: str, hang_step: int, marker: str) -> None:
         super().__init__(root)
@@ -50,7 +54,9 @@ def main(socket_path: str, prefix: str, hang_step: str, marker: str) -> None:
     saver.start()
     print("ready", flush=True)
     sys.stdin.read()  # until the parent closes stdin or kills us
+    held = saver.held_steps()
     saver.close(unlink=True)
+    print(json.dumps({"torch_loaded": "torch" in sys.modules, "held": held}), flush=True)
 
 
 if __name__ == "__main__":

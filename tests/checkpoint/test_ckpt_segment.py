@@ -11,13 +11,8 @@ import pytest
 import torch
 
 from dlrover.checkpoint.errors import SegmentStateError, ShmSpaceError, StateDictError
-from dlrover.checkpoint.layout import (
-    complete_step,
-    plan_layout,
-    read_seq,
-    read_state,
-    write_state,
-)
+from dlrover.checkpoint.header import complete_step, read_seq
+from dlrover.checkpoint.layout import plan_layout, read_state, write_state
 from dlrover.checkpoint.shm import SharedSegment, shm_free_bytes
 from tests.checkpoint.harness import REPO, assert_same, expected_state
 

@@ -1,0 +1,54 @@
+"""A sharded (DCP) step written by two simulated nodes, each with its own agent-side saver."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from dlrover.checkpoint.coordinator import LocalCommitCoordinator
+from tests.checkpoint.harness import assert_same, free_port, run_workers, running_saver, worker_env
+
+
+def _node_envs(sockets: list[str], restart: int = 0) -> list[dict[str, str]]:
+    """Rank r runs alone on node r (its local rank 0), talking to that node's saver."""
+    port = free_port()
+    envs = []
+    for rank, sock in enumerate(sockets):
+        env = worker_env(sock, rank=rank, world=len(sockets), port=port, restart=restart)
+        env.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank))
+        envs.append(env)
+    return envs
+
+
+@pytest.mark.slow
+def test_two_nodes_merge_one_dcp_checkpoint_loadable_by_plain_dcp(tmp_path: Path) -> None:
+    ckpt, oracle = str(tmp_path / "ckpt"), str(tmp_path / "oracle.pt")
+    master = LocalCommitCoordinator()  # what the job master provides between nodes
+    with running_saver(tmp_path, coordinator=master) as node0, \
+            running_saver(tmp_path, coordinator=master) as node1:
+        sockets = [node0.socket_path, node1.socket_path]
+        run_workers(["fsdp_save", ckpt, "4", oracle], _node_envs(sockets), timeout=120)
+        assert node0.held_steps() == {0: 4} and node1.held_steps() == {0: 4}
+        step = tmp_path / "ckpt" / "step_4"
+        # Each node wrote its own rank's file and its own part; one of them committed.
+        assert sorted(p.name for p in step.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+        assert sorted(p.name for p in step.glob("node_*.json")) == ["node_0.json", "node_1.json"]
+        manifest = json.loads((step / "manifest.json").read_text())
+        assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= set(manifest["files"])
+        assert (tmp_path / "ckpt" / "latest").read_text() == "4"
+        # Both nodes vote through the shared coordinator and load their shards from memory.
+        run_workers(["fsdp_load", ckpt, "4", oracle, "memory"], _node_envs(sockets, restart=1),
+                    timeout=120)
+
+    expected = torch.load(oracle, weights_only=True)
+    target: dict[str, dict[str, Any]] = {
+        "model": {k: torch.empty_like(v) for k, v in expected["model"].items()},
+        "extra": {"step": None}}
+    dcp.load(target, checkpoint_id=str(tmp_path / "ckpt" / "step_4"))  # no process group
+    assert_same(expected["model"], target["model"])
+    assert target["extra"]["step"] == 4
