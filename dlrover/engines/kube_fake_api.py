@@ -51,6 +51,10 @@ def _matches(labels: dict[str, str], selector: str) -> bool:
 
 
 class _QuietServer(ThreadingHTTPServer):
+    # The default backlog of 5 resets connections when 30 launches arrive at once on a busy host.
+    request_queue_size = 128
+    daemon_threads = True
+
     def handle_error(self, request: Any, client_address: Any) -> None:
         # Clients hanging up mid-request (a closed watch, pool shutdown) are normal here.
         return

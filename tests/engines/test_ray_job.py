@@ -1,0 +1,98 @@
+"""A real training job on a real local Ray cluster: a Ray node dies, the node is relaunched on the
+other Ray node by the master's controller, and the model equals the failure-free run's."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dlrover.jobspec import job_spec_from_flags
+from dlrover.master.job import JobMaster, JobMasterConfig, JobState
+from dlrover.master.node_controller import NodeController
+from dlrover.master.rendezvous import RendezvousConfig
+from dlrover.master.server import MasterServer
+from dlrover.master.state_store import MemoryStateStore
+from tests.conftest import REPO, SCRIPTS, clean_env, dlrover_run
+from tests.engines.test_engine_ray import ray_cluster  # noqa: F401 - the fixture
+
+pytest.importorskip("ray", reason="the Ray engine needs `pip install ray`")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_job_survives_a_lost_ray_node(ray_cluster: Any, tmp_path: Path, monkeypatch) -> None:  # noqa: F811
+    from dlrover.engines.ray_engine import RayEngine
+
+    steps, args = 40, ["--steps", "40", "--step-time", "0.25"]
+    ref_out = tmp_path / "ref"
+    (tmp_path / "ref-ckpt").mkdir()
+    r = dlrover_run(
+        [
+            "--standalone",
+            "--nproc-per-node=4",
+            str(SCRIPTS / "oracle_train.py"),
+            *args,
+            "--ckpt",
+            str(tmp_path / "ref-ckpt"),
+            "--out",
+            str(ref_out),
+        ],
+        env=clean_env(),
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+
+    out = tmp_path / "ray"
+    (tmp_path / "ray-ckpt").mkdir()
+    for key, value in clean_env().items():
+        monkeypatch.setenv(key, value)  # the Ray actors inherit the driver's environment
+    monkeypatch.chdir(REPO)
+    spec = job_spec_from_flags(
+        str(SCRIPTS / "oracle_train.py"),
+        [*args, "--ckpt", str(tmp_path / "ray-ckpt"), "--out", str(out)],
+        nnodes="2",
+        nproc_per_node=2,
+        engine="ray",
+        name="rayjob",
+        cpu=1,
+        max_restarts=3,
+    )
+    job = JobMaster(
+        JobMasterConfig(job_name="rayjob", rendezvous=RendezvousConfig(2, 2)), MemoryStateStore()
+    )
+    server = MasterServer(job, "tok", "127.0.0.1", 0).start()
+    engine = RayEngine(address=ray_cluster.address, stop_grace_s=1.0, launch_timeout_s=60)
+    controller = NodeController(job, engine, spec, f"127.0.0.1:{server.port}", "tok")
+    stop = threading.Event()
+    runner = threading.Thread(target=controller.run, args=(stop,), daemon=True)
+    try:
+        controller.start()
+        runner.start()
+        deadline = time.monotonic() + 120
+        steps_file = Path(f"{out}.steps")
+        while not (steps_file.exists() and len(steps_file.read_text().splitlines()) >= 5):
+            assert time.monotonic() < deadline, "training did not start on Ray"
+            assert not job.ended.is_set(), job.reason
+            time.sleep(0.2)
+        hosts = {n.node_id: n.host for n in engine.list_nodes()}
+        assert len(set(hosts.values())) == 2, f"nodes were not spread over Ray nodes: {hosts}"
+        victim = next(
+            n for n in ray_cluster.worker_nodes if n.node_id == hosts["rayjob-worker-1-0"]
+        )
+        ray_cluster.remove_node(victim, allow_graceful=False)
+        assert job.ended.wait(180), "the job did not finish after the Ray node was lost"
+        assert job.state == JobState.SUCCEEDED, job.reason
+        assert controller.relaunches, "no node was relaunched"
+    finally:
+        stop.set()
+        runner.join(30)
+        server.stop(0.5)
+    assert Path(f"{out}.final").read_text() == Path(f"{ref_out}.final").read_text()
+    done = [int(line.split()[0]) for line in Path(f"{out}.steps").read_text().splitlines()]
+    assert done == list(range(1, steps + 1))
+    assert sys.platform.startswith("linux")
