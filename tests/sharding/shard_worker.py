@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from sharding_wire import JsonLineTransport  # noqa: E402
-
-from dlrover.sharding import DatasetSpec, ShardingClient  # noqa: E402
+from dlrover.client.sharding import connect
+from dlrover.sharding import DatasetSpec, ShardingClient
 
 
 def main() -> None:
@@ -29,7 +25,7 @@ def main() -> None:
     with (
         open(args.out, "w") as out,
         ShardingClient(
-            JsonLineTransport(args.master), spec, args.worker_id, poll_interval_s=0.01
+            connect(args.master), spec, args.worker_id, poll_interval_s=0.01
         ) as client,
     ):
         while (shard := client.next_shard(30.0)) is not None:

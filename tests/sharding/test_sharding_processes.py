@@ -12,9 +12,11 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from sharding_wire import JsonLineServer
 
-from dlrover.sharding import DatasetSpec, InProcessTransport, ShardManager
+from dlrover.master.job import JobMaster, JobMasterConfig
+from dlrover.master.server import MasterServer
+from dlrover.master.state_store import MemoryStateStore
+from dlrover.sharding import DatasetSpec
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
@@ -30,8 +32,9 @@ def wait_for(path: Path, timeout_s: float, what: str) -> None:
 
 @pytest.mark.slow
 def test_sigkill_mid_shard_every_sample_trained_at_least_once(tmp_path: Path) -> None:
-    transport = InProcessTransport(ShardManager())
-    server = JsonLineServer(transport)
+    server = MasterServer(JobMaster(JobMasterConfig(), MemoryStateStore()), "t", "127.0.0.1", 0)
+    server.start()
+    address = f"127.0.0.1:{server.port}"
     spec = DatasetSpec("d", size=3_000, shard_size=50, shuffle=True, seed=11)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
 
@@ -40,7 +43,7 @@ def test_sigkill_mid_shard_every_sample_trained_at_least_once(tmp_path: Path) ->
             sys.executable,
             str(HERE / "shard_worker.py"),
             "--master",
-            server.address,
+            address,
             "--worker-id",
             worker_id,
             "--spec",
@@ -49,7 +52,7 @@ def test_sigkill_mid_shard_every_sample_trained_at_least_once(tmp_path: Path) ->
             str(tmp_path / f"{worker_id.replace('/', '_')}.txt"),
             *extra,
         ]
-        return subprocess.Popen(command, env=env)
+        return subprocess.Popen(command, env={**env, "DLROVER_JOB_TOKEN": "t"})
 
     victim = start("n0/0", "--hang-after", "20")
     survivors: list[subprocess.Popen[bytes]] = []
@@ -59,17 +62,18 @@ def test_sigkill_mid_shard_every_sample_trained_at_least_once(tmp_path: Path) ->
         victim.send_signal(signal.SIGKILL)
         assert victim.wait(10.0) == -signal.SIGKILL
         # What the agent does when its worker dies: tell the master, which requeues at the head.
-        assert transport.recover_worker("n0/0") >= 1
+        assert server.job.sharding.recover_node("n0") >= 1
         for process in survivors:
             assert process.wait(30.0) == 0
     finally:
         for process in [victim, *survivors]:
             if process.poll() is None:
                 process.kill()
-        server.close()
+        server.stop(0.1)
     counts: Counter[int] = Counter()
     for name in ("n0_0", "n1_0", "n2_0"):
         counts.update(int(line) for line in (tmp_path / f"{name}.txt").read_text().split())
     assert set(counts) == set(range(3_000)), "a sample was never trained"
     assert sum(counts.values()) == 3_000 + 20  # only the killed shard's first 20 were redone
-    assert transport.dataset_progress("d").finished
+    # (the server is stopped; its manager still holds the final state)
+    assert server.job.sharding.manager.dataset_progress("d").finished
