@@ -183,3 +183,20 @@ def test_training_process_reports_its_step_through_the_env_client(server):
 def test_client_from_env_without_address_explains_what_to_do():
     with pytest.raises(Exception, match="DLROVER_MASTER_ADDR is not set"):
         MasterClient.from_env({})
+
+
+def test_a_node_heard_again_after_being_lost_is_told_to_register_again():
+    clock = [0.0]
+    job = JobMaster(
+        JobMasterConfig(heartbeat_timeout_s=5), MemoryStateStore(), clock=lambda: clock[0]
+    )
+    from dlrover.master.rendezvous import RendezvousConfig
+
+    node = job.register("", "h", "worker", 2, -1, 1, RendezvousConfig(1, 2))
+    first_incarnation = node.incarnation
+    clock[0] = 6.0
+    job.tick()
+    assert job.nodes.get(node.node_id).state.value == "lost"
+    assert job.heartbeat(node.node_id, node.incarnation, 3, 0.0, 0, 0) == "reregister"
+    again = job.register(node.node_id, "h", "worker", 2, -1, 1, RendezvousConfig(1, 2))
+    assert again.incarnation == first_incarnation + 1 and again.state.value == "pending"

@@ -25,7 +25,7 @@ from dlrover.agent.worker_env import WorkerPlacement, worker_env
 from dlrover.agent.workers import WorkerExit, WorkerGroup, WorkerLaunch
 from dlrover.agent.zygote import PendingZygote, Zygote, ZygoteError
 from dlrover.client.checkpoint import MasterCommitCoordinator
-from dlrover.client.master_client import MasterClient, MasterClientError
+from dlrover.client.master_client import MasterClient, MasterClientError, MasterRequestError
 from dlrover.constants import ENV_AGENT_PID, ENV_CHECKPOINT_SOCKET, ENV_NODE_NAME, ENV_STEP_FILE
 from dlrover.decisions import FailureAction
 from dlrover.proto import master_pb2 as pb
@@ -97,6 +97,7 @@ class ElasticAgent:
         self._group: WorkerGroup | None = None
         self._stop_hb = threading.Event()
         self._master_says_stop = threading.Event()
+        self._must_reregister = threading.Event()
         self._host = config.local_addr or self._guess_host()
         self._proc = psutil.Process()
         self._run_dir = ""
@@ -200,6 +201,13 @@ class ElasticAgent:
                 status = self.client.get_job_status()
                 code = 0 if status.state == "succeeded" else (status.exit_code or 1)
                 return RunResult(code, f"the master ended the job: {status.reason}")
+            if outcome == "reregister":
+                # The master took this node for lost (or restarted without it): join afresh.
+                logger.warning("the master lost track of this node; registering again")
+                self._group.stop(cfg.stop_grace_s)
+                self._must_reregister.clear()
+                self._register()
+                continue
             if outcome == "membership":
                 logger.info("membership changed: re-forming the world (no restart used)")
                 self._group.stop(cfg.stop_grace_s)
@@ -422,6 +430,8 @@ class ElasticAgent:
                 continue
             if self._master_says_stop.is_set():
                 return "stop"
+            if self._must_reregister.is_set():
+                return "reregister"
             if time.monotonic() >= next_progress_check:
                 next_progress_check = time.monotonic() + 1.0
                 if self._check_progress(started, done):
@@ -560,11 +570,19 @@ class ElasticAgent:
                         restart_count=self.restart_count,
                     )
                 )
+            except MasterRequestError as e:
+                # A restarted master that kept no state does not know this node any more.
+                logger.warning("heartbeat refused: %s", e)
+                if "unknown node" in str(e):
+                    self._must_reregister.set()
+                continue
             except MasterClientError as e:
                 logger.warning("heartbeat failed: %s", e)
                 continue
             if resp.action == "stop":
                 self._master_says_stop.set()
+            elif resp.action == "reregister":
+                self._must_reregister.set()
 
 
 def install_signal_handlers() -> None:

@@ -22,7 +22,11 @@ def test_import_and_start_do_not_load_torch(tmp_path: Path) -> None:
     )
     out = subprocess.run(
         [sys.executable, "-c", code, str(tmp_path / "s.sock"), f"dlrtest-{uuid.uuid4().hex[:8]}"],
-        cwd=REPO, env=worker_env(None), capture_output=True, text=True, timeout=60,
+        cwd=REPO,
+        env=worker_env(None),
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert out.returncode == 0 and out.stdout.strip() == "torch-free", out.stderr
 
@@ -32,7 +36,10 @@ def test_agent_process_persists_and_serves_loads_without_torch(tmp_path: Path) -
     prefix = f"dlrtest-{uuid.uuid4().hex[:8]}"
     agent = subprocess.Popen(
         [sys.executable, "-m", "tests.checkpoint.saver_proc", sock, prefix, "-1", "unused"],
-        cwd=REPO, env=worker_env(None), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        cwd=REPO,
+        env=worker_env(None),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
     )
     try:
         assert agent.stdout is not None and agent.stdout.readline().strip() == b"ready"
@@ -52,7 +59,10 @@ def test_agent_process_persists_and_serves_loads_without_torch(tmp_path: Path) -
     assert set(manifest["files"]) == {"rank_0.bin", "rank_0.meta.json"}
     with subprocess.Popen(  # and what it wrote loads from storage, bit for bit
         [sys.executable, "-m", "tests.checkpoint.workers", "ddp_load", ckpt, "1", "storage"],
-        cwd=REPO, env=worker_env(None), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        cwd=REPO,
+        env=worker_env(None),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
     ) as loader:
         text, _ = loader.communicate(timeout=60)
     assert loader.returncode == 0, text.decode()

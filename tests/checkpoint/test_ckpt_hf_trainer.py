@@ -13,9 +13,11 @@ from dlrover.checkpoint.config import ENV_CHECKPOINT_SOCKET
 from tests.checkpoint.harness import assert_same, running_saver
 
 transformers = pytest.importorskip(
-    "transformers", reason="transformers is not installed (pip install transformers==4.57.1)")
+    "transformers", reason="transformers is not installed (pip install transformers==4.57.1)"
+)
 pytest.importorskip(  # Trainer needs it at run time
-    "accelerate", reason="accelerate is not installed (pip install accelerate==1.11.0)")
+    "accelerate", reason="accelerate is not installed (pip install accelerate==1.11.0)"
+)
 
 from dlrover.trainer.torch.flash_checkpoint.hf_trainer import FlashCkptTrainer  # noqa: E402
 
@@ -38,16 +40,35 @@ class _Tokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
 
 def _trainer(tmp: Path, seed: int) -> FlashCkptTrainer:
     torch.manual_seed(seed)  # a fresh model differs from the saved one until it is loaded
-    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2,
-                                     n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    config = transformers.GPT2Config(
+        vocab_size=64,
+        n_positions=16,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     model = transformers.GPT2LMHeadModel(config)
     args = transformers.TrainingArguments(
-        output_dir=str(tmp / "out"), max_steps=MAX_STEPS, save_steps=SAVE_STEPS,
-        per_device_train_batch_size=4, learning_rate=1e-2, lr_scheduler_type="linear",
-        warmup_steps=2, logging_steps=1, report_to=[], use_cpu=True, disable_tqdm=True,
-        dataloader_num_workers=0, seed=0)
-    return FlashCkptTrainer(model=model, args=args, train_dataset=_Tokens(),
-                            flash_checkpoint_dir=str(tmp / "ckpt"))
+        output_dir=str(tmp / "out"),
+        max_steps=MAX_STEPS,
+        save_steps=SAVE_STEPS,
+        per_device_train_batch_size=4,
+        learning_rate=1e-2,
+        lr_scheduler_type="linear",
+        warmup_steps=2,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=0,
+    )
+    return FlashCkptTrainer(
+        model=model, args=args, train_dataset=_Tokens(), flash_checkpoint_dir=str(tmp / "ckpt")
+    )
 
 
 class _AtTrainBegin(transformers.TrainerCallback):  # type: ignore[misc]
@@ -71,14 +92,19 @@ def _resumed_state(trainer: FlashCkptTrainer, resume: str | bool) -> dict[str, A
 
 def _snapshot(trainer: FlashCkptTrainer) -> dict[str, Any]:
     assert trainer.optimizer is not None and trainer.lr_scheduler is not None
-    return copy.deepcopy({"model": trainer.model.state_dict(),
-                          "optimizer": trainer.optimizer.state_dict(),
-                          "lr_scheduler": trainer.lr_scheduler.state_dict(),
-                          "step": trainer.state.global_step})
+    return copy.deepcopy(
+        {
+            "model": trainer.model.state_dict(),
+            "optimizer": trainer.optimizer.state_dict(),
+            "lr_scheduler": trainer.lr_scheduler.state_dict(),
+            "step": trainer.state.global_step,
+        }
+    )
 
 
 def test_trainer_saves_and_resumes_bit_for_bit_from_memory_and_storage(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     with running_saver(tmp_path) as saver:  # the agent: memory outlives the trainers
         monkeypatch.setenv(ENV_CHECKPOINT_SOCKET, saver.socket_path)
         first = _trainer(tmp_path, seed=1)

@@ -29,8 +29,10 @@ def _node_envs(sockets: list[str], restart: int = 0) -> list[dict[str, str]]:
 def test_two_nodes_merge_one_dcp_checkpoint_loadable_by_plain_dcp(tmp_path: Path) -> None:
     ckpt, oracle = str(tmp_path / "ckpt"), str(tmp_path / "oracle.pt")
     master = LocalCommitCoordinator()  # what the job master provides between nodes
-    with running_saver(tmp_path, coordinator=master) as node0, \
-            running_saver(tmp_path, coordinator=master) as node1:
+    with (
+        running_saver(tmp_path, coordinator=master) as node0,
+        running_saver(tmp_path, coordinator=master) as node1,
+    ):
         sockets = [node0.socket_path, node1.socket_path]
         run_workers(["fsdp_save", ckpt, "4", oracle], _node_envs(sockets), timeout=120)
         assert node0.held_steps() == {0: 4} and node1.held_steps() == {0: 4}
@@ -42,13 +44,15 @@ def test_two_nodes_merge_one_dcp_checkpoint_loadable_by_plain_dcp(tmp_path: Path
         assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= set(manifest["files"])
         assert (tmp_path / "ckpt" / "latest").read_text() == "4"
         # Both nodes vote through the shared coordinator and load their shards from memory.
-        run_workers(["fsdp_load", ckpt, "4", oracle, "memory"], _node_envs(sockets, restart=1),
-                    timeout=120)
+        run_workers(
+            ["fsdp_load", ckpt, "4", oracle, "memory"], _node_envs(sockets, restart=1), timeout=120
+        )
 
     expected = torch.load(oracle, weights_only=True)
     target: dict[str, dict[str, Any]] = {
         "model": {k: torch.empty_like(v) for k, v in expected["model"].items()},
-        "extra": {"step": None}}
+        "extra": {"step": None},
+    }
     dcp.load(target, checkpoint_id=str(tmp_path / "ckpt" / "step_4"))  # no process group
     assert_same(expected["model"], target["model"])
     assert target["extra"]["step"] == 4

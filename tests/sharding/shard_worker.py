@@ -24,9 +24,7 @@ def main() -> None:
     trained = 0
     with (
         open(args.out, "w") as out,
-        ShardingClient(
-            connect(args.master), spec, args.worker_id, poll_interval_s=0.01
-        ) as client,
+        ShardingClient(connect(args.master), spec, args.worker_id, poll_interval_s=0.01) as client,
     ):
         while (shard := client.next_shard(30.0)) is not None:
             for index in shard.indices():

@@ -39,12 +39,14 @@ class _FlashSaveCallback(TrainerCallback):
             control.should_save = False
         return control
 
-    def on_step_end(self, args: TrainingArguments, state: TrainerState,
-                    control: TrainerControl, **kwargs: Any) -> TrainerControl:
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> TrainerControl:
         return self._save_if_asked(control)
 
-    def on_epoch_end(self, args: TrainingArguments, state: TrainerState,
-                     control: TrainerControl, **kwargs: Any) -> TrainerControl:
+    def on_epoch_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> TrainerControl:
         return self._save_if_asked(control)
 
 
@@ -60,16 +62,23 @@ class FlashCkptTrainer(Trainer):
     and ``load_best_model_at_end`` (they need Trainer's checkpoint folders).
     """
 
-    def __init__(self, *args: Any, flash_checkpoint_dir: str | None = None,
-                 storage_type: StorageType = StorageType.DISK, keep_last: int = 3,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        flash_checkpoint_dir: str | None = None,
+        storage_type: StorageType = StorageType.DISK,
+        keep_last: int = 3,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         if self.args.save_strategy == SaveStrategy.BEST or self.args.load_best_model_at_end:
             raise CheckpointError(
                 "FlashCkptTrainer does not support save_strategy='best' or "
-                "load_best_model_at_end; use save_strategy='steps' or 'epoch'")
+                "load_best_model_at_end; use save_strategy='steps' or 'epoch'"
+            )
         self.flash_checkpoint_dir = flash_checkpoint_dir or os.path.join(
-            self.args.output_dir or ".", "flash_checkpoint")
+            self.args.output_dir or ".", "flash_checkpoint"
+        )
         self.storage_type = storage_type
         self.flash_checkpointer = DdpCheckpointer(self.flash_checkpoint_dir, keep_last)
         self._resumed: dict[str, Any] | None = None
@@ -107,11 +116,14 @@ class FlashCkptTrainer(Trainer):
     def flash_save(self) -> bool:
         """Save the current training state as step ``state.global_step`` now."""
         step = self.state.global_step
-        saved = self.flash_checkpointer.save_checkpoint(step, self.flash_state(),
-                                                        storage_type=self.storage_type)
+        saved = self.flash_checkpointer.save_checkpoint(
+            step, self.flash_state(), storage_type=self.storage_type
+        )
         if not saved:
-            log.warning("flash checkpoint of step %d skipped: the previous one is still "
-                        "being persisted", step)
+            log.warning(
+                "flash checkpoint of step %d skipped: the previous one is still being persisted",
+                step,
+            )
         return saved
 
     def wait_latest_checkpoint(self, timeout: float = 1800.0) -> bool:
@@ -123,8 +135,13 @@ class FlashCkptTrainer(Trainer):
         self.flash_checkpointer.close()
 
     # ------------------------------------------------------------------ resuming
-    def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
-              ignore_keys_for_eval: list[str] | None = None, **kwargs: Any) -> Any:
+    def train(
+        self,
+        resume_from_checkpoint: str | bool | None = None,
+        trial: Any = None,
+        ignore_keys_for_eval: list[str] | None = None,
+        **kwargs: Any,
+    ) -> Any:
         """``resume_from_checkpoint``: True (newest flash checkpoint), a flash checkpoint
         directory or one of its ``step_<n>`` directories, or None/False (no resume)."""
         if not resume_from_checkpoint:
@@ -132,11 +149,16 @@ class FlashCkptTrainer(Trainer):
         path = "" if resume_from_checkpoint is True else str(resume_from_checkpoint)
         loaded = self.flash_checkpointer.load_checkpoint(path)
         if not loaded:
-            log.info("no flash checkpoint in %s: training from the start",
-                     path or self.flash_checkpoint_dir)
+            log.info(
+                "no flash checkpoint in %s: training from the start",
+                path or self.flash_checkpoint_dir,
+            )
             return super().train(None, trial, ignore_keys_for_eval, **kwargs)
-        log.info("resuming from flash checkpoint step %d (%s)", loaded["step"],
-                 self.flash_checkpointer.last_load_source)
+        log.info(
+            "resuming from flash checkpoint step %d (%s)",
+            loaded["step"],
+            self.flash_checkpointer.last_load_source,
+        )
         self._resumed = loaded
         # Trainer restores the data position (epochs and batches to skip) only from a resume
         # directory's trainer_state.json; that file is all this directory holds, the rest
@@ -182,8 +204,7 @@ def _rng_state() -> dict[str, Any]:
     kind, keys, pos, has_gauss, cached = np.random.get_state()  # type: ignore[misc]
     return {
         "python": random.getstate(),
-        "numpy": [kind, torch.from_numpy(np.asarray(keys, dtype=np.int64)), pos, has_gauss,
-                  cached],
+        "numpy": [kind, torch.from_numpy(np.asarray(keys, dtype=np.int64)), pos, has_gauss, cached],
         "torch": torch.get_rng_state(),
     }
 
