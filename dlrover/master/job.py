@@ -142,7 +142,7 @@ class JobMaster:
         self.nodes.touch(node_id)
         if self.ended.is_set():
             raise RendezvousError(f"the job has ended ({self.state.value}); nothing to join")
-        if node.state == NodeState.RUNNING:
+        if node.state in (NodeState.RUNNING, NodeState.LOST):
             self.nodes.set_state(node_id, NodeState.PENDING, "joins a new rendezvous round")
         # Its workers are gone (restart or re-form): what they leased goes back to the queues.
         self.sharding.recover_node(node_id)

@@ -181,3 +181,69 @@ def test_restarted_workers_resume_from_shared_memory_bit_for_bit(tmp_path: Path)
     assert resumes == ["resume 1 None", "resume 8 memory"]
     steps = [int(x) for x in lines if x and not x.startswith("resume")]
     assert steps == list(range(1, 15))
+
+
+@pytest.mark.slow
+def test_paused_node_is_lost_then_comes_back_and_the_model_is_unchanged(tmp_path: Path):
+    """SIGSTOP one agent past the heartbeat timeout, then SIGCONT it: the master drops it, the
+    node registers again when it is heard, and the job ends as if nothing happened."""
+    import os
+    import signal
+    import time
+
+    from tests.conftest import MasterProcess, run_cmd
+
+    ref = standalone(tmp_path, "ref", 30)  # 4 workers, the same ranks and data as 2 nodes x 2
+    master = MasterProcess(tmp_path, "--heartbeat-timeout", "2", "--nnodes", "2")
+    out = tmp_path / "paused"
+    (tmp_path / "paused-ckpt").mkdir()
+    env = clean_env(**master.vars)
+    nodes = []
+    try:
+        for i in range(2):
+            log = open(tmp_path / f"node{i}.log", "w")  # noqa: SIM115
+            nodes.append(
+                subprocess.Popen(
+                    [
+                        *run_cmd("dlrover.cli.run"),
+                        "--nnodes=2",
+                        "--nproc-per-node=2",
+                        "--max-restarts=3",
+                        ORACLE,
+                        "--steps",
+                        "30",
+                        "--step-time",
+                        "0.2",
+                        "--ckpt",
+                        str(tmp_path / "paused-ckpt"),
+                        "--out",
+                        str(out),
+                    ],
+                    env=env,
+                    cwd=REPO,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+        steps = Path(f"{out}.steps")
+        deadline = time.monotonic() + 90
+        while not (steps.exists() and len(steps.read_text().splitlines()) >= 5):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        os.kill(nodes[1].pid, signal.SIGSTOP)
+        time.sleep(4)  # twice the heartbeat timeout: the master must drop the node
+        os.kill(nodes[1].pid, signal.SIGCONT)
+        codes = [p.wait(180) for p in nodes]
+        logs = "\n".join((tmp_path / f"node{i}.log").read_text() for i in range(2))
+        assert codes == [0, 0], logs
+        assert master.wait(30) == 0
+        master_log = (tmp_path / "master.log").read_text()
+        assert "running -> lost (no heartbeat" in master_log
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGCONT)
+                p.kill()
+        master.close()
+    assert final(out) == final(ref)
+    assert [s for s, _, _ in steps_log(out)] == list(range(1, 31))
