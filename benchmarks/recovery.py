@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.recovery_common import (
+from recovery_common import (
     TRAIN,
     Job,
     base_env,
@@ -124,9 +124,9 @@ def kill_once(launcher: Launcher, out: Path, timeout: float, step_time: float) -
         result.phases["first_step"] = result.seconds or 0.0
         if launcher.dlrover:
             for name, needle in AGENT_MARKS:
-                at = job.first_line(needle, killed_at)
-                if at is not None:
-                    result.phases[name] = at - killed_at
+                logged = job.first_line(needle, killed_at)
+                if logged is not None:
+                    result.phases[name] = logged - killed_at
         return result
     finally:
         job.finish(timeout=15.0)
@@ -168,9 +168,7 @@ def render_kill(results: dict[str, list[KillResult]], all_launchers: list[Launch
         first = sum(1 for r in ok if r.restarts <= 1)
         ratio = f"{m / best_torchrun:.2f}" if m is not None and best_torchrun else "–"
         spread = f"{min(secs):.2f}–{max(secs):.2f}" if secs else "–"
-        rows.append(
-            [launcher.name, f"{len(ok)}/{len(runs)}", str(first), fmt(m), spread, ratio]
-        )
+        rows.append([launcher.name, f"{len(ok)}/{len(runs)}", str(first), fmt(m), spread, ratio])
     head = [
         "launcher",
         "recovered",
@@ -216,21 +214,26 @@ def main() -> None:
     p.add_argument("--step-time", type=float, default=0.05, help="simulated compute per step (s)")
     p.add_argument("--goodput-seconds", type=float, default=None, help="default 300, quick 60")
     p.add_argument("--kill-every", type=float, default=None, help="default 30, quick 15")
+    p.add_argument("--keep", default="", help="keep every run's files (logs) under this directory")
     a = p.parse_args()
     reps = a.reps or (1 if a.quick else 3)
     sections = set(a.only.split(","))
     started = time.monotonic()
     parts = []
     with tempfile.TemporaryDirectory(prefix="dlrover-recovery-") as tmp:
-        root = Path(tmp)
+        root = Path(a.keep or tmp)
+        root.mkdir(parents=True, exist_ok=True)
         if "kill" in sections:
             parts.append(worker_kill(reps, a.timeout, a.step_time, root))
+            print(f"  ({time.monotonic() - started:.0f} s so far)", flush=True)
         if "node" in sections:
-            from benchmarks.recovery_nodes import node_loss
+            from recovery_nodes import node_loss
 
-            parts.append(node_loss(reps, a.timeout, a.step_time, root))
+            sizes = ["1:2"] if a.quick else ["1:2", "2:2"]
+            parts.append(node_loss(reps, a.timeout, a.step_time, root, sizes, not a.quick))
+            print(f"  ({time.monotonic() - started:.0f} s so far)", flush=True)
         if "goodput" in sections:
-            from benchmarks.recovery_goodput import goodput
+            from recovery_goodput import goodput
 
             seconds = a.goodput_seconds or (60.0 if a.quick else 300.0)
             every = a.kill_every or (15.0 if a.quick else 30.0)

@@ -156,22 +156,19 @@ def wait_for(what: Callable[[], object], timeout: float, interval: float = 0.01)
         time.sleep(interval)
 
 
-def zygote_idle(job: Job, quiet_s: float = 1.0) -> bool:
-    """True once a zygote under the launcher exists and has used no CPU for `quiet_s` (its
-    preload is done and it waits for requests; the agent logs 'ready' only when it asks)."""
+def zygote_idle(job: Job, count: int = 1, quiet_s: float = 1.0) -> bool:
+    """True once `count` zygotes under the launcher exist and none used CPU for `quiet_s` (the
+    preload is done and they wait for requests; the agent logs 'ready' only when it asks)."""
     try:
         children = psutil.Process(job.popen.pid).children(recursive=True)
+        zygotes = [c for c in children if any("zygote_server" in x for x in c.cmdline())]
+        if len(zygotes) < count:
+            return False
+        before = [sum(z.cpu_times()[:2]) for z in zygotes]
+        time.sleep(quiet_s)
+        return [sum(z.cpu_times()[:2]) for z in zygotes] == before
     except psutil.NoSuchProcess:
         return False
-    for child in children:
-        try:
-            if any("zygote_server" in part for part in child.cmdline()):
-                before = sum(child.cpu_times()[:2])
-                time.sleep(quiet_s)
-                return sum(child.cpu_times()[:2]) == before
-        except psutil.NoSuchProcess:
-            return False
-    return False
 
 
 def median(values: Sequence[float]) -> float | None:
