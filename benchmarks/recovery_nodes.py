@@ -95,6 +95,14 @@ def dlrover_node_loss(out: Path, nnodes: str, timeout: float, step_time: float) 
         job.finish(timeout=20.0)
 
 
+def _listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+        return True
+    except OSError:
+        return False
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -118,12 +126,14 @@ def torchrun_node_loss(
 
     def node(name: str) -> Job:
         # Every node writes into the same directory, like workers of one job on a shared disk.
-        job = Job.start([*torchrun_cmd(*flags), TRAIN, "--out", str(out), "--step-time",
-                         str(step_time)], out / name, env)  # fmt: skip
-        return job
+        argv = [*torchrun_cmd(*flags), TRAIN, "--out", str(out), "--step-time", str(step_time)]
+        return Job.start(argv, out / name, env)
 
     jobs = [node("node-a")]
-    time.sleep(1.0)  # node A binds the rendezvous store first
+    # Node A hosts the rendezvous store: it is "the first node" because it binds the port first.
+    if not wait_for(lambda: _listening(port), 60.0, 0.05):
+        jobs[0].kill()
+        return NodeResult(note="node A never opened the rendezvous port")
     jobs.append(node("node-b"))
     try:
         probe = Job(jobs[0].popen, out)  # steps and pid files live in `out`
@@ -239,12 +249,13 @@ def node_loss(
                     "; ".join(notes) or "",
                 ]
             )
-    head = ["nodes", "launcher", "back at 2 nodes", "kill → step at 1 node (s)",
-            "kill → step at 2 nodes (s)", "notes"]  # fmt: skip
-    return "\n".join(
-        [
-            "### Node loss: SIGKILL of the node of rank 1, a replacement started at once",
-            "",
-            table(head, rows),
-        ]  # fmt: skip
-    )
+    head = [
+        "nodes",
+        "launcher",
+        "back at 2 nodes",
+        "kill → step at 1 node (s)",
+        "kill → step at 2 nodes (s)",
+        "notes",
+    ]
+    title = "### Node loss: SIGKILL of the node of rank 1, a replacement started at once"
+    return "\n".join([title, "", table(head, rows)])
