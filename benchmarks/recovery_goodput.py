@@ -1,0 +1,142 @@
+"""Goodput part of benchmarks/recovery.py: a fixed wall-clock job with a worker killed on a schedule.
+
+Goodput = the time spent in steps that count / wall time from launch. The worker checkpoints
+every step and resumes after the last one, so a step counts once (its last completion, should
+one ever be redone); the restarts, the cold start and the per-step checkpoint are what is lost.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from recovery_common import (
+    TRAIN,
+    Job,
+    base_env,
+    dlrover_run_cmd,
+    fmt,
+    median,
+    table,
+    torchrun_cmd,
+    wait_for,
+)
+
+
+@dataclass
+class GoodputResult:
+    goodput: float
+    steps: int
+    kills: int
+    recoveries: list[float] = field(default_factory=list)
+    cold_start: float | None = None
+    """Launch -> first step."""
+    note: str = ""
+
+
+def _has_stepped(job: Job, pid: int) -> bool:
+    return any(int(p["pid"]) == pid and p["phase"] == "first_step" for p in job.procs())
+
+
+def run_schedule(
+    cmd: list[str], env: dict[str, str], out: Path, seconds: float, every: float, step_time: float
+) -> GoodputResult:
+    launched = time.time()
+    job = Job.start([*cmd, TRAIN, "--out", str(out), "--step-time", str(step_time)], out, env)
+    end = launched + seconds
+    kills: list[tuple[float, set[int]]] = []
+    note = ""
+    try:
+        next_kill = launched + every
+        while next_kill < end:
+            time.sleep(max(0.0, next_kill - time.time()))
+            # Kill a worker that has made progress: a group still restarting is not hit again.
+            victim = wait_for(
+                lambda: (pid := job.pid_of(1)[0]) and _has_stepped(job, pid) and pid,
+                max(0.0, end - time.time()),
+                0.05,
+            )
+            if not isinstance(victim, int) or time.time() >= end:
+                break
+            old = {int(p["pid"]) for p in job.procs()}
+            kills.append((time.time(), old))
+            try:
+                os.kill(victim, signal.SIGKILL)
+            except ProcessLookupError:
+                kills.pop()
+            next_kill = max(next_kill + every, time.time() + 1.0)
+            if job.popen.poll() is not None:
+                note = f"launcher exited with {job.popen.returncode}"
+                break
+        time.sleep(max(0.0, end - time.time()))
+    finally:
+        steps = job.steps()
+        job.finish(timeout=15.0)
+    last: dict[int, dict[str, float]] = {}
+    for s in steps:
+        if s["ended"] <= end:
+            last[int(s["step"])] = s  # a redone step counts once, by its last completion
+    useful = sum(s["ended"] - s["began"] for s in last.values())
+    res = GoodputResult(useful / seconds, len(last), len(kills), note=note)
+    if steps:
+        res.cold_start = min(s["ended"] for s in steps) - launched
+    for killed_at, old in kills:
+        after = [s["ended"] for s in steps if s["ended"] > killed_at and int(s["pid"]) not in old]
+        if after:
+            res.recoveries.append(min(after) - killed_at)
+    return res
+
+
+def goodput(seconds: float, every: float, step_time: float, root: Path) -> str:
+    common = ["--standalone", "--nproc-per-node=2", "--max-restarts=1000"]
+    runs = [
+        ("dlrover-run (zygote)", dlrover_run_cmd(*common), base_env()),
+        (
+            "torchrun, no shared store",
+            torchrun_cmd(*common),
+            base_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"),
+        ),
+    ]
+    rows = []
+    results = []
+    for index, (name, cmd, env) in enumerate(runs):
+        res = run_schedule(cmd, env, root / f"goodput-{index}", seconds, every, step_time)
+        results.append(res)
+        print(
+            f"  goodput, {name}: {res.goodput:.1%} ({res.steps} steps, {res.kills} kills)",
+            flush=True,
+        )
+    base = results[-1].goodput
+    for (name, _, _), res in zip(runs, results, strict=True):
+        rows.append(
+            [
+                name,
+                f"{res.goodput:.1%}",
+                f"{res.goodput / base:.2f}" if base else "–",
+                str(res.steps),
+                fmt(res.cold_start),
+                str(res.kills),
+                f"{len(res.recoveries)}/{res.kills}",
+                fmt(median(res.recoveries)),
+                res.note,
+            ]
+        )
+    head = [
+        "launcher",
+        "goodput",
+        "vs torchrun",
+        "steps that count",
+        "launch → first step (s)",
+        "workers killed",
+        "recovered",
+        "kill → next step (median s)",
+        "notes",
+    ]
+    title = (
+        f"### Goodput: {seconds:.0f} s job, rank 1 SIGKILLed every {every:.0f} s "
+        f"(step = {step_time * 1000:.0f} ms of simulated compute + a tiny DDP step)"
+    )
+    return "\n".join([title, "", table(head, rows)])
