@@ -213,8 +213,7 @@ class ElasticAgent:
                 self._group.stop(cfg.stop_grace_s)
                 continue
             # A worker failed or hung: the policy decides between a restart and failing fast.
-            exits = self._collect_failures()
-            self._group.stop(cfg.stop_grace_s)
+            exits = self._stop_and_collect_failures()
             verdict = judge(
                 exits,
                 self._error_files,
@@ -480,21 +479,29 @@ class ElasticAgent:
         # faulthandler writes from a signal handler at once; give it a moment to reach the log.
         time.sleep(0.5)
 
-    def _collect_failures(self) -> dict[int, int]:
-        """Global rank -> return code of the failed workers: the one seen, any that follow within
-        a moment (the root cause is picked by time later), and hung ones (stopped by us)."""
+    def _stop_and_collect_failures(self) -> dict[int, int]:
+        """Stop the group and return global rank -> return code of the workers that failed.
+
+        No fixed wait: exits already queued are taken, the group is stopped at once, and of the
+        exits that follow only those not caused by our own signals count (the root cause is
+        picked by error-file time later). Hung workers count as killed by us.
+        """
         assert self._group is not None
-        exits = {
-            self._rank_offset + lr: rc for lr, rc in self._group.returncodes.items() if rc != 0
-        }
-        deadline = time.monotonic() + 0.2
-        while time.monotonic() < deadline:
-            try:
-                ex = self._group.exits.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                break
-            if ex.returncode != 0:
-                exits[ex.rank] = ex.returncode
+        group = self._group
+        exits = {self._rank_offset + lr: rc for lr, rc in group.returncodes.items() if rc != 0}
+
+        def drain(ours: tuple[int, ...]) -> None:
+            while True:
+                try:
+                    ex = group.exits.get_nowait()
+                except queue.Empty:
+                    return
+                if ex.returncode != 0 and ex.returncode not in ours:
+                    exits.setdefault(ex.rank, ex.returncode)
+
+        drain(())
+        group.stop(self.config.stop_grace_s)
+        drain((-signal.SIGTERM, -signal.SIGKILL))
         for rank in self._hung:
             exits.setdefault(rank, -signal.SIGKILL)
         return exits

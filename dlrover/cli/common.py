@@ -11,7 +11,7 @@ def setup_logging(name: str) -> None:
     level = os.environ.get("DLROVER_LOG_LEVEL", "INFO").upper()
     logging.basicConfig(
         level=getattr(logging, level, logging.INFO),
-        format=f"[{name}] %(asctime)s %(levelname)s %(name)s: %(message)s",
+        format=f"[{name}] %(asctime)s.%(msecs)03d %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
         stream=sys.stderr,
     )
