@@ -10,22 +10,20 @@ import signal
 import socket
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
-
-import psutil
 
 from dlrover.agent.bootstrap import ENV_DONE_FILE, request_stack_dump
 from dlrover.agent.config import AgentConfig
 from dlrover.agent.failure_policy import UserErrorSignature
 from dlrover.agent.failures import judge
+from dlrover.agent.heartbeat import Heartbeat, usage_of
 from dlrover.agent.worker_env import WorkerPlacement, worker_env
 from dlrover.agent.workers import WorkerExit, WorkerGroup, WorkerLaunch
 from dlrover.agent.zygote import PendingZygote, Zygote, ZygoteError
 from dlrover.client.checkpoint import MasterCommitCoordinator
-from dlrover.client.master_client import MasterClient, MasterClientError, MasterRequestError
+from dlrover.client.master_client import MasterClient, MasterClientError
 from dlrover.constants import ENV_AGENT_PID, ENV_CHECKPOINT_SOCKET, ENV_NODE_NAME, ENV_STEP_FILE
 from dlrover.decisions import FailureAction
 from dlrover.proto import master_pb2 as pb
@@ -95,11 +93,10 @@ class ElasticAgent:
         self._attempt = 0
         self._round = 0
         self._group: WorkerGroup | None = None
-        self._stop_hb = threading.Event()
-        self._master_says_stop = threading.Event()
-        self._must_reregister = threading.Event()
+        self._heartbeat = Heartbeat(client, config.heartbeat_interval_s, self._heartbeat_request)
+        self._master_says_stop = self._heartbeat.stop_requested
+        self._must_reregister = self._heartbeat.reregister_requested
         self._host = config.local_addr or self._guess_host()
-        self._proc = psutil.Process()
         self._run_dir = ""
         self._step_files: list[str] = []
         self._done_files: dict[int, str] = {}
@@ -123,15 +120,13 @@ class ElasticAgent:
         self._register()
         self._run_dir = tempfile.mkdtemp(prefix="dlrover_agent_")
         self._start_saver()
-        hb = threading.Thread(target=self._heartbeat_loop, daemon=True, name="dlrover-heartbeat")
-        hb.start()
+        self._heartbeat.start()
         try:
             return self._run_loop()
         finally:
             if self._group is not None:
                 self._group.stop(self.config.stop_grace_s)
-            self._stop_hb.set()
-            hb.join(timeout=self.config.heartbeat_interval_s + 1.0)
+            self._heartbeat.stop()
             if self._zygote is not None:
                 self._zygote.cancel()
             if self._saver is not None:
@@ -547,49 +542,16 @@ class ElasticAgent:
             return False
 
     # --- heartbeats ------------------------------------------------------------------------------
-    def _usage(self) -> tuple[float, int]:
-        cpu, mem = 0.0, 0
-        procs = [self._proc]
-        if self._group is not None:
-            for pid in self._group.pids.values():
-                try:
-                    procs.append(psutil.Process(pid))
-                except psutil.Error:
-                    pass
-        for p in procs:
-            try:
-                cpu += p.cpu_percent(None)
-                mem += p.memory_info().rss
-            except psutil.Error:
-                pass
-        return cpu, mem
-
-    def _heartbeat_loop(self) -> None:
-        while not self._stop_hb.wait(self.config.heartbeat_interval_s):
-            cpu, mem = self._usage()
-            try:
-                resp = self.client.heartbeat(
-                    pb.HeartbeatRequest(
-                        node_id=self.node_id,
-                        incarnation=self.incarnation,
-                        usage=pb.ResourceUsage(cpu_percent=cpu, memory_bytes=mem),
-                        step=self.step,
-                        restart_count=self.restart_count,
-                    )
-                )
-            except MasterRequestError as e:
-                # A restarted master that kept no state does not know this node any more.
-                logger.warning("heartbeat refused: %s", e)
-                if "unknown node" in str(e):
-                    self._must_reregister.set()
-                continue
-            except MasterClientError as e:
-                logger.warning("heartbeat failed: %s", e)
-                continue
-            if resp.action == "stop":
-                self._master_says_stop.set()
-            elif resp.action == "reregister":
-                self._must_reregister.set()
+    def _heartbeat_request(self) -> pb.HeartbeatRequest:
+        pids = [os.getpid(), *(self._group.pids.values() if self._group is not None else ())]
+        cpu, mem = usage_of(pids)
+        return pb.HeartbeatRequest(
+            node_id=self.node_id,
+            incarnation=self.incarnation,
+            usage=pb.ResourceUsage(cpu_percent=cpu, memory_bytes=mem),
+            step=self.step,
+            restart_count=self.restart_count,
+        )
 
 
 def install_signal_handlers() -> None:

@@ -1,0 +1,78 @@
+"""The agent's heartbeat: liveness, resource usage and progress to the master, actions back."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+import psutil
+
+from dlrover.client.master_client import MasterClient, MasterClientError, MasterRequestError
+from dlrover.proto import master_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+
+def usage_of(pids: list[int]) -> tuple[float, int]:
+    """(cpu percent, resident bytes) summed over the processes, ignoring those already gone."""
+    cpu, mem = 0.0, 0
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            cpu += p.cpu_percent(None)
+            mem += p.memory_info().rss
+        except psutil.Error:
+            pass
+    return cpu, mem
+
+
+class Heartbeat:
+    """Sends one heartbeat every `interval_s` from a background thread until `stop()`.
+
+    `snapshot()` gives the request's contents at each beat; the master's answer sets
+    `stop_requested` ("stop": the job has ended) or `reregister_requested` (the master took this
+    node for lost, or restarted without knowing it).
+    """
+
+    def __init__(
+        self,
+        client: MasterClient,
+        interval_s: float,
+        snapshot: Callable[[], pb.HeartbeatRequest],
+    ) -> None:
+        self._client = client
+        self._interval_s = interval_s
+        self._snapshot = snapshot
+        self._stop = threading.Event()
+        self.stop_requested = threading.Event()
+        self.reregister_requested = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="dlrover-heartbeat")
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self._interval_s + 1.0)
+
+    def beat(self) -> None:
+        """One heartbeat (the loop's body)."""
+        try:
+            resp = self._client.heartbeat(self._snapshot())
+        except MasterRequestError as e:
+            logger.warning("heartbeat refused: %s", e)
+            if "unknown node" in str(e):
+                self.reregister_requested.set()
+            return
+        except MasterClientError as e:
+            logger.warning("heartbeat failed: %s", e)
+            return
+        if resp.action == "stop":
+            self.stop_requested.set()
+        elif resp.action == "reregister":
+            self.reregister_requested.set()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            self.beat()
