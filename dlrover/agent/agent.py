@@ -399,6 +399,7 @@ class ElasticAgent:
         done: dict[int, WorkerExit] = {}
         started = time.time()
         next_progress_check = 0.0
+        next_membership_check = 0.0
         while True:
             try:
                 ex = group.exits.get(timeout=self.config.monitor_interval_s)
@@ -431,6 +432,11 @@ class ElasticAgent:
                 if self._check_progress(started, done):
                     return "hang"
                 self._maybe_begin_zygote()
+            if time.monotonic() < next_membership_check:
+                continue
+            # Worker exits are seen at once from the queue above; asking the master about
+            # membership is rarer, so a big job does not send it 10 RPCs per node per second.
+            next_membership_check = time.monotonic() + self.config.membership_check_interval_s
             try:
                 waiting = self.client.num_nodes_waiting(self.node_id, self._round)
             except MasterClientError as e:

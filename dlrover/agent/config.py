@@ -23,6 +23,8 @@ class AgentConfig:
     """Worker-group restarts after failures allowed on this node (membership changes are free)."""
     monitor_interval_s: float = c.DEFAULT_MONITOR_INTERVAL_S
     """How often the agent checks membership changes and its workers' state."""
+    membership_check_interval_s: float = c.DEFAULT_MEMBERSHIP_CHECK_INTERVAL_S
+    """How often the agent asks the master whether the world must re-form."""
     run_id: str = c.DEFAULT_JOB_NAME
     """TORCHELASTIC_RUN_ID: the job's name, the same on every node."""
     role: str = c.DEFAULT_ROLE
