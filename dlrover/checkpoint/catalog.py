@@ -198,13 +198,15 @@ class Catalog:
 
         rel = step_dir(step)
         meta = json.loads(self.storage.read_bytes(f"{rel}/{part}.meta.json"))
-        data = torch.empty(int(meta["data_len"]), dtype=torch.uint8)
+        # Read into a bytearray and wrap it: no copy, and no numpy (an optional torch dependency).
+        buffer = bytearray(int(meta["data_len"]))
+        view = memoryview(buffer)
         with self.storage.open_read(f"{rel}/{part}.bin") as f:
-            view = memoryview(data.numpy()).cast("B")  # type: ignore[arg-type]
             got = 0
             while got < len(view):
                 n = f.readinto(view[got:])  # type: ignore[attr-defined]
                 if not n:
                     raise CheckpointCorruptError(f"{self.storage.url(rel)}/{part}.bin is short")
                 got += n
+        data = torch.frombuffer(buffer, dtype=torch.uint8) if buffer else torch.empty(0, dtype=torch.uint8)
         return decode(meta, data, target, base=0)

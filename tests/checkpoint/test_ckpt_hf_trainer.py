@@ -12,6 +12,7 @@ import torch
 from dlrover.checkpoint.config import ENV_CHECKPOINT_SOCKET
 from tests.checkpoint.harness import assert_same, running_saver
 
+pytestmark = pytest.mark.extras
 transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed (pip install transformers==4.57.1)"
 )

@@ -15,10 +15,13 @@ from dlrover.engines.kube_manifests import OwnerReference, PodSettings
 from dlrover.engines.kube_pod_state import pod_outcome
 from dlrover.engines.relaunch import OomPolicy, replacement_spec
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("kubernetes") is None,
-    reason="kubernetes is not installed (pip install 'dlrover[k8s]')",
-)
+pytestmark = [
+    pytest.mark.extras,
+    pytest.mark.skipif(
+        importlib.util.find_spec("kubernetes") is None,
+        reason="kubernetes is not installed (pip install 'dlrover[k8s]')",
+    ),
+]
 
 NS = "train"
 OWNER = OwnerReference("dlrover.io/v1alpha1", "ElasticJob", "kjob", "uid-1234")

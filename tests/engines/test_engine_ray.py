@@ -15,10 +15,13 @@ import pytest
 
 from dlrover.engines.base import FailureReason, NodeEvent, NodeSpec, NodeState, wait_for_event
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("ray") is None,
-    reason="ray is not installed (pip install 'dlrover[ray]')",
-)
+pytestmark = [
+    pytest.mark.extras,
+    pytest.mark.skipif(
+        importlib.util.find_spec("ray") is None,
+        reason="ray is not installed (pip install 'dlrover[ray]')",
+    ),
+]
 
 # Same tiny job as the local-engine test: each node sums the squares of its share of 0..n-1
 # once the go file exists, and writes its partial sum atomically.

@@ -90,6 +90,7 @@ def test_invalid_elasticjob_is_one_clear_error() -> None:
         master_objects(job)
 
 
+@pytest.mark.extras
 @pytest.mark.skipif(importlib.util.find_spec("kopf") is None, reason="kopf is not installed")
 def test_operator_handlers_import() -> None:
     from dlrover.operator import handlers

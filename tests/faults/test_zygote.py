@@ -239,7 +239,7 @@ def test_zygote_death_resolves_handles(tmp_path: Path) -> None:
 
 
 DDP_TRAIN = """
-import hashlib, os, torch, torch.distributed as dist
+import os, torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 dist.init_process_group("gloo")
 torch.manual_seed(0)
@@ -250,10 +250,8 @@ for _ in range(5):
     optimizer.zero_grad()
     model(torch.randn(4, 8, generator=generator)).pow(2).mean().backward()
     optimizer.step()
-digest = hashlib.sha256()
-for parameter in model.parameters():
-    digest.update(parameter.detach().numpy().tobytes())
-print(digest.hexdigest(), flush=True)
+from dlrover.testing.digest import tensors_digest
+print(tensors_digest(model.parameters()), flush=True)
 dist.destroy_process_group()
 os._exit(0)  # torch+gloo can abort during interpreter shutdown, whatever the launcher
 """

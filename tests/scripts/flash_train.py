@@ -8,12 +8,12 @@ Rank 0 appends "<step> <loaded-from>" lines to <out>.steps and the final SHA-256
 from __future__ import annotations
 
 import argparse
-import hashlib
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from dlrover.testing.digest import tensors_digest
 from dlrover.testing.faults import FaultInjector
 from dlrover.trainer import StepReporter
 from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer, StorageType
@@ -74,11 +74,8 @@ def main() -> None:
         dist.barrier()
     ckpt.wait_latest_checkpoint(60)
     if rank == 0:
-        digest = hashlib.sha256()
-        for t in model.state_dict().values():
-            digest.update(t.detach().numpy().tobytes())
         with open(a.out + ".final", "w") as f:
-            f.write(digest.hexdigest())
+            f.write(tensors_digest(model.state_dict().values()))
     dist.destroy_process_group()
 
 

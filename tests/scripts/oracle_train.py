@@ -12,7 +12,6 @@ to <out>.steps and writes the final parameters' SHA-256 to <out>.final.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import time
 
@@ -20,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dlrover.testing.digest import tensors_digest
 from dlrover.testing.faults import FaultInjector
 from dlrover.trainer import StepReporter
 
@@ -80,11 +80,8 @@ def main() -> None:
                 os.replace(tmp, path)
         dist.barrier()  # nobody runs ahead of the checkpoint it may have to resume from
     if rank == 0:
-        digest = hashlib.sha256()
-        for t in model.state_dict().values():
-            digest.update(t.detach().numpy().tobytes())
         with open(a.out + ".final", "w") as f:
-            f.write(digest.hexdigest())
+            f.write(tensors_digest(model.state_dict().values()))
     dist.destroy_process_group()
 
 
