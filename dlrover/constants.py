@@ -41,7 +41,11 @@ ENV_STEP_FILE = "DLROVER_STEP_FILE"
 """File where a worker's `dlrover.trainer.report_step` writes its latest step for the agent."""
 DEFAULT_HANG_TIMEOUT_S = 0.0
 """No step reported for this long (after a first one) counts as a hang; 0 turns detection off."""
+DEFAULT_HANG_WARNING_TIMEOUT_S = 600.0
+"""No progress for this long: the agent logs the stuck ranks with their stacks (no restart)."""
 ENV_NODE_NAME = "DLROVER_NODE_NAME"
 """Set by an engine for the agent it launches: the node id the agent registers under."""
+ENV_STACK_FILE = "DLROVER_STACK_FILE"
+"""Set by the agent: where a worker writes its Python stacks when asked (SIGUSR1)."""
 ENV_AGENT_PID = "DLROVER_AGENT_PID"
 """The pid of the agent that started this worker (fault injection's kill_agent uses it)."""

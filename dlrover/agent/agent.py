@@ -14,17 +14,26 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from dlrover.agent.bootstrap import ENV_DONE_FILE, request_stack_dump
+from dlrover.agent.bootstrap import ENV_DONE_FILE
 from dlrover.agent.config import AgentConfig
 from dlrover.agent.failure_policy import UserErrorSignature
 from dlrover.agent.failures import judge
 from dlrover.agent.heartbeat import Heartbeat, usage_of
+from dlrover.agent.progress_watch import ProgressWatch, Stall
+from dlrover.agent.stacks import collect_stacks, cpu_seconds
 from dlrover.agent.worker_env import WorkerPlacement, worker_env
 from dlrover.agent.workers import WorkerExit, WorkerGroup, WorkerLaunch
 from dlrover.agent.zygote import PendingZygote, Zygote, ZygoteError
 from dlrover.client.checkpoint import MasterCommitCoordinator
 from dlrover.client.master_client import MasterClient, MasterClientError
-from dlrover.constants import ENV_AGENT_PID, ENV_CHECKPOINT_SOCKET, ENV_NODE_NAME, ENV_STEP_FILE
+from dlrover.constants import (
+    DEFAULT_JOB_NAME,
+    ENV_AGENT_PID,
+    ENV_CHECKPOINT_SOCKET,
+    ENV_NODE_NAME,
+    ENV_STACK_FILE,
+    ENV_STEP_FILE,
+)
 from dlrover.decisions import FailureAction
 from dlrover.proto import master_pb2 as pb
 from dlrover.trainer.progress import read_step_file
@@ -89,6 +98,8 @@ class ElasticAgent:
         # An engine names the node it launched; otherwise the master picks an id.
         self.node_id = os.environ.get(ENV_NODE_NAME, "")
         self.incarnation = 0
+        self.run_id = config.run_id
+        """TORCHELASTIC_RUN_ID: --rdzv-id, or without one the job name the master reports."""
         self.restart_count = 0
         self._attempt = 0
         self._round = 0
@@ -99,6 +110,8 @@ class ElasticAgent:
         self._host = config.local_addr or self._guess_host()
         self._run_dir = ""
         self._step_files: list[str] = []
+        self._stack_files: list[str] = []
+        self._progress = ProgressWatch(0, time.time())
         self._done_files: dict[int, str] = {}
         self._error_files: dict[int, str] = {}
         self._history: list[UserErrorSignature | None] = []
@@ -174,11 +187,13 @@ class ElasticAgent:
                     max_nodes=cfg.max_nodes,
                     node_unit=cfg.node_unit,
                     last_call_timeout_s=cfg.last_call_timeout_s,
-                    job_name=cfg.run_id,
+                    job_name=self.run_id,
                 ),
             )
         )
         self.node_id, self.incarnation = resp.node_id, resp.incarnation
+        if self.run_id == DEFAULT_JOB_NAME and resp.config.job_name:
+            self.run_id = resp.config.job_name
         logger.info("registered as node %s (incarnation %d)", self.node_id, self.incarnation)
 
     def _run_loop(self) -> RunResult:
@@ -283,9 +298,9 @@ class ElasticAgent:
         cfg = self.config
         attempt_dir = ""
         if cfg.log_dir:
-            attempt_dir = os.path.join(cfg.log_dir, cfg.run_id, f"attempt_{self._attempt}")
+            attempt_dir = os.path.join(cfg.log_dir, self.run_id, f"attempt_{self._attempt}")
         launches = []
-        self._step_files = []
+        self._step_files, self._stack_files = [], []
         self._done_files, self._error_files, self._hung = {}, {}, []
         for local_rank in range(cfg.nproc_per_node):
             rank = world.rank_offset + local_rank
@@ -302,7 +317,7 @@ class ElasticAgent:
                 os.environ,
                 placement,
                 role=cfg.role,
-                run_id=cfg.run_id,
+                run_id=self.run_id,
                 restart_count=self.restart_count,
                 max_restarts=cfg.max_restarts,
                 store_addr=world.store_host,
@@ -319,6 +334,8 @@ class ElasticAgent:
             )
             step_file = os.path.join(self._run_dir, f"step.{self._attempt}.{local_rank}")
             env[ENV_STEP_FILE] = step_file
+            env[ENV_STACK_FILE] = os.path.join(self._run_dir, f"stacks.{self._attempt}.{local_rank}")
+            self._stack_files.append(env[ENV_STACK_FILE])
             env[ENV_AGENT_PID] = str(os.getpid())
             if self._saver is not None:
                 env[ENV_CHECKPOINT_SOCKET] = self._saver.socket_path
@@ -347,6 +364,7 @@ class ElasticAgent:
         started = time.monotonic()
         self._group.start(launches, zygote)
         self._started_at = started
+        self._progress = ProgressWatch(cfg.nproc_per_node, time.time())
         self._attempt += 1
         logger.info(
             "started %d workers (ranks %d..%d, restart %d): %s",
@@ -397,7 +415,6 @@ class ElasticAgent:
         assert self._group is not None
         group = self._group
         done: dict[int, WorkerExit] = {}
-        started = time.time()
         next_progress_check = 0.0
         next_membership_check = 0.0
         while True:
@@ -429,7 +446,7 @@ class ElasticAgent:
                 return "reregister"
             if time.monotonic() >= next_progress_check:
                 next_progress_check = time.monotonic() + 1.0
-                if self._check_progress(started, done):
+                if self._check_progress(done):
                     return "hang"
                 self._maybe_begin_zygote()
             if time.monotonic() < next_membership_check:
@@ -445,40 +462,62 @@ class ElasticAgent:
             if waiting.waiting > 0 or waiting.latest_round > self._round:
                 return "membership"
 
-    def _check_progress(self, started: float, done: dict[int, WorkerExit]) -> bool:
-        """Update the node's step from the workers' step files; True when a worker hangs."""
+    def _check_progress(self, done: dict[int, WorkerExit]) -> bool:
+        """Update the node's step and the workers' progress; True when a worker hangs (the
+        opt-in --hang-timeout). Workers without progress for --hang-warning-timeout get a
+        warning with their stacks, once per stall, and keep running."""
+        assert self._group is not None
+        cfg = self.config
         now = time.time()
-        stale: list[int] = []
+        pids = self._group.pids
+        watch_cpu = cfg.hang_warning_timeout_s > 0
         for local_rank, path in enumerate(self._step_files):
             record = read_step_file(path)
-            if record is None:
-                continue
-            step, at = record
-            self.step = max(self.step, step)
-            timeout = self.config.hang_timeout_s
-            if timeout > 0 and local_rank not in done and now - max(at, started) > timeout:
-                stale.append(local_rank)
+            if record is not None:
+                self.step = max(self.step, record[0])
+            pid = pids.get(local_rank)
+            cpu = cpu_seconds(pid) if watch_cpu and pid and local_rank not in done else None
+            self._progress.observe(local_rank, record, cpu, now)
+        stale = self._progress.hung(cfg.hang_timeout_s, now, set(done))
         if stale:
             logger.error(
-                "hang: local ranks %s reported no step for %.0fs (last step %d)",
+                "hang: local ranks %s reported no step for %.0fs (last step %d); their stacks:\n%s",
                 stale,
-                self.config.hang_timeout_s,
+                cfg.hang_timeout_s,
                 self.step,
+                self._stacks_text(stale),
             )
             self._hung = [self._rank_offset + lr for lr in stale]
-            self._dump_stacks(stale)
             return True
+        stalls = self._progress.new_stalls(cfg.hang_warning_timeout_s, now, set(done))
+        if stalls:
+            self._warn_stalls(stalls)
         return False
 
-    def _dump_stacks(self, local_ranks: list[int]) -> None:
-        """Ask hung workers for their Python stacks (written to their stderr) before stopping them."""
+    def _warn_stalls(self, stalls: list[Stall]) -> None:
+        ranks = ", ".join(str(self._rank_offset + stall.local_rank) for stall in stalls)
+        logger.warning(
+            "no progress on rank(s) %s for %.0fs: %s. The job goes on; pass --hang-timeout S to "
+            "restart workers that report no step for S seconds. Their Python stacks:\n%s",
+            ranks,
+            self.config.hang_warning_timeout_s,
+            "; ".join(stall.describe(self._rank_offset) for stall in stalls),
+            self._stacks_text([stall.local_rank for stall in stalls]),
+        )
+
+    def _stacks_text(self, local_ranks: list[int]) -> str:
+        """Every thread's Python stack of these workers (asked by signal, read from their files)."""
         if self._group is None:
-            return
+            return ""
         pids = self._group.pids
-        for lr in local_ranks:
-            request_stack_dump(pids[lr])
-        # faulthandler writes from a signal handler at once; give it a moment to reach the log.
-        time.sleep(0.5)
+        targets = {
+            lr: (pids[lr], self._stack_files[lr]) for lr in local_ranks if lr in pids
+        }
+        dumps = collect_stacks(targets)
+        return "\n".join(
+            f"--- rank {self._rank_offset + lr} (pid {targets[lr][0]}) ---\n{dumps[lr]}"
+            for lr in sorted(dumps)
+        )
 
     def _stop_and_collect_failures(self) -> dict[int, int]:
         """Stop the group and return global rank -> return code of the workers that failed.

@@ -5,8 +5,9 @@ Usage: ``python -m dlrover.agent.bootstrap script.py args...`` or
 ``sys.argv``, ``sys.path[0]``, ``__name__ == "__main__"`` and exit codes as under
 ``python script.py``; in addition
 
-- ``SIGUSR1`` (STACK_DUMP_SIGNAL) prints every thread's Python stack to stderr and the
-  worker keeps running: the agent uses it on a hung worker before killing it;
+- ``SIGUSR1`` (STACK_DUMP_SIGNAL) writes every thread's Python stack to ``$DLROVER_STACK_FILE``
+  (stderr when unset) and the worker keeps running: the agent logs it for a worker that makes
+  no progress, and before killing a hung one;
 - fatal signals (SIGSEGV, SIGABRT, ...) print the Python stack before the process dies;
 - an exception escaping the script is written to ``$TORCHELASTIC_ERROR_FILE`` (see error_file).
 """
@@ -27,6 +28,7 @@ import types
 from collections.abc import Sequence
 
 from dlrover.agent.error_file import ErrorRecorder
+from dlrover.constants import ENV_STACK_FILE
 
 STACK_DUMP_SIGNAL = signal.SIGUSR1
 """Signal that makes a bootstrapped worker dump all thread stacks to stderr (and go on)."""
@@ -46,9 +48,19 @@ class BootstrapError(Exception):
 
 
 def enable_stack_dumps() -> None:
-    """Dump stacks on STACK_DUMP_SIGNAL and on fatal signals, to the current stderr."""
+    """Dump stacks on fatal signals to stderr, and on STACK_DUMP_SIGNAL to $DLROVER_STACK_FILE
+    (where the agent reads them) or, when that is unset, to stderr."""
     faulthandler.enable(file=sys.stderr, all_threads=True)
-    faulthandler.register(STACK_DUMP_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
+    path = os.environ.get(ENV_STACK_FILE, "")
+    target: object = sys.stderr
+    if path:
+        try:
+            # faulthandler keeps writing to this descriptor from its signal handler.
+            target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        except OSError:
+            target = sys.stderr
+    faulthandler.register(STACK_DUMP_SIGNAL, file=target, all_threads=True, chain=False)  # type: ignore[arg-type]
+
 
 
 def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:

@@ -56,11 +56,15 @@ class AgentConfig:
     --no-python): what the bootstrap and the zygote run."""
     fast_restart: bool = True
     """Fork restarted workers from a zygote that has imported torch already."""
-    zygote_delay_s: float = 20.0
-    """Start the zygote after the first step is reported, or this long after the workers start."""
+    zygote_delay_s: float = 0.0
+    """Start the zygote this long after the first workers (or at their first reported step).
+    Its imports run at idle CPU priority, so starting it at once does not slow the first start."""
     flash_checkpoint: bool = True
     """Host the flash-checkpoint saver (shared memory that survives worker restarts)."""
     checkpoint_close_timeout_s: float = 600.0
     """At exit, how long queued checkpoint persists may take before the memory is freed."""
     hang_timeout_s: float = c.DEFAULT_HANG_TIMEOUT_S
     """No step reported by a worker for this long (after its first) is a hang; 0: off."""
+    hang_warning_timeout_s: float = c.DEFAULT_HANG_WARNING_TIMEOUT_S
+    """No progress (steps, or CPU use for scripts that report none) for this long: warn with the
+    workers' stacks, once per stall, and go on; 0: off."""

@@ -224,6 +224,35 @@ def run_child(spec: ChildSpec) -> None:
         sys.exit(2)
 
 
+def preload_at_idle_priority(modules: list[str]) -> None:
+    """Import `modules` in a helper thread running at the lowest CPU priority (nice 19).
+
+    The zygote starts together with the first workers; at nice 19 its imports take only the CPU
+    the workers leave idle, so the first start is not slowed, and the zygote is ready early for
+    a failure in the first seconds (once the workers are gone it gets the whole CPU). On Linux
+    a nice value belongs to one thread, so the main thread, which forks the workers, keeps the
+    normal priority and the workers inherit that. Elsewhere it would apply to the whole
+    process, so the imports run at normal priority there. The agent bounds the whole preload
+    (it kills a zygote not ready in time), so the join below needs no deadline of its own.
+    """
+    failure: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            if sys.platform.startswith("linux"):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+            for module in modules:
+                importlib.import_module(module)
+        except BaseException as exc:  # re-raised in the main thread
+            failure.append(exc)
+
+    thread = threading.Thread(target=work, name="zygote-preload")
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="DLRover zygote (started by the agent)")
     parser.add_argument("--fd", type=int, required=True, help="inherited unix socket")
@@ -233,8 +262,7 @@ def main() -> None:
     die_with_parent(args.parent_pid)
     sock = socket.socket(fileno=args.fd)
     started = time.perf_counter()
-    for module in filter(None, args.preload.split(",")):
-        importlib.import_module(module)
+    preload_at_idle_priority([m for m in args.preload.split(",") if m])
     _send(
         sock,
         {

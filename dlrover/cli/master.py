@@ -17,7 +17,7 @@ from dlrover import constants as c
 from dlrover.cli.common import parse_nnodes, setup_logging
 from dlrover.master.job import JobMaster, JobMasterConfig, JobState
 from dlrover.master.rendezvous import RendezvousConfig, RendezvousError
-from dlrover.master.server import MasterServer, MasterServerError, new_token
+from dlrover.master.server import MasterServer, MasterServerError, job_name_for_token, new_token
 from dlrover.master.state_store import StateStoreError, open_state_store
 
 logger = logging.getLogger("dlrover.master")
@@ -63,7 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--node-unit", type=int, default=1, help="Nodes join and leave in multiples of this."
     )
-    p.add_argument("--job-name", default=c.DEFAULT_JOB_NAME, help="The job's name (rdzv id).")
+    p.add_argument(
+        "--job-name",
+        default="",
+        help="The job's name (the workers' TORCHELASTIC_RUN_ID); default: derived from the token.",
+    )
     p.add_argument(
         "--state-db",
         default="",
@@ -125,12 +129,13 @@ def run(argv: Sequence[str] | None = None) -> int:
         parser.error(str(e))
     setup_logging("dlrover-master")
     token = args.token or os.environ.get(c.ENV_JOB_TOKEN) or new_token()
+    job_name = args.job_name or job_name_for_token(token)
     db = args.state_db or os.path.join(tempfile.mkdtemp(prefix="dlrover_master_"), "state.db")
     try:
         store = open_state_store(db)
         job = JobMaster(
             JobMasterConfig(
-                job_name=args.job_name, rendezvous=rdzv, heartbeat_timeout_s=args.heartbeat_timeout
+                job_name=job_name, rendezvous=rdzv, heartbeat_timeout_s=args.heartbeat_timeout
             ),
             store,
         )
@@ -169,7 +174,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         time.sleep(min(2.0, c.DEFAULT_HEARTBEAT_INTERVAL_S))
     server.stop(grace_s=1.0)
     store.close()
-    print(f"dlrover-master: job {args.job_name} {job.state.value}: {job.reason}", file=sys.stderr)
+    print(f"dlrover-master: job {job_name} {job.state.value}: {job.reason}", file=sys.stderr)
     return 0 if job.state == JobState.SUCCEEDED else (job.exit_code or 1)
 
 

@@ -17,7 +17,7 @@ from dlrover.agent.config import AgentConfig
 from dlrover.cli.common import parse_nnodes, parse_std_spec, setup_logging
 from dlrover.client.master_client import MasterClient, MasterClientError
 from dlrover.master.job import JobMaster, JobMasterConfig
-from dlrover.master.server import MasterServer, MasterServerError, new_token
+from dlrover.master.server import MasterServer, MasterServerError, job_name_for_token, new_token
 from dlrover.master.state_store import MemoryStateStore
 
 logger = logging.getLogger("dlrover.run")
@@ -176,6 +176,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="Seconds without a reported step (dlrover.trainer.report_step) before workers count "
         "as hung: their stacks are dumped and they restart like failed ones. 0 (default): off.",
     )
+    _add(
+        p,
+        "--hang-warning-timeout",
+        type=float,
+        default=c.DEFAULT_HANG_WARNING_TIMEOUT_S,
+        help="Seconds without progress (a new reported step; for scripts that never report one, "
+        "CPU use) before the stuck ranks are logged with their stacks; the job goes on. "
+        "0: off. Default 600.",
+    )
     p.add_argument(
         "--fast-restart",
         action=argparse.BooleanOptionalAction,
@@ -245,6 +254,10 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         raise ValueError(f"--max-restarts {args.max_restarts}: must be >= 0")
     if args.hang_timeout < 0:
         raise ValueError(f"--hang-timeout {args.hang_timeout}: must be >= 0 (0 turns it off)")
+    if args.hang_warning_timeout < 0:
+        raise ValueError(
+            f"--hang-warning-timeout {args.hang_warning_timeout}: must be >= 0 (0 turns it off)"
+        )
     if args.monitor_interval <= 0:
         raise ValueError(f"--monitor-interval {args.monitor_interval}: must be > 0")
     red_default, red = parse_std_spec(args.redirects, "--redirects")
@@ -290,6 +303,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         ),
         stop_grace_s=args.shutdown_timeout,
         hang_timeout_s=args.hang_timeout,
+        hang_warning_timeout_s=args.hang_warning_timeout,
     )
 
 
@@ -318,8 +332,9 @@ def run(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     setup_logging("dlrover-run")
-    if args.standalone and config.run_id == c.DEFAULT_JOB_NAME:
-        config.run_id = uuid.uuid4().hex[:8]
+    # Without --rdzv-id an embedded master names the job; a node joining another master takes
+    # the name that master reports when the node registers.
+    named = config.run_id != c.DEFAULT_JOB_NAME
 
     token = args.token or os.environ.get(c.ENV_JOB_TOKEN, "")
     env_addr = os.environ.get(c.ENV_MASTER_ADDR, "")
@@ -327,6 +342,8 @@ def run(argv: Sequence[str] | None = None) -> int:
     try:
         if args.standalone or (not env_addr and not args.rdzv_endpoint and config.max_nodes == 1):
             token = token or new_token()
+            if not named:
+                config.run_id = uuid.uuid4().hex[:8]
             server = _embedded_master(config.run_id, "127.0.0.1", 0, token)
             master_addr = f"127.0.0.1:{server.port}"
         elif env_addr:
@@ -340,7 +357,8 @@ def run(argv: Sequence[str] | None = None) -> int:
             master_addr = args.rdzv_endpoint
             if _is_local(host):
                 try:
-                    server = _embedded_master(config.run_id, "0.0.0.0", int(port_s), token)
+                    job_name = config.run_id if named else job_name_for_token(token)
+                    server = _embedded_master(job_name, "0.0.0.0", int(port_s), token)
                     logger.info("this node hosts the job master at %s", master_addr)
                 except MasterServerError:
                     logger.info("another node hosts the master at %s; joining it", master_addr)

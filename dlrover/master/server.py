@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import secrets
 import threading
@@ -31,6 +32,12 @@ class MasterServerError(Exception):
 
 def new_token() -> str:
     return secrets.token_urlsafe(24)
+
+
+def job_name_for_token(token: str) -> str:
+    """A job's name when none was given: stable for a token, so a master restarted with the
+    same token (and state) keeps its name, and readable in logs (never the bare "none")."""
+    return "job-" + hashlib.sha256(token.encode()).hexdigest()[:8]
 
 
 class _TokenInterceptor(grpc.ServerInterceptor):

@@ -6,7 +6,7 @@ import json
 import subprocess
 from pathlib import Path
 
-from tests.conftest import SCRIPTS, clean_env, dlrover_run, run_cmd
+from tests.conftest import SCRIPTS, MasterProcess, clean_env, dlrover_run, run_cmd
 
 CONTRACT = [
     "RANK",
@@ -75,3 +75,17 @@ def test_env_matches_torchrun(tmp_path: Path):
         assert de["MASTER_ADDR"] and int(de["MASTER_PORT"]) > 0
         assert de["TORCHELASTIC_ERROR_FILE"].endswith("error.json")
         assert f"rank_{de['RANK']}" in de["TORCHELASTIC_ERROR_FILE"]
+
+
+def test_without_rdzv_id_the_job_is_named_by_its_master(tmp_path: Path, master: MasterProcess):
+    """Never the bare "none": a node joining a master takes the name the master reports."""
+    r = dlrover_run(
+        ["--nnodes=1", "--nproc-per-node=1", str(SCRIPTS / "dump_env.py"), str(tmp_path)],
+        env=clean_env(**master.vars),
+    )
+    assert r.returncode == 0, r.stderr
+    env = json.loads((tmp_path / "env.0.json").read_text())
+    assert env["TORCHELASTIC_RUN_ID"] == env["DLROVER_JOB_NAME"]
+    assert env["TORCHELASTIC_RUN_ID"].startswith("job-")
+    assert master.wait() == 0
+    assert f"job {env['TORCHELASTIC_RUN_ID']} succeeded" in (tmp_path / "master.log").read_text()

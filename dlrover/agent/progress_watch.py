@@ -1,0 +1,104 @@
+"""Which workers of a node make no progress: reported steps, or CPU use for scripts that never report."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MIN_CPU_SHARE = 0.01
+"""A worker that never reported a step counts as progressing while it uses at least this share of
+one core (plus one clock tick) since its last progress: blocked in a collective it uses ~0."""
+
+CPU_TICK_S = 0.01
+"""Resolution of per-process CPU times on Linux (USER_HZ = 100)."""
+
+
+@dataclass
+class _Rank:
+    step: int = -1
+    """Latest step the worker reported; -1 while it has reported none."""
+    record: tuple[int, float] | None = None
+    """The step file's latest (step, wall time) record."""
+    progress_at: float = 0.0
+    """Wall time of the worker's latest progress (new step, or enough CPU used)."""
+    cpu_mark_s: float = 0.0
+    """The worker's CPU seconds at `progress_at`."""
+    warned: bool = False
+    """A warning was logged for the current stall (re-armed by progress)."""
+
+
+@dataclass(frozen=True)
+class Stall:
+    """One worker without progress: what the warning says about it."""
+
+    local_rank: int
+    idle_s: float
+    step: int
+    """Its latest reported step, or -1 when it never reported one (judged by CPU use)."""
+
+    def describe(self, rank_offset: int) -> str:
+        how = (
+            f"last step {self.step}"
+            if self.step >= 0
+            else "never reported a step and used under 1% of a core"
+        )
+        return f"rank {rank_offset + self.local_rank} ({how}, {self.idle_s:.0f}s without progress)"
+
+
+class ProgressWatch:
+    """Tracks the progress of one worker group; pure, fed by the agent with wall-clock samples.
+
+    Progress is a new step in the worker's step file (`dlrover.trainer.report_step`), or, for a
+    worker that has never reported a step, CPU use of at least MIN_CPU_SHARE of a core since its
+    last progress (its process and its children: data-loader workers count). A worker that once
+    reported a step is judged by steps alone, since a spinning collective also burns CPU.
+    """
+
+    def __init__(self, num_workers: int, started_at: float) -> None:
+        self._ranks = [_Rank(progress_at=started_at) for _ in range(num_workers)]
+
+    def observe(
+        self, local_rank: int, step_record: tuple[int, float] | None, cpu_s: float | None, now: float
+    ) -> None:
+        """Feed one sample: the worker's step file record (step, wall time) and CPU seconds."""
+        rank = self._ranks[local_rank]
+        if step_record is not None and step_record != rank.record:
+            rank.record = step_record
+            rank.step = step_record[0]
+            rank.progress_at = max(rank.progress_at, min(step_record[1], now))
+            rank.warned = False
+            if cpu_s is not None:
+                rank.cpu_mark_s = cpu_s
+        elif (
+            rank.step < 0
+            and cpu_s is not None
+            and cpu_s - rank.cpu_mark_s >= MIN_CPU_SHARE * (now - rank.progress_at) + CPU_TICK_S
+        ):
+            rank.progress_at = now
+            rank.cpu_mark_s = cpu_s
+            rank.warned = False
+
+    def hung(self, timeout_s: float, now: float, finished: set[int]) -> list[int]:
+        """Workers that reported a step once and none for `timeout_s` (the opt-in restart)."""
+        if timeout_s <= 0:
+            return []
+        return [
+            local_rank
+            for local_rank, rank in enumerate(self._ranks)
+            if local_rank not in finished and rank.step >= 0 and now - rank.progress_at > timeout_s
+        ]
+
+    def new_stalls(self, timeout_s: float, now: float, finished: set[int]) -> list[Stall]:
+        """Workers without progress for `timeout_s` not warned about yet (each stall once)."""
+        if timeout_s <= 0:
+            return []
+        stalls = []
+        for local_rank, rank in enumerate(self._ranks):
+            idle = now - rank.progress_at
+            if local_rank in finished or rank.warned or idle < timeout_s:
+                continue
+            rank.warned = True
+            stalls.append(Stall(local_rank, idle, rank.step))
+        return stalls
+
+    def last_step(self, local_rank: int) -> int:
+        return self._ranks[local_rank].step
