@@ -12,10 +12,12 @@ from dlrover.constants import ENV_JOB_TOKEN
 from dlrover.proto import master_pb2 as pb
 from dlrover.sharding import errors
 from dlrover.sharding.types import (
+    ConsumptionMark,
     DatasetProgress,
     DatasetSpec,
     FetchResult,
     Position,
+    PositionAt,
     RegisterResult,
     ReportResult,
     ShardId,
@@ -78,6 +80,14 @@ class GrpcShardingTransport:
 
     def get_position(self, dataset: str) -> Position:
         return Position.from_dict(self._call("get_position", dataset=dataset))
+
+    def mark_consumption(self, dataset: str, worker_id: str, mark: ConsumptionMark) -> None:
+        self._call("mark_consumption", dataset=dataset, worker_id=worker_id, mark=mark.to_dict())
+
+    def position_at(self, dataset: str, epoch: int, consumed: int) -> PositionAt:
+        return PositionAt.from_dict(
+            self._call("position_at", dataset=dataset, epoch=epoch, consumed=consumed)
+        )
 
     def restore_position(self, position: Position, token: str | None) -> bool:
         return bool(self._call("restore_position", position=position.to_dict(), token=token))

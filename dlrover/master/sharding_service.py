@@ -11,7 +11,7 @@ from typing import Any
 
 from dlrover.master.state_store import StateStore
 from dlrover.sharding.manager import ShardManager
-from dlrover.sharding.types import DatasetSpec, Position, ShardId
+from dlrover.sharding.types import ConsumptionMark, DatasetSpec, Position, ShardId
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +55,13 @@ class ShardingService:
                 str(a["dataset"]), str(a["worker_id"])
             ),
             "get_position": lambda a: self.manager.get_position(str(a["dataset"])),
+            # Marks live in memory only (one per shard a worker starts): not persisted.
+            "mark_consumption": lambda a: self.manager.mark_consumption(
+                str(a["dataset"]), str(a["worker_id"]), ConsumptionMark.from_dict(a["mark"])
+            ),
+            "position_at": lambda a: self.manager.position_at(
+                str(a["dataset"]), int(a["epoch"]), int(a["consumed"])
+            ),
             "restore_position": lambda a: self.manager.restore_position(
                 Position.from_dict(a["position"]), a.get("token")
             ),

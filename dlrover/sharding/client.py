@@ -14,7 +14,14 @@ from dlrover.sharding.config import (
 )
 from dlrover.sharding.errors import InvalidSpecError, ShardingError, ShardingTimeoutError
 from dlrover.sharding.transport import ShardingTransport
-from dlrover.sharding.types import DatasetSpec, Position, RegisterResult, ReportResult, Shard
+from dlrover.sharding.types import (
+    ConsumptionMark,
+    DatasetSpec,
+    Position,
+    RegisterResult,
+    ReportResult,
+    Shard,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +164,36 @@ class ShardingClient:
 
     def get_position(self) -> Position:
         return self.transport.get_position(self.spec.name)
+
+    def mark(self, mark: ConsumptionMark) -> None:
+        """Tell the master where this worker stands in its iteration (before yielding a shard)."""
+        self.touch()
+        self.transport.mark_consumption(self.spec.name, self.worker_id, mark)
+
+    def position_at(self, epoch: int, consumed: int, timeout_s: float | None = None) -> Position:
+        """The position when every worker had consumed `consumed` samples of iteration `epoch`.
+
+        Waits (bounded) for workers whose marks do not reach that far yet; in a synchronous
+        job (DDP) they reached it before the step that the caller completed, so the first
+        answer is final.
+        """
+        wait_s = self.fetch_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + wait_s
+        delay = 0.005
+        while True:
+            answer = self.transport.position_at(self.spec.name, epoch, consumed)
+            if answer.position is not None:
+                return answer.position
+            if time.monotonic() >= deadline:
+                raise ShardingTimeoutError(
+                    f"dataset {self.spec.name!r}: workers {list(answer.waiting_for)} did not "
+                    f"reach sample {consumed} of epoch {epoch} within {wait_s:.0f}s, so the "
+                    f"position at that step is unknown. Pass state_dict() the step that every "
+                    f"rank has completed in this epoch."
+                )
+            # Waiting on other processes' progress, which reaches us only by asking again.
+            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 2, 0.2)
 
     def restore_position(self, position: Position, token: str | None = None) -> bool:
         """Reset the master to `position`, dropping this client's prefetched shards."""

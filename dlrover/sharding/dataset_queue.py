@@ -12,13 +12,16 @@ from dlrover.sharding.errors import (
     ShardRetriesExhaustedError,
 )
 from dlrover.sharding.leases import Lease, LeaseTable
+from dlrover.sharding.ledger import Ledgers
 from dlrover.sharding.permutation import mix64, permute
 from dlrover.sharding.types import (
+    ConsumptionMark,
     DatasetProgress,
     DatasetSpec,
     DeliveryMode,
     FetchResult,
     Position,
+    PositionAt,
     ReportResult,
     Shard,
     ShardId,
@@ -49,6 +52,7 @@ class DatasetQueue:
         self.done_shards = 0
         self.failure: str | None = None
         self.restore_token: str | None = None
+        self.ledgers = Ledgers()
 
     # --- hand-out -------------------------------------------------------------------------
     def fetch(self, worker_id: str, max_count: int, now: float) -> FetchResult:
@@ -149,16 +153,36 @@ class DatasetQueue:
         lease.deadline = max(lease.deadline, now + self.spec.lease_s)
         return True
 
+    def mark(self, worker_id: str, mark: ConsumptionMark) -> None:
+        """Record where `worker_id` stands in its iteration (see ConsumptionMark)."""
+        length = 0
+        if mark.shard_id is not None:
+            shard = mark.shard_id
+            if not (0 <= shard.epoch < self.spec.epochs and 0 <= shard.index < self.spec.num_shards):
+                raise InvalidSpecError(f"mark of {self.spec.name!r}: {shard} does not exist")
+            length = len(self._shard(shard, 0, 0))
+            if not 0 <= mark.offset <= length:
+                raise InvalidSpecError(
+                    f"mark of {shard} in {self.spec.name!r}: offset {mark.offset} is outside "
+                    f"0..{length}"
+                )
+        if mark.begin < 0 or mark.epoch < 0:
+            raise InvalidSpecError(f"mark of {self.spec.name!r}: negative epoch or begin {mark}")
+        self.ledgers.record(worker_id, mark, length)
+
     def renew(self, worker_id: str, now: float) -> int:
         return self.leases.renew(worker_id, now + self.spec.lease_s)
 
     # --- failures -------------------------------------------------------------------------
     def recover_worker(self, worker_id: str) -> list[ShardId]:
         """Put every shard `worker_id` holds back at the head of the todo queue."""
+        self.ledgers.forget_worker(worker_id)
         return self._requeue(sorted(self.leases.held_by(worker_id)), f"worker {worker_id} lost")
 
     def expire(self, now: float) -> list[ShardId]:
-        return self._requeue(sorted(self.leases.expired(now)), "lease expired")
+        back = self._requeue(sorted(self.leases.expired(now)), "lease expired")
+        self.ledgers.forget_shards(set(back))
+        return back
 
     def _requeue(self, shard_ids: list[ShardId], reason: str) -> list[ShardId]:
         back: list[_Requeued] = []
@@ -191,10 +215,38 @@ class DatasetQueue:
     # --- position (checkpoint / restore) --------------------------------------------------
     def position(self) -> Position:
         """The consumed position in canonical form, so equal consumption gives equal positions."""
+        return self._canonical(self._pending_now())
+
+    def position_at(self, epoch: int, consumed: int) -> PositionAt:
+        """The position when every worker had consumed `consumed` samples of iteration `epoch`
+        (a checkpoint at that step), from the workers' marks: shards they finished since are
+        not done in it, and shards they were reading are pending at that step's offset."""
+        if epoch < 0 or consumed < 0:
+            raise InvalidSpecError(
+                f"position of {self.spec.name!r} at epoch {epoch}, {consumed} samples: "
+                f"both must be >= 0"
+            )
+        marked, waiting = self.ledgers.at(epoch, consumed)
+        if waiting:
+            return PositionAt(None, tuple(waiting))
+        exact = self.spec.mode is DeliveryMode.EXACTLY_ONCE
+        pending = self._pending_now()
+        for shard_id, (used, end) in marked.items():
+            key = (shard_id.epoch, shard_id.index)
+            if used >= end:
+                pending.pop(key, None)
+            else:
+                pending[key] = used if exact else 0
+        return PositionAt(self._canonical(pending))
+
+    def _pending_now(self) -> dict[tuple[int, int], int]:
         exact = self.spec.mode is DeliveryMode.EXACTLY_ONCE
         pending = {(e, i): (o if exact else 0) for e, i, o, _ in self.requeued}
         for shard_id, lease in self.leases.items():
             pending[(shard_id.epoch, shard_id.index)] = lease.offset if exact else 0
+        return pending
+
+    def _canonical(self, pending: dict[tuple[int, int], int]) -> Position:
         epoch, cursor = self.epoch, self.cursor
         # Untouched shards just behind the cursor belong to the todo part: move the cursor
         # back over them (across epoch starts too) so racing fetches do not change the form.
@@ -220,6 +272,7 @@ class DatasetQueue:
         self.epoch, self.cursor = position.epoch, position.cursor
         self.requeued = deque((e, i, o, 0) for e, i, o in sorted(position.pending))
         self.leases.clear()
+        self.ledgers.clear()
         self.failure = None
         self.restore_token = token
         logger.info("dataset %r restored to %s", self.spec.name, position)

@@ -11,10 +11,12 @@ from dlrover.sharding.dataset_queue import DatasetQueue
 from dlrover.sharding.errors import DatasetConflictError, InvalidSpecError, UnknownDatasetError
 from dlrover.sharding.stream import StreamQueue, StreamShard, StreamSource, StreamSpec
 from dlrover.sharding.types import (
+    ConsumptionMark,
     DatasetProgress,
     DatasetSpec,
     FetchResult,
     Position,
+    PositionAt,
     RegisterResult,
     ReportResult,
     ShardId,
@@ -73,6 +75,12 @@ class ShardManager:
 
     def get_position(self, dataset: str) -> Position:
         return self._dataset(dataset).position()
+
+    def mark_consumption(self, dataset: str, worker_id: str, mark: ConsumptionMark) -> None:
+        self._dataset(dataset).mark(worker_id, mark)
+
+    def position_at(self, dataset: str, epoch: int, consumed: int) -> PositionAt:
+        return self._dataset(dataset).position_at(epoch, consumed)
 
     def restore_position(self, position: Position, token: str | None = None) -> bool:
         """Reset the dataset's queues to `position`. Returns False when `token` was applied last,

@@ -8,10 +8,12 @@ from typing import Protocol
 
 from dlrover.sharding.manager import ShardManager
 from dlrover.sharding.types import (
+    ConsumptionMark,
     DatasetProgress,
     DatasetSpec,
     FetchResult,
     Position,
+    PositionAt,
     RegisterResult,
     ReportResult,
     ShardId,
@@ -41,6 +43,10 @@ class ShardingTransport(Protocol):
     def renew_leases(self, dataset: str, worker_id: str) -> int: ...
 
     def get_position(self, dataset: str) -> Position: ...
+
+    def mark_consumption(self, dataset: str, worker_id: str, mark: ConsumptionMark) -> None: ...
+
+    def position_at(self, dataset: str, epoch: int, consumed: int) -> PositionAt: ...
 
     def restore_position(self, position: Position, token: str | None) -> bool: ...
 
@@ -81,6 +87,14 @@ class InProcessTransport:
     def get_position(self, dataset: str) -> Position:
         with self._lock:
             return self.manager.get_position(dataset)
+
+    def mark_consumption(self, dataset: str, worker_id: str, mark: ConsumptionMark) -> None:
+        with self._lock:
+            self.manager.mark_consumption(dataset, worker_id, mark)
+
+    def position_at(self, dataset: str, epoch: int, consumed: int) -> PositionAt:
+        with self._lock:
+            return self.manager.position_at(dataset, epoch, consumed)
 
     def restore_position(self, position: Position, token: str | None) -> bool:
         with self._lock:

@@ -189,6 +189,62 @@ class Position:
 
 
 @dataclass(frozen=True)
+class ConsumptionMark:
+    """Where a worker stands in its iteration `epoch` (the dataset epoch it is reading).
+
+    With a shard: the worker is about to yield that shard's samples from `offset` on, and they
+    occupy [begin, begin + length - offset) of the samples it consumes in this iteration.
+    Without one: the iteration ended after `begin` samples.
+    """
+
+    epoch: int
+    begin: int
+    shard_id: ShardId | None = None
+    offset: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "begin": self.begin,
+            "shard_id": None if self.shard_id is None else self.shard_id.to_list(),
+            "offset": self.offset,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ConsumptionMark:
+        shard = data.get("shard_id")
+        return cls(
+            int(data["epoch"]),
+            int(data["begin"]),
+            None if shard is None else ShardId.from_list(shard),
+            int(data.get("offset", 0)),
+        )
+
+
+@dataclass(frozen=True)
+class PositionAt:
+    """Answer to position_at: the position, or the workers whose marks do not reach the asked
+    step yet (ask again shortly; in a synchronous job they have already reported)."""
+
+    position: Position | None
+    waiting_for: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "position": None if self.position is None else self.position.to_dict(),
+            "waiting_for": list(self.waiting_for),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PositionAt:
+        position = data.get("position")
+        return cls(
+            None if position is None else Position.from_dict(position),
+            tuple(str(w) for w in data.get("waiting_for", [])),
+        )
+
+
+@dataclass(frozen=True)
 class RegisterResult:
     """Answer to register_dataset: `created` is False when it already existed (a no-op)."""
 

@@ -12,7 +12,7 @@ from dlrover.master.server import MasterServer
 from dlrover.master.state_store import MemoryStateStore
 from dlrover.sharding.errors import DatasetConflictError
 from dlrover.sharding.types import DatasetSpec
-from tests.conftest import SCRIPTS, dlrover_run
+from tests.conftest import SCRIPTS, clean_env, dlrover_run
 
 
 def test_worker_killed_mid_shard_every_sample_is_still_trained(tmp_path: Path):
@@ -75,3 +75,37 @@ def test_many_concurrent_grpc_clients_never_share_a_leased_shard():
             raise AssertionError("a conflicting registration must be refused")
     finally:
         server.stop(0.1)
+
+
+def test_rank0_only_sampler_state_dict_never_blocks_and_loses_no_sample(tmp_path: Path):
+    """The DLRover-style `if rank == 0: torch.save({"sampler": sampler.state_dict(...)})`: no
+    collective inside, so it cannot deadlock; rank 1 is SIGKILLed mid-epoch, the job resumes
+    from rank 0's checkpoint and every sample is trained at least once."""
+    n, batch = 600, 4
+    once = tmp_path / "fault.once"
+    env = clean_env(DLROVER_FAULTS=f"kill:rank=1:step=20:once={once}")
+    r = dlrover_run(
+        [
+            "--standalone",
+            "--nproc-per-node=2",
+            "--max-restarts=1",
+            str(SCRIPTS / "rank0_sampler_ckpt.py"),
+            str(tmp_path),
+            str(n),
+            str(batch),
+        ],
+        env=env,
+        timeout=180,
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "dlrover fault injection: kill rank 1 step 20" in r.stderr
+    assert (tmp_path / "ckpt.pt").exists()
+    seen: Counter[int] = Counter()
+    for f in tmp_path.glob("ids.*"):
+        seen.update(int(x) for x in f.read_text().split())
+    assert set(seen) == set(range(n)), sorted(set(range(n)) - set(seen))[:20]
+    after_restart = sum(
+        len(f.read_text().split()) for f in tmp_path.glob("ids.*.1")
+    )
+    # The restart resumed from the checkpoint: it did not train the whole dataset again.
+    assert after_restart < n

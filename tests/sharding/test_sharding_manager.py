@@ -219,3 +219,65 @@ def test_shard_wire_form_round_trips() -> None:
     assert again == result
     assert [list(s.indices()) for s in again.shards] == [list(s.indices()) for s in result.shards]
     assert isinstance(again.shards[0], Shard)
+
+
+@pytest.mark.parametrize("mode", [DeliveryMode.EXACTLY_ONCE, DeliveryMode.AT_LEAST_ONCE])
+def test_position_at_a_step_ignores_what_workers_did_after_it(mode: DeliveryMode) -> None:
+    """Rank 0 alone asks for the position at step s while rank 1 has already finished a shard
+    and started another: that work is not in the position, so restoring it loses nothing."""
+    from dlrover.sharding.types import ConsumptionMark
+
+    spec = DatasetSpec(name="d", size=100, shard_size=10, mode=mode)
+    manager = ShardManager(Clock())
+    manager.register_dataset(spec)
+    a, b = (manager.fetch_shards("d", w, 1).shards[0] for w in ("w0", "w1"))
+    manager.mark_consumption("d", "w0", ConsumptionMark(0, 0, a.id, 0))
+    manager.mark_consumption("d", "w1", ConsumptionMark(0, 0, b.id, 0))
+    # Both trained 10 samples; w1 raced on: b done, c started and finished, d started.
+    manager.report_done("d", "w0", [a.id])
+    c, d = manager.fetch_shards("d", "w1", 2).shards
+    manager.report_done("d", "w1", [b.id])
+    manager.mark_consumption("d", "w1", ConsumptionMark(0, 10, c.id, 0))
+    manager.report_done("d", "w1", [c.id])
+    manager.mark_consumption("d", "w1", ConsumptionMark(0, 20, d.id, 0))
+    # w0 has not got past sample 10 yet: asking for step "15 samples" waits for it.
+    assert manager.position_at("d", 0, 15).waiting_for == ("w0",)
+    answer = manager.position_at("d", 0, 6)
+    assert answer.waiting_for == () and answer.position is not None
+    exact = mode is DeliveryMode.EXACTLY_ONCE
+    pending = {(e, i): o for e, i, o in answer.position.pending}
+    # At least once, a half-read shard is read again whole: the same as not read at all.
+    assert pending.get((0, a.id.index), 0) == (6 if exact else 0)
+    assert pending.get((0, b.id.index), 0) == (6 if exact else 0)
+    # Restore into a fresh master and read the rest: every sample not trained by step 6 comes.
+    fresh = ShardManager(Clock())
+    fresh.register_dataset(spec)
+    fresh.restore_position(answer.position)
+    counts = drain(fresh, "d")
+    trained_by_step = set()
+    for shard in (a, b):
+        trained_by_step.update(list(shard.indices())[:6])
+    assert set(counts) | trained_by_step == set(range(100))
+    if exact:
+        assert not set(counts) & trained_by_step
+
+
+def test_position_at_counts_an_ended_iteration_and_a_lost_worker() -> None:
+    from dlrover.sharding.types import ConsumptionMark
+
+    manager = ShardManager(Clock())
+    manager.register_dataset(DatasetSpec(name="d", size=40, shard_size=10))
+    s0 = manager.fetch_shards("d", "w0", 1).shards[0]
+    s1 = manager.fetch_shards("d", "w1", 1).shards[0]
+    manager.mark_consumption("d", "w0", ConsumptionMark(0, 0, s0.id, 0))
+    manager.mark_consumption("d", "w1", ConsumptionMark(0, 0, s1.id, 0))
+    manager.report_done("d", "w1", [s1.id])
+    manager.mark_consumption("d", "w1", ConsumptionMark(0, 10))  # w1 ran out: ended at 10
+    answer = manager.position_at("d", 0, 10)  # w0 reached 10, w1 ended: both count
+    assert answer.position is not None
+    assert answer.position.pending == ()  # nothing left half-done
+    assert manager.position_at("d", 0, 12).waiting_for == ("w0",)
+    manager.recover_worker("w0")  # a lost worker's marks go with its leases
+    assert manager.position_at("d", 0, 12).waiting_for == ()
+    with pytest.raises(InvalidSpecError, match="does not exist"):
+        manager.mark_consumption("d", "w0", ConsumptionMark(0, 0, ShardId(0, 99), 0))

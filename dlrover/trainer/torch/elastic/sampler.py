@@ -19,7 +19,7 @@ from torch.utils.data import Sampler
 from dlrover.sharding.client import ShardingClient
 from dlrover.sharding.errors import InvalidPositionError
 from dlrover.sharding.transport import ShardingTransport
-from dlrover.sharding.types import DatasetSpec, DeliveryMode, Position, Shard
+from dlrover.sharding.types import ConsumptionMark, DatasetSpec, DeliveryMode, Position, Shard
 from dlrover.trainer.torch.elastic.client_factory import (
     default_worker_id,
     lease_s_from_env,
@@ -177,6 +177,9 @@ class ElasticDistributedSampler(Sampler[int]):
                 self._stash = shard  # the next epoch starts with the next iteration
                 break
             self._ledger.append(_Yielded(shard, self._yielded, len(shard) - shard.offset))
+            # Before the shard's first sample: state_dict(step) on any rank finds every rank's
+            # place in the master (this rank's samples of step s were yielded before step s).
+            client.mark(ConsumptionMark(epoch, self._yielded, shard.id, shard.offset))
             for index in shard.indices():
                 self._yielded += 1
                 client.touch()
@@ -185,6 +188,8 @@ class ElasticDistributedSampler(Sampler[int]):
                     self._settle(self._yielded - len(shard))
         if not self._consumer_driven:
             self._settle(self._yielded)
+        if epoch is not None:
+            client.mark(ConsumptionMark(epoch, self._yielded))  # this iteration has ended
 
     def attach_consumer(self) -> None:
         """Called by ElasticDataLoader: consumption is reported by `mark_consumed` from now on."""
@@ -204,8 +209,11 @@ class ElasticDistributedSampler(Sampler[int]):
 
     # --- checkpoint -----------------------------------------------------------------------
     def state_dict(self, step: int, micro_batch_size: int) -> dict[str, Any]:
-        """Where to resume: `step` micro-batches of `micro_batch_size` were trained by this rank
-        in the current iteration (epoch). Call it on every rank at the same step."""
+        """Where to resume: every rank trained `step` micro-batches of `micro_batch_size` in the
+        current iteration (epoch). Call it on any ranks: rank 0 alone (the usual
+        `if rank == 0: torch.save(...)`) or every rank. It runs no collective; in dynamic mode
+        the master computes the position at that step from where each rank reported each of
+        its shards to begin (a bounded wait only if a rank has not got that far yet)."""
         consumed = step * micro_batch_size
         if self.client is None:
             return {
@@ -219,10 +227,8 @@ class ElasticDistributedSampler(Sampler[int]):
             head = self._ledger[0]
             done_in_shard = head.shard.offset + max(0, self._consumed - head.begin)
             self.client.report_progress(head.shard, done_in_shard)
-        if dist.is_available() and dist.is_initialized():
-            # Every rank's progress must reach the master before any rank reads the position.
-            dist.barrier()
-        return {"mode": "dynamic", "position": self.client.get_position().to_dict()}
+        position = self.client.position_at(self.epoch, consumed)
+        return {"mode": "dynamic", "position": position.to_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from `state_dict()`. In dynamic mode every rank may call it: the master applies

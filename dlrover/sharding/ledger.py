@@ -1,0 +1,102 @@
+"""Which samples each worker had consumed at a given step: the master's side of state_dict(step).
+
+A worker reports, before it yields the first sample of a shard, where that shard starts in the
+sequence of samples it consumes in the current iteration (one dataset epoch). From these marks
+the master can say, for "every rank trained `consumed` samples of iteration `epoch`", which
+shards were done and how far into the current one each worker was, without any collective among
+the ranks and whatever the workers reported since (they may be a step ahead).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dlrover.sharding.types import ConsumptionMark, ShardId
+
+
+@dataclass(frozen=True)
+class _Span:
+    begin: int
+    shard_id: ShardId
+    offset: int
+    count: int
+
+
+@dataclass
+class WorkerLedger:
+    """One worker's marks in its current iteration (older iterations have ended)."""
+
+    epoch: int = -1
+    spans: list[_Span] = field(default_factory=list)
+    ended_at: int | None = None
+    """Samples consumed when the iteration ended; None while it goes on."""
+
+    def record(self, mark: ConsumptionMark, shard_length: int) -> None:
+        if mark.epoch > self.epoch or (mark.begin == 0 and mark.shard_id is not None):
+            # A new iteration (or the same epoch iterated again from its start).
+            self.epoch, self.spans, self.ended_at = mark.epoch, [], None
+        elif mark.epoch < self.epoch:
+            return  # a late mark of an iteration this worker has left
+        if mark.shard_id is None:
+            self.ended_at = mark.begin
+            return
+        count = max(0, shard_length - mark.offset)
+        self.spans.append(_Span(mark.begin, mark.shard_id, mark.offset, count))
+
+    def covers(self, consumed: int) -> bool:
+        """Whether the marks reach sample `consumed` (or the iteration ended before it)."""
+        if self.ended_at is not None:
+            return True
+        return bool(self.spans) and self.spans[-1].begin + self.spans[-1].count >= consumed
+
+    def consumed_in(self, consumed: int, ahead: bool) -> list[tuple[ShardId, int, int]]:
+        """(shard, samples of it consumed in shard order, its length from 0) per span: all of
+        it before `consumed`, for an iteration `ahead` of the asked one none of it."""
+        out = []
+        for span in self.spans:
+            used = 0 if ahead else min(span.count, max(0, consumed - span.begin))
+            out.append((span.shard_id, span.offset + used, span.offset + span.count))
+        return out
+
+    def drop(self, shard_ids: set[ShardId]) -> None:
+        self.spans = [span for span in self.spans if span.shard_id not in shard_ids]
+
+
+class Ledgers:
+    """The marks of every worker of one dataset (kept in memory only: see docs/sharding.md)."""
+
+    def __init__(self) -> None:
+        self._workers: dict[str, WorkerLedger] = {}
+
+    def record(self, worker_id: str, mark: ConsumptionMark, shard_length: int) -> None:
+        self._workers.setdefault(worker_id, WorkerLedger()).record(mark, shard_length)
+
+    def forget_worker(self, worker_id: str) -> None:
+        self._workers.pop(worker_id, None)
+
+    def forget_shards(self, shard_ids: set[ShardId]) -> None:
+        for ledger in self._workers.values():
+            ledger.drop(shard_ids)
+
+    def clear(self) -> None:
+        self._workers.clear()
+
+    def at(
+        self, epoch: int, consumed: int
+    ) -> tuple[dict[ShardId, tuple[int, int]], list[str]]:
+        """Each marked shard -> (samples consumed, its end) when every worker had trained
+        `consumed` samples of iteration `epoch`; and the workers whose marks do not reach that
+        far yet (the caller asks again: they are about to report)."""
+        shards: dict[ShardId, tuple[int, int]] = {}
+        waiting: list[str] = []
+        for worker_id, ledger in sorted(self._workers.items()):
+            if ledger.epoch < epoch:
+                if ledger.ended_at is None:
+                    waiting.append(worker_id)  # still in an earlier iteration
+                continue  # that iteration ended: everything in it was consumed and reported
+            if ledger.epoch == epoch and not ledger.covers(consumed):
+                waiting.append(worker_id)
+                continue
+            for shard_id, used, end in ledger.consumed_in(consumed, ahead=ledger.epoch > epoch):
+                shards[shard_id] = (used, end)
+        return shards, waiting
