@@ -1,6 +1,6 @@
 """Recovery benchmark: dlrover-run vs torchrun after a killed worker, a lost node, and under a schedule.
 
-Run: PYTHONPATH=. python benchmarks/recovery.py [--quick] [--reps N] [--only kill,node,goodput]
+Run: PYTHONPATH=. python benchmarks/recovery.py [--quick] [--reps N] [--only kill,early,node,goodput]
 Every launcher runs the same script (benchmarks/recovery_train.py: 2 gloo DDP ranks, one node)
 in the same invocation, one after another; the tables give medians and ratios. A worker is
 killed from outside by its pid (torchrun sets no DLROVER_* variables, so in-script fault
@@ -84,15 +84,20 @@ class KillResult:
     note: str = ""
 
 
-def kill_once(launcher: Launcher, out: Path, timeout: float, step_time: float) -> KillResult:
+def kill_once(
+    launcher: Launcher, out: Path, timeout: float, step_time: float, early: bool = False
+) -> KillResult:
+    """Kill rank 1 once the job made 3 steps: `early` at once (a failure in the job's first
+    seconds), otherwise once the zygote is ready and after the same settling time for all."""
     cmd = [*launcher.cmd, TRAIN, "--out", str(out), "--step-time", str(step_time)]
     job = Job.start(cmd, out, launcher.env)
     try:
         if not wait_for(lambda: len(job.steps()) >= 3, 90.0):
             return KillResult(False, note="never made 3 steps")
-        if launcher.zygote and not wait_for(lambda: zygote_idle(job), 60.0, 0.2):
-            return KillResult(False, note="zygote never ready")
-        time.sleep(1.0)  # the same settling time for every launcher after the setup
+        if not early:
+            if launcher.zygote and not wait_for(lambda: zygote_idle(job), 60.0, 0.2):
+                return KillResult(False, note="zygote never ready")
+            time.sleep(1.0)
         victim, _ = job.pid_of(1)
         old_pids = {int(p["pid"]) for p in job.procs()}
         killed_at = time.time()
@@ -139,20 +144,25 @@ def signal_pid(pid: int, sig: int) -> None:
         pass
 
 
-def worker_kill(reps: int, timeout: float, step_time: float, root: Path) -> str:
+def worker_kill(
+    reps: int, timeout: float, step_time: float, root: Path, early: bool = False
+) -> str:
     results: dict[str, list[KillResult]] = {}
     all_launchers = launchers(3)
+    what = "early worker kill" if early else "worker kill"
     for rep in range(reps):
         for index, launcher in enumerate(all_launchers):  # interleaved: load drifts, hits all
-            out = root / f"kill-{rep}-{index}"
-            res = kill_once(launcher, out, timeout, step_time)
+            out = root / f"{'early' if early else 'kill'}-{rep}-{index}"
+            res = kill_once(launcher, out, timeout, step_time, early)
             results.setdefault(launcher.name, []).append(res)
             status = fmt(res.seconds) + " s" if res.recovered else f"FAILED ({res.note})"
-            print(f"  worker kill, {launcher.name}, rep {rep + 1}/{reps}: {status}", flush=True)
-    return render_kill(results, all_launchers)
+            print(f"  {what}, {launcher.name}, rep {rep + 1}/{reps}: {status}", flush=True)
+    return render_kill(results, all_launchers, early)
 
 
-def render_kill(results: dict[str, list[KillResult]], all_launchers: list[Launcher]) -> str:
+def render_kill(
+    results: dict[str, list[KillResult]], all_launchers: list[Launcher], early: bool = False
+) -> str:
     best_torchrun = None
     for launcher in all_launchers:
         if not launcher.dlrover:
@@ -177,7 +187,8 @@ def render_kill(results: dict[str, list[KillResult]], all_launchers: list[Launch
         "min–max",
         "vs best torchrun",
     ]
-    out = ["### Worker kill: SIGKILL of rank 1 → first completed step of the new group", ""]
+    when = "at the job's 3rd step (seconds after launch)" if early else "in steady state"
+    out = [f"### Worker kill {when}: SIGKILL of rank 1 → first completed step of the new group", ""]
     out.append(table(head, rows))
     # Where the time goes: seconds from the kill to the end of each phase (medians of the runs
     # that recovered); then the same as durations.
@@ -209,7 +220,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="one rep, a 60 s goodput job (~3 min)")
     p.add_argument("--reps", type=int, default=None, help="runs per launcher (default 3, quick 1)")
-    p.add_argument("--only", default="kill,node,goodput", help="sections to run")
+    p.add_argument(
+        "--only",
+        default="kill,early,node,goodput",
+        help="sections to run: kill (steady state), early (kill at the 3rd step), node, goodput",
+    )
     p.add_argument("--timeout", type=float, default=60.0, help="seconds a run may take to recover")
     p.add_argument("--step-time", type=float, default=0.05, help="simulated compute per step (s)")
     p.add_argument("--goodput-seconds", type=float, default=None, help="default 300, quick 60")
@@ -225,6 +240,9 @@ def main() -> None:
         root.mkdir(parents=True, exist_ok=True)
         if "kill" in sections:
             parts.append(worker_kill(reps, a.timeout, a.step_time, root))
+            print(f"  ({time.monotonic() - started:.0f} s so far)", flush=True)
+        if "early" in sections:
+            parts.append(worker_kill(reps, a.timeout, a.step_time, root, early=True))
             print(f"  ({time.monotonic() - started:.0f} s so far)", flush=True)
         if "node" in sections:
             from recovery_nodes import node_loss

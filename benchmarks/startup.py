@@ -101,6 +101,13 @@ def main() -> None:
     launchers = {
         "torchrun": [sys.executable, "-m", "torch.distributed.run"],
         "dlrover-run": [sys.executable, "-m", "dlrover.cli.run"],
+        # No zygote at all: what the zygote (started with the workers) costs the first start.
+        "dlrover-run --no-fast-restart": [
+            sys.executable,
+            "-m",
+            "dlrover.cli.run",
+            "--no-fast-restart",
+        ],
     }
     times: dict[str, list[float]] = {k: [] for k in launchers}
     launch_to_first_step(launchers["dlrover-run"], args.nproc)  # warm the page cache for both
@@ -122,6 +129,11 @@ def main() -> None:
             f"{statistics.median(v) / t_med:.2f}x |"
         )
     print(f"\ndlrover-run / torchrun = {d_med / t_med:.2f} (target <= 1.10)")
+    n_med = statistics.median(times["dlrover-run --no-fast-restart"])
+    print(
+        f"zygote started with the workers / no zygote = {d_med / n_med:.3f} "
+        f"(its imports run at nice 19; target <= 1.05)"
+    )
     print("\nResident memory (workers excluded)")
     print("| process | RSS MB | target |")
     print("|---|---|---|")

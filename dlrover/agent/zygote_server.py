@@ -234,7 +234,14 @@ def preload_at_idle_priority(modules: list[str]) -> None:
     normal priority and the workers inherit that. Elsewhere it would apply to the whole
     process, so the imports run at normal priority there. The agent bounds the whole preload
     (it kills a zygote not ready in time), so the join below needs no deadline of its own.
+
+    With autogroup scheduling (the Linux default on desktops and many servers) nice values only
+    rank threads inside one session's group, and every worker has a session of its own: the
+    zygote therefore also takes a session of its own and sets that group's nice to 19. A forked
+    worker starts a new session, whose group has the normal weight again.
     """
+    if sys.platform.startswith("linux"):
+        _own_session_at_lowest_weight()
     failure: list[BaseException] = []
 
     def work() -> None:
@@ -251,6 +258,18 @@ def preload_at_idle_priority(modules: list[str]) -> None:
     thread.join()
     if failure:
         raise failure[0]
+
+
+def _own_session_at_lowest_weight() -> None:
+    try:
+        os.setsid()
+    except OSError:  # already a session leader
+        pass
+    try:
+        with open("/proc/self/autogroup", "w") as f:
+            f.write("19")
+    except OSError:  # no autogroup scheduling here: the thread's nice value is what counts
+        pass
 
 
 def main() -> None:
