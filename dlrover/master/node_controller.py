@@ -11,11 +11,11 @@ from collections.abc import Callable
 from dlrover.constants import ENV_NODE_NAME
 from dlrover.decisions import FailureAction
 from dlrover.engines.base import Engine, EngineError, FailureReason, NodeEvent, NodeSpec, NodeState
-from dlrover.engines.relaunch import OomPolicy, replacement_spec
 from dlrover.jobspec import JobSpec
 from dlrover.master.job import JobMaster
 from dlrover.master.node_policy import NodeLossObservation, NodeLossReason, decide_node_loss
 from dlrover.master.nodes import ALIVE_STATES
+from dlrover.master.relaunch_policy import OomPolicy, replacement_spec
 
 logger = logging.getLogger(__name__)
 

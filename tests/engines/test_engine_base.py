@@ -14,8 +14,8 @@ from dlrover.engines.base import (
     NodeState,
     Resources,
 )
-from dlrover.engines.fake import FakeEngine
-from dlrover.engines.relaunch import OomPolicy, memory_after_oom, replacement_spec
+from dlrover.master.relaunch_policy import OomPolicy, memory_after_oom, replacement_spec
+from dlrover.testing.fake_engine import FakeEngine
 
 
 def _spec(rank: int, memory_mib: int = 1024) -> NodeSpec:

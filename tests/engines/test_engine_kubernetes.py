@@ -13,7 +13,7 @@ from dlrover.engines.base import FailureReason, NodeEvent, NodeSpec, NodeState, 
 from dlrover.engines.base import wait_for_event as wait_for
 from dlrover.engines.kube_manifests import OwnerReference, PodSettings
 from dlrover.engines.kube_pod_state import pod_outcome
-from dlrover.engines.relaunch import OomPolicy, replacement_spec
+from dlrover.master.relaunch_policy import OomPolicy, replacement_spec
 
 pytestmark = [
     pytest.mark.extras,
@@ -29,7 +29,7 @@ OWNER = OwnerReference("dlrover.io/v1alpha1", "ElasticJob", "kjob", "uid-1234")
 
 @pytest.fixture
 def api() -> Iterator[Any]:
-    from dlrover.engines.kube_fake_api import FakeKubeApi
+    from tests.engines.kube_fake_api import FakeKubeApi
 
     server = FakeKubeApi()
     yield server

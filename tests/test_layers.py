@@ -1,0 +1,136 @@
+"""The import contract of docs/architecture.md, checked on the source (every import statement,
+at module level or inside a function, and the packages each import runs)."""
+
+from __future__ import annotations
+
+import ast
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "dlrover"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def _parents(name: str) -> list[str]:
+    """Importing a.b.c runs a/__init__ and a/b/__init__ first."""
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+@cache
+def direct_imports(module: str, in_functions: bool = True) -> frozenset[str]:
+    """What `module` imports; without `in_functions` only what importing it runs."""
+    path = MODULES[module]
+    tree = ast.parse(path.read_text(), str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+    nodes = ast.walk(tree) if in_functions else _module_level(tree)
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                origin = ".".join([*base, node.module] if node.module else base)
+            else:
+                origin = node.module or ""
+            found.add(origin)
+            # `from pkg import sub` imports the submodule pkg.sub
+            found.update(
+                f"{origin}.{alias.name}" for alias in node.names if f"{origin}.{alias.name}" in MODULES
+            )
+    with_parents = set(found)
+    for name in found:
+        with_parents.update(_parents(name))
+    with_parents.discard(module)
+    return frozenset(with_parents)
+
+
+def _module_level(tree: ast.Module) -> list[ast.stmt]:
+    """Statements that run on import (functions' bodies excluded, if/try/with blocks included)."""
+    out: list[ast.stmt] = []
+    todo: list[ast.stmt] = list(tree.body)
+    while todo:
+        node = todo.pop()
+        out.append(node)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            if isinstance(node, ast.ClassDef):
+                todo.extend(s for s in node.body if not isinstance(s, ast.FunctionDef))
+            continue
+        for field in ("body", "orelse", "finalbody"):
+            todo.extend(getattr(node, field, []))
+        for handler in getattr(node, "handlers", []):
+            todo.extend(handler.body)
+    return out
+
+
+@cache
+def reachable(module: str, in_functions: bool = True) -> frozenset[str]:
+    """Every module that importing `module` may import (dlrover modules followed); without
+    `in_functions`, what importing it actually runs."""
+    seen: set[str] = set()
+    todo = [module, *_parents(module)]
+    while todo:
+        current = todo.pop()
+        for name in direct_imports(current, in_functions) if current in MODULES else ():
+            if name not in seen:
+                seen.add(name)
+                if name in MODULES:
+                    todo.append(name)
+    return frozenset(seen)
+
+
+def _in(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def _modules_of(prefix: str) -> list[str]:
+    return sorted(m for m in MODULES if _in(m, (prefix,)))
+
+
+@pytest.mark.parametrize("module", _modules_of("dlrover.master"))
+def test_master_needs_no_ml_framework_nor_the_node_side(module: str) -> None:
+    forbidden = ("torch", "dlrover.agent", "dlrover.trainer", "dlrover.client", "dlrover.cli")
+    bad = sorted(name for name in reachable(module) if _in(name, forbidden))
+    assert not bad, f"{module} imports {bad}"
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        *_modules_of("dlrover.agent"),
+        *_modules_of("dlrover.trainer"),
+        *_modules_of("dlrover.checkpoint"),
+        *_modules_of("dlrover.client"),
+    ],
+)
+def test_node_side_reaches_the_master_only_through_the_client(module: str) -> None:
+    bad = sorted(name for name in reachable(module) if _in(name, ("dlrover.master",)))
+    assert not bad, f"{module} imports {bad}; talk to the master through dlrover.client"
+
+
+@pytest.mark.parametrize("module", _modules_of("dlrover.agent"))
+def test_importing_the_agent_imports_no_torch(module: str) -> None:
+    # Function-level imports are allowed here (catalog's trainer-side loader imports torch);
+    # tests/checkpoint/test_ckpt_agent_torch_free.py checks that a running agent never does.
+    bad = sorted(name for name in reachable(module, False) if _in(name, ("torch",)))
+    assert not bad, f"{module} imports {bad}"
+
+
+def test_nothing_imports_the_cli() -> None:
+    bad = {
+        module: sorted(name for name in direct_imports(module) if _in(name, ("dlrover.cli",)))
+        for module in MODULES
+        if not _in(module, ("dlrover.cli",))
+    }
+    assert not {m: names for m, names in bad.items() if names}
