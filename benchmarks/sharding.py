@@ -16,8 +16,10 @@ from collections.abc import Callable
 
 from torch.utils.data import DistributedSampler
 
-from dlrover.sharding import DatasetSpec, InProcessTransport, ShardingClient, ShardManager
-from dlrover.sharding.transport import ShardingTransport
+from dlrover.client.sharding_client import ShardingClient
+from dlrover.client.sharding_transport import ShardingTransport
+from dlrover.sharding import DatasetSpec, ShardManager
+from dlrover.testing.sharding import InProcessTransport
 
 TransportFactory = Callable[[ShardManager], ShardingTransport]
 

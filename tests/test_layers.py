@@ -119,6 +119,13 @@ def test_node_side_reaches_the_master_only_through_the_client(module: str) -> No
     assert not bad, f"{module} imports {bad}; talk to the master through dlrover.client"
 
 
+@pytest.mark.parametrize("module", _modules_of("dlrover.sharding"))
+def test_shared_sharding_code_belongs_to_neither_side(module: str) -> None:
+    sides = ("dlrover.master", "dlrover.client", "dlrover.trainer", "dlrover.agent", "torch")
+    bad = sorted(name for name in reachable(module) if _in(name, sides))
+    assert not bad, f"{module} imports {bad}"
+
+
 @pytest.mark.parametrize("module", _modules_of("dlrover.agent"))
 def test_importing_the_agent_imports_no_torch(module: str) -> None:
     # Function-level imports are allowed here (catalog's trainer-side loader imports torch);

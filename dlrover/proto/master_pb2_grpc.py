@@ -210,7 +210,7 @@ class MasterServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Sharding(self, request, context):
-        """Dynamic data sharding: one call per ShardingTransport method (see dlrover/sharding/transport.py).
+        """Dynamic data sharding: one call per ShardingTransport method (see dlrover/client/sharding_transport.py).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,6 +1,8 @@
-"""Dynamic data sharding: the master leases index-range shards, the client prefetches them."""
+"""Dynamic data sharding, shared by both sides: types, errors and the master's pure policy.
 
-from dlrover.sharding.client import ShardingClient
+The trainer-side client lives in dlrover.client (ShardingClient, ShardingTransport, the gRPC
+transport); an in-process transport for tests in dlrover.testing.sharding."""
+
 from dlrover.sharding.errors import (
     DatasetConflictError,
     InvalidPositionError,
@@ -12,7 +14,6 @@ from dlrover.sharding.errors import (
 )
 from dlrover.sharding.manager import ShardManager
 from dlrover.sharding.stream import InMemoryStreamSource, StreamShard, StreamSource, StreamSpec
-from dlrover.sharding.transport import InProcessTransport, ShardingTransport
 from dlrover.sharding.types import (
     DatasetProgress,
     DatasetSpec,
@@ -32,7 +33,6 @@ __all__ = [
     "DeliveryMode",
     "FetchResult",
     "InMemoryStreamSource",
-    "InProcessTransport",
     "InvalidPositionError",
     "InvalidSpecError",
     "Position",
@@ -42,10 +42,8 @@ __all__ = [
     "ShardId",
     "ShardManager",
     "ShardRetriesExhaustedError",
-    "ShardingClient",
     "ShardingError",
     "ShardingTimeoutError",
-    "ShardingTransport",
     "StreamShard",
     "StreamSource",
     "StreamSpec",

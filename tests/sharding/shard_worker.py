@@ -8,7 +8,8 @@ import time
 from pathlib import Path
 
 from dlrover.client.sharding import connect
-from dlrover.sharding import DatasetSpec, ShardingClient
+from dlrover.client.sharding_client import ShardingClient
+from dlrover.sharding import DatasetSpec
 
 
 def main() -> None:

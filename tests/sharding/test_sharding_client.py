@@ -7,15 +7,15 @@ from collections import Counter
 
 import pytest
 
+from dlrover.client.sharding_client import ShardingClient
 from dlrover.sharding import (
     DatasetSpec,
     DeliveryMode,
-    InProcessTransport,
     ShardId,
-    ShardingClient,
     ShardingTimeoutError,
     ShardManager,
 )
+from dlrover.testing.sharding import InProcessTransport
 
 DEADLINE_S = 20.0
 

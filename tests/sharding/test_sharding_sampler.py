@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from dlrover.sharding import DeliveryMode, InProcessTransport, InvalidPositionError, ShardManager
+from dlrover.sharding import DeliveryMode, InvalidPositionError, ShardManager
+from dlrover.testing.sharding import InProcessTransport
 from dlrover.trainer.torch.elastic.dataloader import ElasticDataLoader
 from dlrover.trainer.torch.elastic.sampler import ElasticDistributedSampler
 from dlrover.trainer.torch.elastic.trainer import ElasticTrainer, accumulation_steps

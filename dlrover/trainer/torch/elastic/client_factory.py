@@ -6,6 +6,7 @@ import importlib
 import logging
 import os
 
+from dlrover.client.sharding_transport import ShardingTransport
 from dlrover.constants import ENV_MASTER_ADDR, ENV_NODE_ID
 from dlrover.sharding.config import (
     DEFAULT_LEASE_S,
@@ -13,7 +14,6 @@ from dlrover.sharding.config import (
     ENV_SHARD_LEASE_S,
     ENV_SHARD_PREFETCH,
 )
-from dlrover.sharding.transport import ShardingTransport
 
 logger = logging.getLogger(__name__)
 

@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
-from dlrover.sharding.client import ShardingClient
+from dlrover.client.sharding_client import ShardingClient
+from dlrover.client.sharding_transport import ShardingTransport
 from dlrover.sharding.errors import InvalidPositionError
-from dlrover.sharding.transport import ShardingTransport
 from dlrover.sharding.types import ConsumptionMark, DatasetSpec, DeliveryMode, Position, Shard
 from dlrover.trainer.torch.elastic.client_factory import (
     default_worker_id,

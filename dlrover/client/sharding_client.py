@@ -7,13 +7,13 @@ import queue
 import threading
 import time
 
+from dlrover.client.sharding_transport import ShardingTransport
 from dlrover.sharding.config import (
     DEFAULT_FETCH_TIMEOUT_S,
     DEFAULT_POLL_INTERVAL_S,
     DEFAULT_PREFETCH_SHARDS,
 )
 from dlrover.sharding.errors import InvalidSpecError, ShardingError, ShardingTimeoutError
-from dlrover.sharding.transport import ShardingTransport
 from dlrover.sharding.types import (
     ConsumptionMark,
     DatasetSpec,
