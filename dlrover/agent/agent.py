@@ -396,7 +396,15 @@ class ElasticAgent:
             cfg.fast_restart = False
 
     def _ready_zygote(self) -> Zygote | None:
+        """The zygote if it is ready within `zygote_wait_s` (it may still be importing at low
+        priority); otherwise the workers start afresh and the zygote serves later restarts."""
         if self._zygote is None:
+            return None
+        if not self._zygote.wait_ready(self.config.zygote_wait_s):
+            logger.info(
+                "the zygote is not ready after %.1fs; starting workers afresh this time",
+                self.config.zygote_wait_s,
+            )
             return None
         try:
             zygote = self._zygote.result(timeout=60.0)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -394,6 +395,14 @@ class PendingZygote:
         self._sock = sock
         self._preload = preload
         self._result: Zygote | None = None
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Whether the zygote has finished its preload (or failed) within `timeout`; it is left
+        running either way."""
+        if self._result is not None:
+            return True
+        readable, _, _ = select.select([self._sock], [], [], max(0.0, timeout))
+        return bool(readable)
 
     def result(self, timeout: float = 60.0) -> Zygote:
         """Wait up to `timeout` for the preload; raises ZygoteError (and ends it) if not ready."""
