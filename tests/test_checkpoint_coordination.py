@@ -1,12 +1,15 @@
-"""Flash-checkpoint commit and load-step agreement across nodes, through a real master."""
+"""Flash-checkpoint commit and load-step agreement across nodes: one oracle, run against both
+uses of the one vote implementation (in process, and through a real master over gRPC)."""
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from dlrover.checkpoint.coordinator import CommitCoordinator, LocalCommitCoordinator
 from dlrover.client.checkpoint import MasterCommitCoordinator
 from dlrover.client.master_client import MasterClient
 from dlrover.master.job import JobMaster, JobMasterConfig
@@ -14,8 +17,13 @@ from dlrover.master.server import MasterServer
 from dlrover.master.state_store import MemoryStateStore
 
 
-@pytest.fixture
-def coordinator():
+@pytest.fixture(params=["in-process", "master"])
+def coordinator(request) -> Iterator[Callable[[], CommitCoordinator]]:
+    """A factory of one node's view of the coordinator."""
+    if request.param == "in-process":
+        shared = LocalCommitCoordinator()
+        yield lambda: shared
+        return
     server = MasterServer(JobMaster(JobMasterConfig(), MemoryStateStore()), "t", "127.0.0.1", 0)
     server.start()
     yield lambda: MasterCommitCoordinator(MasterClient(f"127.0.0.1:{server.port}", "t"))
@@ -49,3 +57,10 @@ def test_every_node_gets_the_same_load_step(coordinator):
     assert same == [12, 12, 12]
     assert differ == [None, None, None]  # nodes disagree: everybody loads from storage
     assert nodes[0].agree_load_step(0, 2, 5, 3, timeout=0.3) is None  # the other never voted
+
+
+def test_the_master_remembers_the_committed_step_across_its_restart():
+    store = MemoryStateStore()
+    JobMaster(JobMasterConfig(), store).checkpoint.mark_committed(9)
+    again = JobMaster(JobMasterConfig(), store).checkpoint
+    assert again.wait_committed(9, 0) and not again.wait_committed(10, 0)

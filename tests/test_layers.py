@@ -119,8 +119,10 @@ def test_node_side_reaches_the_master_only_through_the_client(module: str) -> No
     assert not bad, f"{module} imports {bad}; talk to the master through dlrover.client"
 
 
-@pytest.mark.parametrize("module", _modules_of("dlrover.sharding"))
-def test_shared_sharding_code_belongs_to_neither_side(module: str) -> None:
+@pytest.mark.parametrize(
+    "module", [*_modules_of("dlrover.sharding"), "dlrover.checkpoint.coordinator"]
+)
+def test_shared_code_belongs_to_neither_side(module: str) -> None:
     sides = ("dlrover.master", "dlrover.client", "dlrover.trainer", "dlrover.agent", "torch")
     bad = sorted(name for name in reachable(module) if _in(name, sides))
     assert not bad, f"{module} imports {bad}"

@@ -1,29 +1,22 @@
-"""Cross-node agreement for flash checkpoints: when a step is committed, which step to load."""
+"""Cross-node agreement for flash checkpoints: when a step is committed, which step to load.
+
+`CommitVotes` is the one implementation of the votes. The job master holds one for the whole
+job (and persists the committed step); `LocalCommitCoordinator` wraps one for a single node or
+a test. Pure Python, no I/O: both the master and the node side import it.
+"""
 
 from __future__ import annotations
 
 import threading
-import time
+from collections.abc import Callable
 from typing import Protocol
+
+_KEEP_ROUNDS = 8
+"""Decided load-step rounds older than the newest by more than this are forgotten."""
 
 
 class CommitCoordinator(Protocol):
-    """What the savers of all nodes agree on. A master-backed implementation must:
-
-    - ``report_persisted(step, node_rank, total_nodes)``: record that ``node_rank`` wrote all
-      its files of ``step`` (and its ``node_<k>.json``); return True to exactly one caller,
-      the one whose report made the count reach ``total_nodes`` (that saver writes the
-      manifest and moves ``latest``). Idempotent per (step, node_rank): a retried report
-      must not count twice nor make a second caller the committer.
-    - ``mark_committed(step)`` / ``wait_committed(step, timeout)``: the committer announces the
-      commit; waiters on other nodes return True once ``step`` (or a newer one) is committed,
-      False at the deadline.
-    - ``agree_load_step(node_rank, total_nodes, local_step, round_id, timeout)``: every node
-      calls it once per restart round with the step complete in memory on all its saving ranks
-      (None if any is missing/torn). All callers get the same answer: the common step if every
-      node reported the same one, else None (then everyone loads from storage). ``round_id``
-      (the rendezvous round) keeps answers of different rounds apart.
-    """
+    """What the savers of all nodes agree on (see `CommitVotes` for the rules)."""
 
     def report_persisted(self, step: int, node_rank: int, total_nodes: int) -> bool: ...
 
@@ -41,35 +34,78 @@ class CommitCoordinator(Protocol):
     ) -> int | None: ...
 
 
-class LocalCommitCoordinator:
-    """In-process CommitCoordinator: all nodes' savers share one object (one node, or tests)."""
+class CommitVotes:
+    """Thread-safe votes of the nodes' checkpoint savers.
 
-    def __init__(self) -> None:
+    - ``report_persisted(step, node_rank, total_nodes)``: ``node_rank`` wrote all its files of
+      ``step``. Exactly one node per step is the committer: the one whose report made the count
+      reach ``total_nodes``; it alone gets True, and asking again gives the same answer (a
+      retried report neither counts twice nor makes a second committer).
+    - ``mark_committed(step)`` / ``wait_committed(step, timeout)``: the committer announces the
+      commit; waiters return True once ``step`` or a newer one is committed, False at the
+      deadline. ``on_committed`` is told each newer committed step (the master persists it).
+    - ``agree_load_step(...)``: every node votes once per restart round (``round_id``) with the
+      step complete in memory on all its saving ranks (None if any is missing or torn). Once
+      all ``total_nodes`` voted, every caller of that round gets the same decision: the common
+      step if all voted the same, else None (then everyone loads from storage).
+    """
+
+    def __init__(
+        self, committed: int = -1, on_committed: Callable[[int], None] | None = None
+    ) -> None:
         self._cond = threading.Condition()
         self._reports: dict[int, set[int]] = {}
-        self._committers: set[int] = set()
-        self._committed = -1
-        self._rounds: dict[int, dict[int, int | None]] = {}
+        self._committer: dict[int, int] = {}
+        self._committed = committed
+        self._on_committed = on_committed
+        self._votes: dict[int, dict[int, int | None]] = {}
+        self._decided: dict[int, int | None] = {}
 
     def report_persisted(self, step: int, node_rank: int, total_nodes: int) -> bool:
+        """True for exactly one node of ``step``: the one whose report completed it."""
         with self._cond:
             nodes = self._reports.setdefault(step, set())
             nodes.add(node_rank)
-            if len(nodes) >= total_nodes and step not in self._committers:
-                self._committers.add(step)
-                return True
-            return False
+            if step not in self._committer and len(nodes) >= total_nodes:
+                self._committer[step] = node_rank
+            return self._committer.get(step) == node_rank
 
     def mark_committed(self, step: int) -> None:
+        """``step`` is committed: wake its waiters and forget the reports up to it."""
         with self._cond:
-            self._committed = max(self._committed, step)
+            if step > self._committed:
+                self._committed = step
+                if self._on_committed is not None:
+                    self._on_committed(step)
             for old in [s for s in self._reports if s <= step]:
                 del self._reports[old]
             self._cond.notify_all()
 
     def wait_committed(self, step: int, timeout: float) -> bool:
+        """Whether ``step`` (or a newer one) is committed within ``timeout`` seconds."""
         with self._cond:
-            return self._cond.wait_for(lambda: self._committed >= step, timeout)
+            return self._cond.wait_for(lambda: self._committed >= step, max(timeout, 0.0))
+
+    def vote_load_step(
+        self, node_rank: int, total_nodes: int, local_step: int | None, round_id: int, timeout: float
+    ) -> tuple[bool, int | None]:
+        """Cast (or repeat) a vote and wait up to ``timeout`` for the round's decision:
+        ``(decided, step)``; ``(False, None)`` while some node has not voted."""
+        with self._cond:
+            if round_id not in self._decided:
+                votes = self._votes.setdefault(round_id, {})
+                votes[node_rank] = local_step
+                if len(votes) >= total_nodes:
+                    steps = set(votes.values())
+                    self._decided[round_id] = steps.pop() if len(steps) == 1 else None
+                    del self._votes[round_id]
+                    for old in [r for r in self._decided if r < round_id - _KEEP_ROUNDS]:
+                        del self._decided[old]
+                    self._cond.notify_all()
+            self._cond.wait_for(lambda: round_id in self._decided, max(timeout, 0.0))
+            if round_id not in self._decided:
+                return False, None
+            return True, self._decided[round_id]
 
     def agree_load_step(
         self,
@@ -79,15 +115,9 @@ class LocalCommitCoordinator:
         round_id: int,
         timeout: float,
     ) -> int | None:
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            votes = self._rounds.setdefault(round_id, {})
-            votes[node_rank] = local_step
-            self._cond.notify_all()
-            while len(votes) < total_nodes:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None  # a node never answered: nobody loads from memory
-                self._cond.wait(left)
-            steps = set(votes.values())
-            return steps.pop() if len(steps) == 1 else None
+        """The round's common step, or None (they differ, or a node never voted in time)."""
+        return self.vote_load_step(node_rank, total_nodes, local_step, round_id, timeout)[1]
+
+
+class LocalCommitCoordinator(CommitVotes):
+    """In-process CommitCoordinator: all nodes' savers share one object (one node, or tests)."""

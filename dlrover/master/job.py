@@ -9,8 +9,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from dlrover.checkpoint.coordinator import CommitVotes
 from dlrover.constants import DEFAULT_HEARTBEAT_TIMEOUT_S
-from dlrover.master.checkpoint_service import CheckpointCoordination
 from dlrover.master.kv_store import KvStore
 from dlrover.master.nodes import ALIVE_STATES, Node, NodeError, NodeState, NodeTable
 from dlrover.master.rendezvous import RendezvousConfig, RendezvousError, RendezvousManager, World
@@ -60,7 +60,10 @@ class JobMaster:
         self.nodes = NodeTable(store, clock)
         self.kv = KvStore(store)
         self.sharding = ShardingService(store, clock)
-        self.checkpoint = CheckpointCoordination(store)
+        self.checkpoint = CommitVotes(
+            committed=int(store.get_json("checkpoint", "committed") or -1),
+            on_committed=lambda step: store.put_json("checkpoint", "committed", step),
+        )
         self.rendezvous: RendezvousManager | None = None
         if config.rendezvous is not None:
             self.rendezvous = RendezvousManager(config.rendezvous, store, clock)

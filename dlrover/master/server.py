@@ -25,6 +25,9 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+MAX_CHECKPOINT_WAIT_S = 10.0
+"""A checkpoint wait held in the master is capped; clients ask again until their own deadline."""
+
 
 class MasterServerError(Exception):
     """The master's server could not start (e.g. the port is taken)."""
@@ -269,36 +272,54 @@ class MasterServicer(pb_grpc.MasterServicer):
     def CheckpointPersisted(
         self, request: pb.CheckpointPersistedRequest, context: grpc.ServicerContext
     ) -> pb.CheckpointPersistedResponse:  # noqa: N802
-        committer = self.job.checkpoint.report_persisted(
-            request.step, request.node_rank, request.total_nodes
+        return _guard(
+            context,
+            lambda: pb.CheckpointPersistedResponse(
+                committer=self.job.checkpoint.report_persisted(
+                    request.step, request.node_rank, request.total_nodes
+                )
+            ),
         )
-        return pb.CheckpointPersistedResponse(committer=committer)
 
     def CheckpointCommitted(
         self, request: pb.CheckpointCommittedRequest, context: grpc.ServicerContext
     ) -> pb.CheckpointCommittedResponse:  # noqa: N802
-        if request.mark:
-            self.job.checkpoint.mark_committed(request.step)
-            return pb.CheckpointCommittedResponse(committed=True)
-        return pb.CheckpointCommittedResponse(
-            committed=self.job.checkpoint.wait_committed(request.step, request.wait_s)
-        )
+        def run() -> pb.CheckpointCommittedResponse:
+            if request.mark:
+                self.job.checkpoint.mark_committed(request.step)
+                return pb.CheckpointCommittedResponse(committed=True)
+            wait_s = min(request.wait_s, MAX_CHECKPOINT_WAIT_S)
+            return pb.CheckpointCommittedResponse(
+                committed=self.job.checkpoint.wait_committed(request.step, wait_s)
+            )
+
+        return _guard(context, run)
 
     def AgreeLoadStep(
         self, request: pb.AgreeLoadStepRequest, context: grpc.ServicerContext
     ) -> pb.AgreeLoadStepResponse:  # noqa: N802
-        local = request.local_step if request.HasField("local_step") else None
-        decided, step = self.job.checkpoint.agree_load_step(
-            request.node_rank, request.total_nodes, local, request.round_id, request.wait_s
-        )
-        response = pb.AgreeLoadStepResponse(decided=decided)
-        if step is not None:
-            response.step = step
-        return response
+        def run() -> pb.AgreeLoadStepResponse:
+            local = request.local_step if request.HasField("local_step") else None
+            decided, step = self.job.checkpoint.vote_load_step(
+                request.node_rank,
+                request.total_nodes,
+                local,
+                request.round_id,
+                min(request.wait_s, MAX_CHECKPOINT_WAIT_S),
+            )
+            response = pb.AgreeLoadStepResponse(decided=decided)
+            if step is not None:
+                response.step = step
+            return response
+
+        return _guard(context, run)
 
     def StopJob(self, request: pb.StopJobRequest, context: grpc.ServicerContext) -> pb.JobStatus:  # noqa: N802
-        self.job.stop(request.reason or "stopped by request")
-        return self.GetJobStatus(pb.GetJobStatusRequest(), context)
+        def run() -> pb.JobStatus:
+            self.job.stop(request.reason or "stopped by request")
+            return self.GetJobStatus(pb.GetJobStatusRequest(), context)
+
+        return _guard(context, run)
 
     def Sharding(
         self, request: pb.ShardingRequest, context: grpc.ServicerContext
