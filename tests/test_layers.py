@@ -120,7 +120,8 @@ def test_node_side_reaches_the_master_only_through_the_client(module: str) -> No
 
 
 @pytest.mark.parametrize(
-    "module", [*_modules_of("dlrover.sharding"), "dlrover.checkpoint.coordinator"]
+    "module",
+    [*_modules_of("dlrover.sharding"), *_modules_of("dlrover.api"), "dlrover.checkpoint.coordinator"],
 )
 def test_shared_code_belongs_to_neither_side(module: str) -> None:
     sides = ("dlrover.master", "dlrover.client", "dlrover.trainer", "dlrover.agent", "torch")

@@ -7,17 +7,26 @@ import time
 
 import pytest
 
+from dlrover.api.master import (
+    HeartbeatReport,
+    JoinRequest,
+    NodeLimits,
+    NodeOutcome,
+    NodeReport,
+    Registered,
+    Registration,
+)
 from dlrover.client.master_client import (
     MasterClient,
     MasterRequestError,
     MasterUnreachableError,
+    UnknownNodeError,
     WrongTokenError,
 )
 from dlrover.constants import MAX_KV_VALUE_BYTES
 from dlrover.master.job import JobMaster, JobMasterConfig
 from dlrover.master.server import MasterServer, MasterServerError
 from dlrover.master.state_store import MemoryStateStore
-from dlrover.proto import master_pb2 as pb
 
 TOKEN = "secret-token"
 
@@ -36,14 +45,9 @@ def client(server: MasterServer, token: str = TOKEN) -> MasterClient:
     return MasterClient(f"127.0.0.1:{server.port}", token, rpc_timeout_s=5)
 
 
-def register(c: MasterClient, lo: int = 2, hi: int = 2, lws: int = 2) -> pb.RegisterNodeResponse:
+def register(c: MasterClient, lo: int = 2, hi: int = 2, lws: int = 2) -> Registered:
     return c.register_node(
-        pb.RegisterNodeRequest(
-            host="127.0.0.1",
-            local_world_size=lws,
-            requested_rank=-1,
-            config=pb.JobConfig(min_nodes=lo, max_nodes=hi, node_unit=1, last_call_timeout_s=1),
-        )
+        Registration(host="127.0.0.1", local_world_size=lws, limits=NodeLimits(lo, hi, 1, 1))
     )
 
 
@@ -59,25 +63,13 @@ def test_wrong_or_missing_token_is_refused_and_changes_nothing(server):
 def test_two_nodes_rendezvous_over_grpc(server):
     c = client(server)
     a, b = register(c), register(c)
-    assert a.node_id != b.node_id and a.config.max_nodes == 2
+    assert a.node_id != b.node_id and a.limits.max_nodes == 2
     r = c.join_rendezvous(
-        pb.JoinRendezvousRequest(
-            node_id=a.node_id,
-            incarnation=a.incarnation,
-            local_world_size=2,
-            store_host="h0",
-            store_port=11,
-        )
+        JoinRequest(a.node_id, a.incarnation, 2, "h0", 11)
     )
     assert not c.get_comm_world(a.node_id, r).complete
     c.join_rendezvous(
-        pb.JoinRendezvousRequest(
-            node_id=b.node_id,
-            incarnation=b.incarnation,
-            local_world_size=2,
-            store_host="h1",
-            store_port=12,
-        )
+        JoinRequest(b.node_id, b.incarnation, 2, "h1", 12)
     )
     wa, wb = c.get_comm_world(a.node_id, r), c.get_comm_world(b.node_id, r)
     assert wa.complete and wb.complete
@@ -93,8 +85,8 @@ def test_conflicting_nnodes_and_unknown_node_get_clear_errors(server):
     register(c, 2, 2)
     with pytest.raises(MasterRequestError, match="--nnodes 1:4 .* the job has 2:2"):
         register(c, 1, 4)
-    with pytest.raises(MasterRequestError, match="unknown node 'nope'"):
-        c.heartbeat(pb.HeartbeatRequest(node_id="nope"))
+    with pytest.raises(UnknownNodeError, match="unknown node 'nope'"):
+        c.heartbeat(HeartbeatReport(node_id="nope", incarnation=0))
     with pytest.raises(MasterRequestError, match="local_world_size"):
         register(c, 2, 2, lws=0)
 
@@ -102,12 +94,10 @@ def test_conflicting_nnodes_and_unknown_node_get_clear_errors(server):
 def test_stale_incarnation_is_fenced(server):
     c = client(server)
     first = register(c)
-    again = c.register_node(
-        pb.RegisterNodeRequest(node_id=first.node_id, host="h", local_world_size=2)
-    )
+    again = c.register_node(Registration(host="h", local_world_size=2, node_id=first.node_id))
     assert again.incarnation == first.incarnation + 1
     with pytest.raises(MasterRequestError, match="stale"):
-        c.heartbeat(pb.HeartbeatRequest(node_id=first.node_id, incarnation=first.incarnation))
+        c.heartbeat(HeartbeatReport(node_id=first.node_id, incarnation=first.incarnation))
 
 
 def test_kv_get_waits_for_a_value_and_caps_sizes(server):
@@ -115,7 +105,7 @@ def test_kv_get_waits_for_a_value_and_caps_sizes(server):
     got: list[bytes | None] = []
     t = threading.Thread(target=lambda: got.append(c.kv_get("k", wait_s=5)))
     t.start()
-    time.sleep(0.05)
+    assert server.job.kv.wait_for_readers("k", 1, timeout=5)  # the reader waits in the master
     c.kv_set("k", b"v")
     t.join(5)
     assert got == [b"v"]
@@ -143,23 +133,11 @@ def test_job_succeeds_when_every_member_reports_success(server):
     c = client(server)
     nodes = [register(c) for _ in range(2)]
     for n in nodes:
-        c.join_rendezvous(
-            pb.JoinRendezvousRequest(
-                node_id=n.node_id,
-                incarnation=n.incarnation,
-                local_world_size=2,
-                store_host="h",
-                store_port=1,
-            )
-        )
+        c.join_rendezvous(JoinRequest(n.node_id, n.incarnation, 2, "h", 1))
     for n in nodes:
         assert c.get_comm_world(n.node_id, 1).complete
     done = [
-        c.report_node_status(
-            pb.ReportNodeStatusRequest(
-                node_id=n.node_id, incarnation=n.incarnation, status="succeeded"
-            )
-        )
+        c.report_node_status(NodeReport(n.node_id, n.incarnation, NodeOutcome.SUCCEEDED))
         for n in nodes
     ]
     assert done == [False, True]

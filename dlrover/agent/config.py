@@ -8,7 +8,7 @@ from dlrover import constants as c
 from dlrover.agent.workers import STD_NONE
 
 
-@dataclass
+@dataclass(frozen=True)
 class AgentConfig:
     """Everything the agent needs; built by the CLI from torchrun-compatible flags."""
 

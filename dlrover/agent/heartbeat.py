@@ -8,8 +8,8 @@ from collections.abc import Callable
 
 import psutil
 
-from dlrover.client.master_client import MasterClient, MasterClientError, MasterRequestError
-from dlrover.proto import master_pb2 as pb
+from dlrover.api.errors import MasterClientError, MasterRequestError, UnknownNodeError
+from dlrover.api.master import HeartbeatAction, HeartbeatReport, MasterApi
 
 logger = logging.getLogger(__name__)
 
@@ -37,11 +37,11 @@ class Heartbeat:
 
     def __init__(
         self,
-        client: MasterClient,
+        master: MasterApi,
         interval_s: float,
-        snapshot: Callable[[], pb.HeartbeatRequest],
+        snapshot: Callable[[], HeartbeatReport],
     ) -> None:
-        self._client = client
+        self._master = master
         self._interval_s = interval_s
         self._snapshot = snapshot
         self._stop = threading.Event()
@@ -54,23 +54,26 @@ class Heartbeat:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=self._interval_s + 1.0)
+        if self._thread.ident is not None:  # started
+            self._thread.join(timeout=self._interval_s + 1.0)
 
     def beat(self) -> None:
         """One heartbeat (the loop's body)."""
         try:
-            resp = self._client.heartbeat(self._snapshot())
+            reply = self._master.heartbeat(self._snapshot())
+        except UnknownNodeError as e:
+            logger.warning("heartbeat refused: %s", e)
+            self.reregister_requested.set()
+            return
         except MasterRequestError as e:
             logger.warning("heartbeat refused: %s", e)
-            if "unknown node" in str(e):
-                self.reregister_requested.set()
             return
         except MasterClientError as e:
             logger.warning("heartbeat failed: %s", e)
             return
-        if resp.action == "stop":
+        if reply.action is HeartbeatAction.STOP:
             self.stop_requested.set()
-        elif resp.action == "reregister":
+        elif reply.action is HeartbeatAction.REREGISTER:
             self.reregister_requested.set()
 
     def _loop(self) -> None:

@@ -9,6 +9,15 @@ from typing import TypeVar
 
 import grpc
 
+from dlrover.api import master as api
+from dlrover.api import wire
+from dlrover.api.errors import (
+    MasterClientError,
+    MasterRequestError,
+    MasterUnreachableError,
+    UnknownNodeError,
+    WrongTokenError,
+)
 from dlrover.constants import (
     DEFAULT_CONNECT_TIMEOUT_S,
     DEFAULT_RPC_TIMEOUT_S,
@@ -20,28 +29,29 @@ from dlrover.constants import (
 )
 from dlrover.proto import master_pb2 as pb
 from dlrover.proto import master_pb2_grpc as pb_grpc
+from dlrover.worker_context import WorkerContext
+
+__all__ = [
+    "MasterClient",
+    "MasterClientError",
+    "MasterRequestError",
+    "MasterUnreachableError",
+    "UnknownNodeError",
+    "WrongTokenError",
+]
+
+CHECKPOINT_WAIT_S = 5.0
+"""One checkpoint wait held in the master; the client asks again until its own deadline."""
 
 T = TypeVar("T")
 
 
-class MasterClientError(Exception):
-    """A call to the master failed; the message says what to do."""
-
-
-class MasterUnreachableError(MasterClientError):
-    """No master answered at the address within the deadline."""
-
-
-class WrongTokenError(MasterClientError):
-    """The master refused the job token."""
-
-
-class MasterRequestError(MasterClientError):
-    """The master refused the request as invalid (unknown node, bad configuration...)."""
-
-
 class MasterClient:
-    """Typed calls to the master. Every call has a deadline and carries the job token."""
+    """`dlrover.api.master.MasterApi` over gRPC: domain types in and out, protobuf stays inside.
+
+    Every call has a deadline and carries the job token; failures raise the errors of
+    `dlrover.api.errors` with a message that says what to do.
+    """
 
     def __init__(
         self,
@@ -102,6 +112,8 @@ class MasterClient:
                     f"the master at {self.addr} refused the job token: set {ENV_JOB_TOKEN} to the "
                     "token dlrover-master printed"
                 ) from None
+            if code == grpc.StatusCode.NOT_FOUND:
+                raise UnknownNodeError(str(details)) from None
             if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
                 raise MasterRequestError(str(details)) from None
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
@@ -113,33 +125,35 @@ class MasterClient:
             ) from None
 
     # --- agent calls ---------------------------------------------------------------------------
-    def register_node(self, request: pb.RegisterNodeRequest) -> pb.RegisterNodeResponse:
-        return self._call(self._stub.RegisterNode, request)
+    def register_node(self, registration: api.Registration) -> api.Registered:
+        request = wire.registration_to_pb(registration)
+        return wire.registered_from_pb(self._call(self._stub.RegisterNode, request))
 
-    def heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
-        return self._call(self._stub.Heartbeat, request)
+    def heartbeat(self, report: api.HeartbeatReport) -> api.HeartbeatReply:
+        response = self._call(self._stub.Heartbeat, wire.heartbeat_to_pb(report))
+        return wire.heartbeat_reply_from_pb(response)
 
-    def join_rendezvous(self, request: pb.JoinRendezvousRequest) -> int:
-        return self._call(self._stub.JoinRendezvous, request).round
+    def join_rendezvous(self, request: api.JoinRequest) -> int:
+        return self._call(self._stub.JoinRendezvous, wire.join_to_pb(request)).round
 
-    def get_comm_world(self, node_id: str, round: int) -> pb.CommWorld:
-        return self._call(
-            self._stub.GetCommWorld, pb.GetCommWorldRequest(node_id=node_id, round=round)
-        )
+    def get_comm_world(self, node_id: str, round: int) -> api.CommWorld:
+        request = pb.GetCommWorldRequest(node_id=node_id, round=round)
+        return wire.world_from_pb(self._call(self._stub.GetCommWorld, request))
 
-    def num_nodes_waiting(self, node_id: str, round: int) -> pb.NumNodesWaitingResponse:
-        return self._call(
-            self._stub.NumNodesWaiting, pb.NumNodesWaitingRequest(node_id=node_id, round=round)
-        )
+    def num_nodes_waiting(self, node_id: str, round: int) -> api.Waiting:
+        request = pb.NumNodesWaitingRequest(node_id=node_id, round=round)
+        response = self._call(self._stub.NumNodesWaiting, request)
+        return api.Waiting(response.waiting, response.latest_round)
 
-    def report_node_status(self, request: pb.ReportNodeStatusRequest) -> bool:
-        return self._call(self._stub.ReportNodeStatus, request).job_done
+    def report_node_status(self, report: api.NodeReport) -> bool:
+        return self._call(self._stub.ReportNodeStatus, wire.node_report_to_pb(report)).job_done
 
-    def get_job_status(self) -> pb.JobStatus:
-        return self._call(self._stub.GetJobStatus, pb.GetJobStatusRequest())
+    def get_job_status(self) -> api.JobStatus:
+        return wire.job_status_from_pb(self._call(self._stub.GetJobStatus, pb.GetJobStatusRequest()))
 
-    def stop_job(self, reason: str) -> pb.JobStatus:
-        return self._call(self._stub.StopJob, pb.StopJobRequest(reason=reason))
+    def stop_job(self, reason: str) -> api.JobStatus:
+        request = pb.StopJobRequest(reason=reason)
+        return wire.job_status_from_pb(self._call(self._stub.StopJob, request))
 
     # --- key-value -----------------------------------------------------------------------------
     def kv_set(self, key: str, value: bytes) -> None:
@@ -170,9 +184,48 @@ class MasterClient:
             self._stub.ReportStep,
             pb.ReportStepRequest(
                 node_id=node_id or os.environ.get(ENV_NODE_ID, ""),
-                rank=int(os.environ.get("RANK", "0")) if rank is None else rank,
+                rank=WorkerContext.from_env().rank if rank is None else rank,
                 step=step,
                 timestamp=time.time(),
                 metrics=metrics or {},
             ),
         )
+
+    # --- flash-checkpoint votes ----------------------------------------------------------------
+    def checkpoint_persisted(self, step: int, node_rank: int, total_nodes: int) -> bool:
+        request = pb.CheckpointPersistedRequest(
+            step=step, node_rank=node_rank, total_nodes=total_nodes
+        )
+        return bool(self._call(self._stub.CheckpointPersisted, request).committer)
+
+    def checkpoint_committed(self, step: int) -> None:
+        self._call(self._stub.CheckpointCommitted, pb.CheckpointCommittedRequest(step=step, mark=True))
+
+    def wait_checkpoint_committed(self, step: int, wait_s: float) -> bool:
+        """Whether ``step`` is committed within ``wait_s`` (asking again every few seconds)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            wait = min(CHECKPOINT_WAIT_S, max(0.0, deadline - time.monotonic()))
+            request = pb.CheckpointCommittedRequest(step=step, wait_s=wait)
+            if self._call(self._stub.CheckpointCommitted, request, wait + self._timeout).committed:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+
+    def vote_load_step(
+        self, node_rank: int, total_nodes: int, local_step: int | None, round_id: int, wait_s: float
+    ) -> tuple[bool, int | None]:
+        """Vote, then ask until the round is decided or ``wait_s`` has passed."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            wait = min(CHECKPOINT_WAIT_S, max(0.0, deadline - time.monotonic()))
+            request = pb.AgreeLoadStepRequest(
+                node_rank=node_rank, total_nodes=total_nodes, round_id=round_id, wait_s=wait
+            )
+            if local_step is not None:
+                request.local_step = local_step
+            response = self._call(self._stub.AgreeLoadStep, request, wait + self._timeout)
+            if response.decided:
+                return True, response.step if response.HasField("step") else None
+            if time.monotonic() >= deadline:
+                return False, None

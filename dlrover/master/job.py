@@ -33,7 +33,7 @@ class JobState(str, enum.Enum):
     FAILED = "failed"
 
 
-@dataclass
+@dataclass(frozen=True)
 class JobMasterConfig:
     """What the master is started with."""
 
@@ -112,26 +112,28 @@ class JobMaster:
         self, node_id: str, incarnation: int, step: int, cpu: float, mem: int, restarts: int
     ) -> str:
         """Record liveness; returns the action for the agent ("" or "stop")."""
-        node = self.nodes.get(node_id, incarnation)
-        self.nodes.touch(node_id)
-        node.cpu_percent, node.memory_bytes, node.restart_count = cpu, mem, restarts
-        if step >= 0:
-            node.step = max(node.step, step)
-        if node.state == NodeState.LOST:
+        state = self.nodes.record_heartbeat(node_id, incarnation, step, cpu, mem, restarts)
+        if state == NodeState.LOST:
             # A node that was presumed lost is heard again: it must re-register.
             return "reregister"
         return "stop" if self.ended.is_set() else ""
 
     def report_step(self, node_id: str, step: int) -> None:
-        node = self.nodes.get(node_id)
-        self.nodes.touch(node_id)
-        node.step = max(node.step, step)
+        self.nodes.record_step(node_id, step)
 
     # --- rendezvous --------------------------------------------------------------------------
     def _rdzv(self) -> RendezvousManager:
         if self.rendezvous is None:
             raise RendezvousError("no node has registered yet")
         return self.rendezvous
+
+    def rendezvous_config(self) -> RendezvousConfig:
+        """The job's node range, fixed by the first registration."""
+        return self._rdzv().config
+
+    def now(self) -> float:
+        """The master's clock (monotonic seconds; injectable for tests)."""
+        return self._clock()
 
     def join(
         self,
@@ -166,9 +168,8 @@ class JobMaster:
         world = self._rdzv().get_world(node_id, alive)
         if world is not None:
             for m in world.members:
-                n = self.nodes.get(m.node_id)
-                n.node_rank = m.node_rank
-                if n.state == NodeState.PENDING:
+                self.nodes.set_rank(m.node_id, m.node_rank)
+                if self.nodes.get(m.node_id).state == NodeState.PENDING:
                     self.nodes.set_state(
                         m.node_id, NodeState.RUNNING, f"member of round {world.round}"
                     )
@@ -193,9 +194,7 @@ class JobMaster:
                 self._check_success()
             elif status == "failed":
                 self.nodes.set_state(node_id, NodeState.FAILED, reason or "workers failed")
-                node = self.nodes.get(node_id)
-                node.exit_code = exit_code
-                self.nodes.update(node)
+                self.nodes.set_exit_code(node_id, exit_code)
                 self._fail(f"node {node_id} failed: {reason}", exit_code or 1)
             else:
                 raise RendezvousError(f"unknown node status {status!r}: use succeeded or failed")

@@ -23,6 +23,7 @@ class KvStore:
         self._store = store
         self._cond = threading.Condition()
         self._data: dict[str, bytes] = dict(store.items(_NAMESPACE))
+        self._waiting: dict[str, int] = {}
 
     def set(self, key: str, value: bytes) -> None:
         if not key:
@@ -41,7 +42,20 @@ class KvStore:
     def get(self, key: str, wait_s: float = 0.0) -> bytes | None:
         """The value, waiting up to min(wait_s, MAX_KV_WAIT_S) for it to appear."""
         with self._cond:
-            self._cond.wait_for(
-                lambda: key in self._data, timeout=min(max(wait_s, 0.0), MAX_KV_WAIT_S)
-            )
+            if key not in self._data and wait_s > 0:
+                self._waiting[key] = self._waiting.get(key, 0) + 1
+                self._cond.notify_all()
+                try:
+                    self._cond.wait_for(
+                        lambda: key in self._data, timeout=min(wait_s, MAX_KV_WAIT_S)
+                    )
+                finally:
+                    self._waiting[key] -= 1
+                    if not self._waiting[key]:
+                        del self._waiting[key]
             return self._data.get(key)
+
+    def wait_for_readers(self, key: str, count: int, timeout: float) -> bool:
+        """Whether `count` readers are blocked waiting for `key` within `timeout` seconds."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._waiting.get(key, 0) >= count, timeout)

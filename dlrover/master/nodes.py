@@ -8,7 +8,7 @@ import logging
 import threading
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from dlrover.master.state_store import StateStore
 
@@ -48,6 +48,10 @@ ALIVE_STATES = frozenset({NodeState.PENDING, NodeState.RUNNING})
 
 class NodeError(Exception):
     """A request named a node the master does not know, or a stale incarnation of it."""
+
+
+class UnknownNodeError(NodeError):
+    """No node has this id: the agent must register (again)."""
 
 
 @dataclass
@@ -145,7 +149,7 @@ class NodeTable:
         with self._lock:
             node = self._nodes.get(node_id)
             if node is None:
-                raise NodeError(f"unknown node {node_id!r}: register it first")
+                raise UnknownNodeError(f"unknown node {node_id!r}: register it first")
             if incarnation is not None and incarnation and incarnation != node.incarnation:
                 raise NodeError(
                     f"node {node_id!r} incarnation {incarnation} is stale "
@@ -154,8 +158,45 @@ class NodeTable:
             return node
 
     def all(self) -> list[Node]:
+        """A snapshot: copies of every node, consistent with each other."""
         with self._lock:
-            return list(self._nodes.values())
+            return [replace(n) for n in self._nodes.values()]
+
+    def record_heartbeat(
+        self,
+        node_id: str,
+        incarnation: int,
+        step: int,
+        cpu_percent: float,
+        memory_bytes: int,
+        restart_count: int,
+    ) -> NodeState:
+        """A heartbeat of this incarnation: liveness, usage and progress; returns its state."""
+        with self._lock:
+            node = self.get(node_id, incarnation)
+            node.last_heartbeat = self._clock()
+            node.cpu_percent, node.memory_bytes = cpu_percent, memory_bytes
+            node.restart_count = restart_count
+            if step >= 0:
+                node.step = max(node.step, step)
+            return node.state
+
+    def record_step(self, node_id: str, step: int) -> None:
+        """A training process of the node finished ``step`` (a sign of life too)."""
+        with self._lock:
+            node = self.get(node_id)
+            node.last_heartbeat = self._clock()
+            node.step = max(node.step, step)
+
+    def set_rank(self, node_id: str, node_rank: int) -> None:
+        with self._lock:
+            self.get(node_id).node_rank = node_rank
+
+    def set_exit_code(self, node_id: str, exit_code: int) -> None:
+        with self._lock:
+            node = self.get(node_id)
+            node.exit_code = exit_code
+            self._persist(node)
 
     def set_state(self, node_id: str, new: NodeState, reason: str) -> None:
         with self._lock:
@@ -163,10 +204,6 @@ class NodeTable:
             if node.state == new:
                 return
             self._transition(node, new, reason)
-            self._persist(node)
-
-    def update(self, node: Node) -> None:
-        with self._lock:
             self._persist(node)
 
     def touch(self, node_id: str) -> None:

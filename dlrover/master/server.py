@@ -12,11 +12,14 @@ from typing import Any, TypeVar
 
 import grpc
 
+from dlrover.api import wire
+from dlrover.api.errors import MasterRequestError, UnknownNodeError
 from dlrover.constants import MAX_MESSAGE_BYTES, TOKEN_METADATA_KEY
 from dlrover.master.job import JobMaster
 from dlrover.master.kv_store import KvError
+from dlrover.master.local_api import LocalMasterApi
 from dlrover.master.nodes import NodeError
-from dlrover.master.rendezvous import RendezvousConfig, RendezvousError
+from dlrover.master.rendezvous import RendezvousError
 from dlrover.proto import master_pb2 as pb
 from dlrover.proto import master_pb2_grpc as pb_grpc
 from dlrover.sharding.errors import ShardingError
@@ -72,6 +75,10 @@ def _guard(context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
     """Run a handler; a refused request becomes a clear status, never a stack trace."""
     try:
         return fn()
+    except UnknownNodeError as e:
+        context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+    except MasterRequestError as e:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
     except NodeError as e:
         context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
     except ShardingError as e:
@@ -83,131 +90,69 @@ def _guard(context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
 
 
 class MasterServicer(pb_grpc.MasterServicer):
-    """Thin adapter: validates and converts messages, all decisions live in JobMaster."""
+    """Thin adapter: converts messages (`dlrover.api.wire`) and calls `LocalMasterApi`, where
+    the rules of each call live; refusals become gRPC status codes in `_guard`."""
 
     def __init__(self, job: JobMaster) -> None:
         self.job = job
+        self.api = LocalMasterApi(job)
 
     def RegisterNode(
         self, request: pb.RegisterNodeRequest, context: grpc.ServicerContext
-    ) -> pb.RegisterNodeResponse:  # noqa: N802,E501
-        def run() -> pb.RegisterNodeResponse:
-            rdzv = None
-            c = request.config
-            if request.HasField("config") and c.max_nodes > 0:
-                rdzv = RendezvousConfig(
-                    min_nodes=c.min_nodes,
-                    max_nodes=c.max_nodes,
-                    node_unit=max(1, c.node_unit),
-                    last_call_timeout_s=c.last_call_timeout_s,
-                )
-            if request.local_world_size < 1:
-                raise ValueError(f"local_world_size must be >= 1, got {request.local_world_size}")
-            node = self.job.register(
-                request.node_id,
-                request.host,
-                request.role or "default",
-                request.local_world_size,
-                request.requested_rank,
-                request.pid,
-                rdzv,
-            )
-            have = self.job._rdzv().config
-            return pb.RegisterNodeResponse(
-                node_id=node.node_id,
-                incarnation=node.incarnation,
-                config=pb.JobConfig(
-                    min_nodes=have.min_nodes,
-                    max_nodes=have.max_nodes,
-                    node_unit=have.node_unit,
-                    last_call_timeout_s=have.last_call_timeout_s,
-                    job_name=self.job.config.job_name,
-                ),
-            )
-
-        return _guard(context, run)
+    ) -> pb.RegisterNodeResponse:  # noqa: N802
+        return _guard(
+            context,
+            lambda: wire.registered_to_pb(
+                self.api.register_node(wire.registration_from_pb(request))
+            ),
+        )
 
     def Heartbeat(
         self, request: pb.HeartbeatRequest, context: grpc.ServicerContext
-    ) -> pb.HeartbeatResponse:  # noqa: N802,E501
+    ) -> pb.HeartbeatResponse:  # noqa: N802
         def run() -> pb.HeartbeatResponse:
-            action = self.job.heartbeat(
-                request.node_id,
-                request.incarnation,
-                request.step,
-                request.usage.cpu_percent,
-                request.usage.memory_bytes,
-                request.restart_count,
-            )
-            return pb.HeartbeatResponse(action=action, job_state=self.job.state.value)
+            reply = self.api.heartbeat(wire.heartbeat_from_pb(request))
+            return pb.HeartbeatResponse(action=reply.action.value, job_state=reply.job_state)
 
         return _guard(context, run)
 
     def JoinRendezvous(
         self, request: pb.JoinRendezvousRequest, context: grpc.ServicerContext
-    ) -> pb.JoinRendezvousResponse:  # noqa: N802,E501
+    ) -> pb.JoinRendezvousResponse:  # noqa: N802
         return _guard(
             context,
             lambda: pb.JoinRendezvousResponse(
-                round=self.job.join(
-                    request.node_id,
-                    request.incarnation,
-                    request.local_world_size,
-                    request.store_host,
-                    request.store_port,
-                )
+                round=self.api.join_rendezvous(wire.join_from_pb(request))
             ),
         )
 
     def GetCommWorld(
         self, request: pb.GetCommWorldRequest, context: grpc.ServicerContext
-    ) -> pb.CommWorld:  # noqa: N802,E501
-        def run() -> pb.CommWorld:
-            world = self.job.get_world(request.node_id, 0)
-            if world is None:
-                return pb.CommWorld(round=request.round, complete=False)
-            me = world.member(request.node_id)
-            assert me is not None
-            return pb.CommWorld(
-                round=world.round,
-                complete=True,
-                members=[
-                    pb.WorldMember(
-                        node_id=m.node_id,
-                        node_rank=m.node_rank,
-                        local_world_size=m.local_world_size,
-                        host=m.host,
-                    )
-                    for m in world.members
-                ],
-                node_rank=me.node_rank,
-                world_size=world.world_size,
-                rank_offset=world.rank_offset(me.node_rank),
-                store_host=world.store_host,
-                store_port=world.store_port,
-            )
-
-        return _guard(context, run)
+    ) -> pb.CommWorld:  # noqa: N802
+        return _guard(
+            context,
+            lambda: wire.world_to_pb(self.api.get_comm_world(request.node_id, request.round)),
+        )
 
     def NumNodesWaiting(
         self, request: pb.NumNodesWaitingRequest, context: grpc.ServicerContext
-    ) -> pb.NumNodesWaitingResponse:  # noqa: N802,E501
+    ) -> pb.NumNodesWaitingResponse:  # noqa: N802
         def run() -> pb.NumNodesWaitingResponse:
-            waiting, latest = self.job.num_nodes_waiting(request.node_id, request.round)
-            return pb.NumNodesWaitingResponse(waiting=waiting, latest_round=latest)
+            w = self.api.num_nodes_waiting(request.node_id, request.round)
+            return pb.NumNodesWaitingResponse(waiting=w.waiting, latest_round=w.latest_round)
 
         return _guard(context, run)
 
-    def KvSet(self, request: pb.KvSetRequest, context: grpc.ServicerContext) -> pb.KvSetResponse:  # noqa: N802,E501
+    def KvSet(self, request: pb.KvSetRequest, context: grpc.ServicerContext) -> pb.KvSetResponse:  # noqa: N802
         def run() -> pb.KvSetResponse:
-            self.job.kv.set(request.key, request.value)
+            self.api.kv_set(request.key, request.value)
             return pb.KvSetResponse()
 
         return _guard(context, run)
 
-    def KvGet(self, request: pb.KvGetRequest, context: grpc.ServicerContext) -> pb.KvGetResponse:  # noqa: N802,E501
+    def KvGet(self, request: pb.KvGetRequest, context: grpc.ServicerContext) -> pb.KvGetResponse:  # noqa: N802
         def run() -> pb.KvGetResponse:
-            value = self.job.kv.get(request.key, request.wait_s)
+            value = self.api.kv_get(request.key, request.wait_s)
             if value is None:
                 return pb.KvGetResponse(found=False)
             return pb.KvGetResponse(found=True, value=value)
@@ -216,58 +161,29 @@ class MasterServicer(pb_grpc.MasterServicer):
 
     def ReportStep(
         self, request: pb.ReportStepRequest, context: grpc.ServicerContext
-    ) -> pb.ReportStepResponse:  # noqa: N802,E501
+    ) -> pb.ReportStepResponse:  # noqa: N802
         def run() -> pb.ReportStepResponse:
-            self.job.report_step(request.node_id, request.step)
+            self.api.report_step(
+                request.step, request.rank, dict(request.metrics), request.node_id
+            )
             return pb.ReportStepResponse()
 
         return _guard(context, run)
 
     def ReportNodeStatus(
         self, request: pb.ReportNodeStatusRequest, context: grpc.ServicerContext
-    ) -> pb.ReportNodeStatusResponse:  # noqa: N802,E501
+    ) -> pb.ReportNodeStatusResponse:  # noqa: N802
         return _guard(
             context,
             lambda: pb.ReportNodeStatusResponse(
-                job_done=self.job.report_node_status(
-                    request.node_id,
-                    request.incarnation,
-                    request.status,
-                    request.exit_code,
-                    request.reason,
-                )
+                job_done=self.api.report_node_status(wire.node_report_from_pb(request))
             ),
         )
 
     def GetJobStatus(
         self, request: pb.GetJobStatusRequest, context: grpc.ServicerContext
-    ) -> pb.JobStatus:  # noqa: N802,E501
-        def run() -> pb.JobStatus:
-            now = self.job._clock()
-            return pb.JobStatus(
-                job_name=self.job.config.job_name,
-                state=self.job.state.value,
-                round=self.job.rendezvous.round if self.job.rendezvous else 0,
-                reason=self.job.reason,
-                exit_code=self.job.exit_code,
-                nodes=[
-                    pb.NodeStatus(
-                        node_id=n.node_id,
-                        state=n.state.value,
-                        node_rank=n.node_rank,
-                        host=n.host,
-                        step=n.step,
-                        restart_count=n.restart_count,
-                        last_heartbeat_age_s=max(0.0, now - n.last_heartbeat),
-                        role=n.role,
-                        cpu_percent=n.cpu_percent,
-                        memory_bytes=n.memory_bytes,
-                    )
-                    for n in self.job.nodes.all()
-                ],
-            )
-
-        return _guard(context, run)
+    ) -> pb.JobStatus:  # noqa: N802
+        return _guard(context, lambda: wire.job_status_to_pb(self.api.get_job_status()))
 
     def CheckpointPersisted(
         self, request: pb.CheckpointPersistedRequest, context: grpc.ServicerContext
@@ -275,7 +191,7 @@ class MasterServicer(pb_grpc.MasterServicer):
         return _guard(
             context,
             lambda: pb.CheckpointPersistedResponse(
-                committer=self.job.checkpoint.report_persisted(
+                committer=self.api.checkpoint_persisted(
                     request.step, request.node_rank, request.total_nodes
                 )
             ),
@@ -286,11 +202,11 @@ class MasterServicer(pb_grpc.MasterServicer):
     ) -> pb.CheckpointCommittedResponse:  # noqa: N802
         def run() -> pb.CheckpointCommittedResponse:
             if request.mark:
-                self.job.checkpoint.mark_committed(request.step)
+                self.api.checkpoint_committed(request.step)
                 return pb.CheckpointCommittedResponse(committed=True)
             wait_s = min(request.wait_s, MAX_CHECKPOINT_WAIT_S)
             return pb.CheckpointCommittedResponse(
-                committed=self.job.checkpoint.wait_committed(request.step, wait_s)
+                committed=self.api.wait_checkpoint_committed(request.step, wait_s)
             )
 
         return _guard(context, run)
@@ -300,7 +216,7 @@ class MasterServicer(pb_grpc.MasterServicer):
     ) -> pb.AgreeLoadStepResponse:  # noqa: N802
         def run() -> pb.AgreeLoadStepResponse:
             local = request.local_step if request.HasField("local_step") else None
-            decided, step = self.job.checkpoint.vote_load_step(
+            decided, step = self.api.vote_load_step(
                 request.node_rank,
                 request.total_nodes,
                 local,
@@ -315,11 +231,7 @@ class MasterServicer(pb_grpc.MasterServicer):
         return _guard(context, run)
 
     def StopJob(self, request: pb.StopJobRequest, context: grpc.ServicerContext) -> pb.JobStatus:  # noqa: N802
-        def run() -> pb.JobStatus:
-            self.job.stop(request.reason or "stopped by request")
-            return self.GetJobStatus(pb.GetJobStatusRequest(), context)
-
-        return _guard(context, run)
+        return _guard(context, lambda: wire.job_status_to_pb(self.api.stop_job(request.reason)))
 
     def Sharding(
         self, request: pb.ShardingRequest, context: grpc.ServicerContext

@@ -1,0 +1,225 @@
+"""Watching one attempt's workers: exits, progress, hangs and membership, as one `Outcome`."""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from dlrover.agent.config import AgentConfig
+from dlrover.agent.launch_plan import LaunchPlan
+from dlrover.agent.progress_watch import ProgressWatch, Stall
+from dlrover.agent.stacks import collect_stacks, cpu_seconds
+from dlrover.agent.workers import WorkerExit, WorkerGroup
+from dlrover.trainer.progress import read_step_file
+
+logger = logging.getLogger(__name__)
+
+
+class Outcome(enum.Enum):
+    """Why watching the workers of an attempt ended."""
+
+    SUCCEEDED = "succeeded"
+    """Every local worker exited 0 (or crashed in interpreter shutdown after finishing)."""
+    FAILED = "failed"
+    """A worker exited with an error or a signal."""
+    HUNG = "hung"
+    """A worker reported no step for --hang-timeout."""
+    STOP = "stop"
+    """The master ended the job."""
+    REREGISTER = "reregister"
+    """The master took this node for lost (or restarted without it)."""
+    MEMBERSHIP = "membership"
+    """Nodes wait to join, or a newer round formed: the world re-forms (no restart used)."""
+
+
+def describe_exit(e: WorkerExit) -> str:
+    """"exit code N" or "killed by SIGNAME"."""
+    if e.returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-e.returncode).name}"
+        except ValueError:
+            return f"killed by signal {-e.returncode}"
+    return f"exit code {e.returncode}"
+
+
+@dataclass
+class MonitorSignals:
+    """What the agent's other threads tell the monitor, and what it asks of them."""
+
+    stop_requested: threading.Event
+    reregister_requested: threading.Event
+    world_must_reform: Callable[[], bool]
+    """Asked every --membership-check-interval (an RPC)."""
+    every_second: Callable[[], None] = lambda: None
+    """The agent's own periodic work (starting the zygote)."""
+
+
+class WorkerMonitor:
+    """Watches one started group; `poll()` is one pass, `wait()` loops until an outcome.
+
+    Keeps the node's newest step (`step`) from the workers' step files and, on a hang, the
+    global ranks that hung (`hung`).
+    """
+
+    def __init__(
+        self,
+        group: WorkerGroup,
+        plan: LaunchPlan,
+        config: AgentConfig,
+        signals: MonitorSignals,
+        step: int = -1,
+    ) -> None:
+        self._group = group
+        self._plan = plan
+        self._config = config
+        self._signals = signals
+        self._done: dict[int, WorkerExit] = {}
+        self._progress = ProgressWatch(config.nproc_per_node, time.time())
+        self._next_progress_check = 0.0
+        self._next_membership_check = 0.0
+        self.step = step
+        self.hung: list[int] = []
+
+    def wait(self) -> Outcome:
+        """Block until the group succeeds, a worker fails or hangs, membership changes, or
+        the master stops or forgets this node."""
+        while True:
+            outcome = self.poll(self._config.monitor_interval_s)
+            if outcome is not None:
+                return outcome
+
+    def poll(self, timeout: float) -> Outcome | None:
+        """Wait up to `timeout` for a worker exit, then run the due checks once."""
+        try:
+            ex = self._group.exits.get(timeout=timeout)
+        except queue.Empty:
+            ex = None
+        if ex is not None:
+            return self._on_exit(ex)
+        if self._signals.stop_requested.is_set():
+            return Outcome.STOP
+        if self._signals.reregister_requested.is_set():
+            return Outcome.REREGISTER
+        now = time.monotonic()
+        if now >= self._next_progress_check:
+            self._next_progress_check = now + 1.0
+            if self.check_progress():
+                return Outcome.HUNG
+            self._signals.every_second()
+        if now < self._next_membership_check:
+            return None
+        # Worker exits are seen at once from the queue; asking the master about membership is
+        # rarer, so a big job does not send it 10 RPCs per node per second.
+        self._next_membership_check = now + self._config.membership_check_interval_s
+        return Outcome.MEMBERSHIP if self._signals.world_must_reform() else None
+
+    def _on_exit(self, ex: WorkerExit) -> Outcome | None:
+        group = self._group
+        self._done[ex.local_rank] = ex
+        group.returncodes[ex.local_rank] = ex.returncode
+        if ex.returncode != 0 and os.path.exists(self._plan.files[ex.local_rank].done_file):
+            logger.warning(
+                "worker rank %d %s during interpreter shutdown after its script finished; "
+                "counted as succeeded",
+                ex.rank,
+                describe_exit(ex),
+            )
+            group.returncodes[ex.local_rank] = 0
+            ex.returncode = 0
+        if ex.returncode != 0:
+            logger.error("worker rank %d (pid %d) %s", ex.rank, ex.pid, describe_exit(ex))
+            return Outcome.FAILED
+        if len(self._done) == self._config.nproc_per_node:
+            return Outcome.SUCCEEDED
+        return None
+
+    def check_progress(self) -> bool:
+        """Update the node's step and the workers' progress; True when a worker hangs (the
+        opt-in --hang-timeout). Workers without progress for --hang-warning-timeout get a
+        warning with their stacks, once per stall, and keep running."""
+        cfg = self._config
+        now = time.time()
+        pids = self._group.pids
+        watch_cpu = cfg.hang_warning_timeout_s > 0
+        done = set(self._done)
+        for local_rank, files in enumerate(self._plan.files):
+            record = read_step_file(files.step_file)
+            if record is not None:
+                self.step = max(self.step, record[0])
+            pid = pids.get(local_rank)
+            cpu = cpu_seconds(pid) if watch_cpu and pid and local_rank not in done else None
+            self._progress.observe(local_rank, record, cpu, now)
+        stale = self._progress.hung(cfg.hang_timeout_s, now, done)
+        if stale:
+            logger.error(
+                "hang: local ranks %s reported no step for %.0fs (last step %d); their stacks:\n%s",
+                stale,
+                cfg.hang_timeout_s,
+                self.step,
+                self._stacks_text(stale),
+            )
+            self.hung = [self._plan.rank_offset + lr for lr in stale]
+            return True
+        stalls = self._progress.new_stalls(cfg.hang_warning_timeout_s, now, done)
+        if stalls:
+            self._warn_stalls(stalls)
+        return False
+
+    def _warn_stalls(self, stalls: list[Stall]) -> None:
+        offset = self._plan.rank_offset
+        ranks = ", ".join(str(offset + stall.local_rank) for stall in stalls)
+        logger.warning(
+            "no progress on rank(s) %s for %.0fs: %s. The job goes on; pass --hang-timeout S to "
+            "restart workers that report no step for S seconds. Their Python stacks:\n%s",
+            ranks,
+            self._config.hang_warning_timeout_s,
+            "; ".join(stall.describe(offset) for stall in stalls),
+            self._stacks_text([stall.local_rank for stall in stalls]),
+        )
+
+    def _stacks_text(self, local_ranks: list[int]) -> str:
+        """Every thread's Python stack of these workers (asked by signal, read from their files)."""
+        pids = self._group.pids
+        targets = {
+            lr: (pids[lr], self._plan.files[lr].stack_file) for lr in local_ranks if lr in pids
+        }
+        dumps = collect_stacks(targets)
+        offset = self._plan.rank_offset
+        return "\n".join(
+            f"--- rank {offset + lr} (pid {targets[lr][0]}) ---\n{dumps[lr]}"
+            for lr in sorted(dumps)
+        )
+
+    def stop_and_collect_failures(self) -> dict[int, int]:
+        """Stop the group and return global rank -> return code of the workers that failed.
+
+        No fixed wait: exits already queued are taken, the group is stopped at once, and of the
+        exits that follow only those not caused by our own signals count (the root cause is
+        picked by error-file time later). Hung workers count as killed by us.
+        """
+        group = self._group
+        offset = self._plan.rank_offset
+        exits = {offset + lr: rc for lr, rc in group.returncodes.items() if rc != 0}
+
+        def drain(ours: tuple[int, ...]) -> None:
+            while True:
+                try:
+                    ex = group.exits.get_nowait()
+                except queue.Empty:
+                    return
+                if ex.returncode != 0 and ex.returncode not in ours:
+                    exits.setdefault(ex.rank, ex.returncode)
+
+        drain(())
+        group.stop(self._config.stop_grace_s)
+        drain((-signal.SIGTERM, -signal.SIGKILL))
+        for rank in self.hung:
+            exits.setdefault(rank, -signal.SIGKILL)
+        return exits

@@ -1,0 +1,173 @@
+"""The agent's conversation with the master about membership: register, join a round, notice
+that the world must re-form, report the end and wait at the exit barrier."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+from dlrover.agent.config import AgentConfig
+from dlrover.api.errors import MasterClientError
+from dlrover.api.master import (
+    CommWorld,
+    JoinRequest,
+    MasterApi,
+    NodeLimits,
+    NodeOutcome,
+    NodeReport,
+    Registered,
+    Registration,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class AgentError(Exception):
+    """The agent cannot go on (rendezvous timed out, the master refused the node...)."""
+
+
+class RendezvousTimeoutError(AgentError):
+    """Not enough nodes joined within the join timeout."""
+
+
+@dataclass
+class RunResult:
+    """How the agent's run ended."""
+
+    exit_code: int
+    reason: str = ""
+
+
+class RendezvousClient:
+    """Membership calls of one node; every wait has the config's deadline.
+
+    `stop_requested` (set by the heartbeat when the master ends the job) cuts a wait short.
+    """
+
+    def __init__(
+        self, master: MasterApi, config: AgentConfig, stop_requested: threading.Event
+    ) -> None:
+        self._master = master
+        self._config = config
+        self._stop_requested = stop_requested
+        self.node_id = ""
+        self.incarnation = 0
+        self.round = 0
+
+    def register(self, node_id: str, host: str, job_name: str) -> Registered:
+        """Announce this node (again, with its old id after a restart or a loss)."""
+        cfg = self._config
+        registered = self._master.register_node(
+            Registration(
+                host=host,
+                local_world_size=cfg.nproc_per_node,
+                node_id=node_id,
+                role=cfg.role,
+                requested_rank=cfg.requested_node_rank,
+                pid=os.getpid(),
+                limits=NodeLimits(
+                    cfg.min_nodes, cfg.max_nodes, cfg.node_unit, cfg.last_call_timeout_s
+                ),
+                job_name=job_name,
+            )
+        )
+        self.node_id, self.incarnation = registered.node_id, registered.incarnation
+        logger.info("registered as node %s (incarnation %d)", self.node_id, self.incarnation)
+        return registered
+
+    def join(self, store_host: str, store_port: int) -> CommWorld:
+        """Join the next round and wait until the master completes it."""
+        cfg = self._config
+        self.round = self._master.join_rendezvous(
+            JoinRequest(
+                node_id=self.node_id,
+                incarnation=self.incarnation,
+                local_world_size=cfg.nproc_per_node,
+                store_host=store_host,
+                store_port=store_port,
+            )
+        )
+        start = time.monotonic()
+        deadline = start + cfg.join_timeout_s
+        next_log = start + 10.0
+        delay = 0.01
+        while True:
+            world = self._master.get_comm_world(self.node_id, self.round)
+            if world.complete:
+                self.round = world.round
+                logger.info(
+                    "round %d: node rank %d of %d nodes, world size %d (%.2fs)",
+                    world.round,
+                    world.node_rank,
+                    len(world.members),
+                    world.world_size,
+                    time.monotonic() - start,
+                )
+                return world
+            now = time.monotonic()
+            if self._stop_requested.is_set():
+                raise AgentError("the master ended the job while this node waited to join")
+            if now >= deadline:
+                raise RendezvousTimeoutError(
+                    f"rendezvous round {self.round} did not complete within "
+                    f"{cfg.join_timeout_s:.0f}s: the job needs at least {cfg.min_nodes} nodes; "
+                    "start the missing nodes or lower --nnodes MIN (join_timeout in --rdzv-conf "
+                    "sets this deadline)"
+                )
+            if now >= next_log:
+                logger.info("waiting for nodes to join round %d (need %d)", self.round, cfg.min_nodes)
+                next_log = now + 10.0
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
+
+    def world_must_reform(self) -> bool:
+        """A node waits to join, or a newer round completed without us; False if the master
+        cannot be asked right now (the next check asks again)."""
+        try:
+            waiting = self._master.num_nodes_waiting(self.node_id, self.round)
+        except MasterClientError as e:
+            logger.warning("cannot ask the master about membership: %s", e)
+            return False
+        return waiting.waiting > 0 or waiting.latest_round > self.round
+
+    def report(self, outcome: NodeOutcome, exit_code: int, reason: str) -> bool:
+        """Tell the master how this node's workers ended; True once the whole job succeeded."""
+        try:
+            return self._master.report_node_status(
+                NodeReport(self.node_id, self.incarnation, outcome, exit_code, reason)
+            )
+        except MasterClientError as e:
+            logger.warning("could not report %s to the master: %s", outcome.value, e)
+            return False
+
+    def exit_barrier(self) -> RunResult:
+        """Report success, then wait (bounded) until every node of the world has finished."""
+        cfg = self._config
+        logger.info("all %d workers succeeded; waiting for the other nodes", cfg.nproc_per_node)
+        done = self.report(NodeOutcome.SUCCEEDED, 0, "")
+        deadline = time.monotonic() + cfg.exit_barrier_timeout_s
+        delay = 0.01
+        while not done:
+            status = self._master.get_job_status()
+            if status.state == "failed":
+                return RunResult(status.exit_code or 1, status.reason)
+            if status.state == "succeeded":
+                break
+            if time.monotonic() >= deadline:
+                logger.warning(
+                    "exit barrier: other nodes did not finish within %.0fs; exiting anyway",
+                    cfg.exit_barrier_timeout_s,
+                )
+                break
+            time.sleep(delay)
+            delay = min(delay * 2, 0.2)
+        return RunResult(0, "succeeded")
+
+    def ended_by_master(self) -> RunResult:
+        """The master ended the job: this node exits with the job's outcome."""
+        status = self._master.get_job_status()
+        code = 0 if status.state == "succeeded" else (status.exit_code or 1)
+        return RunResult(code, f"the master ended the job: {status.reason}")

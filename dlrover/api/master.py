@@ -1,0 +1,223 @@
+"""The master's API as the node side sees it: typed requests and answers, and `MasterApi`.
+
+Two implementations: `dlrover.client.master_client.MasterClient` (gRPC, across processes and
+machines) and `dlrover.master.local_api.LocalMasterApi` (the same calls on a JobMaster in this
+process; the gRPC servicer is a thin adapter over it, and agent tests use it without a server).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class HeartbeatAction(str, enum.Enum):
+    """What the master asks an agent to do in answer to a heartbeat."""
+
+    NONE = ""
+    STOP = "stop"
+    """The job has ended: stop the workers and exit."""
+    REREGISTER = "reregister"
+    """The master took this node for lost (or restarted without it): register again."""
+
+
+class NodeOutcome(str, enum.Enum):
+    """How an agent's workers finished, as it reports to the master."""
+
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class NodeLimits:
+    """The job's elastic range as agents launch it (--nnodes MIN:MAX, node unit, last call)."""
+
+    min_nodes: int
+    max_nodes: int
+    node_unit: int = 1
+    last_call_timeout_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Registration:
+    """An agent announces itself. ``node_id`` is empty for a new agent, or the id a restarted
+    agent had; ``requested_rank`` is --node-rank or -1; ``limits`` fixes the job's range on
+    the first registration and must match it on the others."""
+
+    host: str
+    local_world_size: int
+    node_id: str = ""
+    role: str = "default"
+    requested_rank: int = -1
+    pid: int = 0
+    limits: NodeLimits | None = None
+    job_name: str = ""
+
+
+@dataclass(frozen=True)
+class Registered:
+    """The master's answer: the node's id, its incarnation (fences a stale agent), the job's
+    range and name."""
+
+    node_id: str
+    incarnation: int
+    limits: NodeLimits
+    job_name: str
+
+
+@dataclass(frozen=True)
+class HeartbeatReport:
+    """Liveness, resource usage, progress and the worker group's state of one node."""
+
+    node_id: str
+    incarnation: int
+    cpu_percent: float = 0.0
+    memory_bytes: int = 0
+    step: int = -1
+    worker_state: str = ""
+    restart_count: int = 0
+
+
+@dataclass(frozen=True)
+class HeartbeatReply:
+    action: HeartbeatAction
+    job_state: str
+
+
+@dataclass(frozen=True)
+class JoinRequest:
+    """Join the next rendezvous round; ``store_host:store_port`` is where this node's rank-0
+    worker would host the process-group store if it becomes node rank 0."""
+
+    node_id: str
+    incarnation: int
+    local_world_size: int
+    store_host: str
+    store_port: int
+
+
+@dataclass(frozen=True)
+class WorldMember:
+    node_id: str
+    node_rank: int
+    local_world_size: int
+    host: str
+
+
+@dataclass(frozen=True)
+class CommWorld:
+    """A rendezvous round as one node sees it; ``complete`` is False while the master waits."""
+
+    round: int
+    complete: bool
+    members: tuple[WorldMember, ...] = ()
+    node_rank: int = -1
+    world_size: int = 0
+    rank_offset: int = 0
+    store_host: str = ""
+    store_port: int = 0
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """Nodes waiting for a round that should re-form the running world, and the newest round
+    (an agent on an older one must re-form)."""
+
+    waiting: int
+    latest_round: int
+
+
+@dataclass(frozen=True)
+class NodeReport:
+    """An agent's workers finished for good."""
+
+    node_id: str
+    incarnation: int
+    outcome: NodeOutcome
+    exit_code: int = 0
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    node_id: str
+    state: str
+    node_rank: int
+    host: str
+    step: int
+    restart_count: int
+    last_heartbeat_age_s: float
+    role: str
+    cpu_percent: float
+    memory_bytes: int
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    """The job as the master sees it (``dlrover status``)."""
+
+    job_name: str
+    state: str
+    round: int
+    reason: str = ""
+    exit_code: int = 0
+    nodes: tuple[NodeStatus, ...] = field(default=())
+
+    @property
+    def ended(self) -> bool:
+        return self.state in ("succeeded", "failed")
+
+
+class MasterApi(Protocol):
+    """The calls an agent and a training process make to the job master.
+
+    Errors: ``dlrover.client.master_client.MasterRequestError`` for a refused request (unknown
+    node, stale incarnation, bad configuration) in both implementations.
+    """
+
+    def register_node(self, registration: Registration) -> Registered: ...
+
+    def heartbeat(self, report: HeartbeatReport) -> HeartbeatReply: ...
+
+    def join_rendezvous(self, request: JoinRequest) -> int:
+        """The round number joined."""
+        ...
+
+    def get_comm_world(self, node_id: str, round: int) -> CommWorld: ...
+
+    def num_nodes_waiting(self, node_id: str, round: int) -> Waiting: ...
+
+    def report_node_status(self, report: NodeReport) -> bool:
+        """True once every node of the final world has succeeded (the exit barrier)."""
+        ...
+
+    def get_job_status(self) -> JobStatus: ...
+
+    def stop_job(self, reason: str) -> JobStatus: ...
+
+    def kv_set(self, key: str, value: bytes) -> None: ...
+
+    def kv_get(self, key: str, wait_s: float = 0.0) -> bytes | None: ...
+
+    def report_step(
+        self,
+        step: int,
+        rank: int | None = None,
+        metrics: dict[str, float] | None = None,
+        node_id: str | None = None,
+    ) -> None: ...
+
+    def checkpoint_persisted(self, step: int, node_rank: int, total_nodes: int) -> bool:
+        """This node wrote all its files of ``step``; True for the one node that commits it."""
+        ...
+
+    def checkpoint_committed(self, step: int) -> None: ...
+
+    def wait_checkpoint_committed(self, step: int, wait_s: float) -> bool: ...
+
+    def vote_load_step(
+        self, node_rank: int, total_nodes: int, local_step: int | None, round_id: int, wait_s: float
+    ) -> tuple[bool, int | None]:
+        """(decided, step) of the round's load-step vote (see dlrover.checkpoint.coordinator)."""
+        ...

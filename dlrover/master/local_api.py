@@ -1,0 +1,184 @@
+"""`MasterApi` on a JobMaster in this process: the calls' rules in domain types.
+
+The gRPC servicer (`server.py`) converts messages and calls this; an embedded master or a test
+can hand it to an agent directly, with no server and no processes in between.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from dlrover.api import master as api
+from dlrover.api.errors import MasterRequestError, UnknownNodeError
+from dlrover.master.job import JobMaster
+from dlrover.master.kv_store import KvError
+from dlrover.master.nodes import NodeError
+from dlrover.master.nodes import UnknownNodeError as UnknownNode
+from dlrover.master.rendezvous import RendezvousConfig, RendezvousError
+
+
+@contextmanager
+def _refusals() -> Iterator[None]:
+    """The master's own errors become the API's: the caller sees what the gRPC client sees."""
+    try:
+        yield
+    except UnknownNode as e:
+        raise UnknownNodeError(str(e)) from None
+    except (NodeError, RendezvousError, KvError, ValueError) as e:
+        raise MasterRequestError(str(e)) from None
+
+
+class LocalMasterApi:
+    """Implements `dlrover.api.master.MasterApi` by calling the JobMaster directly."""
+
+    def __init__(self, job: JobMaster) -> None:
+        self.job = job
+
+    def register_node(self, registration: api.Registration) -> api.Registered:
+        r = registration
+        with _refusals():
+            if r.local_world_size < 1:
+                raise ValueError(f"local_world_size must be >= 1, got {r.local_world_size}")
+            rdzv = None
+            if r.limits is not None:
+                rdzv = RendezvousConfig(
+                    min_nodes=r.limits.min_nodes,
+                    max_nodes=r.limits.max_nodes,
+                    node_unit=max(1, r.limits.node_unit),
+                    last_call_timeout_s=r.limits.last_call_timeout_s,
+                )
+            node = self.job.register(
+                r.node_id, r.host, r.role, r.local_world_size, r.requested_rank, r.pid, rdzv
+            )
+            have = self.job.rendezvous_config()
+        return api.Registered(
+            node_id=node.node_id,
+            incarnation=node.incarnation,
+            limits=api.NodeLimits(
+                have.min_nodes, have.max_nodes, have.node_unit, have.last_call_timeout_s
+            ),
+            job_name=self.job.config.job_name,
+        )
+
+    def heartbeat(self, report: api.HeartbeatReport) -> api.HeartbeatReply:
+        with _refusals():
+            action = self.job.heartbeat(
+                report.node_id,
+                report.incarnation,
+                report.step,
+                report.cpu_percent,
+                report.memory_bytes,
+                report.restart_count,
+            )
+        return api.HeartbeatReply(api.HeartbeatAction(action), self.job.state.value)
+
+    def join_rendezvous(self, request: api.JoinRequest) -> int:
+        with _refusals():
+            return self.job.join(
+                request.node_id,
+                request.incarnation,
+                request.local_world_size,
+                request.store_host,
+                request.store_port,
+            )
+
+    def get_comm_world(self, node_id: str, round: int) -> api.CommWorld:
+        with _refusals():
+            world = self.job.get_world(node_id, 0)
+        if world is None:
+            return api.CommWorld(round=round, complete=False)
+        me = world.member(node_id)
+        assert me is not None
+        return api.CommWorld(
+            round=world.round,
+            complete=True,
+            members=tuple(
+                api.WorldMember(m.node_id, m.node_rank, m.local_world_size, m.host)
+                for m in world.members
+            ),
+            node_rank=me.node_rank,
+            world_size=world.world_size,
+            rank_offset=world.rank_offset(me.node_rank),
+            store_host=world.store_host,
+            store_port=world.store_port,
+        )
+
+    def num_nodes_waiting(self, node_id: str, round: int) -> api.Waiting:
+        with _refusals():
+            waiting, latest = self.job.num_nodes_waiting(node_id, round)
+        return api.Waiting(waiting, latest)
+
+    def report_node_status(self, report: api.NodeReport) -> bool:
+        with _refusals():
+            return self.job.report_node_status(
+                report.node_id,
+                report.incarnation,
+                report.outcome.value,
+                report.exit_code,
+                report.reason,
+            )
+
+    def get_job_status(self) -> api.JobStatus:
+        job = self.job
+        now = job.now()
+        return api.JobStatus(
+            job_name=job.config.job_name,
+            state=job.state.value,
+            round=job.rendezvous.round if job.rendezvous else 0,
+            reason=job.reason,
+            exit_code=job.exit_code,
+            nodes=tuple(
+                api.NodeStatus(
+                    node_id=n.node_id,
+                    state=n.state.value,
+                    node_rank=n.node_rank,
+                    host=n.host,
+                    step=n.step,
+                    restart_count=n.restart_count,
+                    last_heartbeat_age_s=max(0.0, now - n.last_heartbeat),
+                    role=n.role,
+                    cpu_percent=n.cpu_percent,
+                    memory_bytes=n.memory_bytes,
+                )
+                for n in job.nodes.all()
+            ),
+        )
+
+    def stop_job(self, reason: str) -> api.JobStatus:
+        self.job.stop(reason or "stopped by request")
+        return self.get_job_status()
+
+    def kv_set(self, key: str, value: bytes) -> None:
+        with _refusals():
+            self.job.kv.set(key, value)
+
+    def kv_get(self, key: str, wait_s: float = 0.0) -> bytes | None:
+        with _refusals():
+            return self.job.kv.get(key, wait_s)
+
+    def report_step(
+        self,
+        step: int,
+        rank: int | None = None,
+        metrics: dict[str, float] | None = None,
+        node_id: str | None = None,
+    ) -> None:
+        with _refusals():
+            self.job.report_step(node_id or "", step)
+
+    def checkpoint_persisted(self, step: int, node_rank: int, total_nodes: int) -> bool:
+        return self.job.checkpoint.report_persisted(step, node_rank, total_nodes)
+
+    def checkpoint_committed(self, step: int) -> None:
+        self.job.checkpoint.mark_committed(step)
+
+    def wait_checkpoint_committed(self, step: int, wait_s: float) -> bool:
+        return self.job.checkpoint.wait_committed(step, wait_s)
+
+    def vote_load_step(
+        self, node_rank: int, total_nodes: int, local_step: int | None, round_id: int, wait_s: float
+    ) -> tuple[bool, int | None]:
+        return self.job.checkpoint.vote_load_step(
+            node_rank, total_nodes, local_step, round_id, wait_s
+        )
