@@ -15,10 +15,11 @@ from collections.abc import Sequence
 
 from dlrover import constants as c
 from dlrover.cli.common import parse_nnodes, setup_logging
-from dlrover.master.job import JobMaster, JobMasterConfig, JobState
+from dlrover.master.assembly import MasterSettings, build_master
+from dlrover.master.job import JobState
 from dlrover.master.rendezvous import RendezvousConfig, RendezvousError
-from dlrover.master.server import MasterServer, MasterServerError, job_name_for_token, new_token
-from dlrover.master.state_store import StateStoreError, open_state_store
+from dlrover.master.server import MasterServerError, job_name_for_token, new_token
+from dlrover.master.state_store import StateStoreError
 
 logger = logging.getLogger("dlrover.master")
 
@@ -110,7 +111,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.job_spec:
-        from dlrover.cli.job import serve_job
+        from dlrover.cli.serve_job import serve_job
         from dlrover.jobspec import JobSpecError, load_job_spec
 
         try:
@@ -132,20 +133,24 @@ def run(argv: Sequence[str] | None = None) -> int:
     job_name = args.job_name or job_name_for_token(token)
     db = args.state_db or os.path.join(tempfile.mkdtemp(prefix="dlrover_master_"), "state.db")
     try:
-        store = open_state_store(db)
-        job = JobMaster(
-            JobMasterConfig(
-                job_name=job_name, rendezvous=rdzv, heartbeat_timeout_s=args.heartbeat_timeout
-            ),
-            store,
+        master = build_master(
+            MasterSettings(
+                job_name=job_name,
+                token=token,
+                host=args.host,
+                port=args.port,
+                state=db,
+                rendezvous=rdzv,
+                heartbeat_timeout_s=args.heartbeat_timeout,
+            )
         )
-        server = MasterServer(job, token, host=args.host, port=args.port).start()
     except (MasterServerError, StateStoreError) as e:
         print(f"dlrover-master: error: {e}", file=sys.stderr)
         return 1
 
     host = _advertise_host(args)
-    addr = host if ":" in host else f"{host}:{server.port}"
+    job = master.job
+    addr = host if ":" in host else f"{host}:{master.port}"
     lines = f"{c.ENV_MASTER_ADDR}={addr}\n{c.ENV_JOB_TOKEN}={token}\n"
     if args.write_env:
         tmp = args.write_env + ".tmp"
@@ -172,8 +177,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     # Let agents still in their exit barrier read the final state before the server goes away.
     if not stop.is_set():
         time.sleep(min(2.0, c.DEFAULT_HEARTBEAT_INTERVAL_S))
-    server.stop(grace_s=1.0)
-    store.close()
+    master.stop(grace_s=1.0)
     print(f"dlrover-master: job {job_name} {job.state.value}: {job.reason}", file=sys.stderr)
     return 0 if job.state == JobState.SUCCEEDED else (job.exit_code or 1)
 

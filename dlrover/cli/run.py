@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import logging
 import os
@@ -16,9 +17,8 @@ from dlrover.agent.agent import ElasticAgent, SignalReceived, install_signal_han
 from dlrover.agent.config import AgentConfig
 from dlrover.cli.common import parse_nnodes, parse_std_spec, setup_logging
 from dlrover.client.master_client import MasterClient, MasterClientError
-from dlrover.master.job import JobMaster, JobMasterConfig
-from dlrover.master.server import MasterServer, MasterServerError, job_name_for_token, new_token
-from dlrover.master.state_store import MemoryStateStore
+from dlrover.master.assembly import MasterSettings, RunningMaster, build_master
+from dlrover.master.server import MasterServerError, job_name_for_token, new_token
 
 logger = logging.getLogger("dlrover.run")
 
@@ -307,9 +307,8 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
     )
 
 
-def _embedded_master(job_name: str, host: str, port: int, token: str) -> MasterServer:
-    job = JobMaster(JobMasterConfig(job_name=job_name), MemoryStateStore())
-    return MasterServer(job, token, host=host, port=port).start()
+def _embedded_master(job_name: str, host: str, port: int, token: str) -> RunningMaster:
+    return build_master(MasterSettings(job_name=job_name, token=token, host=host, port=port))
 
 
 def _is_local(host: str) -> bool:
@@ -338,12 +337,12 @@ def run(argv: Sequence[str] | None = None) -> int:
 
     token = args.token or os.environ.get(c.ENV_JOB_TOKEN, "")
     env_addr = os.environ.get(c.ENV_MASTER_ADDR, "")
-    server: MasterServer | None = None
+    server: RunningMaster | None = None
     try:
         if args.standalone or (not env_addr and not args.rdzv_endpoint and config.max_nodes == 1):
             token = token or new_token()
             if not named:
-                config.run_id = uuid.uuid4().hex[:8]
+                config = dataclasses.replace(config, run_id=uuid.uuid4().hex[:8])
             server = _embedded_master(config.run_id, "127.0.0.1", 0, token)
             master_addr = f"127.0.0.1:{server.port}"
         elif env_addr:

@@ -1,0 +1,180 @@
+"""Serving one job: its master (built by `build_master`), its nodes through an engine, its
+record, until it ends. Used by `dlrover submit` and `dlrover-master --job-spec`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import threading
+from pathlib import Path
+
+from dlrover import constants as c
+from dlrover.cli.job_records import (
+    JobRecord,
+    has_record,
+    job_dir,
+    pid_alive,
+    read_record,
+    write_record,
+)
+from dlrover.engines.base import Engine
+from dlrover.jobspec import JobSpec, JobSpecError
+from dlrover.master.assembly import MasterSettings, build_master
+from dlrover.master.job import JobMaster, JobState
+from dlrover.master.node_controller import NodeController
+from dlrover.master.rendezvous import RendezvousConfig
+from dlrover.master.server import MasterServerError, new_token
+from dlrover.master.state_store import StateStoreError
+
+
+def make_engine(spec: JobSpec, job_dir: Path) -> Engine:
+    """The engine the job spec names; optional packages are imported only when asked for."""
+    settings = dict(spec.engine_settings)
+    if spec.engine == "local":
+        from dlrover.engines.local import LocalEngine
+
+        return LocalEngine(job_dir / "nodes")
+    if spec.engine == "ray":
+        from dlrover.engines.ray_engine import RayEngine
+
+        return RayEngine(address=settings.get("address"))
+    from dlrover.engines.kube_manifests import PodSettings
+    from dlrover.engines.kubernetes_engine import KubernetesEngine
+
+    if "image" not in settings:
+        raise JobSpecError("engine kubernetes needs engine_settings.image (the container image)")
+    return KubernetesEngine.from_environment(
+        spec.name,
+        PodSettings(
+            image=str(settings["image"]),
+            namespace=str(settings.get("namespace", "default")),
+            service_account=str(settings.get("service_account", "")),
+        ),
+    )
+
+
+def _advertise(spec: JobSpec, port: int, explicit: str) -> str:
+    if explicit:
+        return explicit if ":" in explicit else f"{explicit}:{port}"
+    if spec.engine == "local":
+        return f"127.0.0.1:{port}"
+    try:
+        return f"{socket.gethostbyname(socket.gethostname())}:{port}"
+    except OSError:
+        return f"{socket.getfqdn()}:{port}"
+
+
+def serve_job(
+    spec: JobSpec,
+    host: str = "0.0.0.0",
+    port: int = 0,
+    advertise: str = "",
+    token: str = "",
+    relaunch_delay_s: float = 0.0,
+) -> int:
+    """Run the master of `spec`, launch its nodes through its engine, return the job's exit code."""
+    directory = job_dir(spec.name)
+    if has_record(spec.name):
+        old = read_record(spec.name)
+        if not old.ended and pid_alive(old.pid):
+            print(
+                f"dlrover: error: job {spec.name!r} is already running (pid {old.pid}); "
+                f"`dlrover stop {spec.name}` first, or give the job another name",
+                file=sys.stderr,
+            )
+            return 1
+    directory.mkdir(parents=True, exist_ok=True)
+    db = directory / "master.db"
+    for stale in (db, db.with_name("master.db-wal"), db.with_name("master.db-shm")):
+        stale.unlink(missing_ok=True)  # a new submission starts from a clean state
+    token = token or os.environ.get(c.ENV_JOB_TOKEN, "") or new_token()
+    try:
+        master = build_master(
+            MasterSettings(
+                job_name=spec.name,
+                token=token,
+                host=host,
+                port=port,
+                state=str(db),
+                rendezvous=RendezvousConfig(spec.min_nodes, spec.max_nodes),
+            )
+        )
+    except (MasterServerError, StateStoreError) as e:
+        print(f"dlrover: error: {e}", file=sys.stderr)
+        return 1
+    job = master.job
+    master_addr = _advertise(spec, master.port, advertise)
+    write_record(
+        JobRecord(
+            name=spec.name,
+            state="running",
+            pid=os.getpid(),
+            master_addr=master_addr,
+            token=token,
+            engine=spec.engine,
+        )
+    )
+    print(f"{c.ENV_MASTER_ADDR}={master_addr}\n{c.ENV_JOB_TOKEN}={token}", flush=True)
+    print(
+        f"job {spec.name}: {spec.nnodes} nodes x {spec.nproc_per_node} workers on engine "
+        f"{spec.engine}; `dlrover status {spec.name}` to follow it",
+        file=sys.stderr,
+        flush=True,
+    )
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        job.stop(f"dlrover submit received {signal.Signals(signum).name}")
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        engine = make_engine(spec, directory)
+    except Exception as e:  # an engine that cannot start is the job's failure, said plainly
+        job.stop(f"cannot start engine {spec.engine}: {e}")
+        print(f"dlrover: error: cannot start engine {spec.engine}: {e}", file=sys.stderr)
+        master.stop(0.5)
+        write_record(JobRecord(name=spec.name, state="failed", pid=os.getpid()))
+        return 1
+    controller = NodeController(
+        job, engine, spec, master_addr, token, relaunch_delay_s=relaunch_delay_s
+    )
+    progress = threading.Thread(target=_progress_loop, args=(job, stop), daemon=True)
+    progress.start()
+    try:
+        controller.start()
+        controller.run(stop)
+    finally:
+        stop.set()
+        master.stop(grace_s=1.0)
+        write_record(
+            JobRecord(
+                name=spec.name,
+                state=job.state.value,
+                pid=os.getpid(),
+                reason=job.reason,
+                exit_code=job.exit_code,
+            )
+        )
+    print(f"job {spec.name} {job.state.value}: {job.reason}", file=sys.stderr)
+    return 0 if job.state == JobState.SUCCEEDED else (job.exit_code or 1)
+
+
+def _progress_loop(job: JobMaster, stop: threading.Event, every_s: float = 5.0) -> None:
+    while not stop.wait(every_s):
+        nodes = job.nodes.all()
+        running = sum(1 for n in nodes if n.state.value == "running")
+        step = max((n.step for n in nodes), default=-1)
+        round_ = job.rendezvous.round if job.rendezvous else 0
+        print(
+            f"job {job.config.job_name}: {job.state.value}, round {round_}, "
+            f"{running}/{len(nodes)} nodes running, step {step}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+

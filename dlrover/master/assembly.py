@@ -1,0 +1,71 @@
+"""One way to put a master together: state store + JobMaster + gRPC server, started.
+
+`dlrover-run` (embedded master), `dlrover-master` and `dlrover submit` all call
+`build_master()`; they differ only in the settings they pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dlrover.constants import DEFAULT_HEARTBEAT_TIMEOUT_S
+from dlrover.master.job import JobMaster, JobMasterConfig
+from dlrover.master.rendezvous import RendezvousConfig
+from dlrover.master.server import MasterServer
+from dlrover.master.state_store import StateStore, open_state_store
+
+
+@dataclass(frozen=True)
+class MasterSettings:
+    """What a master is built from."""
+
+    job_name: str
+    token: str
+    host: str = "0.0.0.0"
+    port: int = 0
+    """0: a free port (read it back from `RunningMaster.port`)."""
+    state: str = "memory"
+    """`memory`, or a SQLite file that keeps the job's state across a master restart."""
+    rendezvous: RendezvousConfig | None = None
+    """The node range; None: the first agent's --nnodes fixes it."""
+    heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
+
+
+@dataclass
+class RunningMaster:
+    """A started master; `stop()` ends the server and closes the state store."""
+
+    job: JobMaster
+    server: MasterServer
+    store: StateStore
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        self.server.stop(grace_s)
+        self.store.close()
+
+
+def build_master(settings: MasterSettings) -> RunningMaster:
+    """Open the state, build the job and start serving it.
+
+    Raises StateStoreError (the state file cannot be opened) or MasterServerError (the
+    address cannot be bound); nothing is left open when it raises.
+    """
+    store = open_state_store(settings.state)
+    try:
+        job = JobMaster(
+            JobMasterConfig(
+                job_name=settings.job_name,
+                rendezvous=settings.rendezvous,
+                heartbeat_timeout_s=settings.heartbeat_timeout_s,
+            ),
+            store,
+        )
+        server = MasterServer(job, settings.token, host=settings.host, port=settings.port)
+    except BaseException:
+        store.close()
+        raise
+    return RunningMaster(job, server.start(), store)
