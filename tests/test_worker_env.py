@@ -1,6 +1,9 @@
 """The worker environment contract (pure function)."""
 
+import pytest
+
 from dlrover.agent.worker_env import WorkerPlacement, worker_env
+from dlrover.worker_context import WorkerContext
 
 
 def test_worker_env_has_torchrun_keys_and_dlrover_keys():
@@ -80,3 +83,38 @@ def test_user_omp_num_threads_is_kept():
         rdzv_round=1,
     )
     assert env["OMP_NUM_THREADS"] == "4"
+
+
+def test_what_the_agent_writes_the_worker_reads_back():
+    placement = WorkerPlacement(
+        local_rank=1, local_world_size=2, rank=3, world_size=4, node_rank=1, num_nodes=2
+    )
+    env = worker_env(
+        {},
+        placement,
+        role="trainer",
+        run_id="job",
+        restart_count=2,
+        max_restarts=5,
+        store_addr="h0",
+        store_port=1234,
+        error_file="/tmp/e.json",
+        master_addr="m:1",
+        job_token="t",
+        node_id="n1",
+        rdzv_round=3,
+    )
+    assert WorkerContext.from_env(env) == WorkerContext(
+        rank=3,
+        local_rank=1,
+        world_size=4,
+        local_world_size=2,
+        node_rank=1,
+        restart_count=2,
+        rdzv_round=3,
+        node_id="n1",
+        run_id="job",
+    )
+    assert WorkerContext.from_env({}) == WorkerContext()  # plain `python train.py`
+    with pytest.raises(ValueError, match=r"\$RANK='x'"):
+        WorkerContext.from_env({"RANK": "x"})

@@ -16,7 +16,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
-ENV_ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
+from dlrover import worker_context
+
+ENV_ERROR_FILE = worker_context.ERROR_FILE
 """Path a worker writes its error record to (the name torchrun uses, so tools keep working)."""
 
 TRACEBACK_TAIL_LINES = 12
@@ -121,7 +123,7 @@ def record_exception(
     exc: BaseException, path: str | os.PathLike[str], exit_code: int = 1, now: float | None = None
 ) -> ErrorRecord:
     """Write `exc` as an error record to `path` atomically (temp file + rename) and return it."""
-    rank_text = os.environ.get("RANK", "-1")
+    rank_text = os.environ.get(worker_context.RANK, "-1")
     record = ErrorRecord(
         message=str(exc),
         exception_type=f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins."),

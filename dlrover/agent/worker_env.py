@@ -1,4 +1,6 @@
-"""The environment every worker gets: exactly torchrun's contract, plus DLRover's own keys."""
+"""The environment every worker gets: exactly torchrun's contract, plus DLRover's own keys.
+
+The names are those of `dlrover.worker_context`, which reads them back in the worker."""
 
 from __future__ import annotations
 
@@ -6,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from dlrover import constants as c
+from dlrover import worker_context as w
 
 
 @dataclass(frozen=True)
@@ -40,25 +43,25 @@ def worker_env(
     env = dict(base)
     env.update(
         {
-            "LOCAL_RANK": str(placement.local_rank),
-            "RANK": str(placement.rank),
-            "GROUP_RANK": str(placement.node_rank),
-            "ROLE_RANK": str(placement.rank),
-            "ROLE_NAME": role,
-            "LOCAL_WORLD_SIZE": str(placement.local_world_size),
-            "WORLD_SIZE": str(placement.world_size),
-            "GROUP_WORLD_SIZE": str(placement.num_nodes),
-            "ROLE_WORLD_SIZE": str(placement.world_size),
-            "MASTER_ADDR": store_addr,
-            "MASTER_PORT": str(store_port),
-            "TORCHELASTIC_RESTART_COUNT": str(restart_count),
-            "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
-            "TORCHELASTIC_RUN_ID": run_id,
+            w.LOCAL_RANK: str(placement.local_rank),
+            w.RANK: str(placement.rank),
+            w.GROUP_RANK: str(placement.node_rank),
+            w.ROLE_RANK: str(placement.rank),
+            w.ROLE_NAME: role,
+            w.LOCAL_WORLD_SIZE: str(placement.local_world_size),
+            w.WORLD_SIZE: str(placement.world_size),
+            w.GROUP_WORLD_SIZE: str(placement.num_nodes),
+            w.ROLE_WORLD_SIZE: str(placement.world_size),
+            w.MASTER_ADDR: store_addr,
+            w.MASTER_PORT: str(store_port),
+            w.RESTART_COUNT: str(restart_count),
+            w.MAX_RESTARTS: str(max_restarts),
+            w.RUN_ID: run_id,
             # The rank-0 worker hosts a fresh store every round, so no stale keys of an earlier
             # attempt can be read by restarted workers (the agent never shares a store).
-            "TORCHELASTIC_USE_AGENT_STORE": "False",
+            w.USE_AGENT_STORE: "False",
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": base.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-            "TORCHELASTIC_ERROR_FILE": error_file,
+            w.ERROR_FILE: error_file,
             c.ENV_MASTER_ADDR: master_addr,
             c.ENV_JOB_TOKEN: job_token,
             c.ENV_NODE_ID: node_id,

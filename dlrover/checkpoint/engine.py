@@ -27,6 +27,7 @@ from dlrover.checkpoint.layout import Layout, plan_layout, read_state, write_sta
 from dlrover.checkpoint.saver import CheckpointSaver
 from dlrover.checkpoint.shm import SharedSegment
 from dlrover.checkpoint.storage import storage_for
+from dlrover.worker_context import WorkerContext
 
 log = logging.getLogger(__name__)
 
@@ -44,16 +45,14 @@ class WorkerPlacement:
 
     @classmethod
     def from_env(cls) -> WorkerPlacement:
-        env = os.environ
-        restarts = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        rdzv_round = int(env.get("DLROVER_RDZV_ROUND", "0"))
+        ctx = WorkerContext.from_env()
         return cls(
-            int(env.get("RANK", "0")),
-            int(env.get("LOCAL_RANK", "0")),
-            int(env.get("WORLD_SIZE", "1")),
-            int(env.get("LOCAL_WORLD_SIZE", "1")),
-            int(env.get("GROUP_RANK", env.get("DLROVER_NODE_RANK", "0"))),
-            rdzv_round * 1_000_000 + restarts,
+            ctx.rank,
+            ctx.local_rank,
+            ctx.world_size,
+            ctx.local_world_size,
+            ctx.node_rank,
+            ctx.rdzv_round * 1_000_000 + ctx.restart_count,
         )
 
     @property

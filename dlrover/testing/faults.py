@@ -25,6 +25,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 
+from dlrover import worker_context
+
 ENV_FAULTS = "DLROVER_FAULTS"
 """The fault list (syntax in the module docstring)."""
 ENV_AGENT_PID = "DLROVER_AGENT_PID"
@@ -179,8 +181,8 @@ class FaultInjector:
         agent = env.get(ENV_AGENT_PID, "")
         return cls(
             parse_faults(env.get(ENV_FAULTS, "")),
-            rank=int(env.get("RANK", "0")),
-            restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            rank=int(env.get(worker_context.RANK, "0")),
+            restart_count=int(env.get(worker_context.RESTART_COUNT, "0")),
             agent_pid=int(agent) if agent.isdigit() else None,
         )
 
@@ -241,7 +243,7 @@ def maybe_inject(step: int, cache: dict[str, FaultInjector] | None = None) -> No
     """
     key = "|".join(
         os.environ.get(name, "")
-        for name in (ENV_FAULTS, "RANK", "TORCHELASTIC_RESTART_COUNT", ENV_AGENT_PID)
+        for name in (ENV_FAULTS, worker_context.RANK, worker_context.RESTART_COUNT, ENV_AGENT_PID)
     )
     store = _INJECTORS if cache is None else cache
     injector = store.get(key)

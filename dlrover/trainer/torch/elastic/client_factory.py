@@ -6,6 +6,7 @@ import importlib
 import logging
 import os
 
+from dlrover import worker_context
 from dlrover.client.sharding_transport import ShardingTransport
 from dlrover.constants import ENV_MASTER_ADDR, ENV_NODE_ID
 from dlrover.sharding.config import (
@@ -46,9 +47,9 @@ def transport_from_env() -> ShardingTransport | None:
 
 def default_worker_id(rank: int) -> str:
     """`<node_id>/<local_rank>`: the master recovers all of a node's workers by its id."""
-    node_id = os.environ.get(ENV_NODE_ID, "local")
-    local_rank = os.environ.get("LOCAL_RANK", str(rank))
-    return f"{node_id}/{local_rank}"
+    env = os.environ
+    local_rank = env.get(worker_context.LOCAL_RANK, "") or str(rank)
+    return f"{env.get(ENV_NODE_ID, 'local')}/{local_rank}"
 
 
 def prefetch_from_env() -> int:

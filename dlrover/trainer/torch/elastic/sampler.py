@@ -6,7 +6,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 from collections import deque
 from collections.abc import Iterator, Sized
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from dlrover.trainer.torch.elastic.client_factory import (
     prefetch_from_env,
     transport_from_env,
 )
+from dlrover.worker_context import WorkerContext
 
 logger = logging.getLogger(__name__)
 
@@ -256,9 +256,9 @@ class ElasticDistributedSampler(Sampler[int]):
         if not self._started:
             self.client.transport.register_dataset(self.client.spec)
         digest = hashlib.sha256(json.dumps(position.to_dict(), sort_keys=True).encode()).hexdigest()
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        rdzv_round = os.environ.get("DLROVER_RDZV_ROUND", "0")
-        self.client.restore_position(position, f"{digest[:16]}@{rdzv_round}.{restart}")
+        ctx = WorkerContext.from_env()
+        token = f"{digest[:16]}@{ctx.rdzv_round}.{ctx.restart_count}"
+        self.client.restore_position(position, token)
         self._ledger.clear()
         self._stash = None
         self._yielded = self._consumed = 0
@@ -271,10 +271,10 @@ class ElasticDistributedSampler(Sampler[int]):
 def _world_size() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    return WorkerContext.from_env().world_size
 
 
 def _rank() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
-    return int(os.environ.get("RANK", "0"))
+    return WorkerContext.from_env().rank

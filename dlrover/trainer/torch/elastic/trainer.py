@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
+
+from dlrover.worker_context import WorkerContext
 
 logger = logging.getLogger(__name__)
 
@@ -107,4 +108,4 @@ class ElasticTrainer:
 def _current_world_size() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    return WorkerContext.from_env().world_size
