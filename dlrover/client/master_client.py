@@ -176,3 +176,36 @@ class MasterClient:
                 metrics=metrics or {},
             ),
         )
+
+    # --- dynamic data sharding -----------------------------------------------------------------
+    # Each response holds the result or a typed `error`; dlrover.client.sharding's
+    # GrpcShardingTransport turns them into the dataclasses and raises the error's class.
+    def register_dataset(self, request: pb.RegisterDatasetRequest) -> pb.RegisterDatasetResponse:
+        return self._call(self._stub.RegisterDataset, request)
+
+    def fetch_shards(self, request: pb.FetchShardsRequest) -> pb.FetchShardsResponse:
+        return self._call(self._stub.FetchShards, request)
+
+    def report_done(self, request: pb.ReportDoneRequest) -> pb.ReportDoneResponse:
+        return self._call(self._stub.ReportDone, request)
+
+    def report_progress(self, request: pb.ReportProgressRequest) -> pb.ReportProgressResponse:
+        return self._call(self._stub.ReportProgress, request)
+
+    def renew_leases(self, request: pb.RenewLeasesRequest) -> pb.RenewLeasesResponse:
+        return self._call(self._stub.RenewLeases, request)
+
+    def get_position(self, request: pb.GetPositionRequest) -> pb.GetPositionResponse:
+        return self._call(self._stub.GetPosition, request)
+
+    def mark_consumption(self, request: pb.MarkConsumptionRequest) -> pb.MarkConsumptionResponse:
+        return self._call(self._stub.MarkConsumption, request)
+
+    def position_at(self, request: pb.PositionAtRequest) -> pb.PositionAtResponse:
+        return self._call(self._stub.PositionAt, request)
+
+    def restore_position(self, request: pb.RestorePositionRequest) -> pb.RestorePositionResponse:
+        return self._call(self._stub.RestorePosition, request)
+
+    def dataset_progress(self, request: pb.DatasetProgressRequest) -> pb.DatasetProgressResponse:
+        return self._call(self._stub.DatasetProgress, request)

@@ -278,20 +278,6 @@ class JobStatus(_message.Message):
     exit_code: int
     def __init__(self, job_name: _Optional[str] = ..., state: _Optional[str] = ..., round: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., reason: _Optional[str] = ..., exit_code: _Optional[int] = ...) -> None: ...
 
-class ShardingRequest(_message.Message):
-    __slots__ = ("method", "args_json")
-    METHOD_FIELD_NUMBER: _ClassVar[int]
-    ARGS_JSON_FIELD_NUMBER: _ClassVar[int]
-    method: str
-    args_json: bytes
-    def __init__(self, method: _Optional[str] = ..., args_json: _Optional[bytes] = ...) -> None: ...
-
-class ShardingResponse(_message.Message):
-    __slots__ = ("result_json",)
-    RESULT_JSON_FIELD_NUMBER: _ClassVar[int]
-    result_json: bytes
-    def __init__(self, result_json: _Optional[bytes] = ...) -> None: ...
-
 class StopJobRequest(_message.Message):
     __slots__ = ("reason",)
     REASON_FIELD_NUMBER: _ClassVar[int]

@@ -104,11 +104,6 @@ class MasterStub:
                 request_serializer=dlrover_dot_proto_dot_master__pb2.AgreeLoadStepRequest.SerializeToString,
                 response_deserializer=dlrover_dot_proto_dot_master__pb2.AgreeLoadStepResponse.FromString,
                 _registered_method=True)
-        self.Sharding = channel.unary_unary(
-                '/dlrover.Master/Sharding',
-                request_serializer=dlrover_dot_proto_dot_master__pb2.ShardingRequest.SerializeToString,
-                response_deserializer=dlrover_dot_proto_dot_master__pb2.ShardingResponse.FromString,
-                _registered_method=True)
         self.RegisterDataset = channel.unary_unary(
                 '/dlrover.Master/RegisterDataset',
                 request_serializer=dlrover_dot_proto_dot_master__pb2.RegisterDatasetRequest.SerializeToString,
@@ -259,18 +254,11 @@ class MasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Sharding(self, request, context):
+    def RegisterDataset(self, request, context):
         """Dynamic data sharding: one call per ShardingTransport method of the same name
         (dlrover/client/sharding_transport.py). A refusal of the sharding subsystem comes back in
         the response's `error` (a ShardingError), never as a gRPC status.
-        Sharding(ShardingRequest) below is the JSON call these replace.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def RegisterDataset(self, request, context):
-        """Create a dataset; the same spec again is a no-op, a different one a DATASET_CONFLICT.
+        Create a dataset; the same spec again is a no-op, a different one a DATASET_CONFLICT.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -411,11 +399,6 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.AgreeLoadStep,
                     request_deserializer=dlrover_dot_proto_dot_master__pb2.AgreeLoadStepRequest.FromString,
                     response_serializer=dlrover_dot_proto_dot_master__pb2.AgreeLoadStepResponse.SerializeToString,
-            ),
-            'Sharding': grpc.unary_unary_rpc_method_handler(
-                    servicer.Sharding,
-                    request_deserializer=dlrover_dot_proto_dot_master__pb2.ShardingRequest.FromString,
-                    response_serializer=dlrover_dot_proto_dot_master__pb2.ShardingResponse.SerializeToString,
             ),
             'RegisterDataset': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterDataset,
@@ -846,33 +829,6 @@ class Master:
             '/dlrover.Master/AgreeLoadStep',
             dlrover_dot_proto_dot_master__pb2.AgreeLoadStepRequest.SerializeToString,
             dlrover_dot_proto_dot_master__pb2.AgreeLoadStepResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Sharding(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/dlrover.Master/Sharding',
-            dlrover_dot_proto_dot_master__pb2.ShardingRequest.SerializeToString,
-            dlrover_dot_proto_dot_master__pb2.ShardingResponse.FromString,
             options,
             channel_credentials,
             insecure,
