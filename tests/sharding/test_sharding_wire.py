@@ -11,6 +11,7 @@ from google.protobuf.message import Message
 from dlrover.proto import master_pb2 as pb
 from dlrover.sharding import errors, wire
 from dlrover.sharding.config import DEFAULT_LEASE_S, DEFAULT_MAX_RETRIES
+from dlrover.sharding.manager import ShardManager
 from dlrover.sharding.types import (
     ConsumptionMark,
     DatasetProgress,
@@ -116,6 +117,15 @@ def test_results_round_trip() -> None:
     ]
     for value, to_proto, from_proto in cases:
         assert from_proto(through_bytes(to_proto(value))) == value  # type: ignore[operator]
+
+
+def test_shuffled_shards_keep_their_sample_order_over_the_wire() -> None:
+    manager = ShardManager()
+    manager.register_dataset(DatasetSpec("d", size=25, shard_size=10, shuffle=True, seed=3))
+    result = manager.fetch_shards("d", "w", 3)
+    again = wire.fetch_result_from_proto(through_bytes(wire.fetch_result_to_proto(result)))
+    assert again == result
+    assert [list(s.indices()) for s in again.shards] == [list(s.indices()) for s in result.shards]
 
 
 def test_every_error_class_has_a_kind_of_its_own() -> None:
