@@ -72,7 +72,7 @@ class MasterClient:
                 ("grpc.enable_http_proxy", 0),
             ],
         )
-        self._stub = pb_grpc.MasterStub(self._channel)
+        self.stub = pb_grpc.MasterStub(self._channel)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> MasterClient:
@@ -101,7 +101,10 @@ class MasterClient:
     def close(self) -> None:
         self._channel.close()
 
-    def _call(self, fn: Callable[..., T], request: object, timeout_s: float | None = None) -> T:
+    def call(self, fn: Callable[..., T], request: object, timeout_s: float | None = None) -> T:
+        """One RPC of `stub` with this client's deadline and token; gRPC failures become the
+        errors of `dlrover.api.errors`. For wire adapters beside this one (the sharding
+        transport); everything else uses the typed methods."""
         try:
             return fn(request, timeout=timeout_s or self._timeout, metadata=self._metadata)
         except grpc.RpcError as e:
@@ -127,44 +130,44 @@ class MasterClient:
     # --- agent calls ---------------------------------------------------------------------------
     def register_node(self, registration: api.Registration) -> api.Registered:
         request = wire.registration_to_pb(registration)
-        return wire.registered_from_pb(self._call(self._stub.RegisterNode, request))
+        return wire.registered_from_pb(self.call(self.stub.RegisterNode, request))
 
     def heartbeat(self, report: api.HeartbeatReport) -> api.HeartbeatReply:
-        response = self._call(self._stub.Heartbeat, wire.heartbeat_to_pb(report))
+        response = self.call(self.stub.Heartbeat, wire.heartbeat_to_pb(report))
         return wire.heartbeat_reply_from_pb(response)
 
     def join_rendezvous(self, request: api.JoinRequest) -> int:
-        return self._call(self._stub.JoinRendezvous, wire.join_to_pb(request)).round
+        return self.call(self.stub.JoinRendezvous, wire.join_to_pb(request)).round
 
     def get_comm_world(self, node_id: str, round: int) -> api.CommWorld:
         request = pb.GetCommWorldRequest(node_id=node_id, round=round)
-        return wire.world_from_pb(self._call(self._stub.GetCommWorld, request))
+        return wire.world_from_pb(self.call(self.stub.GetCommWorld, request))
 
     def num_nodes_waiting(self, node_id: str, round: int) -> api.Waiting:
         request = pb.NumNodesWaitingRequest(node_id=node_id, round=round)
-        response = self._call(self._stub.NumNodesWaiting, request)
+        response = self.call(self.stub.NumNodesWaiting, request)
         return api.Waiting(response.waiting, response.latest_round)
 
     def report_node_status(self, report: api.NodeReport) -> bool:
-        return self._call(self._stub.ReportNodeStatus, wire.node_report_to_pb(report)).job_done
+        return self.call(self.stub.ReportNodeStatus, wire.node_report_to_pb(report)).job_done
 
     def get_job_status(self) -> api.JobStatus:
-        return wire.job_status_from_pb(self._call(self._stub.GetJobStatus, pb.GetJobStatusRequest()))
+        return wire.job_status_from_pb(self.call(self.stub.GetJobStatus, pb.GetJobStatusRequest()))
 
     def stop_job(self, reason: str) -> api.JobStatus:
         request = pb.StopJobRequest(reason=reason)
-        return wire.job_status_from_pb(self._call(self._stub.StopJob, request))
+        return wire.job_status_from_pb(self.call(self.stub.StopJob, request))
 
     # --- key-value -----------------------------------------------------------------------------
     def kv_set(self, key: str, value: bytes) -> None:
-        self._call(self._stub.KvSet, pb.KvSetRequest(key=key, value=value))
+        self.call(self.stub.KvSet, pb.KvSetRequest(key=key, value=value))
 
     def kv_get(self, key: str, wait_s: float = 0.0) -> bytes | None:
         deadline = time.monotonic() + wait_s
         while True:
             left = max(0.0, deadline - time.monotonic())
-            resp = self._call(
-                self._stub.KvGet, pb.KvGetRequest(key=key, wait_s=left), left + self._timeout
+            resp = self.call(
+                self.stub.KvGet, pb.KvGetRequest(key=key, wait_s=left), left + self._timeout
             )
             if resp.found:
                 return bytes(resp.value)
@@ -180,8 +183,8 @@ class MasterClient:
         node_id: str | None = None,
     ) -> None:
         """Tell the master the training step this process has completed."""
-        self._call(
-            self._stub.ReportStep,
+        self.call(
+            self.stub.ReportStep,
             pb.ReportStepRequest(
                 node_id=node_id or os.environ.get(ENV_NODE_ID, ""),
                 rank=WorkerContext.from_env().rank if rank is None else rank,
@@ -196,10 +199,10 @@ class MasterClient:
         request = pb.CheckpointPersistedRequest(
             step=step, node_rank=node_rank, total_nodes=total_nodes
         )
-        return bool(self._call(self._stub.CheckpointPersisted, request).committer)
+        return bool(self.call(self.stub.CheckpointPersisted, request).committer)
 
     def checkpoint_committed(self, step: int) -> None:
-        self._call(self._stub.CheckpointCommitted, pb.CheckpointCommittedRequest(step=step, mark=True))
+        self.call(self.stub.CheckpointCommitted, pb.CheckpointCommittedRequest(step=step, mark=True))
 
     def wait_checkpoint_committed(self, step: int, wait_s: float) -> bool:
         """Whether ``step`` is committed within ``wait_s`` (asking again every few seconds)."""
@@ -207,7 +210,7 @@ class MasterClient:
         while True:
             wait = min(CHECKPOINT_WAIT_S, max(0.0, deadline - time.monotonic()))
             request = pb.CheckpointCommittedRequest(step=step, wait_s=wait)
-            if self._call(self._stub.CheckpointCommitted, request, wait + self._timeout).committed:
+            if self.call(self.stub.CheckpointCommitted, request, wait + self._timeout).committed:
                 return True
             if time.monotonic() >= deadline:
                 return False
@@ -224,7 +227,7 @@ class MasterClient:
             )
             if local_step is not None:
                 request.local_step = local_step
-            response = self._call(self._stub.AgreeLoadStep, request, wait + self._timeout)
+            response = self.call(self.stub.AgreeLoadStep, request, wait + self._timeout)
             if response.decided:
                 return True, response.step if response.HasField("step") else None
             if time.monotonic() >= deadline:

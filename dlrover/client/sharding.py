@@ -1,16 +1,15 @@
-"""The gRPC ShardingTransport: each ShardingTransport method is one `Sharding` call."""
+"""The gRPC ShardingTransport: each ShardingTransport method is the master's RPC of that name."""
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
-from dlrover.client.master_client import MasterClient, MasterRequestError
+from dlrover.client.master_client import MasterClient
 from dlrover.constants import ENV_JOB_TOKEN
 from dlrover.proto import master_pb2 as pb
-from dlrover.sharding import errors
+from dlrover.sharding import wire
 from dlrover.sharding.types import (
     ConsumptionMark,
     DatasetProgress,
@@ -24,76 +23,97 @@ from dlrover.sharding.types import (
 )
 
 
+class _Response(Protocol):
+    """A sharding response: the result, or the ShardingError the master refused the call with."""
+
+    @property
+    def error(self) -> pb.ShardingError: ...
+
+    def HasField(self, field_name: Any) -> bool: ...  # noqa: N802
+
+
+R = TypeVar("R", bound=_Response)
+
+
+def _accepted(response: R) -> R:
+    """The response, or raise the class of dlrover.sharding.errors the master refused it with."""
+    if response.HasField("error"):
+        raise wire.error_from_proto(response.error)
+    return response
+
+
 class GrpcShardingTransport:
-    """Reaches the master's ShardManager over the wire; thread-safe (gRPC channels are)."""
+    """Reaches the master's ShardManager over the wire; thread-safe (gRPC channels are).
+
+    A sharding refusal raises its own class from dlrover.sharding.errors; a request the
+    master finds malformed raises MasterRequestError, an unreachable master
+    MasterUnreachableError (see MasterClient).
+    """
 
     def __init__(self, client: MasterClient) -> None:
         self._client = client
 
-    def _call(self, method: str, **args: Any) -> Any:
-        request = pb.ShardingRequest(method=method, args_json=json.dumps(args).encode())
-        try:
-            response = self._client._call(self._client._stub.Sharding, request)
-        except MasterRequestError as e:
-            name, _, message = str(e).partition(": ")
-            cls = getattr(errors, name, None)
-            if isinstance(cls, type) and issubclass(cls, errors.ShardingError):
-                raise cls(message) from None
-            raise
-        return json.loads(response.result_json)
-
     def register_dataset(self, spec: DatasetSpec) -> RegisterResult:
-        return RegisterResult(**self._call("register_dataset", spec=spec.to_dict()))
+        request = pb.RegisterDatasetRequest(spec=wire.dataset_spec_to_proto(spec))
+        response = _accepted(self._client.call(self._client.stub.RegisterDataset, request))
+        return wire.register_result_from_proto(response.result)
 
     def fetch_shards(self, dataset: str, worker_id: str, max_count: int) -> FetchResult:
-        return FetchResult.from_dict(
-            self._call("fetch_shards", dataset=dataset, worker_id=worker_id, max_count=max_count)
-        )
+        request = pb.FetchShardsRequest(dataset=dataset, worker_id=worker_id, max_count=max_count)
+        response = _accepted(self._client.call(self._client.stub.FetchShards, request))
+        return wire.fetch_result_from_proto(response.result)
 
     def report_done(
         self, dataset: str, worker_id: str, shard_ids: Sequence[ShardId]
     ) -> ReportResult:
-        return ReportResult(
-            **self._call(
-                "report_done",
-                dataset=dataset,
-                worker_id=worker_id,
-                shard_ids=[s.to_list() for s in shard_ids],
-            )
+        request = pb.ReportDoneRequest(
+            dataset=dataset,
+            worker_id=worker_id,
+            shard_ids=[wire.shard_id_to_proto(s) for s in shard_ids],
         )
+        response = _accepted(self._client.call(self._client.stub.ReportDone, request))
+        return wire.report_result_from_proto(response.result)
 
     def report_progress(
         self, dataset: str, worker_id: str, shard_id: ShardId, consumed: int
     ) -> bool:
-        return bool(
-            self._call(
-                "report_progress",
-                dataset=dataset,
-                worker_id=worker_id,
-                shard_id=shard_id.to_list(),
-                consumed=consumed,
-            )
+        request = pb.ReportProgressRequest(
+            dataset=dataset,
+            worker_id=worker_id,
+            shard_id=wire.shard_id_to_proto(shard_id),
+            consumed=consumed,
         )
+        return _accepted(self._client.call(self._client.stub.ReportProgress, request)).accepted
 
     def renew_leases(self, dataset: str, worker_id: str) -> int:
-        return int(self._call("renew_leases", dataset=dataset, worker_id=worker_id))
+        request = pb.RenewLeasesRequest(dataset=dataset, worker_id=worker_id)
+        return _accepted(self._client.call(self._client.stub.RenewLeases, request)).renewed
 
     def get_position(self, dataset: str) -> Position:
-        return Position.from_dict(self._call("get_position", dataset=dataset))
+        response = _accepted(self._client.call(self._client.stub.GetPosition, pb.GetPositionRequest(dataset=dataset)))
+        return wire.position_from_proto(response.position)
 
     def mark_consumption(self, dataset: str, worker_id: str, mark: ConsumptionMark) -> None:
-        self._call("mark_consumption", dataset=dataset, worker_id=worker_id, mark=mark.to_dict())
+        request = pb.MarkConsumptionRequest(
+            dataset=dataset, worker_id=worker_id, mark=wire.consumption_mark_to_proto(mark)
+        )
+        _accepted(self._client.call(self._client.stub.MarkConsumption, request))
 
     def position_at(self, dataset: str, epoch: int, consumed: int) -> PositionAt:
-        return PositionAt.from_dict(
-            self._call("position_at", dataset=dataset, epoch=epoch, consumed=consumed)
-        )
+        request = pb.PositionAtRequest(dataset=dataset, epoch=epoch, consumed=consumed)
+        response = _accepted(self._client.call(self._client.stub.PositionAt, request))
+        return wire.position_at_from_proto(response.result)
 
     def restore_position(self, position: Position, token: str | None) -> bool:
-        return bool(self._call("restore_position", position=position.to_dict(), token=token))
+        request = pb.RestorePositionRequest(position=wire.position_to_proto(position))
+        if token is not None:
+            request.token = token
+        return _accepted(self._client.call(self._client.stub.RestorePosition, request)).applied
 
     def dataset_progress(self, dataset: str) -> DatasetProgress:
-        return DatasetProgress(**self._call("dataset_progress", dataset=dataset))
+        request = pb.DatasetProgressRequest(dataset=dataset)
+        response = _accepted(self._client.call(self._client.stub.DatasetProgress, request))
+        return wire.dataset_progress_from_proto(response.result)
 
 
 def connect(master_addr: str, token: str | None = None) -> GrpcShardingTransport:

@@ -21,9 +21,10 @@ from dlrover.sharding.types import (
 class ShardingTransport(Protocol):
     """How a ShardingClient reaches the master. Each method is one RPC of the same name.
 
-    Every argument and result is a dataclass with a JSON-able form (`to_dict`/`from_dict`
-    or plain fields), so a wire transport never needs pickle. Implementations must be safe
-    to call from several threads (the client's prefetcher and the training loop).
+    Every argument and result is a dataclass of dlrover.sharding.types; the gRPC transport
+    sends each as the protobuf message of the same name (dlrover/sharding/wire.py), and a
+    refusal raises its class from dlrover.sharding.errors. Implementations must be safe to
+    call from several threads (the client's prefetcher and the training loop).
     """
 
     def register_dataset(self, spec: DatasetSpec) -> RegisterResult: ...

@@ -11,6 +11,7 @@ from concurrent import futures
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import Message
 
 from dlrover.api import wire
 from dlrover.api.errors import MasterRequestError, UnknownNodeError
@@ -22,11 +23,13 @@ from dlrover.master.nodes import NodeError
 from dlrover.master.rendezvous import RendezvousError
 from dlrover.proto import master_pb2 as pb
 from dlrover.proto import master_pb2_grpc as pb_grpc
+from dlrover.sharding import wire as sharding_wire
 from dlrover.sharding.errors import ShardingError
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+R = TypeVar("R", bound=Message)
 
 MAX_CHECKPOINT_WAIT_S = 10.0
 """A checkpoint wait held in the master is capped; clients ask again until their own deadline."""
@@ -81,12 +84,28 @@ def _guard(context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
     except NodeError as e:
         context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-    except ShardingError as e:
-        # The class name travels so the client re-raises the same typed error.
-        context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{type(e).__name__}: {e}")
     except (RendezvousError, KvError, ValueError) as e:
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
     raise AssertionError("unreachable")
+
+
+def _sharding(context: grpc.ServicerContext, response: Callable[..., R], fn: Callable[[], R]) -> R:
+    """Run a sharding handler: a ShardingError travels in the response's typed `error` field
+    (the client raises the same class); a malformed request is refused like any other."""
+
+    def run() -> R:
+        try:
+            return fn()
+        except ShardingError as e:
+            return response(error=sharding_wire.error_to_proto(e))
+
+    return _guard(context, run)
+
+
+def _require(request: Message, field: str) -> None:
+    """Refuse (INVALID_ARGUMENT) a request that lacks a message field it cannot do without."""
+    if not request.HasField(field):
+        raise ValueError(f"{type(request).__name__} has no {field!r}: it is required")
 
 
 class MasterServicer(pb_grpc.MasterServicer):
@@ -233,15 +252,112 @@ class MasterServicer(pb_grpc.MasterServicer):
     def StopJob(self, request: pb.StopJobRequest, context: grpc.ServicerContext) -> pb.JobStatus:  # noqa: N802
         return _guard(context, lambda: wire.job_status_to_pb(self.api.stop_job(request.reason)))
 
-    def Sharding(
-        self, request: pb.ShardingRequest, context: grpc.ServicerContext
-    ) -> pb.ShardingResponse:  # noqa: N802
-        return _guard(
-            context,
-            lambda: pb.ShardingResponse(
-                result_json=self.job.sharding.call(request.method, request.args_json)
-            ),
-        )
+    # --- dynamic data sharding: messages <-> dataclasses in dlrover/sharding/wire.py -----------
+    def RegisterDataset(
+        self, request: pb.RegisterDatasetRequest, context: grpc.ServicerContext
+    ) -> pb.RegisterDatasetResponse:  # noqa: N802
+        def run() -> pb.RegisterDatasetResponse:
+            _require(request, "spec")
+            result = self.job.sharding.register_dataset(sharding_wire.dataset_spec_from_proto(request.spec))
+            return pb.RegisterDatasetResponse(result=sharding_wire.register_result_to_proto(result))
+
+        return _sharding(context, pb.RegisterDatasetResponse, run)
+
+    def FetchShards(
+        self, request: pb.FetchShardsRequest, context: grpc.ServicerContext
+    ) -> pb.FetchShardsResponse:  # noqa: N802
+        def run() -> pb.FetchShardsResponse:
+            result = self.job.sharding.fetch_shards(
+                request.dataset, request.worker_id, request.max_count
+            )
+            return pb.FetchShardsResponse(result=sharding_wire.fetch_result_to_proto(result))
+
+        return _sharding(context, pb.FetchShardsResponse, run)
+
+    def ReportDone(
+        self, request: pb.ReportDoneRequest, context: grpc.ServicerContext
+    ) -> pb.ReportDoneResponse:  # noqa: N802
+        def run() -> pb.ReportDoneResponse:
+            shard_ids = [sharding_wire.shard_id_from_proto(s) for s in request.shard_ids]
+            result = self.job.sharding.report_done(request.dataset, request.worker_id, shard_ids)
+            return pb.ReportDoneResponse(result=sharding_wire.report_result_to_proto(result))
+
+        return _sharding(context, pb.ReportDoneResponse, run)
+
+    def ReportProgress(
+        self, request: pb.ReportProgressRequest, context: grpc.ServicerContext
+    ) -> pb.ReportProgressResponse:  # noqa: N802
+        def run() -> pb.ReportProgressResponse:
+            _require(request, "shard_id")
+            accepted = self.job.sharding.report_progress(
+                request.dataset,
+                request.worker_id,
+                sharding_wire.shard_id_from_proto(request.shard_id),
+                request.consumed,
+            )
+            return pb.ReportProgressResponse(accepted=accepted)
+
+        return _sharding(context, pb.ReportProgressResponse, run)
+
+    def RenewLeases(
+        self, request: pb.RenewLeasesRequest, context: grpc.ServicerContext
+    ) -> pb.RenewLeasesResponse:  # noqa: N802
+        def run() -> pb.RenewLeasesResponse:
+            renewed = self.job.sharding.renew_leases(request.dataset, request.worker_id)
+            return pb.RenewLeasesResponse(renewed=renewed)
+
+        return _sharding(context, pb.RenewLeasesResponse, run)
+
+    def GetPosition(
+        self, request: pb.GetPositionRequest, context: grpc.ServicerContext
+    ) -> pb.GetPositionResponse:  # noqa: N802
+        def run() -> pb.GetPositionResponse:
+            position = self.job.sharding.get_position(request.dataset)
+            return pb.GetPositionResponse(position=sharding_wire.position_to_proto(position))
+
+        return _sharding(context, pb.GetPositionResponse, run)
+
+    def MarkConsumption(
+        self, request: pb.MarkConsumptionRequest, context: grpc.ServicerContext
+    ) -> pb.MarkConsumptionResponse:  # noqa: N802
+        def run() -> pb.MarkConsumptionResponse:
+            _require(request, "mark")
+            mark = sharding_wire.consumption_mark_from_proto(request.mark)
+            self.job.sharding.mark_consumption(request.dataset, request.worker_id, mark)
+            return pb.MarkConsumptionResponse()
+
+        return _sharding(context, pb.MarkConsumptionResponse, run)
+
+    def PositionAt(
+        self, request: pb.PositionAtRequest, context: grpc.ServicerContext
+    ) -> pb.PositionAtResponse:  # noqa: N802
+        def run() -> pb.PositionAtResponse:
+            result = self.job.sharding.position_at(request.dataset, request.epoch, request.consumed)
+            return pb.PositionAtResponse(result=sharding_wire.position_at_to_proto(result))
+
+        return _sharding(context, pb.PositionAtResponse, run)
+
+    def RestorePosition(
+        self, request: pb.RestorePositionRequest, context: grpc.ServicerContext
+    ) -> pb.RestorePositionResponse:  # noqa: N802
+        def run() -> pb.RestorePositionResponse:
+            _require(request, "position")
+            token = request.token if request.HasField("token") else None
+            applied = self.job.sharding.restore_position(
+                sharding_wire.position_from_proto(request.position), token
+            )
+            return pb.RestorePositionResponse(applied=applied)
+
+        return _sharding(context, pb.RestorePositionResponse, run)
+
+    def DatasetProgress(
+        self, request: pb.DatasetProgressRequest, context: grpc.ServicerContext
+    ) -> pb.DatasetProgressResponse:  # noqa: N802
+        def run() -> pb.DatasetProgressResponse:
+            progress = self.job.sharding.dataset_progress(request.dataset)
+            return pb.DatasetProgressResponse(result=sharding_wire.dataset_progress_to_proto(progress))
+
+        return _sharding(context, pb.DatasetProgressResponse, run)
 
 
 class MasterServer:

@@ -1,31 +1,40 @@
-"""The master's side of dynamic data sharding: JSON calls onto one ShardManager, persisted."""
+"""The master's side of dynamic data sharding: typed calls onto one ShardManager, persisted."""
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import threading
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 from dlrover.master.state_store import StateStore
 from dlrover.sharding.manager import ShardManager
-from dlrover.sharding.types import ConsumptionMark, DatasetSpec, Position, ShardId
+from dlrover.sharding.types import (
+    ConsumptionMark,
+    DatasetProgress,
+    DatasetSpec,
+    FetchResult,
+    Position,
+    PositionAt,
+    RegisterResult,
+    ReportResult,
+    ShardId,
+)
 
 logger = logging.getLogger(__name__)
 
 _NAMESPACE = "sharding"
-MUTATING = frozenset(
-    {"register_dataset", "fetch_shards", "report_done", "report_progress", "restore_position"}
-)
 
 
 class ShardingService:
     """Serialises calls onto the ShardManager and saves its state after every change.
 
-    The state is a few kilobytes (index ranges, not samples), so it is written whole; a
-    restarted master rebuilds the manager from it and no registered dataset is reset.
+    Its methods are those of ShardingTransport (dlrover/client/sharding_transport.py), each
+    one RPC. The state is a few kilobytes (index ranges, not samples), so it is written whole
+    after each call that changes what a restarted master must know; a restarted master
+    rebuilds the manager from it and no registered dataset is reset. Lease renewals and
+    consumption marks are not saved: leases get a fresh lease time on restore, and marks
+    live in memory only (one per shard a worker starts).
     """
 
     def __init__(self, store: StateStore, clock: Callable[[], float]) -> None:
@@ -33,63 +42,54 @@ class ShardingService:
         self._lock = threading.Lock()
         saved = store.get_json(_NAMESPACE, "state")
         self.manager = ShardManager.from_state(saved, clock) if saved else ShardManager(clock)
-        self._methods: dict[str, Callable[[dict[str, Any]], Any]] = {
-            "register_dataset": lambda a: self.manager.register_dataset(
-                DatasetSpec.from_dict(a["spec"])
-            ),
-            "fetch_shards": lambda a: self.manager.fetch_shards(
-                str(a["dataset"]), str(a["worker_id"]), int(a.get("max_count", 1))
-            ),
-            "report_done": lambda a: self.manager.report_done(
-                str(a["dataset"]),
-                str(a["worker_id"]),
-                [ShardId.from_list(x) for x in a["shard_ids"]],
-            ),
-            "report_progress": lambda a: self.manager.report_progress(
-                str(a["dataset"]),
-                str(a["worker_id"]),
-                ShardId.from_list(a["shard_id"]),
-                int(a["consumed"]),
-            ),
-            "renew_leases": lambda a: self.manager.renew_leases(
-                str(a["dataset"]), str(a["worker_id"])
-            ),
-            "get_position": lambda a: self.manager.get_position(str(a["dataset"])),
-            # Marks live in memory only (one per shard a worker starts): not persisted.
-            "mark_consumption": lambda a: self.manager.mark_consumption(
-                str(a["dataset"]), str(a["worker_id"]), ConsumptionMark.from_dict(a["mark"])
-            ),
-            "position_at": lambda a: self.manager.position_at(
-                str(a["dataset"]), int(a["epoch"]), int(a["consumed"])
-            ),
-            "restore_position": lambda a: self.manager.restore_position(
-                Position.from_dict(a["position"]), a.get("token")
-            ),
-            "dataset_progress": lambda a: self.manager.dataset_progress(str(a["dataset"])),
-        }
 
-    def call(self, method: str, args_json: bytes) -> bytes:
-        """Run one call; raises ValueError for an unknown method or malformed arguments."""
-        fn = self._methods.get(method)
-        if fn is None:
-            raise ValueError(f"unknown sharding method {method!r}; known: {sorted(self._methods)}")
-        try:
-            args = json.loads(args_json or b"{}")
-        except json.JSONDecodeError as e:
-            raise ValueError(f"sharding call {method}: arguments are not JSON ({e})") from None
-        if not isinstance(args, dict):
-            raise ValueError(f"sharding call {method}: arguments must be a JSON object")
+    # --- calls that change the saved state ----------------------------------------------------
+    def register_dataset(self, spec: DatasetSpec) -> RegisterResult:
+        with self._changing():
+            return self.manager.register_dataset(spec)
+
+    def fetch_shards(self, dataset: str, worker_id: str, max_count: int) -> FetchResult:
+        with self._changing():
+            return self.manager.fetch_shards(dataset, worker_id, max_count)
+
+    def report_done(
+        self, dataset: str, worker_id: str, shard_ids: Sequence[ShardId]
+    ) -> ReportResult:
+        with self._changing():
+            return self.manager.report_done(dataset, worker_id, shard_ids)
+
+    def report_progress(
+        self, dataset: str, worker_id: str, shard_id: ShardId, consumed: int
+    ) -> bool:
+        with self._changing():
+            return self.manager.report_progress(dataset, worker_id, shard_id, consumed)
+
+    def restore_position(self, position: Position, token: str | None) -> bool:
+        with self._changing():
+            return self.manager.restore_position(position, token)
+
+    # --- calls that do not --------------------------------------------------------------------
+    def renew_leases(self, dataset: str, worker_id: str) -> int:
         with self._lock:
-            try:
-                result = fn(args)
-            except (KeyError, TypeError) as e:
-                if type(e).__module__.startswith("dlrover"):
-                    raise
-                raise ValueError(f"sharding call {method}: malformed arguments ({e})") from None
-            if method in MUTATING:
-                self._save()
-        return json.dumps(_to_json(result)).encode()
+            return self.manager.renew_leases(dataset, worker_id)
 
+    def get_position(self, dataset: str) -> Position:
+        with self._lock:
+            return self.manager.get_position(dataset)
+
+    def mark_consumption(self, dataset: str, worker_id: str, mark: ConsumptionMark) -> None:
+        with self._lock:
+            self.manager.mark_consumption(dataset, worker_id, mark)
+
+    def position_at(self, dataset: str, epoch: int, consumed: int) -> PositionAt:
+        with self._lock:
+            return self.manager.position_at(dataset, epoch, consumed)
+
+    def dataset_progress(self, dataset: str) -> DatasetProgress:
+        with self._lock:
+            return self.manager.dataset_progress(dataset)
+
+    # --- the master's own duties --------------------------------------------------------------
     def recover_node(self, node_id: str) -> int:
         """A node's workers are gone: their shards go back to the head of their queues."""
         with self._lock:
@@ -103,13 +103,12 @@ class ShardingService:
             if self.manager.tick():
                 self._save()
 
+    @contextmanager
+    def _changing(self) -> Iterator[None]:
+        """Hold the lock for a call and save the state after it; a refused call saves nothing."""
+        with self._lock:
+            yield
+            self._save()
+
     def _save(self) -> None:
         self._store.put_json(_NAMESPACE, "state", self.manager.to_state())
-
-
-def _to_json(value: Any) -> Any:
-    if hasattr(value, "to_dict"):
-        return value.to_dict()
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.asdict(value)
-    return value

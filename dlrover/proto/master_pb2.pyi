@@ -1,4 +1,5 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -277,20 +278,6 @@ class JobStatus(_message.Message):
     exit_code: int
     def __init__(self, job_name: _Optional[str] = ..., state: _Optional[str] = ..., round: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., reason: _Optional[str] = ..., exit_code: _Optional[int] = ...) -> None: ...
 
-class ShardingRequest(_message.Message):
-    __slots__ = ("method", "args_json")
-    METHOD_FIELD_NUMBER: _ClassVar[int]
-    ARGS_JSON_FIELD_NUMBER: _ClassVar[int]
-    method: str
-    args_json: bytes
-    def __init__(self, method: _Optional[str] = ..., args_json: _Optional[bytes] = ...) -> None: ...
-
-class ShardingResponse(_message.Message):
-    __slots__ = ("result_json",)
-    RESULT_JSON_FIELD_NUMBER: _ClassVar[int]
-    result_json: bytes
-    def __init__(self, result_json: _Optional[bytes] = ...) -> None: ...
-
 class StopJobRequest(_message.Message):
     __slots__ = ("reason",)
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -350,3 +337,333 @@ class AgreeLoadStepResponse(_message.Message):
     decided: bool
     step: int
     def __init__(self, decided: _Optional[bool] = ..., step: _Optional[int] = ...) -> None: ...
+
+class ShardingError(_message.Message):
+    __slots__ = ("kind", "message")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        SHARDING_ERROR: _ClassVar[ShardingError.Kind]
+        INVALID_SPEC: _ClassVar[ShardingError.Kind]
+        UNKNOWN_DATASET: _ClassVar[ShardingError.Kind]
+        DATASET_CONFLICT: _ClassVar[ShardingError.Kind]
+        SHARD_RETRIES_EXHAUSTED: _ClassVar[ShardingError.Kind]
+        INVALID_POSITION: _ClassVar[ShardingError.Kind]
+        SHARDING_TIMEOUT: _ClassVar[ShardingError.Kind]
+    SHARDING_ERROR: ShardingError.Kind
+    INVALID_SPEC: ShardingError.Kind
+    UNKNOWN_DATASET: ShardingError.Kind
+    DATASET_CONFLICT: ShardingError.Kind
+    SHARD_RETRIES_EXHAUSTED: ShardingError.Kind
+    INVALID_POSITION: ShardingError.Kind
+    SHARDING_TIMEOUT: ShardingError.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    kind: ShardingError.Kind
+    message: str
+    def __init__(self, kind: _Optional[_Union[ShardingError.Kind, str]] = ..., message: _Optional[str] = ...) -> None: ...
+
+class DatasetSpec(_message.Message):
+    __slots__ = ("name", "size", "shard_size", "batch_size", "batches_per_shard", "epochs", "shuffle", "seed", "mode", "max_retries", "lease_s")
+    class DeliveryMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        AT_LEAST_ONCE: _ClassVar[DatasetSpec.DeliveryMode]
+        EXACTLY_ONCE: _ClassVar[DatasetSpec.DeliveryMode]
+    AT_LEAST_ONCE: DatasetSpec.DeliveryMode
+    EXACTLY_ONCE: DatasetSpec.DeliveryMode
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    SHARD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_PER_SHARD_FIELD_NUMBER: _ClassVar[int]
+    EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    SHUFFLE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    MAX_RETRIES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size: int
+    shard_size: int
+    batch_size: int
+    batches_per_shard: int
+    epochs: int
+    shuffle: bool
+    seed: int
+    mode: DatasetSpec.DeliveryMode
+    max_retries: int
+    lease_s: float
+    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., shard_size: _Optional[int] = ..., batch_size: _Optional[int] = ..., batches_per_shard: _Optional[int] = ..., epochs: _Optional[int] = ..., shuffle: _Optional[bool] = ..., seed: _Optional[int] = ..., mode: _Optional[_Union[DatasetSpec.DeliveryMode, str]] = ..., max_retries: _Optional[int] = ..., lease_s: _Optional[float] = ...) -> None: ...
+
+class ShardId(_message.Message):
+    __slots__ = ("epoch", "index")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    index: int
+    def __init__(self, epoch: _Optional[int] = ..., index: _Optional[int] = ...) -> None: ...
+
+class Shard(_message.Message):
+    __slots__ = ("dataset", "id", "start", "end", "offset", "shuffle", "seed", "attempt")
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SHUFFLE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    dataset: str
+    id: ShardId
+    start: int
+    end: int
+    offset: int
+    shuffle: bool
+    seed: int
+    attempt: int
+    def __init__(self, dataset: _Optional[str] = ..., id: _Optional[_Union[ShardId, _Mapping]] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., offset: _Optional[int] = ..., shuffle: _Optional[bool] = ..., seed: _Optional[int] = ..., attempt: _Optional[int] = ...) -> None: ...
+
+class PendingShard(_message.Message):
+    __slots__ = ("epoch", "index", "offset")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    index: int
+    offset: int
+    def __init__(self, epoch: _Optional[int] = ..., index: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class Position(_message.Message):
+    __slots__ = ("dataset", "epoch", "cursor", "pending")
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    dataset: str
+    epoch: int
+    cursor: int
+    pending: _containers.RepeatedCompositeFieldContainer[PendingShard]
+    def __init__(self, dataset: _Optional[str] = ..., epoch: _Optional[int] = ..., cursor: _Optional[int] = ..., pending: _Optional[_Iterable[_Union[PendingShard, _Mapping]]] = ...) -> None: ...
+
+class ConsumptionMark(_message.Message):
+    __slots__ = ("epoch", "begin", "shard_id", "offset")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    BEGIN_FIELD_NUMBER: _ClassVar[int]
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    begin: int
+    shard_id: ShardId
+    offset: int
+    def __init__(self, epoch: _Optional[int] = ..., begin: _Optional[int] = ..., shard_id: _Optional[_Union[ShardId, _Mapping]] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class RegisterResult(_message.Message):
+    __slots__ = ("dataset", "created")
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    dataset: str
+    created: bool
+    def __init__(self, dataset: _Optional[str] = ..., created: _Optional[bool] = ...) -> None: ...
+
+class FetchResult(_message.Message):
+    __slots__ = ("shards", "finished")
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    shards: _containers.RepeatedCompositeFieldContainer[Shard]
+    finished: bool
+    def __init__(self, shards: _Optional[_Iterable[_Union[Shard, _Mapping]]] = ..., finished: _Optional[bool] = ...) -> None: ...
+
+class ReportResult(_message.Message):
+    __slots__ = ("accepted", "ignored")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    IGNORED_FIELD_NUMBER: _ClassVar[int]
+    accepted: int
+    ignored: int
+    def __init__(self, accepted: _Optional[int] = ..., ignored: _Optional[int] = ...) -> None: ...
+
+class PositionAt(_message.Message):
+    __slots__ = ("position", "waiting_for")
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FOR_FIELD_NUMBER: _ClassVar[int]
+    position: Position
+    waiting_for: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, position: _Optional[_Union[Position, _Mapping]] = ..., waiting_for: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DatasetProgress(_message.Message):
+    __slots__ = ("dataset", "epoch", "todo", "leased", "done_shards", "finished")
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    TODO_FIELD_NUMBER: _ClassVar[int]
+    LEASED_FIELD_NUMBER: _ClassVar[int]
+    DONE_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    dataset: str
+    epoch: int
+    todo: int
+    leased: int
+    done_shards: int
+    finished: bool
+    def __init__(self, dataset: _Optional[str] = ..., epoch: _Optional[int] = ..., todo: _Optional[int] = ..., leased: _Optional[int] = ..., done_shards: _Optional[int] = ..., finished: _Optional[bool] = ...) -> None: ...
+
+class RegisterDatasetRequest(_message.Message):
+    __slots__ = ("spec",)
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    spec: DatasetSpec
+    def __init__(self, spec: _Optional[_Union[DatasetSpec, _Mapping]] = ...) -> None: ...
+
+class RegisterDatasetResponse(_message.Message):
+    __slots__ = ("error", "result")
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    error: ShardingError
+    result: RegisterResult
+    def __init__(self, error: _Optional[_Union[ShardingError, _Mapping]] = ..., result: _Optional[_Union[RegisterResult, _Mapping]] = ...) -> None: ...
+
+class FetchShardsRequest(_message.Message):
+    __slots__ = ("dataset", "worker_id", "max_count")
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_COUNT_FIELD_NUMBER: _ClassVar[int]
+    dataset: str
+    worker_id: str
+    max_count: int
+    def __init__(self, dataset: _Optional[str] = ..., worker_id: _Optional[str] = ..., max_count: _Optional[int] = ...) -> None: ...
+
+class FetchShardsResponse(_message.Message):
+    __slots__ = ("error", "result")
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    error: ShardingError
+    result: FetchResult
+    def __init__(self, error: _Optional[_Union[ShardingError, _Mapping]] = ..., result: _Optional[_Union[FetchResult, _Mapping]] = ...) -> None: ...
+
+class ReportDoneRequest(_message.Message):
+    __slots__ = ("dataset", "worker_id", "shard_ids")
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARD_IDS_FIELD_NUMBER: _ClassVar[int]
+    dataset: str
+    worker_id: str
+    shard_ids: _containers.RepeatedCompositeFieldContainer[ShardId]
+    def __init__(self, dataset: _Optional[str] = ..., worker_id: _Optional[str] = ..., shard_ids: _Optional[_Iterable[_Union[ShardId, _Mapping]]] = ...) -> None: ...
+
+class ReportDoneResponse(_message.Message):
+    __slots__ = ("error", "result")
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    error: ShardingError
+    result: ReportResult
+    def __init__(self, error: _Optional[_Union[ShardingError, _Mapping]] = ..., result: _Optional[_Union[ReportResult, _Mapping]] = ...) -> None: ...
+
+class ReportProgressRequest(_message.Message):
+    __slots__ = ("dataset", "worker_id", "shard_id", "consumed")
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    CONSUMED_FIELD_NUMBER: _ClassVar[int]
+    dataset: str
+    worker_id: str
+    shard_id: ShardId
+    consumed: int
+    def __init__(self, dataset: _Optional[str] = ..., worker_id: _Optional[str] = ..., shard_id: _Optional[_Union[ShardId, _Mapping]] = ..., consumed: _Optional[int] = ...) -> None: ...
+
+class ReportProgressResponse(_message.Message):
+    __slots__ = ("error", "accepted")
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    error: ShardingError
+    accepted: bool
+    def __init__(self, error: _Optional[_Union[ShardingError, _Mapping]] = ..., accepted: _Optional[bool] = ...) -> None: ...
+
+class RenewLeasesRequest(_message.Message):
+    __slots__ = ("dataset", "worker_id")
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    dataset: str
+    worker_id: str
+    def __init__(self, dataset: _Optional[str] = ..., worker_id: _Optional[str] = ...) -> None: ...
+
+class RenewLeasesResponse(_message.Message):
+    __slots__ = ("error", "renewed")
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    RENEWED_FIELD_NUMBER: _ClassVar[int]
+    error: ShardingError
+    renewed: int
+    def __init__(self, error: _Optional[_Union[ShardingError, _Mapping]] = ..., renewed: _Optional[int] = ...) -> None: ...
+
+class GetPositionRequest(_message.Message):
+    __slots__ = ("dataset",)
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    dataset: str
+    def __init__(self, dataset: _Optional[str] = ...) -> None: ...
+
+class GetPositionResponse(_message.Message):
+    __slots__ = ("error", "position")
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    error: ShardingError
+    position: Position
+    def __init__(self, error: _Optional[_Union[ShardingError, _Mapping]] = ..., position: _Optional[_Union[Position, _Mapping]] = ...) -> None: ...
+
+class MarkConsumptionRequest(_message.Message):
+    __slots__ = ("dataset", "worker_id", "mark")
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    MARK_FIELD_NUMBER: _ClassVar[int]
+    dataset: str
+    worker_id: str
+    mark: ConsumptionMark
+    def __init__(self, dataset: _Optional[str] = ..., worker_id: _Optional[str] = ..., mark: _Optional[_Union[ConsumptionMark, _Mapping]] = ...) -> None: ...
+
+class MarkConsumptionResponse(_message.Message):
+    __slots__ = ("error",)
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    error: ShardingError
+    def __init__(self, error: _Optional[_Union[ShardingError, _Mapping]] = ...) -> None: ...
+
+class PositionAtRequest(_message.Message):
+    __slots__ = ("dataset", "epoch", "consumed")
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    CONSUMED_FIELD_NUMBER: _ClassVar[int]
+    dataset: str
+    epoch: int
+    consumed: int
+    def __init__(self, dataset: _Optional[str] = ..., epoch: _Optional[int] = ..., consumed: _Optional[int] = ...) -> None: ...
+
+class PositionAtResponse(_message.Message):
+    __slots__ = ("error", "result")
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    error: ShardingError
+    result: PositionAt
+    def __init__(self, error: _Optional[_Union[ShardingError, _Mapping]] = ..., result: _Optional[_Union[PositionAt, _Mapping]] = ...) -> None: ...
+
+class RestorePositionRequest(_message.Message):
+    __slots__ = ("position", "token")
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    position: Position
+    token: str
+    def __init__(self, position: _Optional[_Union[Position, _Mapping]] = ..., token: _Optional[str] = ...) -> None: ...
+
+class RestorePositionResponse(_message.Message):
+    __slots__ = ("error", "applied")
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    error: ShardingError
+    applied: bool
+    def __init__(self, error: _Optional[_Union[ShardingError, _Mapping]] = ..., applied: _Optional[bool] = ...) -> None: ...
+
+class DatasetProgressRequest(_message.Message):
+    __slots__ = ("dataset",)
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    dataset: str
+    def __init__(self, dataset: _Optional[str] = ...) -> None: ...
+
+class DatasetProgressResponse(_message.Message):
+    __slots__ = ("error", "result")
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    error: ShardingError
+    result: DatasetProgress
+    def __init__(self, error: _Optional[_Union[ShardingError, _Mapping]] = ..., result: _Optional[_Union[DatasetProgress, _Mapping]] = ...) -> None: ...

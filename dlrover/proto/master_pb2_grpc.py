@@ -104,10 +104,55 @@ class MasterStub:
                 request_serializer=dlrover_dot_proto_dot_master__pb2.AgreeLoadStepRequest.SerializeToString,
                 response_deserializer=dlrover_dot_proto_dot_master__pb2.AgreeLoadStepResponse.FromString,
                 _registered_method=True)
-        self.Sharding = channel.unary_unary(
-                '/dlrover.Master/Sharding',
-                request_serializer=dlrover_dot_proto_dot_master__pb2.ShardingRequest.SerializeToString,
-                response_deserializer=dlrover_dot_proto_dot_master__pb2.ShardingResponse.FromString,
+        self.RegisterDataset = channel.unary_unary(
+                '/dlrover.Master/RegisterDataset',
+                request_serializer=dlrover_dot_proto_dot_master__pb2.RegisterDatasetRequest.SerializeToString,
+                response_deserializer=dlrover_dot_proto_dot_master__pb2.RegisterDatasetResponse.FromString,
+                _registered_method=True)
+        self.FetchShards = channel.unary_unary(
+                '/dlrover.Master/FetchShards',
+                request_serializer=dlrover_dot_proto_dot_master__pb2.FetchShardsRequest.SerializeToString,
+                response_deserializer=dlrover_dot_proto_dot_master__pb2.FetchShardsResponse.FromString,
+                _registered_method=True)
+        self.ReportDone = channel.unary_unary(
+                '/dlrover.Master/ReportDone',
+                request_serializer=dlrover_dot_proto_dot_master__pb2.ReportDoneRequest.SerializeToString,
+                response_deserializer=dlrover_dot_proto_dot_master__pb2.ReportDoneResponse.FromString,
+                _registered_method=True)
+        self.ReportProgress = channel.unary_unary(
+                '/dlrover.Master/ReportProgress',
+                request_serializer=dlrover_dot_proto_dot_master__pb2.ReportProgressRequest.SerializeToString,
+                response_deserializer=dlrover_dot_proto_dot_master__pb2.ReportProgressResponse.FromString,
+                _registered_method=True)
+        self.RenewLeases = channel.unary_unary(
+                '/dlrover.Master/RenewLeases',
+                request_serializer=dlrover_dot_proto_dot_master__pb2.RenewLeasesRequest.SerializeToString,
+                response_deserializer=dlrover_dot_proto_dot_master__pb2.RenewLeasesResponse.FromString,
+                _registered_method=True)
+        self.GetPosition = channel.unary_unary(
+                '/dlrover.Master/GetPosition',
+                request_serializer=dlrover_dot_proto_dot_master__pb2.GetPositionRequest.SerializeToString,
+                response_deserializer=dlrover_dot_proto_dot_master__pb2.GetPositionResponse.FromString,
+                _registered_method=True)
+        self.MarkConsumption = channel.unary_unary(
+                '/dlrover.Master/MarkConsumption',
+                request_serializer=dlrover_dot_proto_dot_master__pb2.MarkConsumptionRequest.SerializeToString,
+                response_deserializer=dlrover_dot_proto_dot_master__pb2.MarkConsumptionResponse.FromString,
+                _registered_method=True)
+        self.PositionAt = channel.unary_unary(
+                '/dlrover.Master/PositionAt',
+                request_serializer=dlrover_dot_proto_dot_master__pb2.PositionAtRequest.SerializeToString,
+                response_deserializer=dlrover_dot_proto_dot_master__pb2.PositionAtResponse.FromString,
+                _registered_method=True)
+        self.RestorePosition = channel.unary_unary(
+                '/dlrover.Master/RestorePosition',
+                request_serializer=dlrover_dot_proto_dot_master__pb2.RestorePositionRequest.SerializeToString,
+                response_deserializer=dlrover_dot_proto_dot_master__pb2.RestorePositionResponse.FromString,
+                _registered_method=True)
+        self.DatasetProgress = channel.unary_unary(
+                '/dlrover.Master/DatasetProgress',
+                request_serializer=dlrover_dot_proto_dot_master__pb2.DatasetProgressRequest.SerializeToString,
+                response_deserializer=dlrover_dot_proto_dot_master__pb2.DatasetProgressResponse.FromString,
                 _registered_method=True)
 
 
@@ -209,8 +254,74 @@ class MasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Sharding(self, request, context):
-        """Dynamic data sharding: one call per ShardingTransport method (see dlrover/client/sharding_transport.py).
+    def RegisterDataset(self, request, context):
+        """Dynamic data sharding: one call per ShardingTransport method of the same name
+        (dlrover/client/sharding_transport.py). A refusal of the sharding subsystem comes back in
+        the response's `error` (a ShardingError), never as a gRPC status.
+        Create a dataset; the same spec again is a no-op, a different one a DATASET_CONFLICT.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FetchShards(self, request, context):
+        """Lease up to max_count shards to a worker.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportDone(self, request, context):
+        """A worker finished these shards.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportProgress(self, request, context):
+        """How many samples of a leased shard a worker has consumed (exactly-once mode).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RenewLeases(self, request, context):
+        """Extend every lease a worker holds on a dataset.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetPosition(self, request, context):
+        """What of a dataset has been consumed, as ranges.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def MarkConsumption(self, request, context):
+        """Where a worker stands in its iteration (kept in memory only).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PositionAt(self, request, context):
+        """The position once `consumed` samples of `epoch` were trained, or who is still behind.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RestorePosition(self, request, context):
+        """Reset a dataset to a checkpointed position (once per token).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DatasetProgress(self, request, context):
+        """Counters of one dataset.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -289,10 +400,55 @@ def add_MasterServicer_to_server(servicer, server):
                     request_deserializer=dlrover_dot_proto_dot_master__pb2.AgreeLoadStepRequest.FromString,
                     response_serializer=dlrover_dot_proto_dot_master__pb2.AgreeLoadStepResponse.SerializeToString,
             ),
-            'Sharding': grpc.unary_unary_rpc_method_handler(
-                    servicer.Sharding,
-                    request_deserializer=dlrover_dot_proto_dot_master__pb2.ShardingRequest.FromString,
-                    response_serializer=dlrover_dot_proto_dot_master__pb2.ShardingResponse.SerializeToString,
+            'RegisterDataset': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterDataset,
+                    request_deserializer=dlrover_dot_proto_dot_master__pb2.RegisterDatasetRequest.FromString,
+                    response_serializer=dlrover_dot_proto_dot_master__pb2.RegisterDatasetResponse.SerializeToString,
+            ),
+            'FetchShards': grpc.unary_unary_rpc_method_handler(
+                    servicer.FetchShards,
+                    request_deserializer=dlrover_dot_proto_dot_master__pb2.FetchShardsRequest.FromString,
+                    response_serializer=dlrover_dot_proto_dot_master__pb2.FetchShardsResponse.SerializeToString,
+            ),
+            'ReportDone': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportDone,
+                    request_deserializer=dlrover_dot_proto_dot_master__pb2.ReportDoneRequest.FromString,
+                    response_serializer=dlrover_dot_proto_dot_master__pb2.ReportDoneResponse.SerializeToString,
+            ),
+            'ReportProgress': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportProgress,
+                    request_deserializer=dlrover_dot_proto_dot_master__pb2.ReportProgressRequest.FromString,
+                    response_serializer=dlrover_dot_proto_dot_master__pb2.ReportProgressResponse.SerializeToString,
+            ),
+            'RenewLeases': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewLeases,
+                    request_deserializer=dlrover_dot_proto_dot_master__pb2.RenewLeasesRequest.FromString,
+                    response_serializer=dlrover_dot_proto_dot_master__pb2.RenewLeasesResponse.SerializeToString,
+            ),
+            'GetPosition': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetPosition,
+                    request_deserializer=dlrover_dot_proto_dot_master__pb2.GetPositionRequest.FromString,
+                    response_serializer=dlrover_dot_proto_dot_master__pb2.GetPositionResponse.SerializeToString,
+            ),
+            'MarkConsumption': grpc.unary_unary_rpc_method_handler(
+                    servicer.MarkConsumption,
+                    request_deserializer=dlrover_dot_proto_dot_master__pb2.MarkConsumptionRequest.FromString,
+                    response_serializer=dlrover_dot_proto_dot_master__pb2.MarkConsumptionResponse.SerializeToString,
+            ),
+            'PositionAt': grpc.unary_unary_rpc_method_handler(
+                    servicer.PositionAt,
+                    request_deserializer=dlrover_dot_proto_dot_master__pb2.PositionAtRequest.FromString,
+                    response_serializer=dlrover_dot_proto_dot_master__pb2.PositionAtResponse.SerializeToString,
+            ),
+            'RestorePosition': grpc.unary_unary_rpc_method_handler(
+                    servicer.RestorePosition,
+                    request_deserializer=dlrover_dot_proto_dot_master__pb2.RestorePositionRequest.FromString,
+                    response_serializer=dlrover_dot_proto_dot_master__pb2.RestorePositionResponse.SerializeToString,
+            ),
+            'DatasetProgress': grpc.unary_unary_rpc_method_handler(
+                    servicer.DatasetProgress,
+                    request_deserializer=dlrover_dot_proto_dot_master__pb2.DatasetProgressRequest.FromString,
+                    response_serializer=dlrover_dot_proto_dot_master__pb2.DatasetProgressResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -684,7 +840,7 @@ class Master:
             _registered_method=True)
 
     @staticmethod
-    def Sharding(request,
+    def RegisterDataset(request,
             target,
             options=(),
             channel_credentials=None,
@@ -697,9 +853,252 @@ class Master:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/dlrover.Master/Sharding',
-            dlrover_dot_proto_dot_master__pb2.ShardingRequest.SerializeToString,
-            dlrover_dot_proto_dot_master__pb2.ShardingResponse.FromString,
+            '/dlrover.Master/RegisterDataset',
+            dlrover_dot_proto_dot_master__pb2.RegisterDatasetRequest.SerializeToString,
+            dlrover_dot_proto_dot_master__pb2.RegisterDatasetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchShards(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dlrover.Master/FetchShards',
+            dlrover_dot_proto_dot_master__pb2.FetchShardsRequest.SerializeToString,
+            dlrover_dot_proto_dot_master__pb2.FetchShardsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportDone(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dlrover.Master/ReportDone',
+            dlrover_dot_proto_dot_master__pb2.ReportDoneRequest.SerializeToString,
+            dlrover_dot_proto_dot_master__pb2.ReportDoneResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportProgress(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dlrover.Master/ReportProgress',
+            dlrover_dot_proto_dot_master__pb2.ReportProgressRequest.SerializeToString,
+            dlrover_dot_proto_dot_master__pb2.ReportProgressResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewLeases(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dlrover.Master/RenewLeases',
+            dlrover_dot_proto_dot_master__pb2.RenewLeasesRequest.SerializeToString,
+            dlrover_dot_proto_dot_master__pb2.RenewLeasesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetPosition(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dlrover.Master/GetPosition',
+            dlrover_dot_proto_dot_master__pb2.GetPositionRequest.SerializeToString,
+            dlrover_dot_proto_dot_master__pb2.GetPositionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MarkConsumption(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dlrover.Master/MarkConsumption',
+            dlrover_dot_proto_dot_master__pb2.MarkConsumptionRequest.SerializeToString,
+            dlrover_dot_proto_dot_master__pb2.MarkConsumptionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PositionAt(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dlrover.Master/PositionAt',
+            dlrover_dot_proto_dot_master__pb2.PositionAtRequest.SerializeToString,
+            dlrover_dot_proto_dot_master__pb2.PositionAtResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RestorePosition(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dlrover.Master/RestorePosition',
+            dlrover_dot_proto_dot_master__pb2.RestorePositionRequest.SerializeToString,
+            dlrover_dot_proto_dot_master__pb2.RestorePositionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DatasetProgress(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dlrover.Master/DatasetProgress',
+            dlrover_dot_proto_dot_master__pb2.DatasetProgressRequest.SerializeToString,
+            dlrover_dot_proto_dot_master__pb2.DatasetProgressResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -80,6 +80,7 @@ class DatasetSpec:
         return -(-self.size // self.samples_per_shard)
 
     def to_dict(self) -> dict[str, Any]:
+        """The JSON form kept in the master's saved state (the wire uses sharding/wire.py)."""
         data = asdict(self)
         data["mode"] = self.mode.value
         return data
@@ -105,13 +106,6 @@ class ShardId:
 
     def __str__(self) -> str:
         return f"epoch {self.epoch} shard {self.index}"
-
-    def to_list(self) -> list[int]:
-        return [self.epoch, self.index]
-
-    @classmethod
-    def from_list(cls, data: list[int]) -> ShardId:
-        return cls(int(data[0]), int(data[1]))
 
 
 @dataclass(frozen=True)
@@ -143,17 +137,6 @@ class Shard:
         order = shuffled_range(length, self.seed)
         return (self.start + position for position in order[self.offset :])
 
-    def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["id"] = self.id.to_list()
-        return data
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Shard:
-        fields = dict(data)
-        fields["id"] = ShardId.from_list(fields["id"])
-        return cls(**fields)
-
 
 def shard_seed(root_seed: int, shard_id: ShardId) -> int:
     """Seed of the within-shard sample order; derived, so it is never stored."""
@@ -175,6 +158,7 @@ class Position:
     pending: tuple[tuple[int, int, int], ...] = field(default_factory=tuple)
 
     def to_dict(self) -> dict[str, Any]:
+        """The JSON form a checkpoint keeps (the sampler's state_dict; the wire uses wire.py)."""
         return {
             "dataset": self.dataset,
             "epoch": self.epoch,
@@ -202,24 +186,6 @@ class ConsumptionMark:
     shard_id: ShardId | None = None
     offset: int = 0
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "epoch": self.epoch,
-            "begin": self.begin,
-            "shard_id": None if self.shard_id is None else self.shard_id.to_list(),
-            "offset": self.offset,
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ConsumptionMark:
-        shard = data.get("shard_id")
-        return cls(
-            int(data["epoch"]),
-            int(data["begin"]),
-            None if shard is None else ShardId.from_list(shard),
-            int(data.get("offset", 0)),
-        )
-
 
 @dataclass(frozen=True)
 class PositionAt:
@@ -228,20 +194,6 @@ class PositionAt:
 
     position: Position | None
     waiting_for: tuple[str, ...] = ()
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "position": None if self.position is None else self.position.to_dict(),
-            "waiting_for": list(self.waiting_for),
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> PositionAt:
-        position = data.get("position")
-        return cls(
-            None if position is None else Position.from_dict(position),
-            tuple(str(w) for w in data.get("waiting_for", [])),
-        )
 
 
 @dataclass(frozen=True)
@@ -262,14 +214,6 @@ class FetchResult:
 
     shards: tuple[Shard, ...]
     finished: bool
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"shards": [s.to_dict() for s in self.shards], "finished": self.finished}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> FetchResult:
-        shards = tuple(Shard.from_dict(s) for s in data["shards"])
-        return cls(shards, bool(data["finished"]))
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,6 @@ from dlrover.sharding import (
     DeliveryMode,
     InvalidPositionError,
     InvalidSpecError,
-    Shard,
     ShardId,
     ShardManager,
     ShardRetriesExhaustedError,
@@ -59,7 +58,7 @@ def test_shuffle_changes_order_per_epoch_and_is_seeded() -> None:
         manager.register_dataset(
             DatasetSpec("d", size=100, shard_size=10, epochs=2, shuffle=True, seed=seed)
         )
-        return [s.id.to_list() for s in manager.fetch_shards("d", "w", 20).shards]  # type: ignore[misc]
+        return [(s.id.epoch, s.id.index) for s in manager.fetch_shards("d", "w", 20).shards]
 
     first = order(7)
     assert first == order(7)
@@ -209,16 +208,6 @@ def test_bad_position_is_refused() -> None:
     bad = type(position)("d", epoch=0, cursor=11)
     with pytest.raises(InvalidPositionError, match="cursor 11"):
         manager.restore_position(bad)
-
-
-def test_shard_wire_form_round_trips() -> None:
-    manager = ShardManager(clock=Clock())
-    manager.register_dataset(DatasetSpec("d", size=25, shard_size=10, shuffle=True, seed=3))
-    result = manager.fetch_shards("d", "w", 3)
-    again = type(result).from_dict(json.loads(json.dumps(result.to_dict())))
-    assert again == result
-    assert [list(s.indices()) for s in again.shards] == [list(s.indices()) for s in result.shards]
-    assert isinstance(again.shards[0], Shard)
 
 
 @pytest.mark.parametrize("mode", [DeliveryMode.EXACTLY_ONCE, DeliveryMode.AT_LEAST_ONCE])
