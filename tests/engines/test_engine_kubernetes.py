@@ -219,8 +219,14 @@ def test_404_on_delete_of_a_pod_already_gone(engine: Any, api: Any) -> None:
     seen: list[NodeEvent] = []
     deleted = wait_for(engine, lambda e: e.state.is_final, 10, seen)
     assert deleted.state is NodeState.DELETED
-    time.sleep(0.3)  # give the late watch DELETED a chance to (wrongly) add a second final event
-    assert [e for e in seen + engine.events(0) if e.state.is_final] == [deleted]
+    # The watch stream is ordered: once the engine reports a later change, it has handled the
+    # late DELETED of the first pod too, which must not have added a second final event.
+    engine.launch(_spec(rank=1))
+    api.set_pod_status(NS, "kjob-worker-1-0", RUNNING)
+    wait_for(
+        engine, lambda e: e.node_id == "kjob-worker-1-0" and e.state is NodeState.RUNNING, 10, seen
+    )
+    assert [e for e in seen if e.node_id == deleted.node_id and e.state.is_final] == [deleted]
     with pytest.raises(NodeNotFoundError):
         engine.delete("kjob-worker-7-0")
 
