@@ -3,8 +3,8 @@
 The agent starts one `Zygote` per node. Each `spawn` asks it (JSON lines over a unix socket:
 ``zygote_messages.py``) to fork a worker that runs the user's script as ``__main__`` with the
 given argv, env, cwd and log files, so a restarted worker skips ``import torch`` and the lazy
-imports of the first DDP/optimizer construction. `WorkerLauncher` falls back to a plain Popen of
-``python -m dlrover.agent.bootstrap`` when the zygote cannot be started or refuses.
+imports of the first DDP/optimizer construction. The agent (``workers.py``) starts a worker
+with Popen instead when the zygote cannot be started, is gone or refuses.
 
 Exits: the zygote is the workers' parent; it waits on a pidfd per worker, reaps it and
 reports the Popen-style return code on the socket at once, where a reader thread in the
@@ -23,13 +23,11 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
-from dlrover.agent.bootstrap import ENV_PARENT_DEATH_PID
 from dlrover.agent.zygote_messages import (
     ErrorEvent,
     ExitedEvent,
@@ -153,49 +151,9 @@ class PopenWorker(WorkerHandle):
         self._resolve(self._process.wait())
 
 
-def wait_any(handles: Sequence[WorkerHandle], timeout: float) -> list[WorkerHandle]:
-    """Block until at least one handle has exited or `timeout` passes; the exited handles."""
-    woken = threading.Event()
-
-    def wake(_handle: WorkerHandle) -> None:
-        woken.set()
-
-    for handle in handles:
-        handle.add_exit_callback(wake)
-    try:
-        woken.wait(timeout)
-    finally:
-        # A monitor loop calls this many times: leave no callbacks behind.
-        for handle in handles:
-            handle.remove_exit_callback(wake)
-    return [handle for handle in handles if handle.poll() is not None]
-
-
-def spawn_popen(
-    argv: Sequence[str],
-    env: Mapping[str, str],
-    cwd: str | os.PathLike[str],
-    stdout_path: str | os.PathLike[str],
-    stderr_path: str | os.PathLike[str],
-) -> PopenWorker:
-    """Start `python -m dlrover.agent.bootstrap *argv` in its own session (the fallback path)."""
-    child_env = dict(env)
-    child_env[ENV_PARENT_DEATH_PID] = str(os.getpid())
-    with open(stdout_path, "ab") as stdout, open(stderr_path, "ab") as stderr:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "dlrover.agent.bootstrap", *argv],
-            env=_with_package_on_path(child_env),
-            cwd=cwd,
-            stdin=subprocess.DEVNULL,
-            stdout=stdout,
-            stderr=stderr,
-            start_new_session=True,
-        )
-    return PopenWorker(process)
-
-
-def _with_package_on_path(env: dict[str, str]) -> dict[str, str]:
-    # Workers import dlrover.agent.bootstrap; make that work from a source checkout too.
+def with_package_on_path(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with this dlrover on PYTHONPATH, so that a child process can import
+    ``dlrover.agent.bootstrap`` (or the zygote server) from a source checkout too."""
     entries = [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
     if _PACKAGE_ROOT not in entries:
         env["PYTHONPATH"] = os.pathsep.join([*entries, _PACKAGE_ROOT])
@@ -272,7 +230,7 @@ class Zygote:
                     "--preload",
                     ",".join(preload),
                 ],
-                env=_with_package_on_path(zygote_env),
+                env=with_package_on_path(zygote_env),
                 pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
@@ -467,51 +425,3 @@ class PendingZygote:
         self._process.kill()
         self._process.wait(timeout=10)
         self._sock.close()
-
-
-class WorkerLauncher:
-    """Starts workers from a zygote when one is available, else with Popen (same handles)."""
-
-    def __init__(
-        self,
-        use_zygote: bool = True,
-        preload: Sequence[str] = DEFAULT_PRELOAD,
-        start_timeout: float = 60.0,
-    ) -> None:
-        self._zygote: Zygote | None = None
-        self._lock = threading.Lock()
-        if use_zygote:
-            started = time.monotonic()
-            try:
-                self._zygote = Zygote.start(preload, start_timeout)
-            except (ZygoteError, OSError) as exc:
-                log.warning("zygote unavailable (%s); workers start with Popen", exc)
-            else:
-                log.info("zygote started in %.2f s", time.monotonic() - started)
-
-    @property
-    def zygote(self) -> Zygote | None:
-        return self._zygote
-
-    def spawn(
-        self,
-        argv: Sequence[str],
-        env: Mapping[str, str],
-        cwd: str | os.PathLike[str],
-        stdout_path: str | os.PathLike[str],
-        stderr_path: str | os.PathLike[str],
-    ) -> WorkerHandle:
-        with self._lock:
-            zygote = self._zygote
-        if zygote is not None and zygote.alive:
-            try:
-                return zygote.spawn(argv, env, cwd, stdout_path, stderr_path)
-            except ZygoteError as exc:
-                log.warning("zygote spawn failed (%s); falling back to Popen", exc)
-        return spawn_popen(argv, env, cwd, stdout_path, stderr_path)
-
-    def close(self, timeout: float = 5.0) -> None:
-        with self._lock:
-            zygote, self._zygote = self._zygote, None
-        if zygote is not None:
-            zygote.close(timeout)
