@@ -20,7 +20,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from dlrover.agent.zygote import WorkerHandle, Zygote, spawn_popen
+from dlrover.agent.zygote import WorkerHandle, Zygote
+from dlrover.testing.launch import spawn_popen
 
 WORKER = str(Path(__file__).resolve().with_name("ddp_first_step.py"))
 PHASES = ("start", "import", "process_group", "ddp_optimizer", "first_step")

@@ -1,10 +1,10 @@
 """Fast worker start: fork workers from a template process that already imported torch.
 
-The agent starts one `Zygote` per node. Each `spawn` asks it (JSON over a unix socket) to
-fork a worker that runs the user's script as ``__main__`` with the given argv, env, cwd and
-log files, so a restarted worker skips ``import torch`` and the lazy imports of the first
-DDP/optimizer construction. `WorkerLauncher` falls back to a plain Popen of
-``python -m dlrover.agent.bootstrap`` when the zygote cannot be started or refuses.
+The agent starts one `Zygote` per node. Each `spawn` asks it (JSON lines over a unix socket:
+``zygote_messages.py``) to fork a worker that runs the user's script as ``__main__`` with the
+given argv, env, cwd and log files, so a restarted worker skips ``import torch`` and the lazy
+imports of the first DDP/optimizer construction. The agent (``workers.py``) starts a worker
+with Popen instead when the zygote cannot be started, is gone or refuses.
 
 Exits: the zygote is the workers' parent; it waits on a pidfd per worker, reaps it and
 reports the Popen-style return code on the socket at once, where a reader thread in the
@@ -15,7 +15,6 @@ dies with the agent and workers die with the zygote (PR_SET_PDEATHSIG), so nothi
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import select
@@ -24,13 +23,25 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
-from dlrover.agent.bootstrap import ENV_PARENT_DEATH_PID
+from dlrover.agent.zygote_messages import (
+    ErrorEvent,
+    ExitedEvent,
+    ExitRequest,
+    ReadyEvent,
+    SpawnedEvent,
+    SpawnFailedEvent,
+    SpawnRequest,
+    ZygoteEvent,
+    ZygoteRequest,
+    decode_event,
+    encode_request,
+)
+from dlrover.json_messages import MessageError
 
 log = logging.getLogger(__name__)
 
@@ -140,49 +151,9 @@ class PopenWorker(WorkerHandle):
         self._resolve(self._process.wait())
 
 
-def wait_any(handles: Sequence[WorkerHandle], timeout: float) -> list[WorkerHandle]:
-    """Block until at least one handle has exited or `timeout` passes; the exited handles."""
-    woken = threading.Event()
-
-    def wake(_handle: WorkerHandle) -> None:
-        woken.set()
-
-    for handle in handles:
-        handle.add_exit_callback(wake)
-    try:
-        woken.wait(timeout)
-    finally:
-        # A monitor loop calls this many times: leave no callbacks behind.
-        for handle in handles:
-            handle.remove_exit_callback(wake)
-    return [handle for handle in handles if handle.poll() is not None]
-
-
-def spawn_popen(
-    argv: Sequence[str],
-    env: Mapping[str, str],
-    cwd: str | os.PathLike[str],
-    stdout_path: str | os.PathLike[str],
-    stderr_path: str | os.PathLike[str],
-) -> PopenWorker:
-    """Start `python -m dlrover.agent.bootstrap *argv` in its own session (the fallback path)."""
-    child_env = dict(env)
-    child_env[ENV_PARENT_DEATH_PID] = str(os.getpid())
-    with open(stdout_path, "ab") as stdout, open(stderr_path, "ab") as stderr:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "dlrover.agent.bootstrap", *argv],
-            env=_with_package_on_path(child_env),
-            cwd=cwd,
-            stdin=subprocess.DEVNULL,
-            stdout=stdout,
-            stderr=stderr,
-            start_new_session=True,
-        )
-    return PopenWorker(process)
-
-
-def _with_package_on_path(env: dict[str, str]) -> dict[str, str]:
-    # Workers import dlrover.agent.bootstrap; make that work from a source checkout too.
+def with_package_on_path(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with this dlrover on PYTHONPATH, so that a child process can import
+    ``dlrover.agent.bootstrap`` (or the zygote server) from a source checkout too."""
     entries = [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
     if _PACKAGE_ROOT not in entries:
         env["PYTHONPATH"] = os.pathsep.join([*entries, _PACKAGE_ROOT])
@@ -197,18 +168,19 @@ class Zygote:
         process: subprocess.Popen[bytes],
         sock: socket.socket,
         reader: IO[bytes],
-        ready: dict[str, Any],
+        ready: ReadyEvent,
     ) -> None:
         self._process = process
         self._sock = sock
-        self.preload_s = float(ready.get("preload_s", 0.0))
+        self.preload_s = ready.preload_s
         """Seconds the zygote spent importing the preloaded modules."""
-        self.native_threads = int(ready.get("threads", -1))
+        self.native_threads = ready.threads
         """Native threads in the zygote after preloading (informational)."""
         self._send_lock = threading.Lock()
         self._state_lock = threading.Lock()
         self._next_id = 0
-        self._pending: dict[int, tuple[threading.Event, list[Any]]] = {}
+        # request id -> (answered, [the ForkedWorker, or why the spawn failed])
+        self._pending: dict[int, tuple[threading.Event, list[ForkedWorker | str]]] = {}
         self._workers: dict[int, ForkedWorker] = {}
         self._lost = False
         self._reader_file = reader
@@ -258,7 +230,7 @@ class Zygote:
                     "--preload",
                     ",".join(preload),
                 ],
-                env=_with_package_on_path(zygote_env),
+                env=with_package_on_path(zygote_env),
                 pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
@@ -296,17 +268,16 @@ class Zygote:
             request_id = self._next_id
             self._next_id += 1
             answered = threading.Event()
-            answer: list[Any] = []
+            answer: list[ForkedWorker | str] = []
             self._pending[request_id] = (answered, answer)
-        request = {
-            "op": "spawn",
-            "id": request_id,
-            "argv": list(argv),
-            "env": dict(env),
-            "cwd": os.fspath(os.path.abspath(cwd)),
-            "stdout": os.fspath(os.path.abspath(stdout_path)),
-            "stderr": os.fspath(os.path.abspath(stderr_path)),
-        }
+        request = SpawnRequest(
+            request_id=request_id,
+            argv=list(argv),
+            env=dict(env),
+            cwd=os.fspath(os.path.abspath(cwd)),
+            stdout=os.fspath(os.path.abspath(stdout_path)),
+            stderr=os.fspath(os.path.abspath(stderr_path)),
+        )
         try:
             self._send(request)
         except ZygoteError:
@@ -325,7 +296,7 @@ class Zygote:
     def close(self, timeout: float = 5.0) -> None:
         """Stop the zygote; its remaining workers are killed. Waits at most `timeout` seconds."""
         try:
-            self._send({"op": "exit"})
+            self._send(ExitRequest())
         except ZygoteError:
             pass
         try:
@@ -337,8 +308,13 @@ class Zygote:
         self._sock.close()
         self._reader.join(timeout)
 
-    def _send(self, message: dict[str, Any]) -> None:
-        data = json.dumps(message).encode() + b"\n"
+    def _send(self, request: ZygoteRequest) -> None:
+        try:
+            data = encode_request(request)
+        except MessageError as exc:
+            raise ZygoteError(
+                f"malformed {request.op} request for zygote {self.pid}: {exc}"
+            ) from exc
         with self._send_lock:
             try:
                 self._sock.sendall(data)
@@ -348,30 +324,33 @@ class Zygote:
     def _read_events(self) -> None:
         try:
             for line in self._reader_file:
-                self._dispatch(json.loads(line))
-        except (OSError, ValueError) as exc:
+                self._dispatch(decode_event(line))
+        except (OSError, ValueError) as exc:  # ValueError: a malformed line (MessageError)
             log.warning("zygote %d: reading events failed: %s", self.pid, exc)
         self._on_lost()
 
-    def _dispatch(self, event: dict[str, Any]) -> None:
-        kind = event.get("event")
-        if kind == "exited":
+    def _dispatch(self, event: ZygoteEvent) -> None:
+        if isinstance(event, ExitedEvent):
             with self._state_lock:
-                worker = self._workers.pop(int(event["pid"]), None)
+                worker = self._workers.pop(event.pid, None)
             if worker is not None:
-                worker._resolve(int(event["returncode"]))
-        elif kind in ("spawned", "spawn_failed"):
+                worker._resolve(event.returncode)
+        elif isinstance(event, (SpawnedEvent, SpawnFailedEvent)):
             with self._state_lock:
-                pending = self._pending.pop(int(event["id"]), None)
-                result: Any = event.get("error", "")
-                if kind == "spawned":
-                    result = ForkedWorker(int(event["pid"]))
+                pending = self._pending.pop(event.request_id, None)
+                result: ForkedWorker | str
+                if isinstance(event, SpawnedEvent):
+                    result = ForkedWorker(event.pid)
                     self._workers[result.pid] = result
+                else:
+                    result = event.error
             if pending is not None:
                 pending[1].append(result)
                 pending[0].set()
+        elif isinstance(event, ErrorEvent):
+            log.warning("zygote %d: %s", self.pid, event.error)
         else:
-            log.warning("zygote %d: %s", self.pid, event.get("error", event))
+            log.warning("zygote %d: unexpected %s", self.pid, event)
 
     def _on_lost(self) -> None:
         # The zygote is gone: its workers died with it (PDEATHSIG), as if SIGKILLed.
@@ -421,12 +400,19 @@ class PendingZygote:
                 f"zygote did not become ready within {timeout:.0f} s (exit {self._process.returncode});"
                 f" preload {self._preload} failed? see the agent's stderr"
             )
-        ready = json.loads(line)
+        try:
+            ready = decode_event(line)
+        except MessageError as exc:
+            self.cancel()
+            raise ZygoteError(f"zygote {self._process.pid} did not start cleanly: {exc}") from exc
+        if not isinstance(ready, ReadyEvent):
+            self.cancel()
+            raise ZygoteError(f"zygote {self._process.pid} sent {ready} before it was ready")
         log.info(
             "zygote %d ready: preloaded %s in %.2f s",
             self._process.pid,
             ",".join(self._preload),
-            ready.get("preload_s", 0.0),
+            ready.preload_s,
         )
         self._result = Zygote(self._process, self._sock, reader, ready)
         return self._result
@@ -439,51 +425,3 @@ class PendingZygote:
         self._process.kill()
         self._process.wait(timeout=10)
         self._sock.close()
-
-
-class WorkerLauncher:
-    """Starts workers from a zygote when one is available, else with Popen (same handles)."""
-
-    def __init__(
-        self,
-        use_zygote: bool = True,
-        preload: Sequence[str] = DEFAULT_PRELOAD,
-        start_timeout: float = 60.0,
-    ) -> None:
-        self._zygote: Zygote | None = None
-        self._lock = threading.Lock()
-        if use_zygote:
-            started = time.monotonic()
-            try:
-                self._zygote = Zygote.start(preload, start_timeout)
-            except (ZygoteError, OSError) as exc:
-                log.warning("zygote unavailable (%s); workers start with Popen", exc)
-            else:
-                log.info("zygote started in %.2f s", time.monotonic() - started)
-
-    @property
-    def zygote(self) -> Zygote | None:
-        return self._zygote
-
-    def spawn(
-        self,
-        argv: Sequence[str],
-        env: Mapping[str, str],
-        cwd: str | os.PathLike[str],
-        stdout_path: str | os.PathLike[str],
-        stderr_path: str | os.PathLike[str],
-    ) -> WorkerHandle:
-        with self._lock:
-            zygote = self._zygote
-        if zygote is not None and zygote.alive:
-            try:
-                return zygote.spawn(argv, env, cwd, stdout_path, stderr_path)
-            except ZygoteError as exc:
-                log.warning("zygote spawn failed (%s); falling back to Popen", exc)
-        return spawn_popen(argv, env, cwd, stdout_path, stderr_path)
-
-    def close(self, timeout: float = 5.0) -> None:
-        with self._lock:
-            zygote, self._zygote = self._zygote, None
-        if zygote is not None:
-            zygote.close(timeout)

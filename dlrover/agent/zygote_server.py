@@ -3,12 +3,10 @@
 Run by `dlrover.agent.zygote.Zygote`, never by hand:
 ``python -m dlrover.agent.zygote_server --fd N --parent-pid P --preload torch,torch.optim``.
 
-Protocol on the inherited unix socket, one JSON object per line.
-Agent -> zygote: ``{"op": "spawn", "id", "argv", "env", "cwd", "stdout", "stderr"}``,
-``{"op": "exit"}``.
-Zygote -> agent: ``{"event": "ready", "pid", "preload_s", "threads"}``,
-``{"event": "spawned", "id", "pid"}``, ``{"event": "spawn_failed", "id", "error"}``,
-``{"event": "exited", "pid", "returncode"}`` (Popen convention: -N for signal N).
+Protocol on the inherited unix socket: the typed messages of ``zygote_messages.py``, one JSON
+object per line. The zygote writes `ReadyEvent` once its preload is done, then answers each
+`SpawnRequest` with `SpawnedEvent` or `SpawnFailedEvent`, reports every worker's exit as
+`ExitedEvent`, a line it cannot read as `ErrorEvent`, and exits on `ExitRequest`.
 
 Fork safety: the zygote runs no torch op and never touches CUDA, so torch's intra-op pool and
 the CUDA driver are not started; the only native thread after ``import torch`` is OpenBLAS's
@@ -21,7 +19,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import io
-import json
 import os
 import selectors
 import signal
@@ -29,21 +26,22 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any
 
 from dlrover.agent.bootstrap import BootstrapError, die_with_parent, enable_stack_dumps, run_target
-
-
-@dataclass(frozen=True)
-class ChildSpec:
-    """What a freshly forked worker must become."""
-
-    argv: list[str]
-    env: dict[str, str]
-    cwd: str
-    stdout: str
-    stderr: str
+from dlrover.agent.zygote_messages import (
+    ErrorEvent,
+    ExitedEvent,
+    ExitRequest,
+    ReadyEvent,
+    SpawnedEvent,
+    SpawnFailedEvent,
+    SpawnRequest,
+    ZygoteEvent,
+    ZygoteRequest,
+    decode_request,
+    encode_event,
+)
+from dlrover.json_messages import MessageError
 
 
 def _native_threads() -> int:
@@ -53,25 +51,23 @@ def _native_threads() -> int:
         return -1
 
 
-def _send(sock: socket.socket, message: dict[str, Any]) -> None:
-    sock.sendall(json.dumps(message).encode() + b"\n")
+def _send(sock: socket.socket, event: ZygoteEvent) -> None:
+    sock.sendall(encode_event(event))
 
 
-def _parse_spawn(request: dict[str, Any]) -> ChildSpec:
-    argv, env = request.get("argv"), request.get("env")
-    if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
+def _check_spawn(request: SpawnRequest) -> None:
+    """What the message's types do not say; ValueError names the first problem."""
+    if not request.argv:
         raise ValueError("argv must be a non-empty list of strings")
-    if not isinstance(env, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in env.items()
+    for name, value in (
+        ("cwd", request.cwd),
+        ("stdout", request.stdout),
+        ("stderr", request.stderr),
     ):
-        raise ValueError("env must map strings to strings")
-    fields = {name: request.get(name) for name in ("cwd", "stdout", "stderr")}
-    for name, value in fields.items():
-        if not isinstance(value, str) or not value:
+        if not value:
             raise ValueError(f"{name} must be a non-empty path string")
-    if not os.path.isdir(str(fields["cwd"])):
-        raise ValueError(f"cwd {fields['cwd']!r} is not a directory")
-    return ChildSpec(argv, env, str(fields["cwd"]), str(fields["stdout"]), str(fields["stderr"]))
+    if not os.path.isdir(request.cwd):
+        raise ValueError(f"cwd {request.cwd!r} is not a directory")
 
 
 class _Server:
@@ -83,7 +79,7 @@ class _Server:
         self._children: dict[int, int] = {}  # pidfd -> pid
         self._buffer = b""
 
-    def serve(self) -> ChildSpec | None:
+    def serve(self) -> SpawnRequest | None:
         """Run until told to exit (returns None) or, in a forked child, return its spec."""
         self._selector.register(self._sock, selectors.EVENT_READ)
         while True:
@@ -97,44 +93,40 @@ class _Server:
                     while b"\n" in self._buffer:
                         line, self._buffer = self._buffer.split(b"\n", 1)
                         outcome = self._handle(line)
-                        if outcome == "exit":
+                        if isinstance(outcome, ExitRequest):
                             self._kill_children()
                             return None
-                        if isinstance(outcome, ChildSpec):
+                        if isinstance(outcome, SpawnRequest):
                             return outcome
                 else:
                     self._reap(key.fd)
 
-    def _handle(self, line: bytes) -> ChildSpec | str | None:
+    def _handle(self, line: bytes) -> ZygoteRequest | None:
+        """ExitRequest: stop serving; a SpawnRequest: we are the forked child; else None."""
         try:
-            request = json.loads(line)
-        except json.JSONDecodeError as exc:
-            _send(self._sock, {"event": "error", "error": f"request is not JSON: {exc}"})
+            request = decode_request(line)
+        except MessageError as exc:
+            _send(self._sock, ErrorEvent(str(exc)))
             return None
-        op = request.get("op") if isinstance(request, dict) else None
-        if op == "exit":
-            return "exit"
-        if op != "spawn":
-            _send(self._sock, {"event": "error", "error": f"unknown op {op!r}"})
-            return None
-        request_id = request.get("id")
+        if not isinstance(request, SpawnRequest):
+            return request
         try:
-            spec = _parse_spawn(request)
+            _check_spawn(request)
             if threading.active_count() > 1:
                 raise RuntimeError("zygote has a second Python thread; forking is unsafe")
             torch = sys.modules.get("torch")
             if torch is not None and torch.cuda.is_initialized():
                 raise RuntimeError("CUDA is initialised in the zygote; forking is unsafe")
         except (ValueError, RuntimeError) as exc:
-            _send(self._sock, {"event": "spawn_failed", "id": request_id, "error": str(exc)})
+            _send(self._sock, SpawnFailedEvent(request.request_id, str(exc)))
             return None
         zygote_pid = os.getpid()
         pid = os.fork()
         if pid == 0:
             self._become_child(zygote_pid)
-            return spec
+            return request
         self._children[self._watch(pid)] = pid
-        _send(self._sock, {"event": "spawned", "id": request_id, "pid": pid})
+        _send(self._sock, SpawnedEvent(request.request_id, pid))
         return None
 
     def _watch(self, pid: int) -> int:
@@ -148,7 +140,7 @@ class _Server:
         os.close(pidfd)
         _, status = os.waitpid(pid, 0)
         returncode = os.waitstatus_to_exitcode(status)
-        _send(self._sock, {"event": "exited", "pid": pid, "returncode": returncode})
+        _send(self._sock, ExitedEvent(pid, returncode))
 
     def _kill_children(self) -> None:
         for pid in self._children.values():
@@ -167,7 +159,7 @@ class _Server:
         self._sock.close()
 
 
-def _redirect(spec: ChildSpec) -> None:
+def _redirect(spec: SpawnRequest) -> None:
     flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
     for target, path in ((1, spec.stdout), (2, spec.stderr)):
         fd = os.open(path, flags, 0o644)
@@ -193,7 +185,7 @@ def _redirect(spec: ChildSpec) -> None:
     sys.stdin = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)))
 
 
-def _apply_environment(spec: ChildSpec) -> None:
+def _apply_environment(spec: SpawnRequest) -> None:
     os.chdir(spec.cwd)
     os.environ.clear()
     os.environ.update(spec.env)
@@ -212,7 +204,7 @@ def _apply_environment(spec: ChildSpec) -> None:
         numpy_random.seed()
 
 
-def run_child(spec: ChildSpec) -> None:
+def run_child(spec: SpawnRequest) -> None:
     """In the forked worker: become the process `python script.py` would have been, run it."""
     _redirect(spec)
     _apply_environment(spec)
@@ -282,15 +274,8 @@ def main() -> None:
     sock = socket.socket(fileno=args.fd)
     started = time.perf_counter()
     preload_at_idle_priority([m for m in args.preload.split(",") if m])
-    _send(
-        sock,
-        {
-            "event": "ready",
-            "pid": os.getpid(),
-            "preload_s": round(time.perf_counter() - started, 4),
-            "threads": _native_threads(),
-        },
-    )
+    preload_s = round(time.perf_counter() - started, 4)
+    _send(sock, ReadyEvent(os.getpid(), preload_s, _native_threads()))
     spec = _Server(sock).serve()
     if spec is not None:
         run_child(spec)

@@ -1,16 +1,25 @@
-"""The worker's end of the saver socket: one JSON object per line each way, no pickle."""
+"""The worker's end of the saver socket: typed messages as JSON lines (``saver_messages.py``)."""
 
 from __future__ import annotations
 
-import json
 import socket
 import threading
-from typing import Any
 
 from dlrover.checkpoint.config import DEFAULT_REQUEST_TIMEOUT_S
 from dlrover.checkpoint.errors import SaverError, ShmSpaceError
+from dlrover.checkpoint.saver_messages import (
+    Refused,
+    ReplyT,
+    SaverRequest,
+    ShmSpaceRefused,
+    decode_reply,
+    encode_request,
+)
+from dlrover.json_messages import MessageError
 
 MAX_LINE_BYTES = 1 << 20
+ANSWER_GRACE_S = 5.0
+"""Added to a request's own wait for the saver's answer to travel back."""
 
 
 class SaverClient:
@@ -35,11 +44,20 @@ class SaverClient:
             ) from exc
         self._reader = self._sock.makefile("rb")
 
-    def request(self, op: str, timeout: float | None = None, **fields: Any) -> dict[str, Any]:
-        """Send ``{"op": op, **fields}`` and return the reply; raise SaverError on refusal."""
-        line = json.dumps({"op": op, **fields}).encode() + b"\n"
+    def request(self, request: SaverRequest[ReplyT]) -> ReplyT:
+        """Send ``request`` and return the saver's reply; raise SaverError on refusal.
+
+        The answer is awaited for the request's own wait (``answer_within_s``) plus a grace,
+        or for the client's timeout when the saver answers at once.
+        """
+        op = request.op
+        try:
+            line = encode_request(request)
+        except MessageError as exc:
+            raise SaverError(f"malformed checkpoint saver request: {exc}") from exc
+        wait = request.answer_within_s()
         with self._lock:
-            self._sock.settimeout(self._timeout if timeout is None else timeout + 5.0)
+            self._sock.settimeout(self._timeout if wait is None else wait + ANSWER_GRACE_S)
             try:
                 self._sock.sendall(line)
                 raw = self._reader.readline(MAX_LINE_BYTES)
@@ -47,11 +65,14 @@ class SaverClient:
                 raise SaverError(f"checkpoint saver request {op!r} failed: {exc}") from exc
         if not raw:
             raise SaverError(f"the checkpoint saver closed the connection during {op!r}")
-        reply: dict[str, Any] = json.loads(raw)
-        if not reply.get("ok", False) and "error" in reply:
-            if reply.get("kind") == "ShmSpaceError":
-                raise ShmSpaceError(reply["path"], reply["needed"], reply["free"])
-            raise SaverError(f"checkpoint saver refused {op!r}: {reply['error']}")
+        try:
+            reply = decode_reply(raw, request.reply_type)
+        except MessageError as exc:
+            raise SaverError(f"malformed answer of the checkpoint saver: {exc}") from exc
+        if isinstance(reply, ShmSpaceRefused):
+            raise ShmSpaceError(reply.path, reply.needed, reply.free)
+        if isinstance(reply, Refused):
+            raise SaverError(f"checkpoint saver refused {op!r}: {reply.error}")
         return reply
 
     def close(self) -> None:

@@ -25,6 +25,15 @@ from dlrover.checkpoint.config import (
 from dlrover.checkpoint.errors import CheckpointError, CheckpointStorageError, SegmentStateError
 from dlrover.checkpoint.layout import Layout, plan_layout, read_state, write_state
 from dlrover.checkpoint.saver import CheckpointSaver
+from dlrover.checkpoint.saver_messages import (
+    AllocateRequest,
+    AttachRequest,
+    BeginCopyRequest,
+    CopiedRequest,
+    LoadStepRequest,
+    PersistSpec,
+    WaitPersistedRequest,
+)
 from dlrover.checkpoint.shm import SharedSegment
 from dlrover.checkpoint.storage import storage_for
 from dlrover.worker_context import WorkerContext
@@ -115,16 +124,16 @@ class CheckpointEngine:
             return {s: base + s for s in range(self.place.local_world_size)}
         return {0: self.place.rank - self.place.local_rank}
 
-    def _spec(self) -> dict[str, Any]:
-        return {
-            "dir": self.checkpoint_dir,
-            "slots": self._saving_slots(),
-            "format": "dcp" if self.sharded else "plain",
-            "node_rank": self.place.node_rank,
-            "persist_nodes": self.place.num_nodes if self.sharded else 1,
-            "keep_last": self.keep_last,
-            "persists": self.sharded or self.place.rank == 0,
-        }
+    def _spec(self) -> PersistSpec:
+        return PersistSpec(
+            checkpoint_dir=self.checkpoint_dir,
+            slots=self._saving_slots(),
+            fmt="dcp" if self.sharded else "plain",
+            node_rank=self.place.node_rank,
+            persist_nodes=self.place.num_nodes if self.sharded else 1,
+            keep_last=self.keep_last,
+            persists=self.sharded or self.place.rank == 0,
+        )
 
     # ------------------------------------------------------------------ saving
     def save(
@@ -147,9 +156,9 @@ class CheckpointEngine:
         with self._lock:
             seg = self._ensure_segment(layout.required_bytes(step))
             reply = self.client.request(
-                "begin_copy", slot=self.slot, wait=persist, timeout=DEFAULT_COPY_WAIT_S
+                BeginCopyRequest(self.slot, wait=persist, timeout=DEFAULT_COPY_WAIT_S)
             )
-            if not reply.get("ok"):
+            if reply.busy:
                 log.warning(
                     "skipping the memory save of step %d: the previous step is still "
                     "being persisted",
@@ -158,9 +167,7 @@ class CheckpointEngine:
                 return False
             write_state(seg, layout, step, after_tensor)
             do_persist = persist and (self.sharded or self.place.rank == 0)
-            self.client.request(
-                "copied", slot=self.slot, step=step, spec=self._spec(), persist=do_persist
-            )
+            self.client.request(CopiedRequest(self.slot, step, self._spec(), persist=do_persist))
             if persist:
                 self._last_disk_step = step
         return True
@@ -188,9 +195,9 @@ class CheckpointEngine:
         with self._lock:
             seg = self._ensure_segment(layout.required_bytes(step))
             reply = self.client.request(
-                "begin_copy", slot=self.slot, wait=persist, timeout=DEFAULT_COPY_WAIT_S
+                BeginCopyRequest(self.slot, wait=persist, timeout=DEFAULT_COPY_WAIT_S)
             )
-            if not reply.get("ok"):
+            if reply.busy:
                 log.warning(
                     "skipping the memory save of step %d: the previous step is still "
                     "being persisted",
@@ -220,13 +227,8 @@ class CheckpointEngine:
     ) -> None:
         try:
             write_state(seg, layout, step, after_tensor)
-            self.client.request(
-                "copied",
-                slot=self.slot,
-                step=step,
-                spec=self._spec(),
-                persist=persist and (self.sharded or self.place.rank == 0),
-            )
+            do_persist = persist and (self.sharded or self.place.rank == 0)
+            self.client.request(CopiedRequest(self.slot, step, self._spec(), persist=do_persist))
             if persist:
                 self._last_disk_step = step
         except BaseException as exc:  # surfaced to the trainer by wait_copy
@@ -264,11 +266,11 @@ class CheckpointEngine:
     def _ensure_segment(self, nbytes: int) -> SharedSegment:
         seg = self._segment
         if seg is None or seg.size < nbytes:
-            reply = self.client.request("allocate", slot=self.slot, nbytes=nbytes)
-            if seg is None or seg.path != reply["path"]:
+            reply = self.client.request(AllocateRequest(self.slot, nbytes))
+            if seg is None or seg.path != reply.path:
                 if seg is not None:
                     seg.close()
-                seg = SharedSegment.attach(reply["path"])
+                seg = SharedSegment.attach(reply.path)
             else:
                 seg.remap()
             self._segment = seg
@@ -280,45 +282,46 @@ class CheckpointEngine:
         step = self._last_disk_step
         if step is None:
             return True
-        reply = self.client.request(
-            "wait_persisted", timeout=timeout, dir=self.checkpoint_dir, step=step, timeout_s=timeout
-        )
-        if reply.get("failure"):
+        reply = self.client.request(WaitPersistedRequest(self.checkpoint_dir, step, timeout))
+        if reply.failure:
             raise CheckpointStorageError(
                 f"persisting to {self.checkpoint_dir} failed: "
-                f"{reply['failure']}; the step is still in memory"
+                f"{reply.failure}; the step is still in memory"
             )
-        return bool(reply["ok"])
+        return reply.persisted
 
     # ------------------------------------------------------------------ loading
     def memory_step(self, storage_step: int | None) -> int | None:
         """The step every rank agrees to load from memory, if not older than storage's."""
         if self._own_saver is not None:
             return None  # in-process memory does not survive a restart
-        slots = self._saving_slots() if self.sharded else {0: None}
+        # Sharded: every local rank saves its own part, which must be the same rank's at the
+        # same world size as now; else only slot 0 holds the (replicated) state.
+        ranks = self._saving_slots() if self.sharded else {}
         reply = self.client.request(
-            "load_step",
-            slots=list(slots),
-            ranks=slots if self.sharded else {},
-            world_size=self.place.world_size if self.sharded else None,
-            node_rank=self.place.node_rank,
-            total_nodes=self.place.num_nodes,
-            round=self.place.round_id,
-            timeout=60.0,
+            LoadStepRequest(
+                slots=list(ranks) if self.sharded else [0],
+                node_rank=self.place.node_rank,
+                total_nodes=self.place.num_nodes,
+                round_id=self.place.round_id,
+                ranks=ranks,
+                world_size=self.place.world_size if self.sharded else None,
+                timeout=60.0,
+            )
         )
-        step = reply.get("step")
+        step = reply.step
         if step is None or (storage_step is not None and step < storage_step):
             return None
-        return int(step)
+        return step
 
     def load_from_memory(self, target: Any = None) -> tuple[int, Any, dict[str, Any]]:
         """(step, state, metadata) from this process's load segment; SegmentStateError if none."""
-        reply = self.client.request("attach", slot=self.slot)
-        if reply.get("path") is None:
+        path = self.client.request(AttachRequest(self.slot)).path
+        if path is None:
             raise SegmentStateError("the saver holds no segment for this rank")
         seg = self._load_segment
-        if seg is None or seg.path != reply["path"]:
-            seg = SharedSegment.attach(reply["path"])
+        if seg is None or seg.path != path:
+            seg = SharedSegment.attach(path)
             self._load_segment = seg
         seg.remap()
         step, state, meta = read_state(seg, target)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import queue
@@ -10,7 +9,6 @@ import socketserver
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from dlrover.checkpoint.catalog import Catalog, Finalizer
@@ -23,44 +21,39 @@ from dlrover.checkpoint.config import (
 from dlrover.checkpoint.coordinator import CommitCoordinator, LocalCommitCoordinator
 from dlrover.checkpoint.errors import CheckpointError, ShmSpaceError
 from dlrover.checkpoint.header import complete_step, read_metadata
+from dlrover.checkpoint.saver_messages import (
+    AllocateReply,
+    AllocateRequest,
+    AttachReply,
+    AttachRequest,
+    BeginCopyReply,
+    BeginCopyRequest,
+    CopiedReply,
+    CopiedRequest,
+    HeldReply,
+    HeldRequest,
+    LoadStepReply,
+    LoadStepRequest,
+    PersistSpec,
+    Refused,
+    SaverReply,
+    SaverRequest,
+    ShmSpaceRefused,
+    WaitPersistedReply,
+    WaitPersistedRequest,
+    decode_request,
+    encode_reply,
+)
 from dlrover.checkpoint.shm import SharedSegment
 from dlrover.checkpoint.storage import Storage, storage_for
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class PersistSpec:
-    """What a persist of one step writes, as sent by the saving workers of this node."""
-
-    checkpoint_dir: str
-    slots: dict[int, int]  # local slot -> global rank whose part it is
-    fmt: str  # "plain" (rank_<r>.bin + meta) or "dcp" (torch.distributed.checkpoint files)
-    node_rank: int
-    persist_nodes: int  # how many nodes write parts of a step; the commit waits for all
-    keep_last: int
-    persists: bool = True  # False on nodes that only keep a memory copy (DDP, node rank > 0)
-
-    @classmethod
-    def from_json(cls, doc: dict[str, Any]) -> PersistSpec:
-        fmt = str(doc["format"])
-        if fmt not in ("plain", "dcp"):
-            raise CheckpointError(f"unknown checkpoint format {fmt!r}")
-        return cls(
-            str(doc["dir"]),
-            {int(k): int(v) for k, v in doc["slots"].items()},
-            fmt,
-            int(doc["node_rank"]),
-            int(doc["persist_nodes"]),
-            int(doc["keep_last"]),
-            bool(doc.get("persists", True)),
-        )
-
-
 class CheckpointSaver:
     """Owns one shared segment per local saving rank ("slot") and persists them to storage.
 
-    Workers talk to it over a unix socket (see ``_dispatch`` for the messages). Invariants:
+    Workers talk to it over a unix socket (the messages: ``saver_messages.py``). Invariants:
     a slot is never copied into while it is being persisted (``begin_copy`` waits or reports
     busy), a segment only grows, and at most one persist runs at a time.
     """
@@ -102,8 +95,7 @@ class CheckpointSaver:
         class Handler(socketserver.StreamRequestHandler):
             def handle(self) -> None:
                 for line in self.rfile:
-                    reply = saver._handle_line(line)
-                    self.wfile.write(json.dumps(reply).encode() + b"\n")
+                    self.wfile.write(encode_reply(saver._handle_line(line)))
                     self.wfile.flush()
 
         server = socketserver.ThreadingUnixStreamServer(self.socket_path, Handler)
@@ -174,49 +166,36 @@ class CheckpointSaver:
             self._persist_lock.release()
 
     # ------------------------------------------------------------------ socket protocol
-    def _handle_line(self, line: bytes) -> dict[str, Any]:
+    def _handle_line(self, line: bytes) -> SaverReply:
         try:
-            msg = json.loads(line)
-            return self._dispatch(str(msg.get("op")), msg)
+            return self._dispatch(decode_request(line))
         except ShmSpaceError as exc:
-            return {
-                "ok": False,
-                "kind": "ShmSpaceError",
-                "error": str(exc),
-                "path": exc.path,
-                "needed": exc.needed,
-                "free": exc.free,
-            }
+            return ShmSpaceRefused(str(exc), exc.path, exc.needed, exc.free)
         except (CheckpointError, KeyError, ValueError, TypeError, OSError) as exc:
+            # ValueError covers a malformed line (MessageError names the field).
             log.warning("checkpoint saver rejected a request: %r", exc)
-            return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            return Refused(f"{type(exc).__name__}: {exc}")
 
-    def _dispatch(self, op: str, msg: dict[str, Any]) -> dict[str, Any]:
-        if op == "allocate":  # {slot, nbytes} -> {path, nbytes}
-            seg = self._allocate(int(msg["slot"]), int(msg["nbytes"]))
-            return {"ok": True, "path": seg.path, "nbytes": seg.size}
-        if op == "attach":  # {slot} -> {path | None}
+    def _dispatch(self, request: SaverRequest[Any]) -> SaverReply:
+        if isinstance(request, AllocateRequest):
+            seg = self._allocate(request.slot, request.nbytes)
+            return AllocateReply(seg.path, seg.size)
+        if isinstance(request, AttachRequest):
             with self._cond:
-                found = self._segments.get(int(msg["slot"]))
-            return {"ok": True, "path": found.path if found else None}
-        if op == "begin_copy":  # {slot, wait, timeout} -> {ok} | {ok: False, busy: True}
-            return self._begin_copy(
-                int(msg["slot"]),
-                bool(msg.get("wait", True)),
-                float(msg.get("timeout", DEFAULT_COPY_WAIT_S)),
-            )
-        if op == "copied":  # {slot, step, spec | None, persist}
-            self._copied(
-                int(msg["slot"]), int(msg["step"]), msg.get("spec"), bool(msg.get("persist", False))
-            )
-            return {"ok": True}
-        if op == "held":
-            return {"ok": True, "steps": {str(k): v for k, v in self.held_steps().items()}}
-        if op == "load_step":  # {slots, node_rank, total_nodes, round, timeout} -> {step}
-            return {"ok": True, "step": self._agree_load_step(msg)}
-        if op == "wait_persisted":  # {dir, step, timeout_s} -> {ok, committed, failure}
-            return self._wait_persisted(str(msg["dir"]), int(msg["step"]), float(msg["timeout_s"]))
-        raise CheckpointError(f"unknown saver request {op!r}")
+                found = self._segments.get(request.slot)
+            return AttachReply(found.path if found else None)
+        if isinstance(request, BeginCopyRequest):
+            return self._begin_copy(request.slot, request.wait, request.timeout)
+        if isinstance(request, CopiedRequest):
+            self._copied(request.slot, request.step, request.spec, request.persist)
+            return CopiedReply()
+        if isinstance(request, HeldRequest):
+            return HeldReply(self.held_steps())
+        if isinstance(request, LoadStepRequest):
+            return LoadStepReply(self._agree_load_step(request))
+        if isinstance(request, WaitPersistedRequest):
+            return self._wait_persisted(request.checkpoint_dir, request.step, request.timeout_s)
+        raise CheckpointError(f"unknown saver request {request.op!r}")
 
     def _allocate(self, slot: int, nbytes: int) -> SharedSegment:
         with self._cond:
@@ -240,20 +219,19 @@ class CheckpointSaver:
                 log.info("grew shared segment %s: %d -> %d bytes", seg.path, old, seg.size)
             return seg
 
-    def _begin_copy(self, slot: int, wait: bool, timeout: float) -> dict[str, Any]:
+    def _begin_copy(self, slot: int, wait: bool, timeout: float) -> BeginCopyReply:
         def free() -> bool:
             return slot not in self._persisting and slot not in self._pending
 
         with self._cond:
             if not free() and not wait:
-                return {"ok": False, "busy": True}
+                return BeginCopyReply(busy=True)
             if not self._cond.wait_for(free, timeout):
-                return {"ok": False, "busy": True}
+                return BeginCopyReply(busy=True)
             self._votes.clear()  # memory is about to change: a new restart round must re-vote
-            return {"ok": True}
+            return BeginCopyReply(busy=False)
 
-    def _copied(self, slot: int, step: int, spec_doc: dict[str, Any] | None, persist: bool) -> None:
-        spec = PersistSpec.from_json(spec_doc) if spec_doc else None
+    def _copied(self, slot: int, step: int, spec: PersistSpec | None, persist: bool) -> None:
         with self._cond:
             if spec is not None and spec.persists:
                 self._spec = spec
@@ -283,21 +261,18 @@ class CheckpointSaver:
                     self._committed[spec.checkpoint_dir] = latest
             return self._committed.get(spec.checkpoint_dir)
 
-    def _agree_load_step(self, msg: dict[str, Any]) -> int | None:
-        slots = [int(s) for s in msg["slots"]]
-        round_id = int(msg["round"])
+    def _agree_load_step(self, request: LoadStepRequest) -> int | None:
+        round_id = request.round_id
         with self._cond:
             if round_id in self._votes:
                 return self._votes[round_id]
-            expect = {int(k): v for k, v in msg.get("ranks", {}).items()}
-            steps = {self._loadable_step(s, expect.get(s), msg.get("world_size")) for s in slots}
+            steps = {
+                self._loadable_step(s, request.ranks.get(s), request.world_size)
+                for s in request.slots
+            }
         local = steps.pop() if len(steps) == 1 else None
         agreed = self.coordinator.agree_load_step(
-            int(msg["node_rank"]),
-            int(msg["total_nodes"]),
-            local,
-            round_id,
-            float(msg.get("timeout", 60.0)),
+            request.node_rank, request.total_nodes, local, round_id, request.timeout
         )
         with self._cond:
             self._votes[round_id] = agreed
@@ -318,7 +293,7 @@ class CheckpointSaver:
             return None
         return int(meta["step"])
 
-    def _wait_persisted(self, checkpoint_dir: str, step: int, timeout: float) -> dict[str, Any]:
+    def _wait_persisted(self, checkpoint_dir: str, step: int, timeout: float) -> WaitPersistedReply:
         with self._cond:
             done = self._cond.wait_for(
                 lambda: (
@@ -328,11 +303,11 @@ class CheckpointSaver:
                 timeout,
             )
             error = self._errors.get(checkpoint_dir)
-            return {
-                "ok": done and error is None,
-                "committed": self._committed.get(checkpoint_dir),
-                "failure": error,
-            }
+            return WaitPersistedReply(
+                persisted=done and error is None,
+                committed=self._committed.get(checkpoint_dir),
+                failure=error,
+            )
 
     # ------------------------------------------------------------------ persisting
     def _persist_loop(self) -> None:

@@ -15,6 +15,7 @@ from dlrover.checkpoint.client import SaverClient
 from dlrover.checkpoint.config import ENV_CHECKPOINT_SOCKET
 from dlrover.checkpoint.engine import CheckpointEngine, WorkerPlacement
 from dlrover.checkpoint.errors import CheckpointStorageError, ShmSpaceError
+from dlrover.checkpoint.saver_messages import AllocateRequest, CopiedRequest, PersistSpec
 from dlrover.checkpoint.shm import shm_free_bytes
 from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer
 from tests.checkpoint.harness import (
@@ -62,15 +63,8 @@ def test_saver_killed_mid_persist_keeps_previous_step(tmp_path: Path) -> None:
         raise
     # Step 2 only reaches storage through a persist; ask for one and kill the agent in it.
     client = SaverClient(sock)
-    spec = {
-        "dir": ckpt,
-        "slots": {"0": 0},
-        "format": "plain",
-        "node_rank": 0,
-        "persist_nodes": 1,
-        "keep_last": 3,
-    }
-    client.request("copied", slot=0, step=2, spec=spec, persist=True)
+    spec = PersistSpec(ckpt, {0: 0}, "plain", node_rank=0, persist_nodes=1, keep_last=3)
+    client.request(CopiedRequest(0, 2, spec, persist=True))
     wait_for_file(marker, 60)
     kill(agent)
     client.close()
@@ -137,7 +131,7 @@ def test_too_little_shm_for_the_state_is_refused_and_memory_kept(tmp_path: Path)
         client = SaverClient(saver.socket_path)
         wanted = shm_free_bytes() + 2**34
         with pytest.raises(ShmSpaceError, match="--shm-size") as info:
-            client.request("allocate", slot=0, nbytes=wanted)
+            client.request(AllocateRequest(0, wanted))
         client.close()
         assert info.value.free > 0 and info.value.needed > info.value.free
         assert saver.held_steps() == {0: 1}

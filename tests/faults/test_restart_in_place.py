@@ -19,7 +19,8 @@ from dlrover.agent.failure_policy import (
     decide_worker_failure,
     user_error_signature,
 )
-from dlrover.agent.zygote import WorkerHandle, Zygote, wait_any
+from dlrover.agent.zygote import WorkerHandle, Zygote
+from dlrover.testing.launch import wait_any
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 6

@@ -15,14 +15,8 @@ import pytest
 
 from dlrover.agent.bootstrap import request_stack_dump
 from dlrover.agent.error_file import read_error_file
-from dlrover.agent.zygote import (
-    WorkerHandle,
-    WorkerLauncher,
-    Zygote,
-    ZygoteError,
-    spawn_popen,
-    wait_any,
-)
+from dlrover.agent.zygote import WorkerHandle, Zygote, ZygoteError
+from dlrover.testing.launch import WorkerLauncher, spawn_popen, wait_any
 
 REPO = Path(__file__).resolve().parents[2]
 DEADLINE_S = 20.0
