@@ -69,6 +69,7 @@ class JobSpec:
 
     @property
     def nnodes(self) -> str:
+        """``MIN:MAX``, as the agent's --nnodes takes it."""
         return f"{self.min_nodes}:{self.max_nodes}"
 
     def agent_command(self) -> tuple[str, ...]:

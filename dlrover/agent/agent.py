@@ -111,10 +111,14 @@ class ElasticAgent:
 
     @property
     def node_id(self) -> str:
+        """This node's id: the one the master gave at registration; before that the engine's node
+        name, or ""."""
         return self._rdzv.node_id or self._node_name
 
     @property
     def incarnation(self) -> int:
+        """The incarnation of the last registration (0 before it); the master refuses calls of an
+        older one."""
         return self._rdzv.incarnation
 
     def _guess_host(self) -> str:

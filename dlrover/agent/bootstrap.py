@@ -177,6 +177,9 @@ def _fresh_main(
 
 
 def main() -> None:
+    """Entry point of ``python -m dlrover.agent.bootstrap``: die with the parent if the spawner
+    asked, arm stack dumps, run the target; exit code 2 when the target cannot be found (as
+    ``python`` does)."""
     parent = os.environ.pop(ENV_PARENT_DEATH_PID, "")
     if parent.isdigit():
         die_with_parent(int(parent))

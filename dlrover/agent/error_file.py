@@ -69,6 +69,7 @@ class ErrorRecord:
         return last
 
     def traceback_tail(self, lines: int = TRACEBACK_TAIL_LINES) -> str:
+        """The last ``lines`` lines of the traceback."""
         return "\n".join(self.traceback.rstrip().splitlines()[-lines:])
 
     def is_collateral(self) -> bool:
@@ -80,10 +81,13 @@ class ErrorRecord:
         return any(pattern in text for pattern in _COLLATERAL_MESSAGES)
 
     def to_json(self) -> str:
+        """The record as JSON (sorted keys); ``from_json`` reads it back exactly."""
         return json.dumps(asdict(self), sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str, source: str = "<string>") -> ErrorRecord:
+        """Parse a DLRover error record or a torchelastic error file; raises ErrorFileError, naming
+        ``source``, for text that is neither."""
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
@@ -235,6 +239,8 @@ class FailureReport:
     error: ErrorRecord | None
 
     def format(self, tail_lines: int = TRACEBACK_TAIL_LINES) -> str:
+        """The root cause in a few lines for the log: rank, node, how it ended, and the error with
+        the last ``tail_lines`` lines of its traceback."""
         head = f"root cause: rank {self.rank} on node {self.node or '?'} ended with "
         head += describe_exit(self.returncode)
         if self.error is None:

@@ -74,6 +74,7 @@ class IllegalTransitionError(ValueError):
 
 
 def check_group_transition(old: WorkerGroupState, new: WorkerGroupState) -> None:
+    """Raise IllegalTransitionError unless ``old -> new`` is in LEGAL_GROUP_TRANSITIONS."""
     if new not in LEGAL_GROUP_TRANSITIONS[old]:
         raise IllegalTransitionError(f"worker group: {old.value} -> {new.value} is not allowed")
 
@@ -110,6 +111,7 @@ class WorkerFailure:
             raise ValueError(f"rank {self.rank}: {self.kind.value} needs a negative returncode")
 
     def describe(self) -> str:
+        """One line for logs, e.g. ``rank 3 exit code 1: ValueError: bad shape``."""
         if self.kind is ExitKind.HUNG:
             return f"rank {self.rank} hung"
         how = describe_exit(self.returncode or 0)

@@ -50,9 +50,11 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._loop, daemon=True, name="dlrover-heartbeat")
 
     def start(self) -> None:
+        """Start the beat thread; call it once."""
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop beating; waits at most one interval + 1 s for a beat in flight."""
         self._stop.set()
         if self._thread.ident is not None:  # started
             self._thread.join(timeout=self._interval_s + 1.0)

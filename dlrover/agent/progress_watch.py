@@ -36,6 +36,7 @@ class Stall:
     """Its latest reported step, or -1 when it never reported one (judged by CPU use)."""
 
     def describe(self, rank_offset: int) -> str:
+        """One line for the stall warning, naming the global rank (``rank_offset`` + local rank)."""
         how = (
             f"last step {self.step}"
             if self.step >= 0
@@ -101,4 +102,5 @@ class ProgressWatch:
         return stalls
 
     def last_step(self, local_rank: int) -> int:
+        """The latest step ``local_rank`` reported, or -1 if it never reported one."""
         return self._ranks[local_rank].step

@@ -62,6 +62,9 @@ class WorkerLaunch:
 
 @dataclass
 class WorkerExit:
+    """One worker's exit as it lands in ``WorkerGroup.exits``: its ranks, pid, Popen-style
+    returncode (-9 when it could not be read) and wall-clock time."""
+
     local_rank: int
     rank: int
     pid: int
@@ -110,6 +113,7 @@ class WorkerGroup:
 
     @property
     def pids(self) -> dict[int, int]:
+        """Local rank -> pid of every worker started in this group, alive or not."""
         return {lr: h.pid for lr, h in self._handles.items()}
 
     def start(self, launches: Sequence[WorkerLaunch], zygote: Zygote | None = None) -> None:
@@ -192,6 +196,7 @@ class WorkerGroup:
         return PopenWorker(proc)
 
     def alive(self) -> list[int]:
+        """Local ranks of the workers still running."""
         return [lr for lr, h in self._handles.items() if h.poll() is None]
 
     def signal_all(self, sig: int, only_leaders: bool = False) -> None:
@@ -233,6 +238,8 @@ class WorkerGroup:
         self.close()
 
     def close(self) -> None:
+        """Wait for the tee threads (2 s each at most) and close the log files; ``stop`` calls
+        it."""
         for t in self._threads:
             t.join(timeout=2.0)
         for f in self._files:

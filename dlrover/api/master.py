@@ -81,6 +81,9 @@ class HeartbeatReport:
 
 @dataclass(frozen=True)
 class HeartbeatReply:
+    """The master's answer to a heartbeat: what the agent must do, and the job's state (a
+    ``JobState`` value: pending, running, succeeded or failed)."""
+
     action: HeartbeatAction
     job_state: str
 
@@ -99,6 +102,8 @@ class JoinRequest:
 
 @dataclass(frozen=True)
 class WorldMember:
+    """One node of a closed rendezvous round: its id, node rank, number of workers and host."""
+
     node_id: str
     node_rank: int
     local_world_size: int
@@ -141,6 +146,10 @@ class NodeReport:
 
 @dataclass(frozen=True)
 class NodeStatus:
+    """One node as ``dlrover status`` shows it. ``state`` is a ``NodeState`` value; ``step`` is the
+    highest step reported (-1 before any); ``last_heartbeat_age_s`` is seconds since its last sign
+    of life; ``memory_bytes`` is in bytes."""
+
     node_id: str
     state: str
     node_rank: int
@@ -166,6 +175,7 @@ class JobStatus:
 
     @property
     def ended(self) -> bool:
+        """True once the job has succeeded or failed; an ended job never runs again."""
         return self.state in ("succeeded", "failed")
 
 
@@ -176,29 +186,54 @@ class MasterApi(Protocol):
     node, stale incarnation, bad configuration) in both implementations.
     """
 
-    def register_node(self, registration: Registration) -> Registered: ...
+    def register_node(self, registration: Registration) -> Registered:
+        """Admit an agent: a new node id, or the same id with a bumped incarnation for a restarted
+        agent. The first registration must carry ``limits`` and fixes the job's range; a later one
+        whose min/max nodes differ is refused (MasterRequestError)."""
+        ...
 
-    def heartbeat(self, report: HeartbeatReport) -> HeartbeatReply: ...
+    def heartbeat(self, report: HeartbeatReport) -> HeartbeatReply:
+        """Record this incarnation's liveness, usage and step; the reply says to stop or register
+        again. Raises UnknownNodeError for an unknown node, MasterRequestError for a stale
+        incarnation."""
+        ...
 
     def join_rendezvous(self, request: JoinRequest) -> int:
         """The round number joined."""
         ...
 
-    def get_comm_world(self, node_id: str, round: int) -> CommWorld: ...
+    def get_comm_world(self, node_id: str, round: int) -> CommWorld:
+        """The world of the round this node waits for or belongs to; ``complete`` is False until
+        that round closes (ask again)."""
+        ...
 
-    def num_nodes_waiting(self, node_id: str, round: int) -> Waiting: ...
+    def num_nodes_waiting(self, node_id: str, round: int) -> Waiting:
+        """How many waiting nodes should make this node's running world re-form now, and the newest
+        round (0 waiting: carry on)."""
+        ...
 
     def report_node_status(self, report: NodeReport) -> bool:
         """True once every node of the final world has succeeded (the exit barrier)."""
         ...
 
-    def get_job_status(self) -> JobStatus: ...
+    def get_job_status(self) -> JobStatus:
+        """The job and every node it knows, as the master sees them now."""
+        ...
 
-    def stop_job(self, reason: str) -> JobStatus: ...
+    def stop_job(self, reason: str) -> JobStatus:
+        """End the job as failed with ``reason`` (nothing if it already ended; agents learn it from
+        their next heartbeat); returns the job's status after."""
+        ...
 
-    def kv_set(self, key: str, value: bytes) -> None: ...
+    def kv_set(self, key: str, value: bytes) -> None:
+        """Publish ``value`` under ``key`` and wake its readers; refused (MasterRequestError) for an
+        empty key, a value over MAX_KV_VALUE_BYTES or a full store."""
+        ...
 
-    def kv_get(self, key: str, wait_s: float = 0.0) -> bytes | None: ...
+    def kv_get(self, key: str, wait_s: float = 0.0) -> bytes | None:
+        """The value of ``key``, waiting up to ``wait_s`` seconds for it to appear; None if it did
+        not."""
+        ...
 
     def report_step(
         self,
@@ -206,15 +241,23 @@ class MasterApi(Protocol):
         rank: int | None = None,
         metrics: dict[str, float] | None = None,
         node_id: str | None = None,
-    ) -> None: ...
+    ) -> None:
+        """A training process finished ``step``: the node's progress, and a sign of life. The master
+        keeps the node's highest step; ``rank`` and ``metrics`` are not stored."""
+        ...
 
     def checkpoint_persisted(self, step: int, node_rank: int, total_nodes: int) -> bool:
         """This node wrote all its files of ``step``; True for the one node that commits it."""
         ...
 
-    def checkpoint_committed(self, step: int) -> None: ...
+    def checkpoint_committed(self, step: int) -> None:
+        """The committer announces that ``step`` is committed: waiters on it (or an older step)
+        return True."""
+        ...
 
-    def wait_checkpoint_committed(self, step: int, wait_s: float) -> bool: ...
+    def wait_checkpoint_committed(self, step: int, wait_s: float) -> bool:
+        """Whether ``step`` (or a newer one) is committed within ``wait_s`` seconds."""
+        ...
 
     def vote_load_step(
         self, node_rank: int, total_nodes: int, local_step: int | None, round_id: int, wait_s: float

@@ -11,6 +11,7 @@ from dlrover.proto import master_pb2 as pb
 
 
 def limits_to_pb(limits: api.NodeLimits, job_name: str = "") -> pb.JobConfig:
+    """The job's node range (and name) as the wire's JobConfig."""
     return pb.JobConfig(
         min_nodes=limits.min_nodes,
         max_nodes=limits.max_nodes,
@@ -21,6 +22,7 @@ def limits_to_pb(limits: api.NodeLimits, job_name: str = "") -> pb.JobConfig:
 
 
 def limits_from_pb(config: pb.JobConfig) -> api.NodeLimits:
+    """A JobConfig back into NodeLimits (the job name is read separately)."""
     return api.NodeLimits(
         min_nodes=config.min_nodes,
         max_nodes=config.max_nodes,
@@ -30,6 +32,7 @@ def limits_from_pb(config: pb.JobConfig) -> api.NodeLimits:
 
 
 def registration_to_pb(r: api.Registration) -> pb.RegisterNodeRequest:
+    """A Registration as a RegisterNodeRequest; limits travel only when given."""
     request = pb.RegisterNodeRequest(
         node_id=r.node_id,
         host=r.host,
@@ -44,6 +47,7 @@ def registration_to_pb(r: api.Registration) -> pb.RegisterNodeRequest:
 
 
 def registration_from_pb(request: pb.RegisterNodeRequest) -> api.Registration:
+    """A RegisterNodeRequest as a Registration; a config with max_nodes 0 means no limits given."""
     given = request.HasField("config") and request.config.max_nodes > 0
     return api.Registration(
         host=request.host,
@@ -58,12 +62,14 @@ def registration_from_pb(request: pb.RegisterNodeRequest) -> api.Registration:
 
 
 def registered_to_pb(r: api.Registered) -> pb.RegisterNodeResponse:
+    """The master's registration answer as a RegisterNodeResponse."""
     return pb.RegisterNodeResponse(
         node_id=r.node_id, incarnation=r.incarnation, config=limits_to_pb(r.limits, r.job_name)
     )
 
 
 def registered_from_pb(response: pb.RegisterNodeResponse) -> api.Registered:
+    """A RegisterNodeResponse back into Registered."""
     return api.Registered(
         node_id=response.node_id,
         incarnation=response.incarnation,
@@ -73,6 +79,7 @@ def registered_from_pb(response: pb.RegisterNodeResponse) -> api.Registered:
 
 
 def heartbeat_to_pb(h: api.HeartbeatReport) -> pb.HeartbeatRequest:
+    """A HeartbeatReport as a HeartbeatRequest."""
     return pb.HeartbeatRequest(
         node_id=h.node_id,
         incarnation=h.incarnation,
@@ -84,6 +91,7 @@ def heartbeat_to_pb(h: api.HeartbeatReport) -> pb.HeartbeatRequest:
 
 
 def heartbeat_from_pb(request: pb.HeartbeatRequest) -> api.HeartbeatReport:
+    """A HeartbeatRequest back into a HeartbeatReport."""
     return api.HeartbeatReport(
         node_id=request.node_id,
         incarnation=request.incarnation,
@@ -96,6 +104,8 @@ def heartbeat_from_pb(request: pb.HeartbeatRequest) -> api.HeartbeatReport:
 
 
 def heartbeat_reply_from_pb(response: pb.HeartbeatResponse) -> api.HeartbeatReply:
+    """A HeartbeatResponse as a HeartbeatReply; an action this client does not know reads as
+    NONE."""
     try:
         action = api.HeartbeatAction(response.action)
     except ValueError:
@@ -104,6 +114,7 @@ def heartbeat_reply_from_pb(response: pb.HeartbeatResponse) -> api.HeartbeatRepl
 
 
 def join_to_pb(j: api.JoinRequest) -> pb.JoinRendezvousRequest:
+    """A JoinRequest as a JoinRendezvousRequest."""
     return pb.JoinRendezvousRequest(
         node_id=j.node_id,
         incarnation=j.incarnation,
@@ -114,6 +125,7 @@ def join_to_pb(j: api.JoinRequest) -> pb.JoinRendezvousRequest:
 
 
 def join_from_pb(request: pb.JoinRendezvousRequest) -> api.JoinRequest:
+    """A JoinRendezvousRequest back into a JoinRequest."""
     return api.JoinRequest(
         node_id=request.node_id,
         incarnation=request.incarnation,
@@ -124,6 +136,7 @@ def join_from_pb(request: pb.JoinRendezvousRequest) -> api.JoinRequest:
 
 
 def world_to_pb(w: api.CommWorld) -> pb.CommWorld:
+    """A CommWorld as its wire message."""
     return pb.CommWorld(
         round=w.round,
         complete=w.complete,
@@ -145,6 +158,7 @@ def world_to_pb(w: api.CommWorld) -> pb.CommWorld:
 
 
 def world_from_pb(w: pb.CommWorld) -> api.CommWorld:
+    """A CommWorld message back into the domain CommWorld."""
     return api.CommWorld(
         round=w.round,
         complete=w.complete,
@@ -166,6 +180,7 @@ def world_from_pb(w: pb.CommWorld) -> api.CommWorld:
 
 
 def node_report_to_pb(r: api.NodeReport) -> pb.ReportNodeStatusRequest:
+    """A NodeReport as a ReportNodeStatusRequest."""
     return pb.ReportNodeStatusRequest(
         node_id=r.node_id,
         incarnation=r.incarnation,
@@ -176,6 +191,7 @@ def node_report_to_pb(r: api.NodeReport) -> pb.ReportNodeStatusRequest:
 
 
 def node_report_from_pb(request: pb.ReportNodeStatusRequest) -> api.NodeReport:
+    """A ReportNodeStatusRequest as a NodeReport; raises ValueError for an unknown status."""
     try:
         outcome = api.NodeOutcome(request.status)
     except ValueError:
@@ -192,6 +208,7 @@ def node_report_from_pb(request: pb.ReportNodeStatusRequest) -> api.NodeReport:
 
 
 def job_status_to_pb(s: api.JobStatus) -> pb.JobStatus:
+    """A JobStatus (with its nodes) as its wire message."""
     return pb.JobStatus(
         job_name=s.job_name,
         state=s.state,
@@ -217,6 +234,7 @@ def job_status_to_pb(s: api.JobStatus) -> pb.JobStatus:
 
 
 def job_status_from_pb(s: pb.JobStatus) -> api.JobStatus:
+    """A JobStatus message back into the domain JobStatus."""
     return api.JobStatus(
         job_name=s.job_name,
         state=s.state,

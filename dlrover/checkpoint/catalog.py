@@ -40,6 +40,7 @@ Finalizer = Callable[["Catalog", int, list[dict[str, Any]]], FileTable]
 
 
 def step_dir(step: int) -> str:
+    """The directory of ``step``, relative to the storage root: ``step_<n>``."""
     return f"step_{step}"
 
 
@@ -89,6 +90,8 @@ class Catalog:
     def record_node_part(
         self, step: int, node_rank: int, files: FileTable, extra: dict[str, Any] | None = None
     ) -> None:
+        """Record, atomically, the files node ``node_rank`` wrote for ``step`` (with ``extra`` for
+        the committer's finalizer); ``commit`` merges these records into the manifest."""
         doc = {"step": step, "node_rank": node_rank, "files": files, "extra": extra or {}}
         self.storage.write_atomic(
             f"{step_dir(step)}/node_{node_rank}.json", json.dumps(doc).encode()
@@ -130,10 +133,13 @@ class Catalog:
 
     # ------------------------------------------------------------------ reading
     def steps(self) -> list[int]:
+        """Every step that has a directory, committed or not, ascending."""
         found = (_STEP_RE.match(n) for n in self.storage.listdir(""))
         return sorted(int(m.group(1)) for m in found if m)
 
     def latest_step(self) -> int | None:
+        """The step the "latest" marker names; None if there is no marker or it is malformed
+        (logged). Raises CheckpointStorageError if it cannot be read."""
         try:
             text = self.storage.read_bytes(LATEST_FILE).decode().strip()
         except FileNotFoundError:
@@ -148,6 +154,8 @@ class Catalog:
         return int(text)
 
     def manifest(self, step: int) -> dict[str, Any]:
+        """The manifest of ``step``, not verified (see ``verify``); raises CheckpointCorruptError if
+        it is missing (never committed) or not JSON."""
         rel = f"{step_dir(step)}/{MANIFEST_FILE}"
         try:
             manifest: dict[str, Any] = json.loads(self.storage.read_bytes(rel))

@@ -18,11 +18,18 @@ _KEEP_ROUNDS = 8
 class CommitCoordinator(Protocol):
     """What the savers of all nodes agree on (see `CommitVotes` for the rules)."""
 
-    def report_persisted(self, step: int, node_rank: int, total_nodes: int) -> bool: ...
+    def report_persisted(self, step: int, node_rank: int, total_nodes: int) -> bool:
+        """Node ``node_rank`` wrote all its files of ``step``; True for exactly one node of the
+        step, the committer (see CommitVotes)."""
+        ...
 
-    def mark_committed(self, step: int) -> None: ...
+    def mark_committed(self, step: int) -> None:
+        """The committer announces that ``step`` is committed; its waiters wake."""
+        ...
 
-    def wait_committed(self, step: int, timeout: float) -> bool: ...
+    def wait_committed(self, step: int, timeout: float) -> bool:
+        """Whether ``step`` or a newer one is committed within ``timeout`` seconds."""
+        ...
 
     def agree_load_step(
         self,
@@ -31,7 +38,10 @@ class CommitCoordinator(Protocol):
         local_step: int | None,
         round_id: int,
         timeout: float,
-    ) -> int | None: ...
+    ) -> int | None:
+        """The step every node holds complete in memory in restart round ``round_id``, or None (they
+        differ, or a node did not vote within ``timeout`` seconds)."""
+        ...
 
 
 class CommitVotes:

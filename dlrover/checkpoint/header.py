@@ -30,10 +30,13 @@ class Mapped(Protocol):
     size: int
 
     @property
-    def buffer(self) -> memoryview: ...
+    def buffer(self) -> memoryview:
+        """The segment's bytes, writable, ``size`` long."""
+        ...
 
 
 def align(n: int) -> int:
+    """``n`` rounded up to a multiple of ALIGN (64 bytes)."""
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 

@@ -26,10 +26,12 @@ from dlrover.checkpoint.shm import SharedSegment
 
 
 def dtype_name(dtype: torch.dtype) -> str:
+    """The name a dtype is kept under in the metadata: ``torch.float32`` -> ``float32``."""
     return str(dtype).removeprefix("torch.")
 
 
 def dtype_from_name(name: str) -> torch.dtype:
+    """The torch dtype named in the metadata; SegmentStateError for a name torch does not know."""
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise SegmentStateError(f"unknown dtype {name!r} in checkpoint metadata")
@@ -51,6 +53,8 @@ class Layout:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def metadata(self, step: int) -> bytes:
+        """The segment's JSON metadata for ``step``: format version, tree, tensor entries, data
+        length and ``extra``, compactly encoded."""
         doc = {
             "version": FORMAT_VERSION,
             "step": step,

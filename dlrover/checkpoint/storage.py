@@ -39,17 +39,24 @@ class Storage(abc.ABC):
         """Write ``data`` to a temp file, then rename it over ``rel``."""
 
     @abc.abstractmethod
-    def exists(self, rel: str) -> bool: ...
+    def exists(self, rel: str) -> bool:
+        """Whether ``rel`` exists (a file or a directory)."""
+        ...
 
     @abc.abstractmethod
-    def size(self, rel: str) -> int: ...
+    def size(self, rel: str) -> int:
+        """Size of file ``rel`` in bytes; raises an OSError (usually FileNotFoundError) if it is
+        missing."""
+        ...
 
     @abc.abstractmethod
     def listdir(self, rel: str) -> list[str]:
         """Names (not paths) in directory ``rel``; empty if it does not exist."""
 
     @abc.abstractmethod
-    def remove_tree(self, rel: str) -> None: ...
+    def remove_tree(self, rel: str) -> None:
+        """Delete directory ``rel`` and everything under it; fine if it does not exist."""
+        ...
 
     @abc.abstractmethod
     def remove(self, rel: str) -> None:
@@ -60,6 +67,7 @@ class Storage(abc.ABC):
         return f"{self.root.rstrip('/')}/{rel}" if rel else self.root
 
     def read_bytes(self, rel: str) -> bytes:
+        """The whole content of file ``rel``; a missing file raises FileNotFoundError."""
         with self.open_read(rel) as f:
             return f.read()
 
@@ -74,6 +82,8 @@ class LocalStorage(Storage):
         return os.path.join(self.root, rel) if rel else self.root
 
     def makedirs(self, rel: str) -> None:
+        """Create the directory and its parents; CheckpointStorageError if the file system
+        refuses."""
         try:
             os.makedirs(self._p(rel), exist_ok=True)
         except OSError as exc:
@@ -84,6 +94,8 @@ class LocalStorage(Storage):
 
     @contextlib.contextmanager
     def open_write(self, rel: str) -> Iterator[IO[bytes]]:
+        """Write ``rel`` from the start; flushed and fsynced when the block ends without error,
+        closed either way. CheckpointStorageError if it cannot be opened."""
         path = self._p(rel)
         try:
             f = open(path, "wb")  # noqa: SIM115 - closed below after fsync
@@ -98,10 +110,13 @@ class LocalStorage(Storage):
 
     @contextlib.contextmanager
     def open_read(self, rel: str) -> Iterator[IO[bytes]]:
+        """Read ``rel``; a missing file raises FileNotFoundError (not wrapped)."""
         with open(self._p(rel), "rb") as f:
             yield f
 
     def write_atomic(self, rel: str, data: bytes) -> None:
+        """Write a fsynced temp file beside ``rel``, rename it over ``rel`` and fsync the directory;
+        on failure the temp file is removed and CheckpointStorageError raised."""
         path = self._p(rel)
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
         try:
@@ -121,29 +136,35 @@ class LocalStorage(Storage):
             raise CheckpointStorageError(f"cannot write {path!r}: {exc.strerror}") from exc
 
     def exists(self, rel: str) -> bool:
+        """Whether the path exists (a file or a directory)."""
         return os.path.exists(self._p(rel))
 
     def size(self, rel: str) -> int:
+        """File size in bytes; OSError if it is missing."""
         return os.path.getsize(self._p(rel))
 
     def listdir(self, rel: str) -> list[str]:
+        """Sorted names in the directory; empty if it does not exist."""
         try:
             return sorted(os.listdir(self._p(rel)))
         except FileNotFoundError:
             return []
 
     def remove_tree(self, rel: str) -> None:
+        """Delete the directory tree; every error is ignored (a missing tree, but also one that
+        cannot be removed)."""
         shutil.rmtree(self._p(rel), ignore_errors=True)
 
     def remove(self, rel: str) -> None:
+        """Delete one file; fine if it does not exist."""
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._p(rel))
 
 
 class FsspecStorage(Storage):
-    """Any fsspec URL (s3://, gs://, hdfs://, memory://...). The rename of ``write_atomic`` is
-    as atomic as the backend's move; object stores make a single put visible atomically, so a
-    marker is written with one put there."""
+    """Any fsspec URL (s3://, gs://, hdfs://, memory://...). ``write_atomic`` puts a temp object
+    and moves it over the target, so it is as atomic as the backend's move (on object stores a
+    copy then a delete: the target object appears whole)."""
 
     def __init__(self, url: str, **options: Any) -> None:
         import fsspec
@@ -156,6 +177,7 @@ class FsspecStorage(Storage):
         return f"{self._path}/{rel}" if rel else self._path
 
     def makedirs(self, rel: str) -> None:
+        """Create directory ``rel`` through the backend; CheckpointStorageError if it refuses."""
         try:
             self.fs.makedirs(self._p(rel), exist_ok=True)
         except OSError as exc:
@@ -163,15 +185,20 @@ class FsspecStorage(Storage):
 
     @contextlib.contextmanager
     def open_write(self, rel: str) -> Iterator[IO[bytes]]:
+        """A binary stream to ``rel``; the backend stores it when the stream closes, as durably as
+        the backend does."""
         with self.fs.open(self._p(rel), "wb") as f:
             yield f
 
     @contextlib.contextmanager
     def open_read(self, rel: str) -> Iterator[IO[bytes]]:
+        """A binary stream reading ``rel``; the backend's error if it is missing."""
         with self.fs.open(self._p(rel), "rb") as f:
             yield f
 
     def write_atomic(self, rel: str, data: bytes) -> None:
+        """Put ``data`` to a temp object beside ``rel``, then move it over ``rel``;
+        CheckpointStorageError on failure (the temp object may be left behind)."""
         tmp = f"{self._p(rel)}.tmp-{uuid.uuid4().hex[:8]}"
         try:
             self.fs.pipe_file(tmp, data)
@@ -180,12 +207,15 @@ class FsspecStorage(Storage):
             raise CheckpointStorageError(f"cannot write {self.url(rel)!r}: {exc}") from exc
 
     def exists(self, rel: str) -> bool:
+        """Whether ``rel`` exists on the backend."""
         return bool(self.fs.exists(self._p(rel)))
 
     def size(self, rel: str) -> int:
+        """Size of ``rel`` in bytes, as the backend reports it."""
         return int(self.fs.size(self._p(rel)))
 
     def listdir(self, rel: str) -> list[str]:
+        """Sorted names under ``rel`` (not paths); empty if it does not exist."""
         try:
             names = self.fs.ls(self._p(rel), detail=False)
         except FileNotFoundError:
@@ -193,10 +223,12 @@ class FsspecStorage(Storage):
         return sorted(str(n).rstrip("/").rsplit("/", 1)[-1] for n in names)
 
     def remove_tree(self, rel: str) -> None:
+        """Delete ``rel`` recursively; fine if it does not exist."""
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm(self._p(rel), recursive=True)
 
     def remove(self, rel: str) -> None:
+        """Delete one file; fine if it does not exist."""
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(self._p(rel))
 

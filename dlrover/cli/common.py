@@ -8,6 +8,8 @@ import sys
 
 
 def setup_logging(name: str) -> None:
+    """Log to stderr at DLROVER_LOG_LEVEL (default INFO), each line tagged ``[name]``; gRPC's own
+    loggers only from WARNING."""
     level = os.environ.get("DLROVER_LOG_LEVEL", "INFO").upper()
     logging.basicConfig(
         level=getattr(logging, level, logging.INFO),

@@ -35,6 +35,9 @@ def _status_table(status: JobStatus) -> str:
 
 
 def cmd_status(name: str) -> int:
+    """``dlrover status NAME``: print the job's node table from its master, or its final state if it
+    ended. Returns the exit code (1 if the master does not answer); NoSuchJobError if the job has no
+    record."""
     record = read_record(name)
     if not record.reachable:
         print(f"job {name}: {record.state} - {record.reason}")
@@ -51,6 +54,8 @@ def cmd_status(name: str) -> int:
 
 
 def cmd_stop(name: str, timeout_s: float = 60.0) -> int:
+    """``dlrover stop NAME``: ask the master to stop the job, then wait up to ``timeout_s`` seconds
+    for the submitter to record the end (or die). Returns the exit code."""
     record = read_record(name)
     if not record.reachable:
         print(f"job {name} already ended: {record.state}")
@@ -82,6 +87,7 @@ def cmd_stop(name: str, timeout_s: float = 60.0) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``dlrover`` command line: ``submit``, ``status`` and ``stop``."""
     p = argparse.ArgumentParser(
         prog="dlrover", description="Submit, inspect and stop DLRover jobs."
     )
@@ -118,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(argv: Sequence[str] | None = None) -> int:
+    """Run ``dlrover`` with ``argv`` (default: sys.argv) and return its exit code; ``submit`` serves
+    the job from this process until it ends."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -154,6 +162,7 @@ def run(argv: Sequence[str] | None = None) -> int:
 
 
 def main() -> None:
+    """Console entry point of ``dlrover``: exits with ``run()``'s code."""
     sys.exit(run())
 
 

@@ -41,6 +41,7 @@ class JobRecord:
 
     @property
     def ended(self) -> bool:
+        """True once the submitter recorded success or failure."""
         return self.state in ("succeeded", "failed")
 
     @property
@@ -54,6 +55,7 @@ def _path(name: str) -> Path:
 
 
 def has_record(name: str) -> bool:
+    """Whether a job named ``name`` has a record on this machine."""
     return _path(name).exists()
 
 

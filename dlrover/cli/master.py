@@ -25,6 +25,7 @@ logger = logging.getLogger("dlrover.master")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``dlrover-master`` command line."""
     p = argparse.ArgumentParser(
         prog="dlrover-master",
         description="Run the DLRover job master. Prints DLROVER_MASTER_ADDR and DLROVER_JOB_TOKEN; "
@@ -108,6 +109,10 @@ def _advertise_host(args: argparse.Namespace) -> str:
 
 
 def run(argv: Sequence[str] | None = None) -> int:
+    """Run ``dlrover-master``. With --job-spec, serve a whole job through its engine; otherwise
+    start a master, print DLROVER_MASTER_ADDR and DLROVER_JOB_TOKEN, and serve until the job ends, a
+    SIGTERM or SIGINT stops it, or no node registers within --idle-timeout. Returns 0 if the job
+    succeeded, else its exit code (at least 1)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.job_spec:
@@ -183,6 +188,7 @@ def run(argv: Sequence[str] | None = None) -> int:
 
 
 def main() -> None:
+    """Console entry point of ``dlrover-master``: exits with ``run()``'s code."""
     sys.exit(run())
 
 

@@ -32,6 +32,8 @@ def _add(p: argparse.ArgumentParser, name: str, **kw: object) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``dlrover-run`` command line: torchrun's flags (dash and underscore spellings) and
+    DLRover's own."""
     p = argparse.ArgumentParser(
         prog="dlrover-run",
         description="Launch a PyTorch training script on this node, like torchrun, with workers "
@@ -324,6 +326,10 @@ def _is_local(host: str) -> bool:
 
 
 def run(argv: Sequence[str] | None = None) -> int:
+    """Run ``dlrover-run``: find or start the master (embedded for --standalone or a single node
+    without an address; else DLROVER_MASTER_ADDR; else --rdzv-endpoint, hosted by the node that
+    can bind it), then run this node's agent until the job ends. Returns the job's exit code,
+    128 + the signal number when a signal stopped it, 1 when the master cannot be reached."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -399,6 +405,7 @@ def run(argv: Sequence[str] | None = None) -> int:
 
 
 def main() -> None:
+    """Console entry point of ``dlrover-run``: exits with ``run()``'s code."""
     sys.exit(run())
 
 

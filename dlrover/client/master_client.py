@@ -99,6 +99,7 @@ class MasterClient:
         self.get_job_status()
 
     def close(self) -> None:
+        """Close the channel; calls after this fail."""
         self._channel.close()
 
     def call(self, fn: Callable[..., T], request: object, timeout_s: float | None = None) -> T:
@@ -129,40 +130,53 @@ class MasterClient:
 
     # --- agent calls ---------------------------------------------------------------------------
     def register_node(self, registration: api.Registration) -> api.Registered:
+        """Register this agent (RegisterNode RPC; see MasterApi.register_node)."""
         request = wire.registration_to_pb(registration)
         return wire.registered_from_pb(self.call(self.stub.RegisterNode, request))
 
     def heartbeat(self, report: api.HeartbeatReport) -> api.HeartbeatReply:
+        """Send a heartbeat (Heartbeat RPC); an action this client does not know reads as NONE."""
         response = self.call(self.stub.Heartbeat, wire.heartbeat_to_pb(report))
         return wire.heartbeat_reply_from_pb(response)
 
     def join_rendezvous(self, request: api.JoinRequest) -> int:
+        """Join the next rendezvous round (JoinRendezvous RPC); returns its number."""
         return self.call(self.stub.JoinRendezvous, wire.join_to_pb(request)).round
 
     def get_comm_world(self, node_id: str, round: int) -> api.CommWorld:
+        """This node's world (GetCommWorld RPC); ``complete`` is False until its round closes."""
         request = pb.GetCommWorldRequest(node_id=node_id, round=round)
         return wire.world_from_pb(self.call(self.stub.GetCommWorld, request))
 
     def num_nodes_waiting(self, node_id: str, round: int) -> api.Waiting:
+        """Waiting nodes that should make the world re-form, and the newest round (NumNodesWaiting
+        RPC)."""
         request = pb.NumNodesWaitingRequest(node_id=node_id, round=round)
         response = self.call(self.stub.NumNodesWaiting, request)
         return api.Waiting(response.waiting, response.latest_round)
 
     def report_node_status(self, report: api.NodeReport) -> bool:
+        """Report how this node's workers finished (ReportNodeStatus RPC); True once the whole job
+        has succeeded."""
         return self.call(self.stub.ReportNodeStatus, wire.node_report_to_pb(report)).job_done
 
     def get_job_status(self) -> api.JobStatus:
+        """The job and its nodes as the master sees them (GetJobStatus RPC)."""
         return wire.job_status_from_pb(self.call(self.stub.GetJobStatus, pb.GetJobStatusRequest()))
 
     def stop_job(self, reason: str) -> api.JobStatus:
+        """End the job as failed with ``reason`` (StopJob RPC); returns its status."""
         request = pb.StopJobRequest(reason=reason)
         return wire.job_status_from_pb(self.call(self.stub.StopJob, request))
 
     # --- key-value -----------------------------------------------------------------------------
     def kv_set(self, key: str, value: bytes) -> None:
+        """Store ``value`` under ``key`` (KvSet RPC)."""
         self.call(self.stub.KvSet, pb.KvSetRequest(key=key, value=value))
 
     def kv_get(self, key: str, wait_s: float = 0.0) -> bytes | None:
+        """The value of ``key``, asking again until ``wait_s`` seconds have passed (the master holds
+        each KvGet at most MAX_KV_WAIT_S); None if it never appeared."""
         deadline = time.monotonic() + wait_s
         while True:
             left = max(0.0, deadline - time.monotonic())
@@ -196,12 +210,15 @@ class MasterClient:
 
     # --- flash-checkpoint votes ----------------------------------------------------------------
     def checkpoint_persisted(self, step: int, node_rank: int, total_nodes: int) -> bool:
+        """Report that this node persisted all its files of ``step`` (CheckpointPersisted RPC); True
+        if it is the step's committer."""
         request = pb.CheckpointPersistedRequest(
             step=step, node_rank=node_rank, total_nodes=total_nodes
         )
         return bool(self.call(self.stub.CheckpointPersisted, request).committer)
 
     def checkpoint_committed(self, step: int) -> None:
+        """Mark ``step`` committed (CheckpointCommitted RPC with ``mark`` set)."""
         self.call(self.stub.CheckpointCommitted, pb.CheckpointCommittedRequest(step=step, mark=True))
 
     def wait_checkpoint_committed(self, step: int, wait_s: float) -> bool:

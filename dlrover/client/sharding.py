@@ -54,11 +54,13 @@ class GrpcShardingTransport:
         self._client = client
 
     def register_dataset(self, spec: DatasetSpec) -> RegisterResult:
+        """Register ``spec`` with the master (RegisterDataset RPC)."""
         request = pb.RegisterDatasetRequest(spec=wire.dataset_spec_to_proto(spec))
         response = _accepted(self._client.call(self._client.stub.RegisterDataset, request))
         return wire.register_result_from_proto(response.result)
 
     def fetch_shards(self, dataset: str, worker_id: str, max_count: int) -> FetchResult:
+        """Lease up to ``max_count`` shards to ``worker_id`` (FetchShards RPC)."""
         request = pb.FetchShardsRequest(dataset=dataset, worker_id=worker_id, max_count=max_count)
         response = _accepted(self._client.call(self._client.stub.FetchShards, request))
         return wire.fetch_result_from_proto(response.result)
@@ -66,6 +68,7 @@ class GrpcShardingTransport:
     def report_done(
         self, dataset: str, worker_id: str, shard_ids: Sequence[ShardId]
     ) -> ReportResult:
+        """Report shards ``worker_id`` finished (ReportDone RPC)."""
         request = pb.ReportDoneRequest(
             dataset=dataset,
             worker_id=worker_id,
@@ -77,6 +80,7 @@ class GrpcShardingTransport:
     def report_progress(
         self, dataset: str, worker_id: str, shard_id: ShardId, consumed: int
     ) -> bool:
+        """Report samples trained in a shard (ReportProgress RPC); False if the lease is lost."""
         request = pb.ReportProgressRequest(
             dataset=dataset,
             worker_id=worker_id,
@@ -86,31 +90,37 @@ class GrpcShardingTransport:
         return _accepted(self._client.call(self._client.stub.ReportProgress, request)).accepted
 
     def renew_leases(self, dataset: str, worker_id: str) -> int:
+        """Extend every lease ``worker_id`` holds (RenewLeases RPC); returns how many."""
         request = pb.RenewLeasesRequest(dataset=dataset, worker_id=worker_id)
         return _accepted(self._client.call(self._client.stub.RenewLeases, request)).renewed
 
     def get_position(self, dataset: str) -> Position:
+        """The dataset's consumed position now (GetPosition RPC)."""
         response = _accepted(self._client.call(self._client.stub.GetPosition, pb.GetPositionRequest(dataset=dataset)))
         return wire.position_from_proto(response.position)
 
     def mark_consumption(self, dataset: str, worker_id: str, mark: ConsumptionMark) -> None:
+        """Record where ``worker_id`` stands in its iteration (MarkConsumption RPC)."""
         request = pb.MarkConsumptionRequest(
             dataset=dataset, worker_id=worker_id, mark=wire.consumption_mark_to_proto(mark)
         )
         _accepted(self._client.call(self._client.stub.MarkConsumption, request))
 
     def position_at(self, dataset: str, epoch: int, consumed: int) -> PositionAt:
+        """The position at a step of every worker, or who it waits for (PositionAt RPC)."""
         request = pb.PositionAtRequest(dataset=dataset, epoch=epoch, consumed=consumed)
         response = _accepted(self._client.call(self._client.stub.PositionAt, request))
         return wire.position_at_from_proto(response.result)
 
     def restore_position(self, position: Position, token: str | None) -> bool:
+        """Reset the dataset to ``position``, once per ``token`` (RestorePosition RPC)."""
         request = pb.RestorePositionRequest(position=wire.position_to_proto(position))
         if token is not None:
             request.token = token
         return _accepted(self._client.call(self._client.stub.RestorePosition, request)).applied
 
     def dataset_progress(self, dataset: str) -> DatasetProgress:
+        """The dataset's progress counters (DatasetProgress RPC)."""
         request = pb.DatasetProgressRequest(dataset=dataset)
         response = _accepted(self._client.call(self._client.stub.DatasetProgress, request))
         return wire.dataset_progress_from_proto(response.result)

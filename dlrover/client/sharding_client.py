@@ -150,6 +150,8 @@ class ShardingClient:
         return item
 
     def report_done(self, shard: Shard) -> ReportResult:
+        """Tell the master this worker finished ``shard``; a shard that is no longer open counts as
+        ignored in the result."""
         self.touch()
         return self.transport.report_done(self.spec.name, self.worker_id, [shard.id])
 
@@ -163,6 +165,8 @@ class ShardingClient:
         self._activity = time.monotonic()
 
     def get_position(self) -> Position:
+        """The dataset's consumed position now, for all workers (shards in flight are pending); for
+        the position at a given step use ``position_at``."""
         return self.transport.get_position(self.spec.name)
 
     def mark(self, mark: ConsumptionMark) -> None:

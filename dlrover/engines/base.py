@@ -89,6 +89,7 @@ class NodeState(enum.Enum):
 
     @property
     def is_final(self) -> bool:
+        """True for SUCCEEDED, FAILED and DELETED: the node never changes state again."""
         return self in (NodeState.SUCCEEDED, NodeState.FAILED, NodeState.DELETED)
 
 
@@ -153,6 +154,8 @@ class NodeSpec:
 
     @property
     def node_id(self) -> str:
+        """``<job>-<role>-<rank>-<relaunch_count>``: one per attempt at a slot, the same for a
+        retried launch (it names the pod or actor)."""
         return f"{self.job_name}-{self.role}-{self.rank}-{self.relaunch_count}"
 
     def replacement(self, resources: Resources | None = None) -> NodeSpec:
@@ -173,6 +176,7 @@ class Node:
 
     @property
     def node_id(self) -> str:
+        """The id of the node's spec."""
         return self.spec.node_id
 
 
@@ -204,11 +208,14 @@ class EventQueue:
         self._cond = threading.Condition()
 
     def put(self, event: NodeEvent) -> None:
+        """Queue ``event`` and wake a waiting ``drain``."""
         with self._cond:
             self._events.append(event)
             self._cond.notify_all()
 
     def drain(self, timeout: float) -> list[NodeEvent]:
+        """Every queued event, waiting up to ``timeout`` seconds for the first; empty at the
+        deadline."""
         deadline = time.monotonic() + max(timeout, 0.0)
         with self._cond:
             while not self._events:

@@ -30,6 +30,7 @@ class OwnerReference:
     uid: str
 
     def manifest(self) -> dict[str, Any]:
+        """The ``ownerReferences`` entry pointing at this owner, as its controller."""
         return {
             "apiVersion": self.api_version,
             "kind": self.kind,
@@ -54,6 +55,7 @@ class PodSettings:
 
 
 def job_labels(job_name: str) -> dict[str, str]:
+    """The labels every object of the job carries: the app name and the job name."""
     return {LABEL_APP: APP_NAME, LABEL_JOB: job_name}
 
 
@@ -150,6 +152,8 @@ def master_service_manifest(
 
 
 def master_address(job_name: str, namespace: str, port: int = DEFAULT_MASTER_PORT) -> str:
+    """The in-cluster address of the job's master Service:
+    ``<job>-master.<namespace>.svc:<port>``."""
     return f"{job_name}-master.{namespace}.svc:{port}"
 
 

@@ -96,6 +96,9 @@ class KubernetesEngine(Engine):
 
     # --- Engine -----------------------------------------------------------------------------
     def launch(self, spec: NodeSpec) -> Node:
+        """Create the node's pod (one that already exists, 409, is adopted); returns the node,
+        PENDING until the watch sees it run. Raises LaunchError for another job's spec or a pod the
+        API refuses."""
         from kubernetes.client.rest import ApiException
 
         if spec.job_name != self._job_name:
@@ -144,6 +147,9 @@ class KubernetesEngine(Engine):
             return dataclasses.replace(node)
 
     def delete(self, node_id: str) -> None:
+        """Ask the API to delete the pod and return; the DELETED event comes from the watch (or at
+        once if the pod is already gone). Nothing for a node that already ended. Raises
+        NodeNotFoundError, or EngineError if the API refuses."""
         from kubernetes.client.rest import ApiException
 
         with self._lock:
@@ -169,13 +175,18 @@ class KubernetesEngine(Engine):
             self._end(node_id, PodOutcome(NodeState.DELETED, message="pod was already gone"))
 
     def list_nodes(self) -> list[Node]:
+        """Copies of every node this engine knows, with their last watched states."""
         with self._lock:
             return [dataclasses.replace(node) for node in self._nodes.values()]
 
     def events(self, timeout: float) -> list[NodeEvent]:
+        """Queued node events (from launches and the pod watch), waiting up to ``timeout`` seconds
+        for the first."""
         return self._queue.drain(timeout)
 
     def close(self, delete_nodes: bool = True) -> None:
+        """With ``delete_nodes``, delete every live pod; then stop the watch, waiting at most the
+        watch timeout + 5 s for it."""
         if delete_nodes:
             self.delete_many([n.node_id for n in self.list_nodes() if not n.state.is_final])
         self._stop.set()

@@ -94,6 +94,9 @@ class LocalEngine(Engine):
         self._host = socket.gethostname()
 
     def launch(self, spec: NodeSpec) -> Node:
+        """Start the node's command in a new session, its output appended to
+        ``<log_dir>/<node_id>/{stdout,stderr}``; returns the node RUNNING (an existing id returns
+        that node). Raises EngineError once closed, LaunchError if the command cannot start."""
         with self._lock:
             if self._closed:
                 raise EngineError("the local engine is closed")
@@ -181,6 +184,9 @@ class LocalEngine(Engine):
         return process.popen.pid
 
     def delete(self, node_id: str) -> None:
+        """SIGTERM the node's process group, SIGKILL it after ``stop_grace_s``, and return once its
+        DELETED event is queued; nothing for a node that already ended. Raises NodeNotFoundError, or
+        EngineError if the process outlives SIGKILL."""
         with self._lock:
             process = self._processes.get(node_id)
             if process is None:
@@ -196,13 +202,17 @@ class LocalEngine(Engine):
             )
 
     def list_nodes(self) -> list[Node]:
+        """Copies of every node launched, with their current states."""
         with self._lock:
             return [dataclasses.replace(p.node) for p in self._processes.values()]
 
     def events(self, timeout: float) -> list[NodeEvent]:
+        """Queued node events, waiting up to ``timeout`` seconds for the first."""
         return self._queue.drain(timeout)
 
     def close(self, delete_nodes: bool = True) -> None:
+        """Refuse new launches; with ``delete_nodes``, SIGTERM every running node's group at once,
+        wait one ``stop_grace_s`` for all of them, then SIGKILL the ones left."""
         with self._lock:
             self._closed = True
             running = [p for p in self._processes.values() if not p.node.state.is_final]

@@ -86,6 +86,9 @@ class RayEngine(Engine):
 
     # --- Engine -----------------------------------------------------------------------------
     def launch(self, spec: NodeSpec) -> Node:
+        """Request a placement group and a NodeRunner actor that starts the node's command; returns
+        the node PENDING (the monitor reports RUNNING, or LAUNCH_FAILED after ``launch_timeout_s``).
+        An existing id returns that node; LaunchError if Ray refuses."""
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -128,6 +131,9 @@ class RayEngine(Engine):
         return dataclasses.replace(node)
 
     def delete(self, node_id: str) -> None:
+        """Stop the node's command through its actor (SIGTERM, ``stop_grace_s``, SIGKILL), then kill
+        the actor and remove its placement group; the monitor reports DELETED. Nothing for a node
+        that ended or is being deleted; NodeNotFoundError for an unknown id."""
         with self._lock:
             entry = self._nodes.get(node_id)
             if entry is None:
@@ -144,13 +150,18 @@ class RayEngine(Engine):
         self._kill(entry)
 
     def list_nodes(self) -> list[Node]:
+        """Copies of every node launched, with their current states."""
         with self._lock:
             return [dataclasses.replace(entry.node) for entry in self._nodes.values()]
 
     def events(self, timeout: float) -> list[NodeEvent]:
+        """Queued node events, waiting up to ``timeout`` seconds for the first."""
         return self._queue.drain(timeout)
 
     def close(self, delete_nodes: bool = True) -> None:
+        """With ``delete_nodes``, delete every live node and wait (at most ``stop_grace_s`` + 5 s)
+        for their final events; then stop the monitor, and disconnect from Ray if this engine
+        connected."""
         if delete_nodes:
             with self._lock:
                 live = [e.node.node_id for e in self._nodes.values() if not e.node.state.is_final]

@@ -37,6 +37,8 @@ class NodeRunner:
         self._popen: subprocess.Popen[bytes] | None = None
 
     async def start(self, command: Sequence[str], env: Mapping[str, str]) -> dict[str, object]:
+        """Start ``command`` with ``env`` over the actor's environment, in its own session and (on
+        Linux) killed when the actor dies; returns the Ray node id, hostname and pid."""
         import ray  # inside the actor: ray is there by construction
 
         self._popen = subprocess.Popen(

@@ -41,9 +41,11 @@ class RunningMaster:
 
     @property
     def port(self) -> int:
+        """The port the server listens on (the free one picked when the settings asked for 0)."""
         return self.server.port
 
     def stop(self, grace_s: float = 1.0) -> None:
+        """Stop the server (in-flight calls get ``grace_s`` seconds), then close the state store."""
         self.server.stop(grace_s)
         self.store.close()
 

@@ -86,6 +86,9 @@ class JobMaster:
         pid: int,
         rdzv: RendezvousConfig | None,
     ) -> Node:
+        """Register a node: a new one, or a known id again with a bumped incarnation. The first
+        registration must carry ``rdzv`` and fixes the node range; a later ``rdzv`` with other
+        min/max nodes raises RendezvousError."""
         with self._lock:
             if self.rendezvous is None:
                 if rdzv is None:
@@ -111,7 +114,7 @@ class JobMaster:
     def heartbeat(
         self, node_id: str, incarnation: int, step: int, cpu: float, mem: int, restarts: int
     ) -> str:
-        """Record liveness; returns the action for the agent ("" or "stop")."""
+        """Record liveness; returns the action for the agent ("", "stop" or "reregister")."""
         state = self.nodes.record_heartbeat(node_id, incarnation, step, cpu, mem, restarts)
         if state == NodeState.LOST:
             # A node that was presumed lost is heard again: it must re-register.
@@ -119,6 +122,8 @@ class JobMaster:
         return "stop" if self.ended.is_set() else ""
 
     def report_step(self, node_id: str, step: int) -> None:
+        """Record a step a training process of ``node_id`` finished (also a sign of life). Raises
+        UnknownNodeError."""
         self.nodes.record_step(node_id, step)
 
     # --- rendezvous --------------------------------------------------------------------------
@@ -143,6 +148,9 @@ class JobMaster:
         store_host: str,
         store_port: int,
     ) -> int:
+        """Put the node into the next rendezvous round and return its number; a running or lost
+        node goes back to PENDING, and shards its workers held go back to the queues. Raises
+        NodeError for a stale incarnation, RendezvousError once the job has ended."""
         node = self.nodes.get(node_id, incarnation)
         self.nodes.touch(node_id)
         if self.ended.is_set():
@@ -162,6 +170,9 @@ class JobMaster:
         )
 
     def get_world(self, node_id: str, incarnation: int) -> World | None:
+        """The node's world once its round has closed, else None. A closed round's pending
+        members become RUNNING, and a pending job too; ``incarnation`` 0 skips the incarnation
+        check."""
         self.nodes.get(node_id, incarnation)
         self.nodes.touch(node_id)
         alive = sum(1 for n in self.nodes.all() if n.state in ALIVE_STATES)
@@ -179,6 +190,8 @@ class JobMaster:
         return world
 
     def num_nodes_waiting(self, node_id: str, round: int) -> tuple[int, int]:
+        """(waiting nodes that should make the running world re-form, the latest round); also a sign
+        of life of the node."""
         self.nodes.touch(node_id)
         return self._rdzv().num_nodes_waiting(node_id, round)
 

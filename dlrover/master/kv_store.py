@@ -26,6 +26,8 @@ class KvStore:
         self._waiting: dict[str, int] = {}
 
     def set(self, key: str, value: bytes) -> None:
+        """Store ``value`` under ``key`` (persisted) and wake its readers. Raises KvError for an
+        empty key, a value over MAX_KV_VALUE_BYTES, or a new key beyond MAX_KEYS."""
         if not key:
             raise KvError("empty key")
         if len(value) > MAX_KV_VALUE_BYTES:

@@ -36,6 +36,8 @@ class LocalMasterApi:
         self.job = job
 
     def register_node(self, registration: api.Registration) -> api.Registered:
+        """Admit the agent (see MasterApi.register_node); also refuses a ``local_world_size`` below
+        1 and a first registration without limits."""
         r = registration
         with _refusals():
             if r.local_world_size < 1:
@@ -62,6 +64,8 @@ class LocalMasterApi:
         )
 
     def heartbeat(self, report: api.HeartbeatReport) -> api.HeartbeatReply:
+        """Record the heartbeat; answer the action (none, stop or reregister) and the job's
+        state."""
         with _refusals():
             action = self.job.heartbeat(
                 report.node_id,
@@ -74,6 +78,8 @@ class LocalMasterApi:
         return api.HeartbeatReply(api.HeartbeatAction(action), self.job.state.value)
 
     def join_rendezvous(self, request: api.JoinRequest) -> int:
+        """Put the node into the next round and return that round's number; shards its workers held
+        go back to the queues. Refused once the job has ended."""
         with _refusals():
             return self.job.join(
                 request.node_id,
@@ -84,6 +90,8 @@ class LocalMasterApi:
             )
 
     def get_comm_world(self, node_id: str, round: int) -> api.CommWorld:
+        """The node's world once its round closed, with this node's rank and global rank offset;
+        ``round`` only labels the incomplete answer, and no incarnation is checked."""
         with _refusals():
             world = self.job.get_world(node_id, 0)
         if world is None:
@@ -105,11 +113,15 @@ class LocalMasterApi:
         )
 
     def num_nodes_waiting(self, node_id: str, round: int) -> api.Waiting:
+        """Waiting nodes that should make the running world re-form now, and the newest round; also
+        a sign of life of the node."""
         with _refusals():
             waiting, latest = self.job.num_nodes_waiting(node_id, round)
         return api.Waiting(waiting, latest)
 
     def report_node_status(self, report: api.NodeReport) -> bool:
+        """Record how the node's workers finished; True once every member of the last world has
+        succeeded. A failure fails the job."""
         with _refusals():
             return self.job.report_node_status(
                 report.node_id,
@@ -120,6 +132,7 @@ class LocalMasterApi:
             )
 
     def get_job_status(self) -> api.JobStatus:
+        """The job and every node now; heartbeat ages come from the master's clock."""
         job = self.job
         now = job.now()
         return api.JobStatus(
@@ -146,14 +159,18 @@ class LocalMasterApi:
         )
 
     def stop_job(self, reason: str) -> api.JobStatus:
+        """Fail the job with ``reason`` ("stopped by request" if empty) and return its status."""
         self.job.stop(reason or "stopped by request")
         return self.get_job_status()
 
     def kv_set(self, key: str, value: bytes) -> None:
+        """Store ``value`` under ``key``; the key-value store's limits raise MasterRequestError."""
         with _refusals():
             self.job.kv.set(key, value)
 
     def kv_get(self, key: str, wait_s: float = 0.0) -> bytes | None:
+        """The value of ``key``, waiting at most min(``wait_s``, MAX_KV_WAIT_S) in this one call;
+        None if it did not appear."""
         with _refusals():
             return self.job.kv.get(key, wait_s)
 
@@ -164,21 +181,29 @@ class LocalMasterApi:
         metrics: dict[str, float] | None = None,
         node_id: str | None = None,
     ) -> None:
+        """Record the node's step. ``node_id`` is required here (None or "" raises
+        UnknownNodeError); ``rank`` and ``metrics`` are ignored."""
         with _refusals():
             self.job.report_step(node_id or "", step)
 
     def checkpoint_persisted(self, step: int, node_rank: int, total_nodes: int) -> bool:
+        """Record this node's report of ``step``; True for the step's one committer."""
         return self.job.checkpoint.report_persisted(step, node_rank, total_nodes)
 
     def checkpoint_committed(self, step: int) -> None:
+        """Mark ``step`` committed (persisted in the state store) and wake its waiters."""
         self.job.checkpoint.mark_committed(step)
 
     def wait_checkpoint_committed(self, step: int, wait_s: float) -> bool:
+        """Whether ``step`` or a newer one is committed within ``wait_s`` seconds (not capped here,
+        unlike the gRPC servicer)."""
         return self.job.checkpoint.wait_committed(step, wait_s)
 
     def vote_load_step(
         self, node_rank: int, total_nodes: int, local_step: int | None, round_id: int, wait_s: float
     ) -> tuple[bool, int | None]:
+        """Cast the vote and wait up to ``wait_s`` seconds for the round's decision: ``(decided,
+        step)``."""
         return self.job.checkpoint.vote_load_step(
             node_rank, total_nodes, local_step, round_id, wait_s
         )

@@ -53,6 +53,8 @@ class NodeController:
         """Replacements launched, per reason (for metrics and status)."""
 
     def node_spec(self, rank: int, relaunch_count: int = 0) -> NodeSpec:
+        """The blueprint of node slot ``rank``, named so that its agent registers under the engine's
+        node id."""
         spec = self.spec.node_spec(rank, self._master_addr, self._token, relaunch_count)
         return self._named(spec)
 

@@ -79,6 +79,7 @@ class Node:
     """Monotonic time of the last sign of life; not persisted (a restarted master re-arms it)."""
 
     def to_json(self) -> dict[str, object]:
+        """The node as a JSON-able dict for the state store, without ``last_heartbeat``."""
         d = asdict(self)
         d["state"] = self.state.value
         d.pop("last_heartbeat")
@@ -86,6 +87,8 @@ class Node:
 
     @classmethod
     def from_json(cls, d: dict[str, object]) -> Node:
+        """Rebuild a node from ``to_json()``; ``last_heartbeat`` starts at 0 (the caller re-arms
+        it)."""
         d = dict(d)
         d["state"] = NodeState(d["state"])
         return cls(**d)  # type: ignore[arg-type]
@@ -146,6 +149,8 @@ class NodeTable:
             return node
 
     def get(self, node_id: str, incarnation: int | None = None) -> Node:
+        """The node itself (not a copy). Raises UnknownNodeError for an unknown id, and NodeError
+        when ``incarnation`` is given, non-zero and not the current one."""
         with self._lock:
             node = self._nodes.get(node_id)
             if node is None:
@@ -189,16 +194,21 @@ class NodeTable:
             node.step = max(node.step, step)
 
     def set_rank(self, node_id: str, node_rank: int) -> None:
+        """Record the node's rank in the latest world; kept in memory, and saved with the node's
+        next persisted change."""
         with self._lock:
             self.get(node_id).node_rank = node_rank
 
     def set_exit_code(self, node_id: str, exit_code: int) -> None:
+        """Record (and persist) the exit code of the node's failed workers."""
         with self._lock:
             node = self.get(node_id)
             node.exit_code = exit_code
             self._persist(node)
 
     def set_state(self, node_id: str, new: NodeState, reason: str) -> None:
+        """Move the node to ``new``, logged with ``reason`` and persisted; nothing if it is already
+        there. Raises NodeError for a transition NodeState does not allow."""
         with self._lock:
             node = self.get(node_id)
             if node.state == new:
@@ -207,6 +217,7 @@ class NodeTable:
             self._persist(node)
 
     def touch(self, node_id: str) -> None:
+        """A sign of life from the node: reset its heartbeat time. Raises UnknownNodeError."""
         with self._lock:
             self.get(node_id).last_heartbeat = self._clock()
 

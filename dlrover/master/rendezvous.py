@@ -30,6 +30,8 @@ class RendezvousConfig:
     """After min nodes are present, wait this long for more before closing the round."""
 
     def validate(self) -> None:
+        """Raise RendezvousError unless 1 <= min <= max nodes, node_unit is in 1..max nodes, and
+        some multiple of node_unit lies in min..max."""
         if self.min_nodes < 1:
             raise RendezvousError(f"min nodes must be >= 1, got {self.min_nodes}")
         if self.max_nodes < self.min_nodes:
@@ -66,6 +68,7 @@ class World:
     store_port: int
 
     def member(self, node_id: str) -> Member | None:
+        """The member with ``node_id``, or None if it is not in this world."""
         for m in self.members:
             if m.node_id == node_id:
                 return m
@@ -73,9 +76,11 @@ class World:
 
     @property
     def world_size(self) -> int:
+        """Worker processes in the world: the sum of the members' local world sizes."""
         return sum(m.local_world_size for m in self.members)
 
     def rank_offset(self, node_rank: int) -> int:
+        """Global rank of node ``node_rank``'s first worker: the workers of all lower node ranks."""
         return sum(m.local_world_size for m in self.members if m.node_rank < node_rank)
 
 
@@ -125,11 +130,14 @@ class RendezvousManager:
 
     @property
     def round(self) -> int:
+        """Number of the latest closed round; 0 before the first."""
         with self._lock:
             return self._world.round if self._world else 0
 
     @property
     def world(self) -> World | None:
+        """The latest closed round's world, or None before the first; it stays in place when a
+        member leaves (the round is then broken and must re-form)."""
         with self._lock:
             return self._world
 

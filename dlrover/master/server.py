@@ -40,6 +40,7 @@ class MasterServerError(Exception):
 
 
 def new_token() -> str:
+    """A fresh random job token (URL-safe text of 24 random bytes) that every call must carry."""
     return secrets.token_urlsafe(24)
 
 
@@ -119,6 +120,7 @@ class MasterServicer(pb_grpc.MasterServicer):
     def RegisterNode(
         self, request: pb.RegisterNodeRequest, context: grpc.ServicerContext
     ) -> pb.RegisterNodeResponse:  # noqa: N802
+        """Register an agent; answer its node id, incarnation and the job's node range."""
         return _guard(
             context,
             lambda: wire.registered_to_pb(
@@ -129,6 +131,8 @@ class MasterServicer(pb_grpc.MasterServicer):
     def Heartbeat(
         self, request: pb.HeartbeatRequest, context: grpc.ServicerContext
     ) -> pb.HeartbeatResponse:  # noqa: N802
+        """Record an agent's heartbeat; answer what it must do and the job's state."""
+
         def run() -> pb.HeartbeatResponse:
             reply = self.api.heartbeat(wire.heartbeat_from_pb(request))
             return pb.HeartbeatResponse(action=reply.action.value, job_state=reply.job_state)
@@ -138,6 +142,7 @@ class MasterServicer(pb_grpc.MasterServicer):
     def JoinRendezvous(
         self, request: pb.JoinRendezvousRequest, context: grpc.ServicerContext
     ) -> pb.JoinRendezvousResponse:  # noqa: N802
+        """Put a node into the next rendezvous round; answer the round's number."""
         return _guard(
             context,
             lambda: pb.JoinRendezvousResponse(
@@ -148,6 +153,7 @@ class MasterServicer(pb_grpc.MasterServicer):
     def GetCommWorld(
         self, request: pb.GetCommWorldRequest, context: grpc.ServicerContext
     ) -> pb.CommWorld:  # noqa: N802
+        """Answer a node's world once its round has closed (``complete`` is False until then)."""
         return _guard(
             context,
             lambda: wire.world_to_pb(self.api.get_comm_world(request.node_id, request.round)),
@@ -156,6 +162,9 @@ class MasterServicer(pb_grpc.MasterServicer):
     def NumNodesWaiting(
         self, request: pb.NumNodesWaitingRequest, context: grpc.ServicerContext
     ) -> pb.NumNodesWaitingResponse:  # noqa: N802
+        """Answer how many waiting nodes should make the running world re-form, and the newest
+        round."""
+
         def run() -> pb.NumNodesWaitingResponse:
             w = self.api.num_nodes_waiting(request.node_id, request.round)
             return pb.NumNodesWaitingResponse(waiting=w.waiting, latest_round=w.latest_round)
@@ -163,6 +172,8 @@ class MasterServicer(pb_grpc.MasterServicer):
         return _guard(context, run)
 
     def KvSet(self, request: pb.KvSetRequest, context: grpc.ServicerContext) -> pb.KvSetResponse:  # noqa: N802
+        """Store a value in the master's key-value store."""
+
         def run() -> pb.KvSetResponse:
             self.api.kv_set(request.key, request.value)
             return pb.KvSetResponse()
@@ -170,6 +181,9 @@ class MasterServicer(pb_grpc.MasterServicer):
         return _guard(context, run)
 
     def KvGet(self, request: pb.KvGetRequest, context: grpc.ServicerContext) -> pb.KvGetResponse:  # noqa: N802
+        """Answer a key's value, holding the call up to ``wait_s`` (at most MAX_KV_WAIT_S) for it to
+        appear."""
+
         def run() -> pb.KvGetResponse:
             value = self.api.kv_get(request.key, request.wait_s)
             if value is None:
@@ -181,6 +195,8 @@ class MasterServicer(pb_grpc.MasterServicer):
     def ReportStep(
         self, request: pb.ReportStepRequest, context: grpc.ServicerContext
     ) -> pb.ReportStepResponse:  # noqa: N802
+        """Record a training step that a worker of a node finished."""
+
         def run() -> pb.ReportStepResponse:
             self.api.report_step(
                 request.step, request.rank, dict(request.metrics), request.node_id
@@ -192,6 +208,7 @@ class MasterServicer(pb_grpc.MasterServicer):
     def ReportNodeStatus(
         self, request: pb.ReportNodeStatusRequest, context: grpc.ServicerContext
     ) -> pb.ReportNodeStatusResponse:  # noqa: N802
+        """Record that a node's workers finished; answer whether the whole job has succeeded."""
         return _guard(
             context,
             lambda: pb.ReportNodeStatusResponse(
@@ -202,11 +219,14 @@ class MasterServicer(pb_grpc.MasterServicer):
     def GetJobStatus(
         self, request: pb.GetJobStatusRequest, context: grpc.ServicerContext
     ) -> pb.JobStatus:  # noqa: N802
+        """Answer the job's state and its nodes (``dlrover status``)."""
         return _guard(context, lambda: wire.job_status_to_pb(self.api.get_job_status()))
 
     def CheckpointPersisted(
         self, request: pb.CheckpointPersistedRequest, context: grpc.ServicerContext
     ) -> pb.CheckpointPersistedResponse:  # noqa: N802
+        """Record that a node persisted a checkpoint step; answer whether it is that step's
+        committer."""
         return _guard(
             context,
             lambda: pb.CheckpointPersistedResponse(
@@ -219,6 +239,8 @@ class MasterServicer(pb_grpc.MasterServicer):
     def CheckpointCommitted(
         self, request: pb.CheckpointCommittedRequest, context: grpc.ServicerContext
     ) -> pb.CheckpointCommittedResponse:  # noqa: N802
+        """Mark a checkpoint step committed, or wait (at most MAX_CHECKPOINT_WAIT_S) until it is."""
+
         def run() -> pb.CheckpointCommittedResponse:
             if request.mark:
                 self.api.checkpoint_committed(request.step)
@@ -233,6 +255,9 @@ class MasterServicer(pb_grpc.MasterServicer):
     def AgreeLoadStep(
         self, request: pb.AgreeLoadStepRequest, context: grpc.ServicerContext
     ) -> pb.AgreeLoadStepResponse:  # noqa: N802
+        """Record a node's vote on the step to load; answer the decision once every node voted
+        (waits at most MAX_CHECKPOINT_WAIT_S)."""
+
         def run() -> pb.AgreeLoadStepResponse:
             local = request.local_step if request.HasField("local_step") else None
             decided, step = self.api.vote_load_step(
@@ -250,12 +275,15 @@ class MasterServicer(pb_grpc.MasterServicer):
         return _guard(context, run)
 
     def StopJob(self, request: pb.StopJobRequest, context: grpc.ServicerContext) -> pb.JobStatus:  # noqa: N802
+        """End the job as failed with the given reason; answer its status."""
         return _guard(context, lambda: wire.job_status_to_pb(self.api.stop_job(request.reason)))
 
     # --- dynamic data sharding: messages <-> dataclasses in dlrover/sharding/wire.py -----------
     def RegisterDataset(
         self, request: pb.RegisterDatasetRequest, context: grpc.ServicerContext
     ) -> pb.RegisterDatasetResponse:  # noqa: N802
+        """Register a dataset for dynamic sharding (the same spec again is a no-op)."""
+
         def run() -> pb.RegisterDatasetResponse:
             _require(request, "spec")
             result = self.job.sharding.register_dataset(sharding_wire.dataset_spec_from_proto(request.spec))
@@ -266,6 +294,8 @@ class MasterServicer(pb_grpc.MasterServicer):
     def FetchShards(
         self, request: pb.FetchShardsRequest, context: grpc.ServicerContext
     ) -> pb.FetchShardsResponse:  # noqa: N802
+        """Lease a dataset's next shards to a worker."""
+
         def run() -> pb.FetchShardsResponse:
             result = self.job.sharding.fetch_shards(
                 request.dataset, request.worker_id, request.max_count
@@ -277,6 +307,8 @@ class MasterServicer(pb_grpc.MasterServicer):
     def ReportDone(
         self, request: pb.ReportDoneRequest, context: grpc.ServicerContext
     ) -> pb.ReportDoneResponse:  # noqa: N802
+        """Record shards a worker has finished."""
+
         def run() -> pb.ReportDoneResponse:
             shard_ids = [sharding_wire.shard_id_from_proto(s) for s in request.shard_ids]
             result = self.job.sharding.report_done(request.dataset, request.worker_id, shard_ids)
@@ -287,6 +319,8 @@ class MasterServicer(pb_grpc.MasterServicer):
     def ReportProgress(
         self, request: pb.ReportProgressRequest, context: grpc.ServicerContext
     ) -> pb.ReportProgressResponse:  # noqa: N802
+        """Record how far a worker is into a shard, renewing its lease."""
+
         def run() -> pb.ReportProgressResponse:
             _require(request, "shard_id")
             accepted = self.job.sharding.report_progress(
@@ -302,6 +336,8 @@ class MasterServicer(pb_grpc.MasterServicer):
     def RenewLeases(
         self, request: pb.RenewLeasesRequest, context: grpc.ServicerContext
     ) -> pb.RenewLeasesResponse:  # noqa: N802
+        """Extend every lease a worker holds on a dataset."""
+
         def run() -> pb.RenewLeasesResponse:
             renewed = self.job.sharding.renew_leases(request.dataset, request.worker_id)
             return pb.RenewLeasesResponse(renewed=renewed)
@@ -311,6 +347,8 @@ class MasterServicer(pb_grpc.MasterServicer):
     def GetPosition(
         self, request: pb.GetPositionRequest, context: grpc.ServicerContext
     ) -> pb.GetPositionResponse:  # noqa: N802
+        """Answer a dataset's consumed position, to save with a checkpoint."""
+
         def run() -> pb.GetPositionResponse:
             position = self.job.sharding.get_position(request.dataset)
             return pb.GetPositionResponse(position=sharding_wire.position_to_proto(position))
@@ -320,6 +358,8 @@ class MasterServicer(pb_grpc.MasterServicer):
     def MarkConsumption(
         self, request: pb.MarkConsumptionRequest, context: grpc.ServicerContext
     ) -> pb.MarkConsumptionResponse:  # noqa: N802
+        """Record where a worker stands in its iteration over a dataset."""
+
         def run() -> pb.MarkConsumptionResponse:
             _require(request, "mark")
             mark = sharding_wire.consumption_mark_from_proto(request.mark)
@@ -331,6 +371,9 @@ class MasterServicer(pb_grpc.MasterServicer):
     def PositionAt(
         self, request: pb.PositionAtRequest, context: grpc.ServicerContext
     ) -> pb.PositionAtResponse:  # noqa: N802
+        """Answer a dataset's position at a step of every worker, or the workers it still waits
+        for."""
+
         def run() -> pb.PositionAtResponse:
             result = self.job.sharding.position_at(request.dataset, request.epoch, request.consumed)
             return pb.PositionAtResponse(result=sharding_wire.position_at_to_proto(result))
@@ -340,6 +383,8 @@ class MasterServicer(pb_grpc.MasterServicer):
     def RestorePosition(
         self, request: pb.RestorePositionRequest, context: grpc.ServicerContext
     ) -> pb.RestorePositionResponse:  # noqa: N802
+        """Reset a dataset's queues to a checkpointed position (once per restore token)."""
+
         def run() -> pb.RestorePositionResponse:
             _require(request, "position")
             token = request.token if request.HasField("token") else None
@@ -353,6 +398,8 @@ class MasterServicer(pb_grpc.MasterServicer):
     def DatasetProgress(
         self, request: pb.DatasetProgressRequest, context: grpc.ServicerContext
     ) -> pb.DatasetProgressResponse:  # noqa: N802
+        """Answer a dataset's progress counters."""
+
         def run() -> pb.DatasetProgressResponse:
             progress = self.job.sharding.dataset_progress(request.dataset)
             return pb.DatasetProgressResponse(result=sharding_wire.dataset_progress_to_proto(progress))
@@ -408,6 +455,7 @@ class MasterServer:
         )
 
     def start(self) -> MasterServer:
+        """Start serving and the tick thread; returns self."""
         self._server.start()
         self._ticker.start()
         logger.info(
@@ -423,6 +471,9 @@ class MasterServer:
                 logger.exception("master tick failed")
 
     def stop(self, grace_s: float = 1.0) -> None:
+        """Stop ticking and serving: in-flight calls get ``grace_s`` seconds, and the wait for the
+        server and the tick thread is bounded (about ``grace_s`` + 1 s and a tick interval + 1
+        s)."""
         self._stop.set()
         self._server.stop(grace_s).wait(grace_s + 1.0)
         if self._ticker.is_alive():

@@ -45,47 +45,59 @@ class ShardingService:
 
     # --- calls that change the saved state ----------------------------------------------------
     def register_dataset(self, spec: DatasetSpec) -> RegisterResult:
+        """Register the dataset (ShardManager.register_dataset) and save the state."""
         with self._changing():
             return self.manager.register_dataset(spec)
 
     def fetch_shards(self, dataset: str, worker_id: str, max_count: int) -> FetchResult:
+        """Lease shards to the worker (ShardManager.fetch_shards) and save the state."""
         with self._changing():
             return self.manager.fetch_shards(dataset, worker_id, max_count)
 
     def report_done(
         self, dataset: str, worker_id: str, shard_ids: Sequence[ShardId]
     ) -> ReportResult:
+        """Mark shards done (ShardManager.report_done) and save the state."""
         with self._changing():
             return self.manager.report_done(dataset, worker_id, shard_ids)
 
     def report_progress(
         self, dataset: str, worker_id: str, shard_id: ShardId, consumed: int
     ) -> bool:
+        """Record progress in a shard (ShardManager.report_progress) and save the state."""
         with self._changing():
             return self.manager.report_progress(dataset, worker_id, shard_id, consumed)
 
     def restore_position(self, position: Position, token: str | None) -> bool:
+        """Reset the dataset to ``position``, once per ``token`` (ShardManager.restore_position),
+        and save the state."""
         with self._changing():
             return self.manager.restore_position(position, token)
 
     # --- calls that do not --------------------------------------------------------------------
     def renew_leases(self, dataset: str, worker_id: str) -> int:
+        """Extend the worker's leases (ShardManager.renew_leases); not saved."""
         with self._lock:
             return self.manager.renew_leases(dataset, worker_id)
 
     def get_position(self, dataset: str) -> Position:
+        """The dataset's consumed position now (ShardManager.get_position)."""
         with self._lock:
             return self.manager.get_position(dataset)
 
     def mark_consumption(self, dataset: str, worker_id: str, mark: ConsumptionMark) -> None:
+        """Record the worker's consumption mark (ShardManager.mark_consumption); kept in memory
+        only."""
         with self._lock:
             self.manager.mark_consumption(dataset, worker_id, mark)
 
     def position_at(self, dataset: str, epoch: int, consumed: int) -> PositionAt:
+        """The dataset's position at a step of every worker (ShardManager.position_at)."""
         with self._lock:
             return self.manager.position_at(dataset, epoch, consumed)
 
     def dataset_progress(self, dataset: str) -> DatasetProgress:
+        """The dataset's counters (ShardManager.dataset_progress)."""
         with self._lock:
             return self.manager.dataset_progress(dataset)
 
@@ -99,6 +111,7 @@ class ShardingService:
             return count
 
     def tick(self) -> None:
+        """Requeue the shards whose leases expired; save the state if any did."""
         with self._lock:
             if self.manager.tick():
                 self._save()

@@ -21,16 +21,24 @@ class StateStore(ABC):
     """
 
     @abstractmethod
-    def get(self, namespace: str, key: str) -> bytes | None: ...
+    def get(self, namespace: str, key: str) -> bytes | None:
+        """The value of ``key`` in ``namespace``, or None if absent."""
+        ...
 
     @abstractmethod
-    def put(self, namespace: str, key: str, value: bytes) -> None: ...
+    def put(self, namespace: str, key: str, value: bytes) -> None:
+        """Write ``value``; durable once this returns (see the class invariant)."""
+        ...
 
     @abstractmethod
-    def delete(self, namespace: str, key: str) -> None: ...
+    def delete(self, namespace: str, key: str) -> None:
+        """Remove ``key`` from ``namespace``; an absent key is not an error."""
+        ...
 
     @abstractmethod
-    def items(self, namespace: str) -> dict[str, bytes]: ...
+    def items(self, namespace: str) -> dict[str, bytes]:
+        """Every key of ``namespace`` with its value, as a snapshot."""
+        ...
 
     @abstractmethod
     def compare_and_set(
@@ -39,13 +47,16 @@ class StateStore(ABC):
         """Write `value` only if the current value equals `expected` (None: absent)."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
+        """Release the store's resources; the default does nothing."""
         pass
 
     def get_json(self, namespace: str, key: str) -> Any:
+        """The value decoded from JSON, or None if absent."""
         raw = self.get(namespace, key)
         return None if raw is None else json.loads(raw)
 
     def put_json(self, namespace: str, key: str, value: Any) -> None:
+        """Write ``value`` as JSON (sorted keys, so equal values give equal bytes)."""
         self.put(namespace, key, json.dumps(value, sort_keys=True).encode())
 
 
@@ -57,24 +68,30 @@ class MemoryStateStore(StateStore):
         self._lock = threading.Lock()
 
     def get(self, namespace: str, key: str) -> bytes | None:
+        """The value of ``key`` in ``namespace``, or None if absent."""
         with self._lock:
             return self._data.get((namespace, key))
 
     def put(self, namespace: str, key: str, value: bytes) -> None:
+        """Store a copy of ``value``."""
         with self._lock:
             self._data[(namespace, key)] = bytes(value)
 
     def delete(self, namespace: str, key: str) -> None:
+        """Remove ``key`` from ``namespace`` if present."""
         with self._lock:
             self._data.pop((namespace, key), None)
 
     def items(self, namespace: str) -> dict[str, bytes]:
+        """A copy of ``namespace``'s keys and values."""
         with self._lock:
             return {k: v for (ns, k), v in self._data.items() if ns == namespace}
 
     def compare_and_set(
         self, namespace: str, key: str, expected: bytes | None, value: bytes
     ) -> bool:
+        """Write ``value`` only if the current value equals ``expected`` (None: absent); atomic
+        under the store's lock."""
         with self._lock:
             if self._data.get((namespace, key)) != expected:
                 return False
@@ -103,6 +120,7 @@ class SqliteStateStore(StateStore):
         self._lock = threading.Lock()
 
     def get(self, namespace: str, key: str) -> bytes | None:
+        """The value of ``key`` in ``namespace``, or None if absent."""
         with self._lock:
             row = self._conn.execute(
                 "SELECT value FROM state WHERE namespace=? AND key=?", (namespace, key)
@@ -110,6 +128,8 @@ class SqliteStateStore(StateStore):
         return None if row is None else bytes(row[0])
 
     def put(self, namespace: str, key: str, value: bytes) -> None:
+        """Insert or replace the row, committed when this returns (WAL with synchronous=NORMAL: it
+        survives a process crash, not necessarily a power loss)."""
         with self._lock:
             self._conn.execute(
                 "INSERT OR REPLACE INTO state (namespace, key, value) VALUES (?, ?, ?)",
@@ -117,10 +137,12 @@ class SqliteStateStore(StateStore):
             )
 
     def delete(self, namespace: str, key: str) -> None:
+        """Delete the row of ``key`` in ``namespace`` if present."""
         with self._lock:
             self._conn.execute("DELETE FROM state WHERE namespace=? AND key=?", (namespace, key))
 
     def items(self, namespace: str) -> dict[str, bytes]:
+        """Every row of ``namespace``."""
         with self._lock:
             rows = self._conn.execute(
                 "SELECT key, value FROM state WHERE namespace=?", (namespace,)
@@ -130,6 +152,8 @@ class SqliteStateStore(StateStore):
     def compare_and_set(
         self, namespace: str, key: str, expected: bytes | None, value: bytes
     ) -> bool:
+        """Write ``value`` only if the current value equals ``expected`` (None: absent), in one
+        IMMEDIATE transaction."""
         with self._lock:
             self._conn.execute("BEGIN IMMEDIATE")
             try:
@@ -151,6 +175,7 @@ class SqliteStateStore(StateStore):
                 raise
 
     def close(self) -> None:
+        """Close the database connection; the store cannot be used after."""
         with self._lock:
             self._conn.close()
 

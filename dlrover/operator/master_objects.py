@@ -31,6 +31,8 @@ _KUBE_KEYS = ("image", "masterImage", "serviceAccount", "masterPort")
 
 
 def owner_of(body: dict[str, Any]) -> OwnerReference:
+    """The ElasticJob in ``body`` as the owner of the objects made for it (deleting it deletes
+    them)."""
     meta = body["metadata"]
     return OwnerReference(f"{GROUP}/{VERSION}", KIND, meta["name"], meta["uid"])
 

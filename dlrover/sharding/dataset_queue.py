@@ -56,6 +56,11 @@ class DatasetQueue:
 
     # --- hand-out -------------------------------------------------------------------------
     def fetch(self, worker_id: str, max_count: int, now: float) -> FetchResult:
+        """Lease up to ``max_count`` shards to ``worker_id`` until ``now + lease_s``: requeued
+        shards first, then the current epoch's from the cursor (the next epoch starts as soon as
+        this one is all handed out). Fewer, or none, when the rest is leased to others. Raises
+        InvalidSpecError for ``max_count`` < 1, ShardRetriesExhaustedError once a shard was lost
+        more than ``max_retries`` times."""
         if max_count < 1:
             raise InvalidSpecError(f"fetch of dataset {self.spec.name!r}: max_count must be >= 1")
         self._raise_if_failed()
@@ -106,6 +111,8 @@ class DatasetQueue:
 
     @property
     def finished(self) -> bool:
+        """True once the last epoch is all handed out, nothing is requeued and no lease is open
+        (always, for an empty dataset)."""
         return (
             self.epoch == self.spec.epochs - 1
             and self.cursor >= self.spec.num_shards
@@ -115,6 +122,9 @@ class DatasetQueue:
 
     # --- reports --------------------------------------------------------------------------
     def report_done(self, worker_id: str, shard_ids: list[ShardId]) -> ReportResult:
+        """Mark shards done and release their leases. A shard now leased to another worker (its
+        lease expired and moved on) still counts, as does a requeued one; a shard neither leased nor
+        requeued is ignored."""
         accepted = ignored = 0
         for shard_id in shard_ids:
             lease = self.leases.release(shard_id)
@@ -171,6 +181,7 @@ class DatasetQueue:
         self.ledgers.record(worker_id, mark, length)
 
     def renew(self, worker_id: str, now: float) -> int:
+        """Extend every lease ``worker_id`` holds to ``now + lease_s``; returns how many."""
         return self.leases.renew(worker_id, now + self.spec.lease_s)
 
     # --- failures -------------------------------------------------------------------------
@@ -180,6 +191,8 @@ class DatasetQueue:
         return self._requeue(sorted(self.leases.held_by(worker_id)), f"worker {worker_id} lost")
 
     def expire(self, now: float) -> list[ShardId]:
+        """Requeue every shard whose lease deadline is at or before ``now`` (at the head, with its
+        offset in exactly-once mode) and forget its marks; returns those shards."""
         back = self._requeue(sorted(self.leases.expired(now)), "lease expired")
         self.ledgers.forget_shards(set(back))
         return back
@@ -301,6 +314,7 @@ class DatasetQueue:
             )
 
     def progress(self) -> DatasetProgress:
+        """Counters for logs, metrics and tests (see DatasetProgress)."""
         todo = len(self.requeued) + max(0, self.spec.num_shards - self.cursor)
         return DatasetProgress(
             self.spec.name, self.epoch, todo, len(self.leases), self.done_shards, self.finished
@@ -308,6 +322,8 @@ class DatasetQueue:
 
     # --- state ----------------------------------------------------------------------------
     def to_state(self) -> dict[str, Any]:
+        """JSON-able state for the master's store: spec, epoch, cursor, requeued shards and leases;
+        the consumption marks are not kept."""
         return {
             "spec": self.spec.to_dict(),
             "epoch": self.epoch,

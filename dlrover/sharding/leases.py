@@ -32,18 +32,23 @@ class LeaseTable(Generic[Key]):
         return key in self._leases
 
     def items(self) -> list[tuple[Key, Lease]]:
+        """A snapshot list of (key, lease) pairs."""
         return list(self._leases.items())
 
     def get(self, key: Key) -> Lease | None:
+        """The lease on ``key``, or None if no worker holds it."""
         return self._leases.get(key)
 
     def grant(self, key: Key, lease: Lease) -> None:
+        """Lease ``key``; raises AssertionError if it is already leased (a bug in the caller, never
+        a user error)."""
         if key in self._leases:
             # A double grant would hand one shard to two workers: a bug, never a user error.
             raise AssertionError(f"{key} is already leased to {self._leases[key].worker_id}")
         self._leases[key] = lease
 
     def release(self, key: Key) -> Lease | None:
+        """Remove the lease on ``key`` and return it; None if it was not leased."""
         return self._leases.pop(key, None)
 
     def renew(self, worker_id: str, deadline: float) -> int:
@@ -56,10 +61,13 @@ class LeaseTable(Generic[Key]):
         return count
 
     def held_by(self, worker_id: str) -> list[Key]:
+        """The keys ``worker_id`` holds."""
         return [key for key, lease in self._leases.items() if lease.worker_id == worker_id]
 
     def expired(self, now: float) -> list[Key]:
+        """The keys whose deadline is at or before ``now``."""
         return [key for key, lease in self._leases.items() if lease.deadline <= now]
 
     def clear(self) -> None:
+        """Drop every lease."""
         self._leases.clear()

@@ -32,6 +32,8 @@ class WorkerLedger:
     """Samples consumed when the iteration ended; None while it goes on."""
 
     def record(self, mark: ConsumptionMark, shard_length: int) -> None:
+        """Add a mark: one of a newer epoch (or a shard at ``begin`` 0) starts a new iteration, a
+        late one of an older epoch is dropped, one without a shard ends the iteration."""
         if mark.epoch > self.epoch or (mark.begin == 0 and mark.shard_id is not None):
             # A new iteration (or the same epoch iterated again from its start).
             self.epoch, self.spans, self.ended_at = mark.epoch, [], None
@@ -59,6 +61,7 @@ class WorkerLedger:
         return out
 
     def drop(self, shard_ids: set[ShardId]) -> None:
+        """Forget the spans of these shards (they went back to the queue)."""
         self.spans = [span for span in self.spans if span.shard_id not in shard_ids]
 
 
@@ -69,16 +72,21 @@ class Ledgers:
         self._workers: dict[str, WorkerLedger] = {}
 
     def record(self, worker_id: str, mark: ConsumptionMark, shard_length: int) -> None:
+        """Record a mark of ``worker_id``; ``shard_length`` is the marked shard's length (0 for a
+        mark without a shard)."""
         self._workers.setdefault(worker_id, WorkerLedger()).record(mark, shard_length)
 
     def forget_worker(self, worker_id: str) -> None:
+        """Drop every mark of ``worker_id`` (its shards went back to the queue)."""
         self._workers.pop(worker_id, None)
 
     def forget_shards(self, shard_ids: set[ShardId]) -> None:
+        """Drop every worker's marks of these shards (their leases expired)."""
         for ledger in self._workers.values():
             ledger.drop(shard_ids)
 
     def clear(self) -> None:
+        """Drop all marks (the dataset was restored)."""
         self._workers.clear()
 
     def at(

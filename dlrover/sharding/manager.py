@@ -58,28 +58,46 @@ class ShardManager:
         return RegisterResult(spec.name, created=True)
 
     def fetch_shards(self, dataset: str, worker_id: str, max_count: int = 1) -> FetchResult:
+        """Lease up to ``max_count`` shards of ``dataset`` to ``worker_id`` (see
+        DatasetQueue.fetch). Raises UnknownDatasetError, InvalidSpecError for ``max_count`` < 1, and
+        ShardRetriesExhaustedError once a shard was lost more often than the dataset allows."""
         return self._dataset(dataset).fetch(worker_id, max_count, self._clock())
 
     def report_done(
         self, dataset: str, worker_id: str, shard_ids: Sequence[ShardId]
     ) -> ReportResult:
+        """``worker_id`` finished these shards: they are done and their leases released; a shard
+        that is not open counts as ignored. Raises UnknownDatasetError."""
         return self._dataset(dataset).report_done(worker_id, list(shard_ids))
 
     def report_progress(
         self, dataset: str, worker_id: str, shard_id: ShardId, consumed: int
     ) -> bool:
+        """``worker_id`` trained the first ``consumed`` samples (shard order) of ``shard_id``;
+        renews that lease. False if the worker no longer holds it. Raises InvalidSpecError when
+        ``consumed`` is outside the shard, UnknownDatasetError."""
         return self._dataset(dataset).report_progress(worker_id, shard_id, consumed, self._clock())
 
     def renew_leases(self, dataset: str, worker_id: str) -> int:
+        """Extend every lease ``worker_id`` holds in ``dataset`` to the dataset's ``lease_s`` from
+        now; returns how many. Raises UnknownDatasetError."""
         return self._dataset(dataset).renew(worker_id, self._clock())
 
     def get_position(self, dataset: str) -> Position:
+        """The dataset's consumed position now, in canonical form (shards in flight are pending), to
+        save with a checkpoint. Raises UnknownDatasetError."""
         return self._dataset(dataset).position()
 
     def mark_consumption(self, dataset: str, worker_id: str, mark: ConsumptionMark) -> None:
+        """Record where ``worker_id`` stands in its iteration (see ConsumptionMark), for
+        ``position_at``. Raises InvalidSpecError for a shard or offset that does not exist,
+        UnknownDatasetError."""
         self._dataset(dataset).mark(worker_id, mark)
 
     def position_at(self, dataset: str, epoch: int, consumed: int) -> PositionAt:
+        """The position when every worker had consumed ``consumed`` samples of iteration ``epoch``,
+        from their marks; ``waiting_for`` names workers whose marks do not reach that far yet.
+        Raises InvalidSpecError for negative arguments, UnknownDatasetError."""
         return self._dataset(dataset).position_at(epoch, consumed)
 
     def restore_position(self, position: Position, token: str | None = None) -> bool:
@@ -88,9 +106,11 @@ class ShardManager:
         return self._dataset(position.dataset).restore(position, token)
 
     def dataset_progress(self, dataset: str) -> DatasetProgress:
+        """Counters of the dataset (todo, leased, done, finished). Raises UnknownDatasetError."""
         return self._dataset(dataset).progress()
 
     def datasets(self) -> list[str]:
+        """Names of the registered datasets, sorted."""
         return sorted(self._datasets)
 
     def _dataset(self, name: str) -> DatasetQueue:
@@ -104,6 +124,8 @@ class ShardManager:
 
     # --- streams --------------------------------------------------------------------------
     def register_stream(self, spec: StreamSpec, source: StreamSource) -> RegisterResult:
+        """Create the stream over ``source``; the same spec again is a no-op, a different one raises
+        DatasetConflictError."""
         existing = self._streams.get(spec.name)
         if existing is not None:
             if existing.spec != spec:
@@ -117,6 +139,9 @@ class ShardManager:
     def fetch_stream_shards(
         self, stream: str, worker_id: str, max_count: int = 1
     ) -> list[StreamShard]:
+        """Lease up to ``max_count`` record ranges of ``stream`` to ``worker_id`` (see
+        StreamQueue.fetch); empty when no new records are available. Raises UnknownDatasetError,
+        ShardRetriesExhaustedError."""
         return self._stream(stream).fetch(worker_id, max_count, self._clock())
 
     def report_stream_done(
@@ -126,9 +151,13 @@ class ShardManager:
         return self._stream(stream).report_done(worker_id, shards)
 
     def stream_committed(self, stream: str) -> dict[int, int]:
+        """Per partition, the offset below which every record of ``stream`` is done: what to
+        checkpoint. Raises UnknownDatasetError."""
         return self._stream(stream).committed()
 
     def restore_stream(self, stream: str, committed: Mapping[int, int]) -> None:
+        """Restart ``stream`` at the ``committed`` offsets, dropping every lease. Raises
+        InvalidSpecError for a partition the stream does not have, UnknownDatasetError."""
         self._stream(stream).restore(dict(committed))
 
     def _stream(self, name: str) -> StreamQueue:

@@ -18,7 +18,9 @@ logger = logging.getLogger(__name__)
 class StreamSource(Protocol):
     """What the master needs to know of a stream: its partitions and how far each has grown."""
 
-    def partitions(self) -> Sequence[int]: ...
+    def partitions(self) -> Sequence[int]:
+        """The partition numbers; a StreamQueue reads them once, when it is created."""
+        ...
 
     def end_offset(self, partition: int) -> int:
         """One past the last record currently available in `partition`."""
@@ -32,12 +34,15 @@ class InMemoryStreamSource:
         self._ends = [0] * num_partitions
 
     def partitions(self) -> Sequence[int]:
+        """Partitions 0 .. num_partitions - 1."""
         return range(len(self._ends))
 
     def end_offset(self, partition: int) -> int:
+        """One past the last record appended to ``partition``."""
         return self._ends[partition]
 
     def append(self, partition: int, count: int) -> None:
+        """Make ``count`` more records available in ``partition``."""
         self._ends[partition] += count
 
 
@@ -70,6 +75,7 @@ class StreamShard:
     attempt: int = 0
 
     def to_dict(self) -> dict[str, Any]:
+        """The shard's fields as a plain dict."""
         return asdict(self)
 
 
@@ -95,6 +101,10 @@ class StreamQueue:
         self._next_partition = 0
 
     def fetch(self, worker_id: str, max_count: int, now: float) -> list[StreamShard]:
+        """Lease up to ``max_count`` record ranges to ``worker_id`` until ``now + lease_s``:
+        requeued ranges first, then new ones of up to ``records_per_shard`` records, cut round-robin
+        over the partitions; fewer when no new records are available. Raises
+        ShardRetriesExhaustedError once a range was lost more than ``max_retries`` times."""
         if self.failure is not None:
             raise ShardRetriesExhaustedError(self.failure)
         shards: list[StreamShard] = []
@@ -124,6 +134,8 @@ class StreamQueue:
         return None
 
     def report_done(self, worker_id: str, shards: Sequence[tuple[int, int]]) -> int:
+        """Mark ranges, named by (partition, start), as done, whoever holds them; returns how many
+        were open (leased or requeued)."""
         accepted = 0
         for key in shards:
             if self.leases.release(key) is not None:
@@ -136,9 +148,11 @@ class StreamQueue:
         return accepted
 
     def recover_worker(self, worker_id: str) -> list[_StreamKey]:
+        """Put every range ``worker_id`` holds back at the head of the queue; returns their keys."""
         return self._requeue(sorted(self.leases.held_by(worker_id)), f"worker {worker_id} lost")
 
     def expire(self, now: float) -> list[_StreamKey]:
+        """Requeue every range whose lease deadline is at or before ``now``; returns their keys."""
         return self._requeue(sorted(self.leases.expired(now)), "lease expired")
 
     def _requeue(self, keys: list[_StreamKey], reason: str) -> list[_StreamKey]:
@@ -179,6 +193,7 @@ class StreamQueue:
         self.failure = None
 
     def to_state(self) -> dict[str, Any]:
+        """JSON-able state: spec, read cursors, requeued ranges and leases."""
         return {
             "spec": asdict(self.spec),
             "next_offset": [[p, o] for p, o in self.next_offset.items()],
@@ -192,6 +207,8 @@ class StreamQueue:
 
     @classmethod
     def from_state(cls, state: dict[str, Any], source: StreamSource, now: float) -> StreamQueue:
+        """Rebuild from ``to_state()`` over ``source``; leases restart their full lease time from
+        ``now``."""
         queue = cls(StreamSpec(**state["spec"]), source)
         queue.next_offset.update({int(p): int(o) for p, o in state["next_offset"]})
         queue.requeued = deque(tuple(int(x) for x in e) for e in state["requeued"])  # type: ignore[misc]

@@ -73,10 +73,13 @@ class DatasetSpec:
 
     @property
     def samples_per_shard(self) -> int:
+        """Samples in each shard (the last one may have fewer): ``shard_size``, or ``batch_size *
+        batches_per_shard``."""
         return self.shard_size or self.batch_size * self.batches_per_shard
 
     @property
     def num_shards(self) -> int:
+        """Shards per epoch: ``size / samples_per_shard``, rounded up."""
         return -(-self.size // self.samples_per_shard)
 
     def to_dict(self) -> dict[str, Any]:
@@ -87,6 +90,8 @@ class DatasetSpec:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DatasetSpec:
+        """Rebuild from ``to_dict()``; raises InvalidSpecError for unknown fields, a missing name or
+        size, or values that cannot work."""
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(data) - known)
         if unknown or "name" not in data or "size" not in data:
@@ -168,6 +173,8 @@ class Position:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Position:
+        """Rebuild from ``to_dict()`` (a checkpoint's sampler state); ``pending`` may be absent, a
+        missing dataset, epoch or cursor raises KeyError."""
         pending = tuple((int(e[0]), int(e[1]), int(e[2])) for e in data.get("pending", []))
         return cls(str(data["dataset"]), int(data["epoch"]), int(data["cursor"]), pending)
 

@@ -56,6 +56,7 @@ def error_from_proto(message: pb.ShardingError) -> errors.ShardingError:
 
 # --- what is sent -----------------------------------------------------------------------------
 def dataset_spec_to_proto(spec: DatasetSpec) -> pb.DatasetSpec:
+    """A DatasetSpec as its message."""
     return pb.DatasetSpec(
         name=spec.name,
         size=spec.size,
@@ -96,14 +97,17 @@ def dataset_spec_from_proto(message: pb.DatasetSpec) -> DatasetSpec:
 
 
 def shard_id_to_proto(shard_id: ShardId) -> pb.ShardId:
+    """A ShardId as its message."""
     return pb.ShardId(epoch=shard_id.epoch, index=shard_id.index)
 
 
 def shard_id_from_proto(message: pb.ShardId) -> ShardId:
+    """A ShardId message back into a ShardId."""
     return ShardId(message.epoch, message.index)
 
 
 def position_to_proto(position: Position) -> pb.Position:
+    """A Position as its message, pending shards included."""
     return pb.Position(
         dataset=position.dataset,
         epoch=position.epoch,
@@ -116,6 +120,7 @@ def position_to_proto(position: Position) -> pb.Position:
 
 
 def position_from_proto(message: pb.Position) -> Position:
+    """A Position message back into a Position (not validated here: restore checks it)."""
     return Position(
         message.dataset,
         message.epoch,
@@ -125,6 +130,7 @@ def position_from_proto(message: pb.Position) -> Position:
 
 
 def consumption_mark_to_proto(mark: ConsumptionMark) -> pb.ConsumptionMark:
+    """A ConsumptionMark as its message; ``shard_id`` is set only when the mark has one."""
     message = pb.ConsumptionMark(epoch=mark.epoch, begin=mark.begin, offset=mark.offset)
     if mark.shard_id is not None:
         message.shard_id.CopyFrom(shard_id_to_proto(mark.shard_id))
@@ -132,20 +138,24 @@ def consumption_mark_to_proto(mark: ConsumptionMark) -> pb.ConsumptionMark:
 
 
 def consumption_mark_from_proto(message: pb.ConsumptionMark) -> ConsumptionMark:
+    """A ConsumptionMark message back into a ConsumptionMark (no shard when unset)."""
     shard_id = shard_id_from_proto(message.shard_id) if message.HasField("shard_id") else None
     return ConsumptionMark(message.epoch, message.begin, shard_id, message.offset)
 
 
 # --- what comes back --------------------------------------------------------------------------
 def register_result_to_proto(result: RegisterResult) -> pb.RegisterResult:
+    """A RegisterResult as its message."""
     return pb.RegisterResult(dataset=result.dataset, created=result.created)
 
 
 def register_result_from_proto(message: pb.RegisterResult) -> RegisterResult:
+    """A RegisterResult message back into a RegisterResult."""
     return RegisterResult(message.dataset, message.created)
 
 
 def shard_to_proto(shard: Shard) -> pb.Shard:
+    """A leased Shard as its message."""
     return pb.Shard(
         dataset=shard.dataset,
         id=shard_id_to_proto(shard.id),
@@ -159,6 +169,7 @@ def shard_to_proto(shard: Shard) -> pb.Shard:
 
 
 def shard_from_proto(message: pb.Shard) -> Shard:
+    """A Shard message back into a Shard."""
     return Shard(
         dataset=message.dataset,
         id=shard_id_from_proto(message.id),
@@ -172,24 +183,29 @@ def shard_from_proto(message: pb.Shard) -> Shard:
 
 
 def fetch_result_to_proto(result: FetchResult) -> pb.FetchResult:
+    """A FetchResult and its shards as a message."""
     return pb.FetchResult(
         shards=[shard_to_proto(s) for s in result.shards], finished=result.finished
     )
 
 
 def fetch_result_from_proto(message: pb.FetchResult) -> FetchResult:
+    """A FetchResult message back into a FetchResult."""
     return FetchResult(tuple(shard_from_proto(s) for s in message.shards), message.finished)
 
 
 def report_result_to_proto(result: ReportResult) -> pb.ReportResult:
+    """A ReportResult as its message."""
     return pb.ReportResult(accepted=result.accepted, ignored=result.ignored)
 
 
 def report_result_from_proto(message: pb.ReportResult) -> ReportResult:
+    """A ReportResult message back into a ReportResult."""
     return ReportResult(message.accepted, message.ignored)
 
 
 def position_at_to_proto(result: PositionAt) -> pb.PositionAt:
+    """A PositionAt as its message; ``position`` is set only when there is one."""
     message = pb.PositionAt(waiting_for=list(result.waiting_for))
     if result.position is not None:
         message.position.CopyFrom(position_to_proto(result.position))
@@ -197,11 +213,13 @@ def position_at_to_proto(result: PositionAt) -> pb.PositionAt:
 
 
 def position_at_from_proto(message: pb.PositionAt) -> PositionAt:
+    """A PositionAt message back into a PositionAt (no position when unset)."""
     position = position_from_proto(message.position) if message.HasField("position") else None
     return PositionAt(position, tuple(message.waiting_for))
 
 
 def dataset_progress_to_proto(progress: DatasetProgress) -> pb.DatasetProgress:
+    """DatasetProgress counters as their message."""
     return pb.DatasetProgress(
         dataset=progress.dataset,
         epoch=progress.epoch,
@@ -213,6 +231,7 @@ def dataset_progress_to_proto(progress: DatasetProgress) -> pb.DatasetProgress:
 
 
 def dataset_progress_from_proto(message: pb.DatasetProgress) -> DatasetProgress:
+    """A DatasetProgress message back into DatasetProgress."""
     return DatasetProgress(
         dataset=message.dataset,
         epoch=message.epoch,

@@ -38,6 +38,9 @@ class FakeEngine(Engine):
         self._lock = threading.Lock()
 
     def launch(self, spec: NodeSpec) -> Node:
+        """Record ``spec`` and queue its PENDING event; the node stays PENDING until the test emits
+        more. Waits on ``launch_barrier`` (10 s) if set; raises LaunchError for ids in
+        ``fail_launch_of``; an id already launched returns that node, not recorded again."""
         if self.launch_barrier is not None:
             self.launch_barrier.wait(timeout=10)
         if spec.node_id in self.fail_launch_of:
@@ -53,6 +56,8 @@ class FakeEngine(Engine):
         return dataclasses.replace(node)
 
     def delete(self, node_id: str) -> None:
+        """Record the call (even for a node that already ended), then emit DELETED unless the node
+        ended; NodeNotFoundError for an unknown id."""
         with self._lock:
             node = self._nodes.get(node_id)
             if node is None:
@@ -63,13 +68,17 @@ class FakeEngine(Engine):
         self.emit(node_id, NodeState.DELETED)
 
     def list_nodes(self) -> list[Node]:
+        """Copies of every launched node, in the state the test last emitted."""
         with self._lock:
             return [dataclasses.replace(node) for node in self._nodes.values()]
 
     def events(self, timeout: float) -> list[NodeEvent]:
+        """Queued events, waiting up to ``timeout`` seconds for the first."""
         return self._queue.drain(timeout)
 
     def close(self, delete_nodes: bool = True) -> None:
+        """With ``delete_nodes``, delete every node (each recorded in ``deleted``); then set
+        ``closed``. Launches are not refused afterwards."""
         if delete_nodes:
             for node in self.list_nodes():
                 self.delete(node.node_id)
@@ -85,6 +94,8 @@ class FakeEngine(Engine):
         signal: int | None = None,
         message: str = "",
     ) -> NodeEvent:
+        """Set the node's state and queue the event, as a real engine would report it; no transition
+        is checked. NodeNotFoundError for an unknown id."""
         with self._lock:
             node = self._nodes.get(node_id)
             if node is None:
@@ -95,9 +106,11 @@ class FakeEngine(Engine):
         return event
 
     def run(self, node_id: str) -> NodeEvent:
+        """Emit RUNNING for ``node_id``."""
         return self.emit(node_id, NodeState.RUNNING)
 
     def succeed(self, node_id: str) -> NodeEvent:
+        """Emit SUCCEEDED for ``node_id``."""
         return self.emit(node_id, NodeState.SUCCEEDED)
 
     def fail(
@@ -107,6 +120,7 @@ class FakeEngine(Engine):
         exit_code: int | None = 1,
         message: str = "",
     ) -> NodeEvent:
+        """Emit FAILED with ``reason``; ``exit_code`` is kept only for an EXIT_CODE failure."""
         return self.emit(
             node_id,
             NodeState.FAILED,

@@ -41,6 +41,9 @@ _EXTRA_KEYS = {
 
 
 class FaultKind(Enum):
+    """What a fault does: kill (SIGKILL itself), raise (InjectedFault), hang, slow, exit
+    (``os._exit``) or kill_agent (SIGKILL the agent)."""
+
     KILL = "kill"
     RAISE = "raise"
     HANG = "hang"
@@ -85,11 +88,14 @@ class Fault:
         return True
 
     def applies(self, rank: int, restart_count: int) -> bool:
+        """Whether the fault is meant for the worker of global ``rank`` in restart
+        ``restart_count``."""
         return (self.rank is None or self.rank == rank) and (
             self.restart is None or self.restart == restart_count
         )
 
     def describe(self) -> str:
+        """One line for logs, e.g. ``kill on rank 1 at step 5 (restart 0)``."""
         where = "every rank" if self.rank is None else f"rank {self.rank}"
         when = "every restart" if self.restart is None else f"restart {self.restart}"
         return f"{self.kind.value} on {where} at step {self.step} ({when})"
@@ -177,6 +183,9 @@ class FaultInjector:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> FaultInjector:
+        """The injector of this process: faults from DLROVER_FAULTS, rank and restart count from the
+        worker environment, the agent's pid from DLROVER_AGENT_PID. Raises FaultSpecError for a
+        malformed fault list."""
         env = os.environ if env is None else env
         agent = env.get(ENV_AGENT_PID, "")
         return cls(

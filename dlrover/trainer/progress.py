@@ -23,10 +23,12 @@ class StepReporter:
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644) if path else -1
 
     def report(self, step: int) -> None:
+        """Record ``step`` with the wall time (one pwrite, no RPC); nothing outside dlrover-run."""
         if self._fd >= 0:
             os.pwrite(self._fd, _RECORD.pack(step, time.time()), 0)
 
     def close(self) -> None:
+        """Close the step file; later reports do nothing."""
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

@@ -53,10 +53,14 @@ def default_worker_id(rank: int) -> str:
 
 
 def prefetch_from_env() -> int:
+    """Shards a sharding client keeps leased ahead: DLROVER_SHARD_PREFETCH, else
+    DEFAULT_PREFETCH_SHARDS; ValueError for a value that is not an integer."""
     value = os.environ.get(ENV_SHARD_PREFETCH, "")
     return int(value) if value else DEFAULT_PREFETCH_SHARDS
 
 
 def lease_s_from_env() -> float:
+    """Lease time in seconds of datasets the sampler registers: DLROVER_SHARD_LEASE_S, else
+    DEFAULT_LEASE_S; ValueError for a value that is not a number."""
     value = os.environ.get(ENV_SHARD_LEASE_S, "")
     return float(value) if value else DEFAULT_LEASE_S

@@ -54,4 +54,6 @@ class ElasticDataLoader(DataLoader):
         return self.elastic_sampler.state_dict(self.steps_in_epoch, self.batch_size or 1)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from ``state_dict()``: the sampler takes it (see
+        ElasticDistributedSampler.load_state_dict)."""
         self.elastic_sampler.load_state_dict(state)

@@ -113,6 +113,8 @@ class ElasticDistributedSampler(Sampler[int]):
 
     @property
     def dynamic(self) -> bool:
+        """True when shards come from the master through a sharding client; False for the static
+        split by rank."""
         return self.client is not None
 
     def _default_shard_size(self) -> int:
@@ -264,6 +266,7 @@ class ElasticDistributedSampler(Sampler[int]):
         self._yielded = self._consumed = 0
 
     def close(self) -> None:
+        """Stop the sharding client's prefetcher; nothing in static mode."""
         if self.client is not None:
             self.client.close()
 

@@ -83,6 +83,8 @@ class ElasticTrainer:
 
     @property
     def is_last_micro_step(self) -> bool:
+        """True when the next micro-batch completes the global batch (its ``micro_step`` steps the
+        optimizer)."""
         return self.micro_steps + 1 >= self.gradient_accumulation_steps
 
     @contextlib.contextmanager
@@ -102,6 +104,7 @@ class ElasticTrainer:
             self.optimizer_steps += 1
 
     def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate ``loss`` scaled by 1 / ``gradient_accumulation_steps``."""
         (loss / self.gradient_accumulation_steps).backward()
 
 

@@ -49,6 +49,7 @@ class Checkpointer:
         return all(e.wait_persisted(timeout) for e in self._engines.values())
 
     def close(self) -> None:
+        """Close every engine this checkpointer opened, each after its pending copy."""
         for engine in self._engines.values():
             engine.close()
         self._engines.clear()

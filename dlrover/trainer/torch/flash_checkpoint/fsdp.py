@@ -47,6 +47,9 @@ class FsdpShardCheckpointer(Checkpointer):
         path: str = "",
         storage_type: StorageType = StorageType.DISK,
     ) -> bool:
+        """Copy this rank's shards of the model and optimizer state, and ``extra_sd``, into shared
+        memory as ``step``; with DISK the agent also persists them in the DCP format. Returns False
+        if a MEMORY save was skipped because the previous step is still being persisted."""
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optimizer": optim_sd, "extra": dict(extra_sd or {})}
         return self._engine_for(path).save(step, state, persist=storage_type == StorageType.DISK)
@@ -120,6 +123,9 @@ class FsdpFullCheckpointer(Checkpointer):
         path: str = "",
         storage_type: StorageType = StorageType.DISK,
     ) -> bool:
+        """Gather the full state (a collective: every rank must call it) and save it from rank 0
+        like a DDP checkpoint; other ranks return True. Returns False if rank 0's MEMORY save was
+        skipped because the previous step is still being persisted."""
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
         if _rank() != 0:
@@ -130,6 +136,9 @@ class FsdpFullCheckpointer(Checkpointer):
     def load_checkpoint(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, resume_path: str = ""
     ) -> dict[str, Any]:
+        """Rank 0 loads the newest step (shared memory first, then storage) and broadcasts it into
+        every rank's model and optimizer; every rank must call it. Returns ``extra_sd`` on rank 0,
+        {} on the others and when there is no checkpoint."""
         engine = self.engine
         self.last_load_source = None
         catalog, bound = resolve_catalog(engine, resume_path)
