@@ -132,6 +132,7 @@ class ForkedWorker(WorkerHandle):
 
     @property
     def forked(self) -> bool:
+        """Always True: the zygote forked it."""
         return True
 
 
@@ -145,6 +146,7 @@ class PopenWorker(WorkerHandle):
 
     @property
     def forked(self) -> bool:
+        """Always False: started afresh with Popen."""
         return False
 
     def _watch(self) -> None:
@@ -241,10 +243,12 @@ class Zygote:
 
     @property
     def pid(self) -> int:
+        """The zygote process's pid."""
         return self._process.pid
 
     @property
     def alive(self) -> bool:
+        """Whether the zygote still runs and its channel is intact (it can fork)."""
         return not self._lost and self._process.poll() is None
 
     def spawn(

@@ -110,6 +110,7 @@ _EVENTS_BY_NAME = {event.event: event for event in EVENT_TYPES}
 
 
 def encode_request(request: ZygoteRequest) -> bytes:
+    """One JSON line of ``request``, tagged with its ``op``."""
     return encode(request, op=request.op)
 
 
@@ -119,6 +120,7 @@ def decode_request(line: bytes) -> ZygoteRequest:
 
 
 def encode_event(event: ZygoteEvent) -> bytes:
+    """One JSON line of ``event``, tagged with its kind."""
     return encode(event, event=event.event)
 
 

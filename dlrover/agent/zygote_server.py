@@ -265,6 +265,7 @@ def _own_session_at_lowest_weight() -> None:
 
 
 def main() -> None:
+    """Entry point of the zygote process (``python -m dlrover.agent.zygote_server``)."""
     parser = argparse.ArgumentParser(description="DLRover zygote (started by the agent)")
     parser.add_argument("--fd", type=int, required=True, help="inherited unix socket")
     parser.add_argument("--parent-pid", type=int, required=True, help="the agent's pid")

@@ -76,5 +76,6 @@ class SaverClient:
         return reply
 
     def close(self) -> None:
+        """Close the socket; the saver keeps serving other workers."""
         self._reader.close()
         self._sock.close()

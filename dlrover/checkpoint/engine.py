@@ -54,6 +54,7 @@ class WorkerPlacement:
 
     @classmethod
     def from_env(cls) -> WorkerPlacement:
+        """This process's place from its worker environment (see dlrover.worker_context)."""
         ctx = WorkerContext.from_env()
         return cls(
             ctx.rank,
@@ -66,6 +67,7 @@ class WorkerPlacement:
 
     @property
     def num_nodes(self) -> int:
+        """Nodes in the world (world size / local world size)."""
         return max(1, self.world_size // max(1, self.local_world_size))
 
 
@@ -111,10 +113,12 @@ class CheckpointEngine:
     # ------------------------------------------------------------------ roles
     @property
     def saves_to_memory(self) -> bool:
+        """Whether this rank copies into shared memory: every rank when sharded, else local rank 0."""
         return self.sharded or self.place.local_rank == 0
 
     @property
     def slot(self) -> int:
+        """The saver slot this rank writes: its local rank when sharded, else 0."""
         return self.place.local_rank if self.sharded else 0
 
     def _saving_slots(self) -> dict[int, int]:
@@ -254,6 +258,7 @@ class CheckpointEngine:
             raise CheckpointError(f"the overlapped checkpoint copy failed: {error}") from error
 
     def plan(self, state: Any) -> Layout:
+        """The shared-memory layout of ``state`` (tensors' offsets and the metadata) for this rank."""
         return plan_layout(
             state,
             {
@@ -330,6 +335,7 @@ class CheckpointEngine:
         return step, state, meta
 
     def catalog(self, resume_path: str = "") -> Catalog:
+        """The checkpoints committed to storage (or to ``resume_path``), to list or load from."""
         return Catalog(storage_for(resume_path) if resume_path else self.storage, self.keep_last)
 
     # ------------------------------------------------------------------ lifecycle

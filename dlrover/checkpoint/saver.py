@@ -135,6 +135,7 @@ class CheckpointSaver:
             return {slot: complete_step(seg) for slot, seg in self._segments.items()}
 
     def last_persisted(self, checkpoint_dir: str) -> int | None:
+        """The newest step this saver committed to ``checkpoint_dir``, or None."""
         with self._cond:
             return self._committed.get(checkpoint_dir)
 

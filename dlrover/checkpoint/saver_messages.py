@@ -154,6 +154,7 @@ class BeginCopyRequest(SaverRequest[BeginCopyReply]):
     timeout: float = DEFAULT_COPY_WAIT_S
 
     def answer_within_s(self) -> float | None:
+        """The saver may wait up to ``timeout`` before it answers."""
         return self.timeout
 
 
@@ -194,6 +195,7 @@ class LoadStepRequest(SaverRequest[LoadStepReply]):
     timeout: float = 60.0
 
     def answer_within_s(self) -> float | None:
+        """The saver may wait up to ``timeout`` before it answers."""
         return self.timeout
 
 
@@ -208,6 +210,7 @@ class WaitPersistedRequest(SaverRequest[WaitPersistedReply]):
     timeout_s: float
 
     def answer_within_s(self) -> float | None:
+        """The saver may wait up to ``timeout_s`` before it answers."""
         return self.timeout_s
 
 
@@ -236,6 +239,7 @@ _SHM_SPACE_KIND = "ShmSpaceError"
 
 
 def encode_request(request: SaverRequest[Any]) -> bytes:
+    """One JSON line of ``request``, tagged with its ``op``."""
     return encode(request, op=request.op)
 
 
@@ -245,6 +249,7 @@ def decode_request(line: bytes) -> SaverRequest[Any]:
 
 
 def encode_reply(reply: SaverReply) -> bytes:
+    """One JSON line of ``reply``; ``ok`` is false for a refusal (``kind`` names a full /dev/shm)."""
     if isinstance(reply, ShmSpaceRefused):
         return encode(reply, ok=False, kind=_SHM_SPACE_KIND)
     return encode(reply, ok=not isinstance(reply, Refused))

@@ -92,6 +92,7 @@ class WorkerLauncher:
 
     @property
     def zygote(self) -> Zygote | None:
+        """The zygote once it started, else None (spawns fall back to Popen)."""
         return self._zygote
 
     def spawn(
@@ -102,6 +103,7 @@ class WorkerLauncher:
         stdout_path: str | os.PathLike[str],
         stderr_path: str | os.PathLike[str],
     ) -> WorkerHandle:
+        """Fork the worker from the zygote, or start it with Popen if the zygote is not there."""
         with self._lock:
             zygote = self._zygote
         if zygote is not None and zygote.alive:
@@ -112,6 +114,7 @@ class WorkerLauncher:
         return spawn_popen(argv, env, cwd, stdout_path, stderr_path)
 
     def close(self, timeout: float = 5.0) -> None:
+        """Stop the zygote (its forked workers are the caller's to stop)."""
         with self._lock:
             zygote, self._zygote = self._zygote, None
         if zygote is not None:
