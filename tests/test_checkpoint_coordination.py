@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from dlrover.checkpoint.coordinator import CommitCoordinator, LocalCommitCoordinator
+from dlrover.checkpoint.coordinator import CommitCoordinator, CommitVotes, LocalCommitCoordinator
 from dlrover.client.checkpoint import MasterCommitCoordinator
 from dlrover.client.master_client import MasterClient
 from dlrover.master.job import JobMaster, JobMasterConfig
@@ -64,3 +64,13 @@ def test_the_master_remembers_the_committed_step_across_its_restart():
     JobMaster(JobMasterConfig(), store).checkpoint.mark_committed(9)
     again = JobMaster(JobMasterConfig(), store).checkpoint
     assert again.wait_committed(9, 0) and not again.wait_committed(10, 0)
+
+
+def test_a_late_report_of_a_committed_step_never_makes_a_second_committer():
+    votes = CommitVotes()
+    assert [votes.report_persisted(5, rank, 2) for rank in (0, 1)] == [False, True]
+    votes.mark_committed(5)
+    assert votes.report_persisted(5, 1, 2)  # the committer's retry keeps its answer
+    assert not votes.report_persisted(5, 0, 2)
+    votes.mark_committed(5 + 2000)  # long after: the step's committer is forgotten
+    assert [votes.report_persisted(5, rank, 2) for rank in (0, 1)] == [False, False]

@@ -182,8 +182,9 @@ class JobStatus:
 class MasterApi(Protocol):
     """The calls an agent and a training process make to the job master.
 
-    Errors: ``dlrover.client.master_client.MasterRequestError`` for a refused request (unknown
-    node, stale incarnation, bad configuration) in both implementations.
+    Errors (``dlrover.api.errors``), the same from both implementations:
+    ``MasterRequestError`` for a refused request (stale incarnation, bad configuration),
+    ``UnknownNodeError`` for a node id the master does not know (register again).
     """
 
     def register_node(self, registration: Registration) -> Registered:

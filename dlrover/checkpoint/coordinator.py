@@ -11,6 +11,8 @@ import threading
 from collections.abc import Callable
 from typing import Protocol
 
+_KEEP_STEPS = 1000
+"""Committers of steps older than the newest committed by more than this are forgotten."""
 _KEEP_ROUNDS = 8
 """Decided load-step rounds older than the newest by more than this are forgotten."""
 
@@ -77,6 +79,8 @@ class CommitVotes:
             nodes = self._reports.setdefault(step, set())
             nodes.add(node_rank)
             if step not in self._committer and len(nodes) >= total_nodes:
+                if step <= self._committed:
+                    return False  # committed already, and its committer forgotten: not this one
                 self._committer[step] = node_rank
             return self._committer.get(step) == node_rank
 
@@ -89,6 +93,9 @@ class CommitVotes:
                     self._on_committed(step)
             for old in [s for s in self._reports if s <= step]:
                 del self._reports[old]
+            # A retried report of a recent step still gets its answer; older ones are forgotten.
+            for old in [s for s in self._committer if s < step - _KEEP_STEPS]:
+                del self._committer[old]
             self._cond.notify_all()
 
     def wait_committed(self, step: int, timeout: float) -> bool:

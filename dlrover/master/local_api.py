@@ -188,7 +188,8 @@ class LocalMasterApi:
 
     def checkpoint_persisted(self, step: int, node_rank: int, total_nodes: int) -> bool:
         """Record this node's report of ``step``; True for the step's one committer."""
-        return self.job.checkpoint.report_persisted(step, node_rank, total_nodes)
+        with _refusals():
+            return self.job.checkpoint.report_persisted(step, node_rank, total_nodes)
 
     def checkpoint_committed(self, step: int) -> None:
         """Mark ``step`` committed (persisted in the state store) and wake its waiters."""

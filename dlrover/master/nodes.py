@@ -194,10 +194,12 @@ class NodeTable:
             node.step = max(node.step, step)
 
     def set_rank(self, node_id: str, node_rank: int) -> None:
-        """Record the node's rank in the latest world; kept in memory, and saved with the node's
-        next persisted change."""
+        """Record the node's rank in the latest world (persisted when it changed)."""
         with self._lock:
-            self.get(node_id).node_rank = node_rank
+            node = self.get(node_id)
+            if node.node_rank != node_rank:
+                node.node_rank = node_rank
+                self._persist(node)
 
     def set_exit_code(self, node_id: str, exit_code: int) -> None:
         """Record (and persist) the exit code of the node's failed workers."""

@@ -30,7 +30,7 @@ STATE_VERSION = 1
 class ShardManager:
     """Datasets and streams by name, their queues, leases and positions. Pure logic, no I/O.
 
-    Not thread-safe: the caller (the master's servicer, or InProcessTransport) serialises
+    Not thread-safe: the caller (the master's ShardingService, or InProcessTransport) serialises
     calls. Time comes only from the injected `clock`, so tests step it by hand; `tick()` is
     the one periodic duty (reassigning expired leases).
     """

@@ -19,7 +19,7 @@ from dlrover.sharding.config import (
 logger = logging.getLogger(__name__)
 
 GRPC_TRANSPORT_MODULE = "dlrover.client.sharding"
-"""Module the lead's wire client provides; it must define `connect(master_addr) -> transport`."""
+"""Module that provides the gRPC transport; it must define `connect(master_addr) -> transport`."""
 
 
 def transport_from_env() -> ShardingTransport | None:
