@@ -6,9 +6,10 @@ from dlrover.agent.worker_env import WorkerPlacement, worker_env
 from dlrover.worker_context import WorkerContext
 
 
-def test_worker_env_has_torchrun_keys_and_dlrover_keys():
-    env = worker_env(
-        {"PATH": "/bin"},
+def _sample_env(base: dict[str, str]) -> dict[str, str]:
+    """Rank 3 of 4: local rank 1 of node 1 of 2, restart 2, round 3."""
+    return worker_env(
+        base,
         WorkerPlacement(
             local_rank=1, local_world_size=2, rank=3, world_size=4, node_rank=1, num_nodes=2
         ),
@@ -24,6 +25,10 @@ def test_worker_env_has_torchrun_keys_and_dlrover_keys():
         node_id="n1",
         rdzv_round=3,
     )
+
+
+def test_worker_env_has_torchrun_keys_and_dlrover_keys():
+    env = _sample_env({"PATH": "/bin"})
     assert env["PATH"] == "/bin"
     assert {
         k: env[k]
@@ -86,24 +91,7 @@ def test_user_omp_num_threads_is_kept():
 
 
 def test_what_the_agent_writes_the_worker_reads_back():
-    placement = WorkerPlacement(
-        local_rank=1, local_world_size=2, rank=3, world_size=4, node_rank=1, num_nodes=2
-    )
-    env = worker_env(
-        {},
-        placement,
-        role="trainer",
-        run_id="job",
-        restart_count=2,
-        max_restarts=5,
-        store_addr="h0",
-        store_port=1234,
-        error_file="/tmp/e.json",
-        master_addr="m:1",
-        job_token="t",
-        node_id="n1",
-        rdzv_round=3,
-    )
+    env = _sample_env({})
     assert WorkerContext.from_env(env) == WorkerContext(
         rank=3,
         local_rank=1,

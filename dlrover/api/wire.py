@@ -6,29 +6,31 @@ other's messages field by field.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
 from dlrover.api import master as api
 from dlrover.proto import master_pb2 as pb
 
 
+def _scalars(value: object, names: Iterable[str]) -> dict[str, Any]:
+    """The named attributes of ``value``: for types whose fields match one for one."""
+    return {name: getattr(value, name) for name in names}
+
+
+def _names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
 def limits_to_pb(limits: api.NodeLimits, job_name: str = "") -> pb.JobConfig:
     """The job's node range (and name) as the wire's JobConfig."""
-    return pb.JobConfig(
-        min_nodes=limits.min_nodes,
-        max_nodes=limits.max_nodes,
-        node_unit=limits.node_unit,
-        last_call_timeout_s=limits.last_call_timeout_s,
-        job_name=job_name,
-    )
+    return pb.JobConfig(job_name=job_name, **dataclasses.asdict(limits))
 
 
 def limits_from_pb(config: pb.JobConfig) -> api.NodeLimits:
-    """A JobConfig back into NodeLimits (the job name is read separately)."""
-    return api.NodeLimits(
-        min_nodes=config.min_nodes,
-        max_nodes=config.max_nodes,
-        node_unit=config.node_unit,
-        last_call_timeout_s=config.last_call_timeout_s,
-    )
+    """The node range a JobConfig carries (its job name is read separately)."""
+    return api.NodeLimits(**_scalars(config, _names(api.NodeLimits)))
 
 
 def registration_to_pb(r: api.Registration) -> pb.RegisterNodeRequest:
@@ -114,69 +116,28 @@ def heartbeat_reply_from_pb(response: pb.HeartbeatResponse) -> api.HeartbeatRepl
 
 
 def join_to_pb(j: api.JoinRequest) -> pb.JoinRendezvousRequest:
-    """A JoinRequest as a JoinRendezvousRequest."""
-    return pb.JoinRendezvousRequest(
-        node_id=j.node_id,
-        incarnation=j.incarnation,
-        local_world_size=j.local_world_size,
-        store_host=j.store_host,
-        store_port=j.store_port,
-    )
+    """A join request as its gRPC message."""
+    return pb.JoinRendezvousRequest(**dataclasses.asdict(j))
 
 
 def join_from_pb(request: pb.JoinRendezvousRequest) -> api.JoinRequest:
-    """A JoinRendezvousRequest back into a JoinRequest."""
-    return api.JoinRequest(
-        node_id=request.node_id,
-        incarnation=request.incarnation,
-        local_world_size=request.local_world_size,
-        store_host=request.store_host,
-        store_port=request.store_port,
-    )
+    """A JoinRendezvousRequest as the domain type."""
+    return api.JoinRequest(**_scalars(request, _names(api.JoinRequest)))
 
 
 def world_to_pb(w: api.CommWorld) -> pb.CommWorld:
-    """A CommWorld as its wire message."""
-    return pb.CommWorld(
-        round=w.round,
-        complete=w.complete,
-        members=[
-            pb.WorldMember(
-                node_id=m.node_id,
-                node_rank=m.node_rank,
-                local_world_size=m.local_world_size,
-                host=m.host,
-            )
-            for m in w.members
-        ],
-        node_rank=w.node_rank,
-        world_size=w.world_size,
-        rank_offset=w.rank_offset,
-        store_host=w.store_host,
-        store_port=w.store_port,
-    )
+    """A rendezvous round as one node sees it, as its gRPC message."""
+    fields = {name: getattr(w, name) for name in _names(api.CommWorld) if name != "members"}
+    members = [pb.WorldMember(**dataclasses.asdict(m)) for m in w.members]
+    return pb.CommWorld(members=members, **fields)
 
 
 def world_from_pb(w: pb.CommWorld) -> api.CommWorld:
-    """A CommWorld message back into the domain CommWorld."""
-    return api.CommWorld(
-        round=w.round,
-        complete=w.complete,
-        members=tuple(
-            api.WorldMember(
-                node_id=m.node_id,
-                node_rank=m.node_rank,
-                local_world_size=m.local_world_size,
-                host=m.host,
-            )
-            for m in w.members
-        ),
-        node_rank=w.node_rank,
-        world_size=w.world_size,
-        rank_offset=w.rank_offset,
-        store_host=w.store_host,
-        store_port=w.store_port,
-    )
+    """A CommWorld message as the domain type."""
+    fields = _scalars(w, [name for name in _names(api.CommWorld) if name != "members"])
+    member_names = _names(api.WorldMember)
+    members = tuple(api.WorldMember(**_scalars(m, member_names)) for m in w.members)
+    return api.CommWorld(members=members, **fields)
 
 
 def node_report_to_pb(r: api.NodeReport) -> pb.ReportNodeStatusRequest:
@@ -208,52 +169,15 @@ def node_report_from_pb(request: pb.ReportNodeStatusRequest) -> api.NodeReport:
 
 
 def job_status_to_pb(s: api.JobStatus) -> pb.JobStatus:
-    """A JobStatus (with its nodes) as its wire message."""
-    return pb.JobStatus(
-        job_name=s.job_name,
-        state=s.state,
-        round=s.round,
-        reason=s.reason,
-        exit_code=s.exit_code,
-        nodes=[
-            pb.NodeStatus(
-                node_id=n.node_id,
-                state=n.state,
-                node_rank=n.node_rank,
-                host=n.host,
-                step=n.step,
-                restart_count=n.restart_count,
-                last_heartbeat_age_s=n.last_heartbeat_age_s,
-                role=n.role,
-                cpu_percent=n.cpu_percent,
-                memory_bytes=n.memory_bytes,
-            )
-            for n in s.nodes
-        ],
-    )
+    """The job's status as its gRPC message."""
+    fields = {name: getattr(s, name) for name in _names(api.JobStatus) if name != "nodes"}
+    nodes = [pb.NodeStatus(**dataclasses.asdict(n)) for n in s.nodes]
+    return pb.JobStatus(nodes=nodes, **fields)
 
 
 def job_status_from_pb(s: pb.JobStatus) -> api.JobStatus:
-    """A JobStatus message back into the domain JobStatus."""
-    return api.JobStatus(
-        job_name=s.job_name,
-        state=s.state,
-        round=s.round,
-        reason=s.reason,
-        exit_code=s.exit_code,
-        nodes=tuple(
-            api.NodeStatus(
-                node_id=n.node_id,
-                state=n.state,
-                node_rank=n.node_rank,
-                host=n.host,
-                step=n.step,
-                restart_count=n.restart_count,
-                last_heartbeat_age_s=n.last_heartbeat_age_s,
-                role=n.role,
-                cpu_percent=n.cpu_percent,
-                memory_bytes=n.memory_bytes,
-            )
-            for n in s.nodes
-        ),
-    )
+    """A JobStatus message as the domain type."""
+    fields = _scalars(s, [name for name in _names(api.JobStatus) if name != "nodes"])
+    node_names = _names(api.NodeStatus)
+    nodes = tuple(api.NodeStatus(**_scalars(n, node_names)) for n in s.nodes)
+    return api.JobStatus(nodes=nodes, **fields)
