@@ -49,3 +49,7 @@ ENV_STACK_FILE = "DLROVER_STACK_FILE"
 """Set by the agent: where a worker writes its Python stacks when asked (SIGUSR1)."""
 ENV_AGENT_PID = "DLROVER_AGENT_PID"
 """The pid of the agent that started this worker (fault injection's kill_agent uses it)."""
+
+DEFAULT_MASTER_RECONNECT_S = 120.0
+"""How long a node keeps calling a master that does not answer (it may be restarting on its
+saved state) before it gives up on a call that cannot be skipped."""

@@ -62,3 +62,54 @@ def test_unwritable_database_is_a_clear_error(tmp_path: Path):
 
 def test_memory_store_is_the_default_for_empty_spec():
     assert isinstance(open_state_store(""), MemoryStateStore)
+
+
+def test_a_master_refuses_another_jobs_state_and_changes_nothing(tmp_path: Path):
+    from dlrover.master.assembly import MasterSettings, build_master
+    from dlrover.master.state_store import StateMismatchError
+
+    path = str(tmp_path / "state.db")
+    first = build_master(MasterSettings("job-a", "token-a", host="127.0.0.1", state=path))
+    first.job.kv.set("k", b"v")
+    first.stop(0)
+    before = SqliteStateStore(path)
+    saved = {ns: before.items(ns) for ns in ("job", "kv")}
+    before.close()
+    with pytest.raises(StateMismatchError, match="belongs to job 'job-a', not 'job-b'"):
+        build_master(MasterSettings("job-b", "token-a", host="127.0.0.1", state=path))
+    with pytest.raises(StateMismatchError, match="another token"):
+        build_master(MasterSettings("job-a", "token-b", host="127.0.0.1", state=path))
+    after = SqliteStateStore(path)
+    assert {ns: after.items(ns) for ns in ("job", "kv")} == saved
+    after.close()
+    again = build_master(MasterSettings("job-a", "token-a", host="127.0.0.1", state=path))
+    assert again.job.kv.get("k") == b"v"  # the rightful master resumes it
+    again.stop(0)
+
+
+def test_a_corrupt_state_file_is_named_and_left_alone(tmp_path: Path):
+    path = tmp_path / "state.db"
+    path.write_bytes(b"this is not sqlite" * 100)
+    with pytest.raises(StateStoreError, match="not a DLRover state database, or it is corrupt"):
+        SqliteStateStore(str(path))
+    assert path.read_bytes() == b"this is not sqlite" * 100
+    store = SqliteStateStore(str(tmp_path / "ok.db"))
+    store.put("job", "state", b"{not json")
+    with pytest.raises(StateStoreError, match="job/state in .*ok.db is corrupt"):
+        store.get_json("job", "state")
+    store.close()
+
+
+def test_the_node_range_survives_a_master_restart_and_a_conflicting_one_is_refused(
+    tmp_path: Path,
+):
+    from dlrover.master.job import JobMaster, JobMasterConfig
+    from dlrover.master.rendezvous import RendezvousConfig, RendezvousError
+
+    store = SqliteStateStore(str(tmp_path / "state.db"))
+    JobMaster(JobMasterConfig(), store).register("", "h", "w", 2, -1, 1, RendezvousConfig(2, 4))
+    restarted = JobMaster(JobMasterConfig(), store)  # no --nnodes: the saved range holds
+    assert restarted.rendezvous_config() == RendezvousConfig(2, 4)
+    with pytest.raises(RendezvousError, match="has --nnodes 2:4 .* started with 1:1"):
+        JobMaster(JobMasterConfig(rendezvous=RendezvousConfig(1, 1)), store)
+    store.close()

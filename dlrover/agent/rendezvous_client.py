@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 
 from dlrover.agent.config import AgentConfig
-from dlrover.api.errors import MasterClientError
+from dlrover.api.errors import MasterClientError, MasterUnreachableError
 from dlrover.api.master import (
     CommWorld,
     JoinRequest,
@@ -21,6 +21,8 @@ from dlrover.api.master import (
     Registered,
     Registration,
 )
+from dlrover.api.retry import while_unreachable
+from dlrover.constants import DEFAULT_MASTER_RECONNECT_S
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +62,7 @@ class RendezvousClient:
     def register(self, node_id: str, host: str, job_name: str) -> Registered:
         """Announce this node (again, with its old id after a restart or a loss)."""
         cfg = self._config
-        registered = self._master.register_node(
+        registration = (
             Registration(
                 host=host,
                 local_world_size=cfg.nproc_per_node,
@@ -74,6 +76,9 @@ class RendezvousClient:
                 job_name=job_name,
             )
         )
+        registered = while_unreachable(
+            lambda: self._master.register_node(registration), self._reconnect_deadline(), "register"
+        )
         self.node_id, self.incarnation = registered.node_id, registered.incarnation
         logger.info("registered as node %s (incarnation %d)", self.node_id, self.incarnation)
         return registered
@@ -81,21 +86,26 @@ class RendezvousClient:
     def join(self, store_host: str, store_port: int) -> CommWorld:
         """Join the next round and wait until the master completes it."""
         cfg = self._config
-        self.round = self._master.join_rendezvous(
-            JoinRequest(
-                node_id=self.node_id,
-                incarnation=self.incarnation,
-                local_world_size=cfg.nproc_per_node,
-                store_host=store_host,
-                store_port=store_port,
-            )
-        )
         start = time.monotonic()
         deadline = start + cfg.join_timeout_s
+        request = JoinRequest(
+            node_id=self.node_id,
+            incarnation=self.incarnation,
+            local_world_size=cfg.nproc_per_node,
+            store_host=store_host,
+            store_port=store_port,
+        )
+        self.round = while_unreachable(
+            lambda: self._master.join_rendezvous(request), deadline, "join the rendezvous"
+        )
         next_log = start + 10.0
         delay = 0.01
         while True:
-            world = self._master.get_comm_world(self.node_id, self.round)
+            world = while_unreachable(
+                lambda: self._master.get_comm_world(self.node_id, self.round),
+                deadline,
+                "wait for the rendezvous",
+            )
             if world.complete:
                 self.round = world.round
                 logger.info(
@@ -123,6 +133,9 @@ class RendezvousClient:
             time.sleep(delay)
             delay = min(delay * 2, 0.1)
 
+    def _reconnect_deadline(self) -> float:
+        return time.monotonic() + DEFAULT_MASTER_RECONNECT_S
+
     def world_must_reform(self) -> bool:
         """A node waits to join, or a newer round completed without us; False if the master
         cannot be asked right now (the next check asks again)."""
@@ -134,40 +147,58 @@ class RendezvousClient:
         return waiting.waiting > 0 or waiting.latest_round > self.round
 
     def report(self, outcome: NodeOutcome, exit_code: int, reason: str) -> bool:
-        """Tell the master how this node's workers ended; True once the whole job succeeded."""
+        """Tell the master how this node's workers ended; True once the whole job succeeded.
+        A master that stays unreachable or refuses is logged, and False returned."""
         try:
-            return self._master.report_node_status(
-                NodeReport(self.node_id, self.incarnation, outcome, exit_code, reason)
+            return while_unreachable(
+                lambda: self._master.report_node_status(
+                    NodeReport(self.node_id, self.incarnation, outcome, exit_code, reason)
+                ),
+                self._reconnect_deadline(),
+                f"report {outcome.value}",
             )
         except MasterClientError as e:
             logger.warning("could not report %s to the master: %s", outcome.value, e)
             return False
 
     def exit_barrier(self) -> RunResult:
-        """Report success, then wait (bounded) until every node of the world has finished."""
+        """Report success, then wait (bounded) until every node of the world has finished.
+
+        The report is repeated while waiting (it is idempotent): a master that died and came
+        back on its saved state learns it even if the first report was lost with it.
+        """
         cfg = self._config
         logger.info("all %d workers succeeded; waiting for the other nodes", cfg.nproc_per_node)
-        done = self.report(NodeOutcome.SUCCEEDED, 0, "")
         deadline = time.monotonic() + cfg.exit_barrier_timeout_s
+        report = NodeReport(self.node_id, self.incarnation, NodeOutcome.SUCCEEDED, 0, "")
         delay = 0.01
-        while not done:
-            status = self._master.get_job_status()
-            if status.state == "failed":
-                return RunResult(status.exit_code or 1, status.reason)
-            if status.state == "succeeded":
-                break
+        while True:
+            try:
+                if self._master.report_node_status(report):
+                    return RunResult(0, "succeeded")
+                status = self._master.get_job_status()
+                if status.state == "failed":
+                    return RunResult(status.exit_code or 1, status.reason)
+                if status.state == "succeeded":
+                    return RunResult(0, "succeeded")
+            except MasterUnreachableError as e:
+                logger.warning("exit barrier: the master does not answer (%s); trying again", e)
+            except MasterClientError as e:
+                logger.warning("exit barrier: the master refused the report (%s)", e)
+                return RunResult(0, "succeeded")
             if time.monotonic() >= deadline:
                 logger.warning(
                     "exit barrier: other nodes did not finish within %.0fs; exiting anyway",
                     cfg.exit_barrier_timeout_s,
                 )
-                break
-            time.sleep(delay)
-            delay = min(delay * 2, 0.2)
-        return RunResult(0, "succeeded")
+                return RunResult(0, "succeeded")
+            time.sleep(delay)  # the other nodes are other processes: nothing to wait on here
+            delay = min(delay * 2, 0.5)
 
     def ended_by_master(self) -> RunResult:
         """The master ended the job: this node exits with the job's outcome."""
-        status = self._master.get_job_status()
+        status = while_unreachable(
+            self._master.get_job_status, self._reconnect_deadline(), "read the job's end"
+        )
         code = 0 if status.state == "succeeded" else (status.exit_code or 1)
         return RunResult(code, f"the master ended the job: {status.reason}")

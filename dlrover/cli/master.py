@@ -149,7 +149,7 @@ def run(argv: Sequence[str] | None = None) -> int:
                 heartbeat_timeout_s=args.heartbeat_timeout,
             )
         )
-    except (MasterServerError, StateStoreError) as e:
+    except (MasterServerError, StateStoreError, RendezvousError) as e:
         print(f"dlrover-master: error: {e}", file=sys.stderr)
         return 1
 

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import time
+
 from dlrover.api.master import MasterApi
+from dlrover.api.retry import while_unreachable
+from dlrover.constants import DEFAULT_MASTER_RECONNECT_S
 
 
 class MasterCommitCoordinator:
@@ -14,15 +18,30 @@ class MasterCommitCoordinator:
 
     def report_persisted(self, step: int, node_rank: int, total_nodes: int) -> bool:
         """This node wrote all its files of ``step``; True for the step's one committer."""
-        return self._master.checkpoint_persisted(step, node_rank, total_nodes)
+        return while_unreachable(
+            lambda: self._master.checkpoint_persisted(step, node_rank, total_nodes),
+            time.monotonic() + DEFAULT_MASTER_RECONNECT_S,
+            f"report checkpoint step {step} persisted",
+        )
 
     def mark_committed(self, step: int) -> None:
         """Announce that ``step`` is committed; the master persists it and wakes waiters."""
-        self._master.checkpoint_committed(step)
+        while_unreachable(
+            lambda: self._master.checkpoint_committed(step),
+            time.monotonic() + DEFAULT_MASTER_RECONNECT_S,
+            f"mark checkpoint step {step} committed",
+        )
 
     def wait_committed(self, step: int, timeout: float) -> bool:
         """Whether ``step`` or a newer one is committed within ``timeout`` seconds."""
-        return self._master.wait_checkpoint_committed(step, timeout)
+        deadline = time.monotonic() + timeout
+        return while_unreachable(
+            lambda: self._master.wait_checkpoint_committed(
+                step, max(0.0, deadline - time.monotonic())
+            ),
+            deadline,
+            f"wait for checkpoint step {step}",
+        )
 
     def agree_load_step(
         self,
@@ -35,4 +54,11 @@ class MasterCommitCoordinator:
         """The step every node can load from memory in round ``round_id``, or None (the nodes
         differ, or one did not vote within ``timeout`` seconds)."""
         # Undecided at the deadline (a node never voted): None, nobody loads from memory.
-        return self._master.vote_load_step(node_rank, total_nodes, local_step, round_id, timeout)[1]
+        deadline = time.monotonic() + timeout
+        return while_unreachable(
+            lambda: self._master.vote_load_step(
+                node_rank, total_nodes, local_step, round_id, max(0.0, deadline - time.monotonic())
+            ),
+            deadline,
+            "agree on the step to load",
+        )[1]

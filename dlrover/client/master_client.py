@@ -70,6 +70,11 @@ class MasterClient:
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.enable_http_proxy", 0),
+                # A restarted master is found again within a second, not after gRPC's default
+                # back-off of up to two minutes.
+                ("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 1000),
             ],
         )
         self.stub = pb_grpc.MasterStub(self._channel)

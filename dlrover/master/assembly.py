@@ -6,13 +6,14 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 from dlrover.constants import DEFAULT_HEARTBEAT_TIMEOUT_S
 from dlrover.master.job import JobMaster, JobMasterConfig
 from dlrover.master.rendezvous import RendezvousConfig
 from dlrover.master.server import MasterServer
-from dlrover.master.state_store import StateStore, open_state_store
+from dlrover.master.state_store import StateMismatchError, StateStore, open_state_store
 
 
 @dataclass(frozen=True)
@@ -50,14 +51,43 @@ class RunningMaster:
         self.store.close()
 
 
+def claim_state(store: StateStore, job_name: str, token: str) -> None:
+    """Mark a fresh state as this job's, or check that a saved one is.
+
+    A master restarted on its job's state resumes the job; one started on another job's state
+    (another name or token) would hand that job's nodes to strangers, so it is refused with
+    StateMismatchError, and nothing in the state is changed.
+    """
+    mine = {"job_name": job_name, "token_sha256": hashlib.sha256(token.encode()).hexdigest()}
+    saved = store.get_json("job", "identity")
+    if saved is None:
+        store.put_json("job", "identity", mine)
+        return
+    other_token = saved.get("token_sha256") != mine["token_sha256"]
+    if saved.get("job_name") != job_name:
+        raise StateMismatchError(
+            f"the state in {store} belongs to job {saved.get('job_name')!r}, not {job_name!r}"
+            + (" (and another token)" if other_token else "")
+            + ": restart the master with that job's name and token, or give this job a new state"
+        )
+    if other_token:
+        raise StateMismatchError(
+            f"the state in {store} belongs to job {job_name!r} started with another token: "
+            "restart the master with the job's token (--token, or $DLROVER_JOB_TOKEN), or give "
+            "this job a new state"
+        )
+
+
 def build_master(settings: MasterSettings) -> RunningMaster:
     """Open the state, build the job and start serving it.
 
-    Raises StateStoreError (the state file cannot be opened) or MasterServerError (the
-    address cannot be bound); nothing is left open when it raises.
+    Raises StateStoreError (the state cannot be opened, is corrupt, or is another job's:
+    StateMismatchError), RendezvousError (the saved node range differs from the given one) or
+    MasterServerError (the address cannot be bound); nothing is left open when it raises.
     """
     store = open_state_store(settings.state)
     try:
+        claim_state(store, settings.job_name, settings.token)
         job = JobMaster(
             JobMasterConfig(
                 job_name=settings.job_name,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import threading
@@ -18,6 +19,33 @@ from dlrover.master.sharding_service import ShardingService
 from dlrover.master.state_store import StateStore
 
 logger = logging.getLogger(__name__)
+
+_NAMESPACE = "job"
+
+
+def _restored_rendezvous(
+    store: StateStore, given: RendezvousConfig | None
+) -> RendezvousConfig | None:
+    """The node range of this job: the one a previous master of it saved, else ``given``.
+
+    Raises RendezvousError when both exist and differ (a restarted master must keep the job's
+    --nnodes, or start on a new state file).
+    """
+    saved = store.get_json(_NAMESPACE, "rendezvous")
+    if saved is None:
+        return given
+    try:
+        restored = RendezvousConfig(**saved)
+    except TypeError as e:
+        raise RendezvousError(f"the saved node range {saved!r} is not readable ({e})") from None
+    if given is not None and given != restored:
+        raise RendezvousError(
+            f"this job's state has --nnodes {restored.min_nodes}:{restored.max_nodes} "
+            f"(node unit {restored.node_unit}) but the master was started with "
+            f"{given.min_nodes}:{given.max_nodes} (node unit {given.node_unit}); restart it with "
+            "the job's range, or give it a new --state-db for a new job"
+        )
+    return restored
 
 
 class JobState(str, enum.Enum):
@@ -65,9 +93,10 @@ class JobMaster:
             on_committed=lambda step: store.put_json("checkpoint", "committed", step),
         )
         self.rendezvous: RendezvousManager | None = None
-        if config.rendezvous is not None:
-            self.rendezvous = RendezvousManager(config.rendezvous, store, clock)
-        saved = store.get_json("job", "state") or {}
+        rdzv = _restored_rendezvous(store, config.rendezvous)
+        if rdzv is not None:
+            self._start_rendezvous(rdzv)
+        saved = store.get_json(_NAMESPACE, "state") or {}
         self.state = JobState(saved.get("state", JobState.PENDING.value))
         self.reason: str = saved.get("reason", "")
         self.exit_code: int = saved.get("exit_code", 0)
@@ -93,7 +122,7 @@ class JobMaster:
             if self.rendezvous is None:
                 if rdzv is None:
                     raise RendezvousError("the first node must say how many nodes the job has")
-                self.rendezvous = RendezvousManager(rdzv, self._store, self._clock)
+                self._start_rendezvous(rdzv)
                 logger.info(
                     "job %s: nodes %d:%d (node_unit %d)",
                     self.config.job_name,
@@ -110,6 +139,11 @@ class JobMaster:
                         "with the same --nnodes"
                     )
             return self.nodes.register(node_id, host, role, local_world_size, requested_rank, pid)
+
+    def _start_rendezvous(self, rdzv: RendezvousConfig) -> None:
+        """Fix the job's node range (saved, so a restarted master knows it) and its rounds."""
+        self.rendezvous = RendezvousManager(rdzv, self._store, self._clock)
+        self._store.put_json(_NAMESPACE, "rendezvous", dataclasses.asdict(rdzv))
 
     def heartbeat(
         self, node_id: str, incarnation: int, step: int, cpu: float, mem: int, restarts: int
@@ -283,7 +317,7 @@ class JobMaster:
 
     def _save(self) -> None:
         self._store.put_json(
-            "job",
+            _NAMESPACE,
             "state",
             {"state": self.state.value, "reason": self.reason, "exit_code": self.exit_code},
         )

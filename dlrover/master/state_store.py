@@ -13,6 +13,10 @@ class StateStoreError(Exception):
     """The master's state could not be read or written."""
 
 
+class StateMismatchError(StateStoreError):
+    """The state belongs to another job (another token or job name)."""
+
+
 class StateStore(ABC):
     """Namespaced key -> bytes storage with compare-and-set.
 
@@ -53,7 +57,15 @@ class StateStore(ABC):
     def get_json(self, namespace: str, key: str) -> Any:
         """The value decoded from JSON, or None if absent."""
         raw = self.get(namespace, key)
-        return None if raw is None else json.loads(raw)
+        if raw is None:
+            return None
+        try:
+            return json.loads(raw)
+        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+            raise StateStoreError(
+                f"the master's state {namespace}/{key} in {self} is corrupt ({e}); it was left "
+                "as it is: restore the file from a backup, or start the job on a new state"
+            ) from None
 
     def put_json(self, namespace: str, key: str, value: Any) -> None:
         """Write ``value`` as JSON (sorted keys, so equal values give equal bytes)."""
@@ -62,6 +74,9 @@ class StateStore(ABC):
 
 class MemoryStateStore(StateStore):
     """In-process store: state lives as long as the master process."""
+
+    def __str__(self) -> str:
+        return "memory"
 
     def __init__(self) -> None:
         self._data: dict[tuple[str, str], bytes] = {}
@@ -102,6 +117,9 @@ class MemoryStateStore(StateStore):
 class SqliteStateStore(StateStore):
     """Embedded SQLite store (the default): one file, WAL journal, survives a master restart."""
 
+    def __str__(self) -> str:
+        return self.path
+
     def __init__(self, path: str) -> None:
         self.path = path
         try:
@@ -112,7 +130,13 @@ class SqliteStateStore(StateStore):
                 "CREATE TABLE IF NOT EXISTS state (namespace TEXT NOT NULL, key TEXT NOT NULL,"
                 " value BLOB NOT NULL, PRIMARY KEY (namespace, key))"
             )
+            self._conn.execute("SELECT count(*) FROM state").fetchone()
         except sqlite3.Error as e:
+            if "not a database" in str(e) or "malformed" in str(e):
+                raise StateStoreError(
+                    f"{path!r} is not a DLRover state database, or it is corrupt ({e}); it was "
+                    "left as it is: restore it from a backup, or pass another --state-db"
+                ) from e
             raise StateStoreError(
                 f"cannot open the master's state database {path!r}: {e}; "
                 "pass a writable path with --state-db"

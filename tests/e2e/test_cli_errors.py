@@ -83,3 +83,25 @@ def test_master_rejects_bad_nnodes():
         timeout=30,
     )
     assert r.returncode == 2 and "MIN (4) is greater than MAX (1)" in r.stderr
+
+
+def test_master_refuses_the_state_of_another_job_and_a_corrupt_one(tmp_path: Path):
+    state = tmp_path / "state.db"
+    owner = MasterProcess(tmp_path, "--state-db", str(state), "--token", "first")
+    owner.close()  # SIGKILL: the state stays the first job's
+
+    def master(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*run_cmd("dlrover.cli.master"), "--port", "0", *args],
+            env=clean_env(),
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+
+    r = master("--state-db", str(state), "--token", "second")
+    assert r.returncode == 1 and "belongs to job" in r.stderr and "another token" in r.stderr
+    (tmp_path / "junk.db").write_bytes(b"junk" * 1000)
+    r = master("--state-db", str(tmp_path / "junk.db"))
+    assert r.returncode == 1 and "is not a DLRover state database, or it is corrupt" in r.stderr
+    assert "Traceback" not in r.stderr

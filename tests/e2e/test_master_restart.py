@@ -1,0 +1,90 @@
+"""The master survives its own death: SIGKILLed mid-job and restarted on the same address and
+state, it resumes the job; agents re-attach, workers never restart, everyone exits 0."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+from tests.conftest import REPO, SCRIPTS, MasterProcess, clean_env, run_cmd
+
+ORACLE = str(SCRIPTS / "oracle_train.py")
+TOKEN = "restart-token"
+
+
+def _steps(out: Path) -> list[tuple[int, int]]:
+    path = Path(str(out) + ".steps")
+    if not path.exists():
+        return []
+    return [
+        (int(s), int(w))
+        for s, w, _ in (line.split() for line in path.read_text().split("\n") if line)
+    ]
+
+
+def _until(condition, what: str, procs: list[subprocess.Popen[str]], timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        dead = [p.args for p in procs if p.poll() is not None]
+        assert not dead, f"{dead} ended while waiting for {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)  # another process writes the file: nothing to wait on but the file
+
+
+def test_a_killed_master_restarted_on_its_state_resumes_the_job(tmp_path: Path):
+    state = str(tmp_path / "state.db")
+    first = MasterProcess(tmp_path, "--state-db", state, "--token", TOKEN)
+    port = first.vars["DLROVER_MASTER_ADDR"].rsplit(":", 1)[1]
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    ckpt.mkdir()
+    steps = 40
+    nodes = [
+        subprocess.Popen(
+            [
+                *run_cmd("dlrover.cli.run"),
+                "--nnodes=2",
+                "--nproc-per-node=2",
+                ORACLE,
+                "--steps",
+                str(steps),
+                "--ckpt",
+                str(ckpt),
+                "--out",
+                str(out),
+                "--step-time",
+                "0.1",
+            ],
+            env=clean_env(**first.vars),
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    again = None
+    try:
+        _until(lambda: len(_steps(out)) >= 5, "step 5", nodes)
+        first.proc.kill()  # SIGKILL: no goodbye, no flush beyond what the store made durable
+        first.wait(10)
+        (tmp_path / "again").mkdir()
+        again = MasterProcess(
+            tmp_path / "again", "--state-db", state, "--token", TOKEN, "--port", port
+        )
+        logs = [p.communicate(timeout=120)[0] for p in nodes]
+        if [p.returncode for p in nodes] != [0, 0]:
+            print("\n\n".join(logs))
+        assert [p.returncode for p in nodes] == [0, 0]
+        assert again.wait(60) == 0, (tmp_path / "again" / "master.log").read_text()
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+        first.close()
+        if again is not None:
+            again.close()
+    assert _steps(out) == [(s, 4) for s in range(1, steps + 1)]  # every step once, world intact
+    for log in logs:  # the workers ran through the master's death: started once, never again
+        assert log.count("started 2 workers") == 1, log
+    assert "succeeded" in (tmp_path / "again" / "master.log").read_text()
