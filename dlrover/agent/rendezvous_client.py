@@ -106,6 +106,16 @@ class RendezvousClient:
                 deadline,
                 "wait for the rendezvous",
             )
+            if world.rejoin:
+                logger.warning(
+                    "the master does not know this node waits for round %d (it restarted); "
+                    "joining again",
+                    self.round,
+                )
+                self.round = while_unreachable(
+                    lambda: self._master.join_rendezvous(request), deadline, "join the rendezvous"
+                )
+                continue
             if world.complete:
                 self.round = world.round
                 logger.info(

@@ -122,6 +122,9 @@ class CommWorld:
     rank_offset: int = 0
     store_host: str = ""
     store_port: int = 0
+    rejoin: bool = False
+    """The master does not know this node to wait for the round (it restarted since the node
+    joined): the node must join again."""
 
 
 @dataclass(frozen=True)

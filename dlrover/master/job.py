@@ -223,6 +223,10 @@ class JobMaster:
                     self._set_job_state(JobState.RUNNING, f"round {world.round} formed")
         return world
 
+    def lost_join(self, node_id: str, round: int) -> bool:
+        """Whether the node's join for ``round`` is unknown here (see RendezvousManager)."""
+        return self._rdzv().lost_join(node_id, round)
+
     def num_nodes_waiting(self, node_id: str, round: int) -> tuple[int, int]:
         """(waiting nodes that should make the running world re-form, the latest round); also a sign
         of life of the node."""

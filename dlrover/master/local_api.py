@@ -90,12 +90,15 @@ class LocalMasterApi:
             )
 
     def get_comm_world(self, node_id: str, round: int) -> api.CommWorld:
-        """The node's world once its round closed, with this node's rank and global rank offset;
-        ``round`` only labels the incomplete answer, and no incarnation is checked."""
+        """The node's world once its round closed, with this node's rank and global rank offset.
+        Incomplete, ``rejoin`` is set when the master does not know the node to wait for
+        ``round`` (the round its join returned): it restarted since. No incarnation is checked."""
         with _refusals():
             world = self.job.get_world(node_id, 0)
         if world is None:
-            return api.CommWorld(round=round, complete=False)
+            with _refusals():
+                rejoin = round > 0 and self.job.lost_join(node_id, round)
+            return api.CommWorld(round=round, complete=False, rejoin=rejoin)
         me = world.member(node_id)
         assert me is not None
         return api.CommWorld(

@@ -197,6 +197,15 @@ class RendezvousManager:
                 return self._world
             return None
 
+    def lost_join(self, node_id: str, round: int) -> bool:
+        """Whether ``node_id``, which joined for ``round``, is neither waiting nor in a world of
+        that round or later: its join was lost (the master restarted since) and must be
+        repeated."""
+        with self._lock:
+            if node_id in self._waiting:
+                return False
+            return self._world is None or self._world.round < round
+
     def num_nodes_waiting(self, node_id: str, round: int) -> tuple[int, int]:
         """(nodes whose arrival should make the running world re-form now, latest round)."""
         with self._lock:

@@ -122,7 +122,7 @@ class WorldMember(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., node_rank: _Optional[int] = ..., local_world_size: _Optional[int] = ..., host: _Optional[str] = ...) -> None: ...
 
 class CommWorld(_message.Message):
-    __slots__ = ("round", "complete", "members", "node_rank", "world_size", "rank_offset", "store_host", "store_port", "excluded", "message")
+    __slots__ = ("round", "complete", "members", "node_rank", "world_size", "rank_offset", "store_host", "store_port", "excluded", "message", "rejoin")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
@@ -133,6 +133,7 @@ class CommWorld(_message.Message):
     STORE_PORT_FIELD_NUMBER: _ClassVar[int]
     EXCLUDED_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    REJOIN_FIELD_NUMBER: _ClassVar[int]
     round: int
     complete: bool
     members: _containers.RepeatedCompositeFieldContainer[WorldMember]
@@ -143,7 +144,8 @@ class CommWorld(_message.Message):
     store_port: int
     excluded: bool
     message: str
-    def __init__(self, round: _Optional[int] = ..., complete: _Optional[bool] = ..., members: _Optional[_Iterable[_Union[WorldMember, _Mapping]]] = ..., node_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., rank_offset: _Optional[int] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., excluded: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
+    rejoin: bool
+    def __init__(self, round: _Optional[int] = ..., complete: _Optional[bool] = ..., members: _Optional[_Iterable[_Union[WorldMember, _Mapping]]] = ..., node_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., rank_offset: _Optional[int] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., excluded: _Optional[bool] = ..., message: _Optional[str] = ..., rejoin: _Optional[bool] = ...) -> None: ...
 
 class NumNodesWaitingRequest(_message.Message):
     __slots__ = ("node_id", "round")

@@ -7,6 +7,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import REPO, SCRIPTS, MasterProcess, clean_env, run_cmd
 
 ORACLE = str(SCRIPTS / "oracle_train.py")
@@ -32,46 +34,57 @@ def _until(condition, what: str, procs: list[subprocess.Popen[str]], timeout: fl
         time.sleep(0.05)  # another process writes the file: nothing to wait on but the file
 
 
-def test_a_killed_master_restarted_on_its_state_resumes_the_job(tmp_path: Path):
+def _node(ckpt: Path, out: Path, steps: int, env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [
+            *run_cmd("dlrover.cli.run"),
+            "--nnodes=2",
+            "--nproc-per-node=2",
+            ORACLE,
+            "--steps",
+            str(steps),
+            "--ckpt",
+            str(ckpt),
+            "--out",
+            str(out),
+            "--step-time",
+            "0.1",
+        ],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+@pytest.mark.parametrize("moment", ["mid-training", "during-rendezvous"])
+def test_a_killed_master_restarted_on_its_state_resumes_the_job(tmp_path: Path, moment: str):
     state = str(tmp_path / "state.db")
     first = MasterProcess(tmp_path, "--state-db", state, "--token", TOKEN)
     port = first.vars["DLROVER_MASTER_ADDR"].rsplit(":", 1)[1]
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"
     ckpt.mkdir()
     steps = 40
-    nodes = [
-        subprocess.Popen(
-            [
-                *run_cmd("dlrover.cli.run"),
-                "--nnodes=2",
-                "--nproc-per-node=2",
-                ORACLE,
-                "--steps",
-                str(steps),
-                "--ckpt",
-                str(ckpt),
-                "--out",
-                str(out),
-                "--step-time",
-                "0.1",
-            ],
-            env=clean_env(**first.vars),
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for _ in range(2)
-    ]
-    again = None
-    try:
+    env = clean_env(**first.vars)
+    nodes = [_node(ckpt, out, steps, env)]
+    if moment == "mid-training":
+        nodes.append(_node(ckpt, out, steps, env))
         _until(lambda: len(_steps(out)) >= 5, "step 5", nodes)
+    else:  # one node waits in round 1 for the other when the master dies
+        log = tmp_path / "master.log"
+        _until(lambda: "joins round 1" in log.read_text(), "the first join", nodes)
+    again = None
+    logs: list[str] = []
+    try:
         first.proc.kill()  # SIGKILL: no goodbye, no flush beyond what the store made durable
         first.wait(10)
         (tmp_path / "again").mkdir()
         again = MasterProcess(
             tmp_path / "again", "--state-db", state, "--token", TOKEN, "--port", port
         )
+        if moment == "during-rendezvous":
+            nodes.append(_node(ckpt, out, steps, env))
         logs = [p.communicate(timeout=120)[0] for p in nodes]
         if [p.returncode for p in nodes] != [0, 0]:
             print("\n\n".join(logs))
@@ -85,6 +98,6 @@ def test_a_killed_master_restarted_on_its_state_resumes_the_job(tmp_path: Path):
         if again is not None:
             again.close()
     assert _steps(out) == [(s, 4) for s in range(1, steps + 1)]  # every step once, world intact
-    for log in logs:  # the workers ran through the master's death: started once, never again
-        assert log.count("started 2 workers") == 1, log
+    for log_text in logs:  # the workers ran through the master's death: started once, never again
+        assert log_text.count("started 2 workers") == 1, log_text
     assert "succeeded" in (tmp_path / "again" / "master.log").read_text()
