@@ -93,3 +93,88 @@ def master(tmp_path: Path) -> Iterator[MasterProcess]:
         yield m
     finally:
         m.close()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RedisServer:
+    """A real redis-server on loopback, append-only with fsync on every write (the durability
+    the master's StateStore promises); `restart()` keeps its data directory."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.port = _free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.start()
+
+    def start(self) -> None:
+        import redis
+
+        self.proc = subprocess.Popen(
+            [
+                "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(self.directory),
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "always",
+                "--save",
+                "",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        client = redis.Redis(port=self.port)
+        deadline = time.monotonic() + 10
+        while True:  # the server is another process: ask until it answers (bounded)
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline, "redis-server did not start"
+                time.sleep(0.02)
+        client.close()
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def redis_missing() -> str:
+    """Why Redis tests cannot run here, or "" when they can."""
+    import importlib.util
+    import shutil
+
+    if shutil.which("redis-server") is None:
+        return "redis-server is not installed (apt-get install redis-server)"
+    if importlib.util.find_spec("redis") is None:
+        return "the redis package is not installed (pip install 'dlrover[redis]')"
+    return ""
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    directory = tmp_path / "redis"
+    directory.mkdir()
+    server = RedisServer(directory)
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -12,11 +12,21 @@ from dlrover.master.state_store import (
     StateStoreError,
     open_state_store,
 )
+from tests.conftest import redis_missing
+
+REDIS = pytest.param(
+    "redis",
+    marks=[pytest.mark.extras, pytest.mark.skipif(bool(redis_missing()), reason=redis_missing())],
+)
 
 
-@pytest.fixture(params=["memory", "sqlite"])
+@pytest.fixture(params=["memory", "sqlite", REDIS])
 def store(request, tmp_path: Path):
-    s = open_state_store("memory" if request.param == "memory" else str(tmp_path / "s.db"))
+    if request.param == "redis":
+        server = request.getfixturevalue("redis_server")
+        s = open_state_store(server.url + "?prefix=test")
+    else:
+        s = open_state_store("memory" if request.param == "memory" else str(tmp_path / "s.db"))
     yield s
     s.close()
 
@@ -113,3 +123,42 @@ def test_the_node_range_survives_a_master_restart_and_a_conflicting_one_is_refus
     with pytest.raises(RendezvousError, match="has --nnodes 2:4 .* started with 1:1"):
         JobMaster(JobMasterConfig(rendezvous=RendezvousConfig(1, 1)), store)
     store.close()
+
+
+@pytest.mark.extras
+@pytest.mark.skipif(bool(redis_missing()), reason=redis_missing())
+def test_a_master_on_another_machine_takes_over_from_redis(redis_server):
+    from dlrover.master.assembly import MasterSettings, build_master
+    from dlrover.master.rendezvous import RendezvousConfig
+    from dlrover.master.state_store import StateMismatchError
+
+    state = redis_server.url + "?prefix=job-a"
+    first = build_master(MasterSettings("job-a", "t", host="127.0.0.1", state=state))
+    node = first.job.register("", "h", "w", 2, -1, 1, RendezvousConfig(1, 2))
+    first.job.kv.set("k", b"v")
+    first.job.checkpoint.mark_committed(12)
+    first.stop(0)  # the first master's machine is gone
+    redis_server.restart()  # and Redis itself restarts: its append-only file keeps the state
+    other = build_master(MasterSettings("job-a", "t", host="127.0.0.1", state=state))
+    assert other.job.nodes.get(node.node_id).incarnation == node.incarnation
+    assert other.job.kv.get("k") == b"v" and other.job.checkpoint.wait_committed(12, 0)
+    assert other.job.rendezvous_config() == RendezvousConfig(1, 2)
+    other.stop(0)
+    with pytest.raises(StateMismatchError, match="another token"):
+        build_master(MasterSettings("job-a", "not-t", host="127.0.0.1", state=state))
+    # another prefix is another job's state on the same server
+    fresh = build_master(
+        MasterSettings("job-b", "u", host="127.0.0.1", state=redis_server.url + "?prefix=job-b")
+    )
+    assert fresh.job.kv.get("k") is None
+    fresh.stop(0)
+
+
+@pytest.mark.extras
+@pytest.mark.skipif(bool(redis_missing()), reason=redis_missing())
+def test_an_unreachable_redis_is_a_clear_error():
+    from tests.conftest import _free_port
+
+    with pytest.raises(StateStoreError, match="cannot be reached .* redis-server running") as e:
+        open_state_store(f"redis://:secret@127.0.0.1:{_free_port()}/0")
+    assert "secret" not in str(e.value)  # the password never reaches a log

@@ -73,8 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--state-db",
         default="",
-        help="SQLite file of the master's durable state (default: a new file in a temp "
-        "dir); 'memory' keeps it in memory. Give the same file to resume after a restart.",
+        help="The master's durable state: a SQLite file (default: a new file in a temp dir), "
+        "redis://host:port[/db][?prefix=JOB] (a Redis server, so a master on another machine "
+        "can take over; pip install 'dlrover[redis]'), or 'memory'. Give the same state to "
+        "resume after a restart.",
     )
     p.add_argument(
         "--heartbeat-timeout",

@@ -205,7 +205,12 @@ class SqliteStateStore(StateStore):
 
 
 def open_state_store(spec: str) -> StateStore:
-    """`memory` (or empty) -> MemoryStateStore, anything else is a SQLite file path."""
+    """`memory` (or empty) -> MemoryStateStore; `redis://...` -> RedisStateStore (a server other
+    machines reach, so a master elsewhere can take over); anything else is a SQLite file path."""
     if spec in ("", "memory", ":memory:"):
         return MemoryStateStore()
+    if spec.startswith(("redis://", "rediss://", "unix://")):
+        from dlrover.master.redis_store import RedisStateStore
+
+        return RedisStateStore(spec)
     return SqliteStateStore(spec)

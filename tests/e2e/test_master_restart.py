@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, SCRIPTS, MasterProcess, clean_env, run_cmd
+from tests.conftest import REPO, SCRIPTS, MasterProcess, clean_env, redis_missing, run_cmd
 
 ORACLE = str(SCRIPTS / "oracle_train.py")
 TOKEN = "restart-token"
@@ -58,9 +58,19 @@ def _node(ckpt: Path, out: Path, steps: int, env: dict[str, str]) -> subprocess.
     )
 
 
-@pytest.mark.parametrize("moment", ["mid-training", "during-rendezvous"])
-def test_a_killed_master_restarted_on_its_state_resumes_the_job(tmp_path: Path, moment: str):
+REDIS = pytest.param(
+    "mid-training-on-redis",
+    marks=[pytest.mark.extras, pytest.mark.skipif(bool(redis_missing()), reason=redis_missing())],
+)
+
+
+@pytest.mark.parametrize("moment", ["mid-training", "during-rendezvous", REDIS])
+def test_a_killed_master_restarted_on_its_state_resumes_the_job(
+    tmp_path: Path, moment: str, request: pytest.FixtureRequest
+):
     state = str(tmp_path / "state.db")
+    if moment == "mid-training-on-redis":  # the new master could run on any machine
+        state = request.getfixturevalue("redis_server").url + "?prefix=restart"
     first = MasterProcess(tmp_path, "--state-db", state, "--token", TOKEN)
     port = first.vars["DLROVER_MASTER_ADDR"].rsplit(":", 1)[1]
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"
@@ -68,7 +78,7 @@ def test_a_killed_master_restarted_on_its_state_resumes_the_job(tmp_path: Path, 
     steps = 40
     env = clean_env(**first.vars)
     nodes = [_node(ckpt, out, steps, env)]
-    if moment == "mid-training":
+    if moment != "during-rendezvous":
         nodes.append(_node(ckpt, out, steps, env))
         _until(lambda: len(_steps(out)) >= 5, "step 5", nodes)
     else:  # one node waits in round 1 for the other when the master dies
