@@ -26,6 +26,12 @@ DEFAULT_MONITOR_INTERVAL_S = 0.1
 DEFAULT_MEMBERSHIP_CHECK_INTERVAL_S = 0.5
 DEFAULT_HEARTBEAT_INTERVAL_S = 2.0
 DEFAULT_HEARTBEAT_TIMEOUT_S = 6.0
+HEARTBEATS_PER_S_BUDGET = 500.0
+"""Heartbeats per second the master budgets for a whole job: with more nodes than
+budget x interval, it stretches every node's interval (and the loss timeout with it)."""
+MAX_LONG_POLL_S = 30.0
+"""The longest the master holds a long poll (rendezvous, membership watch, exit barrier); an
+agent that needs to wait longer asks again."""
 DEFAULT_MAX_RESTARTS = 0
 DEFAULT_RDZV_JOIN_TIMEOUT_S = 600.0
 DEFAULT_RDZV_LAST_CALL_TIMEOUT_S = 1.0

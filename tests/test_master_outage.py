@@ -3,7 +3,9 @@ stands in for the restarted master; calls meanwhile fail as they do over the wir
 
 from __future__ import annotations
 
+import inspect
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +44,19 @@ class RestartingMaster:
             if api is None:
                 self.refused.set()
                 raise MasterUnreachableError("the master at test:0 did not answer (down)")
-            result = getattr(api, name)(*args, **kwargs)
+            bound = inspect.signature(getattr(LocalMasterApi, name)).bind(api, *args, **kwargs)
+            wait_s = bound.arguments.pop("wait_s", 0.0)
+            del bound.arguments["self"]
+            deadline = time.monotonic() + wait_s
+            while True:  # a long poll, in slices: a master that dies drops the held call
+                left = max(0.0, deadline - time.monotonic())
+                held = {"wait_s": min(left, 0.05)} if wait_s else {}
+                result = getattr(api, name)(*bound.args, **bound.kwargs, **held)
+                if api is not self.api:
+                    self.refused.set()
+                    raise MasterUnreachableError("the master at test:0 dropped the call (down)")
+                if not wait_s or left <= 0 or not _incomplete(name, result):
+                    break
             self.answered.setdefault(name, threading.Event()).set()
             return result
 
@@ -50,6 +64,15 @@ class RestartingMaster:
 
     def wait_answered(self, name: str, timeout: float = 10) -> bool:
         return self.answered.setdefault(name, threading.Event()).wait(timeout)
+
+
+def _incomplete(name: str, result: Any) -> bool:
+    """Whether a long poll's answer says "nothing yet" (so the slice loop goes on)."""
+    if name == "get_comm_world":
+        return not (result.complete or result.rejoin)
+    if name == "report_node_status":
+        return not result
+    return False
 
 
 def _client(master: RestartingMaster) -> RendezvousClient:

@@ -156,6 +156,7 @@ class ElasticAgent:
         if self._group is not None:
             self._group.stop(self.config.stop_grace_s)
         self._heartbeat.stop()
+        self._rdzv.close()
         if self._zygote is not None:
             self._zygote.cancel()
             self._zygote = None
@@ -230,6 +231,7 @@ class ElasticAgent:
 
     def _register(self) -> None:
         registered = self._rdzv.register(self.node_id, self._host, self.run_id)
+        self._heartbeat.stretch(registered.heartbeat_interval_s)
         if self.run_id == DEFAULT_JOB_NAME and registered.job_name:
             self.run_id = registered.job_name
 

@@ -32,7 +32,9 @@ class Heartbeat:
 
     `snapshot()` gives the request's contents at each beat; the master's answer sets
     `stop_requested` ("stop": the job has ended) or `reregister_requested` (the master took this
-    node for lost, or restarted without knowing it).
+    node for lost, or restarted without knowing it), and may stretch the interval: in a big job
+    the master asks every node to beat less often, so that all beats together stay within its
+    budget (the interval is never shorter than `interval_s`).
     """
 
     def __init__(
@@ -43,11 +45,23 @@ class Heartbeat:
     ) -> None:
         self._master = master
         self._interval_s = interval_s
+        self._master_interval_s = 0.0
         self._snapshot = snapshot
         self._stop = threading.Event()
         self.stop_requested = threading.Event()
         self.reregister_requested = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="dlrover-heartbeat")
+
+    @property
+    def interval_s(self) -> float:
+        """The current interval: this agent's own, or longer if the master asked for it."""
+        return max(self._interval_s, self._master_interval_s)
+
+    def stretch(self, master_interval_s: float) -> None:
+        """Take the interval the master asked for (from its registration answer or a reply)."""
+        if master_interval_s != self._master_interval_s and master_interval_s > self._interval_s:
+            logger.info("heartbeat every %.1fs, as the master asks", master_interval_s)
+        self._master_interval_s = max(0.0, master_interval_s)
 
     def start(self) -> None:
         """Start the beat thread; call it once."""
@@ -57,7 +71,7 @@ class Heartbeat:
         """Stop beating; waits at most one interval + 1 s for a beat in flight."""
         self._stop.set()
         if self._thread.ident is not None:  # started
-            self._thread.join(timeout=self._interval_s + 1.0)
+            self._thread.join(timeout=self.interval_s + 1.0)
 
     def beat(self) -> None:
         """One heartbeat (the loop's body)."""
@@ -73,11 +87,12 @@ class Heartbeat:
         except MasterClientError as e:
             logger.warning("heartbeat failed: %s", e)
             return
+        self.stretch(reply.heartbeat_interval_s)
         if reply.action is HeartbeatAction.STOP:
             self.stop_requested.set()
         elif reply.action is HeartbeatAction.REREGISTER:
             self.reregister_requested.set()
 
     def _loop(self) -> None:
-        while not self._stop.wait(self._interval_s):
+        while not self._stop.wait(self.interval_s):
             self.beat()

@@ -80,7 +80,7 @@ def plan_launch(
             rank=rank,
             world_size=world.world_size,
             node_rank=world.node_rank,
-            num_nodes=len(world.members),
+            num_nodes=world.num_nodes,
         )
         log_dir = os.path.join(attempt_dir, f"rank_{rank}") if attempt_dir else None
         private = os.path.join(ctx.run_dir, f"attempt_{ctx.attempt}", f"rank_{rank}")

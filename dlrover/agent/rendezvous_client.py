@@ -22,7 +22,7 @@ from dlrover.api.master import (
     Registration,
 )
 from dlrover.api.retry import while_unreachable
-from dlrover.constants import DEFAULT_MASTER_RECONNECT_S
+from dlrover.constants import DEFAULT_MASTER_RECONNECT_S, MAX_LONG_POLL_S
 
 logger = logging.getLogger(__name__)
 
@@ -43,10 +43,91 @@ class RunResult:
     reason: str = ""
 
 
+class MembershipWatch:
+    """While this node's workers run, one long poll at a time asks the master whether the world
+    must re-form (a node waits to join, a member left, a newer round closed) or the job ended.
+
+    The master answers the moment that happens, and otherwise only every MAX_LONG_POLL_S: a
+    running node costs the master one call per half minute instead of two per second, and
+    learns of a change at once instead of at its next poll. An unreachable master is asked again
+    with a back-off of up to 2 s.
+    """
+
+    def __init__(
+        self, master: MasterApi, stop_requested: threading.Event, wait_s: float = MAX_LONG_POLL_S
+    ) -> None:
+        self._master = master
+        self._stop_requested = stop_requested
+        self._wait_s = wait_s
+        self._cond = threading.Condition()
+        self._armed: tuple[str, int] | None = None
+        self._reform_round = -1
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def arm(self, node_id: str, round: int) -> None:
+        """Watch ``round`` of ``node_id`` (its workers now run in it)."""
+        with self._cond:
+            self._armed = (node_id, round)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._loop, daemon=True, name="dlrover-membership-watch"
+                )
+                self._thread.start()
+            self._cond.notify_all()
+
+    def disarm(self) -> None:
+        """Stop watching (the node re-joins); a call in flight is ignored when it returns."""
+        with self._cond:
+            self._armed = None
+
+    def must_reform(self, round: int) -> bool:
+        """Whether the master said the world of ``round`` must re-form (no RPC)."""
+        with self._cond:
+            return self._reform_round == round
+
+    def close(self) -> None:
+        """End the watch thread (it is a daemon: a call in flight does not hold up the exit)."""
+        with self._cond:
+            self._closed = True
+            self._armed = None
+            self._cond.notify_all()
+
+    def _loop(self) -> None:
+        delay = 0.1
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._closed or self._armed is not None)
+                if self._closed or self._armed is None:
+                    return
+                watched = self._armed
+            node_id, round = watched
+            try:
+                w = self._master.num_nodes_waiting(node_id, round, self._wait_s)
+            except MasterClientError as e:
+                logger.debug("membership watch: %s; asking again in %.1fs", e, delay)
+                with self._cond:
+                    self._cond.wait(delay)
+                delay = min(delay * 2, 2.0)
+                continue
+            delay = 0.1
+            with self._cond:
+                if self._armed != watched:
+                    continue  # the node moved on while the call was held
+                if w.job_ended:
+                    self._armed = None
+                    self._stop_requested.set()
+                elif w.waiting > 0 or w.latest_round > round:
+                    self._armed = None
+                    self._reform_round = round
+
+
 class RendezvousClient:
     """Membership calls of one node; every wait has the config's deadline.
 
     `stop_requested` (set by the heartbeat when the master ends the job) cuts a wait short.
+    Waits are long polls: the master answers when the round closes or the job ends, so a
+    thousand waiting nodes cost it a thousand held calls, not ten thousand polls a second.
     """
 
     def __init__(
@@ -55,26 +136,27 @@ class RendezvousClient:
         self._master = master
         self._config = config
         self._stop_requested = stop_requested
+        self._watch = MembershipWatch(master, stop_requested)
         self.node_id = ""
         self.incarnation = 0
         self.round = 0
 
+    def close(self) -> None:
+        """Stop the membership watch."""
+        self._watch.close()
+
     def register(self, node_id: str, host: str, job_name: str) -> Registered:
         """Announce this node (again, with its old id after a restart or a loss)."""
         cfg = self._config
-        registration = (
-            Registration(
-                host=host,
-                local_world_size=cfg.nproc_per_node,
-                node_id=node_id,
-                role=cfg.role,
-                requested_rank=cfg.requested_node_rank,
-                pid=os.getpid(),
-                limits=NodeLimits(
-                    cfg.min_nodes, cfg.max_nodes, cfg.node_unit, cfg.last_call_timeout_s
-                ),
-                job_name=job_name,
-            )
+        registration = Registration(
+            host=host,
+            local_world_size=cfg.nproc_per_node,
+            node_id=node_id,
+            role=cfg.role,
+            requested_rank=cfg.requested_node_rank,
+            pid=os.getpid(),
+            limits=NodeLimits(cfg.min_nodes, cfg.max_nodes, cfg.node_unit, cfg.last_call_timeout_s),
+            job_name=job_name,
         )
         registered = while_unreachable(
             lambda: self._master.register_node(registration), self._reconnect_deadline(), "register"
@@ -95,14 +177,20 @@ class RendezvousClient:
             store_host=store_host,
             store_port=store_port,
         )
+        self._watch.disarm()
         self.round = while_unreachable(
             lambda: self._master.join_rendezvous(request), deadline, "join the rendezvous"
         )
         next_log = start + 10.0
         delay = 0.01
         while True:
+            asked = time.monotonic()
             world = while_unreachable(
-                lambda: self._master.get_comm_world(self.node_id, self.round),
+                lambda: self._master.get_comm_world(
+                    self.node_id,
+                    self.round,
+                    min(MAX_LONG_POLL_S, max(0.0, deadline - time.monotonic())),
+                ),
                 deadline,
                 "wait for the rendezvous",
             )
@@ -118,11 +206,12 @@ class RendezvousClient:
                 continue
             if world.complete:
                 self.round = world.round
+                self._watch.arm(self.node_id, world.round)
                 logger.info(
                     "round %d: node rank %d of %d nodes, world size %d (%.2fs)",
                     world.round,
                     world.node_rank,
-                    len(world.members),
+                    world.num_nodes,
                     world.world_size,
                     time.monotonic() - start,
                 )
@@ -138,23 +227,23 @@ class RendezvousClient:
                     "sets this deadline)"
                 )
             if now >= next_log:
-                logger.info("waiting for nodes to join round %d (need %d)", self.round, cfg.min_nodes)
+                logger.info(
+                    "waiting for nodes to join round %d (need %d)", self.round, cfg.min_nodes
+                )
                 next_log = now + 10.0
-            time.sleep(delay)
-            delay = min(delay * 2, 0.1)
+            if now - asked < 0.5:
+                # The master answered without holding the call (a master without long polls):
+                # do not turn the wait into a busy loop.
+                time.sleep(delay)
+                delay = min(delay * 2, 0.5)
 
     def _reconnect_deadline(self) -> float:
         return time.monotonic() + DEFAULT_MASTER_RECONNECT_S
 
     def world_must_reform(self) -> bool:
-        """A node waits to join, or a newer round completed without us; False if the master
-        cannot be asked right now (the next check asks again)."""
-        try:
-            waiting = self._master.num_nodes_waiting(self.node_id, self.round)
-        except MasterClientError as e:
-            logger.warning("cannot ask the master about membership: %s", e)
-            return False
-        return waiting.waiting > 0 or waiting.latest_round > self.round
+        """A node waits to join, a member left, or a newer round completed without us, as the
+        membership watch last heard from the master (no RPC here)."""
+        return self._watch.must_reform(self.round)
 
     def report(self, outcome: NodeOutcome, exit_code: int, reason: str) -> bool:
         """Tell the master how this node's workers ended; True once the whole job succeeded.
@@ -179,14 +268,18 @@ class RendezvousClient:
         """
         cfg = self._config
         logger.info("all %d workers succeeded; waiting for the other nodes", cfg.nproc_per_node)
+        self._watch.disarm()
         deadline = time.monotonic() + cfg.exit_barrier_timeout_s
         report = NodeReport(self.node_id, self.incarnation, NodeOutcome.SUCCEEDED, 0, "")
         delay = 0.01
         while True:
+            asked = time.monotonic()
             try:
-                if self._master.report_node_status(report):
+                # A long poll: the master holds it until the job ends (or MAX_LONG_POLL_S).
+                wait_s = min(MAX_LONG_POLL_S, max(0.0, deadline - time.monotonic()))
+                if self._master.report_node_status(report, wait_s):
                     return RunResult(0, "succeeded")
-                status = self._master.get_job_status()
+                status = self._master.get_job_status(with_nodes=False)
                 if status.state == "failed":
                     return RunResult(status.exit_code or 1, status.reason)
                 if status.state == "succeeded":
@@ -202,13 +295,17 @@ class RendezvousClient:
                     cfg.exit_barrier_timeout_s,
                 )
                 return RunResult(0, "succeeded")
-            time.sleep(delay)  # the other nodes are other processes: nothing to wait on here
-            delay = min(delay * 2, 0.5)
+            if time.monotonic() - asked < 0.5:
+                # Not held (an unreachable master, or one without long polls): back off.
+                time.sleep(delay)
+                delay = min(delay * 2, 0.5)
 
     def ended_by_master(self) -> RunResult:
         """The master ended the job: this node exits with the job's outcome."""
         status = while_unreachable(
-            self._master.get_job_status, self._reconnect_deadline(), "read the job's end"
+            lambda: self._master.get_job_status(with_nodes=False),
+            self._reconnect_deadline(),
+            "read the job's end",
         )
         code = 0 if status.state == "succeeded" else (status.exit_code or 1)
         return RunResult(code, f"the master ended the job: {status.reason}")

@@ -58,12 +58,13 @@ class Registration:
 @dataclass(frozen=True)
 class Registered:
     """The master's answer: the node's id, its incarnation (fences a stale agent), the job's
-    range and name."""
+    range and name, and how often to heartbeat (0: the agent's own interval)."""
 
     node_id: str
     incarnation: int
     limits: NodeLimits
     job_name: str
+    heartbeat_interval_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,9 @@ class HeartbeatReply:
 
     action: HeartbeatAction
     job_state: str
+    heartbeat_interval_s: float = 0.0
+    """When to beat next: the master stretches the interval as the job grows, so that all
+    heartbeats together stay within its budget (0: keep the agent's own interval)."""
 
 
 @dataclass(frozen=True)
@@ -101,22 +105,13 @@ class JoinRequest:
 
 
 @dataclass(frozen=True)
-class WorldMember:
-    """One node of a closed rendezvous round: its id, node rank, number of workers and host."""
-
-    node_id: str
-    node_rank: int
-    local_world_size: int
-    host: str
-
-
-@dataclass(frozen=True)
 class CommWorld:
     """A rendezvous round as one node sees it; ``complete`` is False while the master waits."""
 
     round: int
     complete: bool
-    members: tuple[WorldMember, ...] = ()
+    num_nodes: int = 0
+    """Nodes in the round (the member list stays in the master: a node needs only the count)."""
     node_rank: int = -1
     world_size: int = 0
     rank_offset: int = 0
@@ -134,6 +129,8 @@ class Waiting:
 
     waiting: int
     latest_round: int
+    job_ended: bool = False
+    """The job has ended: the agent stops its workers and reads the job's status."""
 
 
 @dataclass(frozen=True)
@@ -206,22 +203,28 @@ class MasterApi(Protocol):
         """The round number joined."""
         ...
 
-    def get_comm_world(self, node_id: str, round: int) -> CommWorld:
+    def get_comm_world(self, node_id: str, round: int, wait_s: float = 0.0) -> CommWorld:
         """The world of the round this node waits for or belongs to; ``complete`` is False until
-        that round closes (ask again)."""
+        that round closes (ask again). ``wait_s`` > 0 makes it a long poll: the answer comes as
+        soon as the round closes (or the node must join again), or after ``wait_s`` (capped by
+        the master) incomplete."""
         ...
 
-    def num_nodes_waiting(self, node_id: str, round: int) -> Waiting:
+    def num_nodes_waiting(self, node_id: str, round: int, wait_s: float = 0.0) -> Waiting:
         """How many waiting nodes should make this node's running world re-form now, and the newest
-        round (0 waiting: carry on)."""
+        round (0 waiting: carry on). ``wait_s`` > 0 makes it a membership watch: the answer comes
+        as soon as the world must re-form or the job ends, or after ``wait_s`` (capped by the
+        master) with nothing to do."""
         ...
 
-    def report_node_status(self, report: NodeReport) -> bool:
-        """True once every node of the final world has succeeded (the exit barrier)."""
+    def report_node_status(self, report: NodeReport, wait_s: float = 0.0) -> bool:
+        """True once every node of the final world has succeeded (the exit barrier). ``wait_s`` > 0
+        holds the call until the job has ended or ``wait_s`` (capped by the master) passed."""
         ...
 
-    def get_job_status(self) -> JobStatus:
-        """The job and every node it knows, as the master sees them now."""
+    def get_job_status(self, with_nodes: bool = True) -> JobStatus:
+        """The job and (unless ``with_nodes`` is False) every node it knows, as the master sees
+        them now."""
         ...
 
     def stop_job(self, reason: str) -> JobStatus:

@@ -66,7 +66,10 @@ def registration_from_pb(request: pb.RegisterNodeRequest) -> api.Registration:
 def registered_to_pb(r: api.Registered) -> pb.RegisterNodeResponse:
     """The master's registration answer as a RegisterNodeResponse."""
     return pb.RegisterNodeResponse(
-        node_id=r.node_id, incarnation=r.incarnation, config=limits_to_pb(r.limits, r.job_name)
+        node_id=r.node_id,
+        incarnation=r.incarnation,
+        config=limits_to_pb(r.limits, r.job_name),
+        heartbeat_interval_s=r.heartbeat_interval_s,
     )
 
 
@@ -77,6 +80,7 @@ def registered_from_pb(response: pb.RegisterNodeResponse) -> api.Registered:
         incarnation=response.incarnation,
         limits=limits_from_pb(response.config),
         job_name=response.config.job_name,
+        heartbeat_interval_s=response.heartbeat_interval_s,
     )
 
 
@@ -112,7 +116,20 @@ def heartbeat_reply_from_pb(response: pb.HeartbeatResponse) -> api.HeartbeatRepl
         action = api.HeartbeatAction(response.action)
     except ValueError:
         action = api.HeartbeatAction.NONE  # an action of a newer master: nothing we know to do
-    return api.HeartbeatReply(action=action, job_state=response.job_state)
+    return api.HeartbeatReply(
+        action=action,
+        job_state=response.job_state,
+        heartbeat_interval_s=response.heartbeat_interval_s,
+    )
+
+
+def heartbeat_reply_to_pb(reply: api.HeartbeatReply) -> pb.HeartbeatResponse:
+    """A HeartbeatReply as its gRPC message."""
+    return pb.HeartbeatResponse(
+        action=reply.action.value,
+        job_state=reply.job_state,
+        heartbeat_interval_s=reply.heartbeat_interval_s,
+    )
 
 
 def join_to_pb(j: api.JoinRequest) -> pb.JoinRendezvousRequest:
@@ -127,17 +144,12 @@ def join_from_pb(request: pb.JoinRendezvousRequest) -> api.JoinRequest:
 
 def world_to_pb(w: api.CommWorld) -> pb.CommWorld:
     """A rendezvous round as one node sees it, as its gRPC message."""
-    fields = {name: getattr(w, name) for name in _names(api.CommWorld) if name != "members"}
-    members = [pb.WorldMember(**dataclasses.asdict(m)) for m in w.members]
-    return pb.CommWorld(members=members, **fields)
+    return pb.CommWorld(**_scalars(w, _names(api.CommWorld)))
 
 
 def world_from_pb(w: pb.CommWorld) -> api.CommWorld:
     """A CommWorld message as the domain type."""
-    fields = _scalars(w, [name for name in _names(api.CommWorld) if name != "members"])
-    member_names = _names(api.WorldMember)
-    members = tuple(api.WorldMember(**_scalars(m, member_names)) for m in w.members)
-    return api.CommWorld(members=members, **fields)
+    return api.CommWorld(**_scalars(w, _names(api.CommWorld)))
 
 
 def node_report_to_pb(r: api.NodeReport) -> pb.ReportNodeStatusRequest:

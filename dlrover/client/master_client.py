@@ -24,6 +24,7 @@ from dlrover.constants import (
     ENV_JOB_TOKEN,
     ENV_MASTER_ADDR,
     ENV_NODE_ID,
+    MAX_LONG_POLL_S,
     MAX_MESSAGE_BYTES,
     TOKEN_METADATA_KEY,
 )
@@ -148,26 +149,35 @@ class MasterClient:
         """Join the next rendezvous round (JoinRendezvous RPC); returns its number."""
         return self.call(self.stub.JoinRendezvous, wire.join_to_pb(request)).round
 
-    def get_comm_world(self, node_id: str, round: int) -> api.CommWorld:
-        """This node's world (GetCommWorld RPC); ``complete`` is False until its round closes."""
-        request = pb.GetCommWorldRequest(node_id=node_id, round=round)
-        return wire.world_from_pb(self.call(self.stub.GetCommWorld, request))
+    def get_comm_world(self, node_id: str, round: int, wait_s: float = 0.0) -> api.CommWorld:
+        """This node's world (GetCommWorld RPC); ``complete`` is False until its round closes.
+        ``wait_s`` > 0: one long poll (the master holds it until the round closes, at most
+        MAX_LONG_POLL_S)."""
+        request = pb.GetCommWorldRequest(node_id=node_id, round=round, wait_s=wait_s)
+        return wire.world_from_pb(self.call(self.stub.GetCommWorld, request, self._held(wait_s)))
 
-    def num_nodes_waiting(self, node_id: str, round: int) -> api.Waiting:
+    def num_nodes_waiting(self, node_id: str, round: int, wait_s: float = 0.0) -> api.Waiting:
         """Waiting nodes that should make the world re-form, and the newest round (NumNodesWaiting
-        RPC)."""
-        request = pb.NumNodesWaitingRequest(node_id=node_id, round=round)
-        response = self.call(self.stub.NumNodesWaiting, request)
-        return api.Waiting(response.waiting, response.latest_round)
+        RPC); ``wait_s`` > 0 makes it one membership watch (a long poll)."""
+        request = pb.NumNodesWaitingRequest(node_id=node_id, round=round, wait_s=wait_s)
+        response = self.call(self.stub.NumNodesWaiting, request, self._held(wait_s))
+        return api.Waiting(response.waiting, response.latest_round, response.job_ended)
 
-    def report_node_status(self, report: api.NodeReport) -> bool:
+    def report_node_status(self, report: api.NodeReport, wait_s: float = 0.0) -> bool:
         """Report how this node's workers finished (ReportNodeStatus RPC); True once the whole job
-        has succeeded."""
-        return self.call(self.stub.ReportNodeStatus, wire.node_report_to_pb(report)).job_done
+        has succeeded. ``wait_s`` > 0 holds the call until the job ended (a long poll)."""
+        request = wire.node_report_to_pb(report)
+        request.wait_s = wait_s
+        return self.call(self.stub.ReportNodeStatus, request, self._held(wait_s)).job_done
 
-    def get_job_status(self) -> api.JobStatus:
-        """The job and its nodes as the master sees them (GetJobStatus RPC)."""
-        return wire.job_status_from_pb(self.call(self.stub.GetJobStatus, pb.GetJobStatusRequest()))
+    def get_job_status(self, with_nodes: bool = True) -> api.JobStatus:
+        """The job and (``with_nodes``) its nodes as the master sees them (GetJobStatus RPC)."""
+        request = pb.GetJobStatusRequest(without_nodes=not with_nodes)
+        return wire.job_status_from_pb(self.call(self.stub.GetJobStatus, request))
+
+    def _held(self, wait_s: float) -> float:
+        """The deadline of a long poll: what the master may hold it, plus the usual RPC time."""
+        return min(max(0.0, wait_s), MAX_LONG_POLL_S) + self._timeout
 
     def stop_job(self, reason: str) -> api.JobStatus:
         """End the job as failed with ``reason`` (StopJob RPC); returns its status."""
@@ -224,7 +234,9 @@ class MasterClient:
 
     def checkpoint_committed(self, step: int) -> None:
         """Mark ``step`` committed (CheckpointCommitted RPC with ``mark`` set)."""
-        self.call(self.stub.CheckpointCommitted, pb.CheckpointCommittedRequest(step=step, mark=True))
+        self.call(
+            self.stub.CheckpointCommitted, pb.CheckpointCommittedRequest(step=step, mark=True)
+        )
 
     def wait_checkpoint_committed(self, step: int, wait_s: float) -> bool:
         """Whether ``step`` is committed within ``wait_s`` (asking again every few seconds)."""

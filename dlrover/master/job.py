@@ -11,7 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from dlrover.checkpoint.coordinator import CommitVotes
-from dlrover.constants import DEFAULT_HEARTBEAT_TIMEOUT_S
+from dlrover.constants import DEFAULT_HEARTBEAT_TIMEOUT_S, HEARTBEATS_PER_S_BUDGET
+from dlrover.master.changes import ChangeFeed
 from dlrover.master.kv_store import KvStore
 from dlrover.master.nodes import ALIVE_STATES, Node, NodeError, NodeState, NodeTable
 from dlrover.master.rendezvous import RendezvousConfig, RendezvousError, RendezvousManager, World
@@ -69,11 +70,21 @@ class JobMasterConfig:
     rendezvous: RendezvousConfig | None = None
     """None: the first agent that registers fixes min/max nodes from its --nnodes."""
     heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
-    """A node with no heartbeat for this long is lost."""
+    """A node with no heartbeat for this long is lost (stretched with the heartbeat interval in
+    big jobs: at least 3 intervals)."""
+    heartbeats_per_s: float = HEARTBEATS_PER_S_BUDGET
+    """The heartbeat budget of the whole job: agents are told to beat at most every
+    nodes / budget seconds."""
 
 
 class JobMaster:
-    """The single source of truth of one job. Thread-safe; `tick()` advances time-based work."""
+    """The single source of truth of one job. Thread-safe; `tick()` advances time-based work.
+
+    Long polls wait on two change feeds: `rounds` (a round closed, the job ended) for nodes
+    waiting to join, and `membership` (also joins and departures) for running nodes watching
+    whether their world must re-form. A join does not wake the nodes waiting for the round, so
+    forming a round of N nodes costs O(N) wake-ups, not O(N^2).
+    """
 
     def __init__(
         self,
@@ -93,6 +104,9 @@ class JobMaster:
             on_committed=lambda step: store.put_json("checkpoint", "committed", step),
         )
         self.rendezvous: RendezvousManager | None = None
+        self.rounds = ChangeFeed()
+        self.membership = ChangeFeed()
+        self._activated_round = 0
         rdzv = _restored_rendezvous(store, config.rendezvous)
         if rdzv is not None:
             self._start_rendezvous(rdzv)
@@ -103,6 +117,8 @@ class JobMaster:
         self.ended = threading.Event()
         if self.state in (JobState.SUCCEEDED, JobState.FAILED):
             self.ended.set()
+        if self.rendezvous is not None and self.rendezvous.world is not None:
+            self._activated_round = self.rendezvous.world.round
 
     # --- registration and liveness -----------------------------------------------------------
     def register(
@@ -144,6 +160,16 @@ class JobMaster:
         """Fix the job's node range (saved, so a restarted master knows it) and its rounds."""
         self.rendezvous = RendezvousManager(rdzv, self._store, self._clock)
         self._store.put_json(_NAMESPACE, "rendezvous", dataclasses.asdict(rdzv))
+
+    def heartbeat_interval_s(self) -> float:
+        """The shortest heartbeat interval the job's size allows: live nodes / the budget (an
+        agent beats at the larger of this and its own interval)."""
+        return self.nodes.count(*ALIVE_STATES) / self.config.heartbeats_per_s
+
+    def heartbeat_timeout_s(self) -> float:
+        """Silence after which a node is lost: the configured timeout, or 3 stretched intervals
+        in a job big enough to stretch them."""
+        return max(self.config.heartbeat_timeout_s, 3.0 * self.heartbeat_interval_s())
 
     def heartbeat(
         self, node_id: str, incarnation: int, step: int, cpu: float, mem: int, restarts: int
@@ -193,7 +219,8 @@ class JobMaster:
             self.nodes.set_state(node_id, NodeState.PENDING, "joins a new rendezvous round")
         # Its workers are gone (restart or re-form): what they leased goes back to the queues.
         self.sharding.recover_node(node_id)
-        return self._rdzv().join(
+        rdzv = self._rdzv()
+        round = rdzv.join(
             node_id,
             local_world_size,
             node.host,
@@ -202,6 +229,44 @@ class JobMaster:
             node.requested_rank,
             node.order,
         )
+        self.membership.bump()  # running nodes may have to re-form for it
+        self.close_round_if_due()
+        return round
+
+    def close_round_if_due(self) -> World | None:
+        """Close the waiting round if it may close now (max nodes, every live node waits, or the
+        last call passed) and wake its nodes; returns the new world, else None."""
+        if self.rendezvous is None:
+            return None
+        world = self.rendezvous.maybe_close(self._alive())
+        if world is not None:
+            self._activate(world)
+        return world
+
+    def close_deadline(self) -> float | None:
+        """When the waiting round's last call ends (master clock), or None if none is due."""
+        return self.rendezvous.close_deadline() if self.rendezvous is not None else None
+
+    def _alive(self) -> int:
+        return self.nodes.count(*ALIVE_STATES)
+
+    def _activate(self, world: World) -> None:
+        """Once per closed round: record the members' ranks, make them RUNNING (and the job), and
+        wake everyone waiting on the round or watching membership."""
+        with self._lock:
+            if world.round <= self._activated_round:
+                return
+            self._activated_round = world.round
+            for m in world.members:
+                self.nodes.set_rank(m.node_id, m.node_rank)
+                if self.nodes.get(m.node_id).state == NodeState.PENDING:
+                    self.nodes.set_state(
+                        m.node_id, NodeState.RUNNING, f"member of round {world.round}"
+                    )
+            if self.state == JobState.PENDING:
+                self._set_job_state(JobState.RUNNING, f"round {world.round} formed")
+        self.rounds.bump()
+        self.membership.bump()
 
     def get_world(self, node_id: str, incarnation: int) -> World | None:
         """The node's world once its round has closed, else None. A closed round's pending
@@ -209,18 +274,9 @@ class JobMaster:
         check."""
         self.nodes.get(node_id, incarnation)
         self.nodes.touch(node_id)
-        alive = sum(1 for n in self.nodes.all() if n.state in ALIVE_STATES)
-        world = self._rdzv().get_world(node_id, alive)
-        if world is not None:
-            for m in world.members:
-                self.nodes.set_rank(m.node_id, m.node_rank)
-                if self.nodes.get(m.node_id).state == NodeState.PENDING:
-                    self.nodes.set_state(
-                        m.node_id, NodeState.RUNNING, f"member of round {world.round}"
-                    )
-            with self._lock:
-                if self.state == JobState.PENDING:
-                    self._set_job_state(JobState.RUNNING, f"round {world.round} formed")
+        world = self._rdzv().get_world(node_id, self._alive())
+        if world is not None and world.round > self._activated_round:
+            self._activate(world)
         return world
 
     def lost_join(self, node_id: str, round: int) -> bool:
@@ -255,12 +311,16 @@ class JobMaster:
         world = self.rendezvous.world if self.rendezvous else None
         if world is None or self.ended.is_set():
             return
+        if self.nodes.count(NodeState.SUCCEEDED) < len(world.members):
+            return  # not yet: the scan below is O(nodes), this count O(1)
         states = [self.nodes.get(m.node_id).state for m in world.members]
         if all(s == NodeState.SUCCEEDED for s in states):
             self._set_job_state(JobState.SUCCEEDED, f"all {len(states)} nodes succeeded")
             self.exit_code = 0
             self._save()
             self.ended.set()
+            self.rounds.bump()
+            self.membership.bump()
 
     def _fail(self, reason: str, exit_code: int) -> None:
         if self.ended.is_set():
@@ -269,6 +329,8 @@ class JobMaster:
         self._set_job_state(JobState.FAILED, reason)
         self._save()
         self.ended.set()
+        self.rounds.bump()
+        self.membership.bump()
 
     def stop(self, reason: str) -> None:
         """End the job from outside (e.g. SIGTERM to the master)."""
@@ -286,26 +348,27 @@ class JobMaster:
         if self.rendezvous is not None:
             self.rendezvous.leave(node_id, reason)
         self.sharding.recover_node(node_id)
+        self.membership.bump()
 
     def tick(self) -> None:
-        """Time-based work: lose nodes whose heartbeats stopped."""
-        for node in self.nodes.expired(self.config.heartbeat_timeout_s):
-            self.nodes.set_state(
-                node.node_id,
-                NodeState.LOST,
-                f"no heartbeat for {self.config.heartbeat_timeout_s:.1f}s",
-            )
+        """Time-based work: lose nodes whose heartbeats stopped, close a round whose last call
+        passed."""
+        timeout = self.heartbeat_timeout_s()
+        expired = self.nodes.expired(timeout)
+        for node in expired:
+            self.nodes.set_state(node.node_id, NodeState.LOST, f"no heartbeat for {timeout:.1f}s")
             if self.rendezvous is not None:
                 self.rendezvous.leave(node.node_id, "lost")
             self.sharding.recover_node(node.node_id)
+        if expired:
+            self.membership.bump()
         self.sharding.tick()
+        self.close_round_if_due()
         with self._lock:
-            nodes = self.nodes.all()
             if (
-                nodes
-                and not self.ended.is_set()
-                and all(n.state not in ALIVE_STATES for n in nodes)
-                and any(n.state == NodeState.LOST for n in nodes)
+                not self.ended.is_set()
+                and self._alive() == 0
+                and self.nodes.count(NodeState.LOST) > 0
             ):
                 self._fail("every node was lost", 1)
             elif not self.ended.is_set() and self.state == JobState.RUNNING:

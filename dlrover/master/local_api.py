@@ -6,16 +6,22 @@ can hand it to an agent directly, with no server and no processes in between.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Generic, TypeVar
 
 from dlrover.api import master as api
 from dlrover.api.errors import MasterRequestError, UnknownNodeError
-from dlrover.master.job import JobMaster
+from dlrover.constants import MAX_LONG_POLL_S
+from dlrover.master.changes import ChangeFeed
+from dlrover.master.job import JobMaster, JobState
 from dlrover.master.kv_store import KvError
 from dlrover.master.nodes import NodeError
 from dlrover.master.nodes import UnknownNodeError as UnknownNode
 from dlrover.master.rendezvous import RendezvousConfig, RendezvousError
+
+T = TypeVar("T")
 
 
 @contextmanager
@@ -29,11 +35,54 @@ def _refusals() -> Iterator[None]:
         raise MasterRequestError(str(e)) from None
 
 
+class LongPoll(Generic[T]):
+    """One long poll: which change feed wakes it, what it answers once there is something to
+    say (``check`` returns None while there is not), what it answers when the wait runs out,
+    and when it must look again without a wake-up (a rendezvous round's last call)."""
+
+    def __init__(
+        self,
+        feed: ChangeFeed,
+        check: Callable[[], T | None],
+        on_timeout: Callable[[], T],
+        wake_at: Callable[[], float | None] = lambda: None,
+    ) -> None:
+        self.feed = feed
+        self.check = check
+        self.on_timeout = on_timeout
+        self.wake_at = wake_at
+
+
+def hold_s(wait_s: float) -> float:
+    """How long the master holds a long poll that asked for ``wait_s``: at most MAX_LONG_POLL_S."""
+    return max(0.0, min(wait_s, MAX_LONG_POLL_S))
+
+
 class LocalMasterApi:
-    """Implements `dlrover.api.master.MasterApi` by calling the JobMaster directly."""
+    """Implements `dlrover.api.master.MasterApi` by calling the JobMaster directly.
+
+    The long polls (`get_comm_world`, `num_nodes_waiting`, `report_node_status` with a
+    ``wait_s``) block the calling thread here; the gRPC server runs the same `LongPoll`s on its
+    event loop instead, so that 10,000 held calls cost no threads.
+    """
 
     def __init__(self, job: JobMaster) -> None:
         self.job = job
+
+    def _hold(self, poll: LongPoll[T], wait_s: float) -> T:
+        """Run ``poll`` in this thread for at most hold_s(``wait_s``) seconds."""
+        deadline = time.monotonic() + hold_s(wait_s)
+        while True:
+            version = poll.feed.version
+            answer = poll.check()
+            if answer is not None:
+                return answer
+            now = time.monotonic()
+            if now >= deadline:
+                return poll.on_timeout()
+            wake = poll.wake_at()
+            until = deadline if wake is None else min(deadline, wake - self.job.now() + now)
+            poll.feed.wait(version, until - now)
 
     def register_node(self, registration: api.Registration) -> api.Registered:
         """Admit the agent (see MasterApi.register_node); also refuses a ``local_world_size`` below
@@ -61,6 +110,7 @@ class LocalMasterApi:
                 have.min_nodes, have.max_nodes, have.node_unit, have.last_call_timeout_s
             ),
             job_name=self.job.config.job_name,
+            heartbeat_interval_s=self.job.heartbeat_interval_s(),
         )
 
     def heartbeat(self, report: api.HeartbeatReport) -> api.HeartbeatReply:
@@ -75,7 +125,9 @@ class LocalMasterApi:
                 report.memory_bytes,
                 report.restart_count,
             )
-        return api.HeartbeatReply(api.HeartbeatAction(action), self.job.state.value)
+        return api.HeartbeatReply(
+            api.HeartbeatAction(action), self.job.state.value, self.job.heartbeat_interval_s()
+        )
 
     def join_rendezvous(self, request: api.JoinRequest) -> int:
         """Put the node into the next round and return that round's number; shards its workers held
@@ -89,10 +141,32 @@ class LocalMasterApi:
                 request.store_port,
             )
 
-    def get_comm_world(self, node_id: str, round: int) -> api.CommWorld:
+    def get_comm_world(self, node_id: str, round: int, wait_s: float = 0.0) -> api.CommWorld:
         """The node's world once its round closed, with this node's rank and global rank offset.
         Incomplete, ``rejoin`` is set when the master does not know the node to wait for
-        ``round`` (the round its join returned): it restarted since. No incarnation is checked."""
+        ``round`` (the round its join returned): it restarted since. No incarnation is checked.
+        ``wait_s``: see `comm_world_poll`."""
+        return self._hold(self.comm_world_poll(node_id, round), wait_s)
+
+    def comm_world_poll(self, node_id: str, round: int) -> LongPoll[api.CommWorld]:
+        """The long poll of a node waiting for its round: it ends when the round closes, when
+        the node must join again, or when the job ended."""
+
+        def check() -> api.CommWorld | None:
+            world = self.comm_world_now(node_id, round)
+            if world.complete or world.rejoin or self.job.ended.is_set():
+                return world
+            return None
+
+        return LongPoll(
+            self.job.rounds,
+            check,
+            lambda: self.comm_world_now(node_id, round),
+            self.job.close_deadline,
+        )
+
+    def comm_world_now(self, node_id: str, round: int) -> api.CommWorld:
+        """`get_comm_world` without waiting."""
         with _refusals():
             world = self.job.get_world(node_id, 0)
         if world is None:
@@ -104,10 +178,7 @@ class LocalMasterApi:
         return api.CommWorld(
             round=world.round,
             complete=True,
-            members=tuple(
-                api.WorldMember(m.node_id, m.node_rank, m.local_world_size, m.host)
-                for m in world.members
-            ),
+            num_nodes=len(world.members),
             node_rank=me.node_rank,
             world_size=world.world_size,
             rank_offset=world.rank_offset(me.node_rank),
@@ -115,16 +186,43 @@ class LocalMasterApi:
             store_port=world.store_port,
         )
 
-    def num_nodes_waiting(self, node_id: str, round: int) -> api.Waiting:
+    def num_nodes_waiting(self, node_id: str, round: int, wait_s: float = 0.0) -> api.Waiting:
         """Waiting nodes that should make the running world re-form now, and the newest round; also
-        a sign of life of the node."""
+        a sign of life of the node. ``wait_s``: see `membership_poll`."""
+        return self._hold(self.membership_poll(node_id, round), wait_s)
+
+    def membership_poll(self, node_id: str, round: int) -> LongPoll[api.Waiting]:
+        """The membership watch of a running node: it ends as soon as its world must re-form or
+        the job ended."""
+
+        def check() -> api.Waiting | None:
+            w = self.waiting_now(node_id, round)
+            return w if w.waiting > 0 or w.latest_round > round or w.job_ended else None
+
+        return LongPoll(self.job.membership, check, lambda: self.waiting_now(node_id, round))
+
+    def waiting_now(self, node_id: str, round: int) -> api.Waiting:
+        """`num_nodes_waiting` without waiting."""
         with _refusals():
             waiting, latest = self.job.num_nodes_waiting(node_id, round)
-        return api.Waiting(waiting, latest)
+        return api.Waiting(waiting, latest, self.job.ended.is_set())
 
-    def report_node_status(self, report: api.NodeReport) -> bool:
+    def report_node_status(self, report: api.NodeReport, wait_s: float = 0.0) -> bool:
         """Record how the node's workers finished; True once every member of the last world has
-        succeeded. A failure fails the job."""
+        succeeded. A failure fails the job. ``wait_s``: see `exit_poll`."""
+        return self._hold(self.exit_poll(report), wait_s)
+
+    def exit_poll(self, report: api.NodeReport) -> LongPoll[bool]:
+        """Record the report now (idempotent), then wait for the job's end: the exit barrier."""
+        done = self.report_now(report)
+
+        def check() -> bool | None:
+            return self.job.state == JobState.SUCCEEDED if self.job.ended.is_set() else None
+
+        return LongPoll(self.job.rounds, lambda: True if done else check(), lambda: False)
+
+    def report_now(self, report: api.NodeReport) -> bool:
+        """`report_node_status` without waiting."""
         with _refusals():
             return self.job.report_node_status(
                 report.node_id,
@@ -134,8 +232,9 @@ class LocalMasterApi:
                 report.reason,
             )
 
-    def get_job_status(self) -> api.JobStatus:
-        """The job and every node now; heartbeat ages come from the master's clock."""
+    def get_job_status(self, with_nodes: bool = True) -> api.JobStatus:
+        """The job and (``with_nodes``) every node now; heartbeat ages come from the master's
+        clock."""
         job = self.job
         now = job.now()
         return api.JobStatus(
@@ -157,7 +256,7 @@ class LocalMasterApi:
                     cpu_percent=n.cpu_percent,
                     memory_bytes=n.memory_bytes,
                 )
-                for n in job.nodes.all()
+                for n in (job.nodes.all() if with_nodes else ())
             ),
         )
 

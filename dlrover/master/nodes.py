@@ -7,6 +7,7 @@ import json
 import logging
 import threading
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
@@ -105,10 +106,22 @@ class NodeTable:
         self._clock = clock
         self._lock = threading.RLock()
         self._nodes: dict[str, Node] = {}
+        self._counts: Counter[NodeState] = Counter()
+        """Nodes per state, kept with every transition: the hot paths never scan the table."""
         for key, raw in store.items(_NAMESPACE).items():
             node = Node.from_json(json.loads(raw))
             node.last_heartbeat = clock()
             self._nodes[key] = node
+            self._counts[node.state] += 1
+
+    def count(self, *states: NodeState) -> int:
+        """How many nodes are in any of ``states`` (O(1))."""
+        with self._lock:
+            return sum(self._counts[s] for s in states)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._nodes)
 
     def register(
         self,
@@ -135,6 +148,7 @@ class NodeTable:
                     last_heartbeat=self._clock(),
                 )
                 self._nodes[node_id] = node
+                self._counts[node.state] += 1
                 logger.info("node %s: registered from %s (pid %d)", node_id, host, pid)
             else:
                 node = known
@@ -239,6 +253,8 @@ class NodeTable:
                 f"node {node.node_id}: illegal transition {node.state.value} -> {new.value}"
             )
         logger.info("node %s: %s -> %s (%s)", node.node_id, node.state.value, new.value, reason)
+        self._counts[node.state] -= 1
+        self._counts[new] += 1
         node.state = new
         node.reason = reason
 

@@ -5,13 +5,15 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dlrover.master.state_store import StateStore
 
 logger = logging.getLogger(__name__)
 
 _NAMESPACE = "rendezvous"
+_LOGGED_MEMBERS = 16
+"""A closed round's log line names this many members (a 10,000-node list helps nobody)."""
 
 
 class RendezvousError(Exception):
@@ -66,22 +68,30 @@ class World:
     members: tuple[Member, ...]
     store_host: str
     store_port: int
+    _by_id: dict[str, Member] = field(init=False, repr=False, compare=False)
+    _offsets: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    """Per node rank, the workers of all lower node ranks; the last entry is the world size."""
+
+    def __post_init__(self) -> None:
+        # Indexes, so that each of 10,000 nodes asking for its place costs O(1), not O(nodes).
+        object.__setattr__(self, "_by_id", {m.node_id: m for m in self.members})
+        offsets = [0]
+        for m in sorted(self.members, key=lambda m: m.node_rank):
+            offsets.append(offsets[-1] + m.local_world_size)
+        object.__setattr__(self, "_offsets", tuple(offsets))
 
     def member(self, node_id: str) -> Member | None:
         """The member with ``node_id``, or None if it is not in this world."""
-        for m in self.members:
-            if m.node_id == node_id:
-                return m
-        return None
+        return self._by_id.get(node_id)
 
     @property
     def world_size(self) -> int:
         """Worker processes in the world: the sum of the members' local world sizes."""
-        return sum(m.local_world_size for m in self.members)
+        return self._offsets[-1]
 
     def rank_offset(self, node_rank: int) -> int:
         """Global rank of node ``node_rank``'s first worker: the workers of all lower node ranks."""
-        return sum(m.local_world_size for m in self.members if m.node_rank < node_rank)
+        return self._offsets[max(0, min(node_rank, len(self._offsets) - 1))]
 
 
 @dataclass
@@ -197,6 +207,27 @@ class RendezvousManager:
                 return self._world
             return None
 
+    def maybe_close(self, expected_nodes: int) -> World | None:
+        """Close the waiting round if it may close now (see the class); returns the new world, or
+        None when nothing closed. Called on every join and when the last-call deadline passes."""
+        with self._lock:
+            before = self._world
+            self._maybe_close(expected_nodes)
+            return self._world if self._world is not before else None
+
+    def close_deadline(self) -> float | None:
+        """When the quiet last call would close the waiting round (a time of the injected clock),
+        or None while fewer than min nodes wait."""
+        with self._lock:
+            if len(self._waiting) < self.config.min_nodes:
+                return None
+            return self._last_join + self.config.last_call_timeout_s
+
+    def is_waiting(self, node_id: str) -> bool:
+        """Whether the node waits for the next round."""
+        with self._lock:
+            return node_id in self._waiting
+
     def lost_join(self, node_id: str, round: int) -> bool:
         """Whether ``node_id``, which joined for ``round``, is neither waiting nor in a world of
         that round or later: its join was lost (the master restarted since) and must be
@@ -272,10 +303,13 @@ class RendezvousManager:
                 "store_port": self._world.store_port,
             },
         )
+        shown = ", ".join(f"{m.node_id}=rank{m.node_rank}" for m in members[:_LOGGED_MEMBERS])
+        if len(members) > _LOGGED_MEMBERS:
+            shown += f", ... ({len(members) - _LOGGED_MEMBERS} more)"
         logger.info(
             "rendezvous: round %d closed with %d nodes (world size %d): %s",
             new_round,
             len(members),
             self._world.world_size,
-            ", ".join(f"{m.node_id}=rank{m.node_rank}" for m in members),
+            shown,
         )

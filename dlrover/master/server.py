@@ -1,12 +1,19 @@
-"""The master's gRPC service: token check, message caps, and proto <-> JobMaster translation."""
+"""The master's gRPC service: token check, message caps, and proto <-> JobMaster translation.
+
+It is an asyncio server (grpc.aio) on a loop thread of its own: a long poll held for one of
+10,000 nodes is a suspended coroutine, not a thread. Handlers that answer at once call the
+JobMaster inline (its methods are quick and thread-safe); the waits that block a thread inside
+the JobMaster (key-value and checkpoint waits) run on a small thread pool.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import secrets
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent import futures
 from typing import Any, TypeVar
 
@@ -16,9 +23,10 @@ from google.protobuf.message import Message
 from dlrover.api import wire
 from dlrover.api.errors import MasterRequestError, UnknownNodeError
 from dlrover.constants import MAX_MESSAGE_BYTES, TOKEN_METADATA_KEY
+from dlrover.master.changes import ChangeFeed
 from dlrover.master.job import JobMaster
 from dlrover.master.kv_store import KvError
-from dlrover.master.local_api import LocalMasterApi
+from dlrover.master.local_api import LocalMasterApi, LongPoll, hold_s
 from dlrover.master.nodes import NodeError
 from dlrover.master.rendezvous import RendezvousError
 from dlrover.proto import master_pb2 as pb
@@ -50,47 +58,68 @@ def job_name_for_token(token: str) -> str:
     return "job-" + hashlib.sha256(token.encode()).hexdigest()[:8]
 
 
-class _TokenInterceptor(grpc.ServerInterceptor):
+class _TokenInterceptor(grpc.aio.ServerInterceptor):
     """Refuses every call whose metadata lacks the job's token."""
 
     def __init__(self, token: str) -> None:
         self._token = token
 
-        def deny(request: Any, context: grpc.ServicerContext) -> Any:
-            context.abort(
+        async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await context.abort(
                 grpc.StatusCode.UNAUTHENTICATED,
                 "wrong or missing job token: set DLROVER_JOB_TOKEN to the token the master printed",
             )
 
         self._deny = grpc.unary_unary_rpc_method_handler(deny)
 
-    def intercept_service(
+    async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         for key, value in handler_call_details.invocation_metadata or ():
             if key == TOKEN_METADATA_KEY and secrets.compare_digest(str(value), self._token):
-                return continuation(handler_call_details)
+                return await continuation(handler_call_details)
         return self._deny
 
 
-def _guard(context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
-    """Run a handler; a refused request becomes a clear status, never a stack trace."""
+def _refusal(e: Exception) -> tuple[grpc.StatusCode, str] | None:
+    """The status a refused request gets, or None for an error that is a bug (re-raised)."""
+    if isinstance(e, UnknownNodeError):
+        return grpc.StatusCode.NOT_FOUND, str(e)
+    if isinstance(e, MasterRequestError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(e)
+    if isinstance(e, NodeError):
+        return grpc.StatusCode.FAILED_PRECONDITION, str(e)
+    if isinstance(e, (RendezvousError, KvError, ValueError)):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(e)
+    return None
+
+
+async def _guard_async(context: grpc.aio.ServicerContext, work: Awaitable[T]) -> T:
+    """Await a handler's work; a refused request becomes a clear status, never a stack trace."""
     try:
-        return fn()
-    except UnknownNodeError as e:
-        context.abort(grpc.StatusCode.NOT_FOUND, str(e))
-    except MasterRequestError as e:
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-    except NodeError as e:
-        context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-    except (RendezvousError, KvError, ValueError) as e:
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return await work
+    except Exception as e:
+        refusal = _refusal(e)
+        if refusal is None:
+            raise
+        await context.abort(*refusal)
     raise AssertionError("unreachable")
 
 
-def _sharding(context: grpc.ServicerContext, response: Callable[..., R], fn: Callable[[], R]) -> R:
+async def _guard(context: grpc.aio.ServicerContext, fn: Callable[[], T]) -> T:
+    """Run a quick handler inline on the loop (see `_guard_async`)."""
+
+    async def run() -> T:
+        return fn()
+
+    return await _guard_async(context, run())
+
+
+async def _sharding(
+    context: grpc.aio.ServicerContext, response: Callable[..., R], fn: Callable[[], R]
+) -> R:
     """Run a sharding handler: a ShardingError travels in the response's typed `error` field
     (the client raises the same class); a malformed request is refused like any other."""
 
@@ -100,7 +129,30 @@ def _sharding(context: grpc.ServicerContext, response: Callable[..., R], fn: Cal
         except ShardingError as e:
             return response(error=sharding_wire.error_to_proto(e))
 
-    return _guard(context, run)
+    return await _guard(context, run)
+
+
+class _Waker:
+    """Wakes the loop's waiters on a ChangeFeed: a bump (from any thread) sets the current
+    event and puts a fresh one in its place."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, feed: ChangeFeed) -> None:
+        self._loop = loop
+        self._feed = feed
+        self.event = asyncio.Event()
+        feed.subscribe(self._on_bump)
+
+    def _on_bump(self) -> None:
+        if not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._wake)
+
+    def _wake(self) -> None:
+        event, self.event = self.event, asyncio.Event()
+        event.set()
+
+    def close(self) -> None:
+        """Stop listening to the feed."""
+        self._feed.unsubscribe(self._on_bump)
 
 
 def _require(request: Message, field: str) -> None:
@@ -113,74 +165,114 @@ class MasterServicer(pb_grpc.MasterServicer):
     """Thin adapter: converts messages (`dlrover.api.wire`) and calls `LocalMasterApi`, where
     the rules of each call live; refusals become gRPC status codes in `_guard`."""
 
-    def __init__(self, job: JobMaster) -> None:
+    def __init__(
+        self, job: JobMaster, loop: asyncio.AbstractEventLoop, executor: futures.Executor
+    ) -> None:
         self.job = job
         self.api = LocalMasterApi(job)
+        self._loop = loop
+        self._executor = executor
+        self._wakers = {id(feed): _Waker(loop, feed) for feed in (job.rounds, job.membership)}
 
-    def RegisterNode(
-        self, request: pb.RegisterNodeRequest, context: grpc.ServicerContext
+    def close(self) -> None:
+        """Detach from the job's change feeds."""
+        for waker in self._wakers.values():
+            waker.close()
+
+    async def _hold(self, poll: LongPoll[T], wait_s: float) -> T:
+        """Run a long poll as a coroutine: at most hold_s(``wait_s``) seconds, waking when its
+        feed is bumped (or its `wake_at` time comes)."""
+        waker = self._wakers[id(poll.feed)]
+        deadline = self._loop.time() + hold_s(wait_s)
+        while True:
+            event = waker.event  # taken before looking, so no bump in between is missed
+            answer = poll.check()
+            if answer is not None:
+                return answer
+            now = self._loop.time()
+            if now >= deadline:
+                return poll.on_timeout()
+            until = deadline
+            wake = poll.wake_at()
+            if wake is not None:
+                # A last call that is already over but closed nothing is looked at again soon.
+                until = min(deadline, now + max(0.05, wake - self.job.now()))
+            try:
+                await asyncio.wait_for(event.wait(), until - now)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _blocking(self, context: grpc.aio.ServicerContext, fn: Callable[[], T]) -> T:
+        """Run a handler that blocks a thread inside the JobMaster on the server's pool."""
+        return await _guard_async(context, self._loop.run_in_executor(self._executor, fn))
+
+    async def RegisterNode(
+        self, request: pb.RegisterNodeRequest, context: grpc.aio.ServicerContext
     ) -> pb.RegisterNodeResponse:  # noqa: N802
         """Register an agent; answer its node id, incarnation and the job's node range."""
-        return _guard(
+        return await _guard(
             context,
             lambda: wire.registered_to_pb(
                 self.api.register_node(wire.registration_from_pb(request))
             ),
         )
 
-    def Heartbeat(
-        self, request: pb.HeartbeatRequest, context: grpc.ServicerContext
+    async def Heartbeat(
+        self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> pb.HeartbeatResponse:  # noqa: N802
         """Record an agent's heartbeat; answer what it must do and the job's state."""
 
-        def run() -> pb.HeartbeatResponse:
-            reply = self.api.heartbeat(wire.heartbeat_from_pb(request))
-            return pb.HeartbeatResponse(action=reply.action.value, job_state=reply.job_state)
+        return await _guard(
+            context,
+            lambda: wire.heartbeat_reply_to_pb(self.api.heartbeat(wire.heartbeat_from_pb(request))),
+        )
 
-        return _guard(context, run)
-
-    def JoinRendezvous(
-        self, request: pb.JoinRendezvousRequest, context: grpc.ServicerContext
+    async def JoinRendezvous(
+        self, request: pb.JoinRendezvousRequest, context: grpc.aio.ServicerContext
     ) -> pb.JoinRendezvousResponse:  # noqa: N802
         """Put a node into the next rendezvous round; answer the round's number."""
-        return _guard(
+        return await _guard(
             context,
             lambda: pb.JoinRendezvousResponse(
                 round=self.api.join_rendezvous(wire.join_from_pb(request))
             ),
         )
 
-    def GetCommWorld(
-        self, request: pb.GetCommWorldRequest, context: grpc.ServicerContext
+    async def GetCommWorld(
+        self, request: pb.GetCommWorldRequest, context: grpc.aio.ServicerContext
     ) -> pb.CommWorld:  # noqa: N802
-        """Answer a node's world once its round has closed (``complete`` is False until then)."""
-        return _guard(
-            context,
-            lambda: wire.world_to_pb(self.api.get_comm_world(request.node_id, request.round)),
-        )
+        """Answer a node's world once its round has closed (``complete`` is False until then);
+        with ``wait_s``, a long poll held until the round closes."""
+        poll = self.api.comm_world_poll(request.node_id, request.round)
+        world = await _guard_async(context, self._hold(poll, request.wait_s))
+        return wire.world_to_pb(world)
 
-    def NumNodesWaiting(
-        self, request: pb.NumNodesWaitingRequest, context: grpc.ServicerContext
+    async def NumNodesWaiting(
+        self, request: pb.NumNodesWaitingRequest, context: grpc.aio.ServicerContext
     ) -> pb.NumNodesWaitingResponse:  # noqa: N802
         """Answer how many waiting nodes should make the running world re-form, and the newest
         round."""
 
-        def run() -> pb.NumNodesWaitingResponse:
-            w = self.api.num_nodes_waiting(request.node_id, request.round)
-            return pb.NumNodesWaitingResponse(waiting=w.waiting, latest_round=w.latest_round)
+        poll = self.api.membership_poll(request.node_id, request.round)
+        w = await _guard_async(context, self._hold(poll, request.wait_s))
+        return pb.NumNodesWaitingResponse(
+            waiting=w.waiting, latest_round=w.latest_round, job_ended=w.job_ended
+        )
 
-        return _guard(context, run)
-
-    def KvSet(self, request: pb.KvSetRequest, context: grpc.ServicerContext) -> pb.KvSetResponse:  # noqa: N802
+    async def KvSet(
+        self, request: pb.KvSetRequest, context: grpc.aio.ServicerContext
+    ) -> pb.KvSetResponse:  # noqa: N802
         """Store a value in the master's key-value store."""
 
         def run() -> pb.KvSetResponse:
             self.api.kv_set(request.key, request.value)
             return pb.KvSetResponse()
 
-        return _guard(context, run)
+        return await _guard(context, run)
 
-    def KvGet(self, request: pb.KvGetRequest, context: grpc.ServicerContext) -> pb.KvGetResponse:  # noqa: N802
+    async def KvGet(
+        self, request: pb.KvGetRequest, context: grpc.aio.ServicerContext
+    ) -> pb.KvGetResponse:  # noqa: N802
         """Answer a key's value, holding the call up to ``wait_s`` (at most MAX_KV_WAIT_S) for it to
         appear."""
 
@@ -190,44 +282,45 @@ class MasterServicer(pb_grpc.MasterServicer):
                 return pb.KvGetResponse(found=False)
             return pb.KvGetResponse(found=True, value=value)
 
-        return _guard(context, run)
+        if request.wait_s <= 0:
+            return await _guard(context, run)
+        return await self._blocking(context, run)
 
-    def ReportStep(
-        self, request: pb.ReportStepRequest, context: grpc.ServicerContext
+    async def ReportStep(
+        self, request: pb.ReportStepRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReportStepResponse:  # noqa: N802
         """Record a training step that a worker of a node finished."""
 
         def run() -> pb.ReportStepResponse:
-            self.api.report_step(
-                request.step, request.rank, dict(request.metrics), request.node_id
-            )
+            self.api.report_step(request.step, request.rank, dict(request.metrics), request.node_id)
             return pb.ReportStepResponse()
 
-        return _guard(context, run)
+        return await _guard(context, run)
 
-    def ReportNodeStatus(
-        self, request: pb.ReportNodeStatusRequest, context: grpc.ServicerContext
+    async def ReportNodeStatus(
+        self, request: pb.ReportNodeStatusRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReportNodeStatusResponse:  # noqa: N802
-        """Record that a node's workers finished; answer whether the whole job has succeeded."""
-        return _guard(
-            context,
-            lambda: pb.ReportNodeStatusResponse(
-                job_done=self.api.report_node_status(wire.node_report_from_pb(request))
-            ),
-        )
+        """Record that a node's workers finished; answer whether the whole job has succeeded
+        (with ``wait_s``, a long poll held until the job has ended: the exit barrier)."""
+        poll = await _guard(context, lambda: self.api.exit_poll(wire.node_report_from_pb(request)))
+        done = await _guard_async(context, self._hold(poll, request.wait_s))
+        return pb.ReportNodeStatusResponse(job_done=done)
 
-    def GetJobStatus(
-        self, request: pb.GetJobStatusRequest, context: grpc.ServicerContext
+    async def GetJobStatus(
+        self, request: pb.GetJobStatusRequest, context: grpc.aio.ServicerContext
     ) -> pb.JobStatus:  # noqa: N802
         """Answer the job's state and its nodes (``dlrover status``)."""
-        return _guard(context, lambda: wire.job_status_to_pb(self.api.get_job_status()))
+        return await _guard(
+            context,
+            lambda: wire.job_status_to_pb(self.api.get_job_status(not request.without_nodes)),
+        )
 
-    def CheckpointPersisted(
-        self, request: pb.CheckpointPersistedRequest, context: grpc.ServicerContext
+    async def CheckpointPersisted(
+        self, request: pb.CheckpointPersistedRequest, context: grpc.aio.ServicerContext
     ) -> pb.CheckpointPersistedResponse:  # noqa: N802
         """Record that a node persisted a checkpoint step; answer whether it is that step's
         committer."""
-        return _guard(
+        return await _guard(
             context,
             lambda: pb.CheckpointPersistedResponse(
                 committer=self.api.checkpoint_persisted(
@@ -236,8 +329,8 @@ class MasterServicer(pb_grpc.MasterServicer):
             ),
         )
 
-    def CheckpointCommitted(
-        self, request: pb.CheckpointCommittedRequest, context: grpc.ServicerContext
+    async def CheckpointCommitted(
+        self, request: pb.CheckpointCommittedRequest, context: grpc.aio.ServicerContext
     ) -> pb.CheckpointCommittedResponse:  # noqa: N802
         """Mark a checkpoint step committed, or wait (at most MAX_CHECKPOINT_WAIT_S) until it is."""
 
@@ -250,10 +343,10 @@ class MasterServicer(pb_grpc.MasterServicer):
                 committed=self.api.wait_checkpoint_committed(request.step, wait_s)
             )
 
-        return _guard(context, run)
+        return await self._blocking(context, run)
 
-    def AgreeLoadStep(
-        self, request: pb.AgreeLoadStepRequest, context: grpc.ServicerContext
+    async def AgreeLoadStep(
+        self, request: pb.AgreeLoadStepRequest, context: grpc.aio.ServicerContext
     ) -> pb.AgreeLoadStepResponse:  # noqa: N802
         """Record a node's vote on the step to load; answer the decision once every node voted
         (waits at most MAX_CHECKPOINT_WAIT_S)."""
@@ -272,27 +365,33 @@ class MasterServicer(pb_grpc.MasterServicer):
                 response.step = step
             return response
 
-        return _guard(context, run)
+        return await self._blocking(context, run)
 
-    def StopJob(self, request: pb.StopJobRequest, context: grpc.ServicerContext) -> pb.JobStatus:  # noqa: N802
+    async def StopJob(
+        self, request: pb.StopJobRequest, context: grpc.aio.ServicerContext
+    ) -> pb.JobStatus:  # noqa: N802
         """End the job as failed with the given reason; answer its status."""
-        return _guard(context, lambda: wire.job_status_to_pb(self.api.stop_job(request.reason)))
+        return await _guard(
+            context, lambda: wire.job_status_to_pb(self.api.stop_job(request.reason))
+        )
 
     # --- dynamic data sharding: messages <-> dataclasses in dlrover/sharding/wire.py -----------
-    def RegisterDataset(
-        self, request: pb.RegisterDatasetRequest, context: grpc.ServicerContext
+    async def RegisterDataset(
+        self, request: pb.RegisterDatasetRequest, context: grpc.aio.ServicerContext
     ) -> pb.RegisterDatasetResponse:  # noqa: N802
         """Register a dataset for dynamic sharding (the same spec again is a no-op)."""
 
         def run() -> pb.RegisterDatasetResponse:
             _require(request, "spec")
-            result = self.job.sharding.register_dataset(sharding_wire.dataset_spec_from_proto(request.spec))
+            result = self.job.sharding.register_dataset(
+                sharding_wire.dataset_spec_from_proto(request.spec)
+            )
             return pb.RegisterDatasetResponse(result=sharding_wire.register_result_to_proto(result))
 
-        return _sharding(context, pb.RegisterDatasetResponse, run)
+        return await _sharding(context, pb.RegisterDatasetResponse, run)
 
-    def FetchShards(
-        self, request: pb.FetchShardsRequest, context: grpc.ServicerContext
+    async def FetchShards(
+        self, request: pb.FetchShardsRequest, context: grpc.aio.ServicerContext
     ) -> pb.FetchShardsResponse:  # noqa: N802
         """Lease a dataset's next shards to a worker."""
 
@@ -302,10 +401,10 @@ class MasterServicer(pb_grpc.MasterServicer):
             )
             return pb.FetchShardsResponse(result=sharding_wire.fetch_result_to_proto(result))
 
-        return _sharding(context, pb.FetchShardsResponse, run)
+        return await _sharding(context, pb.FetchShardsResponse, run)
 
-    def ReportDone(
-        self, request: pb.ReportDoneRequest, context: grpc.ServicerContext
+    async def ReportDone(
+        self, request: pb.ReportDoneRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReportDoneResponse:  # noqa: N802
         """Record shards a worker has finished."""
 
@@ -314,10 +413,10 @@ class MasterServicer(pb_grpc.MasterServicer):
             result = self.job.sharding.report_done(request.dataset, request.worker_id, shard_ids)
             return pb.ReportDoneResponse(result=sharding_wire.report_result_to_proto(result))
 
-        return _sharding(context, pb.ReportDoneResponse, run)
+        return await _sharding(context, pb.ReportDoneResponse, run)
 
-    def ReportProgress(
-        self, request: pb.ReportProgressRequest, context: grpc.ServicerContext
+    async def ReportProgress(
+        self, request: pb.ReportProgressRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReportProgressResponse:  # noqa: N802
         """Record how far a worker is into a shard, renewing its lease."""
 
@@ -331,10 +430,10 @@ class MasterServicer(pb_grpc.MasterServicer):
             )
             return pb.ReportProgressResponse(accepted=accepted)
 
-        return _sharding(context, pb.ReportProgressResponse, run)
+        return await _sharding(context, pb.ReportProgressResponse, run)
 
-    def RenewLeases(
-        self, request: pb.RenewLeasesRequest, context: grpc.ServicerContext
+    async def RenewLeases(
+        self, request: pb.RenewLeasesRequest, context: grpc.aio.ServicerContext
     ) -> pb.RenewLeasesResponse:  # noqa: N802
         """Extend every lease a worker holds on a dataset."""
 
@@ -342,10 +441,10 @@ class MasterServicer(pb_grpc.MasterServicer):
             renewed = self.job.sharding.renew_leases(request.dataset, request.worker_id)
             return pb.RenewLeasesResponse(renewed=renewed)
 
-        return _sharding(context, pb.RenewLeasesResponse, run)
+        return await _sharding(context, pb.RenewLeasesResponse, run)
 
-    def GetPosition(
-        self, request: pb.GetPositionRequest, context: grpc.ServicerContext
+    async def GetPosition(
+        self, request: pb.GetPositionRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetPositionResponse:  # noqa: N802
         """Answer a dataset's consumed position, to save with a checkpoint."""
 
@@ -353,10 +452,10 @@ class MasterServicer(pb_grpc.MasterServicer):
             position = self.job.sharding.get_position(request.dataset)
             return pb.GetPositionResponse(position=sharding_wire.position_to_proto(position))
 
-        return _sharding(context, pb.GetPositionResponse, run)
+        return await _sharding(context, pb.GetPositionResponse, run)
 
-    def MarkConsumption(
-        self, request: pb.MarkConsumptionRequest, context: grpc.ServicerContext
+    async def MarkConsumption(
+        self, request: pb.MarkConsumptionRequest, context: grpc.aio.ServicerContext
     ) -> pb.MarkConsumptionResponse:  # noqa: N802
         """Record where a worker stands in its iteration over a dataset."""
 
@@ -366,10 +465,10 @@ class MasterServicer(pb_grpc.MasterServicer):
             self.job.sharding.mark_consumption(request.dataset, request.worker_id, mark)
             return pb.MarkConsumptionResponse()
 
-        return _sharding(context, pb.MarkConsumptionResponse, run)
+        return await _sharding(context, pb.MarkConsumptionResponse, run)
 
-    def PositionAt(
-        self, request: pb.PositionAtRequest, context: grpc.ServicerContext
+    async def PositionAt(
+        self, request: pb.PositionAtRequest, context: grpc.aio.ServicerContext
     ) -> pb.PositionAtResponse:  # noqa: N802
         """Answer a dataset's position at a step of every worker, or the workers it still waits
         for."""
@@ -378,10 +477,10 @@ class MasterServicer(pb_grpc.MasterServicer):
             result = self.job.sharding.position_at(request.dataset, request.epoch, request.consumed)
             return pb.PositionAtResponse(result=sharding_wire.position_at_to_proto(result))
 
-        return _sharding(context, pb.PositionAtResponse, run)
+        return await _sharding(context, pb.PositionAtResponse, run)
 
-    def RestorePosition(
-        self, request: pb.RestorePositionRequest, context: grpc.ServicerContext
+    async def RestorePosition(
+        self, request: pb.RestorePositionRequest, context: grpc.aio.ServicerContext
     ) -> pb.RestorePositionResponse:  # noqa: N802
         """Reset a dataset's queues to a checkpointed position (once per restore token)."""
 
@@ -393,22 +492,25 @@ class MasterServicer(pb_grpc.MasterServicer):
             )
             return pb.RestorePositionResponse(applied=applied)
 
-        return _sharding(context, pb.RestorePositionResponse, run)
+        return await _sharding(context, pb.RestorePositionResponse, run)
 
-    def DatasetProgress(
-        self, request: pb.DatasetProgressRequest, context: grpc.ServicerContext
+    async def DatasetProgress(
+        self, request: pb.DatasetProgressRequest, context: grpc.aio.ServicerContext
     ) -> pb.DatasetProgressResponse:  # noqa: N802
         """Answer a dataset's progress counters."""
 
         def run() -> pb.DatasetProgressResponse:
             progress = self.job.sharding.dataset_progress(request.dataset)
-            return pb.DatasetProgressResponse(result=sharding_wire.dataset_progress_to_proto(progress))
+            return pb.DatasetProgressResponse(
+                result=sharding_wire.dataset_progress_to_proto(progress)
+            )
 
-        return _sharding(context, pb.DatasetProgressResponse, run)
+        return await _sharding(context, pb.DatasetProgressResponse, run)
 
 
 class MasterServer:
-    """Serves a JobMaster over gRPC and drives its `tick()` from one background thread."""
+    """Serves a JobMaster over gRPC (asyncio, on a loop thread of its own) and drives its
+    `tick()` from one background thread, early when a rendezvous round's last call ends."""
 
     def __init__(
         self,
@@ -421,13 +523,36 @@ class MasterServer:
     ) -> None:
         self.job = job
         self.token = token
+        self.host = host
         self._tick_interval_s = tick_interval_s
         self._stop = threading.Event()
-        self._server = grpc.server(
-            futures.ThreadPoolExecutor(
-                max_workers=max_workers, thread_name_prefix="dlrover-master"
-            ),
-            interceptors=[_TokenInterceptor(token)],
+        self._executor = futures.ThreadPoolExecutor(
+            max_workers=max_workers, thread_name_prefix="dlrover-master-wait"
+        )
+        self._loop = asyncio.new_event_loop()
+        self._loop_thread = threading.Thread(
+            target=self._loop.run_forever, name="dlrover-master-grpc", daemon=True
+        )
+        self._loop_thread.start()
+        self._servicer: MasterServicer | None = None
+        try:
+            self.port = self._run(self._bind(host, port), 30.0)
+        except BaseException:
+            self._shutdown_loop()
+            raise
+        self._ticker = threading.Thread(
+            target=self._tick_loop, name="dlrover-master-tick", daemon=True
+        )
+
+    def _run(self, work: Awaitable[T], timeout_s: float) -> T:
+        async def wrap() -> T:
+            return await work
+
+        return asyncio.run_coroutine_threadsafe(wrap(), self._loop).result(timeout_s)
+
+    async def _bind(self, host: str, port: int) -> int:
+        self._server = grpc.aio.server(
+            interceptors=[_TokenInterceptor(self.token)],
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -435,7 +560,8 @@ class MasterServer:
                 ("grpc.so_reuseport", 0),
             ],
         )
-        pb_grpc.add_MasterServicer_to_server(MasterServicer(job), self._server)
+        self._servicer = MasterServicer(self.job, self._loop, self._executor)
+        pb_grpc.add_MasterServicer_to_server(self._servicer, self._server)
         try:
             bound = self._server.add_insecure_port(f"{host}:{port}")
         except RuntimeError as e:
@@ -448,15 +574,11 @@ class MasterServer:
                 f"cannot listen on {host}:{port}: the port is in use; pick another --port, "
                 "or --port 0 for a free one"
             )
-        self.host = host
-        self.port = bound
-        self._ticker = threading.Thread(
-            target=self._tick_loop, name="dlrover-master-tick", daemon=True
-        )
+        return bound
 
     def start(self) -> MasterServer:
         """Start serving and the tick thread; returns self."""
-        self._server.start()
+        self._run(self._server.start(), 30.0)
         self._ticker.start()
         logger.info(
             "master of job %s listening on %s:%d", self.job.config.job_name, self.host, self.port
@@ -464,7 +586,13 @@ class MasterServer:
         return self
 
     def _tick_loop(self) -> None:
-        while not self._stop.wait(self._tick_interval_s):
+        while True:
+            wait = self._tick_interval_s
+            deadline = self.job.close_deadline()
+            if deadline is not None:
+                wait = min(wait, max(0.01, deadline - self.job.now()))
+            if self._stop.wait(wait):
+                return
             try:
                 self.job.tick()
             except Exception:  # the loop must outlive one bad tick
@@ -475,6 +603,22 @@ class MasterServer:
         server and the tick thread is bounded (about ``grace_s`` + 1 s and a tick interval + 1
         s)."""
         self._stop.set()
-        self._server.stop(grace_s).wait(grace_s + 1.0)
+        if not self._loop.is_closed():
+            try:
+                self._run(self._server.stop(grace_s), grace_s + 1.0)
+            except (futures.TimeoutError, RuntimeError):
+                logger.warning("the master's server did not stop within %.1fs", grace_s + 1.0)
+        self._shutdown_loop()
         if self._ticker.is_alive():
             self._ticker.join(timeout=self._tick_interval_s + 1.0)
+
+    def _shutdown_loop(self) -> None:
+        if self._servicer is not None:
+            self._servicer.close()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._loop.is_closed():
+            return
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._loop_thread.join(timeout=5.0)
+        if not self._loop_thread.is_alive():
+            self._loop.close()

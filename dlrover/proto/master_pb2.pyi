@@ -40,14 +40,16 @@ class RegisterNodeRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., host: _Optional[str] = ..., role: _Optional[str] = ..., local_world_size: _Optional[int] = ..., requested_rank: _Optional[int] = ..., config: _Optional[_Union[JobConfig, _Mapping]] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class RegisterNodeResponse(_message.Message):
-    __slots__ = ("node_id", "incarnation", "config")
+    __slots__ = ("node_id", "incarnation", "config", "heartbeat_interval_s")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     incarnation: int
     config: JobConfig
-    def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., config: _Optional[_Union[JobConfig, _Mapping]] = ...) -> None: ...
+    heartbeat_interval_s: float
+    def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., config: _Optional[_Union[JobConfig, _Mapping]] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
 
 class ResourceUsage(_message.Message):
     __slots__ = ("cpu_percent", "memory_bytes")
@@ -74,12 +76,14 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., usage: _Optional[_Union[ResourceUsage, _Mapping]] = ..., step: _Optional[int] = ..., worker_state: _Optional[str] = ..., restart_count: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("action", "job_state")
+    __slots__ = ("action", "job_state", "heartbeat_interval_s")
     ACTION_FIELD_NUMBER: _ClassVar[int]
     JOB_STATE_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     action: str
     job_state: str
-    def __init__(self, action: _Optional[str] = ..., job_state: _Optional[str] = ...) -> None: ...
+    heartbeat_interval_s: float
+    def __init__(self, action: _Optional[str] = ..., job_state: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
 
 class JoinRendezvousRequest(_message.Message):
     __slots__ = ("node_id", "incarnation", "local_world_size", "store_host", "store_port")
@@ -102,30 +106,19 @@ class JoinRendezvousResponse(_message.Message):
     def __init__(self, round: _Optional[int] = ...) -> None: ...
 
 class GetCommWorldRequest(_message.Message):
-    __slots__ = ("node_id", "round")
+    __slots__ = ("node_id", "round", "wait_s")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     round: int
-    def __init__(self, node_id: _Optional[str] = ..., round: _Optional[int] = ...) -> None: ...
-
-class WorldMember(_message.Message):
-    __slots__ = ("node_id", "node_rank", "local_world_size", "host")
-    NODE_ID_FIELD_NUMBER: _ClassVar[int]
-    NODE_RANK_FIELD_NUMBER: _ClassVar[int]
-    LOCAL_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
-    HOST_FIELD_NUMBER: _ClassVar[int]
-    node_id: str
-    node_rank: int
-    local_world_size: int
-    host: str
-    def __init__(self, node_id: _Optional[str] = ..., node_rank: _Optional[int] = ..., local_world_size: _Optional[int] = ..., host: _Optional[str] = ...) -> None: ...
+    wait_s: float
+    def __init__(self, node_id: _Optional[str] = ..., round: _Optional[int] = ..., wait_s: _Optional[float] = ...) -> None: ...
 
 class CommWorld(_message.Message):
-    __slots__ = ("round", "complete", "members", "node_rank", "world_size", "rank_offset", "store_host", "store_port", "excluded", "message", "rejoin")
+    __slots__ = ("round", "complete", "node_rank", "world_size", "rank_offset", "store_host", "store_port", "excluded", "message", "rejoin", "num_nodes")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_FIELD_NUMBER: _ClassVar[int]
-    MEMBERS_FIELD_NUMBER: _ClassVar[int]
     NODE_RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     RANK_OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -134,9 +127,9 @@ class CommWorld(_message.Message):
     EXCLUDED_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     REJOIN_FIELD_NUMBER: _ClassVar[int]
+    NUM_NODES_FIELD_NUMBER: _ClassVar[int]
     round: int
     complete: bool
-    members: _containers.RepeatedCompositeFieldContainer[WorldMember]
     node_rank: int
     world_size: int
     rank_offset: int
@@ -145,23 +138,28 @@ class CommWorld(_message.Message):
     excluded: bool
     message: str
     rejoin: bool
-    def __init__(self, round: _Optional[int] = ..., complete: _Optional[bool] = ..., members: _Optional[_Iterable[_Union[WorldMember, _Mapping]]] = ..., node_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., rank_offset: _Optional[int] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., excluded: _Optional[bool] = ..., message: _Optional[str] = ..., rejoin: _Optional[bool] = ...) -> None: ...
+    num_nodes: int
+    def __init__(self, round: _Optional[int] = ..., complete: _Optional[bool] = ..., node_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., rank_offset: _Optional[int] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., excluded: _Optional[bool] = ..., message: _Optional[str] = ..., rejoin: _Optional[bool] = ..., num_nodes: _Optional[int] = ...) -> None: ...
 
 class NumNodesWaitingRequest(_message.Message):
-    __slots__ = ("node_id", "round")
+    __slots__ = ("node_id", "round", "wait_s")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     round: int
-    def __init__(self, node_id: _Optional[str] = ..., round: _Optional[int] = ...) -> None: ...
+    wait_s: float
+    def __init__(self, node_id: _Optional[str] = ..., round: _Optional[int] = ..., wait_s: _Optional[float] = ...) -> None: ...
 
 class NumNodesWaitingResponse(_message.Message):
-    __slots__ = ("waiting", "latest_round")
+    __slots__ = ("waiting", "latest_round", "job_ended")
     WAITING_FIELD_NUMBER: _ClassVar[int]
     LATEST_ROUND_FIELD_NUMBER: _ClassVar[int]
+    JOB_ENDED_FIELD_NUMBER: _ClassVar[int]
     waiting: int
     latest_round: int
-    def __init__(self, waiting: _Optional[int] = ..., latest_round: _Optional[int] = ...) -> None: ...
+    job_ended: bool
+    def __init__(self, waiting: _Optional[int] = ..., latest_round: _Optional[int] = ..., job_ended: _Optional[bool] = ...) -> None: ...
 
 class KvSetRequest(_message.Message):
     __slots__ = ("key", "value")
@@ -217,18 +215,20 @@ class ReportStepResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ReportNodeStatusRequest(_message.Message):
-    __slots__ = ("node_id", "incarnation", "status", "exit_code", "reason")
+    __slots__ = ("node_id", "incarnation", "status", "exit_code", "reason", "wait_s")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     incarnation: int
     status: str
     exit_code: int
     reason: str
-    def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., status: _Optional[str] = ..., exit_code: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    wait_s: float
+    def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., status: _Optional[str] = ..., exit_code: _Optional[int] = ..., reason: _Optional[str] = ..., wait_s: _Optional[float] = ...) -> None: ...
 
 class ReportNodeStatusResponse(_message.Message):
     __slots__ = ("job_done",)
@@ -237,8 +237,10 @@ class ReportNodeStatusResponse(_message.Message):
     def __init__(self, job_done: _Optional[bool] = ...) -> None: ...
 
 class GetJobStatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("without_nodes",)
+    WITHOUT_NODES_FIELD_NUMBER: _ClassVar[int]
+    without_nodes: bool
+    def __init__(self, without_nodes: _Optional[bool] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
     __slots__ = ("node_id", "state", "node_rank", "host", "step", "restart_count", "last_heartbeat_age_s", "role", "cpu_percent", "memory_bytes")

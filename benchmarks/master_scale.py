@@ -1,0 +1,318 @@
+"""How many nodes one dlrover-master holds: N simulated agents against a real master process.
+
+Run: PYTHONPATH=. python benchmarks/master_scale.py [--nodes 1000 2000 5000 10000]
+         [--steady-s 40] [--protocol long-poll|poll|both]
+
+The master is a real `dlrover-master` (its default SQLite state, INFO logs to a file); the agents
+are coroutines in this one process, each with the RPC sequence of a real agent
+(`dlrover/agent/rendezvous_client.py`, `heartbeat.py`):
+
+1. register (RegisterNode), and start heart-beating at the interval the master asks for;
+2. rendezvous: JoinRendezvous, then GetCommWorld until the round closed;
+3. steady state for --steady-s seconds: heartbeats, and the membership watch;
+4. exit barrier: ReportNodeStatus(succeeded) until the job is done.
+
+`long-poll` is today's protocol (the master holds GetCommWorld, the watch and the barrier until
+the answer changes); `poll` is the protocol before it (GetCommWorld every 0.1 s, membership
+every 0.5 s, heartbeats every 2 s, the barrier's report and status every 0.5 s), run against
+the same master, so the table shows what the redesign buys.
+
+Columns: register / rendezvous / exit = seconds from the first call of the phase until every
+node finished it; CPU = the master's CPU over the steady state, in % of one core; RSS = the
+master's resident memory at the end of the steady state; p99 = client-side latency of the calls
+the master answers at once (register, join, heartbeat, report, status), so it includes this
+process's own queueing; exit ok = nodes that saw the job succeed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import psutil
+
+from dlrover.constants import TOKEN_METADATA_KEY
+from dlrover.proto import master_pb2 as pb
+from dlrover.proto import master_pb2_grpc as pb_grpc
+
+HOLD_S = 30.0
+"""What a long poll asks the master to hold (it caps it at MAX_LONG_POLL_S)."""
+
+
+class Master:
+    """A real dlrover-master process for one run, with its state and log in a temp dir."""
+
+    def __init__(self, nodes: int) -> None:
+        self.dir = tempfile.mkdtemp(prefix="dlrover_scale_")
+        env_file = os.path.join(self.dir, "master.env")
+        self.log_path = os.path.join(self.dir, "master.log")
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - open for the process's life
+        self.proc = subprocess.Popen(
+            [
+                sys.executable, "-m", "dlrover.cli.master", "--port", "0", "--host", "127.0.0.1",
+                "--write-env", env_file, "--nnodes", f"{nodes}:{nodes}",
+                "--state-db", os.path.join(self.dir, "state.db"), "--idle-timeout", "600",
+            ],
+            stdout=self._log, stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 60
+        while not os.path.exists(env_file):
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise RuntimeError(f"dlrover-master did not start; see {self.log_path}")
+            time.sleep(0.05)
+        time.sleep(0.1)  # the file is written in one go, but be sure it is complete
+        with open(env_file) as f:
+            env = dict(line.split("=", 1) for line in f.read().split())
+        self.addr = env["DLROVER_MASTER_ADDR"].replace("0.0.0.0", "127.0.0.1")
+        self.token = env["DLROVER_JOB_TOKEN"]
+        self.ps = psutil.Process(self.proc.pid)
+
+    def cpu_s(self) -> float:
+        t = self.ps.cpu_times()
+        return t.user + t.system
+
+    def rss_mib(self) -> float:
+        return self.ps.memory_info().rss / 2**20
+
+    def close(self) -> int | None:
+        try:
+            code = self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = None
+        self._log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+        return code
+
+
+@dataclass
+class Stats:
+    latencies: list[float] = field(default_factory=list)
+    errors: int = 0
+
+    def p99_ms(self) -> float:
+        if not self.latencies:
+            return float("nan")
+        xs = sorted(self.latencies)
+        return 1000 * xs[min(len(xs) - 1, int(0.99 * len(xs)))]
+
+
+class Agent:
+    """One simulated node: a real agent's calls, with none of its processes."""
+
+    def __init__(self, i: int, stub: pb_grpc.MasterStub, md: tuple, stats: Stats, poll: bool):
+        self.i, self.stub, self.md, self.stats, self.poll = i, stub, md, stats, poll
+        self.node_id, self.incarnation, self.round = "", 0, 0
+        self.interval = 2.0
+        self.stop = asyncio.Event()
+
+    async def _call(self, method, request, timeout: float = 60.0):
+        t = time.monotonic()
+        try:
+            return await method(request, timeout=timeout, metadata=self.md)
+        finally:
+            self.stats.latencies.append(time.monotonic() - t)
+
+    async def register(self, nodes: int) -> None:
+        r = await self._call(
+            self.stub.RegisterNode,
+            pb.RegisterNodeRequest(
+                host=f"10.0.{self.i // 256}.{self.i % 256}", local_world_size=8, pid=self.i + 1,
+                config=pb.JobConfig(min_nodes=nodes, max_nodes=nodes, node_unit=1,
+                                    last_call_timeout_s=1.0),
+            ),
+        )
+        self.node_id, self.incarnation = r.node_id, r.incarnation
+        if not self.poll:
+            self.interval = max(2.0, r.heartbeat_interval_s)
+
+    async def heartbeats(self) -> None:
+        # Real agents start at different moments: spread the first beat over one interval.
+        await asyncio.sleep(random.uniform(0, self.interval))
+        while not self.stop.is_set():
+            try:
+                r = await self._call(
+                    self.stub.Heartbeat,
+                    pb.HeartbeatRequest(node_id=self.node_id, incarnation=self.incarnation),
+                )
+                if not self.poll:
+                    self.interval = max(2.0, r.heartbeat_interval_s)
+            except grpc.aio.AioRpcError:
+                self.stats.errors += 1
+            try:
+                await asyncio.wait_for(self.stop.wait(), self.interval)
+            except asyncio.TimeoutError:
+                pass
+
+    async def rendezvous(self) -> None:
+        r = await self._call(
+            self.stub.JoinRendezvous,
+            pb.JoinRendezvousRequest(node_id=self.node_id, incarnation=self.incarnation,
+                                     local_world_size=8, store_host="h", store_port=1),
+        )
+        self.round = r.round
+        while True:
+            wait_s = 0.0 if self.poll else HOLD_S
+            w = await self.stub.GetCommWorld(
+                pb.GetCommWorldRequest(node_id=self.node_id, round=self.round, wait_s=wait_s),
+                timeout=wait_s + 60, metadata=self.md,
+            )
+            if w.complete:
+                self.round = w.round
+                return
+            if self.poll:
+                await asyncio.sleep(0.1)
+
+    async def watch(self) -> None:
+        """The membership watch (long poll), or the old check every 0.5 s."""
+        while not self.stop.is_set():
+            wait_s = 0.0 if self.poll else HOLD_S
+            try:
+                w = await self.stub.NumNodesWaiting(
+                    pb.NumNodesWaitingRequest(node_id=self.node_id, round=self.round,
+                                              wait_s=wait_s),
+                    timeout=wait_s + 60, metadata=self.md,
+                )
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.CANCELLED:
+                    return
+                self.stats.errors += 1
+                await asyncio.sleep(1)
+                continue
+            if w.waiting > 0 or w.latest_round > self.round:
+                raise AssertionError(f"node {self.node_id}: unexpected re-form {w}")
+            if self.poll:
+                try:
+                    await asyncio.wait_for(self.stop.wait(), 0.5)
+                except asyncio.TimeoutError:
+                    pass
+
+    async def exit_barrier(self) -> bool:
+        request = pb.ReportNodeStatusRequest(
+            node_id=self.node_id, incarnation=self.incarnation, status="succeeded",
+            wait_s=0.0 if self.poll else HOLD_S,
+        )
+        for _ in range(100):
+            if self.poll:
+                if (await self._call(self.stub.ReportNodeStatus, request)).job_done:
+                    return True
+                s = await self._call(self.stub.GetJobStatus, pb.GetJobStatusRequest())
+                if s.state == "succeeded":
+                    return True
+                await asyncio.sleep(0.5)
+            else:
+                r = await self.stub.ReportNodeStatus(
+                    request, timeout=HOLD_S + 60, metadata=self.md
+                )
+                if r.job_done:
+                    return True
+        return False
+
+
+async def run_one(nodes: int, steady_s: float, poll: bool) -> dict[str, float | int | str]:
+    master = Master(nodes)
+    md = ((TOKEN_METADATA_KEY, master.token),)
+    options = [("grpc.max_receive_message_length", 64 * 2**20), ("grpc.enable_http_proxy", 0)]
+    n_channels = max(1, min(64, nodes // 100))
+    channels = [grpc.aio.insecure_channel(master.addr, options=options) for _ in range(n_channels)]
+    stubs = [pb_grpc.MasterStub(c) for c in channels]
+    stats = Stats()
+    agents = [Agent(i, stubs[i % n_channels], md, stats, poll) for i in range(nodes)]
+    row: dict[str, float | int | str] = {"nodes": nodes, "protocol": "poll" if poll else "long-poll"}
+    tasks: list[asyncio.Task] = []
+    try:
+        t0 = time.monotonic()
+        await asyncio.gather(*(a.register(nodes) for a in agents))
+        row["register_s"] = time.monotonic() - t0
+        tasks += [asyncio.create_task(a.heartbeats()) for a in agents]
+        t1 = time.monotonic()
+        await asyncio.wait_for(asyncio.gather(*(a.rendezvous() for a in agents)), 300)
+        row["rendezvous_s"] = time.monotonic() - t1
+        rounds = {a.round for a in agents}
+        assert rounds == {1}, f"nodes saw rounds {rounds}"
+
+        tasks += [asyncio.create_task(a.watch()) for a in agents]
+        await asyncio.sleep(3)  # let the watches settle before measuring
+        stats.latencies.clear()
+        c0, w0 = master.cpu_s(), time.monotonic()
+        await asyncio.sleep(steady_s)
+        row["cpu_pct"] = 100 * (master.cpu_s() - c0) / (time.monotonic() - w0)
+        row["rss_mib"] = master.rss_mib()
+        row["p99_ms"] = stats.p99_ms()
+
+        t2 = time.monotonic()
+        done = await asyncio.wait_for(asyncio.gather(*(a.exit_barrier() for a in agents)), 600)
+        row["exit_s"] = time.monotonic() - t2
+        row["exit_ok"] = sum(done)
+        row["errors"] = stats.errors
+    finally:
+        for a in agents:
+            a.stop.set()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for c in channels:
+            await c.close()
+        code = master.close()
+        row["master_exit"] = "?" if code is None else str(code)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--nodes", type=int, nargs="+", default=[1000, 2000, 5000, 10000])
+    parser.add_argument("--steady-s", type=float, default=40.0)
+    parser.add_argument("--protocol", choices=["long-poll", "poll", "both"], default="both")
+    parser.add_argument("--poll-max-nodes", type=int, default=2000,
+                        help="with --protocol both, run the old protocol only up to this size")
+    args = parser.parse_args()
+    random.seed(0)
+    rows = []
+    for n in args.nodes:
+        modes = {"long-poll": [False], "poll": [True], "both": [True, False]}[args.protocol]
+        for poll in modes:
+            if poll and args.protocol == "both" and n > args.poll_max_nodes:
+                continue
+            print(f"... {n} nodes, {'poll' if poll else 'long-poll'}", flush=True)
+            try:
+                rows.append(asyncio.run(run_one(n, args.steady_s, poll)))
+            except Exception as e:  # a failed size is a row of the table, not the end of it
+                rows.append({"nodes": n, "protocol": "poll" if poll else "long-poll",
+                             "failed": f"{type(e).__name__}: {e}"[:60]})
+    cols = ["nodes", "protocol", "register_s", "rendezvous_s", "cpu_pct", "rss_mib", "p99_ms",
+            "exit_s", "exit_ok", "errors", "master_exit"]
+    heads = ["nodes", "protocol", "register s", "rendezvous s", "CPU % (steady)", "RSS MiB",
+             "p99 ms", "exit s", "exit ok", "errors", "master exit"]
+    print()
+    print("| " + " | ".join(heads) + " |")
+    print("|" + "---|" * len(heads))
+    for r in rows:
+        if "failed" in r:
+            print(f"| {r['nodes']} | {r['protocol']} | failed: {r['failed']} |")
+            continue
+        cells = []
+        for c in cols:
+            v = r.get(c, "")
+            cells.append(f"{v:.2f}" if isinstance(v, float) else str(v))
+        print("| " + " | ".join(cells) + " |")
+    by = {(r["nodes"], r["protocol"]): r for r in rows if "failed" not in r}
+    for n in args.nodes:
+        old, new = by.get((n, "poll")), by.get((n, "long-poll"))
+        if old and new:
+            print(
+                f"{n} nodes: long-poll vs poll: rendezvous {old['rendezvous_s'] / new['rendezvous_s']:.1f}x "
+                f"faster, steady CPU {old['cpu_pct'] / max(new['cpu_pct'], 0.01):.1f}x lower"
+            )
+
+
+if __name__ == "__main__":
+    main()
