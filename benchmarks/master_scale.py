@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass, field
 
 import grpc
@@ -83,14 +84,17 @@ class Master:
     def rss_mib(self) -> float:
         return self.ps.memory_info().rss / 2**20
 
-    def close(self) -> int | None:
+    def close(self, keep: bool = False) -> int | None:
         try:
             code = self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             code = None
         self._log.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        if keep:
+            print(f"master log kept: {self.log_path}", file=sys.stderr)
+        else:
+            shutil.rmtree(self.dir, ignore_errors=True)
         return code
 
 
@@ -202,19 +206,24 @@ class Agent:
             wait_s=0.0 if self.poll else HOLD_S,
         )
         for _ in range(100):
-            if self.poll:
-                if (await self._call(self.stub.ReportNodeStatus, request)).job_done:
+            try:
+                if await self._exit_step(request):
                     return True
-                s = await self._call(self.stub.GetJobStatus, pb.GetJobStatusRequest())
-                if s.state == "succeeded":
-                    return True
-                await asyncio.sleep(0.5)
-            else:
-                r = await self.stub.ReportNodeStatus(
-                    request, timeout=HOLD_S + 60, metadata=self.md
-                )
-                if r.job_done:
-                    return True
+            except grpc.aio.AioRpcError:
+                self.stats.errors += 1
+                return False  # e.g. the master took the node for lost: it misses the end
+        return False
+
+    async def _exit_step(self, request: pb.ReportNodeStatusRequest) -> bool:
+        if not self.poll:
+            r = await self.stub.ReportNodeStatus(request, timeout=HOLD_S + 60, metadata=self.md)
+            return bool(r.job_done)
+        if (await self._call(self.stub.ReportNodeStatus, request)).job_done:
+            return True
+        s = await self._call(self.stub.GetJobStatus, pb.GetJobStatusRequest())
+        if s.state == "succeeded":
+            return True
+        await asyncio.sleep(0.5)
         return False
 
 
@@ -244,7 +253,13 @@ async def run_one(nodes: int, steady_s: float, poll: bool) -> dict[str, float | 
         await asyncio.sleep(3)  # let the watches settle before measuring
         stats.latencies.clear()
         c0, w0 = master.cpu_s(), time.monotonic()
-        await asyncio.sleep(steady_s)
+        lags: list[float] = []
+        while time.monotonic() - w0 < steady_s:  # how late this process's own loop runs
+            t = time.monotonic()
+            await asyncio.sleep(0.01)
+            lags.append(time.monotonic() - t - 0.01)
+        lags.sort()
+        row["lag_ms"] = 1000 * lags[int(0.99 * (len(lags) - 1))]
         row["cpu_pct"] = 100 * (master.cpu_s() - c0) / (time.monotonic() - w0)
         row["rss_mib"] = master.rss_mib()
         row["p99_ms"] = stats.p99_ms()
@@ -262,7 +277,7 @@ async def run_one(nodes: int, steady_s: float, poll: bool) -> dict[str, float | 
         await asyncio.gather(*tasks, return_exceptions=True)
         for c in channels:
             await c.close()
-        code = master.close()
+        code = master.close(keep=os.environ.get("KEEP_MASTER_LOG") == "1")
         row["master_exit"] = "?" if code is None else str(code)
     return row
 
@@ -276,7 +291,13 @@ def main() -> None:
                         help="with --protocol both, run the old protocol only up to this size")
     args = parser.parse_args()
     random.seed(0)
-    rows = []
+    rows = asyncio.run(run_all(args))
+    print_table(rows, args.nodes)
+
+
+async def run_all(args: argparse.Namespace) -> list[dict[str, float | int | str]]:
+    """Every size and protocol, one after the other, on one event loop."""
+    rows: list[dict[str, float | int | str]] = []
     for n in args.nodes:
         modes = {"long-poll": [False], "poll": [True], "both": [True, False]}[args.protocol]
         for poll in modes:
@@ -284,14 +305,22 @@ def main() -> None:
                 continue
             print(f"... {n} nodes, {'poll' if poll else 'long-poll'}", flush=True)
             try:
-                rows.append(asyncio.run(run_one(n, args.steady_s, poll)))
+                rows.append(await run_one(n, args.steady_s, poll))
             except Exception as e:  # a failed size is a row of the table, not the end of it
+                traceback.print_exc()
+                detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
                 rows.append({"nodes": n, "protocol": "poll" if poll else "long-poll",
-                             "failed": f"{type(e).__name__}: {e}"[:60]})
+                             "failed": f"{type(e).__name__}: {detail}"[:120]})
+    return rows
+
+
+def print_table(rows: list[dict[str, float | int | str]], sizes: list[int]) -> None:
+    """The markdown table, and the long-poll vs poll ratios where both ran."""
     cols = ["nodes", "protocol", "register_s", "rendezvous_s", "cpu_pct", "rss_mib", "p99_ms",
+            "lag_ms",
             "exit_s", "exit_ok", "errors", "master_exit"]
     heads = ["nodes", "protocol", "register s", "rendezvous s", "CPU % (steady)", "RSS MiB",
-             "p99 ms", "exit s", "exit ok", "errors", "master exit"]
+             "p99 ms", "client lag p99 ms", "exit s", "exit ok", "errors", "master exit"]
     print()
     print("| " + " | ".join(heads) + " |")
     print("|" + "---|" * len(heads))
@@ -305,7 +334,7 @@ def main() -> None:
             cells.append(f"{v:.2f}" if isinstance(v, float) else str(v))
         print("| " + " | ".join(cells) + " |")
     by = {(r["nodes"], r["protocol"]): r for r in rows if "failed" not in r}
-    for n in args.nodes:
+    for n in sizes:
         old, new = by.get((n, "poll")), by.get((n, "long-poll"))
         if old and new:
             print(

@@ -149,6 +149,7 @@ def run(argv: Sequence[str] | None = None) -> int:
                 state=db,
                 rendezvous=rdzv,
                 heartbeat_timeout_s=args.heartbeat_timeout,
+                owns_process=True,
             )
         )
     except (MasterServerError, StateStoreError, RendezvousError) as e:
@@ -179,7 +180,7 @@ def run(argv: Sequence[str] | None = None) -> int:
 
     start = time.monotonic()
     while not job.ended.wait(0.5):
-        if not job.nodes.all() and time.monotonic() - start > args.idle_timeout:
+        if len(job.nodes) == 0 and time.monotonic() - start > args.idle_timeout:
             job.stop(f"no node registered within {args.idle_timeout:.0f}s")
     # Let agents still in their exit barrier read the final state before the server goes away.
     if not stop.is_set():

@@ -99,6 +99,7 @@ def serve_job(
                 port=port,
                 state=str(db),
                 rendezvous=RendezvousConfig(spec.min_nodes, spec.max_nodes),
+                owns_process=True,
             )
         )
     except (MasterServerError, StateStoreError) as e:

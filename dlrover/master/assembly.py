@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from dlrover.constants import DEFAULT_HEARTBEAT_TIMEOUT_S
 from dlrover.master.job import JobMaster, JobMasterConfig
 from dlrover.master.rendezvous import RendezvousConfig
-from dlrover.master.server import MasterServer
+from dlrover.master.server import FULL_GC_EVERY_S, MasterServer
 from dlrover.master.state_store import StateMismatchError, StateStore, open_state_store
 
 
@@ -30,6 +30,10 @@ class MasterSettings:
     rendezvous: RendezvousConfig | None = None
     """The node range; None: the first agent's --nnodes fixes it."""
     heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
+    owns_process: bool = False
+    """The master is its process's main work (dlrover-master, dlrover submit), so it may set the
+    process's garbage-collection policy (see MasterServer); not for a master embedded in an
+    agent."""
 
 
 @dataclass
@@ -96,7 +100,13 @@ def build_master(settings: MasterSettings) -> RunningMaster:
             ),
             store,
         )
-        server = MasterServer(job, settings.token, host=settings.host, port=settings.port)
+        server = MasterServer(
+            job,
+            settings.token,
+            host=settings.host,
+            port=settings.port,
+            full_gc_every_s=FULL_GC_EVERY_S if settings.owns_process else 0.0,
+        )
     except BaseException:
         store.close()
         raise

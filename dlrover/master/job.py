@@ -107,6 +107,10 @@ class JobMaster:
         self.rounds = ChangeFeed()
         self.membership = ChangeFeed()
         self._activated_round = 0
+        # The longest heartbeat interval told recently (see heartbeat_interval_s); a restarted
+        # master assumes its nodes were told what their number asks for.
+        self._told_high = self.nodes.count(*ALIVE_STATES) / config.heartbeats_per_s
+        self._told_high_at = clock()
         rdzv = _restored_rendezvous(store, config.rendezvous)
         if rdzv is not None:
             self._start_rendezvous(rdzv)
@@ -164,12 +168,23 @@ class JobMaster:
     def heartbeat_interval_s(self) -> float:
         """The shortest heartbeat interval the job's size allows: live nodes / the budget (an
         agent beats at the larger of this and its own interval)."""
-        return self.nodes.count(*ALIVE_STATES) / self.config.heartbeats_per_s
+        interval = self.nodes.count(*ALIVE_STATES) / self.config.heartbeats_per_s
+        now = self._clock()
+        with self._lock:
+            if interval >= self._told_high:
+                self._told_high, self._told_high_at = interval, now
+            elif now - self._told_high_at > 2 * self._told_high:
+                # Every node told the high mark has beaten since and heard a lower one; halve it,
+                # so a node told anything in between is still covered by 3 x the new mark.
+                self._told_high, self._told_high_at = max(interval, self._told_high / 2), now
+        return interval
 
     def heartbeat_timeout_s(self) -> float:
-        """Silence after which a node is lost: the configured timeout, or 3 stretched intervals
-        in a job big enough to stretch them."""
-        return max(self.config.heartbeat_timeout_s, 3.0 * self.heartbeat_interval_s())
+        """Silence after which a node is lost: the configured timeout, or 3 times the longest
+        interval recently told to a node (a shrinking job must not lose the nodes that were told
+        to beat rarely)."""
+        with self._lock:
+            return max(self.config.heartbeat_timeout_s, 3.0 * self._told_high)
 
     def heartbeat(
         self, node_id: str, incarnation: int, step: int, cpu: float, mem: int, restarts: int

@@ -6,6 +6,7 @@ can hand it to an agent directly, with no server and no processes in between.
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -54,8 +55,10 @@ class LongPoll(Generic[T]):
 
 
 def hold_s(wait_s: float) -> float:
-    """How long the master holds a long poll that asked for ``wait_s``: at most MAX_LONG_POLL_S."""
-    return max(0.0, min(wait_s, MAX_LONG_POLL_S))
+    """How long the master holds a long poll that asked for ``wait_s``: at most a random 50-100%
+    of MAX_LONG_POLL_S, so that the watches of 10,000 nodes armed in the same second do not all
+    come back in the same second ever after."""
+    return max(0.0, min(wait_s, MAX_LONG_POLL_S * random.uniform(0.5, 1.0)))
 
 
 class LocalMasterApi:
