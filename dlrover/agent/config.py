@@ -24,7 +24,8 @@ class AgentConfig:
     monitor_interval_s: float = c.DEFAULT_MONITOR_INTERVAL_S
     """How often the agent checks membership changes and its workers' state."""
     membership_check_interval_s: float = c.DEFAULT_MEMBERSHIP_CHECK_INTERVAL_S
-    """How often the agent asks the master whether the world must re-form."""
+    """How often the monitor looks at what the membership watch (a long poll to the master) last
+    heard: no RPC per look."""
     run_id: str = c.DEFAULT_JOB_NAME
     """TORCHELASTIC_RUN_ID: the job's name, the same on every node."""
     role: str = c.DEFAULT_ROLE

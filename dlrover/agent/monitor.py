@@ -56,7 +56,7 @@ class MonitorSignals:
     stop_requested: threading.Event
     reregister_requested: threading.Event
     world_must_reform: Callable[[], bool]
-    """Asked every --membership-check-interval (an RPC)."""
+    """Asked every membership_check_interval_s; answered from the membership watch (no RPC)."""
     every_second: Callable[[], None] = lambda: None
     """The agent's own periodic work (starting the zygote)."""
 
@@ -115,8 +115,8 @@ class WorkerMonitor:
             self._signals.every_second()
         if now < self._next_membership_check:
             return None
-        # Worker exits are seen at once from the queue; asking the master about membership is
-        # rarer, so a big job does not send it 10 RPCs per node per second.
+        # Worker exits are seen at once from the queue; the membership flag is set by the watch
+        # thread, which the master answers the moment the world must re-form.
         self._next_membership_check = now + self._config.membership_check_interval_s
         return Outcome.MEMBERSHIP if self._signals.world_must_reform() else None
 
