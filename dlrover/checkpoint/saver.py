@@ -296,6 +296,19 @@ class CheckpointSaver:
 
     def _wait_persisted(self, checkpoint_dir: str, step: int, timeout: float) -> WaitPersistedReply:
         with self._cond:
+            spec = self._spec
+            writes_here = spec is not None and spec.checkpoint_dir == checkpoint_dir
+        if not writes_here:
+            # This node keeps a memory copy only (DDP: node rank 0 writes storage's one copy):
+            # nothing is persisted here, so the step is done when the job's commit says so.
+            committed = self.coordinator.wait_committed(step, timeout)
+            with self._cond:
+                if committed and self._committed.get(checkpoint_dir, -1) < step:
+                    self._committed[checkpoint_dir] = step
+                return WaitPersistedReply(
+                    persisted=committed, committed=self._committed.get(checkpoint_dir), failure=None
+                )
+        with self._cond:
             done = self._cond.wait_for(
                 lambda: (
                     self._committed.get(checkpoint_dir, -1) >= step

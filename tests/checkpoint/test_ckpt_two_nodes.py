@@ -56,3 +56,32 @@ def test_two_nodes_merge_one_dcp_checkpoint_loadable_by_plain_dcp(tmp_path: Path
     dcp.load(target, checkpoint_id=str(tmp_path / "ckpt" / "step_4"))  # no process group
     assert_same(expected["model"], target["model"])
     assert target["extra"]["step"] == 4
+
+
+def test_a_node_that_only_keeps_a_memory_copy_learns_the_commit_from_the_coordinator(
+    tmp_path: Path,
+) -> None:
+    """DDP across nodes: node 0 persists storage's one copy, node 1 keeps memory only. Its
+    workers' wait for the DISK step ends with the job's commit, not at the timeout (it used to
+    wait its full timeout at every DISK save: nothing is ever persisted on node 1)."""
+    import threading
+    import time
+
+    from dlrover.checkpoint.saver_messages import WaitPersistedRequest
+
+    coordinator = LocalCommitCoordinator()
+    with running_saver(tmp_path, coordinator=coordinator) as node1:
+        replies = []
+        start = time.monotonic()
+        waiter = threading.Thread(
+            target=lambda: replies.append(
+                node1._dispatch(WaitPersistedRequest(str(tmp_path / "ckpt"), 5, 30.0))
+            )
+        )
+        waiter.start()
+        assert not replies  # not committed yet: it waits
+        coordinator.mark_committed(5)  # node 0 committed step 5
+        waiter.join(30)
+        (reply,) = replies
+        assert reply.persisted and reply.committed == 5 and reply.failure is None
+        assert time.monotonic() - start < 10

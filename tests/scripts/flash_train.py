@@ -8,6 +8,7 @@ Rank 0 appends "<step> <loaded-from>" lines to <out>.steps and the final SHA-256
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,7 @@ def main() -> None:
     p.add_argument("--disk-every", type=int, default=5)
     p.add_argument("--ckpt", required=True)
     p.add_argument("--out", required=True)
+    p.add_argument("--step-time", type=float, default=0.0, help="simulated compute per step")
     a = p.parse_args()
 
     dist.init_process_group("gloo")
@@ -57,6 +59,8 @@ def main() -> None:
             dist.all_reduce(param.grad)
             param.grad /= world
         opt.step()
+        if a.step_time:
+            time.sleep(a.step_time)  # simulated compute, so that failures land mid-run
         storage = StorageType.DISK if step % a.disk_every == 0 else StorageType.MEMORY
         ckpt.save_checkpoint(
             step,
