@@ -97,9 +97,12 @@ class MembershipWatch:
         delay = 0.1
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._closed or self._armed is not None)
-                if self._closed or self._armed is None:
+                # Idle between rounds: look again every second (every wait has a deadline).
+                self._cond.wait_for(lambda: self._closed or self._armed is not None, 1.0)
+                if self._closed:
                     return
+                if self._armed is None:
+                    continue
                 watched = self._armed
             node_id, round = watched
             try:
