@@ -73,7 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--state-db",
         default="",
-        help="The master's durable state: a SQLite file (default: a new file in a temp dir), "
+        help="The master's durable state: a SQLite file (default: a new file in a temp dir; "
+        "with --job-spec a fresh one in the job's directory, while a given state that holds the job "
+        "resumes it), "
         "redis://host:port[/db][?prefix=JOB] (a Redis server, so a master on another machine "
         "can take over; pip install 'dlrover[redis]'), or 'memory'. Give the same state to "
         "resume after a restart.",
@@ -126,7 +128,9 @@ def run(argv: Sequence[str] | None = None) -> int:
         except (JobSpecError, OSError) as e:
             parser.error(str(e))
         setup_logging("dlrover-master")
-        return serve_job(spec, args.host, args.port, args.advertise_addr, args.token or "")
+        return serve_job(
+            spec, args.host, args.port, args.advertise_addr, args.token or "", state=args.state_db or ""
+        )
     rdzv = None
     try:
         if args.nnodes:

@@ -73,12 +73,19 @@ def serve_job(
     advertise: str = "",
     token: str = "",
     relaunch_delay_s: float = 0.0,
+    state: str = "",
 ) -> int:
-    """Run the master of `spec`, launch its nodes through its engine, return the job's exit code."""
+    """Run the master of `spec`, launch its nodes through its engine, return the job's exit code.
+
+    ``state``: the master's state (a SQLite path or redis://...). When it holds this job already
+    (a master container restarted on its volume), the job resumes: nodes, round, commits, and
+    each slot's node attempt, which the engine adopts where it still runs. Empty: a fresh state
+    in the job's directory (what `dlrover submit` does)."""
     directory = job_dir(spec.name)
     if has_record(spec.name):
         old = read_record(spec.name)
-        if not old.ended and pid_alive(old.pid):
+        # (A restarted container may reuse the old pid: that is us, not another master.)
+        if not old.ended and old.pid != os.getpid() and pid_alive(old.pid):
             print(
                 f"dlrover: error: job {spec.name!r} is already running (pid {old.pid}); "
                 f"`dlrover stop {spec.name}` first, or give the job another name",
@@ -87,8 +94,9 @@ def serve_job(
             return 1
     directory.mkdir(parents=True, exist_ok=True)
     db = directory / "master.db"
-    for stale in (db, db.with_name("master.db-wal"), db.with_name("master.db-shm")):
-        stale.unlink(missing_ok=True)  # a new submission starts from a clean state
+    if not state:
+        for stale in (db, db.with_name("master.db-wal"), db.with_name("master.db-shm")):
+            stale.unlink(missing_ok=True)  # a new submission starts from a clean state
     token = token or os.environ.get(c.ENV_JOB_TOKEN, "") or new_token()
     try:
         master = build_master(
@@ -97,7 +105,7 @@ def serve_job(
                 token=token,
                 host=host,
                 port=port,
-                state=str(db),
+                state=state or str(db),
                 rendezvous=RendezvousConfig(spec.min_nodes, spec.max_nodes),
                 owns_process=True,
             )
@@ -106,6 +114,15 @@ def serve_job(
         print(f"dlrover: error: {e}", file=sys.stderr)
         return 1
     job = master.job
+    if job.ended.is_set():
+        # A master restarted after the job's end (its container's OnFailure restart after a
+        # failed job): the run that ended it reported the outcome; do not loop on it.
+        print(
+            f"job {spec.name} already {job.state.value} ({job.reason}); nothing to serve",
+            file=sys.stderr,
+        )
+        master.stop(0.5)
+        return 0
     master_addr = _advertise(spec, master.port, advertise)
     write_record(
         JobRecord(
@@ -142,7 +159,7 @@ def serve_job(
         write_record(JobRecord(name=spec.name, state="failed", pid=os.getpid()))
         return 1
     controller = NodeController(
-        job, engine, spec, master_addr, token, relaunch_delay_s=relaunch_delay_s
+        job, engine, spec, master_addr, token, relaunch_delay_s=relaunch_delay_s, store=master.store
     )
     progress = threading.Thread(target=_progress_loop, args=(job, stop), daemon=True)
     progress.start()

@@ -10,14 +10,25 @@ from collections.abc import Callable
 
 from dlrover.constants import ENV_NODE_NAME
 from dlrover.decisions import FailureAction
-from dlrover.engines.base import Engine, EngineError, FailureReason, NodeEvent, NodeSpec, NodeState
+from dlrover.engines.base import (
+    Engine,
+    EngineError,
+    FailureReason,
+    NodeEvent,
+    NodeSpec,
+    NodeState,
+    Resources,
+)
 from dlrover.jobspec import JobSpec
 from dlrover.master.job import JobMaster
 from dlrover.master.node_policy import NodeLossObservation, NodeLossReason, decide_node_loss
 from dlrover.master.nodes import ALIVE_STATES
 from dlrover.master.relaunch_policy import OomPolicy, replacement_spec
+from dlrover.master.state_store import MemoryStateStore, StateStore
 
 logger = logging.getLogger(__name__)
+
+_NAMESPACE = "controller"
 
 
 class NodeController:
@@ -25,7 +36,9 @@ class NodeController:
 
     Invariant: every slot (rank) of the job has at most one live node; a replacement gets the
     same rank and the next relaunch count, and all replacements of one batch of events are
-    launched in parallel.
+    launched in parallel. Each slot's current attempt (relaunch count, resources) is saved in
+    ``store``, so a master restarted on its state launches the same attempts again, which an
+    engine that knows them (Kubernetes: the pod exists, 409) adopts instead of duplicating.
     """
 
     def __init__(
@@ -38,8 +51,10 @@ class NodeController:
         oom_policy: OomPolicy | None = None,
         relaunch_delay_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
+        store: StateStore | None = None,
     ) -> None:
         self.job = job
+        self._store = store or MemoryStateStore()
         self.engine = engine
         self.spec = spec
         self._master_addr = master_addr
@@ -64,16 +79,41 @@ class NodeController:
         return dataclasses.replace(spec, env={**spec.env, ENV_NODE_NAME: spec.node_id})
 
     def start(self) -> None:
-        """Launch every node of the job (max nodes) at once."""
-        specs = [self.node_spec(rank) for rank in range(self.spec.max_nodes)]
-        logger.info("launching %d nodes of job %s", len(specs), self.spec.name)
+        """Launch every node of the job (max nodes) at once: each slot's saved attempt if a master
+        before this one launched it, else its first."""
+        specs = [self._slot_spec(rank) for rank in range(self.spec.max_nodes)]
+        resumed = [s.node_id for s in specs if s.relaunch_count > 0]
+        logger.info(
+            "launching %d nodes of job %s%s",
+            len(specs),
+            self.spec.name,
+            f" (resumed attempts: {', '.join(resumed)})" if resumed else "",
+        )
         self.engine.launch_many(specs)
+
+    def _slot_spec(self, rank: int) -> NodeSpec:
+        saved = self._store.get_json(_NAMESPACE, f"slot-{rank}")
+        if saved is None:
+            return self.node_spec(rank)
+        spec = self.node_spec(rank, int(saved["relaunch_count"]))
+        return dataclasses.replace(spec, resources=Resources(**saved["resources"]))
+
+    def _save_slot(self, spec: NodeSpec) -> None:
+        self._store.put_json(
+            _NAMESPACE,
+            f"slot-{spec.rank}",
+            {
+                "relaunch_count": spec.relaunch_count,
+                "resources": dataclasses.asdict(spec.resources),
+            },
+        )
 
     def step(self, timeout_s: float) -> None:
         """Handle the engine events that arrive within `timeout_s`."""
         for event in self.engine.events(timeout_s):
             spec = self._on_event(event)
             if spec is not None:
+                self._save_slot(spec)  # before launching: a restarted master launches it too
                 self._due.append((self._clock() + self._relaunch_delay_s, self._named(spec)))
         now = self._clock()
         replacements = [spec for due, spec in self._due if due <= now]

@@ -15,6 +15,7 @@ _CREATORS = {
     "Secret": "create_namespaced_secret",
     "ConfigMap": "create_namespaced_config_map",
     "Service": "create_namespaced_service",
+    "PersistentVolumeClaim": "create_namespaced_persistent_volume_claim",
     "Pod": "create_namespaced_pod",
 }
 

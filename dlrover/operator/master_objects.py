@@ -25,6 +25,8 @@ VERSION = "v1alpha1"
 KIND = "ElasticJob"
 PLURAL = "elasticjobs"
 SPEC_MOUNT_DIR = "/etc/dlrover"
+STATE_MOUNT_DIR = "/var/lib/dlrover"
+"""Where the master pod mounts its state claim (the SQLite state survives the container)."""
 SPEC_FILE = "job.yaml"
 # Keys of an ElasticJob's spec that configure Kubernetes rather than the job itself.
 _KUBE_KEYS = ("image", "masterImage", "serviceAccount", "masterPort")
@@ -114,9 +116,28 @@ def master_objects(body: dict[str, Any], token: str | None = None) -> list[dict[
         },
         "data": {SPEC_FILE: job_yaml},
     }
+    state_claim: dict[str, Any] = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {
+            "name": f"{job.name}-master-state",
+            "namespace": namespace,
+            "labels": labels,
+            "ownerReferences": [owner.manifest()],
+        },
+        "spec": {
+            "accessModes": ["ReadWriteOnce"],
+            "resources": {"requests": {"storage": str(kube.get("masterStateSize") or "1Gi")}},
+        },
+    }
+    if kube.get("masterStorageClass"):
+        state_claim["spec"]["storageClassName"] = str(kube["masterStorageClass"])
     command = [
         "dlrover-master",
         f"--job-spec={SPEC_MOUNT_DIR}/{SPEC_FILE}",
+        # On the claim: a master container restarted (crash, OOM, eviction of the process)
+        # resumes the job from it; the pod's restartPolicy is OnFailure.
+        f"--state-db={STATE_MOUNT_DIR}/master.db",
         f"--port={port}",
         f"--advertise-address={master_address(job.name, namespace, port)}",
     ]
@@ -139,8 +160,12 @@ def master_objects(body: dict[str, Any], token: str | None = None) -> list[dict[
         }
     )
     container["volumeMounts"] = [
-        {"name": "job-spec", "mountPath": SPEC_MOUNT_DIR, "readOnly": True}
+        {"name": "job-spec", "mountPath": SPEC_MOUNT_DIR, "readOnly": True},
+        {"name": "master-state", "mountPath": STATE_MOUNT_DIR},
     ]
-    pod["spec"]["volumes"] = [{"name": "job-spec", "configMap": {"name": config_name}}]
+    pod["spec"]["volumes"] = [
+        {"name": "job-spec", "configMap": {"name": config_name}},
+        {"name": "master-state", "persistentVolumeClaim": {"claimName": f"{job.name}-master-state"}},
+    ]
     service = master_service_manifest(job.name, namespace, port, owner)
-    return [secret, config, service, pod]
+    return [secret, config, state_claim, service, pod]

@@ -296,3 +296,68 @@ def test_pod_status_mapping(status: dict[str, Any], expected: tuple[Any, ...]) -
     assert outcome is not None
     assert (outcome.state, outcome.reason, outcome.exit_code, outcome.signal) == expected
     assert pod_outcome({"status": {"phase": "Unknown"}}) is None
+
+
+def test_a_master_restarted_on_its_state_adopts_every_pod_of_the_job(api: Any, tmp_path) -> None:
+    """The master pod's container dies and the kubelet restarts it on its state volume: the new
+    master launches each slot's current attempt again (its saved relaunch count and grown
+    memory), which the API answers with 409, so the job keeps exactly the pods it had."""
+    from kubernetes import client
+
+    from dlrover.engines.kubernetes_engine import KubernetesEngine
+    from dlrover.jobspec import job_spec_from_dict
+    from dlrover.master.job import JobMaster, JobMasterConfig
+    from dlrover.master.node_controller import NodeController
+    from dlrover.master.rendezvous import RendezvousConfig
+    from dlrover.master.state_store import SqliteStateStore
+
+    spec = job_spec_from_dict(
+        {
+            "name": "kjob",
+            "entrypoint": "train.py",
+            "nodes": 2,
+            "resources": {"memory": "1Gi"},
+            "max_relaunches": 3,
+            "engine": "kubernetes",
+            "engine_settings": {"image": "dlrover:test", "namespace": NS},
+        }
+    )
+
+    def master(db: str) -> tuple[NodeController, Any, SqliteStateStore]:
+        config = client.Configuration()
+        config.host = api.host
+        kube = KubernetesEngine(
+            client.ApiClient(config),
+            "kjob",
+            PodSettings(image="dlrover:test", namespace=NS),
+            watch_timeout_s=30,
+            reconnect_delay_s=0.05,
+        )
+        store = SqliteStateStore(db)
+        job = JobMaster(JobMasterConfig("kjob", RendezvousConfig(2, 2)), store)
+        return NodeController(job, kube, spec, "kjob-master:1", "tok", store=store), kube, store
+
+    db = str(tmp_path / "master.db")
+    controller, kube, store = master(db)
+    controller.start()
+    api.set_pod_status(NS, "kjob-worker-1-0", OOM)
+    deadline = time.monotonic() + 10
+    while "kjob-worker-1-1" not in {p["metadata"]["name"] for p in api.pods(NS)}:
+        assert time.monotonic() < deadline, "the OOM-killed node was not replaced"
+        controller.step(0.2)
+    grown = api.pod(NS, "kjob-worker-1-1")["spec"]["containers"][0]["resources"]["limits"]
+    kube.close(delete_nodes=False)  # SIGKILL of the master: its pods live on
+    store.close()
+    api.remove_pod(NS, "kjob-worker-1-0")  # the failed pod is cleaned up meanwhile
+    before = sorted(p["metadata"]["name"] for p in api.pods(NS))
+    assert before == ["kjob-worker-0-0", "kjob-worker-1-1"]
+
+    controller, kube, store = master(db)
+    try:
+        controller.start()
+        assert sorted(p["metadata"]["name"] for p in api.pods(NS)) == before  # nothing new
+        pod = api.pod(NS, "kjob-worker-1-1")
+        assert pod["spec"]["containers"][0]["resources"]["limits"] == grown
+    finally:
+        kube.close(delete_nodes=False)
+        store.close()

@@ -64,8 +64,8 @@ def test_master_job_config_is_a_valid_job_spec() -> None:
 
 
 def test_operator_builds_an_owned_master_with_the_token_in_a_secret() -> None:
-    secret, config, service, pod = master_objects(_example(), token="t0k")
-    for obj in (secret, config, service, pod):
+    secret, config, claim, service, pod = master_objects(_example(), token="t0k")
+    for obj in (secret, config, claim, service, pod):
         (owner,) = obj["metadata"]["ownerReferences"]
         assert (owner["kind"], owner["name"], owner["uid"]) == ("ElasticJob", "mnist", "uid-42")
         assert obj["metadata"]["namespace"] == "default"
@@ -79,6 +79,15 @@ def test_operator_builds_an_owned_master_with_the_token_in_a_secret() -> None:
     assert container["command"][0] == "dlrover-master"
     assert pod["spec"]["serviceAccountName"] == "dlrover-master"
     assert service["spec"]["selector"] == pod["metadata"]["labels"]
+    # Its state lives on the claim: a restarted master container resumes the job from it.
+    assert claim["kind"] == "PersistentVolumeClaim" and claim["metadata"]["name"] == "mnist-master-state"
+    assert claim["spec"]["resources"]["requests"]["storage"] == "1Gi"
+    assert pod["spec"]["restartPolicy"] == "OnFailure"
+    (state_arg,) = [a for a in container["command"] if a.startswith("--state-db=")]
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "master-state")
+    assert state_arg == f"--state-db={mount['mountPath']}/master.db"
+    volume = next(v for v in pod["spec"]["volumes"] if v["name"] == "master-state")
+    assert volume["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
     # The spec the master reads back is the spec the ElasticJob describes.
     assert job_spec_from_dict(yaml.safe_load(config["data"]["job.yaml"])) == job_spec_of(_example())
 

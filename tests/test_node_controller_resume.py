@@ -1,0 +1,70 @@
+"""A master restarted on its state (a master pod's container restarted on its volume) launches
+each slot's current node attempt again, so the engine adopts the running nodes instead of the
+job getting a second copy of a slot or losing a replacement's larger memory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dlrover.engines.base import FailureReason
+from dlrover.jobspec import job_spec_from_dict
+from dlrover.master.job import JobMaster, JobMasterConfig
+from dlrover.master.node_controller import NodeController
+from dlrover.master.rendezvous import RendezvousConfig
+from dlrover.master.state_store import SqliteStateStore
+from dlrover.testing.fake_engine import FakeEngine
+
+
+def _controller(store: SqliteStateStore, engine: FakeEngine) -> NodeController:
+    spec = job_spec_from_dict(
+        {
+            "name": "resume",
+            "entrypoint": "train.py",
+            "nodes": 2,
+            "resources": {"memory": "1Gi"},
+            "max_relaunches": 3,
+        }
+    )
+    job = JobMaster(JobMasterConfig("resume", RendezvousConfig(2, 2)), store)
+    return NodeController(job, engine, spec, "127.0.0.1:1", "t", store=store)
+
+
+def test_a_restarted_master_relaunches_the_same_attempt_of_every_slot(tmp_path: Path):
+    store = SqliteStateStore(str(tmp_path / "state.db"))
+    first = FakeEngine()
+    controller = _controller(store, first)
+    controller.start()
+    assert [s.node_id for s in first.launched] == ["resume-worker-0-0", "resume-worker-1-0"]
+    first.fail("resume-worker-1-0", FailureReason.OOM_KILLED)
+    controller.step(5.0)
+    replacement = first.launched[-1]
+    assert replacement.node_id == "resume-worker-1-1"
+    assert replacement.resources.memory_mib > 1024  # an OOM kill grows the next attempt
+
+    # The master dies (its nodes keep running) and comes back on the same state.
+    store.close()
+    store = SqliteStateStore(str(tmp_path / "state.db"))
+    again = FakeEngine()
+    _controller(store, again).start()
+    assert [s.node_id for s in again.launched] == ["resume-worker-0-0", "resume-worker-1-1"]
+    assert again.launched[1].resources == replacement.resources
+
+
+def test_a_master_restarted_after_the_jobs_end_exits_0_without_launching(
+    tmp_path: Path, monkeypatch, capsys
+):
+    """The master pod restarts its container on failure (OnFailure): after a failed job the
+    restarted master finds the end in its state and exits 0 instead of looping."""
+    from dlrover.cli.serve_job import serve_job
+    from dlrover.master.assembly import claim_state
+
+    monkeypatch.setenv("DLROVER_HOME", str(tmp_path / "home"))
+    db = str(tmp_path / "state.db")
+    store = SqliteStateStore(db)
+    claim_state(store, "ended", "tok")
+    JobMaster(JobMasterConfig("ended", RendezvousConfig(1, 1)), store).stop("a node failed")
+    store.close()
+    spec = job_spec_from_dict({"name": "ended", "entrypoint": "train.py", "nodes": 1})
+    assert serve_job(spec, "127.0.0.1", 0, token="tok", state=db) == 0
+    assert "already failed (a node failed); nothing to serve" in capsys.readouterr().err
+    assert not (tmp_path / "home" / "jobs" / "ended" / "nodes").exists()  # nothing launched
