@@ -117,6 +117,7 @@ class Agent:
         self.i, self.stub, self.md, self.stats, self.poll = i, stub, md, stats, poll
         self.node_id, self.incarnation, self.round = "", 0, 0
         self.interval = 2.0
+        self.phased_for = 0.0
         self.stop = asyncio.Event()
 
     async def _call(self, method, request, timeout: float = 60.0):
@@ -139,9 +140,18 @@ class Agent:
         if not self.poll:
             self.interval = max(2.0, r.heartbeat_interval_s)
 
+    def next_wait(self) -> float:
+        """As the agent's Heartbeat.next_wait_s: a new interval starts at a random phase, later
+        waits vary by 10% (the poll protocol before it beat every 2 s, started together)."""
+        if self.poll:
+            return self.interval
+        if self.interval != self.phased_for:
+            self.phased_for = self.interval
+            return random.uniform(0.0, self.interval)
+        return self.interval * random.uniform(0.9, 1.1)
+
     async def heartbeats(self) -> None:
-        # Real agents start at different moments: spread the first beat over one interval.
-        await asyncio.sleep(random.uniform(0, self.interval))
+        await asyncio.sleep(random.uniform(0, self.interval) if self.poll else self.next_wait())
         while not self.stop.is_set():
             try:
                 r = await self._call(
@@ -153,7 +163,7 @@ class Agent:
             except grpc.aio.AioRpcError:
                 self.stats.errors += 1
             try:
-                await asyncio.wait_for(self.stop.wait(), self.interval)
+                await asyncio.wait_for(self.stop.wait(), self.next_wait())
             except asyncio.TimeoutError:
                 pass
 

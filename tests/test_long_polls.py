@@ -227,3 +227,20 @@ def test_the_agents_membership_watch_flags_only_the_round_it_watched():
         assert stop.wait(5)  # the watch hears the end at once and tells the agent to stop
     finally:
         watch.close()
+
+
+def test_agents_started_together_do_not_beat_together():
+    """Each agent starts every new interval at a random phase and varies later waits by 10%:
+    a thousand agents started in the same second spread their beats over the interval."""
+    from dlrover.agent.heartbeat import Heartbeat
+
+    beats = [Heartbeat(None, 2.0, lambda: None) for _ in range(1000)]  # type: ignore[arg-type]
+    first = [b.next_wait_s() for b in beats]
+    assert all(0.0 <= w <= 2.0 for w in first)
+    # Spread over the whole interval: every fifth of it holds some of the first beats.
+    assert {int(w / 0.4) for w in first} >= {0, 1, 2, 3, 4}
+    assert all(1.8 <= b.next_wait_s() <= 2.2 for b in beats)  # then about one interval
+    for b in beats:
+        b.stretch(20.0)  # a big job: the master asks for 20 s
+    stretched = [b.next_wait_s() for b in beats]
+    assert all(0.0 <= w <= 20.0 for w in stretched) and max(stretched) - min(stretched) > 15

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import random
 import threading
 from collections.abc import Callable
 
@@ -46,6 +47,7 @@ class Heartbeat:
         self._master = master
         self._interval_s = interval_s
         self._master_interval_s = 0.0
+        self._phased_for = 0.0
         self._snapshot = snapshot
         self._stop = threading.Event()
         self.stop_requested = threading.Event()
@@ -93,6 +95,17 @@ class Heartbeat:
         elif reply.action is HeartbeatAction.REREGISTER:
             self.reregister_requested.set()
 
+    def next_wait_s(self) -> float:
+        """The wait before the next beat. A new interval (the first, or one the master stretched)
+        starts at a random phase within it, and later waits vary by 10%: nodes started together
+        must not beat together (10,000 beats in one second every 20 s), and that holds only if
+        no two agents keep the same phase."""
+        interval = self.interval_s
+        if interval != self._phased_for:
+            self._phased_for = interval
+            return random.uniform(0.0, interval)
+        return interval * random.uniform(0.9, 1.1)
+
     def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        while not self._stop.wait(self.next_wait_s()):
             self.beat()
