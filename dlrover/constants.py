@@ -50,6 +50,9 @@ DEFAULT_HANG_TIMEOUT_S = 0.0
 DEFAULT_HANG_WARNING_TIMEOUT_S = 600.0
 """No progress for this long: the agent logs the stuck ranks with their stacks (no restart)."""
 ENV_NODE_NAME = "DLROVER_NODE_NAME"
+ENV_NODE_EXIT_FILE = "DLROVER_NODE_EXIT_FILE"
+"""Where dlrover-run writes its exit code as it ends (set by the local engine, which may have to
+learn a node's end without being its parent: a restarted master adopting running nodes)."""
 """Set by an engine for the agent it launches: the node id the agent registers under."""
 ENV_STACK_FILE = "DLROVER_STACK_FILE"
 """Set by the agent: where a worker writes its Python stacks when asked (SIGUSR1)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -11,7 +12,7 @@ from collections.abc import Sequence
 from dlrover.api.master import JobStatus
 from dlrover.cli.common import setup_logging
 from dlrover.cli.job_records import NoSuchJobError, pid_alive, read_record
-from dlrover.cli.serve_job import serve_job
+from dlrover.cli.serve_job import ENV_SUPERVISED, serve_job, supervise_job
 from dlrover.client.master_client import MasterClient, MasterClientError
 from dlrover.jobspec import JobSpecError, job_spec_from_flags, load_job_spec
 
@@ -156,8 +157,16 @@ def run(argv: Sequence[str] | None = None) -> int:
     except (JobSpecError, OSError) as e:
         parser.error(str(e))
     setup_logging("dlrover")
+    supervised = os.environ.pop(ENV_SUPERVISED, "")
+    if not supervised:
+        return supervise_job(spec, list(sys.argv[1:] if argv is None else argv), port=args.port)
+    port, state = supervised.split(":", 1)
     return serve_job(
-        spec, port=args.port, advertise=args.advertise_address, relaunch_delay_s=args.relaunch_delay
+        spec,
+        port=int(port),
+        advertise=args.advertise_address,
+        relaunch_delay_s=args.relaunch_delay,
+        state=state,
     )
 
 

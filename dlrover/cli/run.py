@@ -405,8 +405,17 @@ def run(argv: Sequence[str] | None = None) -> int:
 
 
 def main() -> None:
-    """Console entry point of ``dlrover-run``: exits with ``run()``'s code."""
-    sys.exit(run())
+    """Console entry point of ``dlrover-run``: exits with ``run()``'s code (also written to
+    $DLROVER_NODE_EXIT_FILE when the engine asks for it)."""
+    code = run()
+    exit_file = os.environ.get(c.ENV_NODE_EXIT_FILE, "")
+    if exit_file:
+        try:
+            with open(exit_file, "w") as f:
+                f.write(str(code))
+        except OSError as e:
+            print(f"dlrover-run: cannot write the exit code to {exit_file}: {e}", file=sys.stderr)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,10 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 from dlrover import constants as c
@@ -66,6 +68,87 @@ def _advertise(spec: JobSpec, port: int, explicit: str) -> str:
         return f"{socket.getfqdn()}:{port}"
 
 
+ENV_SUPERVISED = "_DLROVER_SUPERVISED_MASTER"
+"""Set by `supervise_job` for its child: ``<port>:<state path>`` (the child serves the job on
+them; a restarted child resumes from the state)."""
+
+MAX_MASTER_RESTARTS = 3
+"""How many times `dlrover submit` starts its job's master again after it was killed."""
+
+
+def _already_running(name: str) -> bool:
+    if not has_record(name):
+        return False
+    old = read_record(name)
+    # (A restarted container may reuse the old pid: that is us, not another master.)
+    if not old.ended and old.pid != os.getpid() and pid_alive(old.pid):
+        print(
+            f"dlrover: error: job {name!r} is already running (pid {old.pid}); "
+            f"`dlrover stop {name}` first, or give the job another name",
+            file=sys.stderr,
+        )
+        return True
+    return False
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host if host != "0.0.0.0" else "", 0))
+        return int(s.getsockname()[1])
+
+
+def supervise_job(spec: JobSpec, argv: Sequence[str], host: str = "0.0.0.0", port: int = 0) -> int:
+    """`dlrover submit`: serve the job from a child process (``argv`` again, with
+    ENV_SUPERVISED set), and start the child again, on the same port, token and state, when it
+    is killed (SIGKILL, OOM): the job's nodes keep running, the new master resumes the job and
+    adopts them. A child that exits (the job ended, or an error) ends the submission with its
+    code; SIGTERM/SIGINT are passed on to it (it stops the job)."""
+    if _already_running(spec.name):
+        return 1
+    directory = job_dir(spec.name)
+    directory.mkdir(parents=True, exist_ok=True)
+    db = directory / "master.db"
+    for stale in (db, db.with_name("master.db-wal"), db.with_name("master.db-shm")):
+        stale.unlink(missing_ok=True)  # a new submission starts from a clean state
+    env = {
+        **os.environ,
+        ENV_SUPERVISED: f"{port or _free_port(host)}:{db}",
+        c.ENV_JOB_TOKEN: os.environ.get(c.ENV_JOB_TOKEN, "") or new_token(),
+    }
+    stopping = threading.Event()
+    child: subprocess.Popen[bytes] | None = None
+
+    def forward(signum: int, frame: object) -> None:
+        stopping.set()
+        if child is not None and child.poll() is None:
+            child.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    restarts = 0
+    while True:
+        child = subprocess.Popen([sys.executable, "-m", "dlrover.cli.job", *argv], env=env)
+        code = child.wait()  # the job's whole life: the master itself bounds it
+        if code >= 0 or stopping.is_set():
+            return code if code >= 0 else 1
+        how = signal.Signals(-code).name
+        if restarts >= MAX_MASTER_RESTARTS:
+            print(
+                f"dlrover: error: the master of job {spec.name} was killed by {how} "
+                f"{restarts + 1} times; giving up (its nodes are stopped by `dlrover stop "
+                f"{spec.name}`)",
+                file=sys.stderr,
+            )
+            return 1
+        restarts += 1
+        print(
+            f"dlrover: the master of job {spec.name} (pid {child.pid}) was killed by {how}; "
+            f"starting it again on its state ({restarts}/{MAX_MASTER_RESTARTS})",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 def serve_job(
     spec: JobSpec,
     host: str = "0.0.0.0",
@@ -82,16 +165,8 @@ def serve_job(
     each slot's node attempt, which the engine adopts where it still runs. Empty: a fresh state
     in the job's directory (what `dlrover submit` does)."""
     directory = job_dir(spec.name)
-    if has_record(spec.name):
-        old = read_record(spec.name)
-        # (A restarted container may reuse the old pid: that is us, not another master.)
-        if not old.ended and old.pid != os.getpid() and pid_alive(old.pid):
-            print(
-                f"dlrover: error: job {spec.name!r} is already running (pid {old.pid}); "
-                f"`dlrover stop {spec.name}` first, or give the job another name",
-                file=sys.stderr,
-            )
-            return 1
+    if _already_running(spec.name):
+        return 1
     directory.mkdir(parents=True, exist_ok=True)
     db = directory / "master.db"
     if not state:

@@ -12,7 +12,9 @@ import threading
 import time
 from pathlib import Path
 
-from dlrover.constants import DEFAULT_STOP_GRACE_S
+import psutil
+
+from dlrover.constants import DEFAULT_STOP_GRACE_S, ENV_NODE_EXIT_FILE
 from dlrover.engines.base import (
     Engine,
     EngineError,
@@ -35,9 +37,18 @@ _KILL_WAIT_S = 5.0
 @dataclasses.dataclass
 class _Process:
     node: Node
-    popen: subprocess.Popen[bytes]
+    pid: int
+    popen: subprocess.Popen[bytes] | None
+    """None for a node adopted from an earlier engine (not our child: watched through psutil)."""
     deleting: bool = False
     finished: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+
+def _create_time(pid: int) -> float | None:
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
 
 
 def stop_process_group(pgid: int, grace_s: float, leader: subprocess.Popen[bytes] | None) -> None:
@@ -80,6 +91,12 @@ class LocalEngine(Engine):
     reported (exit code 0 -> SUCCEEDED, else FAILED with EXIT_CODE or SIGNAL), and whatever it
     left running in its group is killed. stdout/stderr go to `<log_dir>/<node_id>/`.
     Resources are not enforced here; they are the job's business on a single machine.
+
+    Nodes outlive the engine's process (their own sessions): each node's pid and start time are
+    kept in `<log_dir>/<node_id>/pid`, so an engine of a restarted master that launches the same
+    node id adopts the running process instead of starting a second one. An adopted node is not
+    our child: its end is seen through psutil and its exit code read from the file dlrover-run
+    writes as it ends ($DLROVER_NODE_EXIT_FILE); without one it is reported lost.
     """
 
     def __init__(
@@ -105,7 +122,11 @@ class LocalEngine(Engine):
                 return dataclasses.replace(existing.node)
             node_dir = self._log_dir / spec.node_id
             node_dir.mkdir(parents=True, exist_ok=True)
-            env = {**os.environ, **spec.env}
+            adopted = self._adopt(spec, node_dir)
+            if adopted is not None:
+                return adopted
+            (node_dir / "exit_code").unlink(missing_ok=True)
+            env = {**os.environ, **spec.env, ENV_NODE_EXIT_FILE: str(node_dir / "exit_code")}
             try:
                 with open(node_dir / "stdout", "ab") as out, open(node_dir / "stderr", "ab") as err:
                     popen = subprocess.Popen(
@@ -121,8 +142,10 @@ class LocalEngine(Engine):
                     f"{spec.node_id}: cannot start {spec.command[0]!r}: {error}"
                 ) from error
             node = Node(spec=spec, state=NodeState.RUNNING, host=self._host)
-            process = _Process(node=node, popen=popen)
+            process = _Process(node=node, pid=popen.pid, popen=popen)
             self._processes[spec.node_id] = process
+            started = _create_time(popen.pid)
+            (node_dir / "pid").write_text(f"{popen.pid} {started}\n")
         log.info("node %s: started pid %d: %s", spec.node_id, popen.pid, " ".join(spec.command))
         self._queue.put(
             NodeEvent(
@@ -134,17 +157,68 @@ class LocalEngine(Engine):
         ).start()
         return dataclasses.replace(node)
 
+    def _adopt(self, spec: NodeSpec, node_dir: Path) -> Node | None:
+        """The node of ``spec`` if an earlier engine started it and it still runs (same pid and
+        start time), now watched by this engine; else None. Called under the lock."""
+        try:
+            pid_text, started_text = (node_dir / "pid").read_text().split()
+            pid, started = int(pid_text), float(started_text)
+        except (OSError, ValueError):
+            return None
+        if _create_time(pid) != started:
+            return None  # gone, or the pid now names another process
+        node = Node(spec=spec, state=NodeState.RUNNING, host=self._host)
+        process = _Process(node=node, pid=pid, popen=None)
+        self._processes[spec.node_id] = process
+        log.info("node %s: adopted the running pid %d (started by an earlier master)", spec.node_id, pid)
+        threading.Thread(
+            target=self._watch, args=(process,), name=f"watch-{spec.node_id}", daemon=True
+        ).start()
+        return dataclasses.replace(node)
+
+    def _wait_exit(self, process: _Process) -> int | None:
+        """Block until the node's leader exits; its exit code (None if it cannot be known)."""
+        if process.popen is not None:
+            return process.popen.wait()
+        try:
+            leader = psutil.Process(process.pid)
+            while True:
+                try:
+                    leader.wait(timeout=0.5)
+                    break
+                except psutil.TimeoutExpired:
+                    # Not our child: once it exits it stays a zombie until its new parent
+                    # reaps it, which need not be soon.
+                    if leader.status() == psutil.STATUS_ZOMBIE:
+                        break
+        except psutil.Error:
+            pass  # gone
+        exit_file = self._log_dir / process.node.spec.node_id / "exit_code"
+        try:
+            return int(exit_file.read_text().strip())
+        except (OSError, ValueError):
+            return None
+
     def _watch(self, process: _Process) -> None:
         # The wait ends when the process exits; delete/close bound that by SIGKILL.
-        returncode = process.popen.wait()
+        returncode = self._wait_exit(process)
         # Reap what the leader left behind in its group before reporting the node as ended.
-        stop_process_group(process.popen.pid, self._stop_grace_s, None)
+        stop_process_group(process.pid, self._stop_grace_s, None)
         spec = process.node.spec
         with self._lock:
             deleting = process.deleting
         if deleting:
             event = NodeEvent(
                 spec.node_id, spec, NodeState.DELETED, host=self._host, message="deleted on request"
+            )
+        elif returncode is None:
+            event = NodeEvent(
+                spec.node_id,
+                spec,
+                NodeState.FAILED,
+                FailureReason.NODE_LOST,
+                host=self._host,
+                message="an adopted node ended without an exit record",
             )
         elif returncode == 0:
             event = NodeEvent(spec.node_id, spec, NodeState.SUCCEEDED, exit_code=0, host=self._host)
@@ -181,7 +255,7 @@ class LocalEngine(Engine):
             process = self._processes.get(node_id)
         if process is None:
             raise NodeNotFoundError(node_id)
-        return process.popen.pid
+        return process.pid
 
     def delete(self, node_id: str) -> None:
         """SIGTERM the node's process group, SIGKILL it after ``stop_grace_s``, and return once its
@@ -194,11 +268,11 @@ class LocalEngine(Engine):
             if process.node.state.is_final:
                 return
             process.deleting = True
-        stop_process_group(process.popen.pid, self._stop_grace_s, process.popen)
+        stop_process_group(process.pid, self._stop_grace_s, process.popen)
         # Wait for the watcher so the DELETED event is queued when delete returns.
         if not process.finished.wait(timeout=self._stop_grace_s + 5):
             raise EngineError(
-                f"node {node_id}: process {process.popen.pid} did not end after SIGKILL"
+                f"node {node_id}: process {process.pid} did not end after SIGKILL"
             )
 
     def list_nodes(self) -> list[Node]:
@@ -224,7 +298,7 @@ class LocalEngine(Engine):
         # Signal every group first, then wait once: closing N nodes costs one grace, not N.
         for process in running:
             try:
-                os.killpg(process.popen.pid, signal.SIGTERM)
+                os.killpg(process.pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + self._stop_grace_s
@@ -232,5 +306,5 @@ class LocalEngine(Engine):
             process.finished.wait(timeout=max(0.0, deadline - time.monotonic()))
         for process in running:
             if not process.finished.is_set():
-                stop_process_group(process.popen.pid, 0.0, process.popen)
+                stop_process_group(process.pid, 0.0, process.popen)
                 process.finished.wait(timeout=5)

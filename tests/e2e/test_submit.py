@@ -91,3 +91,57 @@ def test_bad_job_specs_get_one_clear_error(tmp_path: Path):
     assert r.returncode == 2 and "slurm" in r.stderr
     r = dlrover(tmp_path / "home", "status", "nope")
     assert r.returncode != 0 and "no job named 'nope'" in r.stderr
+
+
+def test_a_killed_master_is_restarted_by_submit_and_the_job_goes_on(tmp_path: Path):
+    """SIGKILL of the job's master mid-training: `dlrover submit` starts it again on the same
+    port, token and state; it adopts the running nodes (no second copy, no worker restart) and
+    the job ends normally with the model of a failure-free run."""
+    from tests.e2e.test_fault_tolerance import final, steps_log, submit
+
+    steps = 30
+    reference, ref_out = submit(tmp_path, "ref", "2", steps, step_time=0.1)
+    assert reference.returncode == 0
+
+    home = tmp_path / "home"
+    out, ckpt = tmp_path / "killed", tmp_path / "killed-ckpt"
+    ckpt.mkdir()
+    log = open(tmp_path / "submit.log", "w")  # noqa: SIM115 - a pipe nobody reads would block it
+    job = subprocess.Popen(
+        [
+            sys.executable, "-m", "dlrover.cli.job", "submit", "--name", "killed", "--nnodes",
+            "2", "--nproc-per-node", "2", str(SCRIPTS / "oracle_train.py"), "--steps", str(steps),
+            "--ckpt", str(ckpt), "--out", str(out), "--step-time", "0.1",
+        ],
+        env=clean_env(DLROVER_HOME=str(home)),
+        cwd=REPO,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        steps_file = Path(f"{out}.steps")
+        deadline = time.monotonic() + 120
+        while not steps_file.exists() or len(steps_file.read_text().splitlines()) < 5:
+            assert job.poll() is None, (tmp_path / "submit.log").read_text()
+            assert time.monotonic() < deadline, "no step 5 within 120 s"
+            time.sleep(0.05)  # another process writes the file: nothing else to wait on
+        master_pid = json.loads((home / "jobs" / "killed" / "job.json").read_text())["pid"]
+        assert master_pid != job.pid  # the master is submit's child
+        import os
+        import signal
+
+        os.kill(master_pid, signal.SIGKILL)
+        assert job.wait(180) == 0, (tmp_path / "submit.log").read_text()
+    finally:
+        if job.poll() is None:
+            job.kill()
+        log.close()
+    text = (tmp_path / "submit.log").read_text()
+    assert "was killed by SIGKILL; starting it again on its state (1/3)" in text
+    assert "adopted the running pid" in text
+    assert final(out) == final(ref_out)
+    assert [s for s, _, _ in steps_log(out)] == list(range(1, steps + 1))  # none twice, none lost
+    nodes = sorted((home / "jobs" / "killed" / "nodes").iterdir())
+    assert len(nodes) == 2  # the same two nodes: none relaunched
+    for node in nodes:  # workers started once: the master's death did not restart them
+        assert (node / "stderr").read_text().count("started 2 workers") == 1

@@ -201,3 +201,52 @@ def test_command_not_found_is_a_launch_error(tmp_path: Path) -> None:
 
     with LocalEngine(tmp_path / "logs") as engine, pytest.raises(LaunchError, match="no-such"):
         engine.launch(_spec(0, ["/no-such-dir/no-such-binary"]))
+
+
+ADOPTABLE = """
+import os, sys, time
+workdir = sys.argv[1]
+open(os.path.join(workdir, "started"), "a").write("x")
+deadline = time.monotonic() + 30
+while not os.path.exists(os.path.join(workdir, "go")):
+    assert time.monotonic() < deadline
+    time.sleep(0.01)
+with open(os.environ["DLROVER_NODE_EXIT_FILE"], "w") as f:  # what dlrover-run does at its end
+    f.write("3")
+sys.exit(3)
+"""
+
+
+def test_a_new_engine_adopts_a_node_that_outlived_the_old_one(tmp_path: Path) -> None:
+    """The master that launched a node dies; the engine of its successor launches the same node
+    id: it adopts the running process (no second start) and reports its real exit code."""
+    spec = _spec(0, [sys.executable, "-c", ADOPTABLE, str(tmp_path)])
+    first = LocalEngine(tmp_path / "logs")
+    pid = first.launch(spec) and first.pid(spec.node_id)
+    _wait_for_file(tmp_path / "started")
+    first.close(delete_nodes=False)  # as if its master were SIGKILLed: the node lives on
+
+    second = LocalEngine(tmp_path / "logs")
+    try:
+        node = second.launch(spec)
+        assert node.state is NodeState.RUNNING and second.pid(spec.node_id) == pid
+        assert (tmp_path / "started").read_text() == "x"  # started once
+        (tmp_path / "go").touch()
+        ended = wait_for_event(second, _final, 30)
+        assert (ended.state, ended.reason, ended.exit_code) == (
+            NodeState.FAILED,
+            FailureReason.EXIT_CODE,
+            3,
+        )
+        # Its pid file now names a dead process: a later launch starts the node afresh.
+        third = LocalEngine(tmp_path / "logs")
+        try:
+            assert third.launch(spec) and third.pid(spec.node_id) != pid
+            deadline = time.monotonic() + 15
+            while (tmp_path / "started").read_text() != "xx":  # the fresh process starts once
+                assert time.monotonic() < deadline, (tmp_path / "started").read_text()
+                time.sleep(0.01)
+        finally:
+            third.close()
+    finally:
+        second.close()
