@@ -23,6 +23,9 @@ from dlrover.master.state_store import StateStoreError
 
 logger = logging.getLogger("dlrover.master")
 
+EXIT_FENCED = 3
+"""dlrover-master's exit code when another master took over its job's state."""
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``dlrover-master`` command line."""
@@ -116,7 +119,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     """Run ``dlrover-master``. With --job-spec, serve a whole job through its engine; otherwise
     start a master, print DLROVER_MASTER_ADDR and DLROVER_JOB_TOKEN, and serve until the job ends, a
     SIGTERM or SIGINT stops it, or no node registers within --idle-timeout. Returns 0 if the job
-    succeeded, else its exit code (at least 1)."""
+    succeeded, else its exit code (at least 1); 3 if another master took over its state."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.job_spec:
@@ -184,6 +187,15 @@ def run(argv: Sequence[str] | None = None) -> int:
 
     start = time.monotonic()
     while not job.ended.wait(0.5):
+        if master.server.fenced.is_set():
+            newer = master.server.fenced_by
+            print(
+                f"dlrover-master: another master ({newer.describe() if newer else '?'}) took over "
+                f"job {job_name}; this one stopped without touching the job",
+                file=sys.stderr,
+            )
+            master.store.close()
+            return EXIT_FENCED
         if len(job.nodes) == 0 and time.monotonic() - start > args.idle_timeout:
             job.stop(f"no node registered within {args.idle_timeout:.0f}s")
     # Let agents still in their exit barrier read the final state before the server goes away.

@@ -72,6 +72,9 @@ ENV_SUPERVISED = "_DLROVER_SUPERVISED_MASTER"
 """Set by `supervise_job` for its child: ``<port>:<state path>`` (the child serves the job on
 them; a restarted child resumes from the state)."""
 
+EXIT_FENCED = 3
+"""Exit code of a master that another master took its job's state from."""
+
 MAX_MASTER_RESTARTS = 3
 """How many times `dlrover submit` starts its job's master again after it was killed."""
 
@@ -173,6 +176,7 @@ def serve_job(
         for stale in (db, db.with_name("master.db-wal"), db.with_name("master.db-shm")):
             stale.unlink(missing_ok=True)  # a new submission starts from a clean state
     token = token or os.environ.get(c.ENV_JOB_TOKEN, "") or new_token()
+    stop = threading.Event()
     try:
         master = build_master(
             MasterSettings(
@@ -183,7 +187,8 @@ def serve_job(
                 state=state or str(db),
                 rendezvous=RendezvousConfig(spec.min_nodes, spec.max_nodes),
                 owns_process=True,
-            )
+            ),
+            on_fenced=lambda newer: stop.set(),
         )
     except (MasterServerError, StateStoreError) as e:
         print(f"dlrover: error: {e}", file=sys.stderr)
@@ -217,8 +222,6 @@ def serve_job(
         flush=True,
     )
 
-    stop = threading.Event()
-
     def on_signal(signum: int, frame: object) -> None:
         job.stop(f"dlrover submit received {signal.Signals(signum).name}")
         stop.set()
@@ -238,21 +241,33 @@ def serve_job(
     )
     progress = threading.Thread(target=_progress_loop, args=(job, stop), daemon=True)
     progress.start()
+    fenced = master.server.fenced
     try:
         controller.start()
-        controller.run(stop)
+        controller.run(stop, delete_nodes=lambda: not fenced.is_set())
     finally:
         stop.set()
-        master.stop(grace_s=1.0)
-        write_record(
-            JobRecord(
-                name=spec.name,
-                state=job.state.value,
-                pid=os.getpid(),
-                reason=job.reason,
-                exit_code=job.exit_code,
+        if fenced.is_set():
+            master.store.close()  # another master leads the job: nothing more of it is ours
+        else:
+            master.stop(grace_s=1.0)
+            write_record(
+                JobRecord(
+                    name=spec.name,
+                    state=job.state.value,
+                    pid=os.getpid(),
+                    reason=job.reason,
+                    exit_code=job.exit_code,
+                )
             )
+    if fenced.is_set():
+        newer = master.server.fenced_by
+        print(
+            f"job {spec.name}: another master ({newer.describe() if newer else '?'}) took over; "
+            "this one stopped without touching the job's nodes or record",
+            file=sys.stderr,
         )
+        return EXIT_FENCED
     print(f"job {spec.name} {job.state.value}: {job.reason}", file=sys.stderr)
     return 0 if job.state == JobState.SUCCEEDED else (job.exit_code or 1)
 
@@ -269,5 +284,3 @@ def _progress_loop(job: JobMaster, stop: threading.Event, every_s: float = 5.0) 
             file=sys.stderr,
             flush=True,
         )
-
-

@@ -7,9 +7,11 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from dlrover.constants import DEFAULT_HEARTBEAT_TIMEOUT_S
+from dlrover.master.fencing import Fence, Leader
 from dlrover.master.job import JobMaster, JobMasterConfig
 from dlrover.master.rendezvous import RendezvousConfig
 from dlrover.master.server import FULL_GC_EVERY_S, MasterServer
@@ -82,16 +84,22 @@ def claim_state(store: StateStore, job_name: str, token: str) -> None:
         )
 
 
-def build_master(settings: MasterSettings) -> RunningMaster:
+def build_master(
+    settings: MasterSettings, on_fenced: Callable[[Leader], None] | None = None
+) -> RunningMaster:
     """Open the state, build the job and start serving it.
 
     Raises StateStoreError (the state cannot be opened, is corrupt, or is another job's:
     StateMismatchError), RendezvousError (the saved node range differs from the given one) or
     MasterServerError (the address cannot be bound); nothing is left open when it raises.
+
+    The master claims the state's leadership (`Fence`): if a newer master claims it later, this
+    one stops serving within a tick and calls ``on_fenced``.
     """
     store = open_state_store(settings.state)
     try:
         claim_state(store, settings.job_name, settings.token)
+        fence = Fence.claim(store)
         job = JobMaster(
             JobMasterConfig(
                 job_name=settings.job_name,
@@ -106,6 +114,8 @@ def build_master(settings: MasterSettings) -> RunningMaster:
             host=settings.host,
             port=settings.port,
             full_gc_every_s=FULL_GC_EVERY_S if settings.owns_process else 0.0,
+            fence=fence,
+            on_fenced=on_fenced,
         )
     except BaseException:
         store.close()

@@ -163,10 +163,16 @@ class NodeController:
         self.relaunches[reason.value] = self.relaunches.get(reason.value, 0) + 1
         return spec
 
-    def run(self, stop: threading.Event, poll_s: float = 0.5) -> None:
-        """Drive the controller until the job ends or `stop` is set; then remove every node."""
+    def run(
+        self,
+        stop: threading.Event,
+        poll_s: float = 0.5,
+        delete_nodes: Callable[[], bool] = lambda: True,
+    ) -> None:
+        """Drive the controller until the job ends or `stop` is set; then remove every node,
+        unless ``delete_nodes()`` says no (another master took the job over: they are its)."""
         try:
             while not self.job.ended.is_set() and not stop.is_set():
                 self.step(poll_s)
         finally:
-            self.engine.close(delete_nodes=True)
+            self.engine.close(delete_nodes=delete_nodes())

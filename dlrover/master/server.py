@@ -26,6 +26,7 @@ from dlrover.api import wire
 from dlrover.api.errors import MasterRequestError, UnknownNodeError
 from dlrover.constants import MAX_MESSAGE_BYTES, TOKEN_METADATA_KEY
 from dlrover.master.changes import ChangeFeed
+from dlrover.master.fencing import Fence, Leader
 from dlrover.master.job import JobMaster
 from dlrover.master.kv_store import KvError
 from dlrover.master.local_api import LocalMasterApi, LongPoll, hold_s
@@ -560,8 +561,15 @@ class MasterServer:
         tick_interval_s: float = 0.5,
         max_workers: int = 32,
         full_gc_every_s: float = 0.0,
+        fence: Fence | None = None,
+        on_fenced: Callable[[Leader], None] | None = None,
     ) -> None:
         self.job = job
+        self._fence = fence
+        self._on_fenced = on_fenced
+        self.fenced = threading.Event()
+        """Set when another master took over the job's state: this one stopped serving."""
+        self.fenced_by: Leader | None = None
         self._full_gc_every_s = full_gc_every_s
         self.token = token
         self.host = host
@@ -642,6 +650,10 @@ class MasterServer:
                 wait = min(wait, max(0.01, deadline - self.job.now()))
             if self._stop.wait(wait):
                 return
+            newer = self._fence.superseded() if self._fence is not None else None
+            if newer is not None:
+                self._step_down(newer)
+                return
             try:
                 self.job.tick()
             except Exception:  # the loop must outlive one bad tick
@@ -651,6 +663,24 @@ class MasterServer:
                 found = gc.collect()
                 next_gc = time.monotonic() + self._full_gc_every_s
                 logger.debug("full collection: %d objects in %.3fs", found, next_gc - start)
+
+    def _step_down(self, newer: Leader) -> None:
+        """Another master claimed the state: stop serving at once, write nothing more."""
+        logger.error(
+            "another master (%s) took over the state of job %s; this one (epoch %d) stops "
+            "serving and leaves the job to it",
+            newer.describe(),
+            self.job.config.job_name,
+            self._fence.leader.epoch if self._fence else 0,
+        )
+        self.fenced_by = newer
+        self.fenced.set()
+        try:
+            self._run(self._server.stop(0), 2.0)
+        except (futures.TimeoutError, RuntimeError):
+            pass
+        if self._on_fenced is not None:
+            self._on_fenced(newer)
 
     def stop(self, grace_s: float = 1.0) -> None:
         """Stop ticking and serving: in-flight calls get ``grace_s`` seconds, and the wait for the
