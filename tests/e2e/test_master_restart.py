@@ -34,7 +34,9 @@ def _until(condition, what: str, procs: list[subprocess.Popen[str]], timeout: fl
         time.sleep(0.05)  # another process writes the file: nothing to wait on but the file
 
 
-def _node(ckpt: Path, out: Path, steps: int, env: dict[str, str]) -> subprocess.Popen[str]:
+def _node(
+    ckpt: Path, out: Path, steps: int, env: dict[str, str], *extra: str
+) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [
             *run_cmd("dlrover.cli.run"),
@@ -49,6 +51,7 @@ def _node(ckpt: Path, out: Path, steps: int, env: dict[str, str]) -> subprocess.
             str(out),
             "--step-time",
             "0.1",
+            *extra,
         ],
         env=env,
         cwd=REPO,
@@ -64,7 +67,7 @@ REDIS = pytest.param(
 )
 
 
-@pytest.mark.parametrize("moment", ["mid-training", "during-rendezvous", REDIS])
+@pytest.mark.parametrize("moment", ["mid-training", "during-rendezvous", "at-exit-barrier", REDIS])
 def test_a_killed_master_restarted_on_its_state_resumes_the_job(
     tmp_path: Path, moment: str, request: pytest.FixtureRequest
 ):
@@ -77,8 +80,15 @@ def test_a_killed_master_restarted_on_its_state_resumes_the_job(
     ckpt.mkdir()
     steps = 40
     env = clean_env(**first.vars)
-    nodes = [_node(ckpt, out, steps, env)]
-    if moment != "during-rendezvous":
+    # At the exit barrier: the workers of node rank 1 (ranks 2, 3) take 8 s to exit after
+    # training, so node rank 0 waits at the barrier meanwhile, and the master dies under it.
+    linger = ("--linger-from-rank", "2", "--linger-s", "8") if moment == "at-exit-barrier" else ()
+    nodes = [_node(ckpt, out, steps, env, *linger)]
+    if moment == "at-exit-barrier":
+        nodes.append(_node(ckpt, out, steps, env, *linger))
+        log = tmp_path / "master.log"
+        _until(lambda: "running -> succeeded" in log.read_text(), "a node at the barrier", nodes)
+    elif moment != "during-rendezvous":
         nodes.append(_node(ckpt, out, steps, env))
         _until(lambda: len(_steps(out)) >= 5, "step 5", nodes)
     else:  # one node waits in round 1 for the other when the master dies
@@ -111,3 +121,5 @@ def test_a_killed_master_restarted_on_its_state_resumes_the_job(
     for log_text in logs:  # the workers ran through the master's death: started once, never again
         assert log_text.count("started 2 workers") == 1, log_text
     assert "succeeded" in (tmp_path / "again" / "master.log").read_text()
+    if moment == "at-exit-barrier":  # the first node's held barrier call died with the master
+        assert any("exit barrier: the master does not answer" in t for t in logs), logs

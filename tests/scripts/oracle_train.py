@@ -37,6 +37,14 @@ def main() -> None:
     p.add_argument("--ckpt", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--step-time", type=float, default=0.0, help="simulated compute per step (s)")
+    p.add_argument(
+        "--linger-from-rank",
+        type=int,
+        default=-1,
+        help="ranks from this one on take --linger-s more to exit after training (so one node "
+        "waits at the exit barrier while the other is still finishing)",
+    )
+    p.add_argument("--linger-s", type=float, default=0.0)
     a = p.parse_args()
 
     dist.init_process_group("gloo")
@@ -83,6 +91,8 @@ def main() -> None:
         with open(a.out + ".final", "w") as f:
             f.write(tensors_digest(model.state_dict().values()))
     dist.destroy_process_group()
+    if 0 <= a.linger_from_rank <= rank:
+        time.sleep(a.linger_s)  # a slow teardown, after every collective
 
 
 if __name__ == "__main__":
