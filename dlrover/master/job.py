@@ -168,7 +168,7 @@ class JobMaster:
     def heartbeat_interval_s(self) -> float:
         """The shortest heartbeat interval the job's size allows: live nodes / the budget (an
         agent beats at the larger of this and its own interval)."""
-        interval = self.nodes.count(*ALIVE_STATES) / self.config.heartbeats_per_s
+        interval = self._alive() / self.config.heartbeats_per_s
         now = self._clock()
         with self._lock:
             if interval >= self._told_high:

@@ -53,6 +53,15 @@ class LongPoll(Generic[T]):
         self.on_timeout = on_timeout
         self.wake_at = wake_at
 
+    def sleep_s(self, left_s: float, now: float) -> float:
+        """How long to wait for a bump before looking again: the time ``left_s`` of the hold,
+        or until `wake_at` (``now`` on the same clock); a last call that is over but closed
+        nothing is looked at again in 50 ms, never in a busy loop."""
+        wake = self.wake_at()
+        if wake is None:
+            return left_s
+        return min(left_s, max(0.05, wake - now))
+
 
 def hold_s(wait_s: float) -> float:
     """How long the master holds a long poll that asked for ``wait_s``: at most a random 50-100%
@@ -83,9 +92,7 @@ class LocalMasterApi:
             now = time.monotonic()
             if now >= deadline:
                 return poll.on_timeout()
-            wake = poll.wake_at()
-            until = deadline if wake is None else min(deadline, wake - self.job.now() + now)
-            poll.feed.wait(version, until - now)
+            poll.feed.wait(version, poll.sleep_s(deadline - now, self.job.now()))
 
     def register_node(self, registration: api.Registration) -> api.Registered:
         """Admit the agent (see MasterApi.register_node); also refuses a ``local_world_size`` below

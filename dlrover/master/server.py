@@ -228,12 +228,7 @@ class MasterServicer(pb_grpc.MasterServicer):
             now = self._loop.time()
             if now >= deadline:
                 return poll.on_timeout()
-            until = deadline
-            wake = poll.wake_at()
-            if wake is not None:
-                # A last call that is already over but closed nothing is looked at again soon.
-                until = min(deadline, now + max(0.05, wake - self.job.now()))
-            await waker.wait(generation, until - now)
+            await waker.wait(generation, poll.sleep_s(deadline - now, self.job.now()))
 
     async def _blocking(self, context: grpc.aio.ServicerContext, fn: Callable[[], T]) -> T:
         """Run a handler that blocks a thread inside the JobMaster on the server's pool."""
