@@ -145,3 +145,58 @@ def test_a_killed_master_is_restarted_by_submit_and_the_job_goes_on(tmp_path: Pa
     assert len(nodes) == 2  # the same two nodes: none relaunched
     for node in nodes:  # workers started once: the master's death did not restart them
         assert (node / "stderr").read_text().count("started 2 workers") == 1
+
+
+def test_a_master_killed_during_a_node_replacement_launches_it_after_its_restart(tmp_path: Path):
+    """An agent dies; the master decides to replace its node (relaunch delay 3 s) and is
+    SIGKILLed before it launches the replacement. The restarted master launches the saved
+    attempt at once (not the dead one again, not a duplicate), and the job ends with the model of
+    a failure-free run."""
+    import os
+    import signal
+
+    from tests.e2e.test_fault_tolerance import final, steps_log, submit
+
+    steps = 16
+    reference, ref_out = submit(tmp_path, "ref", "2", steps, step_time=0.1)
+    assert reference.returncode == 0
+
+    home = tmp_path / "home"
+    out, ckpt, marker = tmp_path / "replaced", tmp_path / "replaced-ckpt", tmp_path / "fired"
+    ckpt.mkdir()
+    log_path = tmp_path / "submit.log"
+    log = open(log_path, "w")  # noqa: SIM115 - a pipe nobody reads would block it
+    job = subprocess.Popen(
+        [
+            sys.executable, "-m", "dlrover.cli.job", "submit", "--name", "replaced", "--nnodes",
+            "2", "--nproc-per-node", "2", "--relaunch-delay", "3",
+            str(SCRIPTS / "oracle_train.py"), "--steps", str(steps), "--ckpt", str(ckpt),
+            "--out", str(out), "--step-time", "0.1",
+        ],
+        env=clean_env(
+            DLROVER_HOME=str(home), DLROVER_FAULTS=f"kill_agent:rank=2:step=8:once={marker}"
+        ),
+        cwd=REPO,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while ": relaunch_node (" not in log_path.read_text():
+            assert job.poll() is None, log_path.read_text()
+            assert time.monotonic() < deadline, "no relaunch decision within 120 s"
+            time.sleep(0.05)  # another process writes the log: nothing else to wait on
+        os.kill(json.loads((home / "jobs" / "replaced" / "job.json").read_text())["pid"], signal.SIGKILL)
+        assert job.wait(180) == 0, log_path.read_text()
+    finally:
+        if job.poll() is None:
+            job.kill()
+        log.close()
+    text = log_path.read_text()
+    nodes = sorted(p.name for p in (home / "jobs" / "replaced" / "nodes").iterdir())
+    # Both first attempts and one replacement (of whichever slot held rank 2), nothing more.
+    (replacement,) = [n for n in nodes if n.endswith("-1") and n.count("-") == 3]
+    assert len(nodes) == 3 and {"replaced-worker-0-0", "replaced-worker-1-0"} <= set(nodes)
+    assert marker.exists() and f"resumed attempts: {replacement}" in text
+    assert final(out) == final(ref_out)
+    assert [s for s, _, _ in steps_log(out)] == list(range(1, steps + 1))
