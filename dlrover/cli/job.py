@@ -157,6 +157,12 @@ def run(argv: Sequence[str] | None = None) -> int:
     except (JobSpecError, OSError) as e:
         parser.error(str(e))
     setup_logging("dlrover")
+    if spec.engine == "ray":
+        from dlrover.cli.ray_master import submit_to_ray
+
+        return submit_to_ray(
+            spec, port=args.port, advertise=args.advertise_address, relaunch_delay_s=args.relaunch_delay
+        )
     supervised = os.environ.pop(ENV_SUPERVISED, "")
     if not supervised:
         return supervise_job(spec, list(sys.argv[1:] if argv is None else argv), port=args.port)

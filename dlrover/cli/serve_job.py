@@ -9,7 +9,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from dlrover import constants as c
@@ -94,7 +94,8 @@ def _already_running(name: str) -> bool:
     return False
 
 
-def _free_port(host: str) -> int:
+def free_port(host: str) -> int:
+    """A port free on ``host`` now (for a master that must come back on the same one)."""
     with socket.socket() as s:
         s.bind((host if host != "0.0.0.0" else "", 0))
         return int(s.getsockname()[1])
@@ -115,7 +116,7 @@ def supervise_job(spec: JobSpec, argv: Sequence[str], host: str = "0.0.0.0", por
         stale.unlink(missing_ok=True)  # a new submission starts from a clean state
     env = {
         **os.environ,
-        ENV_SUPERVISED: f"{port or _free_port(host)}:{db}",
+        ENV_SUPERVISED: f"{port or free_port(host)}:{db}",
         c.ENV_JOB_TOKEN: os.environ.get(c.ENV_JOB_TOKEN, "") or new_token(),
     }
     stopping = threading.Event()
@@ -160,13 +161,17 @@ def serve_job(
     token: str = "",
     relaunch_delay_s: float = 0.0,
     state: str = "",
+    on_serving: Callable[[JobMaster], None] | None = None,
 ) -> int:
     """Run the master of `spec`, launch its nodes through its engine, return the job's exit code.
 
     ``state``: the master's state (a SQLite path or redis://...). When it holds this job already
     (a master container restarted on its volume), the job resumes: nodes, round, commits, and
     each slot's node attempt, which the engine adopts where it still runs. Empty: a fresh state
-    in the job's directory (what `dlrover submit` does)."""
+    in the job's directory (what `dlrover submit` does).
+
+    ``on_serving`` gets the job once its master serves (a host that is not the main thread, the
+    Ray master actor, stops the job through it: signals are handled only on the main thread)."""
     directory = job_dir(spec.name)
     if _already_running(spec.name):
         return 1
@@ -226,8 +231,11 @@ def serve_job(
         job.stop(f"dlrover submit received {signal.Signals(signum).name}")
         stop.set()
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+    if on_serving is not None:
+        on_serving(job)
     try:
         engine = make_engine(spec, directory)
     except Exception as e:  # an engine that cannot start is the job's failure, said plainly

@@ -50,6 +50,11 @@ class RayEngine(Engine):
     lost node's replacement lands wherever capacity is left. Actors are never restarted by Ray
     (max_restarts=0): replacing a node is the controller's decision, made on our events.
 
+    Node actors and their placement groups are detached and named by node id, so they outlive
+    the process that launched them: an engine of a restarted master (the master actor Ray
+    restarted) that launches the same node id adopts the running actor instead of starting a
+    second one. `close(delete_nodes=True)` removes them; nothing else does.
+
     Failure mapping: command exit -> EXIT_CODE / SIGNAL; actor died while its Ray node is dead ->
     NODE_LOST; actor died of memory pressure -> OOM_KILLED; other actor deaths -> NODE_LOST;
     no Ray node with the resources within `launch_timeout_s` -> LAUNCH_FAILED.
@@ -96,15 +101,21 @@ class RayEngine(Engine):
             existing = self._nodes.get(spec.node_id)
             if existing is not None:
                 return dataclasses.replace(existing.node)
+        adopted = self._adopt(spec)
+        if adopted is not None:
+            return adopted
         bundle: dict[str, float] = {"CPU": spec.resources.cpu or 1.0}
         if spec.resources.gpu:
             bundle["GPU"] = float(spec.resources.gpu)
         if spec.resources.memory_mib:
             bundle["memory"] = float(spec.resources.memory_mib * 1024 * 1024)
         try:
-            group = placement_group([bundle], strategy="SPREAD", name=spec.node_id)
+            group = placement_group(
+                [bundle], strategy="SPREAD", name=spec.node_id, lifetime="detached"
+            )
             actor: Any = self._runner_class.options(
                 name=spec.node_id,
+                lifetime="detached",
                 num_cpus=bundle["CPU"],
                 num_gpus=bundle.get("GPU", 0),
                 memory=bundle.get("memory"),
@@ -128,6 +139,34 @@ class RayEngine(Engine):
             )
         log.info("node %s: placement group requested %s", spec.node_id, bundle)
         self._queue.put(NodeEvent(spec.node_id, spec, NodeState.PENDING))
+        return dataclasses.replace(node)
+
+    def _adopt(self, spec: NodeSpec) -> Node | None:
+        """The node of ``spec`` PENDING if an earlier engine left its actor alive (it reports
+        RUNNING, or its end, once the actor answers); else None."""
+        from ray.util.placement_group import get_placement_group
+
+        try:
+            actor = self._ray.get_actor(spec.node_id)
+        except ValueError:
+            return None  # no live actor by that name
+        try:
+            group = get_placement_group(spec.node_id)
+        except ValueError:
+            group = None  # removed already; killing the actor is all a delete needs
+        node = Node(spec=spec)
+        with self._lock:
+            self._nodes[spec.node_id] = _RayNode(
+                node=node,
+                placement_group=group,
+                actor=actor,
+                launched_at=time.monotonic(),
+                start_ref=actor.info.remote(),
+            )
+        log.info(
+            "node %s: adopting its running actor (launched by an earlier master)", spec.node_id
+        )
+        self._queue.put(NodeEvent(spec.node_id, spec, NodeState.PENDING, message="adopted"))
         return dataclasses.replace(node)
 
     def delete(self, node_id: str) -> None:
@@ -185,6 +224,8 @@ class RayEngine(Engine):
             self._ray.kill(entry.actor, no_restart=True)
         except Exception as error:  # already dead is fine
             log.debug("node %s: ray.kill: %s", entry.node.node_id, error)
+        if entry.placement_group is None:
+            return
         try:
             remove_placement_group(entry.placement_group)
         except Exception as error:  # already removed is fine

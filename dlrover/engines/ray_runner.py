@@ -39,20 +39,27 @@ class NodeRunner:
     async def start(self, command: Sequence[str], env: Mapping[str, str]) -> dict[str, object]:
         """Start ``command`` with ``env`` over the actor's environment, in its own session and (on
         Linux) killed when the actor dies; returns the Ray node id, hostname and pid."""
+        if self._popen is None:  # a retried start must not run the command twice
+            self._popen = subprocess.Popen(
+                list(command),
+                env={**os.environ, **env},
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=_die_with_parent(),
+            )
+        return await self.info()
+
+    async def info(self) -> dict[str, object]:
+        """What `start` returned, for an engine that adopts this running node."""
         import ray  # inside the actor: ray is there by construction
 
-        self._popen = subprocess.Popen(
-            list(command),
-            env={**os.environ, **env},
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            preexec_fn=_die_with_parent(),
-        )
-        context = ray.get_runtime_context()
+        popen = self._popen
+        if popen is None:
+            raise RuntimeError("info() before start()")
         return {
-            "ray_node_id": context.get_node_id(),
+            "ray_node_id": ray.get_runtime_context().get_node_id(),
             "hostname": socket.gethostname(),
-            "pid": self._popen.pid,
+            "pid": popen.pid,
         }
 
     async def wait(self) -> int:

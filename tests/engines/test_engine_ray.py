@@ -1,4 +1,5 @@
-"""Ray engine on a real local Ray cluster of two Ray nodes: lose one, relaunch, finish correctly."""
+"""Ray engine on a real local Ray cluster of two Ray nodes: lose one, relaunch, adopt the nodes
+from a new engine (a restarted master), finish correctly."""
 
 from __future__ import annotations
 
@@ -134,6 +135,25 @@ def test_lost_ray_node_is_relaunched_elsewhere_and_job_result_is_correct(
         )
         assert moved.state is NodeState.RUNNING, str(moved)
         assert moved.host == hosts["rayjob-worker-0-0"]  # the only Ray node left
+
+        # The master goes away (its engine closes, keeping the nodes, and disconnects from
+        # Ray); a new engine launching the same node ids adopts the running actors.
+        started = {e.node_id: e.message for e in seen if e.state is NodeState.RUNNING}
+        engine.close(delete_nodes=False)
+        engine = RayEngine(address=ray_cluster.address, stop_grace_s=1.0, launch_timeout_s=60)
+        adopted = engine.launch_many([spec(0), spec(1, attempt=1)])
+        assert {n.node_id for n in adopted} == {"rayjob-worker-0-0", "rayjob-worker-1-1"}
+        seen = []
+        wait_for_event(  # one drain may bring both events: read them from `seen`
+            engine,
+            lambda e: sum(x.state is NodeState.RUNNING for x in seen) == 2,
+            60,
+            seen,
+        )
+        running = {e.node_id: e.message for e in seen if e.state is NodeState.RUNNING}
+        # The same processes ("pid P on HOST"), not second copies.
+        assert running == {k: started[k] for k in ("rayjob-worker-0-0", "rayjob-worker-1-1")}
+        assert not any(e.state.is_final for e in seen), seen  # nothing restarted or lost
 
         (workdir / "go").touch()
         done: set[str] = set()

@@ -1,0 +1,250 @@
+"""`dlrover submit --engine ray`: the job's master runs as a Ray actor that Ray restarts.
+
+The submitting process is a Ray driver that creates one detached, named actor,
+``<job>-master`` (`JobMasterActor`), and waits for the job's outcome. The actor serves the job
+(`serve_job`: the master, the Ray engine, the node controller) on a fixed port with its state
+in a store outside the actor's memory. When the actor's process dies (SIGKILL, OOM), Ray starts
+it again with the same arguments (`max_restarts`): the new master resumes the job from the state
+(round, KV, shards, commits, slot attempts), the Ray engine adopts the node actors, which are
+detached and named by node id and kept running meanwhile, and the agents reconnect to the same
+address. Workers do not restart.
+
+The actor is placed on the driver's Ray node when it can be (soft affinity), so the port and a
+SQLite state in the job's directory stay where they were; `engine_settings.state:
+redis://host:port/db` keeps the state where a master on another Ray node finds it too.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+from dlrover import constants as c
+from dlrover.cli.common import setup_logging
+from dlrover.cli.job_records import job_dir
+from dlrover.cli.serve_job import MAX_MASTER_RESTARTS, free_port, serve_job
+from dlrover.jobspec import JobSpec
+from dlrover.master.job import JobMaster
+from dlrover.master.server import new_token
+
+OUTCOME_POLL_S = 10.0
+"""How long one `outcome` call waits for the job's end (the driver calls it in a loop)."""
+RESTART_DEADLINE_S = 120.0
+"""How long the driver waits for a dead master actor to answer again before giving up."""
+
+
+def master_actor_name(job_name: str) -> str:
+    """The Ray actor name of a job's master (in the job's Ray namespace)."""
+    return f"{job_name}-master"
+
+
+class JobMasterActor:
+    """Body of the master actor: serves the job from a thread (the actor's methods stay free to
+    answer), and reports its outcome. Each incarnation Ray starts runs ``__init__`` again with
+    the same arguments, which is how a restarted master resumes the job."""
+
+    def __init__(
+        self,
+        spec: JobSpec,
+        port: int,
+        token: str,
+        state: str,
+        advertise: str,
+        relaunch_delay_s: float,
+    ) -> None:
+        import ray
+
+        setup_logging("dlrover")
+        self._pid = os.getpid()
+        self._job: JobMaster | None = None
+        self._serving = threading.Event()
+        self._code: int | None = None
+        self._done = threading.Event()
+        address = advertise or f"{ray.util.get_node_ip_address()}:{port}"
+        self._address = address if ":" in address else f"{address}:{port}"
+
+        def serve() -> None:
+            try:
+                self._code = serve_job(
+                    spec,
+                    port=port,
+                    advertise=self._address,
+                    token=token,
+                    relaunch_delay_s=relaunch_delay_s,
+                    state=state,
+                    on_serving=self._on_serving,
+                )
+            except BaseException as error:  # the driver must hear of it, not wait forever
+                print(
+                    f"dlrover: error: the master of job {spec.name} failed: {error!r}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                self._code = 1
+            finally:
+                self._done.set()
+
+        threading.Thread(target=serve, name="dlrover-master-job", daemon=True).start()
+
+    def _on_serving(self, job: JobMaster) -> None:
+        self._job = job
+        self._serving.set()
+
+    def outcome(self, wait_s: float) -> dict[str, Any]:
+        """After at most ``wait_s`` seconds: this incarnation's pid and address, whether it serves,
+        and the job's exit code once the job ended (``code``: None while it runs)."""
+        self._done.wait(wait_s)
+        return {
+            "pid": self._pid,
+            "address": self._address,
+            "serving": self._serving.is_set(),
+            "code": self._code if self._done.is_set() else None,
+        }
+
+    def stop(self, reason: str) -> None:
+        """End the job: its nodes are stopped and the job fails with ``reason``."""
+        if self._job is not None:
+            self._job.stop(reason)
+
+
+def submit_to_ray(
+    spec: JobSpec, port: int = 0, advertise: str = "", relaunch_delay_s: float = 0.0
+) -> int:
+    """Start the job's master actor on the Ray cluster of ``engine_settings.address`` (default: a
+    running local cluster, else a new one) and wait for the job's end; returns its exit code.
+    SIGINT/SIGTERM stop the job. A master actor that dies is restarted by Ray up to
+    MAX_MASTER_RESTARTS times; the driver says so and keeps waiting."""
+    try:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    except ImportError:
+        print("dlrover: error: engine ray needs ray: pip install 'dlrover[ray]'", file=sys.stderr)
+        return 1
+    from dlrover.engines.ray_engine import DEFAULT_RAY_NAMESPACE
+
+    settings = dict(spec.engine_settings)
+    ray.init(
+        address=settings.get("address"),
+        namespace=str(settings.get("namespace") or DEFAULT_RAY_NAMESPACE),
+        log_to_driver=True,
+    )
+    try:
+        return _drive(spec, ray, NodeAffinitySchedulingStrategy, port, advertise, relaunch_delay_s)
+    finally:
+        ray.shutdown()
+
+
+def _forwarded_env() -> dict[str, str]:
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if k.startswith("DLROVER_") or k in ("PATH", "PYTHONPATH")
+    }
+
+
+def _drive(
+    spec: JobSpec,
+    ray: Any,
+    affinity: Any,
+    port: int,
+    advertise: str,
+    relaunch_delay_s: float,
+) -> int:
+    name = master_actor_name(spec.name)
+    try:
+        ray.get_actor(name)
+    except ValueError:
+        pass
+    else:
+        print(
+            f"dlrover: error: job {spec.name!r} already has a master actor {name!r} on this Ray "
+            f"cluster; `dlrover stop {spec.name}` first, or give the job another name",
+            file=sys.stderr,
+        )
+        return 1
+    state = str(spec.engine_settings.get("state") or "")
+    if not state:
+        directory = job_dir(spec.name)
+        directory.mkdir(parents=True, exist_ok=True)
+        db = directory / "master.db"
+        for stale in (db, db.with_name("master.db-wal"), db.with_name("master.db-shm")):
+            stale.unlink(missing_ok=True)  # a new submission starts from a clean state
+        state = str(db)
+    token = os.environ.get(c.ENV_JOB_TOKEN, "") or new_token()
+    port = port or free_port("0.0.0.0")
+    actor = (
+        ray.remote(JobMasterActor)
+        .options(
+            name=name,
+            lifetime="detached",
+            max_restarts=MAX_MASTER_RESTARTS,
+            max_concurrency=8,
+            num_cpus=0,
+            # The submitter's DLRover settings (DLROVER_HOME, ...) reach the master and, by
+            # inheritance, its node actors, whatever environment the Ray nodes started with.
+            runtime_env={"env_vars": _forwarded_env()},
+            scheduling_strategy=affinity(ray.get_runtime_context().get_node_id(), soft=True),
+        )
+        .remote(spec, port, token, state, advertise, relaunch_delay_s)
+    )
+    stopping: list[str] = []
+
+    def forward(signum: int, frame: object) -> None:
+        reason = f"dlrover submit received {signal.Signals(signum).name}"
+        stopping.append(reason)
+        actor.stop.remote(reason)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    pid = 0
+    unanswered_since: float | None = None
+    try:
+        while True:
+            try:
+                wait_s = OUTCOME_POLL_S if pid else 0.0  # learn the first pid at once
+                # (The first answer may wait for Ray to place and start the actor.)
+                seen = ray.get(
+                    actor.outcome.remote(wait_s),
+                    timeout=wait_s + (30 if pid else RESTART_DEADLINE_S),
+                )
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as error:
+                now = time.monotonic()
+                if unanswered_since is None:
+                    unanswered_since = now
+                    print(
+                        f"dlrover: the master of job {spec.name} (pid {pid}) is gone "
+                        f"({type(error).__name__}); Ray restarts it on its state",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                elif now - unanswered_since > RESTART_DEADLINE_S:
+                    print(
+                        f"dlrover: error: the master actor of job {spec.name} has not answered "
+                        f"for {RESTART_DEADLINE_S:.0f}s (Ray restarts it at most "
+                        f"{MAX_MASTER_RESTARTS} times): {error}",
+                        file=sys.stderr,
+                    )
+                    return 1
+                time.sleep(0.5)
+                continue
+            if seen["pid"] != pid:
+                if pid:
+                    print(
+                        f"dlrover: the master of job {spec.name} runs again (pid {seen['pid']}, "
+                        f"{seen['address']})",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                pid = seen["pid"]
+            unanswered_since = None
+            if seen["code"] is not None:
+                return int(seen["code"])
+    finally:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:  # gone already
+            pass
