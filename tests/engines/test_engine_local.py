@@ -73,9 +73,9 @@ def test_exit_code_signal_and_success_are_reported(tmp_path: Path) -> None:
         seen: list[NodeEvent] = []
         finals: dict[int, NodeEvent] = {}
         while len(finals) < 3:
-            event = wait_for_event(engine, _final, 15.0, seen)
-            finals[event.spec.rank] = event
-        finals.update({e.spec.rank: e for e in seen if e.state.is_final})
+            wait_for_event(engine, _final, 15.0, seen)
+            # One drain may bring several final events: count them all, not just the match.
+            finals.update({e.spec.rank: e for e in seen if e.state.is_final})
     assert finals[0].state is NodeState.SUCCEEDED and finals[0].exit_code == 0
     assert finals[1].state is NodeState.FAILED
     assert (finals[1].reason, finals[1].exit_code) == (FailureReason.EXIT_CODE, 3)
