@@ -66,6 +66,10 @@ class JobSpec:
     """One of ENGINES."""
     engine_settings: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     """Engine-specific settings (ray: address; kubernetes: namespace, image, ...)."""
+    node_check: bool = False
+    """Check every node before training (`dlrover-run --node-check`)."""
+    exclude_straggler: bool = False
+    """With node_check: a straggler is replaced too (`dlrover-run --exclude-straggler`)."""
 
     @property
     def nnodes(self) -> str:
@@ -80,6 +84,8 @@ class JobSpec:
             f"--rdzv-id={self.name}",
             f"--nproc-per-node={self.nproc_per_node}",
             f"--max-restarts={self.max_restarts}",
+            *(["--node-check"] if self.node_check else []),
+            *(["--exclude-straggler"] if self.exclude_straggler else []),
             self.entrypoint,
             *self.args,
         )
@@ -182,6 +188,8 @@ def _resources(raw: Any) -> Resources:
 
 
 _KEYS = {
+    "node_check",
+    "exclude_straggler",
     "name",
     "entrypoint",
     "args",
@@ -230,6 +238,14 @@ def job_spec_from_dict(raw: Mapping[str, Any]) -> JobSpec:
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise JobSpecError(f"{key} is {value!r}; it must be an integer >= {low}")
         counts[key] = value
+    flags = {}
+    for key in ("node_check", "exclude_straggler"):
+        value = raw.get(key, False)
+        if not isinstance(value, bool):
+            raise JobSpecError(f"{key} is {value!r}; it must be true or false")
+        flags[key] = value
+    if flags["exclude_straggler"] and not flags["node_check"]:
+        raise JobSpecError("exclude_straggler needs node_check: true (the check finds stragglers)")
     settings = raw.get("engine_settings") or {}
     if not isinstance(settings, Mapping):
         raise JobSpecError("engine_settings must be a mapping")
@@ -246,6 +262,7 @@ def job_spec_from_dict(raw: Mapping[str, Any]) -> JobSpec:
         checkpoint_dir=str(raw.get("checkpoint_dir") or ""),
         engine=engine,
         engine_settings=dict(settings),
+        **flags,
     )
 
 
@@ -283,6 +300,8 @@ def job_spec_from_flags(
     max_restarts: int = DEFAULT_MAX_RESTARTS,
     checkpoint_dir: str = "",
     engine_settings: Mapping[str, Any] | None = None,
+    node_check: bool = False,
+    exclude_straggler: bool = False,
 ) -> JobSpec:
     """The same spec from CLI flags (`dlrover submit --engine ray --nnodes 2:4 train.py`)."""
     raw: dict[str, Any] = {
@@ -295,6 +314,8 @@ def job_spec_from_flags(
         "max_restarts": max_restarts,
         "checkpoint_dir": checkpoint_dir,
         "engine_settings": dict(engine_settings or {}),
+        "node_check": node_check,
+        "exclude_straggler": exclude_straggler,
     }
     if name:
         raw["name"] = name

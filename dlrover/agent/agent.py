@@ -28,6 +28,7 @@ from dlrover.agent.failures import judge
 from dlrover.agent.heartbeat import Heartbeat, usage_of
 from dlrover.agent.launch_plan import AttemptContext, LaunchPlan, plan_launch
 from dlrover.agent.monitor import MonitorSignals, Outcome, WorkerMonitor, describe_exit
+from dlrover.agent.node_check import EXIT_EXCLUDED, CheckOutcome, CheckSettings, NodeChecker
 from dlrover.agent.rendezvous_client import (
     AgentError,
     RendezvousClient,
@@ -108,6 +109,18 @@ class ElasticAgent:
         self._zygote: PendingZygote | None = None
         self._saver: Any = None
         self._started_at = time.monotonic()
+        self._checker = (
+            NodeChecker(
+                master,
+                self._host,
+                CheckSettings(config.straggler_ratio, config.exclude_straggler),
+                lambda: (self.node_id, self.incarnation),
+                free_port,
+                config.requested_node_rank,
+            )
+            if config.node_check
+            else None
+        )
 
     @property
     def node_id(self) -> str:
@@ -146,6 +159,8 @@ class ElasticAgent:
 
     def start(self) -> None:
         """Register with the master, host the checkpoint saver, start heartbeats."""
+        if self._checker is not None:
+            self._checker.prepare()  # its torch import overlaps registration and rendezvous
         self._register()
         self._run_dir = tempfile.mkdtemp(prefix="dlrover_agent_")
         self._start_saver()
@@ -157,6 +172,8 @@ class ElasticAgent:
             self._group.stop(self.config.stop_grace_s)
         self._heartbeat.stop()
         self._rdzv.close()
+        if self._checker is not None:
+            self._checker.close()
         if self._zygote is not None:
             self._zygote.cancel()
             self._zygote = None
@@ -174,6 +191,14 @@ class ElasticAgent:
         world = self._rdzv.join(
             self.config.store_addr or self._host, self.config.store_port or free_port()
         )
+        if self._checker is not None:
+            checked, why = self._checker.check(world)
+            if checked is CheckOutcome.REFORM:
+                return None
+            if checked is CheckOutcome.EXCLUDED:
+                logger.error("the node check excluded this node: %s", why)
+                self._set_state(WorkerGroupState.FAILED)
+                return RunResult(EXIT_EXCLUDED, f"excluded by the node check: {why}")
         monitor = self._start_workers(world)
         self._set_state(WorkerGroupState.RUNNING)
         outcome = monitor.wait()

@@ -67,6 +67,12 @@ class AgentConfig:
     """Host the flash-checkpoint saver (shared memory that survives worker restarts)."""
     checkpoint_close_timeout_s: float = 600.0
     """At exit, how long queued checkpoint persists may take before the memory is freed."""
+    node_check: bool = False
+    """Check the node (compute and collective tests with the other nodes) before training."""
+    exclude_straggler: bool = False
+    """Leave the job when the node check finds this node a straggler (the engine replaces it)."""
+    straggler_ratio: float = 2.0
+    """A node slower than this multiple of the others' median check time is a straggler."""
     hang_timeout_s: float = c.DEFAULT_HANG_TIMEOUT_S
     """No step reported by a worker for this long (after its first) is a hang; 0: off."""
     hang_warning_timeout_s: float = c.DEFAULT_HANG_WARNING_TIMEOUT_S

@@ -33,7 +33,7 @@ class WorkerGroupState(Enum):
     """The state of one agent's set of workers.
 
     Legal transitions (see LEGAL_GROUP_TRANSITIONS):
-    INIT -> RENDEZVOUS; RENDEZVOUS -> RUNNING | FAILED | STOPPED;
+    INIT -> RENDEZVOUS; RENDEZVOUS -> RENDEZVOUS (after a node check) | RUNNING | FAILED | STOPPED;
     RUNNING -> SUCCEEDED | RESTARTING | FAILED | STOPPED;
     RESTARTING -> RENDEZVOUS | FAILED | STOPPED. SUCCEEDED, FAILED and STOPPED are final.
     """
@@ -50,7 +50,12 @@ class WorkerGroupState(Enum):
 LEGAL_GROUP_TRANSITIONS: dict[WorkerGroupState, frozenset[WorkerGroupState]] = {
     WorkerGroupState.INIT: frozenset({WorkerGroupState.RENDEZVOUS}),
     WorkerGroupState.RENDEZVOUS: frozenset(
-        {WorkerGroupState.RUNNING, WorkerGroupState.FAILED, WorkerGroupState.STOPPED}
+        {
+            WorkerGroupState.RENDEZVOUS,  # the node check sent the node to join again
+            WorkerGroupState.RUNNING,
+            WorkerGroupState.FAILED,
+            WorkerGroupState.STOPPED,
+        }
     ),
     WorkerGroupState.RUNNING: frozenset(
         {

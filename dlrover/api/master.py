@@ -144,6 +144,67 @@ class NodeReport:
     reason: str = ""
 
 
+class NodeCheckState(str, enum.Enum):
+    """What a node joining a round of the pre-flight node check is told."""
+
+    WAIT = "wait"
+    """Not every member has joined this check round yet: ask again."""
+    RUN = "run"
+    """Run the check with `NodeCheckTask.peers` (none: sit this round out)."""
+    DONE = "done"
+    """The check is over: train, or leave the job when `NodeCheckTask.excluded`."""
+    REFORM = "reform"
+    """The check is over but the world changed (a member was excluded or lost): join again."""
+
+
+@dataclass(frozen=True)
+class NodeCheckJoin:
+    """A node is ready for round ``check_round`` of the node check of rendezvous round
+    ``rdzv_round``; ``addr`` (host:port) is where it would host its group's store. The
+    straggler settings of the first node to join a check apply to it."""
+
+    node_id: str
+    incarnation: int
+    rdzv_round: int
+    check_round: int
+    addr: str
+    straggler_ratio: float = 2.0
+    exclude_stragglers: bool = False
+
+
+@dataclass(frozen=True)
+class NodeCheckTask:
+    """The master's answer to a NodeCheckJoin."""
+
+    state: NodeCheckState
+    check_round: int = 0
+    peers: tuple[str, ...] = ()
+    """This check round's group (host:port each, in group rank order; peers[0] hosts its
+    store)."""
+    index: int = 0
+    """This node's rank in the group."""
+    excluded: bool = False
+    reason: str = ""
+    """Why this node is excluded."""
+    summary: str = ""
+    """The check's verdict in one line."""
+
+
+@dataclass(frozen=True)
+class NodeCheckReport:
+    """A node's result of one check round: compute (matmul) and collective (allreduce) seconds,
+    or the error that failed it."""
+
+    node_id: str
+    incarnation: int
+    rdzv_round: int
+    check_round: int
+    ok: bool
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    error: str = ""
+
+
 @dataclass(frozen=True)
 class NodeStatus:
     """One node as ``dlrover status`` shows it. ``state`` is a ``NodeState`` value; ``step`` is the
@@ -160,6 +221,8 @@ class NodeStatus:
     role: str
     cpu_percent: float
     memory_bytes: int
+    check: str = ""
+    """The node check's word on it: ``ok 0.31s``, ``straggler 3.0x``, ``faulty``, or ""."""
 
 
 @dataclass(frozen=True)
@@ -172,6 +235,8 @@ class JobStatus:
     reason: str = ""
     exit_code: int = 0
     nodes: tuple[NodeStatus, ...] = field(default=())
+    node_check: str = ""
+    """The last node check's verdict in one line ("" when none ran)."""
 
     @property
     def ended(self) -> bool:
@@ -220,6 +285,15 @@ class MasterApi(Protocol):
     def report_node_status(self, report: NodeReport, wait_s: float = 0.0) -> bool:
         """True once every node of the final world has succeeded (the exit barrier). ``wait_s`` > 0
         holds the call until the job has ended or ``wait_s`` (capped by the master) passed."""
+        ...
+
+    def join_node_check(self, join: NodeCheckJoin, wait_s: float = 0.0) -> NodeCheckTask:
+        """Join a round of the pre-flight node check; waits up to ``wait_s`` for every member to
+        join (then the task is RUN) or for the verdict (DONE / REFORM); WAIT if neither came."""
+        ...
+
+    def report_node_check(self, report: NodeCheckReport) -> None:
+        """Report this node's result of a check round."""
         ...
 
     def get_job_status(self, with_nodes: bool = True) -> JobStatus:

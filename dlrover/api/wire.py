@@ -193,3 +193,37 @@ def job_status_from_pb(s: pb.JobStatus) -> api.JobStatus:
     node_names = _names(api.NodeStatus)
     nodes = tuple(api.NodeStatus(**_scalars(n, node_names)) for n in s.nodes)
     return api.JobStatus(nodes=nodes, **fields)
+
+
+def check_join_to_pb(j: api.NodeCheckJoin, wait_s: float) -> pb.JoinNodeCheckRequest:
+    """A node-check join as its gRPC message, asking the master to hold it ``wait_s``."""
+    return pb.JoinNodeCheckRequest(wait_s=wait_s, **dataclasses.asdict(j))
+
+
+def check_join_from_pb(request: pb.JoinNodeCheckRequest) -> api.NodeCheckJoin:
+    """A JoinNodeCheckRequest as the domain type (its wait_s is read separately)."""
+    return api.NodeCheckJoin(**_scalars(request, _names(api.NodeCheckJoin)))
+
+
+def check_task_to_pb(t: api.NodeCheckTask) -> pb.NodeCheckTask:
+    """A node-check task as its gRPC message."""
+    fields = _scalars(t, _names(api.NodeCheckTask))
+    return pb.NodeCheckTask(**{**fields, "state": t.state.value, "peers": list(t.peers)})
+
+
+def check_task_from_pb(t: pb.NodeCheckTask) -> api.NodeCheckTask:
+    """A NodeCheckTask message as the domain type; raises ValueError for an unknown state."""
+    fields = _scalars(t, _names(api.NodeCheckTask))
+    return api.NodeCheckTask(
+        **{**fields, "state": api.NodeCheckState(t.state), "peers": tuple(t.peers)}
+    )
+
+
+def check_report_to_pb(r: api.NodeCheckReport) -> pb.ReportNodeCheckRequest:
+    """A node-check result as its gRPC message."""
+    return pb.ReportNodeCheckRequest(**dataclasses.asdict(r))
+
+
+def check_report_from_pb(request: pb.ReportNodeCheckRequest) -> api.NodeCheckReport:
+    """A ReportNodeCheckRequest as the domain type."""
+    return api.NodeCheckReport(**_scalars(request, _names(api.NodeCheckReport)))

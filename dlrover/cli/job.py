@@ -24,13 +24,18 @@ def _status_table(status: JobStatus) -> str:
         f"job {status.job_name}: {status.state} (round {status.round})"
         + (f" - {status.reason}" if status.reason else "")
     ]
+    if status.node_check:
+        lines.append(status.node_check)
+    check = any(n.check for n in status.nodes)
     lines.append(
         f"{'node':<28} {'rank':>4} {'state':<10} {'step':>8} {'restarts':>8} {'cpu%':>6} {'mem MB':>8}"
+        + ("  check" if check else "")
     )
     for n in sorted(status.nodes, key=lambda n: (n.node_rank, n.node_id)):
         lines.append(
             f"{n.node_id:<28} {n.node_rank:>4} {n.state:<10} {n.step:>8} "
             f"{n.restart_count:>8} {n.cpu_percent:>6.0f} {n.memory_bytes / 2**20:>8.0f}"
+            + (f"  {n.check}" if check else "")
         )
     return "\n".join(lines)
 
@@ -106,6 +111,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cpu", type=float, default=0.0)
     s.add_argument("--memory", default="0", help="Per node, e.g. 8Gi")
     s.add_argument("--gpu", type=int, default=0)
+    s.add_argument(
+        "--node-check",
+        action="store_true",
+        help="Check every node before training (see dlrover-run)",
+    )
+    s.add_argument(
+        "--exclude-straggler",
+        action="store_true",
+        help="With --node-check: replace a node the check finds a straggler",
+    )
     s.add_argument("--port", type=int, default=0, help="The master's port (0: a free one)")
     s.add_argument(
         "--advertise-address", default="", help="host[:port] nodes use to reach the master"
@@ -153,6 +168,8 @@ def run(argv: Sequence[str] | None = None) -> int:
                 memory=args.memory,
                 gpu=args.gpu,
                 max_restarts=args.max_restarts,
+                node_check=args.node_check,
+                exclude_straggler=args.exclude_straggler,
             )
     except (JobSpecError, OSError) as e:
         parser.error(str(e))
@@ -161,7 +178,10 @@ def run(argv: Sequence[str] | None = None) -> int:
         from dlrover.cli.ray_master import submit_to_ray
 
         return submit_to_ray(
-            spec, port=args.port, advertise=args.advertise_address, relaunch_delay_s=args.relaunch_delay
+            spec,
+            port=args.port,
+            advertise=args.advertise_address,
+            relaunch_delay_s=args.relaunch_delay,
         )
     supervised = os.environ.pop(ENV_SUPERVISED, "")
     if not supervised:

@@ -188,6 +188,31 @@ def build_parser() -> argparse.ArgumentParser:
         "0: off. Default 600.",
     )
     p.add_argument(
+        "--node-check",
+        "--node_check",
+        "--network-check",
+        "--network_check",
+        dest="node_check",
+        action="store_true",
+        help="Before training, check every node: a compute test (matmul) and a collective test "
+        "(allreduce in pairs of nodes); a faulty node is named within 2 check rounds and leaves "
+        "the job (its engine replaces it), stragglers are logged. Needs torch on every node.",
+    )
+    _add(
+        p,
+        "--exclude-straggler",
+        action="store_true",
+        help="With --node-check: a straggler leaves the job too (its engine replaces it).",
+    )
+    _add(
+        p,
+        "--straggler-ratio",
+        type=float,
+        default=2.0,
+        help="A node whose check compute time is above this multiple of the other nodes' median "
+        "is a straggler (default 2).",
+    )
+    p.add_argument(
         "--fast-restart",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -260,6 +285,10 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         raise ValueError(
             f"--hang-warning-timeout {args.hang_warning_timeout}: must be >= 0 (0 turns it off)"
         )
+    if args.straggler_ratio <= 1:
+        raise ValueError(f"--straggler-ratio {args.straggler_ratio}: must be > 1")
+    if args.exclude_straggler and not args.node_check:
+        raise ValueError("--exclude-straggler needs --node-check (stragglers are found by it)")
     if args.monitor_interval <= 0:
         raise ValueError(f"--monitor-interval {args.monitor_interval}: must be > 0")
     red_default, red = parse_std_spec(args.redirects, "--redirects")
@@ -306,6 +335,9 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         stop_grace_s=args.shutdown_timeout,
         hang_timeout_s=args.hang_timeout,
         hang_warning_timeout_s=args.hang_warning_timeout,
+        node_check=args.node_check,
+        exclude_straggler=args.exclude_straggler,
+        straggler_ratio=args.straggler_ratio,
     )
 
 

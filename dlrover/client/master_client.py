@@ -170,6 +170,18 @@ class MasterClient:
         request.wait_s = wait_s
         return self.call(self.stub.ReportNodeStatus, request, self._held(wait_s)).job_done
 
+    def join_node_check(self, join: api.NodeCheckJoin, wait_s: float = 0.0) -> api.NodeCheckTask:
+        """Join a node-check round (JoinNodeCheck RPC); ``wait_s`` > 0 holds the call until every
+        member joined it or the verdict is out (a long poll)."""
+        request = wire.check_join_to_pb(join, wait_s)
+        return wire.check_task_from_pb(
+            self.call(self.stub.JoinNodeCheck, request, self._held(wait_s))
+        )
+
+    def report_node_check(self, report: api.NodeCheckReport) -> None:
+        """Report this node's result of a node-check round (ReportNodeCheck RPC)."""
+        self.call(self.stub.ReportNodeCheck, wire.check_report_to_pb(report))
+
     def get_job_status(self, with_nodes: bool = True) -> api.JobStatus:
         """The job and (``with_nodes``) its nodes as the master sees them (GetJobStatus RPC)."""
         request = pb.GetJobStatusRequest(without_nodes=not with_nodes)

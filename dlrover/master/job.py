@@ -10,10 +10,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from dlrover.api.master import NodeCheckJoin, NodeCheckReport, NodeCheckState, NodeCheckTask
 from dlrover.checkpoint.coordinator import CommitVotes
 from dlrover.constants import DEFAULT_HEARTBEAT_TIMEOUT_S, HEARTBEATS_PER_S_BUDGET
 from dlrover.master.changes import ChangeFeed
 from dlrover.master.kv_store import KvStore
+from dlrover.master.node_check import CheckResult, CheckSettings, NodeCheck
 from dlrover.master.nodes import ALIVE_STATES, Node, NodeError, NodeState, NodeTable
 from dlrover.master.rendezvous import RendezvousConfig, RendezvousError, RendezvousManager, World
 from dlrover.master.sharding_service import ShardingService
@@ -106,6 +108,14 @@ class JobMaster:
         self.rendezvous: RendezvousManager | None = None
         self.rounds = ChangeFeed()
         self.membership = ChangeFeed()
+        self.checks = ChangeFeed()
+        """Bumped when a node check pairs a round or decides (its joins wait on it)."""
+        self._check: NodeCheck | None = None
+        self._checked: set[str] = set()
+        """Nodes that passed a node check (a later round checks only if a member is new)."""
+        self.check_words: dict[str, str] = {}
+        """node id -> the node check's word on it (`dlrover status`)."""
+        self.check_summary = ""
         self._activated_round = 0
         # The longest heartbeat interval told recently (see heartbeat_interval_s); a restarted
         # master assumes its nodes were told what their number asks for.
@@ -304,6 +314,97 @@ class JobMaster:
         self.nodes.touch(node_id)
         return self._rdzv().num_nodes_waiting(node_id, round)
 
+    # --- the pre-flight node check ----------------------------------------------------------
+    def join_node_check(self, join: NodeCheckJoin) -> None:
+        """A node is ready for a round of the node check of its rendezvous round (see
+        dlrover/master/node_check.py). The check starts with the first join of a closed round's
+        member; a join for an older rendezvous round is answered REFORM by `node_check_task`."""
+        self.nodes.get(join.node_id, join.incarnation)
+        self.nodes.touch(join.node_id)
+        with self._lock:
+            world = self.rendezvous.world if self.rendezvous else None
+            if world is None or world.round != join.rdzv_round:
+                return
+            if self._check is None or self._check.rdzv_round != world.round:
+                members = [m.node_id for m in sorted(world.members, key=lambda m: m.node_rank)]
+                self._check = NodeCheck(
+                    world.round,
+                    members,
+                    CheckSettings(join.straggler_ratio, join.exclude_stragglers),
+                    self._clock,
+                    already_checked=self._checked,
+                )
+                logger.info(
+                    "node check of round %d: %d nodes (%s)",
+                    world.round,
+                    len(members),
+                    "all checked before" if self._check.verdict else "checking",
+                )
+            self._check.join(join.node_id, join.check_round, join.addr)
+            self._after_check_change()
+
+    def node_check_task(
+        self, node_id: str, rdzv_round: int, check_round: int
+    ) -> NodeCheckTask | None:
+        """What the node must do for ``check_round``; None while the round waits for members."""
+        with self._lock:
+            check = self._check
+            if check is None or check.rdzv_round != rdzv_round:
+                return NodeCheckTask(
+                    NodeCheckState.REFORM, check_round, summary="the world changed; join again"
+                )
+            return check.task(node_id, check_round)
+
+    def report_node_check(self, report: NodeCheckReport) -> None:
+        """Record a node's result of a check round."""
+        self.nodes.get(report.node_id, report.incarnation)
+        self.nodes.touch(report.node_id)
+        with self._lock:
+            check = self._check
+            if check is None or check.rdzv_round != report.rdzv_round:
+                return
+            if not report.ok:
+                logger.warning(
+                    "node check round %d: node %s failed: %s",
+                    report.check_round,
+                    report.node_id,
+                    report.error,
+                )
+            check.report(
+                report.node_id,
+                report.check_round,
+                CheckResult(report.ok, report.compute_s, report.comm_s, report.error),
+            )
+            self._after_check_change()
+
+    def node_check_deadline(self) -> float | None:
+        """When the running check round times out (master clock), or None."""
+        check = self._check
+        return check.deadline() if check is not None else None
+
+    def _after_check_change(self) -> None:
+        """Wake the check's waiters; once the verdict is out, act on it (once)."""
+        check = self._check
+        assert check is not None
+        verdict = check.verdict
+        if verdict is not None and not check.applied:
+            check.applied = True
+            if verdict.rounds:
+                logger.info("%s", verdict.summary)
+                self.check_summary = verdict.summary
+            for node in check.members:
+                if node in verdict.faulty:
+                    self.check_words[node] = "faulty"
+                elif node in verdict.stragglers:
+                    self.check_words[node] = f"straggler {verdict.stragglers[node]:.1f}x"
+                elif node in verdict.times:
+                    self.check_words[node] = f"ok {verdict.times[node]:.2f}s"
+                if node not in verdict.excluded:
+                    self._checked.add(node)
+            for node in verdict.excluded:
+                self.node_lost(node, f"excluded by the node check: {verdict.summary}")
+        self.checks.bump()
+
     # --- the end -----------------------------------------------------------------------------
     def report_node_status(
         self, node_id: str, incarnation: int, status: str, exit_code: int, reason: str
@@ -360,10 +461,18 @@ class JobMaster:
             return  # it died before it registered: nothing of it is in the job
         if node.state in ALIVE_STATES:
             self.nodes.set_state(node_id, NodeState.LOST, reason)
+        self._check_lost(node_id, reason)
         if self.rendezvous is not None:
             self.rendezvous.leave(node_id, reason)
         self.sharding.recover_node(node_id)
         self.membership.bump()
+
+    def _check_lost(self, node_id: str, reason: str) -> None:
+        with self._lock:
+            check = self._check
+            if check is not None and check.verdict is None and node_id in check.members:
+                check.abort(f"node {node_id} left ({reason})")
+                self.checks.bump()
 
     def tick(self) -> None:
         """Time-based work: lose nodes whose heartbeats stopped, close a round whose last call
@@ -372,12 +481,16 @@ class JobMaster:
         expired = self.nodes.expired(timeout)
         for node in expired:
             self.nodes.set_state(node.node_id, NodeState.LOST, f"no heartbeat for {timeout:.1f}s")
+            self._check_lost(node.node_id, "lost")
             if self.rendezvous is not None:
                 self.rendezvous.leave(node.node_id, "lost")
             self.sharding.recover_node(node.node_id)
         if expired:
             self.membership.bump()
         self.sharding.tick()
+        with self._lock:
+            if self._check is not None and self._check.tick():
+                self._after_check_change()
         self.close_round_if_due()
         with self._lock:
             if (

@@ -242,6 +242,32 @@ class LocalMasterApi:
                 report.reason,
             )
 
+    def join_node_check(self, join: api.NodeCheckJoin, wait_s: float = 0.0) -> api.NodeCheckTask:
+        """Record the node ready for the check round; its task once every member joined the
+        round or the verdict is out. ``wait_s``: see `node_check_poll`."""
+        return self._hold(self.node_check_poll(join), wait_s)
+
+    def node_check_poll(self, join: api.NodeCheckJoin) -> LongPoll[api.NodeCheckTask]:
+        """Record the join now (raises for an unknown node or a stale incarnation), then wait for
+        the node's task: RUN once the round is paired, DONE / REFORM once decided."""
+        with _refusals():
+            self.job.join_node_check(join)
+
+        def task() -> api.NodeCheckTask | None:
+            return self.job.node_check_task(join.node_id, join.rdzv_round, join.check_round)
+
+        return LongPoll(
+            self.job.checks,
+            task,
+            lambda: task() or api.NodeCheckTask(api.NodeCheckState.WAIT, join.check_round),
+            self.job.node_check_deadline,
+        )
+
+    def report_node_check(self, report: api.NodeCheckReport) -> None:
+        """Record the node's result of a check round."""
+        with _refusals():
+            self.job.report_node_check(report)
+
     def get_job_status(self, with_nodes: bool = True) -> api.JobStatus:
         """The job and (``with_nodes``) every node now; heartbeat ages come from the master's
         clock."""
@@ -265,9 +291,11 @@ class LocalMasterApi:
                     role=n.role,
                     cpu_percent=n.cpu_percent,
                     memory_bytes=n.memory_bytes,
+                    check=job.check_words.get(n.node_id, ""),
                 )
                 for n in (job.nodes.all() if with_nodes else ())
             ),
+            node_check=job.check_summary,
         )
 
     def stop_job(self, reason: str) -> api.JobStatus:

@@ -208,7 +208,9 @@ class MasterServicer(pb_grpc.MasterServicer):
         self.api = LocalMasterApi(job)
         self._loop = loop
         self._executor = executor
-        self._wakers = {id(feed): _Waker(loop, feed) for feed in (job.rounds, job.membership)}
+        self._wakers = {
+            id(feed): _Waker(loop, feed) for feed in (job.rounds, job.membership, job.checks)
+        }
 
     def close(self) -> None:
         """Detach from the job's change feeds."""
@@ -333,6 +335,27 @@ class MasterServicer(pb_grpc.MasterServicer):
         poll = await _guard(context, lambda: self.api.exit_poll(wire.node_report_from_pb(request)))
         done = await _guard_async(context, self._hold(poll, request.wait_s))
         return pb.ReportNodeStatusResponse(job_done=done)
+
+    async def JoinNodeCheck(
+        self, request: pb.JoinNodeCheckRequest, context: grpc.aio.ServicerContext
+    ) -> pb.NodeCheckTask:  # noqa: N802
+        """Record a node ready for a node-check round; answer its task once every member joined
+        the round or the verdict is out (with ``wait_s``, a long poll)."""
+        join = wire.check_join_from_pb(request)
+        poll = await _guard(context, lambda: self.api.node_check_poll(join))
+        task = await _guard_async(context, self._hold(poll, request.wait_s))
+        return wire.check_task_to_pb(task)
+
+    async def ReportNodeCheck(
+        self, request: pb.ReportNodeCheckRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReportNodeCheckResponse:  # noqa: N802
+        """Record a node's result of a node-check round."""
+
+        def run() -> pb.ReportNodeCheckResponse:
+            self.api.report_node_check(wire.check_report_from_pb(request))
+            return pb.ReportNodeCheckResponse()
+
+        return await _guard(context, run)
 
     async def GetJobStatus(
         self, request: pb.GetJobStatusRequest, context: grpc.aio.ServicerContext

@@ -243,7 +243,7 @@ class GetJobStatusRequest(_message.Message):
     def __init__(self, without_nodes: _Optional[bool] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("node_id", "state", "node_rank", "host", "step", "restart_count", "last_heartbeat_age_s", "role", "cpu_percent", "memory_bytes")
+    __slots__ = ("node_id", "state", "node_rank", "host", "step", "restart_count", "last_heartbeat_age_s", "role", "cpu_percent", "memory_bytes", "check")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     NODE_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -254,6 +254,7 @@ class NodeStatus(_message.Message):
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CPU_PERCENT_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECK_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     state: str
     node_rank: int
@@ -264,23 +265,88 @@ class NodeStatus(_message.Message):
     role: str
     cpu_percent: float
     memory_bytes: int
-    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[str] = ..., node_rank: _Optional[int] = ..., host: _Optional[str] = ..., step: _Optional[int] = ..., restart_count: _Optional[int] = ..., last_heartbeat_age_s: _Optional[float] = ..., role: _Optional[str] = ..., cpu_percent: _Optional[float] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
+    check: str
+    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[str] = ..., node_rank: _Optional[int] = ..., host: _Optional[str] = ..., step: _Optional[int] = ..., restart_count: _Optional[int] = ..., last_heartbeat_age_s: _Optional[float] = ..., role: _Optional[str] = ..., cpu_percent: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., check: _Optional[str] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job_name", "state", "round", "nodes", "reason", "exit_code")
+    __slots__ = ("job_name", "state", "round", "nodes", "reason", "exit_code", "node_check")
     JOB_NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    NODE_CHECK_FIELD_NUMBER: _ClassVar[int]
     job_name: str
     state: str
     round: int
     nodes: _containers.RepeatedCompositeFieldContainer[NodeStatus]
     reason: str
     exit_code: int
-    def __init__(self, job_name: _Optional[str] = ..., state: _Optional[str] = ..., round: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., reason: _Optional[str] = ..., exit_code: _Optional[int] = ...) -> None: ...
+    node_check: str
+    def __init__(self, job_name: _Optional[str] = ..., state: _Optional[str] = ..., round: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., reason: _Optional[str] = ..., exit_code: _Optional[int] = ..., node_check: _Optional[str] = ...) -> None: ...
+
+class JoinNodeCheckRequest(_message.Message):
+    __slots__ = ("node_id", "incarnation", "rdzv_round", "check_round", "addr", "straggler_ratio", "exclude_stragglers", "wait_s")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    RDZV_ROUND_FIELD_NUMBER: _ClassVar[int]
+    CHECK_ROUND_FIELD_NUMBER: _ClassVar[int]
+    ADDR_FIELD_NUMBER: _ClassVar[int]
+    STRAGGLER_RATIO_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDE_STRAGGLERS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    incarnation: int
+    rdzv_round: int
+    check_round: int
+    addr: str
+    straggler_ratio: float
+    exclude_stragglers: bool
+    wait_s: float
+    def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., rdzv_round: _Optional[int] = ..., check_round: _Optional[int] = ..., addr: _Optional[str] = ..., straggler_ratio: _Optional[float] = ..., exclude_stragglers: _Optional[bool] = ..., wait_s: _Optional[float] = ...) -> None: ...
+
+class NodeCheckTask(_message.Message):
+    __slots__ = ("state", "check_round", "peers", "index", "excluded", "reason", "summary")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    CHECK_ROUND_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    state: str
+    check_round: int
+    peers: _containers.RepeatedScalarFieldContainer[str]
+    index: int
+    excluded: bool
+    reason: str
+    summary: str
+    def __init__(self, state: _Optional[str] = ..., check_round: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ..., index: _Optional[int] = ..., excluded: _Optional[bool] = ..., reason: _Optional[str] = ..., summary: _Optional[str] = ...) -> None: ...
+
+class ReportNodeCheckRequest(_message.Message):
+    __slots__ = ("node_id", "incarnation", "rdzv_round", "check_round", "ok", "compute_s", "comm_s", "error")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    RDZV_ROUND_FIELD_NUMBER: _ClassVar[int]
+    CHECK_ROUND_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    COMM_S_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    incarnation: int
+    rdzv_round: int
+    check_round: int
+    ok: bool
+    compute_s: float
+    comm_s: float
+    error: str
+    def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., rdzv_round: _Optional[int] = ..., check_round: _Optional[int] = ..., ok: _Optional[bool] = ..., compute_s: _Optional[float] = ..., comm_s: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
+
+class ReportNodeCheckResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class StopJobRequest(_message.Message):
     __slots__ = ("reason",)

@@ -89,6 +89,16 @@ class MasterStub:
                 request_serializer=dlrover_dot_proto_dot_master__pb2.StopJobRequest.SerializeToString,
                 response_deserializer=dlrover_dot_proto_dot_master__pb2.JobStatus.FromString,
                 _registered_method=True)
+        self.JoinNodeCheck = channel.unary_unary(
+                '/dlrover.Master/JoinNodeCheck',
+                request_serializer=dlrover_dot_proto_dot_master__pb2.JoinNodeCheckRequest.SerializeToString,
+                response_deserializer=dlrover_dot_proto_dot_master__pb2.NodeCheckTask.FromString,
+                _registered_method=True)
+        self.ReportNodeCheck = channel.unary_unary(
+                '/dlrover.Master/ReportNodeCheck',
+                request_serializer=dlrover_dot_proto_dot_master__pb2.ReportNodeCheckRequest.SerializeToString,
+                response_deserializer=dlrover_dot_proto_dot_master__pb2.ReportNodeCheckResponse.FromString,
+                _registered_method=True)
         self.CheckpointPersisted = channel.unary_unary(
                 '/dlrover.Master/CheckpointPersisted',
                 request_serializer=dlrover_dot_proto_dot_master__pb2.CheckpointPersistedRequest.SerializeToString,
@@ -231,6 +241,20 @@ class MasterServicer:
     def StopJob(self, request, context):
         """End the job from outside (dlrover stop): agents stop their workers, nodes are removed.
         """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def JoinNodeCheck(self, request, context):
+        """The pre-flight node check (dlrover-run --node-check): join a check round (held until every
+        member joined it or the verdict is out), run it, report its result.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportNodeCheck(self, request, context):
+        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -384,6 +408,16 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.StopJob,
                     request_deserializer=dlrover_dot_proto_dot_master__pb2.StopJobRequest.FromString,
                     response_serializer=dlrover_dot_proto_dot_master__pb2.JobStatus.SerializeToString,
+            ),
+            'JoinNodeCheck': grpc.unary_unary_rpc_method_handler(
+                    servicer.JoinNodeCheck,
+                    request_deserializer=dlrover_dot_proto_dot_master__pb2.JoinNodeCheckRequest.FromString,
+                    response_serializer=dlrover_dot_proto_dot_master__pb2.NodeCheckTask.SerializeToString,
+            ),
+            'ReportNodeCheck': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportNodeCheck,
+                    request_deserializer=dlrover_dot_proto_dot_master__pb2.ReportNodeCheckRequest.FromString,
+                    response_serializer=dlrover_dot_proto_dot_master__pb2.ReportNodeCheckResponse.SerializeToString,
             ),
             'CheckpointPersisted': grpc.unary_unary_rpc_method_handler(
                     servicer.CheckpointPersisted,
@@ -748,6 +782,60 @@ class Master:
             '/dlrover.Master/StopJob',
             dlrover_dot_proto_dot_master__pb2.StopJobRequest.SerializeToString,
             dlrover_dot_proto_dot_master__pb2.JobStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def JoinNodeCheck(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dlrover.Master/JoinNodeCheck',
+            dlrover_dot_proto_dot_master__pb2.JoinNodeCheckRequest.SerializeToString,
+            dlrover_dot_proto_dot_master__pb2.NodeCheckTask.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportNodeCheck(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dlrover.Master/ReportNodeCheck',
+            dlrover_dot_proto_dot_master__pb2.ReportNodeCheckRequest.SerializeToString,
+            dlrover_dot_proto_dot_master__pb2.ReportNodeCheckResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -6,13 +6,17 @@ separated by ``;``, each ``kind:key=value:...``, for example::
     kill:rank=1:step=5;raise:rank=0:step=3:restart=1;hang:rank=1:step=4;slow:rank=1:factor=3
 
 Kinds: ``kill`` (SIGKILL itself), ``raise`` (RuntimeError), ``hang`` (block, forever or for
-``seconds``), ``slow`` (each step from ``step`` on takes ``factor`` times as long), ``exit``
-(``os._exit(code)``, as a native library calling exit would), ``kill_agent`` (SIGKILL the pid
-in DLROVER_AGENT_PID). Keys: ``rank`` (global RANK; default every rank), ``step`` (required,
-except for slow: default 0), ``restart`` (TORCHELASTIC_RESTART_COUNT the fault fires on;
-default 0 so a restarted worker recovers; ``*`` for every restart), ``once`` (a file path: the
-fault fires only if the file does not exist yet, and creates it; a replacement node's workers,
-whose restart count starts at 0 again, then do not repeat it).
+``seconds``), ``slow`` (each step from ``step`` on takes ``factor`` times as long; the node
+check's compute test too), ``exit`` (``os._exit(code)``, as a native library calling exit
+would), ``kill_agent`` (SIGKILL the pid in DLROVER_AGENT_PID), ``collective_fail`` (the node
+check's collective test fails on that node: give ``node``). Keys: ``rank`` (global RANK; default
+every rank), ``node`` (the node slot an engine launched, the N of ``<job>-worker-N-<attempt>``,
+on its first attempt only: a replacement is another machine; ``dlrover-run --node-rank N``
+without an engine), ``step`` (required, except for slow and collective_fail: default 0),
+``restart`` (TORCHELASTIC_RESTART_COUNT the fault fires on; default 0 so a restarted worker
+recovers; ``*`` for every restart), ``once`` (a file path: the fault fires only if the file does
+not exist yet, and creates it; a replacement node's workers, whose restart count starts at 0
+again, then do not repeat it). Example: ``slow:node=1:factor=3`` makes node 1 a straggler.
 """
 
 from __future__ import annotations
@@ -26,13 +30,16 @@ from dataclasses import dataclass
 from enum import Enum
 
 from dlrover import worker_context
+from dlrover.constants import ENV_NODE_ID
 
 ENV_FAULTS = "DLROVER_FAULTS"
 """The fault list (syntax in the module docstring)."""
 ENV_AGENT_PID = "DLROVER_AGENT_PID"
+
 """Pid of the worker's agent, for the kill_agent fault (the agent exports it)."""
 
-_COMMON_KEYS = frozenset({"rank", "step", "restart", "once"})
+_COMMON_KEYS = frozenset({"rank", "node", "step", "restart", "once"})
+_STEPLESS = frozenset({"slow", "collective_fail"})
 _EXTRA_KEYS = {
     "exit": frozenset({"code"}),
     "slow": frozenset({"factor"}),
@@ -50,6 +57,7 @@ class FaultKind(Enum):
     SLOW = "slow"
     EXIT = "exit"
     KILL_AGENT = "kill_agent"
+    COLLECTIVE_FAIL = "collective_fail"
 
 
 class FaultSpecError(ValueError):
@@ -76,6 +84,8 @@ class Fault:
     """For hang: block this long then go on; None blocks until killed."""
     once: str = ""
     """A marker file: fire only if it does not exist yet (and create it)."""
+    node: int | None = None
+    """The node slot it is meant for (first attempt only); None: every node."""
 
     def claim(self) -> bool:
         """True if the fault may fire now; with `once`, only the first claim anywhere succeeds."""
@@ -87,12 +97,19 @@ class Fault:
             return False
         return True
 
-    def applies(self, rank: int, restart_count: int) -> bool:
+    def applies(self, rank: int, restart_count: int, node: tuple[int, int] | None = None) -> bool:
         """Whether the fault is meant for the worker of global ``rank`` in restart
-        ``restart_count``."""
-        return (self.rank is None or self.rank == rank) and (
-            self.restart is None or self.restart == restart_count
+        ``restart_count`` on ``node`` (its slot and attempt, see `node_slot`)."""
+        return (
+            (self.rank is None or self.rank == rank)
+            and (self.restart is None or self.restart == restart_count)
+            and self.on_node(node)
         )
+
+    def on_node(self, node: tuple[int, int] | None) -> bool:
+        """Whether the fault is meant for ``node`` (slot, attempt): any node without a ``node``
+        key, else that slot's first attempt."""
+        return self.node is None or (node is not None and node == (self.node, 0))
 
     def describe(self) -> str:
         """One line for logs, e.g. ``kill on rank 1 at step 5 (restart 0)``."""
@@ -140,8 +157,10 @@ def parse_fault(item: str) -> Fault:
                 f"{item!r}: bad field {pair!r}; {kind.value} takes {', '.join(sorted(allowed))}"
             )
         values[key] = value
-    if "step" not in values and kind is not FaultKind.SLOW:
+    if "step" not in values and kind.value not in _STEPLESS:
         raise FaultSpecError(f"{item!r}: {kind.value} needs step=N")
+    if kind is FaultKind.COLLECTIVE_FAIL and "node" not in values:
+        raise FaultSpecError(f"{item!r}: collective_fail needs node=N")
     if kind is FaultKind.SLOW and "factor" not in values:
         raise FaultSpecError(f"{item!r}: slow needs factor=X (X >= 1)")
     restart = values.get("restart", "0")
@@ -154,7 +173,31 @@ def parse_fault(item: str) -> Fault:
         factor=_float(item, "factor", values.get("factor", "1"), 1.0),
         seconds=_float(item, "seconds", values["seconds"], 0.0) if "seconds" in values else None,
         once=values.get("once", ""),
+        node=_int(item, "node", values["node"], 0) if "node" in values else None,
     )
+
+
+def node_slot(node_id: str, node_rank: int = -1) -> tuple[int, int] | None:
+    """(slot, attempt) of a node an engine named ``<job>-<role>-<slot>-<attempt>``; else
+    (``node_rank``, 0) for a node started by hand with --node-rank; else None."""
+    parts = node_id.rsplit("-", 2)
+    if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit():
+        return int(parts[1]), int(parts[2])
+    return (node_rank, 0) if node_rank >= 0 else None
+
+
+def node_check_faults(text: str, node: tuple[int, int] | None) -> tuple[float, bool]:
+    """What the node check of ``node`` injects: (slow factor of its compute test, whether its
+    collective test fails), from a DLROVER_FAULTS value."""
+    factor, fail = 1.0, False
+    for fault in parse_faults(text):
+        if fault.node is None or not fault.on_node(node):
+            continue  # node checks take node faults only, not a worker's rank faults
+        if fault.kind is FaultKind.SLOW:
+            factor *= fault.factor
+        elif fault.kind is FaultKind.COLLECTIVE_FAIL:
+            fail = True
+    return factor, fail
 
 
 def parse_faults(text: str) -> tuple[Fault, ...]:
@@ -173,8 +216,14 @@ class FaultInjector:
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
         agent_pid: int | None = None,
+        node: tuple[int, int] | None = None,
     ) -> None:
-        self._faults = tuple(fault for fault in faults if fault.applies(rank, restart_count))
+        self._faults = tuple(
+            fault
+            for fault in faults
+            if fault.applies(rank, restart_count, node)
+            and fault.kind is not FaultKind.COLLECTIVE_FAIL
+        )
         self._rank = rank
         self._clock = clock
         self._sleep = sleep
@@ -193,6 +242,7 @@ class FaultInjector:
             rank=int(env.get(worker_context.RANK, "0")),
             restart_count=int(env.get(worker_context.RESTART_COUNT, "0")),
             agent_pid=int(agent) if agent.isdigit() else None,
+            node=node_slot(env.get(ENV_NODE_ID, "")),
         )
 
     @property
@@ -252,7 +302,13 @@ def maybe_inject(step: int, cache: dict[str, FaultInjector] | None = None) -> No
     """
     key = "|".join(
         os.environ.get(name, "")
-        for name in (ENV_FAULTS, worker_context.RANK, worker_context.RESTART_COUNT, ENV_AGENT_PID)
+        for name in (
+            ENV_FAULTS,
+            worker_context.RANK,
+            worker_context.RESTART_COUNT,
+            ENV_AGENT_PID,
+            ENV_NODE_ID,
+        )
     )
     store = _INJECTORS if cache is None else cache
     injector = store.get(key)

@@ -61,7 +61,7 @@ def test_parse_every_kind() -> None:
         ("kill:rank=1", "kill needs step=N"),
         ("kill:step=x", "step='x' is not an integer"),
         ("kill:step=-1", "step must be >= 0"),
-        ("kill:step=1:code=3", "bad field 'code=3'; kill takes once, rank, restart, step"),
+        ("kill:step=1:code=3", "bad field 'code=3'; kill takes node, once, rank, restart, step"),
         ("slow:rank=1", "slow needs factor=X"),
         ("slow:factor=0.5", "factor must be >= 1.0"),
         ("kill:step", "bad field 'step'"),
