@@ -62,3 +62,6 @@ ENV_AGENT_PID = "DLROVER_AGENT_PID"
 DEFAULT_MASTER_RECONNECT_S = 120.0
 """How long a node keeps calling a master that does not answer (it may be restarting on its
 saved state) before it gives up on a call that cannot be skipped."""
+
+ENV_STRAGGLER_REPORT_S = "DLROVER_STRAGGLER_REPORT_S"
+"""Seconds between runtime straggler reports of a master (default 60; tests shorten it)."""

@@ -69,7 +69,8 @@ class JobSpec:
     node_check: bool = False
     """Check every node before training (`dlrover-run --node-check`)."""
     exclude_straggler: bool = False
-    """With node_check: a straggler is replaced too (`dlrover-run --exclude-straggler`)."""
+    """Replace stragglers: those the node check finds (`dlrover-run --exclude-straggler`) and
+    nodes that stay slow while training (runtime scores, dlrover/master/stragglers.py)."""
 
     @property
     def nnodes(self) -> str:
@@ -85,7 +86,7 @@ class JobSpec:
             f"--nproc-per-node={self.nproc_per_node}",
             f"--max-restarts={self.max_restarts}",
             *(["--node-check"] if self.node_check else []),
-            *(["--exclude-straggler"] if self.exclude_straggler else []),
+            *(["--exclude-straggler"] if self.node_check and self.exclude_straggler else []),
             self.entrypoint,
             *self.args,
         )
@@ -244,8 +245,6 @@ def job_spec_from_dict(raw: Mapping[str, Any]) -> JobSpec:
         if not isinstance(value, bool):
             raise JobSpecError(f"{key} is {value!r}; it must be true or false")
         flags[key] = value
-    if flags["exclude_straggler"] and not flags["node_check"]:
-        raise JobSpecError("exclude_straggler needs node_check: true (the check finds stragglers)")
     settings = raw.get("engine_settings") or {}
     if not isinstance(settings, Mapping):
         raise JobSpecError("engine_settings must be a mapping")

@@ -393,6 +393,7 @@ class ElasticAgent:
             step=step,
             worker_state=self.state.value,
             restart_count=self.restart_count,
+            step_time_s=self._monitor.step_time_s if self._monitor is not None else 0.0,
         )
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from dlrover.agent.config import AgentConfig
 from dlrover.agent.launch_plan import LaunchPlan
-from dlrover.agent.progress_watch import ProgressWatch, Stall
+from dlrover.agent.progress_watch import ProgressWatch, Stall, StepTimes
 from dlrover.agent.stacks import collect_stacks, cpu_seconds
 from dlrover.agent.workers import WorkerExit, WorkerGroup
 from dlrover.trainer.progress import read_step_file
@@ -82,6 +82,7 @@ class WorkerMonitor:
         self._signals = signals
         self._done: dict[int, WorkerExit] = {}
         self._progress = ProgressWatch(config.nproc_per_node, time.time())
+        self._step_times = StepTimes()
         self._next_progress_check = 0.0
         self._next_membership_check = 0.0
         self.step = step
@@ -140,6 +141,11 @@ class WorkerMonitor:
             return Outcome.SUCCEEDED
         return None
 
+    @property
+    def step_time_s(self) -> float:
+        """The node's busy seconds per step lately (0.0 before a window was measured)."""
+        return self._step_times.step_time_s
+
     def check_progress(self) -> bool:
         """Update the node's step and the workers' progress; True when a worker hangs (the
         opt-in --hang-timeout). Workers without progress for --hang-warning-timeout get a
@@ -152,7 +158,8 @@ class WorkerMonitor:
         for local_rank, files in enumerate(self._plan.files):
             record = read_step_file(files.step_file)
             if record is not None:
-                self.step = max(self.step, record[0])
+                self.step = max(self.step, record.step)
+                self._step_times.observe(local_rank, record, now)
             pid = pids.get(local_rank)
             cpu = cpu_seconds(pid) if watch_cpu and pid and local_rank not in done else None
             self._progress.observe(local_rank, record, cpu, now)

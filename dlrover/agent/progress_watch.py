@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dlrover.trainer.progress import StepRecord
+
 MIN_CPU_SHARE = 0.01
 """A worker that never reported a step counts as progressing while it uses at least this share of
 one core (plus one clock tick) since its last progress: blocked in a collective it uses ~0."""
@@ -16,8 +18,8 @@ CPU_TICK_S = 0.01
 class _Rank:
     step: int = -1
     """Latest step the worker reported; -1 while it has reported none."""
-    record: tuple[int, float] | None = None
-    """The step file's latest (step, wall time) record."""
+    record: StepRecord | None = None
+    """The step file's latest record."""
     progress_at: float = 0.0
     """Wall time of the worker's latest progress (new step, or enough CPU used)."""
     cpu_mark_s: float = 0.0
@@ -58,9 +60,9 @@ class ProgressWatch:
         self._ranks = [_Rank(progress_at=started_at) for _ in range(num_workers)]
 
     def observe(
-        self, local_rank: int, step_record: tuple[int, float] | None, cpu_s: float | None, now: float
+        self, local_rank: int, step_record: StepRecord | None, cpu_s: float | None, now: float
     ) -> None:
-        """Feed one sample: the worker's step file record (step, wall time) and CPU seconds."""
+        """Feed one sample: the worker's step file record and CPU seconds."""
         rank = self._ranks[local_rank]
         if step_record is not None and step_record != rank.record:
             rank.record = step_record
@@ -104,3 +106,39 @@ class ProgressWatch:
     def last_step(self, local_rank: int) -> int:
         """The latest step ``local_rank`` reported, or -1 if it never reported one."""
         return self._ranks[local_rank].step
+
+
+STEP_TIME_WINDOW_S = 10.0
+"""How often the node's step time is measured again (a heartbeat carries the latest)."""
+
+
+class StepTimes:
+    """The node's busy seconds per step, measured over windows of STEP_TIME_WINDOW_S from the
+    workers' step files: the slowest local worker's growth of `StepRecord.busy_s` over the steps
+    it did in the window (the master scores nodes against each other with it)."""
+
+    def __init__(self, window_s: float = STEP_TIME_WINDOW_S) -> None:
+        self._window_s = window_s
+        self._marks: dict[int, StepRecord] = {}
+        self._latest: dict[int, StepRecord] = {}
+        self._window_start: float | None = None
+        self.step_time_s = 0.0
+        """The last window's busy seconds per step (0.0 before one was measured)."""
+
+    def observe(self, local_rank: int, record: StepRecord, now: float) -> None:
+        """Feed a worker's latest record (any time; the window closes on the clock)."""
+        self._latest[local_rank] = record
+        self._marks.setdefault(local_rank, record)
+        if self._window_start is None:
+            self._window_start = now
+        if now - self._window_start < self._window_s:
+            return
+        rates = [
+            (latest.busy_s - mark.busy_s) / (latest.step - mark.step)
+            for rank, latest in self._latest.items()
+            if (mark := self._marks[rank]) and latest.step > mark.step
+        ]
+        if rates:
+            self.step_time_s = max(rates)
+        self._marks = dict(self._latest)
+        self._window_start = now

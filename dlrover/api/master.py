@@ -78,6 +78,8 @@ class HeartbeatReport:
     step: int = -1
     worker_state: str = ""
     restart_count: int = 0
+    step_time_s: float = 0.0
+    """The node's busy seconds per training step lately (0.0: not measured yet)."""
 
 
 @dataclass(frozen=True)
@@ -223,6 +225,8 @@ class NodeStatus:
     memory_bytes: int
     check: str = ""
     """The node check's word on it: ``ok 0.31s``, ``straggler 3.0x``, ``faulty``, or ""."""
+    score: float = 0.0
+    """Its last runtime straggler score: the fastest node's step time / its own (0.0: none)."""
 
 
 @dataclass(frozen=True)

@@ -93,6 +93,7 @@ def heartbeat_to_pb(h: api.HeartbeatReport) -> pb.HeartbeatRequest:
         step=h.step,
         worker_state=h.worker_state,
         restart_count=h.restart_count,
+        step_time_s=h.step_time_s,
     )
 
 
@@ -106,6 +107,7 @@ def heartbeat_from_pb(request: pb.HeartbeatRequest) -> api.HeartbeatReport:
         step=request.step,
         worker_state=request.worker_state,
         restart_count=request.restart_count,
+        step_time_s=request.step_time_s,
     )
 
 

@@ -27,14 +27,17 @@ def _status_table(status: JobStatus) -> str:
     if status.node_check:
         lines.append(status.node_check)
     check = any(n.check for n in status.nodes)
+    score = any(n.score for n in status.nodes)
     lines.append(
         f"{'node':<28} {'rank':>4} {'state':<10} {'step':>8} {'restarts':>8} {'cpu%':>6} {'mem MB':>8}"
+        + (f" {'score':>6}" if score else "")
         + ("  check" if check else "")
     )
     for n in sorted(status.nodes, key=lambda n: (n.node_rank, n.node_id)):
         lines.append(
             f"{n.node_id:<28} {n.node_rank:>4} {n.state:<10} {n.step:>8} "
             f"{n.restart_count:>8} {n.cpu_percent:>6.0f} {n.memory_bytes / 2**20:>8.0f}"
+            + (f" {n.score:>6.2f}" if score else "")
             + (f"  {n.check}" if check else "")
         )
     return "\n".join(lines)
@@ -119,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--exclude-straggler",
         action="store_true",
-        help="With --node-check: replace a node the check finds a straggler",
+        help="Replace stragglers: found by --node-check, or slow while training (runtime scores)",
     )
     s.add_argument("--port", type=int, default=0, help="The master's port (0: a free one)")
     s.add_argument(

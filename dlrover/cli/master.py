@@ -20,6 +20,7 @@ from dlrover.master.job import JobState
 from dlrover.master.rendezvous import RendezvousConfig, RendezvousError
 from dlrover.master.server import MasterServerError, job_name_for_token, new_token
 from dlrover.master.state_store import StateStoreError
+from dlrover.master.stragglers import DEFAULT_REPORT_S
 
 logger = logging.getLogger("dlrover.master")
 
@@ -157,6 +158,9 @@ def run(argv: Sequence[str] | None = None) -> int:
                 rendezvous=rdzv,
                 heartbeat_timeout_s=args.heartbeat_timeout,
                 owns_process=True,
+                straggler_report_s=float(
+                    os.environ.get(c.ENV_STRAGGLER_REPORT_S, "") or DEFAULT_REPORT_S
+                ),
             )
         )
     except (MasterServerError, StateStoreError, RendezvousError) as e:

@@ -29,6 +29,7 @@ from dlrover.master.node_controller import NodeController
 from dlrover.master.rendezvous import RendezvousConfig
 from dlrover.master.server import MasterServerError, new_token
 from dlrover.master.state_store import StateStoreError
+from dlrover.master.stragglers import DEFAULT_REPORT_S
 
 
 def make_engine(spec: JobSpec, job_dir: Path) -> Engine:
@@ -192,6 +193,10 @@ def serve_job(
                 state=state or str(db),
                 rendezvous=RendezvousConfig(spec.min_nodes, spec.max_nodes),
                 owns_process=True,
+                exclude_stragglers=spec.exclude_straggler,
+                straggler_report_s=float(
+                    os.environ.get(c.ENV_STRAGGLER_REPORT_S, "") or DEFAULT_REPORT_S
+                ),
             ),
             on_fenced=lambda newer: stop.set(),
         )

@@ -16,6 +16,7 @@ from dlrover.master.job import JobMaster, JobMasterConfig
 from dlrover.master.rendezvous import RendezvousConfig
 from dlrover.master.server import FULL_GC_EVERY_S, MasterServer
 from dlrover.master.state_store import StateMismatchError, StateStore, open_state_store
+from dlrover.master.stragglers import DEFAULT_REPORT_S
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,10 @@ class MasterSettings:
     rendezvous: RendezvousConfig | None = None
     """The node range; None: the first agent's --nnodes fixes it."""
     heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
+    straggler_report_s: float = DEFAULT_REPORT_S
+    """How often runtime straggler scores are computed."""
+    exclude_stragglers: bool = False
+    """Replace runtime stragglers (through the node controller's engine)."""
     owns_process: bool = False
     """The master is its process's main work (dlrover-master, dlrover submit), so it may set the
     process's garbage-collection policy (see MasterServer); not for a master embedded in an
@@ -105,6 +110,8 @@ def build_master(
                 job_name=settings.job_name,
                 rendezvous=settings.rendezvous,
                 heartbeat_timeout_s=settings.heartbeat_timeout_s,
+                straggler_report_s=settings.straggler_report_s,
+                exclude_stragglers=settings.exclude_stragglers,
             ),
             store,
         )

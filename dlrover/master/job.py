@@ -20,6 +20,7 @@ from dlrover.master.nodes import ALIVE_STATES, Node, NodeError, NodeState, NodeT
 from dlrover.master.rendezvous import RendezvousConfig, RendezvousError, RendezvousManager, World
 from dlrover.master.sharding_service import ShardingService
 from dlrover.master.state_store import StateStore
+from dlrover.master.stragglers import DEFAULT_REPORT_S, StragglerWatch
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,10 @@ class JobMasterConfig:
     heartbeats_per_s: float = HEARTBEATS_PER_S_BUDGET
     """The heartbeat budget of the whole job: agents are told to beat at most every
     nodes / budget seconds."""
+    straggler_report_s: float = DEFAULT_REPORT_S
+    """How often nodes' step times are scored (dlrover/master/stragglers.py)."""
+    exclude_stragglers: bool = False
+    """Replace a node that stays a runtime straggler (needs an engine: `take_replacements`)."""
 
 
 class JobMaster:
@@ -116,6 +121,10 @@ class JobMaster:
         self.check_words: dict[str, str] = {}
         """node id -> the node check's word on it (`dlrover status`)."""
         self.check_summary = ""
+        self.stragglers = StragglerWatch(clock, config.straggler_report_s)
+        self._replace: list[str] = []
+        self._excluded: set[str] = set()
+        """Nodes replaced as stragglers: they may not register again."""
         self._activated_round = 0
         # The longest heartbeat interval told recently (see heartbeat_interval_s); a restarted
         # master assumes its nodes were told what their number asks for.
@@ -168,6 +177,10 @@ class JobMaster:
                         f"but the job has {have.min_nodes}:{have.max_nodes}; start every node "
                         "with the same --nnodes"
                     )
+            if node_id in self._excluded:
+                raise NodeError(
+                    f"node {node_id} was replaced as a straggler; it may not join again"
+                )
             return self.nodes.register(node_id, host, role, local_world_size, requested_rank, pid)
 
     def _start_rendezvous(self, rdzv: RendezvousConfig) -> None:
@@ -197,10 +210,21 @@ class JobMaster:
             return max(self.config.heartbeat_timeout_s, 3.0 * self._told_high)
 
     def heartbeat(
-        self, node_id: str, incarnation: int, step: int, cpu: float, mem: int, restarts: int
+        self,
+        node_id: str,
+        incarnation: int,
+        step: int,
+        cpu: float,
+        mem: int,
+        restarts: int,
+        step_time_s: float = 0.0,
     ) -> str:
-        """Record liveness; returns the action for the agent ("", "stop" or "reregister")."""
+        """Record liveness (and the node's step time for straggler scores); returns the action
+        for the agent ("", "stop" or "reregister")."""
         state = self.nodes.record_heartbeat(node_id, incarnation, step, cpu, mem, restarts)
+        if step_time_s > 0:
+            with self._lock:
+                self.stragglers.observe(node_id, step_time_s)
         if state == NodeState.LOST:
             # A node that was presumed lost is heard again: it must re-register.
             return "reregister"
@@ -462,10 +486,54 @@ class JobMaster:
         if node.state in ALIVE_STATES:
             self.nodes.set_state(node_id, NodeState.LOST, reason)
         self._check_lost(node_id, reason)
+        with self._lock:
+            self.stragglers.forget(node_id)
         if self.rendezvous is not None:
             self.rendezvous.leave(node_id, reason)
         self.sharding.recover_node(node_id)
         self.membership.bump()
+
+    def _score_stragglers(self) -> None:
+        """A straggler report: score the running members of the current round; act on nodes
+        that stayed below the threshold for the set number of reports."""
+        world = self.rendezvous.world if self.rendezvous else None
+        if world is None or self.ended.is_set():
+            return
+        members = [
+            m.node_id for m in world.members if self.nodes.get(m.node_id).state == NodeState.RUNNING
+        ]
+        scores, new = self.stragglers.report(members)
+        if len(scores) < 2:
+            return
+        logger.info("straggler scores: %s", ", ".join(s.describe() for s in scores))
+        watch = self.stragglers
+        for node in new:
+            score = watch.scores[node]
+            action = (
+                "replacing it"
+                if self.config.exclude_stragglers
+                else "kept (no --exclude-straggler)"
+            )
+            logger.warning(
+                "runtime straggler: node %s scored below %.2f of the fastest node in %d reports in "
+                "a row (now %.2f, %.3fs/step); %s",
+                node,
+                watch.threshold,
+                watch.reports,
+                score.relative,
+                score.step_time_s,
+                action,
+            )
+            if self.config.exclude_stragglers:
+                self._excluded.add(node)
+                self._replace.append(node)
+
+    def take_replacements(self) -> list[str]:
+        """Nodes to replace as stragglers since the last call (the node controller deletes each
+        and launches its slot's next attempt)."""
+        with self._lock:
+            taken, self._replace = self._replace, []
+            return taken
 
     def _check_lost(self, node_id: str, reason: str) -> None:
         with self._lock:
@@ -491,6 +559,8 @@ class JobMaster:
         with self._lock:
             if self._check is not None and self._check.tick():
                 self._after_check_change()
+            if self.stragglers.due():
+                self._score_stragglers()
         self.close_round_if_due()
         with self._lock:
             if (

@@ -134,6 +134,7 @@ class LocalMasterApi:
                 report.cpu_percent,
                 report.memory_bytes,
                 report.restart_count,
+                report.step_time_s,
             )
         return api.HeartbeatReply(
             api.HeartbeatAction(action), self.job.state.value, self.job.heartbeat_interval_s()
@@ -273,6 +274,7 @@ class LocalMasterApi:
         clock."""
         job = self.job
         now = job.now()
+        scores = dict(job.stragglers.scores)
         return api.JobStatus(
             job_name=job.config.job_name,
             state=job.state.value,
@@ -292,6 +294,7 @@ class LocalMasterApi:
                     cpu_percent=n.cpu_percent,
                     memory_bytes=n.memory_bytes,
                     check=job.check_words.get(n.node_id, ""),
+                    score=scores[n.node_id].relative if n.node_id in scores else 0.0,
                 )
                 for n in (job.nodes.all() if with_nodes else ())
             ),

@@ -109,7 +109,13 @@ class NodeController:
         )
 
     def step(self, timeout_s: float) -> None:
-        """Handle the engine events that arrive within `timeout_s`."""
+        """Handle the engine events that arrive within `timeout_s`, and replace the nodes the
+        job asks to (runtime stragglers)."""
+        for node_id in self.job.take_replacements():
+            spec = self._replace_straggler(node_id)
+            if spec is not None:
+                self._save_slot(spec)
+                self._due.append((self._clock(), self._named(spec)))
         for event in self.engine.events(timeout_s):
             spec = self._on_event(event)
             if spec is not None:
@@ -124,6 +130,32 @@ class NodeController:
             except EngineError as e:
                 logger.error("relaunch failed: %s", e)
                 self.job.stop(f"could not relaunch nodes: {e}")
+
+    def _replace_straggler(self, node_id: str) -> NodeSpec | None:
+        """Delete a straggler node and return its slot's next attempt (None when the slot used
+        up its relaunches, or the node is gone already)."""
+        node = next(
+            (n for n in self.engine.list_nodes() if n.node_id == node_id and not n.state.is_final),
+            None,
+        )
+        if node is None:
+            return None
+        self.job.node_lost(node_id, "replaced as a runtime straggler")
+        try:
+            self.engine.delete(node_id)
+        except EngineError as e:
+            logger.warning("node %s: cannot delete the straggler: %s", node_id, e)
+        if node.spec.relaunch_count >= self.spec.max_relaunches:
+            logger.warning(
+                "node %s: a straggler, but its slot used its %d relaunches; the job goes on "
+                "without it",
+                node_id,
+                self.spec.max_relaunches,
+            )
+            return None
+        self.relaunches["straggler"] = self.relaunches.get("straggler", 0) + 1
+        logger.info("node %s: replacing the straggler", node_id)
+        return node.spec.replacement()
 
     def _on_event(self, event: NodeEvent) -> NodeSpec | None:
         logger.info("engine: %s", event)

@@ -60,20 +60,22 @@ class ResourceUsage(_message.Message):
     def __init__(self, cpu_percent: _Optional[float] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id", "incarnation", "usage", "step", "worker_state", "restart_count")
+    __slots__ = ("node_id", "incarnation", "usage", "step", "worker_state", "restart_count", "step_time_s")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     WORKER_STATE_FIELD_NUMBER: _ClassVar[int]
     RESTART_COUNT_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     incarnation: int
     usage: ResourceUsage
     step: int
     worker_state: str
     restart_count: int
-    def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., usage: _Optional[_Union[ResourceUsage, _Mapping]] = ..., step: _Optional[int] = ..., worker_state: _Optional[str] = ..., restart_count: _Optional[int] = ...) -> None: ...
+    step_time_s: float
+    def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., usage: _Optional[_Union[ResourceUsage, _Mapping]] = ..., step: _Optional[int] = ..., worker_state: _Optional[str] = ..., restart_count: _Optional[int] = ..., step_time_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("action", "job_state", "heartbeat_interval_s")
@@ -243,7 +245,7 @@ class GetJobStatusRequest(_message.Message):
     def __init__(self, without_nodes: _Optional[bool] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("node_id", "state", "node_rank", "host", "step", "restart_count", "last_heartbeat_age_s", "role", "cpu_percent", "memory_bytes", "check")
+    __slots__ = ("node_id", "state", "node_rank", "host", "step", "restart_count", "last_heartbeat_age_s", "role", "cpu_percent", "memory_bytes", "check", "score")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     NODE_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -255,6 +257,7 @@ class NodeStatus(_message.Message):
     CPU_PERCENT_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     CHECK_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     state: str
     node_rank: int
@@ -266,7 +269,8 @@ class NodeStatus(_message.Message):
     cpu_percent: float
     memory_bytes: int
     check: str
-    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[str] = ..., node_rank: _Optional[int] = ..., host: _Optional[str] = ..., step: _Optional[int] = ..., restart_count: _Optional[int] = ..., last_heartbeat_age_s: _Optional[float] = ..., role: _Optional[str] = ..., cpu_percent: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., check: _Optional[str] = ...) -> None: ...
+    score: float
+    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[str] = ..., node_rank: _Optional[int] = ..., host: _Optional[str] = ..., step: _Optional[int] = ..., restart_count: _Optional[int] = ..., last_heartbeat_age_s: _Optional[float] = ..., role: _Optional[str] = ..., cpu_percent: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., check: _Optional[str] = ..., score: _Optional[float] = ...) -> None: ...
 
 class JobStatus(_message.Message):
     __slots__ = ("job_name", "state", "round", "nodes", "reason", "exit_code", "node_check")

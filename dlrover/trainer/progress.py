@@ -5,10 +5,22 @@ from __future__ import annotations
 import os
 import struct
 import time
+from typing import NamedTuple
 
 from dlrover.constants import ENV_STEP_FILE
 
-_RECORD = struct.Struct("<qd")  # step, wall time
+_RECORD = struct.Struct("<qdd")  # step, wall time, busy seconds so far
+
+
+class StepRecord(NamedTuple):
+    """What a worker last reported."""
+
+    step: int
+    at: float
+    """Wall time of the report."""
+    busy_s: float
+    """The worker's own work so far, in seconds (see `StepReporter.report`): the agent divides
+    its growth by the steps done to score the node against the others."""
 
 
 class StepReporter:
@@ -21,11 +33,22 @@ class StepReporter:
     def __init__(self, path: str | None = None) -> None:
         path = os.environ.get(ENV_STEP_FILE, "") if path is None else path
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644) if path else -1
+        self._busy = 0.0
 
-    def report(self, step: int) -> None:
-        """Record ``step`` with the wall time (one pwrite, no RPC); nothing outside dlrover-run."""
-        if self._fd >= 0:
-            os.pwrite(self._fd, _RECORD.pack(step, time.time()), 0)
+    def report(self, step: int, busy_s: float | None = None) -> None:
+        """Record ``step`` with the wall time (one pwrite, no RPC); nothing outside dlrover-run.
+
+        ``busy_s``: how long this step's own work took, without waiting for other ranks (e.g.
+        forward and backward before the gradient allreduce); runtime straggler scores compare it
+        across nodes. Without it, the process's CPU seconds stand in (they miss a node slowed by
+        anything but its CPU). Give it on every report or on none."""
+        if self._fd < 0:
+            return
+        if busy_s is None:
+            self._busy = time.process_time()
+        else:
+            self._busy += busy_s
+        os.pwrite(self._fd, _RECORD.pack(step, time.time(), self._busy), 0)
 
     def close(self) -> None:
         """Close the step file; later reports do nothing."""
@@ -34,8 +57,8 @@ class StepReporter:
             self._fd = -1
 
 
-def read_step_file(path: str) -> tuple[int, float] | None:
-    """(step, wall time) last written to `path`, or None when nothing was reported yet."""
+def read_step_file(path: str) -> StepRecord | None:
+    """What was last written to `path`, or None when nothing was reported yet."""
     try:
         with open(path, "rb") as f:
             raw = f.read(_RECORD.size)
@@ -43,15 +66,19 @@ def read_step_file(path: str) -> tuple[int, float] | None:
         return None
     if len(raw) < _RECORD.size:
         return None
-    step, at = _RECORD.unpack(raw)
-    return int(step), float(at)
+    step, at, busy = _RECORD.unpack(raw)
+    return StepRecord(int(step), float(at), float(busy))
 
 
-def report_step(step: int) -> None:
-    """Report that this worker completed `step`. Stateless (open, write, close: ~10 us); keep a
-    `StepReporter` instead when calling it in a tight loop."""
+def report_step(step: int, busy_s: float | None = None) -> None:
+    """Report that this worker completed `step` (``busy_s``: see `StepReporter.report`).
+    Stateless (open, read, write, close: ~15 us); keep a `StepReporter` instead when calling it
+    in a tight loop."""
     path = os.environ.get(ENV_STEP_FILE, "")
     if path:
+        previous = read_step_file(path)
         reporter = StepReporter(path)
-        reporter.report(step)
+        if busy_s is not None and previous is not None:
+            reporter._busy = previous.busy_s
+        reporter.report(step, busy_s)
         reporter.close()

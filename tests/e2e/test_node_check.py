@@ -14,7 +14,7 @@ from tests.e2e.test_fault_tolerance import steps_log
 
 
 def _submit(
-    tmp: Path, name: str, faults: str, *flags: str, steps: int = 20
+    tmp: Path, name: str, faults: str, *flags: str, steps: int = 20, **env: str
 ) -> tuple[subprocess.Popen[str], Path, Path]:
     (tmp / f"{name}-ckpt").mkdir()
     log = tmp / f"{name}.log"
@@ -30,7 +30,6 @@ def _submit(
             "3",
             "--nproc-per-node",
             "1",
-            "--node-check",
             *flags,
             str(SCRIPTS / "oracle_train.py"),
             "--steps",
@@ -42,7 +41,7 @@ def _submit(
             "--step-time",
             "0.1",
         ],
-        env=clean_env(DLROVER_HOME=str(tmp / "home"), DLROVER_FAULTS=faults),
+        env=clean_env(DLROVER_HOME=str(tmp / "home"), DLROVER_FAULTS=faults, **env),
         cwd=REPO,
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
@@ -73,7 +72,7 @@ def _checks(text: str) -> list[str]:
 def test_a_slow_node_is_named_by_the_check_and_replaced(tmp_path: Path) -> None:
     steps = 30
     job, log, out = _submit(
-        tmp_path, "slow", "slow:node=1:factor=3", "--exclude-straggler", steps=steps
+        tmp_path, "slow", "slow:node=1:factor=3", "--node-check", "--exclude-straggler", steps=steps
     )
     try:
         # While the job trains, `dlrover status` shows the check's verdict and each node's word.
@@ -109,7 +108,7 @@ def test_a_slow_node_is_named_by_the_check_and_replaced(tmp_path: Path) -> None:
 
 
 def test_a_node_whose_collective_fails_is_localised_in_two_rounds(tmp_path: Path) -> None:
-    job, log, out = _submit(tmp_path, "coll", "collective_fail:node=1", steps=10)
+    job, log, out = _submit(tmp_path, "coll", "collective_fail:node=1", "--node-check", steps=10)
     try:
         assert job.wait(180) == 0, log.read_text()
     finally:
@@ -131,6 +130,32 @@ def test_a_node_whose_collective_fails_is_localised_in_two_rounds(tmp_path: Path
         "coll-worker-2-0",
     ]
     assert [s for s, _, _ in steps_log(out)] == list(range(1, 11))
+
+
+def test_a_runtime_straggler_is_replaced_within_three_reports(tmp_path: Path) -> None:
+    """No node check: node 1 turns out 3x slow while training. Its step times (reported with
+    the heartbeats) score about 0.33 of the fastest node's in every report (every 2 s here); at
+    the third report in a row it is replaced, and the job finishes on healthy nodes."""
+    steps = 80
+    job, log, out = _submit(
+        tmp_path, "rt", "slow:node=1:factor=3", "--exclude-straggler", steps=steps,
+        DLROVER_STRAGGLER_REPORT_S="2",
+    )  # fmt: skip
+    try:
+        assert job.wait(240) == 0, log.read_text()
+    finally:
+        if job.poll() is None:
+            job.kill()
+    text = log.read_text()
+    reports = re.findall(r"straggler scores: (.*)", text)
+    low = [r for r in reports if re.search(r"rt-worker-1-0 0\.[0-4]\d \(", r)]
+    assert len(low) == 3, reports  # detected at the third low report, and replaced
+    assert all("rt-worker-0-0 1.00" in r or "rt-worker-0-0 0.9" in r for r in low), low
+    warning = re.search(r"runtime straggler: node (\S+) scored below 0.75 .* in 3 reports", text)
+    assert warning and warning.group(1) == "rt-worker-1-0", text
+    assert "node rt-worker-1-0: replacing the straggler" in text
+    assert "rt-worker-1-1" in home_nodes(tmp_path, "rt")
+    assert [s for s, _, _ in steps_log(out)] == list(range(1, steps + 1))
 
 
 def test_bad_node_check_flags_are_refused(tmp_path: Path) -> None:

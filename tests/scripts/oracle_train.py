@@ -64,6 +64,7 @@ def main() -> None:
     faults = FaultInjector.from_env()
     progress = StepReporter()
     for step in range(start, a.steps + 1):
+        began = time.monotonic()
         faults.maybe_inject(step)
         if a.step_time:
             time.sleep(a.step_time)  # simulated compute, so membership changes land mid-run
@@ -71,12 +72,13 @@ def main() -> None:
         loss = nn.functional.mse_loss(model(x), y)
         opt.zero_grad()
         loss.backward()
+        busy = time.monotonic() - began  # this rank's own work, before waiting for the others
         for param in model.parameters():
             assert param.grad is not None
             dist.all_reduce(param.grad)
             param.grad /= world
         opt.step()
-        progress.report(step)
+        progress.report(step, busy)
         if rank == 0:
             with open(a.out + ".steps", "a") as f:
                 f.write(f"{step} {world} {loss.item():.6f}\n")

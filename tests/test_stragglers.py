@@ -1,0 +1,71 @@
+"""Runtime straggler scores (master) and the node step times they are made of (agent)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dlrover.agent.progress_watch import StepTimes
+from dlrover.master.stragglers import StragglerWatch
+from dlrover.trainer.progress import StepRecord, StepReporter, read_step_file, report_step
+
+
+def test_a_node_below_the_threshold_for_three_reports_in_a_row_is_a_straggler() -> None:
+    now = [0.0]
+    watch = StragglerWatch(lambda: now[0], report_s=60)
+    assert not watch.due()
+    members = ["a", "b", "c"]
+    flagged = []
+    for report, slow in enumerate([0.3, 0.5, 0.1, 0.31, 0.32, 0.33, 0.34]):
+        watch.observe("a", 0.1)
+        watch.observe("b", slow)
+        watch.observe("c", 0.11)
+        now[0] += 60
+        assert watch.due() and not watch.due()
+        scores, new = watch.report(members)
+        by = {s.node_id: s for s in scores}
+        assert by["a"].relative == pytest.approx(1.0)
+        assert by["b"].relative == pytest.approx(0.1 / slow)
+        flagged += [(report, n) for n in new]
+    # Low at reports 0 and 1, fine at 2 (0.1 s/step), low again at 3, 4, 5: flagged at 5, once.
+    assert flagged == [(5, "b")]
+    assert watch.scores["b"].low_reports == 4
+    assert watch.scores["b"].individual == pytest.approx(0.1 / 0.34)  # its own best was 0.1
+
+
+def test_nodes_without_step_times_are_not_scored_and_a_replacement_starts_fresh() -> None:
+    watch = StragglerWatch(lambda: 0.0)
+    watch.observe("a", 0.0)  # not measured yet
+    watch.observe("b", 0.2)
+    scores, _ = watch.report(["a", "b"])
+    assert [s.node_id for s in scores] == ["b"]
+    watch.forget("b")
+    assert watch.report(["a", "b"]) == ([], [])
+
+
+def test_step_times_are_the_slowest_local_worker_busy_seconds_per_step() -> None:
+    times = StepTimes(window_s=10)
+    times.observe(0, StepRecord(1, 0.0, 1.0), now=0.0)
+    times.observe(1, StepRecord(1, 0.0, 2.0), now=0.0)
+    times.observe(0, StepRecord(11, 0.0, 2.0), now=5.0)  # window still open
+    assert times.step_time_s == 0.0
+    times.observe(1, StepRecord(11, 0.0, 5.0), now=10.0)
+    assert times.step_time_s == pytest.approx(0.3)  # rank 1: 3 s over 10 steps; rank 0: 0.1
+    times.observe(0, StepRecord(21, 0.0, 3.0), now=20.0)
+    assert times.step_time_s == pytest.approx(0.1)  # only rank 0 stepped in the new window
+
+
+def test_the_step_file_carries_busy_seconds(tmp_path, monkeypatch) -> None:
+    path = str(tmp_path / "step")
+    reporter = StepReporter(path)
+    reporter.report(1, busy_s=0.25)
+    reporter.report(2, busy_s=0.5)
+    record = read_step_file(path)
+    assert record is not None and (record.step, record.busy_s) == (2, 0.75)
+    reporter.close()
+    monkeypatch.setenv("DLROVER_STEP_FILE", path)
+    report_step(3, busy_s=0.25)  # the stateless call adds to what the file holds
+    record = read_step_file(path)
+    assert record is not None and (record.step, record.busy_s) == (3, 1.0)
+    report_step(4)  # without busy_s: the process's CPU seconds
+    record = read_step_file(path)
+    assert record is not None and record.step == 4 and record.busy_s > 0
