@@ -120,7 +120,10 @@ def _mark_done() -> None:
 
     With torch 2.13 + gloo a rank sometimes aborts (SIGABRT) while the interpreter shuts down,
     after all its work is done; the agent counts such a rank as succeeded when this file exists.
+    The fatal-signal stack dump is turned off here: a page of "Fatal Python error: Aborted"
+    after a successful run would only alarm (the agent says in one line what happened).
     """
+    faulthandler.disable()
     path = os.environ.get(ENV_DONE_FILE, "")
     if path:
         try:
