@@ -65,3 +65,6 @@ saved state) before it gives up on a call that cannot be skipped."""
 
 ENV_STRAGGLER_REPORT_S = "DLROVER_STRAGGLER_REPORT_S"
 """Seconds between runtime straggler reports of a master (default 60; tests shorten it)."""
+
+EXIT_NODE_EXCLUDED = 5
+"""dlrover-run's exit code when the node check excluded its node (its engine relaunches it)."""

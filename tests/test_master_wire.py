@@ -178,3 +178,19 @@ def test_a_node_heard_again_after_being_lost_is_told_to_register_again():
     assert job.heartbeat(node.node_id, node.incarnation, 3, 0.0, 0, 0) == "reregister"
     again = job.register(node.node_id, "h", "worker", 2, -1, 1, RendezvousConfig(1, 2))
     assert again.incarnation == first_incarnation + 1 and again.state.value == "pending"
+
+
+def test_failures_travel_both_ways_and_a_stale_agent_is_refused(server):
+    from dlrover.api.errors import MasterRequestError
+    from dlrover.api.master import FailureClass, FailureRecord
+
+    c = client(server)
+    me = register(c)
+    record = FailureRecord(
+        12.5, me.node_id, FailureClass.USER_ERROR, "restart_processes", "rank 1: ValueError", 2
+    )
+    c.report_failure(me.node_id, me.incarnation, record)
+    assert c.get_failures() == (record,)
+    with pytest.raises(MasterRequestError):
+        c.report_failure(me.node_id, me.incarnation + 7, record)
+    assert c.get_failures() == (record,)

@@ -17,6 +17,7 @@ import tempfile
 import time
 from typing import Any
 
+from dlrover.agent.cgroup import oom_kill_count
 from dlrover.agent.config import AgentConfig
 from dlrover.agent.failure_policy import (
     LEGAL_GROUP_TRANSITIONS,
@@ -24,7 +25,7 @@ from dlrover.agent.failure_policy import (
     UserErrorSignature,
     WorkerGroupState,
 )
-from dlrover.agent.failures import judge
+from dlrover.agent.failures import Judgement, judge
 from dlrover.agent.heartbeat import Heartbeat, usage_of
 from dlrover.agent.launch_plan import AttemptContext, LaunchPlan, plan_launch
 from dlrover.agent.monitor import MonitorSignals, Outcome, WorkerMonitor, describe_exit
@@ -37,7 +38,7 @@ from dlrover.agent.rendezvous_client import (
 )
 from dlrover.agent.workers import WorkerGroup
 from dlrover.agent.zygote import PendingZygote, Zygote, ZygoteError
-from dlrover.api.master import CommWorld, HeartbeatReport, MasterApi, NodeOutcome
+from dlrover.api.master import CommWorld, FailureRecord, HeartbeatReport, MasterApi, NodeOutcome
 from dlrover.client.checkpoint import MasterCommitCoordinator
 from dlrover.constants import DEFAULT_JOB_NAME, ENV_NODE_NAME
 from dlrover.decisions import FailureAction
@@ -109,6 +110,8 @@ class ElasticAgent:
         self._zygote: PendingZygote | None = None
         self._saver: Any = None
         self._started_at = time.monotonic()
+        self._oom_kills: int | None = None
+        """The cgroup's OOM-kill counter when the current workers started."""
         self._checker = (
             NodeChecker(
                 master,
@@ -241,8 +244,10 @@ class ElasticAgent:
             cfg.max_restarts,
             self._history,
             self.node_id,
+            oom_killed=self._oom_kills_since_start(),
         )
         self._history.append(verdict.signature)
+        self._report_failure(verdict)
         self._persist_on_failure()
         if verdict.decision.action is FailureAction.RESTART_PROCESSES:
             self.restart_count += 1
@@ -253,6 +258,26 @@ class ElasticAgent:
         self._set_state(WorkerGroupState.FAILED)
         self._rdzv.report(NodeOutcome.FAILED, verdict.exit_code, verdict.decision.reason)
         return RunResult(verdict.exit_code, f"{verdict.decision.reason}\n{verdict.report}")
+
+    def _oom_kills_since_start(self) -> bool:
+        now = oom_kill_count()
+        return now is not None and self._oom_kills is not None and now > self._oom_kills
+
+    def _report_failure(self, verdict: Judgement) -> None:
+        """Tell the master what failed, its class and the action (`dlrover diagnose`);
+        best-effort: a restart never waits on it."""
+        record = FailureRecord(
+            time.time(),
+            self.node_id,
+            verdict.failure_class,
+            verdict.decision.action.value,
+            f"{verdict.summary}\n{verdict.report}"[:4000],
+            self.restart_count,
+        )
+        try:
+            self.master.report_failure(self.node_id, self.incarnation, record)
+        except Exception as e:  # the master may be restarting; the log has the failure
+            logger.warning("could not report the failure to the master: %s", e)
 
     def _register(self) -> None:
         registered = self._rdzv.register(self.node_id, self._host, self.run_id)
@@ -310,6 +335,7 @@ class ElasticAgent:
         zygote = self._ready_zygote() if self._attempt > 0 else None
         self._plan = plan
         self._group = group = WorkerGroup()
+        self._oom_kills = oom_kill_count()
         started = time.monotonic()
         group.start(plan.launches, zygote)
         self._started_at = started

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ from dlrover.agent.failure_policy import (
     decide_worker_failure,
     user_error_signature,
 )
+from dlrover.api.master import FailureClass
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,24 @@ class Judgement:
     """What to append to the node's failure history."""
     report: str
     exit_code: int
+    failure_class: FailureClass = FailureClass.EXIT_CODE
+    summary: str = ""
+    """One line: each failed worker and how it ended (``rank 1 exit code 1: ValueError: ...``)."""
+
+
+def classify(failures: Sequence[WorkerFailure]) -> FailureClass:
+    """The class of a failed attempt, by its most telling worker: a hang, then an OOM kill,
+    then a Python exception (an error file), then a signal, else a non-zero exit."""
+    kinds = {f.kind for f in failures}
+    if ExitKind.HUNG in kinds:
+        return FailureClass.HANG
+    if ExitKind.OOM_KILLED in kinds:
+        return FailureClass.OOM
+    if any(f.error is not None for f in failures):
+        return FailureClass.USER_ERROR
+    if ExitKind.SIGNALED in kinds:
+        return FailureClass.SIGNAL
+    return FailureClass.EXIT_CODE
 
 
 def _read(path: str | None) -> ErrorRecord | None:
@@ -46,12 +66,17 @@ def judge(
     max_restarts: int,
     history: Sequence[UserErrorSignature | None],
     node: str,
+    oom_killed: bool = False,
 ) -> Judgement:
-    """`exits`: global rank -> Popen return code of every failed (or hung) worker."""
+    """`exits`: global rank -> Popen return code of every failed (or hung) worker;
+    ``oom_killed``: the node's cgroup counted an OOM kill since the workers started (a worker
+    killed by SIGKILL is then taken for OOM-killed)."""
     failures = []
     for rank, code in sorted(exits.items()):
         if rank in hung:
             kind = ExitKind.HUNG
+        elif code == -signal.SIGKILL and oom_killed:
+            kind = ExitKind.OOM_KILLED
         elif code < 0:
             kind = ExitKind.SIGNALED
         else:
@@ -68,4 +93,11 @@ def judge(
     code = next((c for c in exits.values() if c > 0), 0)
     if code == 0:
         code = next((128 - c for c in exits.values() if c < 0), 1)
-    return Judgement(decision, user_error_signature(tuple(failures)), report, code)
+    return Judgement(
+        decision,
+        user_error_signature(tuple(failures)),
+        report,
+        code,
+        classify(failures),
+        "; ".join(f.describe() for f in failures),
+    )

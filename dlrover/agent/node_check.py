@@ -31,7 +31,7 @@ from dlrover.api.master import (
     NodeCheckState,
     NodeCheckTask,
 )
-from dlrover.constants import MAX_LONG_POLL_S
+from dlrover.constants import EXIT_NODE_EXCLUDED, MAX_LONG_POLL_S
 from dlrover.json_messages import MessageError, decode_tagged, encode, parse
 from dlrover.testing.faults import ENV_FAULTS, FaultSpecError, node_check_faults, node_slot
 
@@ -43,7 +43,7 @@ round after 60 s, so this is a backstop)."""
 COLLECTIVE_TIMEOUT_S = 5.0
 """A group's collective test fails if its process group does not form and reduce within this."""
 WORKER_START_TIMEOUT_S = 60.0
-EXIT_EXCLUDED = 5
+EXIT_EXCLUDED = EXIT_NODE_EXCLUDED
 """dlrover-run's exit code when the node check excluded the node (its engine relaunches it)."""
 
 

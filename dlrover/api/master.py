@@ -207,6 +207,42 @@ class NodeCheckReport:
     error: str = ""
 
 
+class FailureClass(str, enum.Enum):
+    """What kind of failure the master recorded (`dlrover diagnose` prints them)."""
+
+    USER_ERROR = "user_error"
+    """The training script raised (an error file names the exception and where)."""
+    OOM = "oom"
+    """Killed for memory: the kernel's OOM killer (cgroup oom_kill), or the pod / actor OOM."""
+    SIGNAL = "signal"
+    """A worker or node was killed by a signal (not for memory)."""
+    EXIT_CODE = "exit_code"
+    """A process exited non-zero without an error file."""
+    HANG = "hang"
+    """Workers reported no step within --hang-timeout."""
+    NODE_LOST = "node_lost"
+    """The node vanished: machine, pod or actor gone, or no heartbeat."""
+    CHECK_FAILED = "check_failed"
+    """The node check found the node faulty."""
+    STRAGGLER = "straggler"
+    """The node check or the runtime scores found the node slow."""
+
+
+@dataclass(frozen=True)
+class FailureRecord:
+    """One failure as the master keeps it: when, where, its class, its root cause, and what
+    was done about it (a FailureAction value, or ``exclude``)."""
+
+    at: float
+    """Unix time."""
+    node_id: str
+    failure_class: FailureClass
+    action: str
+    root_cause: str
+    restart_count: int = 0
+    """The node's worker restarts before this failure."""
+
+
 @dataclass(frozen=True)
 class NodeStatus:
     """One node as ``dlrover status`` shows it. ``state`` is a ``NodeState`` value; ``step`` is the
@@ -298,6 +334,14 @@ class MasterApi(Protocol):
 
     def report_node_check(self, report: NodeCheckReport) -> None:
         """Report this node's result of a check round."""
+        ...
+
+    def report_failure(self, node_id: str, incarnation: int, record: FailureRecord) -> None:
+        """Record a failure of this node's workers, classified, with the action taken."""
+        ...
+
+    def get_failures(self) -> tuple[FailureRecord, ...]:
+        """Every failure the job recorded, oldest first (`dlrover diagnose`)."""
         ...
 
     def get_job_status(self, with_nodes: bool = True) -> JobStatus:

@@ -229,3 +229,15 @@ def check_report_to_pb(r: api.NodeCheckReport) -> pb.ReportNodeCheckRequest:
 def check_report_from_pb(request: pb.ReportNodeCheckRequest) -> api.NodeCheckReport:
     """A ReportNodeCheckRequest as the domain type."""
     return api.NodeCheckReport(**_scalars(request, _names(api.NodeCheckReport)))
+
+
+def failure_to_pb(r: api.FailureRecord) -> pb.FailureRecord:
+    """A failure record as its gRPC message."""
+    fields = _scalars(r, _names(api.FailureRecord))
+    return pb.FailureRecord(**{**fields, "failure_class": r.failure_class.value})
+
+
+def failure_from_pb(r: pb.FailureRecord) -> api.FailureRecord:
+    """A FailureRecord message as the domain type; raises ValueError for an unknown class."""
+    fields = _scalars(r, _names(api.FailureRecord))
+    return api.FailureRecord(**{**fields, "failure_class": api.FailureClass(r.failure_class)})

@@ -1,4 +1,5 @@
-"""`dlrover submit | status | stop`: run a whole job through an engine, inspect it, end it."""
+"""`dlrover submit | status | diagnose | stop`: run a whole job through an engine, inspect it,
+read its failures, end it."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from dlrover.api.master import JobStatus
+from dlrover.api.master import FailureRecord, JobStatus
 from dlrover.cli.common import setup_logging
 from dlrover.cli.job_records import NoSuchJobError, pid_alive, read_record
 from dlrover.cli.serve_job import ENV_SUPERVISED, serve_job, supervise_job
@@ -59,6 +60,53 @@ def cmd_status(name: str) -> int:
         return 1
     finally:
         client.close()
+    return 0
+
+
+def _failures_of(name: str) -> tuple[FailureRecord, ...]:
+    """The job's failures: from its master while it runs, else from the state it left."""
+    from dlrover.cli.job_records import job_dir
+    from dlrover.master.diagnosis import load_failures
+    from dlrover.master.state_store import StateStoreError, open_state_store
+
+    record = read_record(name)
+    if record.reachable:
+        client = MasterClient(record.master_addr, record.token, rpc_timeout_s=5)
+        try:
+            return client.get_failures()
+        except MasterClientError:
+            pass  # gone meanwhile: read what it left
+        finally:
+            client.close()
+    db = job_dir(name) / "master.db"
+    if not db.exists():
+        raise NoSuchJobError(f"job {name}'s master does not answer and left no state at {db}")
+    try:
+        store = open_state_store(str(db))
+    except StateStoreError as e:
+        raise NoSuchJobError(f"cannot read job {name}'s state: {e}") from None
+    try:
+        return tuple(r for _, r in load_failures(store))
+    finally:
+        store.close()
+
+
+def cmd_diagnose(name: str, full: bool = False) -> int:
+    """``dlrover diagnose NAME``: the job's failures, oldest first: when, which node, the class,
+    the action taken, the root cause (its first line; ``full``: all of it)."""
+    failures = _failures_of(name)
+    if not failures:
+        print(f"job {name}: no failures recorded")
+        return 0
+    print(f"job {name}: {len(failures)} failure(s)")
+    print(f"{'time':<8}  {'node':<28} {'class':<12} {'action':<17} root cause")
+    for f in failures:
+        cause = f.root_cause.strip() or "-"
+        first = cause.splitlines()[0]
+        stamp = time.strftime("%H:%M:%S", time.localtime(f.at))
+        print(f"{stamp:<8}  {f.node_id:<28} {f.failure_class.value:<12} {f.action:<17} {first}")
+        if full and cause != first:
+            print("    " + cause.replace("\n", "\n    "))
     return 0
 
 
@@ -136,6 +184,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     st = sub.add_parser("status", help="Nodes, states, restarts, step of a job.")
     st.add_argument("name")
+    dg = sub.add_parser(
+        "diagnose", help="The job's failures: class (user_error, oom, hang, ...), cause, action."
+    )
+    dg.add_argument("name")
+    dg.add_argument("--full", action="store_true", help="Print whole root causes (tracebacks)")
     sp = sub.add_parser("stop", help="End a job: workers stop, nodes are removed.")
     sp.add_argument("name")
     sp.add_argument("--timeout", type=float, default=60.0)
@@ -152,6 +205,8 @@ def run(argv: Sequence[str] | None = None) -> int:
             return cmd_status(args.name)
         if args.command == "stop":
             return cmd_stop(args.name, args.timeout)
+        if args.command == "diagnose":
+            return cmd_diagnose(args.name, args.full)
     except NoSuchJobError as e:
         print(f"dlrover: error: {e}", file=sys.stderr)
         return 1

@@ -182,6 +182,18 @@ class MasterClient:
         """Report this node's result of a node-check round (ReportNodeCheck RPC)."""
         self.call(self.stub.ReportNodeCheck, wire.check_report_to_pb(report))
 
+    def report_failure(self, node_id: str, incarnation: int, record: api.FailureRecord) -> None:
+        """Record a classified failure of this node (ReportFailure RPC)."""
+        request = pb.ReportFailureRequest(
+            node_id=node_id, incarnation=incarnation, record=wire.failure_to_pb(record)
+        )
+        self.call(self.stub.ReportFailure, request)
+
+    def get_failures(self) -> tuple[api.FailureRecord, ...]:
+        """Every failure the job recorded, oldest first (GetFailures RPC)."""
+        response = self.call(self.stub.GetFailures, pb.GetFailuresRequest())
+        return tuple(wire.failure_from_pb(f) for f in response.failures)
+
     def get_job_status(self, with_nodes: bool = True) -> api.JobStatus:
         """The job and (``with_nodes``) its nodes as the master sees them (GetJobStatus RPC)."""
         request = pb.GetJobStatusRequest(without_nodes=not with_nodes)

@@ -10,9 +10,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dlrover.api.master import NodeCheckJoin, NodeCheckReport, NodeCheckState, NodeCheckTask
+from dlrover.api.master import (
+    FailureClass,
+    FailureRecord,
+    NodeCheckJoin,
+    NodeCheckReport,
+    NodeCheckState,
+    NodeCheckTask,
+)
 from dlrover.checkpoint.coordinator import CommitVotes
 from dlrover.constants import DEFAULT_HEARTBEAT_TIMEOUT_S, HEARTBEATS_PER_S_BUDGET
+from dlrover.master import diagnosis
 from dlrover.master.changes import ChangeFeed
 from dlrover.master.kv_store import KvStore
 from dlrover.master.node_check import CheckResult, CheckSettings, NodeCheck
@@ -121,6 +129,9 @@ class JobMaster:
         self.check_words: dict[str, str] = {}
         """node id -> the node check's word on it (`dlrover status`)."""
         self.check_summary = ""
+        saved_failures = diagnosis.load_failures(store)
+        self._failures = [record for _, record in saved_failures]
+        self._failure_seq = saved_failures[-1][0] if saved_failures else 0
         self.stragglers = StragglerWatch(clock, config.straggler_report_s)
         self._replace: list[str] = []
         self._excluded: set[str] = set()
@@ -338,6 +349,41 @@ class JobMaster:
         self.nodes.touch(node_id)
         return self._rdzv().num_nodes_waiting(node_id, round)
 
+    # --- diagnosis ----------------------------------------------------------------------------
+    def record_failure(self, record: FailureRecord) -> None:
+        """Keep a classified failure (in the state: it outlives the master) and log it."""
+        with self._lock:
+            self._failure_seq += 1
+            self._failures.append(record)
+            self._store.put_json(
+                diagnosis.NAMESPACE, diagnosis.key(self._failure_seq), diagnosis.to_json(record)
+            )
+            if len(self._failures) > diagnosis.MAX_FAILURES:
+                self._failures.pop(0)
+                self._store.delete(
+                    diagnosis.NAMESPACE, diagnosis.key(self._failure_seq - diagnosis.MAX_FAILURES)
+                )
+        logger.info(
+            "failure of node %s: %s -> %s: %s",
+            record.node_id,
+            record.failure_class.value,
+            record.action,
+            record.root_cause.splitlines()[0] if record.root_cause else "",
+        )
+
+    def failures(self) -> tuple[FailureRecord, ...]:
+        """Every failure kept, oldest first."""
+        with self._lock:
+            return tuple(self._failures)
+
+    def _record(self, node_id: str, cls: FailureClass, action: str, cause: str) -> None:
+        restarts = 0
+        try:
+            restarts = self.nodes.get(node_id).restart_count
+        except NodeError:
+            pass
+        self.record_failure(FailureRecord(time.time(), node_id, cls, action, cause, restarts))
+
     # --- the pre-flight node check ----------------------------------------------------------
     def join_node_check(self, join: NodeCheckJoin) -> None:
         """A node is ready for a round of the node check of its rendezvous round (see
@@ -426,6 +472,15 @@ class JobMaster:
                 if node not in verdict.excluded:
                     self._checked.add(node)
             for node in verdict.excluded:
+                faulty = node in verdict.faulty
+                self._record(
+                    node,
+                    FailureClass.CHECK_FAILED if faulty else FailureClass.STRAGGLER,
+                    "exclude",
+                    verdict.faulty[node]
+                    if faulty
+                    else f"node check: {verdict.stragglers[node]:.1f}x the median check time",
+                )
                 self.node_lost(node, f"excluded by the node check: {verdict.summary}")
         self.checks.bump()
 
@@ -524,6 +579,13 @@ class JobMaster:
                 score.step_time_s,
                 action,
             )
+            self._record(
+                node,
+                FailureClass.STRAGGLER,
+                "relaunch_node" if self.config.exclude_stragglers else "none",
+                f"runtime score {score.relative:.2f} of the fastest node in {watch.reports} "
+                f"reports in a row ({score.step_time_s:.3f}s/step)",
+            )
             if self.config.exclude_stragglers:
                 self._excluded.add(node)
                 self._replace.append(node)
@@ -549,6 +611,9 @@ class JobMaster:
         expired = self.nodes.expired(timeout)
         for node in expired:
             self.nodes.set_state(node.node_id, NodeState.LOST, f"no heartbeat for {timeout:.1f}s")
+            self._record(
+                node.node_id, FailureClass.NODE_LOST, "drop", f"no heartbeat for {timeout:.1f}s"
+            )
             self._check_lost(node.node_id, "lost")
             if self.rendezvous is not None:
                 self.rendezvous.leave(node.node_id, "lost")

@@ -269,6 +269,17 @@ class LocalMasterApi:
         with _refusals():
             self.job.report_node_check(report)
 
+    def report_failure(self, node_id: str, incarnation: int, record: api.FailureRecord) -> None:
+        """Record a classified failure of the node's workers (raises for an unknown node or a
+        stale incarnation)."""
+        with _refusals():
+            self.job.nodes.get(node_id, incarnation)
+            self.job.record_failure(record)
+
+    def get_failures(self) -> tuple[api.FailureRecord, ...]:
+        """Every failure the job recorded, oldest first."""
+        return self.job.failures()
+
     def get_job_status(self, with_nodes: bool = True) -> api.JobStatus:
         """The job and (``with_nodes``) every node now; heartbeat ages come from the master's
         clock."""

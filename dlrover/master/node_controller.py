@@ -8,7 +8,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from dlrover.constants import ENV_NODE_NAME
+from dlrover.api.master import FailureClass, FailureRecord
+from dlrover.constants import ENV_NODE_NAME, EXIT_NODE_EXCLUDED
 from dlrover.decisions import FailureAction
 from dlrover.engines.base import (
     Engine,
@@ -29,6 +30,18 @@ from dlrover.master.state_store import MemoryStateStore, StateStore
 logger = logging.getLogger(__name__)
 
 _NAMESPACE = "controller"
+
+
+def failure_class_of(event: NodeEvent) -> FailureClass:
+    """The diagnosis class of an engine's failure event."""
+    reason = event.reason
+    if reason is FailureReason.OOM_KILLED:
+        return FailureClass.OOM
+    if reason is FailureReason.SIGNAL:
+        return FailureClass.SIGNAL
+    if reason is FailureReason.EXIT_CODE:
+        return FailureClass.EXIT_CODE
+    return FailureClass.NODE_LOST  # lost, preempted, never launched, unknown
 
 
 class NodeController:
@@ -183,6 +196,16 @@ class NodeController:
             )
         )
         logger.info("node %s: %s (%s)", event.node_id, decision.action.value, decision.reason)
+        if event.exit_code != EXIT_NODE_EXCLUDED:  # the node check recorded its exclusion
+            self.job.record_failure(
+                FailureRecord(
+                    time.time(),
+                    event.node_id,
+                    failure_class_of(event),
+                    decision.action.value,
+                    event.message or str(event.reason.value if event.reason else "failed"),
+                )
+            )
         if decision.action is FailureAction.FAIL:
             self.job.stop(decision.reason)
             return None

@@ -357,6 +357,29 @@ class MasterServicer(pb_grpc.MasterServicer):
 
         return await _guard(context, run)
 
+    async def ReportFailure(
+        self, request: pb.ReportFailureRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReportFailureResponse:  # noqa: N802
+        """Record a node's classified failure."""
+
+        def run() -> pb.ReportFailureResponse:
+            record = wire.failure_from_pb(request.record)
+            self.api.report_failure(request.node_id, request.incarnation, record)
+            return pb.ReportFailureResponse()
+
+        return await _guard(context, run)
+
+    async def GetFailures(
+        self, request: pb.GetFailuresRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetFailuresResponse:  # noqa: N802
+        """Answer every failure the job recorded."""
+        return await _guard(
+            context,
+            lambda: pb.GetFailuresResponse(
+                failures=[wire.failure_to_pb(f) for f in self.api.get_failures()]
+            ),
+        )
+
     async def GetJobStatus(
         self, request: pb.GetJobStatusRequest, context: grpc.aio.ServicerContext
     ) -> pb.JobStatus:  # noqa: N802

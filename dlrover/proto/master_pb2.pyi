@@ -352,6 +352,46 @@ class ReportNodeCheckResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class FailureRecord(_message.Message):
+    __slots__ = ("at", "node_id", "failure_class", "action", "root_cause", "restart_count")
+    AT_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_CLASS_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    ROOT_CAUSE_FIELD_NUMBER: _ClassVar[int]
+    RESTART_COUNT_FIELD_NUMBER: _ClassVar[int]
+    at: float
+    node_id: str
+    failure_class: str
+    action: str
+    root_cause: str
+    restart_count: int
+    def __init__(self, at: _Optional[float] = ..., node_id: _Optional[str] = ..., failure_class: _Optional[str] = ..., action: _Optional[str] = ..., root_cause: _Optional[str] = ..., restart_count: _Optional[int] = ...) -> None: ...
+
+class ReportFailureRequest(_message.Message):
+    __slots__ = ("node_id", "incarnation", "record")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    RECORD_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    incarnation: int
+    record: FailureRecord
+    def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., record: _Optional[_Union[FailureRecord, _Mapping]] = ...) -> None: ...
+
+class ReportFailureResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetFailuresRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetFailuresResponse(_message.Message):
+    __slots__ = ("failures",)
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    failures: _containers.RepeatedCompositeFieldContainer[FailureRecord]
+    def __init__(self, failures: _Optional[_Iterable[_Union[FailureRecord, _Mapping]]] = ...) -> None: ...
+
 class StopJobRequest(_message.Message):
     __slots__ = ("reason",)
     REASON_FIELD_NUMBER: _ClassVar[int]

@@ -99,6 +99,16 @@ class MasterStub:
                 request_serializer=dlrover_dot_proto_dot_master__pb2.ReportNodeCheckRequest.SerializeToString,
                 response_deserializer=dlrover_dot_proto_dot_master__pb2.ReportNodeCheckResponse.FromString,
                 _registered_method=True)
+        self.ReportFailure = channel.unary_unary(
+                '/dlrover.Master/ReportFailure',
+                request_serializer=dlrover_dot_proto_dot_master__pb2.ReportFailureRequest.SerializeToString,
+                response_deserializer=dlrover_dot_proto_dot_master__pb2.ReportFailureResponse.FromString,
+                _registered_method=True)
+        self.GetFailures = channel.unary_unary(
+                '/dlrover.Master/GetFailures',
+                request_serializer=dlrover_dot_proto_dot_master__pb2.GetFailuresRequest.SerializeToString,
+                response_deserializer=dlrover_dot_proto_dot_master__pb2.GetFailuresResponse.FromString,
+                _registered_method=True)
         self.CheckpointPersisted = channel.unary_unary(
                 '/dlrover.Master/CheckpointPersisted',
                 request_serializer=dlrover_dot_proto_dot_master__pb2.CheckpointPersistedRequest.SerializeToString,
@@ -254,6 +264,19 @@ class MasterServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReportNodeCheck(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportFailure(self, request, context):
+        """Failures, classified, with the action taken (dlrover diagnose).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetFailures(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -418,6 +441,16 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.ReportNodeCheck,
                     request_deserializer=dlrover_dot_proto_dot_master__pb2.ReportNodeCheckRequest.FromString,
                     response_serializer=dlrover_dot_proto_dot_master__pb2.ReportNodeCheckResponse.SerializeToString,
+            ),
+            'ReportFailure': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportFailure,
+                    request_deserializer=dlrover_dot_proto_dot_master__pb2.ReportFailureRequest.FromString,
+                    response_serializer=dlrover_dot_proto_dot_master__pb2.ReportFailureResponse.SerializeToString,
+            ),
+            'GetFailures': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetFailures,
+                    request_deserializer=dlrover_dot_proto_dot_master__pb2.GetFailuresRequest.FromString,
+                    response_serializer=dlrover_dot_proto_dot_master__pb2.GetFailuresResponse.SerializeToString,
             ),
             'CheckpointPersisted': grpc.unary_unary_rpc_method_handler(
                     servicer.CheckpointPersisted,
@@ -836,6 +869,60 @@ class Master:
             '/dlrover.Master/ReportNodeCheck',
             dlrover_dot_proto_dot_master__pb2.ReportNodeCheckRequest.SerializeToString,
             dlrover_dot_proto_dot_master__pb2.ReportNodeCheckResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportFailure(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dlrover.Master/ReportFailure',
+            dlrover_dot_proto_dot_master__pb2.ReportFailureRequest.SerializeToString,
+            dlrover_dot_proto_dot_master__pb2.ReportFailureResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetFailures(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dlrover.Master/GetFailures',
+            dlrover_dot_proto_dot_master__pb2.GetFailuresRequest.SerializeToString,
+            dlrover_dot_proto_dot_master__pb2.GetFailuresResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -9,7 +9,8 @@ Kinds: ``kill`` (SIGKILL itself), ``raise`` (RuntimeError), ``hang`` (block, for
 ``seconds``), ``slow`` (each step from ``step`` on takes ``factor`` times as long; the node
 check's compute test too), ``exit`` (``os._exit(code)``, as a native library calling exit
 would), ``kill_agent`` (SIGKILL the pid in DLROVER_AGENT_PID), ``collective_fail`` (the node
-check's collective test fails on that node: give ``node``). Keys: ``rank`` (global RANK; default
+check's collective test fails on that node: give ``node``), ``oom`` (allocate and touch memory
+in 64 MiB chunks until the kernel's OOM killer ends the process: run it under a memory limit). Keys: ``rank`` (global RANK; default
 every rank), ``node`` (the node slot an engine launched, the N of ``<job>-worker-N-<attempt>``,
 on its first attempt only: a replacement is another machine; ``dlrover-run --node-rank N``
 without an engine), ``step`` (required, except for slow and collective_fail: default 0),
@@ -38,6 +39,9 @@ ENV_AGENT_PID = "DLROVER_AGENT_PID"
 
 """Pid of the worker's agent, for the kill_agent fault (the agent exports it)."""
 
+OOM_MAX_BYTES = 64 << 30
+"""The oom fault gives up (MemoryError) after this much without being killed."""
+
 _COMMON_KEYS = frozenset({"rank", "node", "step", "restart", "once"})
 _STEPLESS = frozenset({"slow", "collective_fail"})
 _EXTRA_KEYS = {
@@ -58,6 +62,7 @@ class FaultKind(Enum):
     EXIT = "exit"
     KILL_AGENT = "kill_agent"
     COLLECTIVE_FAIL = "collective_fail"
+    OOM = "oom"
 
 
 class FaultSpecError(ValueError):
@@ -286,6 +291,14 @@ class FaultInjector:
             if self._agent_pid is None:
                 raise FaultSpecError(f"kill_agent needs {ENV_AGENT_PID} set by the agent")
             os.kill(self._agent_pid, signal.SIGKILL)
+        elif fault.kind is FaultKind.OOM:
+            hog = []
+            chunk = 64 << 20
+            for _ in range(OOM_MAX_BYTES // chunk):  # bounded: no limit means no OOM kill
+                block = bytearray(chunk)
+                block[::4096] = b"\x01" * (chunk // 4096)  # touch every page
+                hog.append(block)
+            raise MemoryError(f"oom fault: {OOM_MAX_BYTES >> 30} GiB allocated and no OOM kill")
         elif fault.kind is FaultKind.HANG:
             if fault.seconds is not None:
                 self._sleep(fault.seconds)

@@ -1,0 +1,146 @@
+"""`dlrover diagnose`: real jobs with injected failures, and what the master recorded of them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, SCRIPTS, clean_env
+
+
+def _submit(tmp: Path, name: str, faults: str, nnodes: str, cgroup: Path | None = None) -> str:
+    (tmp / f"{name}-ckpt").mkdir()
+
+    def enter_cgroup() -> None:  # runs in the child: it and all it starts count against the limit
+        if cgroup is not None:
+            (cgroup / "cgroup.procs").write_text(str(os.getpid()))
+
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dlrover.cli.job",
+            "submit",
+            "--name",
+            name,
+            "--nnodes",
+            nnodes,
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "3",
+            str(SCRIPTS / "oracle_train.py"),
+            "--steps",
+            "12",
+            "--ckpt",
+            str(tmp / f"{name}-ckpt"),
+            "--out",
+            str(tmp / name),
+        ],  # fmt: skip
+        env=clean_env(DLROVER_HOME=str(tmp / "home"), DLROVER_FAULTS=faults),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=enter_cgroup if cgroup is not None else None,
+    )
+    assert r.returncode == 0, r.stderr[-5000:]
+    return r.stderr
+
+
+def _diagnose(tmp: Path, name: str, *flags: str) -> list[list[str]]:
+    r = subprocess.run(
+        [sys.executable, "-m", "dlrover.cli.job", "diagnose", name, *flags],
+        env=clean_env(DLROVER_HOME=str(tmp / "home")),
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[1].split()[:4] == ["time", "node", "class", "action"]
+    return [line.split(None, 4) for line in lines[2:] if not line.startswith("    ")]
+
+
+def test_diagnose_lists_each_failure_with_its_class_and_action(tmp_path: Path) -> None:
+    """A worker raises (user error: restart in place), then a node's agent is SIGKILLed (the
+    node is relaunched). After the job ended, `dlrover diagnose` reads them from the state."""
+    marker = tmp_path / "fired"
+    _submit(tmp_path, "dg", f"raise:rank=1:step=3;kill_agent:rank=2:step=6:once={marker}", "2")
+    rows = _diagnose(tmp_path, "dg")
+    assert [(r[2], r[3]) for r in rows] == [
+        ("user_error", "restart_processes"),
+        ("signal", "relaunch_node"),
+    ], rows
+    assert (
+        "rank 1 exit code 1: dlrover.testing.faults.InjectedFault: injected fault at step 3"
+        in rows[0][4]
+    )
+    assert rows[1][1] == "dg-worker-1-0" and "killed by SIGKILL" in rows[1][4]
+    full = subprocess.run(
+        [sys.executable, "-m", "dlrover.cli.job", "diagnose", "dg", "--full"],
+        env=clean_env(DLROVER_HOME=str(tmp_path / "home")),
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    ).stdout  # fmt: skip
+    assert 'File "' in full and "maybe_inject" in full  # the traceback of the user error
+    missing = subprocess.run(
+        [sys.executable, "-m", "dlrover.cli.job", "diagnose", "nope"],
+        env=clean_env(DLROVER_HOME=str(tmp_path / "home")),
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert missing.returncode == 1 and "no job named 'nope'" in missing.stderr
+
+
+def _memory_cgroup(limit_bytes: int) -> Path | None:
+    """A fresh child of this process's cgroup v1 memory cgroup with a limit, or None."""
+    from dlrover.agent.cgroup import memory_cgroup_files
+
+    for path in memory_cgroup_files():
+        if path.name != "memory.oom_control":
+            continue
+        child = path.parent / f"dlrover-test-{os.getpid()}"
+        try:
+            child.mkdir()
+            (child / "memory.limit_in_bytes").write_text(str(limit_bytes))
+            swap = child / "memory.memsw.limit_in_bytes"
+            if swap.exists():
+                swap.write_text(str(limit_bytes))  # no swapping out of the OOM
+        except OSError:
+            if child.exists():
+                child.rmdir()
+            continue
+        return child
+    return None
+
+
+@pytest.fixture
+def memory_limit() -> Iterator[Path]:
+    cgroup = _memory_cgroup(3 << 30)
+    if cgroup is None:
+        pytest.skip("no writable cgroup v1 memory controller here (needs root in a VM/container)")
+    try:
+        yield cgroup
+    finally:
+        for _ in range(50):
+            try:
+                cgroup.rmdir()
+                break
+            except OSError:  # its last processes are still exiting
+                import time
+
+                time.sleep(0.1)
+
+
+def test_a_worker_killed_by_the_oom_killer_is_classified_oom(
+    tmp_path: Path, memory_limit: Path
+) -> None:
+    """The job runs in a memory cgroup limited to 3 GiB; rank 1 allocates until the kernel's
+    OOM killer ends it. The agent sees its SIGKILL and the cgroup's oom_kill counter go up:
+    class oom, restarted in place, and the job ends normally."""
+    _submit(tmp_path, "oom", "oom:rank=1:step=3", "1", cgroup=memory_limit)
+    rows = _diagnose(tmp_path, "oom")
+    assert [(r[2], r[3]) for r in rows] == [("oom", "restart_processes")], rows
+    assert "rank 1 OOM-killed" in rows[0][4]

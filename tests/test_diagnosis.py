@@ -1,0 +1,97 @@
+"""Failure classification, per class: the agent's (its workers), the master's (engine events),
+and the failure log the master keeps in its state."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+
+from dlrover.agent.cgroup import oom_kill_count
+from dlrover.agent.error_file import ErrorRecord
+from dlrover.agent.failure_policy import ExitKind, WorkerFailure
+from dlrover.agent.failures import classify, judge
+from dlrover.api.master import FailureClass, FailureRecord
+from dlrover.engines.base import FailureReason, NodeEvent, NodeSpec, NodeState
+from dlrover.master.diagnosis import MAX_FAILURES, load_failures
+from dlrover.master.job import JobMaster, JobMasterConfig
+from dlrover.master.node_controller import failure_class_of
+from dlrover.master.state_store import SqliteStateStore
+
+
+def _error() -> ErrorRecord:
+    return ErrorRecord(
+        message="bad shape", exception_type="ValueError", traceback="", timestamp=0.0, rank=0,
+        pid=1, exit_code=1,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("failures", "expected"),
+    [
+        ([WorkerFailure(0, ExitKind.HUNG)], FailureClass.HANG),
+        ([WorkerFailure(0, ExitKind.OOM_KILLED, -9)], FailureClass.OOM),
+        ([WorkerFailure(0, ExitKind.EXITED, 1, _error())], FailureClass.USER_ERROR),
+        ([WorkerFailure(0, ExitKind.SIGNALED, -11)], FailureClass.SIGNAL),
+        ([WorkerFailure(0, ExitKind.EXITED, 3)], FailureClass.EXIT_CODE),
+        # the most telling worker wins: a hang over an exit, an OOM over a signal
+        (
+            [WorkerFailure(0, ExitKind.EXITED, 3), WorkerFailure(1, ExitKind.HUNG)],
+            FailureClass.HANG,
+        ),
+        (
+            [WorkerFailure(0, ExitKind.SIGNALED, -6), WorkerFailure(1, ExitKind.OOM_KILLED, -9)],
+            FailureClass.OOM,
+        ),
+    ],
+)
+def test_worker_failures_are_classified(failures: list[WorkerFailure], expected: FailureClass):
+    assert classify(failures) is expected
+
+
+def test_a_sigkill_is_an_oom_kill_only_when_the_cgroup_counted_one() -> None:
+    kwargs = dict(error_files={}, hung=[], restart_count=0, max_restarts=3, history=[], node="n")
+    plain = judge({1: -signal.SIGKILL}, **kwargs)  # type: ignore[arg-type]
+    oom = judge({1: -signal.SIGKILL}, oom_killed=True, **kwargs)  # type: ignore[arg-type]
+    assert plain.failure_class is FailureClass.SIGNAL
+    assert oom.failure_class is FailureClass.OOM and "OOM-killed" in oom.summary
+    other = judge({1: -signal.SIGSEGV}, oom_killed=True, **kwargs)  # type: ignore[arg-type]
+    assert other.failure_class is FailureClass.SIGNAL  # only SIGKILL is the OOM killer's
+
+
+@pytest.mark.parametrize(
+    ("reason", "expected"),
+    [
+        (FailureReason.OOM_KILLED, FailureClass.OOM),
+        (FailureReason.SIGNAL, FailureClass.SIGNAL),
+        (FailureReason.EXIT_CODE, FailureClass.EXIT_CODE),
+        (FailureReason.NODE_LOST, FailureClass.NODE_LOST),
+        (FailureReason.PREEMPTED, FailureClass.NODE_LOST),
+        (FailureReason.LAUNCH_FAILED, FailureClass.NODE_LOST),
+    ],
+)
+def test_engine_failures_are_classified(reason: FailureReason, expected: FailureClass) -> None:
+    spec = NodeSpec(job_name="j", rank=0, command=("true",))
+    event = NodeEvent(spec.node_id, spec, NodeState.FAILED, reason)
+    assert failure_class_of(event) is expected
+
+
+def test_the_failure_log_outlives_the_master_and_keeps_the_newest(tmp_path: Path) -> None:
+    store = SqliteStateStore(str(tmp_path / "state.db"))
+    job = JobMaster(JobMasterConfig(job_name="j"), store)
+    for i in range(MAX_FAILURES + 5):
+        job.record_failure(
+            FailureRecord(float(i), f"n{i}", FailureClass.SIGNAL, "restart_processes", "x")
+        )
+    kept = job.failures()
+    assert len(kept) == MAX_FAILURES and kept[0].node_id == "n5"
+    again = JobMaster(JobMasterConfig(job_name="j"), store)  # a restarted master
+    assert again.failures() == kept
+    assert [r for _, r in load_failures(store)] == list(kept)
+    store.close()
+
+
+def test_the_oom_kill_counter_is_read_from_this_process_cgroup() -> None:
+    count = oom_kill_count()
+    assert count is None or count >= 0
