@@ -126,7 +126,10 @@ def test_a_round_waits_for_every_member_and_times_out_the_silent_ones() -> None:
     assert tc is not None and tc.peers == ("c:1",)
     check.report("a", 1, CheckResult(True, 0.1))
     check.report("c", 1, CheckResult(True, 0.1))
-    clock.now = 400.0
+    clock.now = 161.5
+    assert not check.tick()  # the groups get a whole time-out from their pairing
+    assert check.deadline() == 221.0
+    clock.now = 221.0
     assert check.tick()  # b never reported: its group failed
     for node in ("a", "b", "c"):
         check.join(node, 2, f"{node}:2")
@@ -153,6 +156,15 @@ def test_a_join_for_the_next_round_before_the_last_report_is_kept() -> None:
     check.join("c", 2, "c:2")
     task = check.task("a", 2)
     assert task is not None and task.state is NodeCheckState.RUN and task.peers == ("a:2", "c:2")
+
+
+def test_a_join_for_a_check_this_master_never_ran_is_sent_back() -> None:
+    """A master that restarted mid-check knows no round 1: agents on round 2 start over."""
+    check = NodeCheck(1, ["a", "b"], CheckSettings(), Clock())
+    check.join("a", 2, "a:2")
+    task = check.task("a", 2)
+    assert task is not None and task.state is NodeCheckState.REFORM
+    assert check.deadline() is None  # nothing was started that could wait forever
 
 
 def test_a_lost_member_sends_everyone_back_to_the_rendezvous() -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 import logging
 import os
+import select
 import subprocess
 import sys
 import threading
@@ -43,6 +44,8 @@ round after 60 s, so this is a backstop)."""
 COLLECTIVE_TIMEOUT_S = 5.0
 """A group's collective test fails if its process group does not form and reduce within this."""
 WORKER_START_TIMEOUT_S = 60.0
+RUN_TIMEOUT_S = 60.0
+"""One run of the tests must answer within this (a hung device or collective fails it)."""
 EXIT_EXCLUDED = EXIT_NODE_EXCLUDED
 """dlrover-run's exit code when the node check excluded the node (its engine relaunches it)."""
 
@@ -78,6 +81,8 @@ class CheckWorker:
 
     def start(self) -> None:
         """Start the process (it imports torch in the background)."""
+        self._ready.clear()
+        self._error = ""
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "dlrover.agent.check_worker"],
             stdin=subprocess.PIPE,
@@ -96,11 +101,23 @@ class CheckWorker:
             self._error = f"the check worker did not start ({e}; exit {self._proc.poll()})"
         self._ready.set()
 
+    def wait_ready(self, timeout_s: float = WORKER_START_TIMEOUT_S) -> bool:
+        """Whether the worker imported torch (or failed to) within ``timeout_s``."""
+        return self._ready.wait(timeout_s)
+
     def run(self, run: CheckRun) -> CheckDone:
-        """Run one check in the worker; a worker that is gone or answers garbage is a failed
-        check (its error says so)."""
+        """Run one check in the worker, at most RUN_TIMEOUT_S; a worker that is gone, hangs or
+        answers garbage is a failed check (its error says so), and a dead one is started again
+        for the next run."""
         proc = self._proc
-        if proc is None or not self._ready.wait(WORKER_START_TIMEOUT_S):
+        if proc is not None and proc.poll() is not None:
+            self.close()  # died in an earlier run (e.g. a collective's watchdog): a fresh one
+            proc = None
+        if proc is None:
+            self.start()
+            proc = self._proc
+        assert proc is not None
+        if not self._ready.wait(WORKER_START_TIMEOUT_S):
             return CheckDone(
                 False, error=f"the check worker did not start in {WORKER_START_TIMEOUT_S:.0f}s"
             )
@@ -110,6 +127,10 @@ class CheckWorker:
         try:
             proc.stdin.write(encode(run, op="run"))
             proc.stdin.flush()
+            readable, _, _ = select.select([proc.stdout], [], [], RUN_TIMEOUT_S)
+            if not readable:
+                self.close()
+                return CheckDone(False, error=f"the check did not finish in {RUN_TIMEOUT_S:.0f}s")
             line = proc.stdout.readline()
             return decode_tagged(parse(line, "check worker"), "event", {"done": CheckDone}, "")
         except (OSError, MessageError) as e:
@@ -174,6 +195,11 @@ class NodeChecker:
             slow, fail = 1.0, False
         started = time.monotonic()
         deadline = started + CHECK_TIMEOUT_S
+        # Join only once torch is imported: a partner must not wait out its collective time-out
+        # for this node's imports.
+        self.prepare()
+        assert self._worker is not None
+        self._worker.wait_ready()
         check_round = 1
         while True:
             task = self._join(node_id, incarnation, world.round, check_round, deadline)

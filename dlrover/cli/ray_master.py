@@ -64,6 +64,7 @@ class JobMasterActor:
         self._serving = threading.Event()
         self._code: int | None = None
         self._done = threading.Event()
+        self._stop_reason = ""
         address = advertise or f"{ray.util.get_node_ip_address()}:{port}"
         self._address = address if ":" in address else f"{address}:{port}"
 
@@ -93,6 +94,8 @@ class JobMasterActor:
     def _on_serving(self, job: JobMaster) -> None:
         self._job = job
         self._serving.set()
+        if self._stop_reason:
+            job.stop(self._stop_reason)  # asked to stop before the master served
 
     def outcome(self, wait_s: float) -> dict[str, Any]:
         """After at most ``wait_s`` seconds: this incarnation's pid and address, whether it serves,
@@ -106,7 +109,9 @@ class JobMasterActor:
         }
 
     def stop(self, reason: str) -> None:
-        """End the job: its nodes are stopped and the job fails with ``reason``."""
+        """End the job: its nodes are stopped and the job fails with ``reason`` (kept until
+        the master serves, if it does not yet)."""
+        self._stop_reason = reason
         if self._job is not None:
             self._job.stop(reason)
 
@@ -138,6 +143,31 @@ def submit_to_ray(
         ray.shutdown()
 
 
+def _remove_node_actors(ray: Any, job_name: str) -> list[str]:
+    """Kill the job's node actors (``<job>-<role>-<rank>-<attempt>``) and their placement
+    groups still on the cluster: left by a master that died for good, or by an earlier
+    submission of the same name. Returns their names."""
+    from ray.util.placement_group import get_placement_group, remove_placement_group
+
+    from dlrover.testing.faults import node_slot
+
+    names = [
+        n
+        for n in ray.util.list_named_actors()
+        if n.startswith(f"{job_name}-") and n != master_actor_name(job_name) and node_slot(n)
+    ]
+    for name in names:
+        try:
+            ray.kill(ray.get_actor(name), no_restart=True)
+        except ValueError:
+            pass  # gone meanwhile
+        try:
+            remove_placement_group(get_placement_group(name))
+        except ValueError:
+            pass
+    return names
+
+
 def _forwarded_env() -> dict[str, str]:
     return {
         k: v
@@ -166,6 +196,13 @@ def _drive(
             file=sys.stderr,
         )
         return 1
+    orphans = _remove_node_actors(ray, spec.name)
+    if orphans:
+        print(
+            f"dlrover: removed {len(orphans)} node actor(s) left on the cluster by an earlier "
+            f"run of job {spec.name}: {', '.join(sorted(orphans))}",
+            file=sys.stderr,
+        )
     state = str(spec.engine_settings.get("state") or "")
     if not state:
         directory = job_dir(spec.name)
@@ -243,8 +280,11 @@ def _drive(
             unanswered_since = None
             if seen["code"] is not None:
                 return int(seen["code"])
+            if stopping and not seen["serving"]:
+                actor.stop.remote(stopping[0])  # a restarted master has not heard it yet
     finally:
         try:
             ray.kill(actor, no_restart=True)
         except Exception:  # gone already
             pass
+        _remove_node_actors(ray, spec.name)  # after a normal end the master removed them

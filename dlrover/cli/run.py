@@ -414,7 +414,19 @@ def run(argv: Sequence[str] | None = None) -> int:
         client.wait_ready(c.DEFAULT_CONNECT_TIMEOUT_S if server is None else 5.0)
         agent = ElasticAgent(config, client, master_addr, token)
         result = agent.run()
-        if result.exit_code != 0:
+        if result.exit_code == c.EXIT_NODE_EXCLUDED:
+            print(f"dlrover-run: this node left the job: {result.reason}", file=sys.stderr)
+            if server is not None:
+                # The job's master lives in this process: the other nodes need it to go on.
+                print(
+                    "dlrover-run: this node hosts the job's master; it keeps serving until the "
+                    "job ends (Ctrl-C stops it)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                while not server.job.ended.wait(1.0):
+                    pass  # bounded by the job; SIGTERM/SIGINT end it through SignalReceived
+        elif result.exit_code != 0:
             print(f"dlrover-run: job failed: {result.reason}", file=sys.stderr)
         return result.exit_code
     except SignalReceived as e:

@@ -122,7 +122,8 @@ class JobMaster:
         self.rounds = ChangeFeed()
         self.membership = ChangeFeed()
         self.checks = ChangeFeed()
-        """Bumped when a node check pairs a round or decides (its joins wait on it)."""
+        """Bumped when a node check pairs a round, decides or is abandoned (its joins wait on
+        it); not on every join, so a round of N nodes costs O(N) wake-ups."""
         self._check: NodeCheck | None = None
         self._checked: set[str] = set()
         """Nodes that passed a node check (a later round checks only if a member is new)."""
@@ -410,14 +411,21 @@ class JobMaster:
                     len(members),
                     "all checked before" if self._check.verdict else "checking",
                 )
+            before = self._check.version
             self._check.join(join.node_id, join.check_round, join.addr)
-            self._after_check_change()
+            self._after_check_change(before)
 
     def node_check_task(
         self, node_id: str, rdzv_round: int, check_round: int
     ) -> NodeCheckTask | None:
         """What the node must do for ``check_round``; None while the round waits for members."""
         with self._lock:
+            if self.ended.is_set():
+                return NodeCheckTask(
+                    NodeCheckState.REFORM,
+                    check_round,
+                    summary=f"the job has ended ({self.state.value})",
+                )
             check = self._check
             if check is None or check.rdzv_round != rdzv_round:
                 return NodeCheckTask(
@@ -440,22 +448,27 @@ class JobMaster:
                     report.node_id,
                     report.error,
                 )
+            before = check.version
             check.report(
                 report.node_id,
                 report.check_round,
                 CheckResult(report.ok, report.compute_s, report.comm_s, report.error),
             )
-            self._after_check_change()
+            self._after_check_change(before)
 
     def node_check_deadline(self) -> float | None:
         """When the running check round times out (master clock), or None."""
-        check = self._check
-        return check.deadline() if check is not None else None
+        with self._lock:
+            check = self._check
+            return check.deadline() if check is not None else None
 
-    def _after_check_change(self) -> None:
-        """Wake the check's waiters; once the verdict is out, act on it (once)."""
+    def _after_check_change(self, version: int = -1) -> None:
+        """Wake the check's waiters if the check moved on (past ``version``); once the verdict
+        is out, act on it (once)."""
         check = self._check
         assert check is not None
+        if check.version == version:
+            return  # a join or report that changed nothing anyone waits for
         verdict = check.verdict
         if verdict is not None and not check.applied:
             check.applied = True
@@ -526,6 +539,7 @@ class JobMaster:
         self.ended.set()
         self.rounds.bump()
         self.membership.bump()
+        self.checks.bump()  # a node check in progress ends with the job
 
     def stop(self, reason: str) -> None:
         """End the job from outside (e.g. SIGTERM to the master)."""

@@ -192,6 +192,9 @@ class NodeCheck:
         self.aborted = ""
         self.applied = False
         """Set by the owner once it acted on the verdict."""
+        self.version = 0
+        """Bumped when a round is paired, the verdict is out or the check is abandoned: what
+        the joins waiting for their task must wake up for."""
         if set(self.members) <= set(already_checked):
             self._decide(rounds=0)  # nobody new: nothing to check
 
@@ -236,6 +239,11 @@ class NodeCheck:
                 )
             state = TaskState.REFORM if v.excluded else TaskState.DONE
             return CheckTask(state, check_round, summary=v.summary)
+        if check_round > 1 and check_round - 1 not in self._rounds:
+            # A check this master did not run (it restarted mid-check): start over.
+            return CheckTask(
+                TaskState.REFORM, check_round, summary="the master lost this check; join again"
+            )
         rnd = self._rounds.get(check_round)
         if rnd is None or rnd.groups is None:
             return None
@@ -283,9 +291,11 @@ class NodeCheck:
         return True
 
     def abort(self, why: str) -> None:
-        """The world changed under the check (a member was lost): every member joins again."""
+        """The world changed under the check (a member was lost, the job ended): every member
+        joins again."""
         if self.verdict is None and not self.aborted:
             self.aborted = f"node check of round {self.rdzv_round} abandoned: {why}"
+            self.version += 1
 
     # --- internals -----------------------------------------------------------------------------
     def _current(self) -> _Round | None:
@@ -302,6 +312,8 @@ class NodeCheck:
             self._pair(rnd)
 
     def _pair(self, rnd: _Round, absent: Sequence[str] = ()) -> None:
+        rnd.started_at = self._clock()  # the groups get the whole time-out to run
+        self.version += 1
         rnd.absent = list(absent)
         self._gone.update(absent)
         present = self._present()
@@ -365,6 +377,7 @@ class NodeCheck:
             parts.append("excluded: " + ", ".join(sorted(excluded)))
         elif rounds:
             parts.append("all healthy" if not slow else "none excluded")
+        self.version += 1
         self.verdict = Verdict(
             faulty=faulty,
             stragglers=slow,

@@ -153,19 +153,19 @@ class NodeController:
         )
         if node is None:
             return None
+        if node.spec.relaunch_count >= self.spec.max_relaunches:
+            # A slow node is better than none: it is not deleted when it cannot be replaced.
+            logger.warning(
+                "node %s: a straggler, but its slot used its %d relaunches; keeping it",
+                node_id,
+                self.spec.max_relaunches,
+            )
+            return None
         self.job.node_lost(node_id, "replaced as a runtime straggler")
         try:
             self.engine.delete(node_id)
         except EngineError as e:
             logger.warning("node %s: cannot delete the straggler: %s", node_id, e)
-        if node.spec.relaunch_count >= self.spec.max_relaunches:
-            logger.warning(
-                "node %s: a straggler, but its slot used its %d relaunches; the job goes on "
-                "without it",
-                node_id,
-                self.spec.max_relaunches,
-            )
-            return None
         self.relaunches["straggler"] = self.relaunches.get("straggler", 0) + 1
         logger.info("node %s: replacing the straggler", node_id)
         return node.spec.replacement()

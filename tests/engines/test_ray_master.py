@@ -138,5 +138,13 @@ def test_a_killed_master_actor_is_restarted_by_ray_and_the_job_goes_on(
     assert "launched by an earlier master" in text
     assert final(out) == final(tmp_path / "ref")
     assert [s for s, _, _ in steps_log(out)] == list(range(1, steps + 1))  # none twice, none lost
-    # The restarted master ended the job and recorded it; nothing of it is left on the cluster.
+    # Nothing of the job is left on the cluster: no master actor, no node actor.
+    import ray
+
+    ray.init(address=ray_cluster.address, namespace="dlrover", log_to_driver=False)
+    try:
+        assert [n for n in ray.util.list_named_actors() if n.startswith("rayjob-")] == []
+    finally:
+        ray.shutdown()
+    # The restarted master ended the job and recorded it.
     assert json.loads((home / "jobs" / "rayjob" / "job.json").read_text())["state"] == "succeeded"
