@@ -68,3 +68,11 @@ ENV_STRAGGLER_REPORT_S = "DLROVER_STRAGGLER_REPORT_S"
 
 EXIT_NODE_EXCLUDED = 5
 """dlrover-run's exit code when the node check excluded its node (its engine relaunches it)."""
+
+EXIT_NODE_OOM = 6
+"""dlrover-run's exit code when a worker was OOM-killed under the node's memory limit: the node
+needs more memory, so the engine reports it OOM_KILLED and the master relaunches it bigger."""
+
+ENV_NODE_MEMORY_LIMIT_MIB = "DLROVER_NODE_MEMORY_LIMIT_MIB"
+"""Set by an engine that enforces a node's memory (the local engine's cgroup): a worker OOM-killed
+under it makes the agent leave with EXIT_NODE_OOM instead of restarting in place."""

@@ -38,9 +38,21 @@ from dlrover.agent.rendezvous_client import (
 )
 from dlrover.agent.workers import WorkerGroup
 from dlrover.agent.zygote import PendingZygote, Zygote, ZygoteError
-from dlrover.api.master import CommWorld, FailureRecord, HeartbeatReport, MasterApi, NodeOutcome
+from dlrover.api.master import (
+    CommWorld,
+    FailureClass,
+    FailureRecord,
+    HeartbeatReport,
+    MasterApi,
+    NodeOutcome,
+)
 from dlrover.client.checkpoint import MasterCommitCoordinator
-from dlrover.constants import DEFAULT_JOB_NAME, ENV_NODE_NAME
+from dlrover.constants import (
+    DEFAULT_JOB_NAME,
+    ENV_NODE_MEMORY_LIMIT_MIB,
+    ENV_NODE_NAME,
+    EXIT_NODE_OOM,
+)
 from dlrover.decisions import FailureAction
 
 logger = logging.getLogger(__name__)
@@ -247,6 +259,19 @@ class ElasticAgent:
             oom_killed=self._oom_kills_since_start(),
         )
         self._history.append(verdict.signature)
+        limit_mib = os.environ.get(ENV_NODE_MEMORY_LIMIT_MIB, "")
+        if verdict.failure_class is FailureClass.OOM and limit_mib.isdigit():
+            # Under the node's own memory limit a restart in place would run out again: leave,
+            # and the engine relaunches the node with more memory (EXIT_NODE_OOM).
+            self._persist_on_failure()
+            logger.error(
+                "a worker was OOM-killed at this node's %s MiB memory limit; leaving so that the "
+                "node is relaunched with more memory\n%s",
+                limit_mib,
+                verdict.report,
+            )
+            self._set_state(WorkerGroupState.FAILED)
+            return RunResult(EXIT_NODE_OOM, f"OOM at the node's {limit_mib} MiB limit")
         self._report_failure(verdict)
         self._persist_on_failure()
         if verdict.decision.action is FailureAction.RESTART_PROCESSES:

@@ -62,7 +62,6 @@ def enable_stack_dumps() -> None:
     faulthandler.register(STACK_DUMP_SIGNAL, file=target, all_threads=True, chain=False)  # type: ignore[arg-type]
 
 
-
 def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
     """Have the kernel send `sig` to this process when its parent exits (Linux prctl).
 

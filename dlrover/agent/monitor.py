@@ -40,7 +40,7 @@ class Outcome(enum.Enum):
 
 
 def describe_exit(e: WorkerExit) -> str:
-    """"exit code N" or "killed by SIGNAME"."""
+    """ "exit code N" or "killed by SIGNAME"."""
     if e.returncode < 0:
         try:
             return f"killed by {signal.Signals(-e.returncode).name}"

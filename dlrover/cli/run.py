@@ -414,7 +414,9 @@ def run(argv: Sequence[str] | None = None) -> int:
         client.wait_ready(c.DEFAULT_CONNECT_TIMEOUT_S if server is None else 5.0)
         agent = ElasticAgent(config, client, master_addr, token)
         result = agent.run()
-        if result.exit_code == c.EXIT_NODE_EXCLUDED:
+        if result.exit_code == c.EXIT_NODE_OOM:
+            print(f"dlrover-run: this node needs more memory: {result.reason}", file=sys.stderr)
+        elif result.exit_code == c.EXIT_NODE_EXCLUDED:
             print(f"dlrover-run: this node left the job: {result.reason}", file=sys.stderr)
             if server is not None:
                 # The job's master lives in this process: the other nodes need it to go on.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import signal
@@ -14,7 +15,12 @@ from pathlib import Path
 
 import psutil
 
-from dlrover.constants import DEFAULT_STOP_GRACE_S, ENV_NODE_EXIT_FILE
+from dlrover.constants import (
+    DEFAULT_STOP_GRACE_S,
+    ENV_NODE_EXIT_FILE,
+    ENV_NODE_MEMORY_LIMIT_MIB,
+    EXIT_NODE_OOM,
+)
 from dlrover.engines.base import (
     Engine,
     EngineError,
@@ -27,6 +33,7 @@ from dlrover.engines.base import (
     NodeSpec,
     NodeState,
 )
+from dlrover.engines.cgroups import CgroupError, CgroupRoot, NodeCgroup, join_cgroup
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +49,8 @@ class _Process:
     """None for a node adopted from an earlier engine (not our child: watched through psutil)."""
     deleting: bool = False
     finished: threading.Event = dataclasses.field(default_factory=threading.Event)
+    cgroup: NodeCgroup | None = None
+    """The node's own cgroup when its resources are enforced."""
 
 
 def _create_time(pid: int) -> float | None:
@@ -100,10 +109,16 @@ class LocalEngine(Engine):
     """
 
     def __init__(
-        self, log_dir: str | os.PathLike[str], stop_grace_s: float = DEFAULT_STOP_GRACE_S
+        self,
+        log_dir: str | os.PathLike[str],
+        stop_grace_s: float = DEFAULT_STOP_GRACE_S,
+        enforce_resources: bool = True,
     ) -> None:
         self._log_dir = Path(log_dir)
         self._stop_grace_s = stop_grace_s
+        self._enforce = enforce_resources
+        self._cgroups: CgroupRoot | None = None
+        self._cgroups_checked = False
         self._processes: dict[str, _Process] = {}
         self._queue = EventQueue()
         self._lock = threading.Lock()
@@ -127,6 +142,9 @@ class LocalEngine(Engine):
                 return adopted
             (node_dir / "exit_code").unlink(missing_ok=True)
             env = {**os.environ, **spec.env, ENV_NODE_EXIT_FILE: str(node_dir / "exit_code")}
+            cgroup = self._cgroup_for(spec)
+            if cgroup is not None and spec.resources.memory_mib:
+                env[ENV_NODE_MEMORY_LIMIT_MIB] = str(spec.resources.memory_mib)
             try:
                 with open(node_dir / "stdout", "ab") as out, open(node_dir / "stderr", "ab") as err:
                     popen = subprocess.Popen(
@@ -136,13 +154,20 @@ class LocalEngine(Engine):
                         stderr=err,
                         stdin=subprocess.DEVNULL,
                         start_new_session=True,
+                        preexec_fn=(
+                            functools.partial(join_cgroup, cgroup.procs_files())
+                            if cgroup is not None
+                            else None
+                        ),
                     )
-            except OSError as error:
+            except (OSError, subprocess.SubprocessError) as error:
+                if cgroup is not None:
+                    cgroup.remove(timeout_s=1.0)
                 raise LaunchError(
                     f"{spec.node_id}: cannot start {spec.command[0]!r}: {error}"
                 ) from error
             node = Node(spec=spec, state=NodeState.RUNNING, host=self._host)
-            process = _Process(node=node, pid=popen.pid, popen=popen)
+            process = _Process(node=node, pid=popen.pid, popen=popen, cgroup=cgroup)
             self._processes[spec.node_id] = process
             started = _create_time(popen.pid)
             (node_dir / "pid").write_text(f"{popen.pid} {started}\n")
@@ -157,6 +182,27 @@ class LocalEngine(Engine):
         ).start()
         return dataclasses.replace(node)
 
+    def _cgroup_for(self, spec: NodeSpec) -> NodeCgroup | None:
+        """The node's cgroup limited to its resources, or None (no resources asked, or no
+        cgroup can be made here: said once, and nodes run unlimited). Called under the lock."""
+        resources = spec.resources
+        if not self._enforce or not (resources.memory_mib or resources.cpu):
+            return None
+        if not self._cgroups_checked:
+            self._cgroups_checked = True
+            self._cgroups, why = CgroupRoot.detect()
+            if self._cgroups is None:
+                log.warning("node resources are not enforced (nodes run unlimited): %s", why)
+            else:
+                log.info("node resources are enforced: %s", self._cgroups.describe())
+        if self._cgroups is None:
+            return None
+        try:
+            return self._cgroups.create(spec.node_id, resources)
+        except CgroupError as e:
+            log.warning("node %s runs unlimited: %s", spec.node_id, e)
+            return None
+
     def _adopt(self, spec: NodeSpec, node_dir: Path) -> Node | None:
         """The node of ``spec`` if an earlier engine started it and it still runs (same pid and
         start time), now watched by this engine; else None. Called under the lock."""
@@ -170,7 +216,9 @@ class LocalEngine(Engine):
         node = Node(spec=spec, state=NodeState.RUNNING, host=self._host)
         process = _Process(node=node, pid=pid, popen=None)
         self._processes[spec.node_id] = process
-        log.info("node %s: adopted the running pid %d (started by an earlier master)", spec.node_id, pid)
+        log.info(
+            "node %s: adopted the running pid %d (started by an earlier master)", spec.node_id, pid
+        )
         threading.Thread(
             target=self._watch, args=(process,), name=f"watch-{spec.node_id}", daemon=True
         ).start()
@@ -199,6 +247,18 @@ class LocalEngine(Engine):
         except (OSError, ValueError):
             return None
 
+    @staticmethod
+    def _oom_killed(process: _Process, returncode: int) -> bool:
+        """The node died of memory: its agent said so (EXIT_NODE_OOM: a worker was OOM-killed
+        under the node's limit), or a SIGKILL while its cgroup counted an OOM kill."""
+        if returncode == EXIT_NODE_OOM:
+            return True
+        return (
+            returncode == -signal.SIGKILL
+            and process.cgroup is not None
+            and process.cgroup.oom_kills() > 0
+        )
+
     def _watch(self, process: _Process) -> None:
         # The wait ends when the process exits; delete/close bound that by SIGKILL.
         returncode = self._wait_exit(process)
@@ -219,6 +279,17 @@ class LocalEngine(Engine):
                 FailureReason.NODE_LOST,
                 host=self._host,
                 message="an adopted node ended without an exit record",
+            )
+        elif self._oom_killed(process, returncode):
+            event = NodeEvent(
+                spec.node_id,
+                spec,
+                NodeState.FAILED,
+                FailureReason.OOM_KILLED,
+                exit_code=returncode if returncode > 0 else None,
+                signal=-returncode if returncode < 0 else None,
+                host=self._host,
+                message=f"OOM-killed at its {spec.resources.memory_mib} MiB memory limit",
             )
         elif returncode == 0:
             event = NodeEvent(spec.node_id, spec, NodeState.SUCCEEDED, exit_code=0, host=self._host)
@@ -246,6 +317,8 @@ class LocalEngine(Engine):
         with self._lock:
             process.node.state = event.state
         log.info("node %s: running -> %s", spec.node_id, event)
+        if process.cgroup is not None:
+            process.cgroup.remove()
         self._queue.put(event)
         process.finished.set()
 
@@ -271,9 +344,7 @@ class LocalEngine(Engine):
         stop_process_group(process.pid, self._stop_grace_s, process.popen)
         # Wait for the watcher so the DELETED event is queued when delete returns.
         if not process.finished.wait(timeout=self._stop_grace_s + 5):
-            raise EngineError(
-                f"node {node_id}: process {process.pid} did not end after SIGKILL"
-            )
+            raise EngineError(f"node {node_id}: process {process.pid} did not end after SIGKILL")
 
     def list_nodes(self) -> list[Node]:
         """Copies of every node launched, with their current states."""

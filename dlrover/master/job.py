@@ -135,6 +135,9 @@ class JobMaster:
         self._failure_seq = saved_failures[-1][0] if saved_failures else 0
         self.stragglers = StragglerWatch(clock, config.straggler_report_s)
         self._replace: list[str] = []
+        self.nodes_managed = False
+        """Set by a node controller: an engine replaces lost nodes, and the controller fails
+        the job when it cannot; otherwise losing every node fails it."""
         self._excluded: set[str] = set()
         """Nodes replaced as stragglers: they may not register again."""
         self._activated_round = 0
@@ -644,6 +647,7 @@ class JobMaster:
         with self._lock:
             if (
                 not self.ended.is_set()
+                and not self.nodes_managed  # a node controller relaunches and decides
                 and self._alive() == 0
                 and self.nodes.count(NodeState.LOST) > 0
             ):

@@ -73,6 +73,9 @@ class NodeController:
         self._master_addr = master_addr
         self._token = token
         self._oom = oom_policy or OomPolicy()
+        job.nodes_managed = True  # lost nodes are this controller's to replace or give up on
+        self._oom_tried: dict[int, list[int]] = {}
+        """Node slot -> the memory (MiB) of each of its attempts that was OOM-killed."""
         self._relaunch_delay_s = relaunch_delay_s
         """Wait this long before replacing a node (back-off against crash loops)."""
         self._clock = clock
@@ -206,17 +209,39 @@ class NodeController:
                     event.message or str(event.reason.value if event.reason else "failed"),
                 )
             )
+        tried = self._oom_tried.setdefault(event.spec.rank, [])
+        if event.reason is FailureReason.OOM_KILLED:
+            tried.append(event.spec.resources.memory_mib)
         if decision.action is FailureAction.FAIL:
-            self.job.stop(decision.reason)
+            self.job.stop(decision.reason + self._oom_history(event.spec.rank))
             return None
         if decision.action is not FailureAction.RELAUNCH_NODE:
             return None
         spec = replacement_spec(event, self._oom)
         if spec is None:
-            self.job.stop(f"node {event.node_id} was OOM-killed at the memory cap; not relaunched")
+            self.job.stop(
+                f"node {event.node_id} was OOM-killed and cannot grow: the memory cap is "
+                f"{self._oom.max_memory_mib} MiB" + self._oom_history(event.spec.rank)
+            )
             return None
+        if event.reason is FailureReason.OOM_KILLED:
+            logger.info(
+                "node %s: OOM-killed with %d MiB; its replacement gets %d MiB",
+                event.node_id,
+                event.spec.resources.memory_mib,
+                spec.resources.memory_mib,
+            )
         self.relaunches[reason.value] = self.relaunches.get(reason.value, 0) + 1
         return spec
+
+    def _oom_history(self, rank: int) -> str:
+        tried = [m for m in self._oom_tried.get(rank, []) if m]
+        if not tried:
+            return ""
+        return (
+            f"; node slot {rank} was OOM-killed with {', '.join(f'{m} MiB' for m in tried)}: "
+            "give each node more memory (resources.memory)"
+        )
 
     def run(
         self,

@@ -45,6 +45,9 @@ def main() -> None:
         "waits at the exit barrier while the other is still finishing)",
     )
     p.add_argument("--linger-s", type=float, default=0.0)
+    p.add_argument(
+        "--hold-mib", type=int, default=0, help="memory each worker holds while it trains (MiB)"
+    )
     a = p.parse_args()
 
     dist.init_process_group("gloo")
@@ -61,6 +64,8 @@ def main() -> None:
         start = int(state["step"]) + 1
     for t in model.state_dict().values():
         dist.broadcast(t, 0)
+    held = bytearray(a.hold_mib << 20)
+    held[::4096] = b"\x01" * len(held[::4096])  # touched: it counts against a memory limit
     faults = FaultInjector.from_env()
     progress = StepReporter()
     for step in range(start, a.steps + 1):

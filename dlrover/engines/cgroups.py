@@ -1,0 +1,184 @@
+"""Per-node cgroups for the local engine: a node's `memory` and `cpu` become kernel limits.
+
+Each node with resources runs in its own cgroup, a child of the engine process's own: cgroup v1
+``memory/<self>/dlrover-<node>`` (``memory.limit_in_bytes``, swap capped the same) and
+``cpu/<self>/dlrover-<node>`` (``cpu.cfs_quota_us`` = cpu x ``cpu.cfs_period_us``), or cgroup v2
+``<self>/dlrover-<node>`` (``memory.max``, ``memory.swap.max``, ``cpu.max``). The node's command
+joins it before it execs, so the agent and every worker count against the limit, and going over
+memory is a real OOM kill whose ``oom_kill`` counter the engine reads to tell it from another
+SIGKILL. Where no cgroup can be made (no permission, no controller), `CgroupRoot.detect` says
+why and the engine runs nodes unlimited.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from dlrover.engines.base import Resources
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+PREFIX = "dlrover-"
+
+
+class CgroupError(Exception):
+    """A cgroup cannot be created or configured; the message says which file refused what."""
+
+
+def _own_paths(root: Path) -> dict[str, str]:
+    """controller (``""`` for v2) -> this process's cgroup path."""
+    out: dict[str, str] = {}
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        for controller in controllers.split(",") if controllers else [""]:
+            out[controller] = path.lstrip("/")
+    return out
+
+
+def _write(path: Path, value: str) -> None:
+    try:
+        path.write_text(value)
+    except OSError as e:
+        raise CgroupError(f"cannot write {value!r} to {path}: {e.strerror or e}") from None
+
+
+@dataclass
+class NodeCgroup:
+    """One node's cgroup directories (one per v1 controller, or one v2 directory)."""
+
+    node_id: str
+    dirs: list[Path]
+    memory_dir: Path | None
+
+    def procs_files(self) -> list[str]:
+        """Where a process writes its pid to join (every controller's directory)."""
+        return [str(d / "cgroup.procs") for d in self.dirs]
+
+    def oom_kills(self) -> int:
+        """Processes the kernel's OOM killer ended in this node (0 when unreadable)."""
+        if self.memory_dir is None:
+            return 0
+        for name in ("memory.events", "memory.oom_control"):
+            with contextlib.suppress(OSError):
+                for line in (self.memory_dir / name).read_text().splitlines():
+                    key, _, value = line.partition(" ")
+                    if key == "oom_kill":
+                        return int(value)
+        return 0
+
+    def remove(self, timeout_s: float = 5.0) -> None:
+        """Remove the directories once their processes are gone (waits at most
+        ``timeout_s``); a leftover is harmless and removed with the next node of that id."""
+        deadline = time.monotonic() + timeout_s
+        for d in self.dirs:
+            while d.exists():
+                try:
+                    d.rmdir()
+                except OSError:
+                    if time.monotonic() > deadline:
+                        break
+                    time.sleep(0.05)  # the kernel frees an emptied cgroup asynchronously
+
+
+class CgroupRoot:
+    """Where the engine makes its nodes' cgroups."""
+
+    def __init__(self, memory_parent: Path, cpu_parent: Path | None, v2: bool) -> None:
+        self._memory_parent = memory_parent
+        self._cpu_parent = cpu_parent
+        self._v2 = v2
+
+    def describe(self) -> str:
+        """For the log: which hierarchy and where."""
+        where = [str(self._memory_parent)] + ([str(self._cpu_parent)] if self._cpu_parent else [])
+        return f"cgroup {'v2' if self._v2 else 'v1'} under {', '.join(where)}"
+
+    @classmethod
+    def detect(cls, root: Path = CGROUP_ROOT) -> tuple[CgroupRoot | None, str]:
+        """The root to use, or None and why not."""
+        try:
+            own = _own_paths(root)
+        except OSError as e:
+            return None, f"cannot read /proc/self/cgroup ({e})"
+        if "memory" in own:  # v1
+            memory = root / "memory" / own["memory"]
+            cpu = root / "cpu" / own["cpu"] if "cpu" in own else None
+            probe = memory / f"{PREFIX}probe-{os.getpid()}"
+            try:
+                probe.mkdir(exist_ok=True)
+                probe.rmdir()
+            except OSError as e:
+                return None, f"cannot create a memory cgroup under {memory} ({e.strerror or e})"
+            if cpu is not None and not os.access(cpu, os.W_OK):
+                cpu = None
+            return cls(memory, cpu, v2=False), ""
+        if "" in own:  # v2 only
+            parent = root / own[""]
+            controllers = (
+                (parent / "cgroup.subtree_control").read_text().split()
+                if (parent / "cgroup.subtree_control").exists()
+                else []
+            )
+            if "memory" not in controllers:
+                return None, (
+                    f"the memory controller is not enabled for children of {parent} "
+                    "(cgroup.subtree_control)"
+                )
+            if not os.access(parent, os.W_OK):
+                return None, f"no permission to create cgroups under {parent}"
+            return cls(parent, parent if "cpu" in controllers else None, v2=True), ""
+        return None, "no memory controller in /proc/self/cgroup"
+
+    def create(self, node_id: str, resources: Resources) -> NodeCgroup:
+        """A fresh cgroup for ``node_id`` limited to ``resources`` (memory_mib, cpu); raises
+        CgroupError."""
+        name = f"{PREFIX}{node_id}"
+        mem_dir = self._memory_parent / name
+        dirs = [mem_dir]
+        cpu_dir = None
+        if resources.cpu and self._cpu_parent is not None:
+            cpu_dir = self._cpu_parent / name
+            if cpu_dir != mem_dir:
+                dirs.append(cpu_dir)
+        node = NodeCgroup(node_id, dirs, mem_dir)
+        node.remove(timeout_s=1.0)  # a leftover of an earlier node of that id
+        for d in dirs:
+            try:
+                d.mkdir(parents=False, exist_ok=True)
+            except OSError as e:
+                raise CgroupError(f"cannot create {d}: {e.strerror or e}") from None
+        try:
+            if resources.memory_mib:
+                limit = str(resources.memory_mib << 20)
+                if self._v2:
+                    _write(mem_dir / "memory.max", limit)
+                    if (mem_dir / "memory.swap.max").exists():
+                        _write(mem_dir / "memory.swap.max", "0")
+                else:
+                    _write(mem_dir / "memory.limit_in_bytes", limit)
+                    if (mem_dir / "memory.memsw.limit_in_bytes").exists():
+                        _write(mem_dir / "memory.memsw.limit_in_bytes", limit)
+            if cpu_dir is not None and resources.cpu:
+                if self._v2:
+                    _write(cpu_dir / "cpu.max", f"{int(resources.cpu * 100_000)} 100000")
+                else:
+                    period = int((cpu_dir / "cpu.cfs_period_us").read_text())
+                    _write(cpu_dir / "cpu.cfs_quota_us", str(int(resources.cpu * period)))
+        except (CgroupError, OSError, ValueError):
+            node.remove(timeout_s=1.0)
+            raise
+        return node
+
+
+def join_cgroup(procs_files: list[str]) -> None:
+    """In the child before exec: move this process into the node's cgroup(s)."""
+    pid = str(os.getpid())
+    for path in procs_files:
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.write(fd, pid.encode())
+        finally:
+            os.close(fd)
