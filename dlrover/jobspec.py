@@ -60,6 +60,10 @@ class JobSpec:
     """In-place restarts of a node's workers before the node counts as failed."""
     max_relaunches: int = 3
     """Replacements of one node slot before the job fails."""
+    oom_memory_factor: float = 1.5
+    """After an OOM kill a node is relaunched with this times its memory (> 1)."""
+    oom_max_memory_mib: int = 256 * 1024
+    """The cap of that growth, in MiB (spec key ``oom_max_memory``, e.g. ``64Gi``)."""
     checkpoint_dir: str = ""
     """Where flash checkpoints are persisted ("" = no persistence)."""
     engine: str = DEFAULT_ENGINE
@@ -199,6 +203,8 @@ _KEYS = {
     "resources",
     "max_restarts",
     "max_relaunches",
+    "oom_memory_factor",
+    "oom_max_memory",
     "checkpoint_dir",
     "engine",
     "engine_settings",
@@ -239,6 +245,12 @@ def job_spec_from_dict(raw: Mapping[str, Any]) -> JobSpec:
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise JobSpecError(f"{key} is {value!r}; it must be an integer >= {low}")
         counts[key] = value
+    factor = raw.get("oom_memory_factor", 1.5)
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 1:
+        raise JobSpecError(f"oom_memory_factor is {factor!r}; it must be a number > 1, e.g. 1.5")
+    cap = parse_memory_mib(raw.get("oom_max_memory", 256 * 1024), "oom_max_memory")
+    if cap <= 0:
+        raise JobSpecError("oom_max_memory must be > 0, e.g. 64Gi")
     flags = {}
     for key in ("node_check", "exclude_straggler"):
         value = raw.get(key, False)
@@ -261,6 +273,8 @@ def job_spec_from_dict(raw: Mapping[str, Any]) -> JobSpec:
         checkpoint_dir=str(raw.get("checkpoint_dir") or ""),
         engine=engine,
         engine_settings=dict(settings),
+        oom_memory_factor=float(factor),
+        oom_max_memory_mib=cap,
         **flags,
     )
 

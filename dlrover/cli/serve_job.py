@@ -26,6 +26,7 @@ from dlrover.jobspec import JobSpec, JobSpecError
 from dlrover.master.assembly import MasterSettings, build_master
 from dlrover.master.job import JobMaster, JobState
 from dlrover.master.node_controller import NodeController
+from dlrover.master.relaunch_policy import OomPolicy
 from dlrover.master.rendezvous import RendezvousConfig
 from dlrover.master.server import MasterServerError, new_token
 from dlrover.master.state_store import StateStoreError
@@ -250,7 +251,14 @@ def serve_job(
         write_record(JobRecord(name=spec.name, state="failed", pid=os.getpid()))
         return 1
     controller = NodeController(
-        job, engine, spec, master_addr, token, relaunch_delay_s=relaunch_delay_s, store=master.store
+        job,
+        engine,
+        spec,
+        master_addr,
+        token,
+        relaunch_delay_s=relaunch_delay_s,
+        store=master.store,
+        oom_policy=OomPolicy(spec.oom_memory_factor, spec.oom_max_memory_mib),
     )
     progress = threading.Thread(target=_progress_loop, args=(job, stop), daemon=True)
     progress.start()

@@ -19,7 +19,9 @@ ROOT, WHY = CgroupRoot.detect()
 pytestmark = pytest.mark.skipif(ROOT is None, reason=f"no cgroup can be made here: {WHY}")
 
 
-def _job(tmp: Path, name: str, memory: str, hold_mib: int, max_relaunches: int = 3) -> Path:
+def _job(
+    tmp: Path, name: str, memory: str, hold_mib: int, max_relaunches: int = 3, **extra: str
+) -> Path:
     (tmp / f"{name}-ckpt").mkdir()
     spec = {
         "name": name,
@@ -30,6 +32,7 @@ def _job(tmp: Path, name: str, memory: str, hold_mib: int, max_relaunches: int =
         "nproc_per_node": 1,
         "max_relaunches": max_relaunches,
         "resources": {"memory": memory} if memory else {},
+        **extra,
     }  # fmt: skip
     path = tmp / f"{name}.yaml"
     path.write_text(json.dumps(spec))
@@ -61,3 +64,12 @@ def test_with_no_relaunch_left_the_job_fails_naming_the_memory_tried(tmp_path: P
     assert r.returncode != 0
     assert "node slot 0 was OOM-killed with 600 MiB, 900 MiB" in r.stderr, r.stderr[-3000:]
     assert "give each node more memory (resources.memory)" in r.stderr
+
+
+def test_at_the_memory_cap_the_job_fails_naming_the_cap_and_the_sizes(tmp_path: Path) -> None:
+    job = _job(tmp_path, "cap", "600Mi", 1500, oom_max_memory="700Mi")
+    r = _run(tmp_path, "submit", str(job))
+    assert r.returncode != 0
+    assert "OOM-killed with 600 MiB; its replacement gets 700 MiB" in r.stderr  # capped growth
+    assert "cannot grow: the memory cap is 700 MiB" in r.stderr, r.stderr[-3000:]
+    assert "node slot 0 was OOM-killed with 600 MiB, 700 MiB" in r.stderr

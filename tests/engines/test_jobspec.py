@@ -125,3 +125,16 @@ def test_memory_sizes() -> None:
     assert parse_memory_mib("512Mi") == 512
     assert parse_memory_mib(2048) == 2048
     assert parse_memory_mib("1G") == 954
+
+
+def test_oom_growth_is_configurable_and_checked() -> None:
+    from dlrover.jobspec import JobSpecError, job_spec_from_dict
+
+    spec = job_spec_from_dict(
+        {"entrypoint": "t.py", "oom_memory_factor": 2, "oom_max_memory": "8Gi"}
+    )
+    assert (spec.oom_memory_factor, spec.oom_max_memory_mib) == (2.0, 8192)
+    default = job_spec_from_dict({"entrypoint": "t.py"})
+    assert (default.oom_memory_factor, default.oom_max_memory_mib) == (1.5, 256 * 1024)
+    with pytest.raises(JobSpecError, match="oom_memory_factor is 1; it must be a number > 1"):
+        job_spec_from_dict({"entrypoint": "t.py", "oom_memory_factor": 1})
