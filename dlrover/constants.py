@@ -76,3 +76,8 @@ needs more memory, so the engine reports it OOM_KILLED and the master relaunches
 ENV_NODE_MEMORY_LIMIT_MIB = "DLROVER_NODE_MEMORY_LIMIT_MIB"
 """Set by an engine that enforces a node's memory (the local engine's cgroup): a worker OOM-killed
 under it makes the agent leave with EXIT_NODE_OOM instead of restarting in place."""
+
+ENV_AUTOSCALE_INTERVAL_S = "DLROVER_AUTOSCALE_INTERVAL_S"
+"""Seconds between the auto-scaler's plans (default 30; tests shorten it)."""
+ENV_AUTOSCALE_SIZING_S = "DLROVER_AUTOSCALE_SIZING_S"
+"""How long a job without resources is measured before it is sized (default 60)."""

@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 
 from dlrover.constants import DEFAULT_MAX_RESTARTS, ENV_JOB_NAME, ENV_JOB_TOKEN, ENV_MASTER_ADDR
-from dlrover.engines.base import InvalidNodeSpecError, NodeSpec, Resources
+from dlrover.engines.base import Capacity, InvalidNodeSpecError, NodeSpec, Resources
 
 ENGINES = ("local", "ray", "kubernetes")
 """Engine names a job spec may ask for."""
@@ -72,6 +72,8 @@ class JobSpec:
     """Engine-specific settings (ray: address; kubernetes: namespace, image, ...)."""
     node_check: bool = False
     """Check every node before training (`dlrover-run --node-check`)."""
+    auto_scale: bool = False
+    """Let the master size the nodes (and, as it lands, scale them): dlrover/master/autoscaler.py."""
     exclude_straggler: bool = False
     """Replace stragglers: those the node check finds (`dlrover-run --exclude-straggler`) and
     nodes that stay slow while training (runtime scores, dlrover/master/stragglers.py)."""
@@ -193,6 +195,7 @@ def _resources(raw: Any) -> Resources:
 
 
 _KEYS = {
+    "auto_scale",
     "node_check",
     "exclude_straggler",
     "name",
@@ -252,7 +255,7 @@ def job_spec_from_dict(raw: Mapping[str, Any]) -> JobSpec:
     if cap <= 0:
         raise JobSpecError("oom_max_memory must be > 0, e.g. 64Gi")
     flags = {}
-    for key in ("node_check", "exclude_straggler"):
+    for key in ("node_check", "exclude_straggler", "auto_scale"):
         value = raw.get(key, False)
         if not isinstance(value, bool):
             raise JobSpecError(f"{key} is {value!r}; it must be true or false")
@@ -315,6 +318,7 @@ def job_spec_from_flags(
     engine_settings: Mapping[str, Any] | None = None,
     node_check: bool = False,
     exclude_straggler: bool = False,
+    auto_scale: bool = False,
 ) -> JobSpec:
     """The same spec from CLI flags (`dlrover submit --engine ray --nnodes 2:4 train.py`)."""
     raw: dict[str, Any] = {
@@ -329,7 +333,28 @@ def job_spec_from_flags(
         "engine_settings": dict(engine_settings or {}),
         "node_check": node_check,
         "exclude_straggler": exclude_straggler,
+        "auto_scale": auto_scale,
     }
     if name:
         raw["name"] = name
     return job_spec_from_dict(raw)
+
+
+def parse_capacity(text: str) -> Capacity:
+    """``cpu=8,memory=32Gi`` (either part may be left out) as a Capacity."""
+    cpu: float | None = None
+    memory: int | None = None
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, _, value = part.partition("=")
+        if key == "cpu":
+            try:
+                cpu = float(value)
+            except ValueError:
+                raise JobSpecError(f"capacity cpu={value!r} is not a number") from None
+            if cpu < 0:
+                raise JobSpecError(f"capacity cpu={value} must be >= 0")
+        elif key == "memory":
+            memory = parse_memory_mib(value, "capacity memory")
+        else:
+            raise JobSpecError(f"capacity {part!r}: use cpu=N,memory=SIZE, e.g. cpu=8,memory=32Gi")
+    return Capacity(cpu, memory)

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from dlrover.engines.base import Resources
+from dlrover.engines.base import Capacity, Resources
 from dlrover.master.optimizer import (
-    Capacity,
     NodeUsage,
     OptimizerConfig,
     ResourceOptimizer,

@@ -277,6 +277,8 @@ class JobStatus:
     nodes: tuple[NodeStatus, ...] = field(default=())
     node_check: str = ""
     """The last node check's verdict in one line ("" when none ran)."""
+    autoscale: str = ""
+    """The auto-scaler's latest plan in one line ("" without --auto-scale)."""
 
     @property
     def ended(self) -> bool:

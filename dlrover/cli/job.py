@@ -27,6 +27,8 @@ def _status_table(status: JobStatus) -> str:
     ]
     if status.node_check:
         lines.append(status.node_check)
+    if status.autoscale:
+        lines.append(status.autoscale)
     check = any(n.check for n in status.nodes)
     score = any(n.score for n in status.nodes)
     lines.append(
@@ -172,6 +174,16 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="Replace stragglers: found by --node-check, or slow while training (runtime scores)",
     )
+    s.add_argument(
+        "--auto-scale",
+        action="store_true",
+        help="The master sizes nodes from their measured use (and scales them as that lands)",
+    )
+    s.add_argument(
+        "--capacity",
+        default="",
+        help="What the local engine may use for all nodes together, e.g. cpu=8,memory=32Gi",
+    )
     s.add_argument("--port", type=int, default=0, help="The master's port (0: a free one)")
     s.add_argument(
         "--advertise-address", default="", help="host[:port] nodes use to reach the master"
@@ -228,6 +240,8 @@ def run(argv: Sequence[str] | None = None) -> int:
                 max_restarts=args.max_restarts,
                 node_check=args.node_check,
                 exclude_straggler=args.exclude_straggler,
+                auto_scale=args.auto_scale,
+                engine_settings={"capacity": args.capacity} if args.capacity else None,
             )
     except (JobSpecError, OSError) as e:
         parser.error(str(e))

@@ -133,7 +133,12 @@ def run(argv: Sequence[str] | None = None) -> int:
             parser.error(str(e))
         setup_logging("dlrover-master")
         return serve_job(
-            spec, args.host, args.port, args.advertise_addr, args.token or "", state=args.state_db or ""
+            spec,
+            args.host,
+            args.port,
+            args.advertise_addr,
+            args.token or "",
+            state=args.state_db or "",
         )
     rdzv = None
     try:

@@ -22,7 +22,7 @@ from dlrover.cli.job_records import (
     write_record,
 )
 from dlrover.engines.base import Engine
-from dlrover.jobspec import JobSpec, JobSpecError
+from dlrover.jobspec import JobSpec, JobSpecError, parse_capacity
 from dlrover.master.assembly import MasterSettings, build_master
 from dlrover.master.job import JobMaster, JobState
 from dlrover.master.node_controller import NodeController
@@ -39,7 +39,8 @@ def make_engine(spec: JobSpec, job_dir: Path) -> Engine:
     if spec.engine == "local":
         from dlrover.engines.local import LocalEngine
 
-        return LocalEngine(job_dir / "nodes")
+        capacity = parse_capacity(str(settings.get("capacity", "")))
+        return LocalEngine(job_dir / "nodes", capacity=capacity)
     if spec.engine == "ray":
         from dlrover.engines.ray_engine import RayEngine
 
@@ -260,6 +261,20 @@ def serve_job(
         store=master.store,
         oom_policy=OomPolicy(spec.oom_memory_factor, spec.oom_max_memory_mib),
     )
+    if spec.auto_scale:
+        from dlrover.master.autoscaler import DEFAULT_INTERVAL_S, AutoScaler
+        from dlrover.master.optimizer import OptimizerConfig
+
+        controller.scaler = AutoScaler(
+            job,
+            controller,
+            OptimizerConfig(
+                spec.min_nodes,
+                spec.max_nodes,
+                sizing_window_s=float(os.environ.get(c.ENV_AUTOSCALE_SIZING_S, "") or 60),
+            ),
+            interval_s=float(os.environ.get(c.ENV_AUTOSCALE_INTERVAL_S, "") or DEFAULT_INTERVAL_S),
+        )
     progress = threading.Thread(target=_progress_loop, args=(job, stop), daemon=True)
     progress.start()
     fenced = master.server.fenced

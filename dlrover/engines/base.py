@@ -231,6 +231,28 @@ class EventQueue:
 _EngineT = TypeVar("_EngineT", bound="Engine")
 
 
+@dataclasses.dataclass(frozen=True)
+class Capacity:
+    """What an engine can still launch; None: unknown (taken as enough)."""
+
+    cpu: float | None = None
+    memory_mib: int | None = None
+
+    def fits(self, size: Resources) -> bool:
+        """Whether one more node of ``size`` fits."""
+        cpu_ok = self.cpu is None or not size.cpu or size.cpu <= self.cpu
+        mem_ok = (
+            self.memory_mib is None or not size.memory_mib or size.memory_mib <= self.memory_mib
+        )
+        return cpu_ok and mem_ok
+
+    def describe(self) -> str:
+        """``8 CPU, 30720 MiB free`` (``unknown`` parts say so)."""
+        cpu = "? CPU" if self.cpu is None else f"{self.cpu:g} CPU"
+        mem = "? MiB" if self.memory_mib is None else f"{self.memory_mib} MiB"
+        return f"{cpu}, {mem} free"
+
+
 class Engine(abc.ABC):
     """Where nodes run. The master's controller drives it; policies never see which one it is.
 
@@ -263,6 +285,10 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def close(self, delete_nodes: bool = True) -> None:
         """Stop watching; with `delete_nodes`, remove every node first."""
+
+    def capacity(self) -> Capacity:
+        """What this engine can still launch now (default: unknown)."""
+        return Capacity()
 
     def launch_many(
         self, specs: Sequence[NodeSpec], parallelism: int = DEFAULT_LAUNCH_PARALLELISM

@@ -22,6 +22,7 @@ from dlrover.constants import (
     EXIT_NODE_OOM,
 )
 from dlrover.engines.base import (
+    Capacity,
     Engine,
     EngineError,
     EventQueue,
@@ -113,8 +114,10 @@ class LocalEngine(Engine):
         log_dir: str | os.PathLike[str],
         stop_grace_s: float = DEFAULT_STOP_GRACE_S,
         enforce_resources: bool = True,
+        capacity: Capacity | None = None,
     ) -> None:
         self._log_dir = Path(log_dir)
+        self._capacity = capacity or Capacity()
         self._stop_grace_s = stop_grace_s
         self._enforce = enforce_resources
         self._cgroups: CgroupRoot | None = None
@@ -345,6 +348,19 @@ class LocalEngine(Engine):
         # Wait for the watcher so the DELETED event is queued when delete returns.
         if not process.finished.wait(timeout=self._stop_grace_s + 5):
             raise EngineError(f"node {node_id}: process {process.pid} did not end after SIGKILL")
+
+    def capacity(self) -> Capacity:
+        """The configured capacity (``--capacity``) less what the live nodes ask for; unknown
+        where none was configured."""
+        with self._lock:
+            live = [
+                p.node.spec.resources for p in self._processes.values() if not p.node.state.is_final
+            ]
+        cap = self._capacity
+        return Capacity(
+            None if cap.cpu is None else cap.cpu - sum(r.cpu for r in live),
+            None if cap.memory_mib is None else cap.memory_mib - sum(r.memory_mib for r in live),
+        )
 
     def list_nodes(self) -> list[Node]:
         """Copies of every node launched, with their current states."""

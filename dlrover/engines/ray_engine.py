@@ -11,6 +11,7 @@ from typing import Any
 
 from dlrover.constants import DEFAULT_STOP_GRACE_S
 from dlrover.engines.base import (
+    Capacity,
     Engine,
     EngineError,
     EventQueue,
@@ -187,6 +188,16 @@ class RayEngine(Engine):
         except Exception as error:  # the actor may already be gone; killing it below suffices
             log.info("node %s: graceful stop failed (%s); killing the actor", node_id, error)
         self._kill(entry)
+
+    def capacity(self) -> Capacity:
+        """What the Ray cluster has free now (CPU, memory); unknown if Ray does not say."""
+        try:
+            free = self._ray.available_resources()
+        except Exception as error:  # a GCS hiccup: unknown, not fatal
+            log.warning("cannot read Ray's free resources: %s", error)
+            return Capacity()
+        memory = free.get("memory")
+        return Capacity(float(free.get("CPU", 0.0)), None if memory is None else int(memory) >> 20)
 
     def list_nodes(self) -> list[Node]:
         """Copies of every node launched, with their current states."""

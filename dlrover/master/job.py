@@ -135,6 +135,8 @@ class JobMaster:
         self._failure_seq = saved_failures[-1][0] if saved_failures else 0
         self.stragglers = StragglerWatch(clock, config.straggler_report_s)
         self._replace: list[str] = []
+        self.scale_summary = ""
+        """The auto-scaler's latest plan in one line (`dlrover status`)."""
         self.nodes_managed = False
         """Set by a node controller: an engine replaces lost nodes, and the controller fails
         the job when it cannot; otherwise losing every node fails it."""

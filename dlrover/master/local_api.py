@@ -310,6 +310,7 @@ class LocalMasterApi:
                 for n in (job.nodes.all() if with_nodes else ())
             ),
             node_check=job.check_summary,
+            autoscale=job.scale_summary,
         )
 
     def stop_job(self, reason: str) -> api.JobStatus:

@@ -7,6 +7,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from dlrover.api.master import FailureClass, FailureRecord
 from dlrover.constants import ENV_NODE_NAME, EXIT_NODE_EXCLUDED
@@ -25,6 +26,9 @@ from dlrover.master.job import JobMaster
 from dlrover.master.node_policy import NodeLossObservation, NodeLossReason, decide_node_loss
 from dlrover.master.nodes import ALIVE_STATES
 from dlrover.master.relaunch_policy import OomPolicy, replacement_spec
+
+if TYPE_CHECKING:
+    from dlrover.master.autoscaler import AutoScaler
 from dlrover.master.state_store import MemoryStateStore, StateStore
 
 logger = logging.getLogger(__name__)
@@ -82,6 +86,8 @@ class NodeController:
         self._due: list[tuple[float, NodeSpec]] = []
         self.relaunches: dict[str, int] = {}
         """Replacements launched, per reason (for metrics and status)."""
+        self.scaler: AutoScaler | None = None
+        """Set for `--auto-scale`: plans (and resizes) on every `step`."""
 
     def node_spec(self, rank: int, relaunch_count: int = 0) -> NodeSpec:
         """The blueprint of node slot ``rank``, named so that its agent registers under the engine's
@@ -127,6 +133,8 @@ class NodeController:
     def step(self, timeout_s: float) -> None:
         """Handle the engine events that arrive within `timeout_s`, and replace the nodes the
         job asks to (runtime stragglers)."""
+        if self.scaler is not None:
+            self.scaler.tick()
         for node_id in self.job.take_replacements():
             spec = self._replace_straggler(node_id)
             if spec is not None:
@@ -146,6 +154,29 @@ class NodeController:
             except EngineError as e:
                 logger.error("relaunch failed: %s", e)
                 self.job.stop(f"could not relaunch nodes: {e}")
+
+    def resize(self, resources: Resources, why: str) -> None:
+        """Relaunch every live node with ``resources`` (and launch later nodes so): the job
+        re-forms on the new nodes and resumes from its last checkpoint."""
+        self.spec = dataclasses.replace(self.spec, resources=resources)
+        live = [n for n in self.engine.list_nodes() if not n.state.is_final]
+        logger.info(
+            "resizing %d node(s) to %d MiB, %g CPU: %s",
+            len(live),
+            resources.memory_mib,
+            resources.cpu,
+            why,
+        )
+        for node in live:
+            self.job.node_lost(node.node_id, "relaunched at a new size by the auto-scaler")
+            try:
+                self.engine.delete(node.node_id)
+            except EngineError as e:
+                logger.warning("node %s: cannot delete it for the resize: %s", node.node_id, e)
+            spec = node.spec.replacement(resources)
+            self._save_slot(spec)
+            self._due.append((self._clock(), self._named(spec)))
+            self.relaunches["resize"] = self.relaunches.get("resize", 0) + 1
 
     def _replace_straggler(self, node_id: str) -> NodeSpec | None:
         """Delete a straggler node and return its slot's next attempt (None when the slot used

@@ -25,7 +25,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from dlrover.engines.base import Resources
+from dlrover.engines.base import Capacity, Resources
 
 
 class ScaleAction(str, enum.Enum):
@@ -55,22 +55,6 @@ class NodeUsage:
     node_id: str
     cpu_cores: float
     memory_peak_mib: int
-
-
-@dataclass(frozen=True)
-class Capacity:
-    """What the engine can still launch (None: unknown, taken as enough)."""
-
-    cpu: float | None = None
-    memory_mib: int | None = None
-
-    def fits(self, size: Resources) -> bool:
-        """Whether one more node of ``size`` fits."""
-        cpu_ok = self.cpu is None or not size.cpu or size.cpu <= self.cpu
-        mem_ok = (
-            self.memory_mib is None or not size.memory_mib or size.memory_mib <= self.memory_mib
-        )
-        return cpu_ok and mem_ok
 
 
 @dataclass(frozen=True)

@@ -273,7 +273,7 @@ class NodeStatus(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., state: _Optional[str] = ..., node_rank: _Optional[int] = ..., host: _Optional[str] = ..., step: _Optional[int] = ..., restart_count: _Optional[int] = ..., last_heartbeat_age_s: _Optional[float] = ..., role: _Optional[str] = ..., cpu_percent: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., check: _Optional[str] = ..., score: _Optional[float] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job_name", "state", "round", "nodes", "reason", "exit_code", "node_check")
+    __slots__ = ("job_name", "state", "round", "nodes", "reason", "exit_code", "node_check", "autoscale")
     JOB_NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -281,6 +281,7 @@ class JobStatus(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
     NODE_CHECK_FIELD_NUMBER: _ClassVar[int]
+    AUTOSCALE_FIELD_NUMBER: _ClassVar[int]
     job_name: str
     state: str
     round: int
@@ -288,7 +289,8 @@ class JobStatus(_message.Message):
     reason: str
     exit_code: int
     node_check: str
-    def __init__(self, job_name: _Optional[str] = ..., state: _Optional[str] = ..., round: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., reason: _Optional[str] = ..., exit_code: _Optional[int] = ..., node_check: _Optional[str] = ...) -> None: ...
+    autoscale: str
+    def __init__(self, job_name: _Optional[str] = ..., state: _Optional[str] = ..., round: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., reason: _Optional[str] = ..., exit_code: _Optional[int] = ..., node_check: _Optional[str] = ..., autoscale: _Optional[str] = ...) -> None: ...
 
 class JoinNodeCheckRequest(_message.Message):
     __slots__ = ("node_id", "incarnation", "rdzv_round", "check_round", "addr", "straggler_ratio", "exclude_stragglers", "wait_s")
