@@ -45,6 +45,20 @@ def dlrover_run(
     )
 
 
+def dlrover_cli(
+    home: Path, *args: str, timeout: float = 60, **env: str
+) -> subprocess.CompletedProcess[str]:
+    """``dlrover ARGS`` (submit, status, diagnose, stop) with $DLROVER_HOME at ``home``."""
+    return subprocess.run(
+        [*run_cmd("dlrover.cli.job"), *args],
+        env=clean_env(DLROVER_HOME=str(home), **env),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 class MasterProcess:
     """A real dlrover-master on port 0; its address and token are read from --write-env."""
 

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from dlrover.agent.cgroup import oom_kill_count
 from dlrover.agent.error_file import ErrorRecord
 from dlrover.agent.failure_policy import ExitKind, WorkerFailure
 from dlrover.agent.failures import classify, judge
@@ -90,8 +89,3 @@ def test_the_failure_log_outlives_the_master_and_keeps_the_newest(tmp_path: Path
     assert again.failures() == kept
     assert [r for _, r in load_failures(store)] == list(kept)
     store.close()
-
-
-def test_the_oom_kill_counter_is_read_from_this_process_cgroup() -> None:
-    count = oom_kill_count()
-    assert count is None or count >= 0

@@ -26,7 +26,7 @@ from dlrover.agent.failure_policy import (
     WorkerGroupState,
 )
 from dlrover.agent.failures import Judgement, judge
-from dlrover.agent.heartbeat import Heartbeat, usage_of
+from dlrover.agent.heartbeat import Heartbeat, UsageMeter
 from dlrover.agent.launch_plan import AttemptContext, LaunchPlan, plan_launch
 from dlrover.agent.monitor import MonitorSignals, Outcome, WorkerMonitor, describe_exit
 from dlrover.agent.node_check import EXIT_EXCLUDED, CheckOutcome, CheckSettings, NodeChecker
@@ -122,6 +122,7 @@ class ElasticAgent:
         self._zygote: PendingZygote | None = None
         self._saver: Any = None
         self._started_at = time.monotonic()
+        self._usage = UsageMeter()
         self._oom_kills: int | None = None
         """The cgroup's OOM-kill counter when the current workers started."""
         self._checker = (
@@ -290,7 +291,7 @@ class ElasticAgent:
 
     def _report_failure(self, verdict: Judgement) -> None:
         """Tell the master what failed, its class and the action (`dlrover diagnose`);
-        best-effort: a restart never waits on it."""
+        best-effort: an unreachable master costs the restart one RPC time-out, nothing more."""
         record = FailureRecord(
             time.time(),
             self.node_id,
@@ -434,7 +435,7 @@ class ElasticAgent:
     # --- heartbeats ------------------------------------------------------------------------------
     def _heartbeat_report(self) -> HeartbeatReport:
         pids = [os.getpid(), *(self._group.pids.values() if self._group is not None else ())]
-        cpu, mem = usage_of(pids)
+        cpu, mem = self._usage.sample(pids)
         step = max(self.step_reached, self._monitor.step if self._monitor is not None else -1)
         return HeartbeatReport(
             node_id=self.node_id,

@@ -4,6 +4,7 @@ read its failures, end it."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -226,6 +227,17 @@ def run(argv: Sequence[str] | None = None) -> int:
         target = args.spec_or_entrypoint
         if target.endswith((".yaml", ".yml")):
             spec = load_job_spec(target)
+            # Flags given with a YAML spec add to it (never silently ignored).
+            settings = dict(spec.engine_settings)
+            if args.capacity:
+                settings["capacity"] = args.capacity
+            spec = dataclasses.replace(
+                spec,
+                node_check=spec.node_check or args.node_check,
+                exclude_straggler=spec.exclude_straggler or args.exclude_straggler,
+                auto_scale=spec.auto_scale or args.auto_scale,
+                engine_settings=settings,
+            )
         else:
             spec = job_spec_from_flags(
                 target,

@@ -17,6 +17,7 @@ redis://host:port/db` keeps the state where a master on another Ray node finds i
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import threading
@@ -149,13 +150,8 @@ def _remove_node_actors(ray: Any, job_name: str) -> list[str]:
     submission of the same name. Returns their names."""
     from ray.util.placement_group import get_placement_group, remove_placement_group
 
-    from dlrover.testing.faults import node_slot
-
-    names = [
-        n
-        for n in ray.util.list_named_actors()
-        if n.startswith(f"{job_name}-") and n != master_actor_name(job_name) and node_slot(n)
-    ]
+    mine = re.compile(rf"{re.escape(job_name)}-[a-z]+-\d+-\d+")  # exactly this job's nodes
+    names = [n for n in ray.util.list_named_actors() if mine.fullmatch(n)]
     for name in names:
         try:
             ray.kill(ray.get_actor(name), no_restart=True)
@@ -280,8 +276,8 @@ def _drive(
             unanswered_since = None
             if seen["code"] is not None:
                 return int(seen["code"])
-            if stopping and not seen["serving"]:
-                actor.stop.remote(stopping[0])  # a restarted master has not heard it yet
+            if stopping:
+                actor.stop.remote(stopping[0])  # idempotent; a restarted master may not know it
     finally:
         try:
             ray.kill(actor, no_restart=True)

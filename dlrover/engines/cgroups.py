@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,6 +76,10 @@ class NodeCgroup:
         ``timeout_s``); a leftover is harmless and removed with the next node of that id."""
         deadline = time.monotonic() + timeout_s
         for d in self.dirs:
+            with contextlib.suppress(OSError, ValueError):
+                for pid in (d / "cgroup.procs").read_text().split():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(int(pid), signal.SIGKILL)  # a worker left in its own session
             while d.exists():
                 try:
                     d.rmdir()
@@ -132,6 +138,19 @@ class CgroupRoot:
             return cls(parent, parent if "cpu" in controllers else None, v2=True), ""
         return None, "no memory controller in /proc/self/cgroup"
 
+    def existing(self, node_id: str) -> NodeCgroup | None:
+        """The cgroup an earlier engine made for ``node_id``, if it is still there (a restarted
+        master adopting the node)."""
+        name = f"{PREFIX}{node_id}"
+        mem_dir = self._memory_parent / name
+        if not mem_dir.is_dir():
+            return None
+        dirs = [mem_dir]
+        cpu_dir = self._cpu_parent / name if self._cpu_parent is not None else None
+        if cpu_dir is not None and cpu_dir != mem_dir and cpu_dir.is_dir():
+            dirs.append(cpu_dir)
+        return NodeCgroup(node_id, dirs, mem_dir)
+
     def create(self, node_id: str, resources: Resources) -> NodeCgroup:
         """A fresh cgroup for ``node_id`` limited to ``resources`` (memory_mib, cpu); raises
         CgroupError."""
@@ -173,8 +192,19 @@ class CgroupRoot:
         return node
 
 
+_JOIN = 'for f in $DLROVER_CGROUP_PROCS; do echo $$ > "$f" || exit 125; done; exec "$@"'
+
+
+def cgroup_command(procs_files: list[str], command: Sequence[str]) -> list[str]:
+    """``command`` started through a shell that first moves itself into the node's cgroup(s)
+    and then execs it (the same pid): no Python runs between fork and exec, which a threaded
+    master must not do. Exit 125: the cgroup refused the process."""
+    files = " ".join(procs_files)
+    return ["/bin/sh", "-c", f"DLROVER_CGROUP_PROCS='{files}'; {_JOIN}", "dlrover-node", *command]
+
+
 def join_cgroup(procs_files: list[str]) -> None:
-    """In the child before exec: move this process into the node's cgroup(s)."""
+    """Move this process into the node's cgroup(s) (tests start helpers with it)."""
     pid = str(os.getpid())
     for path in procs_files:
         fd = os.open(path, os.O_WRONLY)

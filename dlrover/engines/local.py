@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import os
 import signal
@@ -34,7 +33,7 @@ from dlrover.engines.base import (
     NodeSpec,
     NodeState,
 )
-from dlrover.engines.cgroups import CgroupError, CgroupRoot, NodeCgroup, join_cgroup
+from dlrover.engines.cgroups import CgroupError, CgroupRoot, NodeCgroup, cgroup_command
 
 log = logging.getLogger(__name__)
 
@@ -151,17 +150,14 @@ class LocalEngine(Engine):
             try:
                 with open(node_dir / "stdout", "ab") as out, open(node_dir / "stderr", "ab") as err:
                     popen = subprocess.Popen(
-                        list(spec.command),
+                        cgroup_command(cgroup.procs_files(), spec.command)
+                        if cgroup is not None
+                        else list(spec.command),
                         env=env,
                         stdout=out,
                         stderr=err,
                         stdin=subprocess.DEVNULL,
                         start_new_session=True,
-                        preexec_fn=(
-                            functools.partial(join_cgroup, cgroup.procs_files())
-                            if cgroup is not None
-                            else None
-                        ),
                     )
             except (OSError, subprocess.SubprocessError) as error:
                 if cgroup is not None:
@@ -206,6 +202,16 @@ class LocalEngine(Engine):
             log.warning("node %s runs unlimited: %s", spec.node_id, e)
             return None
 
+    def _adopted_cgroup(self, spec: NodeSpec) -> NodeCgroup | None:
+        """The cgroup an earlier engine made for an adopted node (watched and removed by this
+        one), or None."""
+        if not self._enforce or not (spec.resources.memory_mib or spec.resources.cpu):
+            return None
+        if not self._cgroups_checked:
+            self._cgroups_checked = True
+            self._cgroups, _ = CgroupRoot.detect()
+        return self._cgroups.existing(spec.node_id) if self._cgroups is not None else None
+
     def _adopt(self, spec: NodeSpec, node_dir: Path) -> Node | None:
         """The node of ``spec`` if an earlier engine started it and it still runs (same pid and
         start time), now watched by this engine; else None. Called under the lock."""
@@ -217,7 +223,7 @@ class LocalEngine(Engine):
         if _create_time(pid) != started:
             return None  # gone, or the pid now names another process
         node = Node(spec=spec, state=NodeState.RUNNING, host=self._host)
-        process = _Process(node=node, pid=pid, popen=None)
+        process = _Process(node=node, pid=pid, popen=None, cgroup=self._adopted_cgroup(spec))
         self._processes[spec.node_id] = process
         log.info(
             "node %s: adopted the running pid %d (started by an earlier master)", spec.node_id, pid
@@ -252,12 +258,11 @@ class LocalEngine(Engine):
 
     @staticmethod
     def _oom_killed(process: _Process, returncode: int) -> bool:
-        """The node died of memory: its agent said so (EXIT_NODE_OOM: a worker was OOM-killed
-        under the node's limit), or a SIGKILL while its cgroup counted an OOM kill."""
-        if returncode == EXIT_NODE_OOM:
-            return True
+        """The node died of memory: its cgroup counted an OOM kill and the node ended with
+        EXIT_NODE_OOM (its agent left after a worker's OOM kill) or by SIGKILL (the agent itself
+        was the OOM killer's pick). A script that exits 6 without an OOM is not taken for one."""
         return (
-            returncode == -signal.SIGKILL
+            returncode in (EXIT_NODE_OOM, -signal.SIGKILL)
             and process.cgroup is not None
             and process.cgroup.oom_kills() > 0
         )

@@ -129,6 +129,12 @@ class RayEngine(Engine):
             start_ref = actor.start.remote(list(spec.command), dict(spec.env))
         except Exception as error:  # Ray raises ValueError/RayError subclasses here
             raise LaunchError(f"{spec.node_id}: Ray refused the node: {error}") from error
+        log.info("node %s: placement group requested %s", spec.node_id, bundle)
+        return self._track(spec, group, actor, start_ref, "")
+
+    def _track(self, spec: NodeSpec, group: Any, actor: Any, start_ref: Any, message: str) -> Node:
+        """Watch a node's actor from now on (its start or info call answers first); the node
+        is PENDING until then."""
         node = Node(spec=spec)
         with self._lock:
             self._nodes[spec.node_id] = _RayNode(
@@ -138,8 +144,7 @@ class RayEngine(Engine):
                 launched_at=time.monotonic(),
                 start_ref=start_ref,
             )
-        log.info("node %s: placement group requested %s", spec.node_id, bundle)
-        self._queue.put(NodeEvent(spec.node_id, spec, NodeState.PENDING))
+        self._queue.put(NodeEvent(spec.node_id, spec, NodeState.PENDING, message=message))
         return dataclasses.replace(node)
 
     def _adopt(self, spec: NodeSpec) -> Node | None:
@@ -155,20 +160,10 @@ class RayEngine(Engine):
             group = get_placement_group(spec.node_id)
         except ValueError:
             group = None  # removed already; killing the actor is all a delete needs
-        node = Node(spec=spec)
-        with self._lock:
-            self._nodes[spec.node_id] = _RayNode(
-                node=node,
-                placement_group=group,
-                actor=actor,
-                launched_at=time.monotonic(),
-                start_ref=actor.info.remote(),
-            )
         log.info(
             "node %s: adopting its running actor (launched by an earlier master)", spec.node_id
         )
-        self._queue.put(NodeEvent(spec.node_id, spec, NodeState.PENDING, message="adopted"))
-        return dataclasses.replace(node)
+        return self._track(spec, group, actor, actor.info.remote(), "adopted")
 
     def delete(self, node_id: str) -> None:
         """Stop the node's command through its actor (SIGTERM, ``stop_grace_s``, SIGKILL), then kill

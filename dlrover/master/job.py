@@ -134,12 +134,12 @@ class JobMaster:
         self._failures = [record for _, record in saved_failures]
         self._failure_seq = saved_failures[-1][0] if saved_failures else 0
         self.stragglers = StragglerWatch(clock, config.straggler_report_s)
-        self._replace: list[str] = []
+        self._replace: list[tuple[str, str]] = []
         self.scale_summary = ""
         """The auto-scaler's latest plan in one line (`dlrover status`)."""
-        self.nodes_managed = False
-        """Set by a node controller: an engine replaces lost nodes, and the controller fails
-        the job when it cannot; otherwise losing every node fails it."""
+        self._expected: set[str] = set()
+        """Replacements launched but not registered yet (`expect`): while there are any,
+        losing every node does not fail the job."""
         self._excluded: set[str] = set()
         """Nodes replaced as stragglers: they may not register again."""
         self._activated_round = 0
@@ -194,6 +194,7 @@ class JobMaster:
                         f"but the job has {have.min_nodes}:{have.max_nodes}; start every node "
                         "with the same --nnodes"
                     )
+            self._expected.discard(node_id)
             if node_id in self._excluded:
                 raise NodeError(
                     f"node {node_id} was replaced as a straggler; it may not join again"
@@ -562,6 +563,7 @@ class JobMaster:
         self._check_lost(node_id, reason)
         with self._lock:
             self.stragglers.forget(node_id)
+            self._expected.discard(node_id)
         if self.rendezvous is not None:
             self.rendezvous.leave(node_id, reason)
         self.sharding.recover_node(node_id)
@@ -598,23 +600,34 @@ class JobMaster:
                 score.step_time_s,
                 action,
             )
-            self._record(
-                node,
-                FailureClass.STRAGGLER,
-                "relaunch_node" if self.config.exclude_stragglers else "none",
+            cause = (
                 f"runtime score {score.relative:.2f} of the fastest node in {watch.reports} "
-                f"reports in a row ({score.step_time_s:.3f}s/step)",
+                f"reports in a row ({score.step_time_s:.3f}s/step)"
             )
             if self.config.exclude_stragglers:
                 self._excluded.add(node)
-                self._replace.append(node)
+                self._replace.append((node, cause))  # the controller records what it did
+            else:
+                self._record(node, FailureClass.STRAGGLER, "none", cause)
 
-    def take_replacements(self) -> list[str]:
-        """Nodes to replace as stragglers since the last call (the node controller deletes each
-        and launches its slot's next attempt)."""
+    def take_replacements(self) -> list[tuple[str, str]]:
+        """(node, why) to replace as stragglers since the last call: the node controller
+        deletes each and launches its slot's next attempt, or keeps it (`keep_straggler`)."""
         with self._lock:
             taken, self._replace = self._replace, []
             return taken
+
+    def keep_straggler(self, node_id: str, cause: str) -> None:
+        """The controller could not replace ``node_id``: it stays (and may register again)."""
+        with self._lock:
+            self._excluded.discard(node_id)
+        self._record(node_id, FailureClass.STRAGGLER, "none", f"{cause}; kept: no relaunch left")
+
+    def expect(self, node_id: str) -> None:
+        """A node controller launched ``node_id`` to replace a lost node: until it registers,
+        or is lost itself, the job does not fail for having no live node."""
+        with self._lock:
+            self._expected.add(node_id)
 
     def _check_lost(self, node_id: str, reason: str) -> None:
         with self._lock:
@@ -649,7 +662,7 @@ class JobMaster:
         with self._lock:
             if (
                 not self.ended.is_set()
-                and not self.nodes_managed  # a node controller relaunches and decides
+                and not self._expected  # no replacement is on its way
                 and self._alive() == 0
                 and self.nodes.count(NodeState.LOST) > 0
             ):

@@ -77,7 +77,6 @@ class NodeController:
         self._master_addr = master_addr
         self._token = token
         self._oom = oom_policy or OomPolicy()
-        job.nodes_managed = True  # lost nodes are this controller's to replace or give up on
         self._oom_tried: dict[int, list[int]] = {}
         """Node slot -> the memory (MiB) of each of its attempts that was OOM-killed."""
         self._relaunch_delay_s = relaunch_delay_s
@@ -135,16 +134,16 @@ class NodeController:
         job asks to (runtime stragglers)."""
         if self.scaler is not None:
             self.scaler.tick()
-        for node_id in self.job.take_replacements():
-            spec = self._replace_straggler(node_id)
+        for node_id, cause in self.job.take_replacements():
+            spec = self._replace_straggler(node_id, cause)
             if spec is not None:
                 self._save_slot(spec)
-                self._due.append((self._clock(), self._named(spec)))
+                self._schedule(spec, self._clock())
         for event in self.engine.events(timeout_s):
             spec = self._on_event(event)
             if spec is not None:
                 self._save_slot(spec)  # before launching: a restarted master launches it too
-                self._due.append((self._clock() + self._relaunch_delay_s, self._named(spec)))
+                self._schedule(spec, self._clock() + self._relaunch_delay_s)
         now = self._clock()
         replacements = [spec for due, spec in self._due if due <= now]
         self._due = [(due, spec) for due, spec in self._due if due > now]
@@ -154,6 +153,11 @@ class NodeController:
             except EngineError as e:
                 logger.error("relaunch failed: %s", e)
                 self.job.stop(f"could not relaunch nodes: {e}")
+
+    def _schedule(self, spec: NodeSpec, due: float) -> None:
+        """Launch ``spec`` at ``due``; the job expects it from now on."""
+        self.job.expect(spec.node_id)
+        self._due.append((due, self._named(spec)))
 
     def resize(self, resources: Resources, why: str) -> None:
         """Relaunch every live node with ``resources`` (and launch later nodes so): the job
@@ -168,17 +172,19 @@ class NodeController:
             why,
         )
         for node in live:
+            spec = node.spec.replacement(resources)
+            self.job.expect(spec.node_id)  # the job is not "every node lost" meanwhile
             self.job.node_lost(node.node_id, "relaunched at a new size by the auto-scaler")
             try:
                 self.engine.delete(node.node_id)
-            except EngineError as e:
+            except EngineError as e:  # it may still run: a second node in its slot would not do
                 logger.warning("node %s: cannot delete it for the resize: %s", node.node_id, e)
-            spec = node.spec.replacement(resources)
+                continue
             self._save_slot(spec)
-            self._due.append((self._clock(), self._named(spec)))
+            self._schedule(spec, self._clock())
             self.relaunches["resize"] = self.relaunches.get("resize", 0) + 1
 
-    def _replace_straggler(self, node_id: str) -> NodeSpec | None:
+    def _replace_straggler(self, node_id: str, cause: str) -> NodeSpec | None:
         """Delete a straggler node and return its slot's next attempt (None when the slot used
         up its relaunches, or the node is gone already)."""
         node = next(
@@ -194,7 +200,11 @@ class NodeController:
                 node_id,
                 self.spec.max_relaunches,
             )
+            self.job.keep_straggler(node_id, cause)
             return None
+        self.job.record_failure(
+            FailureRecord(time.time(), node_id, FailureClass.STRAGGLER, "relaunch_node", cause)
+        )
         self.job.node_lost(node_id, "replaced as a runtime straggler")
         try:
             self.engine.delete(node_id)

@@ -5,45 +5,21 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 from dlrover.engines.cgroups import CgroupRoot
-from tests.conftest import REPO, SCRIPTS, clean_env
+from tests.conftest import SCRIPTS, dlrover_cli
 from tests.e2e.test_fault_tolerance import final, steps_log
 
 
 def _submit(tmp: Path, name: str, *flags: str, **env: str) -> subprocess.CompletedProcess[str]:
     (tmp / f"{name}-ckpt").mkdir()
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dlrover.cli.job",
-            "submit",
-            "--name",
-            name,
-            "--nnodes",
-            "2",
-            "--nproc-per-node",
-            "1",
-            *flags,
-            str(SCRIPTS / "oracle_train.py"),
-            "--steps",
-            "60",
-            "--step-time",
-            "0.1",
-            "--ckpt",
-            str(tmp / f"{name}-ckpt"),
-            "--out",
-            str(tmp / name),
-        ],  # fmt: skip
-        env=clean_env(DLROVER_HOME=str(tmp / "home"), **env),
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    args = [
+        "submit", "--name", name, "--nnodes", "2", "--nproc-per-node", "1", *flags,
+        str(SCRIPTS / "oracle_train.py"), "--steps", "60", "--step-time", "0.1",
+        "--ckpt", str(tmp / f"{name}-ckpt"), "--out", str(tmp / name),
+    ]  # fmt: skip
+    return dlrover_cli(tmp / "home", *args, timeout=300, **env)
 
 
 def test_a_job_without_resources_is_sized_from_its_measured_use(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.conftest import REPO, SCRIPTS, clean_env, dlrover_run
+from tests.conftest import REPO, SCRIPTS, clean_env, dlrover_cli, dlrover_run
 from tests.e2e.test_fault_tolerance import steps_log
 
 
@@ -51,15 +51,7 @@ def _submit(
 
 
 def _status(tmp: Path, name: str) -> str:
-    r = subprocess.run(
-        [sys.executable, "-m", "dlrover.cli.job", "status", name],
-        env=clean_env(DLROVER_HOME=str(tmp / "home")),
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    return r.stdout
+    return dlrover_cli(tmp / "home", "status", name, timeout=30).stdout
 
 
 def _checks(text: str) -> list[str]:

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from dlrover.engines.cgroups import CgroupRoot
-from tests.conftest import REPO, SCRIPTS, clean_env
+from tests.conftest import SCRIPTS, dlrover_cli
 from tests.e2e.test_fault_tolerance import final, steps_log
 
 ROOT, WHY = CgroupRoot.detect()
@@ -40,11 +39,7 @@ def _job(
 
 
 def _run(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "dlrover.cli.job", *args],
-        env=clean_env(DLROVER_HOME=str(tmp / "home")),
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    return dlrover_cli(tmp / "home", *args, timeout=300)
 
 
 def test_an_oom_killed_node_is_relaunched_with_more_memory_until_it_fits(tmp_path: Path) -> None:

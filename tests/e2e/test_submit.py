@@ -8,18 +8,9 @@ import sys
 import time
 from pathlib import Path
 
-from tests.conftest import REPO, SCRIPTS, clean_env
+from tests.conftest import REPO, SCRIPTS, clean_env, dlrover_cli
 
-
-def dlrover(home: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "dlrover.cli.job", *args],
-        env=clean_env(DLROVER_HOME=str(home)),
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+dlrover = dlrover_cli
 
 
 def test_status_shows_progress_and_stop_ends_the_job(tmp_path: Path):
