@@ -68,3 +68,31 @@ def test_a_master_restarted_after_the_jobs_end_exits_0_without_launching(
     assert serve_job(spec, "127.0.0.1", 0, token="tok", state=db) == 0
     assert "already failed (a node failed); nothing to serve" in capsys.readouterr().err
     assert not (tmp_path / "home" / "jobs" / "ended" / "nodes").exists()  # nothing launched
+
+
+def test_a_one_node_job_is_not_failed_while_its_replacement_is_on_its_way(tmp_path: Path):
+    """Its only node is lost: until the replacement registers (or is lost too), the master's
+    tick must not fail the job as "every node was lost"; once no replacement is left, it does."""
+    from dlrover.api.master import FailureClass
+    from dlrover.master.state_store import MemoryStateStore
+
+    spec = job_spec_from_dict(
+        {"name": "one", "entrypoint": "t.py", "nodes": 1, "max_relaunches": 1}
+    )
+    job = JobMaster(JobMasterConfig("one", RendezvousConfig(1, 1)), MemoryStateStore())
+    engine = FakeEngine()
+    controller = NodeController(job, engine, spec, "127.0.0.1:1", "t")
+    controller.start()
+    job.register("one-worker-0-0", "h", "default", 1, -1, 1, None)
+    engine.fail("one-worker-0-0", FailureReason.SIGNAL)
+    controller.step(5.0)
+    job.tick()
+    assert not job.ended.is_set(), job.reason  # one-worker-0-1 is expected
+    assert engine.launched[-1].node_id == "one-worker-0-1"
+    engine.fail("one-worker-0-1", FailureReason.NODE_LOST)  # lost before it registered
+    controller.step(5.0)
+    assert job.ended.is_set() and "no relaunch left" in job.reason
+    assert [f.failure_class for f in job.failures()] == [
+        FailureClass.SIGNAL,
+        FailureClass.NODE_LOST,
+    ]

@@ -629,6 +629,11 @@ class JobMaster:
         with self._lock:
             self._expected.add(node_id)
 
+    def unexpect(self, node_id: str) -> None:
+        """The replacement `expect` announced will not be launched after all."""
+        with self._lock:
+            self._expected.discard(node_id)
+
     def _check_lost(self, node_id: str, reason: str) -> None:
         with self._lock:
             check = self._check

@@ -205,6 +205,7 @@ class NodeController:
         self.job.record_failure(
             FailureRecord(time.time(), node_id, FailureClass.STRAGGLER, "relaunch_node", cause)
         )
+        self.job.expect(node.spec.replacement().node_id)  # before the loss: never "every lost"
         self.job.node_lost(node_id, "replaced as a runtime straggler")
         try:
             self.engine.delete(node_id)
@@ -223,6 +224,10 @@ class NodeController:
             if event.reason is FailureReason.OOM_KILLED
             else NodeLossReason.PROCESS_EXITED
         )
+        # Expected before the loss is recorded: between the two, the job must not look like
+        # it lost every node (withdrawn below if the node is not relaunched).
+        successor = event.spec.replacement().node_id
+        self.job.expect(successor)
         self.job.node_lost(event.node_id, f"{reason.value}: {event.message or event.reason}")
         alive = sum(
             1
@@ -253,6 +258,8 @@ class NodeController:
         tried = self._oom_tried.setdefault(event.spec.rank, [])
         if event.reason is FailureReason.OOM_KILLED:
             tried.append(event.spec.resources.memory_mib)
+        if decision.action is not FailureAction.RELAUNCH_NODE:
+            self.job.unexpect(successor)
         if decision.action is FailureAction.FAIL:
             self.job.stop(decision.reason + self._oom_history(event.spec.rank))
             return None
@@ -260,6 +267,7 @@ class NodeController:
             return None
         spec = replacement_spec(event, self._oom)
         if spec is None:
+            self.job.unexpect(successor)
             self.job.stop(
                 f"node {event.node_id} was OOM-killed and cannot grow: the memory cap is "
                 f"{self._oom.max_memory_mib} MiB" + self._oom_history(event.spec.rank)
