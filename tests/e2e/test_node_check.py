@@ -142,7 +142,9 @@ def test_a_runtime_straggler_is_replaced_within_three_reports(tmp_path: Path) ->
     reports = re.findall(r"straggler scores: (.*)", text)
     low = [r for r in reports if re.search(r"rt-worker-1-0 0\.[0-4]\d \(", r)]
     assert len(low) == 3, reports  # detected at the third low report, and replaced
-    assert all("rt-worker-0-0 1.00" in r or "rt-worker-0-0 0.9" in r for r in low), low
+    # Against the fastest node (1.00); a node whose first 10 s window is not measured yet is
+    # not scored in that report.
+    assert all(re.search(r"rt-worker-[02]-0 1\.00", r) for r in low), low
     warning = re.search(r"runtime straggler: node (\S+) scored below 0.75 .* in 3 reports", text)
     assert warning and warning.group(1) == "rt-worker-1-0", text
     assert "node rt-worker-1-0: replacing the straggler" in text
