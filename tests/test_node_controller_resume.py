@@ -96,3 +96,44 @@ def test_a_one_node_job_is_not_failed_while_its_replacement_is_on_its_way(tmp_pa
         FailureClass.SIGNAL,
         FailureClass.NODE_LOST,
     ]
+
+
+def _scaling(store: SqliteStateStore, engine: FakeEngine) -> NodeController:
+    from dlrover.master.autoscaler import AutoScaler
+    from dlrover.master.optimizer import OptimizerConfig
+
+    spec = job_spec_from_dict(
+        {"name": "el", "entrypoint": "train.py", "nodes": "1:3", "max_relaunches": 3}
+    )
+    job = JobMaster(JobMasterConfig("el", RendezvousConfig(1, 3)), store)
+    controller = NodeController(job, engine, spec, "127.0.0.1:1", "t", store=store)
+    controller.scaler = AutoScaler(job, controller, OptimizerConfig(1, 3))
+    return controller
+
+
+def test_scaling_starts_at_min_nodes_and_moves_slots_within_min_max(tmp_path: Path):
+    """With a horizontal auto-scaler the job starts at MIN nodes; scaling out launches the next
+    slots, scaling in deletes the highest ones, and a slot used again gets a new attempt."""
+    store = SqliteStateStore(str(tmp_path / "state.db"))
+    engine = FakeEngine()
+    controller = _scaling(store, engine)
+    controller.start()
+    assert [s.node_id for s in engine.launched] == ["el-worker-0-0"]
+    controller.scale_to(3, "test")
+    assert [s.node_id for s in engine.launched[1:]] == ["el-worker-1-0", "el-worker-2-0"]
+    controller.scale_to(2, "test")
+    live = sorted(n.node_id for n in engine.list_nodes() if not n.state.is_final)
+    assert live == ["el-worker-0-0", "el-worker-1-0"]
+    controller.scale_to(9, "beyond max")  # clamped to MAX; slot 2 comes back as its next attempt
+    assert engine.launched[-1].node_id == "el-worker-2-1" and controller.slots == 3
+    engine.fail("el-worker-2-1")  # it dies, and the job is scaled in before the event is seen
+    controller.scale_to(2, "test")
+    controller.step(0.1)
+    assert engine.launched[-1].node_id == "el-worker-2-1"  # a retired slot is not relaunched
+
+    # A master restarted on the state launches as many slots as its predecessor used.
+    store.close()
+    store = SqliteStateStore(str(tmp_path / "state.db"))
+    again = FakeEngine()
+    _scaling(store, again).start()
+    assert [s.node_id for s in again.launched] == ["el-worker-0-0", "el-worker-1-0"]

@@ -26,11 +26,41 @@ from dlrover.jobspec import JobSpec, JobSpecError, parse_capacity
 from dlrover.master.assembly import MasterSettings, build_master
 from dlrover.master.job import JobMaster, JobState
 from dlrover.master.node_controller import NodeController
+from dlrover.master.optimizer import OptimizerConfig
 from dlrover.master.relaunch_policy import OomPolicy
 from dlrover.master.rendezvous import RendezvousConfig
 from dlrover.master.server import MasterServerError, new_token
 from dlrover.master.state_store import StateStoreError
 from dlrover.master.stragglers import DEFAULT_REPORT_S
+
+
+def env_seconds(name: str, default: float) -> float:
+    """A duration from the environment variable ``name`` (unset or empty: ``default``)."""
+    raw = os.environ.get(name, "")
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise JobSpecError(f"{name}={raw!r}: give a number of seconds (e.g. {default:g})")
+    return value
+
+
+def _autoscale_settings(spec: JobSpec) -> tuple[OptimizerConfig, float] | None:
+    """The auto-scaler's policy knobs and interval (environment), or None without --auto-scale."""
+    if not spec.auto_scale:
+        return None
+    from dlrover.master.autoscaler import DEFAULT_INTERVAL_S
+
+    config = OptimizerConfig(
+        spec.min_nodes,
+        spec.max_nodes,
+        sizing_window_s=env_seconds(c.ENV_AUTOSCALE_SIZING_S, 60.0),
+        cooldown_s=env_seconds(c.ENV_AUTOSCALE_COOLDOWN_S, 300.0),
+    )
+    return config, env_seconds(c.ENV_AUTOSCALE_INTERVAL_S, DEFAULT_INTERVAL_S)
 
 
 def make_engine(spec: JobSpec, job_dir: Path) -> Engine:
@@ -175,6 +205,11 @@ def serve_job(
 
     ``on_serving`` gets the job once its master serves (a host that is not the main thread, the
     Ray master actor, stops the job through it: signals are handled only on the main thread)."""
+    try:
+        scaling = _autoscale_settings(spec)
+    except JobSpecError as e:
+        print(f"dlrover: error: {e}", file=sys.stderr)
+        return 2
     directory = job_dir(spec.name)
     if _already_running(spec.name):
         return 1
@@ -261,20 +296,10 @@ def serve_job(
         store=master.store,
         oom_policy=OomPolicy(spec.oom_memory_factor, spec.oom_max_memory_mib),
     )
-    if spec.auto_scale:
-        from dlrover.master.autoscaler import DEFAULT_INTERVAL_S, AutoScaler
-        from dlrover.master.optimizer import OptimizerConfig
+    if scaling is not None:
+        from dlrover.master.autoscaler import AutoScaler
 
-        controller.scaler = AutoScaler(
-            job,
-            controller,
-            OptimizerConfig(
-                spec.min_nodes,
-                spec.max_nodes,
-                sizing_window_s=float(os.environ.get(c.ENV_AUTOSCALE_SIZING_S, "") or 60),
-            ),
-            interval_s=float(os.environ.get(c.ENV_AUTOSCALE_INTERVAL_S, "") or DEFAULT_INTERVAL_S),
-        )
+        controller.scaler = AutoScaler(job, controller, scaling[0], interval_s=scaling[1])
     progress = threading.Thread(target=_progress_loop, args=(job, stop), daemon=True)
     progress.start()
     fenced = master.server.fenced

@@ -9,6 +9,7 @@ import threading
 from typing import Any
 
 from dlrover.engines.base import (
+    Capacity,
     Engine,
     EngineError,
     EventQueue,
@@ -20,6 +21,7 @@ from dlrover.engines.base import (
     NodeSpec,
     NodeState,
 )
+from dlrover.engines.kube_capacity import free_capacity
 from dlrover.engines.kube_manifests import (
     DEFAULT_MASTER_PORT,
     PodSettings,
@@ -76,6 +78,7 @@ class KubernetesEngine(Engine):
         self._response: Any = None
         self._version: str | None = None
         """resourceVersion to resume the watch from; None: re-list first."""
+        self._capacity_warned = False
         self.relists = 0
         """How many times the pod list was read (start + each 410); for tests and metrics."""
         self._watcher = threading.Thread(
@@ -173,6 +176,32 @@ class KubernetesEngine(Engine):
                 ) from error
             # Already gone: end it here; the watch's DELETED, if any, finds it final.
             self._end(node_id, PodOutcome(NodeState.DELETED, message="pod was already gone"))
+
+    def capacity(self) -> Capacity:
+        """What one more node may still get: the ready machine with the most free memory (its
+        allocatable less its running pods' requests). Unknown when the service account may not
+        list nodes and pods cluster-wide (see deploy/kubernetes/rbac.yaml), said once."""
+        from kubernetes.client.rest import ApiException
+
+        try:
+            machines = self._core.list_node(_preload_content=False, _request_timeout=10)
+            pods = self._core.list_pod_for_all_namespaces(
+                field_selector="status.phase!=Succeeded,status.phase!=Failed",
+                _preload_content=False,
+                _request_timeout=10,
+            )
+            return free_capacity(
+                json.loads(machines.data).get("items", []), json.loads(pods.data).get("items", [])
+            )
+        except (ApiException, OSError, ValueError) as e:
+            if not self._capacity_warned:
+                self._capacity_warned = True
+                log.warning(
+                    "cannot read the cluster's free resources (%s); capacity unknown: grant "
+                    "list on nodes and pods cluster-wide to the master's service account",
+                    _message(e) if isinstance(e, ApiException) else e,
+                )
+            return Capacity()
 
     def list_nodes(self) -> list[Node]:
         """Copies of every node this engine knows, with their last watched states."""

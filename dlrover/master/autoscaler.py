@@ -3,10 +3,15 @@
 Every ``interval_s`` it reads what the master knows (each running node's CPU and memory from
 heartbeats, the job's step rate at its node count) and what the engine can still launch, asks
 `ResourceOptimizer.plan`, logs every new plan with its reason (also in `dlrover status`), and
-applies it through the node controller. Applied today: ``resize`` (every node relaunched at the
-planned size: a job submitted without resources gets sized from its first minute, and memory
-creeping towards its size grows it). Horizontal plans are logged, not yet applied: the node
-controller launches MAX nodes at start.
+applies it through the node controller: ``resize`` relaunches every node at the planned size (a
+job submitted without resources gets sized from its first minute; memory creeping towards its
+size grows it), ``scale_out`` / ``scale_in`` add or remove a node within ``--nnodes MIN:MAX``
+(a job that may scale starts at MIN nodes).
+
+Throughput is the job's step rate over the current rendezvous round at its full size, from the
+first step seen to advance in it (so a restart's pause never counts against a node count), with
+the times the heartbeats carrying the steps arrived. It is the job's
+throughput when a step is the same work at any size: `ElasticTrainer` keeps the global batch.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from dlrover.master.job import JobMaster
-from dlrover.master.nodes import NodeState
+from dlrover.master.nodes import Node, NodeState
 from dlrover.master.optimizer import (
     NodeUsage,
     OptimizerConfig,
@@ -31,6 +36,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_INTERVAL_S = 30.0
+MIN_WINDOW_S = 3.0
+"""The shortest span a step rate is measured over (heartbeats carry steps every ~2 s)."""
+SETTLE_S = 3.0
+"""After a round forms, reports of the round before may still arrive for this long (a heartbeat
+interval and the agent's progress poll)."""
 
 
 class AutoScaler:
@@ -52,8 +62,18 @@ class AutoScaler:
         self._next = clock() + interval_s
         self._sized = bool(controller.spec.resources.memory_mib)
         self._peaks: dict[str, int] = {}
-        self._last: tuple[float, int] | None = None
+        self._base: tuple[int, float, int, bool] | None = None
+        """(round, time, step, whether it is the first advance seen in the round): where the
+        round's step rate is measured from."""
+        self._round_seen = 0.0
+        """When a plan first saw the current round."""
         self._last_reason = ""
+
+    @property
+    def horizontal(self) -> bool:
+        """Whether the job may scale out and in (``--nnodes MIN:MAX`` with MIN < MAX)."""
+        c = self.optimizer.config
+        return c.min_nodes < c.max_nodes
 
     def tick(self) -> None:
         """Plan (and act) if a period passed; cheap otherwise."""
@@ -67,15 +87,11 @@ class AutoScaler:
         for n in running:
             self._peaks[n.node_id] = max(self._peaks.get(n.node_id, 0), n.memory_bytes >> 20)
         usage = [NodeUsage(n.node_id, n.cpu_percent / 100, self._peaks[n.node_id]) for n in running]
-        step = max(n.step for n in running)
-        if self._last is not None and step > self._last[1] and now > self._last[0]:
-            self.optimizer.observe_throughput(
-                len(running), (step - self._last[1]) / (now - self._last[0])
-            )
-        self._last = (now, step)
+        self._measure(now, running)
         spec = self._controller.spec
+        slots = self._controller.slots
         plan = self.optimizer.plan(
-            len(running), spec.resources, usage, self._controller.engine.capacity(), self._sized
+            slots, spec.resources, usage, self._controller.engine.capacity(), self._sized
         )
         if plan.reason != self._last_reason:
             self._last_reason = plan.reason
@@ -87,6 +103,34 @@ class AutoScaler:
             self._peaks.clear()
             self._controller.resize(plan.resources, plan.reason)
         elif plan.action in (ScaleAction.SCALE_OUT, ScaleAction.SCALE_IN):
-            logger.info(
-                "auto-scale: %s to %d nodes is not applied yet", plan.action.value, plan.nodes
-            )
+            self._base = None  # the next round is measured afresh
+            self._controller.scale_to(plan.nodes, plan.reason)
+
+    def _measure(self, now: float, running: list[Node]) -> None:
+        """Observe the step rate since the previous plan if both saw the same full round."""
+        world = self._job.rendezvous.world if self._job.rendezvous is not None else None
+        members = {m.node_id for m in world.members} if world is not None else set()
+        in_world = [n for n in running if n.node_id in members]
+        if world is None or len(in_world) != len(members):
+            self._base = None  # re-forming, or a member is not back yet
+            return
+        lead = max(in_world, key=lambda n: n.step)
+        step, at = lead.step, lead.step_at  # when the master heard of the step
+        base = self._base
+        if base is None or base[0] != world.round:
+            self._base = (world.round, at, step, False)
+            self._round_seen = now
+        elif now - self._round_seen < SETTLE_S or (not base[3] and step <= base[2]):
+            # Steps of the round before may still arrive (heartbeats lag); then the new round
+            # must be seen to advance: its start-up never counts.
+            self._base = (world.round, at, step, False)
+        elif not base[3]:
+            self._base = (world.round, at, step, True)
+        elif step > base[2] and at - base[1] >= MIN_WINDOW_S:
+            # The rate over the whole round so far: longer windows, less heartbeat jitter.
+            rate = (step - base[2]) / (at - base[1])
+            logger.debug(
+                "auto-scale: %d nodes: steps %d -> %d in %.1fs: %.2f steps/s",
+                len(members), base[2], step, at - base[1], rate,
+            )  # fmt: skip
+            self.optimizer.observe_throughput(len(members), rate)

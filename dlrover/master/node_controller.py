@@ -86,7 +86,10 @@ class NodeController:
         self.relaunches: dict[str, int] = {}
         """Replacements launched, per reason (for metrics and status)."""
         self.scaler: AutoScaler | None = None
-        """Set for `--auto-scale`: plans (and resizes) on every `step`."""
+        """Set for `--auto-scale`: plans (and resizes, scales out and in) on every `step`."""
+        self.slots = spec.max_nodes
+        """Node slots in use: ranks ``0 .. slots-1`` (`start` may begin below max nodes,
+        `scale_to` moves it within ``--nnodes MIN:MAX``)."""
 
     def node_spec(self, rank: int, relaunch_count: int = 0) -> NodeSpec:
         """The blueprint of node slot ``rank``, named so that its agent registers under the engine's
@@ -100,9 +103,15 @@ class NodeController:
         return dataclasses.replace(spec, env={**spec.env, ENV_NODE_NAME: spec.node_id})
 
     def start(self) -> None:
-        """Launch every node of the job (max nodes) at once: each slot's saved attempt if a master
-        before this one launched it, else its first."""
-        specs = [self._slot_spec(rank) for rank in range(self.spec.max_nodes)]
+        """Launch the job's nodes at once: max nodes, or min nodes when the auto-scaler scales
+        horizontally (it adds the others as they pay off), or as many as a master before this
+        one had; each slot's saved attempt if such a master launched it, else its first."""
+        saved = self._store.get_json(_NAMESPACE, "slots")
+        if saved is not None:
+            self.slots = int(saved["slots"])
+        elif self.scaler is not None and self.scaler.horizontal:
+            self.slots = self.spec.min_nodes
+        specs = [self._slot_spec(rank) for rank in range(self.slots)]
         resumed = [s.node_id for s in specs if s.relaunch_count > 0]
         logger.info(
             "launching %d nodes of job %s%s",
@@ -111,6 +120,41 @@ class NodeController:
             f" (resumed attempts: {', '.join(resumed)})" if resumed else "",
         )
         self.engine.launch_many(specs)
+
+    def scale_to(self, nodes: int, why: str) -> None:
+        """Use ``nodes`` slots: launch the missing ones, or delete the highest-ranked live nodes
+        (the job re-forms without them and resumes from its last checkpoint)."""
+        nodes = max(self.spec.min_nodes, min(self.spec.max_nodes, nodes))
+        if nodes == self.slots:
+            return
+        before, self.slots = self.slots, nodes
+        self._store.put_json(_NAMESPACE, "slots", {"slots": nodes})
+        logger.info("scaling from %d to %d nodes: %s", before, nodes, why)
+        if nodes > before:
+            specs = []
+            for rank in range(before, nodes):
+                # A slot used before (scaled in since) gets its next attempt: a new node name.
+                saved = self._store.get_json(_NAMESPACE, f"slot-{rank}")
+                spec = self.node_spec(
+                    rank, 0 if saved is None else int(saved["relaunch_count"]) + 1
+                )
+                self._save_slot(spec)
+                self.job.expect(spec.node_id)
+                specs.append(spec)
+            self.engine.launch_many(specs)
+            self.relaunches["scale_out"] = self.relaunches.get("scale_out", 0) + len(specs)
+            return
+        self._due = [(due, spec) for due, spec in self._due if spec.rank < nodes]
+        for node in self.engine.list_nodes():
+            if node.state.is_final or node.spec.rank < nodes:
+                continue
+            self._save_slot(node.spec)  # a later scale-out launches its next attempt
+            self.job.node_lost(node.node_id, f"removed by the auto-scaler: {why}")
+            try:
+                self.engine.delete(node.node_id)
+            except EngineError as e:
+                logger.warning("node %s: cannot delete it for the scale-in: %s", node.node_id, e)
+            self.relaunches["scale_in"] = self.relaunches.get("scale_in", 0) + 1
 
     def _slot_spec(self, rank: int) -> NodeSpec:
         saved = self._store.get_json(_NAMESPACE, f"slot-{rank}")
@@ -218,6 +262,9 @@ class NodeController:
     def _on_event(self, event: NodeEvent) -> NodeSpec | None:
         logger.info("engine: %s", event)
         if event.state != NodeState.FAILED or self.job.ended.is_set():
+            return None
+        if event.spec.rank >= self.slots:  # scaled in meanwhile: its slot is not in use
+            self.job.node_lost(event.node_id, f"{event.message or event.reason} (slot retired)")
             return None
         reason = (
             NodeLossReason.OOM_KILLED

@@ -78,12 +78,15 @@ class Node:
     pid: int = 0
     last_heartbeat: float = field(default=0.0)
     """Monotonic time of the last sign of life; not persisted (a restarted master re-arms it)."""
+    step_at: float = field(default=0.0)
+    """Monotonic time ``step`` was last raised (the auto-scaler's step rate); not persisted."""
 
     def to_json(self) -> dict[str, object]:
         """The node as a JSON-able dict for the state store, without ``last_heartbeat``."""
         d = asdict(self)
         d["state"] = self.state.value
         d.pop("last_heartbeat")
+        d.pop("step_at")
         return d
 
     @classmethod
@@ -196,8 +199,8 @@ class NodeTable:
             node.last_heartbeat = self._clock()
             node.cpu_percent, node.memory_bytes = cpu_percent, memory_bytes
             node.restart_count = restart_count
-            if step >= 0:
-                node.step = max(node.step, step)
+            if step > node.step:
+                node.step, node.step_at = step, node.last_heartbeat
             return node.state
 
     def record_step(self, node_id: str, step: int) -> None:
@@ -205,7 +208,8 @@ class NodeTable:
         with self._lock:
             node = self.get(node_id)
             node.last_heartbeat = self._clock()
-            node.step = max(node.step, step)
+            if step > node.step:
+                node.step, node.step_at = step, node.last_heartbeat
 
     def set_rank(self, node_id: str, node_rank: int) -> None:
         """Record the node's rank in the latest world (persisted when it changed)."""

@@ -151,6 +151,7 @@ class ResourceOptimizer:
         if now_t is None:
             return ScalePlan(ScaleAction.NONE, nodes, reason=f"measuring throughput at {nodes}")
         gain = None if before is None else now_t / before - 1
+        rates = "" if before is None else f" ({before:.3g} -> {now_t:.3g} steps/s)"
         if gain is not None and gain < c.speedup_threshold / 2 and nodes > c.min_nodes:
             s.scale_in_votes += 1
             if s.scale_in_votes >= c.scale_in_votes:
@@ -158,8 +159,8 @@ class ResourceOptimizer:
                     ScalePlan(
                         ScaleAction.SCALE_IN,
                         nodes - 1,
-                        reason=f"node {nodes} added {gain:+.0%} throughput "
-                        f"({s.scale_in_votes} plans in a row)",
+                        reason=f"node {nodes} added {gain:+.0%}{rates}, "
+                        f"{s.scale_in_votes} plans in a row",
                     )
                 )
             return ScalePlan(
@@ -185,7 +186,7 @@ class ResourceOptimizer:
             )
         if not capacity.fits(size):
             return ScalePlan(ScaleAction.NONE, nodes, reason="no capacity for another node")
-        why = "first step from MIN" if gain is None else f"node {nodes} added {gain:+.0%}"
+        why = "first step from MIN" if gain is None else f"node {nodes} added {gain:+.0%}{rates}"
         return self._act(ScalePlan(ScaleAction.SCALE_OUT, nodes + 1, reason=why))
 
     def _act(self, plan: ScalePlan) -> ScalePlan:

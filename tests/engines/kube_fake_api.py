@@ -85,6 +85,10 @@ class FakeKubeApi:
         self.hold_watches = threading.Event()
         """While set, open streams deliver nothing (a slow watch); changes queue up."""
         self.requests: list[tuple[str, str]] = []
+        self.machines: list[dict[str, Any]] = []
+        """Cluster nodes (``add_machine``), listed at /api/v1/nodes."""
+        self.forbid_cluster_reads = False
+        """Answer 403 to cluster-wide lists (a service account without the ClusterRole)."""
         self.watch_requests: list[dict[str, str]] = []
         api = self
 
@@ -150,6 +154,21 @@ class FakeKubeApi:
                 pod["spec"]["nodeName"] = node_name
             self._record("pods", namespace, "MODIFIED", pod)
 
+    def add_machine(
+        self, name: str, cpu: str, memory: str, ready: bool = True, unschedulable: bool = False
+    ) -> None:
+        with self._cond:
+            self.machines.append(
+                {
+                    "metadata": {"name": name},
+                    "spec": {"unschedulable": unschedulable},
+                    "status": {
+                        "allocatable": {"cpu": cpu, "memory": memory},
+                        "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+                    },
+                }
+            )
+
     def remove_pod(self, namespace: str, name: str) -> None:
         with self._cond:
             pod = self._objects.pop(("pods", namespace, name))
@@ -188,6 +207,9 @@ class FakeKubeApi:
         url = urlparse(request.path)
         query = {k: v[-1] for k, v in parse_qs(url.query).items()}
         self.requests.append((method, url.path))
+        if method == "GET" and url.path in ("/api/v1/nodes", "/api/v1/pods"):
+            self._cluster_list(request, url.path)
+            return
         match = _PATH.match(url.path)
         if match is None:
             self._reply(request, 404, _status(404, "NotFound", f"no route {url.path}"))
@@ -201,6 +223,21 @@ class FakeKubeApi:
         with self._cond:
             code, reply = self._apply(method, kind, namespace, name, query, body)
         self._reply(request, code, reply)
+
+    def _cluster_list(self, request: BaseHTTPRequestHandler, path: str) -> None:
+        if self.forbid_cluster_reads:
+            message = f"cannot list resource at the cluster scope: {path}"
+            self._reply(request, 403, _status(403, "Forbidden", message))
+            return
+        with self._cond:
+            if path.endswith("nodes"):
+                items = copy.deepcopy(self.machines)
+            else:
+                items = [copy.deepcopy(o) for (k, _, _), o in self._objects.items() if k == "pods"]
+            version = str(self._version)
+        kind = "NodeList" if path.endswith("nodes") else "PodList"
+        body = {"kind": kind, "apiVersion": "v1", "items": items}
+        self._reply(request, 200, {**body, "metadata": {"resourceVersion": version}})
 
     def _apply(
         self,

@@ -361,3 +361,21 @@ def test_a_master_restarted_on_its_state_adopts_every_pod_of_the_job(api: Any, t
     finally:
         kube.close(delete_nodes=False)
         store.close()
+
+
+def test_capacity_is_the_roomiest_ready_machine_less_its_pods_requests(
+    engine: Any, api: Any
+) -> None:
+    from dlrover.engines.base import Capacity
+
+    api.add_machine("small", cpu="4", memory="8Gi")
+    api.add_machine("big", cpu="3920m", memory="16Gi")
+    api.add_machine("cordoned", cpu="64", memory="512Gi", unschedulable=True)
+    api.add_machine("broken", cpu="64", memory="512Gi", ready=False)
+    engine.launch(_spec(rank=0, memory_mib=4096))  # asks 1.5 CPU, 4096 MiB
+    api.set_pod_status(NS, "kjob-worker-0-0", RUNNING, node_name="big")
+    assert engine.capacity() == Capacity(2.42, 12288)  # big: 16 Gi - 4 Gi > small's 8 Gi
+    api.set_pod_status(NS, "kjob-worker-0-0", {"phase": "Succeeded"})
+    assert engine.capacity() == Capacity(3.92, 16384)  # an ended pod holds nothing
+    api.forbid_cluster_reads = True  # no ClusterRole for nodes: unknown, not an error
+    assert engine.capacity() == Capacity()
