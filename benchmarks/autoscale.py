@@ -110,7 +110,7 @@ def part_a(memory_mib: int, hold_mib: int, steps: int) -> None:
             torchrun, _env(t / "home"), {}, 600, preexec=lambda: join_cgroup(cgroup.procs_files())
         )
         rows.append(("torchrun in a cgroup", "completed" if code == 0 else f"failed ({code})",
-                     secs, f"{memory_mib} MiB, 3 restarts"))  # fmt: skip
+                     secs, f"{memory_mib} MiB every time, --max-restarts 3"))  # fmt: skip
         (t / "ck2").mkdir()
         ours = [sys.executable, "-m", "dlrover.cli.job", "submit", "--name", "under",
                 "--memory", f"{memory_mib}Mi", *script,

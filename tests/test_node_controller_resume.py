@@ -137,3 +137,35 @@ def test_scaling_starts_at_min_nodes_and_moves_slots_within_min_max(tmp_path: Pa
     again = FakeEngine()
     _scaling(store, again).start()
     assert [s.node_id for s in again.launched] == ["el-worker-0-0", "el-worker-1-0"]
+
+
+def test_resizes_do_not_use_up_the_relaunch_budget(tmp_path: Path):
+    """A slot relaunched by the auto-scaler (a resize) keeps every relaunch for failures; the
+    count survives a master restart."""
+    from dlrover.engines.base import Resources
+
+    store = SqliteStateStore(str(tmp_path / "state.db"))
+    spec = job_spec_from_dict({"name": "rb", "entrypoint": "t.py", "nodes": 1, "max_relaunches": 1})
+    job = JobMaster(JobMasterConfig("rb", RendezvousConfig(1, 1)), store)
+    engine = FakeEngine()
+    controller = NodeController(job, engine, spec, "127.0.0.1:1", "t", store=store)
+    controller.start()
+    controller.resize(Resources(cpu=1, memory_mib=512), "test")
+    controller.step(0.1)
+    controller.resize(Resources(cpu=1, memory_mib=1024), "test")
+    controller.step(0.1)
+    assert engine.launched[-1].node_id == "rb-worker-0-2"
+    engine.fail("rb-worker-0-2")
+    controller.step(0.1)
+    assert engine.launched[-1].node_id == "rb-worker-0-3"  # its one relaunch for a failure
+    assert not job.ended.is_set()
+
+    store.close()  # a restarted master still knows two of the slot's attempts were planned
+    store = SqliteStateStore(str(tmp_path / "state.db"))
+    job = JobMaster(JobMasterConfig("rb", RendezvousConfig(1, 1)), store)
+    again = FakeEngine()
+    controller = NodeController(job, again, spec, "127.0.0.1:1", "t", store=store)
+    controller.start()
+    again.fail("rb-worker-0-3")
+    controller.step(0.1)
+    assert job.ended.is_set() and "no relaunch left (1)" in job.reason, job.reason

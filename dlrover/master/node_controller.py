@@ -77,6 +77,8 @@ class NodeController:
         self._master_addr = master_addr
         self._token = token
         self._oom = oom_policy or OomPolicy()
+        self._planned: dict[int, int] = {}
+        """Node slot -> how many of its attempts the auto-scaler launched (resize, scale-out)."""
         self._oom_tried: dict[int, list[int]] = {}
         """Node slot -> the memory (MiB) of each of its attempts that was OOM-killed."""
         self._relaunch_delay_s = relaunch_delay_s
@@ -138,7 +140,9 @@ class NodeController:
                 spec = self.node_spec(
                     rank, 0 if saved is None else int(saved["relaunch_count"]) + 1
                 )
-                self._save_slot(spec)
+                if saved is not None:
+                    self._planned[rank] = int(saved.get("planned", 0))
+                self._save_slot(spec, planned=saved is not None)
                 self.job.expect(spec.node_id)
                 specs.append(spec)
             self.engine.launch_many(specs)
@@ -160,14 +164,20 @@ class NodeController:
         saved = self._store.get_json(_NAMESPACE, f"slot-{rank}")
         if saved is None:
             return self.node_spec(rank)
+        self._planned[rank] = int(saved.get("planned", 0))
         spec = self.node_spec(rank, int(saved["relaunch_count"]))
         return dataclasses.replace(spec, resources=Resources(**saved["resources"]))
 
-    def _save_slot(self, spec: NodeSpec) -> None:
+    def _save_slot(self, spec: NodeSpec, planned: bool = False) -> None:
+        """Save the slot's current attempt; ``planned``: the auto-scaler launched it (a resize,
+        a scale-out into a slot used before), which does not count against max relaunches."""
+        if planned:
+            self._planned[spec.rank] = self._planned.get(spec.rank, 0) + 1
         self._store.put_json(
             _NAMESPACE,
             f"slot-{spec.rank}",
             {
+                "planned": self._planned.get(spec.rank, 0),
                 "relaunch_count": spec.relaunch_count,
                 "resources": dataclasses.asdict(spec.resources),
             },
@@ -224,7 +234,7 @@ class NodeController:
             except EngineError as e:  # it may still run: a second node in its slot would not do
                 logger.warning("node %s: cannot delete it for the resize: %s", node.node_id, e)
                 continue
-            self._save_slot(spec)
+            self._save_slot(spec, planned=True)
             self._schedule(spec, self._clock())
             self.relaunches["resize"] = self.relaunches.get("resize", 0) + 1
 
@@ -237,7 +247,10 @@ class NodeController:
         )
         if node is None:
             return None
-        if node.spec.relaunch_count >= self.spec.max_relaunches:
+        if (
+            node.spec.relaunch_count - self._planned.get(node.spec.rank, 0)
+            >= self.spec.max_relaunches
+        ):
             # A slow node is better than none: it is not deleted when it cannot be replaced.
             logger.warning(
                 "node %s: a straggler, but its slot used its %d relaunches; keeping it",
@@ -285,7 +298,10 @@ class NodeController:
             NodeLossObservation(
                 node_id=event.node_id,
                 reason=reason,
-                relaunch_count=event.spec.relaunch_count,
+                # Attempts the auto-scaler launched are not failures.
+                relaunch_count=max(
+                    0, event.spec.relaunch_count - self._planned.get(event.spec.rank, 0)
+                ),
                 max_relaunches=self.spec.max_relaunches,
                 alive_nodes=alive,
                 min_nodes=self.spec.min_nodes,
