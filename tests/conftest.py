@@ -32,6 +32,15 @@ def run_cmd(module: str) -> list[str]:
     return [sys.executable, "-m", module]
 
 
+def free_port() -> int:
+    """A port nothing listens on now (a test that needs to know it before a server starts)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def dlrover_run(
     args: Sequence[str], env: dict[str, str] | None = None, timeout: float = 120, cwd: Path = REPO
 ) -> subprocess.CompletedProcess[str]:

@@ -225,6 +225,10 @@ class ElasticAgent:
         cfg = self.config
         group = self._group
         assert group is not None
+        if outcome in (Outcome.SUCCEEDED, Outcome.FAILED):
+            # The steps since the last beat, before the workers' state changes (goodput).
+            monitor.check_progress()
+            self._heartbeat.beat()
         if outcome is Outcome.SUCCEEDED:
             group.close()
             self._set_state(WorkerGroupState.SUCCEEDED)
@@ -446,7 +450,22 @@ class ElasticAgent:
             worker_state=self.state.value,
             restart_count=self.restart_count,
             step_time_s=self._monitor.step_time_s if self._monitor is not None else 0.0,
+            **_attempt_progress(self._monitor),
         )
+
+
+def _attempt_progress(monitor: WorkerMonitor | None) -> dict[str, Any]:
+    """The heartbeat's view of the current workers' steps (goodput; see HeartbeatReport)."""
+    if monitor is None or monitor.attempt_first is None:
+        return {}
+    now = time.time()
+    first_step, first_at = monitor.attempt_first
+    return {
+        "attempt_step": monitor.attempt_step,
+        "attempt_step_age_s": max(0.0, now - monitor.attempt_step_at),
+        "attempt_first_step": first_step,
+        "attempt_first_age_s": max(0.0, now - first_at),
+    }
 
 
 def install_signal_handlers() -> None:

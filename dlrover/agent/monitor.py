@@ -86,6 +86,13 @@ class WorkerMonitor:
         self._next_progress_check = 0.0
         self._next_membership_check = 0.0
         self.step = step
+        self.attempt_step = -1
+        """The highest step these workers reported (-1: none yet); below `step` while they
+        re-do steps after a restart from a checkpoint."""
+        self.attempt_step_at = 0.0
+        """Wall time of the report of `attempt_step`."""
+        self.attempt_first: tuple[int, float] | None = None
+        """The first (step, wall time) seen of these workers."""
         self.hung: list[int] = []
 
     def wait(self) -> Outcome:
@@ -159,6 +166,13 @@ class WorkerMonitor:
             record = read_step_file(files.step_file)
             if record is not None:
                 self.step = max(self.step, record.step)
+                if record.step > self.attempt_step:
+                    self.attempt_step, self.attempt_step_at = record.step, record.at
+                if self.attempt_first is None:
+                    if record.first_step >= 0:
+                        self.attempt_first = (record.first_step, record.first_at)
+                    else:
+                        self.attempt_first = (record.step, record.at)
                 self._step_times.observe(local_rank, record, now)
             pid = pids.get(local_rank)
             cpu = cpu_seconds(pid) if watch_cpu and pid and local_rank not in done else None

@@ -80,6 +80,14 @@ class HeartbeatReport:
     restart_count: int = 0
     step_time_s: float = 0.0
     """The node's busy seconds per training step lately (0.0: not measured yet)."""
+    attempt_step: int = -1
+    """The step of the node's current workers (-1: none yet); goes back after a restart."""
+    attempt_step_age_s: float = 0.0
+    """Seconds since the workers reported ``attempt_step``."""
+    attempt_first_step: int = -1
+    """The first step the agent saw these workers report (-1: none yet)."""
+    attempt_first_age_s: float = 0.0
+    """Seconds since they reported ``attempt_first_step``."""
 
 
 @dataclass(frozen=True)
@@ -279,6 +287,10 @@ class JobStatus:
     """The last node check's verdict in one line ("" when none ran)."""
     autoscale: str = ""
     """The auto-scaler's latest plan in one line ("" without --auto-scale)."""
+    goodput: float = 0.0
+    """Productive step time / time since the master started (a live estimate)."""
+    metrics_port: int = 0
+    """The port of /metrics and the dashboard on the master's host (0: none)."""
 
     @property
     def ended(self) -> bool:

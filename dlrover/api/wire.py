@@ -94,6 +94,10 @@ def heartbeat_to_pb(h: api.HeartbeatReport) -> pb.HeartbeatRequest:
         worker_state=h.worker_state,
         restart_count=h.restart_count,
         step_time_s=h.step_time_s,
+        attempt_step=h.attempt_step,
+        attempt_step_age_s=h.attempt_step_age_s,
+        attempt_first_step=h.attempt_first_step,
+        attempt_first_age_s=h.attempt_first_age_s,
     )
 
 
@@ -108,6 +112,10 @@ def heartbeat_from_pb(request: pb.HeartbeatRequest) -> api.HeartbeatReport:
         worker_state=request.worker_state,
         restart_count=request.restart_count,
         step_time_s=request.step_time_s,
+        attempt_step=request.attempt_step,
+        attempt_step_age_s=request.attempt_step_age_s,
+        attempt_first_step=request.attempt_first_step,
+        attempt_first_age_s=request.attempt_first_age_s,
     )
 
 

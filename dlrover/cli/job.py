@@ -14,18 +14,25 @@ from collections.abc import Sequence
 from dlrover.api.master import FailureRecord, JobStatus
 from dlrover.cli.common import setup_logging
 from dlrover.cli.job_records import NoSuchJobError, pid_alive, read_record
-from dlrover.cli.serve_job import ENV_SUPERVISED, serve_job, supervise_job
+from dlrover.cli.serve_job import (
+    ENV_SUPERVISED,
+    ENV_SUPERVISED_METRICS_PORT,
+    serve_job,
+    supervise_job,
+)
 from dlrover.client.master_client import MasterClient, MasterClientError
 from dlrover.jobspec import JobSpecError, job_spec_from_flags, load_job_spec
 
 logger = logging.getLogger("dlrover.job")
 
 
-def _status_table(status: JobStatus) -> str:
+def _status_table(status: JobStatus, master_host: str = "") -> str:
     lines = [
-        f"job {status.job_name}: {status.state} (round {status.round})"
-        + (f" - {status.reason}" if status.reason else "")
+        f"job {status.job_name}: {status.state} (round {status.round}, goodput "
+        f"{status.goodput:.1%})" + (f" - {status.reason}" if status.reason else "")
     ]
+    if status.metrics_port:
+        lines.append(f"dashboard: http://{master_host or 'MASTER'}:{status.metrics_port}/")
     if status.node_check:
         lines.append(status.node_check)
     if status.autoscale:
@@ -57,13 +64,40 @@ def cmd_status(name: str) -> int:
         return 0
     client = MasterClient(record.master_addr, record.token, rpc_timeout_s=5)
     try:
-        print(_status_table(client.get_job_status()))
+        host = record.master_addr.rsplit(":", 1)[0]
+        print(_status_table(client.get_job_status(), host))
     except MasterClientError as e:
         print(f"dlrover: error: job {name}'s master does not answer: {e}", file=sys.stderr)
         return 1
     finally:
         client.close()
     return 0
+
+
+def cmd_watch(name: str, every_s: float) -> int:
+    """``dlrover status NAME --watch``: the table every ``every_s`` seconds (the screen cleared
+    on a terminal) until the job ends; then its final state. Ctrl-C stops watching."""
+    if every_s <= 0:
+        print("dlrover: error: --watch needs a positive number of seconds", file=sys.stderr)
+        return 2
+    clear = "\033[H\033[2J" if sys.stdout.isatty() else ""
+    try:
+        while True:
+            record = read_record(name)
+            if not record.reachable:
+                print(f"job {name}: {record.state} - {record.reason}")
+                return 0
+            client = MasterClient(record.master_addr, record.token, rpc_timeout_s=5)
+            try:
+                table = _status_table(client.get_job_status(), record.master_addr.rsplit(":", 1)[0])
+            except MasterClientError as e:
+                table = f"job {name}: its master does not answer ({e}); trying again"
+            finally:
+                client.close()
+            print(f"{clear}{time.strftime('%H:%M:%S')}  {table}", flush=True)
+            time.sleep(every_s)
+    except KeyboardInterrupt:
+        return 0
 
 
 def _failures_of(name: str) -> tuple[FailureRecord, ...]:
@@ -187,6 +221,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--port", type=int, default=0, help="The master's port (0: a free one)")
     s.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="Port of the master's /metrics and dashboard (default 0: a free one; -1: none)",
+    )
+    s.add_argument(
         "--advertise-address", default="", help="host[:port] nodes use to reach the master"
     )
     s.add_argument(
@@ -197,6 +237,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     st = sub.add_parser("status", help="Nodes, states, restarts, step of a job.")
     st.add_argument("name")
+    st.add_argument(
+        "--watch",
+        nargs="?",
+        type=float,
+        const=2.0,
+        default=None,
+        metavar="SECONDS",
+        help="Print the table again every SECONDS (default 2) until the job ends",
+    )
     dg = sub.add_parser(
         "diagnose", help="The job's failures: class (user_error, oom, hang, ...), cause, action."
     )
@@ -215,6 +264,8 @@ def run(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "status":
+            if args.watch is not None:
+                return cmd_watch(args.name, args.watch)
             return cmd_status(args.name)
         if args.command == "stop":
             return cmd_stop(args.name, args.timeout)
@@ -269,14 +320,19 @@ def run(argv: Sequence[str] | None = None) -> int:
         )
     supervised = os.environ.pop(ENV_SUPERVISED, "")
     if not supervised:
-        return supervise_job(spec, list(sys.argv[1:] if argv is None else argv), port=args.port)
+        argv = list(sys.argv[1:] if argv is None else argv)
+        if args.metrics_port < 0:
+            return supervise_job(spec, argv, port=args.port)
+        return supervise_job(spec, argv, port=args.port, metrics_port=args.metrics_port)
     port, state = supervised.split(":", 1)
+    metrics = os.environ.pop(ENV_SUPERVISED_METRICS_PORT, "")
     return serve_job(
         spec,
         port=int(port),
         advertise=args.advertise_address,
         relaunch_delay_s=args.relaunch_delay,
         state=state,
+        metrics_port=None if args.metrics_port < 0 else int(metrics or args.metrics_port),
     )
 
 

@@ -85,6 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
         "resume after a restart.",
     )
     p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="Port of /metrics (Prometheus) and the dashboard (default 0: a free one, printed; "
+        "-1: none).",
+    )
+    p.add_argument(
         "--heartbeat-timeout",
         type=float,
         default=c.DEFAULT_HEARTBEAT_TIMEOUT_S,
@@ -162,6 +169,7 @@ def run(argv: Sequence[str] | None = None) -> int:
                 state=db,
                 rendezvous=rdzv,
                 heartbeat_timeout_s=args.heartbeat_timeout,
+                metrics_port=None if args.metrics_port < 0 else args.metrics_port,
                 owns_process=True,
                 straggler_report_s=float(
                     os.environ.get(c.ENV_STRAGGLER_REPORT_S, "") or DEFAULT_REPORT_S
@@ -184,6 +192,8 @@ def run(argv: Sequence[str] | None = None) -> int:
     sys.stdout.write(lines)
     sys.stdout.flush()
     logger.info("state in %s", db)
+    if master.web is not None:
+        logger.info("metrics and dashboard: http://%s:%d/", host.rsplit(":", 1)[0], master.web.port)
 
     stop = threading.Event()
 

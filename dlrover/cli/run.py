@@ -72,6 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add(
         p,
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="Where a master this node hosts serves /metrics and its dashboard (default 0: a "
+        "free port, printed; -1: none).",
+    )
+    _add(
+        p,
         "--max-restarts",
         type=int,
         default=c.DEFAULT_MAX_RESTARTS,
@@ -341,8 +349,22 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
     )
 
 
-def _embedded_master(job_name: str, host: str, port: int, token: str) -> RunningMaster:
-    return build_master(MasterSettings(job_name=job_name, token=token, host=host, port=port))
+def _embedded_master(
+    job_name: str, host: str, port: int, token: str, metrics_port: int
+) -> RunningMaster:
+    master = build_master(
+        MasterSettings(
+            job_name=job_name,
+            token=token,
+            host=host,
+            port=port,
+            metrics_port=None if metrics_port < 0 else metrics_port,
+        )
+    )
+    if master.web is not None:
+        shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
+        logger.info("metrics and dashboard: http://%s:%d/", shown, master.web.port)
+    return master
 
 
 def _is_local(host: str) -> bool:
@@ -381,7 +403,7 @@ def run(argv: Sequence[str] | None = None) -> int:
             token = token or new_token()
             if not named:
                 config = dataclasses.replace(config, run_id=uuid.uuid4().hex[:8])
-            server = _embedded_master(config.run_id, "127.0.0.1", 0, token)
+            server = _embedded_master(config.run_id, "127.0.0.1", 0, token, args.metrics_port)
             master_addr = f"127.0.0.1:{server.port}"
         elif env_addr:
             master_addr = env_addr
@@ -395,7 +417,9 @@ def run(argv: Sequence[str] | None = None) -> int:
             if _is_local(host):
                 try:
                     job_name = config.run_id if named else job_name_for_token(token)
-                    server = _embedded_master(job_name, "0.0.0.0", int(port_s), token)
+                    server = _embedded_master(
+                        job_name, "0.0.0.0", int(port_s), token, args.metrics_port
+                    )
                     logger.info("this node hosts the job master at %s", master_addr)
                 except MasterServerError:
                     logger.info("another node hosts the master at %s; joining it", master_addr)

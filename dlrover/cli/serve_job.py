@@ -3,6 +3,7 @@ record, until it ends. Used by `dlrover submit` and `dlrover-master --job-spec`.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -32,6 +33,11 @@ from dlrover.master.rendezvous import RendezvousConfig
 from dlrover.master.server import MasterServerError, new_token
 from dlrover.master.state_store import StateStoreError
 from dlrover.master.stragglers import DEFAULT_REPORT_S
+
+logger = logging.getLogger(__name__)
+
+ENV_SUPERVISED_METRICS_PORT = "DLROVER_SUPERVISED_METRICS_PORT"
+"""The metrics port a supervised `dlrover submit` child serves on (picked by its supervisor)."""
 
 
 def env_seconds(name: str, default: float) -> float:
@@ -134,7 +140,29 @@ def free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
-def supervise_job(spec: JobSpec, argv: Sequence[str], host: str = "0.0.0.0", port: int = 0) -> int:
+def _local_logs(directory: Path) -> Callable[[str, int], str | None]:
+    """Reads the tail of a local-engine node's log (its stderr file) for the dashboard."""
+
+    def tail(node_id: str, lines: int) -> str | None:
+        path = directory / "nodes" / node_id / "stderr"
+        if "/" in node_id or node_id in ("", ".", "..") or not path.is_file():
+            return None
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - (256 << 10)))
+            text = f.read().decode(errors="replace")
+        return "\n".join(text.splitlines()[-lines:])
+
+    return tail
+
+
+def supervise_job(
+    spec: JobSpec,
+    argv: Sequence[str],
+    host: str = "0.0.0.0",
+    port: int = 0,
+    metrics_port: int = 0,
+) -> int:
     """`dlrover submit`: serve the job from a child process (``argv`` again, with
     ENV_SUPERVISED set), and start the child again, on the same port, token and state, when it
     is killed (SIGKILL, OOM): the job's nodes keep running, the new master resumes the job and
@@ -150,6 +178,8 @@ def supervise_job(spec: JobSpec, argv: Sequence[str], host: str = "0.0.0.0", por
     env = {
         **os.environ,
         ENV_SUPERVISED: f"{port or free_port(host)}:{db}",
+        # The same dashboard address across master restarts.
+        ENV_SUPERVISED_METRICS_PORT: str(metrics_port or free_port(host)),
         c.ENV_JOB_TOKEN: os.environ.get(c.ENV_JOB_TOKEN, "") or new_token(),
     }
     stopping = threading.Event()
@@ -195,6 +225,7 @@ def serve_job(
     relaunch_delay_s: float = 0.0,
     state: str = "",
     on_serving: Callable[[JobMaster], None] | None = None,
+    metrics_port: int | None = 0,
 ) -> int:
     """Run the master of `spec`, launch its nodes through its engine, return the job's exit code.
 
@@ -203,7 +234,8 @@ def serve_job(
     each slot's node attempt, which the engine adopts where it still runs. Empty: a fresh state
     in the job's directory (what `dlrover submit` does).
 
-    ``on_serving`` gets the job once its master serves (a host that is not the main thread, the
+    ``metrics_port``: where /metrics and the dashboard are served (0: a free port; None:
+    nowhere). ``on_serving`` gets the job once its master serves (a host that is not the main thread, the
     Ray master actor, stops the job through it: signals are handled only on the main thread)."""
     try:
         scaling = _autoscale_settings(spec)
@@ -234,6 +266,8 @@ def serve_job(
                 straggler_report_s=float(
                     os.environ.get(c.ENV_STRAGGLER_REPORT_S, "") or DEFAULT_REPORT_S
                 ),
+                metrics_port=metrics_port,
+                log_reader=_local_logs(directory) if spec.engine == "local" else None,
             ),
             on_fenced=lambda newer: stop.set(),
         )
@@ -251,6 +285,13 @@ def serve_job(
         master.stop(0.5)
         return 0
     master_addr = _advertise(spec, master.port, advertise)
+    if master.web is not None:
+        logger.info(
+            "job %s: metrics and dashboard on http://%s:%d/",
+            spec.name,
+            master_addr.rsplit(":", 1)[0],
+            master.web.port,
+        )
     write_record(
         JobRecord(
             name=spec.name,

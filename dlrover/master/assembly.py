@@ -17,6 +17,7 @@ from dlrover.master.rendezvous import RendezvousConfig
 from dlrover.master.server import FULL_GC_EVERY_S, MasterServer
 from dlrover.master.state_store import StateMismatchError, StateStore, open_state_store
 from dlrover.master.stragglers import DEFAULT_REPORT_S
+from dlrover.master.web import LogReader, WebServer
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,10 @@ class MasterSettings:
     """How often runtime straggler scores are computed."""
     exclude_stragglers: bool = False
     """Replace runtime stragglers (through the node controller's engine)."""
+    metrics_port: int | None = 0
+    """The port of /metrics and the dashboard (0: a free one; None: none)."""
+    log_reader: LogReader | None = None
+    """Where the dashboard reads a node's log (the local engine's files), if anywhere."""
     owns_process: bool = False
     """The master is its process's main work (dlrover-master, dlrover submit), so it may set the
     process's garbage-collection policy (see MasterServer); not for a master embedded in an
@@ -50,6 +55,7 @@ class RunningMaster:
     job: JobMaster
     server: MasterServer
     store: StateStore
+    web: WebServer | None = None
 
     @property
     def port(self) -> int:
@@ -59,6 +65,8 @@ class RunningMaster:
     def stop(self, grace_s: float = 1.0) -> None:
         """Stop the server (in-flight calls get ``grace_s`` seconds), then close the state store."""
         self.server.stop(grace_s)
+        if self.web is not None:
+            self.web.stop()
         self.store.close()
 
 
@@ -124,7 +132,13 @@ def build_master(
             fence=fence,
             on_fenced=on_fenced,
         )
+        web = None
+        if settings.metrics_port is not None:
+            web = WebServer(job, settings.host, settings.metrics_port, settings.log_reader)
     except BaseException:
         store.close()
         raise
-    return RunningMaster(job, server.start(), store)
+    running = RunningMaster(job, server.start(), store, web.start() if web else None)
+    if web is not None:
+        job.metrics_port = web.port
+    return running

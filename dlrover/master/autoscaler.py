@@ -98,6 +98,8 @@ class AutoScaler:
             self._job.scale_summary = f"auto-scale: {plan.action.value}: {plan.reason}"
             log = logger.info if plan.action is not ScaleAction.NONE else logger.debug
             log("%s", self._job.scale_summary)
+            if plan.action is not ScaleAction.NONE:
+                self._job.event("scale", f"{plan.action.value}: {plan.reason}")
         if plan.action is ScaleAction.RESIZE and plan.resources is not None:
             self._sized = True
             self._peaks.clear()

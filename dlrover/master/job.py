@@ -7,6 +7,7 @@ import enum
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,6 +23,7 @@ from dlrover.checkpoint.coordinator import CommitVotes
 from dlrover.constants import DEFAULT_HEARTBEAT_TIMEOUT_S, HEARTBEATS_PER_S_BUDGET
 from dlrover.master import diagnosis
 from dlrover.master.changes import ChangeFeed
+from dlrover.master.goodput import GoodputTracker, StepSample
 from dlrover.master.kv_store import KvStore
 from dlrover.master.node_check import CheckResult, CheckSettings, NodeCheck
 from dlrover.master.nodes import ALIVE_STATES, Node, NodeError, NodeState, NodeTable
@@ -31,6 +33,9 @@ from dlrover.master.state_store import StateStore
 from dlrover.master.stragglers import DEFAULT_REPORT_S, StragglerWatch
 
 logger = logging.getLogger(__name__)
+
+MAX_EVENTS = 500
+"""Timeline events kept (`JobMaster.events`)."""
 
 _NAMESPACE = "job"
 
@@ -134,8 +139,15 @@ class JobMaster:
         self._failures = [record for _, record in saved_failures]
         self._failure_seq = saved_failures[-1][0] if saved_failures else 0
         self.stragglers = StragglerWatch(clock, config.straggler_report_s)
+        self.goodput = GoodputTracker(clock())
+        """Live goodput and badput (metrics, dashboard, status)."""
         self._replace: list[tuple[str, str]] = []
         self.scale_summary = ""
+        self.metrics_port = 0
+        """Where /metrics and the dashboard are served (0: nowhere)."""
+        self.events: deque[tuple[float, str, str]] = deque(maxlen=MAX_EVENTS)
+        """(wall time, kind, text) of the job's latest events: rounds, failures, state changes,
+        scale plans (the dashboard's timeline); in memory only."""
         """The auto-scaler's latest plan in one line (`dlrover status`)."""
         self._expected: set[str] = set()
         """Replacements launched but not registered yet (`expect`): while there are any,
@@ -159,6 +171,7 @@ class JobMaster:
             self.ended.set()
         if self.rendezvous is not None and self.rendezvous.world is not None:
             self._activated_round = self.rendezvous.world.round
+            self.goodput.on_round(clock(), self._activated_round)  # counted from this master
 
     # --- registration and liveness -----------------------------------------------------------
     def register(
@@ -236,10 +249,14 @@ class JobMaster:
         mem: int,
         restarts: int,
         step_time_s: float = 0.0,
+        sample: StepSample | None = None,
     ) -> str:
-        """Record liveness (and the node's step time for straggler scores); returns the action
-        for the agent ("", "stop" or "reregister")."""
+        """Record liveness (and the node's step time for straggler scores, its workers' step
+        for goodput); returns the action for the agent ("", "stop" or "reregister")."""
         state = self.nodes.record_heartbeat(node_id, incarnation, step, cpu, mem, restarts)
+        world = self.rendezvous.world if self.rendezvous is not None else None
+        if sample is not None and world is not None and world.member(node_id) is not None:
+            self.goodput.on_progress(self._clock(), world.round, sample)
         if step_time_s > 0:
             with self._lock:
                 self.stragglers.observe(node_id, step_time_s)
@@ -324,6 +341,11 @@ class JobMaster:
             if world.round <= self._activated_round:
                 return
             self._activated_round = world.round
+            self.goodput.on_round(self._clock(), world.round)
+            self.event(
+                "round", f"round {world.round}: {len(world.members)} nodes, world size "
+                f"{world.world_size}"
+            )  # fmt: skip
             for m in world.members:
                 self.nodes.set_rank(m.node_id, m.node_rank)
                 if self.nodes.get(m.node_id).state == NodeState.PENDING:
@@ -357,8 +379,17 @@ class JobMaster:
         return self._rdzv().num_nodes_waiting(node_id, round)
 
     # --- diagnosis ----------------------------------------------------------------------------
+    def event(self, kind: str, text: str) -> None:
+        """Add ``text`` to the timeline (kinds: round, failure, job, scale, node)."""
+        self.events.append((time.time(), kind, text))
+
     def record_failure(self, record: FailureRecord) -> None:
         """Keep a classified failure (in the state: it outlives the master) and log it."""
+        self.event(
+            "failure",
+            f"{record.node_id}: {record.failure_class.value} -> {record.action}: "
+            f"{record.root_cause.splitlines()[0][:200] if record.root_cause else ''}",
+        )
         with self._lock:
             self._failure_seq += 1
             self._failures.append(record)
@@ -532,6 +563,7 @@ class JobMaster:
             self._set_job_state(JobState.SUCCEEDED, f"all {len(states)} nodes succeeded")
             self.exit_code = 0
             self._save()
+            self.goodput.on_end(self._clock())
             self.ended.set()
             self.rounds.bump()
             self.membership.bump()
@@ -542,6 +574,7 @@ class JobMaster:
         self.exit_code = exit_code
         self._set_job_state(JobState.FAILED, reason)
         self._save()
+        self.goodput.on_end(self._clock())
         self.ended.set()
         self.rounds.bump()
         self.membership.bump()
@@ -560,6 +593,7 @@ class JobMaster:
             return  # it died before it registered: nothing of it is in the job
         if node.state in ALIVE_STATES:
             self.nodes.set_state(node_id, NodeState.LOST, reason)
+            self.event("node", f"{node_id} lost: {reason}")
         self._check_lost(node_id, reason)
         with self._lock:
             self.stragglers.forget(node_id)
@@ -658,6 +692,7 @@ class JobMaster:
         if expired:
             self.membership.bump()
         self.sharding.tick()
+        self.goodput.sample(self._clock(), time.time())
         with self._lock:
             if self._check is not None and self._check.tick():
                 self._after_check_change()
@@ -681,6 +716,7 @@ class JobMaster:
         )
         self.state = new
         self.reason = reason
+        self.event("job", f"{new.value}: {reason}")
         self._save()
 
     def _save(self) -> None:

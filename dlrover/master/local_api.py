@@ -16,6 +16,7 @@ from dlrover.api import master as api
 from dlrover.api.errors import MasterRequestError, UnknownNodeError
 from dlrover.constants import MAX_LONG_POLL_S
 from dlrover.master.changes import ChangeFeed
+from dlrover.master.goodput import StepSample
 from dlrover.master.job import JobMaster, JobState
 from dlrover.master.kv_store import KvError
 from dlrover.master.nodes import NodeError
@@ -135,6 +136,7 @@ class LocalMasterApi:
                 report.memory_bytes,
                 report.restart_count,
                 report.step_time_s,
+                StepSample.of(report),
             )
         return api.HeartbeatReply(
             api.HeartbeatAction(action), self.job.state.value, self.job.heartbeat_interval_s()
@@ -311,6 +313,8 @@ class LocalMasterApi:
             ),
             node_check=job.check_summary,
             autoscale=job.scale_summary,
+            goodput=job.goodput.snapshot(now).ratio,
+            metrics_port=job.metrics_port,
         )
 
     def stop_job(self, reason: str) -> api.JobStatus:

@@ -101,6 +101,11 @@ class ShardingService:
         with self._lock:
             return self.manager.dataset_progress(dataset)
 
+    def all_progress(self) -> list[DatasetProgress]:
+        """Every registered dataset's counters (metrics, dashboard)."""
+        with self._lock:
+            return [self.manager.dataset_progress(d) for d in self.manager.datasets()]
+
     # --- the master's own duties --------------------------------------------------------------
     def recover_node(self, node_id: str) -> int:
         """A node's workers are gone: their shards go back to the head of their queues."""

@@ -60,7 +60,7 @@ class ResourceUsage(_message.Message):
     def __init__(self, cpu_percent: _Optional[float] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id", "incarnation", "usage", "step", "worker_state", "restart_count", "step_time_s")
+    __slots__ = ("node_id", "incarnation", "usage", "step", "worker_state", "restart_count", "step_time_s", "attempt_step", "attempt_step_age_s", "attempt_first_step", "attempt_first_age_s")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +68,10 @@ class HeartbeatRequest(_message.Message):
     WORKER_STATE_FIELD_NUMBER: _ClassVar[int]
     RESTART_COUNT_FIELD_NUMBER: _ClassVar[int]
     STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_STEP_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_STEP_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIRST_STEP_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIRST_AGE_S_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     incarnation: int
     usage: ResourceUsage
@@ -75,7 +79,11 @@ class HeartbeatRequest(_message.Message):
     worker_state: str
     restart_count: int
     step_time_s: float
-    def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., usage: _Optional[_Union[ResourceUsage, _Mapping]] = ..., step: _Optional[int] = ..., worker_state: _Optional[str] = ..., restart_count: _Optional[int] = ..., step_time_s: _Optional[float] = ...) -> None: ...
+    attempt_step: int
+    attempt_step_age_s: float
+    attempt_first_step: int
+    attempt_first_age_s: float
+    def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., usage: _Optional[_Union[ResourceUsage, _Mapping]] = ..., step: _Optional[int] = ..., worker_state: _Optional[str] = ..., restart_count: _Optional[int] = ..., step_time_s: _Optional[float] = ..., attempt_step: _Optional[int] = ..., attempt_step_age_s: _Optional[float] = ..., attempt_first_step: _Optional[int] = ..., attempt_first_age_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("action", "job_state", "heartbeat_interval_s")
@@ -273,7 +281,7 @@ class NodeStatus(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., state: _Optional[str] = ..., node_rank: _Optional[int] = ..., host: _Optional[str] = ..., step: _Optional[int] = ..., restart_count: _Optional[int] = ..., last_heartbeat_age_s: _Optional[float] = ..., role: _Optional[str] = ..., cpu_percent: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., check: _Optional[str] = ..., score: _Optional[float] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job_name", "state", "round", "nodes", "reason", "exit_code", "node_check", "autoscale")
+    __slots__ = ("job_name", "state", "round", "nodes", "reason", "exit_code", "node_check", "autoscale", "goodput", "metrics_port")
     JOB_NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -282,6 +290,8 @@ class JobStatus(_message.Message):
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
     NODE_CHECK_FIELD_NUMBER: _ClassVar[int]
     AUTOSCALE_FIELD_NUMBER: _ClassVar[int]
+    GOODPUT_FIELD_NUMBER: _ClassVar[int]
+    METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
     job_name: str
     state: str
     round: int
@@ -290,7 +300,9 @@ class JobStatus(_message.Message):
     exit_code: int
     node_check: str
     autoscale: str
-    def __init__(self, job_name: _Optional[str] = ..., state: _Optional[str] = ..., round: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., reason: _Optional[str] = ..., exit_code: _Optional[int] = ..., node_check: _Optional[str] = ..., autoscale: _Optional[str] = ...) -> None: ...
+    goodput: float
+    metrics_port: int
+    def __init__(self, job_name: _Optional[str] = ..., state: _Optional[str] = ..., round: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., reason: _Optional[str] = ..., exit_code: _Optional[int] = ..., node_check: _Optional[str] = ..., autoscale: _Optional[str] = ..., goodput: _Optional[float] = ..., metrics_port: _Optional[int] = ...) -> None: ...
 
 class JoinNodeCheckRequest(_message.Message):
     __slots__ = ("node_id", "incarnation", "rdzv_round", "check_round", "addr", "straggler_ratio", "exclude_stragglers", "wait_s")

@@ -9,7 +9,8 @@ from typing import NamedTuple
 
 from dlrover.constants import ENV_STEP_FILE
 
-_RECORD = struct.Struct("<qdd")  # step, wall time, busy seconds so far
+_RECORD = struct.Struct("<qddqd")  # step, wall time, busy seconds so far, first step, its time
+_OLD_RECORD = struct.Struct("<qdd")  # without the first step (an older writer)
 
 
 class StepRecord(NamedTuple):
@@ -21,6 +22,10 @@ class StepRecord(NamedTuple):
     busy_s: float
     """The worker's own work so far, in seconds (see `StepReporter.report`): the agent divides
     its growth by the steps done to score the node against the others."""
+    first_step: int = -1
+    """The first step this process reported (-1: unknown), and when: goodput splits a restart's
+    start-up from the steps after it."""
+    first_at: float = 0.0
 
 
 class StepReporter:
@@ -34,6 +39,7 @@ class StepReporter:
         path = os.environ.get(ENV_STEP_FILE, "") if path is None else path
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644) if path else -1
         self._busy = 0.0
+        self._first: tuple[int, float] | None = None
 
     def report(self, step: int, busy_s: float | None = None) -> None:
         """Record ``step`` with the wall time (one pwrite, no RPC); nothing outside dlrover-run.
@@ -48,7 +54,10 @@ class StepReporter:
             self._busy = time.process_time()
         else:
             self._busy += busy_s
-        os.pwrite(self._fd, _RECORD.pack(step, time.time(), self._busy), 0)
+        now = time.time()
+        if self._first is None:
+            self._first = (step, now)
+        os.pwrite(self._fd, _RECORD.pack(step, now, self._busy, *self._first), 0)
 
     def close(self) -> None:
         """Close the step file; later reports do nothing."""
@@ -64,10 +73,13 @@ def read_step_file(path: str) -> StepRecord | None:
             raw = f.read(_RECORD.size)
     except FileNotFoundError:
         return None
+    if len(raw) == _OLD_RECORD.size:
+        step, at, busy = _OLD_RECORD.unpack(raw)
+        return StepRecord(int(step), float(at), float(busy))
     if len(raw) < _RECORD.size:
         return None
-    step, at, busy = _RECORD.unpack(raw)
-    return StepRecord(int(step), float(at), float(busy))
+    step, at, busy, first_step, first_at = _RECORD.unpack(raw)
+    return StepRecord(int(step), float(at), float(busy), int(first_step), float(first_at))
 
 
 def report_step(step: int, busy_s: float | None = None) -> None:
@@ -80,5 +92,7 @@ def report_step(step: int, busy_s: float | None = None) -> None:
         reporter = StepReporter(path)
         if busy_s is not None and previous is not None:
             reporter._busy = previous.busy_s
+        if previous is not None and previous.first_step >= 0:
+            reporter._first = (previous.first_step, previous.first_at)
         reporter.report(step, busy_s)
         reporter.close()

@@ -40,8 +40,10 @@ def test_a_job_without_resources_is_sized_from_its_measured_use(tmp_path: Path) 
     assert 100 < peak < 4000 and memory == -(-peak * 13 // 10)  # peak x 1.3, rounded up
     assert cpu >= max(0.5, (cores - 0.05) * 1.3) - 1e-9  # the log rounds cores to 0.1
     assert f"resizing 2 node(s) to {memory} MiB, {cpu:g} CPU" in r.stderr
-    nodes = sorted(p.name for p in (tmp_path / "home" / "jobs" / "auto" / "nodes").iterdir())
-    assert nodes == ["auto-worker-0-0", "auto-worker-0-1", "auto-worker-1-0", "auto-worker-1-1"]
+    nodes = {p.name for p in (tmp_path / "home" / "jobs" / "auto" / "nodes").iterdir()}
+    assert nodes >= {"auto-worker-0-0", "auto-worker-0-1", "auto-worker-1-0", "auto-worker-1-1"}
+    if len(nodes) > 4:  # the peak grew past 90% of the size chosen: resized again, bigger
+        assert "auto-scale: resize: memory creeps to peak" in r.stderr, r.stderr[-4000:]
     if CgroupRoot.detect()[0] is not None:
         assert "node resources are enforced" in r.stderr  # the resized nodes run limited
     assert final(tmp_path / "auto") == final(tmp_path / "ref")
@@ -49,7 +51,13 @@ def test_a_job_without_resources_is_sized_from_its_measured_use(tmp_path: Path) 
 
 
 def _elastic(
-    tmp: Path, name: str, nnodes: str, flags: list[str], script: list[str], **env: str
+    tmp: Path,
+    name: str,
+    nnodes: str,
+    flags: list[str],
+    script: list[str],
+    steps: int = 120,
+    **env: str,
 ) -> Path:
     """examples/train_elastic.py (with ``script`` arguments) on ``nnodes`` nodes of one worker,
     submitted with ``flags``; returns its --out prefix."""
@@ -57,7 +65,7 @@ def _elastic(
     args = [
         "submit", "--name", name, "--nnodes", nnodes, "--nproc-per-node", "1",
         "--memory", "2Gi", "--cpu", "1", *flags,
-        str(REPO / "examples" / "train_elastic.py"), "--steps", "120", "--global-batch", "12",
+        str(REPO / "examples" / "train_elastic.py"), "--steps", str(steps), "--global-batch", "12",
         "--ckpt", str(tmp / f"{name}-ckpt"), "--out", str(out), *script,
     ]  # fmt: skip
     r = dlrover_cli(tmp / "home", *args, timeout=400, **env)
@@ -105,7 +113,7 @@ def test_a_node_that_adds_nothing_is_given_back(tmp_path: Path) -> None:
     """A job whose step is a serial part (no per-sample work) gains nothing from a second
     node: the master tries it, sees no speed-up twice in a row, and goes back to 1 node."""
     work = ["--sample-time", "0", "--serial-time", "0.1"]
-    auto = _elastic(tmp_path, "flat", "1:2", ["--auto-scale"], work, **FAST_PLANS)
+    auto = _elastic(tmp_path, "flat", "1:2", ["--auto-scale"], work, steps=300, **FAST_PLANS)
     log = (tmp_path / "flat.log").read_text()
     assert "scaling from 1 to 2 nodes: first step from MIN" in log, log[-4000:]
     assert re.search(

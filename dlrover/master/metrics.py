@@ -1,0 +1,170 @@
+"""The job's Prometheus metrics, read from the master's state when scraped.
+
+Nothing is counted on the training path: a scrape walks the node table, the goodput tracker, the
+failure records and the shard queues, so metrics cost nothing between scrapes. Each master has
+its own registry (no process-global one), so several masters in one process (tests, the Ray
+master actor) never mix their series.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+
+from prometheus_client.core import (
+    CollectorRegistry,
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import Collector
+
+from dlrover.master.goodput import REASONS
+from dlrover.master.job import JobMaster
+from dlrover.master.nodes import ALIVE_STATES, NodeState
+
+_RECOVERY_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+_RESTART_ACTIONS = ("restart_processes", "relaunch_node")
+
+
+class JobCollector(Collector):
+    """Collects one job's metrics (see docs/metrics.md for the list)."""
+
+    def __init__(self, job: JobMaster) -> None:
+        self._job = job
+
+    def collect(self) -> Iterator[Metric]:
+        """The job's series now."""
+        job = self._job
+        name = job.config.job_name
+        g = job.goodput.snapshot(job.now())
+        yield _gauge(
+            "dlrover_goodput_ratio",
+            "Productive step time / time since the master started (live estimate)",
+            name,
+            g.ratio,
+        )
+        badput = CounterMetricFamily(
+            "dlrover_badput_seconds",
+            "Time not spent on steps the job keeps, by reason",
+            labels=["job_name", "reason"],
+        )
+        for reason in REASONS:
+            badput.add_metric([name, reason], g.badput_s[reason])
+        yield badput
+        productive = CounterMetricFamily(
+            "dlrover_productive_seconds", "Time spent on new steps", labels=["job_name"]
+        )
+        productive.add_metric([name], g.productive_s)
+        yield productive
+        steps = CounterMetricFamily(
+            "dlrover_job_steps", "The highest training step the job reached", labels=["job_name"]
+        )
+        steps.add_metric([name], float(g.steps))
+        yield steps
+        yield _gauge("dlrover_step_seconds", "Seconds per step lately", name, g.step_s)
+        recovery = HistogramMetricFamily(
+            "dlrover_recovery_seconds",
+            "From the last progress before a restart until the job went past that step again",
+            labels=["job_name"],
+        )
+        buckets = [
+            (str(b), float(sum(1 for r in g.recoveries_s if r <= b))) for b in _RECOVERY_BUCKETS
+        ]
+        buckets.append(("+Inf", float(len(g.recoveries_s))))
+        recovery.add_metric([name], buckets, sum_value=sum(g.recoveries_s))
+        yield recovery
+
+        nodes = job.nodes.all()
+        by_state = Counter(n.state for n in nodes)
+        gauge = GaugeMetricFamily("dlrover_nodes", "Nodes by state", labels=["job_name", "state"])
+        for state in NodeState:
+            gauge.add_metric([name, state.value], float(by_state.get(state, 0)))
+        yield gauge
+        cpu = GaugeMetricFamily(
+            "dlrover_node_cpu_percent",
+            "CPU of a node's agent and workers (100 = one core), from its heartbeats",
+            labels=["job_name", "node"],
+        )
+        mem = GaugeMetricFamily(
+            "dlrover_node_memory_bytes",
+            "Resident memory of a node's agent and workers, from its heartbeats",
+            labels=["job_name", "node"],
+        )
+        step = GaugeMetricFamily(
+            "dlrover_node_step", "The highest step a node reported", labels=["job_name", "node"]
+        )
+        for n in nodes:
+            if n.state in ALIVE_STATES:
+                cpu.add_metric([name, n.node_id], n.cpu_percent)
+                mem.add_metric([name, n.node_id], float(n.memory_bytes))
+                step.add_metric([name, n.node_id], float(n.step))
+        yield cpu
+        yield mem
+        yield step
+        score = GaugeMetricFamily(
+            "dlrover_straggler_score",
+            "A node's runtime score: the fastest node's step time / its own (1 = fastest)",
+            labels=["job_name", "node"],
+        )
+        for node_id, s in sorted(job.stragglers.scores.items()):
+            score.add_metric([name, node_id], s.relative)
+        yield score
+
+        failures = job.failures()
+        restarts = CounterMetricFamily(
+            "dlrover_restarts",
+            "Worker restarts in place and node relaunches, by the failure's class",
+            labels=["job_name", "reason", "action"],
+        )
+        counts = Counter(
+            (f.failure_class.value, f.action) for f in failures if f.action in _RESTART_ACTIONS
+        )
+        for (reason, action), count in sorted(counts.items()):
+            restarts.add_metric([name, reason, action], float(count))
+        yield restarts
+        failed = CounterMetricFamily(
+            "dlrover_failures",
+            "Failures the master recorded, by class",
+            labels=["job_name", "reason"],
+        )
+        for reason, count in sorted(Counter(f.failure_class.value for f in failures).items()):
+            failed.add_metric([name, reason], float(count))
+        yield failed
+
+        shards = GaugeMetricFamily(
+            "dlrover_shards_total",
+            "Data shards of each dataset: todo, leased (being read) and done",
+            labels=["job_name", "dataset", "state"],
+        )
+        for p in job.sharding.all_progress():
+            shards.add_metric([name, p.dataset, "todo"], float(p.todo))
+            shards.add_metric([name, p.dataset, "leased"], float(p.leased))
+            shards.add_metric([name, p.dataset, "done"], float(p.done_shards))
+        yield shards
+        yield _gauge(
+            "dlrover_rendezvous_round",
+            "The latest rendezvous round",
+            name,
+            float(job.rendezvous.round if job.rendezvous else 0),
+        )
+
+
+def _gauge(metric: str, doc: str, job: str, value: float) -> GaugeMetricFamily:
+    g = GaugeMetricFamily(metric, doc, labels=["job_name"])
+    g.add_metric([job], value)
+    return g
+
+
+class JobMetrics:
+    """A registry holding one job's collector; `render` is the /metrics page."""
+
+    def __init__(self, job: JobMaster) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(JobCollector(job))
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every series now."""
+        return generate_latest(self.registry)

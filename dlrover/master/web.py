@@ -1,0 +1,164 @@
+"""The master's HTTP side: Prometheus metrics, the dashboard and its JSON.
+
+Routes (read-only, no token: bind it where only your network reaches, as the gRPC port):
+
+- ``/metrics``: Prometheus text exposition (`dlrover.master.metrics`);
+- ``/``: the dashboard, one static page (``dashboard.html``, plain JavaScript, no build step)
+  that polls the JSON below every 2 s;
+- ``/api/status``: the job, its nodes, goodput and badput, the goodput history and the event
+  timeline;
+- ``/api/log?node=ID&lines=N``: the tail of a node's log, where the engine keeps it on this
+  machine (the local engine), else 404.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from importlib import resources
+from typing import Any
+from urllib.parse import parse_qs, urlparse
+
+from dlrover.master.job import JobMaster
+from dlrover.master.local_api import LocalMasterApi
+from dlrover.master.metrics import JobMetrics
+from dlrover.master.server import MasterServerError
+
+logger = logging.getLogger(__name__)
+
+LogReader = Callable[[str, int], "str | None"]
+"""(node id, lines) -> the tail of that node's log, or None where there is none."""
+MAX_LOG_LINES = 2000
+
+
+class WebError(MasterServerError):
+    """The metrics/dashboard port cannot be bound."""
+
+
+class WebServer:
+    """Serves one job's metrics and dashboard on a port of its own."""
+
+    def __init__(
+        self,
+        job: JobMaster,
+        host: str = "0.0.0.0",
+        port: int = 0,
+        log_reader: LogReader | None = None,
+    ) -> None:
+        self._job = job
+        self._api = LocalMasterApi(job)
+        self._metrics = JobMetrics(job)
+        self.log_reader = log_reader
+        handler = _handler(self)
+        try:
+            self._httpd = ThreadingHTTPServer((host, port), handler)
+        except OSError as e:
+            raise WebError(
+                f"cannot serve metrics on {host}:{port}: {e.strerror or e}; pick another "
+                "--metrics-port (0: a free one)"
+            ) from None
+        self._httpd.daemon_threads = True
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, name="dlrover-web", daemon=True
+        )
+
+    @property
+    def port(self) -> int:
+        """The bound port (the free one picked for port 0)."""
+        return int(self._httpd.server_address[1])
+
+    def start(self) -> WebServer:
+        """Serve in a background thread; returns self."""
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop serving and close the socket."""
+        self._httpd.shutdown()
+        self._httpd.server_close()
+
+    # --- pages ---------------------------------------------------------------------------------
+    def metrics(self) -> bytes:
+        """The /metrics page."""
+        return self._metrics.render()
+
+    def status(self) -> dict[str, Any]:
+        """The /api/status document."""
+        job = self._job
+        status = dataclasses.asdict(self._api.get_job_status())
+        g = job.goodput.snapshot(job.now())
+        status["goodput"] = {
+            "ratio": g.ratio,
+            "elapsed_s": g.elapsed_s,
+            "productive_s": g.productive_s,
+            "badput_s": g.badput_s,
+            "steps": g.steps,
+            "step_s": g.step_s,
+            "recoveries_s": list(g.recoveries_s),
+            "history": job.goodput.history(),
+        }
+        status["events"] = [
+            {"at": at, "kind": kind, "text": text} for at, kind, text in list(job.events)
+        ]
+        status["has_logs"] = self.log_reader is not None
+        return status
+
+    def log(self, node_id: str, lines: int) -> str | None:
+        """The tail of ``node_id``'s log (None: not kept here)."""
+        if self.log_reader is None:
+            return None
+        return self.log_reader(node_id, max(1, min(lines, MAX_LOG_LINES)))
+
+
+def dashboard_html() -> bytes:
+    """The dashboard page (package data)."""
+    return resources.files("dlrover.master").joinpath("dashboard.html").read_bytes()
+
+
+def _handler(server: WebServer) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        server_version = "dlrover"
+
+        def log_message(self, format: str, *args: Any) -> None:
+            return  # scrapes every few seconds would flood the master's log
+
+        def do_GET(self) -> None:
+            url = urlparse(self.path)
+            try:
+                if url.path == "/metrics":
+                    self._send(200, "text/plain; version=0.0.4; charset=utf-8", server.metrics())
+                elif url.path in ("/", "/index.html"):
+                    self._send(200, "text/html; charset=utf-8", dashboard_html())
+                elif url.path == "/api/status":
+                    body = json.dumps(server.status()).encode()
+                    self._send(200, "application/json", body)
+                elif url.path == "/api/log":
+                    query = parse_qs(url.query)
+                    node = query.get("node", [""])[0]
+                    lines = int(query.get("lines", ["200"])[0])
+                    text = server.log(node, lines)
+                    if text is None:
+                        self._send(404, "text/plain", b"no log of that node is kept here\n")
+                    else:
+                        self._send(200, "text/plain; charset=utf-8", text.encode())
+                else:
+                    self._send(404, "text/plain", b"not found: try / or /metrics\n")
+            except (ValueError, KeyError) as e:
+                self._send(400, "text/plain", f"bad request: {e}\n".encode())
+            except Exception:  # a page must never take the master down
+                logger.exception("web: %s failed", url.path)
+                self._send(500, "text/plain", b"internal error (see the master's log)\n")
+
+        def _send(self, code: int, content_type: str, body: bytes) -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Cache-Control", "no-store")
+            self.end_headers()
+            self.wfile.write(body)
+
+    return Handler

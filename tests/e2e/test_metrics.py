@@ -1,0 +1,147 @@
+"""The master's /metrics, dashboard and JSON, scraped from a real job while it trains."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import REPO, SCRIPTS, clean_env, free_port, run_cmd
+
+
+class Scraper:
+    """Polls a master's pages every 0.2 s while the job runs; keeps the latest answers."""
+
+    def __init__(self, port: int) -> None:
+        self.base = f"http://127.0.0.1:{port}"
+        self.metrics = ""
+        self.status: dict[str, object] = {}
+        self.seen_running: set[int] = set()
+        self.usage_seen = 0
+        """The most nodes with CPU and memory series in one scrape."""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def get(self, path: str) -> str:
+        with urllib.request.urlopen(self.base + path, timeout=5) as r:
+            return r.read().decode()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.2):
+            try:
+                self.metrics = self.get("/metrics")
+                self.status = json.loads(self.get("/api/status"))
+            except OSError:
+                continue  # not up yet, or gone
+            running = [n for n in self.status["nodes"] if n["state"] == "running"]  # type: ignore[attr-defined,index]
+            self.seen_running.add(len(running))
+            mem = [v for (name, _), v in samples(self.metrics).items() if name == "dlrover_node_memory_bytes" and v > 50e6]  # fmt: skip
+            self.usage_seen = max(self.usage_seen, len(mem))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "job_name")))] = (
+                s.value
+            )
+    return out
+
+
+def test_metrics_and_dashboard_of_a_job_with_a_failure(tmp_path: Path) -> None:
+    """2 nodes train; rank 1 raises at step 15 (restart in place). Scraped all along, the
+    master reports goodput, badput by reason, steps, nodes, usage, restarts by class; the
+    dashboard page and its JSON serve the same job, the log tail its node's output."""
+    port = free_port()
+    (tmp_path / "ckpt").mkdir()
+    cmd = [
+        *run_cmd("dlrover.cli.job"), "submit", "--name", "met", "--nnodes", "2",
+        "--nproc-per-node", "1", "--metrics-port", str(port), str(SCRIPTS / "oracle_train.py"),
+        "--steps", "40", "--step-time", "0.1", "--ckpt", str(tmp_path / "ckpt"),
+        "--out", str(tmp_path / "out"),
+    ]  # fmt: skip
+    env = clean_env(DLROVER_HOME=str(tmp_path / "home"), DLROVER_FAULTS="raise:rank=1:step=15")
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stderr=subprocess.PIPE, text=True)
+    scraper = Scraper(port)
+    page = ""
+    log = None
+    watch: subprocess.Popen[str] | None = None
+    deadline = time.monotonic() + 120
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            nodes = scraper.status.get("nodes") or []
+            if not page and nodes:
+                page = scraper.get("/")
+                node = nodes[0]["node_id"]  # type: ignore[index]
+                log = scraper.get(f"/api/log?node={node}&lines=50")
+                watch = subprocess.Popen(
+                    [*run_cmd("dlrover.cli.job"), "status", "met", "--watch", "0.5"],
+                    env=env, cwd=REPO, stdout=subprocess.PIPE, text=True,
+                )  # fmt: skip
+            time.sleep(0.2)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        scraper.stop()
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr[-4000:]
+    assert f"metrics and dashboard on http://127.0.0.1:{port}/" in stderr
+
+    m = samples(scraper.metrics)  # the last scrape before the master stopped
+    ratio = m[("dlrover_goodput_ratio", ())]
+    productive = m[("dlrover_productive_seconds_total", ())]
+    badput = {r: m[("dlrover_badput_seconds_total", (("reason", r),))] for r in ("startup", "restart", "rollback", "idle")}  # fmt: skip
+    assert 0.1 < ratio < 1.0, m
+    assert productive > 2.0  # >= 25 new steps of >= 0.1 s were seen
+    assert badput["startup"] > 0 and badput["restart"] > 0, badput
+    assert m[("dlrover_job_steps_total", ())] >= 30
+    assert m[("dlrover_restarts_total", (("action", "restart_processes"), ("reason", "user_error")))] >= 1  # fmt: skip
+    assert m[("dlrover_failures_total", (("reason", "user_error"),))] >= 1
+    assert scraper.usage_seen == 2  # both nodes' agent + worker, resident while they ran
+    assert ("dlrover_recovery_seconds_count", ()) in m
+    assert 2 in scraper.seen_running
+
+    status = scraper.status
+    assert status["job_name"] == "met" and len(status["nodes"]) == 2  # type: ignore[arg-type]
+    kinds = {e["kind"] for e in status["events"]}  # type: ignore[attr-defined,union-attr]
+    assert {"round", "failure"} <= kinds, status["events"]
+    assert any("user_error" in e["text"] for e in status["events"])  # type: ignore[attr-defined,union-attr]
+    assert status["goodput"]["history"]  # type: ignore[index]
+    assert "<title>DLRover job</title>" in page
+    assert log is not None and "dlrover" in log
+    assert watch is not None
+    shown, _ = watch.communicate(timeout=30)  # it ends by itself with the job
+    assert watch.returncode == 0
+    assert shown.count(f"dashboard: http://127.0.0.1:{port}/") >= 2, shown
+    assert re.search(r"job met: running \(round \d+, goodput \d+\.\d%\)", shown), shown
+    assert shown.rstrip().splitlines()[-1].startswith("job met: succeeded"), shown
+
+
+def test_a_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", 0))
+        s.listen()
+        busy = s.getsockname()[1]
+        r = subprocess.run(
+            [*run_cmd("dlrover.cli.master"), "--port", "0", "--metrics-port", str(busy)],
+            env=clean_env(DLROVER_HOME=str(tmp_path)),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert r.returncode == 1
+    assert re.search(rf"cannot serve metrics on 0.0.0.0:{busy}: .*pick another --metrics-port", r.stderr), r.stderr  # fmt: skip

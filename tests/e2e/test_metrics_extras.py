@@ -1,0 +1,162 @@
+"""The master's metrics scraped by a real Prometheus, its dashboard in a real headless Chromium.
+
+Both need programs from Debian (prometheus, chromium) and Playwright from PyPI; `.ci/run`
+installs them for the extras stage.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, SCRIPTS, clean_env, free_port, run_cmd
+
+pytestmark = pytest.mark.extras
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.fixture
+def job(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[tuple[int, subprocess.Popen[str]]]:
+    """A 2-node job of ~80 steps (0.1 s each) with its metrics port; faults from the marker."""
+    port = free_port()
+    (tmp_path / "ckpt").mkdir()
+    faults = getattr(request, "param", "")
+    cmd = [
+        *run_cmd("dlrover.cli.job"), "submit", "--name", "web", "--nnodes", "2",
+        "--nproc-per-node", "1", "--metrics-port", str(port), str(SCRIPTS / "oracle_train.py"),
+        "--steps", "80", "--step-time", "0.1", "--ckpt", str(tmp_path / "ckpt"),
+        "--out", str(tmp_path / "out"),
+    ]  # fmt: skip
+    env = clean_env(DLROVER_HOME=str(tmp_path / "home"), DLROVER_FAULTS=faults)
+    proc = subprocess.Popen(
+        cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        yield port, proc
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _until(what: str, check: object, timeout: float = 60.0) -> object:
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while time.monotonic() < deadline:
+        try:
+            last = check()  # type: ignore[operator]
+        except OSError as e:  # not up yet
+            last = e
+        else:
+            if last:
+                return last
+        time.sleep(0.3)
+    raise AssertionError(f"timed out waiting for {what} (last: {last!r})")
+
+
+@pytest.mark.skipif(shutil.which("prometheus") is None, reason="apt-get install prometheus")
+def test_a_real_prometheus_scrapes_the_master(
+    tmp_path: Path, job: tuple[int, subprocess.Popen[str]]
+) -> None:
+    port, _ = job
+    web = free_port()
+    config = tmp_path / "prometheus.yml"
+    config.write_text(
+        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        "scrape_configs:\n"
+        f"  - job_name: dlrover\n    static_configs: [{{targets: ['127.0.0.1:{port}']}}]\n"
+    )
+    prom = subprocess.Popen(
+        [
+            "prometheus",
+            f"--config.file={config}",
+            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{web}",
+        ],  # fmt: skip
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+    def query(expr: str) -> list[dict[str, object]]:
+        url = f"http://127.0.0.1:{web}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return json.loads(r.read())["data"]["result"]  # type: ignore[no-any-return]
+
+    try:
+        # Prometheus scraped the master while the job trained: steps rose, goodput is known.
+        _until("steps in Prometheus", lambda: [r for r in query("dlrover_job_steps_total > 10")])
+        up = query('up{job="dlrover"}')
+        assert up and up[0]["value"][1] == "1", up  # type: ignore[index]
+        ratio = float(query("dlrover_goodput_ratio")[0]["value"][1])  # type: ignore[index]
+        assert 0.0 < ratio <= 1.0
+        nodes = query('dlrover_nodes{state="running"}')
+        assert nodes and nodes[0]["metric"]["job_name"] == "web"  # type: ignore[index]
+        assert query("dlrover_badput_seconds_total") and query("dlrover_node_memory_bytes")
+    finally:
+        prom.terminate()
+        prom.wait(10)
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="apt-get install chromium")
+@pytest.mark.skipif(importlib.util.find_spec("playwright") is None, reason="pip install playwright")
+@pytest.mark.parametrize("job", ["kill:rank=1:step=30"], indirect=True)
+def test_the_dashboard_shows_the_nodes_and_a_killed_worker(
+    tmp_path: Path, job: tuple[int, subprocess.Popen[str]]
+) -> None:
+    from playwright.sync_api import sync_playwright
+
+    port, _ = job
+    _until("the dashboard", lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2))
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM,
+            headless=True,
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-quic",
+                "--no-first-run",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+            ],  # fmt: skip
+        )
+        try:
+            page = browser.new_page()
+            page.goto(f"http://127.0.0.1:{port}/")
+            page.wait_for_function(
+                "document.querySelectorAll('#nodes tbody tr').length === 2", timeout=60_000
+            )
+            assert page.text_content("#job") == "web"
+            # Rank 1's worker is SIGKILLed at step 30: the page, without a reload, shows the
+            # failure in the timeline and a restart on a node.
+            page.wait_for_function(
+                "document.getElementById('events').textContent.includes('SIGKILL')",
+                timeout=60_000,
+            )
+            restarts = page.eval_on_selector_all(
+                "#nodes tbody tr", "rows => rows.map(r => Number(r.cells[6].textContent))"
+            )
+            assert max(restarts) >= 1, restarts
+            assert "%" in (page.text_content("#goodput") or "")
+            page.select_option("#lognode", index=0)
+            page.wait_for_function(
+                "document.getElementById('log').textContent.includes('dlrover')", timeout=20_000
+            )
+            page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
+        finally:
+            browser.close()

@@ -1,0 +1,83 @@
+"""Goodput accounting on recorded step/round traces with a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from dlrover.master.goodput import GoodputTracker, StepSample
+
+
+def test_a_failure_free_job_is_startup_then_productive_then_idle() -> None:
+    g = GoodputTracker(now=0.0)
+    g.on_round(2.0, 1)
+    g.on_step(5.0, 1, 1)  # start-up: master start until the first step was seen
+    for t in range(6, 16):  # one step a second
+        g.on_step(float(t), 1, t - 4)
+    g.on_end(17.0)
+    s = g.snapshot(100.0)  # the end freezes the totals
+    assert s.elapsed_s == 17.0 and s.steps == 11
+    assert s.productive_s == pytest.approx(10.0)
+    assert s.badput_s == {"startup": 5.0, "restart": 0.0, "rollback": 0.0, "idle": 2.0}
+    assert s.ratio == pytest.approx(10 / 17)
+    assert s.step_s == pytest.approx(1.0)
+
+
+def test_a_restart_counts_the_gap_as_restart_and_redone_steps_as_rollback() -> None:
+    g = GoodputTracker(now=0.0)
+    g.on_round(0.0, 1)
+    g.on_step(1.0, 1, 1)
+    g.on_step(11.0, 1, 11)  # 10 productive seconds, steps 2..11
+    # The workers die after step 11; round 2 forms at 13 and resumes from the checkpoint of
+    # step 8: steps 9..11 are done again before the job goes on.
+    g.on_round(13.0, 2)
+    # A heartbeat sent before the restart, arriving late: its workers reported before the
+    # round formed, so it is not taken for the new round's.
+    g.on_progress(13.2, 2, StepSample(12, 1.5, 5, 8.0))
+    g.on_step(15.0, 2, 9)  # the round's first step seen: 11 -> 15 was the restart
+    g.on_step(17.0, 2, 11)  # re-doing 10, 11: rollback
+    g.on_step(19.0, 2, 13)  # 12, 13 are new: productive; recovered at 19
+    s = g.snapshot(19.0)
+    assert s.productive_s == pytest.approx(10.0 + 2.0)
+    assert s.badput_s["restart"] == pytest.approx(4.0)
+    assert s.badput_s["rollback"] == pytest.approx(2.0)
+    assert s.recoveries_s == pytest.approx((8.0,))  # last progress 11 -> past step 11 at 19
+    assert s.ratio == pytest.approx(12.0 / 19.0)
+
+
+def test_a_span_that_redoes_and_goes_past_is_split_by_steps() -> None:
+    g = GoodputTracker(now=0.0)
+    g.on_round(0.0, 1)
+    g.on_step(0.0, 1, 0)
+    g.on_step(10.0, 1, 10)
+    g.on_round(10.0, 2)
+    g.on_step(12.0, 2, 6)
+    g.on_step(20.0, 2, 14)  # 7..10 again (half the steps), 11..14 new (the other half)
+    s = g.snapshot(20.0)
+    assert s.badput_s["rollback"] == pytest.approx(4.0)
+    assert s.productive_s == pytest.approx(10.0 + 4.0)
+
+
+def test_a_job_that_never_trains_is_all_startup() -> None:
+    g = GoodputTracker(now=0.0)
+    g.on_end(30.0)
+    s = g.snapshot(40.0)
+    assert s.ratio == 0.0 and s.badput_s["startup"] == 30.0 and s.steps == 0
+
+
+def test_history_keeps_a_point_every_five_seconds() -> None:
+    g = GoodputTracker(now=0.0)
+    for t in range(0, 21):
+        g.sample(float(t), 1000.0 + t)
+    assert [wall for wall, _ in g.history()] == [1000.0, 1005.0, 1010.0, 1015.0, 1020.0]
+
+
+def test_step_times_come_from_the_samples_not_the_heartbeats() -> None:
+    """One heartbeat can carry a whole short round: its first and latest step times split the
+    round's start-up from its steps, whatever the heartbeat interval."""
+    g = GoodputTracker(now=0.0)
+    g.on_round(1.0, 1)
+    # Sent at 10: the workers first reported step 1 at 4 (6 s ago), step 21 at 9 (1 s ago).
+    g.on_progress(10.0, 1, StepSample(21, 1.0, 1, 6.0))
+    s = g.snapshot(10.0)
+    assert s.badput_s["startup"] == pytest.approx(4.0)
+    assert s.productive_s == pytest.approx(5.0) and s.step_s == pytest.approx(0.25)
