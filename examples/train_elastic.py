@@ -69,8 +69,10 @@ def main() -> None:
               f"micro-batches per rank per step", flush=True)  # fmt: skip
     t0 = time.monotonic()
     for step in range(start, a.steps + 1):
+        began = time.monotonic()
         x, y = global_batch(step, a.global_batch)
         time.sleep(a.serial_time)
+        data_s = time.monotonic() - began  # the input pipeline's part of the step
         for k in range(trainer.gradient_accumulation_steps):
             first = (k * world + rank) * a.micro_batch  # micro-batch k of this rank
             xb, yb = x[first : first + a.micro_batch], y[first : first + a.micro_batch]
@@ -79,6 +81,7 @@ def main() -> None:
                 time.sleep(a.sample_time * len(xb))  # the accelerator's share of the work
                 trainer.backward(loss)
         storage = StorageType.DISK if step % a.disk_every == 0 else StorageType.MEMORY
+        saving = time.monotonic()
         ckpt.save_checkpoint(
             step,
             {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step},
@@ -86,7 +89,8 @@ def main() -> None:
         )
         if storage == StorageType.DISK:
             ckpt.wait_latest_checkpoint(60)  # so the next memory saves are not skipped
-        progress.report(step)
+        # dlrover status and the metrics break the step time down with these.
+        progress.report(step, data_s=data_s, checkpoint_s=time.monotonic() - saving)
         if rank == 0:
             if a.out:
                 with open(a.out + ".steps", "a") as f:

@@ -69,3 +69,17 @@ def test_the_step_file_carries_busy_seconds(tmp_path, monkeypatch) -> None:
     report_step(4)  # without busy_s: the process's CPU seconds
     record = read_step_file(path)
     assert record is not None and record.step == 4 and record.busy_s > 0
+
+
+def test_step_breakdown_is_the_slowest_workers_wall_time_and_its_parts() -> None:
+    from dlrover.agent.progress_watch import StepBreakdown
+
+    times = StepTimes(window_s=10.0, breakdown_window_s=10.0)
+    # rank 0: 10 steps in 5 s, 1 s of it waiting for data; rank 1: 10 steps in 8 s, 2 s in
+    # checkpoint saves. The node is as slow as rank 1.
+    times.observe(0, StepRecord(1, 100.0, 0.0, 1, 100.0, 0.0, 0.0), now=0.0)
+    times.observe(1, StepRecord(1, 100.0, 0.0, 1, 100.0, 0.0, 0.0), now=0.0)
+    times.observe(0, StepRecord(11, 105.0, 0.0, 1, 100.0, 1.0, 0.0), now=9.0)
+    times.observe(1, StepRecord(11, 108.0, 0.0, 1, 100.0, 0.0, 2.0), now=9.0)
+    times.observe(0, StepRecord(11, 105.0, 0.0, 1, 100.0, 1.0, 0.0), now=10.0)  # window closes
+    assert times.breakdown == pytest.approx(StepBreakdown(0.8, 0.0, 0.2))

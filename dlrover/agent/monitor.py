@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from dlrover.agent.config import AgentConfig
 from dlrover.agent.launch_plan import LaunchPlan
-from dlrover.agent.progress_watch import ProgressWatch, Stall, StepTimes
+from dlrover.agent.progress_watch import ProgressWatch, Stall, StepBreakdown, StepTimes
 from dlrover.agent.stacks import collect_stacks, cpu_seconds
 from dlrover.agent.workers import WorkerExit, WorkerGroup
 from dlrover.trainer.progress import read_step_file
@@ -147,6 +147,11 @@ class WorkerMonitor:
         if len(self._done) == self._config.nproc_per_node:
             return Outcome.SUCCEEDED
         return None
+
+    @property
+    def breakdown(self) -> StepBreakdown:
+        """Seconds per step of the slowest worker lately, and its data-wait and checkpoint parts."""
+        return self._step_times.breakdown
 
     @property
     def step_time_s(self) -> float:

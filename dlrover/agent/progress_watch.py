@@ -108,8 +108,19 @@ class ProgressWatch:
         return self._ranks[local_rank].step
 
 
+@dataclass(frozen=True)
+class StepBreakdown:
+    """Seconds per step: wall time, and the parts spent waiting for data and checkpointing."""
+
+    wall_s: float = 0.0
+    data_s: float = 0.0
+    checkpoint_s: float = 0.0
+
+
 STEP_TIME_WINDOW_S = 10.0
 """How often the node's step time is measured again (a heartbeat carries the latest)."""
+BREAKDOWN_WINDOW_S = 2.0
+"""How often the node's step-time breakdown (wall, data, checkpoint) is measured again."""
 
 
 class StepTimes:
@@ -117,18 +128,47 @@ class StepTimes:
     workers' step files: the slowest local worker's growth of `StepRecord.busy_s` over the steps
     it did in the window (the master scores nodes against each other with it)."""
 
-    def __init__(self, window_s: float = STEP_TIME_WINDOW_S) -> None:
+    def __init__(
+        self, window_s: float = STEP_TIME_WINDOW_S, breakdown_window_s: float = BREAKDOWN_WINDOW_S
+    ) -> None:
         self._window_s = window_s
         self._marks: dict[int, StepRecord] = {}
         self._latest: dict[int, StepRecord] = {}
         self._window_start: float | None = None
         self.step_time_s = 0.0
         """The last window's busy seconds per step (0.0 before one was measured)."""
+        self.breakdown = StepBreakdown()
+        """The last window's wall seconds per step of the slowest worker, and their parts."""
+        self._breakdown_window_s = breakdown_window_s
+        self._breakdown_marks: dict[int, StepRecord] = {}
+        self._breakdown_start: float | None = None
+
+    def _observe_breakdown(self, local_rank: int, record: StepRecord, now: float) -> None:
+        # Its own, shorter window: a heartbeat's view of the step time, not a straggler score.
+        self._breakdown_marks.setdefault(local_rank, record)
+        if self._breakdown_start is None:
+            self._breakdown_start = now
+        if now - self._breakdown_start < self._breakdown_window_s:
+            return
+        parts = [
+            StepBreakdown(
+                (latest.at - mark.at) / (n := latest.step - mark.step),
+                (latest.data_s - mark.data_s) / n,
+                (latest.checkpoint_s - mark.checkpoint_s) / n,
+            )
+            for rank, latest in self._latest.items()
+            if (mark := self._breakdown_marks.get(rank)) and latest.step > mark.step
+        ]
+        if parts:
+            self.breakdown = max(parts, key=lambda b: b.wall_s)
+        self._breakdown_marks = dict(self._latest)
+        self._breakdown_start = now
 
     def observe(self, local_rank: int, record: StepRecord, now: float) -> None:
         """Feed a worker's latest record (any time; the window closes on the clock)."""
         self._latest[local_rank] = record
         self._marks.setdefault(local_rank, record)
+        self._observe_breakdown(local_rank, record, now)
         if self._window_start is None:
             self._window_start = now
         if now - self._window_start < self._window_s:

@@ -88,6 +88,12 @@ class HeartbeatReport:
     """The first step the agent saw these workers report (-1: none yet)."""
     attempt_first_age_s: float = 0.0
     """Seconds since they reported ``attempt_first_step``."""
+    step_wall_s: float = 0.0
+    """Wall seconds per step of the slowest worker lately (0.0: not measured yet)."""
+    step_data_s: float = 0.0
+    """The part of it spent waiting for input (as the script reported it)."""
+    step_checkpoint_s: float = 0.0
+    """The part of it blocked in checkpoint saves (as the script reported it)."""
 
 
 @dataclass(frozen=True)
@@ -271,6 +277,10 @@ class NodeStatus:
     """The node check's word on it: ``ok 0.31s``, ``straggler 3.0x``, ``faulty``, or ""."""
     score: float = 0.0
     """Its last runtime straggler score: the fastest node's step time / its own (0.0: none)."""
+    step_wall_s: float = 0.0
+    """Seconds per step lately (0.0: not measured), and its data-wait and checkpoint parts."""
+    step_data_s: float = 0.0
+    step_checkpoint_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -98,6 +98,9 @@ def heartbeat_to_pb(h: api.HeartbeatReport) -> pb.HeartbeatRequest:
         attempt_step_age_s=h.attempt_step_age_s,
         attempt_first_step=h.attempt_first_step,
         attempt_first_age_s=h.attempt_first_age_s,
+        step_wall_s=h.step_wall_s,
+        step_data_s=h.step_data_s,
+        step_checkpoint_s=h.step_checkpoint_s,
     )
 
 
@@ -116,6 +119,9 @@ def heartbeat_from_pb(request: pb.HeartbeatRequest) -> api.HeartbeatReport:
         attempt_step_age_s=request.attempt_step_age_s,
         attempt_first_step=request.attempt_first_step,
         attempt_first_age_s=request.attempt_first_age_s,
+        step_wall_s=request.step_wall_s,
+        step_data_s=request.step_data_s,
+        step_checkpoint_s=request.step_checkpoint_s,
     )
 
 

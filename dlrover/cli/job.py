@@ -39,8 +39,10 @@ def _status_table(status: JobStatus, master_host: str = "") -> str:
         lines.append(status.autoscale)
     check = any(n.check for n in status.nodes)
     score = any(n.score for n in status.nodes)
+    timed = any(n.step_wall_s for n in status.nodes)
     lines.append(
         f"{'node':<28} {'rank':>4} {'state':<10} {'step':>8} {'restarts':>8} {'cpu%':>6} {'mem MB':>8}"
+        + (f" {'s/step':>7} {'data':>6} {'ckpt':>6}" if timed else "")
         + (f" {'score':>6}" if score else "")
         + ("  check" if check else "")
     )
@@ -48,6 +50,11 @@ def _status_table(status: JobStatus, master_host: str = "") -> str:
         lines.append(
             f"{n.node_id:<28} {n.node_rank:>4} {n.state:<10} {n.step:>8} "
             f"{n.restart_count:>8} {n.cpu_percent:>6.0f} {n.memory_bytes / 2**20:>8.0f}"
+            + (
+                f" {n.step_wall_s:>7.3f} {n.step_data_s:>6.3f} {n.step_checkpoint_s:>6.3f}"
+                if timed
+                else ""
+            )
             + (f" {n.score:>6.2f}" if score else "")
             + (f"  {n.check}" if check else "")
         )
@@ -221,6 +228,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--port", type=int, default=0, help="The master's port (0: a free one)")
     s.add_argument(
+        "--tensorboard-dir",
+        default="",
+        help="Also write the job's metrics (goodput, badput, steps, nodes) as TensorBoard event "
+        "files here, every 10 s.",
+    )
+    s.add_argument(
         "--metrics-port",
         type=int,
         default=0,
@@ -333,6 +346,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         relaunch_delay_s=args.relaunch_delay,
         state=state,
         metrics_port=None if args.metrics_port < 0 else int(metrics or args.metrics_port),
+        tensorboard_dir=args.tensorboard_dir,
     )
 
 

@@ -85,6 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
         "resume after a restart.",
     )
     p.add_argument(
+        "--tensorboard-dir",
+        default="",
+        help="Also write the job's metrics (goodput, badput, steps, nodes) as TensorBoard event "
+        "files here, every 10 s.",
+    )
+    p.add_argument(
         "--metrics-port",
         type=int,
         default=0,
@@ -170,6 +176,7 @@ def run(argv: Sequence[str] | None = None) -> int:
                 rendezvous=rdzv,
                 heartbeat_timeout_s=args.heartbeat_timeout,
                 metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+                tensorboard_dir=args.tensorboard_dir,
                 owns_process=True,
                 straggler_report_s=float(
                     os.environ.get(c.ENV_STRAGGLER_REPORT_S, "") or DEFAULT_REPORT_S

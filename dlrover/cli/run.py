@@ -80,6 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add(
         p,
+        "--tensorboard-dir",
+        default="",
+        help="A master this node hosts also writes the job's metrics as TensorBoard event files "
+        "here.",
+    )
+    _add(
+        p,
         "--max-restarts",
         type=int,
         default=c.DEFAULT_MAX_RESTARTS,
@@ -350,7 +357,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
 
 
 def _embedded_master(
-    job_name: str, host: str, port: int, token: str, metrics_port: int
+    job_name: str, host: str, port: int, token: str, metrics_port: int, tensorboard_dir: str
 ) -> RunningMaster:
     master = build_master(
         MasterSettings(
@@ -359,6 +366,7 @@ def _embedded_master(
             host=host,
             port=port,
             metrics_port=None if metrics_port < 0 else metrics_port,
+            tensorboard_dir=tensorboard_dir,
         )
     )
     if master.web is not None:
@@ -403,7 +411,9 @@ def run(argv: Sequence[str] | None = None) -> int:
             token = token or new_token()
             if not named:
                 config = dataclasses.replace(config, run_id=uuid.uuid4().hex[:8])
-            server = _embedded_master(config.run_id, "127.0.0.1", 0, token, args.metrics_port)
+            server = _embedded_master(
+                config.run_id, "127.0.0.1", 0, token, args.metrics_port, args.tensorboard_dir
+            )
             master_addr = f"127.0.0.1:{server.port}"
         elif env_addr:
             master_addr = env_addr
@@ -418,7 +428,12 @@ def run(argv: Sequence[str] | None = None) -> int:
                 try:
                     job_name = config.run_id if named else job_name_for_token(token)
                     server = _embedded_master(
-                        job_name, "0.0.0.0", int(port_s), token, args.metrics_port
+                        job_name,
+                        "0.0.0.0",
+                        int(port_s),
+                        token,
+                        args.metrics_port,
+                        args.tensorboard_dir,
                     )
                     logger.info("this node hosts the job master at %s", master_addr)
                 except MasterServerError:

@@ -226,6 +226,7 @@ def serve_job(
     state: str = "",
     on_serving: Callable[[JobMaster], None] | None = None,
     metrics_port: int | None = 0,
+    tensorboard_dir: str = "",
 ) -> int:
     """Run the master of `spec`, launch its nodes through its engine, return the job's exit code.
 
@@ -235,7 +236,8 @@ def serve_job(
     in the job's directory (what `dlrover submit` does).
 
     ``metrics_port``: where /metrics and the dashboard are served (0: a free port; None:
-    nowhere). ``on_serving`` gets the job once its master serves (a host that is not the main thread, the
+    nowhere); ``tensorboard_dir``: also write metrics as TensorBoard events there.
+    ``on_serving`` gets the job once its master serves (a host that is not the main thread, the
     Ray master actor, stops the job through it: signals are handled only on the main thread)."""
     try:
         scaling = _autoscale_settings(spec)
@@ -267,6 +269,7 @@ def serve_job(
                     os.environ.get(c.ENV_STRAGGLER_REPORT_S, "") or DEFAULT_REPORT_S
                 ),
                 metrics_port=metrics_port,
+                tensorboard_dir=tensorboard_dir,
                 log_reader=_local_logs(directory) if spec.engine == "local" else None,
             ),
             on_fenced=lambda newer: stop.set(),

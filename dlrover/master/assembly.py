@@ -14,9 +14,10 @@ from dlrover.constants import DEFAULT_HEARTBEAT_TIMEOUT_S
 from dlrover.master.fencing import Fence, Leader
 from dlrover.master.job import JobMaster, JobMasterConfig
 from dlrover.master.rendezvous import RendezvousConfig
-from dlrover.master.server import FULL_GC_EVERY_S, MasterServer
+from dlrover.master.server import FULL_GC_EVERY_S, MasterServer, MasterServerError
 from dlrover.master.state_store import StateMismatchError, StateStore, open_state_store
 from dlrover.master.stragglers import DEFAULT_REPORT_S
+from dlrover.master.tensorboard import TensorBoardExporter
 from dlrover.master.web import LogReader, WebServer
 
 
@@ -40,6 +41,8 @@ class MasterSettings:
     """Replace runtime stragglers (through the node controller's engine)."""
     metrics_port: int | None = 0
     """The port of /metrics and the dashboard (0: a free one; None: none)."""
+    tensorboard_dir: str = ""
+    """Write the job's metrics as TensorBoard event files here ("": not)."""
     log_reader: LogReader | None = None
     """Where the dashboard reads a node's log (the local engine's files), if anywhere."""
     owns_process: bool = False
@@ -56,6 +59,7 @@ class RunningMaster:
     server: MasterServer
     store: StateStore
     web: WebServer | None = None
+    tensorboard: TensorBoardExporter | None = None
 
     @property
     def port(self) -> int:
@@ -67,6 +71,8 @@ class RunningMaster:
         self.server.stop(grace_s)
         if self.web is not None:
             self.web.stop()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
         self.store.close()
 
 
@@ -141,4 +147,14 @@ def build_master(
     running = RunningMaster(job, server.start(), store, web.start() if web else None)
     if web is not None:
         job.metrics_port = web.port
+    if settings.tensorboard_dir:
+        try:
+            running.tensorboard = TensorBoardExporter(job, settings.tensorboard_dir)
+        except OSError as e:
+            running.stop(0.0)
+            raise MasterServerError(
+                f"cannot write TensorBoard events to {settings.tensorboard_dir}: "
+                f"{e.strerror or e}; give a writable --tensorboard-dir"
+            ) from None
+        job.tick_hooks.append(running.tensorboard.maybe_write)
     return running

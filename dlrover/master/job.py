@@ -144,6 +144,8 @@ class JobMaster:
         self._replace: list[tuple[str, str]] = []
         self.scale_summary = ""
         self.metrics_port = 0
+        self.tick_hooks: list[Callable[[float], None]] = []
+        """Called with the master's time on every `tick` (the TensorBoard exporter)."""
         """Where /metrics and the dashboard are served (0: nowhere)."""
         self.events: deque[tuple[float, str, str]] = deque(maxlen=MAX_EVENTS)
         """(wall time, kind, text) of the job's latest events: rounds, failures, state changes,
@@ -250,10 +252,13 @@ class JobMaster:
         restarts: int,
         step_time_s: float = 0.0,
         sample: StepSample | None = None,
+        breakdown: tuple[float, float, float] | None = None,
     ) -> str:
         """Record liveness (and the node's step time for straggler scores, its workers' step
         for goodput); returns the action for the agent ("", "stop" or "reregister")."""
-        state = self.nodes.record_heartbeat(node_id, incarnation, step, cpu, mem, restarts)
+        state = self.nodes.record_heartbeat(
+            node_id, incarnation, step, cpu, mem, restarts, breakdown
+        )
         world = self.rendezvous.world if self.rendezvous is not None else None
         if sample is not None and world is not None and world.member(node_id) is not None:
             self.goodput.on_progress(self._clock(), world.round, sample)
@@ -693,6 +698,8 @@ class JobMaster:
             self.membership.bump()
         self.sharding.tick()
         self.goodput.sample(self._clock(), time.time())
+        for hook in self.tick_hooks:
+            hook(self._clock())
         with self._lock:
             if self._check is not None and self._check.tick():
                 self._after_check_change()

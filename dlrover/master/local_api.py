@@ -137,6 +137,7 @@ class LocalMasterApi:
                 report.restart_count,
                 report.step_time_s,
                 StepSample.of(report),
+                (report.step_wall_s, report.step_data_s, report.step_checkpoint_s),
             )
         return api.HeartbeatReply(
             api.HeartbeatAction(action), self.job.state.value, self.job.heartbeat_interval_s()
@@ -308,6 +309,9 @@ class LocalMasterApi:
                     memory_bytes=n.memory_bytes,
                     check=job.check_words.get(n.node_id, ""),
                     score=scores[n.node_id].relative if n.node_id in scores else 0.0,
+                    step_wall_s=n.breakdown[0],
+                    step_data_s=n.breakdown[1],
+                    step_checkpoint_s=n.breakdown[2],
                 )
                 for n in (job.nodes.all() if with_nodes else ())
             ),

@@ -96,14 +96,26 @@ class JobCollector(Collector):
         step = GaugeMetricFamily(
             "dlrover_node_step", "The highest step a node reported", labels=["job_name", "node"]
         )
+        phases = GaugeMetricFamily(
+            "dlrover_node_step_seconds",
+            "Seconds per step of a node's slowest worker lately, by phase: data (waiting for "
+            "input), checkpoint (blocked in saves), compute (the rest)",
+            labels=["job_name", "node", "phase"],
+        )
         for n in nodes:
             if n.state in ALIVE_STATES:
                 cpu.add_metric([name, n.node_id], n.cpu_percent)
                 mem.add_metric([name, n.node_id], float(n.memory_bytes))
                 step.add_metric([name, n.node_id], float(n.step))
+                wall, data, ckpt = n.breakdown
+                if wall > 0:
+                    phases.add_metric([name, n.node_id, "data"], data)
+                    phases.add_metric([name, n.node_id, "checkpoint"], ckpt)
+                    phases.add_metric([name, n.node_id, "compute"], max(0.0, wall - data - ckpt))
         yield cpu
         yield mem
         yield step
+        yield phases
         score = GaugeMetricFamily(
             "dlrover_straggler_score",
             "A node's runtime score: the fastest node's step time / its own (1 = fastest)",

@@ -80,6 +80,8 @@ class Node:
     """Monotonic time of the last sign of life; not persisted (a restarted master re-arms it)."""
     step_at: float = field(default=0.0)
     """Monotonic time ``step`` was last raised (the auto-scaler's step rate); not persisted."""
+    breakdown: tuple[float, float, float] = field(default=(0.0, 0.0, 0.0))
+    """Wall seconds per step lately and its data-wait and checkpoint parts; not persisted."""
 
     def to_json(self) -> dict[str, object]:
         """The node as a JSON-able dict for the state store, without ``last_heartbeat``."""
@@ -87,6 +89,7 @@ class Node:
         d["state"] = self.state.value
         d.pop("last_heartbeat")
         d.pop("step_at")
+        d.pop("breakdown")
         return d
 
     @classmethod
@@ -192,6 +195,7 @@ class NodeTable:
         cpu_percent: float,
         memory_bytes: int,
         restart_count: int,
+        breakdown: tuple[float, float, float] | None = None,
     ) -> NodeState:
         """A heartbeat of this incarnation: liveness, usage and progress; returns its state."""
         with self._lock:
@@ -199,6 +203,8 @@ class NodeTable:
             node.last_heartbeat = self._clock()
             node.cpu_percent, node.memory_bytes = cpu_percent, memory_bytes
             node.restart_count = restart_count
+            if breakdown is not None and breakdown[0] > 0:
+                node.breakdown = breakdown
             if step > node.step:
                 node.step, node.step_at = step, node.last_heartbeat
             return node.state

@@ -9,7 +9,8 @@ from typing import NamedTuple
 
 from dlrover.constants import ENV_STEP_FILE
 
-_RECORD = struct.Struct("<qddqd")  # step, wall time, busy seconds so far, first step, its time
+# step, wall time, busy seconds so far, first step, its time, data-wait and checkpoint seconds
+_RECORD = struct.Struct("<qddqddd")
 _OLD_RECORD = struct.Struct("<qdd")  # without the first step (an older writer)
 
 
@@ -26,6 +27,10 @@ class StepRecord(NamedTuple):
     """The first step this process reported (-1: unknown), and when: goodput splits a restart's
     start-up from the steps after it."""
     first_at: float = 0.0
+    data_s: float = 0.0
+    """Seconds spent waiting for input so far (what the script reported)."""
+    checkpoint_s: float = 0.0
+    """Seconds spent blocked in checkpoint saves so far (what the script reported)."""
 
 
 class StepReporter:
@@ -40,14 +45,27 @@ class StepReporter:
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644) if path else -1
         self._busy = 0.0
         self._first: tuple[int, float] | None = None
+        self._data = 0.0
+        self._ckpt = 0.0
 
-    def report(self, step: int, busy_s: float | None = None) -> None:
+    def report(
+        self,
+        step: int,
+        busy_s: float | None = None,
+        *,
+        data_s: float = 0.0,
+        checkpoint_s: float = 0.0,
+    ) -> None:
         """Record ``step`` with the wall time (one pwrite, no RPC); nothing outside dlrover-run.
 
         ``busy_s``: how long this step's own work took, without waiting for other ranks (e.g.
         forward and backward before the gradient allreduce); runtime straggler scores compare it
         across nodes. Without it, the process's CPU seconds stand in (they miss a node slowed by
-        anything but its CPU). Give it on every report or on none."""
+        anything but its CPU). Give it on every report or on none.
+
+        ``data_s`` and ``checkpoint_s``: how long this step waited for its input and was blocked
+        in a checkpoint save; the node's step time is then broken down into data wait,
+        checkpoint and compute (the rest) in `dlrover status` and the metrics."""
         if self._fd < 0:
             return
         if busy_s is None:
@@ -57,7 +75,10 @@ class StepReporter:
         now = time.time()
         if self._first is None:
             self._first = (step, now)
-        os.pwrite(self._fd, _RECORD.pack(step, now, self._busy, *self._first), 0)
+        self._data += data_s
+        self._ckpt += checkpoint_s
+        record = _RECORD.pack(step, now, self._busy, *self._first, self._data, self._ckpt)
+        os.pwrite(self._fd, record, 0)
 
     def close(self) -> None:
         """Close the step file; later reports do nothing."""
@@ -78,12 +99,22 @@ def read_step_file(path: str) -> StepRecord | None:
         return StepRecord(int(step), float(at), float(busy))
     if len(raw) < _RECORD.size:
         return None
-    step, at, busy, first_step, first_at = _RECORD.unpack(raw)
-    return StepRecord(int(step), float(at), float(busy), int(first_step), float(first_at))
+    step, at, busy, first_step, first_at, data, ckpt = _RECORD.unpack(raw)
+    return StepRecord(
+        int(step),
+        float(at),
+        float(busy),
+        int(first_step),
+        float(first_at),
+        float(data),
+        float(ckpt),
+    )
 
 
-def report_step(step: int, busy_s: float | None = None) -> None:
-    """Report that this worker completed `step` (``busy_s``: see `StepReporter.report`).
+def report_step(
+    step: int, busy_s: float | None = None, *, data_s: float = 0.0, checkpoint_s: float = 0.0
+) -> None:
+    """Report that this worker completed `step` (the rest: see `StepReporter.report`).
     Stateless (open, read, write, close: ~15 us); keep a `StepReporter` instead when calling it
     in a tight loop."""
     path = os.environ.get(ENV_STEP_FILE, "")
@@ -94,5 +125,7 @@ def report_step(step: int, busy_s: float | None = None) -> None:
             reporter._busy = previous.busy_s
         if previous is not None and previous.first_step >= 0:
             reporter._first = (previous.first_step, previous.first_at)
-        reporter.report(step, busy_s)
+        if previous is not None:
+            reporter._data, reporter._ckpt = previous.data_s, previous.checkpoint_s
+        reporter.report(step, busy_s, data_s=data_s, checkpoint_s=checkpoint_s)
         reporter.close()

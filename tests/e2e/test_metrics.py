@@ -25,6 +25,8 @@ class Scraper:
         self.seen_running: set[int] = set()
         self.usage_seen = 0
         """The most nodes with CPU and memory series in one scrape."""
+        self.compute_s = 0.0
+        """The largest compute seconds per step seen on both nodes at once."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
@@ -44,6 +46,9 @@ class Scraper:
             self.seen_running.add(len(running))
             mem = [v for (name, _), v in samples(self.metrics).items() if name == "dlrover_node_memory_bytes" and v > 50e6]  # fmt: skip
             self.usage_seen = max(self.usage_seen, len(mem))
+            compute = [v for (name, labels), v in samples(self.metrics).items() if name == "dlrover_node_step_seconds" and ("phase", "compute") in labels]  # fmt: skip
+            if len(compute) == 2:
+                self.compute_s = max(self.compute_s, min(compute))
 
     def stop(self) -> None:
         self._stop.set()
@@ -68,7 +73,8 @@ def test_metrics_and_dashboard_of_a_job_with_a_failure(tmp_path: Path) -> None:
     (tmp_path / "ckpt").mkdir()
     cmd = [
         *run_cmd("dlrover.cli.job"), "submit", "--name", "met", "--nnodes", "2",
-        "--nproc-per-node", "1", "--metrics-port", str(port), str(SCRIPTS / "oracle_train.py"),
+        "--nproc-per-node", "1", "--metrics-port", str(port),
+        "--tensorboard-dir", str(tmp_path / "tb"), str(SCRIPTS / "oracle_train.py"),
         "--steps", "40", "--step-time", "0.1", "--ckpt", str(tmp_path / "ckpt"),
         "--out", str(tmp_path / "out"),
     ]  # fmt: skip
@@ -110,6 +116,7 @@ def test_metrics_and_dashboard_of_a_job_with_a_failure(tmp_path: Path) -> None:
     assert m[("dlrover_restarts_total", (("action", "restart_processes"), ("reason", "user_error")))] >= 1  # fmt: skip
     assert m[("dlrover_failures_total", (("reason", "user_error"),))] >= 1
     assert scraper.usage_seen == 2  # both nodes' agent + worker, resident while they ran
+    assert 0.09 < scraper.compute_s < 1.0  # each step sleeps 0.1 s (the script's "compute")
     assert ("dlrover_recovery_seconds_count", ()) in m
     assert 2 in scraper.seen_running
 
@@ -127,6 +134,14 @@ def test_metrics_and_dashboard_of_a_job_with_a_failure(tmp_path: Path) -> None:
     assert shown.count(f"dashboard: http://127.0.0.1:{port}/") >= 2, shown
     assert re.search(r"job met: running \(round \d+, goodput \d+\.\d%\)", shown), shown
     assert shown.rstrip().splitlines()[-1].startswith("job met: succeeded"), shown
+
+    from tests.test_tensorboard import _records
+
+    (events,) = (tmp_path / "tb").glob("events.out.tfevents.*")
+    written = _records(events)
+    assert (
+        len(written) >= 2 and b"goodput/ratio" in written[-1] and b"badput/restart" in written[-1]
+    )
 
 
 def test_a_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
