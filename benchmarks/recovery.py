@@ -45,6 +45,13 @@ def launchers(max_restarts: int) -> list[Launcher]:
     return [
         Launcher("dlrover-run (zygote)", dlrover_run_cmd(*common), base_env(), True, True),
         Launcher(
+            "dlrover-run, metrics off",
+            dlrover_run_cmd(*common, "--metrics-port=-1"),
+            base_env(),
+            True,
+            True,
+        ),
+        Launcher(
             "dlrover-run --no-fast-restart",
             dlrover_run_cmd(*common, "--no-fast-restart"),
             base_env(),

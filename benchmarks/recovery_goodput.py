@@ -35,14 +35,39 @@ class GoodputResult:
     cold_start: float | None = None
     """Launch -> first step."""
     note: str = ""
+    live: float | None = None
+    """The master's own goodput (dlrover_goodput_ratio) read just before the end."""
 
 
 def _has_stepped(job: Job, pid: int) -> bool:
     return any(int(p["pid"]) == pid and p["phase"] == "first_step" for p in job.procs())
 
 
+def _live_goodput(port: int) -> float | None:
+    """dlrover_goodput_ratio from the master's /metrics, or None if it does not answer."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
+    for family in text_string_to_metric_families(text):
+        if family.name == "dlrover_goodput_ratio" and family.samples:
+            return float(family.samples[0].value)
+    return None
+
+
 def run_schedule(
-    cmd: list[str], env: dict[str, str], out: Path, seconds: float, every: float, step_time: float
+    cmd: list[str],
+    env: dict[str, str],
+    out: Path,
+    seconds: float,
+    every: float,
+    step_time: float,
+    metrics_port: int | None = None,
 ) -> GoodputResult:
     launched = time.time()
     job = Job.start([*cmd, TRAIN, "--out", str(out), "--step-time", str(step_time)], out, env)
@@ -72,6 +97,7 @@ def run_schedule(
                 note = f"launcher exited with {job.popen.returncode}"
                 break
         time.sleep(max(0.0, end - time.time()))
+        live = _live_goodput(metrics_port) if metrics_port else None
     finally:
         steps = job.steps()
         job.finish(timeout=15.0)
@@ -80,7 +106,7 @@ def run_schedule(
         if s["ended"] <= end:
             last[int(s["step"])] = s  # a redone step counts once, by its last completion
     useful = sum(s["ended"] - s["began"] for s in last.values())
-    res = GoodputResult(useful / seconds, len(last), len(kills), note=note)
+    res = GoodputResult(useful / seconds, len(last), len(kills), note=note, live=live)
     if steps:
         res.cold_start = min(s["ended"] for s in steps) - launched
     for killed_at, old in kills:
@@ -91,9 +117,18 @@ def run_schedule(
 
 
 def goodput(seconds: float, every: float, step_time: float, root: Path) -> str:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     common = ["--standalone", "--nproc-per-node=2", "--max-restarts=1000"]
     runs = [
-        ("dlrover-run (zygote)", dlrover_run_cmd(*common), base_env()),
+        (
+            "dlrover-run (zygote)",
+            dlrover_run_cmd(*common, f"--metrics-port={port}"),
+            base_env(),
+        ),
         (
             "torchrun, no shared store",
             torchrun_cmd(*common),
@@ -103,7 +138,15 @@ def goodput(seconds: float, every: float, step_time: float, root: Path) -> str:
     rows = []
     results = []
     for index, (name, cmd, env) in enumerate(runs):
-        res = run_schedule(cmd, env, root / f"goodput-{index}", seconds, every, step_time)
+        res = run_schedule(
+            cmd,
+            env,
+            root / f"goodput-{index}",
+            seconds,
+            every,
+            step_time,
+            port if name.startswith("dlrover") else None,
+        )
         results.append(res)
         print(
             f"  goodput, {name}: {res.goodput:.1%} ({res.steps} steps, {res.kills} kills)",
@@ -115,6 +158,7 @@ def goodput(seconds: float, every: float, step_time: float, root: Path) -> str:
             [
                 name,
                 f"{res.goodput:.1%}",
+                "–" if res.live is None else f"{res.live:.1%}",
                 f"{res.goodput / base:.2f}" if base else "–",
                 str(res.steps),
                 fmt(res.cold_start),
@@ -127,6 +171,7 @@ def goodput(seconds: float, every: float, step_time: float, root: Path) -> str:
     head = [
         "launcher",
         "goodput",
+        "master's live goodput",
         "vs torchrun",
         "steps that count",
         "launch → first step (s)",

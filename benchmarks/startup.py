@@ -101,6 +101,13 @@ def main() -> None:
     launchers = {
         "torchrun": [sys.executable, "-m", "torch.distributed.run"],
         "dlrover-run": [sys.executable, "-m", "dlrover.cli.run"],
+        # Metrics and dashboard off: what serving them costs the start.
+        "dlrover-run --metrics-port -1": [
+            sys.executable,
+            "-m",
+            "dlrover.cli.run",
+            "--metrics-port=-1",
+        ],
         # No zygote at all: what the zygote (started with the workers) costs the first start.
         "dlrover-run --no-fast-restart": [
             sys.executable,

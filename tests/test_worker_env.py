@@ -106,3 +106,28 @@ def test_what_the_agent_writes_the_worker_reads_back():
     assert WorkerContext.from_env({}) == WorkerContext()  # plain `python train.py`
     with pytest.raises(ValueError, match=r"\$RANK='x'"):
         WorkerContext.from_env({"RANK": "x"})
+
+
+def test_nodes_of_one_round_agree_on_the_checkpoint_round_whatever_their_restart_counts() -> None:
+    """One node restarted its workers after a failure (restart 1), the other only re-formed
+    (restart 0): both load in rendezvous round 4 and must vote in the same checkpoint round,
+    or each waits 60 s for the other's vote."""
+    from dlrover.checkpoint.engine import WorkerPlacement as CheckpointPlacement
+
+    def env(restart_count: int, node_rank: int) -> dict[str, str]:
+        return worker_env(
+            {},
+            WorkerPlacement(0, 1, node_rank, 2, node_rank, 2),
+            role="r", run_id="j", restart_count=restart_count, max_restarts=3,
+            store_addr="h", store_port=1, error_file="", master_addr="m:1", job_token="",
+            node_id=f"n{node_rank}", rdzv_round=4,
+        )  # fmt: skip
+
+    import os
+    from unittest import mock
+
+    ids = set()
+    for restarts, node in ((1, 0), (0, 1)):
+        with mock.patch.dict(os.environ, env(restarts, node), clear=True):
+            ids.add(CheckpointPlacement.from_env().round_id)
+    assert ids == {4}

@@ -450,6 +450,7 @@ class ElasticAgent:
             worker_state=self.state.value,
             restart_count=self.restart_count,
             step_time_s=self._monitor.step_time_s if self._monitor is not None else 0.0,
+            checkpoint_persist_s=self._saver.last_persist_s if self._saver is not None else 0.0,
             **_attempt_progress(self._monitor),
         )
 

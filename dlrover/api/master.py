@@ -94,6 +94,8 @@ class HeartbeatReport:
     """The part of it spent waiting for input (as the script reported it)."""
     step_checkpoint_s: float = 0.0
     """The part of it blocked in checkpoint saves (as the script reported it)."""
+    checkpoint_persist_s: float = 0.0
+    """How long the node's latest flash-checkpoint persist took (0.0: none yet)."""
 
 
 @dataclass(frozen=True)

@@ -101,6 +101,7 @@ def heartbeat_to_pb(h: api.HeartbeatReport) -> pb.HeartbeatRequest:
         step_wall_s=h.step_wall_s,
         step_data_s=h.step_data_s,
         step_checkpoint_s=h.step_checkpoint_s,
+        checkpoint_persist_s=h.checkpoint_persist_s,
     )
 
 
@@ -122,6 +123,7 @@ def heartbeat_from_pb(request: pb.HeartbeatRequest) -> api.HeartbeatReport:
         step_wall_s=request.step_wall_s,
         step_data_s=request.step_data_s,
         step_checkpoint_s=request.step_checkpoint_s,
+        checkpoint_persist_s=request.checkpoint_persist_s,
     )
 
 

@@ -62,7 +62,11 @@ class WorkerPlacement:
             ctx.world_size,
             ctx.local_world_size,
             ctx.node_rank,
-            ctx.rdzv_round * 1_000_000 + ctx.restart_count,
+            # Every (re)start of workers under dlrover-run follows a rendezvous round of its
+            # own, the same on every node; restart counts differ between nodes (one restarted
+            # after a failure, another only re-formed), so they must not be part of it.
+            # Without a round (plain torchrun), the restart count stands in.
+            ctx.rdzv_round if ctx.rdzv_round > 0 else ctx.restart_count,
         )
 
     @property

@@ -76,6 +76,8 @@ class CheckpointSaver:
         self._persisting: set[int] = set()  # slots being streamed to storage right now
         self._pending: dict[int, int] = {}  # slot -> step whose persist was asked, not done
         self._failures = 0  # bumped when workers die: persists waiting for them give up
+        self.last_persist_s = 0.0
+        """How long the latest successful persist took (0.0: none yet): heartbeats carry it."""
         self._spec: PersistSpec | None = None
         self._committed: dict[str, int] = {}
         self._errors: dict[str, str] = {}
@@ -386,11 +388,9 @@ class CheckpointSaver:
                 self._errors[spec.checkpoint_dir] = f"step {step}: {exc}"
                 self._cond.notify_all()
             return False
+        self.last_persist_s = time.monotonic() - started
         log.info(
-            "persisted step %d to %s in %.2f s",
-            step,
-            spec.checkpoint_dir,
-            time.monotonic() - started,
+            "persisted step %d to %s in %.2f s", step, spec.checkpoint_dir, self.last_persist_s
         )
         return True
 

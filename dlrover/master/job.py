@@ -253,11 +253,12 @@ class JobMaster:
         step_time_s: float = 0.0,
         sample: StepSample | None = None,
         breakdown: tuple[float, float, float] | None = None,
+        persist_s: float = 0.0,
     ) -> str:
         """Record liveness (and the node's step time for straggler scores, its workers' step
         for goodput); returns the action for the agent ("", "stop" or "reregister")."""
         state = self.nodes.record_heartbeat(
-            node_id, incarnation, step, cpu, mem, restarts, breakdown
+            node_id, incarnation, step, cpu, mem, restarts, breakdown, persist_s
         )
         world = self.rendezvous.world if self.rendezvous is not None else None
         if sample is not None and world is not None and world.member(node_id) is not None:

@@ -138,6 +138,7 @@ class LocalMasterApi:
                 report.step_time_s,
                 StepSample.of(report),
                 (report.step_wall_s, report.step_data_s, report.step_checkpoint_s),
+                report.checkpoint_persist_s,
             )
         return api.HeartbeatReply(
             api.HeartbeatAction(action), self.job.state.value, self.job.heartbeat_interval_s()

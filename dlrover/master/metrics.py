@@ -116,6 +116,17 @@ class JobCollector(Collector):
         yield mem
         yield step
         yield phases
+        checkpoint = GaugeMetricFamily(
+            "dlrover_checkpoint_seconds",
+            "Checkpoint time on the slowest node: save (training blocked per step, as scripts "
+            "report it) and persist (the latest flash checkpoint's write to storage, in the "
+            "background)",
+            labels=["job_name", "kind"],
+        )
+        live = [n for n in nodes if n.state in ALIVE_STATES]
+        checkpoint.add_metric([name, "save"], max((n.breakdown[2] for n in live), default=0.0))
+        checkpoint.add_metric([name, "persist"], max((n.persist_s for n in live), default=0.0))
+        yield checkpoint
         score = GaugeMetricFamily(
             "dlrover_straggler_score",
             "A node's runtime score: the fastest node's step time / its own (1 = fastest)",

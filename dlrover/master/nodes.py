@@ -82,6 +82,8 @@ class Node:
     """Monotonic time ``step`` was last raised (the auto-scaler's step rate); not persisted."""
     breakdown: tuple[float, float, float] = field(default=(0.0, 0.0, 0.0))
     """Wall seconds per step lately and its data-wait and checkpoint parts; not persisted."""
+    persist_s: float = field(default=0.0)
+    """How long its latest flash-checkpoint persist took; not persisted."""
 
     def to_json(self) -> dict[str, object]:
         """The node as a JSON-able dict for the state store, without ``last_heartbeat``."""
@@ -90,6 +92,7 @@ class Node:
         d.pop("last_heartbeat")
         d.pop("step_at")
         d.pop("breakdown")
+        d.pop("persist_s")
         return d
 
     @classmethod
@@ -196,6 +199,7 @@ class NodeTable:
         memory_bytes: int,
         restart_count: int,
         breakdown: tuple[float, float, float] | None = None,
+        persist_s: float = 0.0,
     ) -> NodeState:
         """A heartbeat of this incarnation: liveness, usage and progress; returns its state."""
         with self._lock:
@@ -205,6 +209,8 @@ class NodeTable:
             node.restart_count = restart_count
             if breakdown is not None and breakdown[0] > 0:
                 node.breakdown = breakdown
+            if persist_s > 0:
+                node.persist_s = persist_s
             if step > node.step:
                 node.step, node.step_at = step, node.last_heartbeat
             return node.state

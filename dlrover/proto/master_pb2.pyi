@@ -60,7 +60,7 @@ class ResourceUsage(_message.Message):
     def __init__(self, cpu_percent: _Optional[float] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id", "incarnation", "usage", "step", "worker_state", "restart_count", "step_time_s", "attempt_step", "attempt_step_age_s", "attempt_first_step", "attempt_first_age_s", "step_wall_s", "step_data_s", "step_checkpoint_s")
+    __slots__ = ("node_id", "incarnation", "usage", "step", "worker_state", "restart_count", "step_time_s", "attempt_step", "attempt_step_age_s", "attempt_first_step", "attempt_first_age_s", "step_wall_s", "step_data_s", "step_checkpoint_s", "checkpoint_persist_s")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,7 @@ class HeartbeatRequest(_message.Message):
     STEP_WALL_S_FIELD_NUMBER: _ClassVar[int]
     STEP_DATA_S_FIELD_NUMBER: _ClassVar[int]
     STEP_CHECKPOINT_S_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_PERSIST_S_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     incarnation: int
     usage: ResourceUsage
@@ -89,7 +90,8 @@ class HeartbeatRequest(_message.Message):
     step_wall_s: float
     step_data_s: float
     step_checkpoint_s: float
-    def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., usage: _Optional[_Union[ResourceUsage, _Mapping]] = ..., step: _Optional[int] = ..., worker_state: _Optional[str] = ..., restart_count: _Optional[int] = ..., step_time_s: _Optional[float] = ..., attempt_step: _Optional[int] = ..., attempt_step_age_s: _Optional[float] = ..., attempt_first_step: _Optional[int] = ..., attempt_first_age_s: _Optional[float] = ..., step_wall_s: _Optional[float] = ..., step_data_s: _Optional[float] = ..., step_checkpoint_s: _Optional[float] = ...) -> None: ...
+    checkpoint_persist_s: float
+    def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., usage: _Optional[_Union[ResourceUsage, _Mapping]] = ..., step: _Optional[int] = ..., worker_state: _Optional[str] = ..., restart_count: _Optional[int] = ..., step_time_s: _Optional[float] = ..., attempt_step: _Optional[int] = ..., attempt_step_age_s: _Optional[float] = ..., attempt_first_step: _Optional[int] = ..., attempt_first_age_s: _Optional[float] = ..., step_wall_s: _Optional[float] = ..., step_data_s: _Optional[float] = ..., step_checkpoint_s: _Optional[float] = ..., checkpoint_persist_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("action", "job_state", "heartbeat_interval_s")

@@ -42,8 +42,10 @@ def test_a_job_without_resources_is_sized_from_its_measured_use(tmp_path: Path) 
     assert f"resizing 2 node(s) to {memory} MiB, {cpu:g} CPU" in r.stderr
     nodes = {p.name for p in (tmp_path / "home" / "jobs" / "auto" / "nodes").iterdir()}
     assert nodes >= {"auto-worker-0-0", "auto-worker-0-1", "auto-worker-1-0", "auto-worker-1-1"}
-    if len(nodes) > 4:  # the peak grew past 90% of the size chosen: resized again, bigger
-        assert "auto-scale: resize: memory creeps to peak" in r.stderr, r.stderr[-4000:]
+    if len(nodes) > 4:  # the peak grew after the sizing window: resized or OOM-relaunched bigger
+        assert "auto-scale: resize: memory creeps to peak" in r.stderr or re.search(
+            rf"OOM-killed with {memory} MiB; its replacement gets \d+ MiB", r.stderr
+        ), r.stderr[-4000:]
     if CgroupRoot.detect()[0] is not None:
         assert "node resources are enforced" in r.stderr  # the resized nodes run limited
     assert final(tmp_path / "auto") == final(tmp_path / "ref")

@@ -25,6 +25,8 @@ class Scraper:
         self.seen_running: set[int] = set()
         self.usage_seen = 0
         """The most nodes with CPU and memory series in one scrape."""
+        self.checkpoint_s: dict[str, float] = {}
+        """The largest dlrover_checkpoint_seconds seen, per kind (save, persist)."""
         self.compute_s = 0.0
         """The largest compute seconds per step seen on both nodes at once."""
         self._stop = threading.Event()
@@ -49,6 +51,10 @@ class Scraper:
             compute = [v for (name, labels), v in samples(self.metrics).items() if name == "dlrover_node_step_seconds" and ("phase", "compute") in labels]  # fmt: skip
             if len(compute) == 2:
                 self.compute_s = max(self.compute_s, min(compute))
+            for (name, labels), v in samples(self.metrics).items():
+                if name == "dlrover_checkpoint_seconds":
+                    kind = dict(labels)["kind"]
+                    self.checkpoint_s[kind] = max(self.checkpoint_s.get(kind, 0.0), v)
 
     def stop(self) -> None:
         self._stop.set()
@@ -74,8 +80,8 @@ def test_metrics_and_dashboard_of_a_job_with_a_failure(tmp_path: Path) -> None:
     cmd = [
         *run_cmd("dlrover.cli.job"), "submit", "--name", "met", "--nnodes", "2",
         "--nproc-per-node", "1", "--metrics-port", str(port),
-        "--tensorboard-dir", str(tmp_path / "tb"), str(SCRIPTS / "oracle_train.py"),
-        "--steps", "40", "--step-time", "0.1", "--ckpt", str(tmp_path / "ckpt"),
+        "--tensorboard-dir", str(tmp_path / "tb"), str(SCRIPTS / "flash_train.py"),
+        "--steps", "80", "--step-time", "0.1", "--disk-every", "5", "--ckpt", str(tmp_path / "ckpt"),
         "--out", str(tmp_path / "out"),
     ]  # fmt: skip
     env = clean_env(DLROVER_HOME=str(tmp_path / "home"), DLROVER_FAULTS="raise:rank=1:step=15")
@@ -112,11 +118,13 @@ def test_metrics_and_dashboard_of_a_job_with_a_failure(tmp_path: Path) -> None:
     assert 0.1 < ratio < 1.0, m
     assert productive > 2.0  # >= 25 new steps of >= 0.1 s were seen
     assert badput["startup"] > 0 and badput["restart"] > 0, badput
-    assert m[("dlrover_job_steps_total", ())] >= 30
+    assert m[("dlrover_job_steps_total", ())] >= 70
     assert m[("dlrover_restarts_total", (("action", "restart_processes"), ("reason", "user_error")))] >= 1  # fmt: skip
     assert m[("dlrover_failures_total", (("reason", "user_error"),))] >= 1
     assert scraper.usage_seen == 2  # both nodes' agent + worker, resident while they ran
     assert 0.09 < scraper.compute_s < 1.0  # each step sleeps 0.1 s (the script's "compute")
+    # Every step saves to memory (training waits for it), every 5th also persists to disk.
+    assert scraper.checkpoint_s.get("save", 0) > 0 and scraper.checkpoint_s.get("persist", 0) > 0
     assert ("dlrover_recovery_seconds_count", ()) in m
     assert 2 in scraper.seen_running
 

@@ -53,7 +53,9 @@ def test_status_shows_progress_and_stop_ends_the_job(tmp_path: Path):
                 else None
             )
             if status is not None and status.returncode == 0:
-                rows = [line.split() for line in status.stdout.splitlines()[2:]]
+                lines = status.stdout.splitlines()
+                header = next((i for i, line in enumerate(lines) if line.startswith("node ")), 0)
+                rows = [line.split() for line in lines[header + 1 :]]
                 if len(rows) == 2 and all(r[2] == "running" and int(r[3]) >= 1 for r in rows):
                     break
             assert job.poll() is None, (tmp_path / "submit.log").read_text()
@@ -100,9 +102,25 @@ def test_a_killed_master_is_restarted_by_submit_and_the_job_goes_on(tmp_path: Pa
     log = open(tmp_path / "submit.log", "w")  # noqa: SIM115 - a pipe nobody reads would block it
     job = subprocess.Popen(
         [
-            sys.executable, "-m", "dlrover.cli.job", "submit", "--name", "killed", "--nnodes",
-            "2", "--nproc-per-node", "2", str(SCRIPTS / "oracle_train.py"), "--steps", str(steps),
-            "--ckpt", str(ckpt), "--out", str(out), "--step-time", "0.1",
+            sys.executable,
+            "-m",
+            "dlrover.cli.job",
+            "submit",
+            "--name",
+            "killed",
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "2",
+            str(SCRIPTS / "oracle_train.py"),
+            "--steps",
+            str(steps),
+            "--ckpt",
+            str(ckpt),
+            "--out",
+            str(out),
+            "--step-time",
+            "0.1",
         ],
         env=clean_env(DLROVER_HOME=str(home)),
         cwd=REPO,
@@ -159,10 +177,27 @@ def test_a_master_killed_during_a_node_replacement_launches_it_after_its_restart
     log = open(log_path, "w")  # noqa: SIM115 - a pipe nobody reads would block it
     job = subprocess.Popen(
         [
-            sys.executable, "-m", "dlrover.cli.job", "submit", "--name", "replaced", "--nnodes",
-            "2", "--nproc-per-node", "2", "--relaunch-delay", "3",
-            str(SCRIPTS / "oracle_train.py"), "--steps", str(steps), "--ckpt", str(ckpt),
-            "--out", str(out), "--step-time", "0.1",
+            sys.executable,
+            "-m",
+            "dlrover.cli.job",
+            "submit",
+            "--name",
+            "replaced",
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "2",
+            "--relaunch-delay",
+            "3",
+            str(SCRIPTS / "oracle_train.py"),
+            "--steps",
+            str(steps),
+            "--ckpt",
+            str(ckpt),
+            "--out",
+            str(out),
+            "--step-time",
+            "0.1",
         ],
         env=clean_env(
             DLROVER_HOME=str(home), DLROVER_FAULTS=f"kill_agent:rank=2:step=8:once={marker}"
@@ -177,7 +212,9 @@ def test_a_master_killed_during_a_node_replacement_launches_it_after_its_restart
             assert job.poll() is None, log_path.read_text()
             assert time.monotonic() < deadline, "no relaunch decision within 120 s"
             time.sleep(0.05)  # another process writes the log: nothing else to wait on
-        os.kill(json.loads((home / "jobs" / "replaced" / "job.json").read_text())["pid"], signal.SIGKILL)
+        os.kill(
+            json.loads((home / "jobs" / "replaced" / "job.json").read_text())["pid"], signal.SIGKILL
+        )
         assert job.wait(180) == 0, log_path.read_text()
     finally:
         if job.poll() is None:

@@ -62,6 +62,7 @@ def main() -> None:
         if a.step_time:
             time.sleep(a.step_time)  # simulated compute, so that failures land mid-run
         storage = StorageType.DISK if step % a.disk_every == 0 else StorageType.MEMORY
+        saving = time.monotonic()
         ckpt.save_checkpoint(
             step,
             {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step},
@@ -71,7 +72,7 @@ def main() -> None:
             # A memory save is skipped while the segment is being persisted (there is one copy
             # of the state, no staging buffer); wait so the next steps land in memory for sure.
             ckpt.wait_latest_checkpoint(60)
-        progress.report(step)
+        progress.report(step, checkpoint_s=time.monotonic() - saving)
         if rank == 0:
             with open(a.out + ".steps", "a") as f:
                 f.write(f"{step}\n")
