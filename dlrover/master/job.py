@@ -121,7 +121,7 @@ class JobMaster:
         self.sharding = ShardingService(store, clock)
         self.checkpoint = CommitVotes(
             committed=int(store.get_json("checkpoint", "committed") or -1),
-            on_committed=lambda step: store.put_json("checkpoint", "committed", step),
+            on_committed=self._on_committed,
         )
         self.rendezvous: RendezvousManager | None = None
         self.rounds = ChangeFeed()
@@ -385,8 +385,12 @@ class JobMaster:
         return self._rdzv().num_nodes_waiting(node_id, round)
 
     # --- diagnosis ----------------------------------------------------------------------------
+    def _on_committed(self, step: int) -> None:
+        self._store.put_json("checkpoint", "committed", step)
+        self.event("ckpt", f"checkpoint of step {step} committed to storage")
+
     def event(self, kind: str, text: str) -> None:
-        """Add ``text`` to the timeline (kinds: round, failure, job, scale, node)."""
+        """Add ``text`` to the timeline (kinds: round, failure, job, scale, node, ckpt)."""
         self.events.append((time.time(), kind, text))
 
     def record_failure(self, record: FailureRecord) -> None:

@@ -131,7 +131,7 @@ def test_metrics_and_dashboard_of_a_job_with_a_failure(tmp_path: Path) -> None:
     status = scraper.status
     assert status["job_name"] == "met" and len(status["nodes"]) == 2  # type: ignore[arg-type]
     kinds = {e["kind"] for e in status["events"]}  # type: ignore[attr-defined,union-attr]
-    assert {"round", "failure"} <= kinds, status["events"]
+    assert {"round", "failure", "ckpt"} <= kinds, status["events"]
     assert any("user_error" in e["text"] for e in status["events"])  # type: ignore[attr-defined,union-attr]
     assert status["goodput"]["history"]  # type: ignore[index]
     assert "<title>DLRover job</title>" in page
@@ -168,3 +168,23 @@ def test_a_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
         )
     assert r.returncode == 1
     assert re.search(rf"cannot serve metrics on 0.0.0.0:{busy}: .*pick another --metrics-port", r.stderr), r.stderr  # fmt: skip
+
+
+def test_standalone_serves_metrics_too(tmp_path: Path) -> None:
+    """dlrover-run --standalone embeds the master: its workers can scrape it while they run."""
+    port = free_port()
+    script = tmp_path / "scrape.py"
+    script.write_text(
+        "import sys, urllib.request\n"
+        f"page = urllib.request.urlopen('http://127.0.0.1:{port}/metrics', timeout=10).read()\n"
+        "open(sys.argv[1], 'wb').write(page)\n"
+    )
+    r = subprocess.run(
+        [*run_cmd("dlrover.cli.run"), "--standalone", "--nproc-per-node", "1",
+         "--metrics-port", str(port), str(script), str(tmp_path / "page")],
+        env=clean_env(), cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"metrics and dashboard: http://127.0.0.1:{port}/" in r.stderr
+    m = samples((tmp_path / "page").read_text())
+    assert m[("dlrover_nodes", (("state", "running"),))] == 1.0
