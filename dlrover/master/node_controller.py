@@ -198,6 +198,9 @@ class NodeController:
             if spec is not None:
                 self._save_slot(spec)  # before launching: a restarted master launches it too
                 self._schedule(spec, self._clock() + self._relaunch_delay_s)
+                logger.info(
+                    "node %s: saved, launching in %.1fs", spec.node_id, self._relaunch_delay_s
+                )
         now = self._clock()
         replacements = [spec for due, spec in self._due if due <= now]
         self._due = [(due, spec) for due, spec in self._due if due > now]

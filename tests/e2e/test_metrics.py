@@ -118,7 +118,7 @@ def test_metrics_and_dashboard_of_a_job_with_a_failure(tmp_path: Path) -> None:
     assert 0.1 < ratio < 1.0, m
     assert productive > 2.0  # >= 25 new steps of >= 0.1 s were seen
     assert badput["startup"] > 0 and badput["restart"] > 0, badput
-    assert m[("dlrover_job_steps_total", ())] >= 70
+    assert m[("dlrover_job_steps_total", ())] >= 50  # the last steps may follow the last scrape
     assert m[("dlrover_restarts_total", (("action", "restart_processes"), ("reason", "user_error")))] >= 1  # fmt: skip
     assert m[("dlrover_failures_total", (("reason", "user_error"),))] >= 1
     assert scraper.usage_seen == 2  # both nodes' agent + worker, resident while they ran
