@@ -61,23 +61,30 @@ def _status_table(status: JobStatus, master_host: str = "") -> str:
     return "\n".join(lines)
 
 
+def _status_text(name: str) -> tuple[str, bool]:
+    """The job's status as ``dlrover status`` prints it, and whether the job has ended (then the
+    text is its final state). Raises MasterClientError if its master does not answer."""
+    record = read_record(name)
+    if not record.reachable:
+        return f"job {name}: {record.state} - {record.reason}", True
+    client = MasterClient(record.master_addr, record.token, rpc_timeout_s=5)
+    try:
+        host = record.master_addr.rsplit(":", 1)[0]
+        return _status_table(client.get_job_status(), host), False
+    finally:
+        client.close()
+
+
 def cmd_status(name: str) -> int:
     """``dlrover status NAME``: print the job's node table from its master, or its final state if it
     ended. Returns the exit code (1 if the master does not answer); NoSuchJobError if the job has no
     record."""
-    record = read_record(name)
-    if not record.reachable:
-        print(f"job {name}: {record.state} - {record.reason}")
-        return 0
-    client = MasterClient(record.master_addr, record.token, rpc_timeout_s=5)
     try:
-        host = record.master_addr.rsplit(":", 1)[0]
-        print(_status_table(client.get_job_status(), host))
+        text, _ = _status_text(name)
     except MasterClientError as e:
         print(f"dlrover: error: job {name}'s master does not answer: {e}", file=sys.stderr)
         return 1
-    finally:
-        client.close()
+    print(text)
     return 0
 
 
@@ -90,18 +97,14 @@ def cmd_watch(name: str, every_s: float) -> int:
     clear = "\033[H\033[2J" if sys.stdout.isatty() else ""
     try:
         while True:
-            record = read_record(name)
-            if not record.reachable:
-                print(f"job {name}: {record.state} - {record.reason}")
-                return 0
-            client = MasterClient(record.master_addr, record.token, rpc_timeout_s=5)
             try:
-                table = _status_table(client.get_job_status(), record.master_addr.rsplit(":", 1)[0])
+                text, ended = _status_text(name)
             except MasterClientError as e:
-                table = f"job {name}: its master does not answer ({e}); trying again"
-            finally:
-                client.close()
-            print(f"{clear}{time.strftime('%H:%M:%S')}  {table}", flush=True)
+                text, ended = f"job {name}: its master does not answer ({e}); trying again", False
+            if ended:
+                print(text)
+                return 0
+            print(f"{clear}{time.strftime('%H:%M:%S')}  {text}", flush=True)
             time.sleep(every_s)
     except KeyboardInterrupt:
         return 0
