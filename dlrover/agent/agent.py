@@ -46,7 +46,8 @@ from dlrover.api.master import (
     MasterApi,
     NodeOutcome,
 )
-from dlrover.client.checkpoint import MasterCommitCoordinator
+from dlrover.checkpoint.config import agent_shm_prefix
+from dlrover.client.checkpoint import MasterCommitCoordinator, MasterPeerDirectory
 from dlrover.constants import (
     DEFAULT_JOB_NAME,
     ENV_NODE_MEMORY_LIMIT_MIB,
@@ -324,8 +325,11 @@ class ElasticAgent:
 
         self._saver = CheckpointSaver(
             socket_path=os.path.join(self._run_dir, "ckpt.sock"),
-            shm_prefix=f"dlrover-{os.getpid()}-ckpt",
+            shm_prefix=agent_shm_prefix(os.getpid()),
             coordinator=MasterCommitCoordinator(self.master),
+            peers=MasterPeerDirectory(self.master),
+            replica_token=self._token or "",
+            replica_host=self._host,
         )
         self._saver.start()
 

@@ -11,6 +11,7 @@ __all__ = [
     "DEFAULT_COPY_WAIT_S",
     "PERSIST_CHUNK_BYTES",
     "DEFAULT_PERSIST_NICE",
+    "agent_shm_prefix",
     "LATEST_FILE",
     "MANIFEST_FILE",
 ]
@@ -33,3 +34,9 @@ MANIFEST_FILE = "manifest.json"
 """Per-step list of files, sizes and CRC32 checksums; its presence means 'committed'."""
 DEFAULT_PERSIST_NICE = 10
 """Niceness of the agent's persist thread: training processes get the CPU first."""
+
+
+def agent_shm_prefix(agent_pid: int) -> str:
+    """The name prefix of the shared-memory segments (own slots and peers' replicas) that the
+    agent with ``agent_pid`` owns in DEFAULT_SHM_DIR."""
+    return f"dlrover-{agent_pid}-ckpt"

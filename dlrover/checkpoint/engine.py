@@ -85,6 +85,11 @@ class CheckpointEngine:
     Without the agent's socket (plain torchrun/python) an in-process saver is started: saves
     and persists work, but memory does not outlive this process, so crash survival and loading
     from memory after a restart need dlrover-run.
+
+    ``replica_count`` (>= 1) keeps the checkpoint in peer nodes' memory too, so a node that
+    lost its own (a replaced machine) restores from a peer instead of from storage: sharded
+    parts are pushed to the next ``replica_count`` nodes after each copy; replicated (DDP) state
+    needs no push, any peer's own copy serves.
     """
 
     def __init__(
@@ -93,10 +98,14 @@ class CheckpointEngine:
         sharded: bool,
         keep_last: int = DEFAULT_KEEP_LAST,
         placement: WorkerPlacement | None = None,
+        replica_count: int = 0,
     ) -> None:
+        if replica_count < 0:
+            raise ValueError(f"replica_count must be >= 0, got {replica_count}")
         self.checkpoint_dir = checkpoint_dir
         self.sharded = sharded
         self.keep_last = keep_last
+        self.replica_count = replica_count
         self.place = placement or WorkerPlacement.from_env()
         self.storage = storage_for(checkpoint_dir)
         self.storage.makedirs("")  # fail now, with a clear error, if the dir is unwritable
@@ -113,6 +122,9 @@ class CheckpointEngine:
         self._pending: threading.Event | None = None
         self._copy_error: BaseException | None = None
         self._hook: RemovableHandle | None = None
+        self.restored_from_peer: int | None = None
+        """After ``memory_step``: the peer node whose memory this node's step was copied from
+        (this node had lost its own), else None."""
 
     # ------------------------------------------------------------------ roles
     @property
@@ -141,6 +153,8 @@ class CheckpointEngine:
             persist_nodes=self.place.num_nodes if self.sharded else 1,
             keep_last=self.keep_last,
             persists=self.sharded or self.place.rank == 0,
+            replicas=self.replica_count if self.sharded else 0,
+            num_nodes=self.place.num_nodes,
         )
 
     # ------------------------------------------------------------------ saving
@@ -169,7 +183,7 @@ class CheckpointEngine:
             if reply.busy:
                 log.warning(
                     "skipping the memory save of step %d: the previous step is still "
-                    "being persisted",
+                    "being persisted or sent to a peer",
                     step,
                 )
                 return False
@@ -208,7 +222,7 @@ class CheckpointEngine:
             if reply.busy:
                 log.warning(
                     "skipping the memory save of step %d: the previous step is still "
-                    "being persisted",
+                    "being persisted or sent to a peer",
                     step,
                 )
                 return False
@@ -316,9 +330,12 @@ class CheckpointEngine:
                 ranks=ranks,
                 world_size=self.place.world_size if self.sharded else None,
                 timeout=60.0,
+                replica_count=self.replica_count,
+                checkpoint_dir=self.checkpoint_dir,
             )
         )
         step = reply.step
+        self.restored_from_peer = reply.peer
         if step is None or (storage_step is not None and step < storage_step):
             return None
         return step

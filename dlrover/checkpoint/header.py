@@ -75,6 +75,26 @@ def publish(seg: Mapped, writing: int, step: int, data_len: int, meta: bytes) ->
     _SEQ.pack_into(buf, _SEQ_OFFSET, writing + 1)
 
 
+def image_len(seg: Mapped) -> int:
+    """Bytes from the start of ``seg`` to the end of its metadata: what a copy of its complete
+    step needs. Raises SegmentStateError if it holds nothing."""
+    _, _, _, meta_offset, meta_len = read_header(seg)
+    return meta_offset + meta_len
+
+
+def install_header(seg: Mapped, writing: int, header: bytes) -> None:
+    """Make a step copied in from elsewhere visible: ``header`` is the source's first
+    HEADER_SIZE bytes, ``writing`` the odd seq ``begin_write`` returned before the copy. The
+    header goes in under that odd seq, the even seq last (as ``publish`` does)."""
+    magic, _, step, data_len, meta_offset, meta_len = _HEADER.unpack_from(header, 0)
+    if magic != MAGIC:
+        raise SegmentStateError(f"segment {seg.path}: the copied image has no checkpoint header")
+    buf = seg.buffer
+    buf[_HEADER.size : HEADER_SIZE] = header[_HEADER.size : HEADER_SIZE]
+    _HEADER.pack_into(buf, 0, MAGIC, writing, step, data_len, meta_offset, meta_len)
+    _SEQ.pack_into(buf, _SEQ_OFFSET, writing + 1)
+
+
 def read_metadata(seg: Mapped) -> tuple[int, dict[str, Any]]:
     """Return (seq, metadata) of the complete step in ``seg`` or raise SegmentStateError."""
     seq, step, _, meta_offset, meta_len = read_header(seg)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -20,7 +21,13 @@ from dlrover.checkpoint.config import (
 )
 from dlrover.checkpoint.coordinator import CommitCoordinator, LocalCommitCoordinator
 from dlrover.checkpoint.errors import CheckpointError, ShmSpaceError
-from dlrover.checkpoint.header import complete_step, read_metadata
+from dlrover.checkpoint.header import complete_step, image_len, read_metadata
+from dlrover.checkpoint.replica import (
+    PeerDirectory,
+    ReplicaError,
+    ReplicaExchange,
+    SegmentInfo,
+)
 from dlrover.checkpoint.saver_messages import (
     AllocateReply,
     AllocateRequest,
@@ -65,6 +72,9 @@ class CheckpointSaver:
         coordinator: CommitCoordinator | None = None,
         shm_dir: str = DEFAULT_SHM_DIR,
         storage_factory: Callable[[str], Storage] = storage_for,
+        peers: PeerDirectory | None = None,
+        replica_token: str = "",
+        replica_host: str = "127.0.0.1",
     ) -> None:
         self.socket_path = socket_path
         self.shm_prefix = shm_prefix or f"dlrover-ckpt-{os.getpid()}"
@@ -86,6 +96,22 @@ class CheckpointSaver:
         self._jobs: queue.Queue[tuple[int, PersistSpec] | None] = queue.Queue()
         self._server: socketserver.ThreadingUnixStreamServer | None = None
         self._threads: list[threading.Thread] = []
+        # Replicas in peers' memory (only with a PeerDirectory): see replica.py.
+        self._peers = peers
+        self._exchange = (
+            ReplicaExchange(
+                self._own_segments, self.shm_prefix, shm_dir, replica_token, replica_host
+            )
+            if peers is not None
+            else None
+        )
+        self._replicating: set[int] = set()  # slots being sent to a peer right now
+        self._replica_jobs: queue.Queue[tuple[int, PersistSpec] | None] = queue.Queue()
+        self._round: int | None = None  # the rendezvous round of the last load vote
+        self._load_lock = threading.Lock()  # one load vote (and peer restore) at a time
+        self._restored: dict[int, int] = {}  # round -> the peer node its step was copied from
+        self.last_replica_s = 0.0
+        """How long the latest push of this node's slots to its peers took (0.0: none yet)."""
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -118,6 +144,9 @@ class CheckpointSaver:
             self._server.server_close()
             self._server = None
         self._jobs.put(None)
+        self._replica_jobs.put(None)
+        if self._exchange is not None:
+            self._exchange.close(unlink=unlink)
         for t in self._threads:
             t.join(timeout)
             if t.is_alive():
@@ -135,6 +164,10 @@ class CheckpointSaver:
         """The complete step in each slot's segment (None: empty or torn)."""
         with self._cond:
             return {slot: complete_step(seg) for slot, seg in self._segments.items()}
+
+    def _own_segments(self) -> dict[int, SharedSegment]:
+        with self._cond:
+            return dict(self._segments)
 
     def last_persisted(self, checkpoint_dir: str) -> int | None:
         """The newest step this saver committed to ``checkpoint_dir``, or None."""
@@ -195,15 +228,18 @@ class CheckpointSaver:
         if isinstance(request, HeldRequest):
             return HeldReply(self.held_steps())
         if isinstance(request, LoadStepRequest):
-            return LoadStepReply(self._agree_load_step(request))
+            return LoadStepReply(*self._agree_load_step(request))
         if isinstance(request, WaitPersistedRequest):
             return self._wait_persisted(request.checkpoint_dir, request.step, request.timeout_s)
         raise CheckpointError(f"unknown saver request {request.op!r}")
 
     def _allocate(self, slot: int, nbytes: int) -> SharedSegment:
+        def idle() -> bool:
+            return slot not in self._persisting and slot not in self._replicating
+
         with self._cond:
-            self._cond.wait_for(lambda: slot not in self._persisting, DEFAULT_COPY_WAIT_S)
-            if slot in self._persisting:
+            self._cond.wait_for(idle, DEFAULT_COPY_WAIT_S)
+            if not idle():
                 raise CheckpointError(f"slot {slot} is still being persisted; retry later")
             seg = self._segments.get(slot)
             if seg is None:
@@ -224,7 +260,11 @@ class CheckpointSaver:
 
     def _begin_copy(self, slot: int, wait: bool, timeout: float) -> BeginCopyReply:
         def free() -> bool:
-            return slot not in self._persisting and slot not in self._pending
+            return (
+                slot not in self._persisting
+                and slot not in self._pending
+                and slot not in self._replicating
+            )
 
         with self._cond:
             if not free() and not wait:
@@ -247,6 +287,8 @@ class CheckpointSaver:
         # Every saving slot sends "copied"; one job per step is enough (the first one).
         if persist and spec is not None and slot == min(spec.slots):
             self._jobs.put((step, spec))
+        if spec is not None and spec.replicas and slot == min(spec.slots):
+            self._replica_jobs.put((step, spec))
 
     def _common_step(self, spec: PersistSpec) -> int | None:
         with self._cond:
@@ -264,22 +306,39 @@ class CheckpointSaver:
                     self._committed[spec.checkpoint_dir] = latest
             return self._committed.get(spec.checkpoint_dir)
 
-    def _agree_load_step(self, request: LoadStepRequest) -> int | None:
+    def _agree_load_step(self, request: LoadStepRequest) -> tuple[int | None, int | None]:
+        """The step the nodes agreed on for the request's round, and the peer node this node
+        copied it from (None: its own memory held it)."""
         round_id = request.round_id
-        with self._cond:
-            if round_id in self._votes:
-                return self._votes[round_id]
-            steps = {
-                self._loadable_step(s, request.ranks.get(s), request.world_size)
-                for s in request.slots
-            }
-        local = steps.pop() if len(steps) == 1 else None
-        agreed = self.coordinator.agree_load_step(
-            request.node_rank, request.total_nodes, local, round_id, request.timeout
-        )
-        with self._cond:
-            self._votes[round_id] = agreed
-        return agreed
+        with self._load_lock:  # the node's ranks ask together; the first one votes
+            with self._cond:
+                if round_id in self._votes:
+                    return self._votes[round_id], self._restored.get(round_id)
+                steps = {
+                    self._loadable_step(s, request.ranks.get(s), request.world_size)
+                    for s in request.slots
+                }
+            local = steps.pop() if len(steps) == 1 else None
+            if request.replica_count and self._exchange is not None and self._peers is not None:
+                if not self._exchange.addr:  # the first job here that asks for replicas
+                    self._exchange.start()
+                    pusher = threading.Thread(
+                        target=self._replica_loop, name="ckpt-replica-push", daemon=True
+                    )
+                    pusher.start()
+                    self._threads.append(pusher)
+                self._round = round_id
+                self._peers.publish(round_id, request.node_rank, self._exchange.addr)
+                if local is None and request.total_nodes > 1:
+                    local, peer = self._restore_from_peers(request)
+                    if local is not None and peer is not None:
+                        self._restored[round_id] = peer
+            agreed = self.coordinator.agree_load_step(
+                request.node_rank, request.total_nodes, local, round_id, request.timeout
+            )
+            with self._cond:
+                self._votes[round_id] = agreed
+            return agreed, self._restored.get(round_id)
 
     def _loadable_step(self, slot: int, rank: int | None, world_size: int | None) -> int | None:
         """The complete step of ``slot`` if it was saved by ``rank`` at ``world_size``."""
@@ -344,7 +403,9 @@ class CheckpointSaver:
             finally:
                 self._release(spec, step)
 
-    def _wait_ready(self, step: int, spec: PersistSpec, timeout: float) -> bool:
+    def _wait_ready(
+        self, step: int, spec: PersistSpec, timeout: float, what: str = "persisting"
+    ) -> bool:
         """Wait until every saving slot of the node holds ``step`` (they copy in parallel)."""
         with self._cond:
             failures = self._failures
@@ -354,7 +415,7 @@ class CheckpointSaver:
             )
             if self._slots_hold(spec, step) and self._failures == failures:
                 return True
-        log.warning("not persisting step %d: its copy is not complete in every slot", step)
+        log.warning("not %s step %d: its copy is not complete in every slot", what, step)
         return False
 
     def _release(self, spec: PersistSpec, step: int) -> None:
@@ -440,3 +501,124 @@ class CheckpointSaver:
         with self._cond:
             self._committed[spec.checkpoint_dir] = step
             self._cond.notify_all()
+
+    # ------------------------------------------------------------------ replicas in peers
+    def _replica_loop(self) -> None:
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), DEFAULT_PERSIST_NICE)
+        while (job := self._replica_jobs.get()) is not None:
+            # Only the newest step matters: a backlog of older ones is skipped.
+            while not self._replica_jobs.empty():
+                newer = self._replica_jobs.get()
+                if newer is None:
+                    return
+                job = newer
+            self._push_replicas(*job)
+
+    def _push_replicas(self, step: int, spec: PersistSpec) -> None:
+        """Send every slot of ``spec`` holding ``step`` to the next ``spec.replicas`` nodes of
+        the ring. The slots are busy meanwhile (a MEMORY save is skipped, a DISK save waits, as
+        during a persist), so the bytes sent are the step's."""
+        assert self._exchange is not None and self._peers is not None
+        if self._round is None:
+            log.warning("not replicating step %d: workers never asked to load (no round)", step)
+            return
+        if not self._wait_ready(step, spec, DEFAULT_COPY_WAIT_S, "replicating"):
+            return
+        with self._cond:
+            if not self._slots_hold(spec, step) or self._replicating & set(spec.slots):
+                return
+            self._replicating.update(spec.slots)
+            segs = {slot: self._segments[slot] for slot in spec.slots}
+        started = time.monotonic()
+        sent = 0
+        try:
+            for i in range(1, min(spec.replicas, spec.num_nodes - 1) + 1):
+                target = (spec.node_rank + i) % spec.num_nodes
+                addr = self._peers.lookup(self._round, target, 10.0)
+                if addr is None:
+                    log.warning(
+                        "not replicating step %d to node %d: it has no address", step, target
+                    )
+                    continue
+                try:
+                    for slot, seg in segs.items():
+                        if self._exchange.push(addr, spec.node_rank, slot, seg):
+                            sent += image_len(seg)
+                except (ReplicaError, CheckpointError) as exc:
+                    log.warning("replicating step %d to node %d failed: %s", step, target, exc)
+        finally:
+            with self._cond:
+                self._replicating.difference_update(spec.slots)
+                self._cond.notify_all()
+        if sent:
+            self.last_replica_s = took = time.monotonic() - started
+            log.info(
+                "replicated step %d to %d peer(s): %.0f MiB in %.2f s (%.0f MiB/s)",
+                step,
+                min(spec.replicas, spec.num_nodes - 1),
+                sent / 2**20,
+                took,
+                sent / 2**20 / max(took, 1e-9),
+            )
+
+    def _restore_from_peers(self, request: LoadStepRequest) -> tuple[int | None, int | None]:
+        """Copy this node's ranks' newest step from a peer's memory into its own slots (a node
+        that lost its memory); returns that step and the peer, or Nones if no peer holds it."""
+        assert self._exchange is not None and self._peers is not None
+        deadline = time.monotonic() + min(20.0, request.timeout / 2)
+        for i in range(1, request.total_nodes):
+            peer = (request.node_rank + i) % request.total_nodes
+            addr = self._peers.lookup(request.round_id, peer, max(0.0, deadline - time.monotonic()))
+            if addr is None:
+                continue
+            try:
+                choice = _choose_images(self._exchange.list_peer(addr), request)
+                if choice is None:
+                    continue
+                started = time.monotonic()
+                for slot, info in choice.items():
+                    seg = self._allocate(slot, info.nbytes)
+                    if not self._exchange.fetch(addr, info, seg):
+                        raise ReplicaError(f"{info.key} changed while it was sent")
+            except (ReplicaError, CheckpointError) as exc:
+                log.warning("restoring from node %d (%s) failed: %s", peer, addr, exc)
+                continue
+            step = next(iter(choice.values())).step
+            nbytes = sum(info.nbytes for info in choice.values())
+            log.info(
+                "restored step %d from node %d's memory (%s): %.0f MiB in %.2f s",
+                step,
+                peer,
+                addr,
+                nbytes / 2**20,
+                time.monotonic() - started,
+            )
+            return step, peer
+        log.warning("no peer holds this node's checkpoint in memory; it loads from storage")
+        return None, None
+
+
+def _choose_images(
+    held: list[SegmentInfo], request: LoadStepRequest
+) -> dict[int, SegmentInfo] | None:
+    """For each slot of ``request``, an image of the newest step held for all of them: saved by
+    the slot's rank (any rank when none is given: a replicated checkpoint), at the request's
+    world size if it gives one, of its checkpoint directory if it names one."""
+    usable = [
+        info
+        for info in held
+        if (not request.checkpoint_dir or info.checkpoint_dir == request.checkpoint_dir)
+        and (request.world_size is None or info.world_size == request.world_size)
+    ]
+    for step in sorted({info.step for info in usable}, reverse=True):
+        choice: dict[int, SegmentInfo] = {}
+        for slot in request.slots:
+            rank = request.ranks.get(slot)
+            found = [i for i in usable if i.step == step and (rank is None or i.rank == rank)]
+            if not found:
+                break
+            choice[slot] = found[0]
+        else:
+            return choice
+    return None

@@ -28,6 +28,8 @@ class PersistSpec:
     persist_nodes: int  # how many nodes write parts of a step; the commit waits for all
     keep_last: int
     persists: bool = True  # False on nodes that only keep a memory copy (DDP, node rank > 0)
+    replicas: int = 0  # push each copy to this many next nodes of the ring (sharded state)
+    num_nodes: int = 1  # nodes in the job (the ring the replicas go around)
 
 
 @dataclass(frozen=True)
@@ -91,9 +93,11 @@ class HeldReply(SaverReply):
 
 @dataclass(frozen=True)
 class LoadStepReply(SaverReply):
-    """The step every node agreed to load from memory; None: load from storage."""
+    """The step every node agreed to load from memory; None: load from storage. ``peer``: the
+    node whose memory this node copied the step from (it had lost its own), else None."""
 
     step: int | None
+    peer: int | None = None
 
 
 @dataclass(frozen=True)
@@ -182,7 +186,9 @@ class HeldRequest(SaverRequest[HeldReply]):
 class LoadStepRequest(SaverRequest[LoadStepReply]):
     """Vote the step complete in all of ``slots`` (saved by ``ranks[slot]`` at ``world_size``
     when given) and agree with the other nodes on the step to load in restart round
-    ``round_id``; the first request of a round votes, the others get the same answer."""
+    ``round_id``; the first request of a round votes, the others get the same answer. With
+    ``replica_count``, a node whose memory lacks the step first copies it from a peer's memory
+    (images of ``checkpoint_dir``, when given)."""
 
     op: ClassVar[str] = "load_step"
     reply_type: ClassVar[type[LoadStepReply]] = LoadStepReply
@@ -193,6 +199,8 @@ class LoadStepRequest(SaverRequest[LoadStepReply]):
     ranks: dict[int, int] = field(default_factory=dict)
     world_size: int | None = None
     timeout: float = 60.0
+    replica_count: int = 0
+    checkpoint_dir: str = ""
 
     def answer_within_s(self) -> float | None:
         """The saver may wait up to ``timeout`` before it answers."""

@@ -1,12 +1,17 @@
-"""CommitCoordinator over the master's API: the nodes' checkpoint savers agree through the master."""
+"""CommitCoordinator and PeerDirectory over the master's API: the nodes' checkpoint savers agree,
+and find each other's replica servers, through the master."""
 
 from __future__ import annotations
 
+import logging
 import time
 
+from dlrover.api.errors import MasterClientError
 from dlrover.api.master import MasterApi
 from dlrover.api.retry import while_unreachable
 from dlrover.constants import DEFAULT_MASTER_RECONNECT_S
+
+log = logging.getLogger(__name__)
 
 
 class MasterCommitCoordinator:
@@ -62,3 +67,43 @@ class MasterCommitCoordinator:
             deadline,
             "agree on the step to load",
         )[1]
+
+
+PEER_KEY_PREFIX = "dlrover/ckpt-peer"
+"""KV keys ``<prefix>/<round>/<node rank>`` hold each node's checkpoint replica address."""
+
+
+class MasterPeerDirectory:
+    """Implements dlrover.checkpoint.replica.PeerDirectory in the job master's KV store."""
+
+    def __init__(self, master: MasterApi) -> None:
+        self._master = master
+
+    def publish(self, round_id: int, node_rank: int, addr: str) -> None:
+        """Store the address under this round and node rank (logged, not raised, if the master
+        cannot be reached: peers then restore from storage)."""
+        key = f"{PEER_KEY_PREFIX}/{round_id}/{node_rank}"
+        try:
+            while_unreachable(
+                lambda: self._master.kv_set(key, addr.encode()),
+                time.monotonic() + DEFAULT_MASTER_RECONNECT_S,
+                "publish the checkpoint replica address",
+            )
+        except MasterClientError as exc:
+            log.warning("cannot publish this node's checkpoint replica address: %s", exc)
+
+    def lookup(self, round_id: int, node_rank: int, timeout: float) -> str | None:
+        """The address, waiting up to ``timeout`` seconds for the node to publish it; None if
+        it did not (or the master cannot be reached)."""
+        key = f"{PEER_KEY_PREFIX}/{round_id}/{node_rank}"
+        deadline = time.monotonic() + timeout
+        try:
+            value = while_unreachable(
+                lambda: self._master.kv_get(key, max(0.0, deadline - time.monotonic())),
+                deadline,
+                f"look up node {node_rank}'s checkpoint replica address",
+            )
+        except MasterClientError as exc:
+            log.warning("cannot look up node %d's checkpoint replica address: %s", node_rank, exc)
+            return None
+        return value.decode() if value is not None else None

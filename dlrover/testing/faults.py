@@ -8,7 +8,9 @@ separated by ``;``, each ``kind:key=value:...``, for example::
 Kinds: ``kill`` (SIGKILL itself), ``raise`` (RuntimeError), ``hang`` (block, forever or for
 ``seconds``), ``slow`` (each step from ``step`` on takes ``factor`` times as long; the node
 check's compute test too), ``exit`` (``os._exit(code)``, as a native library calling exit
-would), ``kill_agent`` (SIGKILL the pid in DLROVER_AGENT_PID), ``collective_fail`` (the node
+would), ``kill_agent`` (SIGKILL the pid in DLROVER_AGENT_PID), ``lose_node`` (the node's
+machine is gone: SIGKILL the agent, delete its flash-checkpoint shared memory, SIGKILL
+itself), ``collective_fail`` (the node
 check's collective test fails on that node: give ``node``), ``oom`` (allocate and touch memory
 in 64 MiB chunks until the kernel's OOM killer ends the process: run it under a memory limit). Keys: ``rank`` (global RANK; default
 every rank), ``node`` (the node slot an engine launched, the N of ``<job>-worker-N-<attempt>``,
@@ -22,6 +24,7 @@ again, then do not repeat it). Example: ``slow:node=1:factor=3`` makes node 1 a 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -31,6 +34,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from dlrover import worker_context
+from dlrover.checkpoint.config import DEFAULT_SHM_DIR, agent_shm_prefix
 from dlrover.constants import ENV_NODE_ID
 
 ENV_FAULTS = "DLROVER_FAULTS"
@@ -61,6 +65,7 @@ class FaultKind(Enum):
     SLOW = "slow"
     EXIT = "exit"
     KILL_AGENT = "kill_agent"
+    LOSE_NODE = "lose_node"
     COLLECTIVE_FAIL = "collective_fail"
     OOM = "oom"
 
@@ -291,6 +296,16 @@ class FaultInjector:
             if self._agent_pid is None:
                 raise FaultSpecError(f"kill_agent needs {ENV_AGENT_PID} set by the agent")
             os.kill(self._agent_pid, signal.SIGKILL)
+        elif fault.kind is FaultKind.LOSE_NODE:
+            if self._agent_pid is None:
+                raise FaultSpecError(f"lose_node needs {ENV_AGENT_PID} set by the agent")
+            os.kill(self._agent_pid, signal.SIGKILL)
+            prefix = agent_shm_prefix(self._agent_pid)
+            for name in os.listdir(DEFAULT_SHM_DIR):
+                if name.startswith(f"{prefix}-"):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join(DEFAULT_SHM_DIR, name))
+            os.kill(os.getpid(), signal.SIGKILL)
         elif fault.kind is FaultKind.OOM:
             hog = []
             chunk = 64 << 20

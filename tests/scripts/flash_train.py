@@ -2,7 +2,8 @@
 
 After a failure the restarted workers must resume from the newest step in the agent's shared
 memory (not the older one on storage), so the final parameters equal a failure-free run's.
-Rank 0 appends "<step> <loaded-from>" lines to <out>.steps and the final SHA-256 to <out>.final.
+Rank 0 appends "<step> <loaded-from>" lines to <out>.steps and the final SHA-256 to <out>.final;
+every rank appends "<rank> <first step> <loaded-from> <peer node or -1>" to <out>.loads.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ def main() -> None:
     p.add_argument("--ckpt", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--step-time", type=float, default=0.0, help="simulated compute per step")
+    p.add_argument("--replica-count", type=int, default=0, help="DdpCheckpointer replica_count")
     a = p.parse_args()
 
     dist.init_process_group("gloo")
@@ -34,7 +36,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    ckpt = DdpCheckpointer(a.ckpt)
+    ckpt = DdpCheckpointer(a.ckpt, replica_count=a.replica_count)
     state = ckpt.load_checkpoint()
     start = 1
     if state:
@@ -46,6 +48,9 @@ def main() -> None:
     if rank == 0:
         with open(a.out + ".steps", "a") as f:
             f.write(f"resume {start} {ckpt.last_load_source}\n")
+    peer = ckpt.restored_from_peer
+    with open(a.out + ".loads", "a") as f:
+        f.write(f"{rank} {start} {ckpt.last_load_source} {-1 if peer is None else peer}\n")
     faults, progress = FaultInjector.from_env(), StepReporter()
     for step in range(start, a.steps + 1):
         faults.maybe_inject(step)

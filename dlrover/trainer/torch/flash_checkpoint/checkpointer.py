@@ -29,9 +29,12 @@ class Checkpointer:
 
     sharded: bool = False
 
-    def __init__(self, checkpoint_dir: str, keep_last: int = 3) -> None:
+    def __init__(self, checkpoint_dir: str, keep_last: int = 3, replica_count: int = 0) -> None:
+        """``replica_count`` >= 1 also keeps each memory save in peer nodes' memory, so that a
+        replaced node restores from a peer instead of from storage (see docs/checkpoint.md)."""
         self.checkpoint_dir = checkpoint_dir
         self.keep_last = keep_last
+        self.replica_count = replica_count
         self._engines: dict[str, CheckpointEngine] = {}
         self.last_load_source: str | None = None
         """Where the last load came from: "memory", "storage", or None (nothing found)."""
@@ -40,8 +43,20 @@ class Checkpointer:
     def _engine_for(self, path: str) -> CheckpointEngine:
         key = path or self.checkpoint_dir
         if key not in self._engines:
-            self._engines[key] = CheckpointEngine(key, self.sharded, self.keep_last)
+            self._engines[key] = CheckpointEngine(
+                key, self.sharded, self.keep_last, replica_count=self.replica_count
+            )
         return self._engines[key]
+
+    @property
+    def restored_from_peer(self) -> int | None:
+        """After a load from memory: the peer node whose memory this node's copy came from
+        (this node had lost its own, see ``replica_count``); None otherwise."""
+        return self.engine.restored_from_peer if self.last_load_source == "memory" else None
+
+    def _from_memory_note(self) -> str:
+        peer = self.engine.restored_from_peer
+        return "" if peer is None else f" (copied from node {peer}'s memory)"
 
     def wait_latest_checkpoint(self, timeout: float = 1800.0) -> bool:
         """Block until the newest DISK save is committed on storage (False at the deadline);

@@ -70,7 +70,7 @@ class DdpCheckpointer(Checkpointer):
         if not resume_path and engine.memory_step(latest) is not None:
             try:
                 step, state, _ = engine.load_from_memory(target)
-                log.info("loaded step %d from shared memory", step)
+                log.info("loaded step %d from shared memory%s", step, self._from_memory_note())
                 self.last_load_source = "memory"
                 return dict(state)
             except SegmentStateError as exc:

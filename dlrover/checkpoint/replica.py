@@ -1,0 +1,404 @@
+"""Checkpoint replicas in peer nodes' memory: a node that lost its shared memory (a replaced
+machine) restores its ranks' state from a peer instead of from storage.
+
+Every agent's saver serves its segments on a TCP port (``ReplicaExchange``): its own slots, and
+the replicas other nodes pushed to it. The wire format is a JSON line per request and reply
+(``ReplicaRequest`` / ``ReplicaReply``, no pickle) followed by the segment's raw bytes, sent
+straight from one mapping and received straight into the other. Peers find each other through
+a ``PeerDirectory`` (the job master's KV store in a job).
+
+- Sharded checkpoints (every rank's part differs): after a complete copy, the node pushes its
+  slots to the next ``replicas`` nodes of the ring (node rank + 1, + 2, ...), at a bounded rate.
+- Replicated checkpoints (DDP: every node holds the same bytes): nothing is pushed; a peer's own
+  slot is the replica.
+
+A restoring node lists its peers' segments, picks the newest step that holds every rank it
+needs (same ranks, same world size, same checkpoint directory), copies those images into its
+own slots and then votes that step like any node whose memory survived.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import socket
+import socketserver
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
+
+from dlrover.checkpoint.errors import CheckpointError, SegmentStateError
+from dlrover.checkpoint.header import (
+    HEADER_SIZE,
+    begin_write,
+    image_len,
+    install_header,
+    read_metadata,
+    read_seq,
+)
+from dlrover.checkpoint.shm import SharedSegment
+from dlrover.json_messages import decode_tagged, encode, from_fields, parse
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 8 << 20
+"""Bytes per send/receive call (and per bandwidth check)."""
+IO_TIMEOUT_S = 30.0
+"""Deadline of one socket operation between peers."""
+CONNECT_TIMEOUT_S = 3.0
+"""Deadline of a connection to a peer (a dead machine must not stall a restore)."""
+DEFAULT_BANDWIDTH_BYTES_S = 1 << 30
+"""Default cap on the rate a node pushes replicas at (1 GiB/s): training's traffic goes first."""
+
+
+class ReplicaError(CheckpointError):
+    """A peer refused a request, or the transfer broke off; the message says which."""
+
+
+# ---------------------------------------------------------------------------- directory
+class PeerDirectory(Protocol):
+    """Where each node's replica server listens, per rendezvous round."""
+
+    def publish(self, round_id: int, node_rank: int, addr: str) -> None:
+        """Node ``node_rank`` of round ``round_id`` serves at ``addr`` (``host:port``)."""
+        ...
+
+    def lookup(self, round_id: int, node_rank: int, timeout: float) -> str | None:
+        """The address node ``node_rank`` published for round ``round_id``, waiting up to
+        ``timeout`` seconds for it; None if it did not."""
+        ...
+
+
+class LocalPeerDirectory:
+    """A PeerDirectory in one process (tests, and several savers of one machine)."""
+
+    def __init__(self) -> None:
+        self._addrs: dict[tuple[int, int], str] = {}
+        self._cond = threading.Condition()
+
+    def publish(self, round_id: int, node_rank: int, addr: str) -> None:
+        """Record the address and wake lookups waiting for it."""
+        with self._cond:
+            self._addrs[(round_id, node_rank)] = addr
+            self._cond.notify_all()
+
+    def lookup(self, round_id: int, node_rank: int, timeout: float) -> str | None:
+        """The address, once published (None after ``timeout`` seconds)."""
+        with self._cond:
+            self._cond.wait_for(lambda: (round_id, node_rank) in self._addrs, timeout)
+            return self._addrs.get((round_id, node_rank))
+
+
+# ---------------------------------------------------------------------------- wire
+@dataclass(frozen=True)
+class SegmentInfo:
+    """One complete checkpoint image a peer holds."""
+
+    key: str  # "own/<slot>" or "replica/<source node rank>/<slot>"
+    step: int
+    rank: int
+    world_size: int
+    checkpoint_dir: str
+    nbytes: int  # header + data + metadata
+
+
+@dataclass(frozen=True)
+class ReplicaRequest:
+    """Base of the requests between peers; ``op`` names it on the wire."""
+
+    op: ClassVar[str]
+    token: str
+
+
+@dataclass(frozen=True)
+class ListRequest(ReplicaRequest):
+    """Which complete images do you hold?"""
+
+    op: ClassVar[str] = "list"
+
+
+@dataclass(frozen=True)
+class GetRequest(ReplicaRequest):
+    """Send image ``key`` (it must still hold ``step``)."""
+
+    op: ClassVar[str] = "get"
+    key: str
+    step: int
+
+
+@dataclass(frozen=True)
+class PutRequest(ReplicaRequest):
+    """Keep this image of ``slot`` from node ``source_node``: ``nbytes`` raw bytes follow."""
+
+    op: ClassVar[str] = "put"
+    source_node: int
+    slot: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class ReplicaReply:
+    """An answer: ``ok``, or ``error`` saying why not; ``segments`` for a list, ``nbytes`` of the
+    image that follows a get."""
+
+    ok: bool
+    error: str = ""
+    segments: list[SegmentInfo] = field(default_factory=list)
+    nbytes: int = 0
+
+
+@dataclass(frozen=True)
+class Trailer:
+    """After an image: ``intact`` if the sender's segment did not change while it was sent."""
+
+    intact: bool
+
+
+_REQUESTS = {r.op: r for r in (ListRequest, GetRequest, PutRequest)}
+
+
+def _send_line(sock: socket.socket, message: Any, **tags: str) -> None:
+    sock.sendall(encode(message, **tags))
+
+
+def _recv_line(stream: Any, what: str) -> dict[str, object]:
+    line = stream.readline(1 << 20)
+    if not line:
+        raise ReplicaError(f"{what}: the peer closed the connection")
+    return parse(line, what)
+
+
+def _send_image(sock: socket.socket, seg: SharedSegment, nbytes: int, rate: float | None) -> None:
+    """Send the first ``nbytes`` of ``seg``, at most ``rate`` bytes/s, then the trailer."""
+    seq = read_seq(seg)
+    buf = seg.buffer
+    started = time.monotonic()
+    for start in range(0, nbytes, CHUNK_BYTES):
+        sock.sendall(buf[start : min(start + CHUNK_BYTES, nbytes)])
+        if rate:
+            ahead = (start + CHUNK_BYTES) / rate - (time.monotonic() - started)
+            if ahead > 0:
+                time.sleep(ahead)  # the bandwidth cap, not a synchronisation
+    _send_line(sock, Trailer(intact=read_seq(seg) == seq and seq % 2 == 0))
+
+
+def _recv_image(stream: Any, seg: SharedSegment, nbytes: int) -> bool:
+    """Receive an image into ``seg`` (already at least ``nbytes`` long): the data first under an
+    odd sequence number, the header last, so a broken transfer leaves a torn (unloadable) segment.
+    Returns whether the image is complete and intact."""
+    header = stream.read(HEADER_SIZE)
+    if len(header) != HEADER_SIZE:
+        return False
+    writing = begin_write(seg)
+    buf = seg.buffer
+    got = HEADER_SIZE
+    while got < nbytes:
+        n = stream.readinto(buf[got : min(got + CHUNK_BYTES, nbytes)])
+        if not n:
+            return False
+        got += n
+    trailer = from_fields(Trailer, _recv_line(stream, "replica trailer"), "replica trailer")
+    if not trailer.intact:
+        return False
+    install_header(seg, writing, header)
+    return True
+
+
+# ---------------------------------------------------------------------------- the exchange
+SegmentsFn = Callable[[], dict[int, SharedSegment]]
+
+
+class ReplicaExchange:
+    """One node's replica server and client: serves its own slots (``own``) and the replicas it
+    keeps for other nodes, pushes its slots to peers, and restores from peers.
+
+    ``shm_prefix`` names the replica segments (``<prefix>-replica-n<node>-slot<slot>``);
+    ``token`` must match on every request (the job's token); ``bandwidth`` caps pushes (bytes/s,
+    None: no cap).
+    """
+
+    def __init__(
+        self,
+        own: SegmentsFn,
+        shm_prefix: str,
+        shm_dir: str,
+        token: str = "",
+        host: str = "127.0.0.1",
+        bandwidth: float | None = DEFAULT_BANDWIDTH_BYTES_S,
+    ) -> None:
+        self._own = own
+        self._prefix = shm_prefix
+        self._shm_dir = shm_dir
+        self._token = token
+        self._host = host
+        self.bandwidth = bandwidth
+        self._lock = threading.Lock()  # guards the replica table and every write into it
+        self._replicas: dict[tuple[int, int], SharedSegment] = {}
+        self._server: socketserver.ThreadingTCPServer | None = None
+        self._thread: threading.Thread | None = None
+        self.addr = ""
+        """``host:port`` once started."""
+
+    # ------------------------------------------------------------------ serving
+    def start(self) -> None:
+        """Listen on a free port of ``host``."""
+        exchange = self
+
+        class Handler(socketserver.StreamRequestHandler):
+            timeout = IO_TIMEOUT_S
+
+            def handle(self) -> None:
+                exchange._serve(self.connection, self.rfile)
+
+        server = socketserver.ThreadingTCPServer((self._host, 0), Handler)
+        server.daemon_threads = True
+        self._server = server
+        self.addr = f"{self._host}:{server.server_address[1]}"
+        self._thread = threading.Thread(
+            target=server.serve_forever, name="ckpt-replica-server", daemon=True
+        )
+        self._thread.start()
+        log.info("checkpoint replica server listening on %s", self.addr)
+
+    def close(self, unlink: bool = True) -> None:
+        """Stop serving; with ``unlink`` free the replicas' shared memory."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        with self._lock:
+            for seg in self._replicas.values():
+                seg.close(unlink=unlink)
+            self._replicas.clear()
+
+    def _serve(self, sock: socket.socket, stream: Any) -> None:
+        try:
+            doc = _recv_line(stream, "replica request")
+            request = decode_tagged(doc, "op", _REQUESTS, "replica request")
+            if not hmac.compare_digest(request.token, self._token):
+                _send_line(sock, ReplicaReply(ok=False, error="wrong token"))
+                return
+            if isinstance(request, ListRequest):
+                _send_line(sock, ReplicaReply(ok=True, segments=self.holdings()))
+            elif isinstance(request, GetRequest):
+                self._serve_get(sock, request)
+            elif isinstance(request, PutRequest):
+                stored = self._store(stream, request)
+                _send_line(sock, ReplicaReply(ok=stored, error="" if stored else "torn image"))
+        except (OSError, ValueError, CheckpointError) as exc:
+            log.warning("replica request from a peer failed: %s", exc)
+            with contextlib.suppress(OSError):
+                _send_line(sock, ReplicaReply(ok=False, error=f"{type(exc).__name__}: {exc}"))
+
+    def _segments(self) -> Iterator[tuple[str, SharedSegment]]:
+        for slot, seg in self._own().items():
+            yield f"own/{slot}", seg
+        for (node, slot), seg in self._replicas.items():
+            yield f"replica/{node}/{slot}", seg
+
+    def holdings(self) -> list[SegmentInfo]:
+        """Every complete image this node holds (its own slots and its replicas)."""
+        out = []
+        with self._lock:
+            for key, seg in self._segments():
+                info = _info(key, seg)
+                if info is not None:
+                    out.append(info)
+        return out
+
+    def _serve_get(self, sock: socket.socket, request: GetRequest) -> None:
+        with self._lock:
+            seg = dict(self._segments()).get(request.key)
+            info = _info(request.key, seg) if seg is not None else None
+            if seg is None or info is None or info.step != request.step:
+                _send_line(
+                    sock, ReplicaReply(ok=False, error=f"no step {request.step} at {request.key}")
+                )
+                return
+            _send_line(sock, ReplicaReply(ok=True, nbytes=info.nbytes))
+            _send_image(sock, seg, info.nbytes, None)
+
+    def _store(self, stream: Any, request: PutRequest) -> bool:
+        key = (request.source_node, request.slot)
+        with self._lock:
+            seg = self._replicas.get(key)
+            if seg is None:
+                name = f"{self._prefix}-replica-n{request.source_node}-slot{request.slot}"
+                seg = SharedSegment.create(name, request.nbytes, self._shm_dir)
+                self._replicas[key] = seg
+            elif seg.size < request.nbytes:
+                seg.grow(request.nbytes)
+            return _recv_image(stream, seg, request.nbytes)
+
+    # ------------------------------------------------------------------ client side
+    def push(self, addr: str, source_node: int, slot: int, seg: SharedSegment) -> bool:
+        """Send ``seg``'s complete image to the peer at ``addr`` as the replica of ``slot`` of
+        node ``source_node``; True if the peer stored it intact."""
+        nbytes = image_len(seg)
+        with _connect(addr) as (sock, stream):
+            _send_line(sock, PutRequest(self._token, source_node, slot, nbytes), op="put")
+            _send_image(sock, seg, nbytes, self.bandwidth)
+            reply = _reply(stream, f"replica push to {addr}")
+        if not reply.ok:
+            log.warning("peer %s did not keep the replica of slot %d: %s", addr, slot, reply.error)
+        return reply.ok
+
+    def list_peer(self, addr: str) -> list[SegmentInfo]:
+        """The complete images the peer at ``addr`` holds."""
+        with _connect(addr) as (sock, stream):
+            _send_line(sock, ListRequest(self._token), op="list")
+            reply = _reply(stream, f"replica list from {addr}")
+        if not reply.ok:
+            raise ReplicaError(f"peer {addr} refused to list its replicas: {reply.error}")
+        return reply.segments
+
+    def fetch(self, addr: str, info: SegmentInfo, into: SharedSegment) -> bool:
+        """Copy image ``info`` from the peer at ``addr`` into ``into`` (grown by the caller to
+        ``info.nbytes``); True if it arrived complete and intact."""
+        with _connect(addr) as (sock, stream):
+            _send_line(sock, GetRequest(self._token, info.key, info.step), op="get")
+            reply = _reply(stream, f"replica fetch from {addr}")
+            if not reply.ok:
+                log.warning("peer %s cannot send %s: %s", addr, info.key, reply.error)
+                return False
+            return _recv_image(stream, into, reply.nbytes)
+
+
+def _info(key: str, seg: SharedSegment) -> SegmentInfo | None:
+    try:
+        _, meta = read_metadata(seg)
+    except SegmentStateError:
+        return None
+    return SegmentInfo(
+        key,
+        int(meta["step"]),
+        int(meta.get("rank", -1)),
+        int(meta.get("world_size", -1)),
+        str(meta.get("dir", "")),
+        image_len(seg),
+    )
+
+
+def _reply(stream: Any, what: str) -> ReplicaReply:
+    return from_fields(ReplicaReply, _recv_line(stream, what), what)
+
+
+@contextlib.contextmanager
+def _connect(addr: str) -> Iterator[tuple[socket.socket, Any]]:
+    host, _, port = addr.rpartition(":")
+    try:
+        sock = socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S)
+    except OSError as exc:
+        raise ReplicaError(f"cannot reach the checkpoint peer at {addr}: {exc}") from exc
+    sock.settimeout(IO_TIMEOUT_S)
+    stream = sock.makefile("rb")
+    try:
+        yield sock, stream
+    except OSError as exc:
+        raise ReplicaError(f"transfer with the checkpoint peer at {addr} broke off: {exc}") from exc
+    finally:
+        stream.close()
+        sock.close()

@@ -1,0 +1,231 @@
+"""Checkpoint replicas in a peer's memory: a node whose saver and shared memory are gone restores
+its ranks' step from the other node's memory (two savers in this process, real sockets and
+shared memory; nothing is ever persisted, so the state cannot have come from storage)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dlrover.checkpoint.config import ENV_CHECKPOINT_SOCKET
+from dlrover.checkpoint.coordinator import LocalCommitCoordinator
+from dlrover.checkpoint.engine import CheckpointEngine, WorkerPlacement
+from dlrover.checkpoint.header import HEADER_SIZE, complete_step, image_len
+from dlrover.checkpoint.replica import (
+    LocalPeerDirectory,
+    ReplicaError,
+    ReplicaExchange,
+    Trailer,
+    _recv_image,
+    _send_line,
+)
+from dlrover.checkpoint.saver import CheckpointSaver
+from dlrover.checkpoint.shm import SharedSegment
+from tests.checkpoint.harness import assert_same
+
+
+class Node:
+    """One simulated node: its saver (the agent's side) with its own shared memory."""
+
+    def __init__(
+        self, tmp: Path, name: str, coordinator: LocalCommitCoordinator, peers: LocalPeerDirectory
+    ) -> None:
+        tag = f"{name}-{os.getpid()}-{time.monotonic_ns()}"
+        self.saver = CheckpointSaver(
+            str(tmp / f"{tag}.sock"),
+            shm_prefix=f"dlrtest-{tag}",
+            coordinator=coordinator,
+            peers=peers,
+            replica_token="job-token",
+        )
+        self.saver.start()
+
+    def engine(
+        self, ckpt: str, place: WorkerPlacement, sharded: bool, monkeypatch: pytest.MonkeyPatch
+    ) -> CheckpointEngine:
+        monkeypatch.setenv(ENV_CHECKPOINT_SOCKET, self.saver.socket_path)
+        return CheckpointEngine(ckpt, sharded, placement=place, replica_count=1)
+
+    def lose(self) -> None:
+        """The machine is gone: its saver stops and its shared memory is freed."""
+        self.saver.close(unlink=True)
+
+
+def _place(node: int, round_id: int) -> WorkerPlacement:
+    """One rank per node, two nodes."""
+    return WorkerPlacement(node, 0, 2, 1, node, round_id)
+
+
+def _state(seed: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "w": torch.randn(1000, generator=g),
+        "opt": {"m": torch.randn(300, generator=g)},
+        "step": seed,
+    }
+
+
+def _together(*calls: Callable[[], Any]) -> list[Any]:
+    """Run the nodes' calls at once (a load vote waits for every node)."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return [f.result(timeout=60) for f in [pool.submit(c) for c in calls]]
+
+
+def _wait_until(cond: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)  # the pushing thread has no event a test can wait on
+
+
+@pytest.fixture
+def job(tmp_path: Path) -> tuple[LocalCommitCoordinator, LocalPeerDirectory]:
+    return LocalCommitCoordinator(), LocalPeerDirectory()
+
+
+def test_sharded_parts_are_pushed_to_the_next_node_and_a_replaced_node_restores_from_it(
+    tmp_path: Path, job: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    coordinator, peers = job
+    ckpt = str(tmp_path / "ckpt")
+    n0, n1 = Node(tmp_path, "n0", coordinator, peers), Node(tmp_path, "n1", coordinator, peers)
+    try:
+        e0 = n0.engine(ckpt, _place(0, 1), True, monkeypatch)
+        e1 = n1.engine(ckpt, _place(1, 1), True, monkeypatch)
+        assert _together(lambda: e0.memory_step(None), lambda: e1.memory_step(None)) == [None] * 2
+        parts = {0: _state(10), 1: _state(11)}
+        assert e0.save(3, parts[0], persist=False) and e1.save(3, parts[1], persist=False)
+        # Each node's part reaches the other (the ring of two), as a replica of its source.
+        _wait_until(
+            lambda: any(
+                i.key == "replica/1/0" and i.step == 3 for i in n0.saver._exchange.holdings()
+            )
+        )  # type: ignore[union-attr]
+        _wait_until(
+            lambda: any(
+                i.key == "replica/0/0" and i.step == 3 for i in n1.saver._exchange.holdings()
+            )
+        )  # type: ignore[union-attr]
+        e1.close()
+        n1.lose()
+
+        n1b = Node(tmp_path, "n1b", coordinator, peers)  # the replacement machine, empty memory
+        try:
+            e0b = n0.engine(ckpt, _place(0, 2), True, monkeypatch)
+            e1b = n1b.engine(ckpt, _place(1, 2), True, monkeypatch)
+            steps = _together(lambda: e0b.memory_step(None), lambda: e1b.memory_step(None))
+            assert steps == [3, 3]
+            assert e1b.restored_from_peer == 0 and e0b.restored_from_peer is None
+            step, state, _ = e1b.load_from_memory()
+            assert step == 3
+            assert_same(state, parts[1])
+            assert_same(e0b.load_from_memory()[1], parts[0])
+            assert not os.path.exists(os.path.join(ckpt, "latest"))  # storage never written
+            e0b.close()
+            e1b.close()
+        finally:
+            n1b.lose()
+        e0.close()
+    finally:
+        n0.lose()
+        n1.lose()
+
+
+def test_replicated_state_needs_no_push_a_peer_s_own_copy_restores_a_replaced_node(
+    tmp_path: Path, job: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    coordinator, peers = job
+    ckpt = str(tmp_path / "ckpt")
+    n0, n1 = Node(tmp_path, "n0", coordinator, peers), Node(tmp_path, "n1", coordinator, peers)
+    try:
+        e0 = n0.engine(ckpt, _place(0, 1), False, monkeypatch)
+        e1 = n1.engine(ckpt, _place(1, 1), False, monkeypatch)
+        _together(lambda: e0.memory_step(None), lambda: e1.memory_step(None))
+        state = _state(7)
+        assert e0.save(5, state, persist=False) and e1.save(5, state, persist=False)
+        e1.close()
+        n1.lose()
+        assert [i.key for i in n0.saver._exchange.holdings()] == ["own/0"]  # type: ignore[union-attr]
+
+        n1b = Node(tmp_path, "n1b", coordinator, peers)
+        try:
+            e0b = n0.engine(ckpt, _place(0, 2), False, monkeypatch)
+            e1b = n1b.engine(ckpt, _place(1, 2), False, monkeypatch)
+            assert _together(lambda: e0b.memory_step(None), lambda: e1b.memory_step(None)) == [5, 5]
+            assert e1b.restored_from_peer == 0
+            assert_same(e1b.load_from_memory()[1], state)
+            e0b.close()
+            e1b.close()
+        finally:
+            n1b.lose()
+        e0.close()
+    finally:
+        n0.lose()
+
+
+def test_without_replicas_a_replaced_node_makes_every_node_load_from_storage(
+    tmp_path: Path, job: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The behaviour replica_count changes: the peer holds the step, but nobody asks it."""
+    coordinator, peers = job
+    ckpt = str(tmp_path / "ckpt")
+    n0 = Node(tmp_path, "n0", coordinator, peers)
+    n1b = Node(tmp_path, "n1b", coordinator, peers)
+    try:
+        monkeypatch.setenv(ENV_CHECKPOINT_SOCKET, n0.saver.socket_path)
+        e0 = CheckpointEngine(ckpt, False, placement=_place(0, 1))
+        assert e0.save(5, _state(7), persist=False)
+        monkeypatch.setenv(ENV_CHECKPOINT_SOCKET, n1b.saver.socket_path)
+        e1b = CheckpointEngine(ckpt, False, placement=_place(1, 1))
+        assert _together(lambda: e0.memory_step(None), lambda: e1b.memory_step(None)) == [None] * 2
+        e0.close()
+        e1b.close()
+    finally:
+        n0.lose()
+        n1b.lose()
+
+
+def test_a_peer_refuses_a_wrong_token_and_a_gone_peer_is_a_clear_error(tmp_path: Path) -> None:
+    server = ReplicaExchange(dict, "dlrtest-tok", "/dev/shm", token="right")
+    server.start()
+    try:
+        assert server.list_peer(server.addr) == []
+        intruder = ReplicaExchange(dict, "dlrtest-tok2", "/dev/shm", token="wrong")
+        with pytest.raises(ReplicaError, match="wrong token"):
+            intruder.list_peer(server.addr)
+        gone = server.addr
+    finally:
+        server.close()
+    with pytest.raises(ReplicaError, match=f"cannot reach the checkpoint peer at {gone}"):
+        server.list_peer(gone)
+
+
+def test_an_image_torn_at_the_sender_is_never_installed(tmp_path: Path) -> None:
+    """The sender's trailer says its segment changed while it was sent: the receiving segment
+    stays marked as being written, so it is never loaded."""
+    src = SharedSegment.create(f"dlrtest-src-{os.getpid()}", 1 << 16)
+    dst = SharedSegment.create(f"dlrtest-dst-{os.getpid()}", 1 << 16)
+    try:
+        from dlrover.checkpoint.header import begin_write, publish
+
+        publish(src, begin_write(src), 9, 128, b'{"version": 1, "step": 9}')
+        nbytes = image_len(src)
+        for intact, expected in ((False, None), (True, 9)):
+            a, b = socket.socketpair()
+            with a, b, b.makefile("rb") as stream:
+                a.sendall(src.buffer[:nbytes])
+                _send_line(a, Trailer(intact=intact))
+                assert _recv_image(stream, dst, nbytes) is intact
+            assert complete_step(dst) == expected
+        assert bytes(dst.buffer[HEADER_SIZE:nbytes]) == bytes(src.buffer[HEADER_SIZE:nbytes])
+    finally:
+        src.close(unlink=True)
+        dst.close(unlink=True)
