@@ -71,13 +71,11 @@ class Catalog:
         rel = step_dir(step)
         self.storage.makedirs(rel)
         data_len = int(meta["data_len"])
-        crc = 0
-        buf = seg.buffer
-        with self.storage.open_write(f"{rel}/{part}.bin") as f:
-            for start in range(HEADER_SIZE, HEADER_SIZE + data_len, PERSIST_CHUNK_BYTES):
-                chunk = buf[start : min(start + PERSIST_CHUNK_BYTES, HEADER_SIZE + data_len)]
-                f.write(chunk)
-                crc = zlib.crc32(chunk, crc)
+        data = seg.buffer[HEADER_SIZE : HEADER_SIZE + data_len]
+        try:
+            crc = self.storage.write_from(f"{rel}/{part}.bin", data)
+        finally:
+            data.release()
         if read_seq(seg) != seq:
             raise SegmentStateError(f"segment {seg.path} was overwritten during the persist")
         meta_bytes = json.dumps(meta).encode()
@@ -98,7 +96,8 @@ class Catalog:
         )
 
     def commit(self, step: int, fmt: str, finalize: Finalizer | None = None) -> None:
-        """Merge every node's part into the manifest, then move 'latest' (in that order).
+        """Merge every node's part into the manifest, then move 'latest' (in that order). Older
+        steps stay until ``collect_garbage`` (the saver calls it once the commit is announced).
 
         ``finalize(catalog, step, extras)`` may write more files (DCP's .metadata) from the
         nodes' ``extra`` documents before the manifest is written; it returns their entries.
@@ -118,7 +117,6 @@ class Catalog:
         latest = self.latest_step()
         if latest is None or step > latest:
             self.storage.write_atomic(LATEST_FILE, str(step).encode())
-        self.collect_garbage()
 
     def collect_garbage(self) -> None:
         """Delete committed steps beyond the newest ``keep_last`` and stale uncommitted ones."""

@@ -493,7 +493,8 @@ class CheckpointSaver:
         self, catalog: Catalog, step: int, spec: PersistSpec, finalize: Finalizer | None
     ) -> None:
         """Report this node's part; the last node to report writes manifest and 'latest'."""
-        if self.coordinator.report_persisted(step, spec.node_rank, spec.persist_nodes):
+        committer = self.coordinator.report_persisted(step, spec.node_rank, spec.persist_nodes)
+        if committer:
             catalog.commit(step, spec.fmt, finalize)
             self.coordinator.mark_committed(step)
         elif not self.coordinator.wait_committed(step, DEFAULT_PERSIST_WAIT_S):
@@ -501,6 +502,12 @@ class CheckpointSaver:
         with self._cond:
             self._committed[spec.checkpoint_dir] = step
             self._cond.notify_all()
+        if committer:
+            # After the waiters are told: deleting older steps is not part of saving this one.
+            try:
+                catalog.collect_garbage()
+            except OSError as exc:
+                log.warning("could not delete old steps of %s: %s", spec.checkpoint_dir, exc)
 
     # ------------------------------------------------------------------ replicas in peers
     def _replica_loop(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -82,6 +83,10 @@ def test_keep_last_deletes_old_steps(tmp_path: Path, monkeypatch: pytest.MonkeyP
         for step in range(1, 5):
             assert ckpt.save_checkpoint(step, expected_state(step))
             assert ckpt.wait_latest_checkpoint(30)
+        # Older steps go right after the commit is announced (not part of the save's time).
+        deadline = time.monotonic() + 10
+        while len(list((tmp_path / "ckpt").glob("step_*"))) > 2 and time.monotonic() < deadline:
+            time.sleep(0.01)  # the persist thread deletes them; nothing to wait on from here
         assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == ["step_3", "step_4"]
         manifest = json.loads((tmp_path / "ckpt" / "step_4" / "manifest.json").read_text())
         assert manifest["files"]["rank_0.bin"]["size"] > 0
