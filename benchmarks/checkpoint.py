@@ -1,4 +1,5 @@
-"""Flash checkpoint vs torch.save/torch.load and DCP (sync/async): blocking, load and overhead."""
+"""Flash checkpoint vs torch.save/torch.load and DCP (sync/async): blocking, persist, load,
+overhead, and replicas in a peer's memory (push, restore) vs a load from storage."""
 
 from __future__ import annotations
 
@@ -191,17 +192,28 @@ def bench_flash(state: dict[str, Any], work: Path, args: argparse.Namespace) -> 
             ckpt.wait_copy()
         rows.append(("flash save, overlapped: blocking part", overlap))
         persist: list[float] = []
-        for _ in range(max(1, args.repeats // 2)):
+        peer: list[float] = []
+        for _ in range(args.repeats):
+            # Interleaved with torch.save + fsync of the same bytes: the disk's mood is shared.
             ckpt.save_checkpoint(next(step), state, storage_type=StorageType.DISK)
             start = time.perf_counter()
             assert ckpt.wait_latest_checkpoint(600)
             persist.append(time.perf_counter() - start)
+            peer += timed(lambda: torch_save(state, str(work / "interleaved.pt"), True), 1)
+        os.unlink(work / "interleaved.pt")
         rows.append(("flash persist in background (agent, fsync)", persist))
+        rows.append((PEER_PERSIST, peer))
 
         train = train_step_fn()
-        idle = [t for t in timed(train, 25)][5:]
-        ckpt.save_checkpoint(next(step), state, storage_type=StorageType.DISK)
-        during = steps_while(train, lambda: not ckpt.wait_latest_checkpoint(0.0))
+        timed(train, 5)  # warm-up
+        idle: list[float] = []
+        during: list[float] = []
+        for _ in range(args.repeats):
+            # Each persist's steps, then as many steps without one: A/B under the same load.
+            ckpt.save_checkpoint(next(step), state, storage_type=StorageType.DISK)
+            busy = steps_while(train, lambda: not ckpt.wait_latest_checkpoint(0.0))
+            during += busy
+            idle += timed(train, max(5, len(busy)))
         rows.append(("train step, idle", idle))
         rows.append(("train step while the agent persists", during or [float("nan")]))
         ckpt.close()
@@ -223,15 +235,22 @@ def bench_flash(state: dict[str, Any], work: Path, args: argparse.Namespace) -> 
     return rows
 
 
+PEER_PERSIST = "torch.save + fsync, interleaved with the persists"
+
+
+def torch_save(state: dict[str, Any], path: str, sync: bool) -> None:
+    with open(path, "wb") as f:
+        torch.save(state, f)
+        if sync:
+            f.flush()
+            os.fsync(f.fileno())
+
+
 def bench_torch_save(state: dict[str, Any], work: Path, repeats: int) -> list[Row]:
     path = str(work / "model.pt")
 
     def save(sync: bool) -> None:
-        with open(path, "wb") as f:
-            torch.save(state, f)
-            if sync:
-                f.flush()
-                os.fsync(f.fileno())
+        torch_save(state, path, sync)
 
     rows: list[Row] = [("torch.save", timed(lambda: save(False), repeats)),
                        ("torch.save + fsync", timed(lambda: save(True), repeats))]
@@ -314,6 +333,114 @@ def report(title: str, rows: list[Row]) -> None:
         print(f"{name:52} {med[name]:8.3f} {low[name]:7.3f} {max(times):7.3f} "
               f"{med[name] / med[floor]:9.2f} {low[name] / low[floor]:9.2f} "
               f"{med[name] / med[ours]:8.2f} {low[name] / low[ours]:8.2f}")
+    pairs = [("flash persist in background (agent, fsync)", PEER_PERSIST),
+             ("train step while the agent persists", "train step, idle"),
+             ("restore from the peer's memory (replaced node)", "restore from storage, cold"),
+             ("restore from the peer's memory (replaced node)", "restore from storage, warm")]
+    for ours_row, peer_row in pairs:
+        if ours_row in med and peer_row in med:
+            print(f"  {ours_row} / {peer_row}: median {med[ours_row] / med[peer_row]:.2f}x, "
+                  f"min {low[ours_row] / low[peer_row]:.2f}x")
+
+
+def bench_replica(state: dict[str, Any], work: Path, args: argparse.Namespace) -> list[Row]:
+    """Two simulated nodes (savers in this process, real TCP and shared memory): the push of a
+    sharded part to the next node, and a replaced node's restore from the peer's memory against
+    a load from storage (what it does without replicas)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dlrover.checkpoint.coordinator import LocalCommitCoordinator
+    from dlrover.checkpoint.engine import CheckpointEngine, WorkerPlacement
+    from dlrover.checkpoint.replica import LocalPeerDirectory
+    from dlrover.checkpoint.saver import CheckpointSaver
+    from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer
+
+    coordinator, peers = LocalCommitCoordinator(), LocalPeerDirectory()
+    rounds = iter(range(1, 10_000))
+    savers: list[CheckpointSaver] = []
+
+    def node() -> CheckpointSaver:
+        tag = uuid.uuid4().hex[:6]
+        saver = CheckpointSaver(str(work / f"{tag}.sock"), shm_prefix=f"dlrover-bench-{tag}",
+                                coordinator=coordinator, peers=peers)
+        saver.start()
+        savers.append(saver)
+        return saver
+
+    def engine(saver: CheckpointSaver, rank: int, round_id: int, sharded: bool
+               ) -> CheckpointEngine:
+        os.environ[ENV_CHECKPOINT_SOCKET] = saver.socket_path
+        return CheckpointEngine(str(work / "replica-ckpt"), sharded, replica_count=1,
+                                placement=WorkerPlacement(rank, 0, 2, 1, rank, round_id))
+
+    def vote(*engines: CheckpointEngine) -> list[int | None]:
+        with ThreadPoolExecutor(len(engines)) as pool:
+            return list(pool.map(lambda e: e.memory_step(None), engines))
+
+    rows: list[Row] = []
+    try:
+        n0, n1 = node(), node()
+        for label, cap in (("push a sharded part to the next node (1 GiB/s cap)", 1 << 30),
+                           ("push a sharded part to the next node (no cap)", None)):
+            for s in (n0, n1):
+                assert s._exchange is not None
+                s._exchange.bandwidth = cap
+            r = next(rounds)
+            e0, e1 = engine(n0, 0, r, True), engine(n1, 1, r, True)
+            vote(e0, e1)
+            pushes: list[float] = []
+            for k in range(args.repeats):
+                step, before = r * 100 + k, n0.last_replica_s
+                assert e0.save(step, state, persist=False)
+                deadline = time.perf_counter() + 120
+                while n0.last_replica_s == before:  # the saver's own figure, set once sent
+                    assert time.perf_counter() < deadline, "the replica was not sent"
+                    time.sleep(0.002)
+                assert any(i.key == "replica/0/0" and i.step == step
+                           for i in n1._exchange.holdings())  # type: ignore[union-attr]
+                pushes.append(n0.last_replica_s)
+            rows.append((label, pushes))
+            e0.close()
+            e1.close()
+
+        # DDP: every node holds the state; a replaced node copies the peer's own segment.
+        r = next(rounds)
+        e0 = engine(n0, 0, r, False)
+        e0.save(1, state, persist=False)
+        e0.close()
+        target = make_state(args.size_gb, args.adam_child)
+        restore: list[float] = []
+        for _ in range(args.repeats):
+            fresh = node()  # the replacement machine: empty memory
+            r = next(rounds)
+            e0, e1 = engine(n0, 0, r, False), engine(fresh, 1, r, False)
+            start = time.perf_counter()
+            steps = vote(e0, e1)
+            e1.load_from_memory(target)
+            restore.append(time.perf_counter() - start)
+            assert steps == [1, 1] and e1.restored_from_peer == 0, steps
+            e0.close()
+            e1.close()
+            fresh.close(unlink=True)
+            savers.remove(fresh)
+        rows.append(("restore from the peer's memory (replaced node)", restore))
+
+        os.environ.pop(ENV_CHECKPOINT_SOCKET, None)  # a saver of its own: storage only
+        ckpt = DdpCheckpointer(str(work / "storage-ckpt"))
+        ckpt.save_checkpoint(1, state)
+        assert ckpt.wait_latest_checkpoint(600)
+        cold = timed(lambda: ckpt.load_checkpoint(target=target), args.repeats,
+                     before=lambda: evict(str(work / "storage-ckpt")))
+        warm = timed(lambda: ckpt.load_checkpoint(target=target), args.repeats)
+        assert ckpt.last_load_source == "storage"
+        ckpt.close()
+        rows.append(("restore from storage, cold", cold))
+        rows.append(("restore from storage, warm", warm))
+    finally:
+        os.environ.pop(ENV_CHECKPOINT_SOCKET, None)
+        for saver in savers:
+            saver.close(unlink=True)
+    return rows
 
 
 def run_case(size_gb: float, adam: bool, args: argparse.Namespace) -> None:
@@ -324,6 +451,9 @@ def run_case(size_gb: float, adam: bool, args: argparse.Namespace) -> None:
         args.adam_child = adam
         rows: list[Row] = bench_flash(state, work, args)
         gc.collect()
+        if not args.skip_replica:
+            rows += bench_replica(state, work, args)
+            gc.collect()
         rows += bench_torch_save(state, work, args.repeats)
         gc.collect()
         if not args.skip_dcp:
@@ -344,6 +474,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dir", default=None, help="where files go (default: the temp dir)")
     parser.add_argument("--skip-dcp", action="store_true")
+    parser.add_argument("--skip-replica", action="store_true",
+                        help="leave out the peer-replica rows (push, restore from a peer)")
     parser.add_argument("--child-load", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child_load:

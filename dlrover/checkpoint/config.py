@@ -1,5 +1,9 @@
 """Defaults and environment-variable names of the flash-checkpoint subsystem."""
 
+import logging
+import os
+import threading
+
 from dlrover.constants import ENV_CHECKPOINT_SOCKET
 
 __all__ = [
@@ -12,6 +16,7 @@ __all__ = [
     "PERSIST_CHUNK_BYTES",
     "DEFAULT_PERSIST_NICE",
     "agent_shm_prefix",
+    "run_in_background",
     "LATEST_FILE",
     "MANIFEST_FILE",
 ]
@@ -32,11 +37,27 @@ LATEST_FILE = "latest"
 """Marker file holding the newest committed step, written last by temp + rename."""
 MANIFEST_FILE = "manifest.json"
 """Per-step list of files, sizes and CRC32 checksums; its presence means 'committed'."""
-DEFAULT_PERSIST_NICE = 10
-"""Niceness of the agent's persist thread: training processes get the CPU first."""
+DEFAULT_PERSIST_NICE = 19
+"""Niceness of the agent's persist and replica threads where SCHED_IDLE is not available."""
 
 
 def agent_shm_prefix(agent_pid: int) -> str:
     """The name prefix of the shared-memory segments (own slots and peers' replicas) that the
     agent with ``agent_pid`` owns in DEFAULT_SHM_DIR."""
     return f"dlrover-{agent_pid}-ckpt"
+
+
+def run_in_background() -> None:
+    """Lower the calling thread's CPU priority for persists and replica pushes: SCHED_IDLE
+    (it runs only on CPU time nobody else wants) where Linux offers it, else the lowest
+    niceness. Linux applies both per thread, so the trainers are not touched."""
+    tid = threading.get_native_id()
+    try:
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        return
+    except (OSError, AttributeError):
+        pass
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, DEFAULT_PERSIST_NICE)
+    except (OSError, AttributeError) as exc:
+        logging.getLogger(__name__).debug("cannot lower a persist thread's priority: %s", exc)

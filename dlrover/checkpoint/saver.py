@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import queue
@@ -15,9 +14,9 @@ from typing import Any
 from dlrover.checkpoint.catalog import Catalog, Finalizer
 from dlrover.checkpoint.config import (
     DEFAULT_COPY_WAIT_S,
-    DEFAULT_PERSIST_NICE,
     DEFAULT_PERSIST_WAIT_S,
     DEFAULT_SHM_DIR,
+    run_in_background,
 )
 from dlrover.checkpoint.coordinator import CommitCoordinator, LocalCommitCoordinator
 from dlrover.checkpoint.errors import CheckpointError, ShmSpaceError
@@ -386,11 +385,7 @@ class CheckpointSaver:
 
     # ------------------------------------------------------------------ persisting
     def _persist_loop(self) -> None:
-        try:
-            # Linux applies niceness per thread: only the persist yields to the trainers.
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), DEFAULT_PERSIST_NICE)
-        except (OSError, AttributeError) as exc:
-            log.debug("cannot lower the persist thread's priority: %s", exc)
+        run_in_background()  # per thread: only the persist yields to the trainers
         while (job := self._jobs.get()) is not None:
             step, spec = job
             try:
@@ -511,8 +506,7 @@ class CheckpointSaver:
 
     # ------------------------------------------------------------------ replicas in peers
     def _replica_loop(self) -> None:
-        with contextlib.suppress(OSError, AttributeError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), DEFAULT_PERSIST_NICE)
+        run_in_background()
         while (job := self._replica_jobs.get()) is not None:
             # Only the newest step matters: a backlog of older ones is skipped.
             while not self._replica_jobs.empty():
@@ -602,7 +596,7 @@ class CheckpointSaver:
                 time.monotonic() - started,
             )
             return step, peer
-        log.warning("no peer holds this node's checkpoint in memory; it loads from storage")
+        log.info("no peer holds a step of this node's ranks in memory")
         return None, None
 
 

@@ -14,7 +14,7 @@ import zlib
 from collections.abc import Iterator
 from typing import IO, Any
 
-from dlrover.checkpoint.config import DEFAULT_PERSIST_NICE, PERSIST_CHUNK_BYTES
+from dlrover.checkpoint.config import PERSIST_CHUNK_BYTES, run_in_background
 from dlrover.checkpoint.crc import crc32_combine
 from dlrover.checkpoint.errors import CheckpointStorageError
 
@@ -347,8 +347,7 @@ def _write_ranges(
     errors: list[OSError] = []
 
     def write_range(i: int) -> None:
-        with contextlib.suppress(OSError, AttributeError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), DEFAULT_PERSIST_NICE)
+        run_in_background()
         lo, hi = ranges[i]
         target = direct_fd if hi <= direct_end and direct_fd >= 0 else fd
         crc = 0
