@@ -46,7 +46,7 @@ from dlrover.api.master import (
     MasterApi,
     NodeOutcome,
 )
-from dlrover.checkpoint.config import agent_shm_prefix
+from dlrover.checkpoint.config import agent_shm_prefix, replica_bandwidth_from_env
 from dlrover.client.checkpoint import MasterCommitCoordinator, MasterPeerDirectory
 from dlrover.constants import (
     DEFAULT_JOB_NAME,
@@ -323,6 +323,10 @@ class ElasticAgent:
             return
         from dlrover.checkpoint.saver import CheckpointSaver
 
+        try:
+            bandwidth = replica_bandwidth_from_env()
+        except ValueError as e:
+            raise AgentError(str(e)) from None
         self._saver = CheckpointSaver(
             socket_path=os.path.join(self._run_dir, "ckpt.sock"),
             shm_prefix=agent_shm_prefix(os.getpid()),
@@ -330,6 +334,7 @@ class ElasticAgent:
             peers=MasterPeerDirectory(self.master),
             replica_token=self._token or "",
             replica_host=self._host,
+            replica_bandwidth=bandwidth,
         )
         self._saver.start()
 

@@ -17,6 +17,8 @@ __all__ = [
     "DEFAULT_PERSIST_NICE",
     "agent_shm_prefix",
     "run_in_background",
+    "ENV_REPLICA_MIB_S",
+    "replica_bandwidth_from_env",
     "LATEST_FILE",
     "MANIFEST_FILE",
 ]
@@ -61,3 +63,23 @@ def run_in_background() -> None:
         os.setpriority(os.PRIO_PROCESS, tid, DEFAULT_PERSIST_NICE)
     except (OSError, AttributeError) as exc:
         logging.getLogger(__name__).debug("cannot lower a persist thread's priority: %s", exc)
+
+
+ENV_REPLICA_MIB_S = "DLROVER_CKPT_REPLICA_MIB_S"
+"""Cap on the rate an agent pushes checkpoint replicas to its peers, in MiB/s (0: no cap)."""
+DEFAULT_REPLICA_MIB_S = 1024.0
+
+
+def replica_bandwidth_from_env(env: dict[str, str] | None = None) -> float | None:
+    """The replica push cap in bytes/s from DLROVER_CKPT_REPLICA_MIB_S (default 1024 MiB/s;
+    None: no cap); ValueError naming the variable for a value that is not a number >= 0."""
+    raw = (os.environ if env is None else env).get(ENV_REPLICA_MIB_S, "")
+    if not raw.strip():
+        return DEFAULT_REPLICA_MIB_S * 2**20
+    try:
+        mib_s = float(raw)
+    except ValueError:
+        mib_s = -1.0
+    if not mib_s >= 0:
+        raise ValueError(f"{ENV_REPLICA_MIB_S}={raw!r}: give MiB/s as a number >= 0 (0: no cap)")
+    return mib_s * 2**20 if mib_s else None

@@ -22,6 +22,7 @@ from dlrover.checkpoint.coordinator import CommitCoordinator, LocalCommitCoordin
 from dlrover.checkpoint.errors import CheckpointError, ShmSpaceError
 from dlrover.checkpoint.header import complete_step, image_len, read_metadata
 from dlrover.checkpoint.replica import (
+    DEFAULT_BANDWIDTH_BYTES_S,
     PeerDirectory,
     ReplicaError,
     ReplicaExchange,
@@ -74,6 +75,7 @@ class CheckpointSaver:
         peers: PeerDirectory | None = None,
         replica_token: str = "",
         replica_host: str = "127.0.0.1",
+        replica_bandwidth: float | None = DEFAULT_BANDWIDTH_BYTES_S,
     ) -> None:
         self.socket_path = socket_path
         self.shm_prefix = shm_prefix or f"dlrover-ckpt-{os.getpid()}"
@@ -99,7 +101,12 @@ class CheckpointSaver:
         self._peers = peers
         self._exchange = (
             ReplicaExchange(
-                self._own_segments, self.shm_prefix, shm_dir, replica_token, replica_host
+                self._own_segments,
+                self.shm_prefix,
+                shm_dir,
+                replica_token,
+                replica_host,
+                replica_bandwidth,
             )
             if peers is not None
             else None

@@ -229,3 +229,14 @@ def test_an_image_torn_at_the_sender_is_never_installed(tmp_path: Path) -> None:
     finally:
         src.close(unlink=True)
         dst.close(unlink=True)
+
+
+def test_the_replica_bandwidth_cap_comes_from_the_environment_with_a_clear_error() -> None:
+    from dlrover.checkpoint.config import replica_bandwidth_from_env
+
+    assert replica_bandwidth_from_env({}) == 1024 * 2**20
+    assert replica_bandwidth_from_env({"DLROVER_CKPT_REPLICA_MIB_S": "200"}) == 200 * 2**20
+    assert replica_bandwidth_from_env({"DLROVER_CKPT_REPLICA_MIB_S": "0"}) is None
+    for bad in ("fast", "-5", "nan"):
+        with pytest.raises(ValueError, match="DLROVER_CKPT_REPLICA_MIB_S.*number >= 0"):
+            replica_bandwidth_from_env({"DLROVER_CKPT_REPLICA_MIB_S": bad})
