@@ -316,6 +316,7 @@ class CheckpointSaver:
         """The step the nodes agreed on for the request's round, and the peer node this node
         copied it from (None: its own memory held it)."""
         round_id = request.round_id
+        deadline = time.monotonic() + request.timeout  # the restore and the vote share it
         with self._load_lock:  # the node's ranks ask together; the first one votes
             with self._cond:
                 if round_id in self._votes:
@@ -340,7 +341,11 @@ class CheckpointSaver:
                     if local is not None and peer is not None:
                         self._restored[round_id] = peer
             agreed = self.coordinator.agree_load_step(
-                request.node_rank, request.total_nodes, local, round_id, request.timeout
+                request.node_rank,
+                request.total_nodes,
+                local,
+                round_id,
+                max(1.0, deadline - time.monotonic()),
             )
             with self._cond:
                 self._votes[round_id] = agreed
