@@ -155,6 +155,7 @@ class CheckpointEngine:
             persists=self.sharded or self.place.rank == 0,
             replicas=self.replica_count if self.sharded else 0,
             num_nodes=self.place.num_nodes,
+            round_id=self.place.round_id,
         )
 
     # ------------------------------------------------------------------ saving

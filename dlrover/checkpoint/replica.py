@@ -286,7 +286,7 @@ class ReplicaExchange:
             elif isinstance(request, GetRequest):
                 self._serve_get(sock, request)
             elif isinstance(request, PutRequest):
-                stored = self._store(stream, request)
+                stored = self._store(sock, stream, request)
                 _send_line(sock, ReplicaReply(ok=stored, error="" if stored else "torn image"))
         except (OSError, ValueError, CheckpointError) as exc:
             log.warning("replica request from a peer failed: %s", exc)
@@ -321,7 +321,9 @@ class ReplicaExchange:
             _send_line(sock, ReplicaReply(ok=True, nbytes=info.nbytes))
             _send_image(sock, seg, info.nbytes, None)
 
-    def _store(self, stream: Any, request: PutRequest) -> bool:
+    def _store(self, sock: socket.socket, stream: Any, request: PutRequest) -> bool:
+        """Make room for the image (a full /dev/shm is refused before any byte is sent), say
+        "ready", receive it."""
         key = (request.source_node, request.slot)
         with self._lock:
             seg = self._replicas.get(key)
@@ -331,6 +333,7 @@ class ReplicaExchange:
                 self._replicas[key] = seg
             elif seg.size < request.nbytes:
                 seg.grow(request.nbytes)
+            _send_line(sock, ReplicaReply(ok=True))
             return _recv_image(stream, seg, request.nbytes)
 
     # ------------------------------------------------------------------ client side
@@ -340,6 +343,9 @@ class ReplicaExchange:
         nbytes = image_len(seg)
         with _connect(addr) as (sock, stream):
             _send_line(sock, PutRequest(self._token, source_node, slot, nbytes), op="put")
+            ready = _reply(stream, f"replica push to {addr}")
+            if not ready.ok:  # a wrong token, no room in the peer's /dev/shm...
+                raise ReplicaError(f"peer {addr} refused the replica: {ready.error}")
             _send_image(sock, seg, nbytes, self.bandwidth)
             reply = _reply(stream, f"replica push to {addr}")
         if not reply.ok:

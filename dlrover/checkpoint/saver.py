@@ -113,7 +113,8 @@ class CheckpointSaver:
         )
         self._replicating: set[int] = set()  # slots being sent to a peer right now
         self._replica_jobs: queue.Queue[tuple[int, PersistSpec] | None] = queue.Queue()
-        self._round: int | None = None  # the rendezvous round of the last load vote
+        self._published: set[tuple[int, int]] = set()  # (round, node rank) told to the peers
+        self._exchange_lock = threading.Lock()
         self._load_lock = threading.Lock()  # one load vote (and peer restore) at a time
         self._restored: dict[int, int] = {}  # round -> the peer node its step was copied from
         self.last_replica_s = 0.0
@@ -293,7 +294,8 @@ class CheckpointSaver:
         # Every saving slot sends "copied"; one job per step is enough (the first one).
         if persist and spec is not None and slot == min(spec.slots):
             self._jobs.put((step, spec))
-        if spec is not None and spec.replicas and slot == min(spec.slots):
+        replicate = spec is not None and spec.replicas and slot == min(spec.slots)
+        if replicate and spec is not None and self._publish(spec.round_id, spec.node_rank):
             self._replica_jobs.put((step, spec))
 
     def _common_step(self, spec: PersistSpec) -> int | None:
@@ -326,20 +328,11 @@ class CheckpointSaver:
                     for s in request.slots
                 }
             local = steps.pop() if len(steps) == 1 else None
-            if request.replica_count and self._exchange is not None and self._peers is not None:
-                if not self._exchange.addr:  # the first job here that asks for replicas
-                    self._exchange.start()
-                    pusher = threading.Thread(
-                        target=self._replica_loop, name="ckpt-replica-push", daemon=True
-                    )
-                    pusher.start()
-                    self._threads.append(pusher)
-                self._round = round_id
-                self._peers.publish(round_id, request.node_rank, self._exchange.addr)
-                if local is None and request.total_nodes > 1:
-                    local, peer = self._restore_from_peers(request)
-                    if local is not None and peer is not None:
-                        self._restored[round_id] = peer
+            published = request.replica_count and self._publish(round_id, request.node_rank)
+            if published and local is None and request.total_nodes > 1:
+                local, peer = self._restore_from_peers(request)
+                if local is not None and peer is not None:
+                    self._restored[round_id] = peer
             agreed = self.coordinator.agree_load_step(
                 request.node_rank,
                 request.total_nodes,
@@ -517,6 +510,24 @@ class CheckpointSaver:
                 log.warning("could not delete old steps of %s: %s", spec.checkpoint_dir, exc)
 
     # ------------------------------------------------------------------ replicas in peers
+    def _publish(self, round_id: int, node_rank: int) -> bool:
+        """Serve replicas (from the first job that asks for them on) and tell the peers where,
+        once per round; False if this saver has no PeerDirectory (no replicas)."""
+        if self._exchange is None or self._peers is None:
+            return False
+        with self._exchange_lock:
+            if not self._exchange.addr:
+                self._exchange.start()
+                pusher = threading.Thread(
+                    target=self._replica_loop, name="ckpt-replica-push", daemon=True
+                )
+                pusher.start()
+                self._threads.append(pusher)
+            if (round_id, node_rank) not in self._published:
+                self._peers.publish(round_id, node_rank, self._exchange.addr)
+                self._published.add((round_id, node_rank))
+        return True
+
     def _replica_loop(self) -> None:
         run_in_background()
         while (job := self._replica_jobs.get()) is not None:
@@ -533,9 +544,6 @@ class CheckpointSaver:
         the ring. The slots are busy meanwhile (a MEMORY save is skipped, a DISK save waits, as
         during a persist), so the bytes sent are the step's."""
         assert self._exchange is not None and self._peers is not None
-        if self._round is None:
-            log.warning("not replicating step %d: workers never asked to load (no round)", step)
-            return
         if not self._wait_ready(step, spec, DEFAULT_COPY_WAIT_S, "replicating"):
             return
         with self._cond:
@@ -548,7 +556,7 @@ class CheckpointSaver:
         try:
             for i in range(1, min(spec.replicas, spec.num_nodes - 1) + 1):
                 target = (spec.node_rank + i) % spec.num_nodes
-                addr = self._peers.lookup(self._round, target, 10.0)
+                addr = self._peers.lookup(spec.round_id, target, 10.0)
                 if addr is None:
                     log.warning(
                         "not replicating step %d to node %d: it has no address", step, target

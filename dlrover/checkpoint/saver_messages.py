@@ -30,6 +30,7 @@ class PersistSpec:
     persists: bool = True  # False on nodes that only keep a memory copy (DDP, node rank > 0)
     replicas: int = 0  # push each copy to this many next nodes of the ring (sharded state)
     num_nodes: int = 1  # nodes in the job (the ring the replicas go around)
+    round_id: int = 0  # the rendezvous round the copy was made in (peers' addresses are per round)
 
 
 @dataclass(frozen=True)

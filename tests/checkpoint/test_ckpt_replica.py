@@ -4,6 +4,7 @@ shared memory; nothing is ever persisted, so the state cannot have come from sto
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import time
@@ -84,6 +85,11 @@ def _wait_until(cond: Callable[[], bool], timeout: float = 30.0) -> None:
     while not cond():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.01)  # the pushing thread has no event a test can wait on
+
+
+def _holds(saver: CheckpointSaver, key: str, step: int) -> bool:
+    assert saver._exchange is not None
+    return any(i.key == key and i.step == step for i in saver._exchange.holdings())
 
 
 @pytest.fixture
@@ -208,6 +214,23 @@ def test_a_peer_refuses_a_wrong_token_and_a_gone_peer_is_a_clear_error(tmp_path:
         server.list_peer(gone)
 
 
+def test_a_push_with_a_wrong_token_says_so(tmp_path: Path) -> None:
+    peer = ReplicaExchange(dict, "dlrtest-peer", "/dev/shm", token="right")
+    peer.start()
+    seg = SharedSegment.create(f"dlrtest-push-{os.getpid()}", 8 << 20)
+    try:
+        from dlrover.checkpoint.header import begin_write, publish
+
+        publish(seg, begin_write(seg), 3, (8 << 20) - 8192, b'{"version": 1, "step": 3}')
+        sender = ReplicaExchange(dict, "dlrtest-sender", "/dev/shm", token="wrong")
+        with pytest.raises(ReplicaError, match="wrong token"):
+            sender.push(peer.addr, 0, 0, seg)
+        assert peer.holdings() == []
+    finally:
+        seg.close(unlink=True)
+        peer.close()
+
+
 def test_an_image_torn_at_the_sender_is_never_installed(tmp_path: Path) -> None:
     """The sender's trailer says its segment changed while it was sent: the receiving segment
     stays marked as being written, so it is never loaded."""
@@ -240,3 +263,44 @@ def test_the_replica_bandwidth_cap_comes_from_the_environment_with_a_clear_error
     for bad in ("fast", "-5", "nan"):
         with pytest.raises(ValueError, match="DLROVER_CKPT_REPLICA_MIB_S.*number >= 0"):
             replica_bandwidth_from_env({"DLROVER_CKPT_REPLICA_MIB_S": bad})
+
+
+@pytest.mark.slow
+def test_fsdp_shards_of_a_node_that_lost_its_memory_come_back_from_the_next_node(
+    tmp_path: Path,
+) -> None:
+    """Two nodes of one FSDP rank each save their shards to memory only (FsdpShardCheckpointer,
+    replica_count=1); node 1's saver and memory are lost; its replacement's rank loads its shards
+    from node 0's replica and the gathered model equals the saved one."""
+    from tests.checkpoint.harness import free_port, run_workers, running_saver, worker_env
+
+    ckpt, oracle = str(tmp_path / "ckpt"), str(tmp_path / "oracle.pt")
+    coordinator, peers = LocalCommitCoordinator(), LocalPeerDirectory()
+
+    def envs(sockets: list[str], restart: int, **extra: str) -> list[dict[str, str]]:
+        port, out = free_port(), []
+        for rank, sock in enumerate(sockets):
+            env = worker_env(sock, rank=rank, world=2, port=port, restart=restart)
+            env.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank))
+            env.update(CKPT_REPLICAS="1", **extra)
+            out.append(env)
+        return out
+
+    job = {"coordinator": coordinator, "peers": peers, "replica_token": "job-token"}
+    with running_saver(tmp_path, **job) as node0:
+        node1 = Node(tmp_path, "n1", coordinator, peers).saver
+        try:
+            sockets = [node0.socket_path, node1.socket_path]
+            run_workers(
+                ["fsdp_save", ckpt, "4", oracle], envs(sockets, 0, CKPT_STORAGE="memory"), 120
+            )
+            for saver, key in ((node0, "replica/1/0"), (node1, "replica/0/0")):
+                _wait_until(functools.partial(_holds, saver, key, 4))
+        finally:
+            node1.close(unlink=True)
+        with running_saver(tmp_path, **job) as node1b:
+            sockets = [node0.socket_path, node1b.socket_path]
+            loads = envs(sockets, 1)
+            loads[0]["EXPECT_PEER"], loads[1]["EXPECT_PEER"] = "-1", "0"
+            run_workers(["fsdp_load", ckpt, "4", oracle, "memory"], loads, 120)
+    assert not (tmp_path / "ckpt" / "latest").exists()  # nothing ever reached storage

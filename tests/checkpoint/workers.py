@@ -92,7 +92,8 @@ def _checkpointer(kind: str, ckpt_dir: str) -> Any:
         FsdpShardCheckpointer,
     )
 
-    return (FsdpFullCheckpointer if kind == "full" else FsdpShardCheckpointer)(ckpt_dir)
+    cls = FsdpFullCheckpointer if kind == "full" else FsdpShardCheckpointer
+    return cls(ckpt_dir, replica_count=int(os.environ.get("CKPT_REPLICAS", "0")))
 
 
 def fsdp_save(ckpt_dir: str, step: str, oracle: str, kind: str = "shard") -> None:
@@ -100,8 +101,13 @@ def fsdp_save(ckpt_dir: str, step: str, oracle: str, kind: str = "shard") -> Non
     dist.init_process_group("gloo")
     model, optim = _fsdp_model(seed=0)
     _train(model, optim, 2)
+    from dlrover.trainer.torch.flash_checkpoint.checkpointer import StorageType
+
     ckpt = _checkpointer(kind, ckpt_dir)
-    assert ckpt.save_checkpoint(int(step), model, optim, extra_sd={"step": int(step)})
+    storage = StorageType(os.environ.get("CKPT_STORAGE", "disk"))
+    assert ckpt.save_checkpoint(
+        int(step), model, optim, extra_sd={"step": int(step)}, storage_type=storage
+    )
     assert ckpt.wait_latest_checkpoint(60)
     full = _full_state(model, optim)
     if dist.get_rank() == 0:
@@ -121,6 +127,9 @@ def fsdp_load(ckpt_dir: str, step: str, oracle: str, source: str, kind: str = "s
     if kind == "shard" or dist.get_rank() == 0:  # the full checkpointer: rank 0 only
         assert extra == {"step": int(step)}, extra
         assert ckpt.last_load_source == source, (ckpt.last_load_source, source)
+    if "EXPECT_PEER" in os.environ:  # the node it copied its shards from (-1: its own memory)
+        peer = -1 if ckpt.restored_from_peer is None else ckpt.restored_from_peer
+        assert peer == int(os.environ["EXPECT_PEER"]), peer
     full = _full_state(model, optim)  # gathered from every rank's shards
     if dist.get_rank() == 0:
         assert_same(torch.load(oracle, weights_only=True), full)
