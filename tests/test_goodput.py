@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from dlrover.master.goodput import GoodputTracker, StepSample
@@ -81,3 +83,46 @@ def test_step_times_come_from_the_samples_not_the_heartbeats() -> None:
     s = g.snapshot(10.0)
     assert s.badput_s["startup"] == pytest.approx(4.0)
     assert s.productive_s == pytest.approx(5.0) and s.step_s == pytest.approx(0.25)
+
+
+def test_a_resumed_round_counts_the_workers_that_kept_training() -> None:
+    """A master restarted at 100 takes over round 3, whose workers trained all along (from step
+    10 at 50, one step a second): their heartbeats count from the master's start on."""
+    g = GoodputTracker(now=100.0)
+    g.on_round(100.0, 3, resumed=True)
+    g.on_progress(102.0, 3, StepSample(60, 0.0, 10, 52.0))  # step 60 at 102 (first: 10 at 50)
+    g.on_progress(104.0, 3, StepSample(62, 0.0, 10, 54.0))
+    s = g.snapshot(104.0)
+    assert s.productive_s == pytest.approx(4.0)  # every second since the master started
+    assert s.steps == 62 and s.step_s == pytest.approx(1.0)
+    assert sum(s.badput_s.values()) == pytest.approx(0.0)
+    assert s.ratio == pytest.approx(1.0)
+
+    # The next round is a real restart: a late heartbeat of round 3's workers is not counted.
+    g.on_round(106.0, 4)
+    g.on_progress(106.5, 4, StepSample(64, 0.5, 10, 56.5))
+    assert g.snapshot(106.5).productive_s == pytest.approx(4.0)
+
+
+def test_a_restarted_master_counts_goodput_of_the_round_it_took_over(tmp_path: Path) -> None:
+    """The JobMaster rebuilt on a state with a closed round resumes that round's goodput."""
+    from dlrover.master.job import JobMaster, JobMasterConfig
+    from dlrover.master.rendezvous import RendezvousConfig
+    from dlrover.master.state_store import SqliteStateStore
+
+    now = [0.0]
+    config = JobMasterConfig("g", RendezvousConfig(1, 1))
+    store = SqliteStateStore(str(tmp_path / "state.db"))
+    job = JobMaster(config, store, clock=lambda: now[0])
+    node = job.register("n0", "h", "default", 1, -1, 1, None)
+    job.join(node.node_id, node.incarnation, 1, "h", 1)  # max nodes: the round closes at once
+    assert job.rendezvous is not None and job.rendezvous.world is not None
+    store.close()
+
+    now[0] = 100.0  # the master restarts; its node trained from step 0 at 40
+    store = SqliteStateStore(str(tmp_path / "state.db"))
+    job = JobMaster(config, store, clock=lambda: now[0])
+    now[0] = 110.0
+    job.heartbeat("n0", node.incarnation, 70, 0.0, 0, 0, sample=StepSample(70, 0.0, 0, 70.0))
+    assert job.goodput.snapshot(110.0).productive_s == pytest.approx(10.0)
+    store.close()

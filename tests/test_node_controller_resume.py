@@ -169,3 +169,54 @@ def test_resizes_do_not_use_up_the_relaunch_budget(tmp_path: Path):
     again.fail("rb-worker-0-3")
     controller.step(0.1)
     assert job.ended.is_set() and "no relaunch left (1)" in job.reason, job.reason
+
+
+def _lose_all(job: JobMaster, node_ids: list[str]) -> None:
+    """Register each node, lose it, and tick: the job fails unless a replacement is expected."""
+    for node_id in node_ids:
+        job.register(node_id, "h", "default", 1, -1, 1, None)
+        job.node_lost(node_id, "gone")
+    job.tick()
+
+
+def test_a_failed_scale_out_is_logged_and_the_job_goes_on(tmp_path: Path, caplog):
+    """The engine refuses a scale-out's launches: scale_to (the auto-scaler's tick, inside the
+    controller's loop) does not raise; the slots shrink to the nodes launched and the job no
+    longer waits for the others."""
+    store = SqliteStateStore(str(tmp_path / "state.db"))
+    engine = FakeEngine()
+    controller = _scaling(store, engine)
+    controller.start()
+    engine.fail_launch_of = {"el-worker-1-0", "el-worker-2-0"}
+    controller.scale_to(3, "test")  # nothing launched
+    assert controller.slots == 1 and "scale-out to 3 nodes failed" in caplog.text
+    engine.fail_launch_of = {"el-worker-2-1"}
+    controller.scale_to(3, "test")  # one of two launched
+    assert [s.node_id for s in engine.launched] == ["el-worker-0-0", "el-worker-1-1"]
+    assert controller.slots == 2 and controller.relaunches["scale_out"] == 1
+    _lose_all(controller.job, ["el-worker-0-0", "el-worker-1-1"])
+    assert controller.job.ended.is_set() and controller.job.reason == "every node was lost"
+    store.close()
+
+
+def test_a_scale_in_withdraws_the_relaunches_it_drops() -> None:
+    """A relaunch waiting for its back-off in a slot that is scaled in is dropped, and the job
+    stops expecting it: losing every other node then fails the job."""
+    from dlrover.master.state_store import MemoryStateStore
+
+    spec = job_spec_from_dict(
+        {"name": "si", "entrypoint": "t.py", "nodes": "1:2", "max_relaunches": 3}
+    )
+    job = JobMaster(JobMasterConfig("si", RendezvousConfig(1, 2)), MemoryStateStore())
+    engine = FakeEngine()
+    controller = NodeController(
+        job, engine, spec, "127.0.0.1:1", "t", relaunch_delay_s=60.0, clock=lambda: 0.0
+    )
+    controller.start()
+    job.register("si-worker-1-0", "h", "default", 1, -1, 1, None)
+    engine.fail("si-worker-1-0")
+    controller.step(5.0)  # its replacement si-worker-1-1 is due in 60 s
+    assert [s.node_id for s in engine.launched] == ["si-worker-0-0", "si-worker-1-0"]
+    controller.scale_to(1, "test")
+    _lose_all(job, ["si-worker-0-0"])
+    assert job.ended.is_set() and job.reason == "every node was lost"

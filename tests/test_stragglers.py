@@ -83,3 +83,41 @@ def test_step_breakdown_is_the_slowest_workers_wall_time_and_its_parts() -> None
     times.observe(1, StepRecord(11, 108.0, 0.0, 1, 100.0, 0.0, 2.0), now=9.0)
     times.observe(0, StepRecord(11, 105.0, 0.0, 1, 100.0, 1.0, 0.0), now=10.0)  # window closes
     assert times.breakdown == pytest.approx(StepBreakdown(0.8, 0.0, 0.2))
+
+
+def test_scrapes_read_the_scores_under_the_jobs_lock() -> None:
+    """The tick replaces the scores and a departing node is popped from them under the job's
+    lock; /metrics and the status (other threads) must copy them under it too."""
+    from collections.abc import ItemsView, Iterator, KeysView
+
+    from dlrover.master.job import JobMaster, JobMasterConfig
+    from dlrover.master.local_api import LocalMasterApi
+    from dlrover.master.metrics import JobMetrics
+    from dlrover.master.state_store import MemoryStateStore
+    from dlrover.master.stragglers import Score
+
+    job = JobMaster(JobMasterConfig("s"), MemoryStateStore())
+    locked: list[bool] = []
+
+    class Scores(dict[str, Score]):
+        """Records, on every read, whether this thread holds the job's lock."""
+
+        def _read(self) -> None:
+            locked.append(job._lock._is_owned())  # type: ignore[attr-defined]
+
+        def __iter__(self) -> Iterator[str]:
+            self._read()
+            return super().__iter__()
+
+        def keys(self) -> KeysView[str]:  # type: ignore[override]
+            self._read()
+            return super().keys()
+
+        def items(self) -> ItemsView[str, Score]:  # type: ignore[override]
+            self._read()
+            return super().items()
+
+    job.stragglers.scores = Scores(a=Score("a", 0.1, 1.0, 1.0, 0))
+    assert b'dlrover_straggler_score{job_name="s",node="a"} 1.0' in JobMetrics(job).render()
+    LocalMasterApi(job).get_job_status()
+    assert locked and all(locked), locked

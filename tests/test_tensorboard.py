@@ -9,7 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from dlrover.master.tensorboard import EventFileWriter, crc32c, masked_crc
+from dlrover.master.job import JobMaster, JobMasterConfig
+from dlrover.master.nodes import NodeState
+from dlrover.master.rendezvous import RendezvousConfig
+from dlrover.master.state_store import MemoryStateStore
+from dlrover.master.tensorboard import EventFileWriter, TensorBoardExporter, crc32c, masked_crc
 
 
 def test_crc32c_check_value() -> None:
@@ -41,6 +45,56 @@ def test_event_file_records_are_framed_and_checksummed(tmp_path: Path) -> None:
     # wall_time (field 1, double), step (field 2, varint 7), then the summary (field 5)
     assert second[:9] == b"\x09" + struct.pack("<d", 1000.0) and second[9:11] == b"\x10\x07"
     assert b"goodput/ratio" in second and struct.pack("<f", 0.5) in second
+
+
+def _scalar(event: bytes, tag: str) -> float | None:
+    """The value of ``tag`` in an event written by `event` (None: not in it)."""
+    name = tag.encode()
+    at = event.find(b"\x0a" + bytes([len(name)]) + name)
+    if at < 0:
+        return None
+    at += 2 + len(name)
+    assert event[at] == 0x15  # simple_value: field 2, 32-bit
+    return float(struct.unpack_from("<f", event, at + 1)[0])
+
+
+def _job() -> JobMaster:
+    job = JobMaster(JobMasterConfig("tb", RendezvousConfig(1, 1)), MemoryStateStore())
+    job.register("n0", "h", "default", 1, -1, 1, None)
+    return job
+
+
+def test_node_state_series_go_back_to_zero(tmp_path: Path) -> None:
+    """Every node state is written at every point, 0 where no node is in it: a node that left
+    PENDING must not stay a pending node in TensorBoard."""
+    job = _job()
+    exporter = TensorBoardExporter(job, str(tmp_path))
+    exporter.write(job.now())
+    job.node_lost("n0", "gone")
+    exporter.write(job.now())
+    exporter.writer.close()
+    _, before, after = _records(exporter.writer.path)
+    assert _scalar(before, "nodes/pending") == 1.0 and _scalar(before, "nodes/lost") == 0.0
+    assert _scalar(after, "nodes/pending") == 0.0 and _scalar(after, "nodes/lost") == 1.0
+    assert all(_scalar(after, f"nodes/{s.value}") is not None for s in NodeState)
+
+
+def test_a_failing_tick_hook_does_not_skip_the_jobs_work(caplog: pytest.LogCaptureFixture) -> None:
+    """A hook that raises (the TensorBoard writer on a full disk) is logged; the tick still
+    decides the job's end, and the other hooks still run."""
+    job = _job()
+    calls: list[str] = []
+
+    def full_disk(now: float) -> None:
+        calls.append("full disk")
+        raise OSError(28, "No space left on device")
+
+    job.tick_hooks += [full_disk, lambda now: calls.append("next")]
+    job.node_lost("n0", "gone")
+    job.tick()
+    assert job.ended.is_set() and job.reason == "every node was lost"
+    assert calls == ["full disk", "next"]
+    assert "tick hook" in caplog.text and "No space left on device" in caplog.text
 
 
 @pytest.mark.extras

@@ -21,6 +21,8 @@ from dlrover.master.rendezvous import RendezvousConfig, RendezvousError
 from dlrover.master.server import MasterServerError, job_name_for_token, new_token
 from dlrover.master.state_store import StateStoreError
 from dlrover.master.stragglers import DEFAULT_REPORT_S
+from dlrover.master.tensorboard import TensorBoardError
+from dlrover.master.web import WebError
 
 logger = logging.getLogger("dlrover.master")
 
@@ -183,7 +185,7 @@ def run(argv: Sequence[str] | None = None) -> int:
                 ),
             )
         )
-    except (MasterServerError, StateStoreError, RendezvousError) as e:
+    except (MasterServerError, WebError, TensorBoardError, StateStoreError, RendezvousError) as e:
         print(f"dlrover-master: error: {e}", file=sys.stderr)
         return 1
 

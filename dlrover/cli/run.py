@@ -19,6 +19,8 @@ from dlrover.cli.common import parse_nnodes, parse_std_spec, setup_logging
 from dlrover.client.master_client import MasterClient, MasterClientError
 from dlrover.master.assembly import MasterSettings, RunningMaster, build_master
 from dlrover.master.server import MasterServerError, job_name_for_token, new_token
+from dlrover.master.tensorboard import TensorBoardError
+from dlrover.master.web import WebError
 
 logger = logging.getLogger("dlrover.run")
 
@@ -437,13 +439,15 @@ def run(argv: Sequence[str] | None = None) -> int:
                     )
                     logger.info("this node hosts the job master at %s", master_addr)
                 except MasterServerError:
+                    # Only the gRPC port: a taken metrics port or a bad --tensorboard-dir are
+                    # this node's settings to fix (WebError, TensorBoardError), not a master.
                     logger.info("another node hosts the master at %s; joining it", master_addr)
         else:
             parser.error(
                 f"--nnodes {args.nnodes} needs a master: set {c.ENV_MASTER_ADDR} and "
                 f"{c.ENV_JOB_TOKEN} to what dlrover-master printed, or give --rdzv-endpoint host:port"
             )
-    except MasterServerError as e:
+    except (MasterServerError, WebError, TensorBoardError) as e:
         print(f"dlrover-run: error: {e}", file=sys.stderr)
         return 1
 

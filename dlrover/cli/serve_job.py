@@ -33,6 +33,8 @@ from dlrover.master.rendezvous import RendezvousConfig
 from dlrover.master.server import MasterServerError, new_token
 from dlrover.master.state_store import StateStoreError
 from dlrover.master.stragglers import DEFAULT_REPORT_S
+from dlrover.master.tensorboard import TensorBoardError
+from dlrover.master.web import WebError
 
 logger = logging.getLogger(__name__)
 
@@ -274,7 +276,7 @@ def serve_job(
             ),
             on_fenced=lambda newer: stop.set(),
         )
-    except (MasterServerError, StateStoreError) as e:
+    except (MasterServerError, WebError, TensorBoardError, StateStoreError) as e:
         print(f"dlrover: error: {e}", file=sys.stderr)
         return 1
     job = master.job

@@ -14,10 +14,10 @@ from dlrover.constants import DEFAULT_HEARTBEAT_TIMEOUT_S
 from dlrover.master.fencing import Fence, Leader
 from dlrover.master.job import JobMaster, JobMasterConfig
 from dlrover.master.rendezvous import RendezvousConfig
-from dlrover.master.server import FULL_GC_EVERY_S, MasterServer, MasterServerError
+from dlrover.master.server import FULL_GC_EVERY_S, MasterServer
 from dlrover.master.state_store import StateMismatchError, StateStore, open_state_store
 from dlrover.master.stragglers import DEFAULT_REPORT_S
-from dlrover.master.tensorboard import TensorBoardExporter
+from dlrover.master.tensorboard import TensorBoardError, TensorBoardExporter
 from dlrover.master.web import LogReader, WebServer
 
 
@@ -109,13 +109,17 @@ def build_master(
     """Open the state, build the job and start serving it.
 
     Raises StateStoreError (the state cannot be opened, is corrupt, or is another job's:
-    StateMismatchError), RendezvousError (the saved node range differs from the given one) or
-    MasterServerError (the address cannot be bound); nothing is left open when it raises.
+    StateMismatchError), RendezvousError (the saved node range differs from the given one),
+    TensorBoardError (the --tensorboard-dir is not writable), MasterServerError (the gRPC address
+    cannot be bound) or WebError (the metrics port cannot be bound); nothing is left open or
+    listening when it raises, and nothing has listened before every setting was checked.
 
     The master claims the state's leadership (`Fence`): if a newer master claims it later, this
     one stops serving within a tick and calls ``on_fenced``.
     """
     store = open_state_store(settings.state)
+    tensorboard: TensorBoardExporter | None = None
+    web: WebServer | None = None
     try:
         claim_state(store, settings.job_name, settings.token)
         fence = Fence.claim(store)
@@ -129,6 +133,19 @@ def build_master(
             ),
             store,
         )
+        # Every other setting is checked before the gRPC port is bound: grpc.aio releases a
+        # port only when a started server stops, and no node may register with a master that
+        # is about to fail.
+        if settings.tensorboard_dir:
+            try:
+                tensorboard = TensorBoardExporter(job, settings.tensorboard_dir)
+            except OSError as e:
+                raise TensorBoardError(
+                    f"cannot write TensorBoard events to {settings.tensorboard_dir}: "
+                    f"{e.strerror or e}; give a writable --tensorboard-dir"
+                ) from None
+        if settings.metrics_port is not None:
+            web = WebServer(job, settings.host, settings.metrics_port, settings.log_reader)
         server = MasterServer(
             job,
             settings.token,
@@ -138,23 +155,16 @@ def build_master(
             fence=fence,
             on_fenced=on_fenced,
         )
-        web = None
-        if settings.metrics_port is not None:
-            web = WebServer(job, settings.host, settings.metrics_port, settings.log_reader)
     except BaseException:
+        if web is not None:
+            web.stop()
+        if tensorboard is not None:
+            tensorboard.writer.close()
         store.close()
         raise
-    running = RunningMaster(job, server.start(), store, web.start() if web else None)
+    running = RunningMaster(job, server.start(), store, web.start() if web else None, tensorboard)
     if web is not None:
         job.metrics_port = web.port
-    if settings.tensorboard_dir:
-        try:
-            running.tensorboard = TensorBoardExporter(job, settings.tensorboard_dir)
-        except OSError as e:
-            running.stop(0.0)
-            raise MasterServerError(
-                f"cannot write TensorBoard events to {settings.tensorboard_dir}: "
-                f"{e.strerror or e}; give a writable --tensorboard-dir"
-            ) from None
-        job.tick_hooks.append(running.tensorboard.maybe_write)
+    if tensorboard is not None:
+        job.tick_hooks.append(tensorboard.maybe_write)
     return running

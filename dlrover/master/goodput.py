@@ -84,6 +84,9 @@ class GoodputTracker:
         self._start = now
         self._last_t = now
         self._round = 0
+        self._resumed = False
+        """The current round was formed before this master started (a restarted master): its
+        workers' first steps predate the round's time here and still count."""
         self._step = -1
         """The job's step in the current round (-1: none seen in it yet)."""
         self._max = -1
@@ -99,8 +102,13 @@ class GoodputTracker:
         self._history: deque[tuple[float, float]] = deque(maxlen=HISTORY_POINTS)
         self._next_sample = now
 
-    def on_round(self, now: float, round: int) -> None:
-        """A rendezvous round formed: the span since the last step was a start-up or restart."""
+    def on_round(self, now: float, round: int, resumed: bool = False) -> None:
+        """A rendezvous round formed: the span since the last step was a start-up or restart.
+
+        ``resumed``: the round formed under a master before this one, which restarted while its
+        workers kept training; their heartbeats count although their first step came before
+        ``now`` (only the part of their progress after ``now`` is this tracker's).
+        """
         with self._lock:
             if round <= self._round or self._ended_at is not None:
                 return
@@ -108,6 +116,7 @@ class GoodputTracker:
                 self._stalled_at = self._last_t
             self._round = round
             self._round_at = now
+            self._resumed = resumed
             self._step = -1
 
     def on_step(self, now: float, round: int, step: int) -> None:
@@ -122,13 +131,29 @@ class GoodputTracker:
             if self._ended_at is not None or round != self._round:
                 return
             if first_t < self._round_at - _CLOCK_SLACK_S:
-                return  # workers of the round before (a heartbeat sent before the restart)
+                if not self._resumed:
+                    return  # workers of the round before (a heartbeat sent before the restart)
+                if self._step < 0:
+                    self._resume_from(sample, first_t, latest_t)
             if self._step < 0:  # the round's first report: until its first step, it started
                 span = max(0.0, first_t - self._last_t)
                 self._badput["startup" if self._max < 0 else "restart"] += span
                 self._last_t = max(self._last_t, first_t)
                 self._reach(sample.first_step, first_t)
             self._advance(latest_t, sample.step)
+
+    def _resume_from(self, sample: StepSample, first_t: float, latest_t: float) -> None:
+        """The first report of a resumed round whose workers trained before this tracker
+        started: count from the step they were at when the round was taken over (its steps are
+        spread evenly over the sample's span), as if that were the round's first step."""
+        start = self._round_at
+        steps = sample.step - sample.first_step
+        if latest_t > start and latest_t > first_t:
+            done = int(steps * (start - first_t) / (latest_t - first_t))
+        else:
+            done = steps  # no step since the round was taken over
+        self._last_t = max(self._last_t, start)
+        self._reach(sample.first_step + max(0, min(steps, done)), start)
 
     def _advance(self, t: float, step: int) -> None:
         if step <= self._step:

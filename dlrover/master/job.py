@@ -30,7 +30,7 @@ from dlrover.master.nodes import ALIVE_STATES, Node, NodeError, NodeState, NodeT
 from dlrover.master.rendezvous import RendezvousConfig, RendezvousError, RendezvousManager, World
 from dlrover.master.sharding_service import ShardingService
 from dlrover.master.state_store import StateStore
-from dlrover.master.stragglers import DEFAULT_REPORT_S, StragglerWatch
+from dlrover.master.stragglers import DEFAULT_REPORT_S, Score, StragglerWatch
 
 logger = logging.getLogger(__name__)
 
@@ -143,14 +143,15 @@ class JobMaster:
         """Live goodput and badput (metrics, dashboard, status)."""
         self._replace: list[tuple[str, str]] = []
         self.scale_summary = ""
+        """The auto-scaler's latest plan in one line (`dlrover status`)."""
         self.metrics_port = 0
-        self.tick_hooks: list[Callable[[float], None]] = []
-        """Called with the master's time on every `tick` (the TensorBoard exporter)."""
         """Where /metrics and the dashboard are served (0: nowhere)."""
+        self.tick_hooks: list[Callable[[float], None]] = []
+        """Called with the master's time at the end of every `tick` (the TensorBoard exporter);
+        one that raises is logged and does not stop the tick or the other hooks."""
         self.events: deque[tuple[float, str, str]] = deque(maxlen=MAX_EVENTS)
         """(wall time, kind, text) of the job's latest events: rounds, failures, state changes,
         scale plans (the dashboard's timeline); in memory only."""
-        """The auto-scaler's latest plan in one line (`dlrover status`)."""
         self._expected: set[str] = set()
         """Replacements launched but not registered yet (`expect`): while there are any,
         losing every node does not fail the job."""
@@ -173,7 +174,9 @@ class JobMaster:
             self.ended.set()
         if self.rendezvous is not None and self.rendezvous.world is not None:
             self._activated_round = self.rendezvous.world.round
-            self.goodput.on_round(clock(), self._activated_round)  # counted from this master
+            # A round formed under a master before this one: its workers kept training, and
+            # their steps since this master started count (counted from this master).
+            self.goodput.on_round(clock(), self._activated_round, resumed=True)
 
     # --- registration and liveness -----------------------------------------------------------
     def register(
@@ -654,6 +657,12 @@ class JobMaster:
             else:
                 self._record(node, FailureClass.STRAGGLER, "none", cause)
 
+    def straggler_scores(self) -> dict[str, Score]:
+        """A copy of the latest straggler report's scores by node (the tick and departures
+        change them under the job's lock)."""
+        with self._lock:
+            return dict(self.stragglers.scores)
+
     def take_replacements(self) -> list[tuple[str, str]]:
         """(node, why) to replace as stragglers since the last call: the node controller
         deletes each and launches its slot's next attempt, or keeps it (`keep_straggler`)."""
@@ -687,7 +696,7 @@ class JobMaster:
 
     def tick(self) -> None:
         """Time-based work: lose nodes whose heartbeats stopped, close a round whose last call
-        passed."""
+        passed; then run the tick hooks."""
         timeout = self.heartbeat_timeout_s()
         expired = self.nodes.expired(timeout)
         for node in expired:
@@ -703,8 +712,6 @@ class JobMaster:
             self.membership.bump()
         self.sharding.tick()
         self.goodput.sample(self._clock(), time.time())
-        for hook in self.tick_hooks:
-            hook(self._clock())
         with self._lock:
             if self._check is not None and self._check.tick():
                 self._after_check_change()
@@ -721,6 +728,12 @@ class JobMaster:
                 self._fail("every node was lost", 1)
             elif not self.ended.is_set() and self.state == JobState.RUNNING:
                 self._check_success()
+        # Last, each on its own: an exporter's failure (a full disk) must not skip the job's work.
+        for hook in list(self.tick_hooks):
+            try:
+                hook(self._clock())
+            except Exception:
+                logger.exception("tick hook %r failed", hook)
 
     def _set_job_state(self, new: JobState, reason: str) -> None:
         logger.info(

@@ -289,7 +289,7 @@ class LocalMasterApi:
         clock."""
         job = self.job
         now = job.now()
-        scores = dict(job.stragglers.scores)
+        scores = job.straggler_scores()
         return api.JobStatus(
             job_name=job.config.job_name,
             state=job.state.value,

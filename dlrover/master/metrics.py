@@ -132,7 +132,7 @@ class JobCollector(Collector):
             "A node's runtime score: the fastest node's step time / its own (1 = fastest)",
             labels=["job_name", "node"],
         )
-        for node_id, s in sorted(job.stragglers.scores.items()):
+        for node_id, s in sorted(job.straggler_scores().items()):
             score.add_metric([name, node_id], s.relative)
         yield score
 

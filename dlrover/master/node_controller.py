@@ -16,6 +16,7 @@ from dlrover.engines.base import (
     Engine,
     EngineError,
     FailureReason,
+    LaunchManyError,
     NodeEvent,
     NodeSpec,
     NodeState,
@@ -145,10 +146,17 @@ class NodeController:
                 self._save_slot(spec, planned=saved is not None)
                 self.job.expect(spec.node_id)
                 specs.append(spec)
-            self.engine.launch_many(specs)
-            self.relaunches["scale_out"] = self.relaunches.get("scale_out", 0) + len(specs)
+            launched = self._launch_scale_out(specs, before)
+            self.relaunches["scale_out"] = self.relaunches.get("scale_out", 0) + launched
             return
-        self._due = [(due, spec) for due, spec in self._due if spec.rank < nodes]
+        kept: list[tuple[float, NodeSpec]] = []
+        for due, spec in self._due:
+            if spec.rank < nodes:
+                kept.append((due, spec))
+            else:  # its slot is retired: the job must not wait for it any more
+                logger.info("node %s: not relaunched, its slot was scaled in", spec.node_id)
+                self.job.unexpect(spec.node_id)
+        self._due = kept
         for node in self.engine.list_nodes():
             if node.state.is_final or node.spec.rank < nodes:
                 continue
@@ -159,6 +167,25 @@ class NodeController:
             except EngineError as e:
                 logger.warning("node %s: cannot delete it for the scale-in: %s", node.node_id, e)
             self.relaunches["scale_in"] = self.relaunches.get("scale_in", 0) + 1
+
+    def _launch_scale_out(self, specs: list[NodeSpec], before: int) -> int:
+        """Launch a scale-out's nodes; returns how many were launched. A failed launch is
+        logged, not raised (the job goes on with the nodes it has): the job stops expecting the
+        nodes that were not launched, and the slots shrink back to the highest launched one."""
+        try:
+            self.engine.launch_many(specs)
+        except EngineError as e:
+            launched = {n.node_id for n in e.launched} if isinstance(e, LaunchManyError) else set()
+            logger.error("scale-out to %d nodes failed: %s", self.slots, e)
+            for spec in specs:
+                if spec.node_id not in launched:
+                    self.job.unexpect(spec.node_id)
+            ranks = [spec.rank for spec in specs if spec.node_id in launched]
+            self.slots = max(ranks) + 1 if ranks else before
+            self._store.put_json(_NAMESPACE, "slots", {"slots": self.slots})
+            self.job.event("scale", f"scale-out: {len(launched)} of {len(specs)} launched: {e}")
+            return len(launched)
+        return len(specs)
 
     def _slot_spec(self, rank: int) -> NodeSpec:
         saved = self._store.get_json(_NAMESPACE, f"slot-{rank}")

@@ -21,9 +21,13 @@ from pathlib import Path
 
 from dlrover.master.goodput import REASONS
 from dlrover.master.job import JobMaster
-from dlrover.master.nodes import ALIVE_STATES
+from dlrover.master.nodes import ALIVE_STATES, NodeState
 
 DEFAULT_EVERY_S = 10.0
+
+
+class TensorBoardError(Exception):
+    """The --tensorboard-dir cannot be written (a setting to fix, not a master elsewhere)."""
 
 
 def _crc32c_table() -> list[int]:
@@ -148,8 +152,10 @@ class TensorBoardExporter:
             **{f"badput/{reason}_seconds": g.badput_s[reason] for reason in REASONS},
         }
         nodes = job.nodes.all()
-        by_state = Counter(n.state.value for n in nodes)
-        values.update({f"nodes/{state}": float(count) for state, count in by_state.items()})
+        by_state = Counter(n.state for n in nodes)
+        # Every state, 0 where no node is in it: a series that is only written while it is
+        # non-zero would stay at its last count in TensorBoard (as metrics.py does).
+        values.update({f"nodes/{state.value}": float(by_state[state]) for state in NodeState})
         for n in nodes:
             if n.state in ALIVE_STATES:
                 values[f"node/{n.node_id}/cpu_percent"] = n.cpu_percent

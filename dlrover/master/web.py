@@ -14,6 +14,7 @@ Routes (read-only, no token: bind it where only your network reaches, as the gRP
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
 import threading
@@ -26,7 +27,6 @@ from urllib.parse import parse_qs, urlparse
 from dlrover.master.job import JobMaster
 from dlrover.master.local_api import LocalMasterApi
 from dlrover.master.metrics import JobMetrics
-from dlrover.master.server import MasterServerError
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +35,12 @@ LogReader = Callable[[str, int], "str | None"]
 MAX_LOG_LINES = 2000
 
 
-class WebError(MasterServerError):
-    """The metrics/dashboard port cannot be bound."""
+class WebError(Exception):
+    """The metrics/dashboard port cannot be bound.
+
+    Not a MasterServerError: that one means the gRPC address is taken, which `dlrover-run`
+    reads as "another node hosts the master"; a taken metrics port is a setting to change.
+    """
 
 
 class WebServer:
@@ -57,9 +61,10 @@ class WebServer:
         try:
             self._httpd = ThreadingHTTPServer((host, port), handler)
         except OSError as e:
+            why = "the port is taken" if e.errno == errno.EADDRINUSE else (e.strerror or str(e))
             raise WebError(
-                f"cannot serve metrics on {host}:{port}: {e.strerror or e}; pick another "
-                "--metrics-port (0: a free one)"
+                f"cannot serve metrics on {host}:{port}: {why}; pick another --metrics-port "
+                "(0: a free one, -1: none)"
             ) from None
         self._httpd.daemon_threads = True
         self._thread = threading.Thread(
@@ -77,8 +82,9 @@ class WebServer:
         return self
 
     def stop(self) -> None:
-        """Stop serving and close the socket."""
-        self._httpd.shutdown()
+        """Stop serving (if `start` was called) and close the socket."""
+        if self._thread.is_alive():
+            self._httpd.shutdown()  # waits for serve_forever to return: never called without it
         self._httpd.server_close()
 
     # --- pages ---------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import REPO, SCRIPTS, clean_env, free_port, run_cmd
+from tests.conftest import REPO, SCRIPTS, clean_env, dlrover_run, free_port, run_cmd
 
 
 class Scraper:
@@ -85,7 +85,10 @@ def test_metrics_and_dashboard_of_a_job_with_a_failure(tmp_path: Path) -> None:
         "--out", str(tmp_path / "out"),
     ]  # fmt: skip
     env = clean_env(DLROVER_HOME=str(tmp_path / "home"), DLROVER_FAULTS="raise:rank=1:step=15")
-    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stderr=subprocess.PIPE, text=True)
+    # Output goes to files: a pipe nobody reads while the process runs can fill and block it.
+    err_path, shown_path = tmp_path / "submit.err", tmp_path / "watch.out"
+    with err_path.open("w") as err:
+        proc = subprocess.Popen(cmd, env=env, cwd=REPO, stderr=err, text=True)
     scraper = Scraper(port)
     page = ""
     log = None
@@ -98,16 +101,22 @@ def test_metrics_and_dashboard_of_a_job_with_a_failure(tmp_path: Path) -> None:
                 page = scraper.get("/")
                 node = nodes[0]["node_id"]  # type: ignore[index]
                 log = scraper.get(f"/api/log?node={node}&lines=50")
-                watch = subprocess.Popen(
-                    [*run_cmd("dlrover.cli.job"), "status", "met", "--watch", "0.5"],
-                    env=env, cwd=REPO, stdout=subprocess.PIPE, text=True,
-                )  # fmt: skip
+                with shown_path.open("w") as shown_file:
+                    watch = subprocess.Popen(
+                        [*run_cmd("dlrover.cli.job"), "status", "met", "--watch", "0.5"],
+                        env=env, cwd=REPO, stdout=shown_file, text=True,
+                    )  # fmt: skip
             time.sleep(0.2)
-        _, stderr = proc.communicate(timeout=60)
+        proc.wait(timeout=60)
+        if watch is not None:
+            watch.wait(timeout=30)  # it ends by itself with the job
     finally:
         scraper.stop()
-        if proc.poll() is None:
-            proc.kill()
+        for child in (proc, watch):
+            if child is not None and child.poll() is None:
+                child.kill()
+                child.wait(10)
+    stderr = err_path.read_text()
     assert proc.returncode == 0, stderr[-4000:]
     assert f"metrics and dashboard on http://127.0.0.1:{port}/" in stderr
 
@@ -125,7 +134,7 @@ def test_metrics_and_dashboard_of_a_job_with_a_failure(tmp_path: Path) -> None:
     assert 0.09 < scraper.compute_s < 1.0  # each step sleeps 0.1 s (the script's "compute")
     # Every step saves to memory (training waits for it), every 5th also persists to disk.
     assert scraper.checkpoint_s.get("save", 0) > 0 and scraper.checkpoint_s.get("persist", 0) > 0
-    assert ("dlrover_recovery_seconds_count", ()) in m
+    assert m[("dlrover_recovery_seconds_count", ())] >= 1  # the restart after step 15
     assert 2 in scraper.seen_running
 
     status = scraper.status
@@ -136,9 +145,8 @@ def test_metrics_and_dashboard_of_a_job_with_a_failure(tmp_path: Path) -> None:
     assert status["goodput"]["history"]  # type: ignore[index]
     assert "<title>DLRover job</title>" in page
     assert log is not None and "dlrover" in log
-    assert watch is not None
-    shown, _ = watch.communicate(timeout=30)  # it ends by itself with the job
-    assert watch.returncode == 0
+    assert watch is not None and watch.returncode == 0
+    shown = shown_path.read_text()
     assert shown.count(f"dashboard: http://127.0.0.1:{port}/") >= 2, shown
     assert re.search(r"job met: running \(round \d+, goodput \d+\.\d%\)", shown), shown
     assert shown.rstrip().splitlines()[-1].startswith("job met: succeeded"), shown
@@ -168,6 +176,28 @@ def test_a_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
         )
     assert r.returncode == 1
     assert re.search(rf"cannot serve metrics on 0.0.0.0:{busy}: .*pick another --metrics-port", r.stderr), r.stderr  # fmt: skip
+
+
+def test_dlrover_run_with_a_taken_metrics_port_exits_with_a_clear_error(tmp_path: Path) -> None:
+    """The node that can bind --rdzv-endpoint hosts the master; a taken --metrics-port is its
+    own error, not "another node hosts the master" (that would join its own, unserved port)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", 0))
+        s.listen()
+        busy = s.getsockname()[1]
+        r = dlrover_run(
+            ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+             "--metrics-port", str(busy), str(SCRIPTS / "dump_env.py"), str(tmp_path)],
+            timeout=60,
+        )  # fmt: skip
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert (
+        f"dlrover-run: error: cannot serve metrics on 0.0.0.0:{busy}: the port is taken; pick "
+        "another --metrics-port" in r.stderr
+    ), r.stderr[-3000:]
+    assert "joining it" not in r.stderr and not list(tmp_path.glob("env.*"))
 
 
 def test_standalone_serves_metrics_too(tmp_path: Path) -> None:

@@ -40,17 +40,20 @@ def job(
         "--out", str(tmp_path / "out"),
     ]  # fmt: skip
     env = clean_env(DLROVER_HOME=str(tmp_path / "home"), DLROVER_FAULTS=faults)
-    proc = subprocess.Popen(
-        cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-    )
+    # A file, not a pipe: nobody reads the job's stderr while it runs, and a full pipe blocks it.
+    err_path = tmp_path / "submit.err"
+    with err_path.open("w") as err:
+        proc = subprocess.Popen(
+            cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=err, text=True
+        )
     try:
         yield port, proc
-        _, err = proc.communicate(timeout=120)
-        assert proc.returncode == 0, err[-3000:]
+        proc.wait(timeout=120)
+        assert proc.returncode == 0, err_path.read_text()[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.wait()
+            proc.wait(10)
 
 
 def _until(what: str, check: object, timeout: float = 60.0) -> object:
