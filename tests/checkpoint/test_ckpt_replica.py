@@ -4,11 +4,12 @@ shared memory; nothing is ever persisted, so the state cannot have come from sto
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -87,6 +88,23 @@ def _wait_until(cond: Callable[[], bool], timeout: float = 30.0) -> None:
         time.sleep(0.01)  # the pushing thread has no event a test can wait on
 
 
+@contextlib.contextmanager
+def _replaced(
+    tmp: Path, n0: Node, job: Any, ckpt: str, sharded: bool, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[CheckpointEngine, CheckpointEngine, list[Any]]]:
+    """Node 1 was lost: a replacement machine (empty memory) and node 0 start round 2 and vote
+    the step to load; yields both engines and their votes, then closes them."""
+    n1b = Node(tmp, "n1b", *job)
+    try:
+        e0b = n0.engine(ckpt, _place(0, 2), sharded, monkeypatch)
+        e1b = n1b.engine(ckpt, _place(1, 2), sharded, monkeypatch)
+        yield e0b, e1b, _together(lambda: e0b.memory_step(None), lambda: e1b.memory_step(None))
+        e0b.close()
+        e1b.close()
+    finally:
+        n1b.lose()
+
+
 def _holds(saver: CheckpointSaver, key: str, step: int) -> bool:
     assert saver._exchange is not None
     return any(i.key == key and i.step == step for i in saver._exchange.holdings())
@@ -123,11 +141,7 @@ def test_sharded_parts_are_pushed_to_the_next_node_and_a_replaced_node_restores_
         e1.close()
         n1.lose()
 
-        n1b = Node(tmp_path, "n1b", coordinator, peers)  # the replacement machine, empty memory
-        try:
-            e0b = n0.engine(ckpt, _place(0, 2), True, monkeypatch)
-            e1b = n1b.engine(ckpt, _place(1, 2), True, monkeypatch)
-            steps = _together(lambda: e0b.memory_step(None), lambda: e1b.memory_step(None))
+        with _replaced(tmp_path, n0, job, ckpt, True, monkeypatch) as (e0b, e1b, steps):
             assert steps == [3, 3]
             assert e1b.restored_from_peer == 0 and e0b.restored_from_peer is None
             step, state, _ = e1b.load_from_memory()
@@ -135,10 +149,6 @@ def test_sharded_parts_are_pushed_to_the_next_node_and_a_replaced_node_restores_
             assert_same(state, parts[1])
             assert_same(e0b.load_from_memory()[1], parts[0])
             assert not os.path.exists(os.path.join(ckpt, "latest"))  # storage never written
-            e0b.close()
-            e1b.close()
-        finally:
-            n1b.lose()
         e0.close()
     finally:
         n0.lose()
@@ -161,17 +171,10 @@ def test_replicated_state_needs_no_push_a_peer_s_own_copy_restores_a_replaced_no
         n1.lose()
         assert [i.key for i in n0.saver._exchange.holdings()] == ["own/0"]  # type: ignore[union-attr]
 
-        n1b = Node(tmp_path, "n1b", coordinator, peers)
-        try:
-            e0b = n0.engine(ckpt, _place(0, 2), False, monkeypatch)
-            e1b = n1b.engine(ckpt, _place(1, 2), False, monkeypatch)
-            assert _together(lambda: e0b.memory_step(None), lambda: e1b.memory_step(None)) == [5, 5]
+        with _replaced(tmp_path, n0, job, ckpt, False, monkeypatch) as (_, e1b, steps):
+            assert steps == [5, 5]
             assert e1b.restored_from_peer == 0
             assert_same(e1b.load_from_memory()[1], state)
-            e0b.close()
-            e1b.close()
-        finally:
-            n1b.lose()
         e0.close()
     finally:
         n0.lose()
