@@ -10,6 +10,14 @@ from dlrover.client.master_client import MasterClient
 from dlrover.constants import ENV_JOB_TOKEN
 from dlrover.proto import master_pb2 as pb
 from dlrover.sharding import wire
+from dlrover.sharding.stream import (
+    StreamFetchResult,
+    StreamMark,
+    StreamPosition,
+    StreamPositionAt,
+    StreamProgress,
+    StreamSpec,
+)
 from dlrover.sharding.types import (
     ConsumptionMark,
     DatasetProgress,
@@ -96,7 +104,9 @@ class GrpcShardingTransport:
 
     def get_position(self, dataset: str) -> Position:
         """The dataset's consumed position now (GetPosition RPC)."""
-        response = _accepted(self._client.call(self._client.stub.GetPosition, pb.GetPositionRequest(dataset=dataset)))
+        response = _accepted(
+            self._client.call(self._client.stub.GetPosition, pb.GetPositionRequest(dataset=dataset))
+        )
         return wire.position_from_proto(response.position)
 
     def mark_consumption(self, dataset: str, worker_id: str, mark: ConsumptionMark) -> None:
@@ -124,6 +134,70 @@ class GrpcShardingTransport:
         request = pb.DatasetProgressRequest(dataset=dataset)
         response = _accepted(self._client.call(self._client.stub.DatasetProgress, request))
         return wire.dataset_progress_from_proto(response.result)
+
+    # --- streams ------------------------------------------------------------------------------
+    def register_stream(self, spec: StreamSpec) -> RegisterResult:
+        """Register a stream over a Kafka topic (RegisterStream RPC)."""
+        request = pb.RegisterStreamRequest(spec=wire.stream_spec_to_proto(spec))
+        response = _accepted(self._client.call(self._client.stub.RegisterStream, request))
+        return wire.register_result_from_proto(response.result)
+
+    def fetch_stream_shards(self, stream: str, worker_id: str, max_count: int) -> StreamFetchResult:
+        """Lease record ranges to ``worker_id`` (FetchStreamShards RPC)."""
+        request = pb.FetchStreamShardsRequest(
+            stream=stream, worker_id=worker_id, max_count=max_count
+        )
+        response = _accepted(self._client.call(self._client.stub.FetchStreamShards, request))
+        return wire.stream_fetch_result_from_proto(response.result)
+
+    def report_stream_done(
+        self, stream: str, worker_id: str, shards: Sequence[tuple[int, int]]
+    ) -> int:
+        """Report ranges finished (ReportStreamDone RPC); returns how many were open."""
+        request = pb.ReportStreamDoneRequest(
+            stream=stream,
+            worker_id=worker_id,
+            shards=[pb.StreamRange(partition=p, start=s) for p, s in shards],
+        )
+        return _accepted(self._client.call(self._client.stub.ReportStreamDone, request)).accepted
+
+    def renew_stream_leases(self, stream: str, worker_id: str) -> int:
+        """Extend the worker's leases on the stream (RenewStreamLeases RPC)."""
+        request = pb.RenewLeasesRequest(dataset=stream, worker_id=worker_id)
+        return _accepted(self._client.call(self._client.stub.RenewStreamLeases, request)).renewed
+
+    def mark_stream(self, stream: str, worker_id: str, mark: StreamMark) -> None:
+        """Record where the worker stands in its pass (MarkStream RPC)."""
+        request = pb.MarkStreamRequest(
+            stream=stream, worker_id=worker_id, mark=wire.stream_mark_to_proto(mark)
+        )
+        _accepted(self._client.call(self._client.stub.MarkStream, request))
+
+    def stream_position_at(self, stream: str, consumed: int) -> StreamPositionAt:
+        """The position at a record count of every worker (StreamPositionAt RPC)."""
+        request = pb.StreamPositionAtRequest(stream=stream, consumed=consumed)
+        response = _accepted(self._client.call(self._client.stub.StreamPositionAt, request))
+        return wire.stream_position_at_from_proto(response.result)
+
+    def restore_stream_position(self, position: StreamPosition, token: str | None) -> bool:
+        """Restart the stream at ``position``, once per ``token`` (RestoreStreamPosition RPC)."""
+        request = pb.RestoreStreamPositionRequest(position=wire.stream_position_to_proto(position))
+        if token is not None:
+            request.token = token
+        call = self._client.stub.RestoreStreamPosition
+        return _accepted(self._client.call(call, request)).applied
+
+    def stop_stream(self, stream: str) -> StreamProgress:
+        """End the stream once the ranges in flight are done (StopStream RPC)."""
+        request = pb.StreamProgressRequest(stream=stream)
+        response = _accepted(self._client.call(self._client.stub.StopStream, request))
+        return wire.stream_progress_from_proto(response.result)
+
+    def stream_progress(self, stream: str) -> StreamProgress:
+        """The stream's counters (StreamProgress RPC)."""
+        request = pb.StreamProgressRequest(stream=stream)
+        response = _accepted(self._client.call(self._client.stub.StreamProgress, request))
+        return wire.stream_progress_from_proto(response.result)
 
 
 def connect(master_addr: str, token: str | None = None) -> GrpcShardingTransport:

@@ -5,6 +5,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from dlrover.sharding.stream import (
+    StreamFetchResult,
+    StreamMark,
+    StreamPosition,
+    StreamPositionAt,
+    StreamProgress,
+    StreamSpec,
+)
 from dlrover.sharding.types import (
     ConsumptionMark,
     DatasetProgress,
@@ -76,4 +84,49 @@ class ShardingTransport(Protocol):
 
     def dataset_progress(self, dataset: str) -> DatasetProgress:
         """The dataset's progress counters."""
+        ...
+
+
+class StreamTransport(Protocol):
+    """How a StreamShardingClient reaches the master: one method per stream RPC of the same name
+    (the gRPC transport implements both protocols). Refusals raise their class from
+    dlrover.sharding.errors; implementations must be thread-safe."""
+
+    def register_stream(self, spec: StreamSpec) -> RegisterResult:
+        """Register ``spec``: a no-op if the same spec exists, DatasetConflictError if a different
+        one does; StreamSourceError if the master cannot read the topic."""
+        ...
+
+    def fetch_stream_shards(self, stream: str, worker_id: str, max_count: int) -> StreamFetchResult:
+        """Lease up to ``max_count`` record ranges to ``worker_id``."""
+        ...
+
+    def report_stream_done(
+        self, stream: str, worker_id: str, shards: Sequence[tuple[int, int]]
+    ) -> int:
+        """Report ranges, named by (partition, start), finished; returns how many were open."""
+        ...
+
+    def renew_stream_leases(self, stream: str, worker_id: str) -> int:
+        """Extend every lease ``worker_id`` holds on ``stream``; returns how many."""
+        ...
+
+    def mark_stream(self, stream: str, worker_id: str, mark: StreamMark) -> None:
+        """Record where ``worker_id`` stands in its pass (see StreamMark)."""
+        ...
+
+    def stream_position_at(self, stream: str, consumed: int) -> StreamPositionAt:
+        """The position once every worker had yielded ``consumed`` records, or who it waits for."""
+        ...
+
+    def restore_stream_position(self, position: StreamPosition, token: str | None) -> bool:
+        """Restart the stream at ``position``; False when ``token`` is the one applied last."""
+        ...
+
+    def stop_stream(self, stream: str) -> StreamProgress:
+        """Cut no new shards: the stream ends once the ranges in flight are done."""
+        ...
+
+    def stream_progress(self, stream: str) -> StreamProgress:
+        """The stream's counters: committed and end offsets per partition."""
         ...

@@ -135,13 +135,15 @@ async def _sharding(
     """Run a sharding handler: a ShardingError travels in the response's typed `error` field
     (the client raises the same class); a malformed request is refused like any other."""
 
-    def run() -> R:
-        try:
-            return fn()
-        except ShardingError as e:
-            return response(error=sharding_wire.error_to_proto(e))
+    return await _guard(context, lambda: _sharding_call(response, fn))
 
-    return await _guard(context, run)
+
+def _sharding_call(response: Callable[..., R], fn: Callable[[], R]) -> R:
+    """``fn()``, or the response carrying the ShardingError it raised."""
+    try:
+        return fn()
+    except ShardingError as e:
+        return response(error=sharding_wire.error_to_proto(e))
 
 
 class _Waker:
@@ -581,6 +583,127 @@ class MasterServicer(pb_grpc.MasterServicer):
 
         return await _sharding(context, pb.DatasetProgressResponse, run)
 
+    # --- streams: messages <-> dataclasses in dlrover/sharding/wire.py ------------------------
+    async def RegisterStream(
+        self, request: pb.RegisterStreamRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RegisterStreamResponse:  # noqa: N802
+        """Register a stream over the Kafka topic its spec names (the same spec again is a
+        no-op). The first registration asks the broker for the partitions: off the loop."""
+
+        def run() -> pb.RegisterStreamResponse:
+            _require(request, "spec")
+            spec = sharding_wire.stream_spec_from_proto(request.spec)
+            result = self.job.sharding.register_stream(spec)
+            return pb.RegisterStreamResponse(result=sharding_wire.register_result_to_proto(result))
+
+        return await self._blocking(context, lambda: _sharding_call(pb.RegisterStreamResponse, run))
+
+    async def FetchStreamShards(
+        self, request: pb.FetchStreamShardsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.FetchStreamShardsResponse:  # noqa: N802
+        """Lease a stream's next record ranges to a worker."""
+
+        def run() -> pb.FetchStreamShardsResponse:
+            result = self.job.sharding.fetch_stream_shards(
+                request.stream, request.worker_id, request.max_count
+            )
+            return pb.FetchStreamShardsResponse(
+                result=sharding_wire.stream_fetch_result_to_proto(result)
+            )
+
+        return await _sharding(context, pb.FetchStreamShardsResponse, run)
+
+    async def ReportStreamDone(
+        self, request: pb.ReportStreamDoneRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReportStreamDoneResponse:  # noqa: N802
+        """Record record ranges a worker has finished."""
+
+        def run() -> pb.ReportStreamDoneResponse:
+            keys = [(r.partition, r.start) for r in request.shards]
+            accepted = self.job.sharding.report_stream_done(request.stream, request.worker_id, keys)
+            return pb.ReportStreamDoneResponse(accepted=accepted)
+
+        return await _sharding(context, pb.ReportStreamDoneResponse, run)
+
+    async def RenewStreamLeases(
+        self, request: pb.RenewLeasesRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RenewLeasesResponse:  # noqa: N802
+        """Extend every lease a worker holds on a stream (`dataset` names the stream)."""
+
+        def run() -> pb.RenewLeasesResponse:
+            renewed = self.job.sharding.renew_stream_leases(request.dataset, request.worker_id)
+            return pb.RenewLeasesResponse(renewed=renewed)
+
+        return await _sharding(context, pb.RenewLeasesResponse, run)
+
+    async def MarkStream(
+        self, request: pb.MarkStreamRequest, context: grpc.aio.ServicerContext
+    ) -> pb.MarkConsumptionResponse:  # noqa: N802
+        """Record where a worker stands in its pass over a stream."""
+
+        def run() -> pb.MarkConsumptionResponse:
+            _require(request, "mark")
+            mark = sharding_wire.stream_mark_from_proto(request.mark)
+            self.job.sharding.mark_stream(request.stream, request.worker_id, mark)
+            return pb.MarkConsumptionResponse()
+
+        return await _sharding(context, pb.MarkConsumptionResponse, run)
+
+    async def StreamPositionAt(
+        self, request: pb.StreamPositionAtRequest, context: grpc.aio.ServicerContext
+    ) -> pb.StreamPositionAtResponse:  # noqa: N802
+        """Answer a stream's position once every worker yielded a number of records, or the
+        workers it still waits for."""
+
+        def run() -> pb.StreamPositionAtResponse:
+            result = self.job.sharding.stream_position_at(request.stream, request.consumed)
+            return pb.StreamPositionAtResponse(
+                result=sharding_wire.stream_position_at_to_proto(result)
+            )
+
+        return await _sharding(context, pb.StreamPositionAtResponse, run)
+
+    async def RestoreStreamPosition(
+        self, request: pb.RestoreStreamPositionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RestorePositionResponse:  # noqa: N802
+        """Restart a stream at a checkpointed position (once per restore token)."""
+
+        def run() -> pb.RestorePositionResponse:
+            _require(request, "position")
+            token = request.token if request.HasField("token") else None
+            applied = self.job.sharding.restore_stream(
+                sharding_wire.stream_position_from_proto(request.position), token
+            )
+            return pb.RestorePositionResponse(applied=applied)
+
+        return await _sharding(context, pb.RestorePositionResponse, run)
+
+    async def StopStream(
+        self, request: pb.StreamProgressRequest, context: grpc.aio.ServicerContext
+    ) -> pb.StreamProgressResponse:  # noqa: N802
+        """Cut no new shards of a stream: it ends once the ranges in flight are done."""
+
+        def run() -> pb.StreamProgressResponse:
+            progress = self.job.sharding.stop_stream(request.stream)
+            return pb.StreamProgressResponse(
+                result=sharding_wire.stream_progress_to_proto(progress)
+            )
+
+        return await _sharding(context, pb.StreamProgressResponse, run)
+
+    async def StreamProgress(
+        self, request: pb.StreamProgressRequest, context: grpc.aio.ServicerContext
+    ) -> pb.StreamProgressResponse:  # noqa: N802
+        """Answer a stream's counters: committed and end offsets per partition."""
+
+        def run() -> pb.StreamProgressResponse:
+            progress = self.job.sharding.stream_progress(request.stream)
+            return pb.StreamProgressResponse(
+                result=sharding_wire.stream_progress_to_proto(progress)
+            )
+
+        return await _sharding(context, pb.StreamProgressResponse, run)
+
 
 class MasterServer:
     """Serves a JobMaster over gRPC (asyncio, on a loop thread of its own) and drives its
@@ -736,6 +859,7 @@ class MasterServer:
         self._shutdown_loop()
         if self._ticker.is_alive():
             self._ticker.join(timeout=self._tick_interval_s + 1.0)
+        self.job.sharding.close()
 
     def _shutdown_loop(self) -> None:
         if self._servicer is not None:

@@ -9,6 +9,15 @@ from contextlib import contextmanager
 
 from dlrover.master.state_store import StateStore
 from dlrover.sharding.manager import ShardManager
+from dlrover.sharding.stream import (
+    StreamFetchResult,
+    StreamMark,
+    StreamPosition,
+    StreamPositionAt,
+    StreamProgress,
+    StreamSource,
+    StreamSpec,
+)
 from dlrover.sharding.types import (
     ConsumptionMark,
     DatasetProgress,
@@ -25,6 +34,21 @@ logger = logging.getLogger(__name__)
 
 _NAMESPACE = "sharding"
 
+SourceFactory = Callable[[StreamSpec, Sequence[int] | None], StreamSource]
+"""Builds the source a stream spec names; the partitions when already known (a restart)."""
+
+
+def _kafka_source(spec: StreamSpec, partitions: Sequence[int] | None) -> StreamSource:
+    from dlrover.sharding.kafka_source import kafka_source_for
+
+    return kafka_source_for(spec, partitions)
+
+
+def _close(source: StreamSource) -> None:
+    close = getattr(source, "close", None)
+    if close is not None:
+        close()
+
 
 class ShardingService:
     """Serialises calls onto the ShardManager and saves its state after every change.
@@ -37,11 +61,26 @@ class ShardingService:
     live in memory only (one per shard a worker starts).
     """
 
-    def __init__(self, store: StateStore, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        store: StateStore,
+        clock: Callable[[], float],
+        source_factory: SourceFactory | None = None,
+    ) -> None:
         self._store = store
         self._lock = threading.Lock()
+        self._source_factory = source_factory or _kafka_source
+        self._sources: dict[str, StreamSource] = {}
         saved = store.get_json(_NAMESPACE, "state")
-        self.manager = ShardManager.from_state(saved, clock) if saved else ShardManager(clock)
+        if saved:
+            # A restarted master knows each stream's partitions: it needs no broker to start.
+            for entry in saved.get("streams", []):
+                spec = StreamSpec(**entry["spec"])
+                partitions = [int(p) for p, _ in entry["next_offset"]]
+                self._sources[spec.name] = self._source_factory(spec, partitions)
+            self.manager = ShardManager.from_state(saved, clock, self._sources)
+        else:
+            self.manager = ShardManager(clock)
 
     # --- calls that change the saved state ----------------------------------------------------
     def register_dataset(self, spec: DatasetSpec) -> RegisterResult:
@@ -73,6 +112,68 @@ class ShardingService:
         and save the state."""
         with self._changing():
             return self.manager.restore_position(position, token)
+
+    # --- streams --------------------------------------------------------------------------------
+    def register_stream(self, spec: StreamSpec) -> RegisterResult:
+        """Register the stream over the source its spec names (a Kafka topic) and save the state;
+        the broker is asked for the partitions outside the lock, and only for a new stream."""
+        with self._lock:
+            if spec.name in self.manager.streams():
+                return self.manager.register_stream(spec, self._sources[spec.name])
+        source = self._source_factory(spec, None)
+        with self._changing():
+            if spec.name in self.manager.streams():  # registered meanwhile by another worker
+                _close(source)
+                return self.manager.register_stream(spec, self._sources[spec.name])
+            result = self.manager.register_stream(spec, source)
+            self._sources[spec.name] = source
+            return result
+
+    def fetch_stream_shards(self, stream: str, worker_id: str, max_count: int) -> StreamFetchResult:
+        """Lease record ranges to the worker (ShardManager.fetch_stream_shards); saves the state
+        when any were leased."""
+        with self._lock:
+            result = self.manager.fetch_stream_shards(stream, worker_id, max_count)
+            if result.shards:
+                self._save()
+            return result
+
+    def report_stream_done(
+        self, stream: str, worker_id: str, shards: Sequence[tuple[int, int]]
+    ) -> int:
+        """Mark ranges done (ShardManager.report_stream_done) and save the state."""
+        with self._changing():
+            return self.manager.report_stream_done(stream, worker_id, shards)
+
+    def renew_stream_leases(self, stream: str, worker_id: str) -> int:
+        """Extend the worker's leases on the stream; not saved."""
+        with self._lock:
+            return self.manager.renew_stream_leases(stream, worker_id)
+
+    def mark_stream(self, stream: str, worker_id: str, mark: StreamMark) -> None:
+        """Record the worker's mark (ShardManager.mark_stream); kept in memory only."""
+        with self._lock:
+            self.manager.mark_stream(stream, worker_id, mark)
+
+    def stream_position_at(self, stream: str, consumed: int) -> StreamPositionAt:
+        """The stream's position when every worker had yielded ``consumed`` records."""
+        with self._lock:
+            return self.manager.stream_position_at(stream, consumed)
+
+    def restore_stream(self, position: StreamPosition, token: str | None) -> bool:
+        """Restart the stream at ``position``, once per ``token``, and save the state."""
+        with self._changing():
+            return self.manager.restore_stream(position, token)
+
+    def stop_stream(self, stream: str) -> StreamProgress:
+        """Cut no new shards of the stream (it ends once those in flight are done); saved."""
+        with self._changing():
+            return self.manager.stop_stream(stream)
+
+    def stream_progress(self, stream: str) -> StreamProgress:
+        """The stream's counters (ShardManager.stream_progress)."""
+        with self._lock:
+            return self.manager.stream_progress(stream)
 
     # --- calls that do not --------------------------------------------------------------------
     def renew_leases(self, dataset: str, worker_id: str) -> int:
@@ -116,10 +217,32 @@ class ShardingService:
             return count
 
     def tick(self) -> None:
-        """Requeue the shards whose leases expired; save the state if any did."""
+        """Requeue the shards whose leases expired (save the state if any did); commit each
+        stream's finished offsets to its broker (an asynchronous request: no wait here)."""
         with self._lock:
             if self.manager.tick():
                 self._save()
+        self._commit_offsets()
+
+    def _commit_offsets(self) -> None:
+        with self._lock:
+            commits = [
+                (self._sources[name], self.manager.stream_committed(name))
+                for name in self.manager.streams()
+            ]
+        for source, offsets in commits:
+            commit = getattr(source, "commit", None)
+            if commit is not None:
+                commit(offsets)
+
+    def close(self) -> None:
+        """Commit the streams' finished offsets a last time and close their broker
+        connections."""
+        self._commit_offsets()
+        with self._lock:
+            sources, self._sources = list(self._sources.values()), {}
+        for source in sources:
+            _close(source)
 
     @contextmanager
     def _changing(self) -> Iterator[None]:

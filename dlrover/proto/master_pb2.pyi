@@ -491,6 +491,7 @@ class ShardingError(_message.Message):
         SHARD_RETRIES_EXHAUSTED: _ClassVar[ShardingError.Kind]
         INVALID_POSITION: _ClassVar[ShardingError.Kind]
         SHARDING_TIMEOUT: _ClassVar[ShardingError.Kind]
+        STREAM_SOURCE: _ClassVar[ShardingError.Kind]
     SHARDING_ERROR: ShardingError.Kind
     INVALID_SPEC: ShardingError.Kind
     UNKNOWN_DATASET: ShardingError.Kind
@@ -498,6 +499,7 @@ class ShardingError(_message.Message):
     SHARD_RETRIES_EXHAUSTED: ShardingError.Kind
     INVALID_POSITION: ShardingError.Kind
     SHARDING_TIMEOUT: ShardingError.Kind
+    STREAM_SOURCE: ShardingError.Kind
     KIND_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     kind: ShardingError.Kind
@@ -809,3 +811,205 @@ class DatasetProgressResponse(_message.Message):
     error: ShardingError
     result: DatasetProgress
     def __init__(self, error: _Optional[_Union[ShardingError, _Mapping]] = ..., result: _Optional[_Union[DatasetProgress, _Mapping]] = ...) -> None: ...
+
+class PartitionOffset(_message.Message):
+    __slots__ = ("partition", "offset")
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    partition: int
+    offset: int
+    def __init__(self, partition: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class StreamSpec(_message.Message):
+    __slots__ = ("name", "records_per_shard", "max_retries", "lease_s", "topic", "bootstrap_servers", "group_id", "end_offsets")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_PER_SHARD_FIELD_NUMBER: _ClassVar[int]
+    MAX_RETRIES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    TOPIC_FIELD_NUMBER: _ClassVar[int]
+    BOOTSTRAP_SERVERS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    END_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    records_per_shard: int
+    max_retries: int
+    lease_s: float
+    topic: str
+    bootstrap_servers: str
+    group_id: str
+    end_offsets: _containers.RepeatedCompositeFieldContainer[PartitionOffset]
+    def __init__(self, name: _Optional[str] = ..., records_per_shard: _Optional[int] = ..., max_retries: _Optional[int] = ..., lease_s: _Optional[float] = ..., topic: _Optional[str] = ..., bootstrap_servers: _Optional[str] = ..., group_id: _Optional[str] = ..., end_offsets: _Optional[_Iterable[_Union[PartitionOffset, _Mapping]]] = ...) -> None: ...
+
+class StreamShard(_message.Message):
+    __slots__ = ("stream", "partition", "start", "end", "attempt")
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    stream: str
+    partition: int
+    start: int
+    end: int
+    attempt: int
+    def __init__(self, stream: _Optional[str] = ..., partition: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., attempt: _Optional[int] = ...) -> None: ...
+
+class StreamRange(_message.Message):
+    __slots__ = ("partition", "start", "end")
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    partition: int
+    start: int
+    end: int
+    def __init__(self, partition: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
+
+class StreamPosition(_message.Message):
+    __slots__ = ("stream", "offsets", "pending")
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    stream: str
+    offsets: _containers.RepeatedCompositeFieldContainer[PartitionOffset]
+    pending: _containers.RepeatedCompositeFieldContainer[StreamRange]
+    def __init__(self, stream: _Optional[str] = ..., offsets: _Optional[_Iterable[_Union[PartitionOffset, _Mapping]]] = ..., pending: _Optional[_Iterable[_Union[StreamRange, _Mapping]]] = ...) -> None: ...
+
+class StreamMark(_message.Message):
+    __slots__ = ("begin", "partition", "start")
+    BEGIN_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    begin: int
+    partition: int
+    start: int
+    def __init__(self, begin: _Optional[int] = ..., partition: _Optional[int] = ..., start: _Optional[int] = ...) -> None: ...
+
+class StreamFetchResult(_message.Message):
+    __slots__ = ("shards", "finished")
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    shards: _containers.RepeatedCompositeFieldContainer[StreamShard]
+    finished: bool
+    def __init__(self, shards: _Optional[_Iterable[_Union[StreamShard, _Mapping]]] = ..., finished: _Optional[bool] = ...) -> None: ...
+
+class StreamPositionAt(_message.Message):
+    __slots__ = ("position", "waiting_for")
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FOR_FIELD_NUMBER: _ClassVar[int]
+    position: StreamPosition
+    waiting_for: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, position: _Optional[_Union[StreamPosition, _Mapping]] = ..., waiting_for: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class StreamProgress(_message.Message):
+    __slots__ = ("stream", "committed", "end_offsets", "leased", "stopped", "finished")
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    END_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    LEASED_FIELD_NUMBER: _ClassVar[int]
+    STOPPED_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    stream: str
+    committed: _containers.RepeatedCompositeFieldContainer[PartitionOffset]
+    end_offsets: _containers.RepeatedCompositeFieldContainer[PartitionOffset]
+    leased: int
+    stopped: bool
+    finished: bool
+    def __init__(self, stream: _Optional[str] = ..., committed: _Optional[_Iterable[_Union[PartitionOffset, _Mapping]]] = ..., end_offsets: _Optional[_Iterable[_Union[PartitionOffset, _Mapping]]] = ..., leased: _Optional[int] = ..., stopped: _Optional[bool] = ..., finished: _Optional[bool] = ...) -> None: ...
+
+class RegisterStreamRequest(_message.Message):
+    __slots__ = ("spec",)
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    spec: StreamSpec
+    def __init__(self, spec: _Optional[_Union[StreamSpec, _Mapping]] = ...) -> None: ...
+
+class RegisterStreamResponse(_message.Message):
+    __slots__ = ("error", "result")
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    error: ShardingError
+    result: RegisterResult
+    def __init__(self, error: _Optional[_Union[ShardingError, _Mapping]] = ..., result: _Optional[_Union[RegisterResult, _Mapping]] = ...) -> None: ...
+
+class FetchStreamShardsRequest(_message.Message):
+    __slots__ = ("stream", "worker_id", "max_count")
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_COUNT_FIELD_NUMBER: _ClassVar[int]
+    stream: str
+    worker_id: str
+    max_count: int
+    def __init__(self, stream: _Optional[str] = ..., worker_id: _Optional[str] = ..., max_count: _Optional[int] = ...) -> None: ...
+
+class FetchStreamShardsResponse(_message.Message):
+    __slots__ = ("error", "result")
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    error: ShardingError
+    result: StreamFetchResult
+    def __init__(self, error: _Optional[_Union[ShardingError, _Mapping]] = ..., result: _Optional[_Union[StreamFetchResult, _Mapping]] = ...) -> None: ...
+
+class ReportStreamDoneRequest(_message.Message):
+    __slots__ = ("stream", "worker_id", "shards")
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    stream: str
+    worker_id: str
+    shards: _containers.RepeatedCompositeFieldContainer[StreamRange]
+    def __init__(self, stream: _Optional[str] = ..., worker_id: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[StreamRange, _Mapping]]] = ...) -> None: ...
+
+class ReportStreamDoneResponse(_message.Message):
+    __slots__ = ("error", "accepted")
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    error: ShardingError
+    accepted: int
+    def __init__(self, error: _Optional[_Union[ShardingError, _Mapping]] = ..., accepted: _Optional[int] = ...) -> None: ...
+
+class MarkStreamRequest(_message.Message):
+    __slots__ = ("stream", "worker_id", "mark")
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    MARK_FIELD_NUMBER: _ClassVar[int]
+    stream: str
+    worker_id: str
+    mark: StreamMark
+    def __init__(self, stream: _Optional[str] = ..., worker_id: _Optional[str] = ..., mark: _Optional[_Union[StreamMark, _Mapping]] = ...) -> None: ...
+
+class StreamPositionAtRequest(_message.Message):
+    __slots__ = ("stream", "consumed")
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    CONSUMED_FIELD_NUMBER: _ClassVar[int]
+    stream: str
+    consumed: int
+    def __init__(self, stream: _Optional[str] = ..., consumed: _Optional[int] = ...) -> None: ...
+
+class StreamPositionAtResponse(_message.Message):
+    __slots__ = ("error", "result")
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    error: ShardingError
+    result: StreamPositionAt
+    def __init__(self, error: _Optional[_Union[ShardingError, _Mapping]] = ..., result: _Optional[_Union[StreamPositionAt, _Mapping]] = ...) -> None: ...
+
+class RestoreStreamPositionRequest(_message.Message):
+    __slots__ = ("position", "token")
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    position: StreamPosition
+    token: str
+    def __init__(self, position: _Optional[_Union[StreamPosition, _Mapping]] = ..., token: _Optional[str] = ...) -> None: ...
+
+class StreamProgressRequest(_message.Message):
+    __slots__ = ("stream",)
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    stream: str
+    def __init__(self, stream: _Optional[str] = ...) -> None: ...
+
+class StreamProgressResponse(_message.Message):
+    __slots__ = ("error", "result")
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    error: ShardingError
+    result: StreamProgress
+    def __init__(self, error: _Optional[_Union[ShardingError, _Mapping]] = ..., result: _Optional[_Union[StreamProgress, _Mapping]] = ...) -> None: ...

@@ -174,6 +174,51 @@ class MasterStub:
                 request_serializer=dlrover_dot_proto_dot_master__pb2.DatasetProgressRequest.SerializeToString,
                 response_deserializer=dlrover_dot_proto_dot_master__pb2.DatasetProgressResponse.FromString,
                 _registered_method=True)
+        self.RegisterStream = channel.unary_unary(
+                '/dlrover.Master/RegisterStream',
+                request_serializer=dlrover_dot_proto_dot_master__pb2.RegisterStreamRequest.SerializeToString,
+                response_deserializer=dlrover_dot_proto_dot_master__pb2.RegisterStreamResponse.FromString,
+                _registered_method=True)
+        self.FetchStreamShards = channel.unary_unary(
+                '/dlrover.Master/FetchStreamShards',
+                request_serializer=dlrover_dot_proto_dot_master__pb2.FetchStreamShardsRequest.SerializeToString,
+                response_deserializer=dlrover_dot_proto_dot_master__pb2.FetchStreamShardsResponse.FromString,
+                _registered_method=True)
+        self.ReportStreamDone = channel.unary_unary(
+                '/dlrover.Master/ReportStreamDone',
+                request_serializer=dlrover_dot_proto_dot_master__pb2.ReportStreamDoneRequest.SerializeToString,
+                response_deserializer=dlrover_dot_proto_dot_master__pb2.ReportStreamDoneResponse.FromString,
+                _registered_method=True)
+        self.RenewStreamLeases = channel.unary_unary(
+                '/dlrover.Master/RenewStreamLeases',
+                request_serializer=dlrover_dot_proto_dot_master__pb2.RenewLeasesRequest.SerializeToString,
+                response_deserializer=dlrover_dot_proto_dot_master__pb2.RenewLeasesResponse.FromString,
+                _registered_method=True)
+        self.MarkStream = channel.unary_unary(
+                '/dlrover.Master/MarkStream',
+                request_serializer=dlrover_dot_proto_dot_master__pb2.MarkStreamRequest.SerializeToString,
+                response_deserializer=dlrover_dot_proto_dot_master__pb2.MarkConsumptionResponse.FromString,
+                _registered_method=True)
+        self.StreamPositionAt = channel.unary_unary(
+                '/dlrover.Master/StreamPositionAt',
+                request_serializer=dlrover_dot_proto_dot_master__pb2.StreamPositionAtRequest.SerializeToString,
+                response_deserializer=dlrover_dot_proto_dot_master__pb2.StreamPositionAtResponse.FromString,
+                _registered_method=True)
+        self.RestoreStreamPosition = channel.unary_unary(
+                '/dlrover.Master/RestoreStreamPosition',
+                request_serializer=dlrover_dot_proto_dot_master__pb2.RestoreStreamPositionRequest.SerializeToString,
+                response_deserializer=dlrover_dot_proto_dot_master__pb2.RestorePositionResponse.FromString,
+                _registered_method=True)
+        self.StopStream = channel.unary_unary(
+                '/dlrover.Master/StopStream',
+                request_serializer=dlrover_dot_proto_dot_master__pb2.StreamProgressRequest.SerializeToString,
+                response_deserializer=dlrover_dot_proto_dot_master__pb2.StreamProgressResponse.FromString,
+                _registered_method=True)
+        self.StreamProgress = channel.unary_unary(
+                '/dlrover.Master/StreamProgress',
+                request_serializer=dlrover_dot_proto_dot_master__pb2.StreamProgressRequest.SerializeToString,
+                response_deserializer=dlrover_dot_proto_dot_master__pb2.StreamProgressResponse.FromString,
+                _registered_method=True)
 
 
 class MasterServicer:
@@ -374,6 +419,61 @@ class MasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterStream(self, request, context):
+        """Streams (Kafka topics): offset-range shards, leased like a dataset's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FetchStreamShards(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportStreamDone(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RenewStreamLeases(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def MarkStream(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StreamPositionAt(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RestoreStreamPosition(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StopStream(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StreamProgress(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MasterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -516,6 +616,51 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.DatasetProgress,
                     request_deserializer=dlrover_dot_proto_dot_master__pb2.DatasetProgressRequest.FromString,
                     response_serializer=dlrover_dot_proto_dot_master__pb2.DatasetProgressResponse.SerializeToString,
+            ),
+            'RegisterStream': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterStream,
+                    request_deserializer=dlrover_dot_proto_dot_master__pb2.RegisterStreamRequest.FromString,
+                    response_serializer=dlrover_dot_proto_dot_master__pb2.RegisterStreamResponse.SerializeToString,
+            ),
+            'FetchStreamShards': grpc.unary_unary_rpc_method_handler(
+                    servicer.FetchStreamShards,
+                    request_deserializer=dlrover_dot_proto_dot_master__pb2.FetchStreamShardsRequest.FromString,
+                    response_serializer=dlrover_dot_proto_dot_master__pb2.FetchStreamShardsResponse.SerializeToString,
+            ),
+            'ReportStreamDone': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportStreamDone,
+                    request_deserializer=dlrover_dot_proto_dot_master__pb2.ReportStreamDoneRequest.FromString,
+                    response_serializer=dlrover_dot_proto_dot_master__pb2.ReportStreamDoneResponse.SerializeToString,
+            ),
+            'RenewStreamLeases': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewStreamLeases,
+                    request_deserializer=dlrover_dot_proto_dot_master__pb2.RenewLeasesRequest.FromString,
+                    response_serializer=dlrover_dot_proto_dot_master__pb2.RenewLeasesResponse.SerializeToString,
+            ),
+            'MarkStream': grpc.unary_unary_rpc_method_handler(
+                    servicer.MarkStream,
+                    request_deserializer=dlrover_dot_proto_dot_master__pb2.MarkStreamRequest.FromString,
+                    response_serializer=dlrover_dot_proto_dot_master__pb2.MarkConsumptionResponse.SerializeToString,
+            ),
+            'StreamPositionAt': grpc.unary_unary_rpc_method_handler(
+                    servicer.StreamPositionAt,
+                    request_deserializer=dlrover_dot_proto_dot_master__pb2.StreamPositionAtRequest.FromString,
+                    response_serializer=dlrover_dot_proto_dot_master__pb2.StreamPositionAtResponse.SerializeToString,
+            ),
+            'RestoreStreamPosition': grpc.unary_unary_rpc_method_handler(
+                    servicer.RestoreStreamPosition,
+                    request_deserializer=dlrover_dot_proto_dot_master__pb2.RestoreStreamPositionRequest.FromString,
+                    response_serializer=dlrover_dot_proto_dot_master__pb2.RestorePositionResponse.SerializeToString,
+            ),
+            'StopStream': grpc.unary_unary_rpc_method_handler(
+                    servicer.StopStream,
+                    request_deserializer=dlrover_dot_proto_dot_master__pb2.StreamProgressRequest.FromString,
+                    response_serializer=dlrover_dot_proto_dot_master__pb2.StreamProgressResponse.SerializeToString,
+            ),
+            'StreamProgress': grpc.unary_unary_rpc_method_handler(
+                    servicer.StreamProgress,
+                    request_deserializer=dlrover_dot_proto_dot_master__pb2.StreamProgressRequest.FromString,
+                    response_serializer=dlrover_dot_proto_dot_master__pb2.StreamProgressResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1274,6 +1419,249 @@ class Master:
             '/dlrover.Master/DatasetProgress',
             dlrover_dot_proto_dot_master__pb2.DatasetProgressRequest.SerializeToString,
             dlrover_dot_proto_dot_master__pb2.DatasetProgressResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dlrover.Master/RegisterStream',
+            dlrover_dot_proto_dot_master__pb2.RegisterStreamRequest.SerializeToString,
+            dlrover_dot_proto_dot_master__pb2.RegisterStreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchStreamShards(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dlrover.Master/FetchStreamShards',
+            dlrover_dot_proto_dot_master__pb2.FetchStreamShardsRequest.SerializeToString,
+            dlrover_dot_proto_dot_master__pb2.FetchStreamShardsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportStreamDone(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dlrover.Master/ReportStreamDone',
+            dlrover_dot_proto_dot_master__pb2.ReportStreamDoneRequest.SerializeToString,
+            dlrover_dot_proto_dot_master__pb2.ReportStreamDoneResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewStreamLeases(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dlrover.Master/RenewStreamLeases',
+            dlrover_dot_proto_dot_master__pb2.RenewLeasesRequest.SerializeToString,
+            dlrover_dot_proto_dot_master__pb2.RenewLeasesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MarkStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dlrover.Master/MarkStream',
+            dlrover_dot_proto_dot_master__pb2.MarkStreamRequest.SerializeToString,
+            dlrover_dot_proto_dot_master__pb2.MarkConsumptionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamPositionAt(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dlrover.Master/StreamPositionAt',
+            dlrover_dot_proto_dot_master__pb2.StreamPositionAtRequest.SerializeToString,
+            dlrover_dot_proto_dot_master__pb2.StreamPositionAtResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RestoreStreamPosition(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dlrover.Master/RestoreStreamPosition',
+            dlrover_dot_proto_dot_master__pb2.RestoreStreamPositionRequest.SerializeToString,
+            dlrover_dot_proto_dot_master__pb2.RestorePositionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StopStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dlrover.Master/StopStream',
+            dlrover_dot_proto_dot_master__pb2.StreamProgressRequest.SerializeToString,
+            dlrover_dot_proto_dot_master__pb2.StreamProgressResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamProgress(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dlrover.Master/StreamProgress',
+            dlrover_dot_proto_dot_master__pb2.StreamProgressRequest.SerializeToString,
+            dlrover_dot_proto_dot_master__pb2.StreamProgressResponse.FromString,
             options,
             channel_credentials,
             insecure,

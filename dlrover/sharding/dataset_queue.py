@@ -52,7 +52,7 @@ class DatasetQueue:
         self.done_shards = 0
         self.failure: str | None = None
         self.restore_token: str | None = None
-        self.ledgers = Ledgers()
+        self.ledgers: Ledgers[ShardId] = Ledgers()
 
     # --- hand-out -------------------------------------------------------------------------
     def fetch(self, worker_id: str, max_count: int, now: float) -> FetchResult:
@@ -178,7 +178,9 @@ class DatasetQueue:
                 )
         if mark.begin < 0 or mark.epoch < 0:
             raise InvalidSpecError(f"mark of {self.spec.name!r}: negative epoch or begin {mark}")
-        self.ledgers.record(worker_id, mark, length)
+        self.ledgers.record(
+            worker_id, mark.epoch, mark.begin, mark.shard_id, mark.offset, length
+        )
 
     def renew(self, worker_id: str, now: float) -> int:
         """Extend every lease ``worker_id`` holds to ``now + lease_s``; returns how many."""

@@ -30,3 +30,8 @@ class InvalidPositionError(ShardingError, ValueError):
 
 class ShardingTimeoutError(ShardingError, TimeoutError):
     """A client waited past its deadline for the master (or the prefetcher)."""
+
+
+class StreamSourceError(ShardingError):
+    """A stream's broker cannot be reached, or its topic does not exist; the message says which
+    and what to check."""

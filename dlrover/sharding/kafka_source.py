@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from dlrover.sharding.errors import ShardingError
+from dlrover.sharding.errors import StreamSourceError
+from dlrover.sharding.stream import StreamSpec
+
+__all__ = ["KafkaStreamSource", "StreamSourceError", "kafka_source_for"]
 
 log = logging.getLogger(__name__)
 
@@ -19,17 +21,17 @@ DEFAULT_REFRESH_S = 1.0
 """End offsets are asked of the broker at most this often; between, the last answer serves."""
 
 
-class StreamSourceError(ShardingError):
-    """The broker cannot be reached, or the topic does not exist; the message says which and
-    what to check."""
-
-
 class KafkaStreamSource:
     """Partitions and end offsets of ``topic`` on the brokers ``bootstrap_servers``.
 
-    The partitions are read once (a stream's shards are cut per partition). End offsets (the
-    high watermarks) are refreshed at most every ``refresh_s``; while the broker does not answer,
-    the last known ones stand (no new shards, none lost) and a warning says so, once per outage.
+    The partitions are read once (a stream's shards are cut per partition), unless
+    ``partitions`` gives them (a restarted master knows them from its state and must not need
+    the broker to start). A thread of the source asks the broker for the end offsets (high
+    watermarks) every ``refresh_s`` and commits the offsets handed to ``commit`` under the
+    consumer group ``group_id``; ``end_offset`` answers from memory, so no caller ever waits
+    on the broker. While the broker does not answer, the last known offsets stand (no new
+    shards, none lost) and a warning says so, once per outage. A new stream starts where the
+    group's committed offsets stand, else at the oldest record the broker keeps.
     ``consumer_factory`` builds the client (tests; default confluent_kafka.Consumer).
     """
 
@@ -40,7 +42,8 @@ class KafkaStreamSource:
         timeout_s: float = DEFAULT_BROKER_TIMEOUT_S,
         refresh_s: float = DEFAULT_REFRESH_S,
         consumer_factory: Callable[[dict[str, Any]], Any] | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        group_id: str = "",
+        partitions: Sequence[int] | None = None,
     ) -> None:
         if not topic or not bootstrap_servers:
             raise StreamSourceError("a Kafka stream needs a topic and bootstrap_servers")
@@ -48,7 +51,6 @@ class KafkaStreamSource:
         self.bootstrap_servers = bootstrap_servers
         self._timeout_s = timeout_s
         self._refresh_s = refresh_s
-        self._clock = clock
         if consumer_factory is None:
             try:
                 from confluent_kafka import Consumer
@@ -57,20 +59,33 @@ class KafkaStreamSource:
                     "Kafka streams need confluent-kafka: pip install 'dlrover[kafka]'"
                 ) from exc
             consumer_factory = Consumer
-        # The master only reads metadata: no group membership, nothing consumed or committed.
+        self.group_id = group_id or f"dlrover-{topic}"
+        # The master reads metadata and commits offsets; it never subscribes, so it is no
+        # member of the group and nothing rebalances.
         self._consumer = consumer_factory(
             {
                 "bootstrap.servers": bootstrap_servers,
-                "group.id": f"dlrover-master-{topic}",
+                "group.id": self.group_id,
                 "enable.auto.commit": False,
                 "socket.timeout.ms": int(timeout_s * 1000),
             }
         )
         self._lock = threading.Lock()
-        self._partitions = self._read_partitions()
-        self._ends: dict[int, int] = {p: 0 for p in self._partitions}
-        self._refreshed_at: float | None = None
         self._outage = False
+        self._wanted: dict[int, int] = {}
+        self._committed: dict[int, int] = {}
+        if partitions is None:
+            self._partitions = self._read_partitions()
+            self._ends: dict[int, int] = {p: 0 for p in self._partitions}
+            self.refresh()  # the broker just answered: start with its offsets
+        else:
+            self._partitions = list(partitions)
+            self._ends = {p: 0 for p in self._partitions}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name=f"kafka-offsets-{topic}", daemon=True
+        )
+        self._thread.start()
 
     def _read_partitions(self) -> list[int]:
         try:
@@ -94,17 +109,38 @@ class KafkaStreamSource:
         """The topic's partition numbers, as read when the source was created."""
         return list(self._partitions)
 
+    def start_offset(self, partition: int) -> int:
+        """The group's committed offset of ``partition``, else the oldest offset the broker
+        keeps. Raises StreamSourceError when the broker does not answer."""
+        from confluent_kafka import TopicPartition
+
+        tp = TopicPartition(self.topic, partition)
+        try:
+            (committed,) = self._consumer.committed([tp], timeout=self._timeout_s)
+            if committed.offset >= 0:
+                return int(committed.offset)
+            return int(self._consumer.get_watermark_offsets(tp, timeout=self._timeout_s)[0])
+        except Exception as exc:
+            raise StreamSourceError(
+                f"cannot read where group {self.group_id!r} stands in topic {self.topic!r} "
+                f"partition {partition} on {self.bootstrap_servers}: {exc}"
+            ) from exc
+
     def end_offset(self, partition: int) -> int:
-        """One past the newest record of ``partition`` the broker reported (at most
+        """One past the newest record of ``partition`` the broker reported (at most about
         ``refresh_s`` old; the last known value while the broker is unreachable)."""
         with self._lock:
-            now = self._clock()
-            if self._refreshed_at is None or now - self._refreshed_at >= self._refresh_s:
-                self._refreshed_at = now
-                self._refresh()
             return self._ends[partition]
 
-    def _refresh(self) -> None:
+    def commit(self, offsets: dict[int, int]) -> None:
+        """Have ``offsets`` (partition -> first record not done) committed under the group by
+        the source's thread; while the broker is down the newest ones wait for it."""
+        with self._lock:
+            self._wanted = dict(offsets)
+
+    def refresh(self) -> bool:
+        """Ask the broker for the end offsets now; False (the last ones stand) when it does not
+        answer within the timeout."""
         from confluent_kafka import TopicPartition
 
         try:
@@ -126,13 +162,58 @@ class KafkaStreamSource:
                     self.topic,
                 )
             self._outage = True
-            return
+            return False
         if self._outage:
             log.info("Kafka brokers %s answer again", self.bootstrap_servers)
         self._outage = False
-        for p, end in ends.items():
-            self._ends[p] = max(self._ends[p], end)
+        with self._lock:
+            for p, end in ends.items():
+                self._ends[p] = max(self._ends[p], end)
+        return True
+
+    def flush_commit(self) -> bool:
+        """Commit the newest offsets handed to ``commit`` now, waiting for the broker (at most
+        the timeout); False when it refused or did not answer (the next round tries again)."""
+        from confluent_kafka import TopicPartition
+
+        with self._lock:
+            wanted = dict(self._wanted)
+        if not wanted or wanted == self._committed:
+            return True
+        try:
+            self._consumer.commit(
+                offsets=[TopicPartition(self.topic, p, o) for p, o in sorted(wanted.items())],
+                asynchronous=False,
+            )
+        except Exception as exc:  # broker down: the offsets wait until it is back
+            log.debug("cannot commit offsets of %r yet: %s", self.topic, exc)
+            return False
+        self._committed = wanted
+        return True
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._refresh_s):
+            if self.refresh():
+                self.flush_commit()
 
     def close(self) -> None:
-        """Close the broker connection."""
+        """Stop the refresher, commit the newest offsets a last time, close the connection."""
+        self._stop.set()
+        self._thread.join(self._timeout_s * (len(self._partitions) + 2))
+        if not self._outage:
+            self.flush_commit()
         self._consumer.close()
+
+
+def kafka_source_for(
+    spec: StreamSpec, partitions: Sequence[int] | None = None
+) -> KafkaStreamSource:
+    """The source a registered stream's spec names; ``partitions`` when they are already known
+    (a restarted master). Raises StreamSourceError for a spec without a Kafka topic."""
+    if not spec.topic:
+        raise StreamSourceError(
+            f"stream {spec.name!r} names no Kafka topic; give topic and bootstrap_servers"
+        )
+    return KafkaStreamSource(
+        spec.topic, spec.bootstrap_servers, group_id=spec.commit_group, partitions=partitions
+    )

@@ -9,7 +9,16 @@ from typing import Any
 
 from dlrover.sharding.dataset_queue import DatasetQueue
 from dlrover.sharding.errors import DatasetConflictError, InvalidSpecError, UnknownDatasetError
-from dlrover.sharding.stream import StreamQueue, StreamShard, StreamSource, StreamSpec
+from dlrover.sharding.stream import (
+    StreamFetchResult,
+    StreamMark,
+    StreamPosition,
+    StreamPositionAt,
+    StreamProgress,
+    StreamQueue,
+    StreamSource,
+    StreamSpec,
+)
 from dlrover.sharding.types import (
     ConsumptionMark,
     DatasetProgress,
@@ -138,9 +147,9 @@ class ShardManager:
 
     def fetch_stream_shards(
         self, stream: str, worker_id: str, max_count: int = 1
-    ) -> list[StreamShard]:
+    ) -> StreamFetchResult:
         """Lease up to ``max_count`` record ranges of ``stream`` to ``worker_id`` (see
-        StreamQueue.fetch); empty when no new records are available. Raises UnknownDatasetError,
+        StreamQueue.fetch); none when no new records are available. Raises UnknownDatasetError,
         ShardRetriesExhaustedError."""
         return self._stream(stream).fetch(worker_id, max_count, self._clock())
 
@@ -150,15 +159,41 @@ class ShardManager:
         """Mark shards, named by (partition, start offset), as done; returns how many counted."""
         return self._stream(stream).report_done(worker_id, shards)
 
+    def renew_stream_leases(self, stream: str, worker_id: str) -> int:
+        """Extend every lease ``worker_id`` holds on ``stream``; returns how many."""
+        return self._stream(stream).renew(worker_id, self._clock())
+
+    def mark_stream(self, stream: str, worker_id: str, mark: StreamMark) -> None:
+        """Record where ``worker_id`` stands in its pass over ``stream`` (see StreamMark)."""
+        self._stream(stream).mark(worker_id, mark)
+
+    def stream_position_at(self, stream: str, consumed: int) -> StreamPositionAt:
+        """The position when every worker had yielded ``consumed`` records of its current pass."""
+        return self._stream(stream).position_at(consumed)
+
     def stream_committed(self, stream: str) -> dict[int, int]:
-        """Per partition, the offset below which every record of ``stream`` is done: what to
-        checkpoint. Raises UnknownDatasetError."""
+        """Per partition, the offset below which every record of ``stream`` is done (what is
+        committed to the broker). Raises UnknownDatasetError."""
         return self._stream(stream).committed()
 
-    def restore_stream(self, stream: str, committed: Mapping[int, int]) -> None:
-        """Restart ``stream`` at the ``committed`` offsets, dropping every lease. Raises
-        InvalidSpecError for a partition the stream does not have, UnknownDatasetError."""
-        self._stream(stream).restore(dict(committed))
+    def restore_stream(self, position: StreamPosition, token: str | None = None) -> bool:
+        """Restart the stream at ``position``, dropping every lease; a repeat of the last applied
+        ``token`` is a no-op (False). Raises InvalidPositionError, UnknownDatasetError."""
+        return self._stream(position.stream).restore(position, token)
+
+    def stop_stream(self, stream: str) -> StreamProgress:
+        """Cut no new shards of ``stream``: it ends once the ranges in flight are done."""
+        queue = self._stream(stream)
+        queue.stop()
+        return queue.progress()
+
+    def stream_progress(self, stream: str) -> StreamProgress:
+        """The stream's counters (see StreamProgress)."""
+        return self._stream(stream).progress()
+
+    def streams(self) -> list[str]:
+        """Names of the registered streams."""
+        return sorted(self._streams)
 
     def _stream(self, name: str) -> StreamQueue:
         queue = self._streams.get(name)

@@ -9,8 +9,13 @@ from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 from dlrover.sharding.config import DEFAULT_LEASE_S, DEFAULT_MAX_RETRIES
-from dlrover.sharding.errors import InvalidSpecError, ShardRetriesExhaustedError
+from dlrover.sharding.errors import (
+    InvalidPositionError,
+    InvalidSpecError,
+    ShardRetriesExhaustedError,
+)
 from dlrover.sharding.leases import Lease, LeaseTable
+from dlrover.sharding.ledger import Ledgers
 
 logger = logging.getLogger(__name__)
 
@@ -20,6 +25,10 @@ class StreamSource(Protocol):
 
     def partitions(self) -> Sequence[int]:
         """The partition numbers; a StreamQueue reads them once, when it is created."""
+        ...
+
+    def start_offset(self, partition: int) -> int:
+        """Where a new stream starts reading ``partition`` (a checkpoint's position overrides)."""
         ...
 
     def end_offset(self, partition: int) -> int:
@@ -37,6 +46,10 @@ class InMemoryStreamSource:
         """Partitions 0 .. num_partitions - 1."""
         return range(len(self._ends))
 
+    def start_offset(self, partition: int) -> int:
+        """Every partition starts at offset 0."""
+        return 0
+
     def end_offset(self, partition: int) -> int:
         """One past the last record appended to ``partition``."""
         return self._ends[partition]
@@ -48,12 +61,24 @@ class InMemoryStreamSource:
 
 @dataclass(frozen=True)
 class StreamSpec:
-    """A registered stream: records per shard, retries and lease time, as for datasets."""
+    """A registered stream: records per shard, retries and lease time, as for datasets.
+
+    ``topic`` and ``bootstrap_servers`` name a Kafka topic for the master to read (a stream
+    registered over the wire needs them; in-process tests pass a source instead). Offsets the
+    workers finished are committed to the broker under ``group_id`` (default
+    ``dlrover-<name>``), so Kafka's own tools show the lag. ``end_offsets`` is the end policy:
+    (partition, offset) pairs where the stream ends; empty means unbounded (it ends on
+    ``stop``).
+    """
 
     name: str
     records_per_shard: int
     max_retries: int = DEFAULT_MAX_RETRIES
     lease_s: float = DEFAULT_LEASE_S
+    topic: str = ""
+    bootstrap_servers: str = ""
+    group_id: str = ""
+    end_offsets: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.name or self.records_per_shard < 1 or self.max_retries < 0 or self.lease_s <= 0:
@@ -62,6 +87,108 @@ class StreamSpec:
                 f"and lease_s > 0 (got {self.records_per_shard}, {self.max_retries}, "
                 f"{self.lease_s})"
             )
+        # A spec read back from JSON has lists; keep the frozen, comparable form.
+        ends = tuple(sorted((int(p), int(o)) for p, o in self.end_offsets))
+        if any(o < 0 for _, o in ends) or len({p for p, _ in ends}) != len(ends):
+            raise InvalidSpecError(
+                f"stream {self.name!r}: end_offsets needs one offset >= 0 per partition, got "
+                f"{list(self.end_offsets)}"
+            )
+        object.__setattr__(self, "end_offsets", ends)
+        if bool(self.topic) != bool(self.bootstrap_servers):
+            raise InvalidSpecError(
+                f"stream {self.name!r}: a Kafka stream needs both topic and bootstrap_servers"
+            )
+
+    @property
+    def commit_group(self) -> str:
+        """The consumer group the stream's finished offsets are committed under."""
+        return self.group_id or f"dlrover-{self.name}"
+
+
+@dataclass(frozen=True)
+class StreamPosition:
+    """What of a stream has been trained: save it with the model, restore it after a failure.
+
+    Per partition, every record below its offset in ``offsets`` was trained, except the ranges
+    in ``pending`` as (partition, start, end): those were not. Records at or above the offset
+    were not read yet.
+    """
+
+    stream: str
+    offsets: tuple[tuple[int, int], ...]
+    pending: tuple[tuple[int, int, int], ...] = ()
+
+    def committed(self) -> dict[int, int]:
+        """Per partition, the first record not trained (what a Kafka consumer commits)."""
+        low = dict(self.offsets)
+        for partition, start, _ in self.pending:
+            low[partition] = min(low[partition], start)
+        return low
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form a checkpoint keeps."""
+        return {
+            "stream": self.stream,
+            "offsets": [list(entry) for entry in self.offsets],
+            "pending": [list(entry) for entry in self.pending],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StreamPosition:
+        """Rebuild from ``to_dict()``; a missing stream or offsets raises KeyError."""
+        return cls(
+            str(data["stream"]),
+            tuple((int(p), int(o)) for p, o in data["offsets"]),
+            tuple((int(p), int(s), int(e)) for p, s, e in data.get("pending", [])),
+        )
+
+
+@dataclass(frozen=True)
+class StreamMark:
+    """Where a worker stands in its pass over a stream: it is about to yield the records of the
+    shard starting at ``start`` in ``partition``, and they occupy [begin, begin + its length) of
+    the records it yields in this pass. Without a partition: the pass ended after ``begin``."""
+
+    begin: int
+    partition: int | None = None
+    start: int = 0
+
+
+@dataclass(frozen=True)
+class StreamPositionAt:
+    """Answer to position_at: the position, or the workers whose marks do not reach the asked
+    record count yet (ask again shortly)."""
+
+    position: StreamPosition | None
+    waiting_for: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class StreamFetchResult:
+    """Leased shards; none and ``finished`` means the stream has ended for every worker, none and
+    not finished that no new records are available now (ask again)."""
+
+    shards: tuple[StreamShard, ...]
+    finished: bool = False
+
+
+@dataclass(frozen=True)
+class StreamProgress:
+    """A stream's counters: per partition how far it is done and how far the source has grown."""
+
+    stream: str
+    committed: tuple[tuple[int, int], ...]
+    end_offsets: tuple[tuple[int, int], ...]
+    leased: int
+    stopped: bool
+    finished: bool
+
+    @property
+    def lag(self) -> int:
+        """Records available but not yet done, over every partition."""
+        ends = dict(self.end_offsets)
+        return sum(max(0, ends.get(p, o) - o) for p, o in self.committed)
 
 
 @dataclass(frozen=True)
@@ -82,25 +209,46 @@ class StreamShard:
 # (partition, start) identifies a stream shard; (partition, start, end, attempt) a requeued one.
 _StreamKey = tuple[int, int]
 
+_MARKS_KEPT = 1024
+"""Marks of finished shards kept per worker: far more than a worker reads ahead of a checkpoint."""
+
 
 class StreamQueue:
     """Leases offset ranges of a stream's partitions; lost ones go back to the queue head.
 
     The committed position of a partition is the lowest offset not known to be done: the
     smaller of its read cursor and the start of its earliest shard in flight or requeued.
+    Workers mark each shard before they yield its records (StreamMark), so ``position_at``
+    can say what was trained when every worker had yielded a given number of records: the
+    exactly-once position a checkpoint keeps.
     """
 
-    def __init__(self, spec: StreamSpec, source: StreamSource) -> None:
+    def __init__(
+        self, spec: StreamSpec, source: StreamSource, next_offset: dict[int, int] | None = None
+    ) -> None:
         self.spec = spec
         self.source = source
-        self.next_offset: dict[int, int] = {p: 0 for p in source.partitions()}
+        self.next_offset: dict[int, int] = (
+            dict(next_offset)
+            if next_offset is not None
+            else {p: source.start_offset(p) for p in source.partitions()}
+        )
         self.requeued: deque[tuple[int, int, int, int]] = deque()
         self.leases: LeaseTable[_StreamKey] = LeaseTable()
         self.ends: dict[_StreamKey, int] = {}
+        self.ledgers: Ledgers[_StreamKey] = Ledgers()
         self.failure: str | None = None
+        self.stopped = False
+        self.restore_token: str | None = None
         self._next_partition = 0
+        named = {p for p, _ in spec.end_offsets}
+        if named and named != set(self.next_offset):
+            raise InvalidSpecError(
+                f"stream {spec.name!r}: end_offsets name partitions {sorted(named)}, the source "
+                f"has {sorted(self.next_offset)}; give an end offset for each"
+            )
 
-    def fetch(self, worker_id: str, max_count: int, now: float) -> list[StreamShard]:
+    def fetch(self, worker_id: str, max_count: int, now: float) -> StreamFetchResult:
         """Lease up to ``max_count`` record ranges to ``worker_id`` until ``now + lease_s``:
         requeued ranges first, then new ones of up to ``records_per_shard`` records, cut round-robin
         over the partitions; fewer when no new records are available. Raises
@@ -118,20 +266,42 @@ class StreamQueue:
             )
             self.ends[(partition, start)] = end
             shards.append(StreamShard(self.spec.name, partition, start, end, attempt))
-        return shards
+        return StreamFetchResult(tuple(shards), finished=not shards and self.finished())
+
+    def _limit(self, partition: int) -> int | None:
+        return dict(self.spec.end_offsets).get(partition)
 
     def _cut_new(self) -> tuple[int, int, int, int] | None:
+        if self.stopped:
+            return None
         # Round-robin over partitions so one busy partition does not starve the others.
         partitions = list(self.next_offset)
         for step in range(len(partitions)):
             partition = partitions[(self._next_partition + step) % len(partitions)]
             start = self.next_offset[partition]
             end = min(start + self.spec.records_per_shard, self.source.end_offset(partition))
+            limit = self._limit(partition)
+            if limit is not None:
+                end = min(end, limit)
             if end > start:
                 self.next_offset[partition] = end
                 self._next_partition = (self._next_partition + step + 1) % len(partitions)
                 return (partition, start, end, 0)
         return None
+
+    def finished(self) -> bool:
+        """Stopped, or every partition read up to its end offset; and nothing is in flight."""
+        if self.requeued or len(self.leases):
+            return False
+        if self.stopped:
+            return True
+        if not self.spec.end_offsets:
+            return False
+        return all(self.next_offset[p] >= offset for p, offset in self.spec.end_offsets)
+
+    def stop(self) -> None:
+        """Cut no new shards: the stream ends once the ranges in flight are done."""
+        self.stopped = True
 
     def report_done(self, worker_id: str, shards: Sequence[tuple[int, int]]) -> int:
         """Mark ranges, named by (partition, start), as done, whoever holds them; returns how many
@@ -147,13 +317,44 @@ class StreamQueue:
                 accepted += before - len(self.requeued)
         return accepted
 
+    def renew(self, worker_id: str, now: float) -> int:
+        """Extend every lease ``worker_id`` holds to ``now + lease_s``; returns how many."""
+        return self.leases.renew(worker_id, now + self.spec.lease_s)
+
+    def mark(self, worker_id: str, mark: StreamMark) -> None:
+        """Record where ``worker_id`` stands in its pass (see StreamMark). A mark of a shard the
+        worker no longer holds (its lease expired) is ignored: that shard went back to the queue."""
+        if mark.begin < 0:
+            raise InvalidSpecError(f"mark of stream {self.spec.name!r}: negative begin {mark}")
+        if mark.partition is None:
+            self.ledgers.record(worker_id, 0, mark.begin, None, 0, 0)
+            return
+        key = (mark.partition, mark.start)
+        lease = self.leases.get(key)
+        if lease is None or lease.worker_id != worker_id:
+            logger.info(
+                "stream %r: ignored %s of %s (not its lease)", self.spec.name, mark, worker_id
+            )
+            return
+        self.ledgers.record(worker_id, 0, mark.begin, key, 0, self.ends[key] - mark.start)
+        # A stream's pass never ends: forget finished shards far behind, or marks grow forever.
+        self.ledgers.trim(worker_id, _MARKS_KEPT, self._is_open)
+
+    def _is_open(self, key: _StreamKey) -> bool:
+        return self.leases.get(key) is not None or any(
+            (p, s) == key for p, s, _, _ in self.requeued
+        )
+
     def recover_worker(self, worker_id: str) -> list[_StreamKey]:
         """Put every range ``worker_id`` holds back at the head of the queue; returns their keys."""
+        self.ledgers.forget_worker(worker_id)
         return self._requeue(sorted(self.leases.held_by(worker_id)), f"worker {worker_id} lost")
 
     def expire(self, now: float) -> list[_StreamKey]:
         """Requeue every range whose lease deadline is at or before ``now``; returns their keys."""
-        return self._requeue(sorted(self.leases.expired(now)), "lease expired")
+        back = self._requeue(sorted(self.leases.expired(now)), "lease expired")
+        self.ledgers.forget_shards(set(back))
+        return back
 
     def _requeue(self, keys: list[_StreamKey], reason: str) -> list[_StreamKey]:
         back = []
@@ -181,19 +382,96 @@ class StreamQueue:
             low[partition] = min(low[partition], start)
         return low
 
-    def restore(self, committed: dict[int, int]) -> None:
-        """Restart reading every partition at its committed offset; drops all leases."""
-        unknown = set(committed) - set(self.next_offset)
-        if unknown:
-            raise InvalidSpecError(f"stream {self.spec.name!r} has no partitions {sorted(unknown)}")
-        self.next_offset.update(committed)
-        self.requeued.clear()
+    # --- position (checkpoint / restore) --------------------------------------------------
+    def position_at(self, consumed: int) -> StreamPositionAt:
+        """The position when every worker had yielded ``consumed`` records in its current pass (a
+        checkpoint at that step), from the workers' marks: shards they finished since are not
+        done in it, the rest of the one each was reading is pending."""
+        if consumed < 0:
+            raise InvalidSpecError(f"position of stream {self.spec.name!r} at {consumed} records")
+        marked, waiting = self.ledgers.at(0, consumed)
+        if waiting:
+            return StreamPositionAt(None, tuple(waiting))
+        pending = {(p, s): (s, e) for p, s, e, _ in self.requeued}
+        pending.update({key: (key[1], self.ends[key]) for key, _ in self.leases.items()})
+        for (partition, start), (used, length) in marked.items():
+            if used >= length:
+                pending.pop((partition, start), None)
+            else:
+                pending[(partition, start)] = (start + used, start + length)
+        # Checkpoints move forward: shards done before this one are not asked about again.
+        self.ledgers.prune(consumed, self._is_open)
+        return StreamPositionAt(self._canonical(pending))
+
+    def _canonical(self, pending: dict[_StreamKey, tuple[int, int]]) -> StreamPosition:
+        """Merge touching pending ranges and pull each read cursor back over a pending range that
+        ends at it, so equal training gives equal positions whatever was prefetched."""
+        offsets = dict(self.next_offset)
+        ranges: list[tuple[int, int, int]] = []
+        for partition, start, end in sorted((p, s, e) for (p, _), (s, e) in pending.items()):
+            if ranges and ranges[-1][0] == partition and ranges[-1][2] == start:
+                ranges[-1] = (partition, ranges[-1][1], end)
+            else:
+                ranges.append((partition, start, end))
+        kept = []
+        for partition, start, end in reversed(ranges):
+            if end == offsets[partition]:
+                offsets[partition] = start
+            else:
+                kept.append((partition, start, end))
+        return StreamPosition(self.spec.name, tuple(sorted(offsets.items())), tuple(sorted(kept)))
+
+    def restore(self, position: StreamPosition, token: str | None) -> bool:
+        """Restart reading at ``position``: its pending ranges first, then each partition from its
+        offset; drops every lease and mark. A repeat of the last applied ``token`` is a no-op."""
+        self._check_position(position)
+        if token is not None and token == self.restore_token:
+            return False
+        self.next_offset.update(dict(position.offsets))
+        self.requeued = deque((p, s, e, 0) for p, s, e in sorted(position.pending))
         self.leases.clear()
         self.ends.clear()
+        self.ledgers.clear()
         self.failure = None
+        self.restore_token = token
+        logger.info("stream %r restored to %s", self.spec.name, position)
+        return True
+
+    def _check_position(self, position: StreamPosition) -> None:
+        offsets = dict(position.offsets)
+        problem = ""
+        if position.stream != self.spec.name:
+            problem = f"it belongs to stream {position.stream!r}"
+        elif set(offsets) != set(self.next_offset):
+            problem = (
+                f"it has partitions {sorted(offsets)}, the stream has {sorted(self.next_offset)}"
+            )
+        elif any(o < 0 for o in offsets.values()):
+            problem = "it has a negative offset"
+        for partition, start, end in position.pending:
+            if problem:
+                break
+            if partition not in offsets or not 0 <= start < end <= offsets[partition]:
+                problem = f"pending range {partition}:[{start}, {end}) is not below its offset"
+        if problem:
+            raise InvalidPositionError(
+                f"cannot restore stream {self.spec.name!r}: {problem}. Restore a position taken "
+                f"from this stream (same name and topic)."
+            )
+
+    def progress(self) -> StreamProgress:
+        """Counters for status, metrics and tests (see StreamProgress)."""
+        return StreamProgress(
+            self.spec.name,
+            tuple(sorted(self.committed().items())),
+            tuple((p, self.source.end_offset(p)) for p in sorted(self.next_offset)),
+            len(self.leases),
+            self.stopped,
+            self.finished(),
+        )
 
     def to_state(self) -> dict[str, Any]:
-        """JSON-able state: spec, read cursors, requeued ranges and leases."""
+        """JSON-able state: spec, read cursors, requeued ranges and leases (not the marks)."""
         return {
             "spec": asdict(self.spec),
             "next_offset": [[p, o] for p, o in self.next_offset.items()],
@@ -203,18 +481,22 @@ class StreamQueue:
                 for k, lease in self.leases.items()
             ],
             "failure": self.failure,
+            "stopped": self.stopped,
+            "restore_token": self.restore_token,
         }
 
     @classmethod
     def from_state(cls, state: dict[str, Any], source: StreamSource, now: float) -> StreamQueue:
         """Rebuild from ``to_state()`` over ``source``; leases restart their full lease time from
         ``now``."""
-        queue = cls(StreamSpec(**state["spec"]), source)
-        queue.next_offset.update({int(p): int(o) for p, o in state["next_offset"]})
+        offsets = {int(p): int(o) for p, o in state["next_offset"]}
+        queue = cls(StreamSpec(**state["spec"]), source, offsets)
         queue.requeued = deque(tuple(int(x) for x in e) for e in state["requeued"])  # type: ignore[misc]
         for partition, start, end, worker_id, attempt in state["leases"]:
             key = (int(partition), int(start))
             queue.leases.grant(key, Lease(str(worker_id), now + queue.spec.lease_s, int(attempt)))
             queue.ends[key] = int(end)
         queue.failure = state["failure"]
+        queue.stopped = bool(state.get("stopped", False))
+        queue.restore_token = state.get("restore_token")
         return queue

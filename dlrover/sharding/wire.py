@@ -7,8 +7,19 @@ dataclass, so its validation (DatasetSpec's) runs on the receiving side too.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from dlrover.proto import master_pb2 as pb
 from dlrover.sharding import errors
+from dlrover.sharding.stream import (
+    StreamFetchResult,
+    StreamMark,
+    StreamPosition,
+    StreamPositionAt,
+    StreamProgress,
+    StreamShard,
+    StreamSpec,
+)
 from dlrover.sharding.types import (
     ConsumptionMark,
     DatasetProgress,
@@ -32,6 +43,7 @@ _ERROR_KINDS: dict[type[errors.ShardingError], pb.ShardingError.Kind] = {
     errors.ShardRetriesExhaustedError: pb.ShardingError.SHARD_RETRIES_EXHAUSTED,
     errors.InvalidPositionError: pb.ShardingError.INVALID_POSITION,
     errors.ShardingTimeoutError: pb.ShardingError.SHARDING_TIMEOUT,
+    errors.StreamSourceError: pb.ShardingError.STREAM_SOURCE,
 }
 _ERROR_CLASSES = {kind: cls for cls, kind in _ERROR_KINDS.items()}
 
@@ -239,4 +251,149 @@ def dataset_progress_from_proto(message: pb.DatasetProgress) -> DatasetProgress:
         leased=message.leased,
         done_shards=message.done_shards,
         finished=message.finished,
+    )
+
+
+# --- streams ----------------------------------------------------------------------------------
+def _pairs_to_proto(pairs: tuple[tuple[int, int], ...]) -> list[pb.PartitionOffset]:
+    return [pb.PartitionOffset(partition=p, offset=o) for p, o in pairs]
+
+
+def _pairs_from_proto(messages: Iterable[pb.PartitionOffset]) -> tuple[tuple[int, int], ...]:
+    return tuple((m.partition, m.offset) for m in messages)
+
+
+def stream_spec_to_proto(spec: StreamSpec) -> pb.StreamSpec:
+    """A StreamSpec as its message."""
+    return pb.StreamSpec(
+        name=spec.name,
+        records_per_shard=spec.records_per_shard,
+        max_retries=spec.max_retries,
+        lease_s=spec.lease_s,
+        topic=spec.topic,
+        bootstrap_servers=spec.bootstrap_servers,
+        group_id=spec.group_id,
+        end_offsets=_pairs_to_proto(spec.end_offsets),
+    )
+
+
+def stream_spec_from_proto(message: pb.StreamSpec) -> StreamSpec:
+    """Raises InvalidSpecError for a spec that cannot work."""
+    defaults = {
+        name: getattr(message, name)
+        for name in ("max_retries", "lease_s")
+        if message.HasField(name)
+    }
+    return StreamSpec(
+        name=message.name,
+        records_per_shard=message.records_per_shard,
+        topic=message.topic,
+        bootstrap_servers=message.bootstrap_servers,
+        group_id=message.group_id,
+        end_offsets=_pairs_from_proto(message.end_offsets),
+        **defaults,
+    )
+
+
+def stream_shard_to_proto(shard: StreamShard) -> pb.StreamShard:
+    """A leased StreamShard as its message."""
+    return pb.StreamShard(
+        stream=shard.stream,
+        partition=shard.partition,
+        start=shard.start,
+        end=shard.end,
+        attempt=shard.attempt,
+    )
+
+
+def stream_shard_from_proto(message: pb.StreamShard) -> StreamShard:
+    """A StreamShard message back into a StreamShard."""
+    return StreamShard(
+        message.stream, message.partition, message.start, message.end, message.attempt
+    )
+
+
+def stream_position_to_proto(position: StreamPosition) -> pb.StreamPosition:
+    """A StreamPosition as its message."""
+    return pb.StreamPosition(
+        stream=position.stream,
+        offsets=_pairs_to_proto(position.offsets),
+        pending=[pb.StreamRange(partition=p, start=s, end=e) for p, s, e in position.pending],
+    )
+
+
+def stream_position_from_proto(message: pb.StreamPosition) -> StreamPosition:
+    """A StreamPosition message back (not validated here: restore checks it)."""
+    return StreamPosition(
+        message.stream,
+        _pairs_from_proto(message.offsets),
+        tuple((r.partition, r.start, r.end) for r in message.pending),
+    )
+
+
+def stream_mark_to_proto(mark: StreamMark) -> pb.StreamMark:
+    """A StreamMark as its message; ``partition`` is set only when the mark names a shard."""
+    message = pb.StreamMark(begin=mark.begin, start=mark.start)
+    if mark.partition is not None:
+        message.partition = mark.partition
+    return message
+
+
+def stream_mark_from_proto(message: pb.StreamMark) -> StreamMark:
+    """A StreamMark message back (no shard when ``partition`` is unset)."""
+    partition = message.partition if message.HasField("partition") else None
+    return StreamMark(message.begin, partition, message.start)
+
+
+def stream_fetch_result_to_proto(result: StreamFetchResult) -> pb.StreamFetchResult:
+    """A StreamFetchResult and its shards as a message."""
+    return pb.StreamFetchResult(
+        shards=[stream_shard_to_proto(s) for s in result.shards], finished=result.finished
+    )
+
+
+def stream_fetch_result_from_proto(message: pb.StreamFetchResult) -> StreamFetchResult:
+    """A StreamFetchResult message back."""
+    return StreamFetchResult(
+        tuple(stream_shard_from_proto(s) for s in message.shards), message.finished
+    )
+
+
+def stream_position_at_to_proto(result: StreamPositionAt) -> pb.StreamPositionAt:
+    """A StreamPositionAt as its message; ``position`` is set only when there is one."""
+    message = pb.StreamPositionAt(waiting_for=list(result.waiting_for))
+    if result.position is not None:
+        message.position.CopyFrom(stream_position_to_proto(result.position))
+    return message
+
+
+def stream_position_at_from_proto(message: pb.StreamPositionAt) -> StreamPositionAt:
+    """A StreamPositionAt message back (no position when unset)."""
+    position = (
+        stream_position_from_proto(message.position) if message.HasField("position") else None
+    )
+    return StreamPositionAt(position, tuple(message.waiting_for))
+
+
+def stream_progress_to_proto(progress: StreamProgress) -> pb.StreamProgress:
+    """StreamProgress counters as their message."""
+    return pb.StreamProgress(
+        stream=progress.stream,
+        committed=_pairs_to_proto(progress.committed),
+        end_offsets=_pairs_to_proto(progress.end_offsets),
+        leased=progress.leased,
+        stopped=progress.stopped,
+        finished=progress.finished,
+    )
+
+
+def stream_progress_from_proto(message: pb.StreamProgress) -> StreamProgress:
+    """A StreamProgress message back."""
+    return StreamProgress(
+        message.stream,
+        _pairs_from_proto(message.committed),
+        _pairs_from_proto(message.end_offsets),
+        message.leased,
+        message.stopped,
+        message.finished,
     )

@@ -6,6 +6,7 @@ import json
 from collections import Counter
 
 from dlrover.sharding import InMemoryStreamSource, ShardManager, StreamSpec
+from dlrover.sharding.stream import StreamPosition
 
 
 def test_stream_shards_cover_every_record_once_despite_a_lost_worker() -> None:
@@ -15,15 +16,15 @@ def test_stream_shards_cover_every_record_once_despite_a_lost_worker() -> None:
     manager.register_stream(StreamSpec("s", records_per_shard=5, lease_s=10.0), source)
     for partition, count in ((0, 12), (1, 7), (2, 0)):
         source.append(partition, count)
-    lost = manager.fetch_stream_shards("s", "w0", 2)
+    lost = manager.fetch_stream_shards("s", "w0", 2).shards
     assert manager.recover_worker("w0") == 2
     seen: Counter[tuple[int, int]] = Counter()
-    first = manager.fetch_stream_shards("s", "w1", 2)
+    first = manager.fetch_stream_shards("s", "w1", 2).shards
     assert [(s.partition, s.start) for s in first] == [(s.partition, s.start) for s in lost]
     pending = list(first)
     source.append(2, 4)  # the stream grows while it is read
     while True:
-        pending += manager.fetch_stream_shards("s", "w1", 4)
+        pending += manager.fetch_stream_shards("s", "w1", 4).shards
         if not pending:
             break
         for shard in pending:
@@ -42,14 +43,14 @@ def test_stream_lease_timeout_state_and_restore() -> None:
     source.append(1, 20)
     manager = ShardManager(clock=lambda: clock[0])
     manager.register_stream(StreamSpec("s", records_per_shard=10, lease_s=1.0), source)
-    a, b = manager.fetch_stream_shards("s", "w0", 2)
+    a, b = manager.fetch_stream_shards("s", "w0", 2).shards
     manager.report_stream_done("s", "w0", [(a.partition, a.start)])
     assert manager.stream_committed("s")[b.partition] == b.start
     clock[0] = 2.0
     assert manager.tick() == 1
     state = json.loads(json.dumps(manager.to_state()))
     restored = ShardManager.from_state(state, clock=lambda: clock[0], sources={"s": source})
-    (again,) = restored.fetch_stream_shards("s", "w1", 1)
+    (again,) = restored.fetch_stream_shards("s", "w1", 1).shards
     assert (again.partition, again.start, again.attempt) == (b.partition, b.start, 1)
-    restored.restore_stream("s", {0: 0, 1: 0})
+    restored.restore_stream(StreamPosition("s", ((0, 0), (1, 0))))
     assert restored.stream_committed("s") == {0: 0, 1: 0}

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import json
 import logging
 import os
+from typing import Any
 
 from dlrover import worker_context
 from dlrover.client.sharding_transport import ShardingTransport
@@ -64,3 +67,11 @@ def lease_s_from_env() -> float:
     DEFAULT_LEASE_S; ValueError for a value that is not a number."""
     value = os.environ.get(ENV_SHARD_LEASE_S, "")
     return float(value) if value else DEFAULT_LEASE_S
+
+
+def restore_token(position: dict[str, Any]) -> str:
+    """Names one restore of ``position`` in this restart of the job: every rank restoring the same
+    checkpoint sends the same token, so the master applies it once."""
+    digest = hashlib.sha256(json.dumps(position, sort_keys=True).encode()).hexdigest()
+    ctx = worker_context.WorkerContext.from_env()
+    return f"{digest[:16]}@{ctx.rdzv_round}.{ctx.restart_count}"

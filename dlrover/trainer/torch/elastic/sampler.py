@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import math
 from collections import deque
@@ -23,6 +21,7 @@ from dlrover.trainer.torch.elastic.client_factory import (
     default_worker_id,
     lease_s_from_env,
     prefetch_from_env,
+    restore_token,
     transport_from_env,
 )
 from dlrover.worker_context import WorkerContext
@@ -257,10 +256,7 @@ class ElasticDistributedSampler(Sampler[int]):
         position = Position.from_dict(state["position"])
         if not self._started:
             self.client.transport.register_dataset(self.client.spec)
-        digest = hashlib.sha256(json.dumps(position.to_dict(), sort_keys=True).encode()).hexdigest()
-        ctx = WorkerContext.from_env()
-        token = f"{digest[:16]}@{ctx.rdzv_round}.{ctx.restart_count}"
-        self.client.restore_position(position, token)
+        self.client.restore_position(position, restore_token(position.to_dict()))
         self._ledger.clear()
         self._stash = None
         self._yielded = self._consumed = 0
