@@ -25,7 +25,7 @@ def kafka_missing() -> str:
 
 class KafkaBroker:
     """One broker process; ``bootstrap`` is its address. ``stop()`` kills it (SIGKILL loses its
-    last writes, as the broker's docs say: tests stop it only to test an outage)."""
+    last writes, as the broker's docs say), ``stop(graceful=True)`` keeps them."""
 
     def __init__(self, directory: Path) -> None:
         spec = importlib.util.find_spec("noida_db")
@@ -49,8 +49,10 @@ class KafkaBroker:
         deadline = time.monotonic() + timeout_s
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the test broker exited {self.proc.returncode}: "
-                                   f"{(self.directory / 'broker.log').read_text()[-2000:]}")
+                raise RuntimeError(
+                    f"the test broker exited {self.proc.returncode}: "
+                    f"{(self.directory / 'broker.log').read_text()[-2000:]}"
+                )
             try:
                 socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
                 return
@@ -59,10 +61,11 @@ class KafkaBroker:
                     raise RuntimeError(f"the broker did not listen within {timeout_s}s") from None
                 time.sleep(0.05)  # nothing to wait on but the port
 
-    def stop(self) -> None:
-        """Kill the broker and wait for it."""
+    def stop(self, graceful: bool = False) -> None:
+        """Stop the broker and wait for it: SIGKILL (it loses its last writes), or SIGTERM with
+        ``graceful`` (it keeps them; ``start()`` brings it back with its data)."""
         if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            os.killpg(self.proc.pid, signal.SIGTERM if graceful else signal.SIGKILL)
             self.proc.wait(10)
         self.log.close()
 

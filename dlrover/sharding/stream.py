@@ -166,8 +166,9 @@ class StreamPositionAt:
 
 @dataclass(frozen=True)
 class StreamFetchResult:
-    """Leased shards; none and ``finished`` means the stream has ended for every worker, none and
-    not finished that no new records are available now (ask again)."""
+    """Leased shards; none and ``finished`` means the stream has ended and nothing is left for this
+    worker (what remains is leased to others), none and not finished that no new records are
+    available now (ask again)."""
 
     shards: tuple[StreamShard, ...]
     finished: bool = False
@@ -175,7 +176,8 @@ class StreamFetchResult:
 
 @dataclass(frozen=True)
 class StreamProgress:
-    """A stream's counters: per partition how far it is done and how far the source has grown."""
+    """A stream's counters: per partition how far it is done and how far the source has grown;
+    ``finished`` once it has ended and every range is done."""
 
     stream: str
     committed: tuple[tuple[int, int], ...]
@@ -290,8 +292,11 @@ class StreamQueue:
         return None
 
     def finished(self) -> bool:
-        """Stopped, or every partition read up to its end offset; and nothing is in flight."""
-        if self.requeued or len(self.leases):
+        """Nothing more to hand out, ever: stopped, or every partition cut up to its end offset,
+        and nothing requeued. Ranges still leased to others do not count: a worker in a
+        lockstep job must not wait for a range another worker is about to read (that worker
+        waits for it at the next collective)."""
+        if self.requeued:
             return False
         if self.stopped:
             return True
@@ -300,7 +305,7 @@ class StreamQueue:
         return all(self.next_offset[p] >= offset for p, offset in self.spec.end_offsets)
 
     def stop(self) -> None:
-        """Cut no new shards: the stream ends once the ranges in flight are done."""
+        """Cut no new shards: the stream ends for each worker once it has read its ranges."""
         self.stopped = True
 
     def report_done(self, worker_id: str, shards: Sequence[tuple[int, int]]) -> int:
@@ -467,7 +472,7 @@ class StreamQueue:
             tuple((p, self.source.end_offset(p)) for p in sorted(self.next_offset)),
             len(self.leases),
             self.stopped,
-            self.finished(),
+            self.finished() and not len(self.leases),
         )
 
     def to_state(self) -> dict[str, Any]:

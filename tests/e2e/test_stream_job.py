@@ -1,0 +1,101 @@
+"""Online learning from a real Kafka-protocol broker under dlrover-run: exactly once, through a
+worker SIGKILL and a flash-checkpoint restore, with records produced while the job trains."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import SCRIPTS, clean_env, dlrover_run
+from tests.kafka_broker import KafkaBroker, kafka_missing
+
+pytestmark = [
+    pytest.mark.extras,
+    pytest.mark.skipif(bool(kafka_missing()), reason=kafka_missing() or "ok"),
+]
+
+PARTITIONS = 3
+
+
+@pytest.fixture
+def broker(tmp_path: Path) -> Iterator[KafkaBroker]:
+    (tmp_path / "broker").mkdir()
+    b = KafkaBroker(tmp_path / "broker")
+    try:
+        yield b
+    finally:
+        b.stop()
+
+
+def _records(ids: range) -> list[tuple[int, bytes]]:
+    """Record ``i`` goes to partition ``i % 3``, so partition p's offset o holds id 3 * o + p."""
+    return [(i % PARTITIONS, json.dumps({"id": i}).encode()) for i in ids]
+
+
+def _when_step_reached(progress: Path, step: int, timeout_s: float) -> bool:
+    """Whether rank 0 reported ``step`` within the timeout (another process's file: polled)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = progress.read_text().strip() if progress.exists() else ""
+        if text and int(text) >= step:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _committed(broker: KafkaBroker, group: str, topic: str) -> list[int]:
+    from confluent_kafka import Consumer, TopicPartition
+
+    consumer = Consumer({"bootstrap.servers": broker.bootstrap, "group.id": group})
+    try:
+        parts = [TopicPartition(topic, p) for p in range(PARTITIONS)]
+        return [tp.offset for tp in consumer.committed(parts, timeout=10)]
+    finally:
+        consumer.close()
+
+
+@pytest.mark.parametrize("rank0_position", [False, True], ids=["every-rank", "rank0-only"])
+def test_worker_killed_mid_stream_every_record_is_trained_exactly_once(
+    tmp_path: Path, broker: KafkaBroker, rank0_position: bool
+) -> None:
+    n, per_partition = 120, 40
+    broker.create_topic("clicks", PARTITIONS)
+    broker.produce("clicks", _records(range(n // 2)))  # the rest arrives while the job trains
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    out.mkdir()
+    once = tmp_path / "fault.once"
+    env = clean_env(DLROVER_FAULTS=f"kill:rank=1:step=7:once={once}")
+    late_produced = threading.Event()
+
+    def produce_late() -> None:
+        if _when_step_reached(out / "progress", 3, 90):
+            broker.produce("clicks", _records(range(n // 2, n)))
+            late_produced.set()
+
+    producer = threading.Thread(target=produce_late, daemon=True)
+    producer.start()
+    args = [
+        "--standalone", "--nproc-per-node=2", "--max-restarts=1",
+        str(SCRIPTS / "stream_train.py"), "--bootstrap", broker.bootstrap, "--topic", "clicks",
+        "--records", str(n), "--end", str(per_partition), "--batch", "3",
+        "--records-per-shard", "5", "--ckpt", str(ckpt), "--out", str(out),
+    ]  # fmt: skip
+    if rank0_position:
+        args.append("--rank0-position")
+    r = dlrover_run(args, env=env, timeout=180)
+    producer.join(5)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert late_produced.is_set(), "the job ended before the late records were produced"
+    assert "dlrover fault injection: kill rank 1 step 7" in r.stderr
+    seen = json.loads((out / "seen.json").read_text())
+    assert seen == [1] * n, {i: c for i, c in enumerate(seen) if c != 1}
+    # The restarted workers resumed from the checkpoint of step 6 (mid-shard: 18 records of 5-record shards), not from the start.
+    loads = [line.split() for line in (out / "loads").read_text().splitlines()]
+    assert sorted(loads) == [["0", "0", "1"], ["0", "1", "7"], ["1", "0", "1"], ["1", "1", "7"]]
+    # The master committed the finished offsets under the stream's group at the end.
+    assert _committed(broker, "dlrover-clicks", "clicks") == [per_partition] * PARTITIONS
