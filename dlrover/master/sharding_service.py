@@ -227,8 +227,8 @@ class ShardingService:
     def _commit_offsets(self) -> None:
         with self._lock:
             commits = [
-                (self._sources[name], self.manager.stream_committed(name))
-                for name in self.manager.streams()
+                (source, self.manager.stream_committed(name))
+                for name, source in self._sources.items()
             ]
         for source, offsets in commits:
             commit = getattr(source, "commit", None)

@@ -1,0 +1,229 @@
+"""ElasticStreamDataset and StreamShardingClient against a real master (gRPC on port 0) and a
+real Kafka-protocol broker: exact resume, records that arrive while reading, explicit stop,
+broker outages and clear errors."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dlrover.client.sharding import GrpcShardingTransport, connect
+from dlrover.master.job import JobMaster, JobMasterConfig
+from dlrover.master.server import MasterServer
+from dlrover.master.state_store import MemoryStateStore, SqliteStateStore, StateStore
+from dlrover.sharding.errors import InvalidSpecError, StreamSourceError
+from tests.kafka_broker import KafkaBroker, kafka_missing
+
+pytestmark = [
+    pytest.mark.extras,
+    pytest.mark.skipif(bool(kafka_missing()), reason=kafka_missing() or "ok"),
+]
+
+TOKEN = "t"
+
+
+@pytest.fixture
+def broker(tmp_path: Path) -> Iterator[KafkaBroker]:
+    (tmp_path / "broker").mkdir()
+    b = KafkaBroker(tmp_path / "broker")
+    try:
+        yield b
+    finally:
+        b.stop()
+
+
+class Master:
+    """A job master serving on a free port of loopback."""
+
+    def __init__(self, store: StateStore | None = None) -> None:
+        self.server = MasterServer(
+            JobMaster(JobMasterConfig(), store or MemoryStateStore()), TOKEN, "127.0.0.1", 0
+        )
+        self.server.start()
+        self.addr = f"127.0.0.1:{self.server.port}"
+
+    def transport(self) -> GrpcShardingTransport:
+        return connect(self.addr, TOKEN)
+
+    def stop(self) -> None:
+        self.server.stop(0.1)
+
+
+@pytest.fixture
+def master() -> Iterator[Master]:
+    m = Master()
+    try:
+        yield m
+    finally:
+        m.stop()
+
+
+def _produce(broker: KafkaBroker, topic: str, ids: range, partitions: int = 3) -> None:
+    broker.produce(topic, [(i % partitions, json.dumps({"id": i}).encode()) for i in ids])
+
+
+def _record_id(record: Any) -> int:
+    return int(json.loads(record.value)["id"])
+
+
+def _dataset(broker: KafkaBroker, master: Master, worker: str, **kw: Any) -> Any:
+    from dlrover.trainer.torch.elastic.stream import ElasticStreamDataset
+
+    kw.setdefault("records_per_shard", 4)
+    return ElasticStreamDataset(
+        "clicks",
+        broker.bootstrap,
+        decode=_record_id,
+        transport=master.transport(),
+        worker_id=worker,
+        **kw,
+    )
+
+
+def test_resume_at_a_saved_position_trains_no_record_twice_and_skips_none(
+    broker: KafkaBroker, master: Master
+) -> None:
+    broker.create_topic("clicks", 3)
+    _produce(broker, "clicks", range(60))
+    ends = {0: 20, 1: 20, 2: 20}
+    reader = _dataset(broker, master, "w0", end_offsets=ends)
+    records = iter(reader)
+    before = [next(records) for _ in range(11)]  # mid-shard: shards are 4 records
+    state = json.loads(json.dumps(reader.state_dict()))  # what a checkpoint keeps
+    after_save = [next(records) for _ in range(9)]  # trained, then lost with the process
+    assert len(set(before + after_save)) == 20
+    reader.close()
+
+    again = _dataset(broker, master, "w0", end_offsets=ends)
+    again.load_state_dict(state)
+    rest = list(again)
+    again.close()
+    assert sorted(before + rest) == list(range(60))
+
+
+def test_records_produced_while_reading_arrive_and_stop_ends_the_stream(
+    broker: KafkaBroker, master: Master
+) -> None:
+    broker.create_topic("clicks", 3)
+    _produce(broker, "clicks", range(12))
+    reader = _dataset(broker, master, "w0", poll_s=0.2)
+    seen: list[int] = []
+    for record in reader:
+        seen.append(record)
+        if len(seen) == 12:
+            _produce(broker, "clicks", range(12, 30))  # the stream grows while it is read
+        if len(seen) == 30:
+            reader.stop()  # explicit end: the pass ends once the ranges held are read
+    reader.close()
+    assert sorted(seen) == list(range(30))
+    progress = master.transport().stream_progress("clicks")
+    assert progress.stopped and progress.finished and progress.lag == 0
+
+
+def test_two_readers_share_the_stream_and_offsets_are_committed_under_the_group(
+    broker: KafkaBroker, master: Master
+) -> None:
+    from confluent_kafka import Consumer, TopicPartition
+
+    broker.create_topic("clicks", 3)
+    _produce(broker, "clicks", range(90))
+    got: dict[str, list[int]] = {}
+
+    def read(worker: str) -> None:
+        reader = _dataset(broker, master, worker, end_offsets={0: 30, 1: 30, 2: 30})
+        got[worker] = list(reader)
+        reader.close()
+
+    threads = [threading.Thread(target=read, args=(w,)) for w in ("w0", "w1")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(got["w0"] + got["w1"]) == list(range(90))
+    assert got["w0"] and got["w1"]
+    master.stop()  # a last commit before the master goes
+    consumer = Consumer({"bootstrap.servers": broker.bootstrap, "group.id": "dlrover-clicks"})
+    committed = consumer.committed([TopicPartition("clicks", p) for p in range(3)], timeout=10)
+    consumer.close()
+    assert [tp.offset for tp in committed] == [30, 30, 30]
+
+
+def test_a_new_stream_starts_where_its_group_committed(broker: KafkaBroker, master: Master) -> None:
+    from confluent_kafka import Consumer, TopicPartition
+
+    broker.create_topic("clicks", 3)
+    _produce(broker, "clicks", range(30))
+    group = Consumer({"bootstrap.servers": broker.bootstrap, "group.id": "mine"})
+    group.commit(offsets=[TopicPartition("clicks", p, 4) for p in range(3)], asynchronous=False)
+    group.close()
+    reader = _dataset(broker, master, "w0", group_id="mine", end_offsets={0: 10, 1: 10, 2: 10})
+    assert sorted(reader) == list(range(12, 30))  # offsets 4.. of each partition
+    reader.close()
+
+
+def test_broker_down_reader_fails_clearly_in_bounded_time_and_the_position_survives(
+    broker: KafkaBroker, master: Master
+) -> None:
+    broker.create_topic("clicks", 3)
+    _produce(broker, "clicks", range(30))
+    ends = {0: 10, 1: 10, 2: 10}
+    reader = _dataset(broker, master, "w0", end_offsets=ends, read_timeout_s=3.0)
+    records = iter(reader)
+    trained = [next(records) for _ in range(6)]
+    state = reader.state_dict()
+    broker.stop(graceful=True)
+    with pytest.raises(StreamSourceError, match=r"did not deliver records .* within 3s"):
+        for _ in range(30):
+            next(records)
+    reader.close()
+    # The master kept its place while the broker was away; with the broker back, a restarted
+    # reader resumes at the checkpoint and reads exactly the rest.
+    broker.start()
+    again = _dataset(broker, master, "w0", end_offsets=ends)
+    again.load_state_dict(state)
+    assert sorted(trained + list(again)) == list(range(30))
+    again.close()
+
+
+def test_a_restarted_master_resumes_its_streams_even_while_the_broker_is_down(
+    broker: KafkaBroker, tmp_path: Path
+) -> None:
+    broker.create_topic("clicks", 3)
+    _produce(broker, "clicks", range(30))
+    ends = {0: 10, 1: 10, 2: 10}
+    first = Master(SqliteStateStore(tmp_path / "state.db"))
+    reader = _dataset(broker, first, "n0/0", end_offsets=ends)
+    records = iter(reader)
+    read = [next(records) for _ in range(8)]  # two whole shards, reported done with the next
+    next(records)
+    reader.close()
+    first.stop()
+    broker.stop(graceful=True)
+    second = Master(SqliteStateStore(tmp_path / "state.db"))  # needs no broker to start
+    try:
+        progress = second.transport().stream_progress("clicks")
+        assert sum(offset for _, offset in progress.committed) == 8
+        broker.start()
+        # The reader's node rejoins (as its agent would): its shards go back to the queue.
+        assert second.server.job.sharding.recover_node("n0") == 2
+        rest = list(_dataset(broker, second, "n0/0", end_offsets=ends))
+        assert sorted(read + rest) == list(range(30))
+    finally:
+        second.stop()
+
+
+def test_clear_errors_for_a_missing_topic_and_a_missing_master(
+    broker: KafkaBroker, master: Master, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dlrover.trainer.torch.elastic.stream import ElasticStreamDataset
+
+    with pytest.raises(StreamSourceError, match="topic 'clicks'.*create it first"):
+        next(iter(_dataset(broker, master, "w0")))
+    monkeypatch.delenv("DLROVER_MASTER_ADDR", raising=False)
+    with pytest.raises(InvalidSpecError, match="needs the job master.*dlrover-run"):
+        ElasticStreamDataset("clicks", broker.bootstrap)
