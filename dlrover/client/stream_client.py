@@ -131,6 +131,11 @@ class StreamShardingClient:
         """The stream's counters (committed and end offsets per partition)."""
         return self.transport.stream_progress(self.spec.name)
 
+    def keep_alive(self) -> None:
+        """Renew this worker's leases if lease_s / 3 has passed since the last renewal (a reader
+        waiting for the training loop calls it)."""
+        self._renew_if_due()
+
     def _renew_if_due(self) -> None:
         now = time.monotonic()
         if now - self._renewed_at >= self.spec.lease_s / 3:

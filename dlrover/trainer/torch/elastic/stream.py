@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -14,7 +16,12 @@ from torch.utils.data import IterableDataset, get_worker_info
 from dlrover.client.sharding_transport import StreamTransport
 from dlrover.client.stream_client import StreamShardingClient
 from dlrover.constants import ENV_MASTER_ADDR
-from dlrover.sharding.errors import InvalidPositionError, InvalidSpecError, StreamSourceError
+from dlrover.sharding.errors import (
+    InvalidPositionError,
+    InvalidSpecError,
+    ShardingError,
+    StreamSourceError,
+)
 from dlrover.sharding.stream import StreamMark, StreamPosition, StreamShard, StreamSpec
 from dlrover.trainer.torch.elastic.client_factory import (
     default_worker_id,
@@ -28,13 +35,18 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-DEFAULT_RECORDS_PER_SHARD = 256
+DEFAULT_RECORDS_PER_SHARD = 1024
 """Records of one partition leased as one shard."""
 DEFAULT_READ_TIMEOUT_S = 60.0
 """Longest the reader waits for the broker to deliver records the master said exist."""
 DEFAULT_POLL_S = 1.0
 """One wait for new records of the topic; the reader waits again until ``idle_timeout_s``."""
+READ_AHEAD_SHARDS = 2
+"""Ranges read from the broker ahead of the training loop (memory: this many ranges' records)."""
 _WAITING_LOG_EVERY_S = 30.0
+_CONSUME_BATCH = 100
+"""Records asked of the client at once: small, so the reader thread lets go of the GIL often
+and the training loop never waits long for it."""
 
 
 @dataclass(frozen=True)
@@ -113,6 +125,7 @@ class ElasticStreamDataset(IterableDataset[T], Generic[T]):
         )
         self._yielded = 0
         self._consumer: Any = None
+        self._pass: _ReadAhead | None = None
 
     # --- reading ----------------------------------------------------------------------------
     def __iter__(self) -> Iterator[T]:
@@ -121,36 +134,43 @@ class ElasticStreamDataset(IterableDataset[T], Generic[T]):
                 "ElasticStreamDataset reads in the training process: use DataLoader(..., "
                 "num_workers=0) (the Kafka client reads in threads of its own)"
             )
+        self._end_pass()
         self.client.start()
         self._yielded = 0  # a new pass; the master learns it from its first mark (begin 0)
-        idle_since = time.monotonic()
-        logged = idle_since
-        while True:
-            shard = self.client.poll(self.poll_s)
-            if shard is None:
-                now = time.monotonic()
-                if self.client.finished:
-                    break
-                if self.idle_timeout_s is not None and now - idle_since >= self.idle_timeout_s:
-                    logger.info(
-                        "no new record of %r for %.0fs: ending", self.topic, now - idle_since
+        reading = _ReadAhead(self)
+        self._pass = reading
+        try:
+            while True:
+                item = reading.next_item()
+                if item is None:
+                    return
+                shard, messages = item
+                for message in messages:
+                    self._yielded += 1
+                    record = KafkaRecord(
+                        shard.partition,
+                        message.offset(),
+                        message.key(),
+                        message.value(),
+                        message.timestamp()[1],
                     )
-                    break
-                if now - logged >= _WAITING_LOG_EVERY_S:
-                    logger.info("waiting for new records of topic %r", self.topic)
-                    logged = now
-                continue
-            self.client.mark(StreamMark(self._yielded, shard.partition, shard.start))
-            for record in self._read(shard):
-                self._yielded += 1
-                yield self.decode(record)
-            self.client.report_done(shard)
-            idle_since = time.monotonic()
-        self.client.mark(StreamMark(self._yielded))  # this pass has ended
+                    yield self.decode(record)
+                reading.finished(shard)
+        finally:
+            reading.close()
+            if self._pass is reading:
+                self._pass = None
 
-    def _read(self, shard: StreamShard) -> Iterator[KafkaRecord]:
-        """The records of ``shard``'s offset range, in order. Raises StreamSourceError when the
-        broker does not deliver them within ``read_timeout_s``."""
+    def _end_pass(self) -> None:
+        if self._pass is not None:
+            self._pass.close()
+            self._pass = None
+
+    def _read(self, shard: StreamShard, stop: threading.Event) -> Iterator[Any]:
+        """The messages of ``shard``'s offset range, in order (none more once ``stop`` is set):
+        the client's own objects, made into KafkaRecords by the loop (so the reader thread holds
+        the GIL as little as it can). Raises StreamSourceError when the broker does not deliver
+        them within ``read_timeout_s``."""
         from confluent_kafka import KafkaError, TopicPartition
 
         consumer = self._reader()
@@ -158,7 +178,7 @@ class ElasticStreamDataset(IterableDataset[T], Generic[T]):
         expected = shard.start
         deadline = time.monotonic() + self.read_timeout_s
         last_error = ""
-        while expected < shard.end:
+        while expected < shard.end and not stop.is_set():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise StreamSourceError(
@@ -170,7 +190,8 @@ class ElasticStreamDataset(IterableDataset[T], Generic[T]):
                     f"checkpoint."
                 )
             batch = consumer.consume(
-                num_messages=min(500, shard.end - expected), timeout=min(remaining, self.poll_s)
+                num_messages=min(_CONSUME_BATCH, shard.end - expected),
+                timeout=min(remaining, self.poll_s),
             )
             for message in batch:
                 error = message.error()
@@ -183,10 +204,7 @@ class ElasticStreamDataset(IterableDataset[T], Generic[T]):
                     continue  # read past the range (the fetch is per partition): not ours
                 expected = offset + 1
                 deadline = time.monotonic() + self.read_timeout_s
-                timestamp = message.timestamp()[1]
-                yield KafkaRecord(
-                    shard.partition, offset, message.key(), message.value(), timestamp
-                )
+                yield message
 
     def _reader(self) -> Any:
         if self._consumer is None:
@@ -226,6 +244,7 @@ class ElasticStreamDataset(IterableDataset[T], Generic[T]):
                 f"{self.topic!r}"
             )
         position = StreamPosition.from_dict(dict(state["position"]))
+        self._end_pass()
         self.client.restore_position(position, restore_token(position.to_dict()))
         self._yielded = 0
 
@@ -234,10 +253,145 @@ class ElasticStreamDataset(IterableDataset[T], Generic[T]):
         self.client.stop()
 
     def close(self) -> None:
-        """Close the broker connection."""
+        """End the current pass and close the broker connection."""
+        self._end_pass()
         if self._consumer is not None:
             self._consumer.close()
             self._consumer = None
+
+
+class _End:
+    """Queue marker: the pass has ended (the stream's end, a stop, or the idle timeout)."""
+
+
+_Item = tuple[StreamShard, list[Any]]
+"""A range and its messages (confluent_kafka.Message)."""
+
+
+class _ReadAhead:
+    """One pass over the stream: a thread leases ranges, reads each whole from the broker, marks
+    it and queues it, up to READ_AHEAD_SHARDS ahead of the training loop, and reports the ranges
+    the loop has yielded as done. The loop then never waits on the master or the broker while
+    records are queued. Records are yielded in queue order, so the thread knows where each range
+    begins in the pass (its mark) before the loop reaches it; a mark ahead is a range not trained
+    yet, which is what a position at an earlier step must say."""
+
+    def __init__(self, dataset: ElasticStreamDataset[Any]) -> None:
+        self.dataset = dataset
+        self.client = dataset.client
+        self._items: queue.Queue[_Item | _End | BaseException] = queue.Queue(READ_AHEAD_SHARDS)
+        self._done: queue.Queue[StreamShard | None] = queue.Queue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name=f"stream-reader-{dataset.topic}", daemon=True
+        )
+        self._thread.start()
+
+    def next_item(self) -> _Item | None:
+        """The next range and its records; None once the pass has ended. Raises what the thread
+        met (StreamSourceError for a broker that does not deliver, a ShardingError...)."""
+        while True:
+            # Waiting for records is the point of an unbounded stream; the thread ends the
+            # wait with END (end, stop, idle timeout) or an error, and is checked on.
+            try:
+                item = self._items.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if not self._thread.is_alive():
+                    raise ShardingError(
+                        f"the reader of topic {self.dataset.topic!r} ended without a word"
+                    ) from None
+        if isinstance(item, _End):
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def finished(self, shard: StreamShard) -> None:
+        """The loop has yielded every record of ``shard``."""
+        self._done.put(shard)
+
+    def close(self) -> None:
+        """Stop reading ahead; the ranges the loop finished are reported before the thread ends."""
+        self._done.put(None)
+        self._stop.set()
+        self._thread.join(self.dataset.read_timeout_s + 5.0)
+
+    def _run(self) -> None:
+        try:
+            self._read_ahead()
+        except BaseException as error:  # the loop raises it: a failure must not vanish
+            self._put(error)
+        # Report what the loop finishes until it closes the pass.
+        while True:
+            shard = self._done.get()
+            if shard is None:
+                break
+            self._report(shard)
+        self._report_finished()
+
+    def _read_ahead(self) -> None:
+        dataset, client = self.dataset, self.client
+        begin = 0
+        idle_since = logged = time.monotonic()
+        while not self._stop.is_set():
+            self._report_finished()
+            shard = client.poll(dataset.poll_s)
+            if shard is None:
+                now = time.monotonic()
+                if client.finished:
+                    break
+                if (
+                    dataset.idle_timeout_s is not None
+                    and now - idle_since >= dataset.idle_timeout_s
+                ):
+                    logger.info(
+                        "no new record of %r for %.0fs: ending", dataset.topic, now - idle_since
+                    )
+                    break
+                if now - logged >= _WAITING_LOG_EVERY_S:
+                    logger.info("waiting for new records of topic %r", dataset.topic)
+                    logged = now
+                continue
+            messages = list(dataset._read(shard, self._stop))
+            if self._stop.is_set():
+                return
+            client.mark(StreamMark(begin, shard.partition, shard.start))
+            begin += len(messages)
+            if not self._put((shard, messages)):
+                return
+            idle_since = time.monotonic()
+        client.mark(StreamMark(begin))  # this pass has ended after `begin` records
+        self._put(_End())
+
+    def _put(self, item: _Item | _End | BaseException) -> bool:
+        """Queue ``item`` once there is room (the loop takes items as it trains); False if the
+        pass was closed meanwhile. Keeps the leases alive while it waits."""
+        while not self._stop.is_set():
+            try:
+                self._items.put(item, timeout=0.2)
+                return True
+            except queue.Full:
+                self._report_finished()
+                self.client.keep_alive()
+        return False
+
+    def _report_finished(self) -> None:
+        while True:
+            try:
+                shard = self._done.get_nowait()
+            except queue.Empty:
+                return
+            if shard is None:
+                self._done.put(None)  # keep the close marker for _run
+                return
+            self._report(shard)
+
+    def _report(self, shard: StreamShard) -> None:
+        try:
+            self.client.report_done(shard)
+        except Exception as error:  # the range stays leased; its lease or a restore settles it
+            logger.warning("could not report %s done: %s", shard, error)
 
 
 def _transport_from_env() -> StreamTransport:

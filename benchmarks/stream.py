@@ -1,0 +1,195 @@
+"""Benchmark of online learning from Kafka: reading through the master vs a plain consumer.
+
+Run: PYTHONPATH=. python benchmarks/stream.py [--records 60000] [--shard 256,1024,4096]
+Needs confluent-kafka and noida-db==0.2.3 (the broker it starts on loopback). Prints
+
+- read only: records/s of one plain confluent-kafka consumer reading the whole topic with
+  assign() (the peer: what a script does without DLRover) and of ElasticStreamDataset (the
+  master leases offset ranges, a thread assign()s and reads each one ahead of the loop);
+- a training loop: batches of --batch records with --step-ms of simulated compute each, fed by
+  the plain consumer in the loop or by the dataset through a DataLoader, against the compute
+  alone;
+- the latency of state_dict() (the exactly-once position: one round trip to the master) next
+  to a plain consumer's synchronous commit of its offsets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from dlrover.client.sharding import connect
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.sharding import GrpcMaster  # noqa: E402
+from tests.kafka_broker import KafkaBroker, kafka_missing  # noqa: E402
+
+PARTITIONS = 3
+VALUE = b"x" * 100
+
+
+def plain_consumer(
+    broker: KafkaBroker, topic: str, per_partition: int, batch: int = 0, step_s: float = 0.0
+) -> float:
+    """Seconds for one consumer to read every record with assign() (no group membership);
+    with ``batch``, ``step_s`` of compute per ``batch`` records."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    consumer = Consumer(
+        {
+            "bootstrap.servers": broker.bootstrap,
+            "group.id": "bench-plain",
+            "enable.auto.commit": False,
+        }
+    )
+    start = time.perf_counter()
+    consumer.assign([TopicPartition(topic, p, 0) for p in range(PARTITIONS)])
+    left = per_partition * PARTITIONS
+    while left:
+        want = min(batch or 500, left)
+        got = 0
+        while got < want:
+            for message in consumer.consume(num_messages=want - got, timeout=1.0):
+                if message.error() is None:
+                    got += 1
+        left -= got
+        if step_s:
+            time.sleep(step_s)  # compute: an accelerator's step, the CPU waits
+    elapsed = time.perf_counter() - start
+    consumer.close()
+    return elapsed
+
+
+def stream_dataset(
+    broker: KafkaBroker,
+    master: GrpcMaster,
+    topic: str,
+    per_partition: int,
+    shard: int,
+    batch: int = 0,
+    step_s: float = 0.0,
+) -> tuple[float, list[float]]:
+    """Seconds for ElasticStreamDataset to read every record (with ``batch``: through a
+    DataLoader, ``step_s`` of compute per batch), and state_dict() latencies (s)."""
+    from torch.utils.data import DataLoader
+
+    from dlrover.trainer.torch.elastic.stream import ElasticStreamDataset
+
+    dataset: Any = ElasticStreamDataset(
+        topic,
+        broker.bootstrap,
+        name=f"{topic}-{shard}-{batch}",
+        records_per_shard=shard,
+        end_offsets={p: per_partition for p in range(PARTITIONS)},
+        transport=connect(master.addr, master.token),
+        worker_id="bench/0",
+    )
+    latencies: list[float] = []
+    start = time.perf_counter()
+    count = 0
+    if batch:
+        for values in DataLoader(dataset, batch_size=batch, num_workers=0):
+            count += len(values)
+            time.sleep(step_s)
+    else:
+        for _ in dataset:
+            count += 1
+            if count % 2000 == 0:
+                t = time.perf_counter()
+                dataset.state_dict()
+                latencies.append(time.perf_counter() - t)
+    elapsed = time.perf_counter() - start
+    dataset.close()
+    assert count == per_partition * PARTITIONS, count
+    return elapsed, latencies
+
+
+def plain_commit_latency(broker: KafkaBroker, topic: str, rounds: int = 20) -> list[float]:
+    """Latencies of a plain consumer's synchronous commit of its offsets (the peer's way to
+    remember a position)."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    consumer = Consumer({"bootstrap.servers": broker.bootstrap, "group.id": "bench-commit"})
+    out = []
+    for i in range(rounds):
+        offsets = [TopicPartition(topic, p, i + 1) for p in range(PARTITIONS)]
+        t = time.perf_counter()
+        consumer.commit(offsets=offsets, asynchronous=False)
+        out.append(time.perf_counter() - t)
+    consumer.close()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--records", type=int, default=60000, help="records in the topic")
+    p.add_argument("--shard", default="256,1024,4096", help="records_per_shard values")
+    p.add_argument("--batch", type=int, default=256, help="records per training step")
+    p.add_argument("--step-ms", type=float, default=5.0, help="simulated compute per step")
+    args = p.parse_args()
+    missing = kafka_missing()
+    if missing:
+        sys.exit(f"cannot run: {missing}")
+    per_partition = args.records // PARTITIONS
+    with tempfile.TemporaryDirectory() as tmp:
+        broker = KafkaBroker(Path(tmp))
+        master = GrpcMaster()  # a process of its own, as under dlrover-run
+        try:
+            broker.create_topic("bench", PARTITIONS)
+            for p_ in range(PARTITIONS):
+                broker.produce("bench", [(p_, VALUE)] * per_partition)
+            plain_consumer(broker, "bench", per_partition)  # warm the broker's caches
+            plain_s = plain_consumer(broker, "bench", per_partition)
+            total = per_partition * PARTITIONS
+            print(f"{total} records of {len(VALUE)} B in {PARTITIONS} partitions, one reader\n")
+            print(f"| {'reader':38} | {'records/s':>10} | {'vs plain':>8} |")
+            print(f"|{'-' * 40}|{'-' * 12}|{'-' * 10}|")
+            print(
+                f"| {'plain confluent-kafka, assign()':38} | {total / plain_s:10.0f} | {1.0:8.2f} |"
+            )
+            state_ms: list[float] = []
+            for shard in (int(s) for s in args.shard.split(",")):
+                seconds, latencies = stream_dataset(broker, master, "bench", per_partition, shard)
+                state_ms += [x * 1000 for x in latencies]
+                name = f"ElasticStreamDataset, {shard}/shard"
+                print(f"| {name:38} | {total / seconds:10.0f} | {plain_s / seconds:8.2f} |")
+            step_s = args.step_ms / 1000
+            steps = -(-total // args.batch)
+            ideal = steps * step_s
+            print(
+                f"\nTraining loop: {steps} steps of {args.batch} records, {args.step_ms:g} ms "
+                f"compute each (compute alone {ideal:.2f} s)\n"
+            )
+            print(f"| {'reader':38} | {'seconds':>10} | {'vs ideal':>8} |")
+            print(f"|{'-' * 40}|{'-' * 12}|{'-' * 10}|")
+            seconds = plain_consumer(broker, "bench", per_partition, args.batch, step_s)
+            print(
+                f"| {'plain consumer in the loop':38} | {seconds:10.2f} | {seconds / ideal:8.2f} |"
+            )
+            for shard in (int(s) for s in args.shard.split(",")):
+                seconds, _ = stream_dataset(
+                    broker, master, "bench", per_partition, shard,
+                    args.batch, step_s,
+                )  # fmt: skip
+                name = f"ElasticStreamDataset, {shard}/shard"
+                print(f"| {name:38} | {seconds:10.2f} | {seconds / ideal:8.2f} |")
+            commit_ms = [x * 1000 for x in plain_commit_latency(broker, "bench")]
+            print(f"\n| {'remembering the position':38} | {'median ms':>10} | {'max ms':>8} |")
+            print(f"|{'-' * 40}|{'-' * 12}|{'-' * 10}|")
+            for name, values in (
+                ("dataset.state_dict() (master RPC)", state_ms),
+                ("plain consumer commit(sync) to broker", commit_ms),
+            ):
+                print(f"| {name:38} | {statistics.median(values):10.2f} | {max(values):8.2f} |")
+        finally:
+            master.close()
+            broker.stop()
+
+
+if __name__ == "__main__":
+    main()
