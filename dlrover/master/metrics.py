@@ -167,6 +167,18 @@ class JobCollector(Collector):
             shards.add_metric([name, p.dataset, "leased"], float(p.leased))
             shards.add_metric([name, p.dataset, "done"], float(p.done_shards))
         yield shards
+        lag = GaugeMetricFamily(
+            "dlrover_stream_lag_records",
+            "Records of each stream's partitions available but not yet done",
+            labels=["job_name", "stream", "partition"],
+        )
+        for sp in job.sharding.all_stream_progress():
+            ends = dict(sp.end_offsets)
+            for partition, done in sp.committed:
+                lag.add_metric(
+                    [name, sp.stream, str(partition)], float(max(0, ends[partition] - done))
+                )
+        yield lag
         yield _gauge(
             "dlrover_rendezvous_round",
             "The latest rendezvous round",

@@ -202,6 +202,11 @@ class ShardingService:
         with self._lock:
             return self.manager.dataset_progress(dataset)
 
+    def all_stream_progress(self) -> list[StreamProgress]:
+        """Every registered stream's counters (metrics)."""
+        with self._lock:
+            return [self.manager.stream_progress(name) for name in self.manager.streams()]
+
     def all_progress(self) -> list[DatasetProgress]:
         """Every registered dataset's counters (metrics, dashboard)."""
         with self._lock:

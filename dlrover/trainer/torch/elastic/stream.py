@@ -282,6 +282,7 @@ class _ReadAhead:
         self._items: queue.Queue[_Item | _End | BaseException] = queue.Queue(READ_AHEAD_SHARDS)
         self._done: queue.Queue[StreamShard | None] = queue.Queue()
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread = threading.Thread(
             target=self._run, name=f"stream-reader-{dataset.topic}", daemon=True
         )
@@ -301,6 +302,7 @@ class _ReadAhead:
                     raise ShardingError(
                         f"the reader of topic {self.dataset.topic!r} ended without a word"
                     ) from None
+        self._wake.set()  # there is room in the queue now
         if isinstance(item, _End):
             return None
         if isinstance(item, BaseException):
@@ -310,11 +312,13 @@ class _ReadAhead:
     def finished(self, shard: StreamShard) -> None:
         """The loop has yielded every record of ``shard``."""
         self._done.put(shard)
+        self._wake.set()
 
     def close(self) -> None:
         """Stop reading ahead; the ranges the loop finished are reported before the thread ends."""
         self._done.put(None)
         self._stop.set()
+        self._wake.set()
         self._thread.join(self.dataset.read_timeout_s + 5.0)
 
     def _run(self) -> None:
@@ -366,14 +370,18 @@ class _ReadAhead:
 
     def _put(self, item: _Item | _End | BaseException) -> bool:
         """Queue ``item`` once there is room (the loop takes items as it trains); False if the
-        pass was closed meanwhile. Keeps the leases alive while it waits."""
+        pass was closed meanwhile. Reports finished ranges as the loop finishes them, and keeps
+        the leases alive, while it waits."""
         while not self._stop.is_set():
+            self._wake.clear()
+            self._report_finished()
             try:
-                self._items.put(item, timeout=0.2)
+                self._items.put_nowait(item)
                 return True
             except queue.Full:
-                self._report_finished()
-                self.client.keep_alive()
+                pass
+            self._wake.wait(1.0)  # set when the loop takes an item or finishes a range
+            self.client.keep_alive()
         return False
 
     def _report_finished(self) -> None:
