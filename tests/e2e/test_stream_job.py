@@ -99,3 +99,55 @@ def test_worker_killed_mid_stream_every_record_is_trained_exactly_once(
     assert sorted(loads) == [["0", "0", "1"], ["0", "1", "7"], ["1", "0", "1"], ["1", "1", "7"]]
     # The master committed the finished offsets under the stream's group at the end.
     assert _committed(broker, "dlrover-clicks", "clicks") == [per_partition] * PARTITIONS
+
+
+def test_a_broker_outage_mid_job_loses_no_position(tmp_path: Path, broker: KafkaBroker) -> None:
+    """The broker stops for two seconds while the job trains: the master keeps its offsets, the
+    readers wait (within read_timeout_s) and the job trains every record exactly once."""
+    n, per_partition = 120, 40
+    broker.create_topic("clicks", PARTITIONS)
+    broker.produce("clicks", _records(range(n)))
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    out.mkdir()
+    outage_over = threading.Event()
+
+    def outage() -> None:
+        if _when_step_reached(out / "progress", 3, 90):
+            broker.stop(graceful=True)
+            time.sleep(2.0)  # the outage itself
+            broker.start()
+            outage_over.set()
+
+    thread = threading.Thread(target=outage, daemon=True)
+    thread.start()
+    r = dlrover_run(
+        [
+            "--standalone",
+            "--nproc-per-node=2",
+            str(SCRIPTS / "stream_train.py"),
+            "--bootstrap",
+            broker.bootstrap,
+            "--topic",
+            "clicks",
+            "--records",
+            str(n),
+            "--end",
+            str(per_partition),
+            "--batch",
+            "3",
+            "--records-per-shard",
+            "5",
+            "--ckpt",
+            str(ckpt),
+            "--out",
+            str(out),
+        ],  # fmt: skip
+        timeout=180,
+    )
+    thread.join(10)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert outage_over.is_set()
+    assert "do not answer" in r.stderr  # the master noticed, once
+    seen = json.loads((out / "seen.json").read_text())
+    assert seen == [1] * n, {i: c for i, c in enumerate(seen) if c != 1}
+    assert _committed(broker, "dlrover-clicks", "clicks") == [per_partition] * PARTITIONS
