@@ -3,8 +3,10 @@
 import logging
 import os
 import threading
+from collections.abc import Mapping
 
 from dlrover.constants import ENV_CHECKPOINT_SOCKET
+from dlrover.envvars import number_from_env
 
 __all__ = [
     "ENV_CHECKPOINT_SOCKET",
@@ -70,16 +72,10 @@ ENV_REPLICA_MIB_S = "DLROVER_CKPT_REPLICA_MIB_S"
 DEFAULT_REPLICA_MIB_S = 1024.0
 
 
-def replica_bandwidth_from_env(env: dict[str, str] | None = None) -> float | None:
+def replica_bandwidth_from_env(env: Mapping[str, str] | None = None) -> float | None:
     """The replica push cap in bytes/s from DLROVER_CKPT_REPLICA_MIB_S (default 1024 MiB/s;
     None: no cap); ValueError naming the variable for a value that is not a number >= 0."""
-    raw = (os.environ if env is None else env).get(ENV_REPLICA_MIB_S, "")
-    if not raw.strip():
-        return DEFAULT_REPLICA_MIB_S * 2**20
-    try:
-        mib_s = float(raw)
-    except ValueError:
-        mib_s = -1.0
-    if not mib_s >= 0:
-        raise ValueError(f"{ENV_REPLICA_MIB_S}={raw!r}: give MiB/s as a number >= 0 (0: no cap)")
+    mib_s = number_from_env(
+        ENV_REPLICA_MIB_S, DEFAULT_REPLICA_MIB_S, "MiB/s as a number >= 0 (0: no cap)", env
+    )
     return mib_s * 2**20 if mib_s else None

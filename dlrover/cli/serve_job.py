@@ -23,6 +23,7 @@ from dlrover.cli.job_records import (
     write_record,
 )
 from dlrover.engines.base import Engine
+from dlrover.envvars import number_from_env
 from dlrover.jobspec import JobSpec, JobSpecError, parse_capacity
 from dlrover.master.assembly import MasterSettings, build_master
 from dlrover.master.job import JobMaster, JobState
@@ -44,16 +45,10 @@ ENV_SUPERVISED_METRICS_PORT = "DLROVER_SUPERVISED_METRICS_PORT"
 
 def env_seconds(name: str, default: float) -> float:
     """A duration from the environment variable ``name`` (unset or empty: ``default``)."""
-    raw = os.environ.get(name, "")
-    if not raw:
-        return default
     try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:
-        raise JobSpecError(f"{name}={raw!r}: give a number of seconds (e.g. {default:g})")
-    return value
+        return number_from_env(name, default, f"a number of seconds (e.g. {default:g})")
+    except ValueError as e:
+        raise JobSpecError(str(e)) from None
 
 
 def _autoscale_settings(spec: JobSpec) -> tuple[OptimizerConfig, float] | None:
