@@ -7,11 +7,13 @@ from dlrover.client.master_client import (
     MasterUnreachableError,
     WrongTokenError,
 )
+from dlrover.client.stream_client import StreamShardingClient
 
 __all__ = [
     "MasterClient",
     "MasterClientError",
     "MasterRequestError",
     "MasterUnreachableError",
+    "StreamShardingClient",
     "WrongTokenError",
 ]

@@ -10,10 +10,17 @@ from dlrover.sharding.errors import (
     ShardingError,
     ShardingTimeoutError,
     ShardRetriesExhaustedError,
+    StreamSourceError,
     UnknownDatasetError,
 )
 from dlrover.sharding.manager import ShardManager
-from dlrover.sharding.stream import InMemoryStreamSource, StreamShard, StreamSource, StreamSpec
+from dlrover.sharding.stream import (
+    InMemoryStreamSource,
+    StreamPosition,
+    StreamShard,
+    StreamSource,
+    StreamSpec,
+)
 from dlrover.sharding.types import (
     DatasetProgress,
     DatasetSpec,
@@ -44,8 +51,10 @@ __all__ = [
     "ShardRetriesExhaustedError",
     "ShardingError",
     "ShardingTimeoutError",
+    "StreamPosition",
     "StreamShard",
     "StreamSource",
+    "StreamSourceError",
     "StreamSpec",
     "UnknownDatasetError",
 ]
