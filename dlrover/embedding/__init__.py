@@ -1,0 +1,1 @@
+"""Elastic embedding servers: sparse tables partitioned by virtual buckets (in progress)."""
