@@ -1,0 +1,207 @@
+"""The embedding server (`dlrover-ps`): sparse tables behind gRPC, numpy arrays on the wire."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+from collections.abc import Callable
+from concurrent import futures
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+
+from dlrover.constants import MAX_MESSAGE_BYTES, TOKEN_METADATA_KEY
+from dlrover.embedding.table import EmbeddingError, EmbeddingTable, Optimizer
+from dlrover.proto import embedding_pb2 as pb
+from dlrover.proto import embedding_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+R = TypeVar("R")
+
+
+def spec_to_table(spec: pb.TableSpec) -> EmbeddingTable:
+    """The empty table a spec describes; EmbeddingError for one that cannot work."""
+    optimizer = Optimizer(spec.optimizer or "adagrad", spec.lr or 0.01, spec.initial_accumulator)
+    return EmbeddingTable(
+        spec.name,
+        spec.dim,
+        optimizer,
+        seed=spec.seed,
+        init_scale=spec.init_scale if spec.init_scale > 0 else None,
+    )
+
+
+def ids_from_bytes(data: bytes) -> np.ndarray[Any, np.dtype[np.int64]]:
+    """Little-endian int64 ids; EmbeddingError when the byte count is not a multiple of 8."""
+    if len(data) % 8:
+        raise EmbeddingError(f"ids must be int64: got {len(data)} bytes, not a multiple of 8")
+    return np.frombuffer(data, dtype="<i8").astype(np.int64, copy=False)
+
+
+@dataclass
+class _Served:
+    table: EmbeddingTable
+    spec: pb.TableSpec
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    lookups: int = 0
+    pushes: int = 0
+
+
+class EmbeddingService(pb_grpc.EmbeddingServerServicer):
+    """The tables of one server, each behind its own lock (lookups of different tables run in
+    parallel; numpy releases the GIL in its large copies)."""
+
+    def __init__(self) -> None:
+        self._tables: dict[str, _Served] = {}
+        self._lock = threading.Lock()
+
+    def _table(self, name: str) -> _Served:
+        served = self._tables.get(name)
+        if served is None:
+            raise EmbeddingError(
+                f"no table {name!r} on this server (it has {sorted(self._tables)}); create it "
+                f"first (ElasticEmbedding does, on its first forward)"
+            )
+        return served
+
+    def CreateTable(  # noqa: N802
+        self, request: pb.CreateTableRequest, context: grpc.ServicerContext
+    ) -> pb.CreateTableResponse:
+        """Create a table; the same spec again is a no-op, another spec for the name an error."""
+
+        def run() -> pb.CreateTableResponse:
+            with self._lock:
+                existing = self._tables.get(request.spec.name)
+                if existing is not None:
+                    if existing.spec != request.spec:
+                        raise EmbeddingError(
+                            f"table {request.spec.name!r} exists with another spec "
+                            f"({existing.spec.dim} dims, {existing.spec.optimizer})"
+                        )
+                    return pb.CreateTableResponse(created=False)
+                self._tables[request.spec.name] = _Served(spec_to_table(request.spec), request.spec)
+                logger.info("table %r: %d dims", request.spec.name, request.spec.dim)
+                return pb.CreateTableResponse(created=True)
+
+        return _answer(pb.CreateTableResponse, run)
+
+    def Lookup(  # noqa: N802
+        self, request: pb.LookupRequest, context: grpc.ServicerContext
+    ) -> pb.LookupResponse:
+        """The rows of the ids, created on first use."""
+
+        def run() -> pb.LookupResponse:
+            served = self._table(request.table)
+            ids = ids_from_bytes(request.ids)
+            with served.lock:
+                rows = served.table.lookup(ids)
+                served.lookups += ids.size
+            return pb.LookupResponse(rows=rows.astype("<f4").tobytes(), dim=served.table.dim)
+
+        return _answer(pb.LookupResponse, run)
+
+    def Push(  # noqa: N802
+        self, request: pb.PushRequest, context: grpc.ServicerContext
+    ) -> pb.PushResponse:
+        """Apply the table's optimizer with the gradients of the ids' rows."""
+
+        def run() -> pb.PushResponse:
+            served = self._table(request.table)
+            ids = ids_from_bytes(request.ids)
+            dim = served.table.dim
+            if len(request.grads) != ids.size * dim * 4:
+                raise EmbeddingError(
+                    f"table {request.table!r}: {ids.size} ids need {ids.size * dim} float32 "
+                    f"gradients, got {len(request.grads) // 4}"
+                )
+            grads = np.frombuffer(request.grads, dtype="<f4").reshape(ids.size, dim)
+            with served.lock:
+                served.table.apply_gradients(ids, grads)
+                served.pushes += ids.size
+            return pb.PushResponse(applied=ids.size)
+
+        return _answer(pb.PushResponse, run)
+
+    def Stats(  # noqa: N802
+        self, request: pb.StatsRequest, context: grpc.ServicerContext
+    ) -> pb.StatsResponse:
+        """Rows, memory and traffic of every table."""
+        with self._lock:
+            served = list(self._tables.values())
+        return pb.StatsResponse(
+            tables=[
+                pb.TableStats(
+                    name=s.table.name,
+                    rows=len(s.table),
+                    bytes=s.table.nbytes,
+                    lookups=s.lookups,
+                    pushes=s.pushes,
+                )
+                for s in served
+            ]
+        )
+
+
+def _answer(response: Callable[..., R], fn: Callable[[], R]) -> R:
+    try:
+        return fn()
+    except EmbeddingError as e:
+        return response(error=pb.EmbeddingError(message=str(e)))
+
+
+class _TokenCheck(grpc.ServerInterceptor):
+    """Refuses every call whose metadata lacks the job token."""
+
+    def __init__(self, token: str) -> None:
+        self._token = token
+
+        def deny(request: Any, context: grpc.ServicerContext) -> Any:
+            context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "wrong or missing job token: set DLROVER_JOB_TOKEN to the job's token",
+            )
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    def intercept_service(self, continuation: Any, details: Any) -> Any:
+        for key, value in details.invocation_metadata or ():
+            if key == TOKEN_METADATA_KEY and secrets.compare_digest(str(value), self._token):
+                return continuation(details)
+        return self._deny
+
+
+class EmbeddingServer:
+    """One `dlrover-ps`: serves an EmbeddingService on ``host:port`` (0: a free port)."""
+
+    def __init__(
+        self, token: str, host: str = "127.0.0.1", port: int = 0, threads: int = 8
+    ) -> None:
+        self.service = EmbeddingService()
+        options = [
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ]
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=threads),
+            interceptors=[_TokenCheck(token)],
+            options=options,
+        )
+        pb_grpc.add_EmbeddingServerServicer_to_server(self.service, self._server)
+        self.port = self._server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"cannot listen on {host}:{port}")
+        self.address = f"{host}:{self.port}"
+
+    def start(self) -> EmbeddingServer:
+        """Start serving (in gRPC's threads)."""
+        self._server.start()
+        logger.info("embedding server listening on %s", self.address)
+        return self
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        """Stop serving; in-flight calls get ``grace_s`` seconds."""
+        self._server.stop(grace_s).wait(grace_s + 1.0)
