@@ -1,8 +1,10 @@
 """The trainer's side of the embedding servers: split a batch of ids by owner, ask the servers in
-parallel, put the rows back in order."""
+parallel, put the rows back in order; follow the bucket map when servers are added or removed."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from typing import Any, TypeVar
@@ -14,13 +16,17 @@ import numpy.typing as npt
 from dlrover.constants import MAX_MESSAGE_BYTES, TOKEN_METADATA_KEY
 from dlrover.embedding.buckets import BucketMap, IdArray
 from dlrover.embedding.table import EmbeddingError, Rows
+from dlrover.embedding.wire import MovingError, NotOwnerError, Placement, error_from_proto
 from dlrover.proto import embedding_pb2 as pb
 from dlrover.proto import embedding_pb2_grpc as pb_grpc
 
 DEFAULT_TIMEOUT_S = 30.0
 """Deadline of one call to a server."""
+DEFAULT_SETTLE_S = 60.0
+"""Longest a request waits for buckets that are being moved between servers."""
 
 T = TypeVar("T")
+Index = npt.NDArray[np.intp]
 
 
 class EmbeddingServerUnavailable(EmbeddingError):
@@ -28,9 +34,11 @@ class EmbeddingServerUnavailable(EmbeddingError):
 
 
 class EmbeddingClient:
-    """Reaches the embedding servers at ``addresses`` (server i owns the buckets the map gives
-    it). Thread-safe. Every call has a deadline; a server that does not answer raises
-    EmbeddingServerUnavailable naming it."""
+    """Reaches the embedding servers of a placement (server i at ``addresses[i]`` owns the
+    buckets the map gives it). Thread-safe. Every call has a deadline; a server that does not
+    answer raises EmbeddingServerUnavailable naming it. A server that no longer owns some ids
+    answers with its newer placement, which the client adopts and routes by; ids of buckets
+    being moved are asked again (bounded by ``settle_s``)."""
 
     def __init__(
         self,
@@ -38,35 +46,69 @@ class EmbeddingClient:
         token: str,
         bucket_map: BucketMap | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        settle_s: float = DEFAULT_SETTLE_S,
     ) -> None:
         if not addresses:
             raise EmbeddingError("no embedding server addresses given")
-        self.addresses = list(addresses)
-        self.bucket_map = bucket_map or BucketMap.even(len(self.addresses))
-        if self.bucket_map.num_servers > len(self.addresses):
+        bucket_map = bucket_map or BucketMap.even(len(addresses))
+        if bucket_map.num_servers > len(addresses):
             raise EmbeddingError(
-                f"the bucket map names {self.bucket_map.num_servers} servers, "
-                f"{len(self.addresses)} addresses given"
+                f"the bucket map names {bucket_map.num_servers} servers, "
+                f"{len(addresses)} addresses given"
             )
+        self.placement = Placement(bucket_map, tuple(addresses))
         self.timeout_s = timeout_s
+        self.settle_s = settle_s
         self._metadata = ((TOKEN_METADATA_KEY, token),)
-        options = [
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ]
-        self._channels = [grpc.insecure_channel(a, options=options) for a in self.addresses]
-        self._stubs = [pb_grpc.EmbeddingServerStub(c) for c in self._channels]
-        self._pool = futures.ThreadPoolExecutor(max_workers=max(1, len(self.addresses)))
+        self._lock = threading.Lock()
+        self._channels: dict[str, grpc.Channel] = {}
+        self._stubs: dict[str, pb_grpc.EmbeddingServerStub] = {}
+        self._pool = futures.ThreadPoolExecutor(max_workers=8)
+
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        """Server i's address, in the placement the client routes by now."""
+        return self.placement.addresses
+
+    @property
+    def bucket_map(self) -> BucketMap:
+        """The bucket map the client routes by now."""
+        return self.placement.map
 
     def close(self) -> None:
         """Close the channels and the call pool."""
         self._pool.shutdown(wait=False)
-        for channel in self._channels:
-            channel.close()
+        with self._lock:
+            for channel in self._channels.values():
+                channel.close()
+            self._channels.clear()
+            self._stubs.clear()
 
-    def _call(self, server: int, method: str, request: Any) -> Any:
+    def adopt(self, placement: Placement) -> bool:
+        """Route by ``placement`` from now on if it is newer than the current one."""
+        with self._lock:
+            if placement.map.version <= self.placement.map.version:
+                return False
+            self.placement = placement
+            return True
+
+    def _stub(self, address: str) -> pb_grpc.EmbeddingServerStub:
+        with self._lock:
+            stub = self._stubs.get(address)
+            if stub is None:
+                options = [
+                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ]
+                channel = grpc.insecure_channel(address, options=options)
+                self._channels[address] = channel
+                stub = self._stubs[address] = pb_grpc.EmbeddingServerStub(channel)
+            return stub
+
+    def call(self, address: str, method: str, request: Any) -> Any:
+        """One RPC to the server at ``address``; its refusal raised as an EmbeddingError."""
         try:
-            response = getattr(self._stubs[server], method)(
+            response = getattr(self._stub(address), method)(
                 request, timeout=self.timeout_s, metadata=self._metadata
             )
         except grpc.RpcError as e:
@@ -75,67 +117,96 @@ class EmbeddingClient:
                 why = "refused the job token (set DLROVER_JOB_TOKEN to the job's token)"
             else:
                 why = f"did not answer within {self.timeout_s:.0f}s ({code})"
+            index = self.addresses.index(address) if address in self.addresses else "?"
             raise EmbeddingServerUnavailable(
-                f"embedding server {server} at {self.addresses[server]} {why}"
+                f"embedding server {index} at {address} {why}"
             ) from None
         if "error" in response.DESCRIPTOR.fields_by_name and response.HasField("error"):
-            raise EmbeddingError(response.error.message)
+            raise error_from_proto(response.error)
         return response
 
-    def _each_server(self, fn: Callable[[int], T]) -> list[T]:
-        return list(self._pool.map(fn, range(len(self.addresses))))
+    def each_server(self, fn: Callable[[str], T]) -> list[T]:
+        """``fn(address)`` for every server of the current placement, in parallel."""
+        return list(self._pool.map(fn, self.addresses))
 
     def create_table(self, spec: pb.TableSpec) -> None:
         """Create the table on every server (a no-op where it exists with the same spec)."""
-        self._each_server(lambda s: self._call(s, "CreateTable", pb.CreateTableRequest(spec=spec)))
+        self.each_server(lambda a: self.call(a, "CreateTable", pb.CreateTableRequest(spec=spec)))
 
     def lookup(self, table: str, ids: IdArray, dim: int) -> Rows:
         """The rows of ``ids`` (int64, any shape -> one row per id in order)."""
         flat = _int64(ids)
         rows = np.empty((flat.size, dim), dtype=np.float32)
-        parts = self._split(flat)
 
-        def ask(server: int) -> None:
-            index = parts[server]
-            if index.size == 0:
-                return
+        def ask(address: str, index: Index) -> None:
             request = pb.LookupRequest(table=table, ids=flat[index].astype("<i8").tobytes())
-            response = self._call(server, "Lookup", request)
+            response = self.call(address, "Lookup", request)
             if response.dim != dim:
                 raise EmbeddingError(
-                    f"table {table!r} has {response.dim} dims on server {server}, not {dim}"
+                    f"table {table!r} has {response.dim} dims at {address}, not {dim}"
                 )
             rows[index] = np.frombuffer(response.rows, dtype="<f4").reshape(index.size, dim)
 
-        self._each_server(ask)
+        self._route(flat, ask)
         return rows
 
     def push(self, table: str, ids: IdArray, grads: Rows) -> None:
         """Send the gradients of the rows of ``ids`` to their servers, which apply them."""
         flat = _int64(ids)
         grads = np.ascontiguousarray(grads, dtype=np.float32)
-        parts = self._split(flat)
 
-        def send(server: int) -> None:
-            index = parts[server]
-            if index.size == 0:
-                return
+        def send(address: str, index: Index) -> None:
             request = pb.PushRequest(
                 table=table,
                 ids=flat[index].astype("<i8").tobytes(),
                 grads=grads[index].astype("<f4").tobytes(),
             )
-            self._call(server, "Push", request)
+            self.call(address, "Push", request)
 
-        self._each_server(send)
+        self._route(flat, send)
 
-    def stats(self) -> list[list[pb.TableStats]]:
-        """Per server, its tables' rows, bytes and traffic."""
-        return self._each_server(lambda s: list(self._call(s, "Stats", pb.StatsRequest()).tables))
+    def _route(self, flat: IdArray, call: Callable[[str, Index], None]) -> None:
+        """``call(address, index)`` for each server's share of ``flat``, in parallel; shares a
+        server refuses because it no longer owns them, or is moving them, are routed again."""
+        pending = np.arange(flat.size)
+        deadline = time.monotonic() + self.settle_s
+        delay = 0.005
+        while pending.size:
+            placement = self.placement
+            owners = placement.map.owner_of(flat[pending])
+            shares = [
+                (placement.addresses[s], pending[owners == s]) for s in np.unique(owners).tolist()
+            ]
 
-    def _split(self, flat: IdArray) -> list[npt.NDArray[np.intp]]:
-        owners = self.bucket_map.owner_of(flat)
-        return [np.flatnonzero(owners == s) for s in range(len(self.addresses))]
+            def attempt(share: tuple[str, Index]) -> EmbeddingError | None:
+                try:
+                    call(*share)
+                    return None
+                except (NotOwnerError, MovingError) as refusal:
+                    return refusal
+
+            outcomes = list(self._pool.map(attempt, shares))
+            again = [share[1] for share, o in zip(shares, outcomes, strict=True) if o is not None]
+            if not again:
+                return
+            adopted = any(
+                isinstance(o, NotOwnerError) and o.newer is not None and self.adopt(o.newer)
+                for o in outcomes
+            )
+            if time.monotonic() > deadline:
+                raise EmbeddingError(
+                    f"ids of {len(again)} servers' shares were refused for {self.settle_s:.0f}s "
+                    f"while buckets moved (last: {next(o for o in outcomes if o)}); is a resize "
+                    f"stuck?"
+                )
+            if not adopted:
+                time.sleep(delay)  # a hand-over is under way; nothing to wait on but the servers
+                delay = min(delay * 2, 0.1)
+            pending = np.concatenate(again)
+
+    def stats(self) -> list[pb.StatsResponse]:
+        """Per server, its tables' rows, bytes and traffic, and its map version."""
+        return self.each_server(lambda a: self.call(a, "Stats", pb.StatsRequest()))
 
 
 def _int64(ids: IdArray) -> IdArray:

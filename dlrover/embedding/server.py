@@ -14,7 +14,9 @@ import grpc
 import numpy as np
 
 from dlrover.constants import MAX_MESSAGE_BYTES, TOKEN_METADATA_KEY
+from dlrover.embedding.buckets import bucket_of
 from dlrover.embedding.table import EmbeddingError, EmbeddingTable, Optimizer
+from dlrover.embedding.wire import MovingError, NotOwnerError, Placement, error_to_proto
 from dlrover.proto import embedding_pb2 as pb
 from dlrover.proto import embedding_pb2_grpc as pb_grpc
 
@@ -58,6 +60,118 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
     def __init__(self) -> None:
         self._tables: dict[str, _Served] = {}
         self._lock = threading.Lock()
+        # Ownership: no map yet serves every id (a lone server). Requests in flight are
+        # counted so that a freeze waits for them before rows move.
+        self._gate = threading.Condition()
+        self._placement: Placement | None = None
+        self._index = 0
+        self._owned = np.empty(0, dtype=bool)
+        self._frozen = np.empty(0, dtype=bool)
+        self._active = 0
+        self.moved_in = 0
+        self.moved_out = 0
+
+    def _enter(self, ids: np.ndarray[Any, np.dtype[np.int64]]) -> None:
+        """Admit a request for ``ids``, or raise NotOwnerError / MovingError."""
+        with self._gate:
+            placement = self._placement
+            if placement is not None and ids.size:
+                buckets = bucket_of(ids, placement.map.num_buckets)
+                if not self._owned[buckets].all():
+                    raise NotOwnerError(
+                        f"ids of buckets server {self._index} does not own at map version "
+                        f"{placement.map.version}",
+                        placement,
+                    )
+                if self._frozen[buckets].any():
+                    raise MovingError(f"ids of buckets moving away from server {self._index}")
+            self._active += 1
+
+    def _leave(self) -> None:
+        with self._gate:
+            self._active -= 1
+            self._gate.notify_all()
+
+    def SetMap(  # noqa: N802
+        self, request: pb.SetMapRequest, context: grpc.ServicerContext
+    ) -> pb.SetMapResponse:
+        """Take a newer map (and the buckets to refuse while they move); returns once no request
+        admitted under the old one is still running."""
+
+        def run() -> pb.SetMapResponse:
+            placement = Placement.from_proto(request.map)
+            new = placement.map
+            frozen = np.frombuffer(request.frozen, dtype="<i8")
+            with self._gate:
+                old = self._placement
+                if old is not None and new.version < old.map.version:
+                    raise EmbeddingError(
+                        f"map version {new.version} is older than this server's {old.map.version}"
+                    )
+                self._placement, self._index = placement, request.index
+                self._owned = np.asarray(new.owners) == request.index
+                self._frozen = np.zeros(new.num_buckets, dtype=bool)
+                self._frozen[frozen] = True
+                if not self._gate.wait_for(lambda: self._active == 0, timeout=60.0):
+                    raise EmbeddingError("requests under the old map did not end within 60s")
+            return pb.SetMapResponse()
+
+        return _answer(pb.SetMapResponse, run)
+
+    def ExportBuckets(  # noqa: N802
+        self, request: pb.BucketsRequest, context: grpc.ServicerContext
+    ) -> pb.RowsMessage:
+        """The rows (and optimizer state) of a table's ids in the buckets."""
+
+        def run() -> pb.RowsMessage:
+            served = self._table(request.table)
+            buckets = np.frombuffer(request.buckets, dtype="<i8").astype(np.int64)
+            with served.lock:
+                ids, rows, accum = served.table.export_buckets(buckets, request.num_buckets)
+            return pb.RowsMessage(
+                table=request.table,
+                ids=ids.astype("<i8").tobytes(),
+                rows=rows.astype("<f4").tobytes(),
+                accum=accum.astype("<f4").tobytes(),
+                dim=served.table.dim,
+            )
+
+        return _answer(pb.RowsMessage, run)
+
+    def ImportRows(  # noqa: N802
+        self, request: pb.RowsMessage, context: grpc.ServicerContext
+    ) -> pb.ImportResponse:
+        """Take rows moved from another server."""
+
+        def run() -> pb.ImportResponse:
+            served = self._table(request.table)
+            ids = ids_from_bytes(request.ids)
+            dim = served.table.dim
+            rows = np.frombuffer(request.rows, dtype="<f4").reshape(ids.size, dim)
+            accum = np.frombuffer(request.accum, dtype="<f4").reshape(ids.size, dim)
+            with served.lock:
+                served.table.import_rows(ids, rows, accum)
+            with self._gate:
+                self.moved_in += ids.size
+            return pb.ImportResponse(rows=ids.size)
+
+        return _answer(pb.ImportResponse, run)
+
+    def DropBuckets(  # noqa: N802
+        self, request: pb.BucketsRequest, context: grpc.ServicerContext
+    ) -> pb.ImportResponse:
+        """Forget a table's rows in the buckets (they moved away)."""
+
+        def run() -> pb.ImportResponse:
+            served = self._table(request.table)
+            buckets = np.frombuffer(request.buckets, dtype="<i8").astype(np.int64)
+            with served.lock:
+                dropped = served.table.drop_buckets(buckets, request.num_buckets)
+            with self._gate:
+                self.moved_out += dropped
+            return pb.ImportResponse(rows=dropped)
+
+        return _answer(pb.ImportResponse, run)
 
     def _table(self, name: str) -> _Served:
         served = self._tables.get(name)
@@ -97,9 +211,13 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
         def run() -> pb.LookupResponse:
             served = self._table(request.table)
             ids = ids_from_bytes(request.ids)
-            with served.lock:
-                rows = served.table.lookup(ids)
-                served.lookups += ids.size
+            self._enter(ids)
+            try:
+                with served.lock:
+                    rows = served.table.lookup(ids)
+                    served.lookups += ids.size
+            finally:
+                self._leave()
             return pb.LookupResponse(rows=rows.astype("<f4").tobytes(), dim=served.table.dim)
 
         return _answer(pb.LookupResponse, run)
@@ -119,9 +237,13 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
                     f"gradients, got {len(request.grads) // 4}"
                 )
             grads = np.frombuffer(request.grads, dtype="<f4").reshape(ids.size, dim)
-            with served.lock:
-                served.table.apply_gradients(ids, grads)
-                served.pushes += ids.size
+            self._enter(ids)
+            try:
+                with served.lock:
+                    served.table.apply_gradients(ids, grads)
+                    served.pushes += ids.size
+            finally:
+                self._leave()
             return pb.PushResponse(applied=ids.size)
 
         return _answer(pb.PushResponse, run)
@@ -132,6 +254,9 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
         """Rows, memory and traffic of every table."""
         with self._lock:
             served = list(self._tables.values())
+        with self._gate:
+            version = self._placement.map.version if self._placement is not None else 0
+            moved_in, moved_out = self.moved_in, self.moved_out
         return pb.StatsResponse(
             tables=[
                 pb.TableStats(
@@ -140,9 +265,13 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
                     bytes=s.table.nbytes,
                     lookups=s.lookups,
                     pushes=s.pushes,
+                    spec=s.spec,
                 )
                 for s in served
-            ]
+            ],
+            map_version=version,
+            rows_moved_in=moved_in,
+            rows_moved_out=moved_out,
         )
 
 
@@ -150,7 +279,7 @@ def _answer(response: Callable[..., R], fn: Callable[[], R]) -> R:
     try:
         return fn()
     except EmbeddingError as e:
-        return response(error=pb.EmbeddingError(message=str(e)))
+        return response(error=error_to_proto(e))
 
 
 class _TokenCheck(grpc.ServerInterceptor):

@@ -88,7 +88,8 @@ class EmbeddingTable:
         """The rows of ``ids`` (any shape of int64 ids; a row per id, in order), creating the
         rows of ids seen for the first time."""
         flat = self._checked(ids)
-        return self._weights[self._slots_of(flat, create=True)].copy()
+        slots = self._slots_of(flat, create=True)  # first: it may grow (replace) the arrays
+        return self._weights[slots]
 
     def apply_gradients(self, ids: IdArray, grads: Rows) -> None:
         """Apply the optimizer to the rows of ``ids`` with ``grads`` (one row per id; gradients

@@ -24,35 +24,49 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x64lrover/proto/embedding.proto\x12\x11\x64lrover.embedding\"!\n\x0e\x45mbeddingError\x12\x0f\n\x07message\x18\x01 \x01(\t\"\x84\x01\n\tTableSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03\x64im\x18\x02 \x01(\x05\x12\x11\n\toptimizer\x18\x03 \x01(\t\x12\n\n\x02lr\x18\x04 \x01(\x01\x12\x1b\n\x13initial_accumulator\x18\x05 \x01(\x01\x12\x0c\n\x04seed\x18\x06 \x01(\x03\x12\x12\n\ninit_scale\x18\x07 \x01(\x01\"@\n\x12\x43reateTableRequest\x12*\n\x04spec\x18\x01 \x01(\x0b\x32\x1c.dlrover.embedding.TableSpec\"X\n\x13\x43reateTableResponse\x12\x30\n\x05\x65rror\x18\x01 \x01(\x0b\x32!.dlrover.embedding.EmbeddingError\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\"+\n\rLookupRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x01(\x0c\"]\n\x0eLookupResponse\x12\x30\n\x05\x65rror\x18\x01 \x01(\x0b\x32!.dlrover.embedding.EmbeddingError\x12\x0c\n\x04rows\x18\x02 \x01(\x0c\x12\x0b\n\x03\x64im\x18\x03 \x01(\x05\"8\n\x0bPushRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x01(\x0c\x12\r\n\x05grads\x18\x03 \x01(\x0c\"Q\n\x0cPushResponse\x12\x30\n\x05\x65rror\x18\x01 \x01(\x0b\x32!.dlrover.embedding.EmbeddingError\x12\x0f\n\x07\x61pplied\x18\x02 \x01(\x03\"\x0e\n\x0cStatsRequest\"X\n\nTableStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04rows\x18\x02 \x01(\x03\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03\x12\x0f\n\x07lookups\x18\x04 \x01(\x03\x12\x0e\n\x06pushes\x18\x05 \x01(\x03\">\n\rStatsResponse\x12-\n\x06tables\x18\x01 \x03(\x0b\x32\x1d.dlrover.embedding.TableStats2\xd3\x02\n\x0f\x45mbeddingServer\x12\\\n\x0b\x43reateTable\x12%.dlrover.embedding.CreateTableRequest\x1a&.dlrover.embedding.CreateTableResponse\x12M\n\x06Lookup\x12 .dlrover.embedding.LookupRequest\x1a!.dlrover.embedding.LookupResponse\x12G\n\x04Push\x12\x1e.dlrover.embedding.PushRequest\x1a\x1f.dlrover.embedding.PushResponse\x12J\n\x05Stats\x12\x1f.dlrover.embedding.StatsRequest\x1a .dlrover.embedding.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x64lrover/proto/embedding.proto\x12\x11\x64lrover.embedding\"F\n\x10\x42ucketMapMessage\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0e\n\x06owners\x18\x02 \x01(\x0c\x12\x11\n\taddresses\x18\x03 \x03(\t\"\xb9\x01\n\x0e\x45mbeddingError\x12\x0f\n\x07message\x18\x01 \x01(\t\x12\x34\n\x04kind\x18\x02 \x01(\x0e\x32&.dlrover.embedding.EmbeddingError.Kind\x12\x30\n\x03map\x18\x03 \x01(\x0b\x32#.dlrover.embedding.BucketMapMessage\".\n\x04Kind\x12\x0b\n\x07INVALID\x10\x00\x12\r\n\tNOT_OWNER\x10\x01\x12\n\n\x06MOVING\x10\x02\"\x84\x01\n\tTableSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03\x64im\x18\x02 \x01(\x05\x12\x11\n\toptimizer\x18\x03 \x01(\t\x12\n\n\x02lr\x18\x04 \x01(\x01\x12\x1b\n\x13initial_accumulator\x18\x05 \x01(\x01\x12\x0c\n\x04seed\x18\x06 \x01(\x03\x12\x12\n\ninit_scale\x18\x07 \x01(\x01\"@\n\x12\x43reateTableRequest\x12*\n\x04spec\x18\x01 \x01(\x0b\x32\x1c.dlrover.embedding.TableSpec\"X\n\x13\x43reateTableResponse\x12\x30\n\x05\x65rror\x18\x01 \x01(\x0b\x32!.dlrover.embedding.EmbeddingError\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\"+\n\rLookupRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x01(\x0c\"`\n\rSetMapRequest\x12\x30\n\x03map\x18\x01 \x01(\x0b\x32#.dlrover.embedding.BucketMapMessage\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x0e\n\x06\x66rozen\x18\x03 \x01(\x0c\"B\n\x0eSetMapResponse\x12\x30\n\x05\x65rror\x18\x01 \x01(\x0b\x32!.dlrover.embedding.EmbeddingError\"E\n\x0e\x42ucketsRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0f\n\x07\x62uckets\x18\x02 \x01(\x0c\x12\x13\n\x0bnum_buckets\x18\x03 \x01(\x05\"\x85\x01\n\x0bRowsMessage\x12\x30\n\x05\x65rror\x18\x01 \x01(\x0b\x32!.dlrover.embedding.EmbeddingError\x12\r\n\x05table\x18\x02 \x01(\t\x12\x0b\n\x03ids\x18\x03 \x01(\x0c\x12\x0c\n\x04rows\x18\x04 \x01(\x0c\x12\r\n\x05\x61\x63\x63um\x18\x05 \x01(\x0c\x12\x0b\n\x03\x64im\x18\x06 \x01(\x05\"P\n\x0eImportResponse\x12\x30\n\x05\x65rror\x18\x01 \x01(\x0b\x32!.dlrover.embedding.EmbeddingError\x12\x0c\n\x04rows\x18\x02 \x01(\x03\"]\n\x0eLookupResponse\x12\x30\n\x05\x65rror\x18\x01 \x01(\x0b\x32!.dlrover.embedding.EmbeddingError\x12\x0c\n\x04rows\x18\x02 \x01(\x0c\x12\x0b\n\x03\x64im\x18\x03 \x01(\x05\"8\n\x0bPushRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x01(\x0c\x12\r\n\x05grads\x18\x03 \x01(\x0c\"Q\n\x0cPushResponse\x12\x30\n\x05\x65rror\x18\x01 \x01(\x0b\x32!.dlrover.embedding.EmbeddingError\x12\x0f\n\x07\x61pplied\x18\x02 \x01(\x03\"\x0e\n\x0cStatsRequest\"\x84\x01\n\nTableStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04rows\x18\x02 \x01(\x03\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03\x12\x0f\n\x07lookups\x18\x04 \x01(\x03\x12\x0e\n\x06pushes\x18\x05 \x01(\x03\x12*\n\x04spec\x18\x06 \x01(\x0b\x32\x1c.dlrover.embedding.TableSpec\"\x82\x01\n\rStatsResponse\x12-\n\x06tables\x18\x01 \x03(\x0b\x32\x1d.dlrover.embedding.TableStats\x12\x13\n\x0bmap_version\x18\x02 \x01(\x03\x12\x15\n\rrows_moved_in\x18\x03 \x01(\x03\x12\x16\n\x0erows_moved_out\x18\x04 \x01(\x03\x32\x9c\x05\n\x0f\x45mbeddingServer\x12\\\n\x0b\x43reateTable\x12%.dlrover.embedding.CreateTableRequest\x1a&.dlrover.embedding.CreateTableResponse\x12M\n\x06Lookup\x12 .dlrover.embedding.LookupRequest\x1a!.dlrover.embedding.LookupResponse\x12G\n\x04Push\x12\x1e.dlrover.embedding.PushRequest\x1a\x1f.dlrover.embedding.PushResponse\x12J\n\x05Stats\x12\x1f.dlrover.embedding.StatsRequest\x1a .dlrover.embedding.StatsResponse\x12M\n\x06SetMap\x12 .dlrover.embedding.SetMapRequest\x1a!.dlrover.embedding.SetMapResponse\x12R\n\rExportBuckets\x12!.dlrover.embedding.BucketsRequest\x1a\x1e.dlrover.embedding.RowsMessage\x12O\n\nImportRows\x12\x1e.dlrover.embedding.RowsMessage\x1a!.dlrover.embedding.ImportResponse\x12S\n\x0b\x44ropBuckets\x12!.dlrover.embedding.BucketsRequest\x1a!.dlrover.embedding.ImportResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dlrover.proto.embedding_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_EMBEDDINGERROR']._serialized_start=52
-  _globals['_EMBEDDINGERROR']._serialized_end=85
-  _globals['_TABLESPEC']._serialized_start=88
-  _globals['_TABLESPEC']._serialized_end=220
-  _globals['_CREATETABLEREQUEST']._serialized_start=222
-  _globals['_CREATETABLEREQUEST']._serialized_end=286
-  _globals['_CREATETABLERESPONSE']._serialized_start=288
-  _globals['_CREATETABLERESPONSE']._serialized_end=376
-  _globals['_LOOKUPREQUEST']._serialized_start=378
-  _globals['_LOOKUPREQUEST']._serialized_end=421
-  _globals['_LOOKUPRESPONSE']._serialized_start=423
-  _globals['_LOOKUPRESPONSE']._serialized_end=516
-  _globals['_PUSHREQUEST']._serialized_start=518
-  _globals['_PUSHREQUEST']._serialized_end=574
-  _globals['_PUSHRESPONSE']._serialized_start=576
-  _globals['_PUSHRESPONSE']._serialized_end=657
-  _globals['_STATSREQUEST']._serialized_start=659
-  _globals['_STATSREQUEST']._serialized_end=673
-  _globals['_TABLESTATS']._serialized_start=675
-  _globals['_TABLESTATS']._serialized_end=763
-  _globals['_STATSRESPONSE']._serialized_start=765
-  _globals['_STATSRESPONSE']._serialized_end=827
-  _globals['_EMBEDDINGSERVER']._serialized_start=830
-  _globals['_EMBEDDINGSERVER']._serialized_end=1169
+  _globals['_BUCKETMAPMESSAGE']._serialized_start=52
+  _globals['_BUCKETMAPMESSAGE']._serialized_end=122
+  _globals['_EMBEDDINGERROR']._serialized_start=125
+  _globals['_EMBEDDINGERROR']._serialized_end=310
+  _globals['_EMBEDDINGERROR_KIND']._serialized_start=264
+  _globals['_EMBEDDINGERROR_KIND']._serialized_end=310
+  _globals['_TABLESPEC']._serialized_start=313
+  _globals['_TABLESPEC']._serialized_end=445
+  _globals['_CREATETABLEREQUEST']._serialized_start=447
+  _globals['_CREATETABLEREQUEST']._serialized_end=511
+  _globals['_CREATETABLERESPONSE']._serialized_start=513
+  _globals['_CREATETABLERESPONSE']._serialized_end=601
+  _globals['_LOOKUPREQUEST']._serialized_start=603
+  _globals['_LOOKUPREQUEST']._serialized_end=646
+  _globals['_SETMAPREQUEST']._serialized_start=648
+  _globals['_SETMAPREQUEST']._serialized_end=744
+  _globals['_SETMAPRESPONSE']._serialized_start=746
+  _globals['_SETMAPRESPONSE']._serialized_end=812
+  _globals['_BUCKETSREQUEST']._serialized_start=814
+  _globals['_BUCKETSREQUEST']._serialized_end=883
+  _globals['_ROWSMESSAGE']._serialized_start=886
+  _globals['_ROWSMESSAGE']._serialized_end=1019
+  _globals['_IMPORTRESPONSE']._serialized_start=1021
+  _globals['_IMPORTRESPONSE']._serialized_end=1101
+  _globals['_LOOKUPRESPONSE']._serialized_start=1103
+  _globals['_LOOKUPRESPONSE']._serialized_end=1196
+  _globals['_PUSHREQUEST']._serialized_start=1198
+  _globals['_PUSHREQUEST']._serialized_end=1254
+  _globals['_PUSHRESPONSE']._serialized_start=1256
+  _globals['_PUSHRESPONSE']._serialized_end=1337
+  _globals['_STATSREQUEST']._serialized_start=1339
+  _globals['_STATSREQUEST']._serialized_end=1353
+  _globals['_TABLESTATS']._serialized_start=1356
+  _globals['_TABLESTATS']._serialized_end=1488
+  _globals['_STATSRESPONSE']._serialized_start=1491
+  _globals['_STATSRESPONSE']._serialized_end=1621
+  _globals['_EMBEDDINGSERVER']._serialized_start=1624
+  _globals['_EMBEDDINGSERVER']._serialized_end=2292
 # @@protoc_insertion_point(module_scope)

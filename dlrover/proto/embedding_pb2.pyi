@@ -1,4 +1,5 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -6,11 +7,33 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class BucketMapMessage(_message.Message):
+    __slots__ = ("version", "owners", "addresses")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    OWNERS_FIELD_NUMBER: _ClassVar[int]
+    ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    owners: bytes
+    addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, version: _Optional[int] = ..., owners: _Optional[bytes] = ..., addresses: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class EmbeddingError(_message.Message):
-    __slots__ = ("message",)
+    __slots__ = ("message", "kind", "map")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        INVALID: _ClassVar[EmbeddingError.Kind]
+        NOT_OWNER: _ClassVar[EmbeddingError.Kind]
+        MOVING: _ClassVar[EmbeddingError.Kind]
+    INVALID: EmbeddingError.Kind
+    NOT_OWNER: EmbeddingError.Kind
+    MOVING: EmbeddingError.Kind
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    MAP_FIELD_NUMBER: _ClassVar[int]
     message: str
-    def __init__(self, message: _Optional[str] = ...) -> None: ...
+    kind: EmbeddingError.Kind
+    map: BucketMapMessage
+    def __init__(self, message: _Optional[str] = ..., kind: _Optional[_Union[EmbeddingError.Kind, str]] = ..., map: _Optional[_Union[BucketMapMessage, _Mapping]] = ...) -> None: ...
 
 class TableSpec(_message.Message):
     __slots__ = ("name", "dim", "optimizer", "lr", "initial_accumulator", "seed", "init_scale")
@@ -52,6 +75,56 @@ class LookupRequest(_message.Message):
     ids: bytes
     def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ...) -> None: ...
 
+class SetMapRequest(_message.Message):
+    __slots__ = ("map", "index", "frozen")
+    MAP_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    FROZEN_FIELD_NUMBER: _ClassVar[int]
+    map: BucketMapMessage
+    index: int
+    frozen: bytes
+    def __init__(self, map: _Optional[_Union[BucketMapMessage, _Mapping]] = ..., index: _Optional[int] = ..., frozen: _Optional[bytes] = ...) -> None: ...
+
+class SetMapResponse(_message.Message):
+    __slots__ = ("error",)
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    error: EmbeddingError
+    def __init__(self, error: _Optional[_Union[EmbeddingError, _Mapping]] = ...) -> None: ...
+
+class BucketsRequest(_message.Message):
+    __slots__ = ("table", "buckets", "num_buckets")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    buckets: bytes
+    num_buckets: int
+    def __init__(self, table: _Optional[str] = ..., buckets: _Optional[bytes] = ..., num_buckets: _Optional[int] = ...) -> None: ...
+
+class RowsMessage(_message.Message):
+    __slots__ = ("error", "table", "ids", "rows", "accum", "dim")
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    ACCUM_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    error: EmbeddingError
+    table: str
+    ids: bytes
+    rows: bytes
+    accum: bytes
+    dim: int
+    def __init__(self, error: _Optional[_Union[EmbeddingError, _Mapping]] = ..., table: _Optional[str] = ..., ids: _Optional[bytes] = ..., rows: _Optional[bytes] = ..., accum: _Optional[bytes] = ..., dim: _Optional[int] = ...) -> None: ...
+
+class ImportResponse(_message.Message):
+    __slots__ = ("error", "rows")
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    error: EmbeddingError
+    rows: int
+    def __init__(self, error: _Optional[_Union[EmbeddingError, _Mapping]] = ..., rows: _Optional[int] = ...) -> None: ...
+
 class LookupResponse(_message.Message):
     __slots__ = ("error", "rows", "dim")
     ERROR_FIELD_NUMBER: _ClassVar[int]
@@ -85,21 +158,29 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TableStats(_message.Message):
-    __slots__ = ("name", "rows", "bytes", "lookups", "pushes")
+    __slots__ = ("name", "rows", "bytes", "lookups", "pushes", "spec")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     LOOKUPS_FIELD_NUMBER: _ClassVar[int]
     PUSHES_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
     name: str
     rows: int
     bytes: int
     lookups: int
     pushes: int
-    def __init__(self, name: _Optional[str] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., lookups: _Optional[int] = ..., pushes: _Optional[int] = ...) -> None: ...
+    spec: TableSpec
+    def __init__(self, name: _Optional[str] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., lookups: _Optional[int] = ..., pushes: _Optional[int] = ..., spec: _Optional[_Union[TableSpec, _Mapping]] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tables",)
+    __slots__ = ("tables", "map_version", "rows_moved_in", "rows_moved_out")
     TABLES_FIELD_NUMBER: _ClassVar[int]
+    MAP_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROWS_MOVED_IN_FIELD_NUMBER: _ClassVar[int]
+    ROWS_MOVED_OUT_FIELD_NUMBER: _ClassVar[int]
     tables: _containers.RepeatedCompositeFieldContainer[TableStats]
-    def __init__(self, tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ...) -> None: ...
+    map_version: int
+    rows_moved_in: int
+    rows_moved_out: int
+    def __init__(self, tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ..., map_version: _Optional[int] = ..., rows_moved_in: _Optional[int] = ..., rows_moved_out: _Optional[int] = ...) -> None: ...

@@ -58,6 +58,26 @@ class EmbeddingServerStub:
                 request_serializer=dlrover_dot_proto_dot_embedding__pb2.StatsRequest.SerializeToString,
                 response_deserializer=dlrover_dot_proto_dot_embedding__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.SetMap = channel.unary_unary(
+                '/dlrover.embedding.EmbeddingServer/SetMap',
+                request_serializer=dlrover_dot_proto_dot_embedding__pb2.SetMapRequest.SerializeToString,
+                response_deserializer=dlrover_dot_proto_dot_embedding__pb2.SetMapResponse.FromString,
+                _registered_method=True)
+        self.ExportBuckets = channel.unary_unary(
+                '/dlrover.embedding.EmbeddingServer/ExportBuckets',
+                request_serializer=dlrover_dot_proto_dot_embedding__pb2.BucketsRequest.SerializeToString,
+                response_deserializer=dlrover_dot_proto_dot_embedding__pb2.RowsMessage.FromString,
+                _registered_method=True)
+        self.ImportRows = channel.unary_unary(
+                '/dlrover.embedding.EmbeddingServer/ImportRows',
+                request_serializer=dlrover_dot_proto_dot_embedding__pb2.RowsMessage.SerializeToString,
+                response_deserializer=dlrover_dot_proto_dot_embedding__pb2.ImportResponse.FromString,
+                _registered_method=True)
+        self.DropBuckets = channel.unary_unary(
+                '/dlrover.embedding.EmbeddingServer/DropBuckets',
+                request_serializer=dlrover_dot_proto_dot_embedding__pb2.BucketsRequest.SerializeToString,
+                response_deserializer=dlrover_dot_proto_dot_embedding__pb2.ImportResponse.FromString,
+                _registered_method=True)
 
 
 class EmbeddingServerServicer:
@@ -91,6 +111,32 @@ class EmbeddingServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetMap(self, request, context):
+        """Resizing without a restart (dlrover/embedding/cluster.py): a new bucket map freezes the
+        buckets that move, their rows move, then the map that hands them over is set everywhere.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ExportBuckets(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ImportRows(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DropBuckets(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EmbeddingServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -113,6 +159,26 @@ def add_EmbeddingServerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=dlrover_dot_proto_dot_embedding__pb2.StatsRequest.FromString,
                     response_serializer=dlrover_dot_proto_dot_embedding__pb2.StatsResponse.SerializeToString,
+            ),
+            'SetMap': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetMap,
+                    request_deserializer=dlrover_dot_proto_dot_embedding__pb2.SetMapRequest.FromString,
+                    response_serializer=dlrover_dot_proto_dot_embedding__pb2.SetMapResponse.SerializeToString,
+            ),
+            'ExportBuckets': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExportBuckets,
+                    request_deserializer=dlrover_dot_proto_dot_embedding__pb2.BucketsRequest.FromString,
+                    response_serializer=dlrover_dot_proto_dot_embedding__pb2.RowsMessage.SerializeToString,
+            ),
+            'ImportRows': grpc.unary_unary_rpc_method_handler(
+                    servicer.ImportRows,
+                    request_deserializer=dlrover_dot_proto_dot_embedding__pb2.RowsMessage.FromString,
+                    response_serializer=dlrover_dot_proto_dot_embedding__pb2.ImportResponse.SerializeToString,
+            ),
+            'DropBuckets': grpc.unary_unary_rpc_method_handler(
+                    servicer.DropBuckets,
+                    request_deserializer=dlrover_dot_proto_dot_embedding__pb2.BucketsRequest.FromString,
+                    response_serializer=dlrover_dot_proto_dot_embedding__pb2.ImportResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -227,6 +293,114 @@ class EmbeddingServer:
             '/dlrover.embedding.EmbeddingServer/Stats',
             dlrover_dot_proto_dot_embedding__pb2.StatsRequest.SerializeToString,
             dlrover_dot_proto_dot_embedding__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetMap(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dlrover.embedding.EmbeddingServer/SetMap',
+            dlrover_dot_proto_dot_embedding__pb2.SetMapRequest.SerializeToString,
+            dlrover_dot_proto_dot_embedding__pb2.SetMapResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportBuckets(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dlrover.embedding.EmbeddingServer/ExportBuckets',
+            dlrover_dot_proto_dot_embedding__pb2.BucketsRequest.SerializeToString,
+            dlrover_dot_proto_dot_embedding__pb2.RowsMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportRows(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dlrover.embedding.EmbeddingServer/ImportRows',
+            dlrover_dot_proto_dot_embedding__pb2.RowsMessage.SerializeToString,
+            dlrover_dot_proto_dot_embedding__pb2.ImportResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DropBuckets(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dlrover.embedding.EmbeddingServer/DropBuckets',
+            dlrover_dot_proto_dot_embedding__pb2.BucketsRequest.SerializeToString,
+            dlrover_dot_proto_dot_embedding__pb2.ImportResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,7 +3,8 @@ nn.EmbeddingBag + Adagrad on the same rows; bad input and a gone server are clea
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from torch import nn
 
 from dlrover.embedding.buckets import BucketMap
 from dlrover.embedding.client import EmbeddingClient, EmbeddingServerUnavailable
+from dlrover.embedding.cluster import EmbeddingCluster, ResizeReport
 from dlrover.embedding.server import EmbeddingServer
 from dlrover.embedding.table import EmbeddingError, initial_rows
 from dlrover.trainer.torch.embedding import ElasticEmbedding
@@ -62,7 +64,7 @@ def test_training_equals_a_dense_embedding_bag_with_adagrad(
     torch.testing.assert_close(head_s.weight, head_d.weight, atol=1e-5, rtol=1e-5)
     # Both servers hold rows: the buckets spread the ids.
     stats = sparse.client.stats()
-    rows = [sum(t.rows for t in per_server) for per_server in stats]
+    rows = [sum(t.rows for t in per_server.tables) for per_server in stats]
     assert sum(rows) == n and min(rows) > 0
 
 
@@ -80,3 +82,70 @@ def test_bad_input_and_a_gone_server_are_clear_errors(servers: list[EmbeddingSer
     servers[1].stop(0.1)
     with pytest.raises(EmbeddingServerUnavailable, match=f"server 1 at {servers[1].address}"):
         emb(torch.arange(100).reshape(10, 10))
+
+
+def _train(
+    emb: ElasticEmbedding, steps: int, on_step: Callable[[int], None] = lambda step: None
+) -> nn.Linear:
+    """A deterministic model over ``emb``: the same data every run."""
+    torch.manual_seed(0)
+    head = nn.Linear(emb.dim, 1)
+    opt = torch.optim.SGD(head.parameters(), lr=0.05)
+    rng = np.random.default_rng(3)
+    for step in range(steps):
+        on_step(step)
+        ids = torch.from_numpy(rng.integers(0, 5000, size=(64, 4)).astype(np.int64))
+        y = torch.from_numpy(rng.standard_normal((64, 1)).astype(np.float32))
+        opt.zero_grad()
+        nn.functional.mse_loss(head(emb(ids)), y).backward()
+        opt.step()
+    return head
+
+
+def test_scaling_two_three_two_servers_mid_training_changes_nothing() -> None:
+    servers = [EmbeddingServer(TOKEN).start() for _ in range(3)]
+    reference = [EmbeddingServer(TOKEN).start() for _ in range(2)]
+    try:
+        plain = ElasticEmbedding("items", 8, lr=0.05, client=_client(reference))
+        head_plain = _train(plain, 30)
+
+        two = [s.address for s in servers[:2]]
+        client = EmbeddingClient(two, TOKEN)
+        cluster = EmbeddingCluster(client)
+        cluster.install()
+        emb = ElasticEmbedding("items", 8, lr=0.05, client=client)
+        reports: list[ResizeReport] = []
+        resizing: list[threading.Thread] = []
+
+        def on_step(step: int) -> None:
+            # Resize from another thread while the training loop goes on.
+            target = {10: [s.address for s in servers], 20: two}.get(step)
+            if target is not None:
+                for t in resizing:
+                    t.join(30)
+                thread = threading.Thread(target=lambda: reports.append(cluster.resize(target)))
+                thread.start()
+                resizing.append(thread)
+
+        head = _train(emb, 30, on_step)
+        for t in resizing:
+            t.join(30)
+        assert [r.servers for r in reports] == [3, 2]
+        assert all(r.moved_rows > 0 and r.moved_buckets > 0 for r in reports)
+        every = torch.arange(5000, dtype=torch.int64)
+        assert torch.equal(emb.rows(every), plain.rows(every))  # bit for bit
+        assert torch.equal(head.weight, head_plain.weight)
+        stats = client.stats()
+        assert [s.map_version for s in stats] == [5, 5]
+        assert sum(t.rows for s in stats for t in s.tables) == sum(
+            t.rows for s in _client(reference).stats() for t in s.tables
+        )  # no row lost or held twice
+        # The removed server redirects a client that still routes by the old map.
+        stale = EmbeddingClient([s.address for s in servers], TOKEN, BucketMap.even(3))
+        assert torch.equal(
+            torch.from_numpy(stale.lookup("items", every.numpy(), 8)), plain.rows(every)
+        )
+        assert stale.placement.map.version == 5
+    finally:
+        for s in servers + reference:
+            s.stop(0.1)

@@ -98,3 +98,10 @@ def test_bucket_map_resizes_with_the_fewest_moves_and_stays_even() -> None:
     assert set(np.unique(owners)) == {0, 1}
     assert abs(np.mean(owners) - 0.5) < 0.01  # ids spread evenly
     assert np.array_equal(bucket_of(ids, 1024), bucket_of(ids.copy(), 1024))
+
+
+def test_a_table_grows_past_its_first_capacity() -> None:
+    table = EmbeddingTable("t", 4, seed=2, capacity=2)
+    ids = np.arange(10, dtype=np.int64)
+    np.testing.assert_array_equal(table.lookup(ids), initial_rows(ids, 4, 2, 0.5))
+    assert len(table) == 10

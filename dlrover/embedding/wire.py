@@ -1,0 +1,68 @@
+"""What both sides of the embedding servers share: the map on the wire and the refusals that
+ask the caller to route again."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from dlrover.embedding.buckets import BucketMap
+from dlrover.embedding.table import EmbeddingError
+from dlrover.proto import embedding_pb2 as pb
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A bucket map and the address of each server it names."""
+
+    map: BucketMap
+    addresses: tuple[str, ...]
+
+    def to_proto(self) -> pb.BucketMapMessage:
+        """As its message (owners as little-endian int32)."""
+        owners = np.asarray(self.map.owners, dtype="<i4").tobytes()
+        return pb.BucketMapMessage(
+            version=self.map.version, owners=owners, addresses=list(self.addresses)
+        )
+
+    @classmethod
+    def from_proto(cls, message: pb.BucketMapMessage) -> Placement:
+        """A BucketMapMessage back into a Placement."""
+        owners = np.frombuffer(message.owners, dtype="<i4")
+        bucket_map = BucketMap(message.version, tuple(int(o) for o in owners))
+        return cls(bucket_map, tuple(message.addresses))
+
+
+class NotOwnerError(EmbeddingError):
+    """Ids of buckets the server does not own; ``newer`` is its placement when it has one."""
+
+    def __init__(self, message: str, newer: Placement | None) -> None:
+        super().__init__(message)
+        self.newer = newer
+
+
+class MovingError(EmbeddingError):
+    """Ids of buckets being moved to another server: ask again shortly."""
+
+
+def error_to_proto(error: EmbeddingError) -> pb.EmbeddingError:
+    """The refusal as its message, with its kind (and the newer placement for NOT_OWNER)."""
+    if isinstance(error, NotOwnerError):
+        message = pb.EmbeddingError(message=str(error), kind=pb.EmbeddingError.NOT_OWNER)
+        if error.newer is not None:
+            message.map.CopyFrom(error.newer.to_proto())
+        return message
+    if isinstance(error, MovingError):
+        return pb.EmbeddingError(message=str(error), kind=pb.EmbeddingError.MOVING)
+    return pb.EmbeddingError(message=str(error))
+
+
+def error_from_proto(message: pb.EmbeddingError) -> EmbeddingError:
+    """The exception a refusal message stands for."""
+    if message.kind == pb.EmbeddingError.NOT_OWNER:
+        newer = Placement.from_proto(message.map) if message.HasField("map") else None
+        return NotOwnerError(message.message, newer)
+    if message.kind == pb.EmbeddingError.MOVING:
+        return MovingError(message.message)
+    return EmbeddingError(message.message)
