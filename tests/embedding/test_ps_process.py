@@ -1,0 +1,89 @@
+"""`dlrover-ps` processes: ElasticEmbedding finds them through DLROVER_PS_ADDRS, a third one
+joins mid-training, SIGTERM stops them cleanly; a missing token is a clear refusal."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dlrover.embedding.client import EmbeddingClient
+from dlrover.embedding.cluster import EmbeddingCluster
+from tests.conftest import clean_env, run_cmd
+
+TOKEN = "ps-token"
+
+
+class PsProcess:
+    def __init__(self, directory: Path, name: str) -> None:
+        env_file = directory / f"{name}.env"
+        self.log = directory / f"{name}.log"
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(
+                [*run_cmd("dlrover.cli.ps"), "--write-env", str(env_file)],
+                env=clean_env(DLROVER_JOB_TOKEN=TOKEN),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        deadline = time.monotonic() + 30
+        while not env_file.exists():  # another process: polled, with a deadline
+            assert self.proc.poll() is None, self.log.read_text()
+            assert time.monotonic() < deadline, "dlrover-ps did not start within 30 s"
+            time.sleep(0.02)
+        self.address = env_file.read_text().strip().split("=", 1)[1]
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(10)
+
+
+def test_servers_in_their_own_processes_serve_a_model_and_grow(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dlrover.trainer.torch.embedding import ElasticEmbedding
+
+    servers = [PsProcess(tmp_path, f"ps{i}") for i in range(3)]
+    try:
+        monkeypatch.setenv("DLROVER_PS_ADDRS", ",".join(s.address for s in servers[:2]))
+        monkeypatch.setenv("DLROVER_JOB_TOKEN", TOKEN)
+        emb = ElasticEmbedding("users", 4, lr=0.1)
+        ids = torch.arange(1000).reshape(100, 10)
+        emb(ids).sum().backward()  # every row pushed once: Adagrad moves each by lr
+        before = emb.rows(ids.reshape(-1))
+        report = EmbeddingCluster(emb.client).resize([s.address for s in servers])
+        assert report.servers == 3 and report.moved_rows > 0
+        assert torch.equal(emb.rows(ids.reshape(-1)), before)
+        stats = emb.client.stats()
+        assert [sum(t.rows for t in s.tables) > 0 for s in stats] == [True] * 3
+        assert sum(t.rows for s in stats for t in s.tables) == 1000
+    finally:
+        codes = [s.stop() for s in servers]
+    assert codes == [0, 0, 0]
+
+
+def test_a_server_without_a_token_refuses_to_start() -> None:
+    env = clean_env()
+    env.pop("DLROVER_JOB_TOKEN", None)
+    r = subprocess.run(
+        [*run_cmd("dlrover.cli.ps")], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 2
+    assert "no job token: pass --token or set DLROVER_JOB_TOKEN" in r.stderr
+
+
+def test_a_wrong_token_is_named(tmp_path: Path) -> None:
+    server = PsProcess(tmp_path, "ps")
+    try:
+        client = EmbeddingClient([server.address], "wrong", timeout_s=5)
+        with pytest.raises(Exception, match=f"at {server.address} refused the job token"):
+            client.lookup("t", np.array([1], dtype=np.int64), 4)
+    finally:
+        server.stop()
+    assert os.path.exists(server.log)
