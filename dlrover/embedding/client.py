@@ -13,10 +13,17 @@ import grpc
 import numpy as np
 import numpy.typing as npt
 
-from dlrover.constants import MAX_MESSAGE_BYTES, TOKEN_METADATA_KEY
+from dlrover.constants import TOKEN_METADATA_KEY
 from dlrover.embedding.buckets import BucketMap, IdArray
 from dlrover.embedding.table import EmbeddingError, Rows
-from dlrover.embedding.wire import MovingError, NotOwnerError, Placement, error_from_proto
+from dlrover.embedding.wire import (
+    MAX_MESSAGE_BYTES,
+    MovingError,
+    NotOwnerError,
+    Placement,
+    chunk_ids,
+    error_from_proto,
+)
 from dlrover.proto import embedding_pb2 as pb
 from dlrover.proto import embedding_pb2_grpc as pb_grpc
 
@@ -115,8 +122,11 @@ class EmbeddingClient:
             code = e.code() if isinstance(e, grpc.Call) else None
             if code == grpc.StatusCode.UNAUTHENTICATED:
                 why = "refused the job token (set DLROVER_JOB_TOKEN to the job's token)"
-            else:
+            elif code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, None):
                 why = f"did not answer within {self.timeout_s:.0f}s ({code})"
+            else:
+                details = e.details() if isinstance(e, grpc.Call) else ""
+                why = f"failed: {code.name}: {details}"
             index = self.addresses.index(address) if address in self.addresses else "?"
             raise EmbeddingServerUnavailable(
                 f"embedding server {index} at {address} {why}"
@@ -147,7 +157,7 @@ class EmbeddingClient:
                 )
             rows[index] = np.frombuffer(response.rows, dtype="<f4").reshape(index.size, dim)
 
-        self._route(flat, ask)
+        self._route_chunks(flat, dim, ask)
         return rows
 
     def push(self, table: str, ids: IdArray, grads: Rows) -> None:
@@ -163,7 +173,18 @@ class EmbeddingClient:
             )
             self.call(address, "Push", request)
 
-        self._route(flat, send)
+        self._route_chunks(flat, grads.shape[1] if grads.ndim == 2 else 1, send)
+
+    def _route_chunks(self, flat: IdArray, dim: int, call: Callable[[str, Index], None]) -> None:
+        """``_route`` over pieces of ``flat`` small enough for one message each."""
+        step = chunk_ids(dim)
+        for start in range(0, flat.size, step):
+            stop = min(flat.size, start + step)
+
+            def shifted(address: str, index: Index, offset: int = start) -> None:
+                call(address, index + offset)
+
+            self._route(flat[start:stop], shifted)
 
     def _route(self, flat: IdArray, call: Callable[[str, Index], None]) -> None:
         """``call(address, index)`` for each server's share of ``flat``, in parallel; shares a

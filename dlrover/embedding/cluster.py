@@ -21,7 +21,7 @@ import numpy as np
 from dlrover.embedding.buckets import BucketMap
 from dlrover.embedding.client import EmbeddingClient
 from dlrover.embedding.table import EmbeddingError
-from dlrover.embedding.wire import Placement
+from dlrover.embedding.wire import Placement, chunk_ids
 from dlrover.proto import embedding_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ class EmbeddingCluster:
                 f"a resize keeps the first {kept} servers in place: expected "
                 f"{list(old.addresses[:kept])} first, got {list(addresses[:kept])}"
             )
-        specs = self._specs(old.addresses)
+        specs, sizes = self._specs(old.addresses)
         for address in addresses[kept:]:
             for spec in specs:
                 self.client.call(address, "CreateTable", pb.CreateTableRequest(spec=spec))
@@ -84,16 +84,18 @@ class EmbeddingCluster:
             self._set_map(address, Placement(frozen, old.addresses), index, leaving[index])
         moved_rows = 0
         for (source, dest), buckets in sorted(groups.items()):
-            request_buckets = np.asarray(buckets, dtype="<i8").tobytes()
             for spec in specs:
-                rows = self.client.call(
-                    old.addresses[source],
-                    "ExportBuckets",
-                    pb.BucketsRequest(
-                        table=spec.name, buckets=request_buckets, num_buckets=old.map.num_buckets
-                    ),
-                )
-                moved_rows += self.client.call(addresses[dest], "ImportRows", rows).rows
+                # Pieces of buckets whose rows fit a message (ids hash evenly into buckets).
+                per_bucket = sizes.get(spec.name, 0) / old.map.num_buckets + 1
+                step = max(1, int(chunk_ids(spec.dim) / per_bucket))
+                for start in range(0, len(buckets), step):
+                    request = pb.BucketsRequest(
+                        table=spec.name,
+                        buckets=np.asarray(buckets[start : start + step], dtype="<i8").tobytes(),
+                        num_buckets=old.map.num_buckets,
+                    )
+                    rows = self.client.call(old.addresses[source], "ExportBuckets", request)
+                    moved_rows += self.client.call(addresses[dest], "ImportRows", rows).rows
         # New owners first, so that a request the old owners send on finds its rows.
         order = sorted(range(len(addresses)), key=lambda i: i < len(old.addresses))
         for index in order:
@@ -131,12 +133,15 @@ class EmbeddingCluster:
         )
         return report
 
-    def _specs(self, addresses: Sequence[str]) -> list[pb.TableSpec]:
+    def _specs(self, addresses: Sequence[str]) -> tuple[list[pb.TableSpec], dict[str, int]]:
+        """The tables' specs, and their rows over all servers."""
         specs: dict[str, pb.TableSpec] = {}
+        rows: dict[str, int] = defaultdict(int)
         for address in addresses:
             for table in self.client.call(address, "Stats", pb.StatsRequest()).tables:
                 specs.setdefault(table.name, table.spec)
-        return [specs[name] for name in sorted(specs)]
+                rows[table.name] += table.rows
+        return [specs[name] for name in sorted(specs)], dict(rows)
 
     def _set_map(
         self, address: str, placement: Placement, index: int, frozen: Sequence[int] = ()

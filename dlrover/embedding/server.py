@@ -13,10 +13,16 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
-from dlrover.constants import MAX_MESSAGE_BYTES, TOKEN_METADATA_KEY
+from dlrover.constants import TOKEN_METADATA_KEY
 from dlrover.embedding.buckets import bucket_of
 from dlrover.embedding.table import EmbeddingError, EmbeddingTable, Optimizer
-from dlrover.embedding.wire import MovingError, NotOwnerError, Placement, error_to_proto
+from dlrover.embedding.wire import (
+    MAX_MESSAGE_BYTES,
+    MovingError,
+    NotOwnerError,
+    Placement,
+    error_to_proto,
+)
 from dlrover.proto import embedding_pb2 as pb
 from dlrover.proto import embedding_pb2_grpc as pb_grpc
 

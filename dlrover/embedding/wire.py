@@ -11,6 +11,16 @@ from dlrover.embedding.buckets import BucketMap
 from dlrover.embedding.table import EmbeddingError
 from dlrover.proto import embedding_pb2 as pb
 
+MAX_MESSAGE_BYTES = 64 << 20
+"""The largest message an embedding server or client accepts."""
+CHUNK_BYTES = 8 << 20
+"""Requests are cut so that a request or its answer stays near this size."""
+
+
+def chunk_ids(dim: int) -> int:
+    """Ids per request so that their rows (and ids) stay near CHUNK_BYTES."""
+    return max(1, CHUNK_BYTES // (dim * 4 + 8))
+
 
 @dataclass(frozen=True)
 class Placement:

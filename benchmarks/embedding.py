@@ -1,0 +1,193 @@
+"""Benchmark of the embedding servers: throughput per server process, and resizing live vs
+stopping, saving, restarting and loading.
+
+Run: PYTHONPATH=. python benchmarks/embedding.py [--mib 256] [--dim 64] [--batch 8192]
+Prints
+- lookup + update ids/s through 1 and 2 `dlrover-ps` processes, against an in-process
+  ``nn.EmbeddingBag(sparse=True)`` with torch's Adagrad on the same batches (the floor: no
+  network, no server);
+- growing 2 -> 3 servers holding --mib of embedding rows (weights; the Adagrad state doubles
+  it): the live resize (how long the moving buckets were refused) against the restart way
+  (export every row to a file, start 3 fresh servers, load and re-partition them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dlrover.embedding.buckets import BucketMap
+from dlrover.embedding.client import EmbeddingClient
+from dlrover.embedding.cluster import EmbeddingCluster
+from dlrover.proto import embedding_pb2 as pb
+
+TOKEN = "bench"
+
+
+class Ps:
+    """A dlrover-ps process."""
+
+    def __init__(self, directory: str, name: str) -> None:
+        env_file = os.path.join(directory, f"{name}.env")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dlrover.cli.ps", "--write-env", env_file],
+            env={**os.environ, "DLROVER_JOB_TOKEN": TOKEN, "DLROVER_LOG_LEVEL": "WARNING"},
+            stdout=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 30
+        while not os.path.exists(env_file):
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise RuntimeError("dlrover-ps did not start")
+            time.sleep(0.02)
+        self.address = Path(env_file).read_text().strip().split("=", 1)[1]
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(30)
+
+
+def spec(dim: int) -> pb.TableSpec:
+    return pb.TableSpec(name="items", dim=dim, optimizer="adagrad", lr=0.01)
+
+
+def server_rate(client: EmbeddingClient, batches: list[np.ndarray], dim: int) -> float:
+    client.create_table(spec(dim))
+    client.lookup("items", batches[0], dim)  # warm up
+    start = time.perf_counter()
+    for ids in batches:
+        rows = client.lookup("items", ids, dim)
+        client.push("items", ids, rows * 0.01)
+    return sum(b.size for b in batches) / (time.perf_counter() - start)
+
+
+def floor_rate(batches: list[np.ndarray], dim: int, rows: int) -> float:
+    warnings.filterwarnings("ignore", message="Sparse invariant checks")
+    bag = torch.nn.EmbeddingBag(rows, dim, mode="sum", sparse=True)
+    opt = torch.optim.Adagrad(bag.parameters(), lr=0.01)
+    start = time.perf_counter()
+    for ids in batches:
+        t = torch.from_numpy(ids).reshape(-1, 1)
+        opt.zero_grad()
+        bag(t).sum().backward()
+        opt.step()
+    return sum(b.size for b in batches) / (time.perf_counter() - start)
+
+
+def fill(client: EmbeddingClient, total_rows: int, dim: int) -> None:
+    client.create_table(spec(dim))
+    step = 262_144
+    for start in range(0, total_rows, step):
+        client.lookup("items", np.arange(start, min(total_rows, start + step), dtype=np.int64), dim)
+
+
+def restart_way(old: EmbeddingClient, directory: str, dim: int) -> tuple[float, list[Ps]]:
+    """Save every row to files, start 3 fresh servers, load and re-partition: seconds."""
+    start = time.perf_counter()
+    num_buckets = old.bucket_map.num_buckets
+    paths = []
+    for i, address in enumerate(old.addresses):
+        for first in range(0, num_buckets, 32):  # pieces that fit a message
+            buckets = np.arange(first, min(num_buckets, first + 32), dtype="<i8").tobytes()
+            request = pb.BucketsRequest(table="items", buckets=buckets, num_buckets=num_buckets)
+            rows = old.call(address, "ExportBuckets", request)
+            path = os.path.join(directory, f"save{i}-{first}.bin")
+            with open(path, "wb") as f:
+                f.write(rows.SerializeToString())
+                f.flush()
+                os.fsync(f.fileno())
+            paths.append(path)
+    fresh = [Ps(directory, f"fresh{i}") for i in range(3)]
+    new = EmbeddingClient([p.address for p in fresh], TOKEN, BucketMap.even(3))
+    new.create_table(spec(dim))
+    for path in paths:
+        saved = pb.RowsMessage.FromString(Path(path).read_bytes())
+        ids = np.frombuffer(saved.ids, dtype="<i8")
+        rows = np.frombuffer(saved.rows, dtype="<f4").reshape(ids.size, dim)
+        accum = np.frombuffer(saved.accum, dtype="<f4").reshape(ids.size, dim)
+        owners = new.bucket_map.owner_of(ids)
+        for s, address in enumerate(new.addresses):
+            mine = owners == s
+            new.call(
+                address,
+                "ImportRows",
+                pb.RowsMessage(
+                    table="items",
+                    ids=ids[mine].tobytes(),
+                    rows=rows[mine].tobytes(),
+                    accum=accum[mine].tobytes(),
+                    dim=dim,
+                ),
+            )
+    seconds = time.perf_counter() - start
+    new.close()
+    return seconds, fresh
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--mib", type=int, default=256, help="embedding weights held (MiB)")
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--batch", type=int, default=8192, help="ids per lookup + update")
+    p.add_argument("--batches", type=int, default=100)
+    args = p.parse_args()
+    dim = args.dim
+    rng = np.random.default_rng(0)
+    id_space = 1_000_000
+    batches = [rng.integers(0, id_space, args.batch).astype(np.int64) for _ in range(args.batches)]
+    with tempfile.TemporaryDirectory() as tmp:
+        servers = [Ps(tmp, f"ps{i}") for i in range(3)]
+        try:
+            print(f"lookup + Adagrad update, {args.batch} ids of {dim} dims per batch\n")
+            print(f"| {'':36} | {'ids/s':>10} | {'vs floor':>8} |")
+            print(f"|{'-' * 38}|{'-' * 12}|{'-' * 10}|")
+            floor = floor_rate(batches, dim, id_space)
+            print(f"| {'in-process nn.EmbeddingBag (floor)':36} | {floor:10.0f} | {1.0:8.2f} |")
+            for n in (1, 2):
+                client = EmbeddingClient([s.address for s in servers[:n]], TOKEN)
+                rate = server_rate(client, batches, dim)
+                name = f"dlrover-ps x {n}"
+                print(f"| {name:36} | {rate:10.0f} | {rate / floor:8.2f} |")
+                client.close()
+                for s in servers[:n]:  # a fresh table per measurement
+                    s.stop()
+                servers[:n] = [Ps(tmp, f"ps{i}-again{n}") for i in range(n)]
+
+            total_rows = args.mib * 2**20 // (dim * 4)
+            print(f"\nGrowing 2 -> 3 servers holding {args.mib} MiB of rows ({total_rows} rows)\n")
+            client = EmbeddingClient([s.address for s in servers[:2]], TOKEN)
+            cluster = EmbeddingCluster(client)
+            cluster.install()
+            fill(client, total_rows, dim)
+            restart_s, fresh = restart_way(client, tmp, dim)
+            for f in fresh:
+                f.stop()
+            report = cluster.resize([s.address for s in servers])
+            print(f"| {'':44} | {'seconds':>8} |")
+            print(f"|{'-' * 46}|{'-' * 10}|")
+            print(f"| {'live resize: moving buckets refused for':44} | {report.pause_s:8.2f} |")
+            print(f"| {'live resize: end to end':44} | {report.seconds:8.2f} |")
+            print(f"| {'stop, save, start 3, load (training stopped)':44} | {restart_s:8.2f} |")
+            print(
+                f"\nmoved {report.moved_buckets} buckets, {report.moved_rows} rows; training "
+                f"stops {restart_s / report.pause_s:.1f}x longer the restart way (and only the "
+                f"moving third of the ids waits the live way)"
+            )
+            client.close()
+        finally:
+            for s in servers:
+                if s.proc.poll() is None:
+                    s.stop()
+
+
+if __name__ == "__main__":
+    main()
