@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from typing import Any, TypeVar
@@ -34,10 +35,13 @@ DEFAULT_SETTLE_S = 60.0
 
 T = TypeVar("T")
 Index = npt.NDArray[np.intp]
+Call = Callable[[str, Index, int], None]
+"""One request for a share of the ids: (server address, positions of the ids, push number)."""
 
 
 class EmbeddingServerUnavailable(EmbeddingError):
-    """A server did not answer within the deadline, or refused the token; the message names it."""
+    """A server did not answer (and no replacement came within ``settle_s``); the message names
+    it."""
 
 
 class EmbeddingClient:
@@ -71,6 +75,8 @@ class EmbeddingClient:
         self._channels: dict[str, grpc.Channel] = {}
         self._stubs: dict[str, pb_grpc.EmbeddingServerStub] = {}
         self._pool = futures.ThreadPoolExecutor(max_workers=8)
+        self.client_id = uuid.uuid4().hex
+        self._seq = 0
 
     @property
     def addresses(self) -> tuple[str, ...]:
@@ -121,8 +127,11 @@ class EmbeddingClient:
         except grpc.RpcError as e:
             code = e.code() if isinstance(e, grpc.Call) else None
             if code == grpc.StatusCode.UNAUTHENTICATED:
-                why = "refused the job token (set DLROVER_JOB_TOKEN to the job's token)"
-            elif code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, None):
+                raise EmbeddingError(
+                    f"embedding server at {address} refused the job token (set "
+                    f"DLROVER_JOB_TOKEN to the job's token)"
+                ) from None
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, None):
                 why = f"did not answer within {self.timeout_s:.0f}s ({code})"
             else:
                 details = e.details() if isinstance(e, grpc.Call) else ""
@@ -148,7 +157,7 @@ class EmbeddingClient:
         flat = _int64(ids)
         rows = np.empty((flat.size, dim), dtype=np.float32)
 
-        def ask(address: str, index: Index) -> None:
+        def ask(address: str, index: Index, seq: int) -> None:
             request = pb.LookupRequest(table=table, ids=flat[index].astype("<i8").tobytes())
             response = self.call(address, "Lookup", request)
             if response.dim != dim:
@@ -161,69 +170,105 @@ class EmbeddingClient:
         return rows
 
     def push(self, table: str, ids: IdArray, grads: Rows) -> None:
-        """Send the gradients of the rows of ``ids`` to their servers, which apply them."""
+        """Send the gradients of the rows of ``ids`` to their servers, which apply them. Each
+        request is numbered; one retried after its server was replaced keeps its number, so
+        the replacement (which took over the numbers with the replica) does not apply it twice."""
         flat = _int64(ids)
         grads = np.ascontiguousarray(grads, dtype=np.float32)
 
-        def send(address: str, index: Index) -> None:
+        def send(address: str, index: Index, seq: int) -> None:
             request = pb.PushRequest(
                 table=table,
                 ids=flat[index].astype("<i8").tobytes(),
                 grads=grads[index].astype("<f4").tobytes(),
+                client=self.client_id,
+                seq=seq,
             )
             self.call(address, "Push", request)
 
         self._route_chunks(flat, grads.shape[1] if grads.ndim == 2 else 1, send)
 
-    def _route_chunks(self, flat: IdArray, dim: int, call: Callable[[str, Index], None]) -> None:
+    def _next_seq(self) -> int:
+        with self._lock:
+            self._seq += 1
+            return self._seq
+
+    def _route_chunks(self, flat: IdArray, dim: int, call: Call) -> None:
         """``_route`` over pieces of ``flat`` small enough for one message each."""
         step = chunk_ids(dim)
         for start in range(0, flat.size, step):
             stop = min(flat.size, start + step)
 
-            def shifted(address: str, index: Index, offset: int = start) -> None:
-                call(address, index + offset)
+            def shifted(address: str, index: Index, seq: int, offset: int = start) -> None:
+                call(address, index + offset, seq)
 
             self._route(flat[start:stop], shifted)
 
-    def _route(self, flat: IdArray, call: Callable[[str, Index], None]) -> None:
-        """``call(address, index)`` for each server's share of ``flat``, in parallel; shares a
-        server refuses because it no longer owns them, or is moving them, are routed again."""
-        pending = np.arange(flat.size)
+    def _route(self, flat: IdArray, call: Call) -> None:
+        """``call(address, index, seq)`` for each server's share of ``flat``, in parallel. A
+        share refused because its server no longer owns it or is moving it is routed again
+        (a new seq: it was not applied); one whose server did not answer waits for that server's
+        replacement and goes to it with the same seq (it may have been applied)."""
+        pending: list[tuple[Index, int | None]] = [(np.arange(flat.size), None)]
         deadline = time.monotonic() + self.settle_s
         delay = 0.005
-        while pending.size:
+        while pending:
             placement = self.placement
-            owners = placement.map.owner_of(flat[pending])
-            shares = [
-                (placement.addresses[s], pending[owners == s]) for s in np.unique(owners).tolist()
-            ]
+            shares: list[tuple[str, Index, int]] = []
+            for index, seq in pending:
+                owners = placement.map.owner_of(flat[index])
+                for s in np.unique(owners).tolist():
+                    part = index[owners == s]
+                    shares.append((placement.addresses[s], part, seq or self._next_seq()))
 
-            def attempt(share: tuple[str, Index]) -> EmbeddingError | None:
+            def attempt(share: tuple[str, Index, int]) -> EmbeddingError | None:
                 try:
                     call(*share)
                     return None
-                except (NotOwnerError, MovingError) as refusal:
+                except (NotOwnerError, MovingError, EmbeddingServerUnavailable) as refusal:
                     return refusal
 
             outcomes = list(self._pool.map(attempt, shares))
-            again = [share[1] for share, o in zip(shares, outcomes, strict=True) if o is not None]
-            if not again:
+            pending = [
+                (index, seq if isinstance(o, EmbeddingServerUnavailable) else None)
+                for (_, index, seq), o in zip(shares, outcomes, strict=True)
+                if o is not None
+            ]
+            if not pending:
                 return
+            refusals = [o for o in outcomes if o is not None]
             adopted = any(
                 isinstance(o, NotOwnerError) and o.newer is not None and self.adopt(o.newer)
-                for o in outcomes
+                for o in refusals
             )
+            if not adopted and any(isinstance(o, EmbeddingServerUnavailable) for o in refusals):
+                adopted = self._look_for_replacement()
             if time.monotonic() > deadline:
-                raise EmbeddingError(
-                    f"ids of {len(again)} servers' shares were refused for {self.settle_s:.0f}s "
-                    f"while buckets moved (last: {next(o for o in outcomes if o)}); is a resize "
-                    f"stuck?"
+                raise (
+                    refusals[0]
+                    if isinstance(refusals[0], EmbeddingServerUnavailable)
+                    else (
+                        EmbeddingError(
+                            f"{len(pending)} shares of ids were refused for {self.settle_s:.0f}s "
+                            f"(last: {refusals[0]}); is a resize or a failover stuck?"
+                        )
+                    )
                 )
             if not adopted:
                 time.sleep(delay)  # a hand-over is under way; nothing to wait on but the servers
                 delay = min(delay * 2, 0.1)
-            pending = np.concatenate(again)
+
+    def _look_for_replacement(self) -> bool:
+        """Ask the servers that answer for their placement; adopt a newer one (a dead server's
+        replacement). False when none is newer yet."""
+        for address in self.addresses:
+            try:
+                response = self.call(address, "GetPlacement", pb.StatsRequest())
+            except EmbeddingServerUnavailable:
+                continue
+            if response.HasField("map") and self.adopt(Placement.from_proto(response.map)):
+                return True
+        return False
 
     def stats(self) -> list[pb.StatsResponse]:
         """Per server, its tables' rows, bytes and traffic, and its map version."""

@@ -40,17 +40,97 @@ class ResizeReport:
     seconds: float
 
 
-class EmbeddingCluster:
-    """Installs and changes the placement of the tables on the servers ``client`` reaches."""
+@dataclass(frozen=True)
+class ReplaceReport:
+    """A failed server replaced from its replica: rows restored, how old the replica was when
+    it last heard from the failed server (SYNC: it held every acknowledged update), and how
+    long the replacement took (the failed server's ids waited that long)."""
 
-    def __init__(self, client: EmbeddingClient) -> None:
+    version: int
+    index: int
+    restored_rows: int
+    replica_age_s: float
+    seconds: float
+
+
+class EmbeddingCluster:
+    """Installs and changes the placement of the tables on the servers ``client`` reaches.
+
+    ``replica`` is how each server keeps its rows on the next server: ``pb.ASYNC`` (default:
+    changes follow within about 50 ms), ``pb.SYNC`` (an update is acknowledged once the replica
+    holds it: a failover loses nothing) or ``pb.NO_REPLICA``.
+    """
+
+    def __init__(self, client: EmbeddingClient, replica: int = pb.ASYNC) -> None:
         self.client = client
+        self.replica = replica
 
     def install(self) -> None:
         """Give every server the client's placement (a new cluster, before training)."""
         placement = self.client.placement
         for index, address in enumerate(placement.addresses):
             self._set_map(address, placement, index)
+
+    def replace(self, index: int, address: str) -> ReplaceReport:
+        """Replace the failed server ``index`` by the (new, empty) server at ``address``: its
+        rows come from its replica on the next server, then every server routes to it. Workers
+        keep running; their requests to the failed server wait for the replacement."""
+        started = time.monotonic()
+        old = self.client.placement
+        n = len(old.addresses)
+        if n < 2 or self.replica == pb.NO_REPLICA:
+            raise EmbeddingError(
+                "a server can be replaced from a replica only with 2 or more servers and "
+                "replicas on"
+            )
+        holder = old.addresses[(index + 1) % n]
+        live = [a for i, a in enumerate(old.addresses) if i != index]
+        specs, sizes = self._specs(live)
+        for spec in specs:
+            self.client.call(address, "CreateTable", pb.CreateTableRequest(spec=spec))
+        mine = [b for b, owner in enumerate(old.map.owners) if owner == index]
+        restored, age = 0, 0.0
+        for spec in specs:
+            for buckets in self._pieces(mine, spec, sizes, old.map.num_buckets):
+                rows = self.client.call(holder, "ExportReplica", buckets)
+                age = max(age, rows.age_s)
+                rows.table = spec.name
+                restored += self.client.call(address, "ImportRows", rows).rows
+        addresses = list(old.addresses)
+        addresses[index] = address
+        new = Placement(BucketMap(old.map.version + 1, old.map.owners), tuple(addresses))
+        order = [index] + [i for i in range(n) if i != index]
+        for i in order:
+            self._set_map(addresses[i], new, i)
+        # The replacement's rows go to its next server; its previous server's to it.
+        for i in (index, (index - 1) % n):
+            self.client.call(addresses[i], "ResyncReplica", pb.StatsRequest())
+        self.client.adopt(new)
+        report = ReplaceReport(new.map.version, index, restored, age, time.monotonic() - started)
+        logger.info(
+            "embedding server %d replaced by %s: %d rows from the replica (%.3fs old) in %.2fs",
+            index,
+            address,
+            restored,
+            age,
+            report.seconds,
+        )
+        return report
+
+    def _pieces(
+        self, buckets: list[int], spec: pb.TableSpec, sizes: dict[str, int], num_buckets: int
+    ) -> list[pb.BucketsRequest]:
+        """Requests for ``buckets`` of a table in pieces whose rows fit a message."""
+        per_bucket = sizes.get(spec.name, 0) / num_buckets + 1
+        step = max(1, int(chunk_ids(spec.dim) / per_bucket))
+        return [
+            pb.BucketsRequest(
+                table=spec.name,
+                buckets=np.asarray(buckets[start : start + step], dtype="<i8").tobytes(),
+                num_buckets=num_buckets,
+            )
+            for start in range(0, len(buckets), step)
+        ]
 
     def resize(self, addresses: Sequence[str]) -> ResizeReport:
         """Move to the servers at ``addresses``: the current servers keep their index (new ones
@@ -86,14 +166,7 @@ class EmbeddingCluster:
         for (source, dest), buckets in sorted(groups.items()):
             for spec in specs:
                 # Pieces of buckets whose rows fit a message (ids hash evenly into buckets).
-                per_bucket = sizes.get(spec.name, 0) / old.map.num_buckets + 1
-                step = max(1, int(chunk_ids(spec.dim) / per_bucket))
-                for start in range(0, len(buckets), step):
-                    request = pb.BucketsRequest(
-                        table=spec.name,
-                        buckets=np.asarray(buckets[start : start + step], dtype="<i8").tobytes(),
-                        num_buckets=old.map.num_buckets,
-                    )
+                for request in self._pieces(buckets, spec, sizes, old.map.num_buckets):
                     rows = self.client.call(old.addresses[source], "ExportBuckets", request)
                     moved_rows += self.client.call(addresses[dest], "ImportRows", rows).rows
         # New owners first, so that a request the old owners send on finds its rows.
@@ -115,6 +188,10 @@ class EmbeddingCluster:
                         num_buckets=old.map.num_buckets,
                     ),
                 )
+        if self.replica != pb.NO_REPLICA:
+            # Each server's replica now covers other buckets: send it whole again.
+            for address in addresses:
+                self.client.call(address, "ResyncReplica", pb.StatsRequest())
         report = ResizeReport(
             final.map.version,
             len(addresses),
@@ -150,5 +227,6 @@ class EmbeddingCluster:
             map=placement.to_proto(),
             index=index,
             frozen=np.asarray(frozen, dtype="<i8").tobytes(),
+            replica=self.replica,  # type: ignore[arg-type]
         )
         self.client.call(address, "SetMap", request)

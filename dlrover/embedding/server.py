@@ -15,6 +15,7 @@ import numpy as np
 
 from dlrover.constants import TOKEN_METADATA_KEY
 from dlrover.embedding.buckets import bucket_of
+from dlrover.embedding.replica import ReplicaSender, ReplicaStore, rows_message
 from dlrover.embedding.table import EmbeddingError, EmbeddingTable, Optimizer
 from dlrover.embedding.wire import (
     MAX_MESSAGE_BYTES,
@@ -63,9 +64,16 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
     """The tables of one server, each behind its own lock (lookups of different tables run in
     parallel; numpy releases the GIL in its large copies)."""
 
-    def __init__(self) -> None:
+    def __init__(self, token: str = "") -> None:
+        self._token = token
         self._tables: dict[str, _Served] = {}
         self._lock = threading.Lock()
+        # Replicas: the last push applied per client (a retried push is not applied twice),
+        # what this server sends to the next one, and what it holds of the previous one.
+        self._seqs: dict[str, int] = {}
+        self._seq_lock = threading.Lock()
+        self._sender: ReplicaSender | None = None
+        self.replica = ReplicaStore(spec_to_table)
         # Ownership: no map yet serves every id (a lone server). Requests in flight are
         # counted so that a freeze waits for them before rows move.
         self._gate = threading.Condition()
@@ -115,6 +123,7 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
                         f"map version {new.version} is older than this server's {old.map.version}"
                     )
                 self._placement, self._index = placement, request.index
+                self._replicate_to(placement, request.index, request.replica)
                 self._owned = np.asarray(new.owners) == request.index
                 self._frozen = np.zeros(new.num_buckets, dtype=bool)
                 self._frozen[frozen] = True
@@ -123,6 +132,90 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
             return pb.SetMapResponse()
 
         return _answer(pb.SetMapResponse, run)
+
+    def close(self) -> None:
+        """Stop sending to the replica."""
+        if self._sender is not None:
+            self._sender.close()
+            self._sender = None
+
+    def _replicate_to(self, placement: Placement, index: int, mode: int) -> None:
+        """Send this server's changes to the next server of ``placement`` in ``mode``."""
+        n = len(placement.addresses)
+        target = placement.addresses[(index + 1) % n] if index >= 0 and n > 1 else None
+        if mode == pb.NO_REPLICA:
+            target = None
+        sender = self._sender
+        if sender is not None and (sender.address != target or sender.mode != mode):
+            sender.close()
+            sender = None
+        if sender is None and target is not None:
+            sender = ReplicaSender(target, self._token, mode)
+            if mode == pb.ASYNC:
+                sender.start(self._flush)
+        self._sender = sender
+
+    def _flush(self, dirty: dict[str, np.ndarray[Any, np.dtype[np.int64]]]) -> None:
+        sender = self._sender
+        if sender is None:
+            return
+        for name, ids in dirty.items():
+            served = self._table(name)
+            with served.lock:
+                rows, accum = served.table.snapshot(ids)
+            with self._seq_lock:
+                seqs = dict(self._seqs)
+            sender.send(rows_message(served.spec, ids, rows, accum, seqs))
+
+    def Replicate(  # noqa: N802
+        self, request: pb.RowsMessage, context: grpc.ServicerContext
+    ) -> pb.ImportResponse:
+        """Hold rows of the previous server (its replica)."""
+        return _answer(
+            pb.ImportResponse, lambda: pb.ImportResponse(rows=self.replica.take(request))
+        )
+
+    def ExportReplica(  # noqa: N802
+        self, request: pb.BucketsRequest, context: grpc.ServicerContext
+    ) -> pb.RowsMessage:
+        """The replica's rows of a table in the buckets (to restore a replacement)."""
+
+        def run() -> pb.RowsMessage:
+            buckets = np.frombuffer(request.buckets, dtype="<i8").astype(np.int64)
+            return self.replica.export(request.table, buckets, request.num_buckets)
+
+        return _answer(pb.RowsMessage, run)
+
+    def ResyncReplica(  # noqa: N802
+        self, request: pb.StatsRequest, context: grpc.ServicerContext
+    ) -> pb.ImportResponse:
+        """Send every row to the next server, which drops what it held of this one first."""
+
+        def run() -> pb.ImportResponse:
+            sender = self._sender
+            if sender is None:
+                return pb.ImportResponse(rows=0)
+            with self._lock:
+                served = list(self._tables.values())
+            sent = 0
+            for entry in served:
+                with entry.lock:
+                    with self._seq_lock:
+                        seqs = dict(self._seqs)
+                    sent += sender.send_all(entry.spec, entry.table, seqs)
+            return pb.ImportResponse(rows=sent)
+
+        return _answer(pb.ImportResponse, run)
+
+    def GetPlacement(  # noqa: N802
+        self, request: pb.StatsRequest, context: grpc.ServicerContext
+    ) -> pb.PlacementResponse:
+        """The map and addresses this server routes by (none before its first SetMap)."""
+        with self._gate:
+            placement = self._placement
+        if placement is None:
+            return pb.PlacementResponse()
+        return pb.PlacementResponse(map=placement.to_proto())
 
     def ExportBuckets(  # noqa: N802
         self, request: pb.BucketsRequest, context: grpc.ServicerContext
@@ -157,6 +250,9 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
             accum = np.frombuffer(request.accum, dtype="<f4").reshape(ids.size, dim)
             with served.lock:
                 served.table.import_rows(ids, rows, accum)
+            with self._seq_lock:  # a replacement takes over the clients' last pushes
+                for entry in request.seqs:
+                    self._seqs[entry.client] = max(self._seqs.get(entry.client, -1), entry.seq)
             with self._gate:
                 self.moved_in += ids.size
             return pb.ImportResponse(rows=ids.size)
@@ -246,13 +342,40 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
             self._enter(ids)
             try:
                 with served.lock:
+                    client, seq = request.client, request.seq
+                    with self._seq_lock:
+                        if client and seq <= self._seqs.get(client, -1):
+                            return pb.PushResponse(duplicate=True)
                     served.table.apply_gradients(ids, grads)
                     served.pushes += ids.size
+                    with self._seq_lock:
+                        if client:
+                            self._seqs[client] = seq
+                    self._replicate(served, ids, {client: seq} if client else {})
             finally:
                 self._leave()
             return pb.PushResponse(applied=ids.size)
 
         return _answer(pb.PushResponse, run)
+
+    def _replicate(
+        self, served: _Served, ids: np.ndarray[Any, np.dtype[np.int64]], seqs: dict[str, int]
+    ) -> None:
+        """After an update, under the table's lock: SYNC sends the rows' new values now, ASYNC
+        marks them for the sender's thread."""
+        sender = self._sender
+        if sender is None:
+            return
+        unique = np.unique(ids)
+        if sender.mode == pb.ASYNC:
+            sender.mark(served.table.name, unique)
+            return
+        rows, accum = served.table.snapshot(unique)
+        try:
+            sender.send(rows_message(served.spec, unique, rows, accum, seqs))
+        except EmbeddingError as e:  # serve on; the replica is behind until it is replaced
+            sender.failures += 1
+            logger.warning("update not replicated: %s", e)
 
     def Stats(  # noqa: N802
         self, request: pb.StatsRequest, context: grpc.ServicerContext
@@ -315,7 +438,7 @@ class EmbeddingServer:
     def __init__(
         self, token: str, host: str = "127.0.0.1", port: int = 0, threads: int = 8
     ) -> None:
-        self.service = EmbeddingService()
+        self.service = EmbeddingService(token)
         options = [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -340,3 +463,4 @@ class EmbeddingServer:
     def stop(self, grace_s: float = 1.0) -> None:
         """Stop serving; in-flight calls get ``grace_s`` seconds."""
         self._server.stop(grace_s).wait(grace_s + 1.0)
+        self.service.close()

@@ -162,6 +162,16 @@ class EmbeddingTable:
             new[: self._size] = old[: self._size]
             setattr(self, name, new)
 
+    def snapshot(self, ids: IdArray) -> tuple[Rows, Rows]:
+        """The rows and optimizer state of ``ids``, which the table must hold."""
+        slots = self._slots_of(self._checked(ids), create=False)
+        return self._weights[slots], self._accum[slots]
+
+    def export_all(self) -> tuple[IdArray, Rows, Rows]:
+        """Every id the table holds, with its row and optimizer state."""
+        slots = self._slots
+        return self._ids.copy(), self._weights[slots], self._accum[slots]
+
     # --- buckets: what moves between servers --------------------------------------------------
     def export_buckets(
         self, buckets: npt.NDArray[np.int64], num_buckets: int

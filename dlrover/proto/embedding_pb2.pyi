@@ -7,6 +7,31 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ReplicaMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    NO_REPLICA: _ClassVar[ReplicaMode]
+    ASYNC: _ClassVar[ReplicaMode]
+    SYNC: _ClassVar[ReplicaMode]
+NO_REPLICA: ReplicaMode
+ASYNC: ReplicaMode
+SYNC: ReplicaMode
+
+class ClientSeq(_message.Message):
+    __slots__ = ("client", "seq")
+    CLIENT_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    client: str
+    seq: int
+    def __init__(self, client: _Optional[str] = ..., seq: _Optional[int] = ...) -> None: ...
+
+class PlacementResponse(_message.Message):
+    __slots__ = ("error", "map")
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    MAP_FIELD_NUMBER: _ClassVar[int]
+    error: EmbeddingError
+    map: BucketMapMessage
+    def __init__(self, error: _Optional[_Union[EmbeddingError, _Mapping]] = ..., map: _Optional[_Union[BucketMapMessage, _Mapping]] = ...) -> None: ...
+
 class BucketMapMessage(_message.Message):
     __slots__ = ("version", "owners", "addresses")
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -76,14 +101,16 @@ class LookupRequest(_message.Message):
     def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ...) -> None: ...
 
 class SetMapRequest(_message.Message):
-    __slots__ = ("map", "index", "frozen")
+    __slots__ = ("map", "index", "frozen", "replica")
     MAP_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     FROZEN_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
     map: BucketMapMessage
     index: int
     frozen: bytes
-    def __init__(self, map: _Optional[_Union[BucketMapMessage, _Mapping]] = ..., index: _Optional[int] = ..., frozen: _Optional[bytes] = ...) -> None: ...
+    replica: ReplicaMode
+    def __init__(self, map: _Optional[_Union[BucketMapMessage, _Mapping]] = ..., index: _Optional[int] = ..., frozen: _Optional[bytes] = ..., replica: _Optional[_Union[ReplicaMode, str]] = ...) -> None: ...
 
 class SetMapResponse(_message.Message):
     __slots__ = ("error",)
@@ -102,20 +129,28 @@ class BucketsRequest(_message.Message):
     def __init__(self, table: _Optional[str] = ..., buckets: _Optional[bytes] = ..., num_buckets: _Optional[int] = ...) -> None: ...
 
 class RowsMessage(_message.Message):
-    __slots__ = ("error", "table", "ids", "rows", "accum", "dim")
+    __slots__ = ("error", "table", "ids", "rows", "accum", "dim", "seqs", "spec", "reset", "age_s")
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TABLE_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     ACCUM_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
+    SEQS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    AGE_S_FIELD_NUMBER: _ClassVar[int]
     error: EmbeddingError
     table: str
     ids: bytes
     rows: bytes
     accum: bytes
     dim: int
-    def __init__(self, error: _Optional[_Union[EmbeddingError, _Mapping]] = ..., table: _Optional[str] = ..., ids: _Optional[bytes] = ..., rows: _Optional[bytes] = ..., accum: _Optional[bytes] = ..., dim: _Optional[int] = ...) -> None: ...
+    seqs: _containers.RepeatedCompositeFieldContainer[ClientSeq]
+    spec: TableSpec
+    reset: bool
+    age_s: float
+    def __init__(self, error: _Optional[_Union[EmbeddingError, _Mapping]] = ..., table: _Optional[str] = ..., ids: _Optional[bytes] = ..., rows: _Optional[bytes] = ..., accum: _Optional[bytes] = ..., dim: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[ClientSeq, _Mapping]]] = ..., spec: _Optional[_Union[TableSpec, _Mapping]] = ..., reset: _Optional[bool] = ..., age_s: _Optional[float] = ...) -> None: ...
 
 class ImportResponse(_message.Message):
     __slots__ = ("error", "rows")
@@ -136,22 +171,28 @@ class LookupResponse(_message.Message):
     def __init__(self, error: _Optional[_Union[EmbeddingError, _Mapping]] = ..., rows: _Optional[bytes] = ..., dim: _Optional[int] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("table", "ids", "grads")
+    __slots__ = ("table", "ids", "grads", "client", "seq")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     GRADS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
     table: str
     ids: bytes
     grads: bytes
-    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ..., grads: _Optional[bytes] = ...) -> None: ...
+    client: str
+    seq: int
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ..., grads: _Optional[bytes] = ..., client: _Optional[str] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class PushResponse(_message.Message):
-    __slots__ = ("error", "applied")
+    __slots__ = ("error", "applied", "duplicate")
     ERROR_FIELD_NUMBER: _ClassVar[int]
     APPLIED_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
     error: EmbeddingError
     applied: int
-    def __init__(self, error: _Optional[_Union[EmbeddingError, _Mapping]] = ..., applied: _Optional[int] = ...) -> None: ...
+    duplicate: bool
+    def __init__(self, error: _Optional[_Union[EmbeddingError, _Mapping]] = ..., applied: _Optional[int] = ..., duplicate: _Optional[bool] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

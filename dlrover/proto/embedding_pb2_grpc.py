@@ -78,6 +78,26 @@ class EmbeddingServerStub:
                 request_serializer=dlrover_dot_proto_dot_embedding__pb2.BucketsRequest.SerializeToString,
                 response_deserializer=dlrover_dot_proto_dot_embedding__pb2.ImportResponse.FromString,
                 _registered_method=True)
+        self.Replicate = channel.unary_unary(
+                '/dlrover.embedding.EmbeddingServer/Replicate',
+                request_serializer=dlrover_dot_proto_dot_embedding__pb2.RowsMessage.SerializeToString,
+                response_deserializer=dlrover_dot_proto_dot_embedding__pb2.ImportResponse.FromString,
+                _registered_method=True)
+        self.ExportReplica = channel.unary_unary(
+                '/dlrover.embedding.EmbeddingServer/ExportReplica',
+                request_serializer=dlrover_dot_proto_dot_embedding__pb2.BucketsRequest.SerializeToString,
+                response_deserializer=dlrover_dot_proto_dot_embedding__pb2.RowsMessage.FromString,
+                _registered_method=True)
+        self.ResyncReplica = channel.unary_unary(
+                '/dlrover.embedding.EmbeddingServer/ResyncReplica',
+                request_serializer=dlrover_dot_proto_dot_embedding__pb2.StatsRequest.SerializeToString,
+                response_deserializer=dlrover_dot_proto_dot_embedding__pb2.ImportResponse.FromString,
+                _registered_method=True)
+        self.GetPlacement = channel.unary_unary(
+                '/dlrover.embedding.EmbeddingServer/GetPlacement',
+                request_serializer=dlrover_dot_proto_dot_embedding__pb2.StatsRequest.SerializeToString,
+                response_deserializer=dlrover_dot_proto_dot_embedding__pb2.PlacementResponse.FromString,
+                _registered_method=True)
 
 
 class EmbeddingServerServicer:
@@ -137,6 +157,32 @@ class EmbeddingServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Replicate(self, request, context):
+        """Failover (dlrover/embedding/cluster.py): each server keeps a replica of its rows on the
+        next server; a replacement is restored from it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ExportReplica(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResyncReplica(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetPlacement(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EmbeddingServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -179,6 +225,26 @@ def add_EmbeddingServerServicer_to_server(servicer, server):
                     servicer.DropBuckets,
                     request_deserializer=dlrover_dot_proto_dot_embedding__pb2.BucketsRequest.FromString,
                     response_serializer=dlrover_dot_proto_dot_embedding__pb2.ImportResponse.SerializeToString,
+            ),
+            'Replicate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Replicate,
+                    request_deserializer=dlrover_dot_proto_dot_embedding__pb2.RowsMessage.FromString,
+                    response_serializer=dlrover_dot_proto_dot_embedding__pb2.ImportResponse.SerializeToString,
+            ),
+            'ExportReplica': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExportReplica,
+                    request_deserializer=dlrover_dot_proto_dot_embedding__pb2.BucketsRequest.FromString,
+                    response_serializer=dlrover_dot_proto_dot_embedding__pb2.RowsMessage.SerializeToString,
+            ),
+            'ResyncReplica': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResyncReplica,
+                    request_deserializer=dlrover_dot_proto_dot_embedding__pb2.StatsRequest.FromString,
+                    response_serializer=dlrover_dot_proto_dot_embedding__pb2.ImportResponse.SerializeToString,
+            ),
+            'GetPlacement': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetPlacement,
+                    request_deserializer=dlrover_dot_proto_dot_embedding__pb2.StatsRequest.FromString,
+                    response_serializer=dlrover_dot_proto_dot_embedding__pb2.PlacementResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -401,6 +467,114 @@ class EmbeddingServer:
             '/dlrover.embedding.EmbeddingServer/DropBuckets',
             dlrover_dot_proto_dot_embedding__pb2.BucketsRequest.SerializeToString,
             dlrover_dot_proto_dot_embedding__pb2.ImportResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Replicate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dlrover.embedding.EmbeddingServer/Replicate',
+            dlrover_dot_proto_dot_embedding__pb2.RowsMessage.SerializeToString,
+            dlrover_dot_proto_dot_embedding__pb2.ImportResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportReplica(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dlrover.embedding.EmbeddingServer/ExportReplica',
+            dlrover_dot_proto_dot_embedding__pb2.BucketsRequest.SerializeToString,
+            dlrover_dot_proto_dot_embedding__pb2.RowsMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResyncReplica(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dlrover.embedding.EmbeddingServer/ResyncReplica',
+            dlrover_dot_proto_dot_embedding__pb2.StatsRequest.SerializeToString,
+            dlrover_dot_proto_dot_embedding__pb2.ImportResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetPlacement(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dlrover.embedding.EmbeddingServer/GetPlacement',
+            dlrover_dot_proto_dot_embedding__pb2.StatsRequest.SerializeToString,
+            dlrover_dot_proto_dot_embedding__pb2.PlacementResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -87,3 +88,58 @@ def test_a_wrong_token_is_named(tmp_path: Path) -> None:
     finally:
         server.stop()
     assert os.path.exists(server.log)
+
+
+def test_a_killed_server_is_replaced_from_its_synchronous_replica_and_nothing_is_lost(
+    tmp_path: Path,
+) -> None:
+    """SIGKILL one of three dlrover-ps processes mid-training: a new process takes its place
+    with the rows of its replica, the training loop (never restarted) waits and goes on, and
+    the model is bit for bit the one of a run without the failure."""
+    from dlrover.embedding.server import EmbeddingServer
+    from dlrover.proto import embedding_pb2 as pb
+    from dlrover.trainer.torch.embedding import ElasticEmbedding
+    from tests.embedding.training import train
+
+    reference = [EmbeddingServer(TOKEN).start() for _ in range(3)]
+    servers = [PsProcess(tmp_path, f"ps{i}") for i in range(3)]
+    spare: list[PsProcess] = []
+    try:
+        plain = ElasticEmbedding(
+            "items", 8, lr=0.05, client=EmbeddingClient([s.address for s in reference], TOKEN)
+        )
+        head_plain = train(plain, 30)
+
+        client = EmbeddingClient([s.address for s in servers], TOKEN, timeout_s=5)
+        cluster = EmbeddingCluster(client, replica=pb.SYNC)
+        cluster.install()
+        emb = ElasticEmbedding("items", 8, lr=0.05, client=client)
+        reports = []
+        failover: list[threading.Thread] = []
+
+        def on_step(step: int) -> None:
+            if step != 12:
+                return
+
+            def kill_and_replace() -> None:
+                servers[1].proc.kill()  # SIGKILL: no goodbye
+                servers[1].proc.wait(10)
+                spare.append(PsProcess(tmp_path, "ps1-replacement"))
+                reports.append(cluster.replace(1, spare[0].address))
+
+            failover.append(threading.Thread(target=kill_and_replace))
+            failover[0].start()
+
+        head = train(emb, 30, on_step)
+        failover[0].join(60)
+        (report,) = reports
+        assert report.index == 1 and report.restored_rows > 0
+        every = torch.arange(5000, dtype=torch.int64)
+        assert torch.equal(emb.rows(every), plain.rows(every))  # no update lost or doubled
+        assert torch.equal(head.weight, head_plain.weight)
+        assert client.addresses[1] == spare[0].address
+    finally:
+        for s in servers + spare:
+            s.stop()
+        for r in reference:
+            r.stop(0.1)

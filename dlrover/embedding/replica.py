@@ -1,0 +1,181 @@
+"""Replicas of a server's rows on the next server of the map, for failover without a restart.
+
+The sender side (ReplicaSender) sends the current values of changed rows, with the last push
+of each client, to the next server: within the push in SYNC mode (the push is acknowledged once
+the replica holds it), or from a thread every ASYNC_LAG_S in ASYNC mode. The receiving side
+(ReplicaStore) keeps them apart from the server's own rows until a replacement of the sender
+takes them over.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+import numpy as np
+
+from dlrover.constants import TOKEN_METADATA_KEY
+from dlrover.embedding.buckets import IdArray
+from dlrover.embedding.table import EmbeddingError, EmbeddingTable, Rows
+from dlrover.embedding.wire import MAX_MESSAGE_BYTES, chunk_ids
+from dlrover.proto import embedding_pb2 as pb
+from dlrover.proto import embedding_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+ASYNC_LAG_S = 0.05
+"""In ASYNC mode, changed rows reach the replica at most about this long after the update."""
+SEND_TIMEOUT_S = 30.0
+
+
+def rows_message(
+    spec: pb.TableSpec,
+    ids: IdArray,
+    rows: Rows,
+    accum: Rows,
+    seqs: dict[str, int],
+    reset: bool = False,
+) -> pb.RowsMessage:
+    """Rows (and optimizer state) of a table as a message, with the clients' last pushes."""
+    return pb.RowsMessage(
+        table=spec.name,
+        ids=ids.astype("<i8").tobytes(),
+        rows=rows.astype("<f4").tobytes(),
+        accum=accum.astype("<f4").tobytes(),
+        dim=spec.dim,
+        seqs=[pb.ClientSeq(client=c, seq=s) for c, s in sorted(seqs.items())],
+        spec=spec,
+        reset=reset,
+    )
+
+
+def rows_from_message(message: pb.RowsMessage, dim: int) -> tuple[IdArray, Rows, Rows]:
+    """The ids, rows and optimizer state a RowsMessage carries."""
+    ids = np.frombuffer(message.ids, dtype="<i8").astype(np.int64)
+    rows = np.frombuffer(message.rows, dtype="<f4").reshape(ids.size, dim)
+    accum = np.frombuffer(message.accum, dtype="<f4").reshape(ids.size, dim)
+    return ids, rows, accum
+
+
+class ReplicaStore:
+    """The replica this server holds of the previous server's tables."""
+
+    def __init__(self, make_table: Callable[[pb.TableSpec], EmbeddingTable]) -> None:
+        self._make_table = make_table
+        self._lock = threading.Lock()
+        self.tables: dict[str, EmbeddingTable] = {}
+        self.seqs: dict[str, int] = {}
+        self.heard_at: float | None = None
+
+    def take(self, message: pb.RowsMessage) -> int:
+        """Apply a Replicate message; returns the rows it carried."""
+        with self._lock:
+            if message.reset:
+                self.tables.pop(message.table, None)
+            table = self.tables.get(message.table)
+            if table is None:
+                table = self.tables[message.table] = self._make_table(message.spec)
+            ids, rows, accum = rows_from_message(message, table.dim)
+            if ids.size:
+                table.import_rows(ids, rows, accum)
+            for entry in message.seqs:
+                self.seqs[entry.client] = max(self.seqs.get(entry.client, -1), entry.seq)
+            self.heard_at = time.monotonic()
+            return int(ids.size)
+
+    def export(self, name: str, buckets: IdArray, num_buckets: int) -> pb.RowsMessage:
+        """The replica's rows of ``name`` in ``buckets``, its client pushes and age."""
+        with self._lock:
+            table = self.tables.get(name)
+            if table is None:
+                raise EmbeddingError(f"this server holds no replica of table {name!r}")
+            ids, rows, accum = table.export_buckets(buckets, num_buckets)
+            spec = pb.TableSpec(name=name, dim=table.dim)
+            message = rows_message(spec, ids, rows, accum, dict(self.seqs))
+            age = time.monotonic() - self.heard_at if self.heard_at is not None else -1.0
+            message.age_s = age
+            return message
+
+
+class ReplicaSender:
+    """Sends this server's changed rows to the next server (``address``) in ``mode``."""
+
+    def __init__(self, address: str, token: str, mode: int) -> None:
+        self.address = address
+        self.mode = mode
+        options = [
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ]
+        self._channel = grpc.insecure_channel(address, options=options)
+        self._stub = pb_grpc.EmbeddingServerStub(self._channel)
+        self._metadata = ((TOKEN_METADATA_KEY, token),)
+        self._dirty: dict[str, list[IdArray]] = {}
+        self._dirty_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.failures = 0
+
+    def send(self, message: pb.RowsMessage) -> None:
+        """One Replicate call; EmbeddingError when the next server does not take it."""
+        try:
+            response = self._stub.Replicate(
+                message, timeout=SEND_TIMEOUT_S, metadata=self._metadata
+            )
+        except grpc.RpcError as e:
+            raise EmbeddingError(f"the replica at {self.address} did not answer: {e}") from None
+        if response.HasField("error"):
+            raise EmbeddingError(f"the replica at {self.address}: {response.error.message}")
+
+    def send_all(self, spec: pb.TableSpec, table: EmbeddingTable, seqs: dict[str, int]) -> int:
+        """Resend a whole table (the replica drops what it held first); returns rows sent."""
+        ids, rows, accum = table.export_all()
+        step = chunk_ids(spec.dim)
+        for start in range(0, max(ids.size, 1), step):
+            part = slice(start, start + step)
+            self.send(
+                rows_message(spec, ids[part], rows[part], accum[part], seqs, reset=start == 0)
+            )
+        return int(ids.size)
+
+    def mark(self, table: str, ids: IdArray) -> None:
+        """ASYNC: ``ids`` of ``table`` changed; the thread sends their values soon."""
+        with self._dirty_lock:
+            self._dirty.setdefault(table, []).append(ids)
+
+    def start(self, flush: Callable[[dict[str, IdArray]], None]) -> None:
+        """ASYNC: start the thread that hands the changed ids to ``flush`` every ASYNC_LAG_S."""
+
+        def run() -> None:
+            while not self._stop.wait(ASYNC_LAG_S):
+                with self._dirty_lock:
+                    dirty, self._dirty = self._dirty, {}
+                if not dirty:
+                    continue
+                try:
+                    flush({t: np.unique(np.concatenate(parts)) for t, parts in dirty.items()})
+                except EmbeddingError as e:  # next round resends the newer values
+                    self.failures += 1
+                    with self._dirty_lock:
+                        for t, parts in dirty.items():
+                            self._dirty.setdefault(t, []).extend(parts)
+                    logger.warning("replication to %s failed: %s", self.address, e)
+
+        self._thread = threading.Thread(target=run, name="embedding-replica", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the thread and close the channel."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(SEND_TIMEOUT_S)
+        self._channel.close()
+
+
+def seqs_of(entries: Any) -> dict[str, int]:
+    """ClientSeq messages as a dict."""
+    return {e.client: e.seq for e in entries}
