@@ -8,7 +8,8 @@ Prints
   network, no server);
 - growing 2 -> 3 servers holding --mib of embedding rows (weights; the Adagrad state doubles
   it): the live resize (how long the moving buckets were refused) against the restart way
-  (export every row to a file, start 3 fresh servers, load and re-partition them).
+  (export every row to a file, start 3 fresh servers, load and re-partition them); then one of
+  the three SIGKILLed and replaced from its (ASYNC) replica.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class Ps:
         env_file = os.path.join(directory, f"{name}.env")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "dlrover.cli.ps", "--write-env", env_file],
-            env={**os.environ, "DLROVER_JOB_TOKEN": TOKEN, "DLROVER_LOG_LEVEL": "WARNING"},
+            env={**os.environ, "DLROVER_JOB_TOKEN": TOKEN, "DLROVER_LOG_LEVEL": "ERROR"},
             stdout=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + 30
@@ -152,15 +153,21 @@ def main() -> None:
             print(f"|{'-' * 38}|{'-' * 12}|{'-' * 10}|")
             floor = floor_rate(batches, dim, id_space)
             print(f"| {'in-process nn.EmbeddingBag (floor)':36} | {floor:10.0f} | {1.0:8.2f} |")
-            for n in (1, 2):
+            modes = [
+                (1, pb.NO_REPLICA, "dlrover-ps x 1"),
+                (2, pb.NO_REPLICA, "dlrover-ps x 2"),
+                (2, pb.ASYNC, "dlrover-ps x 2, ASYNC replicas"),
+                (2, pb.SYNC, "dlrover-ps x 2, SYNC replicas"),
+            ]
+            for round_, (n, mode, name) in enumerate(modes):
                 client = EmbeddingClient([s.address for s in servers[:n]], TOKEN)
+                EmbeddingCluster(client, replica=mode).install()
                 rate = server_rate(client, batches, dim)
-                name = f"dlrover-ps x {n}"
                 print(f"| {name:36} | {rate:10.0f} | {rate / floor:8.2f} |")
                 client.close()
                 for s in servers[:n]:  # a fresh table per measurement
                     s.stop()
-                servers[:n] = [Ps(tmp, f"ps{i}-again{n}") for i in range(n)]
+                servers[:n] = [Ps(tmp, f"ps{i}-again{round_}") for i in range(n)]
 
             total_rows = args.mib * 2**20 // (dim * 4)
             print(f"\nGrowing 2 -> 3 servers holding {args.mib} MiB of rows ({total_rows} rows)\n")
@@ -177,10 +184,22 @@ def main() -> None:
             print(f"| {'live resize: moving buckets refused for':44} | {report.pause_s:8.2f} |")
             print(f"| {'live resize: end to end':44} | {report.seconds:8.2f} |")
             print(f"| {'stop, save, start 3, load (training stopped)':44} | {restart_s:8.2f} |")
+            servers[2].proc.kill()  # SIGKILL a server: replaced from its replica
+            servers[2].proc.wait(10)
+            started = time.perf_counter()
+            spare = Ps(tmp, "spare")
+            servers.append(spare)
+            failover = cluster.replace(2, spare.address)
+            failover_s = time.perf_counter() - started
+            serving_s = failover_s - (failover.seconds - failover.serving_after_s)
+            print(f"| {'failover: a new process, restored, serving':44} | {serving_s:8.2f} |")
+            print(f"| {'failover: end to end (replicas re-sent)':44} | {failover_s:8.2f} |")
             print(
-                f"\nmoved {report.moved_buckets} buckets, {report.moved_rows} rows; training "
-                f"stops {restart_s / report.pause_s:.1f}x longer the restart way (and only the "
-                f"moving third of the ids waits the live way)"
+                f"\nmoved {report.moved_buckets} buckets, {report.moved_rows} rows; the restart "
+                f"way stops training {restart_s / report.pause_s:.1f}x longer (and only the "
+                f"moving third of the ids waits the live way). Failover restored "
+                f"{failover.restored_rows} rows from the replica (start of the new process "
+                f"included)."
             )
             client.close()
         finally:

@@ -42,15 +42,20 @@ class ResizeReport:
 
 @dataclass(frozen=True)
 class ReplaceReport:
-    """A failed server replaced from its replica: rows restored, how old the replica was when
-    it last heard from the failed server (SYNC: it held every acknowledged update), and how
-    long the replacement took (the failed server's ids waited that long)."""
+    """A failed server replaced from its replica: rows restored; how long before the replacement
+    the replica last heard from the failed server (with SYNC it held every acknowledged update;
+    with ASYNC, updates acknowledged in the last ASYNC_LAG_S before the failure may be missing,
+    and the log says so); and how long the replacement took (the failed server's ids waited
+    that long)."""
 
     version: int
     index: int
     restored_rows: int
-    replica_age_s: float
+    last_heard_s: float
     seconds: float
+    serving_after_s: float = 0.0
+    """From the call to the replacement serving (the rest re-sends replicas in the background
+    of training)."""
 
 
 class EmbeddingCluster:
@@ -89,11 +94,11 @@ class EmbeddingCluster:
         for spec in specs:
             self.client.call(address, "CreateTable", pb.CreateTableRequest(spec=spec))
         mine = [b for b, owner in enumerate(old.map.owners) if owner == index]
-        restored, age = 0, 0.0
+        restored, heard = 0, 0.0
         for spec in specs:
             for buckets in self._pieces(mine, spec, sizes, old.map.num_buckets):
                 rows = self.client.call(holder, "ExportReplica", buckets)
-                age = max(age, rows.age_s)
+                heard = max(heard, rows.age_s)
                 rows.table = spec.name
                 restored += self.client.call(address, "ImportRows", rows).rows
         addresses = list(old.addresses)
@@ -102,18 +107,25 @@ class EmbeddingCluster:
         order = [index] + [i for i in range(n) if i != index]
         for i in order:
             self._set_map(addresses[i], new, i)
+        serving_after_s = time.monotonic() - started
         # The replacement's rows go to its next server; its previous server's to it.
         for i in (index, (index - 1) % n):
             self.client.call(addresses[i], "ResyncReplica", pb.StatsRequest())
         self.client.adopt(new)
-        report = ReplaceReport(new.map.version, index, restored, age, time.monotonic() - started)
+        report = ReplaceReport(
+            new.map.version, index, restored, heard, time.monotonic() - started, serving_after_s
+        )
         logger.info(
-            "embedding server %d replaced by %s: %d rows from the replica (%.3fs old) in %.2fs",
+            "embedding server %d replaced by %s in %.2fs: %d rows from the replica, which last "
+            "heard from it %.3fs before (%s)",
             index,
             address,
-            restored,
-            age,
             report.seconds,
+            restored,
+            heard,
+            "SYNC: nothing acknowledged is missing"
+            if self.replica == pb.SYNC
+            else "ASYNC: updates acknowledged in the last 50 ms before the failure may be missing",
         )
         return report
 
