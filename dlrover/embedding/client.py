@@ -229,11 +229,16 @@ class EmbeddingClient:
                     return refusal
 
             outcomes = list(self._pool.map(attempt, shares))
-            pending = [
+            failed = [
                 (index, seq if isinstance(o, EmbeddingServerUnavailable) else None)
                 for (_, index, seq), o in zip(shares, outcomes, strict=True)
                 if o is not None
             ]
+            # Refused shares were not applied: one new share per server next round.
+            fresh = [index for index, seq in failed if seq is None]
+            pending = [(index, seq) for index, seq in failed if seq is not None]
+            if fresh:
+                pending.append((np.sort(np.concatenate(fresh)), None))
             if not pending:
                 return
             refusals = [o for o in outcomes if o is not None]

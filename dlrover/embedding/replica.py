@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -32,22 +33,88 @@ ASYNC_LAG_S = 0.05
 SEND_TIMEOUT_S = 30.0
 
 
+PUSH_WINDOW = 256
+"""Pushes remembered one by one per client; older ones are covered by a floor. A client has
+only a few pushes in flight at once, so one older than the window cannot still arrive."""
+
+
+class AppliedPushes:
+    """Which pushes of each client a server has applied: the numbers of the last PUSH_WINDOW,
+    and a floor below which all count as applied. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._recent: dict[str, deque[int]] = {}
+        self._sets: dict[str, set[int]] = {}
+        self._floor: dict[str, int] = {}
+
+    def applied(self, client: str, seq: int) -> bool:
+        """Whether ``client``'s push ``seq`` was applied here."""
+        with self._lock:
+            return seq <= self._floor.get(client, -1) or seq in self._sets.get(client, ())
+
+    def add(self, client: str, seq: int) -> None:
+        """Record that ``client``'s push ``seq`` was applied."""
+        with self._lock:
+            self._add(client, seq)
+
+    def _add(self, client: str, seq: int) -> None:
+        if seq <= self._floor.get(client, -1) or seq in self._sets.get(client, ()):
+            return
+        recent = self._recent.setdefault(client, deque())
+        known = self._sets.setdefault(client, set())
+        recent.append(seq)
+        known.add(seq)
+        while len(recent) > PUSH_WINDOW:
+            oldest = min(recent)
+            recent.remove(oldest)
+            known.discard(oldest)
+            self._floor[client] = max(self._floor.get(client, -1), oldest)
+
+    def entries(self, clients: dict[str, int] | None = None) -> list[pb.ClientSeq]:
+        """As messages: every client's (or, given ``clients``, just those pushes)."""
+        with self._lock:
+            if clients is not None:
+                return [
+                    pb.ClientSeq(client=c, seq=s, floor=self._floor.get(c, -1))
+                    for c, s in sorted(clients.items())
+                ]
+            return [
+                pb.ClientSeq(client=c, seq=s, floor=self._floor.get(c, -1))
+                for c, recent in sorted(self._recent.items())
+                for s in recent
+            ]
+
+    def merge(self, entries: Any) -> None:
+        """Take pushes another server applied (a replica's, or a failed server's)."""
+        with self._lock:
+            for entry in entries:
+                self._floor[entry.client] = max(self._floor.get(entry.client, -1), entry.floor)
+                known = self._sets.get(entry.client)
+                if known is not None:  # drop what the floor covers now
+                    floor = self._floor[entry.client]
+                    for seq in [s for s in known if s <= floor]:
+                        known.discard(seq)
+                        self._recent[entry.client].remove(seq)
+                self._add(entry.client, entry.seq)
+
+
 def rows_message(
     spec: pb.TableSpec,
     ids: IdArray,
     rows: Rows,
     accum: Rows,
-    seqs: dict[str, int],
+    seqs: list[pb.ClientSeq],
     reset: bool = False,
 ) -> pb.RowsMessage:
-    """Rows (and optimizer state) of a table as a message, with the clients' last pushes."""
+    """Rows (and optimizer state) of a table as a message, with the clients' applied pushes."""
     return pb.RowsMessage(
         table=spec.name,
         ids=ids.astype("<i8").tobytes(),
         rows=rows.astype("<f4").tobytes(),
         accum=accum.astype("<f4").tobytes(),
         dim=spec.dim,
-        seqs=[pb.ClientSeq(client=c, seq=s) for c, s in sorted(seqs.items())],
+        seqs=seqs,
         spec=spec,
         reset=reset,
     )
@@ -68,7 +135,7 @@ class ReplicaStore:
         self._make_table = make_table
         self._lock = threading.Lock()
         self.tables: dict[str, EmbeddingTable] = {}
-        self.seqs: dict[str, int] = {}
+        self.pushes = AppliedPushes()
         self.heard_at: float | None = None
 
     def take(self, message: pb.RowsMessage) -> int:
@@ -82,8 +149,7 @@ class ReplicaStore:
             ids, rows, accum = rows_from_message(message, table.dim)
             if ids.size:
                 table.import_rows(ids, rows, accum)
-            for entry in message.seqs:
-                self.seqs[entry.client] = max(self.seqs.get(entry.client, -1), entry.seq)
+            self.pushes.merge(message.seqs)
             self.heard_at = time.monotonic()
             return int(ids.size)
 
@@ -95,7 +161,7 @@ class ReplicaStore:
                 raise EmbeddingError(f"this server holds no replica of table {name!r}")
             ids, rows, accum = table.export_buckets(buckets, num_buckets)
             spec = pb.TableSpec(name=name, dim=table.dim)
-            message = rows_message(spec, ids, rows, accum, dict(self.seqs))
+            message = rows_message(spec, ids, rows, accum, self.pushes.entries())
             age = time.monotonic() - self.heard_at if self.heard_at is not None else -1.0
             message.age_s = age
             return message
@@ -131,7 +197,7 @@ class ReplicaSender:
         if response.HasField("error"):
             raise EmbeddingError(f"the replica at {self.address}: {response.error.message}")
 
-    def send_all(self, spec: pb.TableSpec, table: EmbeddingTable, seqs: dict[str, int]) -> int:
+    def send_all(self, spec: pb.TableSpec, table: EmbeddingTable, seqs: list[pb.ClientSeq]) -> int:
         """Resend a whole table (the replica drops what it held first); returns rows sent."""
         ids, rows, accum = table.export_all()
         step = chunk_ids(spec.dim)
@@ -174,8 +240,3 @@ class ReplicaSender:
         if self._thread is not None:
             self._thread.join(SEND_TIMEOUT_S)
         self._channel.close()
-
-
-def seqs_of(entries: Any) -> dict[str, int]:
-    """ClientSeq messages as a dict."""
-    return {e.client: e.seq for e in entries}

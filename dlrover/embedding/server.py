@@ -15,7 +15,7 @@ import numpy as np
 
 from dlrover.constants import TOKEN_METADATA_KEY
 from dlrover.embedding.buckets import bucket_of
-from dlrover.embedding.replica import ReplicaSender, ReplicaStore, rows_message
+from dlrover.embedding.replica import AppliedPushes, ReplicaSender, ReplicaStore, rows_message
 from dlrover.embedding.table import EmbeddingError, EmbeddingTable, Optimizer
 from dlrover.embedding.wire import (
     MAX_MESSAGE_BYTES,
@@ -70,8 +70,7 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
         self._lock = threading.Lock()
         # Replicas: the last push applied per client (a retried push is not applied twice),
         # what this server sends to the next one, and what it holds of the previous one.
-        self._seqs: dict[str, int] = {}
-        self._seq_lock = threading.Lock()
+        self._pushes = AppliedPushes()
         self._sender: ReplicaSender | None = None
         self.replica = ReplicaStore(spec_to_table)
         # Ownership: no map yet serves every id (a lone server). Requests in flight are
@@ -162,10 +161,9 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
         for name, ids in dirty.items():
             served = self._table(name)
             with served.lock:
+                ids = ids[served.table.holds(ids)]  # rows that moved away since: not ours
                 rows, accum = served.table.snapshot(ids)
-            with self._seq_lock:
-                seqs = dict(self._seqs)
-            sender.send(rows_message(served.spec, ids, rows, accum, seqs))
+            sender.send(rows_message(served.spec, ids, rows, accum, self._pushes.entries()))
 
     def Replicate(  # noqa: N802
         self, request: pb.RowsMessage, context: grpc.ServicerContext
@@ -200,9 +198,7 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
             sent = 0
             for entry in served:
                 with entry.lock:
-                    with self._seq_lock:
-                        seqs = dict(self._seqs)
-                    sent += sender.send_all(entry.spec, entry.table, seqs)
+                    sent += sender.send_all(entry.spec, entry.table, self._pushes.entries())
             return pb.ImportResponse(rows=sent)
 
         return _answer(pb.ImportResponse, run)
@@ -250,9 +246,7 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
             accum = np.frombuffer(request.accum, dtype="<f4").reshape(ids.size, dim)
             with served.lock:
                 served.table.import_rows(ids, rows, accum)
-            with self._seq_lock:  # a replacement takes over the clients' last pushes
-                for entry in request.seqs:
-                    self._seqs[entry.client] = max(self._seqs.get(entry.client, -1), entry.seq)
+            self._pushes.merge(request.seqs)  # a replacement takes over the failed one's pushes
             with self._gate:
                 self.moved_in += ids.size
             return pb.ImportResponse(rows=ids.size)
@@ -343,14 +337,12 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
             try:
                 with served.lock:
                     client, seq = request.client, request.seq
-                    with self._seq_lock:
-                        if client and seq <= self._seqs.get(client, -1):
-                            return pb.PushResponse(duplicate=True)
+                    if client and self._pushes.applied(client, seq):
+                        return pb.PushResponse(duplicate=True)
                     served.table.apply_gradients(ids, grads)
                     served.pushes += ids.size
-                    with self._seq_lock:
-                        if client:
-                            self._seqs[client] = seq
+                    if client:
+                        self._pushes.add(client, seq)
                     self._replicate(served, ids, {client: seq} if client else {})
             finally:
                 self._leave()
@@ -372,7 +364,8 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
             return
         rows, accum = served.table.snapshot(unique)
         try:
-            sender.send(rows_message(served.spec, unique, rows, accum, seqs))
+            pushes = self._pushes.entries(seqs)
+            sender.send(rows_message(served.spec, unique, rows, accum, pushes))
         except EmbeddingError as e:  # serve on; the replica is behind until it is replaced
             sender.failures += 1
             logger.warning("update not replicated: %s", e)

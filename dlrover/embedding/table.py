@@ -209,6 +209,10 @@ class EmbeddingTable:
         self._size = keep_slots.size
         return dropped
 
+    def holds(self, ids: IdArray) -> npt.NDArray[np.bool_]:
+        """Whether the table has a row for each of ``ids``."""
+        return self._present(np.asarray(ids, dtype=np.int64))
+
     def _present(self, ids: IdArray) -> npt.NDArray[np.bool_]:
         pos = np.searchsorted(self._ids, ids)
         present = pos < self._ids.size

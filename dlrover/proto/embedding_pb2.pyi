@@ -17,12 +17,14 @@ ASYNC: ReplicaMode
 SYNC: ReplicaMode
 
 class ClientSeq(_message.Message):
-    __slots__ = ("client", "seq")
+    __slots__ = ("client", "seq", "floor")
     CLIENT_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
+    FLOOR_FIELD_NUMBER: _ClassVar[int]
     client: str
     seq: int
-    def __init__(self, client: _Optional[str] = ..., seq: _Optional[int] = ...) -> None: ...
+    floor: int
+    def __init__(self, client: _Optional[str] = ..., seq: _Optional[int] = ..., floor: _Optional[int] = ...) -> None: ...
 
 class PlacementResponse(_message.Message):
     __slots__ = ("error", "map")

@@ -105,3 +105,20 @@ def test_a_table_grows_past_its_first_capacity() -> None:
     ids = np.arange(10, dtype=np.int64)
     np.testing.assert_array_equal(table.lookup(ids), initial_rows(ids, 4, 2, 0.5))
     assert len(table) == 10
+
+
+def test_applied_pushes_remember_a_window_then_a_floor_and_merge() -> None:
+    from dlrover.embedding.replica import PUSH_WINDOW, AppliedPushes
+
+    pushes = AppliedPushes()
+    pushes.add("c", 5)
+    pushes.add("c", 3)  # out of order: both applied, 4 not
+    assert pushes.applied("c", 3) and pushes.applied("c", 5) and not pushes.applied("c", 4)
+    for seq in range(10, 10 + PUSH_WINDOW + 5):
+        pushes.add("c", seq)
+    assert pushes.applied("c", 4)  # below the floor now: counted as applied
+    assert not pushes.applied("c", 10_000) and not pushes.applied("other", 1)
+    replacement = AppliedPushes()
+    replacement.merge(pushes.entries())
+    assert replacement.applied("c", 10 + PUSH_WINDOW + 4) and replacement.applied("c", 4)
+    assert not replacement.applied("c", 10_000)
