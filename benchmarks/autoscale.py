@@ -143,7 +143,7 @@ def part_b(steps: int, sample_time: float) -> None:
                    "--steps", str(steps), "--sample-time", str(sample_time),
                    "--ckpt", str(t / "ckpt")]  # fmt: skip
             env = _env(t / "home", DLROVER_AUTOSCALE_INTERVAL_S="2",
-                       DLROVER_AUTOSCALE_COOLDOWN_S="5")  # fmt: skip
+                       DLROVER_AUTOSCALE_COOLDOWN_S="5", DLROVER_AUTOSCALE_WINDOW_S="3")  # fmt: skip
             marks = {"max": r"round \d+ closed with 3 nodes"}
             code, secs, seen, log = _timed(cmd, env, marks, 900)
             if code != 0:

@@ -83,3 +83,6 @@ ENV_AUTOSCALE_SIZING_S = "DLROVER_AUTOSCALE_SIZING_S"
 """How long a job without resources is measured before it is sized (default 60)."""
 ENV_AUTOSCALE_COOLDOWN_S = "DLROVER_AUTOSCALE_COOLDOWN_S"
 """Seconds between two auto-scaling actions (default 300)."""
+ENV_AUTOSCALE_WINDOW_S = "DLROVER_AUTOSCALE_WINDOW_S"
+"""The shortest span (seconds) a step rate is measured over before the auto-scaler uses it
+(default 10)."""

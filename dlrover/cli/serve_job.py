@@ -51,11 +51,12 @@ def env_seconds(name: str, default: float) -> float:
         raise JobSpecError(str(e)) from None
 
 
-def _autoscale_settings(spec: JobSpec) -> tuple[OptimizerConfig, float] | None:
-    """The auto-scaler's policy knobs and interval (environment), or None without --auto-scale."""
+def _autoscale_settings(spec: JobSpec) -> tuple[OptimizerConfig, float, float] | None:
+    """The auto-scaler's policy knobs, interval and rate window (environment), or None without
+    --auto-scale."""
     if not spec.auto_scale:
         return None
-    from dlrover.master.autoscaler import DEFAULT_INTERVAL_S
+    from dlrover.master.autoscaler import DEFAULT_INTERVAL_S, DEFAULT_WINDOW_S
 
     config = OptimizerConfig(
         spec.min_nodes,
@@ -63,7 +64,11 @@ def _autoscale_settings(spec: JobSpec) -> tuple[OptimizerConfig, float] | None:
         sizing_window_s=env_seconds(c.ENV_AUTOSCALE_SIZING_S, 60.0),
         cooldown_s=env_seconds(c.ENV_AUTOSCALE_COOLDOWN_S, 300.0),
     )
-    return config, env_seconds(c.ENV_AUTOSCALE_INTERVAL_S, DEFAULT_INTERVAL_S)
+    return (
+        config,
+        env_seconds(c.ENV_AUTOSCALE_INTERVAL_S, DEFAULT_INTERVAL_S),
+        env_seconds(c.ENV_AUTOSCALE_WINDOW_S, DEFAULT_WINDOW_S),
+    )
 
 
 def make_engine(spec: JobSpec, job_dir: Path) -> Engine:
@@ -340,7 +345,9 @@ def serve_job(
     if scaling is not None:
         from dlrover.master.autoscaler import AutoScaler
 
-        controller.scaler = AutoScaler(job, controller, scaling[0], interval_s=scaling[1])
+        controller.scaler = AutoScaler(
+            job, controller, scaling[0], interval_s=scaling[1], window_s=scaling[2]
+        )
     progress = threading.Thread(target=_progress_loop, args=(job, stop), daemon=True)
     progress.start()
     fenced = master.server.fenced

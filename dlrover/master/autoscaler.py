@@ -36,8 +36,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_INTERVAL_S = 30.0
-MIN_WINDOW_S = 3.0
-"""The shortest span a step rate is measured over (heartbeats carry steps every ~2 s)."""
+DEFAULT_WINDOW_S = 10.0
+"""The shortest span a step rate is measured over before it counts. Heartbeats carry steps every
+~2 s and a step's time varies with load and checkpoints; a rate over a few seconds can be off by
+15%, enough to keep a node that adds nothing (the rate at one count is compared with another's)."""
 SETTLE_S = 3.0
 """After a round forms, reports of the round before may still arrive for this long (a heartbeat
 interval and the agent's progress poll)."""
@@ -52,12 +54,14 @@ class AutoScaler:
         controller: NodeController,
         config: OptimizerConfig,
         interval_s: float = DEFAULT_INTERVAL_S,
+        window_s: float = DEFAULT_WINDOW_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._job = job
         self._controller = controller
         self.optimizer = ResourceOptimizer(config, clock)
         self._interval_s = interval_s
+        self._window_s = window_s
         self._clock = clock
         self._next = clock() + interval_s
         self._sized = bool(controller.spec.resources.memory_mib)
@@ -128,7 +132,7 @@ class AutoScaler:
             self._base = (world.round, at, step, False)
         elif not base[3]:
             self._base = (world.round, at, step, True)
-        elif step > base[2] and at - base[1] >= MIN_WINDOW_S:
+        elif step > base[2] and at - base[1] >= self._window_s:
             # The rate over the whole round so far: longer windows, less heartbeat jitter.
             rate = (step - base[2]) / (at - base[1])
             logger.debug(
