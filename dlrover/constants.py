@@ -86,3 +86,14 @@ ENV_AUTOSCALE_COOLDOWN_S = "DLROVER_AUTOSCALE_COOLDOWN_S"
 ENV_AUTOSCALE_WINDOW_S = "DLROVER_AUTOSCALE_WINDOW_S"
 """The shortest span (seconds) a step rate is measured over before the auto-scaler uses it
 (default 10)."""
+
+# Embedding servers (role ``ps``) and the master, through the master's key-value store.
+PS_ADDRESS_KEY = "dlrover/ps/address/"
+"""+ node id: the address a `dlrover-ps` launched by the master listens on (it sets it)."""
+PS_PLACEMENT_KEY = "dlrover/ps/placement"
+"""The servers' current placement (an embedding_pb2.BucketMapMessage), set by the master once
+they are installed and after every resize or failover; workers read it to find the servers."""
+PS_SCALE_KEY = "dlrover/ps/scale"
+"""JSON of the master's last ps scaling or failover (what `dlrover scale` waits for and prints)."""
+ENV_PS_WAIT_S = "DLROVER_PS_WAIT_S"
+"""How long a worker waits for the job's embedding servers to be installed (default 300)."""

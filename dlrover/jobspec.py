@@ -19,6 +19,10 @@ DEFAULT_ENGINE = "local"
 DEFAULT_NPROC_PER_NODE = 1
 DEFAULT_AGENT_COMMAND = ("dlrover-run",)
 """argv prefix that starts a node's agent; the engine runs it on every node."""
+PS_COMMAND = ("dlrover-ps",)
+"""argv prefix that starts an embedding server (a node of role ``ps``)."""
+PS_REPLICAS = ("async", "sync", "none")
+"""How an embedding server keeps its rows on the next one (docs/embedding.md)."""
 
 _MEMORY_UNITS = {
     "": 1 / (1024 * 1024),
@@ -36,6 +40,19 @@ _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 class JobSpecError(ValueError):
     """The job spec is invalid; the message names the field and what to do."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PsSpec:
+    """The job's embedding servers (``roles: {ps: ...}``): how many, their size, and how each
+    keeps a replica of its rows on the next one."""
+
+    count: int
+    """Servers at the start; `dlrover scale NAME --role ps --count N` changes it."""
+    resources: Resources = dataclasses.field(default_factory=Resources)
+    replica: str = "async"
+    """One of PS_REPLICAS: ``sync`` loses nothing on a failover, ``async`` (default) the last
+    ~50 ms of updates, ``none`` cannot fail over."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +94,8 @@ class JobSpec:
     exclude_straggler: bool = False
     """Replace stragglers: those the node check finds (`dlrover-run --exclude-straggler`) and
     nodes that stay slow while training (runtime scores, dlrover/master/stragglers.py)."""
+    ps: PsSpec | None = None
+    """Embedding servers (role ``ps``), or None for a job of workers only."""
 
     @property
     def nnodes(self) -> str:
@@ -110,6 +129,25 @@ class JobSpec:
             command=self.agent_command(),
             env=env,
             resources=self.resources,
+        )
+
+    def ps_node_spec(
+        self, rank: int, master_addr: str, token: str, relaunch_count: int = 0
+    ) -> NodeSpec:
+        """The blueprint of embedding server ``rank``: a `dlrover-ps` that registers its address
+        with the master (loopback on the local engine, every interface elsewhere)."""
+        if self.ps is None:
+            raise JobSpecError(f"job {self.name} has no ps role")
+        host = "127.0.0.1" if self.engine == "local" else "0.0.0.0"
+        env = {ENV_MASTER_ADDR: master_addr, ENV_JOB_TOKEN: token, ENV_JOB_NAME: self.name}
+        return NodeSpec(
+            job_name=self.name,
+            role="ps",
+            rank=rank,
+            relaunch_count=relaunch_count,
+            command=(*PS_COMMAND, "--host", host, "--port", "0"),
+            env=env,
+            resources=self.ps.resources,
         )
 
 
@@ -194,7 +232,50 @@ def _resources(raw: Any) -> Resources:
         raise JobSpecError(str(error)) from None
 
 
+def _roles(raw: Any) -> PsSpec | None:
+    """``roles:`` -- today the ``ps`` role (embedding servers); workers are the top level."""
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        raise JobSpecError(f"roles must be a mapping of role -> settings, not {raw!r}")
+    for role in raw:
+        if role in ("chief", "evaluator"):
+            raise JobSpecError(
+                f"roles.{role}: TensorFlow parameter-server jobs are not supported yet; "
+                "roles.ps gives PyTorch jobs embedding servers (docs/embedding.md)"
+            )
+        if role != "ps":
+            raise JobSpecError(
+                f"roles.{role}: unknown role; roles takes ps (workers are the top level: nodes, "
+                "resources)"
+            )
+    ps = raw.get("ps")
+    if ps is None:
+        return None
+    if not isinstance(ps, Mapping):
+        raise JobSpecError("roles.ps must be a mapping: count, resources, replica")
+    unknown = set(ps) - {"count", "resources", "replica"}
+    if unknown:
+        raise JobSpecError(
+            f"roles.ps has unknown keys {sorted(unknown)}; allowed: count, resources, replica"
+        )
+    count = ps.get("count", 1)
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise JobSpecError(f"roles.ps.count is {count!r}; it must be an integer >= 1")
+    replica = str(ps.get("replica", "async")).lower()
+    if replica not in PS_REPLICAS:
+        raise JobSpecError(
+            f"roles.ps.replica is {ps.get('replica')!r}; choose one of {', '.join(PS_REPLICAS)}"
+        )
+    try:
+        resources = _resources(ps.get("resources"))
+    except JobSpecError as error:
+        raise JobSpecError(f"roles.ps.{error}") from None
+    return PsSpec(count, resources, replica)
+
+
 _KEYS = {
+    "roles",
     "auto_scale",
     "node_check",
     "exclude_straggler",
@@ -278,6 +359,7 @@ def job_spec_from_dict(raw: Mapping[str, Any]) -> JobSpec:
         engine_settings=dict(settings),
         oom_memory_factor=float(factor),
         oom_max_memory_mib=cap,
+        ps=_roles(raw.get("roles")),
         **flags,
     )
 
@@ -319,8 +401,11 @@ def job_spec_from_flags(
     node_check: bool = False,
     exclude_straggler: bool = False,
     auto_scale: bool = False,
+    ps: int = 0,
+    ps_replica: str = "async",
 ) -> JobSpec:
-    """The same spec from CLI flags (`dlrover submit --engine ray --nnodes 2:4 train.py`)."""
+    """The same spec from CLI flags (`dlrover submit --engine ray --nnodes 2:4 train.py`);
+    ``ps`` > 0 adds that many embedding servers."""
     raw: dict[str, Any] = {
         "entrypoint": entrypoint,
         "args": list(args),
@@ -335,6 +420,8 @@ def job_spec_from_flags(
         "exclude_straggler": exclude_straggler,
         "auto_scale": auto_scale,
     }
+    if ps:
+        raw["roles"] = {"ps": {"count": ps, "replica": ps_replica}}
     if name:
         raw["name"] = name
     return job_spec_from_dict(raw)

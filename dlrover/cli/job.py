@@ -1,10 +1,11 @@
-"""`dlrover submit | status | diagnose | stop`: run a whole job through an engine, inspect it,
-read its failures, end it."""
+"""`dlrover submit | status | diagnose | stop | scale`: run a whole job through an engine,
+inspect it, read its failures, end it, change its embedding servers."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import sys
@@ -21,7 +22,8 @@ from dlrover.cli.serve_job import (
     supervise_job,
 )
 from dlrover.client.master_client import MasterClient, MasterClientError
-from dlrover.jobspec import JobSpecError, job_spec_from_flags, load_job_spec
+from dlrover.constants import PS_SCALE_KEY
+from dlrover.jobspec import JobSpecError, PsSpec, job_spec_from_flags, load_job_spec
 
 logger = logging.getLogger("dlrover.job")
 
@@ -191,7 +193,7 @@ def cmd_stop(name: str, timeout_s: float = 60.0) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``dlrover`` command line: ``submit``, ``status`` and ``stop``."""
+    """The ``dlrover`` command line: ``submit``, ``status``, ``diagnose``, ``stop``, ``scale``."""
     p = argparse.ArgumentParser(
         prog="dlrover", description="Submit, inspect and stop DLRover jobs."
     )
@@ -228,6 +230,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--capacity",
         default="",
         help="What the local engine may use for all nodes together, e.g. cpu=8,memory=32Gi",
+    )
+    s.add_argument(
+        "--ps",
+        type=int,
+        default=0,
+        metavar="N",
+        help="Start N embedding servers (dlrover-ps) for ElasticEmbedding; see docs/embedding.md",
+    )
+    s.add_argument(
+        "--ps-replica",
+        default="async",
+        choices=("async", "sync", "none"),
+        help="How each embedding server keeps its rows on the next: async (default), sync "
+        "(a failover loses nothing), none",
     )
     s.add_argument("--port", type=int, default=0, help="The master's port (0: a free one)")
     s.add_argument(
@@ -270,7 +286,54 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("stop", help="End a job: workers stop, nodes are removed.")
     sp.add_argument("name")
     sp.add_argument("--timeout", type=float, default=60.0)
+    sc = sub.add_parser(
+        "scale", help="Change a running job's embedding servers (--role ps) without a restart."
+    )
+    sc.add_argument("name")
+    sc.add_argument("--role", default="ps", help="The role to scale (ps)")
+    sc.add_argument("--count", type=int, required=True, help="How many nodes of the role")
+    sc.add_argument(
+        "--timeout", type=float, default=300.0, help="Seconds to wait for it (default 300)"
+    )
     return p
+
+
+def cmd_scale(name: str, role: str, count: int, timeout_s: float = 300.0) -> int:
+    """``dlrover scale NAME --role ps --count N``: ask the master, wait for it to be done and
+    print what moved. Returns the exit code."""
+    record = read_record(name)
+    if not record.reachable:
+        print(f"dlrover: error: job {name} already ended: {record.state}", file=sys.stderr)
+        return 1
+    client = MasterClient(record.master_addr, record.token, rpc_timeout_s=10)
+    try:
+        before = client.kv_get(PS_SCALE_KEY)
+        print(client.scale_role(role, count), flush=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            raw = client.kv_get(PS_SCALE_KEY)
+            report = json.loads(raw) if raw and raw != before else None
+            if report is None or report.get("action") != "scale":
+                before = raw if report is not None else before  # a failover's report meanwhile
+                time.sleep(0.2)
+                continue
+            if report.get("error"):
+                print(f"dlrover: error: scaling failed: {report['error']}", file=sys.stderr)
+                return 1
+            print(
+                f"job {name}: {report['servers']} embedding servers in "
+                f"{report.get('seconds', 0.0):.1f}s: {report.get('moved_buckets', 0)} buckets, "
+                f"{report.get('moved_rows', 0)} rows moved; moving buckets paused "
+                f"{report.get('pause_s', 0.0):.2f}s, training went on"
+            )
+            return 0
+    except MasterClientError as e:
+        print(f"dlrover: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    print(f"dlrover: error: job {name} did not scale within {timeout_s:.0f}s", file=sys.stderr)
+    return 1
 
 
 def run(argv: Sequence[str] | None = None) -> int:
@@ -285,6 +348,8 @@ def run(argv: Sequence[str] | None = None) -> int:
             return cmd_status(args.name)
         if args.command == "stop":
             return cmd_stop(args.name, args.timeout)
+        if args.command == "scale":
+            return cmd_scale(args.name, args.role, args.count, args.timeout)
         if args.command == "diagnose":
             return cmd_diagnose(args.name, args.full)
     except NoSuchJobError as e:
@@ -304,6 +369,7 @@ def run(argv: Sequence[str] | None = None) -> int:
                 exclude_straggler=spec.exclude_straggler or args.exclude_straggler,
                 auto_scale=spec.auto_scale or args.auto_scale,
                 engine_settings=settings,
+                ps=PsSpec(args.ps, replica=args.ps_replica) if args.ps else spec.ps,
             )
         else:
             spec = job_spec_from_flags(
@@ -321,6 +387,8 @@ def run(argv: Sequence[str] | None = None) -> int:
                 exclude_straggler=args.exclude_straggler,
                 auto_scale=args.auto_scale,
                 engine_settings={"capacity": args.capacity} if args.capacity else None,
+                ps=args.ps,
+                ps_replica=args.ps_replica,
             )
     except (JobSpecError, OSError) as e:
         parser.error(str(e))

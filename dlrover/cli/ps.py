@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Sequence
@@ -40,7 +41,43 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"Write {ENV_PS_ADDR}=host:port to FILE once listening (atomically).",
     )
     p.add_argument("--threads", type=int, default=8, help="Request threads (default 8).")
+    p.add_argument(
+        "--advertise",
+        default="",
+        metavar="HOST",
+        help="The host others reach this server at (default: --host, or this machine's address "
+        "when --host is 0.0.0.0).",
+    )
     return p
+
+
+def _advertised(address: str, host: str, advertise: str) -> str:
+    port = address.rpartition(":")[2]
+    if advertise:
+        return f"{advertise}:{port}"
+    if host in ("0.0.0.0", "::", ""):
+        return f"{socket.gethostbyname(socket.gethostname())}:{port}"
+    return address
+
+
+def _register(address: str, token: str) -> str | None:
+    """Tell the master that launched this server (``$DLROVER_MASTER_ADDR``, node
+    ``$DLROVER_NODE_NAME``) where it listens; an error message, or None."""
+    master, node = os.environ.get(c.ENV_MASTER_ADDR, ""), os.environ.get(c.ENV_NODE_NAME, "")
+    if not master or not node:
+        return None  # started by hand: the user passes the address on
+    from dlrover.client.master_client import MasterClient, MasterClientError
+
+    client = MasterClient(master, token)
+    try:
+        client.wait_ready(30)
+        client.kv_set(c.PS_ADDRESS_KEY + node, address.encode())
+    except MasterClientError as e:
+        return f"cannot register with the job's master at {master}: {e}"
+    finally:
+        client.close()
+    logger.info("registered as %s with the master at %s", node, master)
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -55,19 +92,29 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    from dlrover.embedding.server import EmbeddingServer
+    try:
+        from dlrover.embedding.server import EmbeddingServer
+    except ImportError as e:  # numpy is the one dependency beyond the base install
+        print(f"dlrover-ps: {e}: pip install 'dlrover[ps]'", file=sys.stderr)
+        return 2
 
     try:
         server = EmbeddingServer(token, args.host, args.port, args.threads).start()
     except (OSError, RuntimeError) as e:
         print(f"dlrover-ps: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 1
-    print(f"{ENV_PS_ADDR}={server.address}", flush=True)
+    address = _advertised(server.address, args.host, args.advertise)
+    print(f"{ENV_PS_ADDR}={address}", flush=True)
     if args.write_env:
         tmp = args.write_env + ".tmp"
         with open(tmp, "w") as f:
-            f.write(f"{ENV_PS_ADDR}={server.address}\n")
+            f.write(f"{ENV_PS_ADDR}={address}\n")
         os.replace(tmp, args.write_env)
+    refused = _register(address, token)
+    if refused:
+        print(f"dlrover-ps: {refused}", file=sys.stderr)
+        server.stop(0.5)
+        return 1
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -348,14 +348,30 @@ def serve_job(
         controller.scaler = AutoScaler(
             job, controller, scaling[0], interval_s=scaling[1], window_s=scaling[2]
         )
+    if spec.ps is not None:
+        from dlrover.master.ps_controller import PsController
+
+        controller.ps = PsController(
+            job,
+            engine,
+            spec,
+            master_addr,
+            token,
+            oom_policy=OomPolicy(spec.oom_memory_factor, spec.oom_max_memory_mib),
+        )
+        job.ps = controller.ps
     progress = threading.Thread(target=_progress_loop, args=(job, stop), daemon=True)
     progress.start()
     fenced = master.server.fenced
     try:
+        if controller.ps is not None:
+            controller.ps.start()  # the workers wait for the servers' placement
         controller.start()
         controller.run(stop, delete_nodes=lambda: not fenced.is_set())
     finally:
         stop.set()
+        if controller.ps is not None:
+            controller.ps.close()
         if fenced.is_set():
             master.store.close()  # another master leads the job: nothing more of it is ours
         else:

@@ -208,6 +208,11 @@ class MasterClient:
         request = pb.StopJobRequest(reason=reason)
         return wire.job_status_from_pb(self.call(self.stub.StopJob, request))
 
+    def scale_role(self, role: str, count: int) -> str:
+        """Ask for ``count`` nodes of ``role`` (ScaleRole RPC); what the master will do."""
+        request = pb.ScaleRoleRequest(role=role, count=count)
+        return str(self.call(self.stub.ScaleRole, request).message)
+
     # --- key-value -----------------------------------------------------------------------------
     def kv_set(self, key: str, value: bytes) -> None:
         """Store ``value`` under ``key`` (KvSet RPC)."""

@@ -10,6 +10,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from dlrover.api.master import (
     FailureClass,
@@ -31,6 +32,9 @@ from dlrover.master.rendezvous import RendezvousConfig, RendezvousError, Rendezv
 from dlrover.master.sharding_service import ShardingService
 from dlrover.master.state_store import StateStore
 from dlrover.master.stragglers import DEFAULT_REPORT_S, Score, StragglerWatch
+
+if TYPE_CHECKING:
+    from dlrover.master.ps_controller import PsController
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +148,8 @@ class JobMaster:
         self._replace: list[tuple[str, str]] = []
         self.scale_summary = ""
         """The auto-scaler's latest plan in one line (`dlrover status`)."""
+        self.ps: PsController | None = None
+        """The embedding servers' controller, in a job with a ps role (`scale_role`, metrics)."""
         self.metrics_port = 0
         """Where /metrics and the dashboard are served (0: nowhere)."""
         self.tick_hooks: list[Callable[[float], None]] = []
@@ -391,6 +397,21 @@ class JobMaster:
     def _on_committed(self, step: int) -> None:
         self._store.put_json("checkpoint", "committed", step)
         self.event("ckpt", f"checkpoint of step {step} committed to storage")
+
+    def scale_role(self, role: str, count: int) -> str:
+        """Ask for ``count`` nodes of ``role`` (`dlrover scale`); what will happen. Raises
+        ValueError for a role that cannot be scaled so."""
+        if role != "ps":
+            raise ValueError(
+                f"role {role!r}: only ps (embedding servers) is scaled on request; workers scale "
+                "within --nnodes MIN:MAX (dlrover submit --auto-scale)"
+            )
+        if self.ps is None:
+            raise ValueError(
+                f"job {self.config.job_name} has no embedding servers (roles.ps in the job spec, "
+                "or dlrover submit --ps N)"
+            )
+        return self.ps.request_scale(count)
 
     def event(self, kind: str, text: str) -> None:
         """Add ``text`` to the timeline (kinds: round, failure, job, scale, node, ckpt)."""

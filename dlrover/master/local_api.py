@@ -327,6 +327,12 @@ class LocalMasterApi:
         self.job.stop(reason or "stopped by request")
         return self.get_job_status()
 
+    def scale_role(self, role: str, count: int) -> str:
+        """Ask for ``count`` nodes of ``role``; what will happen (refusals raise
+        MasterRequestError)."""
+        with _refusals():
+            return self.job.scale_role(role, count)
+
     def kv_set(self, key: str, value: bytes) -> None:
         """Store ``value`` under ``key``; the key-value store's limits raise MasterRequestError."""
         with _refusals():

@@ -179,12 +179,43 @@ class JobCollector(Collector):
                     [name, sp.stream, str(partition)], float(max(0, ends[partition] - done))
                 )
         yield lag
+        yield from _ps_metrics(job)
         yield _gauge(
             "dlrover_rendezvous_round",
             "The latest rendezvous round",
             name,
             float(job.rendezvous.round if job.rendezvous else 0),
         )
+
+
+def _ps_metrics(job: JobMaster) -> Iterator[Metric]:
+    """Each embedding server's rows, memory, lookups and moved rows (a job with a ps role)."""
+    if job.ps is None:
+        return
+    name = job.config.job_name
+    labels = ["job_name", "server", "address"]
+    series = (
+        ("dlrover_ps_rows", "Embedding rows a server holds", "rows"),
+        ("dlrover_ps_bytes", "Bytes of a server's rows and optimizer state", "bytes"),
+        (
+            "dlrover_ps_lookups_per_second",
+            "Ids a server looked up per second lately",
+            "lookups_per_s",
+        ),
+        ("dlrover_ps_rows_moved_in", "Rows moved onto a server by resizes", "rows_moved_in"),
+        ("dlrover_ps_rows_moved_out", "Rows moved off a server by resizes", "rows_moved_out"),
+    )
+    stats = job.ps.stats()
+    for metric, doc, field in series:
+        g = GaugeMetricFamily(metric, doc, labels=labels)
+        for s in stats:
+            g.add_metric([name, str(s.index), s.address], float(getattr(s, field)))
+        yield g
+    failovers = CounterMetricFamily(
+        "dlrover_ps_failovers", "Embedding servers replaced from a replica", labels=["job_name"]
+    )
+    failovers.add_metric([name], float(job.ps.failovers))
+    yield failovers
 
 
 def _gauge(metric: str, doc: str, job: str, value: float) -> GaugeMetricFamily:

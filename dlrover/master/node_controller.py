@@ -17,6 +17,7 @@ from dlrover.engines.base import (
     EngineError,
     FailureReason,
     LaunchManyError,
+    Node,
     NodeEvent,
     NodeSpec,
     NodeState,
@@ -30,6 +31,7 @@ from dlrover.master.relaunch_policy import OomPolicy, replacement_spec
 
 if TYPE_CHECKING:
     from dlrover.master.autoscaler import AutoScaler
+    from dlrover.master.ps_controller import PsController
 from dlrover.master.state_store import MemoryStateStore, StateStore
 
 logger = logging.getLogger(__name__)
@@ -90,6 +92,8 @@ class NodeController:
         """Replacements launched, per reason (for metrics and status)."""
         self.scaler: AutoScaler | None = None
         """Set for `--auto-scale`: plans (and resizes, scales out and in) on every `step`."""
+        self.ps: PsController | None = None
+        """Set for a job with embedding servers: gets the events of ``ps`` nodes."""
         self.slots = spec.max_nodes
         """Node slots in use: ranks ``0 .. slots-1`` (`start` may begin below max nodes,
         `scale_to` moves it within ``--nnodes MIN:MAX``)."""
@@ -157,7 +161,7 @@ class NodeController:
                 logger.info("node %s: not relaunched, its slot was scaled in", spec.node_id)
                 self.job.unexpect(spec.node_id)
         self._due = kept
-        for node in self.engine.list_nodes():
+        for node in self._workers():
             if node.state.is_final or node.spec.rank < nodes:
                 continue
             self._save_slot(node.spec)  # a later scale-out launches its next attempt
@@ -247,7 +251,7 @@ class NodeController:
         """Relaunch every live node with ``resources`` (and launch later nodes so): the job
         re-forms on the new nodes and resumes from its last checkpoint."""
         self.spec = dataclasses.replace(self.spec, resources=resources)
-        live = [n for n in self.engine.list_nodes() if not n.state.is_final]
+        live = [n for n in self._workers() if not n.state.is_final]
         logger.info(
             "resizing %d node(s) to %d MiB, %g CPU: %s",
             len(live),
@@ -272,7 +276,7 @@ class NodeController:
         """Delete a straggler node and return its slot's next attempt (None when the slot used
         up its relaunches, or the node is gone already)."""
         node = next(
-            (n for n in self.engine.list_nodes() if n.node_id == node_id and not n.state.is_final),
+            (n for n in self._workers() if n.node_id == node_id and not n.state.is_final),
             None,
         )
         if node is None:
@@ -302,7 +306,14 @@ class NodeController:
         logger.info("node %s: replacing the straggler", node_id)
         return node.spec.replacement()
 
+    def _workers(self) -> list[Node]:
+        """The engine's nodes of role ``worker`` (embedding servers are the ps controller's)."""
+        return [n for n in self.engine.list_nodes() if n.spec.role == "worker"]
+
     def _on_event(self, event: NodeEvent) -> NodeSpec | None:
+        if event.spec.role == "ps" and self.ps is not None:
+            self.ps.on_event(event)
+            return None
         logger.info("engine: %s", event)
         if event.state != NodeState.FAILED or self.job.ended.is_set():
             return None

@@ -451,6 +451,15 @@ class MasterServicer(pb_grpc.MasterServicer):
             context, lambda: wire.job_status_to_pb(self.api.stop_job(request.reason))
         )
 
+    async def ScaleRole(
+        self, request: pb.ScaleRoleRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ScaleRoleResponse:  # noqa: N802
+        """Ask for a number of nodes of a role (the embedding servers); answer what happens."""
+        return await _guard(
+            context,
+            lambda: pb.ScaleRoleResponse(message=self.api.scale_role(request.role, request.count)),
+        )
+
     # --- dynamic data sharding: messages <-> dataclasses in dlrover/sharding/wire.py -----------
     async def RegisterDataset(
         self, request: pb.RegisterDatasetRequest, context: grpc.aio.ServicerContext

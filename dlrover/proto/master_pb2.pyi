@@ -426,6 +426,20 @@ class StopJobRequest(_message.Message):
     reason: str
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
+class ScaleRoleRequest(_message.Message):
+    __slots__ = ("role", "count")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    count: int
+    def __init__(self, role: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
+
+class ScaleRoleResponse(_message.Message):
+    __slots__ = ("message",)
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    message: str
+    def __init__(self, message: _Optional[str] = ...) -> None: ...
+
 class CheckpointPersistedRequest(_message.Message):
     __slots__ = ("step", "node_rank", "total_nodes")
     STEP_FIELD_NUMBER: _ClassVar[int]

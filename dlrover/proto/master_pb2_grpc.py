@@ -89,6 +89,11 @@ class MasterStub:
                 request_serializer=dlrover_dot_proto_dot_master__pb2.StopJobRequest.SerializeToString,
                 response_deserializer=dlrover_dot_proto_dot_master__pb2.JobStatus.FromString,
                 _registered_method=True)
+        self.ScaleRole = channel.unary_unary(
+                '/dlrover.Master/ScaleRole',
+                request_serializer=dlrover_dot_proto_dot_master__pb2.ScaleRoleRequest.SerializeToString,
+                response_deserializer=dlrover_dot_proto_dot_master__pb2.ScaleRoleResponse.FromString,
+                _registered_method=True)
         self.JoinNodeCheck = channel.unary_unary(
                 '/dlrover.Master/JoinNodeCheck',
                 request_serializer=dlrover_dot_proto_dot_master__pb2.JoinNodeCheckRequest.SerializeToString,
@@ -295,6 +300,14 @@ class MasterServicer:
 
     def StopJob(self, request, context):
         """End the job from outside (dlrover stop): agents stop their workers, nodes are removed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ScaleRole(self, request, context):
+        """Change how many nodes of a role the job has (dlrover scale): today the embedding servers
+        (role ps), which are resized while training runs.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -531,6 +544,11 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.StopJob,
                     request_deserializer=dlrover_dot_proto_dot_master__pb2.StopJobRequest.FromString,
                     response_serializer=dlrover_dot_proto_dot_master__pb2.JobStatus.SerializeToString,
+            ),
+            'ScaleRole': grpc.unary_unary_rpc_method_handler(
+                    servicer.ScaleRole,
+                    request_deserializer=dlrover_dot_proto_dot_master__pb2.ScaleRoleRequest.FromString,
+                    response_serializer=dlrover_dot_proto_dot_master__pb2.ScaleRoleResponse.SerializeToString,
             ),
             'JoinNodeCheck': grpc.unary_unary_rpc_method_handler(
                     servicer.JoinNodeCheck,
@@ -960,6 +978,33 @@ class Master:
             '/dlrover.Master/StopJob',
             dlrover_dot_proto_dot_master__pb2.StopJobRequest.SerializeToString,
             dlrover_dot_proto_dot_master__pb2.JobStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ScaleRole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dlrover.Master/ScaleRole',
+            dlrover_dot_proto_dot_master__pb2.ScaleRoleRequest.SerializeToString,
+            dlrover_dot_proto_dot_master__pb2.ScaleRoleResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -9,9 +9,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dlrover.constants import ENV_JOB_TOKEN
+from dlrover.client.master_client import MasterClient
+from dlrover.constants import ENV_JOB_TOKEN, ENV_MASTER_ADDR, ENV_PS_WAIT_S, PS_PLACEMENT_KEY
 from dlrover.embedding.client import EmbeddingClient
 from dlrover.embedding.table import EmbeddingError
+from dlrover.embedding.wire import Placement
+from dlrover.envvars import number_from_env
 from dlrover.proto import embedding_pb2 as pb
 
 ENV_PS_ADDRS = "DLROVER_PS_ADDRS"
@@ -102,13 +105,32 @@ class ElasticEmbedding(nn.Module):
 
 
 def _client_from_env() -> EmbeddingClient:
+    """The servers in ``DLROVER_PS_ADDRS``, else the placement the job's master published (a
+    job with ``roles: {ps: ...}``, waiting up to ``DLROVER_PS_WAIT_S`` for it)."""
+    token = os.environ.get(ENV_JOB_TOKEN, "")
     addresses = [a for a in os.environ.get(ENV_PS_ADDRS, "").split(",") if a]
-    if not addresses:
+    if addresses:
+        return EmbeddingClient(addresses, token)
+    if not os.environ.get(ENV_MASTER_ADDR):
         raise EmbeddingError(
-            f"ElasticEmbedding needs the job's embedding servers: set {ENV_PS_ADDRS} "
-            f"(dlrover-run sets it for a job with `ps` nodes), or pass client="
+            f"ElasticEmbedding needs the job's embedding servers: run under a job with `ps` "
+            f"nodes (dlrover submit --ps N), set {ENV_PS_ADDRS}, or pass client="
         )
-    return EmbeddingClient(addresses, os.environ.get(ENV_JOB_TOKEN, ""))
+    wait_s = number_from_env(ENV_PS_WAIT_S, 300.0, "a number of seconds")
+    master = MasterClient.from_env()
+    try:
+        raw = master.kv_get(PS_PLACEMENT_KEY, wait_s)
+    finally:
+        master.close()
+    if raw is None:
+        raise EmbeddingError(
+            f"the job's embedding servers were not ready within {wait_s:.0f}s ({ENV_PS_WAIT_S}): "
+            "does the job have roles.ps (dlrover submit --ps N)? The master's log says why"
+        )
+    message = pb.BucketMapMessage()
+    message.ParseFromString(raw)
+    placement = Placement.from_proto(message)
+    return EmbeddingClient(placement.addresses, token, bucket_map=placement.map)
 
 
 __all__ = ["ENV_PS_ADDRS", "ElasticEmbedding"]

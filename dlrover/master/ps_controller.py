@@ -1,0 +1,372 @@
+"""The master's embedding servers (role ``ps``): launched through the job's engine, installed and
+published to the workers, replaced from a replica when one fails, resized on request, and read
+for the metrics.
+
+One thread does the work, in order, from a queue: a failover and a resize never overlap, and
+neither blocks the node controller's loop (their RPCs take seconds). The servers' placement is
+published in the master's key-value store (`PS_PLACEMENT_KEY`), where workers find it; every
+`dlrover-ps` the engine starts registers its address there first (`PS_ADDRESS_KEY`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+from dlrover.api.master import FailureRecord
+from dlrover.constants import ENV_NODE_NAME, PS_ADDRESS_KEY, PS_PLACEMENT_KEY, PS_SCALE_KEY
+from dlrover.embedding.client import EmbeddingClient
+from dlrover.embedding.cluster import EmbeddingCluster
+from dlrover.embedding.table import EmbeddingError
+from dlrover.engines.base import Engine, EngineError, NodeEvent, NodeSpec, NodeState
+from dlrover.jobspec import JobSpec
+from dlrover.master.job import JobMaster
+from dlrover.master.relaunch_policy import OomPolicy, replacement_spec
+from dlrover.proto import embedding_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_ADDRESS_TIMEOUT_S = 120.0
+"""How long a launched `dlrover-ps` has to register its address before it counts as failed."""
+DEFAULT_STATS_INTERVAL_S = 5.0
+"""How often the servers' stats are read for the metrics."""
+
+REPLICA_MODES = {"async": pb.ASYNC, "sync": pb.SYNC, "none": pb.NO_REPLICA}
+
+
+class PsLaunchError(Exception):
+    """An embedding server could not be brought up (launch refused, died, never registered)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerStats:
+    """One server as its last Stats call saw it (for /metrics and `dlrover status`)."""
+
+    index: int
+    address: str
+    rows: int
+    bytes: int
+    lookups: int
+    pushes: int
+    lookups_per_s: float
+    rows_moved_in: int
+    rows_moved_out: int
+
+
+class PsController:
+    """Owns the job's embedding servers: server ``i`` of the placement is node slot ``i`` of
+    role ``ps``. Thread-safe entry points: `on_event`, `request_scale`, `stats`."""
+
+    def __init__(
+        self,
+        job: JobMaster,
+        engine: Engine,
+        spec: JobSpec,
+        master_addr: str,
+        token: str,
+        oom_policy: OomPolicy | None = None,
+        address_timeout_s: float = DEFAULT_ADDRESS_TIMEOUT_S,
+        stats_interval_s: float = DEFAULT_STATS_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if spec.ps is None:
+            raise ValueError(f"job {spec.name} has no ps role")
+        self._job = job
+        self._engine = engine
+        self._spec = spec
+        self._ps = spec.ps
+        self._master_addr = master_addr
+        self._token = token
+        self._oom = oom_policy or OomPolicy()
+        self._address_timeout_s = address_timeout_s
+        self._stats_interval_s = stats_interval_s
+        self._clock = clock
+        self._requests: queue.Queue[tuple[str, int]] = queue.Queue()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._nodes: list[NodeSpec] = []
+        """The current server of each index (its node's spec)."""
+        self._cluster: EmbeddingCluster | None = None
+        self._stats: list[ServerStats] = []
+        self._last_lookups: dict[str, tuple[float, int]] = {}
+        self._failed: dict[str, NodeEvent] = {}
+        """Failure events of servers whose replacement is queued (OOM: the next gets more)."""
+        self.failovers = 0
+        self.ready = threading.Event()
+        """Set once the servers are installed and their placement published."""
+
+    # --- entry points (any thread) ------------------------------------------------------------
+    def start(self) -> None:
+        """Launch the servers and bring them up in the background."""
+        self._thread = threading.Thread(target=self._run, name="ps-controller", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the background thread (the engine deletes the servers with the job's nodes)."""
+        self._stop.set()
+        self._requests.put(("stop", 0))
+        if self._thread is not None:
+            self._thread.join(10.0)
+        if self._cluster is not None:
+            self._cluster.client.close()
+
+    def on_event(self, event: NodeEvent) -> None:
+        """An engine event of a ``ps`` node: a current server that failed is replaced."""
+        logger.info("engine: %s", event)
+        if event.state is not NodeState.FAILED or self._job.ended.is_set():
+            return
+        with self._lock:
+            current = [i for i, n in enumerate(self._nodes) if n.node_id == event.node_id]
+            if current:
+                self._failed[event.node_id] = event
+        if current:
+            self._requests.put(("replace", current[0]))
+
+    def request_scale(self, count: int) -> str:
+        """Ask for ``count`` servers; returns what will happen (raises ValueError when it
+        cannot)."""
+        if count < 1:
+            raise ValueError(f"--count {count}: a job with embedding servers keeps at least 1")
+        if not self.ready.is_set():
+            raise ValueError("the embedding servers are not installed yet; ask again shortly")
+        self._requests.put(("scale", count))
+        return f"embedding servers: scaling to {count}"
+
+    def stats(self) -> list[ServerStats]:
+        """Each server's last stats (empty before the first read)."""
+        with self._lock:
+            return list(self._stats)
+
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        """The servers' addresses, server 0 first (empty before they are installed)."""
+        cluster = self._cluster
+        return cluster.client.addresses if cluster is not None else ()
+
+    # --- the worker thread --------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self._bring_up()
+        except (PsLaunchError, EmbeddingError, EngineError) as e:
+            self._job.stop(f"the embedding servers could not start: {e}")
+            return
+        next_stats = self._clock()
+        while not self._stop.is_set() and not self._job.ended.is_set():
+            try:
+                kind, value = self._requests.get(timeout=max(0.0, next_stats - self._clock()))
+            except queue.Empty:
+                self._read_stats()
+                next_stats = self._clock() + self._stats_interval_s
+                continue
+            try:
+                if kind == "replace":
+                    self._replace(value)
+                elif kind == "scale":
+                    self._scale(value)
+            except (PsLaunchError, EmbeddingError, EngineError) as e:
+                what = "failover" if kind == "replace" else f"scaling to {value}"
+                logger.error("embedding servers: %s failed: %s", what, e)
+                self._report({"action": kind, "error": str(e)})
+                if kind == "replace":  # the workers cannot go on without the server's rows
+                    self._job.stop(f"embedding server {value} could not be replaced: {e}")
+
+    def _bring_up(self) -> None:
+        count = self._ps.count
+        logger.info("launching %d embedding servers (replica %s)", count, self._ps.replica)
+        specs = [
+            self._named(self._spec.ps_node_spec(r, self._master_addr, self._token))
+            for r in range(count)
+        ]
+        self._engine.launch_many(specs)
+        addresses = [self._await_address(s) for s in specs]
+        with self._lock:
+            self._nodes = specs
+        client = EmbeddingClient(addresses, self._token)
+        self._cluster = EmbeddingCluster(client, REPLICA_MODES[self._ps.replica])
+        self._cluster.install()
+        self._publish()
+        self._report({"action": "install", "servers": count})
+        self.ready.set()
+        logger.info("embedding servers ready: %s", ", ".join(addresses))
+        self._job.event("ps", f"{count} embedding servers ready")
+
+    def _named(self, spec: NodeSpec) -> NodeSpec:
+        return dataclasses.replace(spec, env={**spec.env, ENV_NODE_NAME: spec.node_id})
+
+    def _await_address(self, spec: NodeSpec) -> str:
+        """The address the launched server registers, or PsLaunchError if it dies or stays
+        silent for the address timeout."""
+        key = PS_ADDRESS_KEY + spec.node_id
+        deadline = self._clock() + self._address_timeout_s
+        while self._clock() < deadline:
+            if self._stop.is_set() or self._job.ended.is_set():
+                raise PsLaunchError("the job ended")
+            value = self._job.kv.get(key, 0.5)
+            if value:
+                return value.decode()
+            node = next((n for n in self._engine.list_nodes() if n.node_id == spec.node_id), None)
+            if node is not None and node.state.is_final:
+                raise PsLaunchError(
+                    f"embedding server {spec.node_id} ended ({node.state.value}) before it "
+                    "registered its address; see its log"
+                )
+        raise PsLaunchError(
+            f"embedding server {spec.node_id} did not register its address within "
+            f"{self._address_timeout_s:.0f}s (is dlrover-ps installed where it runs?)"
+        )
+
+    def _publish(self) -> None:
+        assert self._cluster is not None
+        message = self._cluster.client.placement.to_proto()
+        self._job.kv.set(PS_PLACEMENT_KEY, message.SerializeToString())
+
+    def _report(self, what: dict[str, object]) -> None:
+        what = {**what, "servers": len(self._nodes), "time": time.time()}
+        self._job.kv.set(PS_SCALE_KEY, json.dumps(what).encode())
+
+    def _replace(self, index: int) -> None:
+        assert self._cluster is not None
+        with self._lock:
+            failed = self._nodes[index]
+            event = self._failed.pop(failed.node_id, None)
+        if failed.relaunch_count >= self._spec.max_relaunches:
+            raise PsLaunchError(
+                f"embedding server {index} ({failed.node_id}) failed and used its "
+                f"{self._spec.max_relaunches} relaunches"
+            )
+        if self._ps.replica == "none":
+            raise PsLaunchError(
+                f"embedding server {index} ({failed.node_id}) failed and has no replica "
+                "(roles.ps.replica: none); its rows are lost"
+            )
+        spec = replacement_spec(event, self._oom) if event is not None else failed.replacement()
+        if spec is None:
+            raise PsLaunchError(f"embedding server {failed.node_id} was OOM-killed and cannot grow")
+        spec = self._named(spec)
+        if event is not None:
+            from dlrover.master.node_controller import failure_class_of
+
+            self._job.record_failure(
+                FailureRecord(
+                    time.time(),
+                    failed.node_id,
+                    failure_class_of(event),
+                    "relaunch_node",
+                    f"embedding server {index}: {event.message or event.reason}",
+                )
+            )
+        logger.info(
+            "embedding server %d (%s) failed: launching %s", index, failed.node_id, spec.node_id
+        )
+        started = self._clock()
+        self._engine.launch(spec)
+        address = self._await_address(spec)
+        report = self._cluster.replace(index, address)
+        with self._lock:
+            self._nodes[index] = spec
+        self._publish()
+        self.failovers += 1
+        seconds = self._clock() - started
+        self._report(
+            {
+                "action": "replace",
+                "index": index,
+                "node": spec.node_id,
+                "restored_rows": report.restored_rows,
+                "replica_last_heard_s": report.last_heard_s,
+                "seconds": seconds,
+            }
+        )
+        self._job.event(
+            "ps",
+            f"embedding server {index} replaced by {spec.node_id} in {seconds:.1f}s: "
+            f"{report.restored_rows} rows from its replica",
+        )
+
+    def _scale(self, count: int) -> None:
+        assert self._cluster is not None
+        with self._lock:
+            nodes = list(self._nodes)
+        before = len(nodes)
+        if count == before:
+            self._report({"action": "scale", "count": count, "moved_buckets": 0})
+            return
+        started = self._clock()
+        added: list[NodeSpec] = []
+        addresses = list(self._cluster.client.addresses)
+        if count > before:
+            added = [
+                self._named(self._spec.ps_node_spec(r, self._master_addr, self._token))
+                for r in range(before, count)
+            ]
+            self._engine.launch_many(added)
+            addresses += [self._await_address(s) for s in added]
+        else:
+            addresses = addresses[:count]
+        report = self._cluster.resize(addresses)
+        with self._lock:
+            self._nodes = nodes[:count] + added
+        self._publish()
+        for node in nodes[count:]:
+            try:
+                self._engine.delete(node.node_id)
+            except EngineError as e:
+                logger.warning("embedding server %s: cannot delete it: %s", node.node_id, e)
+        seconds = self._clock() - started
+        logger.info(
+            "embedding servers %d -> %d in %.1fs: %d buckets, %d rows moved, moving buckets "
+            "paused %.3fs",
+            before, count, seconds, report.moved_buckets, report.moved_rows, report.pause_s,
+        )  # fmt: skip
+        self._report(
+            {
+                "action": "scale",
+                "count": count,
+                "moved_buckets": report.moved_buckets,
+                "moved_rows": report.moved_rows,
+                "pause_s": report.pause_s,
+                "seconds": seconds,
+            }
+        )
+        self._job.event(
+            "ps",
+            f"embedding servers {before} -> {count}: {report.moved_rows} rows moved, "
+            f"{report.pause_s:.2f}s pause",
+        )
+
+    def _read_stats(self) -> None:
+        cluster = self._cluster
+        if cluster is None:
+            return
+        now = self._clock()
+        seen: list[ServerStats] = []
+        for index, address in enumerate(cluster.client.addresses):
+            try:
+                s = cluster.client.call(address, "Stats", pb.StatsRequest())
+            except EmbeddingError:
+                continue  # a failed server: its event brings the failover
+            lookups = sum(t.lookups for t in s.tables)
+            then = self._last_lookups.get(address)
+            rate = (lookups - then[1]) / (now - then[0]) if then and now > then[0] else 0.0
+            self._last_lookups[address] = (now, lookups)
+            seen.append(
+                ServerStats(
+                    index=index,
+                    address=address,
+                    rows=sum(t.rows for t in s.tables),
+                    bytes=sum(t.bytes for t in s.tables),
+                    lookups=lookups,
+                    pushes=sum(t.pushes for t in s.tables),
+                    lookups_per_s=max(0.0, rate),
+                    rows_moved_in=s.rows_moved_in,
+                    rows_moved_out=s.rows_moved_out,
+                )
+            )
+        with self._lock:
+            self._stats = seen
