@@ -87,7 +87,9 @@ def main() -> None:
                     f.write(f"{step} {world} {restarts}\n")
             if step % 50 == 0 or step == a.steps:
                 rate = step / (time.monotonic() - t0)
-                print(f"step {step}/{a.steps} loss {loss.item():.4f} steps/s {rate:.1f}", flush=True)
+                print(
+                    f"step {step}/{a.steps} loss {loss.item():.4f} steps/s {rate:.1f}", flush=True
+                )
     dist.barrier()  # every rank's last pushes are in before the rows are read
     if rank == 0 and a.out:
         seen = torch.unique(torch.cat([batch(s, a.global_batch, a.seed)[0].reshape(-1)
