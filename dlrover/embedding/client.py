@@ -215,11 +215,13 @@ class EmbeddingClient:
         while pending:
             placement = self.placement
             shares: list[tuple[str, Index, int]] = []
+            retried: list[bool] = []
             for index, seq in pending:
                 owners = placement.map.owner_of(flat[index])
                 for s in np.unique(owners).tolist():
                     part = index[owners == s]
                     shares.append((placement.addresses[s], part, seq or self._next_seq()))
+                    retried.append(seq is not None)
 
             def attempt(share: tuple[str, Index, int]) -> EmbeddingError | None:
                 try:
@@ -229,9 +231,12 @@ class EmbeddingClient:
                     return refusal
 
             outcomes = list(self._pool.map(attempt, shares))
+            # A share that may have been applied (its server did not answer, now or before)
+            # keeps its number wherever it goes next: the rows carry the numbers applied to
+            # them when they move, so the new owner does not apply it twice.
             failed = [
-                (index, seq if isinstance(o, EmbeddingServerUnavailable) else None)
-                for (_, index, seq), o in zip(shares, outcomes, strict=True)
+                (index, seq if isinstance(o, EmbeddingServerUnavailable) or again else None)
+                for (_, index, seq), again, o in zip(shares, retried, outcomes, strict=True)
                 if o is not None
             ]
             # Refused shares were not applied: one new share per server next round.

@@ -158,7 +158,17 @@ class ReplicaStore:
         with self._lock:
             table = self.tables.get(name)
             if table is None:
-                raise EmbeddingError(f"this server holds no replica of table {name!r}")
+                # Nothing of it changed on the previous server (or it was lookup-only): its
+                # rows come back as they started, from the table's seed and the id.
+                none = np.empty((0, 0), dtype=np.float32)
+                message = rows_message(
+                    pb.TableSpec(name=name), np.empty(0, dtype=np.int64), none, none,
+                    self.pushes.entries(),
+                )  # fmt: skip
+                message.age_s = (
+                    time.monotonic() - self.heard_at if self.heard_at is not None else -1.0
+                )
+                return message
             ids, rows, accum = table.export_buckets(buckets, num_buckets)
             spec = pb.TableSpec(name=name, dim=table.dim)
             message = rows_message(spec, ids, rows, accum, self.pushes.entries())
@@ -209,9 +219,17 @@ class ReplicaSender:
         return int(ids.size)
 
     def mark(self, table: str, ids: IdArray) -> None:
-        """ASYNC: ``ids`` of ``table`` changed; the thread sends their values soon."""
+        """``ids`` of ``table`` changed and are not on the replica yet: ASYNC's thread sends
+        their values soon; in SYNC mode (a send that failed) the next update of the table takes
+        them along (`take_marked`)."""
         with self._dirty_lock:
             self._dirty.setdefault(table, []).append(ids)
+
+    def take_marked(self, table: str) -> IdArray | None:
+        """SYNC: the ids of ``table`` a failed send left behind (None if none), now unmarked."""
+        with self._dirty_lock:
+            parts = self._dirty.pop(table, None)
+        return np.unique(np.concatenate(parts)) if parts else None
 
     def start(self, flush: Callable[[dict[str, IdArray]], None]) -> None:
         """ASYNC: start the thread that hands the changed ids to ``flush`` every ASYNC_LAG_S."""

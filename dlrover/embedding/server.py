@@ -31,6 +31,11 @@ logger = logging.getLogger(__name__)
 
 R = TypeVar("R")
 
+DEFAULT_THREADS = 8
+"""Request threads of a server."""
+RESERVED_THREADS = 2
+"""Threads lookups and pushes never take: replication and control calls always find one."""
+
 
 def spec_to_table(spec: pb.TableSpec) -> EmbeddingTable:
     """The empty table a spec describes; EmbeddingError for one that cannot work."""
@@ -64,8 +69,12 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
     """The tables of one server, each behind its own lock (lookups of different tables run in
     parallel; numpy releases the GIL in its large copies)."""
 
-    def __init__(self, token: str = "") -> None:
+    def __init__(self, token: str = "", threads: int = DEFAULT_THREADS) -> None:
         self._token = token
+        # Lookups and pushes may hold at most this many of the server's threads: the others stay
+        # free for Replicate calls (two servers pushing SYNC to each other with every thread
+        # waiting on the other would deadlock) and for the control calls.
+        self._admit = max(1, threads - RESERVED_THREADS)
         self._tables: dict[str, _Served] = {}
         self._lock = threading.Lock()
         # Replicas: the last push applied per client (a retried push is not applied twice),
@@ -80,13 +89,18 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
         self._index = 0
         self._owned = np.empty(0, dtype=bool)
         self._frozen = np.empty(0, dtype=bool)
-        self._active = 0
+        self._active: dict[int, int] = {}
+        """Map version -> requests admitted under it and still running."""
+        self._busy = 0
         self.moved_in = 0
         self.moved_out = 0
 
-    def _enter(self, ids: np.ndarray[Any, np.dtype[np.int64]]) -> None:
-        """Admit a request for ``ids``, or raise NotOwnerError / MovingError."""
+    def _enter(self, ids: np.ndarray[Any, np.dtype[np.int64]]) -> int:
+        """Admit a request for ``ids`` (returns the map version it runs under, for `_leave`), or
+        raise NotOwnerError / MovingError (moving, or every request thread busy: ask again)."""
         with self._gate:
+            if self._busy >= self._admit:
+                raise MovingError(f"server {self._index} is busy: ask again shortly")
             placement = self._placement
             if placement is not None and ids.size:
                 buckets = bucket_of(ids, placement.map.num_buckets)
@@ -98,11 +112,17 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
                     )
                 if self._frozen[buckets].any():
                     raise MovingError(f"ids of buckets moving away from server {self._index}")
-            self._active += 1
+            version = placement.map.version if placement is not None else 0
+            self._active[version] = self._active.get(version, 0) + 1
+            self._busy += 1
+            return version
 
-    def _leave(self) -> None:
+    def _leave(self, version: int) -> None:
         with self._gate:
-            self._active -= 1
+            self._busy -= 1
+            self._active[version] -= 1
+            if not self._active[version]:
+                del self._active[version]
             self._gate.notify_all()
 
     def SetMap(  # noqa: N802
@@ -122,12 +142,19 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
                         f"map version {new.version} is older than this server's {old.map.version}"
                     )
                 self._placement, self._index = placement, request.index
-                self._replicate_to(placement, request.index, request.replica)
+                retired = self._replicate_to(placement, request.index, request.replica)
                 self._owned = np.asarray(new.owners) == request.index
                 self._frozen = np.zeros(new.num_buckets, dtype=bool)
                 self._frozen[frozen] = True
-                if not self._gate.wait_for(lambda: self._active == 0, timeout=60.0):
-                    raise EmbeddingError("requests under the old map did not end within 60s")
+
+                def old_ones_done() -> bool:
+                    return all(v >= new.version for v in self._active)
+
+                done = self._gate.wait_for(old_ones_done, timeout=60.0)
+            if retired is not None:
+                retired.close()  # outside the gate: its thread may take a while to stop
+            if not done:
+                raise EmbeddingError("requests under the old map did not end within 60s")
             return pb.SetMapResponse()
 
         return _answer(pb.SetMapResponse, run)
@@ -138,21 +165,23 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
             self._sender.close()
             self._sender = None
 
-    def _replicate_to(self, placement: Placement, index: int, mode: int) -> None:
-        """Send this server's changes to the next server of ``placement`` in ``mode``."""
+    def _replicate_to(self, placement: Placement, index: int, mode: int) -> ReplicaSender | None:
+        """Send this server's changes to the next server of ``placement`` in ``mode``; returns
+        the sender it replaces, for the caller to close."""
         n = len(placement.addresses)
         target = placement.addresses[(index + 1) % n] if index >= 0 and n > 1 else None
         if mode == pb.NO_REPLICA:
             target = None
         sender = self._sender
+        retired = None
         if sender is not None and (sender.address != target or sender.mode != mode):
-            sender.close()
-            sender = None
+            retired, sender = sender, None
         if sender is None and target is not None:
             sender = ReplicaSender(target, self._token, mode)
             if mode == pb.ASYNC:
                 sender.start(self._flush)
         self._sender = sender
+        return retired
 
     def _flush(self, dirty: dict[str, np.ndarray[Any, np.dtype[np.int64]]]) -> None:
         sender = self._sender
@@ -163,7 +192,9 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
             with served.lock:
                 ids = ids[served.table.holds(ids)]  # rows that moved away since: not ours
                 rows, accum = served.table.snapshot(ids)
-            sender.send(rows_message(served.spec, ids, rows, accum, self._pushes.entries()))
+                # Taken with the rows: a push applied after the snapshot is not claimed.
+                pushes = self._pushes.entries()
+            sender.send(rows_message(served.spec, ids, rows, accum, pushes))
 
     def Replicate(  # noqa: N802
         self, request: pb.RowsMessage, context: grpc.ServicerContext
@@ -223,12 +254,16 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
             buckets = np.frombuffer(request.buckets, dtype="<i8").astype(np.int64)
             with served.lock:
                 ids, rows, accum = served.table.export_buckets(buckets, request.num_buckets)
+                # The new owner must know which pushes these rows hold already: a push whose
+                # answer was lost is retried there with the same number.
+                pushes = self._pushes.entries()
             return pb.RowsMessage(
                 table=request.table,
                 ids=ids.astype("<i8").tobytes(),
                 rows=rows.astype("<f4").tobytes(),
                 accum=accum.astype("<f4").tobytes(),
                 dim=served.table.dim,
+                seqs=pushes,
             )
 
         return _answer(pb.RowsMessage, run)
@@ -307,13 +342,13 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
         def run() -> pb.LookupResponse:
             served = self._table(request.table)
             ids = ids_from_bytes(request.ids)
-            self._enter(ids)
+            version = self._enter(ids)
             try:
                 with served.lock:
                     rows = served.table.lookup(ids)
                     served.lookups += ids.size
             finally:
-                self._leave()
+                self._leave(version)
             return pb.LookupResponse(rows=rows.astype("<f4").tobytes(), dim=served.table.dim)
 
         return _answer(pb.LookupResponse, run)
@@ -333,7 +368,7 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
                     f"gradients, got {len(request.grads) // 4}"
                 )
             grads = np.frombuffer(request.grads, dtype="<f4").reshape(ids.size, dim)
-            self._enter(ids)
+            version = self._enter(ids)
             try:
                 with served.lock:
                     client, seq = request.client, request.seq
@@ -345,7 +380,7 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
                         self._pushes.add(client, seq)
                     self._replicate(served, ids, {client: seq} if client else {})
             finally:
-                self._leave()
+                self._leave(version)
             return pb.PushResponse(applied=ids.size)
 
         return _answer(pb.PushResponse, run)
@@ -362,13 +397,19 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
         if sender.mode == pb.ASYNC:
             sender.mark(served.table.name, unique)
             return
+        behind = sender.take_marked(served.table.name)  # rows an earlier send failed to carry
+        if behind is not None:
+            unique = np.union1d(unique, behind[served.table.holds(behind)])
         rows, accum = served.table.snapshot(unique)
         try:
-            pushes = self._pushes.entries(seqs)
+            pushes = self._pushes.entries(None if behind is not None else seqs)
             sender.send(rows_message(served.spec, unique, rows, accum, pushes))
-        except EmbeddingError as e:  # serve on; the replica is behind until it is replaced
+        except EmbeddingError as e:
+            # Serve on: the replica is unreachable. Its rows go with the next update that
+            # reaches it (or the resync when the next server is replaced).
             sender.failures += 1
-            logger.warning("update not replicated: %s", e)
+            sender.mark(served.table.name, unique)
+            logger.warning("update not replicated (re-sent with the next one): %s", e)
 
     def Stats(  # noqa: N802
         self, request: pb.StatsRequest, context: grpc.ServicerContext
@@ -429,9 +470,11 @@ class EmbeddingServer:
     """One `dlrover-ps`: serves an EmbeddingService on ``host:port`` (0: a free port)."""
 
     def __init__(
-        self, token: str, host: str = "127.0.0.1", port: int = 0, threads: int = 8
+        self, token: str, host: str = "127.0.0.1", port: int = 0, threads: int = DEFAULT_THREADS
     ) -> None:
-        self.service = EmbeddingService(token)
+        if threads <= RESERVED_THREADS:
+            raise ValueError(f"an embedding server needs more than {RESERVED_THREADS} threads")
+        self.service = EmbeddingService(token, threads)
         options = [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
