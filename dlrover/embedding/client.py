@@ -3,11 +3,14 @@ parallel, put the rows back in order; follow the bucket map when servers are add
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent import futures
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
@@ -16,6 +19,7 @@ import numpy.typing as npt
 
 from dlrover.constants import TOKEN_METADATA_KEY
 from dlrover.embedding.buckets import BucketMap, IdArray
+from dlrover.embedding.replica import PUSH_WINDOW
 from dlrover.embedding.table import EmbeddingError, Rows
 from dlrover.embedding.wire import (
     MAX_MESSAGE_BYTES,
@@ -27,6 +31,8 @@ from dlrover.embedding.wire import (
 )
 from dlrover.proto import embedding_pb2 as pb
 from dlrover.proto import embedding_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 30.0
 """Deadline of one call to a server."""
@@ -42,6 +48,20 @@ Call = Callable[[str, Index, int], None]
 class EmbeddingServerUnavailable(EmbeddingError):
     """A server did not answer (and no replacement came within ``settle_s``); the message names
     it."""
+
+
+@dataclass(frozen=True)
+class FailoverGap:
+    """What a server's failover lost of this client's updates: the pushes the failed server had
+    acknowledged that the replica it was restored from did not hold (ASYNC replicas lag up to
+    about 50 ms; SYNC ones lose none). ElasticEmbedding pushes once per table and step, so
+    ``pushes`` is also the steps of updates lost to this worker."""
+
+    index: int
+    failed: str
+    replacement: str
+    pushes: int
+    rows: int
 
 
 class EmbeddingClient:
@@ -77,6 +97,10 @@ class EmbeddingClient:
         self._pool = futures.ThreadPoolExecutor(max_workers=8)
         self.client_id = uuid.uuid4().hex
         self._seq = 0
+        self._acked: dict[str, deque[tuple[int, int]]] = {}
+        """Per server: (number, ids) of its last acknowledged pushes, to tell a failover's gap."""
+        self.failover_gaps: list[FailoverGap] = []
+        """One per failover this client followed, with what it lost (see FailoverGap)."""
 
     @property
     def addresses(self) -> tuple[str, ...]:
@@ -98,12 +122,48 @@ class EmbeddingClient:
             self._stubs.clear()
 
     def adopt(self, placement: Placement) -> bool:
-        """Route by ``placement`` from now on if it is newer than the current one."""
+        """Route by ``placement`` from now on if it is newer than the current one. A server
+        replaced in it (same index, new address) is asked which of this client's pushes it
+        holds: those the failed one acknowledged and the replica lacked are logged as lost."""
         with self._lock:
-            if placement.map.version <= self.placement.map.version:
+            old = self.placement
+            if placement.map.version <= old.map.version:
                 return False
             self.placement = placement
-            return True
+            replaced = [
+                (i, was, now)
+                for i, (was, now) in enumerate(
+                    zip(old.addresses, placement.addresses, strict=False)
+                )
+                if was != now
+            ]
+        for index, failed, replacement in replaced:
+            self._tell_gap(index, failed, replacement)
+        return True
+
+    def _tell_gap(self, index: int, failed: str, replacement: str) -> None:
+        with self._lock:
+            acked = list(self._acked.pop(failed, ()))
+        if not acked:
+            return
+        try:
+            held = self.call(
+                replacement, "AppliedPushes", pb.AppliedPushesRequest(client=self.client_id)
+            )
+        except EmbeddingError as e:
+            logger.warning("embedding server %d: cannot tell what its failover lost: %s", index, e)
+            return
+        known = set(held.seqs)
+        lost = [(s, n) for s, n in acked if s > held.floor and s not in known]
+        gap = FailoverGap(index, failed, replacement, len(lost), sum(n for _, n in lost))
+        self.failover_gaps.append(gap)
+        log = logger.warning if gap.pushes else logger.info
+        log(
+            "embedding server %d failed over (%s -> %s): %d pushes (%d rows) it had acknowledged "
+            "to this worker are not in the replica it was restored from%s",
+            index, failed, replacement, gap.pushes, gap.rows,
+            ": those updates are lost (ASYNC replicas lag up to ~50 ms)" if gap.pushes else "",
+        )  # fmt: skip
 
     def _stub(self, address: str) -> pb_grpc.EmbeddingServerStub:
         with self._lock:
@@ -185,6 +245,9 @@ class EmbeddingClient:
                 seq=seq,
             )
             self.call(address, "Push", request)
+            with self._lock:
+                acked = self._acked.setdefault(address, deque(maxlen=PUSH_WINDOW))
+                acked.append((seq, index.size))
 
         self._route_chunks(flat, grads.shape[1] if grads.ndim == 2 else 1, send)
 

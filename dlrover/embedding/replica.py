@@ -71,6 +71,11 @@ class AppliedPushes:
             known.discard(oldest)
             self._floor[client] = max(self._floor.get(client, -1), oldest)
 
+    def of(self, client: str) -> tuple[list[int], int]:
+        """``client``'s pushes remembered one by one (sorted), and its floor."""
+        with self._lock:
+            return sorted(self._sets.get(client, ())), self._floor.get(client, -1)
+
     def entries(self, clients: dict[str, int] | None = None) -> list[pb.ClientSeq]:
         """As messages: every client's (or, given ``clients``, just those pushes)."""
         with self._lock:

@@ -234,6 +234,13 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
 
         return _answer(pb.ImportResponse, run)
 
+    def AppliedPushes(  # noqa: N802
+        self, request: pb.AppliedPushesRequest, context: grpc.ServicerContext
+    ) -> pb.AppliedPushesResponse:
+        """The client's pushes this server holds as applied."""
+        seqs, floor = self._pushes.of(request.client)
+        return pb.AppliedPushesResponse(seqs=seqs, floor=floor)
+
     def GetPlacement(  # noqa: N802
         self, request: pb.StatsRequest, context: grpc.ServicerContext
     ) -> pb.PlacementResponse:

@@ -26,6 +26,22 @@ class ClientSeq(_message.Message):
     floor: int
     def __init__(self, client: _Optional[str] = ..., seq: _Optional[int] = ..., floor: _Optional[int] = ...) -> None: ...
 
+class AppliedPushesRequest(_message.Message):
+    __slots__ = ("client",)
+    CLIENT_FIELD_NUMBER: _ClassVar[int]
+    client: str
+    def __init__(self, client: _Optional[str] = ...) -> None: ...
+
+class AppliedPushesResponse(_message.Message):
+    __slots__ = ("error", "seqs", "floor")
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    SEQS_FIELD_NUMBER: _ClassVar[int]
+    FLOOR_FIELD_NUMBER: _ClassVar[int]
+    error: EmbeddingError
+    seqs: _containers.RepeatedScalarFieldContainer[int]
+    floor: int
+    def __init__(self, error: _Optional[_Union[EmbeddingError, _Mapping]] = ..., seqs: _Optional[_Iterable[int]] = ..., floor: _Optional[int] = ...) -> None: ...
+
 class PlacementResponse(_message.Message):
     __slots__ = ("error", "map")
     ERROR_FIELD_NUMBER: _ClassVar[int]

@@ -98,6 +98,11 @@ class EmbeddingServerStub:
                 request_serializer=dlrover_dot_proto_dot_embedding__pb2.StatsRequest.SerializeToString,
                 response_deserializer=dlrover_dot_proto_dot_embedding__pb2.PlacementResponse.FromString,
                 _registered_method=True)
+        self.AppliedPushes = channel.unary_unary(
+                '/dlrover.embedding.EmbeddingServer/AppliedPushes',
+                request_serializer=dlrover_dot_proto_dot_embedding__pb2.AppliedPushesRequest.SerializeToString,
+                response_deserializer=dlrover_dot_proto_dot_embedding__pb2.AppliedPushesResponse.FromString,
+                _registered_method=True)
 
 
 class EmbeddingServerServicer:
@@ -183,6 +188,14 @@ class EmbeddingServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AppliedPushes(self, request, context):
+        """Which of a client's pushes this server holds as applied (after a failover: its own, and
+        those of the replica it was restored from), so the client can tell what the failover lost.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EmbeddingServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -245,6 +258,11 @@ def add_EmbeddingServerServicer_to_server(servicer, server):
                     servicer.GetPlacement,
                     request_deserializer=dlrover_dot_proto_dot_embedding__pb2.StatsRequest.FromString,
                     response_serializer=dlrover_dot_proto_dot_embedding__pb2.PlacementResponse.SerializeToString,
+            ),
+            'AppliedPushes': grpc.unary_unary_rpc_method_handler(
+                    servicer.AppliedPushes,
+                    request_deserializer=dlrover_dot_proto_dot_embedding__pb2.AppliedPushesRequest.FromString,
+                    response_serializer=dlrover_dot_proto_dot_embedding__pb2.AppliedPushesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -575,6 +593,33 @@ class EmbeddingServer:
             '/dlrover.embedding.EmbeddingServer/GetPlacement',
             dlrover_dot_proto_dot_embedding__pb2.StatsRequest.SerializeToString,
             dlrover_dot_proto_dot_embedding__pb2.PlacementResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AppliedPushes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dlrover.embedding.EmbeddingServer/AppliedPushes',
+            dlrover_dot_proto_dot_embedding__pb2.AppliedPushesRequest.SerializeToString,
+            dlrover_dot_proto_dot_embedding__pb2.AppliedPushesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -138,6 +138,7 @@ def test_a_killed_server_is_replaced_from_its_synchronous_replica_and_nothing_is
         assert torch.equal(emb.rows(every), plain.rows(every))  # no update lost or doubled
         assert torch.equal(head.weight, head_plain.weight)
         assert client.addresses[1] == spare[0].address
+        assert [gap.pushes for gap in client.failover_gaps] == [0]  # SYNC: nothing lost
     finally:
         for s in servers + spare:
             s.stop()

@@ -142,3 +142,33 @@ def test_a_new_map_waits_only_for_requests_admitted_before_it() -> None:
         service._leave(after)
     finally:
         server.stop(0.1)
+
+
+def test_an_async_failover_says_which_acknowledged_updates_it_lost(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With an ASYNC replica that has not caught up (here: never, its lag set to a minute), a
+    failover loses the pushes the failed server acknowledged: the client names them."""
+    monkeypatch.setattr(replica, "ASYNC_LAG_S", 60.0)
+    servers = [EmbeddingServer(TOKEN).start() for _ in range(2)]
+    spare = EmbeddingServer(TOKEN).start()
+    try:
+        client = EmbeddingClient([s.address for s in servers], TOKEN, timeout_s=3)
+        cluster = EmbeddingCluster(client, replica=pb.ASYNC)
+        cluster.install()
+        client.create_table(_spec("t"))
+        rng = np.random.default_rng(1)
+        pushes, rows = 0, 0
+        for _ in range(5):
+            ids = rng.integers(0, 100_000, size=300).astype(np.int64)
+            client.push("t", ids, np.ones((ids.size, 4), dtype=np.float32))
+            on_one = int((client.bucket_map.owner_of(ids) == 1).sum())
+            pushes, rows = pushes + (on_one > 0), rows + on_one
+        servers[1].stop(0)
+        cluster.replace(1, spare.address)
+        (gap,) = client.failover_gaps
+        assert (gap.index, gap.failed, gap.replacement) == (1, servers[1].address, spare.address)
+        assert (gap.pushes, gap.rows) == (pushes, rows) and pushes == 5
+    finally:
+        for s in [*servers, spare]:
+            s.stop(0.1)
