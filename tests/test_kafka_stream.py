@@ -257,3 +257,53 @@ def _lags(page: str) -> dict[str, float]:
         for line in page.splitlines()
         if line.startswith("dlrover_stream_lag_records{")
     }
+
+
+def test_registering_asks_the_broker_outside_the_lock_and_closes_a_source_that_failed(
+    broker: KafkaBroker,
+) -> None:
+    from dlrover.master.sharding_service import ShardingService
+    from dlrover.sharding.errors import UnknownDatasetError
+    from dlrover.sharding.kafka_source import KafkaStreamSource
+    from dlrover.sharding.stream import StreamSpec
+
+    broker.create_topic("clicks", 3)
+
+    def source_for(spec: StreamSpec, partitions: Any) -> KafkaStreamSource:
+        # The real source with its partitions given, so the broker is first asked for the
+        # start offsets; 2 s per request while the broker is gone.
+        return KafkaStreamSource(
+            spec.topic, spec.bootstrap_servers, timeout_s=2.0, partitions=[0, 1, 2]
+        )
+
+    store = MemoryStateStore()
+    job = JobMaster(JobMasterConfig(), store)
+    job.sharding = ShardingService(store, time.monotonic, source_factory=source_for)
+    server = MasterServer(job, TOKEN, "127.0.0.1", 0)
+    server.start()
+    transport = connect(f"127.0.0.1:{server.port}", TOKEN)
+    try:
+        broker.stop()
+        errors: list[BaseException] = []
+
+        def register() -> None:
+            try:
+                spec = StreamSpec("clicks", 4, topic="clicks", bootstrap_servers=broker.bootstrap)
+                transport.register_stream(spec)
+            except BaseException as error:
+                errors.append(error)
+
+        registering = threading.Thread(target=register)
+        registering.start()
+        time.sleep(0.5)  # the registration waits for the broker now
+        assert registering.is_alive()
+        began = time.monotonic()
+        with pytest.raises(UnknownDatasetError):
+            transport.stream_progress("other")  # a sharding call: it must not wait for that
+        assert time.monotonic() - began < 1.0
+        registering.join(30)
+        assert [type(e) for e in errors] == [StreamSourceError]
+        # The source made for the refused registration was closed: no reader thread is left.
+        assert not [t for t in threading.enumerate() if t.name == "kafka-offsets-clicks"]
+    finally:
+        server.stop(0.1)

@@ -116,18 +116,28 @@ class ShardingService:
     # --- streams --------------------------------------------------------------------------------
     def register_stream(self, spec: StreamSpec) -> RegisterResult:
         """Register the stream over the source its spec names (a Kafka topic) and save the state;
-        the broker is asked for the partitions outside the lock, and only for a new stream."""
+        the broker is asked for the partitions and start offsets outside the lock, and only for
+        a new stream. The new source is closed if the registration fails or lost a race."""
         with self._lock:
             if spec.name in self.manager.streams():
                 return self.manager.register_stream(spec, self._sources[spec.name])
         source = self._source_factory(spec, None)
-        with self._changing():
-            if spec.name in self.manager.streams():  # registered meanwhile by another worker
-                _close(source)
-                return self.manager.register_stream(spec, self._sources[spec.name])
-            result = self.manager.register_stream(spec, source)
-            self._sources[spec.name] = source
-            return result
+        try:
+            # Up to two broker round trips per partition: never while holding the lock, which
+            # the sharding calls on the server's event loop wait for.
+            start = {p: source.start_offset(p) for p in source.partitions()}
+            with self._changing():
+                if spec.name in self.manager.streams():  # registered meanwhile by another worker
+                    result = self.manager.register_stream(spec, self._sources[spec.name])
+                else:
+                    result = self.manager.register_stream(spec, source, start)
+                    self._sources[spec.name] = source
+                    return result
+        except BaseException:
+            _close(source)
+            raise
+        _close(source)
+        return result
 
     def fetch_stream_shards(self, stream: str, worker_id: str, max_count: int) -> StreamFetchResult:
         """Lease record ranges to the worker (ShardManager.fetch_stream_shards); saves the state

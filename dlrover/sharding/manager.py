@@ -132,8 +132,11 @@ class ShardManager:
         return queue
 
     # --- streams --------------------------------------------------------------------------
-    def register_stream(self, spec: StreamSpec, source: StreamSource) -> RegisterResult:
-        """Create the stream over ``source``; the same spec again is a no-op, a different one raises
+    def register_stream(
+        self, spec: StreamSpec, source: StreamSource, start: dict[int, int] | None = None
+    ) -> RegisterResult:
+        """Create the stream over ``source``, reading each partition from ``start`` (default:
+        asked of the source); the same spec again is a no-op, a different one raises
         DatasetConflictError."""
         existing = self._streams.get(spec.name)
         if existing is not None:
@@ -142,7 +145,7 @@ class ShardManager:
                     f"stream {spec.name!r} is already registered with {existing.spec}, not {spec}"
                 )
             return RegisterResult(spec.name, created=False)
-        self._streams[spec.name] = StreamQueue(spec, source)
+        self._streams[spec.name] = StreamQueue(spec, source, start)
         return RegisterResult(spec.name, created=True)
 
     def fetch_stream_shards(
