@@ -358,6 +358,7 @@ def serve_job(
             master_addr,
             token,
             oom_policy=OomPolicy(spec.oom_memory_factor, spec.oom_max_memory_mib),
+            store=master.store,
         )
         job.ps = controller.ps
     progress = threading.Thread(target=_progress_loop, args=(job, stop), daemon=True)

@@ -23,10 +23,12 @@ from dlrover.constants import ENV_NODE_NAME, PS_ADDRESS_KEY, PS_PLACEMENT_KEY, P
 from dlrover.embedding.client import EmbeddingClient
 from dlrover.embedding.cluster import EmbeddingCluster
 from dlrover.embedding.table import EmbeddingError
+from dlrover.embedding.wire import Placement
 from dlrover.engines.base import Engine, EngineError, NodeEvent, NodeSpec, NodeState
 from dlrover.jobspec import JobSpec
 from dlrover.master.job import JobMaster
 from dlrover.master.relaunch_policy import OomPolicy, replacement_spec
+from dlrover.master.state_store import MemoryStateStore, StateStore
 from dlrover.proto import embedding_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -37,6 +39,8 @@ DEFAULT_STATS_INTERVAL_S = 5.0
 """How often the servers' stats are read for the metrics."""
 
 REPLICA_MODES = {"async": pb.ASYNC, "sync": pb.SYNC, "none": pb.NO_REPLICA}
+
+_NAMESPACE = "ps"
 
 
 class PsLaunchError(Exception):
@@ -70,6 +74,7 @@ class PsController:
         master_addr: str,
         token: str,
         oom_policy: OomPolicy | None = None,
+        store: StateStore | None = None,
         address_timeout_s: float = DEFAULT_ADDRESS_TIMEOUT_S,
         stats_interval_s: float = DEFAULT_STATS_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
@@ -83,6 +88,7 @@ class PsController:
         self._master_addr = master_addr
         self._token = token
         self._oom = oom_policy or OomPolicy()
+        self._store = store or MemoryStateStore()
         self._address_timeout_s = address_timeout_s
         self._stats_interval_s = stats_interval_s
         self._clock = clock
@@ -177,6 +183,8 @@ class PsController:
                     self._job.stop(f"embedding server {value} could not be replaced: {e}")
 
     def _bring_up(self) -> None:
+        if self._resume():
+            return
         count = self._ps.count
         logger.info("launching %d embedding servers (replica %s)", count, self._ps.replica)
         specs = [
@@ -185,8 +193,7 @@ class PsController:
         ]
         self._engine.launch_many(specs)
         addresses = [self._await_address(s) for s in specs]
-        with self._lock:
-            self._nodes = specs
+        self._set_nodes(specs)
         client = EmbeddingClient(addresses, self._token)
         self._cluster = EmbeddingCluster(client, REPLICA_MODES[self._ps.replica])
         self._cluster.install()
@@ -195,6 +202,50 @@ class PsController:
         self.ready.set()
         logger.info("embedding servers ready: %s", ", ".join(addresses))
         self._job.event("ps", f"{count} embedding servers ready")
+
+    def _resume(self) -> bool:
+        """A master restarted on its state takes over the servers its predecessor installed:
+        the engine adopts the ones still running, a dead one is replaced from its replica.
+        False when there is nothing to resume."""
+        saved = self._store.get_json(_NAMESPACE, "nodes")
+        raw = self._job.kv.get(PS_PLACEMENT_KEY)
+        if not saved or raw is None:
+            return False
+        message = pb.BucketMapMessage()
+        message.ParseFromString(raw)
+        placement = Placement.from_proto(message)
+        specs = [
+            self._named(self._spec.ps_node_spec(rank, self._master_addr, self._token, attempt))
+            for rank, attempt in saved["nodes"]
+        ]
+        self._engine.launch_many(specs)  # adopted where they still run
+        with self._lock:
+            self._nodes = specs
+        client = EmbeddingClient(placement.addresses, self._token, placement.map, timeout_s=5)
+        self._cluster = EmbeddingCluster(client, REPLICA_MODES[self._ps.replica])
+        for index, address in enumerate(placement.addresses):
+            try:
+                client.call(address, "Stats", pb.StatsRequest())
+            except EmbeddingError:
+                logger.warning(
+                    "embedding server %d at %s did not survive: replacing it", index, address
+                )
+                try:  # the engine may have started its slot again: not the server it was
+                    self._engine.delete(specs[index].node_id)
+                except EngineError:
+                    pass
+                self._requests.put(("replace", index))
+        self.ready.set()
+        logger.info("embedding servers resumed: %s", ", ".join(placement.addresses))
+        return True
+
+    def _set_nodes(self, nodes: list[NodeSpec]) -> None:
+        """The current server of each index, saved so that a restarted master resumes them."""
+        with self._lock:
+            self._nodes = nodes
+        self._store.put_json(
+            _NAMESPACE, "nodes", {"nodes": [[n.rank, n.relaunch_count] for n in nodes]}
+        )
 
     def _named(self, spec: NodeSpec) -> NodeSpec:
         return dataclasses.replace(spec, env={**spec.env, ENV_NODE_NAME: spec.node_id})
@@ -269,7 +320,9 @@ class PsController:
         address = self._await_address(spec)
         report = self._cluster.replace(index, address)
         with self._lock:
-            self._nodes[index] = spec
+            nodes = list(self._nodes)
+        nodes[index] = spec
+        self._set_nodes(nodes)
         self._publish()
         self.failovers += 1
         seconds = self._clock() - started
@@ -310,8 +363,7 @@ class PsController:
         else:
             addresses = addresses[:count]
         report = self._cluster.resize(addresses)
-        with self._lock:
-            self._nodes = nodes[:count] + added
+        self._set_nodes(nodes[:count] + added)
         self._publish()
         for node in nodes[count:]:
             try:

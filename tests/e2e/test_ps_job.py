@@ -190,3 +190,28 @@ def test_scale_requests_that_cannot_be_done_are_refused_with_the_reason(tmp_path
     finally:
         if job.proc.poll() is None:
             job.proc.kill()
+
+
+def test_a_restarted_master_takes_over_the_embedding_servers(
+    tmp_path: Path, reference: dict[str, torch.Tensor]
+) -> None:
+    """SIGKILL the master mid-training: `dlrover submit` starts it again on its state, it adopts
+    the running servers (none relaunched, no worker restarted) and can still resize them."""
+    job = Job(tmp_path, "mk", "--ps", "2")
+    try:
+        job.wait_step(30)
+        record = job.home / "jobs" / "mk" / "job.json"
+        master_pid = json.loads(record.read_text())["pid"]
+        os.kill(master_pid, signal.SIGKILL)
+        _until(lambda: "embedding servers resumed" in job.text(), 60, "no resumed servers")
+        up = job.cli("scale", "mk", "--role", "ps", "--count", "3")
+        assert up.returncode == 0, up.stderr + job.text()[-4000:]
+        assert job.step() < STEPS, "the scaling did not happen while the job trained"
+        assert job.wait() == 0, job.text()[-4000:]
+    finally:
+        if job.proc.poll() is None:
+            job.proc.kill()
+    nodes = sorted(p.name for p in (job.home / "jobs" / "mk" / "nodes").iterdir())
+    assert nodes == ["mk-ps-0-0", "mk-ps-1-0", "mk-ps-2-0", "mk-worker-0-0"]
+    assert job.restarts() == {"0"}
+    _same_model(tmp_path / "mk", reference)
