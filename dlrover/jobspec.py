@@ -53,6 +53,9 @@ class PsSpec:
     replica: str = "async"
     """One of PS_REPLICAS: ``sync`` loses nothing on a failover, ``async`` (default) the last
     ~50 ms of updates, ``none`` cannot fail over."""
+    max_count: int = 0
+    """With ``auto_scale`` and a memory size: servers are added up to this many as they fill
+    (0: ``count``, no growth)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,14 +257,18 @@ def _roles(raw: Any) -> PsSpec | None:
         return None
     if not isinstance(ps, Mapping):
         raise JobSpecError("roles.ps must be a mapping: count, resources, replica")
-    unknown = set(ps) - {"count", "resources", "replica"}
+    unknown = set(ps) - {"count", "resources", "replica", "max_count"}
     if unknown:
         raise JobSpecError(
-            f"roles.ps has unknown keys {sorted(unknown)}; allowed: count, resources, replica"
+            f"roles.ps has unknown keys {sorted(unknown)}; allowed: count, resources, replica, "
+            "max_count"
         )
     count = ps.get("count", 1)
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise JobSpecError(f"roles.ps.count is {count!r}; it must be an integer >= 1")
+    most = ps.get("max_count", count)
+    if isinstance(most, bool) or not isinstance(most, int) or most < count:
+        raise JobSpecError(f"roles.ps.max_count is {most!r}; it must be an integer >= count")
     replica = str(ps.get("replica", "async")).lower()
     if replica not in PS_REPLICAS:
         raise JobSpecError(
@@ -271,7 +278,7 @@ def _roles(raw: Any) -> PsSpec | None:
         resources = _resources(ps.get("resources"))
     except JobSpecError as error:
         raise JobSpecError(f"roles.ps.{error}") from None
-    return PsSpec(count, resources, replica)
+    return PsSpec(count, resources, replica, most)
 
 
 _KEYS = {

@@ -101,3 +101,18 @@ def test_memory_creeping_towards_the_size_resizes() -> None:
 
 def test_size_from_usage_has_floors() -> None:
     assert size_from_usage([], 1.3) == Resources(cpu=0.5, memory_mib=64)
+
+
+def test_embedding_servers_grow_while_the_fullest_passes_its_fill_up_to_their_max() -> None:
+    from dlrover.master.optimizer import plan_ps
+
+    mib = 1 << 20
+    # 2 servers of 1 GiB: 300 MiB of rows each, 600 MiB with the neighbour's replica: 59%
+    assert plan_ps(2, [300 * mib, 280 * mib], 1024, 4, replicated=True).action is ScaleAction.NONE
+    grow = plan_ps(2, [300 * mib, 380 * mib], 1024, 4, replicated=True)
+    assert grow.action is ScaleAction.SCALE_OUT and grow.nodes == 3
+    assert "760 MiB of 1024 MiB (74% > 70%)" in grow.reason
+    assert plan_ps(2, [380 * mib], 1024, 4, replicated=False).action is ScaleAction.NONE
+    held = plan_ps(4, [900 * mib], 1024, 4, replicated=False)
+    assert held.action is ScaleAction.NONE and "at their max (4)" in held.reason
+    assert plan_ps(2, [900 * mib], 0, 4, replicated=False).action is ScaleAction.NONE  # no size

@@ -193,3 +193,39 @@ class ResourceOptimizer:
         self._s.last_action_at = self._clock()
         self._s.scale_in_votes = 0
         return plan
+
+
+PS_FILL = 0.7
+"""An embedding server is full when its rows (and the replica of its neighbour's) take more
+than this share of its memory."""
+
+
+def plan_ps(
+    servers: int,
+    table_bytes: Sequence[int],
+    memory_mib: int,
+    max_servers: int,
+    replicated: bool,
+    fill: float = PS_FILL,
+) -> ScalePlan:
+    """The embedding servers' next step: one more server while the fullest one's rows (twice
+    that with replicas: it also holds its neighbour's) pass ``fill`` of its memory, up to
+    ``max_servers``. Buckets spread evenly, so one more server takes a share off each."""
+    if not memory_mib or not table_bytes:
+        return ScalePlan(ScaleAction.NONE, servers, reason="embedding servers have no memory size")
+    held = max(table_bytes) * (2 if replicated else 1)
+    used = held / (memory_mib << 20)
+    if used <= fill:
+        return ScalePlan(ScaleAction.NONE, servers, reason=f"embedding servers {used:.0%} full")
+    if servers >= max_servers:
+        return ScalePlan(
+            ScaleAction.NONE,
+            servers,
+            reason=f"embedding servers {used:.0%} full, at their max ({max_servers})",
+        )
+    return ScalePlan(
+        ScaleAction.SCALE_OUT,
+        servers + 1,
+        reason=f"the fullest embedding server holds {held >> 20} MiB of {memory_mib} MiB "
+        f"({used:.0%} > {fill:.0%})",
+    )

@@ -27,6 +27,7 @@ from dlrover.embedding.wire import Placement
 from dlrover.engines.base import Engine, EngineError, NodeEvent, NodeSpec, NodeState
 from dlrover.jobspec import JobSpec
 from dlrover.master.job import JobMaster
+from dlrover.master.optimizer import ScaleAction, plan_ps
 from dlrover.master.relaunch_policy import OomPolicy, replacement_spec
 from dlrover.master.state_store import MemoryStateStore, StateStore
 from dlrover.proto import embedding_pb2 as pb
@@ -36,7 +37,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_ADDRESS_TIMEOUT_S = 120.0
 """How long a launched `dlrover-ps` has to register its address before it counts as failed."""
 DEFAULT_STATS_INTERVAL_S = 5.0
-"""How often the servers' stats are read for the metrics."""
+"""How often the servers' stats are read for the metrics (and the auto-scaler)."""
+GROW_COOLDOWN_S = 60.0
+"""With ``--auto-scale``: the least time between two servers added because they filled up."""
 
 REPLICA_MODES = {"async": pb.ASYNC, "sync": pb.SYNC, "none": pb.NO_REPLICA}
 
@@ -104,6 +107,7 @@ class PsController:
         self._failed: dict[str, NodeEvent] = {}
         """Failure events of servers whose replacement is queued (OOM: the next gets more)."""
         self.failovers = 0
+        self._grown_at: float | None = None
         self.ready = threading.Event()
         """Set once the servers are installed and their placement published."""
 
@@ -168,6 +172,7 @@ class PsController:
                 kind, value = self._requests.get(timeout=max(0.0, next_stats - self._clock()))
             except queue.Empty:
                 self._read_stats()
+                self._grow_if_full()
                 next_stats = self._clock() + self._stats_interval_s
                 continue
             try:
@@ -391,6 +396,33 @@ class PsController:
             f"embedding servers {before} -> {count}: {report.moved_rows} rows moved, "
             f"{report.pause_s:.2f}s pause",
         )
+
+    def _grow_if_full(self) -> None:
+        """``--auto-scale``: one more server while the fullest passes its fill (optimizer.py)."""
+        if not self._spec.auto_scale or self._ps.max_count <= self._ps.count:
+            return
+        now = self._clock()
+        if self._grown_at is not None and now - self._grown_at < GROW_COOLDOWN_S:
+            return
+        stats = self.stats()
+        with self._lock:
+            servers = len(self._nodes)
+        if len(stats) != servers:
+            return  # a server did not answer: its failover comes first
+        plan = plan_ps(
+            servers,
+            [s.bytes for s in stats],
+            self._ps.resources.memory_mib,
+            self._ps.max_count,
+            replicated=self._ps.replica != "none",
+        )
+        if plan.action is ScaleAction.SCALE_OUT:
+            self._grown_at = now
+            logger.info(
+                "auto-scale: embedding servers: %d -> %d: %s", servers, plan.nodes, plan.reason
+            )
+            self._job.event("scale", f"embedding servers -> {plan.nodes}: {plan.reason}")
+            self._requests.put(("scale", plan.nodes))
 
     def _read_stats(self) -> None:
         cluster = self._cluster
