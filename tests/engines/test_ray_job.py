@@ -97,3 +97,58 @@ def test_job_survives_a_lost_ray_node(ray_cluster: Any, tmp_path: Path, monkeypa
     done = [int(line.split()[0]) for line in Path(f"{out}.steps").read_text().splitlines()]
     assert done == list(range(1, steps + 1))
     assert sys.platform.startswith("linux")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_embedding_servers_run_as_ray_nodes(ray_cluster: Any, tmp_path: Path, monkeypatch) -> None:  # noqa: F811
+    """A job with `--ps 2` on Ray: the master launches the dlrover-ps nodes as Ray actors (they
+    listen on every interface and advertise the machine's address), the worker finds them
+    through the master, and the model equals the one the same job trains on local processes."""
+    from dlrover.engines.ray_engine import RayEngine
+    from dlrover.master.ps_controller import PsController
+    from tests.conftest import dlrover_cli
+
+    example = REPO / "examples" / "train_embedding.py"
+    args = ["--steps", "60"]
+    ref = dlrover_cli(
+        tmp_path / "home", "submit", "--name", "ref", "--ps", "2", str(example), *args,
+        "--out", str(tmp_path / "ref"), timeout=240,
+    )  # fmt: skip
+    assert ref.returncode == 0, ref.stderr[-4000:]
+
+    for key, value in clean_env().items():
+        monkeypatch.setenv(key, value)  # the Ray actors inherit the driver's environment
+    monkeypatch.chdir(REPO)
+    spec = job_spec_from_flags(
+        str(example), [*args, "--out", str(tmp_path / "ray")], engine="ray", name="rayps", ps=2
+    )
+    job = JobMaster(
+        JobMasterConfig(job_name="rayps", rendezvous=RendezvousConfig(1, 1)), MemoryStateStore()
+    )
+    server = MasterServer(job, "tok", "0.0.0.0", 0).start()
+    engine = RayEngine(address=ray_cluster.address, stop_grace_s=1.0, launch_timeout_s=60)
+    master_addr = f"127.0.0.1:{server.port}"
+    controller = NodeController(job, engine, spec, master_addr, "tok")
+    controller.ps = job.ps = PsController(job, engine, spec, master_addr, "tok")
+    stop = threading.Event()
+    runner = threading.Thread(target=controller.run, args=(stop,), daemon=True)
+    try:
+        controller.ps.start()
+        controller.start()
+        runner.start()
+        assert job.ended.wait(240), "the job did not finish on Ray"
+        assert job.state == JobState.SUCCEEDED, job.reason
+        addresses = controller.ps.addresses
+        assert len(addresses) == 2 and not any(a.startswith("0.0.0.0") for a in addresses)
+    finally:
+        stop.set()
+        runner.join(30)
+        controller.ps.close()
+        server.stop(0.5)
+    import torch
+
+    got, want = torch.load(tmp_path / "ray.pt"), torch.load(tmp_path / "ref.pt")
+    assert torch.equal(got["deep"], want["deep"]) and torch.equal(got["wide"], want["wide"])
+    for key, value in want["mlp"].items():
+        assert torch.equal(got["mlp"][key], value), key
