@@ -91,8 +91,9 @@ def fill(client: EmbeddingClient, total_rows: int, dim: int) -> None:
         client.lookup("items", np.arange(start, min(total_rows, start + step), dtype=np.int64), dim)
 
 
-def restart_way(old: EmbeddingClient, directory: str, dim: int) -> tuple[float, list[Ps]]:
-    """Save every row to files, start 3 fresh servers, load and re-partition: seconds."""
+def restart_way(old: EmbeddingClient, directory: str, dim: int) -> tuple[float, float, list[Ps]]:
+    """Save every row to files, then start 3 fresh servers, load and re-partition: the seconds
+    of each half (the second is what a failure costs when the save was a periodic checkpoint)."""
     start = time.perf_counter()
     num_buckets = old.bucket_map.num_buckets
     paths = []
@@ -107,6 +108,7 @@ def restart_way(old: EmbeddingClient, directory: str, dim: int) -> tuple[float, 
                 f.flush()
                 os.fsync(f.fileno())
             paths.append(path)
+    saved_at = time.perf_counter()
     fresh = [Ps(directory, f"fresh{i}") for i in range(3)]
     new = EmbeddingClient([p.address for p in fresh], TOKEN, BucketMap.even(3))
     new.create_table(spec(dim))
@@ -129,9 +131,9 @@ def restart_way(old: EmbeddingClient, directory: str, dim: int) -> tuple[float, 
                     dim=dim,
                 ),
             )
-    seconds = time.perf_counter() - start
+    now = time.perf_counter()
     new.close()
-    return seconds, fresh
+    return saved_at - start, now - saved_at, fresh
 
 
 def main() -> None:
@@ -175,7 +177,8 @@ def main() -> None:
             cluster = EmbeddingCluster(client)
             cluster.install()
             fill(client, total_rows, dim)
-            restart_s, fresh = restart_way(client, tmp, dim)
+            save_s, load_s, fresh = restart_way(client, tmp, dim)
+            restart_s = save_s + load_s
             for f in fresh:
                 f.stop()
             report = cluster.resize([s.address for s in servers])
@@ -194,6 +197,11 @@ def main() -> None:
             serving_s = failover_s - (failover.seconds - failover.serving_after_s)
             print(f"| {'failover: a new process, restored, serving':44} | {serving_s:8.2f} |")
             print(f"| {'failover: end to end (replicas re-sent)':44} | {failover_s:8.2f} |")
+            print(f"| {'restart way after a failure: start 3, load':44} | {load_s:8.2f} |")
+            print(
+                f"\nfailover serving / restart way (start, load): {serving_s / load_s:.2f}x; "
+                f"live resize pause / stop-save-start-load: {report.pause_s / restart_s:.2f}x"
+            )
             print(
                 f"\nmoved {report.moved_buckets} buckets, {report.moved_rows} rows; the restart "
                 f"way stops training {restart_s / report.pause_s:.1f}x longer (and only the "
