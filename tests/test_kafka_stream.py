@@ -307,3 +307,50 @@ def test_registering_asks_the_broker_outside_the_lock_and_closes_a_source_that_f
         assert not [t for t in threading.enumerate() if t.name == "kafka-offsets-clicks"]
     finally:
         server.stop(0.1)
+
+
+def test_offsets_without_records_transaction_markers_end_a_range_and_count_exactly_once(
+    broker: KafkaBroker, master: Master
+) -> None:
+    from confluent_kafka import Producer
+
+    broker.create_topic("clicks", 1)
+    producer = Producer({"bootstrap.servers": broker.bootstrap, "transactional.id": "t"})
+    producer.init_transactions(10)
+    for first in (0, 3, 6):  # 3 records and a commit marker each: offsets 0-2 (3), 4-6 (7), ...
+        producer.begin_transaction()
+        for i in range(first, first + 3):
+            producer.produce("clicks", json.dumps({"id": i}).encode(), partition=0)
+        producer.commit_transaction(10)
+    # Ranges of 4 offsets end on a marker: without the position rule each waited for it.
+    reader = _dataset(broker, master, "w0", end_offsets={0: 12}, read_timeout_s=3.0)
+    records = iter(reader)
+    before = [next(records) for _ in range(4)]  # a whole range and one record of the next
+    state = json.loads(json.dumps(reader.state_dict()))
+    assert state["position"]["offsets"] == [[0, 5]]  # offset 4 was trained, 5 was not
+    reader.close()
+    again = _dataset(broker, master, "w0", end_offsets={0: 12}, read_timeout_s=3.0)
+    again.load_state_dict(state)
+    rest = list(again)
+    again.close()
+    assert sorted(before + rest) == list(range(9))
+
+
+@pytest.mark.parametrize("kept_from", [6, 12])
+def test_a_checkpoint_older_than_retention_reads_what_is_left(
+    broker: KafkaBroker, master: Master, kept_from: int
+) -> None:
+    from confluent_kafka import TopicPartition
+    from confluent_kafka.admin import AdminClient
+
+    broker.create_topic("clicks", 1)
+    broker.produce("clicks", [(0, json.dumps({"id": i}).encode()) for i in range(12)])
+    admin = AdminClient({"bootstrap.servers": broker.bootstrap})
+    for future in admin.delete_records([TopicPartition("clicks", 0, kept_from)]).values():
+        future.result(10)  # what retention does: offsets below kept_from are gone
+    reader = _dataset(broker, master, "w0", end_offsets={0: 12}, read_timeout_s=3.0)
+    reader.load_state_dict(
+        {"topic": "clicks", "position": {"stream": "clicks", "offsets": [[0, 0]], "pending": []}}
+    )
+    assert sorted(reader) == list(range(kept_from, 12))
+    reader.close()

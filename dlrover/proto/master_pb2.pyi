@@ -889,14 +889,16 @@ class StreamPosition(_message.Message):
     def __init__(self, stream: _Optional[str] = ..., offsets: _Optional[_Iterable[_Union[PartitionOffset, _Mapping]]] = ..., pending: _Optional[_Iterable[_Union[StreamRange, _Mapping]]] = ...) -> None: ...
 
 class StreamMark(_message.Message):
-    __slots__ = ("begin", "partition", "start")
+    __slots__ = ("begin", "partition", "start", "count")
     BEGIN_FIELD_NUMBER: _ClassVar[int]
     PARTITION_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
     begin: int
     partition: int
     start: int
-    def __init__(self, begin: _Optional[int] = ..., partition: _Optional[int] = ..., start: _Optional[int] = ...) -> None: ...
+    count: int
+    def __init__(self, begin: _Optional[int] = ..., partition: _Optional[int] = ..., start: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
 
 class StreamFetchResult(_message.Message):
     __slots__ = ("shards", "finished")

@@ -146,13 +146,16 @@ class StreamPosition:
 
 @dataclass(frozen=True)
 class StreamMark:
-    """Where a worker stands in its pass over a stream: it is about to yield the records of the
-    shard starting at ``start`` in ``partition``, and they occupy [begin, begin + its length) of
-    the records it yields in this pass. Without a partition: the pass ended after ``begin``."""
+    """Where a worker stands in its pass over a stream: it is about to yield the ``count``
+    records of the shard starting at ``start`` in ``partition``, and they occupy [begin,
+    begin + count) of the records it yields in this pass. ``count`` None: the shard's length
+    (fewer where the partition's offsets have gaps). Without a partition: the pass ended after
+    ``begin``."""
 
     begin: int
     partition: int | None = None
     start: int = 0
+    count: int | None = None
 
 
 @dataclass(frozen=True)
@@ -210,6 +213,9 @@ class StreamShard:
 
 # (partition, start) identifies a stream shard; (partition, start, end, attempt) a requeued one.
 _StreamKey = tuple[int, int]
+# A mark names its shard with the end too: a range of records, finished or not, outlives its
+# lease in the marks.
+_MarkKey = tuple[int, int, int]
 
 _MARKS_KEPT = 1024
 """Marks of finished shards kept per worker: far more than a worker reads ahead of a checkpoint."""
@@ -238,7 +244,7 @@ class StreamQueue:
         self.requeued: deque[tuple[int, int, int, int]] = deque()
         self.leases: LeaseTable[_StreamKey] = LeaseTable()
         self.ends: dict[_StreamKey, int] = {}
-        self.ledgers: Ledgers[_StreamKey] = Ledgers()
+        self.ledgers: Ledgers[_MarkKey] = Ledgers()
         self.failure: str | None = None
         self.stopped = False
         self.restore_token: str | None = None
@@ -341,27 +347,35 @@ class StreamQueue:
                 "stream %r: ignored %s of %s (not its lease)", self.spec.name, mark, worker_id
             )
             return
-        self.ledgers.record(worker_id, 0, mark.begin, key, 0, self.ends[key] - mark.start)
+        end = self.ends[key]
+        count = end - mark.start if mark.count is None else mark.count
+        if not 0 <= count <= end - mark.start:
+            raise InvalidSpecError(
+                f"mark of stream {self.spec.name!r}: {count} records in [{mark.start}, {end})"
+            )
+        self.ledgers.record(worker_id, 0, mark.begin, (*key, end), 0, count)
         # A stream's pass never ends: forget finished shards far behind, or marks grow forever.
         self.ledgers.trim(worker_id, _MARKS_KEPT, self._is_open)
 
-    def _is_open(self, key: _StreamKey) -> bool:
-        return self.leases.get(key) is not None or any(
-            (p, s) == key for p, s, _, _ in self.requeued
+    def _is_open(self, key: _MarkKey) -> bool:
+        partition, start, _ = key
+        return self.leases.get((partition, start)) is not None or any(
+            (p, s) == (partition, start) for p, s, _, _ in self.requeued
         )
 
     def recover_worker(self, worker_id: str) -> list[_StreamKey]:
         """Put every range ``worker_id`` holds back at the head of the queue; returns their keys."""
         self.ledgers.forget_worker(worker_id)
-        return self._requeue(sorted(self.leases.held_by(worker_id)), f"worker {worker_id} lost")
+        back = self._requeue(sorted(self.leases.held_by(worker_id)), f"worker {worker_id} lost")
+        return [(p, s) for p, s, _ in back]
 
     def expire(self, now: float) -> list[_StreamKey]:
         """Requeue every range whose lease deadline is at or before ``now``; returns their keys."""
         back = self._requeue(sorted(self.leases.expired(now)), "lease expired")
         self.ledgers.forget_shards(set(back))
-        return back
+        return [(p, s) for p, s, _ in back]
 
-    def _requeue(self, keys: list[_StreamKey], reason: str) -> list[_StreamKey]:
+    def _requeue(self, keys: list[_StreamKey], reason: str) -> list[_MarkKey]:
         back = []
         for key in keys:
             lease = self.leases.release(key)
@@ -377,7 +391,7 @@ class StreamQueue:
                 )
             back.append((key[0], key[1], end, attempt))
         self.requeued.extendleft(reversed(back))
-        return [(p, s) for p, s, _, _ in back]
+        return [(p, s, e) for p, s, e, _ in back]
 
     def committed(self) -> dict[int, int]:
         """Per partition, the offset below which every record is done."""
@@ -399,11 +413,13 @@ class StreamQueue:
             return StreamPositionAt(None, tuple(waiting))
         pending = {(p, s): (s, e) for p, s, e, _ in self.requeued}
         pending.update({key: (key[1], self.ends[key]) for key, _ in self.leases.items()})
-        for (partition, start), (used, length) in marked.items():
-            if used >= length:
+        for (partition, start, end), (used, count) in marked.items():
+            if used >= count:
                 pending.pop((partition, start), None)
             else:
-                pending[(partition, start)] = (start + used, start + length)
+                # With gaps in the offsets, start + used is at or below the next record: a
+                # restore may train again a few records of this range, never skip one.
+                pending[(partition, start)] = (start + used, end)
         # Checkpoints move forward: shards done before this one are not asked about again.
         self.ledgers.prune(consumed, self._is_open)
         return StreamPositionAt(self._canonical(pending))

@@ -336,13 +336,16 @@ def stream_mark_to_proto(mark: StreamMark) -> pb.StreamMark:
     message = pb.StreamMark(begin=mark.begin, start=mark.start)
     if mark.partition is not None:
         message.partition = mark.partition
+    if mark.count is not None:
+        message.count = mark.count
     return message
 
 
 def stream_mark_from_proto(message: pb.StreamMark) -> StreamMark:
     """A StreamMark message back (no shard when ``partition`` is unset)."""
     partition = message.partition if message.HasField("partition") else None
-    return StreamMark(message.begin, partition, message.start)
+    count = message.count if message.HasField("count") else None
+    return StreamMark(message.begin, partition, message.start, count)
 
 
 def stream_fetch_result_to_proto(result: StreamFetchResult) -> pb.StreamFetchResult:

@@ -169,8 +169,9 @@ class ElasticStreamDataset(IterableDataset[T], Generic[T]):
     def _read(self, shard: StreamShard, stop: threading.Event) -> Iterator[Any]:
         """The messages of ``shard``'s offset range, in order (none more once ``stop`` is set):
         the client's own objects, made into KafkaRecords by the loop (so the reader thread holds
-        the GIL as little as it can). Raises StreamSourceError when the broker does not deliver
-        them within ``read_timeout_s``."""
+        the GIL as little as it can). Offsets may have gaps (transaction markers, compaction,
+        retention): the range is read once the consumer is past its end. Raises
+        StreamSourceError when the broker does not deliver them within ``read_timeout_s``."""
         from confluent_kafka import KafkaError, TopicPartition
 
         consumer = self._reader()
@@ -200,11 +201,16 @@ class ElasticStreamDataset(IterableDataset[T], Generic[T]):
                         last_error = str(error)
                     continue
                 offset = message.offset()
-                if offset < expected or offset >= shard.end:
-                    continue  # read past the range (the fetch is per partition): not ours
+                if offset >= shard.end:
+                    expected = shard.end  # a later record: none is left below the end
+                    break
+                if offset < expected:
+                    continue
                 expected = offset + 1
                 deadline = time.monotonic() + self.read_timeout_s
                 yield message
+            if expected < shard.end and _past(consumer, self.topic, shard):
+                expected = shard.end
 
     def _reader(self) -> Any:
         if self._consumer is None:
@@ -360,7 +366,7 @@ class _ReadAhead:
             messages = list(dataset._read(shard, self._stop))
             if self._stop.is_set():
                 return
-            client.mark(StreamMark(begin, shard.partition, shard.start))
+            client.mark(StreamMark(begin, shard.partition, shard.start, len(messages)))
             begin += len(messages)
             if not self._put((shard, messages)):
                 return
@@ -400,6 +406,21 @@ class _ReadAhead:
             self.client.report_done(shard)
         except Exception as error:  # the range stays leased; its lease or a restore settles it
             logger.warning("could not report %s done: %s", shard, error)
+
+
+def _past(consumer: Any, topic: str, shard: StreamShard) -> bool:
+    """Whether ``consumer`` is past the end of ``shard`` though it delivered no record at or
+    after it: the last offsets of the range hold no record (a transaction's marker moves the
+    position past it) or were deleted (the oldest offset kept is at or past the end)."""
+    from confluent_kafka import KafkaException, TopicPartition
+
+    partition = TopicPartition(topic, shard.partition)
+    try:
+        (position,) = consumer.position([partition])
+        oldest, _ = consumer.get_watermark_offsets(partition, cached=True)
+    except KafkaException:
+        return False
+    return max(position.offset, oldest) >= shard.end
 
 
 def _transport_from_env() -> StreamTransport:
