@@ -354,3 +354,45 @@ def test_a_checkpoint_older_than_retention_reads_what_is_left(
     )
     assert sorted(reader) == list(range(kept_from, 12))
     reader.close()
+
+
+def test_a_reader_keeps_its_leases_while_the_broker_is_slow(
+    broker: KafkaBroker, master: Master, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+    import signal
+
+    monkeypatch.setenv("DLROVER_SHARD_LEASE_S", "2")
+    broker.create_topic("clicks", 3)
+    _produce(broker, "clicks", range(24))
+    reader = _dataset(broker, master, "w0", end_offsets={0: 8, 1: 8, 2: 8}, poll_s=0.2)
+    reader.client.start()  # registered while the broker answers
+    assert broker.proc is not None
+    os.kill(broker.proc.pid, signal.SIGSTOP)  # a broker that answers nothing for 5 s
+    resume = threading.Timer(5.0, os.kill, (broker.proc.pid, signal.SIGCONT))
+    resume.start()
+    try:
+        seen = list(reader)
+    finally:
+        resume.join()
+    reader.close()
+    assert sorted(seen) == list(range(24))  # no lease expired under the reader: none read twice
+
+
+def test_a_reader_keeps_its_leases_while_the_loop_trains_its_last_ranges(
+    broker: KafkaBroker, master: Master, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DLROVER_SHARD_LEASE_S", "2")
+    broker.create_topic("clicks", 3)
+    _produce(broker, "clicks", range(24))
+    ends = {0: 8, 1: 8, 2: 8}  # six ranges of 4
+    first = _dataset(broker, master, "w0", end_offsets=ends, poll_s=0.2)
+    records = iter(first)
+    seen = [next(records) for _ in range(17)]  # in the fifth range: the reader has no more to ask
+    time.sleep(5.0)  # a slow step: longer than the lease
+    second = _dataset(broker, master, "w1", end_offsets=ends, poll_s=0.2)
+    seen += list(second)  # nothing left for it: w0 still holds its ranges
+    seen += list(records)
+    first.close()
+    second.close()
+    assert sorted(seen) == list(range(24))

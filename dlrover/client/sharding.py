@@ -166,12 +166,13 @@ class GrpcShardingTransport:
         request = pb.RenewLeasesRequest(dataset=stream, worker_id=worker_id)
         return _accepted(self._client.call(self._client.stub.RenewStreamLeases, request)).renewed
 
-    def mark_stream(self, stream: str, worker_id: str, mark: StreamMark) -> None:
-        """Record where the worker stands in its pass (MarkStream RPC)."""
+    def mark_stream(self, stream: str, worker_id: str, mark: StreamMark) -> bool:
+        """Record where the worker stands in its pass (MarkStream RPC); False when it does not
+        hold the marked range."""
         request = pb.MarkStreamRequest(
             stream=stream, worker_id=worker_id, mark=wire.stream_mark_to_proto(mark)
         )
-        _accepted(self._client.call(self._client.stub.MarkStream, request))
+        return _accepted(self._client.call(self._client.stub.MarkStream, request)).accepted
 
     def stream_position_at(self, stream: str, consumed: int) -> StreamPositionAt:
         """The position at a record count of every worker (StreamPositionAt RPC)."""

@@ -104,15 +104,17 @@ class StreamTransport(Protocol):
     def report_stream_done(
         self, stream: str, worker_id: str, shards: Sequence[tuple[int, int]]
     ) -> int:
-        """Report ranges, named by (partition, start), finished; returns how many were open."""
+        """Report ranges, named by (partition, start), finished; returns how many counted (held
+        by ``worker_id``, or back in the queue)."""
         ...
 
     def renew_stream_leases(self, stream: str, worker_id: str) -> int:
         """Extend every lease ``worker_id`` holds on ``stream``; returns how many."""
         ...
 
-    def mark_stream(self, stream: str, worker_id: str, mark: StreamMark) -> None:
-        """Record where ``worker_id`` stands in its pass (see StreamMark)."""
+    def mark_stream(self, stream: str, worker_id: str, mark: StreamMark) -> bool:
+        """Record where ``worker_id`` stands in its pass (see StreamMark); False when it does not
+        hold the marked range (its lease expired): it must not yield it."""
         ...
 
     def stream_position_at(self, stream: str, consumed: int) -> StreamPositionAt:

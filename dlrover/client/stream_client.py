@@ -80,13 +80,15 @@ class StreamShardingClient:
             delay = min(delay * 2, MAX_POLL_INTERVAL_S)
         return self._leased.popleft() if self._leased else None
 
-    def mark(self, mark: StreamMark) -> None:
-        """Tell the master where this worker stands in its pass (before a range's records)."""
+    def mark(self, mark: StreamMark) -> bool:
+        """Tell the master where this worker stands in its pass (before a range's records); False
+        when this worker no longer holds the range (its lease expired): do not yield it."""
         self._renew_if_due()
-        self.transport.mark_stream(self.spec.name, self.worker_id, mark)
+        return self.transport.mark_stream(self.spec.name, self.worker_id, mark)
 
     def report_done(self, shard: StreamShard) -> int:
-        """Tell the master this worker has read every record of ``shard``."""
+        """Tell the master this worker has read every record of ``shard``; 0 when another worker
+        holds it now."""
         return self.transport.report_stream_done(
             self.spec.name, self.worker_id, [(shard.partition, shard.start)]
         )

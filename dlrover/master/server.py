@@ -647,16 +647,17 @@ class MasterServicer(pb_grpc.MasterServicer):
 
     async def MarkStream(
         self, request: pb.MarkStreamRequest, context: grpc.aio.ServicerContext
-    ) -> pb.MarkConsumptionResponse:  # noqa: N802
-        """Record where a worker stands in its pass over a stream."""
+    ) -> pb.MarkStreamResponse:  # noqa: N802
+        """Record where a worker stands in its pass over a stream; refused for a range it no
+        longer holds."""
 
-        def run() -> pb.MarkConsumptionResponse:
+        def run() -> pb.MarkStreamResponse:
             _require(request, "mark")
             mark = sharding_wire.stream_mark_from_proto(request.mark)
-            self.job.sharding.mark_stream(request.stream, request.worker_id, mark)
-            return pb.MarkConsumptionResponse()
+            accepted = self.job.sharding.mark_stream(request.stream, request.worker_id, mark)
+            return pb.MarkStreamResponse(accepted=accepted)
 
-        return await _sharding(context, pb.MarkConsumptionResponse, run)
+        return await _sharding(context, pb.MarkStreamResponse, run)
 
     async def StreamPositionAt(
         self, request: pb.StreamPositionAtRequest, context: grpc.aio.ServicerContext

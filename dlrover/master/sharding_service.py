@@ -160,10 +160,10 @@ class ShardingService:
         with self._lock:
             return self.manager.renew_stream_leases(stream, worker_id)
 
-    def mark_stream(self, stream: str, worker_id: str, mark: StreamMark) -> None:
+    def mark_stream(self, stream: str, worker_id: str, mark: StreamMark) -> bool:
         """Record the worker's mark (ShardManager.mark_stream); kept in memory only."""
         with self._lock:
-            self.manager.mark_stream(stream, worker_id, mark)
+            return self.manager.mark_stream(stream, worker_id, mark)
 
     def stream_position_at(self, stream: str, consumed: int) -> StreamPositionAt:
         """The stream's position when every worker had yielded ``consumed`` records."""

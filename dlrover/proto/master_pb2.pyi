@@ -992,6 +992,14 @@ class MarkStreamRequest(_message.Message):
     mark: StreamMark
     def __init__(self, stream: _Optional[str] = ..., worker_id: _Optional[str] = ..., mark: _Optional[_Union[StreamMark, _Mapping]] = ...) -> None: ...
 
+class MarkStreamResponse(_message.Message):
+    __slots__ = ("error", "accepted")
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    error: ShardingError
+    accepted: bool
+    def __init__(self, error: _Optional[_Union[ShardingError, _Mapping]] = ..., accepted: _Optional[bool] = ...) -> None: ...
+
 class StreamPositionAtRequest(_message.Message):
     __slots__ = ("stream", "consumed")
     STREAM_FIELD_NUMBER: _ClassVar[int]

@@ -202,7 +202,7 @@ class MasterStub:
         self.MarkStream = channel.unary_unary(
                 '/dlrover.Master/MarkStream',
                 request_serializer=dlrover_dot_proto_dot_master__pb2.MarkStreamRequest.SerializeToString,
-                response_deserializer=dlrover_dot_proto_dot_master__pb2.MarkConsumptionResponse.FromString,
+                response_deserializer=dlrover_dot_proto_dot_master__pb2.MarkStreamResponse.FromString,
                 _registered_method=True)
         self.StreamPositionAt = channel.unary_unary(
                 '/dlrover.Master/StreamPositionAt',
@@ -658,7 +658,7 @@ def add_MasterServicer_to_server(servicer, server):
             'MarkStream': grpc.unary_unary_rpc_method_handler(
                     servicer.MarkStream,
                     request_deserializer=dlrover_dot_proto_dot_master__pb2.MarkStreamRequest.FromString,
-                    response_serializer=dlrover_dot_proto_dot_master__pb2.MarkConsumptionResponse.SerializeToString,
+                    response_serializer=dlrover_dot_proto_dot_master__pb2.MarkStreamResponse.SerializeToString,
             ),
             'StreamPositionAt': grpc.unary_unary_rpc_method_handler(
                     servicer.StreamPositionAt,
@@ -1598,7 +1598,7 @@ class Master:
             target,
             '/dlrover.Master/MarkStream',
             dlrover_dot_proto_dot_master__pb2.MarkStreamRequest.SerializeToString,
-            dlrover_dot_proto_dot_master__pb2.MarkConsumptionResponse.FromString,
+            dlrover_dot_proto_dot_master__pb2.MarkStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

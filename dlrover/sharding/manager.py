@@ -159,16 +159,18 @@ class ShardManager:
     def report_stream_done(
         self, stream: str, worker_id: str, shards: Sequence[tuple[int, int]]
     ) -> int:
-        """Mark shards, named by (partition, start offset), as done; returns how many counted."""
+        """Mark shards, named by (partition, start offset), as done; only those ``worker_id``
+        holds, or that are back in the queue, count; returns how many."""
         return self._stream(stream).report_done(worker_id, shards)
 
     def renew_stream_leases(self, stream: str, worker_id: str) -> int:
         """Extend every lease ``worker_id`` holds on ``stream``; returns how many."""
         return self._stream(stream).renew(worker_id, self._clock())
 
-    def mark_stream(self, stream: str, worker_id: str, mark: StreamMark) -> None:
-        """Record where ``worker_id`` stands in its pass over ``stream`` (see StreamMark)."""
-        self._stream(stream).mark(worker_id, mark)
+    def mark_stream(self, stream: str, worker_id: str, mark: StreamMark) -> bool:
+        """Record where ``worker_id`` stands in its pass over ``stream`` (see StreamMark); False
+        for a range it does not hold."""
+        return self._stream(stream).mark(worker_id, mark)
 
     def stream_position_at(self, stream: str, consumed: int) -> StreamPositionAt:
         """The position when every worker had yielded ``consumed`` records of its current pass."""

@@ -315,11 +315,24 @@ class StreamQueue:
         self.stopped = True
 
     def report_done(self, worker_id: str, shards: Sequence[tuple[int, int]]) -> int:
-        """Mark ranges, named by (partition, start), as done, whoever holds them; returns how many
-        were open (leased or requeued)."""
+        """Mark ranges, named by (partition, start), as done: those ``worker_id`` holds, and those
+        back in the queue (a worker whose lease expired had trained them; read again they
+        would be trained twice). A range leased to another worker stays its: a former holder's
+        report must not end the new holder's lease. Returns how many counted."""
         accepted = 0
         for key in shards:
-            if self.leases.release(key) is not None:
+            lease = self.leases.get(key)
+            if lease is not None:
+                if lease.worker_id != worker_id:
+                    logger.warning(
+                        "stream %r: %s reported %s done, which is leased to %s now: ignored",
+                        self.spec.name,
+                        worker_id,
+                        key,
+                        lease.worker_id,
+                    )
+                    continue
+                self.leases.release(key)
                 self.ends.pop(key, None)
                 accepted += 1
             else:
@@ -332,21 +345,25 @@ class StreamQueue:
         """Extend every lease ``worker_id`` holds to ``now + lease_s``; returns how many."""
         return self.leases.renew(worker_id, now + self.spec.lease_s)
 
-    def mark(self, worker_id: str, mark: StreamMark) -> None:
+    def mark(self, worker_id: str, mark: StreamMark) -> bool:
         """Record where ``worker_id`` stands in its pass (see StreamMark). A mark of a shard the
-        worker no longer holds (its lease expired) is ignored: that shard went back to the queue."""
+        worker no longer holds (its lease expired) is refused (False): that shard went back to
+        the queue, and the worker must not yield it."""
         if mark.begin < 0:
             raise InvalidSpecError(f"mark of stream {self.spec.name!r}: negative begin {mark}")
         if mark.partition is None:
             self.ledgers.record(worker_id, 0, mark.begin, None, 0, 0)
-            return
+            return True
         key = (mark.partition, mark.start)
         lease = self.leases.get(key)
         if lease is None or lease.worker_id != worker_id:
-            logger.info(
-                "stream %r: ignored %s of %s (not its lease)", self.spec.name, mark, worker_id
+            logger.warning(
+                "stream %r: refused %s of %s (not its lease: it expired)",
+                self.spec.name,
+                mark,
+                worker_id,
             )
-            return
+            return False
         end = self.ends[key]
         count = end - mark.start if mark.count is None else mark.count
         if not 0 <= count <= end - mark.start:
@@ -356,6 +373,7 @@ class StreamQueue:
         self.ledgers.record(worker_id, 0, mark.begin, (*key, end), 0, count)
         # A stream's pass never ends: forget finished shards far behind, or marks grow forever.
         self.ledgers.trim(worker_id, _MARKS_KEPT, self._is_open)
+        return True
 
     def _is_open(self, key: _MarkKey) -> bool:
         partition, start, _ = key

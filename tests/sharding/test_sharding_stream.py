@@ -54,3 +54,23 @@ def test_stream_lease_timeout_state_and_restore() -> None:
     assert (again.partition, again.start, again.attempt) == (b.partition, b.start, 1)
     restored.restore_stream(StreamPosition("s", ((0, 0), (1, 0))))
     assert restored.stream_committed("s") == {0: 0, 1: 0}
+
+
+def test_a_former_holder_cannot_end_or_mark_a_range_leased_again() -> None:
+    from dlrover.sharding.stream import StreamMark
+
+    clock = [0.0]
+    source = InMemoryStreamSource(num_partitions=1)
+    source.append(0, 10)
+    manager = ShardManager(clock=lambda: clock[0])
+    manager.register_stream(StreamSpec("s", records_per_shard=10, lease_s=1.0), source)
+    (shard,) = manager.fetch_stream_shards("s", "w0", 1).shards
+    clock[0] = 2.0
+    assert manager.tick() == 1  # w0's lease expired
+    assert manager.fetch_stream_shards("s", "w1", 1).shards == (shard.__class__("s", 0, 0, 10, 1),)
+    assert not manager.mark_stream("s", "w0", StreamMark(0, 0, 0))  # w0 must skip it
+    assert manager.report_stream_done("s", "w0", [(0, 0)]) == 0  # w1's lease stands
+    assert manager.stream_progress("s").leased == 1
+    assert manager.mark_stream("s", "w1", StreamMark(0, 0, 0))
+    assert manager.report_stream_done("s", "w1", [(0, 0)]) == 1
+    assert manager.stream_committed("s") == {0: 10}

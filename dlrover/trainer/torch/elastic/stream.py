@@ -211,6 +211,7 @@ class ElasticStreamDataset(IterableDataset[T], Generic[T]):
                 yield message
             if expected < shard.end and _past(consumer, self.topic, shard):
                 expected = shard.end
+            self.client.keep_alive()  # a slow broker must not cost the leases
 
     def _reader(self) -> Any:
         if self._consumer is None:
@@ -332,9 +333,14 @@ class _ReadAhead:
             self._read_ahead()
         except BaseException as error:  # the loop raises it: a failure must not vanish
             self._put(error)
-        # Report what the loop finishes until it closes the pass.
+        # Report what the loop finishes until it closes the pass; the ranges it still trains
+        # stay leased meanwhile.
         while True:
-            shard = self._done.get()
+            try:
+                shard = self._done.get(timeout=1.0)
+            except queue.Empty:
+                self.client.keep_alive()
+                continue
             if shard is None:
                 break
             self._report(shard)
@@ -366,7 +372,10 @@ class _ReadAhead:
             messages = list(dataset._read(shard, self._stop))
             if self._stop.is_set():
                 return
-            client.mark(StreamMark(begin, shard.partition, shard.start, len(messages)))
+            if not client.mark(StreamMark(begin, shard.partition, shard.start, len(messages))):
+                # Another worker may hold it now: yielding it would train it twice.
+                logger.warning("lost the lease on %s while reading it: skipped", shard)
+                continue
             begin += len(messages)
             if not self._put((shard, messages)):
                 return
