@@ -199,18 +199,18 @@ def test_a_restarted_master_resumes_its_streams_even_while_the_broker_is_down(
     first = Master(SqliteStateStore(tmp_path / "state.db"))
     reader = _dataset(broker, first, "n0/0", end_offsets=ends)
     records = iter(reader)
-    read = [next(records) for _ in range(8)]  # two whole shards, reported done with the next
-    next(records)
-    reader.close()
+    read = [next(records) for _ in range(9)]  # two whole shards and one record of a third
+    reader.close()  # gives the rest of the third and the ranges read ahead back
     first.stop()
     broker.stop(graceful=True)
     second = Master(SqliteStateStore(tmp_path / "state.db"))  # needs no broker to start
     try:
         progress = second.transport().stream_progress("clicks")
-        assert sum(offset for _, offset in progress.committed) == 8
+        assert sum(offset for _, offset in progress.committed) == 9
+        assert progress.leased == 0
         broker.start()
-        # The reader's node rejoins (as its agent would): its shards go back to the queue.
-        assert second.server.job.sharding.recover_node("n0") == 2
+        # The reader's node rejoins (as its agent would): it held nothing any more.
+        assert second.server.job.sharding.recover_node("n0") == 0
         rest = list(_dataset(broker, second, "n0/0", end_offsets=ends))
         assert sorted(read + rest) == list(range(30))
     finally:
@@ -396,3 +396,33 @@ def test_a_reader_keeps_its_leases_while_the_loop_trains_its_last_ranges(
     first.close()
     second.close()
     assert sorted(seen) == list(range(24))
+
+
+def test_a_pass_closed_midway_gives_its_unread_ranges_back_and_counts_exactly_once(
+    broker: KafkaBroker, master: Master
+) -> None:
+    broker.create_topic("clicks", 3)
+    _produce(broker, "clicks", range(60))
+    ends = {0: 20, 1: 20, 2: 20}
+    reader = _dataset(broker, master, "w0", end_offsets=ends)
+    records = iter(reader)
+    first = [next(records) for _ in range(6)]  # mid-range, with ranges queued behind it
+    records.close()  # the pass ends here, as after `for b in islice(loader, n)`
+    closed = json.loads(json.dumps(reader.state_dict()))  # where that pass stopped
+    second = iter(reader)  # the next pass reads the rest first, and every range once
+    trained = [next(second) for _ in range(10)]
+    state = json.loads(json.dumps(reader.state_dict()))
+    trained += list(second)
+    reader.close()
+    assert sorted(first + trained) == list(range(60))
+    # The position taken in the second pass counts the first pass's records as trained.
+    again = _dataset(broker, master, "w0", end_offsets=ends)
+    again.load_state_dict(state)
+    rest = list(again)
+    again.close()
+    assert sorted(first + trained[:10] + rest) == list(range(60))
+    again = _dataset(broker, master, "w0", end_offsets=ends)
+    again.load_state_dict(closed)
+    rest = list(again)
+    again.close()
+    assert sorted(first + rest) == list(range(60))

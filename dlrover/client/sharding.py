@@ -161,6 +161,20 @@ class GrpcShardingTransport:
         )
         return _accepted(self._client.call(self._client.stub.ReportStreamDone, request)).accepted
 
+    def return_stream_shards(
+        self, stream: str, worker_id: str, remainders: Sequence[tuple[int, int, int, int]]
+    ) -> int:
+        """Give back ranges the worker will not read further (ReturnStreamShards RPC)."""
+        request = pb.ReturnStreamShardsRequest(
+            stream=stream,
+            worker_id=worker_id,
+            shards=[
+                pb.StreamRemainder(partition=p, start=s, resume=r, yielded=n)
+                for p, s, r, n in remainders
+            ],
+        )
+        return _accepted(self._client.call(self._client.stub.ReturnStreamShards, request)).accepted
+
     def renew_stream_leases(self, stream: str, worker_id: str) -> int:
         """Extend the worker's leases on the stream (RenewStreamLeases RPC)."""
         request = pb.RenewLeasesRequest(dataset=stream, worker_id=worker_id)

@@ -108,6 +108,13 @@ class StreamTransport(Protocol):
         by ``worker_id``, or back in the queue)."""
         ...
 
+    def return_stream_shards(
+        self, stream: str, worker_id: str, remainders: Sequence[tuple[int, int, int, int]]
+    ) -> int:
+        """Give back ranges ``worker_id`` will not read further: (partition, start, first offset
+        not yielded, records yielded) each; returns how many the master took back."""
+        ...
+
     def renew_stream_leases(self, stream: str, worker_id: str) -> int:
         """Extend every lease ``worker_id`` holds on ``stream``; returns how many."""
         ...

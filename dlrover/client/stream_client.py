@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Sequence
 
 from dlrover.client.sharding_transport import StreamTransport
 from dlrover.sharding.config import DEFAULT_FETCH_TIMEOUT_S, DEFAULT_PREFETCH_SHARDS
@@ -91,6 +92,24 @@ class StreamShardingClient:
         holds it now."""
         return self.transport.report_stream_done(
             self.spec.name, self.worker_id, [(shard.partition, shard.start)]
+        )
+
+    def leased_ahead(self) -> int:
+        """Ranges leased and not handed out by ``poll`` yet."""
+        return len(self._leased)
+
+    def give_back(self, remainders: Sequence[tuple[StreamShard, int, int]]) -> int:
+        """Return ranges this worker will not read further (its pass was closed early), each
+        with the first offset it did not yield and the records it yielded, and the ranges it
+        leased ahead; the master leases the rest again first. Returns how many it took back."""
+        entries = list(remainders) + [(shard, shard.start, 0) for shard in self._leased]
+        self._leased.clear()
+        if not entries:
+            return 0
+        return self.transport.return_stream_shards(
+            self.spec.name,
+            self.worker_id,
+            [(s.partition, s.start, resume, yielded) for s, resume, yielded in entries],
         )
 
     def position_at(self, consumed: int, timeout_s: float | None = None) -> StreamPosition:

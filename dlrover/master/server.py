@@ -634,6 +634,20 @@ class MasterServicer(pb_grpc.MasterServicer):
 
         return await _sharding(context, pb.ReportStreamDoneResponse, run)
 
+    async def ReturnStreamShards(
+        self, request: pb.ReturnStreamShardsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReportStreamDoneResponse:  # noqa: N802
+        """Take back record ranges a worker will not read further (its pass closed early)."""
+
+        def run() -> pb.ReportStreamDoneResponse:
+            remainders = [(r.partition, r.start, r.resume, r.yielded) for r in request.shards]
+            accepted = self.job.sharding.return_stream_shards(
+                request.stream, request.worker_id, remainders
+            )
+            return pb.ReportStreamDoneResponse(accepted=accepted)
+
+        return await _sharding(context, pb.ReportStreamDoneResponse, run)
+
     async def RenewStreamLeases(
         self, request: pb.RenewLeasesRequest, context: grpc.aio.ServicerContext
     ) -> pb.RenewLeasesResponse:  # noqa: N802

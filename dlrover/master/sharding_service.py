@@ -155,6 +155,14 @@ class ShardingService:
         with self._changing():
             return self.manager.report_stream_done(stream, worker_id, shards)
 
+    def return_stream_shards(
+        self, stream: str, worker_id: str, remainders: Sequence[tuple[int, int, int, int]]
+    ) -> int:
+        """Take back ranges the worker will not read further (ShardManager.return_stream_shards)
+        and save the state."""
+        with self._changing():
+            return self.manager.return_stream_shards(stream, worker_id, remainders)
+
     def renew_stream_leases(self, stream: str, worker_id: str) -> int:
         """Extend the worker's leases on the stream; not saved."""
         with self._lock:

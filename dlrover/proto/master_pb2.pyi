@@ -982,6 +982,28 @@ class ReportStreamDoneResponse(_message.Message):
     accepted: int
     def __init__(self, error: _Optional[_Union[ShardingError, _Mapping]] = ..., accepted: _Optional[int] = ...) -> None: ...
 
+class StreamRemainder(_message.Message):
+    __slots__ = ("partition", "start", "resume", "yielded")
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
+    YIELDED_FIELD_NUMBER: _ClassVar[int]
+    partition: int
+    start: int
+    resume: int
+    yielded: int
+    def __init__(self, partition: _Optional[int] = ..., start: _Optional[int] = ..., resume: _Optional[int] = ..., yielded: _Optional[int] = ...) -> None: ...
+
+class ReturnStreamShardsRequest(_message.Message):
+    __slots__ = ("stream", "worker_id", "shards")
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    stream: str
+    worker_id: str
+    shards: _containers.RepeatedCompositeFieldContainer[StreamRemainder]
+    def __init__(self, stream: _Optional[str] = ..., worker_id: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[StreamRemainder, _Mapping]]] = ...) -> None: ...
+
 class MarkStreamRequest(_message.Message):
     __slots__ = ("stream", "worker_id", "mark")
     STREAM_FIELD_NUMBER: _ClassVar[int]

@@ -194,6 +194,11 @@ class MasterStub:
                 request_serializer=dlrover_dot_proto_dot_master__pb2.ReportStreamDoneRequest.SerializeToString,
                 response_deserializer=dlrover_dot_proto_dot_master__pb2.ReportStreamDoneResponse.FromString,
                 _registered_method=True)
+        self.ReturnStreamShards = channel.unary_unary(
+                '/dlrover.Master/ReturnStreamShards',
+                request_serializer=dlrover_dot_proto_dot_master__pb2.ReturnStreamShardsRequest.SerializeToString,
+                response_deserializer=dlrover_dot_proto_dot_master__pb2.ReportStreamDoneResponse.FromString,
+                _registered_method=True)
         self.RenewStreamLeases = channel.unary_unary(
                 '/dlrover.Master/RenewStreamLeases',
                 request_serializer=dlrover_dot_proto_dot_master__pb2.RenewLeasesRequest.SerializeToString,
@@ -451,6 +456,13 @@ class MasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReturnStreamShards(self, request, context):
+        """A worker will not read these ranges further (its pass was closed early).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def RenewStreamLeases(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -648,6 +660,11 @@ def add_MasterServicer_to_server(servicer, server):
             'ReportStreamDone': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportStreamDone,
                     request_deserializer=dlrover_dot_proto_dot_master__pb2.ReportStreamDoneRequest.FromString,
+                    response_serializer=dlrover_dot_proto_dot_master__pb2.ReportStreamDoneResponse.SerializeToString,
+            ),
+            'ReturnStreamShards': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReturnStreamShards,
+                    request_deserializer=dlrover_dot_proto_dot_master__pb2.ReturnStreamShardsRequest.FromString,
                     response_serializer=dlrover_dot_proto_dot_master__pb2.ReportStreamDoneResponse.SerializeToString,
             ),
             'RenewStreamLeases': grpc.unary_unary_rpc_method_handler(
@@ -1544,6 +1561,33 @@ class Master:
             target,
             '/dlrover.Master/ReportStreamDone',
             dlrover_dot_proto_dot_master__pb2.ReportStreamDoneRequest.SerializeToString,
+            dlrover_dot_proto_dot_master__pb2.ReportStreamDoneResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReturnStreamShards(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dlrover.Master/ReturnStreamShards',
+            dlrover_dot_proto_dot_master__pb2.ReturnStreamShardsRequest.SerializeToString,
             dlrover_dot_proto_dot_master__pb2.ReportStreamDoneResponse.FromString,
             options,
             channel_credentials,

@@ -118,6 +118,20 @@ class Ledgers(Generic[K]):
         if ledger is not None and len(ledger.spans) > keep:
             ledger.prune(ledger.spans[len(ledger.spans) // 2].begin, is_open)
 
+    def cut(self, worker_id: str, shard_id: K, new_id: K, count: int) -> None:
+        """``worker_id`` yielded only the first ``count`` records of ``shard_id``: its span of it
+        now names ``new_id`` (that part) and ends there; it is dropped when ``count`` is 0."""
+        ledger = self._workers.get(worker_id)
+        if ledger is None:
+            return
+        spans = [span for span in ledger.spans if span.shard_id != shard_id]
+        spans += [
+            _Span(span.begin, new_id, span.offset, min(count, span.count))
+            for span in ledger.spans
+            if span.shard_id == shard_id and count > 0
+        ]
+        ledger.spans = sorted(spans, key=lambda span: span.begin)
+
     def clear(self) -> None:
         """Drop all marks (the dataset was restored)."""
         self._workers.clear()

@@ -163,6 +163,12 @@ class ShardManager:
         holds, or that are back in the queue, count; returns how many."""
         return self._stream(stream).report_done(worker_id, shards)
 
+    def return_stream_shards(
+        self, stream: str, worker_id: str, remainders: Sequence[tuple[int, int, int, int]]
+    ) -> int:
+        """Take back ranges the worker will not read further (see StreamQueue.give_back)."""
+        return self._stream(stream).give_back(worker_id, remainders)
+
     def renew_stream_leases(self, stream: str, worker_id: str) -> int:
         """Extend every lease ``worker_id`` holds on ``stream``; returns how many."""
         return self._stream(stream).renew(worker_id, self._clock())

@@ -341,6 +341,33 @@ class StreamQueue:
                 accepted += before - len(self.requeued)
         return accepted
 
+    def give_back(self, worker_id: str, remainders: Sequence[tuple[int, int, int, int]]) -> int:
+        """Take back ranges ``worker_id`` will not read further (its pass was closed early). Each
+        (partition, start, resume, yielded) names a range it holds, the first offset of it it did
+        not yield and how many records it yielded: [start, resume) counts as read, [resume, end)
+        goes to the head of the queue (no retry spent), and the worker's mark is cut to what it
+        yielded. Ranges it does not hold are ignored; returns how many were taken back."""
+        back = []
+        for partition, start, resume, yielded in remainders:
+            key = (partition, start)
+            lease = self.leases.get(key)
+            if lease is None or lease.worker_id != worker_id:
+                continue
+            end = self.ends[key]
+            if not start <= resume <= end or not 0 <= yielded <= resume - start:
+                raise InvalidSpecError(
+                    f"stream {self.spec.name!r}: cannot give back {partition}:[{start}, {end}) "
+                    f"at {resume} after {yielded} records"
+                )
+            self.leases.release(key)
+            del self.ends[key]
+            self.ledgers.cut(
+                worker_id, (partition, start, end), (partition, start, resume), yielded
+            )
+            back.append((partition, resume, end, lease.attempt))
+        self.requeued.extendleft(reversed([entry for entry in back if entry[1] < entry[2]]))
+        return len(back)
+
     def renew(self, worker_id: str, now: float) -> int:
         """Extend every lease ``worker_id`` holds to ``now + lease_s``; returns how many."""
         return self.leases.renew(worker_id, now + self.spec.lease_s)

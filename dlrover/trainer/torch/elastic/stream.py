@@ -145,7 +145,7 @@ class ElasticStreamDataset(IterableDataset[T], Generic[T]):
                 if item is None:
                     return
                 shard, messages = item
-                for message in messages:
+                for yielded, message in enumerate(messages, 1):
                     self._yielded += 1
                     record = KafkaRecord(
                         shard.partition,
@@ -154,16 +154,18 @@ class ElasticStreamDataset(IterableDataset[T], Generic[T]):
                         message.value(),
                         message.timestamp()[1],
                     )
+                    # Where a pass closed here would stand: in case it is not resumed.
+                    reading.taken = (shard, record.offset + 1, yielded)
                     yield self.decode(record)
                 reading.finished(shard)
         finally:
-            reading.close()
+            reading.close(self._yielded)
             if self._pass is reading:
                 self._pass = None
 
     def _end_pass(self) -> None:
         if self._pass is not None:
-            self._pass.close()
+            self._pass.close(self._yielded)
             self._pass = None
 
     def _read(self, shard: StreamShard, stop: threading.Event) -> Iterator[Any]:
@@ -290,6 +292,12 @@ class _ReadAhead:
         self._done: queue.Queue[StreamShard | None] = queue.Queue()
         self._stop = threading.Event()
         self._wake = threading.Event()
+        self.taken: tuple[StreamShard, int, int] | None = None
+        """The range the loop is in: (range, first offset not yielded, records yielded)."""
+        self._unread: list[StreamShard] = []
+        """Ranges the thread leased but did not queue (the pass was closed meanwhile)."""
+        self._ended = False
+        self._closed_after = 0
         self._thread = threading.Thread(
             target=self._run, name=f"stream-reader-{dataset.topic}", daemon=True
         )
@@ -314,15 +322,20 @@ class _ReadAhead:
             return None
         if isinstance(item, BaseException):
             raise item
+        self.taken = (item[0], item[0].start, 0)
         return item
 
     def finished(self, shard: StreamShard) -> None:
         """The loop has yielded every record of ``shard``."""
+        self.taken = None
         self._done.put(shard)
         self._wake.set()
 
-    def close(self) -> None:
-        """Stop reading ahead; the ranges the loop finished are reported before the thread ends."""
+    def close(self, yielded: int) -> None:
+        """Stop reading ahead after the loop yielded ``yielded`` records. The ranges the loop
+        finished are reported before the thread ends; those it did not (all of a queued range,
+        the rest of the one it was in) go back to the master, to be leased again first."""
+        self._closed_after = yielded
         self._done.put(None)
         self._stop.set()
         self._wake.set()
@@ -345,6 +358,26 @@ class _ReadAhead:
                 break
             self._report(shard)
         self._report_finished()
+        self._give_back()
+
+    def _give_back(self) -> None:
+        remainders = [] if self.taken is None else [self.taken]
+        remainders += [(shard, shard.start, 0) for shard in self._unread]
+        while True:
+            try:
+                item = self._items.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, tuple):
+                remainders.append((item[0], item[0].start, 0))
+        if self._ended and not remainders and not self.client.leased_ahead():
+            return  # the loop read the whole pass
+        try:
+            self.client.give_back(remainders)
+            # The pass ended here: a position at this count must not wait for more.
+            self.client.mark(StreamMark(self._closed_after))
+        except Exception as error:  # the ranges stay leased until their lease runs out
+            logger.warning("could not give back the unread ranges %s: %s", remainders, error)
 
     def _read_ahead(self) -> None:
         dataset, client = self.dataset, self.client
@@ -371,6 +404,7 @@ class _ReadAhead:
                 continue
             messages = list(dataset._read(shard, self._stop))
             if self._stop.is_set():
+                self._unread.append(shard)
                 return
             if not client.mark(StreamMark(begin, shard.partition, shard.start, len(messages))):
                 # Another worker may hold it now: yielding it would train it twice.
@@ -378,9 +412,11 @@ class _ReadAhead:
                 continue
             begin += len(messages)
             if not self._put((shard, messages)):
+                self._unread.append(shard)
                 return
             idle_since = time.monotonic()
         client.mark(StreamMark(begin))  # this pass has ended after `begin` records
+        self._ended = True
         self._put(_End())
 
     def _put(self, item: _Item | _End | BaseException) -> bool:
