@@ -426,3 +426,30 @@ def test_a_pass_closed_midway_gives_its_unread_ranges_back_and_counts_exactly_on
     rest = list(again)
     again.close()
     assert sorted(first + rest) == list(range(60))
+
+
+def test_a_position_asked_after_a_worker_was_lost_still_counts_what_it_read_after_the_step(
+    broker: KafkaBroker, master: Master
+) -> None:
+    from dlrover.client.stream_client import StreamShardingClient
+    from dlrover.sharding.stream import StreamMark, StreamPosition, StreamSpec
+
+    broker.create_topic("clicks", 1)
+    broker.produce("clicks", [(0, json.dumps({"id": i}).encode()) for i in range(16)])
+    spec = StreamSpec(
+        "clicks", 4, topic="clicks", bootstrap_servers=broker.bootstrap, end_offsets=((0, 16),)
+    )
+    alive = StreamShardingClient(master.transport(), spec, "n0/0", prefetch=1)
+    lost = StreamShardingClient(master.transport(), spec, "n1/0", prefetch=1)
+    a = alive.poll(5)
+    assert a is not None and alive.mark(StreamMark(0, 0, a.start))
+    b = lost.poll(5)
+    assert b is not None and lost.mark(StreamMark(0, 0, b.start))
+    # Both trained 2 records at the step; the lost worker then read the rest of [4, 8) and
+    # one record of [8, 12) before it died.
+    lost.report_done(b)
+    c = lost.poll(5)
+    assert c is not None and lost.mark(StreamMark(4, 0, c.start))
+    assert master.server.job.sharding.recover_node("n1") == 1
+    # At the step, [2, 4) and [6, 8) were not trained, and [8, 12) is read again whole.
+    assert alive.position_at(2, timeout_s=5) == StreamPosition("clicks", ((0, 6),), ((0, 2, 4),))

@@ -101,6 +101,13 @@ class Ledgers(Generic[K]):
         """Drop every mark of ``worker_id`` (its shards went back to the queue)."""
         self._workers.pop(worker_id, None)
 
+    def end(self, worker_id: str) -> None:
+        """``worker_id`` is gone: its iteration ended where its marks end, so a position is not
+        waited for it, and the shards it finished after a step stay not consumed at that step."""
+        ledger = self._workers.get(worker_id)
+        if ledger is not None and ledger.ended_at is None:
+            ledger.ended_at = max((s.begin + s.count for s in ledger.spans), default=0)
+
     def forget_shards(self, shard_ids: set[K]) -> None:
         """Drop every worker's marks of these shards (their leases expired)."""
         for ledger in self._workers.values():

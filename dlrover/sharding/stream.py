@@ -409,9 +409,13 @@ class StreamQueue:
         )
 
     def recover_worker(self, worker_id: str) -> list[_StreamKey]:
-        """Put every range ``worker_id`` holds back at the head of the queue; returns their keys."""
-        self.ledgers.forget_worker(worker_id)
+        """Put every range ``worker_id`` holds back at the head of the queue; returns their keys.
+        Its marks of those ranges go (they are read again whole: at least once); those of the
+        ranges it finished stay, so a position at an earlier step still counts the ones it
+        finished after that step as not trained."""
         back = self._requeue(sorted(self.leases.held_by(worker_id)), f"worker {worker_id} lost")
+        self.ledgers.forget_shards(set(back))
+        self.ledgers.end(worker_id)
         return [(p, s) for p, s, _ in back]
 
     def expire(self, now: float) -> list[_StreamKey]:
