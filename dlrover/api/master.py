@@ -286,6 +286,17 @@ class NodeStatus:
 
 
 @dataclass(frozen=True)
+class EmbeddingServerStatus:
+    """One embedding server of a job with a ps role, as the master last read it."""
+
+    index: int
+    address: str
+    rows: int
+    bytes: int
+    lookups_per_s: float
+
+
+@dataclass(frozen=True)
 class JobStatus:
     """The job as the master sees it (``dlrover status``)."""
 
@@ -303,6 +314,8 @@ class JobStatus:
     """Productive step time / time since the master started (a live estimate)."""
     metrics_port: int = 0
     """The port of /metrics and the dashboard on the master's host (0: none)."""
+    embedding_servers: tuple[EmbeddingServerStatus, ...] = field(default=())
+    """A job with a ps role: its embedding servers, server 0 first."""
 
     @property
     def ended(self) -> bool:

@@ -200,17 +200,24 @@ def node_report_from_pb(request: pb.ReportNodeStatusRequest) -> api.NodeReport:
 
 def job_status_to_pb(s: api.JobStatus) -> pb.JobStatus:
     """The job's status as its gRPC message."""
-    fields = {name: getattr(s, name) for name in _names(api.JobStatus) if name != "nodes"}
+    lists = ("nodes", "embedding_servers")
+    fields = {name: getattr(s, name) for name in _names(api.JobStatus) if name not in lists}
     nodes = [pb.NodeStatus(**dataclasses.asdict(n)) for n in s.nodes]
-    return pb.JobStatus(nodes=nodes, **fields)
+    servers = [pb.EmbeddingServerStatus(**dataclasses.asdict(e)) for e in s.embedding_servers]
+    return pb.JobStatus(nodes=nodes, embedding_servers=servers, **fields)
 
 
 def job_status_from_pb(s: pb.JobStatus) -> api.JobStatus:
     """A JobStatus message as the domain type."""
-    fields = _scalars(s, [name for name in _names(api.JobStatus) if name != "nodes"])
+    lists = ("nodes", "embedding_servers")
+    fields = _scalars(s, [name for name in _names(api.JobStatus) if name not in lists])
     node_names = _names(api.NodeStatus)
     nodes = tuple(api.NodeStatus(**_scalars(n, node_names)) for n in s.nodes)
-    return api.JobStatus(nodes=nodes, **fields)
+    server_names = _names(api.EmbeddingServerStatus)
+    servers = tuple(
+        api.EmbeddingServerStatus(**_scalars(e, server_names)) for e in s.embedding_servers
+    )
+    return api.JobStatus(nodes=nodes, embedding_servers=servers, **fields)
 
 
 def check_join_to_pb(j: api.NodeCheckJoin, wait_s: float) -> pb.JoinNodeCheckRequest:

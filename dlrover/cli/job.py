@@ -60,6 +60,15 @@ def _status_table(status: JobStatus, master_host: str = "") -> str:
             + (f" {n.score:>6.2f}" if score else "")
             + (f"  {n.check}" if check else "")
         )
+    if status.embedding_servers:
+        lines.append(
+            f"{'embedding server':<28} {'address':<22} {'rows':>10} {'MB':>8} {'ids/s':>9}"
+        )
+        for e in status.embedding_servers:
+            lines.append(
+                f"{'ps ' + str(e.index):<28} {e.address:<22} {e.rows:>10} "
+                f"{e.bytes / 2**20:>8.1f} {e.lookups_per_s:>9.0f}"
+            )
     return "\n".join(lines)
 
 

@@ -320,6 +320,10 @@ class LocalMasterApi:
             autoscale=job.scale_summary,
             goodput=job.goodput.snapshot(now).ratio,
             metrics_port=job.metrics_port,
+            embedding_servers=tuple(
+                api.EmbeddingServerStatus(s.index, s.address, s.rows, s.bytes, s.lookups_per_s)
+                for s in (job.ps.stats() if job.ps is not None else ())
+            ),
         )
 
     def stop_job(self, reason: str) -> api.JobStatus:

@@ -295,7 +295,7 @@ class NodeStatus(_message.Message):
     def __init__(self, step_wall_s: _Optional[float] = ..., step_data_s: _Optional[float] = ..., step_checkpoint_s: _Optional[float] = ..., node_id: _Optional[str] = ..., state: _Optional[str] = ..., node_rank: _Optional[int] = ..., host: _Optional[str] = ..., step: _Optional[int] = ..., restart_count: _Optional[int] = ..., last_heartbeat_age_s: _Optional[float] = ..., role: _Optional[str] = ..., cpu_percent: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., check: _Optional[str] = ..., score: _Optional[float] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job_name", "state", "round", "nodes", "reason", "exit_code", "node_check", "autoscale", "goodput", "metrics_port")
+    __slots__ = ("job_name", "state", "round", "nodes", "reason", "exit_code", "node_check", "autoscale", "goodput", "metrics_port", "embedding_servers")
     JOB_NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -306,6 +306,7 @@ class JobStatus(_message.Message):
     AUTOSCALE_FIELD_NUMBER: _ClassVar[int]
     GOODPUT_FIELD_NUMBER: _ClassVar[int]
     METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_SERVERS_FIELD_NUMBER: _ClassVar[int]
     job_name: str
     state: str
     round: int
@@ -316,7 +317,22 @@ class JobStatus(_message.Message):
     autoscale: str
     goodput: float
     metrics_port: int
-    def __init__(self, job_name: _Optional[str] = ..., state: _Optional[str] = ..., round: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., reason: _Optional[str] = ..., exit_code: _Optional[int] = ..., node_check: _Optional[str] = ..., autoscale: _Optional[str] = ..., goodput: _Optional[float] = ..., metrics_port: _Optional[int] = ...) -> None: ...
+    embedding_servers: _containers.RepeatedCompositeFieldContainer[EmbeddingServerStatus]
+    def __init__(self, job_name: _Optional[str] = ..., state: _Optional[str] = ..., round: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., reason: _Optional[str] = ..., exit_code: _Optional[int] = ..., node_check: _Optional[str] = ..., autoscale: _Optional[str] = ..., goodput: _Optional[float] = ..., metrics_port: _Optional[int] = ..., embedding_servers: _Optional[_Iterable[_Union[EmbeddingServerStatus, _Mapping]]] = ...) -> None: ...
+
+class EmbeddingServerStatus(_message.Message):
+    __slots__ = ("index", "address", "rows", "bytes", "lookups_per_s")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOOKUPS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    address: str
+    rows: int
+    bytes: int
+    lookups_per_s: float
+    def __init__(self, index: _Optional[int] = ..., address: _Optional[str] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., lookups_per_s: _Optional[float] = ...) -> None: ...
 
 class JoinNodeCheckRequest(_message.Message):
     __slots__ = ("node_id", "incarnation", "rdzv_round", "check_round", "addr", "straggler_ratio", "exclude_stragglers", "wait_s")

@@ -129,6 +129,8 @@ def test_scaling_embedding_servers_two_three_two_mid_training_changes_nothing(
         )
         at_three = job.step()
         _until(lambda: 'server="2"' in job.metrics(), 30, "no metrics of the third server")
+        status = job.cli("status", "grow").stdout
+        assert re.search(r"ps 2\s+127\.0\.0\.1:\d+\s+[1-9]\d*", status), status
         rows = {
             m[1]: float(m[2])
             for m in re.finditer(
