@@ -97,8 +97,9 @@ class EmbeddingClient:
         self._pool = futures.ThreadPoolExecutor(max_workers=8)
         self.client_id = uuid.uuid4().hex
         self._seq = 0
-        self._acked: dict[str, deque[tuple[int, int]]] = {}
-        """Per server: (number, ids) of its last acknowledged pushes, to tell a failover's gap."""
+        self._acked: dict[str, deque[tuple[str, int, int]]] = {}
+        """Per server: (table, number, ids) of its last acknowledged pushes, to tell a
+        failover's gap."""
         self.failover_gaps: list[FailoverGap] = []
         """One per failover this client followed, with what it lost (see FailoverGap)."""
 
@@ -146,15 +147,24 @@ class EmbeddingClient:
             acked = list(self._acked.pop(failed, ()))
         if not acked:
             return
-        try:
-            held = self.call(
-                replacement, "AppliedPushes", pb.AppliedPushesRequest(client=self.client_id)
-            )
-        except EmbeddingError as e:
-            logger.warning("embedding server %d: cannot tell what its failover lost: %s", index, e)
-            return
-        known = set(held.seqs)
-        lost = [(s, n) for s, n in acked if s > held.floor and s not in known]
+        lost: list[tuple[int, int]] = []
+        # Per table: what a server holds as applied (a floor included) speaks for one table.
+        for table in sorted({t for t, _, _ in acked}):
+            try:
+                held = self.call(
+                    replacement,
+                    "AppliedPushes",
+                    pb.AppliedPushesRequest(client=self.client_id, table=table),
+                )
+            except EmbeddingError as e:
+                logger.warning(
+                    "embedding server %d: cannot tell what its failover lost: %s", index, e
+                )
+                return
+            known = set(held.seqs)
+            lost += [
+                (s, n) for t, s, n in acked if t == table and s > held.floor and s not in known
+            ]
         gap = FailoverGap(index, failed, replacement, len(lost), sum(n for _, n in lost))
         self.failover_gaps.append(gap)
         log = logger.warning if gap.pushes else logger.info
@@ -180,25 +190,26 @@ class EmbeddingClient:
 
     def call(self, address: str, method: str, request: Any) -> Any:
         """One RPC to the server at ``address``; its refusal raised as an EmbeddingError."""
+        started = time.monotonic()
         try:
             response = getattr(self._stub(address), method)(
                 request, timeout=self.timeout_s, metadata=self._metadata
             )
         except grpc.RpcError as e:
             code = e.code() if isinstance(e, grpc.Call) else None
+            details = (e.details() if isinstance(e, grpc.Call) else str(e)) or ""
+            addresses = self.addresses
+            server = (
+                f"embedding server {addresses.index(address)} at {address}"
+                if address in addresses
+                else f"embedding server at {address}"
+            )
             if code == grpc.StatusCode.UNAUTHENTICATED:
                 raise EmbeddingError(
-                    f"embedding server at {address} refused the job token (set "
-                    f"DLROVER_JOB_TOKEN to the job's token)"
+                    f"{server} refused the job token (set DLROVER_JOB_TOKEN to the job's token)"
                 ) from None
-            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, None):
-                why = f"did not answer within {self.timeout_s:.0f}s ({code})"
-            else:
-                details = e.details() if isinstance(e, grpc.Call) else ""
-                why = f"failed: {code.name}: {details}"
-            index = self.addresses.index(address) if address in self.addresses else "?"
             raise EmbeddingServerUnavailable(
-                f"embedding server {index} at {address} {why}"
+                f"{server} {_why(code, details, time.monotonic() - started, self.timeout_s)}"
             ) from None
         if "error" in response.DESCRIPTOR.fields_by_name and response.HasField("error"):
             raise error_from_proto(response.error)
@@ -247,7 +258,7 @@ class EmbeddingClient:
             self.call(address, "Push", request)
             with self._lock:
                 acked = self._acked.setdefault(address, deque(maxlen=PUSH_WINDOW))
-                acked.append((seq, index.size))
+                acked.append((table, seq, index.size))
 
         self._route_chunks(flat, grads.shape[1] if grads.ndim == 2 else 1, send)
 
@@ -346,6 +357,24 @@ class EmbeddingClient:
     def stats(self) -> list[pb.StatsResponse]:
         """Per server, its tables' rows, bytes and traffic, and its map version."""
         return self.each_server(lambda a: self.call(a, "Stats", pb.StatsRequest()))
+
+
+def _why(code: grpc.StatusCode | None, details: str, took_s: float, timeout_s: float) -> str:
+    """What a failed call's status says happened, in words."""
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return f"did not answer within {timeout_s:g}s"
+    if code == grpc.StatusCode.UNAVAILABLE:
+        if "refused" in details.lower():
+            reason = "connection refused"
+        elif "socket closed" in details.lower() or "reset" in details.lower():
+            reason = f"connection lost: {details}"
+        else:
+            reason = details or "UNAVAILABLE"
+        after = f" after {took_s:.1f}s" if took_s >= 1.0 else ""
+        return f"is not reachable ({reason}){after}"
+    if code is None:
+        return f"failed: {details}"
+    return f"failed: {code.name}: {details}"
 
 
 def _int64(ids: IdArray) -> IdArray:

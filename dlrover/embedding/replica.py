@@ -1,10 +1,14 @@
 """Replicas of a server's rows on the next server of the map, for failover without a restart.
 
-The sender side (ReplicaSender) sends the current values of changed rows, with the last push
-of each client, to the next server: within the push in SYNC mode (the push is acknowledged once
-the replica holds it), or from a thread every ASYNC_LAG_S in ASYNC mode. The receiving side
-(ReplicaStore) keeps them apart from the server's own rows until a replacement of the sender
-takes them over.
+The sender side (ReplicaSender) sends the current values of changed rows, with the pushes
+(client, number) that changed them, to the next server: within the push in SYNC mode (the push
+is acknowledged once the replica holds it), or from a thread every ASYNC_LAG_S in ASYNC mode.
+The receiving side (ReplicaStore) keeps them apart from the server's own rows until a
+replacement of the sender takes them over.
+
+Applied pushes are kept per table (one Push request is one table's): a replica holds a push as
+applied only once the rows it changed are there, so a replacement neither reports a too-small
+gap to the client nor drops the retry of a push it lacks as a duplicate.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -38,9 +42,14 @@ PUSH_WINDOW = 256
 only a few pushes in flight at once, so one older than the window cannot still arrive."""
 
 
+Claim = tuple[str, int]
+"""A push: (client, number)."""
+
+
 class AppliedPushes:
-    """Which pushes of each client a server has applied: the numbers of the last PUSH_WINDOW,
-    and a floor below which all count as applied. Thread-safe."""
+    """Which pushes of each client a server has applied (to one table): the numbers of the last
+    PUSH_WINDOW, and a floor below which all count as applied. A floor speaks for one table
+    only: a number below it may be another table's push, not applied at all. Thread-safe."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -76,14 +85,17 @@ class AppliedPushes:
         with self._lock:
             return sorted(self._sets.get(client, ())), self._floor.get(client, -1)
 
-    def entries(self, clients: dict[str, int] | None = None) -> list[pb.ClientSeq]:
-        """As messages: every client's (or, given ``clients``, just those pushes)."""
+    def clear(self) -> None:
+        """Forget every push (the rows they changed are gone)."""
         with self._lock:
-            if clients is not None:
-                return [
-                    pb.ClientSeq(client=c, seq=s, floor=self._floor.get(c, -1))
-                    for c, s in sorted(clients.items())
-                ]
+            self._recent.clear()
+            self._sets.clear()
+            self._floor.clear()
+
+    def entries(self) -> list[pb.ClientSeq]:
+        """As messages: every client's pushes remembered one by one, each with its floor (for a
+        receiver that gets every row these pushes changed)."""
+        with self._lock:
             return [
                 pb.ClientSeq(client=c, seq=s, floor=self._floor.get(c, -1))
                 for c, recent in sorted(self._recent.items())
@@ -104,6 +116,25 @@ class AppliedPushes:
                 self._add(entry.client, entry.seq)
 
 
+def combined(tables: list[AppliedPushes], client: str) -> tuple[list[int], int]:
+    """``client``'s pushes applied to any of ``tables`` (a server's every table), without
+    counting one as applied that was not: the numbers any remembers, and the lowest floor (a
+    number at or below it was a push of some table, whose floor covers it)."""
+    seqs: set[int] = set()
+    floor: int | None = None
+    for pushes in tables:
+        known, low = pushes.of(client)
+        seqs.update(known)
+        floor = low if floor is None else min(floor, low)
+    return sorted(seqs), -1 if floor is None else floor
+
+
+def claims(pushes: list[Claim]) -> list[pb.ClientSeq]:
+    """Just these pushes as messages, without a floor: a replicated update carries the pushes
+    whose rows it carries, and no claim on the sender's older ones."""
+    return [pb.ClientSeq(client=c, seq=s, floor=-1) for c, s in sorted(set(pushes))]
+
+
 def rows_message(
     spec: pb.TableSpec,
     ids: IdArray,
@@ -112,7 +143,8 @@ def rows_message(
     seqs: list[pb.ClientSeq],
     reset: bool = False,
 ) -> pb.RowsMessage:
-    """Rows (and optimizer state) of a table as a message, with the clients' applied pushes."""
+    """Rows (and optimizer state) of a table as a message, with the clients' pushes applied to
+    them."""
     return pb.RowsMessage(
         table=spec.name,
         ids=ids.astype("<i8").tobytes(),
@@ -140,35 +172,38 @@ class ReplicaStore:
         self._make_table = make_table
         self._lock = threading.Lock()
         self.tables: dict[str, EmbeddingTable] = {}
-        self.pushes = AppliedPushes()
+        self.pushes: dict[str, AppliedPushes] = {}
+        """Per table, the pushes whose rows this replica holds."""
         self.heard_at: float | None = None
 
     def take(self, message: pb.RowsMessage) -> int:
         """Apply a Replicate message; returns the rows it carried."""
         with self._lock:
-            if message.reset:
+            if message.reset:  # a full resend: what the sender had applied comes with it
                 self.tables.pop(message.table, None)
+                self.pushes.pop(message.table, None)
             table = self.tables.get(message.table)
             if table is None:
                 table = self.tables[message.table] = self._make_table(message.spec)
             ids, rows, accum = rows_from_message(message, table.dim)
             if ids.size:
                 table.import_rows(ids, rows, accum)
-            self.pushes.merge(message.seqs)
+            self.pushes.setdefault(message.table, AppliedPushes()).merge(message.seqs)
             self.heard_at = time.monotonic()
             return int(ids.size)
 
     def export(self, name: str, buckets: IdArray, num_buckets: int) -> pb.RowsMessage:
-        """The replica's rows of ``name`` in ``buckets``, its client pushes and age."""
+        """The replica's rows of ``name`` in ``buckets``, the pushes applied to them and age."""
         with self._lock:
             table = self.tables.get(name)
+            pushes = self.pushes.get(name)
+            seqs = pushes.entries() if pushes is not None else []
             if table is None:
                 # Nothing of it changed on the previous server (or it was lookup-only): its
                 # rows come back as they started, from the table's seed and the id.
                 none = np.empty((0, 0), dtype=np.float32)
                 message = rows_message(
-                    pb.TableSpec(name=name), np.empty(0, dtype=np.int64), none, none,
-                    self.pushes.entries(),
+                    pb.TableSpec(name=name), np.empty(0, dtype=np.int64), none, none, seqs
                 )  # fmt: skip
                 message.age_s = (
                     time.monotonic() - self.heard_at if self.heard_at is not None else -1.0
@@ -176,7 +211,7 @@ class ReplicaStore:
                 return message
             ids, rows, accum = table.export_buckets(buckets, num_buckets)
             spec = pb.TableSpec(name=name, dim=table.dim)
-            message = rows_message(spec, ids, rows, accum, self.pushes.entries())
+            message = rows_message(spec, ids, rows, accum, seqs)
             age = time.monotonic() - self.heard_at if self.heard_at is not None else -1.0
             message.age_s = age
             return message
@@ -196,6 +231,8 @@ class ReplicaSender:
         self._stub = pb_grpc.EmbeddingServerStub(self._channel)
         self._metadata = ((TOKEN_METADATA_KEY, token),)
         self._dirty: dict[str, list[IdArray]] = {}
+        self._claims: dict[str, list[Claim]] = {}
+        """Per table, the pushes that changed the marked rows (not on the replica yet)."""
         self._dirty_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -213,45 +250,59 @@ class ReplicaSender:
             raise EmbeddingError(f"the replica at {self.address}: {response.error.message}")
 
     def send_all(self, spec: pb.TableSpec, table: EmbeddingTable, seqs: list[pb.ClientSeq]) -> int:
-        """Resend a whole table (the replica drops what it held first); returns rows sent."""
+        """Resend a whole table (the replica drops what it held first, rows and pushes);
+        returns rows sent. ``seqs`` (the pushes applied to the table) go with the last piece:
+        a resend cut short leaves the replica claiming none of them."""
         ids, rows, accum = table.export_all()
         step = chunk_ids(spec.dim)
-        for start in range(0, max(ids.size, 1), step):
+        starts = range(0, max(ids.size, 1), step)
+        for start in starts:
             part = slice(start, start + step)
+            last = start == starts[-1]
             self.send(
-                rows_message(spec, ids[part], rows[part], accum[part], seqs, reset=start == 0)
+                rows_message(
+                    spec, ids[part], rows[part], accum[part], seqs if last else [], start == 0
+                )
             )
         return int(ids.size)
 
-    def mark(self, table: str, ids: IdArray) -> None:
-        """``ids`` of ``table`` changed and are not on the replica yet: ASYNC's thread sends
-        their values soon; in SYNC mode (a send that failed) the next update of the table takes
-        them along (`take_marked`)."""
+    def mark(self, table: str, ids: IdArray, pushes: Sequence[Claim] = ()) -> None:
+        """``ids`` of ``table`` changed (by ``pushes``) and are not on the replica yet: ASYNC's
+        thread sends their values soon; in SYNC mode (a send that failed) the next update of
+        the table takes them along (`take_marked`). Call it under the table's lock, after the
+        update: the marked rows then hold every marked push."""
         with self._dirty_lock:
             self._dirty.setdefault(table, []).append(ids)
+            self._claims.setdefault(table, []).extend(pushes)
 
-    def take_marked(self, table: str) -> IdArray | None:
-        """SYNC: the ids of ``table`` a failed send left behind (None if none), now unmarked."""
+    def take_marked(self, table: str) -> tuple[IdArray, list[Claim]] | None:
+        """The ids of ``table`` marked (None if none) and the pushes that changed them, now
+        unmarked. Under the table's lock, the rows' values then hold exactly those pushes and
+        the ones sent before: a message with both claims only pushes whose rows it carries."""
         with self._dirty_lock:
             parts = self._dirty.pop(table, None)
-        return np.unique(np.concatenate(parts)) if parts else None
+            pushes = self._claims.pop(table, [])
+        return (np.unique(np.concatenate(parts)), pushes) if parts else None
 
-    def start(self, flush: Callable[[dict[str, IdArray]], None]) -> None:
-        """ASYNC: start the thread that hands the changed ids to ``flush`` every ASYNC_LAG_S."""
+    def marked(self) -> list[str]:
+        """The tables with marked rows."""
+        with self._dirty_lock:
+            return [t for t, parts in self._dirty.items() if parts]
+
+    def start(self, flush: Callable[[list[str]], None]) -> None:
+        """ASYNC: start the thread that hands the tables with marked rows to ``flush`` every
+        ASYNC_LAG_S (which takes them with `take_marked`, and marks again what it could not
+        send: the next round resends the newer values)."""
 
         def run() -> None:
             while not self._stop.wait(ASYNC_LAG_S):
-                with self._dirty_lock:
-                    dirty, self._dirty = self._dirty, {}
-                if not dirty:
+                tables = self.marked()
+                if not tables:
                     continue
                 try:
-                    flush({t: np.unique(np.concatenate(parts)) for t, parts in dirty.items()})
-                except EmbeddingError as e:  # next round resends the newer values
+                    flush(tables)
+                except EmbeddingError as e:
                     self.failures += 1
-                    with self._dirty_lock:
-                        for t, parts in dirty.items():
-                            self._dirty.setdefault(t, []).extend(parts)
                     logger.warning("replication to %s failed: %s", self.address, e)
 
         self._thread = threading.Thread(target=run, name="embedding-replica", daemon=True)

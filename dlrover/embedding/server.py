@@ -15,7 +15,15 @@ import numpy as np
 
 from dlrover.constants import TOKEN_METADATA_KEY
 from dlrover.embedding.buckets import bucket_of
-from dlrover.embedding.replica import AppliedPushes, ReplicaSender, ReplicaStore, rows_message
+from dlrover.embedding.replica import (
+    AppliedPushes,
+    Claim,
+    ReplicaSender,
+    ReplicaStore,
+    claims,
+    combined,
+    rows_message,
+)
 from dlrover.embedding.table import EmbeddingError, EmbeddingTable, Optimizer
 from dlrover.embedding.wire import (
     MAX_MESSAGE_BYTES,
@@ -63,6 +71,8 @@ class _Served:
     lock: threading.Lock = field(default_factory=threading.Lock)
     lookups: int = 0
     pushes: int = 0
+    applied: AppliedPushes = field(default_factory=AppliedPushes)
+    """The pushes applied to this table, per client (a retried push is not applied twice)."""
 
 
 class EmbeddingService(pb_grpc.EmbeddingServerServicer):
@@ -77,9 +87,7 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
         self._admit = max(1, threads - RESERVED_THREADS)
         self._tables: dict[str, _Served] = {}
         self._lock = threading.Lock()
-        # Replicas: the last push applied per client (a retried push is not applied twice),
-        # what this server sends to the next one, and what it holds of the previous one.
-        self._pushes = AppliedPushes()
+        # Replicas: what this server sends to the next one, and what it holds of the previous one.
         self._sender: ReplicaSender | None = None
         self.replica = ReplicaStore(spec_to_table)
         # Ownership: no map yet serves every id (a lone server). Requests in flight are
@@ -183,18 +191,30 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
         self._sender = sender
         return retired
 
-    def _flush(self, dirty: dict[str, np.ndarray[Any, np.dtype[np.int64]]]) -> None:
+    def _flush(self, tables: list[str]) -> None:
+        """ASYNC: send the marked rows of ``tables`` with the pushes that changed them."""
         sender = self._sender
         if sender is None:
             return
-        for name, ids in dirty.items():
+        failed: EmbeddingError | None = None
+        for name in tables:
             served = self._table(name)
             with served.lock:
-                ids = ids[served.table.holds(ids)]  # rows that moved away since: not ours
+                # Taken with the rows, under the lock: the values hold the pushes marked with
+                # them (and those sent before), and the message claims no other push.
+                marked = sender.take_marked(name)
+                if marked is None:
+                    continue
+                taken, pushes = marked
+                ids = taken[served.table.holds(taken)]  # rows that moved away since: not ours
                 rows, accum = served.table.snapshot(ids)
-                # Taken with the rows: a push applied after the snapshot is not claimed.
-                pushes = self._pushes.entries()
-            sender.send(rows_message(served.spec, ids, rows, accum, pushes))
+            try:
+                sender.send(rows_message(served.spec, ids, rows, accum, claims(pushes)))
+            except EmbeddingError as e:  # the next round sends them (with newer values)
+                sender.mark(name, taken, pushes)
+                failed = failed or e
+        if failed is not None:
+            raise failed
 
     def Replicate(  # noqa: N802
         self, request: pb.RowsMessage, context: grpc.ServicerContext
@@ -229,7 +249,7 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
             sent = 0
             for entry in served:
                 with entry.lock:
-                    sent += sender.send_all(entry.spec, entry.table, self._pushes.entries())
+                    sent += sender.send_all(entry.spec, entry.table, entry.applied.entries())
             return pb.ImportResponse(rows=sent)
 
         return _answer(pb.ImportResponse, run)
@@ -237,8 +257,15 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
     def AppliedPushes(  # noqa: N802
         self, request: pb.AppliedPushesRequest, context: grpc.ServicerContext
     ) -> pb.AppliedPushesResponse:
-        """The client's pushes this server holds as applied."""
-        seqs, floor = self._pushes.of(request.client)
+        """The client's pushes this server holds as applied to the table (to any table, counting
+        none that was not, when no table is named)."""
+        with self._lock:
+            served = list(self._tables.values())
+        if request.table:
+            served = [s for s in served if s.table.name == request.table]
+            if not served:
+                return pb.AppliedPushesResponse(seqs=[], floor=-1)
+        seqs, floor = combined([s.applied for s in served], request.client)
         return pb.AppliedPushesResponse(seqs=seqs, floor=floor)
 
     def GetPlacement(  # noqa: N802
@@ -263,7 +290,7 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
                 ids, rows, accum = served.table.export_buckets(buckets, request.num_buckets)
                 # The new owner must know which pushes these rows hold already: a push whose
                 # answer was lost is retried there with the same number.
-                pushes = self._pushes.entries()
+                pushes = served.applied.entries()
             return pb.RowsMessage(
                 table=request.table,
                 ids=ids.astype("<i8").tobytes(),
@@ -288,7 +315,8 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
             accum = np.frombuffer(request.accum, dtype="<f4").reshape(ids.size, dim)
             with served.lock:
                 served.table.import_rows(ids, rows, accum)
-            self._pushes.merge(request.seqs)  # a replacement takes over the failed one's pushes
+                # The pushes applied to these rows (a replacement takes over the failed one's).
+                served.applied.merge(request.seqs)
             with self._gate:
                 self.moved_in += ids.size
             return pb.ImportResponse(rows=ids.size)
@@ -379,13 +407,13 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
             try:
                 with served.lock:
                     client, seq = request.client, request.seq
-                    if client and self._pushes.applied(client, seq):
+                    if client and served.applied.applied(client, seq):
                         return pb.PushResponse(duplicate=True)
                     served.table.apply_gradients(ids, grads)
                     served.pushes += ids.size
                     if client:
-                        self._pushes.add(client, seq)
-                    self._replicate(served, ids, {client: seq} if client else {})
+                        served.applied.add(client, seq)
+                    self._replicate(served, ids, [(client, seq)] if client else [])
             finally:
                 self._leave(version)
             return pb.PushResponse(applied=ids.size)
@@ -393,29 +421,32 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
         return _answer(pb.PushResponse, run)
 
     def _replicate(
-        self, served: _Served, ids: np.ndarray[Any, np.dtype[np.int64]], seqs: dict[str, int]
+        self, served: _Served, ids: np.ndarray[Any, np.dtype[np.int64]], pushes: list[Claim]
     ) -> None:
-        """After an update, under the table's lock: SYNC sends the rows' new values now, ASYNC
-        marks them for the sender's thread."""
+        """After an update (by ``pushes``), under the table's lock: SYNC sends the rows' new
+        values now, ASYNC marks them for the sender's thread. Either way the replica hears of a
+        push together with the rows it changed, and of no push without them."""
         sender = self._sender
         if sender is None:
             return
         unique = np.unique(ids)
         if sender.mode == pb.ASYNC:
-            sender.mark(served.table.name, unique)
+            sender.mark(served.table.name, unique, pushes)
             return
         behind = sender.take_marked(served.table.name)  # rows an earlier send failed to carry
         if behind is not None:
-            unique = np.union1d(unique, behind[served.table.holds(behind)])
+            earlier, earlier_pushes = behind
+            unique = np.union1d(unique, earlier[served.table.holds(earlier)])
+            pushes = pushes + earlier_pushes
         rows, accum = served.table.snapshot(unique)
         try:
-            pushes = self._pushes.entries(None if behind is not None else seqs)
-            sender.send(rows_message(served.spec, unique, rows, accum, pushes))
+            sender.send(rows_message(served.spec, unique, rows, accum, claims(pushes)))
         except EmbeddingError as e:
-            # Serve on: the replica is unreachable. Its rows go with the next update that
-            # reaches it (or the resync when the next server is replaced).
+            # Serve on: the replica is unreachable. Its rows (and their pushes) go with the
+            # next update of the table that reaches it (or the resync when the next server is
+            # replaced).
             sender.failures += 1
-            sender.mark(served.table.name, unique)
+            sender.mark(served.table.name, unique, pushes)
             logger.warning("update not replicated (re-sent with the next one): %s", e)
 
     def Stats(  # noqa: N802

@@ -27,10 +27,12 @@ class ClientSeq(_message.Message):
     def __init__(self, client: _Optional[str] = ..., seq: _Optional[int] = ..., floor: _Optional[int] = ...) -> None: ...
 
 class AppliedPushesRequest(_message.Message):
-    __slots__ = ("client",)
+    __slots__ = ("client", "table")
     CLIENT_FIELD_NUMBER: _ClassVar[int]
+    TABLE_FIELD_NUMBER: _ClassVar[int]
     client: str
-    def __init__(self, client: _Optional[str] = ...) -> None: ...
+    table: str
+    def __init__(self, client: _Optional[str] = ..., table: _Optional[str] = ...) -> None: ...
 
 class AppliedPushesResponse(_message.Message):
     __slots__ = ("error", "seqs", "floor")
