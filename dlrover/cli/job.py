@@ -249,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--ps-replica",
-        default="async",
+        default=None,
         choices=("async", "sync", "none"),
         help="How each embedding server keeps its rows on the next: async (default), sync "
         "(a failover loses nothing), none",
@@ -307,6 +307,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _ps_from_flags(spec: PsSpec | None, count: int, replica: str | None) -> PsSpec | None:
+    """A YAML spec's ps role with ``--ps N`` / ``--ps-replica`` applied over it."""
+    if not count and replica is None:
+        return spec
+    if spec is None and not count:
+        raise JobSpecError("--ps-replica needs embedding servers: add --ps N or roles.ps")
+    base = spec or PsSpec(count)
+    count = count or base.count
+    return dataclasses.replace(
+        base, count=count, max_count=max(base.max_count, count), replica=replica or base.replica
+    )
+
+
 def cmd_scale(name: str, role: str, count: int, timeout_s: float = 300.0) -> int:
     """``dlrover scale NAME --role ps --count N``: ask the master, wait for it to be done and
     print what moved. Returns the exit code."""
@@ -316,15 +329,14 @@ def cmd_scale(name: str, role: str, count: int, timeout_s: float = 300.0) -> int
         return 1
     client = MasterClient(record.master_addr, record.token, rpc_timeout_s=10)
     try:
-        before = client.kv_get(PS_SCALE_KEY)
-        print(client.scale_role(role, count), flush=True)
+        said, request = client.scale_role(role, count)
+        print(said, flush=True)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             raw = client.kv_get(PS_SCALE_KEY)
-            report = json.loads(raw) if raw and raw != before else None
-            if report is None or report.get("action") != "scale":
-                before = raw if report is not None else before  # a failover's report meanwhile
-                time.sleep(0.2)
+            report = json.loads(raw) if raw else None
+            if report is None or report.get("request") != request:
+                time.sleep(0.2)  # another process writes it: nothing to wait on but the key
                 continue
             if report.get("error"):
                 print(f"dlrover: error: scaling failed: {report['error']}", file=sys.stderr)
@@ -378,9 +390,11 @@ def run(argv: Sequence[str] | None = None) -> int:
                 exclude_straggler=spec.exclude_straggler or args.exclude_straggler,
                 auto_scale=spec.auto_scale or args.auto_scale,
                 engine_settings=settings,
-                ps=PsSpec(args.ps, replica=args.ps_replica) if args.ps else spec.ps,
+                ps=_ps_from_flags(spec.ps, args.ps, args.ps_replica),
             )
         else:
+            if args.ps_replica is not None and not args.ps:
+                raise JobSpecError("--ps-replica needs embedding servers: add --ps N")
             spec = job_spec_from_flags(
                 target,
                 args.args,
@@ -397,7 +411,7 @@ def run(argv: Sequence[str] | None = None) -> int:
                 auto_scale=args.auto_scale,
                 engine_settings={"capacity": args.capacity} if args.capacity else None,
                 ps=args.ps,
-                ps_replica=args.ps_replica,
+                ps_replica=args.ps_replica or "async",
             )
     except (JobSpecError, OSError) as e:
         parser.error(str(e))

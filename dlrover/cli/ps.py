@@ -100,6 +100,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         server = EmbeddingServer(token, args.host, args.port, args.threads).start()
+    except ValueError as e:
+        print(f"dlrover-ps: --threads {args.threads}: {e}", file=sys.stderr)
+        return 2
     except (OSError, RuntimeError) as e:
         print(f"dlrover-ps: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 1

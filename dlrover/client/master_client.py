@@ -208,10 +208,12 @@ class MasterClient:
         request = pb.StopJobRequest(reason=reason)
         return wire.job_status_from_pb(self.call(self.stub.StopJob, request))
 
-    def scale_role(self, role: str, count: int) -> str:
-        """Ask for ``count`` nodes of ``role`` (ScaleRole RPC); what the master will do."""
+    def scale_role(self, role: str, count: int) -> tuple[str, int]:
+        """Ask for ``count`` nodes of ``role`` (ScaleRole RPC): what the master will do, and the
+        id of the request, which its report carries."""
         request = pb.ScaleRoleRequest(role=role, count=count)
-        return str(self.call(self.stub.ScaleRole, request).message)
+        response = self.call(self.stub.ScaleRole, request)
+        return str(response.message), int(response.request_id)
 
     # --- key-value -----------------------------------------------------------------------------
     def kv_set(self, key: str, value: bytes) -> None:

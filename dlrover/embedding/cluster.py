@@ -27,6 +27,11 @@ from dlrover.proto import embedding_pb2 as pb
 logger = logging.getLogger(__name__)
 
 
+class ResizeStuckError(EmbeddingError):
+    """A resize failed after some servers took its final map: neither map holds everywhere, and
+    training cannot go on safely (updates may have landed under the new one)."""
+
+
 @dataclass(frozen=True)
 class ResizeReport:
     """What a resize did: the new map version, buckets and rows moved, and how long the moving
@@ -171,39 +176,39 @@ class EmbeddingCluster:
             groups[(source, dest)].append(bucket)
 
         pause_start = time.monotonic()
-        for index, address in enumerate(old.addresses):
-            # Refuse the leaving buckets once the requests admitted before have finished.
-            self._set_map(address, Placement(frozen, old.addresses), index, leaving[index])
         moved_rows = 0
-        for (source, dest), buckets in sorted(groups.items()):
-            for spec in specs:
-                # Pieces of buckets whose rows fit a message (ids hash evenly into buckets).
-                for request in self._pieces(buckets, spec, sizes, old.map.num_buckets):
-                    rows = self.client.call(old.addresses[source], "ExportBuckets", request)
-                    moved_rows += self.client.call(addresses[dest], "ImportRows", rows).rows
+        try:
+            for index, address in enumerate(old.addresses):
+                # Refuse the leaving buckets once the requests admitted before have finished.
+                self._set_map(address, Placement(frozen, old.addresses), index, leaving[index])
+            for (source, dest), buckets in sorted(groups.items()):
+                for spec in specs:
+                    # Pieces of buckets whose rows fit a message (ids hash evenly into buckets).
+                    for request in self._pieces(buckets, spec, sizes, old.map.num_buckets):
+                        rows = self.client.call(old.addresses[source], "ExportBuckets", request)
+                        moved_rows += self.client.call(addresses[dest], "ImportRows", rows).rows
+        except EmbeddingError as e:
+            # Nothing was handed over yet: the old owners still hold every row. Unfreeze them.
+            back = self.roll_back(old)
+            raise EmbeddingError(
+                f"resize to {len(addresses)} servers failed and was rolled back to map version "
+                f"{back.map.version} ({len(old.addresses)} servers): {e}"
+            ) from None
         # New owners first, so that a request the old owners send on finds its rows.
         order = sorted(range(len(addresses)), key=lambda i: i < len(old.addresses))
-        for index in order:
-            self._set_map(addresses[index], final, index)
-        for index in range(len(addresses), len(old.addresses)):
-            self._set_map(old.addresses[index], final, -1)  # removed: owns nothing, redirects
+        try:
+            for index in order:
+                self._set_map(addresses[index], final, index)
+            for index in range(len(addresses), len(old.addresses)):
+                self._set_map(old.addresses[index], final, -1)  # removed: owns nothing
+        except EmbeddingError as e:
+            raise ResizeStuckError(
+                f"resize to {len(addresses)} servers failed while its map (version "
+                f"{final.map.version}) was being installed, some servers have it: {e}"
+            ) from None
         pause_s = time.monotonic() - pause_start
         self.client.adopt(final)
-        for (source, _), buckets in sorted(groups.items()):
-            for spec in specs:
-                self.client.call(
-                    old.addresses[source],
-                    "DropBuckets",
-                    pb.BucketsRequest(
-                        table=spec.name,
-                        buckets=np.asarray(buckets, dtype="<i8").tobytes(),
-                        num_buckets=old.map.num_buckets,
-                    ),
-                )
-        if self.replica != pb.NO_REPLICA:
-            # Each server's replica now covers other buckets: send it whole again.
-            for address in addresses:
-                self.client.call(address, "ResyncReplica", pb.StatsRequest())
+        self.finish(old, final)
         report = ResizeReport(
             final.map.version,
             len(addresses),
@@ -221,6 +226,40 @@ class EmbeddingCluster:
             report.pause_s,
         )
         return report
+
+    def roll_back(self, old: Placement) -> Placement:
+        """Undo a resize that handed nothing over yet: the old servers get the old map again,
+        unfrozen, at a version newer than any the resize used. Best effort per server."""
+        back = Placement(BucketMap(old.map.version + 3, old.map.owners), old.addresses)
+        for index, address in enumerate(old.addresses):
+            try:
+                self._set_map(address, back, index)
+            except EmbeddingError as e:
+                logger.error("embedding server %d: cannot roll its map back: %s", index, e)
+        self.client.adopt(back)
+        return back
+
+    def finish(self, old: Placement, final: Placement) -> None:
+        """After the final map of a resize is installed: the old owners drop the rows that
+        moved, and the replicas are sent whole again (they cover other buckets now)."""
+        groups: dict[int, list[int]] = defaultdict(list)
+        for bucket, source, _ in old.map.moves(final.map):
+            groups[source].append(bucket)
+        specs, _ = self._specs(final.addresses)
+        for source, buckets in sorted(groups.items()):
+            for spec in specs:
+                self.client.call(
+                    old.addresses[source],
+                    "DropBuckets",
+                    pb.BucketsRequest(
+                        table=spec.name,
+                        buckets=np.asarray(buckets, dtype="<i8").tobytes(),
+                        num_buckets=old.map.num_buckets,
+                    ),
+                )
+        if self.replica != pb.NO_REPLICA:
+            for address in final.addresses:
+                self.client.call(address, "ResyncReplica", pb.StatsRequest())
 
     def _specs(self, addresses: Sequence[str]) -> tuple[list[pb.TableSpec], dict[str, int]]:
         """The tables' specs, and their rows over all servers."""

@@ -398,9 +398,10 @@ class JobMaster:
         self._store.put_json("checkpoint", "committed", step)
         self.event("ckpt", f"checkpoint of step {step} committed to storage")
 
-    def scale_role(self, role: str, count: int) -> str:
-        """Ask for ``count`` nodes of ``role`` (`dlrover scale`); what will happen. Raises
-        ValueError for a role that cannot be scaled so."""
+    def scale_role(self, role: str, count: int) -> tuple[str, int]:
+        """Ask for ``count`` nodes of ``role`` (`dlrover scale`): what will happen, and the
+        request's id its report will carry. Raises ValueError for a role that cannot be scaled
+        so."""
         if role != "ps":
             raise ValueError(
                 f"role {role!r}: only ps (embedding servers) is scaled on request; workers scale "

@@ -331,9 +331,9 @@ class LocalMasterApi:
         self.job.stop(reason or "stopped by request")
         return self.get_job_status()
 
-    def scale_role(self, role: str, count: int) -> str:
-        """Ask for ``count`` nodes of ``role``; what will happen (refusals raise
-        MasterRequestError)."""
+    def scale_role(self, role: str, count: int) -> tuple[str, int]:
+        """Ask for ``count`` nodes of ``role``: what will happen, and the request's id
+        (refusals raise MasterRequestError)."""
         with _refusals():
             return self.job.scale_role(role, count)
 

@@ -21,10 +21,10 @@ from collections.abc import Callable
 from dlrover.api.master import FailureRecord
 from dlrover.constants import ENV_NODE_NAME, PS_ADDRESS_KEY, PS_PLACEMENT_KEY, PS_SCALE_KEY
 from dlrover.embedding.client import EmbeddingClient
-from dlrover.embedding.cluster import EmbeddingCluster
+from dlrover.embedding.cluster import EmbeddingCluster, ResizeStuckError
 from dlrover.embedding.table import EmbeddingError
 from dlrover.embedding.wire import Placement
-from dlrover.engines.base import Engine, EngineError, NodeEvent, NodeSpec, NodeState
+from dlrover.engines.base import Engine, EngineError, NodeEvent, NodeSpec
 from dlrover.jobspec import JobSpec
 from dlrover.master.job import JobMaster
 from dlrover.master.optimizer import ScaleAction, plan_ps
@@ -95,7 +95,8 @@ class PsController:
         self._address_timeout_s = address_timeout_s
         self._stats_interval_s = stats_interval_s
         self._clock = clock
-        self._requests: queue.Queue[tuple[str, int]] = queue.Queue()
+        self._requests: queue.Queue[tuple[str, str | int, int]] = queue.Queue()
+        """(kind, node id or server count, request id) for the controller's thread."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -106,6 +107,14 @@ class PsController:
         self._last_lookups: dict[str, tuple[float, int]] = {}
         self._failed: dict[str, NodeEvent] = {}
         """Failure events of servers whose replacement is queued (OOM: the next gets more)."""
+        self._retired: set[str] = set()
+        """Servers this controller deleted (their end is no failure)."""
+        self._attempts: dict[int, int] = {}
+        """Server slot -> its last attempt launched (a slot used again gets a new node id)."""
+        self._failures: dict[int, int] = {}
+        """Server slot -> its failures (bounded by max_relaunches)."""
+        self._request_ids = 0
+        self._stats_thread: threading.Thread | None = None
         self.failovers = 0
         self._grown_at: float | None = None
         self.ready = threading.Event()
@@ -116,37 +125,53 @@ class PsController:
         """Launch the servers and bring them up in the background."""
         self._thread = threading.Thread(target=self._run, name="ps-controller", daemon=True)
         self._thread.start()
+        # Stats are read by a thread of their own: a hung server's 30 s deadline must not
+        # hold up a failover or a resize.
+        self._stats_thread = threading.Thread(target=self._stats_loop, name="ps-stats", daemon=True)
+        self._stats_thread.start()
 
     def close(self) -> None:
-        """Stop the background thread (the engine deletes the servers with the job's nodes)."""
+        """Stop the background threads (the engine deletes the servers with the job's nodes)."""
         self._stop.set()
-        self._requests.put(("stop", 0))
-        if self._thread is not None:
-            self._thread.join(10.0)
+        self._requests.put(("stop", 0, 0))
+        for thread in (self._thread, self._stats_thread):
+            if thread is not None:
+                thread.join(35.0)
         if self._cluster is not None:
             self._cluster.client.close()
 
     def on_event(self, event: NodeEvent) -> None:
-        """An engine event of a ``ps`` node: a current server that failed is replaced."""
+        """An engine event of a ``ps`` node: a current server that ended (failed, or exited
+        when nobody asked it to: SIGTERM, eviction) is replaced."""
         logger.info("engine: %s", event)
-        if event.state is not NodeState.FAILED or self._job.ended.is_set():
+        if not event.state.is_final or self._job.ended.is_set():
             return
         with self._lock:
-            current = [i for i, n in enumerate(self._nodes) if n.node_id == event.node_id]
+            if event.node_id in self._retired:
+                return
+            current = any(n.node_id == event.node_id for n in self._nodes)
             if current:
                 self._failed[event.node_id] = event
         if current:
-            self._requests.put(("replace", current[0]))
+            self._requests.put(("replace", event.node_id, 0))
 
-    def request_scale(self, count: int) -> str:
-        """Ask for ``count`` servers; returns what will happen (raises ValueError when it
-        cannot)."""
+    def request_scale(self, count: int) -> tuple[str, int]:
+        """Ask for ``count`` servers; returns what will happen and the request's id (its
+        report in PS_SCALE_KEY carries it). Raises ValueError when it cannot be done."""
         if count < 1:
             raise ValueError(f"--count {count}: a job with embedding servers keeps at least 1")
         if not self.ready.is_set():
             raise ValueError("the embedding servers are not installed yet; ask again shortly")
-        self._requests.put(("scale", count))
-        return f"embedding servers: scaling to {count}"
+        with self._lock:
+            self._request_ids += 1
+            request = self._request_ids
+        self._requests.put(("scale", count, request))
+        note = (
+            "; with 1 server there is no replica: its failure stops the job"
+            if count == 1 and self._ps.replica != "none"
+            else ""
+        )
+        return f"embedding servers: scaling to {count}{note}", request
 
     def stats(self) -> list[ServerStats]:
         """Each server's last stats (empty before the first read)."""
@@ -166,36 +191,46 @@ class PsController:
         except (PsLaunchError, EmbeddingError, EngineError) as e:
             self._job.stop(f"the embedding servers could not start: {e}")
             return
-        next_stats = self._clock()
+        except Exception as e:  # a bug: said, and the job stops rather than hang
+            logger.exception("embedding servers: bring-up failed")
+            self._job.stop(f"the embedding servers could not start: {e!r}")
+            return
         while not self._stop.is_set() and not self._job.ended.is_set():
-            try:
-                kind, value = self._requests.get(timeout=max(0.0, next_stats - self._clock()))
-            except queue.Empty:
-                self._read_stats()
-                self._grow_if_full()
-                next_stats = self._clock() + self._stats_interval_s
-                continue
+            kind, value, request = self._requests.get()
             try:
                 if kind == "replace":
-                    self._replace(value)
+                    self._replace(str(value))
                 elif kind == "scale":
-                    self._scale(value)
+                    self._scale(int(value), request)
             except (PsLaunchError, EmbeddingError, EngineError) as e:
                 what = "failover" if kind == "replace" else f"scaling to {value}"
                 logger.error("embedding servers: %s failed: %s", what, e)
-                self._report({"action": kind, "error": str(e)})
-                if kind == "replace":  # the workers cannot go on without the server's rows
-                    self._job.stop(f"embedding server {value} could not be replaced: {e}")
+                self._report({"action": kind, "request": request, "error": str(e)})
+                if kind == "replace" or isinstance(e, ResizeStuckError):
+                    # The workers cannot go on without the server's rows, or on a half-moved
+                    # map.
+                    self._job.stop(f"embedding servers: {what} failed: {e}")
+            except Exception as e:
+                logger.exception("embedding servers: %s failed", kind)
+                self._report({"action": kind, "request": request, "error": repr(e)})
+                self._job.stop(f"embedding servers: {kind} failed: {e!r}")
+
+    def _stats_loop(self) -> None:
+        while not self._stop.wait(self._stats_interval_s) and not self._job.ended.is_set():
+            if not self.ready.is_set():
+                continue
+            try:
+                self._read_stats()
+                self._grow_if_full()
+            except Exception:  # metrics must never take the controller down
+                logger.exception("embedding servers: reading their stats failed")
 
     def _bring_up(self) -> None:
         if self._resume():
             return
         count = self._ps.count
         logger.info("launching %d embedding servers (replica %s)", count, self._ps.replica)
-        specs = [
-            self._named(self._spec.ps_node_spec(r, self._master_addr, self._token))
-            for r in range(count)
-        ]
+        specs = [self._slot_spec(r) for r in range(count)]
         self._engine.launch_many(specs)
         addresses = [self._await_address(s) for s in specs]
         self._set_nodes(specs)
@@ -219,38 +254,78 @@ class PsController:
         message = pb.BucketMapMessage()
         message.ParseFromString(raw)
         placement = Placement.from_proto(message)
+        self._attempts = {int(k): int(v) for k, v in saved.get("attempts", {}).items()}
+        self._failures = {int(k): int(v) for k, v in saved.get("failures", {}).items()}
         specs = [
             self._named(self._spec.ps_node_spec(rank, self._master_addr, self._token, attempt))
             for rank, attempt in saved["nodes"]
         ]
+        if saved.get("resizing"):
+            raise PsLaunchError(
+                "the master stopped while it was resizing the embedding servers; the servers "
+                "may hold a half-moved map, so the job stops rather than train on it (restart "
+                "it from its checkpoint)"
+            )
         self._engine.launch_many(specs)  # adopted where they still run
         with self._lock:
             self._nodes = specs
-        client = EmbeddingClient(placement.addresses, self._token, placement.map, timeout_s=5)
+        client = EmbeddingClient(placement.addresses, self._token, placement.map)
         self._cluster = EmbeddingCluster(client, REPLICA_MODES[self._ps.replica])
-        for index, address in enumerate(placement.addresses):
-            try:
-                client.call(address, "Stats", pb.StatsRequest())
-            except EmbeddingError:
+        alive = self._each_answers(client, placement.addresses)
+        for index, (address, ok) in enumerate(zip(placement.addresses, alive, strict=True)):
+            if not ok:
                 logger.warning(
                     "embedding server %d at %s did not survive: replacing it", index, address
                 )
-                try:  # the engine may have started its slot again: not the server it was
-                    self._engine.delete(specs[index].node_id)
-                except EngineError:
-                    pass
-                self._requests.put(("replace", index))
+                self._retire(specs[index])  # the engine may have started its slot again
+                with self._lock:
+                    self._failed.pop(specs[index].node_id, None)
+                self._requests.put(("replace", specs[index].node_id, 0))
         self.ready.set()
         logger.info("embedding servers resumed: %s", ", ".join(placement.addresses))
         return True
 
-    def _set_nodes(self, nodes: list[NodeSpec]) -> None:
-        """The current server of each index, saved so that a restarted master resumes them."""
+    def _each_answers(self, client: EmbeddingClient, addresses: tuple[str, ...]) -> list[bool]:
+        def answers(address: str) -> bool:
+            try:
+                client.call(address, "Stats", pb.StatsRequest())
+                return True
+            except EmbeddingError:
+                return False
+
+        return [answers(a) for a in addresses]
+
+    def _set_nodes(self, nodes: list[NodeSpec], resizing: bool = False) -> None:
+        """The current server of each index, saved so that a restarted master resumes them
+        (with ``resizing``: a resize is under way, which a restarted master cannot resume)."""
         with self._lock:
             self._nodes = nodes
-        self._store.put_json(
-            _NAMESPACE, "nodes", {"nodes": [[n.rank, n.relaunch_count] for n in nodes]}
-        )
+            state = {
+                "nodes": [[n.rank, n.relaunch_count] for n in nodes],
+                "attempts": {str(k): v for k, v in self._attempts.items()},
+                "failures": {str(k): v for k, v in self._failures.items()},
+                "resizing": resizing,
+            }
+        self._store.put_json(_NAMESPACE, "nodes", state)
+
+    def _slot_spec(self, rank: int, spec: NodeSpec | None = None) -> NodeSpec:
+        """Slot ``rank``'s next attempt (``spec``: a replacement already sized), recorded."""
+        attempt = self._attempts.get(rank, -1) + 1
+        if spec is None:
+            spec = self._spec.ps_node_spec(rank, self._master_addr, self._token, attempt)
+        else:
+            spec = dataclasses.replace(spec, relaunch_count=attempt)
+        self._attempts[rank] = attempt
+        return self._named(spec)
+
+    def _retire(self, spec: NodeSpec) -> None:
+        """Delete a server this controller no longer wants (its end is not a failure)."""
+        with self._lock:
+            self._retired.add(spec.node_id)
+        try:
+            self._engine.delete(spec.node_id)
+        except EngineError as e:
+            logger.warning("embedding server %s: cannot delete it: %s", spec.node_id, e)
 
     def _named(self, spec: NodeSpec) -> NodeSpec:
         return dataclasses.replace(spec, env={**spec.env, ENV_NODE_NAME: spec.node_id})
@@ -286,43 +361,56 @@ class PsController:
         what = {**what, "servers": len(self._nodes), "time": time.time()}
         self._job.kv.set(PS_SCALE_KEY, json.dumps(what).encode())
 
-    def _replace(self, index: int) -> None:
+    def _replace(self, node_id: str) -> None:
         assert self._cluster is not None
         with self._lock:
-            failed = self._nodes[index]
-            event = self._failed.pop(failed.node_id, None)
-        if failed.relaunch_count >= self._spec.max_relaunches:
+            index = next((i for i, n in enumerate(self._nodes) if n.node_id == node_id), None)
+            event = self._failed.pop(node_id, None)
+            failed = self._nodes[index] if index is not None else None
+            servers = len(self._nodes)
+        if index is None or failed is None:
+            logger.info("embedding server %s is not current any more: not replaced", node_id)
+            return
+        if self._ps.replica == "none" or servers < 2:
             raise PsLaunchError(
-                f"embedding server {index} ({failed.node_id}) failed and used its "
-                f"{self._spec.max_relaunches} relaunches"
+                f"embedding server {index} ({node_id}) ended and there is no replica to restore "
+                f"it from ({'roles.ps.replica: none' if servers >= 2 else 'a single server'}); "
+                "its rows are lost"
             )
-        if self._ps.replica == "none":
-            raise PsLaunchError(
-                f"embedding server {index} ({failed.node_id}) failed and has no replica "
-                "(roles.ps.replica: none); its rows are lost"
-            )
-        spec = replacement_spec(event, self._oom) if event is not None else failed.replacement()
-        if spec is None:
-            raise PsLaunchError(f"embedding server {failed.node_id} was OOM-killed and cannot grow")
-        spec = self._named(spec)
         if event is not None:
             from dlrover.master.node_controller import failure_class_of
 
             self._job.record_failure(
                 FailureRecord(
                     time.time(),
-                    failed.node_id,
+                    node_id,
                     failure_class_of(event),
                     "relaunch_node",
-                    f"embedding server {index}: {event.message or event.reason}",
+                    f"embedding server {index}: {event.message or event.reason or event.state}",
                 )
             )
-        logger.info(
-            "embedding server %d (%s) failed: launching %s", index, failed.node_id, spec.node_id
-        )
         started = self._clock()
-        self._engine.launch(spec)
-        address = self._await_address(spec)
+        sized = replacement_spec(event, self._oom) if event is not None else failed.replacement()
+        if sized is None:
+            raise PsLaunchError(f"embedding server {node_id} was OOM-killed and cannot grow")
+        while True:
+            self._failures[index] = self._failures.get(index, 0) + 1
+            if self._failures[index] > self._spec.max_relaunches:
+                raise PsLaunchError(
+                    f"embedding server {index} ended and its slot used its "
+                    f"{self._spec.max_relaunches} relaunches (max_relaunches)"
+                )
+            spec = self._slot_spec(index, sized)
+            logger.info(
+                "embedding server %d (%s) ended: launching %s", index, node_id, spec.node_id
+            )
+            self._engine.launch(spec)
+            try:
+                address = self._await_address(spec)
+                break
+            except PsLaunchError as e:  # the replacement died before it registered
+                logger.warning("embedding server %d: its replacement failed: %s", index, e)
+                self._retire(spec)
         report = self._cluster.replace(index, address)
         with self._lock:
             nodes = list(self._nodes)
@@ -347,34 +435,39 @@ class PsController:
             f"{report.restored_rows} rows from its replica",
         )
 
-    def _scale(self, count: int) -> None:
+    def _scale(self, count: int, request: int = 0) -> None:
         assert self._cluster is not None
         with self._lock:
             nodes = list(self._nodes)
         before = len(nodes)
         if count == before:
-            self._report({"action": "scale", "count": count, "moved_buckets": 0})
+            self._report(
+                {"action": "scale", "request": request, "count": count, "moved_buckets": 0}
+            )
             return
         started = self._clock()
         added: list[NodeSpec] = []
         addresses = list(self._cluster.client.addresses)
-        if count > before:
-            added = [
-                self._named(self._spec.ps_node_spec(r, self._master_addr, self._token))
-                for r in range(before, count)
-            ]
-            self._engine.launch_many(added)
-            addresses += [self._await_address(s) for s in added]
-        else:
-            addresses = addresses[:count]
-        report = self._cluster.resize(addresses)
+        try:
+            if count > before:
+                added = [self._slot_spec(r) for r in range(before, count)]
+                self._engine.launch_many(added)
+                addresses += [self._await_address(s) for s in added]
+            else:
+                addresses = addresses[:count]
+            self._set_nodes(nodes, resizing=True)
+            report = self._cluster.resize(addresses)
+        except (PsLaunchError, EngineError, EmbeddingError) as e:
+            if not isinstance(e, ResizeStuckError):
+                self._set_nodes(nodes)  # rolled back (or never started): the old servers stand
+                self._publish()
+                for spec in added:
+                    self._retire(spec)
+            raise
         self._set_nodes(nodes[:count] + added)
         self._publish()
         for node in nodes[count:]:
-            try:
-                self._engine.delete(node.node_id)
-            except EngineError as e:
-                logger.warning("embedding server %s: cannot delete it: %s", node.node_id, e)
+            self._retire(node)
         seconds = self._clock() - started
         logger.info(
             "embedding servers %d -> %d in %.1fs: %d buckets, %d rows moved, moving buckets "
@@ -384,6 +477,7 @@ class PsController:
         self._report(
             {
                 "action": "scale",
+                "request": request,
                 "count": count,
                 "moved_buckets": report.moved_buckets,
                 "moved_rows": report.moved_rows,
@@ -422,7 +516,7 @@ class PsController:
                 "auto-scale: embedding servers: %d -> %d: %s", servers, plan.nodes, plan.reason
             )
             self._job.event("scale", f"embedding servers -> {plan.nodes}: {plan.reason}")
-            self._requests.put(("scale", plan.nodes))
+            self._requests.put(("scale", plan.nodes, 0))
 
     def _read_stats(self) -> None:
         cluster = self._cluster

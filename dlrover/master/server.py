@@ -455,10 +455,12 @@ class MasterServicer(pb_grpc.MasterServicer):
         self, request: pb.ScaleRoleRequest, context: grpc.aio.ServicerContext
     ) -> pb.ScaleRoleResponse:  # noqa: N802
         """Ask for a number of nodes of a role (the embedding servers); answer what happens."""
-        return await _guard(
-            context,
-            lambda: pb.ScaleRoleResponse(message=self.api.scale_role(request.role, request.count)),
-        )
+
+        def run() -> pb.ScaleRoleResponse:
+            message, request_id = self.api.scale_role(request.role, request.count)
+            return pb.ScaleRoleResponse(message=message, request_id=request_id)
+
+        return await _guard(context, run)
 
     # --- dynamic data sharding: messages <-> dataclasses in dlrover/sharding/wire.py -----------
     async def RegisterDataset(

@@ -451,10 +451,12 @@ class ScaleRoleRequest(_message.Message):
     def __init__(self, role: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
 
 class ScaleRoleResponse(_message.Message):
-    __slots__ = ("message",)
+    __slots__ = ("message", "request_id")
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     message: str
-    def __init__(self, message: _Optional[str] = ...) -> None: ...
+    request_id: int
+    def __init__(self, message: _Optional[str] = ..., request_id: _Optional[int] = ...) -> None: ...
 
 class CheckpointPersistedRequest(_message.Message):
     __slots__ = ("step", "node_rank", "total_nodes")
