@@ -72,7 +72,8 @@ def _restored_rendezvous(
 class JobState(str, enum.Enum):
     """Lifecycle of the job.
 
-    Legal transitions: PENDING -> RUNNING (first round closed) -> SUCCEEDED | FAILED;
+    Legal transitions: PENDING -> RUNNING (first round closed; in a TensorFlow job, its first
+    cluster spec published) -> SUCCEEDED | FAILED;
     PENDING -> FAILED (e.g. every node lost before the first round).
     """
 
@@ -618,6 +619,26 @@ class JobMaster:
         """End the job from outside (e.g. SIGTERM to the master)."""
         with self._lock:
             self._fail(reason, 1)
+
+    def mark_running(self, reason: str) -> None:
+        """PENDING -> RUNNING from outside: a job without rounds (TensorFlow) started."""
+        with self._lock:
+            if self.state is JobState.PENDING and not self.ended.is_set():
+                self._set_job_state(JobState.RUNNING, reason)
+
+    def succeed(self, reason: str) -> None:
+        """End the job as succeeded from outside: a job whose end is one node's, not its
+        agents' exit barrier (the chief of a TensorFlow job, dlrover/master/tf_controller.py)."""
+        with self._lock:
+            if self.ended.is_set():
+                return
+            self._set_job_state(JobState.SUCCEEDED, reason)
+            self.exit_code = 0
+            self._save()
+            self.goodput.on_end(self._clock())
+            self.ended.set()
+            self.rounds.bump()
+            self.membership.bump()
 
     def node_lost(self, node_id: str, reason: str) -> None:
         """An engine says the node's process is gone: drop it now, not at the heartbeat timeout."""

@@ -1,0 +1,359 @@
+"""The chief's training loop of a TensorFlow parameter-server job: a ParameterServerStrategy and
+ClusterCoordinator from the cluster spec the master published, batches of sample ids leased
+from the master's dynamic sharding and scheduled as closures, checkpoints that hold the shard
+position, and recovery from a lost ps without a job restart.
+
+What fails and what happens:
+- a worker dies: the coordinator re-runs its closures on the other workers (TensorFlow's own
+  retry) and uses the relaunched worker, which the master starts on the same address, when it
+  is back. Nothing here notices.
+- a ps dies: its variables are gone and the coordinator raises UnavailableError. The trainer
+  waits for the master's word that every ps serves again (the next ps generation), builds a
+  new strategy and coordinator, has the model built again (``build``), restores the latest
+  checkpoint and puts the master's shard queue back to the position saved with it, so the
+  samples trained since are trained again, once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from dlrover import constants as c
+from dlrover.client.master_client import MasterClient
+from dlrover.client.sharding import GrpcShardingTransport
+from dlrover.client.sharding_client import ShardingClient
+from dlrover.sharding.types import DatasetSpec, Position, Shard
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PS_WAIT_S = 300.0
+"""How long the chief waits for the master to report a lost ps serving again."""
+LATEST = "latest.json"
+"""The checkpoint directory's marker: the newest complete checkpoint and its shard position,
+written last and atomically (temp + rename)."""
+KEEP_CHECKPOINTS = 2
+
+
+class PsTrainingError(Exception):
+    """The training cannot go on (no ps came back in time, a checkpoint cannot be read)."""
+
+
+@dataclasses.dataclass
+class TrainState:
+    """What ``build(strategy)`` returns: everything that lives on the ps, made again after a ps
+    is lost.
+
+    ``train_batch`` is a tf.function taking one int64 vector of sample ids; it runs a step on a
+    worker (``strategy.run`` inside) and returns a value the chief may fetch (the loss).
+    ``checkpoint`` tracks every variable whose value must survive a lost ps."""
+
+    train_batch: Callable[..., Any]
+    checkpoint: Any
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Whatever else the script wants back (the model's variables, for its own use)."""
+
+
+@dataclasses.dataclass
+class Recovery:
+    """One recovery from a lost ps, as measured by the chief."""
+
+    error: str
+    waited_s: float
+    """From the error to the master's word that every ps serves again."""
+    rebuilt_s: float
+    """Building the strategy, the model and restoring the checkpoint."""
+    restored_sequence: int
+    """The checkpoint restored (its sequence number; -1: none, trained from the start)."""
+
+    @property
+    def pause_s(self) -> float:
+        """From the error to training again."""
+        return self.waited_s + self.rebuilt_s
+
+
+def cluster_from_env(env: dict[str, str] | None = None) -> tuple[dict[str, list[str]], str, int]:
+    """(cluster, task type, task index) from TF_CONFIG."""
+    env = dict(os.environ) if env is None else env
+    try:
+        config = json.loads(env["TF_CONFIG"])
+        return (
+            {k: list(v) for k, v in config["cluster"].items()},
+            str(config["task"]["type"]),
+            int(config["task"]["index"]),
+        )
+    except (KeyError, ValueError, TypeError) as e:
+        raise PsTrainingError(
+            f"TF_CONFIG is missing or names no cluster and task ({e!r}); run the script with "
+            "dlrover submit (a job with distribution_strategy: ParameterServerStrategy)"
+        ) from None
+
+
+class PsTrainer:
+    """Trains ``build``'s model over the samples of ``dataset`` in batches of ``batch_size``
+    ids, one closure per batch. Call `fit`; then `state` is the final model.
+
+    Invariant: a checkpoint is written only when every scheduled closure has finished and every
+    shard they came from is reported done, so its shard position says exactly which samples
+    the variables in it have seen."""
+
+    def __init__(
+        self,
+        build: Callable[[Any], TrainState],
+        dataset: DatasetSpec,
+        batch_size: int,
+        checkpoint_dir: str | os.PathLike[str],
+        checkpoint_every_shards: int = 4,
+        variable_partitioner: Callable[[Any], Any] | None = None,
+        ps_wait_s: float = DEFAULT_PS_WAIT_S,
+        client: MasterClient | None = None,
+        on_shard: Callable[[PsTrainer, int], None] | None = None,
+    ) -> None:
+        self._build_fn = build
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.checkpoint_dir = Path(checkpoint_dir)
+        self.checkpoint_every_shards = checkpoint_every_shards
+        self._partitioner = variable_partitioner
+        self.ps_wait_s = ps_wait_s
+        self._client = client or MasterClient.from_env()
+        self._on_shard = on_shard
+        self.cluster, self.task_type, self.task_index = cluster_from_env()
+        self.cluster_version = int(os.environ.get(c.ENV_TF_CLUSTER_VERSION, "0") or 0)
+        self.generation = 0
+        """The ps generation the current strategy was built against."""
+        self.strategy: Any = None
+        self.coordinator: Any = None
+        self.state: TrainState | None = None
+        self.sequence = -1
+        """The latest checkpoint's sequence number (-1: none yet)."""
+        self.recoveries: list[Recovery] = []
+        self.batches = 0
+        """Closures that finished (re-runs after a ps recovery count again)."""
+        self.shards_done = 0
+        self._sharding = ShardingClient(
+            GrpcShardingTransport(self._client), dataset, worker_id=f"{self.task_type}-0"
+        )
+        self._restores = 0
+
+    # --- building -----------------------------------------------------------------------------
+    def _wait_generation(self, after: int) -> int:
+        """The master's ps generation once it is above ``after`` (every ps serves)."""
+        raw = self._client.kv_get(c.TF_PS_GENERATION_KEY)
+        current = int(json.loads(raw)["generation"]) if raw else 0
+        if current > after:
+            return current
+        logger.info("waiting for every ps to serve (ps generation %d)", after + 1)
+        raw = self._client.kv_get(f"{c.TF_PS_GENERATION_KEY}/{after + 1}", wait_s=self.ps_wait_s)
+        if raw is None:
+            raise PsTrainingError(
+                f"the master did not report every ps serving within {self.ps_wait_s:.0f}s "
+                f"(ps generation {after + 1}); see `dlrover diagnose`"
+            )
+        return int(json.loads(raw)["generation"])
+
+    def _read_cluster(self) -> None:
+        raw = self._client.kv_get(c.TF_CLUSTER_KEY)
+        if raw:
+            value = json.loads(raw)
+            self.cluster = {k: list(v) for k, v in value["cluster"].items()}
+            self.cluster_version = int(value["version"])
+
+    def _build(self, generation: int) -> None:
+        import tensorflow as tf
+
+        self._read_cluster()
+        started = time.monotonic()
+        resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+            tf.train.ClusterSpec(self.cluster),
+            task_type=self.task_type,
+            task_id=self.task_index,
+            rpc_layer="grpc",
+        )
+        num_ps = len(self.cluster.get("ps", []))
+        partitioner = (
+            self._partitioner(num_ps)
+            if self._partitioner is not None
+            else tf.distribute.experimental.partitioners.FixedShardsPartitioner(num_ps)
+        )
+        self.strategy = tf.distribute.experimental.ParameterServerStrategy(
+            resolver, variable_partitioner=partitioner
+        )
+        self.coordinator = tf.distribute.coordinator.ClusterCoordinator(self.strategy)
+        self.state = self._build_fn(self.strategy)
+        self.generation = generation
+        logger.info(
+            "strategy over %d ps and %d workers built in %.2fs (cluster version %d, ps "
+            "generation %d)",
+            num_ps,
+            len(self.cluster.get("worker", [])),
+            time.monotonic() - started,
+            self.cluster_version,
+            generation,
+        )
+
+    # --- checkpoints --------------------------------------------------------------------------
+    def _latest(self) -> dict[str, Any] | None:
+        try:
+            return dict(json.loads((self.checkpoint_dir / LATEST).read_text()))
+        except FileNotFoundError:
+            return None
+
+    def save(self) -> int:
+        """Write a checkpoint of the variables and the shard position (every closure must have
+        finished: `fit` calls it after a join). Returns its sequence number."""
+        assert self.state is not None
+        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        sequence = self.sequence + 1
+        started = time.monotonic()
+        path = self.state.checkpoint.write(str(self.checkpoint_dir / f"ckpt-{sequence}"))
+        position = self._sharding.get_position()
+        marker = {
+            "sequence": sequence,
+            "path": path,
+            "position": position.to_dict(),
+            "batches": self.batches,
+            "shards_done": self.shards_done,
+        }
+        tmp = self.checkpoint_dir / f"{LATEST}.tmp"
+        tmp.write_text(json.dumps(marker))
+        os.replace(tmp, self.checkpoint_dir / LATEST)  # the commit: written last, atomically
+        self.sequence = sequence
+        for old in self.checkpoint_dir.glob("ckpt-*"):
+            number = old.name.split("-", 1)[1].split(".", 1)[0]
+            if number.isdigit() and int(number) <= sequence - KEEP_CHECKPOINTS:
+                old.unlink(missing_ok=True)
+        logger.info(
+            "checkpoint %d written in %.2fs (%d batches)",
+            sequence,
+            time.monotonic() - started,
+            self.batches,
+        )
+        return sequence
+
+    def restore(self) -> int:
+        """Load the latest checkpoint into the current variables and put the master's shard
+        queue back to its position; returns its sequence (-1: none, the position goes back to
+        the start)."""
+        assert self.state is not None
+        latest = self._latest()
+        self._restores += 1
+        token = f"{self.task_type}-restore-{self._restores}-{os.getpid()}"
+        if latest is None:
+            position = Position(self.dataset.name, 0, 0)
+            self._sharding.restore_position(position, token)
+            self.batches = self.shards_done = 0
+            return -1
+        self.state.checkpoint.read(latest["path"]).assert_consumed()
+        self._sharding.restore_position(Position.from_dict(latest["position"]), token)
+        self.sequence = int(latest["sequence"])
+        self.batches = int(latest["batches"])
+        self.shards_done = int(latest["shards_done"])
+        logger.info("restored checkpoint %d (%d batches)", self.sequence, self.batches)
+        return self.sequence
+
+    # --- training -----------------------------------------------------------------------------
+    def fit(self) -> None:
+        """Train over every shard the master hands out, surviving lost workers and ps."""
+        import tensorflow as tf
+
+        ps_errors = (tf.errors.UnavailableError, tf.errors.AbortedError)
+        self._sharding.start()
+        self._build(self._wait_generation(0))
+        if self._latest() is not None:  # a relaunched chief resumes where the job was
+            self.restore()
+        trained_since_build = False
+        while True:
+            try:
+                done = self._train_until_end()
+                break
+            except ps_errors as error:
+                logger.warning("lost a ps: %s", str(error).splitlines()[0][:200])
+                trained_since_build = self._recover(error, trained_since_build)
+        self._sharding.close()
+        logger.info("training done: %d batches, %d shards", self.batches, done)
+
+    def _recover(self, error: Exception, trained_since_build: bool) -> bool:
+        """Wait for the ps to serve again, rebuild, restore. A failure before any batch
+        finished on the new strategy (a connection of the old one seen late) does not wait
+        for another ps generation: it only rebuilds after a second."""
+        import tensorflow as tf
+
+        started = time.monotonic()
+        if trained_since_build or not self.recoveries:
+            generation = self._wait_generation(self.generation)
+        else:
+            time.sleep(1.0)  # the ps serves (its generation came); its old channel did not yet
+            generation = self.generation
+        waited = time.monotonic() - started
+        attempts = 0
+        while True:
+            try:
+                self._build(generation)
+                restored = self.restore()
+                break
+            except (tf.errors.UnavailableError, tf.errors.AbortedError) as again:
+                attempts += 1
+                if attempts >= 5:
+                    raise PsTrainingError(f"rebuilding after a lost ps failed: {again}") from again
+                time.sleep(1.0)
+        recovery = Recovery(
+            str(error).splitlines()[0][:200], waited, time.monotonic() - started - waited, restored
+        )
+        self.recoveries.append(recovery)
+        logger.info(
+            "recovered from a lost ps in %.2fs (waited %.2fs for it, rebuilt and restored "
+            "checkpoint %d in %.2fs)",
+            recovery.pause_s,
+            recovery.waited_s,
+            restored,
+            recovery.rebuilt_s,
+        )
+        return False
+
+    def _batches(self, shard: Shard) -> Sequence[list[int]]:
+        ids = list(shard.indices())
+        return [ids[i : i + self.batch_size] for i in range(0, len(ids), self.batch_size)]
+
+    def _train_until_end(self) -> int:
+        import tensorflow as tf
+
+        assert self.state is not None and self.coordinator is not None
+        open_shards: list[Shard] = []
+        since_checkpoint = 0
+        while True:
+            shard = self._sharding.next_shard()
+            if shard is None:
+                break
+            for ids in self._batches(shard):
+                self.coordinator.schedule(
+                    self.state.train_batch, args=(tf.constant(ids, dtype=tf.int64),)
+                )
+            open_shards.append(shard)
+            since_checkpoint += 1
+            if since_checkpoint >= self.checkpoint_every_shards:
+                self._finish(open_shards)
+                open_shards = []
+                since_checkpoint = 0
+                self.save()
+            if self._on_shard is not None:
+                self._on_shard(self, self.shards_done + len(open_shards))
+        self._finish(open_shards)
+        if open_shards or self.sequence < 0:
+            self.save()
+        return self.shards_done
+
+    def _finish(self, shards: list[Shard]) -> None:
+        """Wait for every scheduled closure, then report their shards done."""
+        assert self.coordinator is not None
+        self.coordinator.join()
+        for shard in shards:
+            self.batches += len(self._batches(shard))
+            self._sharding.report_done(shard)
+            self.shards_done += 1
