@@ -260,14 +260,14 @@ class TfController:
         spec = dataclasses.replace(spec, env={**spec.env, ENV_NODE_NAME: spec.node_id})
         if spec.resources != event.spec.resources:
             logger.info(
-                "tf node %s: %s; its replacement %s gets %d MiB",
+                "tf node %s failed (%s); launching %s with %d MiB",
                 event.node_id,
                 why,
                 spec.node_id,
                 spec.resources.memory_mib,
             )
         else:
-            logger.info("tf node %s: %s; launching %s", event.node_id, why, spec.node_id)
+            logger.info("tf node %s failed (%s); launching %s", event.node_id, why, spec.node_id)
         self.job.event("tf", f"{event.node_id} failed ({why}): relaunching as {spec.node_id}")
         slot.spec = spec
         slot.registered = ""

@@ -39,6 +39,8 @@ LATEST = "latest.json"
 """The checkpoint directory's marker: the newest complete checkpoint and its shard position,
 written last and atomically (temp + rename)."""
 KEEP_CHECKPOINTS = 2
+MAX_FAILURES_WITHOUT_PROGRESS = 5
+"""Rebuilds after a lost ps that may fail in a row before the chief gives up."""
 
 
 class PsTrainingError(Exception):
@@ -141,6 +143,7 @@ class PsTrainer:
             GrpcShardingTransport(self._client), dataset, worker_id=f"{self.task_type}-0"
         )
         self._restores = 0
+        self._progress_since_build = False
 
     # --- building -----------------------------------------------------------------------------
     def _wait_generation(self, after: int) -> int:
@@ -265,47 +268,48 @@ class PsTrainer:
 
         ps_errors = (tf.errors.UnavailableError, tf.errors.AbortedError)
         self._sharding.start()
-        self._build(self._wait_generation(0))
-        if self._latest() is not None:  # a relaunched chief resumes where the job was
-            self.restore()
-        trained_since_build = False
+        generation = self._wait_generation(0)
+        lost: tuple[str, float, float] | None = None
+        """(error, when, waited) of the ps failure being recovered from."""
+        failures = 0
         while True:
             try:
+                if lost is not None or self.state is None:
+                    self._build(generation)
+                    restored = self.restore()  # a relaunched chief resumes where the job was
+                    if lost is not None:
+                        self._recovered(lost, restored)
+                        lost = None
+                self._progress_since_build = False
                 done = self._train_until_end()
                 break
             except ps_errors as error:
-                logger.warning("lost a ps: %s", str(error).splitlines()[0][:200])
-                trained_since_build = self._recover(error, trained_since_build)
+                failures = 0 if self._progress_since_build else failures + 1
+                if failures > MAX_FAILURES_WITHOUT_PROGRESS:
+                    raise PsTrainingError(
+                        f"{failures} ps failures in a row without a finished batch: {error}"
+                    ) from error
+                first_line = str(error).splitlines()[0][:200] if str(error) else repr(error)
+                logger.warning("lost a ps: %s", first_line)
+                when = time.monotonic() if lost is None else lost[1]
+                if self._progress_since_build or failures == 0:
+                    generation = self._wait_generation(self.generation)
+                else:
+                    # The ps serves (its generation came) but a channel of the strategy before
+                    # did not know yet: build again shortly, without another generation.
+                    time.sleep(1.0)
+                    generation = max(generation, self._current_generation())
+                lost = (first_line, when, time.monotonic() - when)
         self._sharding.close()
         logger.info("training done: %d batches, %d shards", self.batches, done)
 
-    def _recover(self, error: Exception, trained_since_build: bool) -> bool:
-        """Wait for the ps to serve again, rebuild, restore. A failure before any batch
-        finished on the new strategy (a connection of the old one seen late) does not wait
-        for another ps generation: it only rebuilds after a second."""
-        import tensorflow as tf
+    def _current_generation(self) -> int:
+        raw = self._client.kv_get(c.TF_PS_GENERATION_KEY)
+        return int(json.loads(raw)["generation"]) if raw else 0
 
-        started = time.monotonic()
-        if trained_since_build or not self.recoveries:
-            generation = self._wait_generation(self.generation)
-        else:
-            time.sleep(1.0)  # the ps serves (its generation came); its old channel did not yet
-            generation = self.generation
-        waited = time.monotonic() - started
-        attempts = 0
-        while True:
-            try:
-                self._build(generation)
-                restored = self.restore()
-                break
-            except (tf.errors.UnavailableError, tf.errors.AbortedError) as again:
-                attempts += 1
-                if attempts >= 5:
-                    raise PsTrainingError(f"rebuilding after a lost ps failed: {again}") from again
-                time.sleep(1.0)
-        recovery = Recovery(
-            str(error).splitlines()[0][:200], waited, time.monotonic() - started - waited, restored
-        )
+    def _recovered(self, lost: tuple[str, float, float], restored: int) -> None:
+        error, when, waited = lost
+        recovery = Recovery(error, waited, time.monotonic() - when - waited, restored)
         self.recoveries.append(recovery)
         logger.info(
             "recovered from a lost ps in %.2fs (waited %.2fs for it, rebuilt and restored "
@@ -315,7 +319,6 @@ class PsTrainer:
             restored,
             recovery.rebuilt_s,
         )
-        return False
 
     def _batches(self, shard: Shard) -> Sequence[list[int]]:
         ids = list(shard.indices())
@@ -353,6 +356,7 @@ class PsTrainer:
         """Wait for every scheduled closure, then report their shards done."""
         assert self.coordinator is not None
         self.coordinator.join()
+        self._progress_since_build = True
         for shard in shards:
             self.batches += len(self._batches(shard))
             self._sharding.report_done(shard)
