@@ -30,7 +30,7 @@ from dlrover.trainer.tf.ps_trainer import PsTrainer, TrainState  # noqa: E402
 DENSE = 4
 FIELDS = 8
 BUCKETS = 1000
-VOCAB = FIELDS * BUCKETS
+"""Rows of each categorical field (--buckets); the vocabulary is FIELDS x BUCKETS rows."""
 DIM = 8
 HIDDEN = 32
 PRIME = 2147483647  # 2^31 - 1: products of two values below it fit in int64
@@ -46,25 +46,28 @@ def _uniform(x: tf.Tensor, salt: int) -> tf.Tensor:
     return tf.cast(_hash(x, salt), tf.float32) / PRIME
 
 
-def features(ids: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
-    """(dense [n, 4], categorical [n, 8] in [0, VOCAB), label [n]) of sample ids."""
+def features(ids: tf.Tensor, buckets: int = BUCKETS) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    """(dense [n, 4], categorical [n, 8] in [0, FIELDS x buckets), label [n]) of sample ids;
+    the label does not depend on ``buckets``."""
     dense = tf.stack([_uniform(ids, 100 + k) * 2 - 1 for k in range(DENSE)], axis=1)
-    cats = tf.stack(
-        [_hash(ids, 200 + f) % (BUCKETS // (1 + f % 4)) + f * BUCKETS for f in range(FIELDS)],
-        axis=1,
-    )
-    weight = _uniform(cats, 300) * 2 - 1  # the hidden model: a weight per category
+    values = [_hash(ids, 200 + f) % (BUCKETS // (1 + f % 4)) for f in range(FIELDS)]
+    offsets = tf.constant([f * BUCKETS for f in range(FIELDS)], tf.int64)
+    weight = _uniform(tf.stack(values, 1) + offsets, 300) * 2 - 1  # the hidden model
+    cats = tf.stack(values, axis=1) + tf.constant([f * buckets for f in range(FIELDS)], tf.int64)
     logit = tf.reduce_sum(weight, axis=1) + tf.reduce_sum(dense * [1.5, -1.0, 0.5, 0.0], axis=1)
     label = tf.cast(_uniform(ids, 400) < tf.sigmoid(2 * logit), tf.float32)
     return dense, cats, label
 
 
-def build(strategy: tf.distribute.Strategy, size: int, lr: float) -> TrainState:
+def build(
+    strategy: tf.distribute.Strategy, size: int, lr: float, buckets: int = BUCKETS
+) -> TrainState:
     """The model's variables (on the ps) and its training step (run on a worker)."""
     init = tf.random.stateless_normal
+    vocab = FIELDS * buckets
     with strategy.scope():
-        deep = tf.Variable(init([VOCAB, DIM], seed=[1, 1], stddev=0.05), name="deep")
-        wide = tf.Variable(tf.zeros([VOCAB, 1]), name="wide")
+        deep = tf.Variable(init([vocab, DIM], seed=[1, 1], stddev=0.05), name="deep")
+        wide = tf.Variable(tf.zeros([vocab, 1]), name="wide")
         w1 = tf.Variable(init([FIELDS * DIM + DENSE, HIDDEN], seed=[1, 2], stddev=0.1), name="w1")
         b1 = tf.Variable(tf.zeros([HIDDEN]), name="b1")
         w2 = tf.Variable(init([HIDDEN, 1], seed=[1, 3], stddev=0.1), name="w2")
@@ -81,7 +84,7 @@ def build(strategy: tf.distribute.Strategy, size: int, lr: float) -> TrainState:
     targets = [s for v in params.values() for s in getattr(v, "variables", [v])]
 
     def step(ids: tf.Tensor) -> tf.Tensor:
-        dense, cats, label = features(ids)
+        dense, cats, label = features(ids, buckets)
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean(
                 tf.nn.sigmoid_cross_entropy_with_logits(labels=label, logits=logits(dense, cats))
@@ -100,7 +103,7 @@ def build(strategy: tf.distribute.Strategy, size: int, lr: float) -> TrainState:
 
     @tf.function
     def evaluate(ids: tf.Tensor) -> tf.Tensor:
-        dense, cats, label = features(ids)
+        dense, cats, label = features(ids, buckets)
         return tf.reduce_mean(
             tf.nn.sigmoid_cross_entropy_with_logits(labels=label, logits=logits(dense, cats))
         )
@@ -119,6 +122,8 @@ def main() -> None:
     p.add_argument("--shard-size", type=int, default=2_000, help="Samples per leased shard.")
     p.add_argument("--checkpoint-every", type=int, default=2, help="Shards between checkpoints.")
     p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--buckets", type=int, default=BUCKETS, help="Embedding rows per field "
+                   "(larger: a bigger table on the ps, the same data).")  # fmt: skip
     p.add_argument("--checkpoint-dir", default="", help="Default: OUT/checkpoints.")
     p.add_argument("--shard-delay", type=float, default=0.0, help="Seconds the chief waits per "
                    "shard (tests slow the job down to kill nodes mid-training).")  # fmt: skip
@@ -136,7 +141,7 @@ def main() -> None:
             time.sleep(args.shard_delay)
 
     trainer = PsTrainer(
-        lambda strategy: build(strategy, args.size, args.lr),
+        lambda strategy: build(strategy, args.size, args.lr, args.buckets),
         DatasetSpec("wide-deep", args.size, shard_size=args.shard_size, epochs=args.epochs),
         batch_size=args.batch_size,
         checkpoint_dir=args.checkpoint_dir or out / "checkpoints",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -22,6 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from dlrover.engines.cgroups import CgroupRoot
 from tests.conftest import REPO, clean_env, run_cmd
 
 pytestmark = [
@@ -40,7 +42,9 @@ EVAL_TOLERANCE = 0.005
 """|eval loss - the failure-free run's eval loss| allowed (losses are ~0.47 from 0.69)."""
 
 
-def _spec(tmp: Path, name: str, ps_memory: str = "", shard_delay: float = 0.0) -> Path:
+def _spec(
+    tmp: Path, name: str, ps_memory: str = "", shard_delay: float = 0.0, buckets: int = 1000
+) -> Path:
     ps: dict[str, Any] = {"count": 2}
     if ps_memory:
         ps["resources"] = {"memory": ps_memory}
@@ -57,6 +61,8 @@ def _spec(tmp: Path, name: str, ps_memory: str = "", shard_delay: float = 0.0) -
             str(tmp / name),
             "--shard-delay",
             str(shard_delay),
+            "--buckets",
+            str(buckets),
         ],
         "roles": {"ps": ps, "worker": {"count": 2}},
         "max_relaunches": 3,
@@ -185,5 +191,29 @@ def test_a_killed_ps_is_relaunched_and_the_chief_restores_without_a_job_restart(
     assert report["recoveries"][0]["restored"] >= 0  # from a checkpoint, not from scratch
     # The samples trained since the checkpoint were trained again; the counts were restored
     # with the model, so each sample is in the model exactly once.
+    assert (model["seen"] == 1).all(), np.flatnonzero(model["seen"] != 1)[:20]
+    _close_to_reference(report, reference)
+
+
+BIG = 500_000
+"""Embedding rows per field of the OOM test: a 4M x 8 table (128 MiB); each ps peaks at ~870 MiB RSS
+while the chief creates it (idle: ~560 MiB RSS, much of it TensorFlow's reclaimable file pages, so
+an idle ps fits in the 450 MiB limit and is OOM-killed when its shard of the table arrives)."""
+
+
+@pytest.mark.skipif(
+    CgroupRoot.detect()[0] is None, reason="no cgroup can be made here for a memory limit"
+)
+def test_an_oom_killed_ps_is_relaunched_with_more_memory(tmp_path: Path) -> None:
+    clean = Job(tmp_path, "big", buckets=BIG)
+    assert clean.wait() == 0, clean.text()[-4000:]
+    reference, _ = clean.result()
+    job = Job(tmp_path, "oom", ps_memory="450Mi", buckets=BIG)
+    assert job.wait(150) == 0, job.text()[-4000:]
+    text = job.text()
+    assert re.search(r"oom-ps-\d-0 failed \([^)]*\); launching oom-ps-\d-1 with 675 MiB", text), (
+        text[-4000:]
+    )
+    report, model = job.result()
     assert (model["seen"] == 1).all(), np.flatnonzero(model["seen"] != 1)[:20]
     _close_to_reference(report, reference)
