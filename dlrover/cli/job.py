@@ -287,7 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("name")
     sp.add_argument("--timeout", type=float, default=60.0)
     sc = sub.add_parser(
-        "scale", help="Change a running job's embedding servers (--role ps) without a restart."
+        "scale",
+        help="Change a running job's embedding servers or TensorFlow ps (--role ps).",
     )
     sc.add_argument("name")
     sc.add_argument("--role", default="ps", help="The role to scale (ps)")
@@ -320,6 +321,13 @@ def cmd_scale(name: str, role: str, count: int, timeout_s: float = 300.0) -> int
             if report.get("error"):
                 print(f"dlrover: error: scaling failed: {report['error']}", file=sys.stderr)
                 return 1
+            if report.get("tf"):
+                print(
+                    f"job {name}: {report['servers']} ps serve, "
+                    f"{report.get('seconds', 0.0):.1f}s after the request; the chief "
+                    "re-partitions the variables over them from its next checkpoint"
+                )
+                return 0
             print(
                 f"job {name}: {report['servers']} embedding servers in "
                 f"{report.get('seconds', 0.0):.1f}s: {report.get('moved_buckets', 0)} buckets, "

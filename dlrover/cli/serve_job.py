@@ -427,6 +427,7 @@ def _serve_tf_job(
         oom_policy=OomPolicy(spec.oom_memory_factor, spec.oom_max_memory_mib),
         relaunch_delay_s=relaunch_delay_s,
     )
+    job.tf = controller
     fenced = master.server.fenced
     try:
         controller.start()

@@ -35,6 +35,7 @@ from dlrover.master.stragglers import DEFAULT_REPORT_S, Score, StragglerWatch
 
 if TYPE_CHECKING:
     from dlrover.master.ps_controller import PsController
+    from dlrover.master.tf_controller import TfController
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +152,8 @@ class JobMaster:
         """The auto-scaler's latest plan in one line (`dlrover status`)."""
         self.ps: PsController | None = None
         """The embedding servers' controller, in a job with a ps role (`scale_role`, metrics)."""
+        self.tf: TfController | None = None
+        """The controller of a TensorFlow parameter-server job (`scale_role`)."""
         self.metrics_port = 0
         """Where /metrics and the dashboard are served (0: nowhere)."""
         self.tick_hooks: list[Callable[[float], None]] = []
@@ -402,6 +405,8 @@ class JobMaster:
     def scale_role(self, role: str, count: int) -> str:
         """Ask for ``count`` nodes of ``role`` (`dlrover scale`); what will happen. Raises
         ValueError for a role that cannot be scaled so."""
+        if self.tf is not None:
+            return self.tf.request_scale(role, count)
         if role != "ps":
             raise ValueError(
                 f"role {role!r}: only ps (embedding servers) is scaled on request; workers scale "

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dlrover.api.master import FailureRecord
 from dlrover.constants import (
     ENV_NODE_NAME,
+    PS_SCALE_KEY,
     TF_ADDRESS_KEY,
     TF_CLUSTER_KEY,
     TF_PS_GENERATION_KEY,
@@ -101,6 +102,12 @@ class TfController:
         """The ps attempts that served when the last generation was published."""
         self.relaunches: dict[str, int] = {}
         """Replacements launched, per role."""
+        self.counts = {role: self._tf.count(role) for role in TF_ROLES}
+        """Nodes of each role now (`request_scale` grows the ps)."""
+        self._scale_requests: list[int] = []
+        self._lock = threading.Lock()
+        self._scaling: tuple[int, float] | None = None
+        """(ps count, when asked) of the scale-out in progress, until every new ps serves."""
 
     # --- launching ----------------------------------------------------------------------------
     def node_spec(self, role: str, index: int, relaunch_count: int = 0) -> NodeSpec:
@@ -112,16 +119,37 @@ class TfController:
         """Launch every node of every role at once."""
         now = self._clock()
         specs = [
-            self.node_spec(role, index)
-            for role in TF_ROLES
-            for index in range(self._tf.count(role))
+            self.node_spec(role, index) for role in TF_ROLES for index in range(self.counts[role])
         ]
         for spec in specs:
             self.slots[(spec.role, spec.rank)] = Slot(spec.role, spec.rank, spec, now)
-        counts = ", ".join(f"{self._tf.count(r)} {r}" for r in TF_ROLES if self._tf.count(r))
+        counts = ", ".join(f"{self.counts[r]} {r}" for r in TF_ROLES if self.counts[r])
         logger.info("launching TensorFlow job %s: %s", self.spec.name, counts)
         self.job.event("tf", f"launching {counts}")
         self.engine.launch_many(specs)
+
+    def request_scale(self, role: str, count: int) -> str:
+        """Ask for ``count`` ps (`dlrover scale NAME --role ps --count N`); what will happen.
+        Raises ValueError for what cannot be done: other roles, fewer ps, a scaling underway."""
+        if role != "ps":
+            raise ValueError(
+                f"role {role!r}: a TensorFlow job scales its ps on request; its workers keep "
+                "their count (roles.worker.count)"
+            )
+        with self._lock:
+            current = self.counts["ps"]
+            if self._scaling is not None or self._scale_requests:
+                raise ValueError("a ps scaling is in progress; ask again when it is done")
+            if count < self.counts["ps"]:
+                raise ValueError(
+                    f"--count {count}: removing ps from a running TensorFlow job is not supported "
+                    f"(it has {current}); only more ps"
+                )
+            self._scale_requests.append(count)
+        return (
+            f"ps: scaling to {count}; the chief re-partitions the variables over them from a "
+            "checkpoint"
+        )
 
     # --- one iteration ------------------------------------------------------------------------
     def step(self, timeout_s: float) -> None:
@@ -129,6 +157,10 @@ class TfController:
         that are due, read the nodes' registrations and publish what changed."""
         for event in self.engine.events(timeout_s):
             self._on_event(event)
+        with self._lock:
+            requests, self._scale_requests = self._scale_requests, []
+        for count in requests:
+            self._scale_out(count)
         now = self._clock()
         due = [spec for when, spec in self._due if when <= now]
         self._due = [(when, spec) for when, spec in self._due if when > now]
@@ -163,11 +195,32 @@ class TfController:
                 slot.serving = True
                 logger.info("tf node %s serves on %s", node_id, slot.registered)
 
+    def _scale_out(self, count: int) -> None:
+        before = self.counts["ps"]
+        if count <= before:
+            self.job.kv.set(
+                PS_SCALE_KEY,
+                json.dumps({"action": "scale", "servers": before, "tf": True}).encode(),
+            )
+            return
+        now = self._clock()
+        specs = [self.node_spec("ps", index) for index in range(before, count)]
+        for spec in specs:
+            self.slots[("ps", spec.rank)] = Slot("ps", spec.rank, spec, now)
+        self.counts["ps"] = count
+        self._scaling = (count, now)
+        logger.info("scaling the ps from %d to %d", before, count)
+        self.job.event("scale", f"ps {before} -> {count}")
+        try:
+            self.engine.launch_many(specs)
+        except EngineError as e:
+            self.job.stop(f"could not launch the new ps: {e}")
+
     def cluster(self) -> dict[str, list[str]] | None:
         """The cluster spec of the registered addresses, or None while a slot has none."""
         cluster: dict[str, list[str]] = {}
         for role in CLUSTER_ROLES:
-            addresses = [self.slots[(role, i)].registered for i in range(self._tf.count(role))]
+            addresses = [self.slots[(role, i)].registered for i in range(self.counts[role])]
             if not all(addresses):
                 return None
             if addresses:
@@ -196,7 +249,7 @@ class TfController:
         self.job.mark_running(f"cluster spec version {self.cluster_version} published")
 
     def _publish_ps_generation(self) -> None:
-        ps = [self.slots[("ps", i)] for i in range(self._tf.count("ps"))]
+        ps = [self.slots[("ps", i)] for i in range(self.counts["ps"])]
         if not self.cluster_version or not all(s.serving for s in ps):
             return
         nodes = tuple(s.spec.node_id for s in ps)
@@ -211,6 +264,13 @@ class TfController:
         self.job.kv.set(TF_PS_GENERATION_KEY, value)
         logger.info("ps generation %d: %s serve", self.ps_generation, ", ".join(nodes))
         self.job.event("tf", f"ps generation {self.ps_generation}: every ps serves")
+        if self._scaling is not None:
+            count, asked = self._scaling
+            self._scaling = None
+            seconds = self._clock() - asked
+            report = {"action": "scale", "servers": count, "seconds": seconds, "tf": True}
+            self.job.kv.set(PS_SCALE_KEY, json.dumps(report).encode())
+            logger.info("%d ps serve, %.1fs after the request", count, seconds)
 
     # --- events -------------------------------------------------------------------------------
     def _on_event(self, event: NodeEvent) -> None:

@@ -176,11 +176,13 @@ def main() -> None:
         "shards_per_variable": shards,
         "recoveries": [
             {
+                "kind": r.kind,
+                "what": r.error,
                 "pause_s": r.pause_s,
                 "waited_s": r.waited_s,
                 "rebuilt_s": r.rebuilt_s,
                 "restored": r.restored_sequence,
-            }  # fmt: skip
+            }
             for r in trainer.recoveries
         ],
     }

@@ -7,7 +7,13 @@ import json
 
 import pytest
 
-from dlrover.constants import TF_ADDRESS_KEY, TF_CLUSTER_KEY, TF_PS_GENERATION_KEY, TF_READY_KEY
+from dlrover.constants import (
+    PS_SCALE_KEY,
+    TF_ADDRESS_KEY,
+    TF_CLUSTER_KEY,
+    TF_PS_GENERATION_KEY,
+    TF_READY_KEY,
+)
 from dlrover.engines.base import FailureReason
 from dlrover.jobspec import JobSpecError, job_spec_from_dict
 from dlrover.master.job import JobMaster, JobMasterConfig, JobState
@@ -89,6 +95,7 @@ class Harness:
         self.controller = TfController(
             self.job, self.engine, self.spec, "m:1", "tok", oom_policy=OomPolicy(1.5, 2048)
         )
+        self.job.tf = self.controller
         self.controller.start()
         self.step()
 
@@ -196,3 +203,25 @@ def test_the_job_ends_with_its_chief() -> None:
     h.step()
     assert h.job.state is JobState.SUCCEEDED
     assert "the chief tfjob-chief-0-0 succeeded" in h.job.reason
+
+
+def test_scaling_the_ps_out_publishes_a_new_cluster_and_generation() -> None:
+    h = Harness()
+    h.bring_up()
+    with pytest.raises(ValueError, match="scales its ps on request"):
+        h.job.scale_role("worker", 3)
+    with pytest.raises(ValueError, match="removing ps from a running TensorFlow job"):
+        h.job.scale_role("ps", 1)
+    assert "scaling to 3" in h.job.scale_role("ps", 3)
+    with pytest.raises(ValueError, match="in progress"):
+        h.job.scale_role("ps", 4)
+    h.step()
+    assert h.engine.launched[-1].node_id == "tfjob-ps-2-0"
+    h.register("tfjob-ps-2-0", "h:122")
+    h.step()
+    assert h.cluster()["version"] == 2 and h.generation() == 1  # not before the new ps serves
+    h.serve("tfjob-ps-2-0")
+    h.step()
+    assert h.generation() == 2
+    report = json.loads(h.job.kv.get(PS_SCALE_KEY) or b"{}")
+    assert report["action"] == "scale" and report["servers"] == 3 and report["tf"]

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from dlrover.engines.cgroups import CgroupRoot
-from tests.conftest import REPO, clean_env, run_cmd
+from tests.conftest import REPO, clean_env, dlrover_cli, run_cmd
 
 pytestmark = [
     pytest.mark.extras,
@@ -121,8 +121,14 @@ class Job:
             return self.proc.wait(timeout_s)
         finally:
             if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait(10)
+                # SIGTERM: the submission stops its master, which removes the nodes (a SIGKILL
+                # would leave the master, a child of its own, and the nodes running).
+                self.proc.terminate()
+                try:
+                    self.proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait(10)
             self.log.close()
 
     def result(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
@@ -193,6 +199,27 @@ def test_a_killed_ps_is_relaunched_and_the_chief_restores_without_a_job_restart(
     # with the model, so each sample is in the model exactly once.
     assert (model["seen"] == 1).all(), np.flatnonzero(model["seen"] != 1)[:20]
     _close_to_reference(report, reference)
+
+
+def test_scaling_the_ps_from_two_to_three_re_partitions_the_model_from_a_checkpoint(
+    tmp_path: Path, reference: dict[str, Any]
+) -> None:
+    job = Job(tmp_path, "grow", shard_delay=0.6)  # 12 s of training: a new ps serves in ~5 s
+    job.wait_shards(2)
+    scaled = dlrover_cli(job.home, "scale", "grow", "--role", "ps", "--count", "3", timeout=120)
+    assert scaled.returncode == 0, scaled.stderr + job.text()[-3000:]
+    assert "3 ps serve" in scaled.stdout, scaled.stdout
+    assert job.wait() == 0, job.text()[-4000:]
+    text = job.text()
+    assert "scaling the ps from 2 to 3" in text and "cluster spec version 2" in text
+    report, model = job.result()
+    rescales = [r for r in report["recoveries"] if r["kind"] == "rescale"]
+    assert [r["what"] for r in rescales] == ["ps 2 -> 3"], report["recoveries"]
+    assert report["ps"] == 3 and report["shards_per_variable"]["deep"] == 3
+    assert (model["seen"] == 1).all(), np.flatnonzero(model["seen"] != 1)[:20]
+    _close_to_reference(report, reference)
+    refused = dlrover_cli(job.home, "scale", "grow", "--role", "worker", "--count", "3")
+    assert refused.returncode == 1  # the job ended; a running one says why (unit tests)
 
 
 BIG = 500_000

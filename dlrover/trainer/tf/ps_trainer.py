@@ -20,7 +20,9 @@ import dataclasses
 import json
 import logging
 import os
+import sys
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -39,6 +41,8 @@ LATEST = "latest.json"
 """The checkpoint directory's marker: the newest complete checkpoint and its shard position,
 written last and atomically (temp + rename)."""
 KEEP_CHECKPOINTS = 2
+ENV_RESCALE = "_DLROVER_TF_RESCALE"
+"""Set for the chief's next process when it starts again over more ps: when and what."""
 MAX_FAILURES_WITHOUT_PROGRESS = 5
 """Rebuilds after a lost ps that may fail in a row before the chief gives up."""
 
@@ -64,15 +68,20 @@ class TrainState:
 
 @dataclasses.dataclass
 class Recovery:
-    """One recovery from a lost ps, as measured by the chief."""
+    """One recovery from a lost ps, or one re-partition over a new number of ps, as measured by
+    the chief."""
 
     error: str
+    """What happened (the error's first line, or ``ps N -> M``)."""
     waited_s: float
-    """From the error to the master's word that every ps serves again."""
+    """From the error to the master's word that every ps serves again (rescale: writing the
+    checkpoint on the ps before)."""
     rebuilt_s: float
     """Building the strategy, the model and restoring the checkpoint."""
     restored_sequence: int
     """The checkpoint restored (its sequence number; -1: none, trained from the start)."""
+    kind: str = "ps_lost"
+    """``ps_lost`` or ``rescale`` (the master published a cluster with more ps)."""
 
     @property
     def pause_s(self) -> float:
@@ -247,7 +256,8 @@ class PsTrainer:
         assert self.state is not None
         latest = self._latest()
         self._restores += 1
-        token = f"{self.task_type}-restore-{self._restores}-{os.getpid()}"
+        # Unique per restore: a chief started again by exec has the same pid and count.
+        token = f"{self.task_type}-restore-{self._restores}-{uuid.uuid4().hex}"
         if latest is None:
             position = Position(self.dataset.name, 0, 0)
             self._sharding.restore_position(position, token)
@@ -277,6 +287,7 @@ class PsTrainer:
                 if lost is not None or self.state is None:
                     self._build(generation)
                     restored = self.restore()  # a relaunched chief resumes where the job was
+                    self._rescaled(restored)
                     if lost is not None:
                         self._recovered(lost, restored)
                         lost = None
@@ -331,8 +342,15 @@ class PsTrainer:
         open_shards: list[Shard] = []
         since_checkpoint = 0
         while True:
-            shard = self._sharding.next_shard()
+            # With shards of ours open, stop waiting once the master has nothing to hand out:
+            # the dataset cannot finish before we report them.
+            shard = self._sharding.next_shard(until_drained=bool(open_shards))
             if shard is None:
+                if open_shards:
+                    self._finish(open_shards)
+                    open_shards = []
+                    since_checkpoint = 0
+                    continue
                 break
             for ids in self._batches(shard):
                 self.coordinator.schedule(
@@ -340,6 +358,13 @@ class PsTrainer:
                 )
             open_shards.append(shard)
             since_checkpoint += 1
+            rescale = self._rescale_due()
+            if rescale is not None:
+                self._finish(open_shards)
+                open_shards = []
+                since_checkpoint = 0
+                self._rescale(rescale)
+                continue
             if since_checkpoint >= self.checkpoint_every_shards:
                 self._finish(open_shards)
                 open_shards = []
@@ -347,10 +372,67 @@ class PsTrainer:
                 self.save()
             if self._on_shard is not None:
                 self._on_shard(self, self.shards_done + len(open_shards))
-        self._finish(open_shards)
-        if open_shards or self.sequence < 0:
-            self.save()
+        self.save()
         return self.shards_done
+
+    def _rescale_due(self) -> int | None:
+        """The ps generation of a newer cluster whose ps all serve (the master scaled them), or
+        None."""
+        raw = self._client.kv_get(c.TF_PS_GENERATION_KEY)
+        if not raw:
+            return None
+        value = json.loads(raw)
+        if int(value["cluster_version"]) > self.cluster_version:
+            return int(value["generation"])
+        return None
+
+    def _rescale(self, generation: int) -> None:
+        """Checkpoint on the current ps, then start this script again in this process (exec,
+        same pid): TensorFlow cannot change the cluster of a process that joined one, and the
+        new process builds over the new cluster and restores the checkpoint, which re-partitions
+        the variables over the new number of ps."""
+        started = time.time()
+        before = len(self.cluster.get("ps", []))
+        self.save()
+        raw = self._client.kv_get(c.TF_CLUSTER_KEY)
+        after = len(json.loads(raw)["cluster"].get("ps", [])) if raw else before
+        note = {
+            "started": started,
+            "saved_s": time.time() - started,
+            "what": f"ps {before} -> {after}",
+        }
+        logger.info(
+            "the master published a cluster of %d ps (generation %d): checkpoint written, "
+            "starting again on it",
+            after,
+            generation,
+        )
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        env = {**os.environ, ENV_RESCALE: json.dumps(note)}
+        self._sharding.close()
+        os.execve(sys.executable, list(sys.orig_argv), env)
+
+    def _rescaled(self, restored: int) -> None:
+        """Record the re-partition this process was started for (ENV_RESCALE), if it was."""
+        raw = os.environ.pop(ENV_RESCALE, "")
+        if not raw:
+            return
+        note = json.loads(raw)
+        pause = time.time() - float(note["started"])
+        saved = float(note["saved_s"])
+        recovery = Recovery(str(note["what"]), saved, pause - saved, restored, kind="rescale")
+        self.recoveries.append(recovery)
+        logger.info(
+            "re-partitioned over %s: training paused %.2fs (checkpoint %.2fs, a new process, "
+            "build and restore %.2fs)",
+            recovery.error,
+            pause,
+            saved,
+            recovery.rebuilt_s,
+        )
 
     def _finish(self, shards: list[Shard]) -> None:
         """Wait for every scheduled closure, then report their shards done."""
