@@ -201,6 +201,21 @@ def test_a_killed_ps_is_relaunched_and_the_chief_restores_without_a_job_restart(
     _close_to_reference(report, reference)
 
 
+def test_a_killed_chief_is_relaunched_and_resumes_from_the_latest_checkpoint(
+    tmp_path: Path, reference: dict[str, Any]
+) -> None:
+    job = Job(tmp_path, "ckill", shard_delay=0.3)
+    job.wait_shards(5)
+    job.kill("ckill-chief-0-0")
+    assert job.wait() == 0, job.text()[-4000:]
+    text = job.text()
+    assert "ckill-chief-0-0 failed (killed by SIGKILL); launching ckill-chief-0-1" in text
+    assert "restored checkpoint" in job.node_log("ckill-chief-0-1")
+    report, model = job.result()
+    assert (model["seen"] == 1).all(), np.flatnonzero(model["seen"] != 1)[:20]
+    _close_to_reference(report, reference)
+
+
 def test_scaling_the_ps_from_two_to_three_re_partitions_the_model_from_a_checkpoint(
     tmp_path: Path, reference: dict[str, Any]
 ) -> None:
