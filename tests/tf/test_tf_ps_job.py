@@ -224,6 +224,9 @@ def test_scaling_the_ps_from_two_to_three_re_partitions_the_model_from_a_checkpo
     scaled = dlrover_cli(job.home, "scale", "grow", "--role", "ps", "--count", "3", timeout=120)
     assert scaled.returncode == 0, scaled.stderr + job.text()[-3000:]
     assert "3 ps serve" in scaled.stdout, scaled.stdout
+    status = dlrover_cli(job.home, "status", "grow")
+    assert "tensorflow cluster version 2, ps generation 2" in status.stdout, status.stdout
+    assert re.search(r"ps +0=127\.0\.0\.1:\d+  1=\S+  2=127\.0\.0\.1:\d+", status.stdout)
     assert job.wait() == 0, job.text()[-4000:]
     text = job.text()
     assert "scaling the ps from 2 to 3" in text and "cluster spec version 2" in text
