@@ -25,7 +25,12 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from dlrover.sharding.types import DatasetSpec  # noqa: E402
-from dlrover.trainer.tf.ps_trainer import PsTrainer, TrainState  # noqa: E402
+from dlrover.trainer.tf.ps_trainer import (  # noqa: E402
+    PsTrainer,
+    TrainState,
+    cluster_from_env,
+    follow_checkpoints,
+)
 
 DENSE = 4
 FIELDS = 8
@@ -114,6 +119,19 @@ def build(
     )
 
 
+def evaluate_while_training(args: argparse.Namespace, out: Path, checkpoint_dir: Path) -> None:
+    """The evaluator: the eval loss of each checkpoint the chief writes, on this process's own
+    copy of the model (no ps), one JSON line each in OUT/eval.jsonl, until the chief's report."""
+    state = build(tf.distribute.get_strategy(), args.size, args.lr, args.buckets)
+    holdout = tf.range(args.size, args.size + 5_000, dtype=tf.int64)
+    with open(out / "eval.jsonl", "a") as lines:
+        for latest in follow_checkpoints(checkpoint_dir, (out / "report.json").exists):
+            state.checkpoint.read(latest["path"]).expect_partial()
+            loss = float(state.extra["evaluate"](holdout))
+            lines.write(json.dumps({"batches": latest["batches"], "eval_loss": loss}) + "\n")
+            lines.flush()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size", type=int, default=40_000, help="Samples in the dataset.")
@@ -140,11 +158,15 @@ def main() -> None:
         if args.shard_delay:
             time.sleep(args.shard_delay)
 
+    checkpoint_dir = args.checkpoint_dir or out / "checkpoints"
+    if cluster_from_env()[1] == "evaluator":
+        evaluate_while_training(args, out, Path(checkpoint_dir))
+        return
     trainer = PsTrainer(
         lambda strategy: build(strategy, args.size, args.lr, args.buckets),
         DatasetSpec("wide-deep", args.size, shard_size=args.shard_size, epochs=args.epochs),
         batch_size=args.batch_size,
-        checkpoint_dir=args.checkpoint_dir or out / "checkpoints",
+        checkpoint_dir=checkpoint_dir,
         checkpoint_every_shards=args.checkpoint_every,
         variable_partitioner=lambda num_ps: (
             tf.distribute.experimental.partitioners.MinSizePartitioner(

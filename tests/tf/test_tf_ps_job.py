@@ -43,7 +43,12 @@ EVAL_TOLERANCE = 0.005
 
 
 def _spec(
-    tmp: Path, name: str, ps_memory: str = "", shard_delay: float = 0.0, buckets: int = 1000
+    tmp: Path,
+    name: str,
+    ps_memory: str = "",
+    shard_delay: float = 0.0,
+    buckets: int = 1000,
+    evaluator: bool = False,
 ) -> Path:
     ps: dict[str, Any] = {"count": 2}
     if ps_memory:
@@ -64,7 +69,7 @@ def _spec(
             "--buckets",
             str(buckets),
         ],
-        "roles": {"ps": ps, "worker": {"count": 2}},
+        "roles": {"ps": ps, "worker": {"count": 2}, "evaluator": {"count": int(evaluator)}},
         "max_relaunches": 3,
     }
     path = tmp / f"{name}.yaml"
@@ -164,7 +169,7 @@ def test_a_failure_free_job_trains_every_sample_once(reference: dict[str, Any]) 
 def test_a_killed_worker_is_relaunched_and_the_coordinator_goes_on(
     tmp_path: Path, reference: dict[str, Any]
 ) -> None:
-    job = Job(tmp_path, "wkill", shard_delay=0.3)
+    job = Job(tmp_path, "wkill", shard_delay=0.3, evaluator=True)
     job.wait_shards(4)
     job.kill("wkill-worker-1-0")
     assert job.wait() == 0, job.text()[-4000:]
@@ -173,6 +178,9 @@ def test_a_killed_worker_is_relaunched_and_the_coordinator_goes_on(
     assert "tf node wkill-worker-1-1 serves" in text, text[-3000:]
     report, model = job.result()
     assert report["recoveries"] == []  # no rebuild, no restore: TensorFlow re-ran its steps
+    # The evaluator followed the chief's checkpoints on its own copy of the model.
+    evaluations = [json.loads(line) for line in (job.out / "eval.jsonl").read_text().splitlines()]
+    assert evaluations and all(0.3 < e["eval_loss"] < 0.7 for e in evaluations), evaluations
     seen = model["seen"]
     assert seen.min() == 1, "a sample was lost"
     # A step that died with the worker after its update reached the ps is run again by the

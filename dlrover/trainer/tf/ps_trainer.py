@@ -23,7 +23,7 @@ import os
 import sys
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +87,31 @@ class Recovery:
     def pause_s(self) -> float:
         """From the error to training again."""
         return self.waited_s + self.rebuilt_s
+
+
+def follow_checkpoints(
+    checkpoint_dir: str | os.PathLike[str],
+    done: Callable[[], bool],
+    poll_s: float = 0.5,
+) -> Iterator[dict[str, Any]]:
+    """Each new complete checkpoint of ``checkpoint_dir`` as it appears (its `latest.json`
+    marker: ``path``, ``sequence``, ``batches``), until ``done()`` is true once no newer one is
+    there: what an evaluator reads."""
+    marker = Path(checkpoint_dir) / LATEST
+    seen = -1
+    while True:
+        finished = done()  # read before the marker: a last checkpoint before it is not missed
+        try:
+            latest = dict(json.loads(marker.read_text()))
+        except (FileNotFoundError, ValueError):
+            latest = {}
+        if latest and int(latest["sequence"]) != seen:
+            seen = int(latest["sequence"])
+            yield latest
+            continue
+        if finished:
+            return
+        time.sleep(poll_s)  # the chief writes the marker; a file offers nothing to wait on
 
 
 def cluster_from_env(env: dict[str, str] | None = None) -> tuple[dict[str, list[str]], str, int]:
