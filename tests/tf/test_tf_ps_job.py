@@ -113,6 +113,19 @@ class Job:
             assert time.monotonic() < deadline, f"shard {shards} not reached: {self.text()[-3000:]}"
             time.sleep(0.05)
 
+    def recoveries(self) -> int:
+        """The chief's count of ps recoveries, from its latest progress line."""
+        path = self.out / "progress"
+        lines = path.read_text().splitlines() if path.exists() else []
+        return int(lines[-1].split()[2]) if lines else 0
+
+    def wait_recoveries(self, count: int, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.recoveries() < count:
+            assert self.proc.poll() is None, self.text()[-4000:]
+            assert time.monotonic() < deadline, f"no recovery {count}: {self.text()[-3000:]}"
+            time.sleep(0.05)
+
     def pid(self, node_id: str) -> int:
         path = self.home / "jobs" / self.name / "nodes" / node_id / "pid"
         return int(path.read_text().split()[0])
@@ -205,6 +218,23 @@ def test_a_killed_ps_is_relaunched_and_the_chief_restores_without_a_job_restart(
     assert report["recoveries"][0]["restored"] >= 0  # from a checkpoint, not from scratch
     # The samples trained since the checkpoint were trained again; the counts were restored
     # with the model, so each sample is in the model exactly once.
+    assert (model["seen"] == 1).all(), np.flatnonzero(model["seen"] != 1)[:20]
+    _close_to_reference(report, reference)
+
+
+def test_both_ps_killed_one_after_the_other_are_each_recovered(
+    tmp_path: Path, reference: dict[str, Any]
+) -> None:
+    job = Job(tmp_path, "twice", shard_delay=0.4)
+    job.wait_shards(3)
+    job.kill("twice-ps-1-0")
+    job.wait_recoveries(1)
+    job.kill("twice-ps-0-0")
+    assert job.wait() == 0, job.text()[-4000:]
+    text = job.text()
+    assert "launching twice-ps-1-1" in text and "launching twice-ps-0-1" in text
+    report, model = job.result()
+    assert [r["kind"] for r in report["recoveries"]].count("ps_lost") >= 2, report["recoveries"]
     assert (model["seen"] == 1).all(), np.flatnonzero(model["seen"] != 1)[:20]
     _close_to_reference(report, reference)
 
