@@ -15,14 +15,18 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
+from dlrover.client.master_client import MasterClient
+from dlrover.constants import TF_CLUSTER_KEY
 from dlrover.engines.cgroups import CgroupRoot
 from tests.conftest import REPO, clean_env, dlrover_cli, run_cmd
 
@@ -77,6 +81,17 @@ def _spec(
     return path
 
 
+STARTED: list[Job] = []
+"""Every submission of the running test, stopped at its end whatever happened (`_stop_jobs`)."""
+
+
+@pytest.fixture(autouse=True)
+def _stop_jobs() -> Iterator[None]:
+    yield
+    while STARTED:
+        STARTED.pop().stop()
+
+
 class Job:
     """`dlrover submit job.yaml` in the background, its output and its nodes' pids."""
 
@@ -92,6 +107,7 @@ class Job:
             stdout=self.log,
             stderr=subprocess.STDOUT,
         )
+        STARTED.append(self)
 
     def text(self) -> str:
         return (self.tmp / f"{self.name}.log").read_text()
@@ -138,16 +154,20 @@ class Job:
         try:
             return self.proc.wait(timeout_s)
         finally:
-            if self.proc.poll() is None:
-                # SIGTERM: the submission stops its master, which removes the nodes (a SIGKILL
-                # would leave the master, a child of its own, and the nodes running).
-                self.proc.terminate()
-                try:
-                    self.proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    self.proc.wait(10)
-            self.log.close()
+            self.stop()
+
+    def stop(self) -> None:
+        """Stop the submission if it still runs: SIGTERM (it stops its master, which removes
+        the nodes; a SIGKILL would leave the master, a child of its own, and the nodes), then
+        SIGKILL after 30 s."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.log.close()
 
     def result(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         report = json.loads((self.out / "report.json").read_text())
@@ -235,6 +255,43 @@ def test_both_ps_killed_one_after_the_other_are_each_recovered(
     assert "launching twice-ps-1-1" in text and "launching twice-ps-0-1" in text
     report, model = job.result()
     assert [r["kind"] for r in report["recoveries"]].count("ps_lost") >= 2, report["recoveries"]
+    assert (model["seen"] == 1).all(), np.flatnonzero(model["seen"] != 1)[:20]
+    _close_to_reference(report, reference)
+
+
+def test_a_ps_relaunched_at_another_address_makes_the_chief_start_again_on_the_new_cluster(
+    tmp_path: Path, reference: dict[str, Any]
+) -> None:
+    job = Job(tmp_path, "moved", shard_delay=0.4)
+    job.wait_shards(4)
+    record = json.loads((job.home / "jobs" / "moved" / "job.json").read_text())
+    client = MasterClient(record["master_addr"], record["token"])
+    try:
+        cluster = json.loads(client.kv_get(TF_CLUSTER_KEY) or b"{}")
+    finally:
+        client.close()
+    port = int(cluster["cluster"]["ps"][1].rpartition(":")[2])
+    with socket.socket() as taken:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        killed = job.kill("moved-ps-1-0")
+        # Taken as soon as the killed ps let go of it, before its replacement (whose interpreter
+        # takes ~0.3 s to start) can bind it.
+        while True:
+            try:
+                taken.bind(("127.0.0.1", port))
+                break
+            except OSError:
+                assert time.monotonic() - killed < 0.25, "the killed ps kept its port"
+                time.sleep(0.005)
+        taken.listen()
+        job.wait_recoveries(1)
+    assert job.wait() == 0, job.text()[-4000:]
+    text = job.text()
+    assert "cluster spec version 2" in text, text[-3000:]
+    assert "ps addresses changed" in job.node_log("moved-chief-0-0")
+    assert "launching moved-chief" not in text  # the same chief process (exec), not a relaunch
+    report, model = job.result()
+    assert [r["what"] for r in report["recoveries"]] == ["ps addresses changed"], report
     assert (model["seen"] == 1).all(), np.flatnonzero(model["seen"] != 1)[:20]
     _close_to_reference(report, reference)
 

@@ -81,7 +81,8 @@ class Recovery:
     restored_sequence: int
     """The checkpoint restored (its sequence number; -1: none, trained from the start)."""
     kind: str = "ps_lost"
-    """``ps_lost`` or ``rescale`` (the master published a cluster with more ps)."""
+    """``ps_lost``, or ``rescale``: the cluster changed (more ps, or a ps relaunched at another
+    address) and the chief started again on it."""
 
     @property
     def pause_s(self) -> float:
@@ -178,6 +179,8 @@ class PsTrainer:
         )
         self._restores = 0
         self._progress_since_build = False
+        self._joined: dict[str, list[str]] = {}
+        """The cluster this process joined (TensorFlow allows one per process)."""
 
     # --- building -----------------------------------------------------------------------------
     def _wait_generation(self, after: int) -> int:
@@ -202,10 +205,16 @@ class PsTrainer:
             self.cluster = {k: list(v) for k, v in value["cluster"].items()}
             self.cluster_version = int(value["version"])
 
-    def _build(self, generation: int) -> None:
+    def _build(self, generation: int, started: float = 0.0, saved_s: float = 0.0) -> None:
+        """A strategy, coordinator and model over the master's current cluster; when it is not
+        the cluster this process joined, the script starts again (`_start_again`), ``started``
+        (wall time; default now) and ``saved_s`` saying since when training stopped."""
         import tensorflow as tf
 
         self._read_cluster()
+        if self._joined and self.cluster != self._joined:
+            self._start_again(self.cluster, started or time.time(), saved_s)
+        self._joined = self.cluster
         started = time.monotonic()
         resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
             tf.train.ClusterSpec(self.cluster),
@@ -412,26 +421,21 @@ class PsTrainer:
         return None
 
     def _rescale(self, generation: int) -> None:
-        """Checkpoint on the current ps, then start this script again in this process (exec,
-        same pid): TensorFlow cannot change the cluster of a process that joined one, and the
-        new process builds over the new cluster and restores the checkpoint, which re-partitions
+        """Checkpoint on the current ps, then build over the new cluster, which starts this
+        script again (`_build`): the new process restores the checkpoint, which re-partitions
         the variables over the new number of ps."""
         started = time.time()
-        before = len(self.cluster.get("ps", []))
         self.save()
-        raw = self._client.kv_get(c.TF_CLUSTER_KEY)
-        after = len(json.loads(raw)["cluster"].get("ps", [])) if raw else before
-        note = {
-            "started": started,
-            "saved_s": time.time() - started,
-            "what": f"ps {before} -> {after}",
-        }
-        logger.info(
-            "the master published a cluster of %d ps (generation %d): checkpoint written, "
-            "starting again on it",
-            after,
-            generation,
-        )
+        self._build(generation, started=started, saved_s=time.time() - started)
+
+    def _start_again(self, cluster: dict[str, list[str]], started: float, saved_s: float) -> None:
+        """Start this script again in this process (exec, same pid): TensorFlow cannot change
+        the cluster of a process that joined one ("Could not start gRPC server"). The new process
+        builds over ``cluster`` and restores the latest checkpoint."""
+        before, after = len(self._joined.get("ps", [])), len(cluster.get("ps", []))
+        what = f"ps {before} -> {after}" if before != after else "ps addresses changed"
+        note = {"started": started, "saved_s": saved_s, "what": what}
+        logger.info("the cluster changed (%s): starting again on it", what)
         for handler in logging.getLogger().handlers:
             handler.flush()
         sys.stdout.flush()
