@@ -426,6 +426,7 @@ def _serve_tf_job(
         token,
         oom_policy=OomPolicy(spec.oom_memory_factor, spec.oom_max_memory_mib),
         relaunch_delay_s=relaunch_delay_s,
+        store=master.store,
     )
     job.tf = controller
     fenced = master.server.fenced

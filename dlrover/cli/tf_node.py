@@ -1,15 +1,19 @@
 """`dlrover-tf-node`: one node of a TensorFlow parameter-server job. It registers the address
 its role will serve on with the job's master, waits for the cluster spec that names it, sets
-TF_CONFIG and becomes the role's program (a TF server for ps and worker, the entrypoint for the
-chief and the evaluator). No TensorFlow is imported here."""
+TF_CONFIG and runs the role's program: it becomes a TF server for ps and worker (exec), and
+runs the entrypoint of the chief and the evaluator as its child, whose end it reports. No
+TensorFlow is imported here."""
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import logging
 import os
+import signal
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -132,9 +136,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     logger.info("%s %d: cluster spec version %d; running %s", args.role, args.index, version, argv_)
     sys.stdout.flush()
     sys.stderr.flush()
-    # exec: the engine's process is the role's program (its signals and exit code).
-    os.execvpe(argv_[0], argv_, env)
-    return 0  # not reached
+    if args.role in ("ps", "worker"):
+        # exec: the engine's process is the server (it ends only when it is stopped or killed).
+        os.execvpe(argv_[0], argv_, env)
+    return _run_program(argv_, env)
+
+
+def _pdeathsig() -> None:
+    """In the child: die by SIGKILL with this process (a SIGKILLed node leaves nothing)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return
+    libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
+def _run_program(argv: list[str], env: dict[str, str]) -> int:
+    """Run the chief's (evaluator's) program as a child and end as it did: its exit code, also
+    written to $DLROVER_NODE_EXIT_FILE like dlrover-run does (an engine of a restarted master
+    that adopted this node learns the end from it), or its signal. SIGTERM and SIGINT are
+    passed on."""
+    child = subprocess.Popen(argv, env=env, preexec_fn=_pdeathsig)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: child.send_signal(signum))
+    code = child.wait()  # the program's whole run: the master bounds the job
+    exit_file = os.environ.get(c.ENV_NODE_EXIT_FILE, "")
+    if exit_file:
+        try:
+            with open(exit_file, "w") as f:
+                f.write(str(code if code >= 0 else 128 - code))
+        except OSError as e:
+            logger.warning("cannot write the exit code to %s: %s", exit_file, e)
+    if code < 0:  # end by the same signal, so the engine reports the signal
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    return code
 
 
 def _wait_for_cluster(

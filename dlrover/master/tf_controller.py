@@ -26,15 +26,18 @@ from dlrover.engines.base import (
     NodeEvent,
     NodeSpec,
     NodeState,
+    Resources,
 )
 from dlrover.jobspec import TF_ROLES, JobSpec
 from dlrover.master.job import JobMaster
 from dlrover.master.relaunch_policy import OomPolicy, replacement_spec
+from dlrover.master.state_store import MemoryStateStore, StateStore
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_ADDRESS_TIMEOUT_S = 300.0
 """How long a launched node has to register its address (it imports nothing heavy before)."""
+_NAMESPACE = "tf-controller"
 CLUSTER_ROLES = ("chief", "ps", "worker")
 """The roles in the cluster spec; the evaluator is not part of it (TensorFlow's convention)."""
 
@@ -81,6 +84,7 @@ class TfController:
         relaunch_delay_s: float = 0.0,
         address_timeout_s: float = DEFAULT_ADDRESS_TIMEOUT_S,
         clock: Callable[[], float] = time.monotonic,
+        store: StateStore | None = None,
     ) -> None:
         if spec.tf is None:
             raise ValueError(f"job {spec.name} is not a TensorFlow job")
@@ -108,6 +112,9 @@ class TfController:
         self._lock = threading.Lock()
         self._scaling: tuple[int, float] | None = None
         """(ps count, when asked) of the scale-out in progress, until every new ps serves."""
+        self._store = store or MemoryStateStore()
+        """Where each slot's current attempt and the published versions are kept, so that a
+        master restarted on its state launches the same attempts (the engine adopts them)."""
 
     # --- launching ----------------------------------------------------------------------------
     def node_spec(self, role: str, index: int, relaunch_count: int = 0) -> NodeSpec:
@@ -116,15 +123,37 @@ class TfController:
         return dataclasses.replace(spec, env={**spec.env, ENV_NODE_NAME: spec.node_id})
 
     def start(self) -> None:
-        """Launch every node of every role at once."""
+        """Launch every node of every role at once: each slot's first attempt, or the attempt a
+        master before this one launched (the engine adopts it if it still runs)."""
         now = self._clock()
-        specs = [
-            self.node_spec(role, index) for role in TF_ROLES for index in range(self.counts[role])
-        ]
-        for spec in specs:
-            self.slots[(spec.role, spec.rank)] = Slot(spec.role, spec.rank, spec, now)
+        saved = self._store.get_json(_NAMESPACE, "state")
+        if saved is not None:
+            self.counts.update({k: int(v) for k, v in saved["counts"].items()})
+            self.cluster_version = int(saved["cluster_version"])
+            self.ps_generation = int(saved["ps_generation"])
+            self._generation_nodes = tuple(saved["generation_nodes"])
+        published = self.job.kv.get(TF_CLUSTER_KEY) if saved is not None else None
+        cluster = json.loads(published)["cluster"] if published else {}
+        specs = []
+        for role in TF_ROLES:
+            for index in range(self.counts[role]):
+                attempt = (saved or {}).get("slots", {}).get(f"{role}-{index}")
+                spec = self.node_spec(role, index, int(attempt["relaunch_count"]) if attempt else 0)
+                if attempt:
+                    spec = dataclasses.replace(spec, resources=Resources(**attempt["resources"]))
+                slot = Slot(role, index, spec, now)
+                addresses = cluster.get(role, [])
+                slot.address = addresses[index] if index < len(addresses) else ""
+                self.slots[(role, index)] = slot
+                specs.append(spec)
+        self._save()
         counts = ", ".join(f"{self.counts[r]} {r}" for r in TF_ROLES if self.counts[r])
-        logger.info("launching TensorFlow job %s: %s", self.spec.name, counts)
+        logger.info(
+            "launching TensorFlow job %s: %s%s",
+            self.spec.name,
+            counts,
+            " (the attempts a master before this one launched)" if saved is not None else "",
+        )
         self.job.event("tf", f"launching {counts}")
         self.engine.launch_many(specs)
 
@@ -149,6 +178,26 @@ class TfController:
         return (
             f"ps: scaling to {count}; the chief re-partitions the variables over them from a "
             "checkpoint"
+        )
+
+    def _save(self) -> None:
+        """Keep each slot's current attempt and the published versions (before launching)."""
+        self._store.put_json(
+            _NAMESPACE,
+            "state",
+            {
+                "counts": self.counts,
+                "cluster_version": self.cluster_version,
+                "ps_generation": self.ps_generation,
+                "generation_nodes": list(self._generation_nodes),
+                "slots": {
+                    f"{s.role}-{s.index}": {
+                        "relaunch_count": s.spec.relaunch_count,
+                        "resources": dataclasses.asdict(s.spec.resources),
+                    }
+                    for s in self.slots.values()
+                },
+            },
         )
 
     # --- one iteration ------------------------------------------------------------------------
@@ -209,6 +258,7 @@ class TfController:
             self.slots[("ps", spec.rank)] = Slot("ps", spec.rank, spec, now)
         self.counts["ps"] = count
         self._scaling = (count, now)
+        self._save()
         logger.info("scaling the ps from %d to %d", before, count)
         self.job.event("scale", f"ps {before} -> {count}")
         try:
@@ -244,6 +294,7 @@ class TfController:
         value = json.dumps({"version": self.cluster_version, "cluster": cluster}).encode()
         self.job.kv.set(f"{TF_CLUSTER_KEY}/{self.cluster_version}", value)
         self.job.kv.set(TF_CLUSTER_KEY, value)
+        self._save()
         logger.info("cluster spec version %d: %s", self.cluster_version, json.dumps(cluster))
         self.job.event("tf", f"cluster spec version {self.cluster_version}")
         self.job.mark_running(f"cluster spec version {self.cluster_version} published")
@@ -262,6 +313,7 @@ class TfController:
         ).encode()
         self.job.kv.set(f"{TF_PS_GENERATION_KEY}/{self.ps_generation}", value)
         self.job.kv.set(TF_PS_GENERATION_KEY, value)
+        self._save()
         logger.info("ps generation %d: %s serve", self.ps_generation, ", ".join(nodes))
         self.job.event("tf", f"ps generation {self.ps_generation}: every ps serves")
         if self._scaling is not None:
@@ -334,6 +386,7 @@ class TfController:
         slot.serving = False
         slot.launched_at = self._clock() + self._relaunch_delay_s
         self.relaunches[slot.role] = self.relaunches.get(slot.role, 0) + 1
+        self._save()  # before launching: a restarted master launches this attempt too
         self._due.append((self._clock() + self._relaunch_delay_s, spec))
 
     # --- the loop -----------------------------------------------------------------------------

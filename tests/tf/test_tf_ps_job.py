@@ -296,6 +296,27 @@ def test_a_ps_relaunched_at_another_address_makes_the_chief_start_again_on_the_n
     _close_to_reference(report, reference)
 
 
+def test_a_killed_master_is_restarted_and_adopts_every_tensorflow_node(
+    tmp_path: Path, reference: dict[str, Any]
+) -> None:
+    job = Job(tmp_path, "master", shard_delay=0.4)
+    job.wait_shards(4)
+    record = json.loads((job.home / "jobs" / "master" / "job.json").read_text())
+    os.kill(int(record["pid"]), signal.SIGKILL)  # the master; `dlrover submit` starts it again
+    assert job.wait() == 0, job.text()[-4000:]
+    text = job.text()
+    assert "starting it again on its state" in text, text[-3000:]
+    assert "the attempts a master before this one launched" in text, text[-3000:]
+    assert "cluster spec version 2" not in text  # the same cluster: nothing for the chief to do
+    assert (
+        "; launching master-" not in text
+    )  # no node relaunched: all adopted, the chief's end seen
+    report, model = job.result()
+    assert report["recoveries"] == []
+    assert (model["seen"] == 1).all(), np.flatnonzero(model["seen"] != 1)[:20]
+    _close_to_reference(report, reference)
+
+
 def test_a_killed_chief_is_relaunched_and_resumes_from_the_latest_checkpoint(
     tmp_path: Path, reference: dict[str, Any]
 ) -> None:
