@@ -23,6 +23,13 @@ PS_COMMAND = ("dlrover-ps",)
 """argv prefix that starts an embedding server (a node of role ``ps``)."""
 PS_REPLICAS = ("async", "sync", "none")
 """How an embedding server keeps its rows on the next one (docs/embedding.md)."""
+TF_STRATEGIES = ("ParameterServerStrategy",)
+"""``distribution_strategy`` values: TensorFlow jobs made of chief, ps, worker, evaluator."""
+TF_ROLES = ("chief", "ps", "worker", "evaluator")
+"""The roles of a TensorFlow parameter-server job (docs/tensorflow.md)."""
+TF_NODE_COMMAND = ("dlrover-tf-node",)
+"""argv prefix that starts a node of a TensorFlow job: it registers its address with the master,
+waits for the cluster spec, sets TF_CONFIG and runs the role's program."""
 
 _MEMORY_UNITS = {
     "": 1 / (1024 * 1024),
@@ -56,6 +63,30 @@ class PsSpec:
     max_count: int = 0
     """With ``auto_scale`` and a memory size: servers are added up to this many as they fill
     (0: ``count``, no growth)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RoleSpec:
+    """One role of a TensorFlow job: how many nodes, and what each asks for."""
+
+    count: int
+    resources: Resources = dataclasses.field(default_factory=Resources)
+
+
+@dataclasses.dataclass(frozen=True)
+class TfSpec:
+    """A TensorFlow parameter-server job (``distribution_strategy: ParameterServerStrategy``):
+    its roles. Invariant: exactly one chief (it runs the entrypoint), at least one ps and one
+    worker, at most one evaluator."""
+
+    strategy: str
+    roles: Mapping[str, RoleSpec] = dataclasses.field(default_factory=dict)
+    """Role -> its nodes; a role that is absent has none."""
+
+    def count(self, role: str) -> int:
+        """Nodes of ``role`` at the start (0 for a role the job does not have)."""
+        spec = self.roles.get(role)
+        return spec.count if spec is not None else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +130,8 @@ class JobSpec:
     nodes that stay slow while training (runtime scores, dlrover/master/stragglers.py)."""
     ps: PsSpec | None = None
     """Embedding servers (role ``ps``), or None for a job of workers only."""
+    tf: TfSpec | None = None
+    """A TensorFlow parameter-server job's roles, or None for an all-reduce (dlrover-run) job."""
 
     @property
     def nnodes(self) -> str:
@@ -151,6 +184,33 @@ class JobSpec:
             command=(*PS_COMMAND, "--host", host, "--port", "0"),
             env=env,
             resources=self.ps.resources,
+        )
+
+    def tf_node_spec(
+        self,
+        role: str,
+        rank: int,
+        master_addr: str,
+        token: str,
+        relaunch_count: int = 0,
+    ) -> NodeSpec:
+        """The blueprint of node ``rank`` of ``role`` in a TensorFlow job: `dlrover-tf-node`,
+        which registers its address, waits for the cluster spec and runs a TF server (ps,
+        worker) or the entrypoint (chief, evaluator) with TF_CONFIG set."""
+        if self.tf is None or role not in self.tf.roles:
+            raise JobSpecError(f"job {self.name} has no TensorFlow role {role!r}")
+        host = "127.0.0.1" if self.engine == "local" else "0.0.0.0"
+        env = {ENV_MASTER_ADDR: master_addr, ENV_JOB_TOKEN: token, ENV_JOB_NAME: self.name}
+        program = ("--", self.entrypoint, *self.args) if role in ("chief", "evaluator") else ()
+        return NodeSpec(
+            job_name=self.name,
+            role=role,
+            rank=rank,
+            relaunch_count=relaunch_count,
+            command=(*TF_NODE_COMMAND, "--role", role, "--index", str(rank), "--host", host)
+            + program,
+            env=env,
+            resources=self.tf.roles[role].resources,
         )
 
 
@@ -235,17 +295,23 @@ def _resources(raw: Any) -> Resources:
         raise JobSpecError(str(error)) from None
 
 
-def _roles(raw: Any) -> PsSpec | None:
-    """``roles:`` -- today the ``ps`` role (embedding servers); workers are the top level."""
+def _roles(raw: Any, strategy: str) -> PsSpec | TfSpec | None:
+    """``roles:`` -- without ``distribution_strategy`` the ``ps`` role (embedding servers of a
+    PyTorch job; workers are the top level); with ``distribution_strategy:
+    ParameterServerStrategy`` the TensorFlow roles chief, ps, worker, evaluator."""
+    if strategy:
+        return _tf_roles(raw, strategy)
     if raw is None:
         return None
     if not isinstance(raw, Mapping):
         raise JobSpecError(f"roles must be a mapping of role -> settings, not {raw!r}")
     for role in raw:
-        if role in ("chief", "evaluator"):
+        if role in ("chief", "evaluator", "worker"):
             raise JobSpecError(
-                f"roles.{role}: TensorFlow parameter-server jobs are not supported yet; "
-                "roles.ps gives PyTorch jobs embedding servers (docs/embedding.md)"
+                f"roles.{role} is a role of TensorFlow parameter-server jobs: add "
+                "distribution_strategy: ParameterServerStrategy (docs/tensorflow.md); without "
+                "it roles takes only ps, the embedding servers of a PyTorch job "
+                "(docs/embedding.md)"
             )
         if role != "ps":
             raise JobSpecError(
@@ -263,9 +329,7 @@ def _roles(raw: Any) -> PsSpec | None:
             f"roles.ps has unknown keys {sorted(unknown)}; allowed: count, resources, replica, "
             "max_count"
         )
-    count = ps.get("count", 1)
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise JobSpecError(f"roles.ps.count is {count!r}; it must be an integer >= 1")
+    count = _count(ps, "ps", 1, 1)
     most = ps.get("max_count", count)
     if isinstance(most, bool) or not isinstance(most, int) or most < count:
         raise JobSpecError(f"roles.ps.max_count is {most!r}; it must be an integer >= count")
@@ -274,15 +338,65 @@ def _roles(raw: Any) -> PsSpec | None:
         raise JobSpecError(
             f"roles.ps.replica is {ps.get('replica')!r}; choose one of {', '.join(PS_REPLICAS)}"
         )
+    return PsSpec(count, _role_resources(ps, "ps"), replica, most)
+
+
+def _count(section: Mapping[str, Any], role: str, default: int, low: int) -> int:
+    count = section.get("count", default)
+    if isinstance(count, bool) or not isinstance(count, int) or count < low:
+        raise JobSpecError(f"roles.{role}.count is {count!r}; it must be an integer >= {low}")
+    return count
+
+
+def _role_resources(section: Mapping[str, Any], role: str) -> Resources:
     try:
-        resources = _resources(ps.get("resources"))
+        return _resources(section.get("resources"))
     except JobSpecError as error:
-        raise JobSpecError(f"roles.ps.{error}") from None
-    return PsSpec(count, resources, replica, most)
+        raise JobSpecError(f"roles.{role}.{error}") from None
+
+
+def _tf_roles(raw: Any, strategy: str) -> TfSpec:
+    if strategy not in TF_STRATEGIES:
+        raise JobSpecError(
+            f"distribution_strategy {strategy!r} is not supported; choose "
+            f"{' or '.join(TF_STRATEGIES)} (or leave it out for a PyTorch job)"
+        )
+    if not isinstance(raw, Mapping):
+        raise JobSpecError(
+            f"distribution_strategy {strategy} needs roles: ps and worker (count, resources), "
+            "e.g. roles: {ps: {count: 2}, worker: {count: 2}}"
+        )
+    roles: dict[str, RoleSpec] = {}
+    for role, section in raw.items():
+        if role not in TF_ROLES:
+            raise JobSpecError(f"roles.{role}: unknown role; choose from {', '.join(TF_ROLES)}")
+        if section is None:
+            section = {}
+        if not isinstance(section, Mapping):
+            raise JobSpecError(f"roles.{role} must be a mapping: count, resources")
+        unknown = set(section) - {"count", "resources"}
+        if unknown:
+            raise JobSpecError(
+                f"roles.{role} has unknown keys {sorted(unknown)}; allowed: count, resources"
+            )
+        roles[role] = RoleSpec(_count(section, role, 1, 0), _role_resources(section, role))
+    roles.setdefault("chief", RoleSpec(1))
+    for role in ("ps", "worker"):
+        if role not in roles or roles[role].count < 1:
+            raise JobSpecError(f"roles.{role}.count must be >= 1 in a {strategy} job")
+    for role in ("chief", "evaluator"):
+        if role in roles and roles[role].count > 1:
+            raise JobSpecError(
+                f"roles.{role}.count is {roles[role].count}; a {strategy} job has at most one"
+            )
+    if roles["chief"].count != 1:
+        raise JobSpecError("roles.chief.count must be 1: the chief runs the entrypoint")
+    return TfSpec(strategy, {r: roles[r] for r in TF_ROLES if r in roles and roles[r].count})
 
 
 _KEYS = {
     "roles",
+    "distribution_strategy",
     "auto_scale",
     "node_check",
     "exclude_straggler",
@@ -351,6 +465,17 @@ def job_spec_from_dict(raw: Mapping[str, Any]) -> JobSpec:
     settings = raw.get("engine_settings") or {}
     if not isinstance(settings, Mapping):
         raise JobSpecError("engine_settings must be a mapping")
+    strategy = raw.get("distribution_strategy") or ""
+    if not isinstance(strategy, str):
+        raise JobSpecError(f"distribution_strategy must be a name, not {strategy!r}")
+    if strategy:
+        for key in ("nodes", "nproc_per_node", "node_check", "auto_scale"):
+            if key in raw:
+                raise JobSpecError(
+                    f"{key} does not apply to a {strategy} job: give each role's count and "
+                    "resources under roles (chief, ps, worker, evaluator)"
+                )
+    roles = _roles(raw.get("roles"), strategy)
     return JobSpec(
         name=name,
         entrypoint=entrypoint,
@@ -366,7 +491,8 @@ def job_spec_from_dict(raw: Mapping[str, Any]) -> JobSpec:
         engine_settings=dict(settings),
         oom_memory_factor=float(factor),
         oom_max_memory_mib=cap,
-        ps=_roles(raw.get("roles")),
+        ps=roles if isinstance(roles, PsSpec) else None,
+        tf=roles if isinstance(roles, TfSpec) else None,
         **flags,
     )
 

@@ -22,7 +22,7 @@ from dlrover.cli.serve_job import (
     supervise_job,
 )
 from dlrover.client.master_client import MasterClient, MasterClientError
-from dlrover.constants import PS_SCALE_KEY
+from dlrover.constants import PS_SCALE_KEY, TF_CLUSTER_KEY, TF_PS_GENERATION_KEY
 from dlrover.jobspec import JobSpecError, PsSpec, job_spec_from_flags, load_job_spec
 
 logger = logging.getLogger("dlrover.job")
@@ -81,9 +81,24 @@ def _status_text(name: str) -> tuple[str, bool]:
     client = MasterClient(record.master_addr, record.token, rpc_timeout_s=5)
     try:
         host = record.master_addr.rsplit(":", 1)[0]
-        return _status_table(client.get_job_status(), host), False
+        text = _status_table(client.get_job_status(), host)
+        return text + _tf_cluster_text(client), False
     finally:
         client.close()
+
+
+def _tf_cluster_text(client: MasterClient) -> str:
+    """A TensorFlow job's cluster spec and ps generation, from the master's KV ("" otherwise)."""
+    raw = client.kv_get(TF_CLUSTER_KEY)
+    if not raw:
+        return ""
+    cluster = json.loads(raw)
+    generation = client.kv_get(TF_PS_GENERATION_KEY)
+    ps = f", ps generation {json.loads(generation)['generation']}" if generation else ""
+    lines = [f"\ntensorflow cluster version {cluster['version']}{ps}:"]
+    for role, addresses in cluster["cluster"].items():
+        lines.append(f"  {role:<8} " + "  ".join(f"{i}={a}" for i, a in enumerate(addresses)))
+    return "\n".join(lines)
 
 
 def cmd_status(name: str) -> int:
@@ -296,7 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("name")
     sp.add_argument("--timeout", type=float, default=60.0)
     sc = sub.add_parser(
-        "scale", help="Change a running job's embedding servers (--role ps) without a restart."
+        "scale",
+        help="Change a running job's embedding servers or TensorFlow ps (--role ps).",
     )
     sc.add_argument("name")
     sc.add_argument("--role", default="ps", help="The role to scale (ps)")
@@ -341,6 +357,13 @@ def cmd_scale(name: str, role: str, count: int, timeout_s: float = 300.0) -> int
             if report.get("error"):
                 print(f"dlrover: error: scaling failed: {report['error']}", file=sys.stderr)
                 return 1
+            if report.get("tf"):
+                print(
+                    f"job {name}: {report['servers']} ps serve, "
+                    f"{report.get('seconds', 0.0):.1f}s after the request; the chief "
+                    "re-partitions the variables over them from its next checkpoint"
+                )
+                return 0
             print(
                 f"job {name}: {report['servers']} embedding servers in "
                 f"{report.get('seconds', 0.0):.1f}s: {report.get('moved_buckets', 0)} buckets, "

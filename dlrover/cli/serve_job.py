@@ -25,7 +25,7 @@ from dlrover.cli.job_records import (
 from dlrover.engines.base import Engine
 from dlrover.envvars import number_from_env
 from dlrover.jobspec import JobSpec, JobSpecError, parse_capacity
-from dlrover.master.assembly import MasterSettings, build_master
+from dlrover.master.assembly import MasterSettings, RunningMaster, build_master
 from dlrover.master.job import JobMaster, JobState
 from dlrover.master.node_controller import NodeController
 from dlrover.master.optimizer import OptimizerConfig
@@ -308,9 +308,14 @@ def serve_job(
         )
     )
     print(f"{c.ENV_MASTER_ADDR}={master_addr}\n{c.ENV_JOB_TOKEN}={token}", flush=True)
+    shape = (
+        ", ".join(f"{spec.tf.count(r)} {r}" for r in spec.tf.roles)
+        if spec.tf is not None
+        else f"{spec.nnodes} nodes x {spec.nproc_per_node} workers"
+    )
     print(
-        f"job {spec.name}: {spec.nnodes} nodes x {spec.nproc_per_node} workers on engine "
-        f"{spec.engine}; `dlrover status {spec.name}` to follow it",
+        f"job {spec.name}: {shape} on engine {spec.engine}; `dlrover status {spec.name}` to "
+        "follow it",
         file=sys.stderr,
         flush=True,
     )
@@ -332,6 +337,8 @@ def serve_job(
         master.stop(0.5)
         write_record(JobRecord(name=spec.name, state="failed", pid=os.getpid()))
         return 1
+    if spec.tf is not None:
+        return _serve_tf_job(spec, master, job, engine, master_addr, token, relaunch_delay_s, stop)
     controller = NodeController(
         job,
         engine,
@@ -393,6 +400,57 @@ def serve_job(
             "this one stopped without touching the job's nodes or record",
             file=sys.stderr,
         )
+        return EXIT_FENCED
+    print(f"job {spec.name} {job.state.value}: {job.reason}", file=sys.stderr)
+    return 0 if job.state == JobState.SUCCEEDED else (job.exit_code or 1)
+
+
+def _serve_tf_job(
+    spec: JobSpec,
+    master: RunningMaster,
+    job: JobMaster,
+    engine: Engine,
+    master_addr: str,
+    token: str,
+    relaunch_delay_s: float,
+    stop: threading.Event,
+) -> int:
+    """The rest of `serve_job` for a TensorFlow parameter-server job: its nodes are driven by a
+    TfController (cluster spec, relaunches); the job ends with its chief."""
+    from dlrover.master.tf_controller import TfController
+
+    controller = TfController(
+        job,
+        engine,
+        spec,
+        master_addr,
+        token,
+        oom_policy=OomPolicy(spec.oom_memory_factor, spec.oom_max_memory_mib),
+        relaunch_delay_s=relaunch_delay_s,
+        store=master.store,
+    )
+    job.tf = controller
+    fenced = master.server.fenced
+    try:
+        controller.start()
+        controller.run(stop, delete_nodes=lambda: not fenced.is_set())
+    finally:
+        stop.set()
+        if fenced.is_set():
+            master.store.close()
+        else:
+            master.stop(grace_s=1.0)
+            write_record(
+                JobRecord(
+                    name=spec.name,
+                    state=job.state.value,
+                    pid=os.getpid(),
+                    reason=job.reason,
+                    exit_code=job.exit_code,
+                )
+            )
+    if fenced.is_set():
+        print(f"job {spec.name}: another master took over", file=sys.stderr)
         return EXIT_FENCED
     print(f"job {spec.name} {job.state.value}: {job.reason}", file=sys.stderr)
     return 0 if job.state == JobState.SUCCEEDED else (job.exit_code or 1)

@@ -35,6 +35,7 @@ from dlrover.master.stragglers import DEFAULT_REPORT_S, Score, StragglerWatch
 
 if TYPE_CHECKING:
     from dlrover.master.ps_controller import PsController
+    from dlrover.master.tf_controller import TfController
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +73,8 @@ def _restored_rendezvous(
 class JobState(str, enum.Enum):
     """Lifecycle of the job.
 
-    Legal transitions: PENDING -> RUNNING (first round closed) -> SUCCEEDED | FAILED;
+    Legal transitions: PENDING -> RUNNING (first round closed; in a TensorFlow job, its first
+    cluster spec published) -> SUCCEEDED | FAILED;
     PENDING -> FAILED (e.g. every node lost before the first round).
     """
 
@@ -150,6 +152,8 @@ class JobMaster:
         """The auto-scaler's latest plan in one line (`dlrover status`)."""
         self.ps: PsController | None = None
         """The embedding servers' controller, in a job with a ps role (`scale_role`, metrics)."""
+        self.tf: TfController | None = None
+        """The controller of a TensorFlow parameter-server job (`scale_role`)."""
         self.metrics_port = 0
         """Where /metrics and the dashboard are served (0: nowhere)."""
         self.tick_hooks: list[Callable[[float], None]] = []
@@ -402,6 +406,8 @@ class JobMaster:
         """Ask for ``count`` nodes of ``role`` (`dlrover scale`): what will happen, and the
         request's id its report will carry. Raises ValueError for a role that cannot be scaled
         so."""
+        if self.tf is not None:
+            return self.tf.request_scale(role, count)
         if role != "ps":
             raise ValueError(
                 f"role {role!r}: only ps (embedding servers) is scaled on request; workers scale "
@@ -619,6 +625,26 @@ class JobMaster:
         """End the job from outside (e.g. SIGTERM to the master)."""
         with self._lock:
             self._fail(reason, 1)
+
+    def mark_running(self, reason: str) -> None:
+        """PENDING -> RUNNING from outside: a job without rounds (TensorFlow) started."""
+        with self._lock:
+            if self.state is JobState.PENDING and not self.ended.is_set():
+                self._set_job_state(JobState.RUNNING, reason)
+
+    def succeed(self, reason: str) -> None:
+        """End the job as succeeded from outside: a job whose end is one node's, not its
+        agents' exit barrier (the chief of a TensorFlow job, dlrover/master/tf_controller.py)."""
+        with self._lock:
+            if self.ended.is_set():
+                return
+            self._set_job_state(JobState.SUCCEEDED, reason)
+            self.exit_code = 0
+            self._save()
+            self.goodput.on_end(self._clock())
+            self.ended.set()
+            self.rounds.bump()
+            self.membership.bump()
 
     def node_lost(self, node_id: str, reason: str) -> None:
         """An engine says the node's process is gone: drop it now, not at the heartbeat timeout."""

@@ -10,6 +10,7 @@ from typing import Any
 import yaml
 
 from dlrover.constants import ENV_JOB_TOKEN
+from dlrover.engines.base import Resources
 from dlrover.engines.kube_manifests import (
     DEFAULT_MASTER_PORT,
     OwnerReference,
@@ -18,7 +19,7 @@ from dlrover.engines.kube_manifests import (
     master_pod_manifest,
     master_service_manifest,
 )
-from dlrover.jobspec import JobSpec, job_spec_from_dict
+from dlrover.jobspec import JobSpec, JobSpecError, job_spec_from_dict
 
 GROUP = "dlrover.io"
 VERSION = "v1alpha1"
@@ -39,10 +40,65 @@ def owner_of(body: dict[str, Any]) -> OwnerReference:
     return OwnerReference(f"{GROUP}/{VERSION}", KIND, meta["name"], meta["uid"])
 
 
+def _cpu(value: Any) -> Any:
+    """Kubernetes' ``500m`` as 0.5; numbers and other text as they are (the job spec checks)."""
+    if isinstance(value, str) and value.endswith("m") and value[:-1].isdigit():
+        return int(value[:-1]) / 1000
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
+def _replica_resources(replica: dict[str, Any]) -> dict[str, Any] | None:
+    """A replica spec's resources: its own ``resources`` ({cpu, memory, gpu}), else the limits
+    (or requests) of its pod template's first container, as the seeds' ElasticJob wrote them."""
+    if replica.get("resources"):
+        return dict(replica["resources"])
+    containers = ((replica.get("template") or {}).get("spec") or {}).get("containers") or []
+    if not containers:
+        return None
+    wanted = containers[0].get("resources") or {}
+    found = dict(wanted.get("limits") or wanted.get("requests") or {})
+    resources: dict[str, Any] = {}
+    if "cpu" in found:
+        resources["cpu"] = _cpu(found["cpu"])
+    if "memory" in found:
+        resources["memory"] = found["memory"]
+    if "nvidia.com/gpu" in found:
+        resources["gpu"] = int(found["nvidia.com/gpu"])
+    return resources or None
+
+
+def _tensorflow_keys(spec: dict[str, Any]) -> None:
+    """The ElasticJob's spelling of a TensorFlow job (``distributionStrategy``, ``replicaSpecs:
+    {ps: {replicas: 2, template: ...}}``) as the job spec's (``distribution_strategy``,
+    ``roles: {ps: {count: 2, resources}}``), in place."""
+    if "distributionStrategy" in spec:
+        spec["distribution_strategy"] = spec.pop("distributionStrategy")
+    replicas = spec.pop("replicaSpecs", None)
+    if replicas is None:
+        return
+    if not isinstance(replicas, dict):
+        raise JobSpecError("replicaSpecs must map each role to {replicas, template|resources}")
+    roles: dict[str, Any] = {}
+    for role, replica in replicas.items():
+        if not isinstance(replica, dict):
+            raise JobSpecError(f"replicaSpecs.{role} must be a mapping: replicas, template")
+        roles[role] = {"count": replica.get("replicas", 1)}
+        resources = _replica_resources(replica)
+        if resources:
+            roles[role]["resources"] = resources
+    spec["roles"] = roles
+
+
 def job_spec_of(body: dict[str, Any]) -> JobSpec:
     """The JobSpec an ElasticJob describes (its name is the resource's name; engine kubernetes).
     Raises JobSpecError with one clear message for a bad resource."""
     spec = {k: v for k, v in dict(body.get("spec") or {}).items() if k not in _KUBE_KEYS}
+    _tensorflow_keys(spec)
     settings = dict(spec.pop("engine_settings", None) or {})
     kube = body.get("spec") or {}
     settings.update(
@@ -60,6 +116,47 @@ def job_spec_of(body: dict[str, Any]) -> JobSpec:
     )
 
 
+def _resources(resources: Resources) -> dict[str, Any]:
+    return {
+        "cpu": resources.cpu,
+        "memory": f"{resources.memory_mib}Mi",
+        "gpu": resources.gpu,
+        "shm": f"{resources.shm_mib}Mi",
+    }
+
+
+def spec_document(job: JobSpec) -> dict[str, Any]:
+    """The job spec as the YAML the master reads back (`dlrover-master --job-spec`)."""
+    document: dict[str, Any] = {
+        "name": job.name,
+        "entrypoint": job.entrypoint,
+        "args": list(job.args),
+        "resources": _resources(job.resources),
+        "max_restarts": job.max_restarts,
+        "max_relaunches": job.max_relaunches,
+        "checkpoint_dir": job.checkpoint_dir,
+        "engine": "kubernetes",
+        "engine_settings": dict(job.engine_settings),
+    }
+    if job.tf is not None:
+        document["distribution_strategy"] = job.tf.strategy
+        document["roles"] = {
+            role: {"count": spec.count, "resources": _resources(spec.resources)}
+            for role, spec in job.tf.roles.items()
+        }
+    else:
+        document.update(nodes=job.nnodes, nproc_per_node=job.nproc_per_node)
+    if job.ps is not None:
+        document["roles"] = {
+            "ps": {
+                "count": job.ps.count,
+                "resources": _resources(job.ps.resources),
+                "replica": job.ps.replica,
+            }
+        }
+    return document
+
+
 def master_objects(body: dict[str, Any], token: str | None = None) -> list[dict[str, Any]]:
     """Every object that makes up the master of this ElasticJob, each owned by it."""
     job = job_spec_of(body)
@@ -72,27 +169,7 @@ def master_objects(body: dict[str, Any], token: str | None = None) -> list[dict[
     labels = job_labels(job.name)
     secret_name = f"{job.name}-token"
     config_name = f"{job.name}-spec"
-    job_yaml = yaml.safe_dump(
-        {
-            "name": job.name,
-            "entrypoint": job.entrypoint,
-            "args": list(job.args),
-            "nodes": job.nnodes,
-            "nproc_per_node": job.nproc_per_node,
-            "resources": {
-                "cpu": job.resources.cpu,
-                "memory": f"{job.resources.memory_mib}Mi",
-                "gpu": job.resources.gpu,
-                "shm": f"{job.resources.shm_mib}Mi",
-            },
-            "max_restarts": job.max_restarts,
-            "max_relaunches": job.max_relaunches,
-            "checkpoint_dir": job.checkpoint_dir,
-            "engine": "kubernetes",
-            "engine_settings": dict(job.engine_settings),
-        },
-        sort_keys=True,
-    )
+    job_yaml = yaml.safe_dump(spec_document(job), sort_keys=True)
     secret = {
         "apiVersion": "v1",
         "kind": "Secret",
@@ -165,7 +242,10 @@ def master_objects(body: dict[str, Any], token: str | None = None) -> list[dict[
     ]
     pod["spec"]["volumes"] = [
         {"name": "job-spec", "configMap": {"name": config_name}},
-        {"name": "master-state", "persistentVolumeClaim": {"claimName": f"{job.name}-master-state"}},
+        {
+            "name": "master-state",
+            "persistentVolumeClaim": {"claimName": f"{job.name}-master-state"},
+        },
     ]
     service = master_service_manifest(job.name, namespace, port, owner)
     return [secret, config, state_claim, service, pod]

@@ -1,0 +1,213 @@
+"""`dlrover-tf-node`: one node of a TensorFlow parameter-server job. It registers the address
+its role will serve on with the job's master, waits for the cluster spec that names it, sets
+TF_CONFIG and runs the role's program: it becomes a TF server for ps and worker (exec), and
+runs the entrypoint of the chief and the evaluator as its child, whose end it reports. No
+TensorFlow is imported here."""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+from dlrover import constants as c
+from dlrover.cli.common import setup_logging
+from dlrover.client.master_client import MasterClient, MasterClientError
+
+logger = logging.getLogger("dlrover.tf_node")
+
+DEFAULT_CLUSTER_WAIT_S = 600.0
+"""How long a node waits for a cluster spec that names it (every node must register first)."""
+EXIT_NO_MASTER = 2
+EXIT_NO_CLUSTER = 3
+SERVER_MODULE = "dlrover.trainer.tf.server"
+"""What a ps or worker node runs: a TF server that tells the master once it serves."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``dlrover-tf-node`` command line (the master's TfController writes it)."""
+    p = argparse.ArgumentParser(
+        prog="dlrover-tf-node",
+        description="Run one node of a TensorFlow parameter-server job launched by a DLRover "
+        "master: register its address, wait for the cluster spec, run the role with TF_CONFIG.",
+    )
+    p.add_argument("--role", required=True, choices=("chief", "ps", "worker", "evaluator"))
+    p.add_argument("--index", type=int, required=True, help="The task index within the role.")
+    p.add_argument("--host", default="127.0.0.1", help="Address to serve on (default loopback).")
+    p.add_argument(
+        "--advertise",
+        default="",
+        help="The host others reach this node at (default: --host, or this machine's address "
+        "when --host is 0.0.0.0).",
+    )
+    p.add_argument(
+        "program", nargs=argparse.REMAINDER, help="-- ENTRYPOINT ARGS (chief, evaluator)"
+    )
+    return p
+
+
+def _advertised_host(host: str, advertise: str) -> str:
+    if advertise:
+        return advertise
+    if host in ("0.0.0.0", "::", ""):
+        return socket.gethostbyname(socket.gethostname())
+    return host
+
+
+def _free_port(host: str, wanted: int) -> int:
+    """``wanted`` if it can be bound now (the port of the attempt this node replaces: the others
+    keep reaching the slot where they did), else a free port."""
+    for port in (wanted, 0) if wanted else (0,):
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host if host != "0.0.0.0" else "", port))
+            except OSError as e:
+                logger.warning("the slot's port %d cannot be bound (%s); taking another", port, e)
+                continue
+            return int(s.getsockname()[1])
+    raise OSError(f"no port can be bound on {host}")
+
+
+def _published(raw: bytes | None) -> tuple[int, dict[str, list[str]]]:
+    if not raw:
+        return 0, {}
+    value = json.loads(raw)
+    return int(value["version"]), {k: list(v) for k, v in value["cluster"].items()}
+
+
+def tf_config(cluster: dict[str, list[str]], role: str, index: int) -> str:
+    """The TF_CONFIG of task ``role:index`` in ``cluster``."""
+    return json.dumps({"cluster": cluster, "task": {"type": role, "index": index}})
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Register, wait for the cluster spec, exec the role's program; exit 2 without a master,
+    3 when no cluster spec names this node in time."""
+    args = build_parser().parse_args(argv)
+    setup_logging("dlrover-tf-node")
+    program = list(args.program)
+    if program and program[0] == "--":
+        program = program[1:]
+    if args.role in ("chief", "evaluator") and not program:
+        print(f"dlrover-tf-node: the {args.role} needs -- ENTRYPOINT", file=sys.stderr)
+        return EXIT_NO_MASTER
+    master, node = os.environ.get(c.ENV_MASTER_ADDR, ""), os.environ.get(c.ENV_NODE_NAME, "")
+    token = os.environ.get(c.ENV_JOB_TOKEN, "")
+    if not master or not node:
+        print(
+            f"dlrover-tf-node: {c.ENV_MASTER_ADDR} and {c.ENV_NODE_NAME} must be set (the master "
+            "launches this command)",
+            file=sys.stderr,
+        )
+        return EXIT_NO_MASTER
+    client = MasterClient(master, token)
+    try:
+        client.wait_ready(60)
+        cluster = _wait_for_cluster(client, node, args)
+    except MasterClientError as e:
+        print(f"dlrover-tf-node: the job's master at {master}: {e}", file=sys.stderr)
+        return EXIT_NO_MASTER
+    except TimeoutError as e:
+        print(f"dlrover-tf-node: {e}", file=sys.stderr)
+        return EXIT_NO_CLUSTER
+    finally:
+        client.close()
+    version, spec = cluster
+    env = {
+        **os.environ,
+        "TF_CONFIG": tf_config(spec, args.role, args.index),
+        c.ENV_TF_CLUSTER_VERSION: str(version),
+    }
+    if args.role in ("ps", "worker"):
+        argv_ = [sys.executable, "-u", "-m", SERVER_MODULE]
+    elif program[0].endswith(".py"):
+        argv_ = [sys.executable, "-u", *program]
+    else:
+        argv_ = program
+    logger.info("%s %d: cluster spec version %d; running %s", args.role, args.index, version, argv_)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if args.role in ("ps", "worker"):
+        # exec: the engine's process is the server (it ends only when it is stopped or killed).
+        os.execvpe(argv_[0], argv_, env)
+    return _run_program(argv_, env)
+
+
+def _pdeathsig() -> None:
+    """In the child: die by SIGKILL with this process (a SIGKILLed node leaves nothing)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return
+    libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
+def _run_program(argv: list[str], env: dict[str, str]) -> int:
+    """Run the chief's (evaluator's) program as a child and end as it did: its exit code, also
+    written to $DLROVER_NODE_EXIT_FILE like dlrover-run does (an engine of a restarted master
+    that adopted this node learns the end from it), or its signal. SIGTERM and SIGINT are
+    passed on."""
+    child = subprocess.Popen(argv, env=env, preexec_fn=_pdeathsig)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: child.send_signal(signum))
+    code = child.wait()  # the program's whole run: the master bounds the job
+    exit_file = os.environ.get(c.ENV_NODE_EXIT_FILE, "")
+    if exit_file:
+        try:
+            with open(exit_file, "w") as f:
+                f.write(str(code if code >= 0 else 128 - code))
+        except OSError as e:
+            logger.warning("cannot write the exit code to %s: %s", exit_file, e)
+    if code < 0:  # end by the same signal, so the engine reports the signal
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    return code
+
+
+def _wait_for_cluster(
+    client: MasterClient, node: str, args: argparse.Namespace
+) -> tuple[int, dict[str, list[str]]]:
+    """Register this node's address and return the first cluster spec that names it."""
+    version, cluster = _published(client.kv_get(c.TF_CLUSTER_KEY))
+    deadline = time.monotonic() + DEFAULT_CLUSTER_WAIT_S
+    if args.role == "evaluator":  # not in the cluster: any spec will do
+        if not version:
+            raw = client.kv_get(f"{c.TF_CLUSTER_KEY}/1", wait_s=DEFAULT_CLUSTER_WAIT_S)
+            version, cluster = _published(raw)
+        if not version:
+            raise TimeoutError(f"no cluster spec within {DEFAULT_CLUSTER_WAIT_S:.0f}s")
+        return version, cluster
+    host = _advertised_host(args.host, args.advertise)
+    previous = cluster.get(args.role, [])
+    wanted = 0
+    if args.index < len(previous) and previous[args.index].rpartition(":")[0] == host:
+        wanted = int(previous[args.index].rpartition(":")[2])
+    address = f"{host}:{_free_port(args.host, wanted)}"
+    client.kv_set(c.TF_ADDRESS_KEY + node, address.encode())
+    logger.info("%s registered %s", node, address)
+    while True:
+        mine = cluster.get(args.role, [])
+        if args.index < len(mine) and mine[args.index] == address:
+            return version, cluster
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(
+                f"no cluster spec named {node} at {address} within {DEFAULT_CLUSTER_WAIT_S:.0f}s "
+                f"(last: version {version}); did every node of the job start?"
+            )
+        raw = client.kv_get(f"{c.TF_CLUSTER_KEY}/{version + 1}", wait_s=min(left, 30.0))
+        if raw:
+            version, cluster = _published(raw)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,413 @@
+"""The master's controller of a TensorFlow parameter-server job: launches every role's nodes,
+publishes the cluster spec each node's TF_CONFIG is made of, replaces failed nodes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from dlrover.api.master import FailureRecord
+from dlrover.constants import (
+    ENV_NODE_NAME,
+    PS_SCALE_KEY,
+    TF_ADDRESS_KEY,
+    TF_CLUSTER_KEY,
+    TF_PS_GENERATION_KEY,
+    TF_READY_KEY,
+)
+from dlrover.engines.base import (
+    Engine,
+    EngineError,
+    FailureReason,
+    NodeEvent,
+    NodeSpec,
+    NodeState,
+    Resources,
+)
+from dlrover.jobspec import TF_ROLES, JobSpec
+from dlrover.master.job import JobMaster
+from dlrover.master.relaunch_policy import OomPolicy, replacement_spec
+from dlrover.master.state_store import MemoryStateStore, StateStore
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_ADDRESS_TIMEOUT_S = 300.0
+"""How long a launched node has to register its address (it imports nothing heavy before)."""
+_NAMESPACE = "tf-controller"
+CLUSTER_ROLES = ("chief", "ps", "worker")
+"""The roles in the cluster spec; the evaluator is not part of it (TensorFlow's convention)."""
+
+
+@dataclasses.dataclass
+class Slot:
+    """One node slot (role, index) and its current attempt.
+
+    States of the attempt: launched (``registered`` empty) -> registered (its address known) ->
+    serving (a ps or worker whose TF server answers; set by the server itself). A relaunch starts
+    over at launched; ``address`` keeps the slot's published address meanwhile."""
+
+    role: str
+    index: int
+    spec: NodeSpec
+    launched_at: float
+    address: str = ""
+    """The slot's address in the published cluster spec ("" before the first)."""
+    registered: str = ""
+    """The address the current attempt registered ("" until it does)."""
+    serving: bool = False
+    oom_kills: list[int] = dataclasses.field(default_factory=list)
+    """The memory (MiB) of each attempt that was OOM-killed."""
+
+
+class TfController:
+    """Drives the nodes of a TensorFlow job through an engine; `step` is one iteration.
+
+    Invariants: each slot has at most one live attempt; the cluster spec is published (a new
+    version) only when every slot of the cluster registered, and only when an address changed,
+    so a node relaunched on its slot's address changes nothing for the others; the ps
+    generation is bumped when every ps of the cluster serves after one of them was relaunched
+    (the chief waits for it before it rebuilds its strategy). The job succeeds when the chief
+    does, and fails when a slot has used its relaunches."""
+
+    def __init__(
+        self,
+        job: JobMaster,
+        engine: Engine,
+        spec: JobSpec,
+        master_addr: str,
+        token: str,
+        oom_policy: OomPolicy | None = None,
+        relaunch_delay_s: float = 0.0,
+        address_timeout_s: float = DEFAULT_ADDRESS_TIMEOUT_S,
+        clock: Callable[[], float] = time.monotonic,
+        store: StateStore | None = None,
+    ) -> None:
+        if spec.tf is None:
+            raise ValueError(f"job {spec.name} is not a TensorFlow job")
+        self.job = job
+        self.engine = engine
+        self.spec = spec
+        self._tf = spec.tf
+        self._master_addr = master_addr
+        self._token = token
+        self._oom = oom_policy or OomPolicy()
+        self._relaunch_delay_s = relaunch_delay_s
+        self._address_timeout_s = address_timeout_s
+        self._clock = clock
+        self.slots: dict[tuple[str, int], Slot] = {}
+        self._due: list[tuple[float, NodeSpec]] = []
+        self.cluster_version = 0
+        self.ps_generation = 0
+        self._generation_nodes: tuple[str, ...] = ()
+        """The ps attempts that served when the last generation was published."""
+        self.relaunches: dict[str, int] = {}
+        """Replacements launched, per role."""
+        self.counts = {role: self._tf.count(role) for role in TF_ROLES}
+        """Nodes of each role now (`request_scale` grows the ps)."""
+        self._scale_requests: list[tuple[int, int]] = []
+        self._lock = threading.Lock()
+        self._scaling: tuple[int, float, int] | None = None
+        self._request_ids = 0
+        """(ps count, when asked) of the scale-out in progress, until every new ps serves."""
+        self._store = store or MemoryStateStore()
+        """Where each slot's current attempt and the published versions are kept, so that a
+        master restarted on its state launches the same attempts (the engine adopts them)."""
+
+    # --- launching ----------------------------------------------------------------------------
+    def node_spec(self, role: str, index: int, relaunch_count: int = 0) -> NodeSpec:
+        """Slot (role, index)'s attempt, named so that it registers under the engine's id."""
+        spec = self.spec.tf_node_spec(role, index, self._master_addr, self._token, relaunch_count)
+        return dataclasses.replace(spec, env={**spec.env, ENV_NODE_NAME: spec.node_id})
+
+    def start(self) -> None:
+        """Launch every node of every role at once: each slot's first attempt, or the attempt a
+        master before this one launched (the engine adopts it if it still runs)."""
+        now = self._clock()
+        saved = self._store.get_json(_NAMESPACE, "state")
+        if saved is not None:
+            self.counts.update({k: int(v) for k, v in saved["counts"].items()})
+            self.cluster_version = int(saved["cluster_version"])
+            self.ps_generation = int(saved["ps_generation"])
+            self._generation_nodes = tuple(saved["generation_nodes"])
+        published = self.job.kv.get(TF_CLUSTER_KEY) if saved is not None else None
+        cluster = json.loads(published)["cluster"] if published else {}
+        specs = []
+        for role in TF_ROLES:
+            for index in range(self.counts[role]):
+                attempt = (saved or {}).get("slots", {}).get(f"{role}-{index}")
+                spec = self.node_spec(role, index, int(attempt["relaunch_count"]) if attempt else 0)
+                if attempt:
+                    spec = dataclasses.replace(spec, resources=Resources(**attempt["resources"]))
+                slot = Slot(role, index, spec, now)
+                addresses = cluster.get(role, [])
+                slot.address = addresses[index] if index < len(addresses) else ""
+                self.slots[(role, index)] = slot
+                specs.append(spec)
+        self._save()
+        counts = ", ".join(f"{self.counts[r]} {r}" for r in TF_ROLES if self.counts[r])
+        logger.info(
+            "launching TensorFlow job %s: %s%s",
+            self.spec.name,
+            counts,
+            " (the attempts a master before this one launched)" if saved is not None else "",
+        )
+        self.job.event("tf", f"launching {counts}")
+        self.engine.launch_many(specs)
+
+    def request_scale(self, role: str, count: int) -> tuple[str, int]:
+        """Ask for ``count`` ps (`dlrover scale NAME --role ps --count N`): what will happen, and
+        the request's id (its report in PS_SCALE_KEY carries it). Raises ValueError for what
+        cannot be done: other roles, fewer ps, a scaling underway."""
+        if role != "ps":
+            raise ValueError(
+                f"role {role!r}: a TensorFlow job scales its ps on request; its workers keep "
+                "their count (roles.worker.count)"
+            )
+        with self._lock:
+            current = self.counts["ps"]
+            if self._scaling is not None or self._scale_requests:
+                raise ValueError("a ps scaling is in progress; ask again when it is done")
+            if count < self.counts["ps"]:
+                raise ValueError(
+                    f"--count {count}: removing ps from a running TensorFlow job is not supported "
+                    f"(it has {current}); only more ps"
+                )
+            self._request_ids += 1
+            request = self._request_ids
+            self._scale_requests.append((count, request))
+        return (
+            f"ps: scaling to {count}; the chief re-partitions the variables over them from a "
+            "checkpoint"
+        ), request
+
+    def _save(self) -> None:
+        """Keep each slot's current attempt and the published versions (before launching)."""
+        self._store.put_json(
+            _NAMESPACE,
+            "state",
+            {
+                "counts": self.counts,
+                "cluster_version": self.cluster_version,
+                "ps_generation": self.ps_generation,
+                "generation_nodes": list(self._generation_nodes),
+                "slots": {
+                    f"{s.role}-{s.index}": {
+                        "relaunch_count": s.spec.relaunch_count,
+                        "resources": dataclasses.asdict(s.spec.resources),
+                    }
+                    for s in self.slots.values()
+                },
+            },
+        )
+
+    # --- one iteration ------------------------------------------------------------------------
+    def step(self, timeout_s: float) -> None:
+        """Handle the engine's events that arrive within ``timeout_s``, launch the replacements
+        that are due, read the nodes' registrations and publish what changed."""
+        for event in self.engine.events(timeout_s):
+            self._on_event(event)
+        with self._lock:
+            requests, self._scale_requests = self._scale_requests, []
+        for count, request in requests:
+            self._scale_out(count, request)
+        now = self._clock()
+        due = [spec for when, spec in self._due if when <= now]
+        self._due = [(when, spec) for when, spec in self._due if when > now]
+        if due and not self.job.ended.is_set():
+            try:
+                self.engine.launch_many(due)
+            except EngineError as e:
+                self.job.stop(f"could not relaunch TensorFlow nodes: {e}")
+                return
+        self._read_registrations(now)
+        self._publish_cluster()
+        self._publish_ps_generation()
+
+    def _read_registrations(self, now: float) -> None:
+        for slot in self.slots.values():
+            node_id = slot.spec.node_id
+            if slot.role in CLUSTER_ROLES and not slot.registered:
+                value = self.job.kv.get(TF_ADDRESS_KEY + node_id)
+                if value:
+                    slot.registered = value.decode()
+                    logger.info("tf node %s registered %s", node_id, slot.registered)
+                elif (
+                    now - slot.launched_at > self._address_timeout_s and not self.job.ended.is_set()
+                ):
+                    self.job.stop(
+                        f"TensorFlow node {node_id} did not register its address within "
+                        f"{self._address_timeout_s:.0f}s (is dlrover-tf-node installed where it "
+                        "runs? see its log)"
+                    )
+            serves = slot.role in ("ps", "worker") and slot.registered and not slot.serving
+            if serves and self.job.kv.get(TF_READY_KEY + node_id):
+                slot.serving = True
+                logger.info("tf node %s serves on %s", node_id, slot.registered)
+
+    def _scale_out(self, count: int, request: int) -> None:
+        before = self.counts["ps"]
+        if count <= before:
+            report = {"action": "scale", "request": request, "servers": before, "tf": True}
+            self.job.kv.set(PS_SCALE_KEY, json.dumps(report).encode())
+            return
+        now = self._clock()
+        specs = [self.node_spec("ps", index) for index in range(before, count)]
+        for spec in specs:
+            self.slots[("ps", spec.rank)] = Slot("ps", spec.rank, spec, now)
+        self.counts["ps"] = count
+        self._scaling = (count, now, request)
+        self._save()
+        logger.info("scaling the ps from %d to %d", before, count)
+        self.job.event("scale", f"ps {before} -> {count}")
+        try:
+            self.engine.launch_many(specs)
+        except EngineError as e:
+            self.job.stop(f"could not launch the new ps: {e}")
+
+    def cluster(self) -> dict[str, list[str]] | None:
+        """The cluster spec of the registered addresses, or None while a slot has none."""
+        cluster: dict[str, list[str]] = {}
+        for role in CLUSTER_ROLES:
+            addresses = [self.slots[(role, i)].registered for i in range(self.counts[role])]
+            if not all(addresses):
+                return None
+            if addresses:
+                cluster[role] = addresses
+        return cluster
+
+    def _publish_cluster(self) -> None:
+        cluster = self.cluster()
+        if cluster is None:
+            return
+        published = {
+            role: [self.slots[(role, i)].address for i in range(len(addresses))]
+            for role, addresses in cluster.items()
+        }
+        if cluster == published and self.cluster_version:
+            return
+        self.cluster_version += 1
+        for slot in self.slots.values():
+            if slot.role in CLUSTER_ROLES:
+                slot.address = slot.registered
+        value = json.dumps({"version": self.cluster_version, "cluster": cluster}).encode()
+        self.job.kv.set(f"{TF_CLUSTER_KEY}/{self.cluster_version}", value)
+        self.job.kv.set(TF_CLUSTER_KEY, value)
+        self._save()
+        logger.info("cluster spec version %d: %s", self.cluster_version, json.dumps(cluster))
+        self.job.event("tf", f"cluster spec version {self.cluster_version}")
+        self.job.mark_running(f"cluster spec version {self.cluster_version} published")
+
+    def _publish_ps_generation(self) -> None:
+        ps = [self.slots[("ps", i)] for i in range(self.counts["ps"])]
+        if not self.cluster_version or not all(s.serving for s in ps):
+            return
+        nodes = tuple(s.spec.node_id for s in ps)
+        if nodes == self._generation_nodes:
+            return
+        self._generation_nodes = nodes
+        self.ps_generation += 1
+        value = json.dumps(
+            {"generation": self.ps_generation, "cluster_version": self.cluster_version}
+        ).encode()
+        self.job.kv.set(f"{TF_PS_GENERATION_KEY}/{self.ps_generation}", value)
+        self.job.kv.set(TF_PS_GENERATION_KEY, value)
+        self._save()
+        logger.info("ps generation %d: %s serve", self.ps_generation, ", ".join(nodes))
+        self.job.event("tf", f"ps generation {self.ps_generation}: every ps serves")
+        if self._scaling is not None:
+            count, asked, request = self._scaling
+            self._scaling = None
+            seconds = self._clock() - asked
+            report = {
+                "action": "scale",
+                "request": request,
+                "servers": count,
+                "seconds": seconds,
+                "tf": True,
+            }
+            self.job.kv.set(PS_SCALE_KEY, json.dumps(report).encode())
+            logger.info("%d ps serve, %.1fs after the request", count, seconds)
+
+    # --- events -------------------------------------------------------------------------------
+    def _on_event(self, event: NodeEvent) -> None:
+        logger.info("engine: %s", event)
+        slot = self.slots.get((event.spec.role, event.spec.rank))
+        if slot is None or slot.spec.node_id != event.node_id or self.job.ended.is_set():
+            return  # an attempt replaced already, or the job is over
+        if event.state is NodeState.SUCCEEDED:
+            if slot.role == "chief":
+                self.job.succeed(f"the chief {event.node_id} succeeded")
+            else:
+                logger.info("tf node %s (%s) ended", event.node_id, slot.role)
+            return
+        if event.state is NodeState.FAILED:
+            self._relaunch(slot, event)
+
+    def _relaunch(self, slot: Slot, event: NodeEvent) -> None:
+        from dlrover.master.node_controller import failure_class_of
+
+        why = event.message or (event.reason.value if event.reason else "failed")
+        if event.reason is FailureReason.OOM_KILLED:
+            slot.oom_kills.append(event.spec.resources.memory_mib)
+        if event.spec.relaunch_count >= self.spec.max_relaunches:
+            action, spec = "fail", None
+        else:
+            spec = replacement_spec(event, self._oom)
+            action = "relaunch_node" if spec is not None else "fail"
+        self.job.record_failure(
+            FailureRecord(
+                time.time(), event.node_id, failure_class_of(event), action, f"{slot.role}: {why}"
+            )
+        )
+        if spec is None:
+            history = (
+                f"; OOM-killed with {', '.join(f'{m} MiB' for m in slot.oom_kills)}: give "
+                f"roles.{slot.role}.resources more memory"
+                if slot.oom_kills
+                else ""
+            )
+            limit = (
+                f"used its {self.spec.max_relaunches} relaunches"
+                if event.spec.relaunch_count >= self.spec.max_relaunches
+                else f"cannot grow: the memory cap is {self._oom.max_memory_mib} MiB"
+            )
+            self.job.stop(f"TensorFlow {slot.role} {slot.index} ({event.node_id}) {limit}{history}")
+            return
+        spec = dataclasses.replace(spec, env={**spec.env, ENV_NODE_NAME: spec.node_id})
+        if spec.resources != event.spec.resources:
+            logger.info(
+                "tf node %s failed (%s); launching %s with %d MiB",
+                event.node_id,
+                why,
+                spec.node_id,
+                spec.resources.memory_mib,
+            )
+        else:
+            logger.info("tf node %s failed (%s); launching %s", event.node_id, why, spec.node_id)
+        self.job.event("tf", f"{event.node_id} failed ({why}): relaunching as {spec.node_id}")
+        slot.spec = spec
+        slot.registered = ""
+        slot.serving = False
+        slot.launched_at = self._clock() + self._relaunch_delay_s
+        self.relaunches[slot.role] = self.relaunches.get(slot.role, 0) + 1
+        self._save()  # before launching: a restarted master launches this attempt too
+        self._due.append((self._clock() + self._relaunch_delay_s, spec))
+
+    # --- the loop -----------------------------------------------------------------------------
+    def run(
+        self,
+        stop: threading.Event,
+        poll_s: float = 0.2,
+        delete_nodes: Callable[[], bool] = lambda: True,
+    ) -> None:
+        """Drive the controller until the job ends or `stop` is set; then remove every node
+        (unless ``delete_nodes()`` says no)."""
+        try:
+            while not self.job.ended.is_set() and not stop.is_set():
+                self.step(poll_s)
+        finally:
+            self.engine.close(delete_nodes=delete_nodes())

@@ -1,0 +1,227 @@
+"""TensorFlow jobs without TensorFlow: the job spec's roles, and the master's TfController on a
+FakeEngine (cluster spec versions, ps generations, relaunches, OOM growth, the chief's end)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dlrover.constants import (
+    PS_SCALE_KEY,
+    TF_ADDRESS_KEY,
+    TF_CLUSTER_KEY,
+    TF_PS_GENERATION_KEY,
+    TF_READY_KEY,
+)
+from dlrover.engines.base import FailureReason
+from dlrover.jobspec import JobSpecError, job_spec_from_dict
+from dlrover.master.job import JobMaster, JobMasterConfig, JobState
+from dlrover.master.relaunch_policy import OomPolicy
+from dlrover.master.state_store import MemoryStateStore
+from dlrover.master.tf_controller import TfController
+from dlrover.testing.fake_engine import FakeEngine
+
+ROLES = {
+    "ps": {"count": 2, "resources": {"memory": "1Gi"}},
+    "worker": {"count": 2},
+    "evaluator": {"count": 1},
+}
+
+
+def _spec(**extra: object):  # type: ignore[no-untyped-def]
+    raw = {
+        "name": "tfjob",
+        "entrypoint": "train.py",
+        "distribution_strategy": "ParameterServerStrategy",
+        "roles": ROLES,
+        "max_relaunches": 2,
+        **extra,
+    }
+    return job_spec_from_dict(raw)
+
+
+def test_roles_of_a_parameter_server_job() -> None:
+    spec = _spec()
+    assert spec.tf is not None and spec.ps is None
+    assert [spec.tf.count(r) for r in ("chief", "ps", "worker", "evaluator")] == [1, 2, 2, 1]
+    assert spec.tf.roles["ps"].resources.memory_mib == 1024
+    chief = spec.tf_node_spec("chief", 0, "m:1", "tok")
+    assert chief.command[:3] == ("dlrover-tf-node", "--role", "chief")
+    assert chief.command[-2:] == ("--", "train.py")
+    assert "--" not in spec.tf_node_spec("ps", 1, "m:1", "tok").command
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({"roles": {"worker": {"count": 2}}}, "add distribution_strategy: ParameterServerStrategy"),
+        ({"roles": {"chief": {}}}, "roles.chief is a role of TensorFlow"),
+        ({"distribution_strategy": "MirroredStrategy", "roles": ROLES}, "is not supported"),
+        ({"distribution_strategy": "ParameterServerStrategy"}, "needs roles: ps and worker"),
+        (
+            {"distribution_strategy": "ParameterServerStrategy", "roles": {"ps": {"count": 1}}},
+            "roles.worker.count must be >= 1",
+        ),
+        (
+            {"distribution_strategy": "ParameterServerStrategy", "roles": {**ROLES, "chief": 2}},
+            "roles.chief must be a mapping",
+        ),
+        (
+            {"distribution_strategy": "ParameterServerStrategy", "roles": ROLES, "nodes": 2},
+            "nodes does not apply",
+        ),
+        (
+            {"distribution_strategy": "ParameterServerStrategy", "roles": {**ROLES, "gpu": {}}},
+            "roles.gpu: unknown role",
+        ),
+    ],
+)
+def test_bad_tensorflow_specs_say_what_is_wrong(raw: dict[str, object], message: str) -> None:
+    with pytest.raises(JobSpecError, match=message):
+        job_spec_from_dict({"entrypoint": "train.py", **raw})
+
+
+def test_roles_ps_without_a_strategy_are_still_embedding_servers() -> None:
+    spec = job_spec_from_dict({"entrypoint": "t.py", "roles": {"ps": {"count": 2}}})
+    assert spec.ps is not None and spec.ps.count == 2 and spec.tf is None
+
+
+class Harness:
+    def __init__(self) -> None:
+        self.spec = _spec()
+        self.job = JobMaster(JobMasterConfig("tfjob"), MemoryStateStore())
+        self.engine = FakeEngine()
+        self.controller = TfController(
+            self.job, self.engine, self.spec, "m:1", "tok", oom_policy=OomPolicy(1.5, 2048)
+        )
+        self.job.tf = self.controller
+        self.controller.start()
+        self.step()
+
+    def step(self) -> None:
+        self.controller.step(0.0)
+
+    def register(self, node_id: str, address: str) -> None:
+        self.job.kv.set(TF_ADDRESS_KEY + node_id, address.encode())
+
+    def serve(self, node_id: str) -> None:
+        self.job.kv.set(TF_READY_KEY + node_id, b"grpc://x")
+
+    def cluster(self) -> dict[str, object]:
+        raw = self.job.kv.get(TF_CLUSTER_KEY)
+        return json.loads(raw) if raw else {}
+
+    def generation(self) -> int:
+        raw = self.job.kv.get(TF_PS_GENERATION_KEY)
+        return int(json.loads(raw)["generation"]) if raw else 0
+
+    def bring_up(self) -> None:
+        for role, count in (("chief", 1), ("ps", 2), ("worker", 2)):
+            for i in range(count):
+                self.register(f"tfjob-{role}-{i}-0", f"h:{100 + 10 * len(role) + i}")
+        self.step()
+        for node in ("tfjob-ps-0-0", "tfjob-ps-1-0", "tfjob-worker-0-0", "tfjob-worker-1-0"):
+            self.serve(node)
+        self.step()
+
+
+def test_the_cluster_spec_is_published_once_every_node_registered() -> None:
+    h = Harness()
+    assert sorted(s.node_id for s in h.engine.launched) == sorted(
+        [
+            "tfjob-chief-0-0",
+            "tfjob-ps-0-0",
+            "tfjob-ps-1-0",
+            "tfjob-worker-0-0",
+            "tfjob-worker-1-0",
+            "tfjob-evaluator-0-0",
+        ]
+    )
+    h.register("tfjob-chief-0-0", "h:1")
+    h.step()
+    assert h.cluster() == {}  # not before every slot of the cluster registered
+    h.bring_up()
+    assert h.cluster() == {
+        "version": 1,
+        "cluster": {"chief": ["h:1"], "ps": ["h:120", "h:121"], "worker": ["h:160", "h:161"]},
+    }
+    assert h.job.kv.get(f"{TF_CLUSTER_KEY}/1") is not None
+    assert h.job.state is JobState.RUNNING
+    assert h.generation() == 1
+
+
+def test_a_node_relaunched_on_its_address_changes_no_version_a_ps_bumps_the_generation() -> None:
+    h = Harness()
+    h.bring_up()
+    h.engine.fail("tfjob-worker-1-0", FailureReason.SIGNAL)
+    h.engine.fail("tfjob-ps-1-0", FailureReason.SIGNAL)
+    h.step()
+    assert [s.node_id for s in h.engine.launched[-2:]] == ["tfjob-worker-1-1", "tfjob-ps-1-1"]
+    h.register("tfjob-worker-1-1", "h:161")
+    h.register("tfjob-ps-1-1", "h:121")
+    h.step()
+    assert h.cluster()["version"] == 1 and h.generation() == 1
+    h.serve("tfjob-ps-1-1")
+    h.step()
+    assert h.generation() == 2
+    assert h.cluster()["version"] == 1
+    h.engine.fail("tfjob-ps-0-0", FailureReason.SIGNAL)
+    h.step()
+    h.register("tfjob-ps-0-1", "h:999")  # its port was taken: a new address, a new version
+    h.serve("tfjob-ps-0-1")
+    h.step()
+    assert h.cluster()["version"] == 2 and h.generation() == 3
+    assert h.cluster()["cluster"]["ps"] == ["h:999", "h:121"]  # type: ignore[index]
+
+
+def test_an_oom_killed_ps_gets_more_memory_until_the_cap() -> None:
+    h = Harness()
+    h.bring_up()
+    h.engine.fail("tfjob-ps-0-0", FailureReason.OOM_KILLED)
+    h.step()
+    assert h.engine.launched[-1].node_id == "tfjob-ps-0-1"
+    assert h.engine.launched[-1].resources.memory_mib == 1536
+    h.engine.fail("tfjob-ps-0-1", FailureReason.OOM_KILLED)
+    h.step()
+    assert h.engine.launched[-1].resources.memory_mib == 2048
+    h.engine.fail("tfjob-ps-0-2", FailureReason.OOM_KILLED)
+    h.step()
+    assert h.job.state is JobState.FAILED
+    assert (
+        "used its 2 relaunches" in h.job.reason and "1024 MiB, 1536 MiB, 2048 MiB" in h.job.reason
+    )
+
+
+def test_the_job_ends_with_its_chief() -> None:
+    h = Harness()
+    h.bring_up()
+    h.engine.succeed("tfjob-evaluator-0-0")
+    h.step()
+    assert not h.job.ended.is_set()
+    h.engine.succeed("tfjob-chief-0-0")
+    h.step()
+    assert h.job.state is JobState.SUCCEEDED
+    assert "the chief tfjob-chief-0-0 succeeded" in h.job.reason
+
+
+def test_scaling_the_ps_out_publishes_a_new_cluster_and_generation() -> None:
+    h = Harness()
+    h.bring_up()
+    with pytest.raises(ValueError, match="scales its ps on request"):
+        h.job.scale_role("worker", 3)
+    with pytest.raises(ValueError, match="removing ps from a running TensorFlow job"):
+        h.job.scale_role("ps", 1)
+    assert "scaling to 3" in h.job.scale_role("ps", 3)[0]
+    with pytest.raises(ValueError, match="in progress"):
+        h.job.scale_role("ps", 4)
+    h.step()
+    assert h.engine.launched[-1].node_id == "tfjob-ps-2-0"
+    h.register("tfjob-ps-2-0", "h:122")
+    h.step()
+    assert h.cluster()["version"] == 2 and h.generation() == 1  # not before the new ps serves
+    h.serve("tfjob-ps-2-0")
+    h.step()
+    assert h.generation() == 2
+    report = json.loads(h.job.kv.get(PS_SCALE_KEY) or b"{}")
+    assert report["action"] == "scale" and report["servers"] == 3 and report["tf"]
