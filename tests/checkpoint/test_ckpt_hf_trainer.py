@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,9 @@ from dlrover.checkpoint.config import ENV_CHECKPOINT_SOCKET
 from tests.checkpoint.harness import assert_same, running_saver
 
 pytestmark = pytest.mark.extras
+# As FlashCkptTrainer does: transformers' PyTorch side only (read when it is first imported), since
+# the extras stage installs TensorFlow too.
+os.environ.setdefault("USE_TF", "0")
 transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed (pip install transformers==4.57.1)"
 )

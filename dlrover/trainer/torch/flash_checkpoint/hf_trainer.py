@@ -12,7 +12,19 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+# This trainer is PyTorch's: keep transformers off its TensorFlow side, which it loads when
+# TensorFlow is installed too (dlrover[tensorflow]) and which needs tf-keras under Keras 3.
+# An explicit USE_TF from the user wins.
+os.environ.setdefault("USE_TF", "0")
+
+from transformers import (
+    Trainer,
+    TrainerCallback,
+    TrainerControl,
+    TrainerState,
+    TrainingArguments,
+)
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import SaveStrategy
 
