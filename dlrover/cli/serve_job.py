@@ -380,20 +380,30 @@ def serve_job(
         stop.set()
         if controller.ps is not None:
             controller.ps.close()
-        if fenced.is_set():
-            master.store.close()  # another master leads the job: nothing more of it is ours
-        else:
-            master.stop(grace_s=1.0)
-            write_record(
-                JobRecord(
-                    name=spec.name,
-                    state=job.state.value,
-                    pid=os.getpid(),
-                    reason=job.reason,
-                    exit_code=job.exit_code,
-                )
-            )
-    if fenced.is_set():
+        _close_master(spec, master, job)
+    return _outcome(spec, master, job)
+
+
+def _close_master(spec: JobSpec, master: RunningMaster, job: JobMaster) -> None:
+    """Stop the master and record the job's end, unless another master took the job over."""
+    if master.server.fenced.is_set():
+        master.store.close()  # another master leads the job: nothing more of it is ours
+        return
+    master.stop(grace_s=1.0)
+    write_record(
+        JobRecord(
+            name=spec.name,
+            state=job.state.value,
+            pid=os.getpid(),
+            reason=job.reason,
+            exit_code=job.exit_code,
+        )
+    )
+
+
+def _outcome(spec: JobSpec, master: RunningMaster, job: JobMaster) -> int:
+    """Say how the job ended; its exit code (EXIT_FENCED when another master took over)."""
+    if master.server.fenced.is_set():
         newer = master.server.fenced_by
         print(
             f"job {spec.name}: another master ({newer.describe() if newer else '?'}) took over; "
@@ -436,24 +446,8 @@ def _serve_tf_job(
         controller.run(stop, delete_nodes=lambda: not fenced.is_set())
     finally:
         stop.set()
-        if fenced.is_set():
-            master.store.close()
-        else:
-            master.stop(grace_s=1.0)
-            write_record(
-                JobRecord(
-                    name=spec.name,
-                    state=job.state.value,
-                    pid=os.getpid(),
-                    reason=job.reason,
-                    exit_code=job.exit_code,
-                )
-            )
-    if fenced.is_set():
-        print(f"job {spec.name}: another master took over", file=sys.stderr)
-        return EXIT_FENCED
-    print(f"job {spec.name} {job.state.value}: {job.reason}", file=sys.stderr)
-    return 0 if job.state == JobState.SUCCEEDED else (job.exit_code or 1)
+        _close_master(spec, master, job)
+    return _outcome(spec, master, job)
 
 
 def _progress_loop(job: JobMaster, stop: threading.Event, every_s: float = 5.0) -> None:

@@ -601,13 +601,16 @@ class JobMaster:
             return  # not yet: the scan below is O(nodes), this count O(1)
         states = [self.nodes.get(m.node_id).state for m in world.members]
         if all(s == NodeState.SUCCEEDED for s in states):
-            self._set_job_state(JobState.SUCCEEDED, f"all {len(states)} nodes succeeded")
-            self.exit_code = 0
-            self._save()
-            self.goodput.on_end(self._clock())
-            self.ended.set()
-            self.rounds.bump()
-            self.membership.bump()
+            self._succeed(f"all {len(states)} nodes succeeded")
+
+    def _succeed(self, reason: str) -> None:
+        self._set_job_state(JobState.SUCCEEDED, reason)
+        self.exit_code = 0
+        self._save()
+        self.goodput.on_end(self._clock())
+        self.ended.set()
+        self.rounds.bump()
+        self.membership.bump()
 
     def _fail(self, reason: str, exit_code: int) -> None:
         if self.ended.is_set():
@@ -636,15 +639,8 @@ class JobMaster:
         """End the job as succeeded from outside: a job whose end is one node's, not its
         agents' exit barrier (the chief of a TensorFlow job, dlrover/master/tf_controller.py)."""
         with self._lock:
-            if self.ended.is_set():
-                return
-            self._set_job_state(JobState.SUCCEEDED, reason)
-            self.exit_code = 0
-            self._save()
-            self.goodput.on_end(self._clock())
-            self.ended.set()
-            self.rounds.bump()
-            self.membership.bump()
+            if not self.ended.is_set():
+                self._succeed(reason)
 
     def node_lost(self, node_id: str, reason: str) -> None:
         """An engine says the node's process is gone: drop it now, not at the heartbeat timeout."""
