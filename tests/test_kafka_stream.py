@@ -86,6 +86,15 @@ def _dataset(broker: KafkaBroker, master: Master, worker: str, **kw: Any) -> Any
     )
 
 
+def _resumed(broker: KafkaBroker, master: Master, state: Any, **kw: Any) -> list[int]:
+    """Every id a new reader restored at ``state`` yields (to the end offsets in ``kw``)."""
+    again = _dataset(broker, master, "w0", **kw)
+    again.load_state_dict(state)
+    rest = list(again)
+    again.close()
+    return rest
+
+
 def test_resume_at_a_saved_position_trains_no_record_twice_and_skips_none(
     broker: KafkaBroker, master: Master
 ) -> None:
@@ -100,10 +109,7 @@ def test_resume_at_a_saved_position_trains_no_record_twice_and_skips_none(
     assert len(set(before + after_save)) == 20
     reader.close()
 
-    again = _dataset(broker, master, "w0", end_offsets=ends)
-    again.load_state_dict(state)
-    rest = list(again)
-    again.close()
+    rest = _resumed(broker, master, state, end_offsets=ends)
     assert sorted(before + rest) == list(range(60))
 
 
@@ -184,10 +190,7 @@ def test_broker_down_reader_fails_clearly_in_bounded_time_and_the_position_survi
     # The master kept its place while the broker was away; with the broker back, a restarted
     # reader resumes at the checkpoint and reads exactly the rest.
     broker.start()
-    again = _dataset(broker, master, "w0", end_offsets=ends)
-    again.load_state_dict(state)
-    assert sorted(trained + list(again)) == list(range(30))
-    again.close()
+    assert sorted(trained + _resumed(broker, master, state, end_offsets=ends)) == list(range(30))
 
 
 def test_a_restarted_master_resumes_its_streams_even_while_the_broker_is_down(
@@ -329,10 +332,7 @@ def test_offsets_without_records_transaction_markers_end_a_range_and_count_exact
     state = json.loads(json.dumps(reader.state_dict()))
     assert state["position"]["offsets"] == [[0, 5]]  # offset 4 was trained, 5 was not
     reader.close()
-    again = _dataset(broker, master, "w0", end_offsets={0: 12}, read_timeout_s=3.0)
-    again.load_state_dict(state)
-    rest = list(again)
-    again.close()
+    rest = _resumed(broker, master, state, end_offsets={0: 12}, read_timeout_s=3.0)
     assert sorted(before + rest) == list(range(9))
 
 
@@ -416,15 +416,9 @@ def test_a_pass_closed_midway_gives_its_unread_ranges_back_and_counts_exactly_on
     reader.close()
     assert sorted(first + trained) == list(range(60))
     # The position taken in the second pass counts the first pass's records as trained.
-    again = _dataset(broker, master, "w0", end_offsets=ends)
-    again.load_state_dict(state)
-    rest = list(again)
-    again.close()
+    rest = _resumed(broker, master, state, end_offsets=ends)
     assert sorted(first + trained[:10] + rest) == list(range(60))
-    again = _dataset(broker, master, "w0", end_offsets=ends)
-    again.load_state_dict(closed)
-    rest = list(again)
-    again.close()
+    rest = _resumed(broker, master, closed, end_offsets=ends)
     assert sorted(first + rest) == list(range(60))
 
 

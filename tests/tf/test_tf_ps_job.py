@@ -116,31 +116,32 @@ class Job:
         path = self.home / "jobs" / self.name / "nodes" / node_id / "stderr"
         return path.read_text() if path.exists() else ""
 
-    def shards(self) -> int:
+    def _progress(self, column: int) -> int:
+        """A column of the chief's latest progress line (0: shards done, 2: ps recoveries)."""
         path = self.out / "progress"
         lines = path.read_text().splitlines() if path.exists() else []
-        return int(lines[-1].split()[0]) if lines else 0
+        return int(lines[-1].split()[column]) if lines else 0
+
+    def _wait_progress(self, column: int, value: int, what: str, timeout_s: float) -> None:
+        """Poll the chief's progress file (another process writes it) until ``value``."""
+        deadline = time.monotonic() + timeout_s
+        while self._progress(column) < value:
+            assert self.proc.poll() is None, self.text()[-4000:]
+            assert time.monotonic() < deadline, f"{what} not reached: {self.text()[-3000:]}"
+            time.sleep(0.05)
+
+    def shards(self) -> int:
+        return self._progress(0)
 
     def wait_shards(self, shards: int, timeout_s: float = 60) -> None:
-        """Poll the chief's progress file (another process writes it) until ``shards``."""
-        deadline = time.monotonic() + timeout_s
-        while self.shards() < shards:
-            assert self.proc.poll() is None, self.text()[-4000:]
-            assert time.monotonic() < deadline, f"shard {shards} not reached: {self.text()[-3000:]}"
-            time.sleep(0.05)
+        self._wait_progress(0, shards, f"shard {shards}", timeout_s)
 
     def recoveries(self) -> int:
-        """The chief's count of ps recoveries, from its latest progress line."""
-        path = self.out / "progress"
-        lines = path.read_text().splitlines() if path.exists() else []
-        return int(lines[-1].split()[2]) if lines else 0
+        """The chief's count of ps recoveries."""
+        return self._progress(2)
 
     def wait_recoveries(self, count: int, timeout_s: float = 60) -> None:
-        deadline = time.monotonic() + timeout_s
-        while self.recoveries() < count:
-            assert self.proc.poll() is None, self.text()[-4000:]
-            assert time.monotonic() < deadline, f"no recovery {count}: {self.text()[-3000:]}"
-            time.sleep(0.05)
+        self._wait_progress(2, count, f"recovery {count}", timeout_s)
 
     def pid(self, node_id: str) -> int:
         path = self.home / "jobs" / self.name / "nodes" / node_id / "pid"
