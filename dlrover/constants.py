@@ -17,6 +17,9 @@ ENV_CHECKPOINT_SOCKET = "DLROVER_CHECKPOINT_SOCKET"
 """Unix socket of the agent's checkpoint saver (flash checkpoint)."""
 ENV_JOB_NAME = "DLROVER_JOB_NAME"
 """Name of the job (the rendezvous id)."""
+ENV_MAX_NODES = "DLROVER_MAX_NODES"
+"""The largest number of nodes the job may have (dlrover-run's --nnodes MAX): ElasticTrainer keeps
+the global batch of that many nodes' ranks."""
 
 # --- Defaults ---------------------------------------------------------------------------------
 DEFAULT_JOB_NAME = "none"

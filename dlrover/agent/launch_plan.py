@@ -14,6 +14,7 @@ from dlrover.api.master import CommWorld
 from dlrover.constants import (
     ENV_AGENT_PID,
     ENV_CHECKPOINT_SOCKET,
+    ENV_MAX_NODES,
     ENV_NODE_NAME,
     ENV_STACK_FILE,
     ENV_STEP_FILE,
@@ -108,6 +109,7 @@ def plan_launch(
         env[ENV_STEP_FILE] = wf.step_file
         env[ENV_STACK_FILE] = wf.stack_file
         env[ENV_AGENT_PID] = str(ctx.agent_pid)
+        env[ENV_MAX_NODES] = str(config.max_nodes)
         if ctx.saver_socket is not None:
             env[ENV_CHECKPOINT_SOCKET] = ctx.saver_socket
         env.pop(ENV_NODE_NAME, None)

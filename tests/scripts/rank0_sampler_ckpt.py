@@ -1,4 +1,4 @@
-"""gloo training with ElasticDistributedSampler where only rank 0 saves the checkpoint.
+"""gloo training with DynamicShardSampler where only rank 0 saves the checkpoint.
 
 The DLRover-style script: `if rank == 0: torch.save({..., "sampler": sampler.state_dict(step,
 batch)})`. Ranks step in lockstep (gradients are all-reduced every step; a rank whose shards
@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from dlrover.testing.faults import FaultInjector
 from dlrover.trainer import StepReporter
-from dlrover.trainer.torch.elastic.sampler import ElasticDistributedSampler
+from dlrover.trainer.torch.elastic.dynamic_sampler import DynamicShardSampler
 
 
 class Numbers(Dataset[int]):
@@ -40,7 +40,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = nn.Linear(1, 1)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    sampler = ElasticDistributedSampler(Numbers(size), shard_size=10, dataset_name="numbers")
+    sampler = DynamicShardSampler(Numbers(size), shard_size=10, dataset_name="numbers")
     path = os.path.join(out, "ckpt.pt")
     if os.path.exists(path):
         state = torch.load(path, weights_only=True)
@@ -75,7 +75,9 @@ def main() -> None:
             progress.report(step)
             if rank == 0 and step % 3 == 0:
                 tmp = path + ".tmp"
-                torch.save({"model": model.state_dict(), "sampler": sampler.state_dict(step, batch)}, tmp)
+                torch.save(
+                    {"model": model.state_dict(), "sampler": sampler.state_dict(step, batch)}, tmp
+                )
                 os.replace(tmp, path)
             faults.maybe_inject(step)
     dist.destroy_process_group()

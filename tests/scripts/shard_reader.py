@@ -1,4 +1,4 @@
-"""Read a dataset of N sample ids through ElasticDistributedSampler under dlrover-run.
+"""Read a dataset of N sample ids through DynamicShardSampler under dlrover-run.
 
 Every sample a worker trains on is appended to <out>/seen.<attempt>.<rank>. On the first attempt
 rank 1 SIGKILLs itself in the middle of a shard, after `kill_after` samples.
@@ -9,13 +9,11 @@ import signal
 import sys
 import time
 
-from dlrover.trainer.torch.elastic.sampler import ElasticDistributedSampler
+from dlrover.trainer.torch.elastic.dynamic_sampler import DynamicShardSampler
 
 out, n, kill_after = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 rank, attempt = int(os.environ["RANK"]), os.environ["TORCHELASTIC_RESTART_COUNT"]
-sampler = ElasticDistributedSampler(
-    range(n), shuffle=True, seed=7, dataset_name="ids", shard_size=10
-)
+sampler = DynamicShardSampler(range(n), shuffle=True, seed=7, dataset_name="ids", shard_size=10)
 with open(os.path.join(out, f"seen.{attempt}.{rank}"), "a", buffering=1) as f:
     for count, index in enumerate(sampler, start=1):
         f.write(f"{index}\n")

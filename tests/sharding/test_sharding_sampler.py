@@ -1,4 +1,4 @@
-"""ElasticDistributedSampler, ElasticDataLoader and ElasticTrainer, static and dynamic."""
+"""ElasticDistributedSampler (static), DynamicShardSampler, ElasticDataLoader and ElasticTrainer."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, Dataset
 from dlrover.sharding import DeliveryMode, InvalidPositionError, ShardManager
 from dlrover.testing.sharding import InProcessTransport
 from dlrover.trainer.torch.elastic.dataloader import ElasticDataLoader
+from dlrover.trainer.torch.elastic.dynamic_sampler import DynamicShardSampler
 from dlrover.trainer.torch.elastic.sampler import ElasticDistributedSampler
 from dlrover.trainer.torch.elastic.trainer import ElasticTrainer, accumulation_steps
 
@@ -40,7 +41,6 @@ def test_static_mode_resumes_with_a_different_world_size(monkeypatch: pytest.Mon
     dataset = IndexDataset(60)
     trained: Counter[int] = Counter()
     samplers = [ElasticDistributedSampler(dataset, 4, rank, seed=3) for rank in range(4)]
-    assert not samplers[0].dynamic
     for sampler in samplers:
         trained.update(list(sampler)[:6])  # 3 steps of micro-batch 2
     state = samplers[0].state_dict(step=3, micro_batch_size=2)
@@ -56,7 +56,7 @@ def test_static_mode_resumes_with_a_different_world_size(monkeypatch: pytest.Mon
 def test_dynamic_sampler_with_plain_dataloader_covers_the_dataset() -> None:
     transport = InProcessTransport(ShardManager())
     dataset = IndexDataset(300)
-    sampler = ElasticDistributedSampler(
+    sampler = DynamicShardSampler(
         dataset, 1, 0, transport=transport, dataset_name="d", shard_size=16, num_epochs=2
     )
     assert sampler.dynamic
@@ -76,7 +76,7 @@ def test_exactly_once_through_sampler_state_dict() -> None:
     dataset = IndexDataset(200)
 
     def loader() -> ElasticDataLoader:
-        sampler = ElasticDistributedSampler(
+        sampler = DynamicShardSampler(
             dataset,
             1,
             0,
@@ -95,19 +95,19 @@ def test_exactly_once_through_sampler_state_dict() -> None:
     next(batches)  # requesting batch 10 marks batch 9 trained
     state = first.state_dict()
     checkpointed = Counter(model)
-    first.elastic_sampler.close()  # crash; what batch 10 and later trained is lost
+    first.sampler.close()  # type: ignore[attr-defined]  # crash; what batch 10 and later trained is lost
     model = checkpointed
     second = loader()
     second.load_state_dict(state)
     for batch in second:
         model.update(ids(batch))
-    second.elastic_sampler.close()
+    second.sampler.close()  # type: ignore[attr-defined]
     assert model == Counter({i: 1 for i in range(200)})
 
 
 def test_static_checkpoint_into_dynamic_sampler_is_refused() -> None:
     dataset = IndexDataset(10)
-    sampler = ElasticDistributedSampler(
+    sampler = DynamicShardSampler(
         dataset, 1, 0, transport=InProcessTransport(ShardManager()), shard_size=2
     )
     with pytest.raises(InvalidPositionError, match="static sharding"):
@@ -160,7 +160,7 @@ def test_workers_3_to_2_to_3_lose_no_sample_and_keep_the_global_batch() -> None:
     lock = threading.Lock()
 
     def worker(worker_id: str, world: int, max_steps: int | None) -> None:
-        sampler = ElasticDistributedSampler(
+        sampler = DynamicShardSampler(
             dataset,
             world,
             0,

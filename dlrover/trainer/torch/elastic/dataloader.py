@@ -1,59 +1,128 @@
-"""ElasticDataLoader: a DataLoader that tells its elastic sampler which samples were trained."""
+"""ElasticDataLoader: a DataLoader whose batch size can change while training, and which tells a
+DynamicShardSampler which samples were trained."""
 
 from __future__ import annotations
 
+import json
+import logging
+import os
 from collections.abc import Iterator
 from typing import Any
 
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
-from dlrover.trainer.torch.elastic.sampler import ElasticDistributedSampler
+from dlrover.trainer.torch.elastic.dynamic_sampler import DynamicShardSampler
+
+logger = logging.getLogger(__name__)
+
+ENV_PARALLELISM_CONFIG = "DLROVER_PARAL_CONFIG_PATH"
+"""A JSON file whose ``{"dataloader": {"batch_size": N, "version": V}}`` sets the batch size
+(DLRover's parallelism config); a higher ``version`` than the last one read applies."""
 
 
-class ElasticDataLoader(DataLoader):
-    """DataLoader over an ElasticDistributedSampler (built for you when none is given).
+class ElasticDataLoader(DataLoader):  # type: ignore[type-arg]
+    """``torch.utils.data.DataLoader`` (same arguments) plus DLRover's run-time batch size.
 
-    Batch k counts as trained when batch k+1 is asked for (or the loop ends), and the
-    sampler is told so: shards are reported done exactly when their samples are trained,
-    whatever the prefetching of DataLoader workers. `batch_size` is the micro-batch size;
-    ElasticTrainer turns it into a fixed global batch with gradient accumulation.
+    ``update_batch_size(n)`` changes the batch size from the next batch on;
+    ``update_batch_size()`` without an argument reads it from ``config_file`` (or the file named
+    by DLROVER_PARAL_CONFIG_PATH) when that file's ``dataloader.version`` is newer;
+    ``ElasticTrainer.step()`` calls it after each step. ``get_batch_size()`` tells the current one.
+
+    Over a ``DynamicShardSampler`` batch k counts as trained when batch k+1 is asked for (or the
+    loop ends), and the sampler is told so: shards are reported done exactly when their samples
+    are trained, whatever the DataLoader prefetches. ``state_dict()`` / ``load_state_dict()``
+    then checkpoint the sampler's place after the batches trained so far in this iteration.
     """
 
-    def __init__(
-        self,
-        dataset: Dataset,
-        batch_size: int = 1,
-        sampler: ElasticDistributedSampler | None = None,
-        **kwargs: Any,
-    ) -> None:
-        if sampler is None:
-            sampler = ElasticDistributedSampler(dataset)  # type: ignore[arg-type]
-        super().__init__(dataset, batch_size=batch_size, sampler=sampler, **kwargs)
-        self.elastic_sampler = sampler
+    def __init__(self, *args: Any, config_file: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.config_file = config_file or os.environ.get(ENV_PARALLELISM_CONFIG, "")
+        self._config_version = 0
         self.steps_in_epoch = 0
-        """Batches trained in the current iteration: the `step` of `state_dict`."""
+        """Batches trained in the current iteration (the ``step`` of ``state_dict``)."""
+        if self.config_file:
+            self.load_config(self.config_file)
+
+    def get_batch_size(self) -> int:
+        """The batch size of the next batch."""
+        batch_sampler = self.batch_sampler
+        return int(getattr(batch_sampler, "batch_size", None) or self.batch_size or 1)
+
+    def update_batch_size(self, batch_size: int | None = None) -> None:
+        """Set the batch size of the next batches, or read it from the config file."""
+        if batch_size:
+            self._set_batch_size(batch_size)
+        elif self.config_file:
+            self.load_config(self.config_file)
+
+    def load_config(self, config_file: str | None = None) -> None:
+        """Apply ``dataloader.batch_size`` of a JSON config file whose ``dataloader.version`` is
+        newer than the last applied; a missing or malformed file changes nothing (logged)."""
+        path = config_file or self.config_file
+        if not path or not os.path.exists(path):
+            return
+        try:
+            with open(path) as f:
+                config = json.load(f)
+        except (OSError, json.JSONDecodeError) as exc:
+            logger.warning("cannot read the data loader config %s: %s", path, exc)
+            return
+        section = config.get("dataloader") if isinstance(config, dict) else None
+        if not isinstance(section, dict):
+            return
+        version = int(section.get("version", 0))
+        if version <= self._config_version:
+            return
+        self._config_version = version
+        batch_size = int(section.get("batch_size", 0))
+        if batch_size > 0:
+            self._set_batch_size(batch_size)
+
+    def _set_batch_size(self, batch_size: int) -> None:
+        batch_sampler = self.batch_sampler
+        if batch_sampler is None or not hasattr(batch_sampler, "batch_size"):
+            raise ValueError(
+                "this DataLoader has no batch sampler whose batch size can change "
+                "(batch_size=None or a custom batch_sampler)"
+            )
+        if batch_sampler.batch_size != batch_size:
+            logger.info(
+                "batch size of the data loader: %s -> %d", batch_sampler.batch_size, batch_size
+            )
+            batch_sampler.batch_size = batch_size
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
-        self.elastic_sampler.attach_consumer()
+        sampler = self.sampler if isinstance(self.sampler, DynamicShardSampler) else None
         self.steps_in_epoch = 0
-        batch_size = self.batch_size or 1
-        started = False
-        for batch in super().__iter__():
-            if started:
+        if sampler is None:
+            for batch in super().__iter__():
+                yield batch
                 self.steps_in_epoch += 1
-                self.elastic_sampler.mark_consumed(batch_size)
-            started = True
+            return
+        sampler.attach_consumer()
+        pending = 0  # samples of the batch being trained
+        for batch in super().__iter__():
+            if pending:
+                self.steps_in_epoch += 1
+                sampler.mark_consumed(pending)
+            pending = self.get_batch_size()
             yield batch
-        if started:
+        if pending:
             self.steps_in_epoch += 1
             # The sampler caps this at what it yielded, so a short last batch counts right.
-            self.elastic_sampler.mark_consumed(batch_size)
+            sampler.mark_consumed(pending)
 
     def state_dict(self) -> dict[str, Any]:
         """The sampler's resume state after the batches trained so far in this iteration."""
-        return self.elastic_sampler.state_dict(self.steps_in_epoch, self.batch_size or 1)
+        state_dict = getattr(self.sampler, "state_dict", None)
+        if state_dict is None:
+            raise ValueError(
+                f"the sampler {type(self.sampler).__name__} keeps no position; use "
+                f"ElasticDistributedSampler or DynamicShardSampler"
+            )
+        result: dict[str, Any] = state_dict(self.steps_in_epoch, self.get_batch_size())
+        return result
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from ``state_dict()``: the sampler takes it (see
-        ElasticDistributedSampler.load_state_dict)."""
-        self.elastic_sampler.load_state_dict(state)
+        """Resume from ``state_dict()``: the sampler takes it."""
+        self.sampler.load_state_dict(state)  # type: ignore[attr-defined]

@@ -1,59 +1,38 @@
-"""ElasticDistributedSampler: dynamic shards from the master, or a static split that resumes."""
+"""ElasticDistributedSampler: DistributedSampler that checkpoints its place in an epoch and resumes
+it at any world size (DLRover's semantics; dynamic shards are DynamicShardSampler's)."""
 
 from __future__ import annotations
 
 import logging
 import math
-from collections import deque
 from collections.abc import Iterator, Sized
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import Sampler
+from torch.utils.data import DistributedSampler
 
-from dlrover.client.sharding_client import ShardingClient
-from dlrover.client.sharding_transport import ShardingTransport
-from dlrover.sharding.errors import InvalidPositionError
-from dlrover.sharding.types import ConsumptionMark, DatasetSpec, DeliveryMode, Position, Shard
-from dlrover.trainer.torch.elastic.client_factory import (
-    default_worker_id,
-    lease_s_from_env,
-    prefetch_from_env,
-    restore_token,
-    transport_from_env,
-)
 from dlrover.worker_context import WorkerContext
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class _Yielded:
-    """A shard the iterator has started: its samples occupy [begin, begin + count) of the
-    samples yielded in this iteration."""
+class ElasticDistributedSampler(DistributedSampler):  # type: ignore[type-arg]
+    """A ``DistributedSampler`` whose place in the epoch goes into a checkpoint.
 
-    shard: Shard
-    begin: int
-    count: int
+    Every rank gets the same number of samples every epoch (padded, or cut with
+    ``drop_last``, as ``DistributedSampler`` does), so synchronous DDP loops stay in lockstep.
+    ``state_dict(step, micro_batch_size)`` records ``step x micro_batch_size x num_replicas``
+    samples of the epoch as trained; ``load_state_dict`` splits the rest of that epoch among
+    the ranks of the job now, however many there are. Nothing is asked of the job master, so a
+    checkpoint moves freely between torchrun and dlrover-run.
 
+    ``step`` may count the steps of the current epoch or, as DLRover's examples do, all steps
+    since training began: a count past the epoch's end is taken modulo the dataset size, as
+    DLRover does (exact when the job ran at one world size with full batches).
 
-class ElasticDistributedSampler(Sampler[int]):
-    """A DataLoader sampler whose split of the dataset survives workers coming and going.
-
-    Dynamic mode (a `client` or `transport` is given, or DLROVER_MASTER_ADDR names a master):
-    indices come from shards leased from the master, so a fast worker reads more and a lost
-    worker's shards go to others. One iteration is one epoch of the registered dataset
-    (`num_epochs` are registered); ranks may get different numbers of samples, so synchronous
-    DDP loops must use torch's `Join` context (or static mode). A shard is reported done once
-    its samples are consumed: exactly, when `ElasticDataLoader` drives the sampler (it calls
-    `mark_consumed`) or when `state_dict(step, ...)` is called; otherwise (plain DataLoader)
-    one shard behind what was yielded, and everything when the iteration ends.
-
-    Static mode (no master): like DistributedSampler over RANK / WORLD_SIZE; `state_dict`
-    records how many samples of the epoch the whole job consumed, and `load_state_dict`
-    splits the rest among the current (possibly different) number of ranks.
+    Without a process group, ``num_replicas`` and ``rank`` come from WORLD_SIZE and RANK (1 and
+    0 when unset), so the sampler can be built before ``init_process_group``.
     """
 
     def __init__(
@@ -64,216 +43,144 @@ class ElasticDistributedSampler(Sampler[int]):
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
-        *,
-        client: ShardingClient | None = None,
-        transport: ShardingTransport | None = None,
-        dataset_name: str | None = None,
-        shard_size: int = 0,
-        num_epochs: int = 1,
-        mode: DeliveryMode = DeliveryMode.AT_LEAST_ONCE,
-        worker_id: str | None = None,
     ) -> None:
-        self.dataset_size = len(dataset)
-        self.num_replicas = num_replicas if num_replicas is not None else _world_size()
-        self.rank = rank if rank is not None else _rank()
-        if not 0 <= self.rank < self.num_replicas:
-            raise ValueError(f"rank {self.rank} is outside 0..{self.num_replicas - 1}")
-        self.shuffle = shuffle
-        self.seed = seed
-        self.drop_last = drop_last
-        self.epoch = 0
+        if not (dist.is_available() and dist.is_initialized()):
+            ctx = WorkerContext.from_env()
+            num_replicas = ctx.world_size if num_replicas is None else num_replicas
+            rank = ctx.rank if rank is None else rank
+        super().__init__(
+            dataset,  # type: ignore[arg-type]
+            num_replicas=num_replicas,
+            rank=rank,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+        )
         self.completed_num = 0
-        if client is None:
-            transport = transport if transport is not None else transport_from_env()
-            if transport is not None:
-                spec = DatasetSpec(
-                    name=dataset_name or f"{type(dataset).__name__}-{self.dataset_size}",
-                    size=self.dataset_size,
-                    shard_size=shard_size or self._default_shard_size(),
-                    epochs=num_epochs,
-                    shuffle=shuffle,
-                    seed=seed,
-                    mode=mode,
-                    lease_s=lease_s_from_env(),
-                )
-                client = ShardingClient(
-                    transport,
-                    spec,
-                    worker_id or default_worker_id(self.rank),
-                    prefetch=prefetch_from_env(),
-                )
-        self.client = client
-        self._started = False
-        self._ledger: deque[_Yielded] = deque()
-        self._stash: Shard | None = None
-        self._yielded = 0
-        self._consumed = 0
-        self._consumer_driven = False
+        """Samples of epoch ``self.epoch`` trained before this iteration (from a checkpoint)."""
+        self._resume_epoch: int | None = None
+        self._set_num_samples()
 
     @property
-    def dynamic(self) -> bool:
-        """True when shards come from the master through a sharding client; False for the static
-        split by rank."""
-        return self.client is not None
+    def dataset_size(self) -> int:
+        """Samples in the dataset."""
+        return len(self.dataset)  # type: ignore[arg-type]
 
-    def _default_shard_size(self) -> int:
-        # At least ~8 shards per worker, so a fast worker can take over a slow one's share.
-        return max(1, min(1024, math.ceil(self.dataset_size / (8 * self.num_replicas))))
-
-    # --- torch Sampler --------------------------------------------------------------------
-    def __iter__(self) -> Iterator[int]:
-        if self.client is None:
-            return self._static_indices()
-        return self._dynamic_indices(self.client)
-
-    def __len__(self) -> int:
-        """Exact in static mode; in dynamic mode an even share, as the split is not known ahead."""
-        remaining = self.dataset_size - (0 if self.dynamic else self.completed_num)
-        if self.drop_last and not self.dynamic:
-            return remaining // self.num_replicas
-        return math.ceil(remaining / self.num_replicas)
-
-    def set_epoch(self, epoch: int) -> None:
-        """Static mode: choose the epoch's shuffle. Dynamic mode: the master tracks epochs."""
-        if epoch != self.epoch:
-            self.completed_num = 0
-        self.epoch = epoch
-
-    # --- static mode ----------------------------------------------------------------------
-    def _static_indices(self) -> Iterator[int]:
+    def _epoch_order(self) -> list[int]:
+        """The whole epoch's indices, padded (or cut) to a multiple of ``num_replicas``: the
+        order a failure-free epoch at this world size trains, rank r taking every r-th."""
+        size = self.dataset_size
         if self.shuffle:
             generator = torch.Generator()
             generator.manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.dataset_size, generator=generator).tolist()
+            order: list[int] = torch.randperm(size, generator=generator).tolist()
         else:
-            order = list(range(self.dataset_size))
-        remaining = order[self.completed_num :]
+            order = list(range(size))
         if self.drop_last:
-            remaining = remaining[: len(remaining) - len(remaining) % self.num_replicas]
-        elif remaining and len(remaining) % self.num_replicas:
-            padding = self.num_replicas - len(remaining) % self.num_replicas
-            remaining += (remaining * math.ceil(padding / len(remaining)))[:padding]
-        return iter(remaining[self.rank :: self.num_replicas])
+            return order[: size - size % self.num_replicas]
+        return _pad(order, self.num_replicas)
 
-    # --- dynamic mode ---------------------------------------------------------------------
-    def _dynamic_indices(self, client: ShardingClient) -> Iterator[int]:
-        if not self._started:
-            client.start()
-            self._started = True
-        self._settle(self._yielded)  # a new iteration: everything before it was consumed
-        self._ledger.clear()
-        self._yielded = self._consumed = 0
-        epoch: int | None = None
-        while True:
-            shard = self._stash
-            if shard is None:
-                shard = client.next_shard(until_drained=True)
-            self._stash = None
-            if shard is None:
-                break
-            if epoch is None:
-                epoch = shard.id.epoch
-                self.epoch = epoch
-            elif shard.id.epoch > epoch:
-                self._stash = shard  # the next epoch starts with the next iteration
-                break
-            self._ledger.append(_Yielded(shard, self._yielded, len(shard) - shard.offset))
-            # Before the shard's first sample: state_dict(step) on any rank finds every rank's
-            # place in the master (this rank's samples of step s were yielded before step s).
-            client.mark(ConsumptionMark(epoch, self._yielded, shard.id, shard.offset))
-            for index in shard.indices():
-                self._yielded += 1
-                client.touch()
-                yield index
-                if not self._consumer_driven:
-                    self._settle(self._yielded - len(shard))
-        if not self._consumer_driven:
-            self._settle(self._yielded)
-        if epoch is not None:
-            client.mark(ConsumptionMark(epoch, self._yielded))  # this iteration has ended
+    def _remaining(self) -> list[int]:
+        order = self._epoch_order()
+        if self.completed_num >= self.dataset_size:
+            return []
+        rest = order[self.completed_num :]
+        if self.drop_last:
+            return rest[: len(rest) - len(rest) % self.num_replicas]
+        # After a resume at another world size the rest may not divide; pad it again.
+        return _pad(rest, self.num_replicas)
 
-    def attach_consumer(self) -> None:
-        """Called by ElasticDataLoader: consumption is reported by `mark_consumed` from now on."""
-        self._consumer_driven = True
+    def _set_num_samples(self) -> None:
+        remaining = self._remaining_count()
+        self.num_samples = remaining // self.num_replicas
+        self.total_size = self.num_samples * self.num_replicas
 
-    def mark_consumed(self, num_samples: int) -> None:
-        """`num_samples` more samples of this iteration were trained (by this rank)."""
-        self._settle(min(self._yielded, self._consumed + num_samples))
+    def _remaining_count(self) -> int:
+        size = self.dataset_size
+        if self.completed_num >= size:
+            return 0
+        if self.drop_last:
+            whole = size - size % self.num_replicas
+            rest = max(0, whole - self.completed_num)
+            return rest - rest % self.num_replicas
+        return _padded_length(
+            _padded_length(size, self.num_replicas) - self.completed_num, self.num_replicas
+        )
 
-    def _settle(self, consumed: int) -> None:
-        """Report done every shard whose samples all lie below `consumed`."""
-        self._consumed = max(self._consumed, consumed)
-        if self.client is None:
-            return
-        while self._ledger and self._ledger[0].begin + self._ledger[0].count <= self._consumed:
-            self.client.report_done(self._ledger.popleft().shard)
+    def __iter__(self) -> Iterator[int]:
+        if self._resume_epoch != self.epoch:
+            self.completed_num = 0
+        self._set_num_samples()
+        indices = self._remaining()
+        assert len(indices) == self.total_size, (len(indices), self.total_size)
+        return iter(indices[self.rank : self.total_size : self.num_replicas])
 
-    # --- checkpoint -----------------------------------------------------------------------
+    def __len__(self) -> int:
+        if self._resume_epoch != self.epoch:
+            self.completed_num = 0
+        self._set_num_samples()
+        return self.num_samples
+
+    def set_epoch(self, epoch: int) -> None:
+        """Choose the epoch's shuffle; a resumed place applies only to its own epoch."""
+        self.epoch = epoch
+
     def state_dict(self, step: int, micro_batch_size: int) -> dict[str, Any]:
-        """Where to resume: every rank trained `step` micro-batches of `micro_batch_size` in the
-        current iteration (epoch). Call it on any ranks: rank 0 alone (the usual
-        `if rank == 0: torch.save(...)`) or every rank. It runs no collective; in dynamic mode
-        the master computes the position at that step from where each rank reported each of
-        its shards to begin (a bounded wait only if a rank has not got that far yet)."""
-        consumed = step * micro_batch_size
-        if self.client is None:
-            return {
-                "mode": "static",
-                "epoch": self.epoch,
-                "completed_num": self.completed_num + consumed * self.num_replicas,
-                "dataset_size": self.dataset_size,
-            }
-        self._settle(min(consumed, self._yielded))
-        if self._ledger and self.client.spec.mode is DeliveryMode.EXACTLY_ONCE:
-            head = self._ledger[0]
-            done_in_shard = head.shard.offset + max(0, self._consumed - head.begin)
-            self.client.report_progress(head.shard, done_in_shard)
-        position = self.client.position_at(self.epoch, consumed)
-        return {"mode": "dynamic", "position": position.to_dict()}
+        """Where to resume: every rank trained ``step`` batches of ``micro_batch_size`` samples
+        of this epoch (or since training began; see the class docstring). Runs no collective
+        and asks nobody: call it on rank 0 alone or on every rank. DLRover's keys
+        (``completed_num``, ``epoch``) plus ``dataset_size`` and ``num_replicas``."""
+        base = self.completed_num if self._resume_epoch == self.epoch else 0
+        return {
+            "completed_num": base + step * micro_batch_size * self.num_replicas,
+            "epoch": self.epoch,
+            "dataset_size": self.dataset_size,
+            "num_replicas": self.num_replicas,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from `state_dict()`. In dynamic mode every rank may call it: the master applies
-        one checkpoint's position once per restart (keyed by the position and restart count)."""
-        if state.get("mode") == "static":
-            if self.client is not None:
-                raise InvalidPositionError(
-                    "this checkpoint was taken with static sharding but the sampler now uses "
-                    "dynamic shards from the master; restore it without DLROVER_MASTER_ADDR"
-                )
-            if int(state["dataset_size"]) != self.dataset_size:
-                raise InvalidPositionError(
-                    f"checkpoint is of a dataset of {state['dataset_size']} samples, this one has "
-                    f"{self.dataset_size}"
-                )
-            self.epoch = int(state["epoch"])
-            self.completed_num = int(state["completed_num"])
-            return
-        if self.client is None:
-            raise InvalidPositionError(
-                "this checkpoint holds a dynamic-shard position but no sharding master is "
-                "configured (set DLROVER_MASTER_ADDR or pass client=/transport=)"
+        """Resume from ``state_dict()`` (ours or DLRover's): the next iteration of that epoch
+        trains the samples not yet trained, split among this job's ranks."""
+        if "position" in state or state.get("mode") == "dynamic":
+            raise ValueError(
+                "this sampler state holds a position of dynamic shards from the job master; "
+                "load it into DynamicShardSampler, which saved it"
             )
-        position = Position.from_dict(state["position"])
-        if not self._started:
-            self.client.transport.register_dataset(self.client.spec)
-        self.client.restore_position(position, restore_token(position.to_dict()))
-        self._ledger.clear()
-        self._stash = None
-        self._yielded = self._consumed = 0
+        saved_size = state.get("dataset_size")
+        if saved_size is not None and int(saved_size) != self.dataset_size:
+            raise ValueError(
+                f"the checkpoint's sampler state is of a dataset of {saved_size} samples, this "
+                f"dataset has {self.dataset_size}; resume with the same dataset"
+            )
+        epoch = int(state.get("epoch", 0))
+        completed = int(state.get("completed_num", 0))
+        saved_world = int(state.get("num_replicas", self.num_replicas))
+        size = self.dataset_size
+        if completed > _padded_length(size, saved_world):
+            # Steps counted since training began (DLRover's examples): a multiple of the
+            # dataset size is a finished epoch, not a fresh one.
+            completed = (completed - 1) % size + 1 if size else 0
+        self.epoch = epoch
+        self.completed_num = min(completed, size)
+        self._resume_epoch = epoch
+        self._set_num_samples()
+        logger.info(
+            "resuming epoch %d after %d of %d samples: %d per rank left",
+            epoch,
+            self.completed_num,
+            size,
+            self.num_samples,
+        )
 
-    def close(self) -> None:
-        """Stop the sharding client's prefetcher; nothing in static mode."""
-        if self.client is not None:
-            self.client.close()
+
+def _padded_length(length: int, multiple: int) -> int:
+    return math.ceil(length / multiple) * multiple if multiple > 0 else length
 
 
-def _world_size() -> int:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return WorkerContext.from_env().world_size
-
-
-def _rank() -> int:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return WorkerContext.from_env().rank
+def _pad(order: list[int], multiple: int) -> list[int]:
+    """``order`` extended with its own head to a multiple of ``multiple`` (as DistributedSampler
+    pads)."""
+    missing = _padded_length(len(order), multiple) - len(order)
+    if missing <= 0 or not order:
+        return order
+    return order + (order * math.ceil(missing / len(order)))[:missing]

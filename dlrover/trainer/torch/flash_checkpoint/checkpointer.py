@@ -9,7 +9,9 @@ import re
 
 from dlrover.checkpoint.catalog import Catalog
 from dlrover.checkpoint.engine import CheckpointEngine
+from dlrover.checkpoint.saver_messages import HeldRequest
 from dlrover.checkpoint.storage import storage_for
+from dlrover.constants import ENV_CHECKPOINT_SOCKET
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,19 @@ class Checkpointer:
     def _from_memory_note(self) -> str:
         peer = self.engine.restored_from_peer
         return "" if peer is None else f" (copied from node {peer}'s memory)"
+
+    def newest_step_held(self) -> int | None:
+        """The newest step this node could resume from, asking nobody else: its agent's shared
+        memory (under dlrover-run) or storage; None when neither holds one. A load may still
+        pick an older step (every rank must hold the memory step)."""
+        steps: list[int] = []
+        latest = storage_step(self.engine.catalog())
+        if latest is not None:
+            steps.append(latest)
+        if os.environ.get(ENV_CHECKPOINT_SOCKET):
+            held = self.engine.client.request(HeldRequest()).steps
+            steps.extend(step for step in held.values() if step is not None)
+        return max(steps) if steps else None
 
     def wait_latest_checkpoint(self, timeout: float = 1800.0) -> bool:
         """Block until the newest DISK save is committed on storage (False at the deadline);

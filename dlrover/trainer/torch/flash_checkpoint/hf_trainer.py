@@ -147,6 +147,15 @@ class FlashCkptTrainer(Trainer):
         self.flash_checkpointer.close()
 
     # ------------------------------------------------------------------ resuming
+    def get_last_checkpoint(self) -> str | bool:
+        """What to pass to ``train(resume_from_checkpoint=...)``, as with DLRover: the flash
+        checkpoint directory when this node's shared memory or storage holds a step (the resume
+        then takes the newest step every rank holds, memory first), False when nothing was
+        saved yet (``train(resume_from_checkpoint=False)`` starts from scratch)."""
+        if self.flash_checkpointer.newest_step_held() is None:
+            return False
+        return self.flash_checkpoint_dir
+
     def train(
         self,
         resume_from_checkpoint: str | bool | None = None,
@@ -154,11 +163,15 @@ class FlashCkptTrainer(Trainer):
         ignore_keys_for_eval: list[str] | None = None,
         **kwargs: Any,
     ) -> Any:
-        """``resume_from_checkpoint``: True (newest flash checkpoint), a flash checkpoint
-        directory or one of its ``step_<n>`` directories, or None/False (no resume)."""
+        """``resume_from_checkpoint``: True or this trainer's flash checkpoint directory (what
+        ``get_last_checkpoint()`` returns: the newest step, from memory after a restart), another
+        flash checkpoint directory or a ``step_<n>`` directory (storage), or None/False (no
+        resume)."""
         if not resume_from_checkpoint:
             return super().train(None, trial, ignore_keys_for_eval, **kwargs)
         path = "" if resume_from_checkpoint is True else str(resume_from_checkpoint)
+        if path and os.path.abspath(path) == os.path.abspath(self.flash_checkpoint_dir):
+            path = ""  # the directory itself: its newest step, from memory when it is there
         loaded = self.flash_checkpointer.load_checkpoint(path)
         if not loaded:
             log.info(
