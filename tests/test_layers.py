@@ -47,7 +47,9 @@ def direct_imports(module: str, in_functions: bool = True) -> frozenset[str]:
             found.add(origin)
             # `from pkg import sub` imports the submodule pkg.sub
             found.update(
-                f"{origin}.{alias.name}" for alias in node.names if f"{origin}.{alias.name}" in MODULES
+                f"{origin}.{alias.name}"
+                for alias in node.names
+                if f"{origin}.{alias.name}" in MODULES
             )
     with_parents = set(found)
     for name in found:
@@ -121,7 +123,11 @@ def test_node_side_reaches_the_master_only_through_the_client(module: str) -> No
 
 @pytest.mark.parametrize(
     "module",
-    [*_modules_of("dlrover.sharding"), *_modules_of("dlrover.api"), "dlrover.checkpoint.coordinator"],
+    [
+        *_modules_of("dlrover.sharding"),
+        *_modules_of("dlrover.api"),
+        "dlrover.checkpoint.coordinator",
+    ],
 )
 def test_shared_code_belongs_to_neither_side(module: str) -> None:
     sides = ("dlrover.master", "dlrover.client", "dlrover.trainer", "dlrover.agent", "torch")

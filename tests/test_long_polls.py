@@ -40,7 +40,9 @@ HELD = 20.0
 
 @pytest.fixture
 def server() -> Iterator[MasterServer]:
-    s = MasterServer(JobMaster(JobMasterConfig(job_name="j"), MemoryStateStore()), TOKEN, "127.0.0.1")
+    s = MasterServer(
+        JobMaster(JobMasterConfig(job_name="j"), MemoryStateStore()), TOKEN, "127.0.0.1"
+    )
     s.start()
     yield s
     s.stop(0.1)
@@ -82,7 +84,7 @@ def test_a_node_waiting_for_its_round_hears_the_moment_the_last_node_joins(serve
     assert thread.is_alive()
     _join(c, b)
     thread.join(HELD)
-    (world, took), = out
+    ((world, took),) = out
     assert world.complete and world.round == 1 and world.num_nodes == 2
     assert 0.3 <= took < 3.0  # answered by b's join, not by the end of the hold
 
@@ -111,7 +113,7 @@ def test_the_membership_watch_answers_when_a_node_joins_and_when_the_job_ends(se
     assert thread.is_alive()  # nothing changed: the watch is held
     _join(c, b)  # b wants in: a's world must re-form
     thread.join(HELD)
-    (waiting, took), = out
+    ((waiting, took),) = out
     assert waiting.waiting == 1 and not waiting.job_ended and took < 3.0
 
     _join(c, a)  # a re-forms: with b, max nodes, round 2 closes on this join
@@ -121,7 +123,7 @@ def test_the_membership_watch_answers_when_a_node_joins_and_when_the_job_ends(se
     assert thread.is_alive()
     c.stop_job("stopped by the test")
     thread.join(HELD)
-    (waiting, took), = out
+    ((waiting, took),) = out
     assert waiting.job_ended and took < 3.0
 
 
@@ -138,7 +140,7 @@ def test_the_exit_barrier_is_held_until_the_last_node_succeeds(server):
     assert thread.is_alive()  # b still runs
     assert c.report_node_status(NodeReport(b[0], b[1], NodeOutcome.SUCCEEDED), HELD)
     thread.join(HELD)
-    (done, took), = out
+    ((done, took),) = out
     assert done and took < 3.0
     assert server.job.state is JobState.SUCCEEDED
     # The barrier's status read leaves the node list out.

@@ -64,13 +64,9 @@ def test_two_nodes_rendezvous_over_grpc(server):
     c = client(server)
     a, b = register(c), register(c)
     assert a.node_id != b.node_id and a.limits.max_nodes == 2
-    r = c.join_rendezvous(
-        JoinRequest(a.node_id, a.incarnation, 2, "h0", 11)
-    )
+    r = c.join_rendezvous(JoinRequest(a.node_id, a.incarnation, 2, "h0", 11))
     assert not c.get_comm_world(a.node_id, r).complete
-    c.join_rendezvous(
-        JoinRequest(b.node_id, b.incarnation, 2, "h1", 12)
-    )
+    c.join_rendezvous(JoinRequest(b.node_id, b.incarnation, 2, "h1", 12))
     wa, wb = c.get_comm_world(a.node_id, r), c.get_comm_world(b.node_id, r)
     assert wa.complete and wb.complete
     assert (wa.node_rank, wb.node_rank) == (0, 1)

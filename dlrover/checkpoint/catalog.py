@@ -214,5 +214,9 @@ class Catalog:
                 if not n:
                     raise CheckpointCorruptError(f"{self.storage.url(rel)}/{part}.bin is short")
                 got += n
-        data = torch.frombuffer(buffer, dtype=torch.uint8) if buffer else torch.empty(0, dtype=torch.uint8)
+        data = (
+            torch.frombuffer(buffer, dtype=torch.uint8)
+            if buffer
+            else torch.empty(0, dtype=torch.uint8)
+        )
         return decode(meta, data, target, base=0)

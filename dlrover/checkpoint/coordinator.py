@@ -104,7 +104,12 @@ class CommitVotes:
             return self._cond.wait_for(lambda: self._committed >= step, max(timeout, 0.0))
 
     def vote_load_step(
-        self, node_rank: int, total_nodes: int, local_step: int | None, round_id: int, timeout: float
+        self,
+        node_rank: int,
+        total_nodes: int,
+        local_step: int | None,
+        round_id: int,
+        timeout: float,
     ) -> tuple[bool, int | None]:
         """Cast (or repeat) a vote and wait up to ``timeout`` for the round's decision:
         ``(decided, step)``; ``(False, None)`` while some node has not voted."""

@@ -100,6 +100,8 @@ def _items_of(
     for fqn, node in dcp_leaves(meta["tree"]):
         if "tensor" in node:
             entry = meta["tensors"][node["tensor"]]
+            if entry.get("empty_shard"):
+                continue  # a ShardedTensor this rank holds no part of
             sharded = "global_shape" in entry
             if not sharded and rank != 0:
                 continue

@@ -42,6 +42,24 @@ def _is_dtensor(value: Any) -> bool:
     return type(value).__name__ == "DTensor" and isinstance(value, torch.Tensor)
 
 
+def _is_sharded_tensor(value: Any) -> bool:
+    # FSDP1's sharded state (a model wrapped without a device mesh). Checked by name like
+    # DTensor, and before any tensor attribute: a ShardedTensor answers few of them.
+    return type(value).__name__ == "ShardedTensor" and hasattr(value, "local_shards")
+
+
+def _local_part(value: Any) -> torch.Tensor | None:
+    """The tensor of ``value`` this rank holds: a DTensor's local shard, a ShardedTensor's one
+    local shard (None when this rank holds none of it), or ``value`` itself."""
+    if _is_dtensor(value):
+        local: torch.Tensor = value.to_local()
+        return local
+    if _is_sharded_tensor(value):
+        shards = value.local_shards()
+        return shards[0].tensor if shards else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
 @dataclass
 class Layout:
     """Where each tensor of one state dict goes in a segment, plus the JSON that describes it."""
@@ -73,32 +91,57 @@ class Layout:
 def plan_layout(state: Any, extra: dict[str, Any] | None = None) -> Layout:
     """Walk ``state`` (nested dict/list/tuple of tensors and JSON values) and place its tensors.
 
-    DTensors are stored as their local shard plus the global shape and chunk offsets, which is
-    what a DCP writer needs to reshard later.
+    DTensors (FSDP2) and ShardedTensors (FSDP1) are stored as their local shard plus the global
+    shape and chunk offsets, which is what a DCP writer needs to reshard later.
     """
     tensors: list[torch.Tensor] = []
     entries: list[dict[str, Any]] = []
     offset = 0
 
-    def encode(value: Any, path: str) -> Any:
+    def place(value: torch.Tensor, entry: dict[str, Any], path: str) -> dict[str, int]:
         nonlocal offset
+        if value.is_sparse or value.layout != torch.strided:
+            raise StateDictError(f"{path}: only dense (strided) tensors can be saved")
+        nbytes = value.numel() * value.element_size()
+        entry.update(
+            dtype=dtype_name(value.dtype), shape=list(value.shape), offset=offset, nbytes=nbytes
+        )
+        offset = _align(offset + nbytes)
+        tensors.append(value)
+        entries.append(entry)
+        return {"tensor": len(tensors) - 1}
+
+    def encode(value: Any, path: str) -> Any:
+        if _is_sharded_tensor(value):
+            shards = value.local_shards()
+            if len(shards) > 1:
+                raise StateDictError(
+                    f"{path}: a ShardedTensor with {len(shards)} local shards on one rank cannot "
+                    f"be saved; FSDP gives each rank at most one"
+                )
+            global_shape = list(value.size())
+            if not shards:  # this rank holds none of it: nothing to copy or write
+                entries.append(
+                    {"path": path, "global_shape": global_shape, "empty_shard": True,
+                     "chunk_offsets": [0] * len(global_shape), "dtype": dtype_name(value.dtype),
+                     "shape": [0] * len(global_shape), "offset": offset, "nbytes": 0}
+                )  # fmt: skip
+                tensors.append(torch.empty(0, dtype=value.dtype))
+                return {"tensor": len(tensors) - 1}
+            entry = {
+                "path": path,
+                "global_shape": global_shape,
+                "chunk_offsets": list(shards[0].metadata.shard_offsets),
+            }
+            return place(shards[0].tensor, entry, path)
         if isinstance(value, torch.Tensor):
-            entry: dict[str, Any] = {"path": path}
+            entry = {"path": path}
             if _is_dtensor(value):
                 chunk = value.__create_chunk_list__()[0]  # type: ignore[attr-defined]  # DCP protocol
                 entry["global_shape"] = list(value.shape)
                 entry["chunk_offsets"] = list(chunk.offsets)
                 value = value.to_local()  # type: ignore[attr-defined]
-            if value.is_sparse or value.layout != torch.strided:
-                raise StateDictError(f"{path}: only dense (strided) tensors can be saved")
-            nbytes = value.numel() * value.element_size()
-            entry.update(
-                dtype=dtype_name(value.dtype), shape=list(value.shape), offset=offset, nbytes=nbytes
-            )
-            offset = _align(offset + nbytes)
-            tensors.append(value)
-            entries.append(entry)
-            return {"tensor": len(tensors) - 1}
+            return place(value, entry, path)
         if isinstance(value, dict):
             items = []
             for key, item in value.items():
@@ -170,8 +213,10 @@ def decode(
     def build(node: dict[str, Any], tgt: Any) -> Any:
         if "tensor" in node:
             entry = entries[node["tensor"]]
+            if entry.get("empty_shard"):
+                return tgt  # this rank held none of it: nothing to load
             src = tensor_view(data, entry, base)
-            dest = tgt.to_local() if _is_dtensor(tgt) else tgt
+            dest = _local_part(tgt)
             if (
                 isinstance(dest, torch.Tensor)
                 and dest.shape == src.shape

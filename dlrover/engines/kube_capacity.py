@@ -61,7 +61,9 @@ def _requests(pod: Mapping[str, Any]) -> tuple[float, float]:
     return cpu, mem
 
 
-def free_capacity(nodes: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, Any]]) -> Capacity:
+def free_capacity(
+    nodes: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, Any]]
+) -> Capacity:
     """The most one more pod can get: the schedulable, ready machine with the most free memory,
     its allocatable CPU and memory less the requests of the pods bound to it that still run."""
     used: dict[str, tuple[float, float]] = {}

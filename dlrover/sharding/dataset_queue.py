@@ -168,7 +168,9 @@ class DatasetQueue:
         length = 0
         if mark.shard_id is not None:
             shard = mark.shard_id
-            if not (0 <= shard.epoch < self.spec.epochs and 0 <= shard.index < self.spec.num_shards):
+            if not (
+                0 <= shard.epoch < self.spec.epochs and 0 <= shard.index < self.spec.num_shards
+            ):
                 raise InvalidSpecError(f"mark of {self.spec.name!r}: {shard} does not exist")
             length = len(self._shard(shard, 0, 0))
             if not 0 <= mark.offset <= length:
@@ -178,9 +180,7 @@ class DatasetQueue:
                 )
         if mark.begin < 0 or mark.epoch < 0:
             raise InvalidSpecError(f"mark of {self.spec.name!r}: negative epoch or begin {mark}")
-        self.ledgers.record(
-            worker_id, mark.epoch, mark.begin, mark.shard_id, mark.offset, length
-        )
+        self.ledgers.record(worker_id, mark.epoch, mark.begin, mark.shard_id, mark.offset, length)
 
     def renew(self, worker_id: str, now: float) -> int:
         """Extend every lease ``worker_id`` holds to ``now + lease_s``; returns how many."""

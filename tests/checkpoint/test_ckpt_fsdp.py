@@ -18,10 +18,10 @@ from tests.checkpoint.harness import (
 )
 
 
-def _envs(socket_path: str, world: int, restart: int = 0) -> list[dict[str, str]]:
+def _envs(socket_path: str, world: int, restart: int = 0, **extra: str) -> list[dict[str, str]]:
     port = free_port()
     return [
-        worker_env(socket_path, rank=r, world=world, port=port, restart=restart)
+        {**worker_env(socket_path, rank=r, world=world, port=port, restart=restart), **extra}
         for r in range(world)
     ]
 
@@ -78,5 +78,49 @@ def test_full_state_checkpointer_round_trip(tmp_path: Path) -> None:
         run_workers(
             ["fsdp_load", ckpt, "3", oracle, "storage", "full"],
             _envs(fresh.socket_path, 2, restart=2),
+            timeout=120,
+        )
+
+
+@pytest.mark.slow
+def test_fsdp1_sharded_tensor_state_saves_and_loads(tmp_path: Path) -> None:
+    """FSDP1 wrapped without a device mesh (DLRover's nanoGPT example): ShardedTensor state, from
+    memory after a restart, and from storage (a DCP checkpoint) at the same and another world
+    size."""
+    ckpt, oracle = str(tmp_path / "ckpt"), str(tmp_path / "oracle.pt")
+    with running_saver(tmp_path) as saver:
+        run_workers(
+            ["fsdp_save", ckpt, "4", oracle], _envs(saver.socket_path, 2, FSDP_VERSION="1"), 120
+        )
+        run_workers(
+            ["fsdp_load", ckpt, "4", oracle, "memory"],
+            _envs(saver.socket_path, 2, restart=1, FSDP_VERSION="1"),
+            timeout=120,
+        )
+    expected = torch.load(oracle, weights_only=True)
+    target: dict[str, Any] = {
+        "model": {k: torch.empty_like(v) for k, v in expected["model"].items()}
+    }
+    dcp.load(target, checkpoint_id=str(tmp_path / "ckpt" / "step_4"))
+    assert_same(expected["model"], target["model"])
+    with running_saver(tmp_path) as fresh:
+        for world, restart in ((2, 2), (1, 3)):
+            run_workers(
+                ["fsdp_load", ckpt, "4", oracle, "storage"],
+                _envs(fresh.socket_path, world, restart=restart, FSDP_VERSION="1"),
+                timeout=120,
+            )
+
+
+@pytest.mark.slow
+def test_fsdp1_full_state_checkpointer_round_trip(tmp_path: Path) -> None:
+    """FsdpFullCheckpointer on an FSDP1 CPU model (DLRover's nanoGPT with --flash_full_ckpt)."""
+    ckpt, oracle = str(tmp_path / "ckpt"), str(tmp_path / "oracle.pt")
+    with running_saver(tmp_path) as saver:
+        envs = _envs(saver.socket_path, 2, FSDP_VERSION="1")
+        run_workers(["fsdp_save", ckpt, "3", oracle, "full"], envs, timeout=120)
+        run_workers(
+            ["fsdp_load", ckpt, "3", oracle, "memory", "full"],
+            _envs(saver.socket_path, 2, restart=1, FSDP_VERSION="1"),
             timeout=120,
         )

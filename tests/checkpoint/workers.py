@@ -58,10 +58,14 @@ def ddp_load(ckpt_dir: str, step: str, source: str) -> None:
 
 
 def _fsdp_model(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
 
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(13, 7), torch.nn.ReLU(), torch.nn.Linear(7, 5))
+    if os.environ.get("FSDP_VERSION") == "1":
+        # FSDP1 without a device mesh, as DLRover's nanoGPT example wraps: ShardedTensor state.
+        wrapped = FullyShardedDataParallel(model, device_id=torch.device("cpu"))
+        return wrapped, torch.optim.Adam(wrapped.parameters(), lr=0.01)
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer)
@@ -81,7 +85,8 @@ def _train(model: torch.nn.Module, optim: torch.optim.Optimizer, steps: int) -> 
 def _full_state(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    # No cpu_offload: the model is on the CPU, and FSDP1 fails to offload there.
+    options = StateDictOptions(full_state_dict=True)
     model_sd, optim_sd = get_state_dict(model, optim, options=options)
     return {"model": model_sd, "optimizer": optim_sd.get("state", {})}  # rank 0 only
 

@@ -93,7 +93,9 @@ def _run(tmp: Path, name: str, chaos: random.Random | None) -> tuple[Path, list[
         codes = [p.returncode for p in nodes]
         assert codes == [0, 0], f"nodes exited {codes} ({drawn})\n" + "\n\n".join(logs)
         last = masters[-1]
-        assert last.wait(60) == 0, f"({drawn})\n" + (root / f"m{len(masters) - 1}" / "master.log").read_text()
+        assert last.wait(60) == 0, (
+            f"({drawn})\n" + (root / f"m{len(masters) - 1}" / "master.log").read_text()
+        )
     finally:
         for p in nodes:
             if p.poll() is None:

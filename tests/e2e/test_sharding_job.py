@@ -104,8 +104,6 @@ def test_rank0_only_sampler_state_dict_never_blocks_and_loses_no_sample(tmp_path
     for f in tmp_path.glob("ids.*"):
         seen.update(int(x) for x in f.read_text().split())
     assert set(seen) == set(range(n)), sorted(set(range(n)) - set(seen))[:20]
-    after_restart = sum(
-        len(f.read_text().split()) for f in tmp_path.glob("ids.*.1")
-    )
+    after_restart = sum(len(f.read_text().split()) for f in tmp_path.glob("ids.*.1"))
     # The restart resumed from the checkpoint: it did not train the whole dataset again.
     assert after_restart < n

@@ -102,9 +102,25 @@ def test_a_killed_master_is_restarted_by_submit_and_the_job_goes_on(tmp_path: Pa
     log = open(tmp_path / "submit.log", "w")  # noqa: SIM115 - a pipe nobody reads would block it
     job = subprocess.Popen(
         [
-            sys.executable, "-m", "dlrover.cli.job", "submit", "--name", "killed", "--nnodes",
-            "2", "--nproc-per-node", "2", str(SCRIPTS / "oracle_train.py"), "--steps", str(steps),
-            "--ckpt", str(ckpt), "--out", str(out), "--step-time", "0.1",
+            sys.executable,
+            "-m",
+            "dlrover.cli.job",
+            "submit",
+            "--name",
+            "killed",
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "2",
+            str(SCRIPTS / "oracle_train.py"),
+            "--steps",
+            str(steps),
+            "--ckpt",
+            str(ckpt),
+            "--out",
+            str(out),
+            "--step-time",
+            "0.1",
         ],
         env=clean_env(DLROVER_HOME=str(home)),
         cwd=REPO,
@@ -161,10 +177,27 @@ def test_a_master_killed_during_a_node_replacement_launches_it_after_its_restart
     log = open(log_path, "w")  # noqa: SIM115 - a pipe nobody reads would block it
     job = subprocess.Popen(
         [
-            sys.executable, "-m", "dlrover.cli.job", "submit", "--name", "replaced", "--nnodes",
-            "2", "--nproc-per-node", "2", "--relaunch-delay", "3",
-            str(SCRIPTS / "oracle_train.py"), "--steps", str(steps), "--ckpt", str(ckpt),
-            "--out", str(out), "--step-time", "0.1",
+            sys.executable,
+            "-m",
+            "dlrover.cli.job",
+            "submit",
+            "--name",
+            "replaced",
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "2",
+            "--relaunch-delay",
+            "3",
+            str(SCRIPTS / "oracle_train.py"),
+            "--steps",
+            str(steps),
+            "--ckpt",
+            str(ckpt),
+            "--out",
+            str(out),
+            "--step-time",
+            "0.1",
         ],
         env=clean_env(
             DLROVER_HOME=str(home), DLROVER_FAULTS=f"kill_agent:rank=2:step=8:once={marker}"
@@ -181,7 +214,9 @@ def test_a_master_killed_during_a_node_replacement_launches_it_after_its_restart
             assert job.poll() is None, log_path.read_text()
             assert time.monotonic() < deadline, "no relaunch decision within 120 s"
             time.sleep(0.05)  # another process writes the log: nothing else to wait on
-        os.kill(json.loads((home / "jobs" / "replaced" / "job.json").read_text())["pid"], signal.SIGKILL)
+        os.kill(
+            json.loads((home / "jobs" / "replaced" / "job.json").read_text())["pid"], signal.SIGKILL
+        )
         assert job.wait(180) == 0, log_path.read_text()
     finally:
         if job.poll() is None:

@@ -80,7 +80,10 @@ def test_operator_builds_an_owned_master_with_the_token_in_a_secret() -> None:
     assert pod["spec"]["serviceAccountName"] == "dlrover-master"
     assert service["spec"]["selector"] == pod["metadata"]["labels"]
     # Its state lives on the claim: a restarted master container resumes the job from it.
-    assert claim["kind"] == "PersistentVolumeClaim" and claim["metadata"]["name"] == "mnist-master-state"
+    assert (
+        claim["kind"] == "PersistentVolumeClaim"
+        and claim["metadata"]["name"] == "mnist-master-state"
+    )
     assert claim["spec"]["resources"]["requests"]["storage"] == "1Gi"
     assert pod["spec"]["restartPolicy"] == "OnFailure"
     (state_arg,) = [a for a in container["command"] if a.startswith("--state-db=")]

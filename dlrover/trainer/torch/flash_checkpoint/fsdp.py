@@ -126,7 +126,7 @@ class FsdpFullCheckpointer(Checkpointer):
         """Gather the full state (a collective: every rank must call it) and save it from rank 0
         like a DDP checkpoint; other ranks return True. Returns False if rank 0's MEMORY save was
         skipped because the previous step is still being persisted."""
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        options = StateDictOptions(full_state_dict=True, cpu_offload=_on_accelerator(model))
         model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
         if _rank() != 0:
             return True
@@ -166,6 +166,13 @@ class FsdpFullCheckpointer(Checkpointer):
         set_model_state_dict(model, state.get("model", {}), options=options)
         set_optimizer_state_dict(model, optimizer, state.get("optimizer", {}), options=options)
         return dict(state.get("extra", {}))
+
+
+def _on_accelerator(model: torch.nn.Module) -> bool:
+    """True when the model's parameters live on an accelerator: its full state is then gathered
+    to the CPU (cpu_offload). A CPU model's is not: the state is there already, and FSDP1 on CPU
+    fails to offload ("setStorage: ... out of bounds for storage of size 0")."""
+    return any(p.device.type != "cpu" for p in model.parameters())
 
 
 def _rank() -> int:
