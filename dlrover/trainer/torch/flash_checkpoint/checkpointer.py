@@ -6,6 +6,8 @@ import enum
 import logging
 import os
 import re
+from dataclasses import dataclass
+from typing import Any
 
 from dlrover.checkpoint.catalog import Catalog
 from dlrover.checkpoint.engine import CheckpointEngine
@@ -16,6 +18,19 @@ from dlrover.constants import ENV_CHECKPOINT_SOCKET
 log = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+DEFAULT_SAVE_TIMEOUT_S = 600.0
+"""DLRover's default ``save_timeout``, accepted and not needed (see Checkpointer)."""
+
+
+@dataclass(frozen=True)
+class KeepLatestStepStrategy:
+    """DLRover's deletion strategy that keeps the newest ``max_to_keep`` steps on storage; here
+    it sets the checkpointer's ``keep_last``."""
+
+    max_to_keep: int
+    checkpoint_dir: str = ""
 
 
 class StorageType(enum.Enum):
@@ -31,9 +46,48 @@ class Checkpointer:
 
     sharded: bool = False
 
-    def __init__(self, checkpoint_dir: str, keep_last: int = 3, replica_count: int = 0) -> None:
-        """``replica_count`` >= 1 also keeps each memory save in peer nodes' memory, so that a
-        replaced node restores from a peer instead of from storage (see docs/checkpoint.md)."""
+    def __init__(
+        self,
+        checkpoint_dir: str,
+        local_shard_num: int = 1,
+        global_shard_num: int = 1,
+        comm_backend: str = "",
+        deletion_strategy: Any = None,
+        save_timeout: float = DEFAULT_SAVE_TIMEOUT_S,
+        replica_count: int = 0,
+        *,
+        keep_last: int = 3,
+    ) -> None:
+        """DLRover's arguments, in DLRover's order, plus ``keep_last`` (steps kept on storage).
+
+        ``replica_count`` >= 1 also keeps each memory save in peer nodes' memory, so that a
+        replaced node restores from a peer instead of from storage (see docs/checkpoint.md).
+        ``deletion_strategy``: an object with ``max_to_keep`` (DLRover's
+        ``KeepLatestStepStrategy``) sets ``keep_last``. ``comm_backend`` and ``save_timeout``
+        are accepted for DLRover's scripts and not needed: saves need no process group of their
+        own, and a step is committed once every rank's part is on storage.
+        ``local_shard_num``/``global_shard_num`` above 1 (each rank saving its own part of a
+        model-parallel state) are refused: use FsdpShardCheckpointer for sharded state."""
+        if local_shard_num != 1 or global_shard_num != 1:
+            raise ValueError(
+                f"local_shard_num={local_shard_num}, global_shard_num={global_shard_num}: "
+                f"{type(self).__name__} saves one state every rank holds alike; for state sharded "
+                f"over ranks use FsdpShardCheckpointer (DCP format)"
+            )
+        if deletion_strategy is not None:
+            keep = getattr(
+                deletion_strategy, "max_to_keep", getattr(deletion_strategy, "_max_to_keep", None)
+            )
+            if isinstance(keep, int) and keep > 0:
+                keep_last = keep
+            else:
+                log.warning(
+                    "deletion_strategy %r is not supported; keeping the last %d steps "
+                    "(give keep_last= or KeepLatestStepStrategy(max_to_keep))",
+                    deletion_strategy,
+                    keep_last,
+                )
+        del comm_backend, save_timeout  # accepted for DLRover's scripts; see above
         self.checkpoint_dir = checkpoint_dir
         self.keep_last = keep_last
         self.replica_count = replica_count

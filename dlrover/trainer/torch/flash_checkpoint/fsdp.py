@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import (
 from dlrover.checkpoint.catalog import step_dir
 from dlrover.checkpoint.errors import SegmentStateError
 from dlrover.trainer.torch.flash_checkpoint.checkpointer import (
+    DEFAULT_SAVE_TIMEOUT_S,
     Checkpointer,
     StorageType,
     resolve_catalog,
@@ -37,6 +38,26 @@ class FsdpShardCheckpointer(Checkpointer):
     reads a step directory directly and a job at another world size can resume from it."""
 
     sharded = True
+
+    def __init__(
+        self,
+        checkpoint_dir: str,
+        comm_backend: str = "",
+        deletion_strategy: Any = None,
+        save_timeout: float = DEFAULT_SAVE_TIMEOUT_S,
+        replica_count: int = 0,
+        *,
+        keep_last: int = 3,
+    ) -> None:
+        """DLRover's arguments, in DLRover's order (see Checkpointer), plus ``keep_last``."""
+        super().__init__(
+            checkpoint_dir,
+            comm_backend=comm_backend,
+            deletion_strategy=deletion_strategy,
+            save_timeout=save_timeout,
+            replica_count=replica_count,
+            keep_last=keep_last,
+        )
 
     def save_checkpoint(
         self,
@@ -113,6 +134,26 @@ class FsdpFullCheckpointer(Checkpointer):
     ``load_checkpoint`` returns the saved ``extra_sd`` on rank 0 only ({} elsewhere)."""
 
     sharded = False
+
+    def __init__(
+        self,
+        checkpoint_dir: str,
+        comm_backend: str = "",
+        deletion_strategy: Any = None,
+        save_timeout: float = DEFAULT_SAVE_TIMEOUT_S,
+        replica_count: int = 0,
+        *,
+        keep_last: int = 3,
+    ) -> None:
+        """DLRover's arguments, in DLRover's order (see Checkpointer), plus ``keep_last``."""
+        super().__init__(
+            checkpoint_dir,
+            comm_backend=comm_backend,
+            deletion_strategy=deletion_strategy,
+            save_timeout=save_timeout,
+            replica_count=replica_count,
+            keep_last=keep_last,
+        )
 
     def save_checkpoint(
         self,

@@ -92,7 +92,7 @@ class FlashCkptTrainer(Trainer):
             self.args.output_dir or ".", "flash_checkpoint"
         )
         self.storage_type = storage_type
-        self.flash_checkpointer = DdpCheckpointer(self.flash_checkpoint_dir, keep_last)
+        self.flash_checkpointer = DdpCheckpointer(self.flash_checkpoint_dir, keep_last=keep_last)
         self._resumed: dict[str, Any] | None = None
         self.add_callback(_FlashSaveCallback(self))
 
