@@ -67,8 +67,9 @@ class ElasticDistributedSampler(DistributedSampler):  # type: ignore[type-arg]
         return len(self.dataset)  # type: ignore[arg-type]
 
     def _epoch_order(self) -> list[int]:
-        """The whole epoch's indices, padded (or cut) to a multiple of ``num_replicas``: the
-        order a failure-free epoch at this world size trains, rank r taking every r-th."""
+        """The whole epoch's indices, padded to a multiple of ``num_replicas`` (with
+        ``drop_last``: not yet cut): the order a failure-free epoch at this world size trains,
+        rank r taking every r-th."""
         size = self.dataset_size
         if self.shuffle:
             generator = torch.Generator()
@@ -77,7 +78,7 @@ class ElasticDistributedSampler(DistributedSampler):  # type: ignore[type-arg]
         else:
             order = list(range(size))
         if self.drop_last:
-            return order[: size - size % self.num_replicas]
+            return order  # cut after the trained part is taken off (see _remaining)
         return _pad(order, self.num_replicas)
 
     def _remaining(self) -> list[int]:
@@ -100,8 +101,7 @@ class ElasticDistributedSampler(DistributedSampler):  # type: ignore[type-arg]
         if self.completed_num >= size:
             return 0
         if self.drop_last:
-            whole = size - size % self.num_replicas
-            rest = max(0, whole - self.completed_num)
+            rest = size - self.completed_num
             return rest - rest % self.num_replicas
         return _padded_length(
             _padded_length(size, self.num_replicas) - self.completed_num, self.num_replicas
