@@ -35,12 +35,3 @@ class ShardingTimeoutError(ShardingError, TimeoutError):
 class StreamSourceError(ShardingError):
     """A stream's broker cannot be reached, or its topic does not exist; the message says which
     and what to check."""
-
-
-class NoMasterError(ShardingError):
-    """A reader of dynamic shards found no job master to lease them from."""
-
-
-class LockstepError(ShardingError):
-    """The ranks of a synchronous job would read different numbers of samples in one epoch (or
-    a rank got more than its share): going on would leave a rank waiting in a collective."""

@@ -5,8 +5,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from dlrover.sharding.errors import InvalidSpecError
+from dlrover.sharding.errors import InvalidSpecError, ShardingError
 from dlrover.sharding.types import DatasetSpec, Position
+
+
+class LockstepError(ShardingError):
+    """The ranks of a synchronous job would read different numbers of samples in one epoch (or
+    a rank got more than its share): going on would leave a rank waiting in a collective.
+    Raised on the trainer side only, so it has no wire kind."""
 
 
 @dataclass(frozen=True)

@@ -19,11 +19,11 @@ from dlrover.master.job import JobMaster, JobMasterConfig
 from dlrover.master.server import MasterServer
 from dlrover.master.state_store import MemoryStateStore
 from dlrover.sharding import DatasetSpec, DeliveryMode, Position, ShardManager
-from dlrover.sharding.errors import LockstepError, NoMasterError
-from dlrover.sharding.lockstep import lockstep_quota, shards_left
+from dlrover.sharding.lockstep import LockstepError, lockstep_quota, shards_left
 from dlrover.sharding.permutation import permute, unpermute
 from dlrover.sharding.types import FetchResult
 from dlrover.testing.sharding import InProcessTransport
+from dlrover.trainer.torch.elastic.client_factory import NoMasterError
 from dlrover.trainer.torch.elastic.dynamic_sampler import DynamicShardSampler
 
 DEADLINE_S = 30.0
@@ -274,7 +274,7 @@ def test_epochs_outside_the_range_and_cumulative_steps_are_clear_errors(
     unbounded = sampler(transport, 20, 1, 0)
     unbounded.set_epoch(500)  # every epoch the loop asks for
     assert len(list(unbounded)) == 20
-    with pytest.raises(ValueError, match="micro-batches of the current iteration"):
+    with pytest.raises(ValueError, match="micro-batches of the current pass"):
         unbounded.state_dict(step=11, micro_batch_size=2)  # a global step, not this epoch's
     state = unbounded.state_dict(step=10, micro_batch_size=2)
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")

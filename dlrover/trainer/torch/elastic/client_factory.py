@@ -18,9 +18,14 @@ from dlrover.sharding.config import (
     ENV_SHARD_LEASE_S,
     ENV_SHARD_PREFETCH,
 )
-from dlrover.sharding.errors import NoMasterError
+from dlrover.sharding.errors import ShardingError
 
 logger = logging.getLogger(__name__)
+
+
+class NoMasterError(ShardingError):
+    """A reader of dynamic shards found no job master to lease them from (trainer side only)."""
+
 
 GRPC_TRANSPORT_MODULE = "dlrover.client.sharding"
 """Module that provides the gRPC transport; it must define `connect(master_addr) -> transport`."""

@@ -17,15 +17,11 @@ from torch.utils.data import Sampler
 from dlrover.client.sharding_client import ShardingClient
 from dlrover.client.sharding_transport import ShardingTransport
 from dlrover.constants import ENV_MASTER_ADDR
-from dlrover.sharding.errors import (
-    DatasetConflictError,
-    InvalidPositionError,
-    LockstepError,
-    NoMasterError,
-)
-from dlrover.sharding.lockstep import LockstepQuota, lockstep_quota
+from dlrover.sharding.errors import DatasetConflictError, InvalidPositionError
+from dlrover.sharding.lockstep import LockstepError, LockstepQuota, lockstep_quota
 from dlrover.sharding.types import ConsumptionMark, DatasetSpec, DeliveryMode, Position, Shard
 from dlrover.trainer.torch.elastic.client_factory import (
+    NoMasterError,
     attempt_id,
     default_worker_id,
     lease_s_from_env,
@@ -363,15 +359,17 @@ class DynamicShardSampler(Sampler[int]):
         on any ranks: rank 0 alone or every rank; it runs no collective. The master computes
         the position at that step from where each rank reported each of its shards to begin."""
         epoch = self.epoch
-        consumed = step * micro_batch_size
         limit = self._iteration_quota if self._client_epoch == epoch else None
-        limit = limit or self.quota(epoch)
-        if consumed < 0 or consumed > limit.samples:
+        samples = (limit or self.quota(epoch)).samples
+        # The last batch of a pass may be short: step x micro_batch_size may pass the count.
+        if step < 0 or micro_batch_size < 1 or (step - 1) * micro_batch_size >= max(samples, 1):
             raise ValueError(
-                f"state_dict(step={step}, micro_batch_size={micro_batch_size}): {consumed} "
-                f"samples, but a rank reads {limit.samples} in this iteration of epoch {epoch}; "
-                f"step counts the micro-batches of the current iteration, not of the whole run"
+                f"state_dict(step={step}, micro_batch_size={micro_batch_size}): a rank reads "
+                f"{samples} samples in this pass of epoch {epoch}, "
+                f"{math.ceil(samples / max(micro_batch_size, 1))} batches; step counts the "
+                f"micro-batches of the current pass, not of the whole run"
             )
+        consumed = min(step * micro_batch_size, samples)
         spec = self._prepare(epoch)
         client = self._client if self._client_epoch == epoch else None
         if client is None:
