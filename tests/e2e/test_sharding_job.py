@@ -112,14 +112,25 @@ def test_rank0_only_sampler_state_dict_never_blocks_and_loses_no_sample(tmp_path
 
 
 @pytest.mark.slow
-def test_ddp_without_join_over_epochs_survives_a_kill_and_trains_every_sample(tmp_path: Path):
+@pytest.mark.parametrize(
+    "rank,step,resumed_epoch",
+    [
+        (1, 55, 1),  # mid-epoch 1
+        # Near the end of epoch 0: the restored pass (14 samples) ends in a short batch.
+        (0, 38, 0),
+    ],
+)
+def test_ddp_without_join_over_epochs_survives_a_kill_and_trains_every_sample(
+    tmp_path: Path, rank: int, step: int, resumed_epoch: int
+):
     """DynamicShardSampler in a DDP loop with no Join: every rank gets len(loader) batches each
-    epoch, so nobody waits in an all-reduce. Rank 1 is SIGKILLed mid-epoch 1; the job restarts
-    from rank 0's checkpoint, finishes (no hang), and every sample of every epoch is trained."""
+    epoch, so nobody waits in an all-reduce. One rank is SIGKILLed; the job restarts from rank
+    0's checkpoint, finishes (no hang), and every sample of every epoch is trained."""
     n, batch, epochs = 300, 4, 3
     once = tmp_path / "fault.once"
-    # 300 samples in shards of 7, 2 ranks: 22 shards, 154 samples, 39 batches per rank and epoch.
-    env = clean_env(DLROVER_FAULTS=f"kill:rank=1:step=55:once={once}")
+    # 300 samples in shards of 7, 2 ranks: 22 shards, 154 samples, 39 batches per rank and epoch;
+    # rank 0 saves every 4 steps.
+    env = clean_env(DLROVER_FAULTS=f"kill:rank={rank}:step={step}:once={once}")
     r = dlrover_run(
         [
             "--standalone",
@@ -135,7 +146,7 @@ def test_ddp_without_join_over_epochs_survives_a_kill_and_trains_every_sample(tm
         timeout=300,
     )
     assert r.returncode == 0, r.stderr[-4000:]
-    assert "dlrover fault injection: kill rank 1 step 55" in r.stderr
+    assert f"dlrover fault injection: kill rank {rank} step {step}" in r.stderr
     for epoch in range(epochs):
         seen: set[int] = set()
         for f in tmp_path.glob(f"ids.{epoch}.*"):
@@ -145,11 +156,13 @@ def test_ddp_without_join_over_epochs_survives_a_kill_and_trains_every_sample(tm
     for f in tmp_path.glob("batches.*"):
         _, epoch_, rank, restart = f.name.split(".")
         batches.setdefault((epoch_, restart), {})[rank] = f.read_text()
-    assert {restart for _, restart in batches} == {"0", "1"}
+    # Passes that ended: before the kill (none if it hit epoch 0) and after the restart.
+    assert {restart for _, restart in batches} == ({"0", "1"} if resumed_epoch else {"1"})
     for (epoch_, restart), by_rank in batches.items():
         # Both ranks finished the pass with the same number of batches, len(loader)'s.
         assert set(by_rank) == {"0", "1"}, (epoch_, restart, by_rank)
         done, expected = by_rank["0"].split()
         assert done == expected and by_rank["1"] == by_rank["0"], (epoch_, restart, by_rank)
-    # The restart resumed in epoch 1 from the checkpoint: epoch 0 was not trained again.
-    assert not list(tmp_path.glob("ids.0.*.1"))
+    # The restart resumed from the checkpoint: epochs before it were not trained again.
+    resumed = {int(f.name.split(".")[1]) for f in tmp_path.glob("ids.*.*.1")}
+    assert min(resumed) == resumed_epoch
