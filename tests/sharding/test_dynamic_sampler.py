@@ -18,7 +18,13 @@ from dlrover.client.sharding_client import ShardingClient
 from dlrover.master.job import JobMaster, JobMasterConfig
 from dlrover.master.server import MasterServer
 from dlrover.master.state_store import MemoryStateStore
-from dlrover.sharding import DatasetSpec, DeliveryMode, Position, ShardManager
+from dlrover.sharding import (
+    DatasetSpec,
+    DeliveryMode,
+    Position,
+    ShardManager,
+    ShardRetriesExhaustedError,
+)
 from dlrover.sharding.lockstep import LockstepError, lockstep_quota, shards_left
 from dlrover.sharding.permutation import permute, unpermute
 from dlrover.sharding.types import FetchResult
@@ -323,3 +329,16 @@ def test_a_client_leases_no_more_than_its_budget_and_stops_when_told() -> None:
     assert first is not None and len(queued) <= 2
     assert transport.leased[("b", "w0")] == 3
     assert transport.leased[("b", "w1")] == 1 + len(queued)
+
+
+def test_a_shard_lost_too_often_stops_the_pass_with_the_masters_reason() -> None:
+    transport = InProcessTransport(ShardManager())
+    reader = sampler(transport, 14, 1, 0)
+    spec = reader.epoch_spec(0)
+    transport.register_dataset(spec)
+    for _ in range(spec.max_retries + 1):  # a worker that dies holding shard 0, each time
+        assert transport.fetch_shards(spec.name, "doomed/0", 1).shards
+        transport.recover_worker("doomed/0")
+    with pytest.raises(ShardRetriesExhaustedError, match="max_retries=5"):
+        list(reader)
+    reader.close()
