@@ -41,6 +41,10 @@ class ShardingClient:
     `touch()`), the thread renews this worker's leases every lease_s / 3; a worker that
     stops consuming lets them expire and the master hands them to others. Every wait has
     a deadline; a failure of the background thread is raised by the next `next_shard()`.
+
+    With `max_shards`, the client leases at most that many shards in its life (prefetched ones
+    included), and `next_shard()` returns None once it has handed all of them out: a rank of
+    a synchronous job never takes more than its share (dlrover.sharding.lockstep).
     """
 
     def __init__(
@@ -51,15 +55,22 @@ class ShardingClient:
         prefetch: int = DEFAULT_PREFETCH_SHARDS,
         fetch_timeout_s: float = DEFAULT_FETCH_TIMEOUT_S,
         poll_interval_s: float = DEFAULT_POLL_INTERVAL_S,
+        max_shards: int | None = None,
     ) -> None:
         if prefetch < 1:
             raise InvalidSpecError(f"prefetch must be >= 1 shard, got {prefetch}")
+        if max_shards is not None and max_shards < 0:
+            raise InvalidSpecError(f"max_shards must be >= 0, got {max_shards}")
         self.transport = transport
         self.spec = spec
         self.worker_id = worker_id
         self.prefetch = prefetch
         self.fetch_timeout_s = fetch_timeout_s
         self.poll_interval_s = poll_interval_s
+        self.max_shards = max_shards
+        self._leased = 0
+        """Shards leased so far (since the last restore), counted against max_shards."""
+        self._fetching_stopped = False
         self._queue: queue.Queue[Shard | _Finished | BaseException] = queue.Queue()
         # Held by the prefetcher for one fetch-and-enqueue, and by restore_position, so a
         # restore never races a fetch whose shards the restore has just invalidated.
@@ -122,6 +133,8 @@ class ShardingClient:
         self.touch()
         if self._finished:
             return None
+        if self._no_more_leases() and self._queue.empty():
+            return None
         wait_s = self.fetch_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + wait_s
         while True:
@@ -132,6 +145,8 @@ class ShardingClient:
                 break
             except queue.Empty:
                 if until_drained and self._drained.is_set() and self._queue.empty():
+                    return None
+                if self._no_more_leases() and self._queue.empty():
                     return None
                 if remaining <= 0:
                     raise ShardingTimeoutError(
@@ -148,6 +163,26 @@ class ShardingClient:
             self._queued -= 1
         self._wake.set()
         return item
+
+    def _no_more_leases(self) -> bool:
+        with self._count_lock:
+            spent = self.max_shards is not None and self._leased >= self.max_shards
+        return spent or self._fetching_stopped
+
+    def stop_fetching(self) -> None:
+        """Lease nothing more (leases held keep being renewed). Waits (bounded) for a fetch in
+        flight, so a shard it brings is queued for `next_shard()` rather than leased and never
+        read: a reader that stops once the master is drained calls this, then takes what is
+        queued."""
+        if not self._fetch_lock.acquire(timeout=self.fetch_timeout_s):
+            raise ShardingTimeoutError(
+                f"worker {self.worker_id}: a fetch of dataset {self.spec.name!r} did not end "
+                f"within {self.fetch_timeout_s:.0f}s; the master does not answer"
+            )
+        try:
+            self._fetching_stopped = True
+        finally:
+            self._fetch_lock.release()
 
     def report_done(self, shard: Shard) -> ReportResult:
         """Tell the master this worker finished ``shard``; a shard that is no longer open counts as
@@ -216,7 +251,9 @@ class ShardingClient:
                     break
             with self._count_lock:
                 self._queued = 0
+                self._leased = 0
             self._finished = False
+            self._fetching_stopped = False
             self._drained.clear()
         finally:
             self._fetch_lock.release()
@@ -234,14 +271,18 @@ class ShardingClient:
             self._wake.clear()
             try:
                 with self._fetch_lock:
-                    free = self.prefetch - self._queued
+                    with self._count_lock:
+                        free = self.prefetch - self._queued
+                        if self.max_shards is not None:
+                            free = min(free, self.max_shards - self._leased)
                     result = None
-                    if free > 0:
+                    if free > 0 and not self._fetching_stopped:
                         result = self.transport.fetch_shards(self.spec.name, self.worker_id, free)
                         for shard in result.shards:
                             self._queue.put_nowait(shard)
                         with self._count_lock:
                             self._queued += len(result.shards)
+                            self._leased += len(result.shards)
                         if result.shards or result.finished:
                             self._drained.clear()
                         else:

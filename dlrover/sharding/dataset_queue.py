@@ -13,7 +13,6 @@ from dlrover.sharding.errors import (
 )
 from dlrover.sharding.leases import Lease, LeaseTable
 from dlrover.sharding.ledger import Ledgers
-from dlrover.sharding.permutation import mix64, permute
 from dlrover.sharding.types import (
     ConsumptionMark,
     DatasetProgress,
@@ -91,9 +90,7 @@ class DatasetQueue:
         return (self.epoch, index, 0, 0)
 
     def _index_at(self, epoch: int, ordinal: int) -> int:
-        if not self.spec.shuffle:
-            return ordinal
-        return permute(ordinal, self.spec.num_shards, mix64(self.spec.seed, 0, epoch))
+        return self.spec.shard_index(epoch, ordinal)
 
     def _shard(self, shard_id: ShardId, offset: int, attempt: int) -> Shard:
         size = self.spec.samples_per_shard

@@ -44,6 +44,31 @@ def permute(index: int, n: int, seed: int) -> int:
             return value
 
 
+def unpermute(value: int, n: int, seed: int) -> int:
+    """The inverse of ``permute``: the index that ``permute(index, n, seed)`` sends to ``value``.
+
+    The Feistel rounds run backwards, and the cycle walk with them: the forward walk from the
+    index passes only through values >= n before it stops at ``value``, so walking back from
+    ``value`` stops at the index.
+    """
+    if not 0 <= value < n:
+        raise ValueError(f"value {value} is outside range({n})")
+    if n <= 2:
+        return permute(value, n, seed)  # the identity or the swap: its own inverse
+    bits = max(2, (n - 1).bit_length())
+    bits += bits % 2
+    half = bits // 2
+    mask = (1 << half) - 1
+    current = value
+    while True:
+        left, right = current >> half, current & mask
+        for round_number in reversed(range(_ROUNDS)):
+            left, right = right ^ (mix64(seed, round_number, left) & mask), left
+        current = (left << half) | right
+        if current < n:
+            return current
+
+
 def shuffled_range(length: int, seed: int) -> list[int]:
     """A seeded permutation of range(length), built in full: for the samples of one shard."""
     order = list(range(length))

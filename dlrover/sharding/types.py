@@ -9,7 +9,7 @@ from typing import Any
 
 from dlrover.sharding.config import DEFAULT_LEASE_S, DEFAULT_MAX_RETRIES
 from dlrover.sharding.errors import InvalidSpecError
-from dlrover.sharding.permutation import mix64, shuffled_range
+from dlrover.sharding.permutation import mix64, permute, shuffled_range, unpermute
 
 
 class DeliveryMode(str, enum.Enum):
@@ -81,6 +81,24 @@ class DatasetSpec:
     def num_shards(self) -> int:
         """Shards per epoch: ``size / samples_per_shard``, rounded up."""
         return -(-self.size // self.samples_per_shard)
+
+    def shard_length(self, index: int) -> int:
+        """Samples in shard ``index``: ``samples_per_shard``, fewer for the last one."""
+        start = index * self.samples_per_shard
+        return max(0, min(start + self.samples_per_shard, self.size) - start)
+
+    def shard_index(self, epoch: int, ordinal: int) -> int:
+        """Which shard the master hands out ``ordinal``-th in ``epoch``: the seeded order with
+        ``shuffle``, else dataset order. Both sides compute it; nothing of it is stored."""
+        if not self.shuffle:
+            return ordinal
+        return permute(ordinal, self.num_shards, mix64(self.seed, 0, epoch))
+
+    def shard_ordinal(self, epoch: int, index: int) -> int:
+        """The inverse of ``shard_index``: when in ``epoch`` shard ``index`` is handed out."""
+        if not self.shuffle:
+            return index
+        return unpermute(index, self.num_shards, mix64(self.seed, 0, epoch))
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form kept in the master's saved state (the wire uses sharding/wire.py)."""

@@ -6,6 +6,8 @@ import threading
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from dlrover.client.sharding import connect
 from dlrover.master.job import JobMaster, JobMasterConfig
 from dlrover.master.server import MasterServer
@@ -107,3 +109,60 @@ def test_rank0_only_sampler_state_dict_never_blocks_and_loses_no_sample(tmp_path
     after_restart = sum(len(f.read_text().split()) for f in tmp_path.glob("ids.*.1"))
     # The restart resumed from the checkpoint: it did not train the whole dataset again.
     assert after_restart < n
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "rank,step,resumed_epoch",
+    [
+        (1, 55, 1),  # mid-epoch 1
+        # Near the end of epoch 0: the restored pass (14 samples) ends in a short batch.
+        (0, 38, 0),
+    ],
+)
+def test_ddp_without_join_over_epochs_survives_a_kill_and_trains_every_sample(
+    tmp_path: Path, rank: int, step: int, resumed_epoch: int
+):
+    """DynamicShardSampler in a DDP loop with no Join: every rank gets len(loader) batches each
+    epoch, so nobody waits in an all-reduce. One rank is SIGKILLed; the job restarts from rank
+    0's checkpoint, finishes (no hang), and every sample of every epoch is trained."""
+    n, batch, epochs = 300, 4, 3
+    once = tmp_path / "fault.once"
+    # 300 samples in shards of 7, 2 ranks: 22 shards, 154 samples, 39 batches per rank and epoch;
+    # rank 0 saves every 4 steps.
+    env = clean_env(DLROVER_FAULTS=f"kill:rank={rank}:step={step}:once={once}")
+    r = dlrover_run(
+        [
+            "--standalone",
+            "--nproc_per_node=2",
+            "--max-restarts=2",
+            str(SCRIPTS / "lockstep_ddp.py"),
+            str(tmp_path),
+            str(n),
+            str(batch),
+            str(epochs),
+        ],
+        env=env,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert f"dlrover fault injection: kill rank {rank} step {step}" in r.stderr
+    for epoch in range(epochs):
+        seen: set[int] = set()
+        for f in tmp_path.glob(f"ids.{epoch}.*"):
+            seen.update(int(x) for x in f.read_text().split())
+        assert seen == set(range(n)), f"epoch {epoch}: {sorted(set(range(n)) - seen)[:20]}"
+    batches: dict[tuple[str, str], dict[str, str]] = {}  # (epoch, restart) -> rank -> counts
+    for f in tmp_path.glob("batches.*"):
+        _, epoch_, rank, restart = f.name.split(".")
+        batches.setdefault((epoch_, restart), {})[rank] = f.read_text()
+    # Passes that ended: before the kill (none if it hit epoch 0) and after the restart.
+    assert {restart for _, restart in batches} == ({"0", "1"} if resumed_epoch else {"1"})
+    for (epoch_, restart), by_rank in batches.items():
+        # Both ranks finished the pass with the same number of batches, len(loader)'s.
+        assert set(by_rank) == {"0", "1"}, (epoch_, restart, by_rank)
+        done, expected = by_rank["0"].split()
+        assert done == expected and by_rank["1"] == by_rank["0"], (epoch_, restart, by_rank)
+    # The restart resumed from the checkpoint: epochs before it were not trained again.
+    resumed = {int(f.name.split(".")[1]) for f in tmp_path.glob("ids.*.*.1")}
+    assert min(resumed) == resumed_epoch

@@ -1,8 +1,9 @@
 """gloo training with DynamicShardSampler where only rank 0 saves the checkpoint.
 
 The DLRover-style script: `if rank == 0: torch.save({..., "sampler": sampler.state_dict(step,
-batch)})`. Ranks step in lockstep (gradients are all-reduced every step; a rank whose shards
-ran out contributes zeros until every rank is out). Each rank appends the sample ids it trained
+batch)})`. Ranks step in lockstep (gradients are all-reduced every step). The sampler gives
+every rank the same count, so no rank runs out first; the loop still checks, with an all-reduce
+of who has a batch, and a rank without one would contribute zeros. Each rank appends the sample ids it trained
 to <out>/ids.<rank>.<restart>. Faults come from DLROVER_FAULTS. Usage: script OUT SIZE BATCH.
 """
 

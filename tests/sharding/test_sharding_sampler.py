@@ -54,23 +54,25 @@ def test_static_mode_resumes_with_a_different_world_size(monkeypatch: pytest.Mon
 
 
 def test_dynamic_sampler_with_plain_dataloader_covers_the_dataset() -> None:
+    """Without set_epoch each completed iteration moves on to the next epoch."""
     transport = InProcessTransport(ShardManager())
     dataset = IndexDataset(300)
     sampler = DynamicShardSampler(
         dataset, 1, 0, transport=transport, dataset_name="d", shard_size=16, num_epochs=2
     )
-    assert sampler.dynamic
     seen: Counter[int] = Counter()
     for _ in range(2):
         for batch in DataLoader(dataset, batch_size=5, sampler=sampler):
             seen.update(ids(batch))
-    assert list(DataLoader(dataset, batch_size=5, sampler=sampler)) == []  # all epochs done
+    with pytest.raises(ValueError, match="num_epochs=2"):  # all epochs done
+        list(DataLoader(dataset, batch_size=5, sampler=sampler))
     sampler.close()
     assert seen == Counter({i: 2 for i in range(300)})
-    assert transport.dataset_progress("d").finished
+    assert transport.dataset_progress("d/epoch-0").finished
+    assert transport.dataset_progress("d/epoch-1").finished
 
 
-def test_exactly_once_through_sampler_state_dict() -> None:
+def test_exactly_once_through_sampler_state_dict(monkeypatch: pytest.MonkeyPatch) -> None:
     manager = ShardManager()
     transport = InProcessTransport(manager)
     dataset = IndexDataset(200)
@@ -97,6 +99,7 @@ def test_exactly_once_through_sampler_state_dict() -> None:
     checkpointed = Counter(model)
     first.sampler.close()  # type: ignore[attr-defined]  # crash; what batch 10 and later trained is lost
     model = checkpointed
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # the job restarted
     second = loader()
     second.load_state_dict(state)
     for batch in second:
@@ -112,6 +115,8 @@ def test_static_checkpoint_into_dynamic_sampler_is_refused() -> None:
     )
     with pytest.raises(InvalidPositionError, match="static sharding"):
         sampler.load_state_dict({"mode": "static", "epoch": 0, "completed_num": 0})
+    with pytest.raises(InvalidPositionError, match="ElasticDistributedSampler"):
+        sampler.load_state_dict({"epoch": 0, "completed_num": 4, "num_replicas": 1})
 
 
 def test_accumulation_matches_one_full_global_batch() -> None:
@@ -149,9 +154,12 @@ def test_global_batch_must_divide() -> None:
         accumulation_steps(12, 2, 4)
 
 
-def test_workers_3_to_2_to_3_lose_no_sample_and_keep_the_global_batch() -> None:
+def test_workers_3_to_2_to_3_lose_no_sample_and_keep_the_global_batch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Three phases of one epoch; at each change a worker leaves mid-shard (its leases are
-    recovered) or joins. Each worker runs ElasticDataLoader + ElasticTrainer."""
+    recovered) or joins. Each worker runs ElasticDataLoader + ElasticTrainer. Each phase is a
+    restart of the job (its own restart count), so each has its own lockstep quota."""
     size, micro, global_batch = 3_000, 2, 12
     transport = InProcessTransport(ShardManager())
     dataset = IndexDataset(size)
@@ -191,6 +199,7 @@ def test_workers_3_to_2_to_3_lose_no_sample_and_keep_the_global_batch() -> None:
         sampler.close()
 
     def phase(world: int, max_steps: int | None, names: list[str]) -> None:
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", names[0].split("/")[1])
         threads = [threading.Thread(target=worker, args=(n, world, max_steps)) for n in names]
         for thread in threads:
             thread.start()
@@ -206,4 +215,4 @@ def test_workers_3_to_2_to_3_lose_no_sample_and_keep_the_global_batch() -> None:
     assert set(trained) == set(range(size)), "a sample was lost"
     full_steps = per_step_samples
     assert full_steps and set(full_steps) == {global_batch}
-    assert transport.dataset_progress("d").finished
+    assert transport.dataset_progress("d/epoch-0").finished

@@ -18,8 +18,14 @@ from dlrover.sharding.config import (
     ENV_SHARD_LEASE_S,
     ENV_SHARD_PREFETCH,
 )
+from dlrover.sharding.errors import ShardingError
 
 logger = logging.getLogger(__name__)
+
+
+class NoMasterError(ShardingError):
+    """A reader of dynamic shards found no job master to lease them from (trainer side only)."""
+
 
 GRPC_TRANSPORT_MODULE = "dlrover.client.sharding"
 """Module that provides the gRPC transport; it must define `connect(master_addr) -> transport`."""
@@ -28,22 +34,19 @@ GRPC_TRANSPORT_MODULE = "dlrover.client.sharding"
 def transport_from_env() -> ShardingTransport | None:
     """A transport to the master in DLROVER_MASTER_ADDR, or None when no master is configured.
 
-    None also when the wire transport module is not installed: the sampler then falls back
-    to static sharding and says so in the log, rather than failing a job that ran before.
+    Raises NoMasterError when the address is set but the wire transport module cannot be
+    imported (a broken install: nothing can reach the master).
     """
     address = os.environ.get(ENV_MASTER_ADDR, "")
     if not address:
         return None
     try:
         module = importlib.import_module(GRPC_TRANSPORT_MODULE)
-    except ImportError:
-        logger.warning(
-            "%s=%s is set but %s is not available; using static sharding",
-            ENV_MASTER_ADDR,
-            address,
-            GRPC_TRANSPORT_MODULE,
-        )
-        return None
+    except ImportError as error:
+        raise NoMasterError(
+            f"{ENV_MASTER_ADDR}={address} is set but {GRPC_TRANSPORT_MODULE} cannot be imported "
+            f"({error}); reinstall dlrover with its gRPC dependencies"
+        ) from error
     transport: ShardingTransport = module.connect(address)
     return transport
 
@@ -73,5 +76,11 @@ def restore_token(position: dict[str, Any]) -> str:
     """Names one restore of ``position`` in this restart of the job: every rank restoring the same
     checkpoint sends the same token, so the master applies it once."""
     digest = hashlib.sha256(json.dumps(position, sort_keys=True).encode()).hexdigest()
+    return f"{digest[:16]}@{attempt_id()}"
+
+
+def attempt_id() -> str:
+    """``<rendezvous round>.<restart count>``: the same on every rank of one start of the
+    workers, different after any restart or re-rendezvous."""
     ctx = worker_context.WorkerContext.from_env()
-    return f"{digest[:16]}@{ctx.rdzv_round}.{ctx.restart_count}"
+    return f"{ctx.rdzv_round}.{ctx.restart_count}"

@@ -1,23 +1,28 @@
-"""DynamicShardSampler: a DataLoader sampler that leases its samples from the job master in shards."""
+"""DynamicShardSampler: DataLoader indices leased from the job master in shards, every rank the
+same number per epoch."""
 
 from __future__ import annotations
 
 import logging
 import math
+import re
 from collections import deque
 from collections.abc import Iterator, Sized
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from dlrover.client.sharding_client import ShardingClient
 from dlrover.client.sharding_transport import ShardingTransport
-from dlrover.sharding.errors import InvalidPositionError
+from dlrover.constants import ENV_MASTER_ADDR
+from dlrover.sharding.errors import DatasetConflictError, InvalidPositionError
+from dlrover.sharding.lockstep import LockstepError, LockstepQuota, lockstep_quota
 from dlrover.sharding.types import ConsumptionMark, DatasetSpec, DeliveryMode, Position, Shard
 from dlrover.trainer.torch.elastic.client_factory import (
+    NoMasterError,
+    attempt_id,
     default_worker_id,
     lease_s_from_env,
     prefetch_from_env,
@@ -27,6 +32,12 @@ from dlrover.trainer.torch.elastic.client_factory import (
 from dlrover.worker_context import WorkerContext
 
 logger = logging.getLogger(__name__)
+
+MAX_DEFAULT_SHARD_SIZE = 512
+"""The default shard size is the dataset size / DEFAULT_SHARDS_PER_EPOCH, at most this."""
+DEFAULT_SHARDS_PER_EPOCH = 2048
+"""Shards per epoch aimed at by the default shard size: many, so that the padding to the
+lockstep quota (at most about one shard per rank) stays small."""
 
 
 @dataclass
@@ -40,20 +51,31 @@ class _Yielded:
 
 
 class DynamicShardSampler(Sampler[int]):
-    """A DataLoader sampler whose split of the dataset survives workers coming and going.
+    """Indices leased shard by shard from the DLRover job master: an explicit opt-in that needs
+    the master (run under dlrover-run, or pass ``transport=``); without one, use
+    ElasticDistributedSampler.
 
-    Dynamic mode (a `client` or `transport` is given, or DLROVER_MASTER_ADDR names a master):
-    indices come from shards leased from the master, so a fast worker reads more and a lost
-    worker's shards go to others. One iteration is one epoch of the registered dataset
-    (`num_epochs` are registered); ranks may get different numbers of samples, so synchronous
-    DDP loops must use torch's `Join` context (or static mode). A shard is reported done once
-    its samples are consumed: exactly, when `ElasticDataLoader` drives the sampler (it calls
-    `mark_consumed`) or when `state_dict(step, ...)` is called; otherwise (plain DataLoader)
-    one shard behind what was yielded, and everything when the iteration ends.
+    A lost worker's shards go back to the master's queue, and the place in the epoch (shards
+    done, and how far into each with ``mode="exactly-once"``) goes into a checkpoint through
+    ``state_dict`` and is restored at any world size.
 
-    Static mode (no master): like DistributedSampler over RANK / WORLD_SIZE; `state_dict`
-    records how many samples of the epoch the whole job consumed, and `load_state_dict`
-    splits the rest among the current (possibly different) number of ranks.
+    Lockstep: every rank yields exactly ``len(self)`` indices per epoch, so a synchronous loop
+    (DDP without ``Join``) never waits on a rank that ran out. Each rank leases at most its
+    quota of shards (dlrover.sharding.lockstep: ceil(shards left / world size), floor with
+    ``drop_last``, computed alike on every rank from the spec, the world size and the restored
+    position); a rank whose shards ran out pads with repeats of its own samples, as
+    DistributedSampler pads, and repeats are never reported as trained. Ranks that would
+    disagree on the count (not built alike, or not all restored) raise LockstepError.
+
+    Epochs: ``set_epoch(e)`` picks epoch e, which is its own dataset on the master
+    (``<dataset_name>/epoch-<e>``, registered when first read, shuffled with ``seed + e``);
+    without ``set_epoch``, each completed iteration moves on to the next epoch. Every epoch the
+    loop asks for is trained unless ``num_epochs`` bounds them.
+
+    A shard is reported done once its samples are consumed: exactly, when ElasticDataLoader
+    drives the sampler (it calls ``mark_consumed``) or when ``state_dict(step, ...)`` is
+    called; otherwise (plain DataLoader) one shard behind what was yielded, and everything
+    when the iteration ends.
     """
 
     def __init__(
@@ -65,132 +87,250 @@ class DynamicShardSampler(Sampler[int]):
         seed: int = 0,
         drop_last: bool = False,
         *,
-        client: ShardingClient | None = None,
         transport: ShardingTransport | None = None,
         dataset_name: str | None = None,
         shard_size: int = 0,
-        num_epochs: int = 1,
+        num_epochs: int | None = None,
         mode: DeliveryMode = DeliveryMode.AT_LEAST_ONCE,
         worker_id: str | None = None,
+        prefetch: int | None = None,
     ) -> None:
+        transport = transport if transport is not None else transport_from_env()
+        if transport is None:
+            raise NoMasterError(
+                f"DynamicShardSampler leases its shards from the DLRover job master, and none is "
+                f"configured ({ENV_MASTER_ADDR} is not set): run the script under dlrover-run, "
+                f"or pass transport=. Without a master, use ElasticDistributedSampler (static, "
+                f"resumable, the same number of samples on every rank)."
+            )
+        self.transport = transport
         self.dataset_size = len(dataset)
         self.num_replicas = num_replicas if num_replicas is not None else _world_size()
         self.rank = rank if rank is not None else _rank()
         if not 0 <= self.rank < self.num_replicas:
             raise ValueError(f"rank {self.rank} is outside 0..{self.num_replicas - 1}")
+        if num_epochs is not None and num_epochs < 1:
+            raise ValueError(f"num_epochs must be >= 1 (or None: no bound), got {num_epochs}")
         self.shuffle = shuffle
         self.seed = seed
         self.drop_last = drop_last
+        self.num_epochs = num_epochs
+        self.mode = DeliveryMode(mode)
+        self.dataset_name = dataset_name or f"{type(dataset).__name__}-{self.dataset_size}"
+        # Independent of the world size: a restart at another size re-registers the same spec.
+        self.shard_size = shard_size or max(
+            1, min(MAX_DEFAULT_SHARD_SIZE, math.ceil(self.dataset_size / DEFAULT_SHARDS_PER_EPOCH))
+        )
+        self.worker_id = worker_id or default_worker_id(self.rank)
+        self.prefetch = prefetch if prefetch is not None else prefetch_from_env()
+        self.lease_s = lease_s_from_env()
         self.epoch = 0
-        self.completed_num = 0
-        if client is None:
-            transport = transport if transport is not None else transport_from_env()
-            if transport is not None:
-                spec = DatasetSpec(
-                    name=dataset_name or f"{type(dataset).__name__}-{self.dataset_size}",
-                    size=self.dataset_size,
-                    shard_size=shard_size or self._default_shard_size(),
-                    epochs=num_epochs,
-                    shuffle=shuffle,
-                    seed=seed,
-                    mode=mode,
-                    lease_s=lease_s_from_env(),
-                )
-                client = ShardingClient(
-                    transport,
-                    spec,
-                    worker_id or default_worker_id(self.rank),
-                    prefetch=prefetch_from_env(),
-                )
-        self.client = client
-        self._started = False
+        self._advance = False
+        """Set when an iteration completes: the next one reads the next epoch (no set_epoch)."""
+        self._restored: tuple[int, Position] | None = None
+        self._restore_used = False
+        """The restored epoch has completed an iteration: the restored place is spent."""
+        self._prepared: set[int] = set()
+        self._iterations: dict[int, int] = {}
+        self._client: ShardingClient | None = None
+        self._client_epoch = -1
+        self._iteration_quota: LockstepQuota | None = None
         self._ledger: deque[_Yielded] = deque()
-        self._stash: Shard | None = None
         self._yielded = 0
         self._consumed = 0
         self._consumer_driven = False
 
-    @property
-    def dynamic(self) -> bool:
-        """True when shards come from the master through a sharding client; False for the static
-        split by rank."""
-        return self.client is not None
+    # --- epochs and quotas ----------------------------------------------------------------
+    def epoch_spec(self, epoch: int) -> DatasetSpec:
+        """The master's dataset of one epoch: ``<dataset_name>/epoch-<epoch>``."""
+        return DatasetSpec(
+            name=f"{self.dataset_name}/epoch-{epoch}",
+            size=self.dataset_size,
+            shard_size=self.shard_size,
+            shuffle=self.shuffle,
+            seed=self.seed + epoch,
+            mode=self.mode,
+            lease_s=self.lease_s,
+        )
 
-    def _default_shard_size(self) -> int:
-        # At least ~8 shards per worker, so a fast worker can take over a slow one's share.
-        return max(1, min(1024, math.ceil(self.dataset_size / (8 * self.num_replicas))))
+    def quota(self, epoch: int | None = None) -> LockstepQuota:
+        """What every rank reads in the next iteration of ``epoch`` (default: the one the next
+        iteration reads): the rest of a restored epoch, else the whole epoch."""
+        epoch = self._next_epoch() if epoch is None else epoch
+        position = None
+        if self._restored is not None and self._restored[0] == epoch and not self._restore_used:
+            position = self._restored[1]
+        return lockstep_quota(self.epoch_spec(epoch), self.num_replicas, self.drop_last, position)
 
-    # --- torch Sampler --------------------------------------------------------------------
-    def __iter__(self) -> Iterator[int]:
-        if self.client is None:
-            return self._static_indices()
-        return self._dynamic_indices(self.client)
+    def _next_epoch(self) -> int:
+        return self.epoch + 1 if self._advance else self.epoch
 
-    def __len__(self) -> int:
-        """Exact in static mode; in dynamic mode an even share, as the split is not known ahead."""
-        remaining = self.dataset_size - (0 if self.dynamic else self.completed_num)
-        if self.drop_last and not self.dynamic:
-            return remaining // self.num_replicas
-        return math.ceil(remaining / self.num_replicas)
+    def _check_epoch(self, epoch: int) -> None:
+        if epoch < 0:
+            raise ValueError(f"epoch must be >= 0, got {epoch}")
+        if self.num_epochs is not None and epoch >= self.num_epochs:
+            raise ValueError(
+                f"DynamicShardSampler was built with num_epochs={self.num_epochs}; epoch {epoch} "
+                f"is past the last one ({self.num_epochs - 1}). Pass a larger num_epochs, or "
+                f"None to read every epoch the loop asks for."
+            )
+        if self._restored is not None and epoch < self._restored[0]:
+            raise ValueError(
+                f"the sampler was restored at epoch {self._restored[0]} (load_state_dict); epoch "
+                f"{epoch} was trained before that checkpoint. Resume the loop at epoch "
+                f"{self._restored[0]} (the checkpoint's sampler state has it as 'epoch')."
+            )
 
     def set_epoch(self, epoch: int) -> None:
-        """Static mode: choose the epoch's shuffle. Dynamic mode: the master tracks epochs."""
-        if epoch != self.epoch:
-            self.completed_num = 0
+        """Read epoch ``epoch`` next (on every rank). ValueError for an epoch at or past
+        ``num_epochs``, or before the epoch of the restored checkpoint."""
+        self._check_epoch(epoch)
+        if epoch != self.epoch or self._advance:
+            self._iteration_quota = None
         self.epoch = epoch
+        self._advance = False
 
-    # --- static mode ----------------------------------------------------------------------
-    def _static_indices(self) -> Iterator[int]:
-        if self.shuffle:
-            generator = torch.Generator()
-            generator.manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.dataset_size, generator=generator).tolist()
-        else:
-            order = list(range(self.dataset_size))
-        remaining = order[self.completed_num :]
-        if self.drop_last:
-            remaining = remaining[: len(remaining) - len(remaining) % self.num_replicas]
-        elif remaining and len(remaining) % self.num_replicas:
-            padding = self.num_replicas - len(remaining) % self.num_replicas
-            remaining += (remaining * math.ceil(padding / len(remaining)))[:padding]
-        return iter(remaining[self.rank :: self.num_replicas])
+    def __len__(self) -> int:
+        """Exactly the number of indices the next (or the running) iteration yields, on every
+        rank: the lockstep quota's samples."""
+        if self._iteration_quota is not None and not self._advance:
+            return self._iteration_quota.samples
+        return self.quota().samples
 
-    # --- dynamic mode ---------------------------------------------------------------------
-    def _dynamic_indices(self, client: ShardingClient) -> Iterator[int]:
-        if not self._started:
-            client.start()
-            self._started = True
+    # --- iteration ------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[int]:
+        if self._advance:
+            self.epoch += 1
+            self._advance = False
+        epoch = self.epoch
+        self._check_epoch(epoch)
+        quota = self.quota(epoch)
         self._settle(self._yielded)  # a new iteration: everything before it was consumed
+        self._close_client()
+        self._iteration_quota = quota
+        return self._indices(epoch, quota)
+
+    def _indices(self, epoch: int, quota: LockstepQuota) -> Iterator[int]:
+        spec = self._prepare(epoch)
+        iteration = self._iterations[epoch] = self._iterations.get(epoch, -1) + 1
+        self._agree(spec, iteration, quota)
+        logger.info(
+            "%s: rank %d reads up to %d of the %d shards left, %d samples with padding",
+            spec.name,
+            self.rank,
+            quota.shards,
+            quota.shards_left,
+            quota.samples,
+        )
         self._ledger.clear()
         self._yielded = self._consumed = 0
-        epoch: int | None = None
-        while True:
-            shard = self._stash
-            if shard is None:
-                shard = client.next_shard(until_drained=True)
-            self._stash = None
-            if shard is None:
-                break
-            if epoch is None:
-                epoch = shard.id.epoch
-                self.epoch = epoch
-            elif shard.id.epoch > epoch:
-                self._stash = shard  # the next epoch starts with the next iteration
-                break
-            self._ledger.append(_Yielded(shard, self._yielded, len(shard) - shard.offset))
-            # Before the shard's first sample: state_dict(step) on any rank finds every rank's
-            # place in the master (this rank's samples of step s were yielded before step s).
-            client.mark(ConsumptionMark(epoch, self._yielded, shard.id, shard.offset))
-            for index in shard.indices():
+        client = ShardingClient(
+            self.transport, spec, self.worker_id, prefetch=self.prefetch, max_shards=quota.shards
+        )
+        self._client, self._client_epoch = client, epoch
+        real: list[int] = []
+        try:
+            if quota.shards:
+                client.start()
+                yield from self._leased_indices(client, quota, real)
+                # The real samples end here: a position is never waited for past them.
+                client.mark(ConsumptionMark(0, self._yielded))
+            lag = self._ledger[-1].count if self._ledger else 0
+            for index in self._padding(real, quota.samples - len(real)):
                 self._yielded += 1
                 client.touch()
                 yield index
                 if not self._consumer_driven:
-                    self._settle(self._yielded - len(shard))
-        if not self._consumer_driven:
-            self._settle(self._yielded)
-        if epoch is not None:
-            client.mark(ConsumptionMark(epoch, self._yielded))  # this iteration has ended
+                    self._settle(self._yielded - lag)
+            if not self._consumer_driven:
+                self._settle(self._yielded)
+        finally:
+            client.close()  # leases still held stay until reported, recovered or expired
+        self._advance = True
+        if self._restored is not None and self._restored[0] == epoch:
+            self._restore_used = True
+
+    def _leased_indices(
+        self, client: ShardingClient, quota: LockstepQuota, real: list[int]
+    ) -> Iterator[int]:
+        """The samples of the shards this rank leases (at most ``quota.shards``), appended to
+        ``real`` as they are yielded."""
+        stopped = False
+        while True:
+            shard = client.next_shard(until_drained=True)
+            if shard is None and not stopped:
+                # Nothing to lease now: the rest is leased to other ranks, which read it within
+                # their quota. Stop leasing, then read what a fetch in flight brought.
+                client.stop_fetching()
+                stopped = True
+                shard = client.next_shard(until_drained=True)
+            if shard is None:
+                return
+            count = len(shard) - shard.offset
+            if self._yielded + count > quota.samples:
+                raise LockstepError(
+                    f"{client.spec.name}: rank {self.rank} got {shard.id} ({count} samples) "
+                    f"after {self._yielded}, past its quota of {quota.samples}: the master's "
+                    f"position is not the one this rank restored. Every rank must call "
+                    f"load_state_dict with the same state."
+                )
+            self._ledger.append(_Yielded(shard, self._yielded, count))
+            # Before the shard's first sample: state_dict(step) on any rank finds every rank's
+            # place in the master (this rank's samples of step s came before it).
+            client.mark(ConsumptionMark(0, self._yielded, shard.id, shard.offset))
+            for index in shard.indices():
+                self._yielded += 1
+                real.append(index)
+                client.touch()
+                yield index
+                if not self._consumer_driven:
+                    self._settle(self._yielded - count)
+
+    def _padding(self, real: list[int], count: int) -> list[int]:
+        """``count`` repeats: of this rank's samples of the iteration, in order and again, or
+        (a rank that got none) of every ``num_replicas``-th sample from its rank on."""
+        if count <= 0:
+            return []
+        if real:
+            return [real[i % len(real)] for i in range(count)]
+        return [(self.rank + i * self.num_replicas) % self.dataset_size for i in range(count)]
+
+    def _prepare(self, epoch: int) -> DatasetSpec:
+        """Register the epoch's dataset (once per process); after a restore, an epoch past the
+        restored one starts from its beginning: what the previous attempt read of it went into
+        a model that the restore rolled back."""
+        spec = self.epoch_spec(epoch)
+        if epoch in self._prepared:
+            return spec
+        self.transport.register_dataset(spec)
+        if self._restored is not None and epoch > self._restored[0]:
+            restored = self._restored[1].to_dict()
+            token = restore_token({"from_start": spec.name, "after": restored})
+            self.transport.restore_position(Position(spec.name, 0, 0), token)
+        self._prepared.add(epoch)
+        return spec
+
+    def _agree(self, spec: DatasetSpec, iteration: int, quota: LockstepQuota) -> None:
+        """Raise LockstepError on a rank whose count differs from the one the first rank of this
+        start of the job registered: a write-once record on the master (a dataset of that many
+        samples, never read), so no collective is needed."""
+        record = DatasetSpec(
+            name=f"{spec.name}/lockstep/{attempt_id()}/{iteration}",
+            size=quota.samples,
+            shard_size=max(1, quota.samples),
+        )
+        try:
+            self.transport.register_dataset(record)
+        except DatasetConflictError as error:
+            # The conflict names the registered spec first: its size is the first rank's count.
+            first = re.search(r"size=(\d+)", str(error))
+            theirs = first.group(1) if first else "another number"
+            raise LockstepError(
+                f"{spec.name}: the ranks disagree on how many samples each reads in this epoch: "
+                f"rank {self.rank} would read {quota.samples}, the first rank {theirs}. "
+                f"Build DynamicShardSampler with the same arguments on every rank, and call "
+                f"load_state_dict with the same state on every rank, not on rank 0 alone."
+            ) from None
 
     def attach_consumer(self) -> None:
         """Called by ElasticDataLoader: consumption is reported by `mark_consumed` from now on."""
@@ -203,68 +343,93 @@ class DynamicShardSampler(Sampler[int]):
     def _settle(self, consumed: int) -> None:
         """Report done every shard whose samples all lie below `consumed`."""
         self._consumed = max(self._consumed, consumed)
-        if self.client is None:
+        if self._client is None:
             return
         while self._ledger and self._ledger[0].begin + self._ledger[0].count <= self._consumed:
-            self.client.report_done(self._ledger.popleft().shard)
+            self._client.report_done(self._ledger.popleft().shard)
+
+    def _close_client(self) -> None:
+        if self._client is not None:
+            self._client.close()
 
     # --- checkpoint -----------------------------------------------------------------------
     def state_dict(self, step: int, micro_batch_size: int) -> dict[str, Any]:
         """Where to resume: every rank trained `step` micro-batches of `micro_batch_size` in the
-        current iteration (epoch). Call it on any ranks: rank 0 alone (the usual
-        `if rank == 0: torch.save(...)`) or every rank. It runs no collective; in dynamic mode
-        the master computes the position at that step from where each rank reported each of
-        its shards to begin (a bounded wait only if a rank has not got that far yet)."""
-        consumed = step * micro_batch_size
-        if self.client is None:
-            return {
-                "mode": "static",
-                "epoch": self.epoch,
-                "completed_num": self.completed_num + consumed * self.num_replicas,
-                "dataset_size": self.dataset_size,
-            }
-        self._settle(min(consumed, self._yielded))
-        if self._ledger and self.client.spec.mode is DeliveryMode.EXACTLY_ONCE:
-            head = self._ledger[0]
-            done_in_shard = head.shard.offset + max(0, self._consumed - head.begin)
-            self.client.report_progress(head.shard, done_in_shard)
-        position = self.client.position_at(self.epoch, consumed)
-        return {"mode": "dynamic", "position": position.to_dict()}
+        current iteration of the current epoch (since the restore, in a restored one). Call it
+        on any ranks: rank 0 alone or every rank; it runs no collective. The master computes
+        the position at that step from where each rank reported each of its shards to begin."""
+        epoch = self.epoch
+        limit = self._iteration_quota if self._client_epoch == epoch else None
+        samples = (limit or self.quota(epoch)).samples
+        # The last batch of a pass may be short: step x micro_batch_size may pass the count.
+        if step < 0 or micro_batch_size < 1 or (step - 1) * micro_batch_size >= max(samples, 1):
+            raise ValueError(
+                f"state_dict(step={step}, micro_batch_size={micro_batch_size}): a rank reads "
+                f"{samples} samples in this pass of epoch {epoch}, "
+                f"{math.ceil(samples / max(micro_batch_size, 1))} batches; step counts the "
+                f"micro-batches of the current pass, not of the whole run"
+            )
+        consumed = min(step * micro_batch_size, samples)
+        spec = self._prepare(epoch)
+        client = self._client if self._client_epoch == epoch else None
+        if client is None:
+            client = ShardingClient(self.transport, spec, self.worker_id)
+        else:
+            self._settle(min(consumed, self._yielded))
+            if self._ledger and self.mode is DeliveryMode.EXACTLY_ONCE:
+                head = self._ledger[0]
+                done_in_shard = head.shard.offset + max(0, self._consumed - head.begin)
+                client.report_progress(head.shard, done_in_shard)
+        position = client.position_at(0, consumed)
+        return {
+            "mode": "dynamic",
+            "epoch": epoch,
+            "position": position.to_dict(),
+            "num_replicas": self.num_replicas,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from `state_dict()`. In dynamic mode every rank may call it: the master applies
-        one checkpoint's position once per restart (keyed by the position and restart count)."""
-        if state.get("mode") == "static":
-            if self.client is not None:
-                raise InvalidPositionError(
-                    "this checkpoint was taken with static sharding but the sampler now uses "
-                    "dynamic shards from the master; restore it without DLROVER_MASTER_ADDR"
-                )
-            if int(state["dataset_size"]) != self.dataset_size:
-                raise InvalidPositionError(
-                    f"checkpoint is of a dataset of {state['dataset_size']} samples, this one has "
-                    f"{self.dataset_size}"
-                )
-            self.epoch = int(state["epoch"])
-            self.completed_num = int(state["completed_num"])
-            return
-        if self.client is None:
+        """Resume from `state_dict()`: call it on every rank (the master applies one state once
+        per start of the job; each rank needs it for its quota). The next iteration reads the
+        rest of that epoch, split among this job's ranks; later epochs start from their
+        beginning."""
+        if state.get("mode") != "dynamic" or "position" not in state:
             raise InvalidPositionError(
-                "this checkpoint holds a dynamic-shard position but no sharding master is "
-                "configured (set DLROVER_MASTER_ADDR or pass client=/transport=)"
+                "this sampler state was saved by ElasticDistributedSampler (static sharding): "
+                "load it into ElasticDistributedSampler, or start DynamicShardSampler without it"
             )
+        if "epoch" not in state:
+            raise InvalidPositionError(
+                "this sampler state has no 'epoch': it was saved by an older sampler whose "
+                "epochs were one dataset; DynamicShardSampler cannot resume it"
+            )
+        epoch = int(state["epoch"])
         position = Position.from_dict(state["position"])
-        if not self._started:
-            self.client.transport.register_dataset(self.client.spec)
-        self.client.restore_position(position, restore_token(position.to_dict()))
+        spec = self.epoch_spec(epoch)
+        if position.dataset != spec.name:
+            raise InvalidPositionError(
+                f"the state is a position in dataset {position.dataset!r}, but this sampler "
+                f"reads {spec.name!r} in epoch {epoch}: pass the dataset_name it was saved with"
+            )
+        if self.num_epochs is not None and epoch >= self.num_epochs:
+            raise InvalidPositionError(
+                f"the state is of epoch {epoch}, past num_epochs={self.num_epochs}"
+            )
+        self.transport.register_dataset(spec)
+        self.transport.restore_position(position, restore_token(position.to_dict()))
+        self._close_client()
+        self._client, self._client_epoch, self._iteration_quota = None, -1, None
         self._ledger.clear()
-        self._stash = None
         self._yielded = self._consumed = 0
+        self._restored = (epoch, position)
+        self._restore_used = False
+        self._prepared = {epoch}  # epochs past it are reset when first read
+        self.epoch = epoch
+        self._advance = False
 
     def close(self) -> None:
-        """Stop the sharding client's prefetcher; nothing in static mode."""
-        if self.client is not None:
-            self.client.close()
+        """Stop the sharding client's prefetcher."""
+        self._close_client()
 
 
 def _world_size() -> int:
