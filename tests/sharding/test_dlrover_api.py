@@ -224,3 +224,19 @@ def test_checkpointers_take_dlrovers_arguments(tmp_path: Path) -> None:
     sharded.close()
     with pytest.raises(ValueError, match="FsdpShardCheckpointer"):
         DdpCheckpointer(str(tmp_path / "c"), local_shard_num=2, global_shard_num=4)
+
+
+def test_a_dlrover_file_path_saves_under_the_checkpoint_dir(tmp_path: Path) -> None:
+    """DLRover's docs pass ``path=f"/ckpt/checkpoint-{step}.pt"``: one engine, the usual place."""
+    from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer, StorageType
+
+    ckpt = DdpCheckpointer(str(tmp_path / "ckpt"))
+    for step in (1, 2):
+        state = {"w": torch.full((3,), float(step)), "step": step}
+        path = str(tmp_path / f"checkpoint-{step}.pt")
+        assert ckpt.save_checkpoint(step, state, path, storage_type=StorageType.DISK)
+    assert ckpt.wait_latest_checkpoint(60)
+    assert len(ckpt._engines) == 1
+    loaded = ckpt.load_checkpoint(str(tmp_path / "ckpt"))
+    assert loaded["step"] == 2 and torch.equal(loaded["w"], torch.full((3,), 2.0))
+    ckpt.close()

@@ -18,6 +18,7 @@ from dlrover.constants import ENV_CHECKPOINT_SOCKET
 log = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_FILE_SUFFIXES = frozenset({".pt", ".pth", ".bin", ".ckpt", ".safetensors"})
 
 
 DEFAULT_SAVE_TIMEOUT_S = 600.0
@@ -92,11 +93,25 @@ class Checkpointer:
         self.keep_last = keep_last
         self.replica_count = replica_count
         self._engines: dict[str, CheckpointEngine] = {}
+        self._warned_file_path = False
         self.last_load_source: str | None = None
         """Where the last load came from: "memory", "storage", or None (nothing found)."""
         self.engine = self._engine_for("")
 
     def _engine_for(self, path: str) -> CheckpointEngine:
+        if path and os.path.splitext(path)[1] in _FILE_SUFFIXES:
+            # DLRover's scripts pass the file a step would be written to
+            # (f"/ckpt/{step}/rank_0.pt"); steps are stored as step_<n>/ under
+            # checkpoint_dir here, and an engine (with its shared memory) per step would pile up.
+            if not self._warned_file_path:
+                log.warning(
+                    "save_checkpoint(path=%r): a file path; saving under %s/step_<n> instead "
+                    "(load_checkpoint() finds it there)",
+                    path,
+                    self.checkpoint_dir,
+                )
+                self._warned_file_path = True
+            path = ""
         key = path or self.checkpoint_dir
         if key not in self._engines:
             self._engines[key] = CheckpointEngine(
