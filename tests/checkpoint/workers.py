@@ -63,7 +63,9 @@ def _fsdp_model(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(13, 7), torch.nn.ReLU(), torch.nn.Linear(7, 5))
     if os.environ.get("FSDP_VERSION") == "1":
-        # FSDP1 without a device mesh, as DLRover's nanoGPT example wraps: ShardedTensor state.
+        # FSDP1 without a device mesh, as DLRover's nanoGPT example wraps: ShardedTensor state;
+        # the 1-wide head leaves rank 1 no shard of its weight's rows.
+        model.append(torch.nn.Linear(5, 1))
         wrapped = FullyShardedDataParallel(model, device_id=torch.device("cpu"))
         return wrapped, torch.optim.Adam(wrapped.parameters(), lr=0.01)
     for layer in model:

@@ -28,7 +28,10 @@ def events(out: Path, rank: int) -> list[dict[str, Any]]:
     path = out / f"events.{rank}.jsonl"
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    text = path.read_text()
+    # A worker may be appending right now: a last line without its newline is not whole yet.
+    lines = text.split("\n")[:-1]
+    return [json.loads(line) for line in lines if line.strip()]
 
 
 def launch(
@@ -158,8 +161,7 @@ def test_dlrover_style_script_resumes_from_memory_after_a_kill(
     begin = next(e for e in restarted if e["event"] in ("train_begin", "start") and e["step"])
     # The memory step saved before the kill (or a later one the kill did not prevent).
     assert begin["step"] >= killed_at, (begin, killed_at)
-    if script != "hf_trainer.py":
-        assert begin["source"] == "memory", begin
+    assert begin["source"] == "memory", begin
     every = [e for rank in (0, 1) for e in events(out, rank)]
     assert all(e["returned"] for e in every if e["event"] == "saved")
     for rank in (0, 1):

@@ -82,9 +82,9 @@ def test_step_without_fixed_batch_applies_every_micro_batch() -> None:
 
 
 def test_accumulation_follows_the_largest_world() -> None:
-    assert max_world_accumulation(8, 2, 0) == 4
-    assert [max_world_accumulation(5, 2, r) for r in (0, 1)] == [3, 2]  # 5 = 3 + 2
-    assert max_world_accumulation(2, 4, 0) == 1
+    assert max_world_accumulation(8, 2) == 4
+    assert max_world_accumulation(6, 4) == 2  # rounded up alike: DDP ranks stay in step
+    assert max_world_accumulation(2, 4) == 1
 
 
 def test_our_trainer_form_still_works() -> None:
@@ -130,9 +130,13 @@ def test_resume_trains_the_rest_of_the_epoch_at_any_world_size(
     for s in after:
         s.load_state_dict(json.loads(json.dumps(state)))  # a checkpoint holds plain values
         s.set_epoch(1)  # the loop sets the epoch it resumes: the place is kept
+    lengths = {len(s) for s in after}
     rest = [list(s) for s in after]
-    assert len({len(x) for x in rest}) == 1 and len(rest[0]) == len(after[0])  # lockstep
+    assert lengths == {len(x) for x in rest} and len(lengths) == 1  # lockstep
     trained.update(i for x in rest for i in x)
+    first_part = Counter(i for s in before for i in list(s)[: 5 * 4])
+    assert all(trained[i] == 1 for i in first_part if i not in set().union(*map(set, rest)))
+    assert sum(trained.values()) <= 101 + world_after, "the trained part was trained again"
     missing = set(range(101)) - set(trained)
     # drop_last cuts the epoch to a multiple of the world size, as DistributedSampler does.
     assert len(missing) <= (world_after - 1 if drop_last else 0), missing
@@ -166,7 +170,7 @@ def test_steps_counted_since_training_began_as_dlrover_examples_do() -> None:
     done = ElasticDistributedSampler(dataset, 2, 0)
     done.load_state_dict(sampler.state_dict(3 * 12, 4))  # epoch 2 finished: nothing left
     done.set_epoch(2)
-    assert list(done) == [] and len(done) == 0
+    assert len(done) == 0 and list(done) == []
 
 
 def test_dlrover_checkpoint_state_loads() -> None:
@@ -240,3 +244,71 @@ def test_a_dlrover_file_path_saves_under_the_checkpoint_dir(tmp_path: Path) -> N
     loaded = ckpt.load_checkpoint(str(tmp_path / "ckpt"))
     assert loaded["step"] == 2 and torch.equal(loaded["w"], torch.full((3,), 2.0))
     ckpt.close()
+
+
+def test_a_second_resume_in_one_epoch_counts_steps_once() -> None:
+    """Steps counted since training began, across two resumes of the same epoch."""
+    dataset = list(range(160))
+    first = ElasticDistributedSampler(dataset, 2, 0)
+    second = ElasticDistributedSampler(dataset, 2, 0)
+    second.load_state_dict(first.state_dict(5, 8))
+    third = ElasticDistributedSampler(dataset, 2, 0)
+    third.load_state_dict(second.state_dict(8, 8))  # 3 more steps after the resume at 5
+    assert list(third) == list(ElasticDistributedSampler(dataset, 2, 0))[64:]
+
+
+def test_a_save_at_an_epochs_short_last_batch_ends_the_epoch() -> None:
+    dataset = list(range(101))  # 51 per rank: 13 batches of 4, the last of 3
+    sampler = ElasticDistributedSampler(dataset, 2, 0)
+    done = ElasticDistributedSampler(dataset, 2, 0)
+    done.load_state_dict(sampler.state_dict(13, 4))
+    assert len(done) == 0 and list(done) == []
+    sampler.set_epoch(1)  # three steps into epoch 1, counted since training began
+    resumed = ElasticDistributedSampler(dataset, 2, 0)
+    resumed.load_state_dict(sampler.state_dict(13 + 3, 4))
+    resumed.set_epoch(1)
+    fresh = ElasticDistributedSampler(dataset, 2, 0)
+    fresh.set_epoch(1)
+    assert list(resumed) == list(fresh)[12:]
+
+
+def test_the_resumed_place_survives_len_and_other_epochs_and_is_used_once() -> None:
+    sampler = ElasticDistributedSampler(list(range(40)), 2, 0)
+    sampler.load_state_dict({"completed_num": 12, "epoch": 1})
+    sampler.set_epoch(0)
+    assert len(sampler) == 20
+    sampler.set_epoch(1)
+    assert len(sampler) == 14
+    assert [len(list(sampler)) for _ in range(3)] == [14, 20, 20]  # then whole epochs
+
+
+def test_data_loader_state_counts_from_the_resumed_place() -> None:
+    dataset = list(range(40))
+    sampler = ElasticDistributedSampler(dataset, 2, 0, shuffle=False)
+    sampler.load_state_dict({"completed_num": 8, "epoch": 0})
+    loader = ElasticDataLoader(dataset, batch_size=2, sampler=sampler)
+    batches = iter(loader)
+    next(batches), next(batches), next(batches)  # two trained, the third being trained
+    assert loader.state_dict()["completed_num"] == 8 + 2 * 2 * 2
+
+
+def test_a_scheduler_stepped_outside_step_always_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DLRover's cnn_train.py calls scheduler.step() once per epoch, outside trainer.step()."""
+    monkeypatch.setenv("WORKER_NUM", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    model = torch.nn.Linear(3, 1)
+    trainer = ElasticTrainer(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    optimizer, scheduler = trainer.prepare(optimizer, scheduler)
+    rates = []
+    for _ in range(3):
+        trainer.reset()
+        scheduler.step()
+        rates.append(scheduler.get_last_lr()[0])
+        for _ in range(3):  # an odd number of micro-batches: the last is not a sync step
+            with trainer.step(True):
+                model(torch.ones(1, 3)).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    assert rates == [0.5, 0.25, 0.125]

@@ -31,11 +31,13 @@ class Progress(transformers.TrainerCallback):  # type: ignore[misc]
     """Records the steps a save was due at (FlashCkptTrainer saved them as the step ended) and
     the epochs trained."""
 
-    def __init__(self, out: str) -> None:
+    def __init__(self, out: str, trainer: FlashCkptTrainer) -> None:
         self.out = out
+        self.trainer = trainer
 
     def on_train_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
-        record(self.out, "train_begin", step=state.global_step)
+        source = self.trainer.flash_checkpointer.last_load_source
+        record(self.out, "train_begin", step=state.global_step, source=source)
 
     def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
         if state.global_step % args.save_steps == 0:
@@ -75,7 +77,7 @@ def main() -> None:
         ddp_backend="gloo",
     )
     trainer = FlashCkptTrainer(model=model, train_dataset=Tokens(), args=training_arguments)
-    trainer.add_callback(Progress(a.out))
+    trainer.add_callback(Progress(a.out, trainer))
     # Get the latest checkpoint path.
     last_ckpt_path = trainer.get_last_checkpoint()
     record(a.out, "start", step=0, last_checkpoint=str(last_ckpt_path))

@@ -120,6 +120,10 @@ class ElasticDataLoader(DataLoader):  # type: ignore[type-arg]
                 f"the sampler {type(self.sampler).__name__} keeps no position; use "
                 f"ElasticDistributedSampler or DynamicShardSampler"
             )
+        state_after = getattr(self.sampler, "state_after", None)
+        if state_after is not None:  # ElasticDistributedSampler: counts from a resumed place
+            after: dict[str, Any] = state_after(self.steps_in_epoch * self.get_batch_size())
+            return after
         result: dict[str, Any] = state_dict(self.steps_in_epoch, self.get_batch_size())
         return result
 

@@ -66,6 +66,10 @@ class ElasticDistributedSampler(DistributedSampler):  # type: ignore[type-arg]
         """Samples in the dataset."""
         return len(self.dataset)  # type: ignore[arg-type]
 
+    def _completed(self) -> int:
+        """Samples of the current epoch already trained: the resumed place, in its own epoch."""
+        return self.completed_num if self._resume_epoch == self.epoch else 0
+
     def _epoch_order(self) -> list[int]:
         """The whole epoch's indices, padded to a multiple of ``num_replicas`` (with
         ``drop_last``: not yet cut): the order a failure-free epoch at this world size trains,
@@ -81,43 +85,47 @@ class ElasticDistributedSampler(DistributedSampler):  # type: ignore[type-arg]
             return order  # cut after the trained part is taken off (see _remaining)
         return _pad(order, self.num_replicas)
 
-    def _remaining(self) -> list[int]:
-        order = self._epoch_order()
-        if self.completed_num >= self.dataset_size:
+    def _remaining(self, completed: int) -> list[int]:
+        if completed >= self.dataset_size:
             return []
-        rest = order[self.completed_num :]
+        rest = self._epoch_order()[completed:]
         if self.drop_last:
             return rest[: len(rest) - len(rest) % self.num_replicas]
         # After a resume at another world size the rest may not divide; pad it again.
         return _pad(rest, self.num_replicas)
 
-    def _set_num_samples(self) -> None:
-        remaining = self._remaining_count()
-        self.num_samples = remaining // self.num_replicas
-        self.total_size = self.num_samples * self.num_replicas
-
-    def _remaining_count(self) -> int:
+    def _remaining_count(self, completed: int) -> int:
         size = self.dataset_size
-        if self.completed_num >= size:
+        if completed >= size:
             return 0
         if self.drop_last:
-            rest = size - self.completed_num
+            rest = size - completed
             return rest - rest % self.num_replicas
         return _padded_length(
-            _padded_length(size, self.num_replicas) - self.completed_num, self.num_replicas
+            _padded_length(size, self.num_replicas) - completed, self.num_replicas
         )
 
+    def _set_num_samples(self) -> None:
+        self.num_samples = self._remaining_count(self._completed()) // self.num_replicas
+        self.total_size = self.num_samples * self.num_replicas
+
     def __iter__(self) -> Iterator[int]:
-        if self._resume_epoch != self.epoch:
-            self.completed_num = 0
         self._set_num_samples()
-        indices = self._remaining()
+        resumed = self._resume_epoch == self.epoch
+        indices = self._remaining(self._completed())
         assert len(indices) == self.total_size, (len(indices), self.total_size)
-        return iter(indices[self.rank : self.total_size : self.num_replicas])
+        mine = indices[self.rank : self.total_size : self.num_replicas]
+        return self._yield(mine, resumed)
+
+    def _yield(self, indices: list[int], resumed: bool) -> Iterator[int]:
+        yield from indices
+        if resumed and self._resume_epoch == self.epoch:
+            # The resumed place is used up: the same epoch iterated again (a loop that does
+            # not call set_epoch) is whole again, as in a failure-free run.
+            self._resume_epoch = None
+            self.completed_num = 0
 
     def __len__(self) -> int:
-        if self._resume_epoch != self.epoch:
-            self.completed_num = 0
         self._set_num_samples()
         return self.num_samples
 
@@ -125,14 +133,27 @@ class ElasticDistributedSampler(DistributedSampler):  # type: ignore[type-arg]
         """Choose the epoch's shuffle; a resumed place applies only to its own epoch."""
         self.epoch = epoch
 
-    def state_dict(self, step: int, micro_batch_size: int) -> dict[str, Any]:
-        """Where to resume: every rank trained ``step`` batches of ``micro_batch_size`` samples
-        of this epoch (or since training began; see the class docstring). Runs no collective
-        and asks nobody: call it on rank 0 alone or on every rank. DLRover's keys
-        (``completed_num``, ``epoch``) plus ``dataset_size`` and ``num_replicas``."""
-        base = self.completed_num if self._resume_epoch == self.epoch else 0
+    def state_dict(self, iter_step: int, micro_batch_size: int) -> dict[str, Any]:
+        """Where to resume, by DLRover's rule: every rank trained ``iter_step`` batches of
+        ``micro_batch_size`` samples, counted in this epoch or since training began (DLRover's
+        examples; after a resume, counting on from the loaded step). Runs no collective and asks
+        nobody: call it on rank 0 alone or on every rank. DLRover's keys (``completed_num``,
+        ``epoch``) plus ``dataset_size``, ``num_replicas`` and ``micro_batch_size``, which make
+        a count since training began exact whatever the dataset size."""
         return {
-            "completed_num": base + step * micro_batch_size * self.num_replicas,
+            "completed_num": iter_step * micro_batch_size * self.num_replicas,
+            "epoch": self.epoch,
+            "dataset_size": self.dataset_size,
+            "num_replicas": self.num_replicas,
+            "micro_batch_size": micro_batch_size,
+        }
+
+    def state_after(self, samples_this_iteration: int) -> dict[str, Any]:
+        """``state_dict`` for a caller that counts the samples each rank trained in this
+        iteration (ElasticDataLoader): the resumed place, if any, is added."""
+        completed = self._completed() + samples_this_iteration * self.num_replicas
+        return {
+            "completed_num": completed,
             "epoch": self.epoch,
             "dataset_size": self.dataset_size,
             "num_replicas": self.num_replicas,
@@ -153,24 +174,43 @@ class ElasticDistributedSampler(DistributedSampler):  # type: ignore[type-arg]
                 f"dataset has {self.dataset_size}; resume with the same dataset"
             )
         epoch = int(state.get("epoch", 0))
-        completed = int(state.get("completed_num", 0))
-        saved_world = int(state.get("num_replicas", self.num_replicas))
-        size = self.dataset_size
-        if completed > _padded_length(size, saved_world):
-            # Steps counted since training began (DLRover's examples): a multiple of the
-            # dataset size is a finished epoch, not a fresh one.
-            completed = (completed - 1) % size + 1 if size else 0
+        completed = _epoch_place(
+            int(state.get("completed_num", 0)),
+            self.dataset_size,
+            int(state.get("num_replicas", self.num_replicas)),
+            int(state.get("micro_batch_size", 0)),
+        )
         self.epoch = epoch
-        self.completed_num = min(completed, size)
+        self.completed_num = completed
         self._resume_epoch = epoch
         self._set_num_samples()
         logger.info(
             "resuming epoch %d after %d of %d samples: %d per rank left",
             epoch,
-            self.completed_num,
-            size,
+            completed,
+            self.dataset_size,
             self.num_samples,
         )
+
+
+def _epoch_place(completed: int, size: int, world: int, micro_batch_size: int) -> int:
+    """Samples of its epoch a saved ``completed_num`` means (``size`` or more: all of them).
+
+    A count past one epoch was taken over every step since training began. With the micro-batch
+    size saved, an epoch is the whole batches a rank ran through it (a short last batch counts
+    whole, as the step count does); DLRover's states lack it, so the dataset size stands in
+    (exact when the dataset divides into whole global batches)."""
+    if size <= 0 or completed <= 0:
+        return 0
+    per_rank = -(-size // world) if world > 0 else size
+    if micro_batch_size > 0:
+        epoch_units = -(-per_rank // micro_batch_size) * micro_batch_size * world
+    else:
+        epoch_units = _padded_length(size, world)
+    if completed > epoch_units:
+        period = epoch_units if micro_batch_size > 0 else size
+        completed = (completed - 1) % period + 1  # an exact multiple: that epoch is done
+    return min(completed, size)  # size or more: the epoch is done
 
 
 def _padded_length(length: int, multiple: int) -> int:

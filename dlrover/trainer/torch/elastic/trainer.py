@@ -50,16 +50,14 @@ def accumulation_steps(global_batch_size: int, micro_batch_size: int, world_size
     return global_batch_size // per_step
 
 
-def max_world_accumulation(max_world: int, world_size: int, rank: int) -> int:
-    """DLRover's rule: micro-batches per step so that the job trains as if it had ``max_world``
-    ranks. Where ``max_world`` does not divide evenly, the first ``max_world % world_size``
-    ranks take one micro-batch more."""
+def max_world_accumulation(max_world: int, world_size: int) -> int:
+    """Micro-batches per global batch so that the job trains as if it had ``max_world`` ranks:
+    ``ceil(max_world / world_size)``, the same on every rank. (DLRover gives the first
+    ``max_world % world_size`` ranks one more, which makes DDP ranks all-reduce different
+    numbers of times and hang; here a world that does not divide rounds up for every rank.)"""
     if world_size <= 0 or max_world <= 0:
         return 1
-    steps = max(1, max_world // world_size)
-    if max_world > world_size and rank < max_world % world_size:
-        steps += 1
-    return steps
+    return max(1, -(-max_world // world_size))
 
 
 @dataclass
@@ -72,6 +70,8 @@ class GradientState:
     """Micro-batches run so far."""
     num_steps: int = 0
     """Optimizer steps applied (global batches) since the last ``reset()``."""
+    in_step: bool = False
+    """True inside ``ElasticTrainer.step()``; outside it the wrappers act on every call."""
 
 
 class ElasticOptimizer(torch.optim.Optimizer):
@@ -125,13 +125,13 @@ class ElasticOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients, on the micro-batch that completes a global batch only."""
-        if self.gradient_state.sync_gradients:
+        if self.gradient_state.sync_gradients or not self.gradient_state.in_step:
             self.optimizer.zero_grad(set_to_none)
 
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         """Apply the accumulated gradients, on the micro-batch that completes a global batch
         only (None on the others)."""
-        if self.gradient_state.sync_gradients:
+        if self.gradient_state.sync_gradients or not self.gradient_state.in_step:
             return self.optimizer.step(closure)
         return None
 
@@ -147,8 +147,9 @@ class ElasticLRScheduler:
         self.gradient_state = state
 
     def step(self, *args: Any, **kwargs: Any) -> None:
-        """Step the wrapped scheduler, on the micro-batch that completes a global batch only."""
-        if self.gradient_state.sync_gradients:
+        """Step the wrapped scheduler: inside ``ElasticTrainer.step()`` on the micro-batch that
+        completes a global batch only; outside it (once per epoch, say) always."""
+        if self.gradient_state.sync_gradients or not self.gradient_state.in_step:
             self.scheduler.step(*args, **kwargs)
 
     def get_last_lr(self) -> list[float]:
@@ -180,8 +181,9 @@ class ElasticTrainer:
     around each micro-batch skips DDP's all-reduce (``no_sync``) and the optimizer step on
     all but the last micro-batch of a global batch. ``gradient_accumulation_steps`` is the
     largest world size the job may reach (``WORKER_NUM`` or dlrover-run's ``--nnodes`` maximum,
-    times ``LOCAL_WORLD_SIZE``) over the current world size; ``step(False)`` (the default)
-    applies every micro-batch. As in DLRover, the loss is not scaled: divide it yourself.
+    times ``LOCAL_WORLD_SIZE``) over the current world size, rounded up alike on every rank;
+    ``step(False)`` (the default) applies every micro-batch. As in DLRover, the loss is not
+    scaled: divide it yourself.
 
     Our API: give ``optimizer``, ``global_batch_size`` and ``micro_batch_size``; then
     ``gradient_accumulation_steps = global / (micro x world)`` (an error if it does not
@@ -240,7 +242,7 @@ class ElasticTrainer:
         max_nodes = _int_env(ENV_WORKER_NUM) or _int_env(ENV_MAX_NODES) or 0
         max_world = max_nodes * ctx.local_world_size if max_nodes else self.world_size
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else ctx.rank
-        self.gradient_accumulation_steps = max_world_accumulation(max_world, self.world_size, rank)
+        self.gradient_accumulation_steps = max_world_accumulation(max_world, self.world_size)
         logger.info(
             "rank %d: world size %d of at most %d, %d micro-batches per global batch",
             rank,
@@ -271,8 +273,12 @@ class ElasticTrainer:
         no_sync = getattr(self.model, "no_sync", None)
         if not state.sync_gradients and callable(no_sync):
             sync = no_sync()
-        with sync:
-            yield
+        state.in_step = True
+        try:
+            with sync:
+                yield
+        finally:
+            state.in_step = False
         if state.sync_gradients:
             state.num_steps += 1
         update = getattr(self.dataloader, "update_batch_size", None)

@@ -100,7 +100,14 @@ class FsdpShardCheckpointer(Checkpointer):
                 return {}
             url = catalog.storage.url(step_dir(found[0]))
             target["extra"] = _extra_target(url)
-            dcp.load(target, checkpoint_id=url)
+            # FSDP1 gives a rank no part of a tensor smaller than the world (a Linear(d, 1)
+            # head): DCP cannot load such an entry, and there is nothing to load into it.
+            removed = _pop_empty_shards(target)
+            try:
+                dcp.load(target, checkpoint_id=url)
+            finally:
+                for node, key, value in removed:
+                    node[key] = value
             state = target
             self.last_load_source = "storage"
             log.info("loaded step %d from %s", found[0], url)
@@ -108,6 +115,29 @@ class FsdpShardCheckpointer(Checkpointer):
             model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
         )
         return dict(state.get("extra", {}))
+
+
+def _pop_empty_shards(tree: Any) -> list[tuple[dict[Any, Any], Any, Any]]:
+    """Take out of ``tree`` (in place) the ShardedTensors this rank holds no shard of, and return
+    where they were, to be put back once DCP has loaded the rest (DCP fills the caller's dicts
+    in place, so the tree itself must be what it loads)."""
+    removed: list[tuple[dict[Any, Any], Any, Any]] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            for key in list(node):
+                value = node[key]
+                if type(value).__name__ == "ShardedTensor" and not value.local_shards():
+                    removed.append((node, key, value))
+                    del node[key]
+                else:
+                    walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(tree)
+    return removed
 
 
 def _extra_target(url: str) -> dict[str, Any]:
@@ -210,10 +240,13 @@ class FsdpFullCheckpointer(Checkpointer):
 
 
 def _on_accelerator(model: torch.nn.Module) -> bool:
-    """True when the model's parameters live on an accelerator: its full state is then gathered
-    to the CPU (cpu_offload). A CPU model's is not: the state is there already, and FSDP1 on CPU
-    fails to offload ("setStorage: ... out of bounds for storage of size 0")."""
-    return any(p.device.type != "cpu" for p in model.parameters())
+    """True when the model trains on an accelerator (its parameters live there, or the process
+    group is not gloo's, as with FSDP1's CPUOffload on CUDA): its full state is then gathered
+    to the CPU (cpu_offload). A CPU job's is not: the state is there already, and FSDP1 on the
+    CPU fails to offload ("setStorage: ... out of bounds for storage of size 0")."""
+    if any(p.device.type != "cpu" for p in model.parameters()):
+        return True
+    return dist.is_initialized() and dist.get_backend() != "gloo"
 
 
 def _rank() -> int:

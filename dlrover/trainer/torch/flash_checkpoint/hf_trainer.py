@@ -29,6 +29,7 @@ from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import SaveStrategy
 
 from dlrover.checkpoint.errors import CheckpointError
+from dlrover.trainer.torch.flash_checkpoint.checkpointer import storage_step
 from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer, StorageType
 
 __all__ = ["FlashCkptTrainer", "StorageType"]
@@ -79,10 +80,12 @@ class FlashCkptTrainer(Trainer):
         *args: Any,
         flash_checkpoint_dir: str | None = None,
         storage_type: StorageType = StorageType.DISK,
-        keep_last: int = 3,
+        keep_last: int | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        if keep_last is None:  # Trainer's own limit on checkpoints kept, else 3
+            keep_last = self.args.save_total_limit or 3
         if self.args.save_strategy == SaveStrategy.BEST or self.args.load_best_model_at_end:
             raise CheckpointError(
                 "FlashCkptTrainer does not support save_strategy='best' or "
@@ -152,9 +155,12 @@ class FlashCkptTrainer(Trainer):
         checkpoint directory when this node's shared memory or storage holds a step (the resume
         then takes the newest step every rank holds, memory first), False when nothing was
         saved yet (``train(resume_from_checkpoint=False)`` starts from scratch)."""
-        if self.flash_checkpointer.newest_step_held() is None:
-            return False
-        return self.flash_checkpoint_dir
+        try:
+            held = self.flash_checkpointer.newest_step_held()
+        except CheckpointError as exc:  # the agent's saver did not answer: storage alone
+            log.warning("cannot ask the agent what its memory holds (%s)", exc)
+            held = storage_step(self.flash_checkpointer.engine.catalog())
+        return False if held is None else self.flash_checkpoint_dir
 
     def train(
         self,
