@@ -17,7 +17,8 @@ __all__ = [
     "DEFAULT_COPY_WAIT_S",
     "PERSIST_CHUNK_BYTES",
     "DEFAULT_PERSIST_NICE",
-    "agent_shm_prefix",
+    "ENV_BUFFERS",
+    "buffers_from_env",
     "run_in_background",
     "ENV_REPLICA_MIB_S",
     "replica_bandwidth_from_env",
@@ -45,10 +46,20 @@ DEFAULT_PERSIST_NICE = 19
 """Niceness of the agent's persist and replica threads where SCHED_IDLE is not available."""
 
 
-def agent_shm_prefix(agent_pid: int) -> str:
-    """The name prefix of the shared-memory segments (own slots and peers' replicas) that the
-    agent with ``agent_pid`` owns in DEFAULT_SHM_DIR."""
-    return f"dlrover-{agent_pid}-ckpt"
+ENV_BUFFERS = "DLROVER_CKPT_BUFFERS"
+"""Shared-memory buffers per saving rank: 2 (default; a save never waits for the persist or
+push of the previous step) or 1 (half the memory; a save waits for them)."""
+
+
+def buffers_from_env(env: Mapping[str, str] | None = None) -> int:
+    """The buffer count from DLROVER_CKPT_BUFFERS (default 2); ValueError naming the variable
+    for anything but 1 or 2."""
+    raw = (os.environ if env is None else env).get(ENV_BUFFERS, "").strip()
+    if not raw:
+        return 2
+    if raw not in ("1", "2"):
+        raise ValueError(f"{ENV_BUFFERS}={raw!r}: give 1 or 2 (buffers per saving rank)")
+    return int(raw)
 
 
 def run_in_background() -> None:
