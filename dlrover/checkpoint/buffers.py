@@ -11,26 +11,25 @@ DEFAULT_BUFFERS = 2
 """Buffers per slot: a copy never waits for a persist or a push of the previous step."""
 
 
-def choose_buffer(pinned: Sequence[bool], latest: int | None, persist: bool) -> int | None:
+def choose_buffer(pinned: Sequence[bool], newest: int | None, persist: bool) -> int | None:
     """The buffer a copy goes into, or None: it must wait until a pin is released.
 
     ``pinned[i]``: buffer ``i`` is read by a persist or a push (asked for or running);
-    ``latest``: the buffer written last (None: none yet). The rules:
+    ``newest``: the buffer holding the newest complete step (None: none). The rules:
 
     1. a copy never goes into a pinned buffer (it would change the bytes being read);
     2. a copy that asks for a persist waits while any buffer is pinned, so at most one buffer
        of a slot is pinned at a time and a memory-only copy always finds a free one;
-    3. among the free buffers, one that was not written last, so the newest step stays
-       complete while the copy runs (a worker killed mid-copy leaves it loadable); the
-       buffer written last only when it is the one free buffer (one buffer per slot, or the
-       other is being persisted).
+    3. among the free buffers, one that does not hold the newest step, so it stays complete
+       while the copy runs (a worker killed mid-copy leaves it loadable); that one only when
+       it is the one free buffer (one buffer per slot, or the other is being persisted).
     """
     if persist and any(pinned):
         return None
     free = [i for i, p in enumerate(pinned) if not p]
     if not free:
         return None
-    others = [i for i in free if i != latest]
+    others = [i for i in free if i != newest]
     return others[0] if others else free[0]
 
 
@@ -79,7 +78,7 @@ class SlotBuffers:
 
     def target(self, persist: bool) -> int | None:
         """The buffer the next copy goes into (``choose_buffer``), or None to wait."""
-        return choose_buffer([self.pinned(i) for i in range(self.count)], self.latest, persist)
+        return choose_buffer([self.pinned(i) for i in range(self.count)], self.newest(), persist)
 
     def begin(self, i: int, nbytes: int, step: int) -> SharedSegment:
         """Buffer ``i`` becomes the one written last, at least ``nbytes`` long. A free other

@@ -16,7 +16,8 @@ __all__ = [
     "DEFAULT_REQUEST_TIMEOUT_S",
     "DEFAULT_COPY_WAIT_S",
     "PERSIST_CHUNK_BYTES",
-    "DEFAULT_PERSIST_NICE",
+    "ENV_PERSIST_PRIORITY",
+    "persist_priority_from_env",
     "ENV_BUFFERS",
     "buffers_from_env",
     "run_in_background",
@@ -42,8 +43,6 @@ LATEST_FILE = "latest"
 """Marker file holding the newest committed step, written last by temp + rename."""
 MANIFEST_FILE = "manifest.json"
 """Per-step list of files, sizes and CRC32 checksums; its presence means 'committed'."""
-DEFAULT_PERSIST_NICE = 19
-"""Niceness of the agent's persist and replica threads where SCHED_IDLE is not available."""
 
 
 ENV_BUFFERS = "DLROVER_CKPT_BUFFERS"
@@ -62,20 +61,52 @@ def buffers_from_env(env: Mapping[str, str] | None = None) -> int:
     return int(raw)
 
 
+ENV_PERSIST_PRIORITY = "DLROVER_CKPT_PERSIST_PRIORITY"
+"""CPU priority of the agent's persist and replica threads: ``batch`` (default: SCHED_BATCH
+at nice 0), ``idle`` (SCHED_IDLE: only CPU time nobody else wants), or ``nice:<n>``
+(SCHED_OTHER at niceness n, 0..19). docs/checkpoint.md has the measurements behind the
+default."""
+DEFAULT_PERSIST_PRIORITY = "batch"
+
+
+def persist_priority_from_env(env: Mapping[str, str] | None = None) -> tuple[int, int]:
+    """(scheduling policy, niceness) from DLROVER_CKPT_PERSIST_PRIORITY; ValueError naming the
+    variable for a value it does not know."""
+    raw = (os.environ if env is None else env).get(ENV_PERSIST_PRIORITY, "").strip().lower()
+    raw = raw or DEFAULT_PERSIST_PRIORITY
+    if raw == "batch":
+        return os.SCHED_BATCH, 0
+    if raw == "idle":
+        return os.SCHED_IDLE, 0
+    if raw.startswith("nice:") and raw[5:].lstrip("-").isdigit() and 0 <= int(raw[5:]) <= 19:
+        return os.SCHED_OTHER, int(raw[5:])
+    raise ValueError(
+        f"{ENV_PERSIST_PRIORITY}={raw!r}: give batch, idle or nice:<0..19> (the CPU priority "
+        "of checkpoint persists)"
+    )
+
+
 def run_in_background() -> None:
-    """Lower the calling thread's CPU priority for persists and replica pushes: SCHED_IDLE
-    (it runs only on CPU time nobody else wants) where Linux offers it, else the lowest
-    niceness. Linux applies both per thread, so the trainers are not touched."""
+    """Set the calling thread's CPU priority for persists and replica pushes
+    (DLROVER_CKPT_PERSIST_PRIORITY, default SCHED_BATCH: an equal share of the CPU, which
+    bounds a persist's time on a node the trainers saturate, without the wake-up preemption
+    that would cut into their steps; SCHED_IDLE starved it). Linux applies it per thread, so
+    the trainers are not touched. An unknown value is logged and the default used."""
     tid = threading.get_native_id()
+    logger = logging.getLogger(__name__)
     try:
-        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-        return
-    except (OSError, AttributeError):
-        pass
+        policy, nice = persist_priority_from_env()
+    except ValueError as exc:
+        logger.warning("%s; using %s", exc, DEFAULT_PERSIST_PRIORITY)
+        policy, nice = os.SCHED_BATCH, 0
     try:
-        os.setpriority(os.PRIO_PROCESS, tid, DEFAULT_PERSIST_NICE)
+        os.sched_setscheduler(tid, policy, os.sched_param(0))
     except (OSError, AttributeError) as exc:
-        logging.getLogger(__name__).debug("cannot lower a persist thread's priority: %s", exc)
+        logger.debug("cannot set a persist thread's scheduling policy: %s", exc)
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, nice)
+    except (OSError, AttributeError) as exc:
+        logger.debug("cannot set a persist thread's niceness: %s", exc)
 
 
 ENV_REPLICA_MIB_S = "DLROVER_CKPT_REPLICA_MIB_S"

@@ -124,6 +124,9 @@ class CheckpointEngine:
         self._pending: threading.Event | None = None
         self._copy_error: BaseException | None = None
         self._hook: RemovableHandle | None = None
+        self.last_copy_wait_s = 0.0
+        """How long the last save waited for a free buffer (0.0 unless a DISK save found the
+        previous persist still running, or DLROVER_CKPT_BUFFERS=1)."""
         self.restored_from_peer: int | None = None
         """After ``memory_step``: the peer node whose memory this node's step was copied from
         (this node had lost its own), else None."""
@@ -284,6 +287,7 @@ class CheckpointEngine:
                 timeout=DEFAULT_COPY_WAIT_S,
             )
         )
+        self.last_copy_wait_s = reply.waited_s
         if reply.waited_s >= 1.0:
             log.warning(
                 "the save of step %d waited %.1f s for the previous persist or peer push of "

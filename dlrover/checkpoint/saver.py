@@ -285,9 +285,9 @@ class CheckpointSaver:
         two buffers a memory-only copy never waits; a copy that asks for a persist waits while
         the previous persist or push of the slot still reads a buffer."""
         slot = request.slot
-        started = time.monotonic()
         with self._cond:
             buffers = self._slot(slot, request.nbytes)
+            started = time.monotonic()  # the wait for a pin, not the first allocation
             ready = self._cond.wait_for(
                 lambda: buffers.target(request.persist) is not None, request.timeout
             )
