@@ -604,19 +604,22 @@ def bench_persist_priority(state: dict[str, Any], work: Path, args: argparse.Nam
 
 def bench_saves_taken(state: dict[str, Any], work: Path, args: argparse.Namespace
                       ) -> list[tuple[str, int, int, int, float, float]]:
-    """With every core busy: a memory save every step and a DISK save every 10th, two
-    buffers per slot vs one. One buffer models the release before (a save that found its
-    buffer being persisted was skipped): here it waits, and the waits are counted."""
-    from dlrover.checkpoint.config import ENV_BUFFERS
+    """With every core busy: a memory save every step and a DISK save every 10th; ours (two
+    buffers per slot, the default persist priority) vs the release before (one buffer,
+    SCHED_IDLE persists), in which a save that found its buffer held by a persist was
+    skipped: here it waits, and the saves that waited are the ones it skipped."""
+    from dlrover.checkpoint.config import ENV_BUFFERS, ENV_PERSIST_PRIORITY
     from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer, StorageType
 
     out = []
     trainers = BusyTrainers(os.cpu_count() or 1)
+    runs = [("2 buffers, batch (ours)", 2, "batch"), ("1 buffer, idle (before)", 1, "idle")]
     try:
         trainers.wait_steps(20)
-        for buffers in (2, 1):
+        for label, buffers, priority in runs:
             sock = str(work / f"saves-{buffers}.sock")
-            saver = start_saver_proc(sock, {ENV_BUFFERS: str(buffers)})
+            saver = start_saver_proc(
+                sock, {ENV_BUFFERS: str(buffers), ENV_PERSIST_PRIORITY: priority})
             os.environ[ENV_CHECKPOINT_SOCKET] = sock
             try:
                 ckpt = DdpCheckpointer(str(work / f"saves-{buffers}"))
@@ -632,9 +635,8 @@ def bench_saves_taken(state: dict[str, Any], work: Path, args: argparse.Namespac
                 wall = time.perf_counter() - start
                 assert ckpt.wait_latest_checkpoint(600)
                 ckpt.close()
-                waited = sum(1 for w in waits if w > 0.01)
-                out.append((f"{buffers} buffer{'s' if buffers > 1 else ''} per slot",
-                            len(waits), len(waits) - waited, waited, sum(waits), wall))
+                waited = sum(1 for w in waits if w > 0.0)
+                out.append((label, len(waits), len(waits) - waited, waited, sum(waits), wall))
             finally:
                 os.environ.pop(ENV_CHECKPOINT_SOCKET, None)
                 stop_saver_proc(saver)
@@ -653,15 +655,15 @@ def report_busy(title: str, priorities: list[tuple[str, float, float, float, flo
         for policy, idle, busy, ratio, slow in priorities:
             print(f"{policy:24} {idle:7.2f} {busy:7.2f} {ratio:9.2f} {slow:18.2f}")
     if saves:
-        print(f"{'memory saves, busy CPU':24} {'asked':>6} {'at once':>7} {'waited':>6} "
+        print(f"{'saves, busy CPU':24} {'asked':>6} {'at once':>7} {'waited':>6} "
               f"{'wait s':>7} {'wall s':>7}")
         for label, asked, at_once, waited, wait_s, wall in saves:
             print(f"{label:24} {asked:6d} {at_once:7d} {waited:6d} {wait_s:7.2f} {wall:7.2f}")
         if len(saves) == 2:
             (_, _, ours, _, _, ours_wall), (_, _, one, _, _, one_wall) = saves
-            print(f"  saves taken at once, 2 buffers / 1 buffer: {ours} / {one}"
-                  f" (1 buffer: the release before skipped the others);"
-                  f" wall 1 buffer / 2 buffers: {one_wall / ours_wall:.2f}x")
+            print(f"  memory saves taken: ours {ours} of {saves[0][1]}, before {one} of "
+                  f"{saves[1][1]} (it skipped the ones that waited here); "
+                  f"wall before / ours: {one_wall / ours_wall:.2f}x")
 
 
 def run_busy(size_gb: float, args: argparse.Namespace) -> None:
@@ -671,10 +673,13 @@ def run_busy(size_gb: float, args: argparse.Namespace) -> None:
     try:
         priorities = bench_persist_priority(state, work, args)
         gc.collect()
-        saves = bench_saves_taken(state, work, args)
+        del state
+        gc.collect()
+        saves = bench_saves_taken(make_state(args.busy_saves_gb, False), work, args)
         report_busy(f"busy node: state {nbytes / 2**30:.2f} GiB, {os.cpu_count()} cpus each run "
                     "by a trainer process with a spinning side thread, "
-                    f"{args.repeats} repeats (medians)", priorities, saves)
+                    f"{args.repeats} repeats (medians); saves: {args.busy_saves_gb} GiB, "
+                    f"load average {os.getloadavg()[0]:.1f}", priorities, saves)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -692,10 +697,12 @@ def main() -> None:
     parser.add_argument("--busy", choices=("also", "only", "skip"), default="also",
                         help="the busy-node rows: persist priority, saves taken with 2 vs 1 "
                              "buffers (default: after the others)")
-    parser.add_argument("--busy-policies", default="idle,batch,nice:0,nice:10",
+    parser.add_argument("--busy-policies", default="idle,batch,batch:10,nice:10",
                         help="persist priorities compared (DLROVER_CKPT_PERSIST_PRIORITY)")
     parser.add_argument("--busy-steps", type=int, default=30,
                         help="steps of the saves-taken run (memory every step, disk every 10)")
+    parser.add_argument("--busy-saves-gb", type=float, default=0.25,
+                        help="GiB of state in the saves-taken run (a save every step)")
     parser.add_argument("--busy-timeout", type=float, default=120.0,
                         help="seconds a busy persist may take before it is reported as inf")
     parser.add_argument("--child-load", default=None, help=argparse.SUPPRESS)

@@ -63,9 +63,9 @@ def buffers_from_env(env: Mapping[str, str] | None = None) -> int:
 
 ENV_PERSIST_PRIORITY = "DLROVER_CKPT_PERSIST_PRIORITY"
 """CPU priority of the agent's persist and replica threads: ``batch`` (default: SCHED_BATCH
-at nice 0), ``idle`` (SCHED_IDLE: only CPU time nobody else wants), or ``nice:<n>``
-(SCHED_OTHER at niceness n, 0..19). docs/checkpoint.md has the measurements behind the
-default."""
+at nice 0), ``batch:<n>`` (SCHED_BATCH at niceness n, 0..19), ``idle`` (SCHED_IDLE: only CPU
+time nobody else wants), or ``nice:<n>`` (SCHED_OTHER at niceness n). docs/checkpoint.md has
+the measurements behind the default."""
 DEFAULT_PERSIST_PRIORITY = "batch"
 
 
@@ -74,24 +74,24 @@ def persist_priority_from_env(env: Mapping[str, str] | None = None) -> tuple[int
     variable for a value it does not know."""
     raw = (os.environ if env is None else env).get(ENV_PERSIST_PRIORITY, "").strip().lower()
     raw = raw or DEFAULT_PERSIST_PRIORITY
-    if raw == "batch":
-        return os.SCHED_BATCH, 0
     if raw == "idle":
         return os.SCHED_IDLE, 0
-    if raw.startswith("nice:") and raw[5:].lstrip("-").isdigit() and 0 <= int(raw[5:]) <= 19:
-        return os.SCHED_OTHER, int(raw[5:])
+    name, _, nice = raw.partition(":")
+    policies = {"batch": os.SCHED_BATCH, "nice": os.SCHED_OTHER}
+    if name in policies and (nice.isdigit() and int(nice) <= 19 or name == "batch" and not nice):
+        return policies[name], int(nice or 0)
     raise ValueError(
-        f"{ENV_PERSIST_PRIORITY}={raw!r}: give batch, idle or nice:<0..19> (the CPU priority "
-        "of checkpoint persists)"
+        f"{ENV_PERSIST_PRIORITY}={raw!r}: give batch, batch:<0..19>, idle or nice:<0..19> (the "
+        "CPU priority of checkpoint persists)"
     )
 
 
 def run_in_background() -> None:
     """Set the calling thread's CPU priority for persists and replica pushes
-    (DLROVER_CKPT_PERSIST_PRIORITY, default SCHED_BATCH: an equal share of the CPU, which
-    bounds a persist's time on a node the trainers saturate, without the wake-up preemption
-    that would cut into their steps; SCHED_IDLE starved it). Linux applies it per thread, so
-    the trainers are not touched. An unknown value is logged and the default used."""
+    (DLROVER_CKPT_PERSIST_PRIORITY, default SCHED_BATCH at nice 0: an equal share of the
+    CPU, the one priority measured to keep a persist within about 2x its time on a node the
+    trainers saturate; SCHED_IDLE starved it there). Linux applies it per thread, so the
+    trainers are not touched. An unknown value is logged and the default used."""
     tid = threading.get_native_id()
     logger = logging.getLogger(__name__)
     try:

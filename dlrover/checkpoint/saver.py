@@ -288,6 +288,7 @@ class CheckpointSaver:
         with self._cond:
             buffers = self._slot(slot, request.nbytes)
             started = time.monotonic()  # the wait for a pin, not the first allocation
+            waited = buffers.target(request.persist) is None
             ready = self._cond.wait_for(
                 lambda: buffers.target(request.persist) is not None, request.timeout
             )
@@ -305,7 +306,7 @@ class CheckpointSaver:
                 )
             self._votes.clear()  # memory is about to change: a new restart round must re-vote
             seg = buffers.begin(target, request.nbytes, request.step)
-            return BeginCopyReply(seg.path, seg.size, time.monotonic() - started)
+            return BeginCopyReply(seg.path, seg.size, time.monotonic() - started if waited else 0.0)
 
     def _attach(self, slot: int, step: int | None) -> str | None:
         """The buffer of ``slot`` to load from: the one holding ``step``, or the newest."""
