@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from dlrover.checkpoint.errors import ShmSpaceError
 from dlrover.checkpoint.header import begin_write, complete_step
-from dlrover.checkpoint.shm import SharedSegment
+from dlrover.checkpoint.shm import SharedSegment, shm_free_bytes
 
 DEFAULT_BUFFERS = 2
 """Buffers per slot: a copy never waits for a persist or a push of the previous step."""
@@ -59,6 +60,9 @@ class SlotBuffers:
     def ensure(self, nbytes: int) -> None:
         """Create every buffer (at least ``nbytes`` each) if not done yet; grow free ones."""
         if not self.segments:
+            free = shm_free_bytes(self.shm_dir)
+            if self.count * nbytes > free:  # say the whole need, not the second buffer's
+                raise ShmSpaceError(f"{self.name}-buf*", self.count * nbytes, free)
             try:
                 for i in range(self.count):
                     self.segments.append(

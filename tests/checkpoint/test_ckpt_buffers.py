@@ -12,7 +12,9 @@ import torch
 from dlrover.checkpoint.buffers import SlotBuffers, choose_buffer
 from dlrover.checkpoint.config import DEFAULT_SHM_DIR, ENV_CHECKPOINT_SOCKET, buffers_from_env
 from dlrover.checkpoint.engine import CheckpointEngine, WorkerPlacement
+from dlrover.checkpoint.errors import ShmSpaceError
 from dlrover.checkpoint.header import begin_write, publish
+from dlrover.checkpoint.shm import shm_free_bytes
 from dlrover.checkpoint.storage import LocalStorage
 from tests.checkpoint.harness import assert_same, expected_state, running_saver
 
@@ -87,6 +89,16 @@ def test_a_pinned_buffer_is_not_grown_or_written() -> None:
         assert slot.target(persist=False) == 1 and slot.target(persist=True) is None
     finally:
         slot.close(unlink=True)
+
+
+def test_too_little_shm_for_both_buffers_says_the_whole_need_and_creates_nothing() -> None:
+    name = f"dlrtest-{uuid.uuid4().hex[:8]}-slot0"
+    slot = SlotBuffers(name, 2, DEFAULT_SHM_DIR)
+    half = shm_free_bytes() // 2 + (1 << 20)
+    with pytest.raises(ShmSpaceError, match="DLROVER_CKPT_BUFFERS=1") as info:
+        slot.ensure(half)
+    assert info.value.needed == 2 * half and info.value.path.endswith("-buf*")
+    assert slot.segments == [] and not list(Path(DEFAULT_SHM_DIR).glob(f"{name}-*"))
 
 
 def test_buffer_count_setting_is_checked() -> None:
