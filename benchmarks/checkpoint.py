@@ -466,6 +466,224 @@ def run_case(size_gb: float, adam: bool, args: argparse.Namespace) -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
+# ------------------------------------------------------------------ a busy node (issue 27)
+# Trainers that keep every core busy, a persist under each CPU priority, and memory saves
+# with two buffers vs one. Its own rows and table, so the sections above stay as they were.
+
+BUSY_TRAINER = """
+import sys, threading, time, torch
+torch.set_num_threads(1)
+torch.manual_seed(0)
+def spin():
+    while True:
+        pass
+threading.Thread(target=spin, daemon=True).start()  # the data loader's share of the CPU
+model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)])
+opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+x = torch.randn(128, 512)
+while True:
+    model(x).square().mean().backward(); opt.step(); opt.zero_grad()
+    sys.stdout.write(f"{time.monotonic()}\\n"); sys.stdout.flush()
+"""
+
+
+class BusyTrainers:
+    """One trainer process per CPU, each with a spinning side thread; records step ends."""
+
+    def __init__(self, count: int) -> None:
+        import threading
+
+        self.ends: list[list[float]] = [[] for _ in range(count)]
+        self.procs = [subprocess.Popen([sys.executable, "-c", BUSY_TRAINER],
+                                       stdout=subprocess.PIPE, text=True)
+                      for _ in range(count)]
+        for i, proc in enumerate(self.procs):
+            threading.Thread(target=self._read, args=(proc, self.ends[i]), daemon=True).start()
+
+    @staticmethod
+    def _read(proc: subprocess.Popen[str], ends: list[float]) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            ends.append(float(line))
+
+    def wait_steps(self, n: int, timeout: float = 120.0) -> None:
+        """Until every trainer has made ``n`` more steps (the warm-up, a baseline window)."""
+        start = [len(e) for e in self.ends]
+        deadline = time.monotonic() + timeout
+        while any(len(e) - s < n for e, s in zip(self.ends, start, strict=True)):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the busy trainers made fewer than {n} steps in {timeout} s")
+            time.sleep(0.05)
+
+    def steps(self, t0: float, t1: float) -> list[float]:
+        """Durations of the steps that ended in [t0, t1], all trainers."""
+        out = []
+        for ends in self.ends:
+            out += [b - a for a, b in zip(ends, ends[1:], strict=False) if t0 <= b <= t1]
+        return out
+
+    def close(self) -> None:
+        for proc in self.procs:
+            proc.kill()
+            proc.wait(10)
+
+
+def start_saver_proc(sock: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """A saver in its own process (as the agent runs it) with ``env`` added (priority, buffers)."""
+    code = ("import sys; from dlrover.checkpoint.saver import CheckpointSaver;"
+            "from dlrover.checkpoint.config import buffers_from_env;"
+            f"s = CheckpointSaver({sock!r}, shm_prefix='dlrover-bench-{uuid.uuid4().hex[:6]}',"
+            " buffers=buffers_from_env());"
+            "s.start(); print('ready', flush=True); sys.stdin.read(); s.close(unlink=True)")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE,
+                            env={**os.environ, "PYTHONPATH": str(REPO), **env})
+    assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+    return proc
+
+
+def stop_saver_proc(proc: subprocess.Popen[bytes]) -> None:
+    assert proc.stdin is not None
+    proc.stdin.close()
+    proc.wait(120)
+
+
+def bench_persist_priority(state: dict[str, Any], work: Path, args: argparse.Namespace
+                           ) -> list[tuple[str, float, float, float, float]]:
+    """Per persist priority: persist time idle and with every core busy, and the busy
+    trainers' step time during those persists vs just before each."""
+    from dlrover.checkpoint.config import ENV_PERSIST_PRIORITY
+    from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer, StorageType
+
+    out = []
+    for policy in args.busy_policies.split(","):
+        sock = str(work / f"busy-{policy.replace(':', '')}.sock")
+        saver = start_saver_proc(sock, {ENV_PERSIST_PRIORITY: policy})
+        os.environ[ENV_CHECKPOINT_SOCKET] = sock
+        ckpt_dir = str(work / f"busy-{policy.replace(':', '')}")
+        trainers: BusyTrainers | None = None
+        try:
+            ckpt = DdpCheckpointer(ckpt_dir)
+            step = iter(range(1, 10_000))
+            ckpt.save_checkpoint(next(step), state, storage_type=StorageType.DISK)
+            assert ckpt.wait_latest_checkpoint(600)  # allocation and first touch out of the way
+            idle = []
+            for _ in range(args.repeats):
+                ckpt.save_checkpoint(next(step), state, storage_type=StorageType.DISK)
+                start = time.perf_counter()
+                assert ckpt.wait_latest_checkpoint(600)
+                idle.append(time.perf_counter() - start)
+            trainers = BusyTrainers(os.cpu_count() or 1)
+            trainers.wait_steps(20)
+            busy, before, during = [], [], []
+            for _ in range(args.repeats):
+                base0 = time.monotonic()
+                trainers.wait_steps(20)  # the baseline window: the same trainers, no persist
+                base1 = time.monotonic()
+                ckpt.save_checkpoint(next(step), state, storage_type=StorageType.DISK)
+                t0 = time.monotonic()
+                done = ckpt.wait_latest_checkpoint(args.busy_timeout)
+                t1 = time.monotonic()
+                busy.append(t1 - t0 if done else float("inf"))
+                before += trainers.steps(base0, base1)
+                during += trainers.steps(t0, t1)
+                if not done:
+                    assert ckpt.wait_latest_checkpoint(600)  # let it end before the next one
+            ckpt.close()
+            med_idle = statistics.median(idle)
+            med_busy = statistics.median(busy)
+            slow = statistics.median(during) / statistics.median(before) if during else 1.0
+            out.append((policy, med_idle, med_busy, med_busy / med_idle, slow))
+        finally:
+            if trainers is not None:
+                trainers.close()
+            os.environ.pop(ENV_CHECKPOINT_SOCKET, None)
+            stop_saver_proc(saver)
+    return out
+
+
+def bench_saves_taken(state: dict[str, Any], work: Path, args: argparse.Namespace
+                      ) -> list[tuple[str, int, int, int, float, float]]:
+    """With every core busy: a memory save every step and a DISK save every 10th; ours (two
+    buffers per slot, the default persist priority) vs the release before (one buffer,
+    SCHED_IDLE persists), in which a save that found its buffer held by a persist was
+    skipped: here it waits, and the saves that waited are the ones it skipped."""
+    from dlrover.checkpoint.config import ENV_BUFFERS, ENV_PERSIST_PRIORITY
+    from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer, StorageType
+
+    out = []
+    trainers = BusyTrainers(os.cpu_count() or 1)
+    runs = [("2 buffers, batch (ours)", 2, "batch"), ("1 buffer, idle (before)", 1, "idle")]
+    try:
+        trainers.wait_steps(20)
+        for label, buffers, priority in runs:
+            sock = str(work / f"saves-{buffers}.sock")
+            saver = start_saver_proc(
+                sock, {ENV_BUFFERS: str(buffers), ENV_PERSIST_PRIORITY: priority})
+            os.environ[ENV_CHECKPOINT_SOCKET] = sock
+            try:
+                ckpt = DdpCheckpointer(str(work / f"saves-{buffers}"))
+                ckpt.save_checkpoint(0, state, storage_type=StorageType.MEMORY)  # allocation
+                waits = []
+                start = time.perf_counter()
+                for step in range(1, args.busy_steps + 1):
+                    disk = step % 10 == 0
+                    assert ckpt.save_checkpoint(
+                        step, state, storage_type=StorageType.DISK if disk else StorageType.MEMORY
+                    )
+                    waits.append(ckpt.engine.last_copy_wait_s)
+                wall = time.perf_counter() - start
+                assert ckpt.wait_latest_checkpoint(600)
+                ckpt.close()
+                waited = sum(1 for w in waits if w > 0.0)
+                out.append((label, len(waits), len(waits) - waited, waited, sum(waits), wall))
+            finally:
+                os.environ.pop(ENV_CHECKPOINT_SOCKET, None)
+                stop_saver_proc(saver)
+    finally:
+        trainers.close()
+    return out
+
+
+def report_busy(title: str, priorities: list[tuple[str, float, float, float, float]],
+                saves: list[tuple[str, int, int, int, float, float]]) -> None:
+    """The busy-node tables, with the ratios the issue asks for (persist <= 2x, step <= 1.1x)."""
+    print(f"\n{title}")
+    if priorities:
+        print(f"{'persist thread priority':24} {'idle s':>7} {'busy s':>7} {'busy/idle':>9} "
+              f"{'step during/before':>18}")
+        for policy, idle, busy, ratio, slow in priorities:
+            print(f"{policy:24} {idle:7.2f} {busy:7.2f} {ratio:9.2f} {slow:18.2f}")
+    if saves:
+        print(f"{'saves, busy CPU':24} {'asked':>6} {'at once':>7} {'waited':>6} "
+              f"{'wait s':>7} {'wall s':>7}")
+        for label, asked, at_once, waited, wait_s, wall in saves:
+            print(f"{label:24} {asked:6d} {at_once:7d} {waited:6d} {wait_s:7.2f} {wall:7.2f}")
+        if len(saves) == 2:
+            (_, _, ours, _, _, ours_wall), (_, _, one, _, _, one_wall) = saves
+            print(f"  memory saves taken: ours {ours} of {saves[0][1]}, before {one} of "
+                  f"{saves[1][1]} (it skipped the ones that waited here); "
+                  f"wall before / ours: {one_wall / ours_wall:.2f}x")
+
+
+def run_busy(size_gb: float, args: argparse.Namespace) -> None:
+    state = make_state(size_gb, False)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors_of(state))
+    work = Path(tempfile.mkdtemp(prefix="dlrover-bench-", dir=args.dir))
+    try:
+        priorities = bench_persist_priority(state, work, args)
+        gc.collect()
+        del state
+        gc.collect()
+        saves = bench_saves_taken(make_state(args.busy_saves_gb, False), work, args)
+        report_busy(f"busy node: state {nbytes / 2**30:.2f} GiB, {os.cpu_count()} cpus each run "
+                    "by a trainer process with a spinning side thread, "
+                    f"{args.repeats} repeats (medians); saves: {args.busy_saves_gb} GiB, "
+                    f"load average {os.getloadavg()[0]:.1f}", priorities, saves)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--size-gb", type=float, default=1.0, help="GiB of float32 params")
@@ -476,14 +694,28 @@ def main() -> None:
     parser.add_argument("--skip-dcp", action="store_true")
     parser.add_argument("--skip-replica", action="store_true",
                         help="leave out the peer-replica rows (push, restore from a peer)")
+    parser.add_argument("--busy", choices=("also", "only", "skip"), default="also",
+                        help="the busy-node rows: persist priority, saves taken with 2 vs 1 "
+                             "buffers (default: after the others)")
+    parser.add_argument("--busy-policies", default="idle,batch,batch:10,nice:10",
+                        help="persist priorities compared (DLROVER_CKPT_PERSIST_PRIORITY)")
+    parser.add_argument("--busy-steps", type=int, default=30,
+                        help="steps of the saves-taken run (memory every step, disk every 10)")
+    parser.add_argument("--busy-saves-gb", type=float, default=0.25,
+                        help="GiB of state in the saves-taken run (a save every step)")
+    parser.add_argument("--busy-timeout", type=float, default=120.0,
+                        help="seconds a busy persist may take before it is reported as inf")
     parser.add_argument("--child-load", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child_load:
         child_load(args.child_load, args.size_gb, args.adam, args.repeats)
         return
-    run_case(args.size_gb, False, args)
-    if args.adam:
-        run_case(args.size_gb, True, args)
+    if args.busy != "only":
+        run_case(args.size_gb, False, args)
+        if args.adam:
+            run_case(args.size_gb, True, args)
+    if args.busy != "skip":
+        run_busy(args.size_gb, args)
 
 
 if __name__ == "__main__":

@@ -46,7 +46,8 @@ from dlrover.api.master import (
     MasterApi,
     NodeOutcome,
 )
-from dlrover.checkpoint.config import agent_shm_prefix, replica_bandwidth_from_env
+from dlrover.checkpoint.config import buffers_from_env, replica_bandwidth_from_env
+from dlrover.checkpoint.leftovers import OwnerLock, owner_prefix, sweep
 from dlrover.client.checkpoint import MasterCommitCoordinator, MasterPeerDirectory
 from dlrover.constants import (
     DEFAULT_JOB_NAME,
@@ -119,6 +120,7 @@ class ElasticAgent:
         self._rdzv = RendezvousClient(master, config, self._heartbeat.stop_requested)
         self._host = config.local_addr or self._guess_host()
         self._run_dir = ""
+        self._owner_lock: OwnerLock | None = None
         self._history: list[UserErrorSignature | None] = []
         self._zygote: PendingZygote | None = None
         self._saver: Any = None
@@ -178,9 +180,17 @@ class ElasticAgent:
         """Register with the master, host the checkpoint saver, start heartbeats."""
         if self._checker is not None:
             self._checker.prepare()  # its torch import overlaps registration and rendezvous
+        # What agents SIGKILLed on this node left behind (their owner lock is free); live
+        # agents' things, of this job or another, are not touched.
+        sweep()
         self._register()
-        self._run_dir = tempfile.mkdtemp(prefix="dlrover_agent_")
-        self._start_saver()
+        # Named for the job, node and this process, and guarded by a lock held until close:
+        # an operator can tell whose they are, and the next agent's sweep whether the owner died.
+        prefix = owner_prefix(self.run_id, self.node_id or "node", os.getpid())
+        self._owner_lock = OwnerLock(prefix)
+        self._run_dir = os.path.join(tempfile.gettempdir(), f"{prefix}.agent")
+        os.makedirs(self._run_dir, mode=0o700, exist_ok=True)
+        self._start_saver(f"{prefix}.ckpt")
         self._heartbeat.start()
 
     def close(self) -> None:
@@ -200,6 +210,9 @@ class ElasticAgent:
             self._saver = None
         if self._run_dir:
             shutil.rmtree(self._run_dir, ignore_errors=True)
+        if self._owner_lock is not None:
+            self._owner_lock.release()  # last: until now a sweep sees the owner alive
+            self._owner_lock = None
 
     def step(self) -> RunResult | None:
         """One round: rendezvous, start the workers, watch them, act on the outcome. Returns
@@ -317,7 +330,7 @@ class ElasticAgent:
             self.run_id = registered.job_name
 
     # --- flash checkpoint --------------------------------------------------------------------
-    def _start_saver(self) -> None:
+    def _start_saver(self, shm_prefix: str) -> None:
         """Own the flash-checkpoint shared memory of this node, so it outlives worker crashes."""
         if not self.config.flash_checkpoint:
             return
@@ -325,16 +338,18 @@ class ElasticAgent:
 
         try:
             bandwidth = replica_bandwidth_from_env()
+            buffers = buffers_from_env()
         except ValueError as e:
             raise AgentError(str(e)) from None
         self._saver = CheckpointSaver(
             socket_path=os.path.join(self._run_dir, "ckpt.sock"),
-            shm_prefix=agent_shm_prefix(os.getpid()),
+            shm_prefix=shm_prefix,
             coordinator=MasterCommitCoordinator(self.master),
             peers=MasterPeerDirectory(self.master),
             replica_token=self._token or "",
             replica_host=self._host,
             replica_bandwidth=bandwidth,
+            buffers=buffers,
         )
         self._saver.start()
 

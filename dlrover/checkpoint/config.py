@@ -16,8 +16,10 @@ __all__ = [
     "DEFAULT_REQUEST_TIMEOUT_S",
     "DEFAULT_COPY_WAIT_S",
     "PERSIST_CHUNK_BYTES",
-    "DEFAULT_PERSIST_NICE",
-    "agent_shm_prefix",
+    "ENV_PERSIST_PRIORITY",
+    "persist_priority_from_env",
+    "ENV_BUFFERS",
+    "buffers_from_env",
     "run_in_background",
     "ENV_REPLICA_MIB_S",
     "replica_bandwidth_from_env",
@@ -41,30 +43,70 @@ LATEST_FILE = "latest"
 """Marker file holding the newest committed step, written last by temp + rename."""
 MANIFEST_FILE = "manifest.json"
 """Per-step list of files, sizes and CRC32 checksums; its presence means 'committed'."""
-DEFAULT_PERSIST_NICE = 19
-"""Niceness of the agent's persist and replica threads where SCHED_IDLE is not available."""
 
 
-def agent_shm_prefix(agent_pid: int) -> str:
-    """The name prefix of the shared-memory segments (own slots and peers' replicas) that the
-    agent with ``agent_pid`` owns in DEFAULT_SHM_DIR."""
-    return f"dlrover-{agent_pid}-ckpt"
+ENV_BUFFERS = "DLROVER_CKPT_BUFFERS"
+"""Shared-memory buffers per saving rank: 2 (default; a save never waits for the persist or
+push of the previous step) or 1 (half the memory; a save waits for them)."""
+
+
+def buffers_from_env(env: Mapping[str, str] | None = None) -> int:
+    """The buffer count from DLROVER_CKPT_BUFFERS (default 2); ValueError naming the variable
+    for anything but 1 or 2."""
+    raw = (os.environ if env is None else env).get(ENV_BUFFERS, "").strip()
+    if not raw:
+        return 2
+    if raw not in ("1", "2"):
+        raise ValueError(f"{ENV_BUFFERS}={raw!r}: give 1 or 2 (buffers per saving rank)")
+    return int(raw)
+
+
+ENV_PERSIST_PRIORITY = "DLROVER_CKPT_PERSIST_PRIORITY"
+"""CPU priority of the agent's persist and replica threads: ``batch`` (default: SCHED_BATCH
+at nice 0), ``batch:<n>`` (SCHED_BATCH at niceness n, 0..19), ``idle`` (SCHED_IDLE: only CPU
+time nobody else wants), or ``nice:<n>`` (SCHED_OTHER at niceness n). docs/checkpoint.md has
+the measurements behind the default."""
+DEFAULT_PERSIST_PRIORITY = "batch"
+
+
+def persist_priority_from_env(env: Mapping[str, str] | None = None) -> tuple[int, int]:
+    """(scheduling policy, niceness) from DLROVER_CKPT_PERSIST_PRIORITY; ValueError naming the
+    variable for a value it does not know."""
+    raw = (os.environ if env is None else env).get(ENV_PERSIST_PRIORITY, "").strip().lower()
+    raw = raw or DEFAULT_PERSIST_PRIORITY
+    if raw == "idle":
+        return os.SCHED_IDLE, 0
+    name, _, nice = raw.partition(":")
+    policies = {"batch": os.SCHED_BATCH, "nice": os.SCHED_OTHER}
+    if name in policies and (nice.isdigit() and int(nice) <= 19 or name == "batch" and not nice):
+        return policies[name], int(nice or 0)
+    raise ValueError(
+        f"{ENV_PERSIST_PRIORITY}={raw!r}: give batch, batch:<0..19>, idle or nice:<0..19> (the "
+        "CPU priority of checkpoint persists)"
+    )
 
 
 def run_in_background() -> None:
-    """Lower the calling thread's CPU priority for persists and replica pushes: SCHED_IDLE
-    (it runs only on CPU time nobody else wants) where Linux offers it, else the lowest
-    niceness. Linux applies both per thread, so the trainers are not touched."""
+    """Set the calling thread's CPU priority for persists and replica pushes
+    (DLROVER_CKPT_PERSIST_PRIORITY, default SCHED_BATCH at nice 0: an equal share of the
+    CPU, the one priority measured to keep a persist within about 2x its time on a node the
+    trainers saturate; SCHED_IDLE starved it there). Linux applies it per thread, so the
+    trainers are not touched. An unknown value is logged and the default used."""
     tid = threading.get_native_id()
+    logger = logging.getLogger(__name__)
     try:
-        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-        return
-    except (OSError, AttributeError):
-        pass
+        policy, nice = persist_priority_from_env()
+    except ValueError as exc:
+        logger.warning("%s; using %s", exc, DEFAULT_PERSIST_PRIORITY)
+        policy, nice = os.SCHED_BATCH, 0
     try:
-        os.setpriority(os.PRIO_PROCESS, tid, DEFAULT_PERSIST_NICE)
+        os.sched_setscheduler(tid, policy, os.sched_param(0))
     except (OSError, AttributeError) as exc:
-        logging.getLogger(__name__).debug("cannot lower a persist thread's priority: %s", exc)
+        logger.debug("cannot set a persist thread's scheduling policy: %s", exc)
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, nice)
+    except (OSError, AttributeError) as exc:
+        logger.debug("cannot set a persist thread's niceness: %s", exc)
 
 
 ENV_REPLICA_MIB_S = "DLROVER_CKPT_REPLICA_MIB_S"

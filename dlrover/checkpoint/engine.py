@@ -20,13 +20,15 @@ from dlrover.checkpoint.client import SaverClient
 from dlrover.checkpoint.config import (
     DEFAULT_COPY_WAIT_S,
     DEFAULT_KEEP_LAST,
+    ENV_BUFFERS,
     ENV_CHECKPOINT_SOCKET,
+    buffers_from_env,
 )
 from dlrover.checkpoint.errors import CheckpointError, CheckpointStorageError, SegmentStateError
 from dlrover.checkpoint.layout import Layout, plan_layout, read_state, write_state
+from dlrover.checkpoint.leftovers import owner_prefix
 from dlrover.checkpoint.saver import CheckpointSaver
 from dlrover.checkpoint.saver_messages import (
-    AllocateRequest,
     AttachRequest,
     BeginCopyRequest,
     CopiedRequest,
@@ -36,6 +38,7 @@ from dlrover.checkpoint.saver_messages import (
 )
 from dlrover.checkpoint.shm import SharedSegment
 from dlrover.checkpoint.storage import storage_for
+from dlrover.constants import ENV_JOB_NAME
 from dlrover.worker_context import WorkerContext
 
 log = logging.getLogger(__name__)
@@ -115,13 +118,15 @@ class CheckpointEngine:
         if not socket_path:
             socket_path = self._start_own_saver()
         self.client = SaverClient(socket_path)
-        self._segment: SharedSegment | None = None
-        self._load_segment: SharedSegment | None = None
+        self._segments: dict[str, SharedSegment] = {}  # path -> this slot's buffers, mapped
         self._last_disk_step: int | None = None
         self._lock = threading.Lock()
         self._pending: threading.Event | None = None
         self._copy_error: BaseException | None = None
         self._hook: RemovableHandle | None = None
+        self.last_copy_wait_s = 0.0
+        """How long the last save waited for a free buffer (0.0 unless a DISK save found the
+        previous persist still running, or DLROVER_CKPT_BUFFERS=1)."""
         self.restored_from_peer: int | None = None
         """After ``memory_step``: the peer node whose memory this node's step was copied from
         (this node had lost its own), else None."""
@@ -169,25 +174,18 @@ class CheckpointEngine:
     ) -> bool:
         """Copy ``state`` into shared memory as ``step``; ask for a persist if ``persist``.
 
-        Returns False when the save was skipped: a memory-only save is skipped (not waited
-        for) while the previous step is still being persisted from the same segment.
+        Always returns True: the copy goes into a buffer of the slot that no persist or push
+        reads (with the default two buffers a memory-only save never waits; a DISK save waits
+        for the previous persist of the slot). A save that cannot happen raises: ShmSpaceError
+        (/dev/shm too small for the buffers), SaverError (no buffer freed in time, the saver
+        gone), each naming the cause and what to do.
         """
         if not self.saves_to_memory:
             return True
         self.wait_copy()
         layout = layout or self.plan(state)
         with self._lock:
-            seg = self._ensure_segment(layout.required_bytes(step))
-            reply = self.client.request(
-                BeginCopyRequest(self.slot, wait=persist, timeout=DEFAULT_COPY_WAIT_S)
-            )
-            if reply.busy:
-                log.warning(
-                    "skipping the memory save of step %d: the previous step is still "
-                    "being persisted or sent to a peer",
-                    step,
-                )
-                return False
+            seg = self._begin_copy(step, layout, persist)
             write_state(seg, layout, step, after_tensor)
             do_persist = persist and (self.sharded or self.place.rank == 0)
             self.client.request(CopiedRequest(self.slot, step, self._spec(), persist=do_persist))
@@ -202,7 +200,8 @@ class CheckpointEngine:
         persist: bool,
         after_tensor: Callable[[int], None] | None = None,
     ) -> bool:
-        """Start copying ``state`` into shared memory in a background thread and return.
+        """Start copying ``state`` into shared memory in a background thread and return True
+        (errors as ``save``; those of the copy itself are raised by ``wait_copy``).
 
         The copy overlaps the next forward/backward. An optimizer pre-step hook (registered
         once, for every optimizer) waits for it before any parameter or optimizer state
@@ -216,17 +215,7 @@ class CheckpointEngine:
         self.wait_copy()
         layout = self.plan(state)
         with self._lock:
-            seg = self._ensure_segment(layout.required_bytes(step))
-            reply = self.client.request(
-                BeginCopyRequest(self.slot, wait=persist, timeout=DEFAULT_COPY_WAIT_S)
-            )
-            if reply.busy:
-                log.warning(
-                    "skipping the memory save of step %d: the previous step is still "
-                    "being persisted or sent to a peer",
-                    step,
-                )
-                return False
+            seg = self._begin_copy(step, layout, persist)
             if self._hook is None:
                 self._hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
             done = threading.Event()
@@ -287,17 +276,35 @@ class CheckpointEngine:
             },
         )
 
-    def _ensure_segment(self, nbytes: int) -> SharedSegment:
-        seg = self._segment
-        if seg is None or seg.size < nbytes:
-            reply = self.client.request(AllocateRequest(self.slot, nbytes))
-            if seg is None or seg.path != reply.path:
-                if seg is not None:
-                    seg.close()
-                seg = SharedSegment.attach(reply.path)
-            else:
-                seg.remap()
-            self._segment = seg
+    def _begin_copy(self, step: int, layout: Layout, persist: bool) -> SharedSegment:
+        """The buffer the saver picked for ``step`` (see ``BeginCopyRequest``), mapped here."""
+        reply = self.client.request(
+            BeginCopyRequest(
+                self.slot,
+                nbytes=layout.required_bytes(step),
+                step=step,
+                persist=persist,
+                timeout=DEFAULT_COPY_WAIT_S,
+            )
+        )
+        self.last_copy_wait_s = reply.waited_s
+        if reply.waited_s >= 1.0:
+            log.warning(
+                "the save of step %d waited %.1f s for the previous persist or peer push of "
+                "its buffer (a DISK save waits for the one before; with %s=1 every save does)",
+                step,
+                reply.waited_s,
+                ENV_BUFFERS,
+            )
+        return self._attach(reply.path)
+
+    def _attach(self, path: str) -> SharedSegment:
+        """``path`` mapped in this process (once per buffer), remapped if the saver grew it."""
+        seg = self._segments.get(path)
+        if seg is None:
+            seg = self._segments[path] = SharedSegment.attach(path)
+        else:
+            seg.remap()
         return seg
 
     def wait_persisted(self, timeout: float) -> bool:
@@ -341,17 +348,20 @@ class CheckpointEngine:
             return None
         return step
 
-    def load_from_memory(self, target: Any = None) -> tuple[int, Any, dict[str, Any]]:
-        """(step, state, metadata) from this process's load segment; SegmentStateError if none."""
-        path = self.client.request(AttachRequest(self.slot)).path
+    def load_from_memory(
+        self, target: Any = None, step: int | None = None
+    ) -> tuple[int, Any, dict[str, Any]]:
+        """(step, state, metadata) from the buffer of this process's slot holding ``step``
+        (None: the newest complete one); SegmentStateError if none holds it."""
+        path = self.client.request(AttachRequest(self.slot, step)).path
         if path is None:
-            raise SegmentStateError("the saver holds no segment for this rank")
-        seg = self._load_segment
-        if seg is None or seg.path != path:
-            seg = SharedSegment.attach(path)
-            self._load_segment = seg
-        seg.remap()
-        step, state, meta = read_state(seg, target)
+            held = "no segment" if step is None else f"no complete copy of step {step}"
+            raise SegmentStateError(f"the saver holds {held} for this rank")
+        seg = self._attach(path)
+        got, state, meta = read_state(seg, target)
+        if step is not None and got != step:
+            raise SegmentStateError(f"memory moved on from step {step} to {got} while loading")
+        step = got
         if meta.get("dir") != self.checkpoint_dir:
             raise SegmentStateError(f"memory holds a checkpoint of {meta.get('dir')!r}")
         return step, state, meta
@@ -377,9 +387,13 @@ class CheckpointEngine:
             " saver; checkpoints in memory will not survive a process crash",
             ENV_CHECKPOINT_SOCKET,
         )
-        tag = uuid.uuid4().hex[:8]
-        path = os.path.join(tempfile.gettempdir(), f"dlrover-ckpt-{os.getpid()}-{tag}.sock")
-        saver = CheckpointSaver(path, shm_prefix=f"dlrover-ckpt-{os.getpid()}-{tag}")
+        # Named like an agent's (job, node = this rank, pid), so a sweep can tell the owner.
+        prefix = owner_prefix(
+            os.environ.get(ENV_JOB_NAME, "local"), f"rank{self.place.rank}", os.getpid()
+        )
+        prefix = f"{prefix}.{uuid.uuid4().hex[:8]}"
+        path = os.path.join(tempfile.gettempdir(), f"{prefix}.sock")
+        saver = CheckpointSaver(path, shm_prefix=f"{prefix}.ckpt", buffers=buffers_from_env())
         saver.start()
         self._own_saver = saver
         atexit.register(self.close)
@@ -393,10 +407,9 @@ class CheckpointEngine:
             if self._hook is not None:
                 self._hook.remove()
                 self._hook = None
-        for seg in (self._segment, self._load_segment):
-            if seg is not None:
-                seg.close()
-        self._segment = self._load_segment = None
+        for seg in self._segments.values():
+            seg.close()
+        self._segments.clear()
         if self._own_saver is not None:
             try:
                 self.wait_persisted(60.0)

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from dlrover.checkpoint.buffers import DEFAULT_BUFFERS, SlotBuffers
 from dlrover.checkpoint.catalog import Catalog, Finalizer
 from dlrover.checkpoint.config import (
     DEFAULT_COPY_WAIT_S,
@@ -20,7 +21,7 @@ from dlrover.checkpoint.config import (
 )
 from dlrover.checkpoint.coordinator import CommitCoordinator, LocalCommitCoordinator
 from dlrover.checkpoint.errors import CheckpointError, ShmSpaceError
-from dlrover.checkpoint.header import complete_step, image_len, read_metadata
+from dlrover.checkpoint.header import image_len, read_metadata
 from dlrover.checkpoint.replica import (
     DEFAULT_BANDWIDTH_BYTES_S,
     PeerDirectory,
@@ -76,6 +77,7 @@ class CheckpointSaver:
         replica_token: str = "",
         replica_host: str = "127.0.0.1",
         replica_bandwidth: float | None = DEFAULT_BANDWIDTH_BYTES_S,
+        buffers: int = DEFAULT_BUFFERS,
     ) -> None:
         self.socket_path = socket_path
         self.shm_prefix = shm_prefix or f"dlrover-ckpt-{os.getpid()}"
@@ -83,9 +85,8 @@ class CheckpointSaver:
         self.coordinator: CommitCoordinator = coordinator or LocalCommitCoordinator()
         self._storage_factory = storage_factory
         self._cond = threading.Condition()
-        self._segments: dict[int, SharedSegment] = {}
-        self._persisting: set[int] = set()  # slots being streamed to storage right now
-        self._pending: dict[int, int] = {}  # slot -> step whose persist was asked, not done
+        self.buffers = buffers
+        self._slots: dict[int, SlotBuffers] = {}  # slot -> its buffers and their pins
         self._failures = 0  # bumped when workers die: persists waiting for them give up
         self.last_persist_s = 0.0
         """How long the latest successful persist took (0.0: none yet): heartbeats carry it."""
@@ -111,7 +112,7 @@ class CheckpointSaver:
             if peers is not None
             else None
         )
-        self._replicating: set[int] = set()  # slots being sent to a peer right now
+        self._replica_deferred: PersistSpec | None = None  # a push that waits for a persist
         self._replica_jobs: queue.Queue[tuple[int, PersistSpec] | None] = queue.Queue()
         self._published: set[tuple[int, int]] = set()  # (round, node rank) told to the peers
         self._exchange_lock = threading.Lock()
@@ -160,21 +161,27 @@ class CheckpointSaver:
                 log.warning("checkpoint saver thread %s did not stop in %.0f s", t.name, timeout)
         self._threads = []
         with self._cond:
-            for seg in self._segments.values():
-                seg.close(unlink=unlink)
-            self._segments.clear()
+            for slot_buffers in self._slots.values():
+                slot_buffers.close(unlink=unlink)
+            self._slots.clear()
         if os.path.exists(self.socket_path):
             os.unlink(self.socket_path)
 
     # ------------------------------------------------------------------ agent API
     def held_steps(self) -> dict[int, int | None]:
-        """The complete step in each slot's segment (None: empty or torn)."""
+        """The newest complete step in each slot's buffers (None: empty or torn)."""
         with self._cond:
-            return {slot: complete_step(seg) for slot, seg in self._segments.items()}
+            return {slot: b.newest_step() for slot, b in self._slots.items()}
 
     def _own_segments(self) -> dict[int, SharedSegment]:
+        """Each slot's buffer holding its newest complete step (what peers may copy)."""
         with self._cond:
-            return dict(self._segments)
+            out = {}
+            for slot, b in self._slots.items():
+                i = b.newest()
+                if i is not None:
+                    out[slot] = b.segments[i]
+            return out
 
     def last_persisted(self, checkpoint_dir: str) -> int | None:
         """The newest step this saver committed to ``checkpoint_dir``, or None."""
@@ -191,7 +198,8 @@ class CheckpointSaver:
             spec = self._spec
             # Persists still waiting for a rank to finish copying will never see it finish.
             self._failures += 1
-            self._pending.clear()
+            for b in self._slots.values():
+                b.pending.clear()
             self._cond.notify_all()
         if spec is None:
             return None
@@ -221,14 +229,15 @@ class CheckpointSaver:
 
     def _dispatch(self, request: SaverRequest[Any]) -> SaverReply:
         if isinstance(request, AllocateRequest):
-            seg = self._allocate(request.slot, request.nbytes)
-            return AllocateReply(seg.path, seg.size)
-        if isinstance(request, AttachRequest):
             with self._cond:
-                found = self._segments.get(request.slot)
-            return AttachReply(found.path if found else None)
+                buffers = self._slot(request.slot, request.nbytes)
+                buffers.ensure(request.nbytes)  # reserve now: a full /dev/shm is said at once
+                seg = buffers.segments[buffers.newest() or 0]
+                return AllocateReply(seg.path, seg.size)
+        if isinstance(request, AttachRequest):
+            return AttachReply(self._attach(request.slot, request.step))
         if isinstance(request, BeginCopyRequest):
-            return self._begin_copy(request.slot, request.wait, request.timeout)
+            return self._begin_copy(request)
         if isinstance(request, CopiedRequest):
             self._copied(request.slot, request.step, request.spec, request.persist)
             return CopiedReply()
@@ -240,56 +249,84 @@ class CheckpointSaver:
             return self._wait_persisted(request.checkpoint_dir, request.step, request.timeout_s)
         raise CheckpointError(f"unknown saver request {request.op!r}")
 
-    def _allocate(self, slot: int, nbytes: int) -> SharedSegment:
-        def idle() -> bool:
-            return slot not in self._persisting and slot not in self._replicating
-
-        with self._cond:
-            self._cond.wait_for(idle, DEFAULT_COPY_WAIT_S)
-            if not idle():
-                raise CheckpointError(f"slot {slot} is still being persisted; retry later")
-            seg = self._segments.get(slot)
-            if seg is None:
-                name = f"{self.shm_prefix}-slot{slot}"
-                seg = SharedSegment.create(name, nbytes, self.shm_dir)
-                self._segments[slot] = seg
-                log.info(
-                    "allocated %d bytes of shared memory for slot %d at %s",
-                    seg.size,
-                    slot,
-                    seg.path,
-                )
-            elif seg.size < nbytes:
-                old = seg.size
-                seg.grow(nbytes)
-                log.info("grew shared segment %s: %d -> %d bytes", seg.path, old, seg.size)
-            return seg
-
-    def _begin_copy(self, slot: int, wait: bool, timeout: float) -> BeginCopyReply:
-        def free() -> bool:
-            return (
-                slot not in self._persisting
-                and slot not in self._pending
-                and slot not in self._replicating
+    def _slot(self, slot: int, nbytes: int) -> SlotBuffers:
+        """The buffers of ``slot``, created (all of them, ``nbytes`` each) on first use.
+        Called under the lock."""
+        buffers = self._slots.get(slot)
+        if buffers is None:
+            buffers = SlotBuffers(f"{self.shm_prefix}-slot{slot}", self.buffers, self.shm_dir)
+            buffers.ensure(nbytes)
+            self._slots[slot] = buffers
+            log.info(
+                "allocated %d x %d bytes of shared memory for slot %d at %s-buf*",
+                self.buffers,
+                nbytes,
+                slot,
+                buffers.name,
             )
+        return buffers
 
+    def _allocate(self, slot: int, nbytes: int) -> SharedSegment:
+        """A buffer of ``slot`` to copy a step into from elsewhere (a peer's memory), at least
+        ``nbytes`` long; it becomes the slot's latest, and what the other buffers held is
+        dropped (the copied step replaces the slot's memory)."""
         with self._cond:
-            if not free() and not wait:
-                return BeginCopyReply(busy=True)
-            if not self._cond.wait_for(free, timeout):
-                return BeginCopyReply(busy=True)
+            buffers = self._slot(slot, nbytes)
+            buffers.ensure(nbytes)
+            if not self._cond.wait_for(lambda: buffers.target(False) is not None, 60.0):
+                raise CheckpointError(f"slot {slot}: every buffer is still being read")
+            target = buffers.target(False)
+            assert target is not None
+            self._votes.clear()
+            return buffers.begin(target, nbytes, -1)
+
+    def _begin_copy(self, request: BeginCopyRequest) -> BeginCopyReply:
+        """Pick the buffer the worker copies ``request.step`` into (``choose_buffer``): with
+        two buffers a memory-only copy never waits; a copy that asks for a persist waits while
+        the previous persist or push of the slot still reads a buffer."""
+        slot = request.slot
+        with self._cond:
+            buffers = self._slot(slot, request.nbytes)
+            started = time.monotonic()  # the wait for a pin, not the first allocation
+            waited = buffers.target(request.persist) is None
+            ready = self._cond.wait_for(
+                lambda: buffers.target(request.persist) is not None, request.timeout
+            )
+            target = buffers.target(request.persist)
+            if not ready or target is None:
+                what = (
+                    ", ".join(f"step {step}" for step in sorted(set(buffers.pending.values())))
+                    or "the previous step"
+                )
+                raise CheckpointError(
+                    f"slot {slot}: no buffer became free for step {request.step} within "
+                    f"{request.timeout:.0f} s: the persist or peer push of {what} still reads "
+                    "it. Check that storage is reachable and fast enough for the save interval "
+                    "(the agent's log says how long persists take)"
+                )
             self._votes.clear()  # memory is about to change: a new restart round must re-vote
-            return BeginCopyReply(busy=False)
+            seg = buffers.begin(target, request.nbytes, request.step)
+            return BeginCopyReply(seg.path, seg.size, time.monotonic() - started if waited else 0.0)
+
+    def _attach(self, slot: int, step: int | None) -> str | None:
+        """The buffer of ``slot`` to load from: the one holding ``step``, or the newest."""
+        with self._cond:
+            buffers = self._slots.get(slot)
+            if buffers is None:
+                return None
+            i = buffers.newest() if step is None else buffers.holding(step)
+            return None if i is None else buffers.segments[i].path
 
     def _copied(self, slot: int, step: int, spec: PersistSpec | None, persist: bool) -> None:
         with self._cond:
             if spec is not None and spec.persists:
                 self._spec = spec
                 self._errors.pop(spec.checkpoint_dir, None)
-            if persist and spec is not None:
-                # Until this step is out, the next copy into the slot must wait: it would
-                # overwrite the bytes the persist is about to read.
-                self._pending[slot] = step
+            buffers = self._slots.get(slot)
+            held = buffers.holding(step) if buffers is not None else None
+            if persist and spec is not None and buffers is not None and held is not None:
+                # Until this step is out, its buffer is pinned: copies go into the other one.
+                buffers.pending[held] = step
             self._cond.notify_all()
         # Every saving slot sends "copied"; one job per step is enough (the first one).
         if persist and spec is not None and slot == min(spec.slots):
@@ -299,12 +336,10 @@ class CheckpointSaver:
             self._replica_jobs.put((step, spec))
 
     def _common_step(self, spec: PersistSpec) -> int | None:
+        """The newest step complete in every slot of ``spec`` (in either of its buffers)."""
         with self._cond:
-            steps = {
-                complete_step(self._segments[s]) if s in self._segments else None
-                for s in spec.slots
-            }
-        return steps.pop() if len(steps) == 1 else None
+            held = [self._loadable_steps(s, None, None) for s in spec.slots]
+        return _newest_common(held)
 
     def _last_committed(self, spec: PersistSpec) -> int | None:
         with self._cond:
@@ -323,11 +358,11 @@ class CheckpointSaver:
             with self._cond:
                 if round_id in self._votes:
                     return self._votes[round_id], self._restored.get(round_id)
-                steps = {
-                    self._loadable_step(s, request.ranks.get(s), request.world_size)
+                held = [
+                    self._loadable_steps(s, request.ranks.get(s), request.world_size)
                     for s in request.slots
-                }
-            local = steps.pop() if len(steps) == 1 else None
+                ]
+            local = _newest_common(held)
             published = request.replica_count and self._publish(round_id, request.node_rank)
             if published and local is None and request.total_nodes > 1:
                 local, peer = self._restore_from_peers(request)
@@ -344,20 +379,27 @@ class CheckpointSaver:
                 self._votes[round_id] = agreed
             return agreed, self._restored.get(round_id)
 
-    def _loadable_step(self, slot: int, rank: int | None, world_size: int | None) -> int | None:
-        """The complete step of ``slot`` if it was saved by ``rank`` at ``world_size``."""
-        seg = self._segments.get(slot)
-        if seg is None:
-            return None
-        try:
-            _, meta = read_metadata(seg)
-        except CheckpointError:
-            return None
-        if rank is not None and meta.get("rank") != rank:
-            return None
-        if world_size is not None and meta.get("world_size") != world_size:
-            return None
-        return int(meta["step"])
+    def _loadable_steps(self, slot: int, rank: int | None, world_size: int | None) -> list[int]:
+        """The complete steps in ``slot``'s buffers saved by ``rank`` at ``world_size`` (when
+        given), newest by write order first; none newer than the newest write (a free buffer
+        can still hold a step of a timeline the job went back from)."""
+        buffers = self._slots.get(slot)
+        newest = buffers.newest_step() if buffers is not None else None
+        if buffers is None or newest is None:
+            return []
+        out = []
+        for seg in buffers.segments:
+            try:
+                _, meta = read_metadata(seg)
+            except CheckpointError:
+                continue
+            if rank is not None and meta.get("rank") != rank:
+                continue
+            if world_size is not None and meta.get("world_size") != world_size:
+                continue
+            if int(meta["step"]) <= newest:
+                out.append(int(meta["step"]))
+        return sorted(out, reverse=True)
 
     def _wait_persisted(self, checkpoint_dir: str, step: int, timeout: float) -> WaitPersistedReply:
         with self._cond:
@@ -419,12 +461,22 @@ class CheckpointSaver:
         return False
 
     def _release(self, spec: PersistSpec, step: int) -> None:
+        """Unpin the buffers of ``step``'s persist; a push deferred meanwhile goes now."""
         with self._cond:
-            self._persisting.difference_update(spec.slots)
             for slot in spec.slots:
-                if self._pending.get(slot) == step:
-                    del self._pending[slot]
+                buffers = self._slots.get(slot)
+                if buffers is None:
+                    continue
+                for pins in (buffers.persisting, buffers.pending):
+                    for i, pinned_step in list(pins.items()):
+                        if pinned_step == step:
+                            del pins[i]
+            deferred, self._replica_deferred = self._replica_deferred, None
             self._cond.notify_all()
+        if deferred is not None:
+            newest = self._common_step(deferred)
+            if newest is not None:
+                self._replica_jobs.put((newest, deferred))
 
     def _persist(self, step: int, spec: PersistSpec) -> bool:
         """Write ``step`` of every slot in ``spec``, report it, commit if last. Never raises."""
@@ -432,7 +484,11 @@ class CheckpointSaver:
             if not self._slots_hold(spec, step):
                 log.warning("not persisting step %d: a slot no longer holds it", step)
                 return False
-            self._persisting.update(spec.slots)
+            for slot in spec.slots:
+                buffers = self._slots[slot]
+                held = buffers.holding(step)
+                assert held is not None  # _slots_hold
+                buffers.persisting[held] = step
         started = time.monotonic()
         catalog = Catalog(self._storage_factory(spec.checkpoint_dir), spec.keep_last)
         try:
@@ -457,17 +513,33 @@ class CheckpointSaver:
 
     def _slots_hold(self, spec: PersistSpec, step: int) -> bool | None:
         """True: every slot holds ``step``; False: some slot is behind; None: passed it."""
-        held = [
-            complete_step(self._segments[s]) if s in self._segments else None for s in spec.slots
-        ]
-        if any(h is not None and h > step for h in held):
-            return None
-        return all(h == step for h in held)
+        holds = []
+        for s in spec.slots:
+            buffers = self._slots.get(s)
+            if buffers is not None and buffers.holding(step) is not None:
+                holds.append(True)
+                continue
+            newest = buffers.newest_step() if buffers is not None else None
+            if newest is not None and newest > step:
+                return None
+            holds.append(False)
+        return all(holds)
+
+    def _segments_of(self, spec: PersistSpec, step: int) -> dict[int, SharedSegment]:
+        """Slot -> the buffer holding ``step``, for every slot of ``spec``; under the lock."""
+        segs = {}
+        for slot in spec.slots:
+            buffers = self._slots[slot]
+            held = buffers.holding(step)
+            if held is None:
+                raise CheckpointError(f"slot {slot} no longer holds step {step}")
+            segs[slot] = buffers.segments[held]
+        return segs
 
     def _write_parts(self, catalog: Catalog, step: int, spec: PersistSpec) -> Finalizer | None:
         """Stream every slot of ``spec`` to storage and record this node's part."""
         with self._cond:
-            segs = {slot: self._segments[slot] for slot in spec.slots}
+            segs = self._segments_of(spec, step)
         finalize: Finalizer | None = None
         extra: dict[str, Any] = {}
         if spec.fmt == "dcp":
@@ -541,16 +613,33 @@ class CheckpointSaver:
 
     def _push_replicas(self, step: int, spec: PersistSpec) -> None:
         """Send every slot of ``spec`` holding ``step`` to the next ``spec.replicas`` nodes of
-        the ring. The slots are busy meanwhile (a MEMORY save is skipped, a DISK save waits, as
-        during a persist), so the bytes sent are the step's."""
+        the ring. The buffers sent are pinned meanwhile (copies go into the other buffer, a
+        DISK save waits), so the bytes sent are the step's. Only the buffer written last is
+        sent, and only while no other buffer of the slot is pinned (at most one pinned buffer
+        per slot, so a memory save always finds a free one): a push that finds a persist
+        running is deferred until it ends, and then sends the newest step."""
         assert self._exchange is not None and self._peers is not None
         if not self._wait_ready(step, spec, DEFAULT_COPY_WAIT_S, "replicating"):
             return
         with self._cond:
-            if not self._slots_hold(spec, step) or self._replicating & set(spec.slots):
+            if not self._slots_hold(spec, step):
                 return
-            self._replicating.update(spec.slots)
-            segs = {slot: self._segments[slot] for slot in spec.slots}
+            held = {slot: self._slots[slot].holding(step) for slot in spec.slots}
+            for slot, i in held.items():
+                buffers = self._slots[slot]
+                if i != buffers.latest or buffers.replicating:
+                    return  # a newer copy is under way (it is pushed next), or a push runs
+                if any(buffers.pinned(j) for j in range(buffers.count) if j != i):
+                    self._replica_deferred = spec
+                    log.debug(
+                        "replica push of step %d deferred: a persist reads slot %d", step, slot
+                    )
+                    return
+            segs = {}
+            for slot, i in held.items():
+                assert i is not None
+                self._slots[slot].replicating.add(i)
+                segs[slot] = self._slots[slot].segments[i]
         started = time.monotonic()
         sent = 0
         try:
@@ -570,7 +659,8 @@ class CheckpointSaver:
                     log.warning("replicating step %d to node %d failed: %s", step, target, exc)
         finally:
             with self._cond:
-                self._replicating.difference_update(spec.slots)
+                for slot in spec.slots:
+                    self._slots[slot].replicating.clear()
                 self._cond.notify_all()
         if sent:
             self.last_replica_s = took = time.monotonic() - started
@@ -618,6 +708,14 @@ class CheckpointSaver:
             return step, peer
         log.info("no peer holds a step of this node's ranks in memory")
         return None, None
+
+
+def _newest_common(held: list[list[int]]) -> int | None:
+    """The newest step found in every list of ``held`` (one list per slot), or None."""
+    if not held:
+        return None
+    common = set(held[0]).intersection(*held[1:])
+    return max(common) if common else None
 
 
 def _choose_images(

@@ -75,9 +75,12 @@ class AttachReply(SaverReply):
 
 @dataclass(frozen=True)
 class BeginCopyReply(SaverReply):
-    """``busy``: the slot is (or is about to be) persisted, so the copy must not start."""
+    """The buffer to copy into now (``path``, ``nbytes`` long) and how long the saver waited
+    for it to be free (0 unless a persist or push of the slot had to end first)."""
 
-    busy: bool
+    path: str
+    nbytes: int
+    waited_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -140,22 +143,29 @@ class AllocateRequest(SaverRequest[AllocateReply]):
 
 @dataclass(frozen=True)
 class AttachRequest(SaverRequest[AttachReply]):
-    """Which segment holds ``slot``'s last copy (for loading from memory)."""
+    """Which buffer of ``slot`` holds ``step`` (None: its newest complete copy), for loading
+    from memory."""
 
     op: ClassVar[str] = "attach"
     reply_type: ClassVar[type[AttachReply]] = AttachReply
     slot: int
+    step: int | None = None
 
 
 @dataclass(frozen=True)
 class BeginCopyRequest(SaverRequest[BeginCopyReply]):
-    """May the worker copy into ``slot`` now? With ``wait``, wait up to ``timeout`` seconds
-    for a persist of the slot to finish; without, answer busy at once."""
+    """Which buffer of ``slot`` does the copy of ``step`` (``nbytes``) go into? The saver
+    creates or grows it and picks one that no persist or push reads (``buffers.choose_buffer``):
+    a memory-only copy gets one at once; one that asks for a ``persist`` waits, up to
+    ``timeout`` seconds, until the slot's previous persist or push is done. Refused (an error
+    naming the cause) if no buffer is free by then or /dev/shm is too small."""
 
     op: ClassVar[str] = "begin_copy"
     reply_type: ClassVar[type[BeginCopyReply]] = BeginCopyReply
     slot: int
-    wait: bool = True
+    nbytes: int
+    step: int
+    persist: bool = False
     timeout: float = DEFAULT_COPY_WAIT_S
 
     def answer_within_s(self) -> float | None:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from dlrover import constants as c
+from dlrover.checkpoint.leftovers import sweep
 from dlrover.cli.job_records import (
     JobRecord,
     has_record,
@@ -380,6 +381,10 @@ def serve_job(
         stop.set()
         if controller.ps is not None:
             controller.ps.close()
+        if not fenced.is_set():
+            # Nodes the engine had to SIGKILL (past their grace) could not free their shared
+            # memory and temp folders; with the local engine they are on this machine.
+            sweep(job=spec.name)
         _close_master(spec, master, job)
     return _outcome(spec, master, job)
 

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from enum import Enum
 
 from dlrover import worker_context
-from dlrover.checkpoint.config import DEFAULT_SHM_DIR, agent_shm_prefix
+from dlrover.checkpoint.config import DEFAULT_SHM_DIR
+from dlrover.checkpoint.leftovers import parse as parse_owned
 from dlrover.constants import ENV_NODE_ID
 
 ENV_FAULTS = "DLROVER_FAULTS"
@@ -300,9 +301,9 @@ class FaultInjector:
             if self._agent_pid is None:
                 raise FaultSpecError(f"lose_node needs {ENV_AGENT_PID} set by the agent")
             os.kill(self._agent_pid, signal.SIGKILL)
-            prefix = agent_shm_prefix(self._agent_pid)
             for name in os.listdir(DEFAULT_SHM_DIR):
-                if name.startswith(f"{prefix}-"):
+                owned = parse_owned(name)
+                if owned is not None and owned.pid == self._agent_pid:
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(os.path.join(DEFAULT_SHM_DIR, name))
             os.kill(os.getpid(), signal.SIGKILL)

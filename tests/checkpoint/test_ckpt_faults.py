@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,8 +15,13 @@ import torch
 from dlrover.checkpoint.client import SaverClient
 from dlrover.checkpoint.config import ENV_CHECKPOINT_SOCKET
 from dlrover.checkpoint.engine import CheckpointEngine, WorkerPlacement
-from dlrover.checkpoint.errors import CheckpointStorageError, ShmSpaceError
-from dlrover.checkpoint.saver_messages import AllocateRequest, CopiedRequest, PersistSpec
+from dlrover.checkpoint.errors import CheckpointStorageError, SaverError, ShmSpaceError
+from dlrover.checkpoint.saver_messages import (
+    AllocateRequest,
+    BeginCopyRequest,
+    CopiedRequest,
+    PersistSpec,
+)
 from dlrover.checkpoint.shm import shm_free_bytes
 from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer
 from tests.checkpoint.harness import (
@@ -29,7 +35,8 @@ from tests.checkpoint.harness import (
 )
 
 
-def test_worker_killed_mid_copy_loads_previous_complete_step(tmp_path: Path) -> None:
+def test_worker_killed_mid_copy_loads_previous_step_from_memory(tmp_path: Path) -> None:
+    """The torn copy went into the slot's other buffer: the previous step stays in memory."""
     ckpt, marker = str(tmp_path / "ckpt"), tmp_path / "mid-copy"
     with running_saver(tmp_path) as saver:
         worker = start_worker(
@@ -38,9 +45,9 @@ def test_worker_killed_mid_copy_loads_previous_complete_step(tmp_path: Path) -> 
         )
         wait_for_file(marker, 60, worker)
         kill(worker)
-        assert saver.held_steps() == {0: None}  # the torn copy is not a step
-        assert saver.persist_latest_if_newer() is None
-        run_workers(["ddp_load", ckpt, "1", "storage"], [worker_env(saver.socket_path, restart=1)])
+        assert saver.held_steps() == {0: 1}  # the torn copy is not a step; step 1 is intact
+        assert saver.persist_latest_if_newer() is None  # storage has step 1 already
+        run_workers(["ddp_load", ckpt, "1", "memory"], [worker_env(saver.socket_path, restart=1)])
 
 
 @pytest.mark.slow
@@ -159,9 +166,14 @@ def test_worker_failure_releases_a_persist_waiting_for_a_dead_rank(
         try:
             # Rank 1 dies before copying step 5, so that persist can never start.
             assert rank0.save(5, {"w": torch.ones(4)}, persist=True)
-            assert not rank0.save(6, {"w": torch.ones(4)}, persist=False)  # slot held for 5
+            assert rank0.save(6, {"w": torch.ones(4)}, persist=False)  # the other buffer
+            client = SaverClient(saver.socket_path)
+            ask = BeginCopyRequest(0, nbytes=1 << 16, step=7, persist=True, timeout=0.2)
+            with pytest.raises(SaverError, match="no buffer became free for step 7"):
+                client.request(ask)  # a DISK save waits: step 5's buffer is held for it
             assert saver.persist_latest_if_newer() is None  # the agent saw the failure
-            assert rank0.save(6, {"w": torch.ones(4)}, persist=False)  # released at once
+            client.request(replace(ask, timeout=5.0))  # released at once
+            client.close()
             assert not (tmp_path / "ckpt" / "latest").exists()
         finally:
             rank0.close()

@@ -46,7 +46,9 @@ SPEC = PersistSpec("/ckpt", {0: 8, 1: 9}, "dcp", node_rank=1, persist_nodes=2, k
 REQUESTS: list[SaverRequest[SaverReply]] = [
     AllocateRequest(slot=1, nbytes=1 << 40),
     AttachRequest(slot=0),
-    BeginCopyRequest(slot=2, wait=False, timeout=0.5),
+    AttachRequest(slot=1, step=12),
+    BeginCopyRequest(slot=2, nbytes=1 << 30, step=7, persist=True, timeout=0.5),
+    BeginCopyRequest(slot=0, nbytes=4096, step=8),
     CopiedRequest(slot=0, step=7, spec=SPEC, persist=True),
     CopiedRequest(slot=0, step=7),
     HeldRequest(),
@@ -59,7 +61,7 @@ REPLIES: list[SaverReply] = [
     AllocateReply("/dev/shm/dlrover-ckpt-1-slot0", 4096),
     AttachReply(None),
     AttachReply("/dev/shm/x"),
-    BeginCopyReply(busy=True),
+    BeginCopyReply("/dev/shm/dlrover.job.node-0.42.ckpt-slot0-buf1", 4096, 0.25),
     CopiedReply(),
     HeldReply({0: 5, 1: None}),
     LoadStepReply(None),
@@ -109,7 +111,10 @@ def test_refusals_keep_their_wire_form() -> None:
         (b'{"op": "allocate", "slot": "0", "nbytes": 1}\n', "field 'slot' must be an int, got '0'"),
         (b'{"op": "allocate", "slot": true, "nbytes": 1}\n', "field 'slot' must be an int"),
         (b'{"op": "attach", "slot": 0, "path": "/x"}\n', r"unknown fields \['path'\]"),
-        (b'{"op": "begin_copy", "slot": 0, "wait": 1}\n', "field 'wait' must be a bool"),
+        (
+            b'{"op": "begin_copy", "slot": 0, "nbytes": 8, "step": 1, "persist": 1}\n',
+            "field 'persist' must be a bool",
+        ),
         (
             b'{"op": "copied", "slot": 0, "step": 1, "spec": {"checkpoint_dir": "/c", '
             b'"slots": {"0": 0}, "fmt": "zip", "node_rank": 0, "persist_nodes": 1, '

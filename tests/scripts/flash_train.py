@@ -4,11 +4,14 @@ After a failure the restarted workers must resume from the newest step in the ag
 memory (not the older one on storage), so the final parameters equal a failure-free run's.
 Rank 0 appends "<step> <loaded-from>" lines to <out>.steps and the final SHA-256 to <out>.final;
 every rank appends "<rank> <first step> <loaded-from> <peer node or -1>" to <out>.loads.
+Every save must return True (none is skipped, even while a persist runs); ``--busy`` keeps a
+side thread spinning in each trainer, as a data loader keeps the cores busy.
 """
 
 from __future__ import annotations
 
 import argparse
+import threading
 import time
 
 import torch
@@ -21,6 +24,11 @@ from dlrover.trainer import StepReporter
 from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer, StorageType
 
 
+def _spin() -> None:
+    while True:
+        pass
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=20)
@@ -29,7 +37,11 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--step-time", type=float, default=0.0, help="simulated compute per step")
     p.add_argument("--replica-count", type=int, default=0, help="DdpCheckpointer replica_count")
+    p.add_argument("--busy", action="store_true", help="spin a side thread (saturate the CPU)")
+    p.add_argument("--no-wait", action="store_true", help="never wait for a persist")
     a = p.parse_args()
+    if a.busy:
+        threading.Thread(target=_spin, daemon=True).start()
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -68,14 +80,15 @@ def main() -> None:
             time.sleep(a.step_time)  # simulated compute, so that failures land mid-run
         storage = StorageType.DISK if step % a.disk_every == 0 else StorageType.MEMORY
         saving = time.monotonic()
-        ckpt.save_checkpoint(
+        saved = ckpt.save_checkpoint(
             step,
             {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step},
             storage_type=storage,
         )
-        if storage == StorageType.DISK:
-            # A memory save is skipped while the segment is being persisted (there is one copy
-            # of the state, no staging buffer); wait so the next steps land in memory for sure.
+        assert saved is True, f"the {storage.value} save of step {step} returned {saved!r}"
+        if storage == StorageType.DISK and not a.no_wait:
+            # Storage holds the step before training goes on: the failure tests count on
+            # which step is on storage when they strike.
             ckpt.wait_latest_checkpoint(60)
         progress.report(step, checkpoint_s=time.monotonic() - saving)
         if rank == 0:

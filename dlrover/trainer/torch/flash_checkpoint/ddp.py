@@ -40,8 +40,10 @@ class DdpCheckpointer(Checkpointer):
 
         ``path`` saves into another checkpoint directory. ``overlap`` returns before the copy
         is done: it runs during the next forward/backward and the next ``optimizer.step``
-        waits for it (see CheckpointEngine.save_overlapped for the one caveat). Returns False
-        if a MEMORY save was skipped because the previous step is still being persisted.
+        waits for it (see CheckpointEngine.save_overlapped for the one caveat). Returns True:
+        no save is skipped (a copy made while the previous step is persisted or pushed to a peer
+        goes into the slot's other buffer); one that cannot happen raises a CheckpointError that
+        names the cause (ShmSpaceError: /dev/shm too small).
         """
         engine = self._engine_for(path)
         persist = storage_type == StorageType.DISK
@@ -67,9 +69,10 @@ class DdpCheckpointer(Checkpointer):
         self.last_load_source = None
         catalog, bound = resolve_catalog(engine, resume_path)
         latest = storage_step(catalog)
-        if not resume_path and engine.memory_step(latest) is not None:
+        in_memory = None if resume_path else engine.memory_step(latest)
+        if in_memory is not None:
             try:
-                step, state, _ = engine.load_from_memory(target)
+                step, state, _ = engine.load_from_memory(target, in_memory)
                 log.info("loaded step %d from shared memory%s", step, self._from_memory_note())
                 self.last_load_source = "memory"
                 return dict(state)

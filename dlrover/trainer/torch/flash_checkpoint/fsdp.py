@@ -69,8 +69,8 @@ class FsdpShardCheckpointer(Checkpointer):
         storage_type: StorageType = StorageType.DISK,
     ) -> bool:
         """Copy this rank's shards of the model and optimizer state, and ``extra_sd``, into shared
-        memory as ``step``; with DISK the agent also persists them in the DCP format. Returns False
-        if a MEMORY save was skipped because the previous step is still being persisted."""
+        memory as ``step``; with DISK the agent also persists them in the DCP format. Returns True
+        (no save is skipped; see DdpCheckpointer.save_checkpoint) or raises CheckpointError."""
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optimizer": optim_sd, "extra": dict(extra_sd or {})}
         return self._engine_for(path).save(step, state, persist=storage_type == StorageType.DISK)
@@ -87,9 +87,10 @@ class FsdpShardCheckpointer(Checkpointer):
         catalog, bound = resolve_catalog(engine, resume_path)
         latest = storage_step(catalog)
         state: dict[str, Any] | None = None
-        if not resume_path and engine.memory_step(latest) is not None:
+        in_memory = None if resume_path else engine.memory_step(latest)
+        if in_memory is not None:
             try:
-                step, state, _ = engine.load_from_memory(target)
+                step, state, _ = engine.load_from_memory(target, in_memory)
                 log.info("loaded step %d from shared memory%s", step, self._from_memory_note())
                 self.last_load_source = "memory"
             except SegmentStateError as exc:
@@ -195,8 +196,8 @@ class FsdpFullCheckpointer(Checkpointer):
         storage_type: StorageType = StorageType.DISK,
     ) -> bool:
         """Gather the full state (a collective: every rank must call it) and save it from rank 0
-        like a DDP checkpoint; other ranks return True. Returns False if rank 0's MEMORY save was
-        skipped because the previous step is still being persisted."""
+        like a DDP checkpoint; returns True on every rank (no save is skipped) or raises
+        CheckpointError."""
         options = StateDictOptions(full_state_dict=True, cpu_offload=_on_accelerator(model))
         model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
         if _rank() != 0:
@@ -214,12 +215,12 @@ class FsdpFullCheckpointer(Checkpointer):
         self.last_load_source = None
         catalog, bound = resolve_catalog(engine, resume_path)
         latest = storage_step(catalog)
-        from_memory = not resume_path and engine.memory_step(latest) is not None
+        in_memory = None if resume_path else engine.memory_step(latest)
         state: dict[str, Any] = {}
         if _rank() == 0:
-            if from_memory:
+            if in_memory is not None:
                 try:
-                    state = dict(engine.load_from_memory()[1])
+                    state = dict(engine.load_from_memory(None, in_memory)[1])
                     self.last_load_source = "memory"
                 except SegmentStateError as exc:
                     log.warning("cannot load from memory (%s); loading from storage", exc)

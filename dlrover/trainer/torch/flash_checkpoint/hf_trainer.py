@@ -129,17 +129,11 @@ class FlashCkptTrainer(Trainer):
         return state
 
     def flash_save(self) -> bool:
-        """Save the current training state as step ``state.global_step`` now."""
-        step = self.state.global_step
-        saved = self.flash_checkpointer.save_checkpoint(
-            step, self.flash_state(), storage_type=self.storage_type
+        """Save the current training state as step ``state.global_step`` now; True (a save that
+        cannot happen raises CheckpointError naming the cause)."""
+        return self.flash_checkpointer.save_checkpoint(
+            self.state.global_step, self.flash_state(), storage_type=self.storage_type
         )
-        if not saved:
-            log.warning(
-                "flash checkpoint of step %d skipped: the previous one is still being persisted",
-                step,
-            )
-        return saved
 
     def wait_latest_checkpoint(self, timeout: float = 1800.0) -> bool:
         """Block until the newest DISK save is committed on storage (False at the deadline)."""

@@ -1,0 +1,182 @@
+"""Names of what an agent leaves on its node (segments, temp folder), its owner lock, and the sweep of dead owners' leftovers."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+
+from dlrover.checkpoint.config import DEFAULT_SHM_DIR
+
+log = logging.getLogger(__name__)
+
+NAME_PREFIX = "dlrover."
+"""Every name below starts with it: ``dlrover.<job>.<node>.<pid>[.<what>]``."""
+LOCK_SUFFIX = ".lock"
+MAX_LABEL = 24
+"""Job names and node ids are cut to this many characters (segment names stay < 255 bytes)."""
+
+_LABEL_BAD = re.compile(r"[^A-Za-z0-9_-]")
+_OWNED = re.compile(
+    r"^dlrover\.(?P<job>[A-Za-z0-9_-]+)\.(?P<node>[A-Za-z0-9_-]+)\.(?P<pid>\d+)(?:\.(?P<what>.+))?$"
+)
+# Names of releases before the owner was named (``dlrover-<pid>-ckpt-...`` of an agent,
+# ``dlrover-ckpt-<pid>-<tag>-...`` of an in-process saver): only the pid tells the owner.
+_LEGACY = re.compile(r"^dlrover-(?:ckpt-)?(?P<pid>\d+)-")
+
+
+def label(text: str) -> str:
+    """``text`` as one component of a name: letters, digits, _ and - only, at most MAX_LABEL."""
+    return _LABEL_BAD.sub("_", text)[:MAX_LABEL] or "_"
+
+
+def owner_prefix(job: str, node: str, pid: int) -> str:
+    """``dlrover.<job>.<node>.<pid>``: what every segment, lock and temp folder of the process
+    ``pid`` (an agent, or a trainer's in-process saver) serving ``node`` of ``job`` starts with."""
+    return f"{NAME_PREFIX}{label(job)}.{label(node)}.{pid}"
+
+
+@dataclass(frozen=True)
+class Owned:
+    """A name of the form ``owner_prefix(...)[.<what>]``, parsed."""
+
+    prefix: str
+    job: str
+    node: str
+    pid: int
+
+
+def parse(name: str) -> Owned | None:
+    """The owner of ``name`` if it is one of ours (see ``owner_prefix``), else None."""
+    match = _OWNED.match(name)
+    if match is None:
+        return None
+    what = match.group("what")
+    prefix = name if what is None else name[: -len(what) - 1]
+    return Owned(prefix, match.group("job"), match.group("node"), int(match.group("pid")))
+
+
+class OwnerLock:
+    """``<shm_dir>/<prefix>.lock``, flocked for the life of the owning process.
+
+    The kernel drops an flock when its holder dies, however it dies (SIGKILL included), and it
+    is seen across PID namespaces; so "the lock file is not locked" is the proof that the
+    owner is gone, which a PID check alone cannot give (PIDs are reused, and a container may
+    share /dev/shm but not PIDs). The file is locked before it gets its name (temp + rename),
+    so a sweep never sees it unlocked while its owner lives.
+    """
+
+    def __init__(self, prefix: str, shm_dir: str = DEFAULT_SHM_DIR) -> None:
+        self.path = os.path.join(shm_dir, prefix + LOCK_SUFFIX)
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.write(fd, f"{os.getpid()}\n".encode())
+            os.rename(tmp, self.path)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        self._fd = fd
+
+    def release(self) -> None:
+        """Remove the lock file (last, after what it guards) and drop the lock."""
+        if self._fd < 0:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        os.close(self._fd)
+        self._fd = -1
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError as exc:
+        return exc.errno != errno.ESRCH
+    return True
+
+
+def _owner_gone(prefix: str, pid: int, shm_dir: str) -> bool:
+    """Whether the owner of ``prefix`` is dead: its lock file is free; with no lock file (an
+    in-process saver, or an owner between removing its things and its lock), its PID is gone."""
+    lock = os.path.join(shm_dir, prefix + LOCK_SUFFIX)
+    try:
+        fd = os.open(lock, os.O_RDWR)
+    except FileNotFoundError:
+        return not _pid_alive(pid)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)  # closing drops our probe lock too
+    return True
+
+
+def _remove(path: str) -> bool:
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        log.warning("cannot remove the leftover %s: %s", path, exc)
+        return False
+    return True
+
+
+def sweep(
+    shm_dir: str = DEFAULT_SHM_DIR, tmp_dir: str | None = None, job: str | None = None
+) -> list[str]:
+    """Remove the shared-memory segments, lock files and temp folders whose owner is dead
+    (``job``: only that job's); returns the paths removed. What a live process owns, of this
+    job or another, is never touched."""
+    tmp_dir = tmp_dir or tempfile.gettempdir()
+    groups: dict[str, list[str]] = {}
+    owners: dict[str, int] = {}
+    for where in dict.fromkeys((shm_dir, tmp_dir)):
+        try:
+            names = os.listdir(where)
+        except OSError:
+            continue
+        for name in names:
+            owned = parse(name)
+            if owned is not None:
+                if job is not None and owned.job != label(job):
+                    continue
+                groups.setdefault(owned.prefix, []).append(os.path.join(where, name))
+                owners[owned.prefix] = owned.pid
+                continue
+            legacy = _LEGACY.match(name)
+            if legacy is not None and job is None and where == shm_dir:
+                key = f"legacy:{legacy.group('pid')}"
+                groups.setdefault(key, []).append(os.path.join(where, name))
+                owners[key] = int(legacy.group("pid"))
+    removed: list[str] = []
+    for prefix, paths in groups.items():
+        pid = owners[prefix]
+        gone = (
+            not _pid_alive(pid)
+            if prefix.startswith("legacy:")
+            else _owner_gone(prefix, pid, shm_dir)
+        )
+        if not gone:
+            continue
+        # The lock file goes last: until then a second sweep still sees the owner as gone.
+        for path in sorted(paths, key=lambda p: p.endswith(LOCK_SUFFIX)):
+            if _remove(path):
+                removed.append(path)
+    if removed:
+        log.info("removed %d leftovers of dead processes: %s", len(removed), " ".join(removed))
+    return removed
