@@ -443,6 +443,91 @@ def bench_replica(state: dict[str, Any], work: Path, args: argparse.Namespace) -
     return rows
 
 
+# ---------------------------------------------------------------------------- restore
+RESTORE_OURS = "flash restore from storage, {} (vote + verify + read into model)"
+RESTORE_PEERS = ("torch.load, {}", "DCP load, {} (into the model)")
+PEER_RESTORE = "restore from the peer's memory (replaced node)"
+PEER_PUSH = "push a sharded part to the next node (no cap)"
+
+
+def bench_restore(state: dict[str, Any], work: Path, args: argparse.Namespace) -> list[Row]:
+    """A restarted job on machines whose memory holds nothing: the vote (a saver of its own,
+    empty) finds no step in memory, so load_checkpoint verifies and reads the newest step from
+    storage into the freshly built model. Interleaved, cold then warm page cache, with
+    torch.load of the same state (a file of the same bytes) and DCP's load into the model."""
+    from dlrover.checkpoint.saver import CheckpointSaver
+    from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer
+
+    root = work / "restore"
+    ckpt_dir, pt_file, dcp_dir = root / "flash", root / "state.pt", root / "dcp"
+    root.mkdir()
+    writer = DdpCheckpointer(str(ckpt_dir))  # persists through an in-process saver
+    writer.save_checkpoint(1, state)
+    assert writer.wait_latest_checkpoint(600)
+    writer.close()
+    torch_save(state, str(pt_file), True)
+    dcp = None
+    if not args.skip_dcp:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(state, checkpoint_id=str(dcp_dir))
+    saver = CheckpointSaver(str(work / "restore.sock"),
+                            shm_prefix=f"dlrover-bench-{uuid.uuid4().hex[:6]}")
+    saver.start()
+    os.environ[ENV_CHECKPOINT_SOCKET] = saver.socket_path
+    target = make_state(args.size_gb, False)  # the restarted job's model, built and touched
+    times: dict[str, list[float]] = {}
+    try:
+        reader = DdpCheckpointer(str(ckpt_dir))
+        cases: list[tuple[str, Callable[[], Any], Path]] = [
+            (RESTORE_OURS, lambda: reader.load_checkpoint(target=target), ckpt_dir),
+            (RESTORE_PEERS[0], lambda: torch.load(pt_file, weights_only=True), pt_file)]
+        if dcp is not None:
+            cases.append((RESTORE_PEERS[1],
+                          lambda: dcp.load(target, checkpoint_id=str(dcp_dir)), dcp_dir))
+        for _ in range(args.repeats):
+            for cache in ("cold", "warm"):
+                for label, load, path in cases:
+                    if cache == "cold":
+                        evict(str(path))
+                    else:
+                        load()  # warms the page cache: the timed run reads cached pages
+                    times.setdefault(label.format(cache), []).extend(timed(load, 1))
+                    gc.collect()
+        assert reader.last_load_source == "storage"
+        got = reader.load_checkpoint(target=target)
+        assert all(torch.equal(a, b) for a, b in zip(tensors_of(got), tensors_of(state),
+                                                     strict=True))
+        reader.close()
+    finally:
+        os.environ.pop(ENV_CHECKPOINT_SOCKET, None)
+        saver.close(unlink=True)
+        shutil.rmtree(root, ignore_errors=True)
+    return list(times.items())
+
+
+def report_restore(rows: list[Row]) -> None:
+    """The restore rows side by side, each as a ratio to ours; then peer restore vs push."""
+    med = {name: statistics.median(t) for name, t in rows}
+    low = {name: min(t) for name, t in rows}
+    print("\nrestore (ours first; ratio = this row / ours, < 1: this row is faster)")
+    print(f"{'operation':68} {'median s':>8} {'min s':>7} {'max s':>7} {'med/ours':>8} "
+          f"{'min/ours':>8}")
+    for cache in ("cold", "warm"):
+        ours = RESTORE_OURS.format(cache)
+        for name in (ours, *(p.format(cache) for p in RESTORE_PEERS)):
+            if name in med:
+                print(f"{name:68} {med[name]:8.3f} {low[name]:7.3f} "
+                      f"{max(dict(rows)[name]):7.3f} {med[name] / med[ours]:8.2f} "
+                      f"{low[name] / low[ours]:8.2f}")
+    for name in (PEER_RESTORE, PEER_PUSH):
+        if name in med:
+            print(f"{name:68} {med[name]:8.3f} {low[name]:7.3f} {max(dict(rows)[name]):7.3f}")
+    if PEER_RESTORE in med and PEER_PUSH in med:
+        print(f"  peer restore / push of the same bytes: median "
+              f"{med[PEER_RESTORE] / med[PEER_PUSH]:.2f}x, min {low[PEER_RESTORE] / low[PEER_PUSH]:.2f}x")
+
+
 def run_case(size_gb: float, adam: bool, args: argparse.Namespace) -> None:
     state = make_state(size_gb, adam)
     nbytes = sum(t.numel() * t.element_size() for t in tensors_of(state))
@@ -458,10 +543,14 @@ def run_case(size_gb: float, adam: bool, args: argparse.Namespace) -> None:
         gc.collect()
         if not args.skip_dcp:
             rows += bench_dcp(state, work, args.repeats)
+        gc.collect()
+        restore = [] if adam else bench_restore(state, work, args)
         load = os.getloadavg()[0]
         report(f"state {nbytes / 2**30:.2f} GiB ({'params + Adam' if adam else 'params'}), "
                f"{args.repeats} repeats, torch {torch.__version__}, {os.cpu_count()} cpus, "
                f"load average {load:.1f}", rows)
+        if restore:
+            report_restore(restore + [r for r in rows if r[0] in (PEER_RESTORE, PEER_PUSH)])
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
