@@ -378,6 +378,7 @@ def bench_replica(state: dict[str, Any], work: Path, args: argparse.Namespace) -
             return list(pool.map(lambda e: e.memory_step(None), engines))
 
     rows: list[Row] = []
+    restore_parts: dict[str, list[float]] = {}
     try:
         n0, n1 = node(), node()
         for label, cap in (("push a sharded part to the next node (1 GiB/s cap)", 1 << 30),
@@ -416,14 +417,18 @@ def bench_replica(state: dict[str, Any], work: Path, args: argparse.Namespace) -
             e0, e1 = engine(n0, 0, r, False), engine(fresh, 1, r, False)
             start = time.perf_counter()
             steps = vote(e0, e1)
+            voted = time.perf_counter()
             e1.load_from_memory(target)
             restore.append(time.perf_counter() - start)
+            restore_parts.setdefault(PEER_RESTORE_VOTE, []).append(voted - start)
+            restore_parts.setdefault(PEER_RESTORE_LOAD, []).append(restore[-1] - (voted - start))
             assert steps == [1, 1] and e1.restored_from_peer == 0, steps
             e0.close()
             e1.close()
             fresh.close(unlink=True)
             savers.remove(fresh)
         rows.append(("restore from the peer's memory (replaced node)", restore))
+        rows += list(restore_parts.items())
 
         os.environ.pop(ENV_CHECKPOINT_SOCKET, None)  # a saver of its own: storage only
         ckpt = DdpCheckpointer(str(work / "storage-ckpt"))
@@ -448,6 +453,8 @@ RESTORE_OURS = "flash restore from storage, {} (vote + verify + read into model)
 RESTORE_PEERS = ("torch.load, {}", "DCP load, {} (into the model)")
 PEER_RESTORE = "restore from the peer's memory (replaced node)"
 PEER_PUSH = "push a sharded part to the next node (no cap)"
+PEER_RESTORE_VOTE = "  of which: vote + copy from the peer into new shm"
+PEER_RESTORE_LOAD = "  of which: load from that shm into the model"
 
 
 def bench_restore(state: dict[str, Any], work: Path, args: argparse.Namespace) -> list[Row]:
@@ -520,7 +527,7 @@ def report_restore(rows: list[Row]) -> None:
                 print(f"{name:68} {med[name]:8.3f} {low[name]:7.3f} "
                       f"{max(dict(rows)[name]):7.3f} {med[name] / med[ours]:8.2f} "
                       f"{low[name] / low[ours]:8.2f}")
-    for name in (PEER_RESTORE, PEER_PUSH):
+    for name in (PEER_RESTORE, PEER_RESTORE_VOTE, PEER_RESTORE_LOAD, PEER_PUSH):
         if name in med:
             print(f"{name:68} {med[name]:8.3f} {low[name]:7.3f} {max(dict(rows)[name]):7.3f}")
     if PEER_RESTORE in med and PEER_PUSH in med:
@@ -550,7 +557,8 @@ def run_case(size_gb: float, adam: bool, args: argparse.Namespace) -> None:
                f"{args.repeats} repeats, torch {torch.__version__}, {os.cpu_count()} cpus, "
                f"load average {load:.1f}", rows)
         if restore:
-            report_restore(restore + [r for r in rows if r[0] in (PEER_RESTORE, PEER_PUSH)])
+            peer = (PEER_RESTORE, PEER_RESTORE_VOTE, PEER_RESTORE_LOAD, PEER_PUSH)
+            report_restore(restore + [r for r in rows if r[0] in peer])
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
