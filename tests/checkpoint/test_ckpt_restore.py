@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import uuid
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +19,7 @@ from dlrover.checkpoint.catalog import Catalog
 from dlrover.checkpoint.config import ENV_CHECKPOINT_SOCKET
 from dlrover.checkpoint.errors import CheckpointCorruptError
 from dlrover.checkpoint.read_ranges import MIN_PARALLEL_BYTES, checksum_file, read_spans
-from dlrover.checkpoint.storage import LocalStorage
+from dlrover.checkpoint.storage import FsspecStorage, LocalStorage
 from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer
 
 
@@ -166,3 +167,17 @@ def test_read_spans_fills_every_span_and_its_crc_is_the_file_s(tmp_path: Path) -
     path.write_bytes(blob[:-1])
     with pytest.raises(EOFError, match="ends at"):
         read_spans(str(path), spans)
+
+
+def test_a_url_storage_reads_spans_as_one_checksummed_stream() -> None:
+    storage = FsspecStorage(f"memory://restore-{uuid.uuid4().hex[:8]}")
+    blob = os.urandom(100_000)
+    storage.write_atomic("part.bin", blob)
+    buffers = [bytearray(10), bytearray(99_990)]
+    spans = [(0, memoryview(buffers[0])), (10, memoryview(buffers[1]))]
+    assert storage.read_into("part.bin", spans) == zlib.crc32(blob)
+    assert b"".join(buffers) == blob
+    assert storage.checksum("part.bin") == (len(blob), zlib.crc32(blob))
+    storage.write_atomic("part.bin", blob[:-1])
+    with pytest.raises(EOFError, match="ends at 99999 bytes"):
+        storage.read_into("part.bin", spans)
