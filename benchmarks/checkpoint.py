@@ -535,6 +535,34 @@ def report_restore(rows: list[Row]) -> None:
               f"{med[PEER_RESTORE] / med[PEER_PUSH]:.2f}x, min {low[PEER_RESTORE] / low[PEER_PUSH]:.2f}x")
 
 
+def profile_restore(args: argparse.Namespace) -> None:
+    """cProfile of one cold and one warm load_checkpoint(target=...) from storage: where the
+    time of a restore goes (the top functions by own time)."""
+    import cProfile
+    import pstats
+
+    from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer
+
+    state = make_state(args.size_gb, False)
+    work = Path(tempfile.mkdtemp(prefix="dlrover-bench-", dir=args.dir))
+    try:
+        ckpt = DdpCheckpointer(str(work / "ckpt"))
+        ckpt.save_checkpoint(1, state)
+        assert ckpt.wait_latest_checkpoint(600)
+        target = make_state(args.size_gb, False)
+        for cache in ("cold", "warm"):
+            if cache == "cold":
+                evict(str(work / "ckpt"))
+            profile = cProfile.Profile()
+            start = time.perf_counter()
+            profile.runcall(ckpt.load_checkpoint, target=target)
+            print(f"\nload_checkpoint, {cache}: {time.perf_counter() - start:.3f} s")
+            pstats.Stats(profile).sort_stats("tottime").print_stats(8)
+        ckpt.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def run_case(size_gb: float, adam: bool, args: argparse.Namespace) -> None:
     state = make_state(size_gb, adam)
     nbytes = sum(t.numel() * t.element_size() for t in tensors_of(state))
@@ -573,8 +601,13 @@ def main() -> None:
     parser.add_argument("--skip-dcp", action="store_true")
     parser.add_argument("--skip-replica", action="store_true",
                         help="leave out the peer-replica rows (push, restore from a peer)")
+    parser.add_argument("--profile-restore", action="store_true",
+                        help="only profile a cold and a warm load from storage (cProfile)")
     parser.add_argument("--child-load", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.profile_restore:
+        profile_restore(args)
+        return
     if args.child_load:
         child_load(args.child_load, args.size_gb, args.adam, args.repeats)
         return
