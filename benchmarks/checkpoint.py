@@ -378,6 +378,7 @@ def bench_replica(state: dict[str, Any], work: Path, args: argparse.Namespace) -
             return list(pool.map(lambda e: e.memory_step(None), engines))
 
     rows: list[Row] = []
+    restore_parts: dict[str, list[float]] = {}
     try:
         n0, n1 = node(), node()
         for label, cap in (("push a sharded part to the next node (1 GiB/s cap)", 1 << 30),
@@ -416,14 +417,18 @@ def bench_replica(state: dict[str, Any], work: Path, args: argparse.Namespace) -
             e0, e1 = engine(n0, 0, r, False), engine(fresh, 1, r, False)
             start = time.perf_counter()
             steps = vote(e0, e1)
+            voted = time.perf_counter()
             e1.load_from_memory(target)
             restore.append(time.perf_counter() - start)
+            restore_parts.setdefault(PEER_RESTORE_VOTE, []).append(voted - start)
+            restore_parts.setdefault(PEER_RESTORE_LOAD, []).append(restore[-1] - (voted - start))
             assert steps == [1, 1] and e1.restored_from_peer == 0, steps
             e0.close()
             e1.close()
             fresh.close(unlink=True)
             savers.remove(fresh)
         rows.append(("restore from the peer's memory (replaced node)", restore))
+        rows += list(restore_parts.items())
 
         os.environ.pop(ENV_CHECKPOINT_SOCKET, None)  # a saver of its own: storage only
         ckpt = DdpCheckpointer(str(work / "storage-ckpt"))
@@ -443,6 +448,121 @@ def bench_replica(state: dict[str, Any], work: Path, args: argparse.Namespace) -
     return rows
 
 
+# ---------------------------------------------------------------------------- restore
+RESTORE_OURS = "flash restore from storage, {} (vote + verify + read into model)"
+RESTORE_PEERS = ("torch.load, {}", "DCP load, {} (into the model)")
+PEER_RESTORE = "restore from the peer's memory (replaced node)"
+PEER_PUSH = "push a sharded part to the next node (no cap)"
+PEER_RESTORE_VOTE = "  of which: vote + copy from the peer into new shm"
+PEER_RESTORE_LOAD = "  of which: load from that shm into the model"
+
+
+def bench_restore(state: dict[str, Any], work: Path, args: argparse.Namespace) -> list[Row]:
+    """A restarted job on machines whose memory holds nothing: the vote (a saver of its own,
+    empty) finds no step in memory, so load_checkpoint verifies and reads the newest step from
+    storage into the freshly built model. Interleaved, cold then warm page cache, with
+    torch.load of the same state (a file of the same bytes) and DCP's load into the model."""
+    from dlrover.checkpoint.saver import CheckpointSaver
+    from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer
+
+    root = work / "restore"
+    ckpt_dir, pt_file, dcp_dir = root / "flash", root / "state.pt", root / "dcp"
+    root.mkdir()
+    writer = DdpCheckpointer(str(ckpt_dir))  # persists through an in-process saver
+    writer.save_checkpoint(1, state)
+    assert writer.wait_latest_checkpoint(600)
+    writer.close()
+    torch_save(state, str(pt_file), True)
+    dcp = None
+    if not args.skip_dcp:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(state, checkpoint_id=str(dcp_dir))
+    saver = CheckpointSaver(str(work / "restore.sock"),
+                            shm_prefix=f"dlrover-bench-{uuid.uuid4().hex[:6]}")
+    saver.start()
+    os.environ[ENV_CHECKPOINT_SOCKET] = saver.socket_path
+    target = make_state(args.size_gb, False)  # the restarted job's model, built and touched
+    times: dict[str, list[float]] = {}
+    try:
+        reader = DdpCheckpointer(str(ckpt_dir))
+        cases: list[tuple[str, Callable[[], Any], Path]] = [
+            (RESTORE_OURS, lambda: reader.load_checkpoint(target=target), ckpt_dir),
+            (RESTORE_PEERS[0], lambda: torch.load(pt_file, weights_only=True), pt_file)]
+        if dcp is not None:
+            cases.append((RESTORE_PEERS[1],
+                          lambda: dcp.load(target, checkpoint_id=str(dcp_dir)), dcp_dir))
+        for _ in range(args.repeats):
+            for cache in ("cold", "warm"):
+                for label, load, path in cases:
+                    if cache == "cold":
+                        evict(str(path))
+                    else:
+                        load()  # warms the page cache: the timed run reads cached pages
+                    times.setdefault(label.format(cache), []).extend(timed(load, 1))
+                    gc.collect()
+        assert reader.last_load_source == "storage"
+        got = reader.load_checkpoint(target=target)
+        assert all(torch.equal(a, b) for a, b in zip(tensors_of(got), tensors_of(state),
+                                                     strict=True))
+        reader.close()
+    finally:
+        os.environ.pop(ENV_CHECKPOINT_SOCKET, None)
+        saver.close(unlink=True)
+        shutil.rmtree(root, ignore_errors=True)
+    return list(times.items())
+
+
+def report_restore(rows: list[Row]) -> None:
+    """The restore rows side by side, each as a ratio to ours; then peer restore vs push."""
+    med = {name: statistics.median(t) for name, t in rows}
+    low = {name: min(t) for name, t in rows}
+    print("\nrestore (ours first; ratio = this row / ours, < 1: this row is faster)")
+    print(f"{'operation':68} {'median s':>8} {'min s':>7} {'max s':>7} {'med/ours':>8} "
+          f"{'min/ours':>8}")
+    for cache in ("cold", "warm"):
+        ours = RESTORE_OURS.format(cache)
+        for name in (ours, *(p.format(cache) for p in RESTORE_PEERS)):
+            if name in med:
+                print(f"{name:68} {med[name]:8.3f} {low[name]:7.3f} "
+                      f"{max(dict(rows)[name]):7.3f} {med[name] / med[ours]:8.2f} "
+                      f"{low[name] / low[ours]:8.2f}")
+    for name in (PEER_RESTORE, PEER_RESTORE_VOTE, PEER_RESTORE_LOAD, PEER_PUSH):
+        if name in med:
+            print(f"{name:68} {med[name]:8.3f} {low[name]:7.3f} {max(dict(rows)[name]):7.3f}")
+    if PEER_RESTORE in med and PEER_PUSH in med:
+        print(f"  peer restore / push of the same bytes: median "
+              f"{med[PEER_RESTORE] / med[PEER_PUSH]:.2f}x, min {low[PEER_RESTORE] / low[PEER_PUSH]:.2f}x")
+
+
+def profile_restore(args: argparse.Namespace) -> None:
+    """cProfile of one cold and one warm load_checkpoint(target=...) from storage: where the
+    time of a restore goes (the top functions by own time)."""
+    import cProfile
+    import pstats
+
+    from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer
+
+    state = make_state(args.size_gb, False)
+    work = Path(tempfile.mkdtemp(prefix="dlrover-bench-", dir=args.dir))
+    try:
+        ckpt = DdpCheckpointer(str(work / "ckpt"))
+        ckpt.save_checkpoint(1, state)
+        assert ckpt.wait_latest_checkpoint(600)
+        target = make_state(args.size_gb, False)
+        for cache in ("cold", "warm"):
+            if cache == "cold":
+                evict(str(work / "ckpt"))
+            profile = cProfile.Profile()
+            start = time.perf_counter()
+            profile.runcall(ckpt.load_checkpoint, target=target)
+            print(f"\nload_checkpoint, {cache}: {time.perf_counter() - start:.3f} s")
+            pstats.Stats(profile).sort_stats("tottime").print_stats(8)
+        ckpt.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def run_case(size_gb: float, adam: bool, args: argparse.Namespace) -> None:
     state = make_state(size_gb, adam)
     nbytes = sum(t.numel() * t.element_size() for t in tensors_of(state))
@@ -458,10 +578,15 @@ def run_case(size_gb: float, adam: bool, args: argparse.Namespace) -> None:
         gc.collect()
         if not args.skip_dcp:
             rows += bench_dcp(state, work, args.repeats)
+        gc.collect()
+        restore = [] if adam else bench_restore(state, work, args)
         load = os.getloadavg()[0]
         report(f"state {nbytes / 2**30:.2f} GiB ({'params + Adam' if adam else 'params'}), "
                f"{args.repeats} repeats, torch {torch.__version__}, {os.cpu_count()} cpus, "
                f"load average {load:.1f}", rows)
+        if restore:
+            peer = (PEER_RESTORE, PEER_RESTORE_VOTE, PEER_RESTORE_LOAD, PEER_PUSH)
+            report_restore(restore + [r for r in rows if r[0] in peer])
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -705,8 +830,13 @@ def main() -> None:
                         help="GiB of state in the saves-taken run (a save every step)")
     parser.add_argument("--busy-timeout", type=float, default=120.0,
                         help="seconds a busy persist may take before it is reported as inf")
+    parser.add_argument("--profile-restore", action="store_true",
+                        help="only profile a cold and a warm load from storage (cProfile)")
     parser.add_argument("--child-load", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.profile_restore:
+        profile_restore(args)
+        return
     if args.child_load:
         child_load(args.child_load, args.size_gb, args.adam, args.repeats)
         return

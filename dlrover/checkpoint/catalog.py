@@ -7,6 +7,7 @@ import logging
 import re
 import zlib
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from dlrover.checkpoint.config import (
@@ -21,6 +22,7 @@ from dlrover.checkpoint.errors import (
     SegmentStateError,
 )
 from dlrover.checkpoint.header import HEADER_SIZE, read_seq
+from dlrover.checkpoint.read_ranges import READ_THREADS, ShortFileError
 from dlrover.checkpoint.shm import SharedSegment
 from dlrover.checkpoint.storage import Storage
 
@@ -165,58 +167,150 @@ class Catalog:
             raise CheckpointCorruptError(f"{self.storage.url(rel)} is not valid JSON") from exc
         return manifest
 
-    def verify(self, step: int) -> dict[str, Any]:
-        """The manifest of ``step`` after checking every file's size and CRC32."""
+    def verify(self, step: int, skip: frozenset[str] = frozenset()) -> dict[str, Any]:
+        """The manifest of ``step`` after checking the size and CRC32 of every file but those
+        named in ``skip``; files are read concurrently, large ones in parallel ranges."""
         manifest = self.manifest(step)
-        for name, info in manifest["files"].items():
+        names = [n for n in manifest["files"] if n not in skip]
+        if not names:
+            return manifest
+
+        def check(name: str) -> None:
+            info = manifest["files"][name]
             rel = f"{step_dir(step)}/{name}"
             try:
-                size, crc = crc32_file(self.storage, rel)
+                size, crc = self.storage.checksum(rel)
             except FileNotFoundError as exc:
                 raise CheckpointCorruptError(f"{self.storage.url(rel)} is missing") from exc
-            if size != info["size"] or crc != info["crc32"]:
-                raise CheckpointCorruptError(
-                    f"{self.storage.url(rel)} is corrupt: {size} bytes, crc32 {crc:#010x}; "
-                    f"the manifest says {info['size']} bytes, crc32 {info['crc32']:#010x}"
-                )
+            _check(self.storage.url(rel), size, crc, info)
+
+        with ThreadPoolExecutor(
+            min(len(names), READ_THREADS), thread_name_prefix="ckpt-verify"
+        ) as pool:
+            for done in [pool.submit(check, name) for name in names]:
+                done.result()  # the first failure, in manifest order
         return manifest
 
     def newest_valid(self, not_newer_than: int | None = None) -> tuple[int, dict[str, Any]] | None:
         """The newest committed step that verifies, warning about each one skipped."""
-        latest = self.latest_step()
-        bound = latest if not_newer_than is None else not_newer_than
-        if bound is None:
-            return None
-        for step in sorted((s for s in self.steps() if s <= bound), reverse=True):
+        for step in self._candidates(not_newer_than):
             try:
                 return step, self.verify(step)
             except CheckpointCorruptError as exc:
                 log.warning("checkpoint step %d is unusable (%s); trying an older step", step, exc)
         return None
 
+    def _candidates(self, not_newer_than: int | None) -> list[int]:
+        """Steps not newer than the bound (default: the "latest" marker), newest first."""
+        latest = self.latest_step()
+        bound = latest if not_newer_than is None else not_newer_than
+        if bound is None:
+            return []
+        return sorted((s for s in self.steps() if s <= bound), reverse=True)
+
+    def load_newest_plain(
+        self, part: str, target: Any = None, not_newer_than: int | None = None
+    ) -> tuple[int, Any] | None:
+        """(step, state) of the newest committed plain step whose ``part`` reads back intact,
+        warning about each one skipped; None when there is none.
+
+        Each step is read once, straight into ``target``'s tensors and checked while it is read
+        (``load_plain_part``). A step that fails its check after bytes landed in ``target`` is
+        overwritten by the older step loaded next; if that older step does not cover every such
+        tensor, or no step is intact, CheckpointCorruptError says so (``target`` then holds
+        bytes of a corrupt step and must be rebuilt).
+        """
+        dirty: set[int] = set()
+        failed: list[int] = []
+        for step in self._candidates(not_newer_than):
+            try:
+                state, written = self._read_plain(step, part, target, dirty)
+            except CheckpointCorruptError as exc:
+                log.warning("checkpoint step %d is unusable (%s); trying an older step", step, exc)
+                failed.append(step)
+                continue
+            if dirty - written:
+                raise CheckpointCorruptError(
+                    f"step {step} of {self.storage.root} was loaded, but {len(dirty - written)} "
+                    f"tensors of the target still hold bytes of corrupt step(s) {failed} that step "
+                    f"{step} does not have; rebuild the model and optimizer before loading"
+                )
+            return step, state
+        if dirty:
+            raise CheckpointCorruptError(
+                f"no committed step of {self.storage.root} is intact (tried {failed}), and the "
+                f"read of the newest wrote into {len(dirty)} tensors of the target; rebuild the "
+                "model and optimizer before training without a checkpoint"
+            )
+        return None
+
     def load_plain_part(self, step: int, part: str, target: Any = None) -> Any:
-        """Read ``part`` of a verified plain step back into a state dict (into ``target``)."""
+        """Read ``part`` of plain ``step`` into a state dict (into ``target``'s tensors where
+        they match), checking every file of the step against its manifest as it is read;
+        CheckpointCorruptError if one does not match (``target`` may then hold some of its
+        bytes: see ``load_newest_plain``)."""
+        return self._read_plain(step, part, target, set())[0]
+
+    def _read_plain(
+        self, step: int, part: str, target: Any, dirty: set[int]
+    ) -> tuple[Any, set[int]]:
+        """(state, addresses of the target tensors it wrote); on a failed check after the read
+        began, the addresses it wrote go into ``dirty`` before CheckpointCorruptError."""
         # Loading builds tensors, so torch is needed here (trainer side); the agent, which
         # only writes parts, imports this module without it.
-        import torch
-
-        from dlrover.checkpoint.layout import decode
+        from dlrover.checkpoint.part_reader import plan_part
 
         rel = step_dir(step)
-        meta = json.loads(self.storage.read_bytes(f"{rel}/{part}.meta.json"))
-        # Read into a bytearray and wrap it: no copy, and no numpy (an optional torch dependency).
-        buffer = bytearray(int(meta["data_len"]))
-        view = memoryview(buffer)
-        with self.storage.open_read(f"{rel}/{part}.bin") as f:
-            got = 0
-            while got < len(view):
-                n = f.readinto(view[got:])  # type: ignore[attr-defined]
-                if not n:
-                    raise CheckpointCorruptError(f"{self.storage.url(rel)}/{part}.bin is short")
-                got += n
-        data = (
-            torch.frombuffer(buffer, dtype=torch.uint8)
-            if buffer
-            else torch.empty(0, dtype=torch.uint8)
+        files = self.manifest(step)["files"]
+        data_name, meta_name = f"{part}.bin", f"{part}.meta.json"
+        for name in (data_name, meta_name):
+            if name not in files:
+                raise CheckpointCorruptError(
+                    f"the manifest of {self.storage.url(rel)} does not list {name}"
+                )
+        # The small files first (metadata, other parts' files): the target is only written once
+        # everything else of the step has checked out.
+        self.verify(step, skip=frozenset({data_name, meta_name}))
+        meta_url = self.storage.url(f"{rel}/{meta_name}")
+        try:
+            meta_bytes = self.storage.read_bytes(f"{rel}/{meta_name}")
+        except FileNotFoundError as exc:
+            raise CheckpointCorruptError(f"{meta_url} is missing") from exc
+        _check(meta_url, len(meta_bytes), zlib.crc32(meta_bytes), files[meta_name])
+        meta = json.loads(meta_bytes)
+        data_rel, info = f"{rel}/{data_name}", files[data_name]
+        data_url = self.storage.url(data_rel)
+        try:
+            size = self.storage.size(data_rel)
+        except FileNotFoundError as exc:
+            raise CheckpointCorruptError(f"{data_url} is missing") from exc
+        if size != info["size"] or size != int(meta["data_len"]):
+            raise CheckpointCorruptError(
+                f"{data_url} is corrupt: {size} bytes; the manifest says {info['size']} bytes "
+                f"and the metadata {meta['data_len']}"
+            )
+        plan = plan_part(meta, target)
+        try:
+            crc = self.storage.read_into(data_rel, plan.spans)
+        except (ShortFileError, FileNotFoundError) as exc:
+            dirty.update(plan.written)
+            raise CheckpointCorruptError(f"{data_url} is corrupt: {exc}") from exc
+        except OSError as exc:
+            dirty.update(plan.written)
+            raise CheckpointStorageError(f"cannot read {data_url}: {exc}") from exc
+        except BaseException:
+            dirty.update(plan.written)
+            raise
+        if crc != info["crc32"]:
+            dirty.update(plan.written)
+            _check(data_url, size, crc, info)
+        return plan.finish(), plan.written
+
+
+def _check(url: str, size: int, crc: int, info: dict[str, int]) -> None:
+    """CheckpointCorruptError unless ``size`` and ``crc`` are what the manifest ``info`` says."""
+    if size != info["size"] or crc != info["crc32"]:
+        raise CheckpointCorruptError(
+            f"{url} is corrupt: {size} bytes, crc32 {crc:#010x}; "
+            f"the manifest says {info['size']} bytes, crc32 {info['crc32']:#010x}"
         )
-        return decode(meta, data, target, base=0)

@@ -11,12 +11,13 @@ import shutil
 import threading
 import uuid
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import IO, Any
 
 from dlrover.checkpoint.config import PERSIST_CHUNK_BYTES, run_in_background
 from dlrover.checkpoint.crc import crc32_combine
 from dlrover.checkpoint.errors import CheckpointStorageError
+from dlrover.checkpoint.read_ranges import ShortFileError, Span, checksum_file, read_spans
 
 WRITE_THREADS = 4
 """Threads that write one large file to a local file system at once (each its own range)."""
@@ -82,6 +83,34 @@ class Storage(abc.ABC):
         with self.open_read(rel) as f:
             return f.read()
 
+    def read_into(self, rel: str, spans: Sequence[Span]) -> int:
+        """Fill ``spans`` (contiguous, in file order, from offset 0) with the bytes of file
+        ``rel``, read once; returns their CRC-32, computed as they arrive. A missing file raises
+        FileNotFoundError, one shorter than the spans ShortFileError."""
+        crc = 0
+        with self.open_read(rel) as f:
+            for offset, view in spans:
+                done = 0
+                while done < len(view):
+                    n = f.readinto(view[done:])  # type: ignore[attr-defined]
+                    if not n:
+                        raise ShortFileError(
+                            f"{self.url(rel)} ends at {offset + done} bytes; "
+                            f"{offset + len(view)} were expected"
+                        )
+                    done += n
+                crc = zlib.crc32(view, crc)
+        return crc
+
+    def checksum(self, rel: str) -> tuple[int, int]:
+        """(size, CRC-32) of file ``rel``, read in chunks; FileNotFoundError if it is missing."""
+        crc, size = 0, 0
+        with self.open_read(rel) as f:
+            while chunk := f.read(PERSIST_CHUNK_BYTES):
+                crc = zlib.crc32(chunk, crc)
+                size += len(chunk)
+        return size, crc
+
     def write_from(self, rel: str, data: memoryview) -> int:
         """Write ``data`` (e.g. a shared-memory mapping) as file ``rel``, durable on return as
         ``open_write`` makes it; returns its CRC-32, computed while writing."""
@@ -135,6 +164,15 @@ class LocalStorage(Storage):
         """Read ``rel``; a missing file raises FileNotFoundError (not wrapped)."""
         with open(self._p(rel), "rb") as f:
             yield f
+
+    def read_into(self, rel: str, spans: Sequence[Span]) -> int:
+        """As ``Storage.read_into``, a large file read by several threads at once (each its own
+        range and descriptor), each chunk checksummed as it lands (zlib releases the GIL)."""
+        return read_spans(self._p(rel), spans)
+
+    def checksum(self, rel: str) -> tuple[int, int]:
+        """As ``Storage.checksum``, a large file read by several threads at once."""
+        return checksum_file(self._p(rel))
 
     def write_from(self, rel: str, data: memoryview) -> int:
         """Write ``data`` as file ``rel`` from WRITE_THREADS threads at once, each writing and

@@ -78,10 +78,10 @@ class DdpCheckpointer(Checkpointer):
                 return dict(state)
             except SegmentStateError as exc:
                 log.warning("cannot load from memory (%s); loading from storage", exc)
-        found = catalog.newest_valid(bound)
+        found = catalog.load_newest_plain("rank_0", target, bound)
         if found is None:
             return {}
-        step, _ = found
-        log.info("loading step %d from %s", step, catalog.storage.root)
+        step, state = found
+        log.info("loaded step %d from %s", step, catalog.storage.root)
         self.last_load_source = "storage"
-        return dict(catalog.load_plain_part(step, "rank_0", target))
+        return dict(state)

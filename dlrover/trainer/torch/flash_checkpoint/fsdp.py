@@ -224,8 +224,8 @@ class FsdpFullCheckpointer(Checkpointer):
                     self.last_load_source = "memory"
                 except SegmentStateError as exc:
                     log.warning("cannot load from memory (%s); loading from storage", exc)
-            if not state and (found := catalog.newest_valid(bound)) is not None:
-                state = dict(catalog.load_plain_part(found[0], "rank_0"))
+            if not state and (found := catalog.load_newest_plain("rank_0", None, bound)):
+                state = dict(found[1])
                 self.last_load_source = "storage"
         have = torch.tensor([1 if state else 0])
         if dist.is_initialized():
