@@ -231,6 +231,13 @@ class WorkerGroup:
         """Local ranks of the workers still running."""
         return [lr for lr, h in self._handles.items() if h.poll() is None]
 
+    def kill_ranks(self, local_ranks: Sequence[int], sig: int = signal.SIGKILL) -> None:
+        """Send `sig` to these workers' process groups (their exits arrive in `exits`)."""
+        for local_rank in local_ranks:
+            handle = self._handles.get(local_rank)
+            if handle is not None:
+                handle.kill(sig)
+
     def signal_all(self, sig: int, only_leaders: bool = False) -> None:
         """Signal every live worker's process group (or just the worker processes)."""
         for h in self._handles.values():
