@@ -336,8 +336,11 @@ def main() -> None:
     preload_s = round(time.perf_counter() - started, 4)
     _send(sock, ReadyEvent(os.getpid(), preload_s, _native_threads()))
     forked = _Server(sock).serve()
-    if forked is not None:
-        run_child(*forked)
+    if forked is None:
+        # Told to exit (its workers are killed): nothing to save, and tearing down torch in an
+        # interpreter at the lowest CPU weight took over the agent's 5 s grace on a busy node.
+        os._exit(0)
+    run_child(*forked)
 
 
 if __name__ == "__main__":
