@@ -52,6 +52,9 @@ DEFAULT_HANG_TIMEOUT_S = 0.0
 """No step reported for this long (after a first one) counts as a hang; 0 turns detection off."""
 DEFAULT_HANG_WARNING_TIMEOUT_S = 600.0
 """No progress for this long: the agent logs the stuck ranks with their stacks (no restart)."""
+DEFAULT_EXIT_HANG_TIMEOUT_S = 60.0
+"""A worker idle (no step, under 1% of a core) this long after its script returned, or after every
+other local worker exited successfully, counts as hung at exit: stacks logged, ended; 0: off."""
 ENV_NODE_NAME = "DLROVER_NODE_NAME"
 ENV_NODE_EXIT_FILE = "DLROVER_NODE_EXIT_FILE"
 """Where dlrover-run writes its exit code as it ends (set by the local engine, which may have to

@@ -426,7 +426,10 @@ class ElasticAgent:
         """Start the template process once the workers are past their imports (so its own
         imports do not slow the first start), to fork restarted workers in milliseconds."""
         cfg = self.config
-        if self._zygote is not None or not self._fast_restart or cfg.script_argv is None:
+        if self._zygote is not None:
+            self._note_zygote_ready()
+            return
+        if not self._fast_restart or cfg.script_argv is None:
             return
         step = self._monitor.step if self._monitor is not None else -1
         if step < 0 and time.monotonic() - self._started_at < cfg.zygote_delay_s:
@@ -435,6 +438,19 @@ class ElasticAgent:
             self._zygote = Zygote.begin()
         except (ZygoteError, OSError) as e:
             logger.warning("fast restarts are off: cannot start the zygote (%s)", e)
+            self._fast_restart = False
+
+    def _note_zygote_ready(self) -> None:
+        """Once the zygote has finished its preload, take its ready message (which logs
+        "zygote N ready"), so that the log says from when on restarts fork."""
+        zygote = self._zygote
+        if zygote is None or zygote.done or not zygote.wait_ready(0.0):
+            return
+        try:
+            zygote.result(timeout=1.0)
+        except ZygoteError as e:
+            logger.warning("fast restarts are off: %s", e)
+            self._zygote = None
             self._fast_restart = False
 
     def _ready_zygote(self) -> Zygote | None:

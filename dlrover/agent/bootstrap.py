@@ -37,7 +37,8 @@ ENV_PARENT_DEATH_PID = "DLROVER_PARENT_DEATH_PID"
 """Set by the spawner: the worker kills itself when this process (its parent) dies."""
 
 ENV_DONE_FILE = "DLROVER_DONE_FILE"
-"""Set by the agent: the bootstrap creates this file once the script has finished successfully."""
+"""Set by the agent: the bootstrap writes the script's exit code to this file once the script has
+returned (or raised), before interpreter shutdown begins (see `read_script_result`)."""
 _PR_SET_PDEATHSIG = 1
 
 USAGE = "usage: python -m dlrover.agent.bootstrap (script.py | -m module) [args...]"
@@ -108,26 +109,52 @@ def run_target(argv: Sequence[str]) -> None:
             else:
                 _run_script(argv[0], list(argv[1:]))
     except SystemExit as exc:
-        if exc.code in (None, 0):
-            _mark_done()
+        _mark_done(_exit_code(exc.code))
         raise
-    _mark_done()
+    except BaseException:
+        _mark_done(1)  # the interpreter prints the traceback and exits 1
+        raise
+    _mark_done(0)
 
 
-def _mark_done() -> None:
-    """The script finished successfully: say so before interpreter shutdown begins.
+def _exit_code(code: object) -> int:
+    """The process exit code ``SystemExit(code)`` leads to (as the interpreter computes it)."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    return 1  # a message: printed to stderr, exit 1
 
-    With torch 2.13 + gloo a rank sometimes aborts (SIGABRT) while the interpreter shuts down,
-    after all its work is done; the agent counts such a rank as succeeded when this file exists.
-    The fatal-signal stack dump is turned off here: a page of "Fatal Python error: Aborted"
-    after a successful run would only alarm (the agent says in one line what happened).
+
+def read_script_result(path: str) -> int | None:
+    """The exit code the script ended with, from its done file; None while it has not ended
+    (or when the file is unreadable)."""
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    if text == "done":  # written by an older bootstrap: success
+        return 0
+    return int(text) if text.lstrip("-").isdigit() else None
+
+
+def _mark_done(code: int) -> None:
+    """The script has ended with `code`: say so before interpreter shutdown begins.
+
+    With torch 2.13 + gloo a rank sometimes aborts (SIGABRT) or hangs while the interpreter shuts
+    down, after all its work is done; the agent counts such a rank as what the script returned.
+    The fatal-signal stack dump is turned off after a success: a page of "Fatal Python error:
+    Aborted" after a successful run would only alarm (the agent says in one line what happened).
     """
-    faulthandler.disable()
+    if code == 0:
+        faulthandler.disable()
     path = os.environ.get(ENV_DONE_FILE, "")
     if path:
         try:
-            with open(path, "w") as f:
-                f.write("done\n")
+            with open(path + ".tmp", "w") as f:
+                f.write(f"{code}\n")
+            os.replace(path + ".tmp", path)  # complete or absent, never half-written
         except OSError:
             pass
 

@@ -75,6 +75,10 @@ class AgentConfig:
     """A node slower than this multiple of the others' median check time is a straggler."""
     hang_timeout_s: float = c.DEFAULT_HANG_TIMEOUT_S
     """No step reported by a worker for this long (after its first) is a hang; 0: off."""
+    exit_hang_timeout_s: float = c.DEFAULT_EXIT_HANG_TIMEOUT_S
+    """A worker idle this long after its script returned, or after every other local worker
+    exited successfully, is hung at exit: stacks logged, ended, counted as its script's result
+    (failed when the script never returned); 0: off."""
     hang_warning_timeout_s: float = c.DEFAULT_HANG_WARNING_TIMEOUT_S
     """No progress (steps, or CPU use for scripts that report none) for this long: warn with the
     workers' stacks, once per stall, and go on; 0: off."""

@@ -12,9 +12,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from dlrover.agent.bootstrap import read_script_result
 from dlrover.agent.config import AgentConfig
 from dlrover.agent.launch_plan import LaunchPlan
-from dlrover.agent.progress_watch import ProgressWatch, Stall, StepBreakdown, StepTimes
+from dlrover.agent.progress_watch import ExitWatch, ProgressWatch, Stall, StepBreakdown, StepTimes
 from dlrover.agent.stacks import collect_stacks, cpu_seconds
 from dlrover.agent.workers import WorkerExit, WorkerGroup
 from dlrover.trainer.progress import read_step_file
@@ -83,6 +84,9 @@ class WorkerMonitor:
         self._done: dict[int, WorkerExit] = {}
         self._progress = ProgressWatch(config.nproc_per_node, time.time())
         self._step_times = StepTimes()
+        self._exit_watch = ExitWatch(config.exit_hang_timeout_s)
+        self._ended_at_exit: set[int] = set()
+        """Local ranks this monitor ended as hung at exit."""
         self._next_progress_check = 0.0
         self._next_membership_check = 0.0
         self.step = step
@@ -120,6 +124,7 @@ class WorkerMonitor:
             self._next_progress_check = now + 1.0
             if self.check_progress():
                 return Outcome.HUNG
+            self.end_workers_hung_at_exit()
             self._signals.every_second()
         if now < self._next_membership_check:
             return None
@@ -132,15 +137,18 @@ class WorkerMonitor:
         group = self._group
         self._done[ex.local_rank] = ex
         group.returncodes[ex.local_rank] = ex.returncode
-        if ex.returncode != 0 and os.path.exists(self._plan.files[ex.local_rank].done_file):
+        result = read_script_result(self._plan.files[ex.local_rank].done_file)
+        if result is not None and ex.returncode != result and (ex.returncode < 0 or result == 0):
             logger.warning(
-                "worker rank %d %s during interpreter shutdown after its script finished; "
-                "counted as succeeded",
+                "worker rank %d %s during interpreter shutdown after its script returned %d; "
+                "counted as %s",
                 ex.rank,
-                describe_exit(ex),
+                "was ended" if ex.local_rank in self._ended_at_exit else describe_exit(ex),
+                result,
+                "succeeded" if result == 0 else f"exit code {result}",
             )
-            group.returncodes[ex.local_rank] = 0
-            ex.returncode = 0
+            group.returncodes[ex.local_rank] = result
+            ex.returncode = result
         if ex.returncode != 0:
             logger.error("worker rank %d (pid %d) %s", ex.rank, ex.pid, describe_exit(ex))
             return Outcome.FAILED
@@ -198,6 +206,53 @@ class WorkerMonitor:
             self._warn_stalls(stalls)
         return False
 
+    def end_workers_hung_at_exit(self) -> list[int]:
+        """End the workers hung at exit (see `ExitWatch`), after logging their stacks; each then
+        counts as what its script returned (its done file), or as failed when the script never
+        returned. Returns their local ranks."""
+        if self._config.exit_hang_timeout_s <= 0 or not self._done:
+            ended = {}
+        else:
+            ended = self._ended_work_at()
+        now = time.time()
+        pids = self._group.pids
+        for local_rank in ended:
+            self._exit_watch.observe(local_rank, cpu_seconds(pids[local_rank]), now)
+        hung = [lr for lr in self._exit_watch.hung(ended, now) if lr not in self._ended_at_exit]
+        if not hung:
+            return []
+        offset = self._plan.rank_offset
+        logger.error(
+            "rank(s) %s did not exit %.0fs after %s (no step, under 1%% of a core); ending them "
+            "(--exit-hang-timeout). Their stacks:\n%s",
+            ", ".join(str(offset + lr) for lr in hung),
+            self._config.exit_hang_timeout_s,
+            "their script returned or the other ranks of this node exited successfully",
+            self._stacks_text(hung),
+        )
+        self._ended_at_exit.update(hung)
+        self._group.kill_ranks(hung)
+        return hung
+
+    def _ended_work_at(self) -> dict[int, float]:
+        """Running local ranks that ended their work -> since when (wall time): their script
+        returned (done file), or every other local rank exited successfully."""
+        done = self._done
+        others_succeeded = all(ex.returncode == 0 for ex in done.values())
+        last_exit = max((ex.at for ex in done.values()), default=0.0)
+        ended: dict[int, float] = {}
+        for local_rank, files in enumerate(self._plan.files):
+            if local_rank in done:
+                continue
+            since = None
+            if read_script_result(files.done_file) is not None:
+                since = _mtime(files.done_file)
+            elif others_succeeded and len(done) == self._config.nproc_per_node - 1:
+                since = last_exit
+            if since is not None:
+                ended[local_rank] = max(since, self._progress.progress_at(local_rank))
+        return ended
+
     def _warn_stalls(self, stalls: list[Stall]) -> None:
         offset = self._plan.rank_offset
         ranks = ", ".join(str(offset + stall.local_rank) for stall in stalls)
@@ -249,3 +304,10 @@ class WorkerMonitor:
         for rank in self.hung:
             exits.setdefault(rank, -signal.SIGKILL)
         return exits
+
+
+def _mtime(path: str) -> float:
+    try:
+        return os.path.getmtime(path)
+    except OSError:
+        return time.time()

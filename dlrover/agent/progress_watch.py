@@ -103,9 +103,47 @@ class ProgressWatch:
             stalls.append(Stall(local_rank, idle, rank.step))
         return stalls
 
+    def progress_at(self, local_rank: int) -> float:
+        """Wall time of the latest progress of ``local_rank`` (a step, or CPU use)."""
+        return self._ranks[local_rank].progress_at
+
     def last_step(self, local_rank: int) -> int:
         """The latest step ``local_rank`` reported, or -1 if it never reported one."""
         return self._ranks[local_rank].step
+
+
+class ExitWatch:
+    """Which workers hang at exit: their script has ended, or every other local worker exited
+    successfully, yet the process stays, idle. Pure, fed by the agent with wall-clock samples.
+
+    A candidate counts from when it ended its work (its done file, else the last successful exit
+    of the others); any progress since (a new step, or CPU use of at least MIN_CPU_SHARE of a
+    core) restarts its clock: a rank still writing a last checkpoint is not hung.
+    """
+
+    def __init__(self, timeout_s: float) -> None:
+        self._timeout_s = timeout_s
+        self._cpu: dict[int, tuple[float, float]] = {}  # local rank -> (CPU s, wall time) mark
+
+    def observe(self, local_rank: int, cpu_s: float | None, now: float) -> None:
+        """Feed a candidate's CPU seconds (None: unknown); its idle clock starts at the first."""
+        if cpu_s is None:
+            return
+        mark = self._cpu.get(local_rank)
+        if mark is None or cpu_s - mark[0] >= MIN_CPU_SHARE * (now - mark[1]) + CPU_TICK_S:
+            self._cpu[local_rank] = (cpu_s, now)
+
+    def hung(self, ended_at: dict[int, float], now: float) -> list[int]:
+        """Candidates (local rank -> when it ended its work or last reported a step, whichever
+        is later) idle for the timeout since then."""
+        if self._timeout_s <= 0:
+            return []
+        return [
+            local_rank
+            for local_rank, ended in sorted(ended_at.items())
+            if local_rank in self._cpu
+            and now - max(ended, self._cpu[local_rank][1]) >= self._timeout_s
+        ]
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,28 @@ def _pdeathsig_preexec() -> Callable[[], None] | None:
     return preexec
 
 
+def python_unbuffered(argv: Sequence[str]) -> bool:
+    """Whether ``argv`` (``[python, options..., script | -m module | -c code, ...]``) passes
+    ``-u``, so that a worker forked in its place buffers its output the same way."""
+    args = iter(argv[1:])
+    for arg in args:
+        if arg.startswith("--"):  # --check-hash-based-pycs MODE: the only one that runs code
+            next(args, None)
+            continue
+        if not arg.startswith("-") or arg == "-":
+            return False  # the script: the interpreter's options end here
+        for index, letter in enumerate(arg[1:]):
+            if letter == "u":
+                return True
+            if letter in "mc":
+                return False  # the module or code follows: the options end here
+            if letter in "XW":  # takes a value: the rest of this argument or the next one
+                if index == len(arg) - 2:
+                    next(args, None)
+                break
+    return False
+
+
 @dataclass
 class WorkerLaunch:
     """The blueprint of one worker process."""
@@ -137,8 +159,11 @@ class WorkerGroup:
 
     def _fork(self, zygote: Zygote, w: WorkerLaunch) -> WorkerHandle | None:
         assert w.script_argv is not None
-        agent = os.getpid()
-        out, err = f"/proc/{agent}/fd/1", f"/proc/{agent}/fd/2"
+        # The agent's own stdout/stderr descriptors, as a Popen child inherits them: the worker
+        # shares their open files, so with `dlrover-run > file` it writes at the same offset
+        # as the agent instead of over it.
+        out: int | str = sys.stdout.fileno() if sys.stdout is not None else 1
+        err: int | str = sys.stderr.fileno() if sys.stderr is not None else 2
         if w.log_dir is not None:
             os.makedirs(w.log_dir, exist_ok=True)
             if w.redirect & STD_OUT:
@@ -146,7 +171,14 @@ class WorkerGroup:
             if w.redirect & STD_ERR:
                 err = os.path.join(w.log_dir, "stderr.log")
         try:
-            handle = zygote.spawn(w.script_argv, w.env, os.getcwd(), out, err)
+            handle = zygote.spawn(
+                w.script_argv,
+                w.env,
+                os.getcwd(),
+                out,
+                err,
+                unbuffered=python_unbuffered(w.argv),
+            )
         except ZygoteError as e:
             logger.warning(
                 "zygote could not fork local rank %d (%s); starting it afresh", w.local_rank, e
@@ -198,6 +230,13 @@ class WorkerGroup:
     def alive(self) -> list[int]:
         """Local ranks of the workers still running."""
         return [lr for lr, h in self._handles.items() if h.poll() is None]
+
+    def kill_ranks(self, local_ranks: Sequence[int], sig: int = signal.SIGKILL) -> None:
+        """Send `sig` to these workers' process groups (their exits arrive in `exits`)."""
+        for local_rank in local_ranks:
+            handle = self._handles.get(local_rank)
+            if handle is not None:
+                handle.kill(sig)
 
     def signal_all(self, sig: int, only_leaders: bool = False) -> None:
         """Signal every live worker's process group (or just the worker processes)."""

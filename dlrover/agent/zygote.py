@@ -2,8 +2,9 @@
 
 The agent starts one `Zygote` per node. Each `spawn` asks it (JSON lines over a unix socket:
 ``zygote_messages.py``) to fork a worker that runs the user's script as ``__main__`` with the
-given argv, env, cwd and log files, so a restarted worker skips ``import torch`` and the lazy
-imports of the first DDP/optimizer construction. The agent (``workers.py``) starts a worker
+given argv, env and cwd, so a restarted worker skips ``import torch`` and the lazy imports of
+the first DDP/optimizer construction. Its stdout and stderr are the agent's own open files
+(sent as descriptors with the request), so its output lands where a Popen child's would. The agent (``workers.py``) starts a worker
 with Popen instead when the zygote cannot be started, is gone or refuses.
 
 Exits: the zygote is the workers' parent; it waits on a pidfd per worker, reaps it and
@@ -24,11 +25,13 @@ import subprocess
 import sys
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
-from typing import IO
+from typing import IO, Union
 
 from dlrover.agent.zygote_messages import (
+    FDS_MARKER,
     ErrorEvent,
     ExitedEvent,
     ExitRequest,
@@ -59,6 +62,31 @@ DEFAULT_PRELOAD = (
 _ZYGOTE_UNSET_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+
+
+Output = Union[int, str, "os.PathLike[str]"]
+"""Where a forked worker's stdout or stderr goes: an open descriptor to share, or a path to append
+to."""
+
+
+@contextmanager
+def _output_fds(stdout: Output, stderr: Output) -> Iterator[list[int]]:
+    """The two descriptors to send; the ones opened here (paths) are closed afterwards (the
+    zygote holds its own references once they are sent)."""
+    opened: list[int] = []
+    fds: list[int] = []
+    try:
+        for target in (stdout, stderr):
+            if isinstance(target, int):
+                fds.append(target)
+                continue
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+            opened.append(fd)
+            fds.append(fd)
+        yield fds
+    finally:
+        for fd in opened:
+            os.close(fd)
 
 
 class ZygoteError(Exception):
@@ -256,15 +284,19 @@ class Zygote:
         argv: Sequence[str],
         env: Mapping[str, str],
         cwd: str | os.PathLike[str],
-        stdout_path: str | os.PathLike[str],
-        stderr_path: str | os.PathLike[str],
+        stdout: Output,
+        stderr: Output,
         timeout: float = 10.0,
+        unbuffered: bool = False,
     ) -> ForkedWorker:
         """Fork a worker running `argv` (``[script, args...]`` or ``["-m", module, args...]``).
 
         `env` is the worker's complete environment (the torchrun contract included); it
-        replaces the zygote's. Output is appended to the two files. Raises ZygoteError when
-        the zygote refuses (the message says why) or does not answer within `timeout`.
+        replaces the zygote's. `stdout` and `stderr` are each an open file descriptor, which
+        the worker then shares (same open file: offset and O_APPEND, as a Popen child that
+        inherits it), or a path, opened here for appending. `unbuffered` is ``python -u``
+        (PYTHONUNBUFFERED in `env` has the same effect). Raises ZygoteError when the zygote
+        refuses (the message says why) or does not answer within `timeout`.
         """
         with self._state_lock:
             if self._lost:
@@ -279,15 +311,17 @@ class Zygote:
             argv=list(argv),
             env=dict(env),
             cwd=os.fspath(os.path.abspath(cwd)),
-            stdout=os.fspath(os.path.abspath(stdout_path)),
-            stderr=os.fspath(os.path.abspath(stderr_path)),
+            unbuffered=unbuffered,
         )
         try:
-            self._send(request)
-        except ZygoteError:
+            with _output_fds(stdout, stderr) as fds:
+                self._send(request, fds)
+        except (ZygoteError, OSError) as exc:
             with self._state_lock:
                 self._pending.pop(request_id, None)
-            raise
+            if isinstance(exc, ZygoteError):
+                raise
+            raise ZygoteError(f"cannot open the worker's output: {exc}") from exc
         if not answered.wait(timeout):
             with self._state_lock:
                 self._pending.pop(request_id, None)
@@ -312,7 +346,7 @@ class Zygote:
         self._sock.close()
         self._reader.join(timeout)
 
-    def _send(self, request: ZygoteRequest) -> None:
+    def _send(self, request: ZygoteRequest, fds: Sequence[int] = ()) -> None:
         try:
             data = encode_request(request)
         except MessageError as exc:
@@ -321,7 +355,12 @@ class Zygote:
             ) from exc
         with self._send_lock:
             try:
-                self._sock.sendall(data)
+                # One sendmsg per marked line: the zygote pairs descriptor groups with marked
+                # lines in order.
+                if fds:
+                    data = FDS_MARKER + data
+                sent = socket.send_fds(self._sock, [data], list(fds)) if fds else 0
+                self._sock.sendall(data[sent:])
             except OSError as exc:
                 raise ZygoteError(f"zygote {self.pid} is gone: {exc}") from exc
 
@@ -378,6 +417,11 @@ class PendingZygote:
         self._sock = sock
         self._preload = preload
         self._result: Zygote | None = None
+
+    @property
+    def done(self) -> bool:
+        """Whether `result()` has returned the ready zygote already."""
+        return self._result is not None
 
     def wait_ready(self, timeout: float) -> bool:
         """Whether the zygote has finished its preload (or failed) within `timeout`; it is left

@@ -1,8 +1,9 @@
 """The messages between the agent's `Zygote` and the zygote process, shared by both ends.
 
 One JSON object per line on the inherited unix socket (codec: `dlrover.json_messages`), no
-pickle. Agent -> zygote: requests named by ``"op"``; zygote -> agent: events named by
-``"event"``. Only the standard library is imported: the zygote reads this before its preload.
+pickle; a spawn's output descriptors ride with its line (SCM_RIGHTS). Agent -> zygote: requests
+named by ``"op"``; zygote -> agent: events named by ``"event"``. Only the standard library is
+imported: the zygote reads this before its preload.
 """
 
 from __future__ import annotations
@@ -25,8 +26,12 @@ class SpawnRequest(ZygoteRequest):
     """Fork a worker and make it what ``python argv...`` in ``cwd`` would have been.
 
     ``argv`` is ``[script, args...]`` or ``["-m", module, args...]``; ``env`` is the worker's
-    complete environment (it replaces the zygote's); output is appended to the two files.
-    The zygote answers `SpawnedEvent` or `SpawnFailedEvent` with the same ``request_id``.
+    complete environment (it replaces the zygote's). The worker's stdout and stderr are not
+    named here: the agent sends the two open descriptors (OUTPUT_FDS) in the same ``sendmsg``
+    as the line, which it prefixes with FDS_MARKER, so the worker writes through the agent's own open files (the same offset and
+    O_APPEND, as a Popen child inheriting them would). ``unbuffered`` is ``python -u``: both
+    streams write through at once. The zygote answers `SpawnedEvent` or `SpawnFailedEvent` with
+    the same ``request_id``.
     """
 
     op: ClassVar[str] = "spawn"
@@ -34,8 +39,14 @@ class SpawnRequest(ZygoteRequest):
     argv: list[str]
     env: dict[str, str]
     cwd: str
-    stdout: str
-    stderr: str
+    unbuffered: bool
+
+
+OUTPUT_FDS = 2
+"""Descriptors sent with each `SpawnRequest` line: the worker's stdout, then its stderr."""
+
+FDS_MARKER = b"\x00"
+"""Prefix of a line sent together with descriptors (one ``sendmsg``); never part of JSON text."""
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ Run by `dlrover.agent.zygote.Zygote`, never by hand:
 
 Protocol on the inherited unix socket: the typed messages of ``zygote_messages.py``, one JSON
 object per line. The zygote writes `ReadyEvent` once its preload is done, then answers each
-`SpawnRequest` with `SpawnedEvent` or `SpawnFailedEvent`, reports every worker's exit as
+`SpawnRequest` (whose line arrives with the worker's stdout and stderr as SCM_RIGHTS
+descriptors) with `SpawnedEvent` or `SpawnFailedEvent`, reports every worker's exit as
 `ExitedEvent`, a line it cannot read as `ErrorEvent`, and exits on `ExitRequest`.
 
 Fork safety: the zygote runs no torch op and never touches CUDA, so torch's intra-op pool and
@@ -17,6 +18,7 @@ lazily. The zygote refuses to fork while a second Python thread exists.
 from __future__ import annotations
 
 import argparse
+import collections
 import importlib
 import io
 import os
@@ -29,6 +31,8 @@ import time
 
 from dlrover.agent.bootstrap import BootstrapError, die_with_parent, enable_stack_dumps, run_target
 from dlrover.agent.zygote_messages import (
+    FDS_MARKER,
+    OUTPUT_FDS,
     ErrorEvent,
     ExitedEvent,
     ExitRequest,
@@ -37,11 +41,13 @@ from dlrover.agent.zygote_messages import (
     SpawnFailedEvent,
     SpawnRequest,
     ZygoteEvent,
-    ZygoteRequest,
     decode_request,
     encode_event,
 )
 from dlrover.json_messages import MessageError
+
+_MAX_FDS = 16
+"""Room for descriptors per receive (a spawn sends OUTPUT_FDS; more is a sender's bug)."""
 
 
 def _native_threads() -> int:
@@ -55,19 +61,19 @@ def _send(sock: socket.socket, event: ZygoteEvent) -> None:
     sock.sendall(encode_event(event))
 
 
-def _check_spawn(request: SpawnRequest) -> None:
+def _check_spawn(request: SpawnRequest, fds: list[int]) -> None:
     """What the message's types do not say; ValueError names the first problem."""
     if not request.argv:
         raise ValueError("argv must be a non-empty list of strings")
-    for name, value in (
-        ("cwd", request.cwd),
-        ("stdout", request.stdout),
-        ("stderr", request.stderr),
-    ):
-        if not value:
-            raise ValueError(f"{name} must be a non-empty path string")
+    if not request.cwd:
+        raise ValueError("cwd must be a non-empty path string")
     if not os.path.isdir(request.cwd):
         raise ValueError(f"cwd {request.cwd!r} is not a directory")
+    if len(fds) != OUTPUT_FDS:
+        raise ValueError(
+            f"a spawn request comes with {OUTPUT_FDS} descriptors (stdout, stderr) in the same"
+            f" sendmsg; got {len(fds)}"
+        )
 
 
 class _Server:
@@ -78,53 +84,92 @@ class _Server:
         self._selector = selectors.DefaultSelector()
         self._children: dict[int, int] = {}  # pidfd -> pid
         self._buffer = b""
+        # Descriptor groups received and not yet paired with their (marked) line. The kernel
+        # returns at most one group per read, in the order sent, but may glue a later message
+        # to earlier bytes of the same read, so pairing goes by the in-band marker, not by
+        # where a read starts.
+        self._fd_groups: collections.deque[list[int]] = collections.deque()
 
-    def serve(self) -> SpawnRequest | None:
-        """Run until told to exit (returns None) or, in a forked child, return its spec."""
+    def serve(self) -> tuple[SpawnRequest, list[int]] | None:
+        """Run until told to exit (returns None) or, in a forked child, return its spec and
+        its output descriptors."""
         self._selector.register(self._sock, selectors.EVENT_READ)
         while True:
             for key, _ in self._selector.select():
                 if key.fileobj is self._sock:
-                    data = self._sock.recv(1 << 16)
-                    if not data:  # the agent is gone: take the workers with us
+                    lines = self._receive()
+                    if lines is None:  # the agent is gone: take the workers with us
                         self._kill_children()
                         return None
-                    self._buffer += data
-                    while b"\n" in self._buffer:
-                        line, self._buffer = self._buffer.split(b"\n", 1)
-                        outcome = self._handle(line)
+                    for index, (line, fds) in enumerate(lines):
+                        outcome = self._handle(line, fds)
                         if isinstance(outcome, ExitRequest):
                             self._kill_children()
                             return None
-                        if isinstance(outcome, SpawnRequest):
+                        if outcome is not None:
+                            for _, later in lines[index + 1 :]:  # siblings' output: not ours
+                                _close_all(later)
                             return outcome
                 else:
                     self._reap(key.fd)
 
-    def _handle(self, line: bytes) -> ZygoteRequest | None:
-        """ExitRequest: stop serving; a SpawnRequest: we are the forked child; else None."""
+    def _receive(self) -> list[tuple[bytes, list[int]]] | None:
+        """One read from the socket: the complete lines now buffered, each with the descriptors
+        that came with it; None when the agent closed the channel."""
+        data, fds, flags, _ = socket.recv_fds(
+            self._sock, 1 << 16, _MAX_FDS, socket.MSG_CMSG_CLOEXEC
+        )
+        if not data:
+            _close_all(fds)
+            return None
+        if fds:
+            self._fd_groups.append(fds)
+        if flags & socket.MSG_CTRUNC:
+            _send(self._sock, ErrorEvent("descriptors were cut off (too many in one message)"))
+        self._buffer += data
+        lines = []
+        while b"\n" in self._buffer:
+            line, self._buffer = self._buffer.split(b"\n", 1)
+            if line.startswith(FDS_MARKER):
+                # Each marked line was one sendmsg with one group: they pair up in order.
+                line = line[len(FDS_MARKER) :]
+                lines.append((line, self._fd_groups.popleft() if self._fd_groups else []))
+            else:
+                lines.append((line, []))
+        return lines
+
+    def _handle(
+        self, line: bytes, fds: list[int] | None = None
+    ) -> ExitRequest | tuple[SpawnRequest, list[int]] | None:
+        """ExitRequest: stop serving; (spawn, fds): we are the forked child; else None.
+        Takes ownership of `fds` (closed here, or handed to the child)."""
+        fds = fds or []
         try:
             request = decode_request(line)
         except MessageError as exc:
+            _close_all(fds)
             _send(self._sock, ErrorEvent(str(exc)))
             return None
         if not isinstance(request, SpawnRequest):
-            return request
+            _close_all(fds)
+            return request if isinstance(request, ExitRequest) else None
         try:
-            _check_spawn(request)
+            _check_spawn(request, fds)
             if threading.active_count() > 1:
                 raise RuntimeError("zygote has a second Python thread; forking is unsafe")
             torch = sys.modules.get("torch")
             if torch is not None and torch.cuda.is_initialized():
                 raise RuntimeError("CUDA is initialised in the zygote; forking is unsafe")
         except (ValueError, RuntimeError) as exc:
+            _close_all(fds)
             _send(self._sock, SpawnFailedEvent(request.request_id, str(exc)))
             return None
         zygote_pid = os.getpid()
         pid = os.fork()
         if pid == 0:
             self._become_child(zygote_pid)
-            return request
+            return request, fds
+        _close_all(fds)
         self._children[self._watch(pid)] = pid
         _send(self._sock, SpawnedEvent(request.request_id, pid))
         return None
@@ -156,33 +201,46 @@ class _Server:
         self._selector.close()
         for pidfd in self._children:
             os.close(pidfd)
+        for fds in self._fd_groups:  # siblings' output, queued behind this request
+            _close_all(fds)
         self._sock.close()
 
 
-def _redirect(spec: SpawnRequest) -> None:
-    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
-    for target, path in ((1, spec.stdout), (2, spec.stderr)):
-        fd = os.open(path, flags, 0o644)
-        os.dup2(fd, target)
-        os.close(fd)
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _redirect(spec: SpawnRequest, fds: list[int]) -> None:
+    """Make the agent's descriptors the worker's fd 1 and 2, and set up sys.std* as a fresh
+    ``python`` (``-u`` when asked) would on them."""
+    for target, fd in zip((1, 2), fds, strict=True):
+        os.dup2(fd, target)  # the copy is inheritable (no CLOEXEC), as std streams are
+    _close_all(fds)
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
-    unbuffered = bool(spec.env.get("PYTHONUNBUFFERED"))
-    # Same buffering as a fresh interpreter writing to files: stdout block-buffered,
-    # stderr line-buffered; both write-through under PYTHONUNBUFFERED.
-    sys.stdout = io.TextIOWrapper(
-        io.BufferedWriter(io.FileIO(1, "w", closefd=False)),
-        line_buffering=False,
-        write_through=unbuffered,
-    )
-    sys.stderr = io.TextIOWrapper(
-        io.BufferedWriter(io.FileIO(2, "w", closefd=False)),
-        line_buffering=True,
-        write_through=unbuffered,
-        errors="backslashreplace",
-    )
+    sys.stdout = _std_stream(1, spec.unbuffered or bool(spec.env.get("PYTHONUNBUFFERED")))
+    sys.stderr = _std_stream(2, spec.unbuffered or bool(spec.env.get("PYTHONUNBUFFERED")))
     sys.stdin = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)))
+
+
+def _std_stream(fd: int, unbuffered: bool) -> io.TextIOWrapper:
+    """What the interpreter builds for fd 1 or 2 at start-up: unbuffered (``-u`` or
+    PYTHONUNBUFFERED) is a raw file written through at every call; otherwise stdout is
+    line-buffered on a terminal and block-buffered elsewhere, stderr always line-buffered."""
+    raw = io.FileIO(fd, "w", closefd=False)
+    buffer: io.RawIOBase | io.BufferedWriter = raw if unbuffered else io.BufferedWriter(raw)
+    return io.TextIOWrapper(
+        buffer,  # type: ignore[arg-type]
+        encoding=sys.stdout.encoding if fd == 1 else sys.stderr.encoding,
+        errors=sys.stdout.errors if fd == 1 else "backslashreplace",
+        line_buffering=not unbuffered and (fd == 2 or raw.isatty()),
+        write_through=unbuffered,
+    )
 
 
 def _apply_environment(spec: SpawnRequest) -> None:
@@ -204,9 +262,9 @@ def _apply_environment(spec: SpawnRequest) -> None:
         numpy_random.seed()
 
 
-def run_child(spec: SpawnRequest) -> None:
+def run_child(spec: SpawnRequest, fds: list[int]) -> None:
     """In the forked worker: become the process `python script.py` would have been, run it."""
-    _redirect(spec)
+    _redirect(spec, fds)
     _apply_environment(spec)
     enable_stack_dumps()
     try:
@@ -277,9 +335,12 @@ def main() -> None:
     preload_at_idle_priority([m for m in args.preload.split(",") if m])
     preload_s = round(time.perf_counter() - started, 4)
     _send(sock, ReadyEvent(os.getpid(), preload_s, _native_threads()))
-    spec = _Server(sock).serve()
-    if spec is not None:
-        run_child(spec)
+    forked = _Server(sock).serve()
+    if forked is None:
+        # Told to exit (its workers are killed): nothing to save, and tearing down torch in an
+        # interpreter at the lowest CPU weight took over the agent's 5 s grace on a busy node.
+        os._exit(0)
+    run_child(*forked)
 
 
 if __name__ == "__main__":

@@ -204,6 +204,16 @@ def build_parser() -> argparse.ArgumentParser:
         "CPU use) before the stuck ranks are logged with their stacks; the job goes on. "
         "0: off. Default 600.",
     )
+    _add(
+        p,
+        "--exit-hang-timeout",
+        type=float,
+        default=c.DEFAULT_EXIT_HANG_TIMEOUT_S,
+        help="Seconds a worker may sit idle (no step, under 1%% of a core) after its script "
+        "returned, or after every other worker of the node exited successfully, before it counts "
+        "as hung at exit: its stacks are logged, it is ended and counted as what its script "
+        "returned (failed if it never returned). 0: off. Default 60.",
+    )
     p.add_argument(
         "--node-check",
         "--node_check",
@@ -296,6 +306,10 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
     conf = _parse_rdzv_conf(args.rdzv_conf)
     if args.max_restarts < 0:
         raise ValueError(f"--max-restarts {args.max_restarts}: must be >= 0")
+    if args.exit_hang_timeout < 0:
+        raise ValueError(
+            f"--exit-hang-timeout {args.exit_hang_timeout}: must be >= 0 (0 turns it off)"
+        )
     if args.hang_timeout < 0:
         raise ValueError(f"--hang-timeout {args.hang_timeout}: must be >= 0 (0 turns it off)")
     if args.hang_warning_timeout < 0:
@@ -351,6 +365,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         ),
         stop_grace_s=args.shutdown_timeout,
         hang_timeout_s=args.hang_timeout,
+        exit_hang_timeout_s=args.exit_hang_timeout,
         hang_warning_timeout_s=args.hang_warning_timeout,
         node_check=args.node_check,
         exclude_straggler=args.exclude_straggler,

@@ -7,7 +7,7 @@ import threading
 import time
 from pathlib import Path
 
-from dlrover.agent.progress_watch import ProgressWatch
+from dlrover.agent.progress_watch import ExitWatch, ProgressWatch
 from tests.conftest import REPO, SCRIPTS, clean_env, run_cmd
 
 
@@ -30,6 +30,20 @@ def test_cpu_use_counts_as_progress_only_until_a_step_is_reported() -> None:
     watch.observe(0, (2, 19.5), 20.0, 20.0)
     assert watch.new_stalls(5.0, 24.0, finished=set()) == []
     assert [s.step for s in watch.new_stalls(5.0, 26.0, finished=set())] == [2]
+
+
+def test_exit_hang_needs_the_timeout_of_idleness_after_the_work_ended() -> None:
+    watch = ExitWatch(timeout_s=10.0)
+    watch.observe(0, cpu_s=5.0, now=100.0)  # the idle clock starts at the first sample
+    watch.observe(1, cpu_s=5.0, now=100.0)
+    ended = {0: 95.0, 1: 95.0}
+    assert watch.hung(ended, now=109.0) == []
+    watch.observe(1, cpu_s=5.5, now=109.0)  # still writing a checkpoint: not hung
+    watch.observe(0, cpu_s=5.0, now=110.0)
+    assert watch.hung(ended, now=110.0) == [0]
+    assert watch.hung({0: 95.0, 1: 112.0}, now=118.9) == [0]  # 1 reported a step at 112
+    assert watch.hung({0: 95.0, 1: 95.0}, now=119.0) == [0, 1]
+    assert ExitWatch(timeout_s=0.0).hung(ended, now=1e9) == []  # 0 turns it off
 
 
 def test_stuck_workers_are_logged_with_stacks_and_the_job_goes_on(tmp_path: Path) -> None:

@@ -321,3 +321,84 @@ def test_forked_worker_dumps_stacks_on_request(zygote: Zygote, tmp_path: Path) -
     handle.kill()
     assert handle.wait(DEADLINE_S) == -signal.SIGKILL
     assert f'File "{tmp_path / "worker.py"}", line 4 in waiting_for_peers' in err.read_text()
+
+
+STDIO_PROBE = (
+    "import sys\n"
+    "def describe(stream):\n"
+    "    return (type(stream.buffer).__name__, stream.line_buffering, stream.write_through,\n"
+    "            stream.encoding, stream.errors)\n"
+    "print(repr([describe(sys.stdout), describe(sys.stderr)]), file=sys.stderr)\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("flag", "env"),
+    [("-u", {}), ("", {"PYTHONUNBUFFERED": "1"}), ("", {})],
+    ids=["-u", "PYTHONUNBUFFERED", "buffered"],
+)
+def test_stdio_is_set_up_as_in_a_fresh_interpreter(
+    zygote: Zygote, tmp_path: Path, flag: str, env: dict[str, str]
+) -> None:
+    script = tmp_path / "probe.py"
+    script.write_text(STDIO_PROBE)
+    base = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    with open(tmp_path / "fresh.out", "wb") as out:
+        fresh = subprocess.run(
+            [sys.executable, *([flag] if flag else []), str(script)],
+            env={**base, **env},
+            stdout=out,
+            capture_output=False,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    handle = zygote.spawn(
+        [str(script)],
+        {**base, **env},
+        tmp_path,
+        tmp_path / "o",
+        tmp_path / "e",
+        unbuffered=bool(flag),
+    )
+    assert handle.wait(DEADLINE_S) == 0
+    assert (tmp_path / "e").read_text() == fresh.stderr
+
+
+def test_last_line_before_a_hang_is_visible(zygote: Zygote, tmp_path: Path) -> None:
+    # `python -u`: the line is in the file at once although the worker never flushes or exits.
+    body = "import time\nprint('last words before the hang')\ntime.sleep(600)\n"
+    script = tmp_path / "hang.py"
+    script.write_text(body)
+    handle = zygote.spawn(
+        [str(script)], {"PATH": ""}, tmp_path, tmp_path / "o", tmp_path / "e", unbuffered=True
+    )
+    assert _wait_for_line(tmp_path / "o") == "last words before the hang\n"
+    assert handle.poll() is None
+    handle.kill()
+    assert handle.wait(DEADLINE_S) == -signal.SIGKILL
+
+
+def test_worker_shares_the_callers_open_file(zygote: Zygote, tmp_path: Path) -> None:
+    """`dlrover-run > file`: the file is opened with O_TRUNC and without O_APPEND, so only a
+    shared offset keeps the caller's and the worker's lines from overwriting each other."""
+    body = "import sys\nfor i in range(5):\n    print('worker', i)\nprint('worker err', file=sys.stderr)\n"
+    script = tmp_path / "lines.py"
+    script.write_text(body)
+    path = tmp_path / "console.txt"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, b"caller before\n")
+        handle = zygote.spawn([str(script)], {"PATH": ""}, tmp_path, fd, fd, unbuffered=True)
+        assert handle.wait(DEADLINE_S) == 0
+        os.write(fd, b"caller after\n")
+    finally:
+        os.close(fd)
+    expected = ["caller before", *(f"worker {i}" for i in range(5)), "worker err", "caller after"]
+    assert path.read_text().splitlines() == expected
+
+
+def test_spawn_with_an_unwritable_output_is_refused(zygote: Zygote, tmp_path: Path) -> None:
+    with pytest.raises(ZygoteError, match="cannot open the worker's output: .*No such file"):
+        zygote.spawn(["x.py"], {}, tmp_path, tmp_path / "no" / "o", tmp_path / "e")
+    assert zygote.alive

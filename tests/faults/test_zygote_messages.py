@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import pytest
 from dlrover.agent.zygote import PendingZygote, ZygoteError
 from dlrover.agent.zygote_messages import (
     EVENT_TYPES,
+    FDS_MARKER,
     REQUEST_TYPES,
     ErrorEvent,
     ExitedEvent,
@@ -36,8 +38,7 @@ SPAWN = SpawnRequest(
     argv=["-m", "trainer", "--lr=0.1", "ünïcode"],
     env={"RANK": "1", "EMPTY": "", "QUOTES": 'a "b" \\n'},
     cwd="/work",
-    stdout="/logs/rank_1/stdout.log",
-    stderr="/logs/rank_1/stderr.log",
+    unbuffered=True,
 )
 REQUESTS: list[ZygoteRequest] = [SPAWN, ExitRequest()]
 EVENTS: list[ZygoteEvent] = [
@@ -78,17 +79,17 @@ def test_event_round_trip_is_lossless(event: ZygoteEvent) -> None:
         (b'{"op": "spawn", "request_id": 1}\n', "'spawn': field 'argv' is missing"),
         (
             b'{"op": "spawn", "request_id": 1, "argv": "train.py", "env": {}, "cwd": "/", '
-            b'"stdout": "o", "stderr": "e"}\n',
+            b'"unbuffered": true}\n',
             "field 'argv' must be a list, got 'train.py'",
         ),
         (
             b'{"op": "spawn", "request_id": 1, "argv": ["t.py"], "env": {"RANK": 1}, '
-            b'"cwd": "/", "stdout": "o", "stderr": "e"}\n',
+            b'"cwd": "/", "unbuffered": true}\n',
             r"field 'env\[RANK\]' must be a string, got 1",
         ),
         (
             b'{"op": "spawn", "request_id": null, "argv": ["t.py"], "env": {}, "cwd": "/", '
-            b'"stdout": "o", "stderr": "e"}\n',
+            b'"unbuffered": true}\n',
             "field 'request_id' must be an int, got None",
         ),
     ],
@@ -113,7 +114,7 @@ def test_malformed_event_names_what_is_wrong(line: bytes, error: str) -> None:
 
 
 def test_sender_refuses_a_message_it_could_not_decode() -> None:
-    bad = SpawnRequest(1, ["t.py"], {"RANK": 1}, "/", "o", "e")  # type: ignore[dict-item]
+    bad = SpawnRequest(1, ["t.py"], {"RANK": 1}, "/", True)  # type: ignore[dict-item]
     with pytest.raises(MessageError, match=r"cannot send SpawnRequest: field 'env\[RANK\]'"):
         encode_request(bad)
 
@@ -135,12 +136,12 @@ def test_zygote_answers_a_malformed_line_without_forking(
     error = decode_event(reader.readline())
     assert isinstance(error, ErrorEvent) and "zygote request is not JSON" in error.error
     # Well-formed but impossible: refused with the request's id (nothing is forked).
-    missing = SpawnRequest(7, ["t.py"], {}, str(tmp_path / "missing"), "o", "e")
+    missing = SpawnRequest(7, ["t.py"], {}, str(tmp_path / "missing"), False)
     assert server._handle(encode_request(missing)) is None
     assert decode_event(reader.readline()) == SpawnFailedEvent(
         7, f"cwd {str(tmp_path / 'missing')!r} is not a directory"
     )
-    empty = SpawnRequest(8, [], {}, str(tmp_path), "o", "e")
+    empty = SpawnRequest(8, [], {}, str(tmp_path), False)
     assert server._handle(encode_request(empty)) is None
     failed = decode_event(reader.readline())
     assert isinstance(failed, SpawnFailedEvent) and "argv must be a non-empty" in failed.error
@@ -163,3 +164,50 @@ def test_a_zygote_that_does_not_say_ready_is_ended(first_line: bytes, error: str
         with pytest.raises(ZygoteError, match=error):
             pending.result(timeout=10)
     assert process.wait(10) is not None  # cancelled: killed and reaped
+
+
+def test_output_descriptors_pair_with_their_lines(
+    server_and_peer: tuple[_Server, socket.socket], tmp_path: Path
+) -> None:
+    server, peer = server_and_peer
+    files = {name: open(tmp_path / name, "wb") for name in ("a", "junk", "c")}  # noqa: SIM115
+    sent = [
+        (encode_request(SPAWN), [files["a"].fileno(), files["a"].fileno()]),
+        (b"{not json\n", [files["junk"].fileno()]),
+        (encode_request(ExitRequest()), []),
+        (encode_request(SPAWN), [files["c"].fileno(), files["c"].fileno()]),
+    ]
+    for line, fds in sent:
+        if fds:
+            socket.send_fds(peer, [FDS_MARKER + line], fds)
+        else:
+            peer.sendall(line)
+    received: list[tuple[bytes, list[int]]] = []
+    while len(received) < len(sent):
+        got = server._receive()
+        assert got is not None
+        received.extend(got)
+    try:
+        assert [line + b"\n" for line, _ in received] == [line for line, _ in sent]
+        inodes = [[os.fstat(fd).st_ino for fd in fds] for _, fds in received]
+        ino = {name: os.fstat(f.fileno()).st_ino for name, f in files.items()}
+        assert inodes == [[ino["a"]] * 2, [ino["junk"]], [], [ino["c"]] * 2]
+    finally:
+        for _, fds in received:
+            for fd in fds:
+                os.close(fd)
+        for f in files.values():
+            f.close()
+
+
+def test_a_spawn_without_its_descriptors_is_refused(
+    server_and_peer: tuple[_Server, socket.socket], tmp_path: Path
+) -> None:
+    server, peer = server_and_peer
+    request = SpawnRequest(9, ["t.py"], {}, str(tmp_path), False)
+    with open(tmp_path / "out", "wb") as out:
+        assert server._handle(encode_request(request), [os.dup(out.fileno())]) is None
+    failed = decode_event(peer.makefile("rb").readline())
+    assert failed == SpawnFailedEvent(
+        9, "a spawn request comes with 2 descriptors (stdout, stderr) in the same sendmsg; got 1"
+    )
