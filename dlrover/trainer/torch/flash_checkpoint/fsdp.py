@@ -32,12 +32,8 @@ __all__ = ["FsdpShardCheckpointer", "FsdpFullCheckpointer", "StorageType"]
 log = logging.getLogger(__name__)
 
 
-class FsdpShardCheckpointer(Checkpointer):
-    """Every rank saves its own shards (``get_state_dict``: DTensors) into its shared segment;
-    the agent persists all of them in the DCP format, so ``torch.distributed.checkpoint.load``
-    reads a step directory directly and a job at another world size can resume from it."""
-
-    sharded = True
+class _FsdpCheckpointer(Checkpointer):
+    """What both FSDP checkpointers share: DLRover's constructor arguments, in its order."""
 
     def __init__(
         self,
@@ -58,6 +54,14 @@ class FsdpShardCheckpointer(Checkpointer):
             replica_count=replica_count,
             keep_last=keep_last,
         )
+
+
+class FsdpShardCheckpointer(_FsdpCheckpointer):
+    """Every rank saves its own shards (``get_state_dict``: DTensors) into its shared segment;
+    the agent persists all of them in the DCP format, so ``torch.distributed.checkpoint.load``
+    reads a step directory directly and a job at another world size can resume from it."""
+
+    sharded = True
 
     def save_checkpoint(
         self,
@@ -159,32 +163,12 @@ def _extra_target(url: str) -> dict[str, Any]:
     return extra
 
 
-class FsdpFullCheckpointer(Checkpointer):
+class FsdpFullCheckpointer(_FsdpCheckpointer):
     """Gathers the full (unsharded) state on rank 0, which saves it like a DDP checkpoint;
     on load rank 0 reads it and broadcasts it to the other ranks. Simple, not reshardable.
     ``load_checkpoint`` returns the saved ``extra_sd`` on rank 0 only ({} elsewhere)."""
 
     sharded = False
-
-    def __init__(
-        self,
-        checkpoint_dir: str,
-        comm_backend: str = "",
-        deletion_strategy: Any = None,
-        save_timeout: float = DEFAULT_SAVE_TIMEOUT_S,
-        replica_count: int = 0,
-        *,
-        keep_last: int = 3,
-    ) -> None:
-        """DLRover's arguments, in DLRover's order (see Checkpointer), plus ``keep_last``."""
-        super().__init__(
-            checkpoint_dir,
-            comm_backend=comm_backend,
-            deletion_strategy=deletion_strategy,
-            save_timeout=save_timeout,
-            replica_count=replica_count,
-            keep_last=keep_last,
-        )
 
     def save_checkpoint(
         self,
