@@ -133,13 +133,20 @@ class ElasticDistributedSampler(DistributedSampler):  # type: ignore[type-arg]
         """Choose the epoch's shuffle; a resumed place applies only to its own epoch."""
         self.epoch = epoch
 
-    def state_dict(self, iter_step: int, micro_batch_size: int) -> dict[str, Any]:
+    def state_dict(
+        self, iter_step: int | None = None, micro_batch_size: int = 1, *, step: int | None = None
+    ) -> dict[str, Any]:
         """Where to resume, by DLRover's rule: every rank trained ``iter_step`` batches of
         ``micro_batch_size`` samples, counted in this epoch or since training began (DLRover's
         examples; after a resume, counting on from the loaded step). Runs no collective and asks
         nobody: call it on rank 0 alone or on every rank. DLRover's keys (``completed_num``,
         ``epoch``) plus ``dataset_size``, ``num_replicas`` and ``micro_batch_size``, which make
-        a count since training began exact whatever the dataset size."""
+        a count since training began exact whatever the dataset size. ``step=`` is accepted
+        for ``iter_step=`` (the name this method had here before)."""
+        if iter_step is None:
+            if step is None:
+                raise TypeError("state_dict() needs iter_step (the steps trained)")
+            iter_step = step
         return {
             "completed_num": iter_step * micro_batch_size * self.num_replicas,
             "epoch": self.epoch,
