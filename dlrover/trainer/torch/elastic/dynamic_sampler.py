@@ -11,7 +11,6 @@ from collections.abc import Iterator, Sized
 from dataclasses import dataclass
 from typing import Any
 
-import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from dlrover.client.sharding_client import ShardingClient
@@ -20,6 +19,7 @@ from dlrover.constants import ENV_MASTER_ADDR
 from dlrover.sharding.errors import DatasetConflictError, InvalidPositionError
 from dlrover.sharding.lockstep import LockstepError, LockstepQuota, lockstep_quota
 from dlrover.sharding.types import ConsumptionMark, DatasetSpec, DeliveryMode, Position, Shard
+from dlrover.trainer.torch.elastic import placement
 from dlrover.trainer.torch.elastic.client_factory import (
     NoMasterError,
     attempt_id,
@@ -29,7 +29,6 @@ from dlrover.trainer.torch.elastic.client_factory import (
     restore_token,
     transport_from_env,
 )
-from dlrover.worker_context import WorkerContext
 
 logger = logging.getLogger(__name__)
 
@@ -105,8 +104,8 @@ class DynamicShardSampler(Sampler[int]):
             )
         self.transport = transport
         self.dataset_size = len(dataset)
-        self.num_replicas = num_replicas if num_replicas is not None else _world_size()
-        self.rank = rank if rank is not None else _rank()
+        self.num_replicas = num_replicas if num_replicas is not None else placement.world_size()
+        self.rank = rank if rank is not None else placement.rank()
         if not 0 <= self.rank < self.num_replicas:
             raise ValueError(f"rank {self.rank} is outside 0..{self.num_replicas - 1}")
         if num_epochs is not None and num_epochs < 1:
@@ -430,15 +429,3 @@ class DynamicShardSampler(Sampler[int]):
     def close(self) -> None:
         """Stop the sharding client's prefetcher."""
         self._close_client()
-
-
-def _world_size() -> int:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return WorkerContext.from_env().world_size
-
-
-def _rank() -> int:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return WorkerContext.from_env().rank

@@ -9,10 +9,9 @@ from collections.abc import Iterator, Sized
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
-from dlrover.worker_context import WorkerContext
+from dlrover.trainer.torch.elastic import placement
 
 logger = logging.getLogger(__name__)
 
@@ -44,10 +43,8 @@ class ElasticDistributedSampler(DistributedSampler):  # type: ignore[type-arg]
         seed: int = 0,
         drop_last: bool = False,
     ) -> None:
-        if not (dist.is_available() and dist.is_initialized()):
-            ctx = WorkerContext.from_env()
-            num_replicas = ctx.world_size if num_replicas is None else num_replicas
-            rank = ctx.rank if rank is None else rank
+        num_replicas = placement.world_size() if num_replicas is None else num_replicas
+        rank = placement.rank() if rank is None else rank
         super().__init__(
             dataset,  # type: ignore[arg-type]
             num_replicas=num_replicas,

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from dlrover.constants import ENV_MAX_NODES
+from dlrover.trainer.torch.elastic import placement
 from dlrover.worker_context import WorkerContext
 
 logger = logging.getLogger(__name__)
@@ -207,7 +207,7 @@ class ElasticTrainer:
         self.model = model
         self.dataloader = dataloader
         self.gradient_state = GradientState()
-        self.world_size = world_size or _current_world_size()
+        self.world_size = world_size or placement.world_size()
         self.optimizer = optimizer
         self.global_batch_size = global_batch_size or 0
         self.micro_batch_size = micro_batch_size or 0
@@ -241,7 +241,7 @@ class ElasticTrainer:
         ctx = WorkerContext.from_env()
         max_nodes = _int_env(ENV_WORKER_NUM) or _int_env(ENV_MAX_NODES) or 0
         max_world = max_nodes * ctx.local_world_size if max_nodes else self.world_size
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else ctx.rank
+        rank = placement.rank()
         self.gradient_accumulation_steps = max_world_accumulation(max_world, self.world_size)
         logger.info(
             "rank %d: world size %d of at most %d, %d micro-batches per global batch",
@@ -347,9 +347,3 @@ def _int_env(name: str) -> int:
     except ValueError:
         logger.warning("ignoring %s=%r: not an integer", name, value)
         return 0
-
-
-def _current_world_size() -> int:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return WorkerContext.from_env().world_size
