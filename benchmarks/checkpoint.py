@@ -677,15 +677,18 @@ def bench_persist_priority(state: dict[str, Any], work: Path, args: argparse.Nam
                            ) -> list[tuple[str, float, float, float, float]]:
     """Per persist priority: persist time idle and with every core busy, and the busy
     trainers' step time during those persists vs just before each."""
-    from dlrover.checkpoint.config import ENV_PERSIST_PRIORITY
+    from dlrover.checkpoint.config import ENV_PERSIST_CPU, ENV_PERSIST_PRIORITY
     from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer, StorageType
 
     out = []
     for policy in args.busy_policies.split(","):
-        sock = str(work / f"busy-{policy.replace(':', '')}.sock")
-        saver = start_saver_proc(sock, {ENV_PERSIST_PRIORITY: policy})
+        priority, _, cpu_share = policy.partition("/")
+        env = {ENV_PERSIST_PRIORITY: priority, ENV_PERSIST_CPU: cpu_share}
+        name = policy.replace(":", "").replace("/", "-")
+        sock = str(work / f"busy-{name}.sock")
+        saver = start_saver_proc(sock, env)
         os.environ[ENV_CHECKPOINT_SOCKET] = sock
-        ckpt_dir = str(work / f"busy-{policy.replace(':', '')}")
+        ckpt_dir = str(work / f"busy-{name}")
         trainers: BusyTrainers | None = None
         try:
             ckpt = DdpCheckpointer(ckpt_dir)
@@ -775,7 +778,7 @@ def report_busy(title: str, priorities: list[tuple[str, float, float, float, flo
     """The busy-node tables, with the ratios the issue asks for (persist <= 2x, step <= 1.1x)."""
     print(f"\n{title}")
     if priorities:
-        print(f"{'persist thread priority':24} {'idle s':>7} {'busy s':>7} {'busy/idle':>9} "
+        print(f"{'priority[/cpu share]':24} {'idle s':>7} {'busy s':>7} {'busy/idle':>9} "
               f"{'step during/before':>18}")
         for policy, idle, busy, ratio, slow in priorities:
             print(f"{policy:24} {idle:7.2f} {busy:7.2f} {ratio:9.2f} {slow:18.2f}")
@@ -822,8 +825,10 @@ def main() -> None:
     parser.add_argument("--busy", choices=("also", "only", "skip"), default="also",
                         help="the busy-node rows: persist priority, saves taken with 2 vs 1 "
                              "buffers (default: after the others)")
-    parser.add_argument("--busy-policies", default="idle,batch,batch:10,nice:10",
-                        help="persist priorities compared (DLROVER_CKPT_PERSIST_PRIORITY)")
+    parser.add_argument("--busy-policies", default="idle/0,batch/0,batch,batch:10",
+                        help="persist settings compared: DLROVER_CKPT_PERSIST_PRIORITY, then "
+                        "optionally /DLROVER_CKPT_PERSIST_CPU (batch/0: SCHED_BATCH, no CPU cap; "
+                        "batch: both defaults)")
     parser.add_argument("--busy-steps", type=int, default=30,
                         help="steps of the saves-taken run (memory every step, disk every 10)")
     parser.add_argument("--busy-saves-gb", type=float, default=0.25,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -16,6 +15,7 @@ from dlrover.checkpoint.config import (
     MANIFEST_FILE,
     PERSIST_CHUNK_BYTES,
 )
+from dlrover.checkpoint.crc import crc32
 from dlrover.checkpoint.errors import (
     CheckpointCorruptError,
     CheckpointStorageError,
@@ -51,7 +51,7 @@ def crc32_file(storage: Storage, rel: str) -> tuple[int, int]:
     crc, size = 0, 0
     with storage.open_read(rel) as f:
         while chunk := f.read(PERSIST_CHUNK_BYTES):
-            crc = zlib.crc32(chunk, crc)
+            crc = crc32(chunk, crc)
             size += len(chunk)
     return size, crc
 
@@ -84,7 +84,7 @@ class Catalog:
         self.storage.write_atomic(f"{rel}/{part}.meta.json", meta_bytes)
         return {
             f"{part}.bin": {"size": data_len, "crc32": crc},
-            f"{part}.meta.json": {"size": len(meta_bytes), "crc32": zlib.crc32(meta_bytes)},
+            f"{part}.meta.json": {"size": len(meta_bytes), "crc32": crc32(meta_bytes)},
         }
 
     def record_node_part(
@@ -276,7 +276,7 @@ class Catalog:
             meta_bytes = self.storage.read_bytes(f"{rel}/{meta_name}")
         except FileNotFoundError as exc:
             raise CheckpointCorruptError(f"{meta_url} is missing") from exc
-        _check(meta_url, len(meta_bytes), zlib.crc32(meta_bytes), files[meta_name])
+        _check(meta_url, len(meta_bytes), crc32(meta_bytes), files[meta_name])
         meta = json.loads(meta_bytes)
         data_rel, info = f"{rel}/{data_name}", files[data_name]
         data_url = self.storage.url(data_rel)

@@ -21,6 +21,8 @@ __all__ = [
     "ENV_BUFFERS",
     "buffers_from_env",
     "run_in_background",
+    "ENV_PERSIST_CPU",
+    "persist_cpu_from_env",
     "ENV_REPLICA_MIB_S",
     "replica_bandwidth_from_env",
     "LATEST_FILE",
@@ -107,6 +109,25 @@ def run_in_background() -> None:
         os.setpriority(os.PRIO_PROCESS, tid, nice)
     except (OSError, AttributeError) as exc:
         logger.debug("cannot set a persist thread's niceness: %s", exc)
+
+
+ENV_PERSIST_CPU = "DLROVER_CKPT_PERSIST_CPU"
+"""Share of the node's CPUs one persist may use, 0 < share <= 1 (default 0.1; 0: no cap). A
+persist's CPU time is fixed (checksums and write calls, about 0.1 CPU-s per GiB), so a cap
+spreads it thin: the trainers lose at most this share of the node while it runs."""
+DEFAULT_PERSIST_CPU = 0.1
+
+
+def persist_cpu_from_env(env: Mapping[str, str] | None = None) -> float | None:
+    """CPUs' worth of time a persist may use (DLROVER_CKPT_PERSIST_CPU times the CPUs this
+    process may run on), None for no cap; ValueError naming the variable for a value outside
+    0..1."""
+    share = number_from_env(ENV_PERSIST_CPU, DEFAULT_PERSIST_CPU, "a share from 0 to 1", env)
+    if share > 1:
+        raise ValueError(f"{ENV_PERSIST_CPU}={share!r}: give a share from 0 to 1 (0: no cap)")
+    if not share or share == 1:
+        return None
+    return share * len(os.sched_getaffinity(0))
 
 
 ENV_REPLICA_MIB_S = "DLROVER_CKPT_REPLICA_MIB_S"

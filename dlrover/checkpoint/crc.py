@@ -1,9 +1,29 @@
-"""CRC-32 (zlib's) of a file written in parallel pieces: each writer checksums its own range and
-``crc32_combine`` joins the ranges' checksums, so nothing is read twice."""
+"""CRC-32 (zlib's polynomial) of checkpoint bytes, fast, and joined across parallel pieces."""
 
 from __future__ import annotations
 
+import zlib
 from functools import cache
+
+try:  # ISA-L's CRC-32 (carry-less multiply): the same value as zlib's, 4-6x faster per core
+    from isal import isal_zlib as _fast
+except ImportError:  # pragma: no cover - isal is a dependency; a platform without its wheel
+    _fast = None  # type: ignore[assignment]
+
+FAST = _fast is not None
+"""Whether checksums run on ISA-L (else zlib's, about 3.5 GB/s per core)."""
+
+
+def crc32(data: bytes | bytearray | memoryview, value: int = 0) -> int:
+    """``zlib.crc32(data, value)``: the checkpoint manifests' checksum, on ISA-L where installed.
+
+    A persist checksums every byte it writes and a restore every byte it reads, so this is the
+    CPU a persist takes from busy trainers: about 0.05 CPU-s per GiB on ISA-L against 0.3 on zlib.
+    """
+    if _fast is not None:
+        return int(_fast.crc32(data, value))
+    return zlib.crc32(data, value)
+
 
 _POLY = 0xEDB88320  # CRC-32, bit-reflected
 
@@ -38,6 +58,8 @@ def _zero_byte_powers() -> tuple[tuple[int, ...], ...]:
     return tuple(powers)
 
 
+# Each writer thread checksums its own range; crc32_combine joins the ranges' checksums, so
+# nothing is read twice.
 def crc32_combine(crc_a: int, crc_b: int, len_b: int) -> int:
     """``zlib.crc32(a + b)`` from ``zlib.crc32(a)``, ``zlib.crc32(b)`` and ``len(b)``.
 

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import os
-import zlib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from dlrover.checkpoint.crc import crc32_combine
+from dlrover.checkpoint.crc import crc32, crc32_combine
 
 READ_THREADS = 4
 """Threads that read one large file at once, each a contiguous range through its own descriptor
@@ -62,7 +61,7 @@ def _read_group(path: str, group: list[Span]) -> tuple[int, int]:
                             f"{offset + start + len(chunk)} were expected"
                         )
                     done += n
-                crc = zlib.crc32(chunk, crc)  # releases the GIL on large buffers
+                crc = crc32(chunk, crc)  # releases the GIL on large buffers
             length += len(view)
     finally:
         os.close(fd)
@@ -105,7 +104,7 @@ def checksum_file(path: str, threads: int = READ_THREADS) -> tuple[int, int]:
                 n = os.preadv(fd, [buf[: min(len(buf), hi - at)]], at)
                 if n == 0:  # the file shrank since it was measured
                     break
-                crc = zlib.crc32(buf[:n], crc)
+                crc = crc32(buf[:n], crc)
                 at += n
         finally:
             os.close(fd)

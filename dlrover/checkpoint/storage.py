@@ -6,16 +6,21 @@ import abc
 import contextlib
 import ctypes
 import errno
+import logging
 import os
 import shutil
 import threading
+import time
 import uuid
-import zlib
 from collections.abc import Iterator, Sequence
 from typing import IO, Any
 
-from dlrover.checkpoint.config import PERSIST_CHUNK_BYTES, run_in_background
-from dlrover.checkpoint.crc import crc32_combine
+from dlrover.checkpoint.config import (
+    PERSIST_CHUNK_BYTES,
+    persist_cpu_from_env,
+    run_in_background,
+)
+from dlrover.checkpoint.crc import crc32, crc32_combine
 from dlrover.checkpoint.errors import CheckpointStorageError
 from dlrover.checkpoint.read_ranges import ShortFileError, Span, checksum_file, read_spans
 
@@ -99,7 +104,7 @@ class Storage(abc.ABC):
                             f"{offset + len(view)} were expected"
                         )
                     done += n
-                crc = zlib.crc32(view, crc)
+                crc = crc32(view, crc)
         return crc
 
     def checksum(self, rel: str) -> tuple[int, int]:
@@ -107,7 +112,7 @@ class Storage(abc.ABC):
         crc, size = 0, 0
         with self.open_read(rel) as f:
             while chunk := f.read(PERSIST_CHUNK_BYTES):
-                crc = zlib.crc32(chunk, crc)
+                crc = crc32(chunk, crc)
                 size += len(chunk)
         return size, crc
 
@@ -119,7 +124,7 @@ class Storage(abc.ABC):
             for start in range(0, len(data), PERSIST_CHUNK_BYTES):
                 chunk = data[start : start + PERSIST_CHUNK_BYTES]
                 f.write(chunk)
-                crc = zlib.crc32(chunk, crc)
+                crc = crc32(chunk, crc)
         return crc
 
 
@@ -167,7 +172,7 @@ class LocalStorage(Storage):
 
     def read_into(self, rel: str, spans: Sequence[Span]) -> int:
         """As ``Storage.read_into``, a large file read by several threads at once (each its own
-        range and descriptor), each chunk checksummed as it lands (zlib releases the GIL)."""
+        range and descriptor), each chunk checksummed as it lands (the CRC releases the GIL)."""
         return read_spans(self._p(rel), spans)
 
     def checksum(self, rel: str) -> tuple[int, int]:
@@ -376,6 +381,43 @@ def _split(length: int, align: int, base: int = 0) -> list[tuple[int, int]]:
     return [(base + lo, base + min(lo + per, length)) for lo in range(0, length, per)]
 
 
+def _cpu_cap() -> float | None:
+    """The persist CPU cap in CPUs (DLROVER_CKPT_PERSIST_CPU); a bad value is logged, default."""
+    try:
+        return persist_cpu_from_env()
+    except ValueError as exc:
+        logging.getLogger(__name__).warning("%s; using the default", exc)
+        return persist_cpu_from_env({})
+
+
+class CpuPacer:
+    """Keeps the CPU time of a group of threads under ``cpus`` CPUs' worth of wall time since
+    the group started (None: no cap), by making a thread that is ahead of it sleep.
+
+    A persist is paced rather than only deprioritised: its CPU time is the same at any
+    priority, and a cap spreads it so that busy trainers lose at most ``cpus`` while it runs
+    (docs/checkpoint.md, "A busy node")."""
+
+    def __init__(self, cpus: float | None) -> None:
+        self.cpus = cpus
+        self._start = time.monotonic()
+        self._used = 0.0
+        self._lock = threading.Lock()
+
+    def charge(self, since: float) -> float:
+        """Add the calling thread's CPU time since ``since`` (a ``time.thread_time()``), sleep
+        while the group is ahead of its cap; returns the thread's CPU time now."""
+        now = time.thread_time()
+        if self.cpus is None:
+            return now
+        with self._lock:
+            self._used += now - since
+            ahead = self._used / self.cpus - (time.monotonic() - self._start)
+        if ahead > 0:
+            time.sleep(ahead)  # pacing, not waiting for an event: the cap is a rate
+        return time.thread_time()
+
+
 def _write_ranges(
     data: memoryview, ranges: list[tuple[int, int]], fd: int, direct_fd: int, direct_end: int
 ) -> list[int]:
@@ -383,9 +425,11 @@ def _write_ranges(
     A write O_DIRECT refuses after all (EINVAL) is repeated buffered."""
     crcs = [0] * len(ranges)
     errors: list[OSError] = []
+    pacer = CpuPacer(_cpu_cap())
 
     def write_range(i: int) -> None:
         run_in_background()
+        cpu = time.thread_time()
         lo, hi = ranges[i]
         target = direct_fd if hi <= direct_end and direct_fd >= 0 else fd
         crc = 0
@@ -400,7 +444,8 @@ def _write_ranges(
                         if target == fd or exc.errno != errno.EINVAL:
                             raise
                         target = fd
-                crc = zlib.crc32(chunk, crc)
+                crc = crc32(chunk, crc)
+                cpu = pacer.charge(cpu)
         except OSError as exc:
             errors.append(exc)
         crcs[i] = crc

@@ -69,3 +69,70 @@ def test_a_page_aligned_mapping_is_written_direct_and_its_unaligned_tail_buffere
     assert (tmp_path / "seg.bin").read_bytes() == payload
     assert crc == zlib.crc32(payload)
     assert len(opened) == 1  # tried; -1 only where this file system refuses O_DIRECT
+
+
+@pytest.mark.parametrize("size", [0, 1, 4095, (1 << 20) + 3])
+def test_the_fast_crc_is_zlibs_crc_chunk_by_chunk(size: int) -> None:
+    """Manifests keep zlib's CRC-32: ISA-L's (a dependency, so a persist costs little CPU) must
+    give the same value, also carried across chunks and from a memoryview."""
+    from dlrover.checkpoint.crc import FAST, crc32
+
+    data = os.urandom(size)
+    assert FAST, "isal is a dependency of dlrover: reinstall it (pip install isal)"
+    half = size // 2
+    assert crc32(data) == zlib.crc32(data)
+    assert crc32(memoryview(data)[half:], crc32(data[:half])) == zlib.crc32(data)
+
+
+def test_the_persist_cpu_share_is_read_from_the_environment() -> None:
+    from dlrover.checkpoint.config import ENV_PERSIST_CPU, persist_cpu_from_env
+
+    cpus = len(os.sched_getaffinity(0))
+    assert persist_cpu_from_env({}) == pytest.approx(0.1 * cpus)
+    assert persist_cpu_from_env({ENV_PERSIST_CPU: "0.5"}) == pytest.approx(0.5 * cpus)
+    assert persist_cpu_from_env({ENV_PERSIST_CPU: "0"}) is None
+    assert persist_cpu_from_env({ENV_PERSIST_CPU: "1"}) is None
+    for bad in ("2", "-0.1", "half"):
+        with pytest.raises(ValueError, match=ENV_PERSIST_CPU):
+            persist_cpu_from_env({ENV_PERSIST_CPU: bad})
+
+
+def test_the_pacer_keeps_a_thread_group_under_its_cpu_cap() -> None:
+    """Threads that burn CPU and charge it are slept until their CPU time fits the cap: when
+    they end, the wall time since the start is at least their CPU time over the cap."""
+    import threading
+    import time
+
+    pacer = storage_mod.CpuPacer(0.25)
+    start = time.monotonic()
+    used = [0.0, 0.0]
+
+    def burn(i: int) -> None:
+        cpu = begin = time.thread_time()
+        for _ in range(10):
+            deadline = time.thread_time() + 0.01
+            while time.thread_time() < deadline:
+                pass
+            cpu = pacer.charge(cpu)
+        used[i] = cpu - begin
+
+    threads = [threading.Thread(target=burn, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    wall = time.monotonic() - start
+    assert sum(used) >= 0.2
+    assert wall >= sum(used) / 0.25 * 0.95  # thread_time's resolution: a little slack
+
+
+def test_a_capped_persist_writes_the_same_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dlrover.checkpoint.config import ENV_PERSIST_CPU
+
+    monkeypatch.setenv(ENV_PERSIST_CPU, "0.05")
+    monkeypatch.setattr(storage_mod, "WRITE_CHUNK_BYTES", 1 << 20)
+    data = os.urandom((4 << 20) + 5)
+    assert LocalStorage(str(tmp_path)).write_from("p.bin", memoryview(data)) == zlib.crc32(data)
+    assert (tmp_path / "p.bin").read_bytes() == data
