@@ -6,6 +6,7 @@ decision, so the controller (agent or master) applies it and tests need no proce
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -127,15 +128,25 @@ class WorkerFailure:
         return f"rank {self.rank} {how}"
 
 
+_TEARDOWN_SIGNALS = frozenset({-signal.SIGABRT, -signal.SIGSEGV})
+"""Deaths a process gives itself, e.g. torch/gloo aborting in its teardown after the script's
+uncaught exception (``terminate called without an active exception``); not a kill from outside."""
+
+
 def user_error_signature(failures: tuple[WorkerFailure, ...]) -> UserErrorSignature | None:
     """The signature of an attempt whose root cause is user code, else None.
 
-    An attempt counts as a user-code error only when no worker died by a signal, OOM or hang
-    (their peers' errors are collateral), and the earliest non-collateral error file belongs to
-    a worker that exited with code 1.
+    The error files say what the root cause is, not the exit statuses: the earliest error file
+    that is not collateral (a lost peer) names it, when its worker exited with code 1 or died
+    by SIGABRT/SIGSEGV after writing it (the uncaught exception, then a crash on the way out).
+    No user error when a worker was OOM-killed, hung, or killed by any other signal (a kill
+    from outside: its peers' errors are collateral).
     """
-    if any(failure.kind is not ExitKind.EXITED for failure in failures):
-        return None
+    for failure in failures:
+        if failure.kind in (ExitKind.OOM_KILLED, ExitKind.HUNG):
+            return None
+        if failure.kind is ExitKind.SIGNALED and failure.returncode not in _TEARDOWN_SIGNALS:
+            return None
     recorded = [
         failure
         for failure in failures
@@ -145,7 +156,7 @@ def user_error_signature(failures: tuple[WorkerFailure, ...]) -> UserErrorSignat
         return None
     first = min(recorded, key=lambda failure: (failure.error.timestamp, failure.rank))  # type: ignore[union-attr]
     assert first.error is not None
-    if first.returncode != USER_ERROR_EXIT_CODE:
+    if first.returncode != USER_ERROR_EXIT_CODE and first.kind is not ExitKind.SIGNALED:
         return None
     return UserErrorSignature(first.error.exception_type, first.error.location)
 
@@ -183,7 +194,8 @@ def decide_worker_failure(observation: WorkerFailureObservation) -> Decision:
     """The agent's restart ladder for its own workers.
 
     1. the same user-code error as the previous failed attempt (same exception type at the
-       same innermost frame, exit code 1) -> FAIL at once, whatever budget is left;
+       same innermost frame, from the error file; exit code 1, or an abort after the
+       exception) -> FAIL at once, whatever budget is left;
     2. restart budget used up (restart_count >= max_restarts) -> FAIL;
     3. otherwise (signal, non-zero exit, OOM kill, hang) -> RESTART_PROCESSES.
     """

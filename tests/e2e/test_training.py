@@ -234,3 +234,25 @@ def test_same_user_error_twice_fails_fast_with_the_root_cause(tmp_path: Path):
     assert "root cause: rank 1" in r.stderr
     # Failed on the second identical error, not after all five restarts.
     assert r.stderr.count("restart 1/5") == 1 and "restart 2/5" not in r.stderr
+
+
+def test_an_abort_after_the_user_error_still_fails_fast(tmp_path: Path):
+    """As torch/gloo sometimes do in their teardown after an uncaught exception ('terminate
+    called without an active exception'), the rank dies by SIGABRT after its error file is
+    written: the second identical error still fails the job fast, with the root cause. (The
+    script's done file counts the abort as its exit code 1; without one, the policy reads the
+    error file: tests/faults/test_failure_policy.py.)"""
+    script = tmp_path / "bad_abort.py"
+    script.write_text(
+        "import atexit, os\n"
+        "def step():\n"
+        "    raise ValueError('bad learning rate')\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    atexit.register(os.abort)\n"
+        "    step()\n"
+    )
+    r = dlrover_run(["--standalone", "--nproc-per-node=2", "--max-restarts=5", str(script)])
+    assert r.returncode != 0
+    assert "ValueError: bad learning rate" in r.stderr
+    assert "same user error twice" in r.stderr
+    assert r.stderr.count("restart 1/5") == 1 and "restart 2/5" not in r.stderr

@@ -200,3 +200,28 @@ def test_state_transitions() -> None:
     with pytest.raises(IllegalTransitionError, match="succeeded -> running"):
         check_group_transition(WorkerGroupState.SUCCEEDED, WorkerGroupState.RUNNING)
     assert set(LEGAL_GROUP_TRANSITIONS) == set(WorkerGroupState)
+
+
+def test_an_abort_after_the_exception_is_the_same_user_error() -> None:
+    """torch/gloo can abort a process on its way out after the script's uncaught exception
+    (SIGABRT: 'terminate called without an active exception'). The error file, not the
+    signal, says what happened: the second identical error fails fast."""
+    aborted = WorkerFailure(0, ExitKind.SIGNALED, -6, _error())
+    peer = WorkerFailure(1, ExitKind.SIGNALED, -6)  # its teardown crashed too, no error file
+    first = user_error_signature((_user_error(),))
+    assert user_error_signature((aborted, peer)) == first
+    decision = _observe(aborted, peer, restart_count=1, history=(first,))
+    assert decision.action is FailureAction.FAIL
+    assert "same user error twice" in decision.reason
+    segfault = WorkerFailure(0, ExitKind.SIGNALED, -11, _error())
+    assert user_error_signature((segfault,)) == first
+
+
+def test_a_kill_from_outside_is_still_not_a_user_error() -> None:
+    """A SIGKILL/SIGTERM of one rank makes the others' errors collateral, error file or not;
+    an abort with no error file anywhere is a crash, restarted."""
+    killed = WorkerFailure(0, ExitKind.SIGNALED, -15, _error())
+    assert user_error_signature((killed,)) is None
+    assert user_error_signature((WorkerFailure(1, ExitKind.SIGNALED, -6),)) is None
+    oom = WorkerFailure(1, ExitKind.OOM_KILLED, -9)
+    assert user_error_signature((_user_error(), oom)) is None
