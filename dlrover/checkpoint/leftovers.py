@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 
 from dlrover.checkpoint.config import DEFAULT_SHM_DIR
@@ -29,6 +30,11 @@ _OWNED = re.compile(
 # Names of releases before the owner was named (``dlrover-<pid>-ckpt-...`` of an agent,
 # ``dlrover-ckpt-<pid>-<tag>-...`` of an in-process saver): only the pid tells the owner.
 _LEGACY = re.compile(r"^dlrover-(?:ckpt-)?(?P<pid>\d+)-")
+LEGACY_TMP_PREFIX = "dlrover_agent_"
+"""Temp folders of agents before the owner was named: nothing in the name tells the owner."""
+LEGACY_TMP_IDLE_S = 24 * 3600.0
+"""Such a folder is removed once nothing in it changed for this long (a live agent's workers
+write their step files into it every step)."""
 
 
 def label(text: str) -> str:
@@ -136,12 +142,41 @@ def _remove(path: str) -> bool:
     return True
 
 
+def _newest_mtime(path: str) -> float:
+    """The newest modification time of ``path`` and everything under it."""
+    newest = os.path.getmtime(path)
+    for root, dirs, files in os.walk(path):
+        for name in dirs + files:
+            with contextlib.suppress(OSError):
+                newest = max(newest, os.lstat(os.path.join(root, name)).st_mtime)
+    return newest
+
+
+def _sweep_legacy_tmp(tmp_dir: str) -> list[str]:
+    """Remove the old release's ``dlrover_agent_*`` temp folders idle for LEGACY_TMP_IDLE_S."""
+    removed = []
+    try:
+        names = [n for n in os.listdir(tmp_dir) if n.startswith(LEGACY_TMP_PREFIX)]
+    except OSError:
+        return []
+    for name in names:
+        path = os.path.join(tmp_dir, name)
+        try:
+            idle = time.time() - _newest_mtime(path)
+        except OSError:
+            continue
+        if os.path.isdir(path) and idle > LEGACY_TMP_IDLE_S and _remove(path):
+            removed.append(path)
+    return removed
+
+
 def sweep(
     shm_dir: str = DEFAULT_SHM_DIR, tmp_dir: str | None = None, job: str | None = None
 ) -> list[str]:
     """Remove the shared-memory segments, lock files and temp folders whose owner is dead
     (``job``: only that job's); returns the paths removed. What a live process owns, of this
-    job or another, is never touched."""
+    job or another, is never touched. Without ``job``, also the old release's temp folders
+    (``dlrover_agent_*``, no owner in the name) once idle for a day."""
     tmp_dir = tmp_dir or tempfile.gettempdir()
     groups: dict[str, list[str]] = {}
     owners: dict[str, int] = {}
@@ -163,7 +198,7 @@ def sweep(
                 key = f"legacy:{legacy.group('pid')}"
                 groups.setdefault(key, []).append(os.path.join(where, name))
                 owners[key] = int(legacy.group("pid"))
-    removed: list[str] = []
+    removed: list[str] = [] if job is not None else _sweep_legacy_tmp(tmp_dir)
     for prefix, paths in groups.items():
         pid = owners[prefix]
         gone = (

@@ -115,3 +115,23 @@ def test_the_lock_is_released_last_and_only_once(tmp_path: Path) -> None:
     lock.release()
     lock.release()
     assert not (tmp_path / f"{prefix}.lock").exists()
+
+
+def test_the_old_releases_agent_folders_go_once_idle_for_a_day(tmp_path: Path) -> None:
+    """`/tmp/dlrover_agent_*` of the release before names had owners: removed by the sweep at
+    an agent's start once nothing in them changed for a day; a recent one (maybe a live old
+    agent's) is kept, and a job's own sweep never touches them."""
+    from dlrover.checkpoint.leftovers import LEGACY_TMP_IDLE_S
+
+    shm, tmp = tmp_path / "shm", tmp_path / "tmp"
+    shm.mkdir()
+    old, recent = tmp / "dlrover_agent_ab12cd", tmp / "dlrover_agent_ef34gh"
+    for folder in (old, recent):
+        (folder / "steps").mkdir(parents=True)
+        (folder / "steps" / "rank_0").write_text("7")
+    stale = os.path.getmtime(old) - LEGACY_TMP_IDLE_S - 60
+    for path in (old / "steps" / "rank_0", old / "steps", old):
+        os.utime(path, (stale, stale))
+    assert sweep(str(shm), str(tmp), job="some-job") == []
+    assert sweep(str(shm), str(tmp)) == [str(old)]
+    assert not old.exists() and (recent / "steps" / "rank_0").read_text() == "7"
