@@ -11,11 +11,13 @@ from typing import Any
 import yaml
 
 from dlrover.constants import DEFAULT_MAX_RESTARTS, ENV_JOB_NAME, ENV_JOB_TOKEN, ENV_MASTER_ADDR
+from dlrover.engines import sizes
 from dlrover.engines.base import Capacity, InvalidNodeSpecError, NodeSpec, Resources
+from dlrover.engines.registry import BUILTIN_ENGINES, LOCAL, EngineRegistry, node_host
 
-ENGINES = ("local", "ray", "kubernetes")
-"""Engine names a job spec may ask for."""
-DEFAULT_ENGINE = "local"
+ENGINES = BUILTIN_ENGINES.names
+"""Engine names a job spec may ask for (those of `BUILTIN_ENGINES`)."""
+DEFAULT_ENGINE = LOCAL.name
 DEFAULT_NPROC_PER_NODE = 1
 DEFAULT_AGENT_COMMAND = ("dlrover-run",)
 """argv prefix that starts a node's agent; the engine runs it on every node."""
@@ -31,17 +33,6 @@ TF_NODE_COMMAND = ("dlrover-tf-node",)
 """argv prefix that starts a node of a TensorFlow job: it registers its address with the master,
 waits for the cluster spec, sets TF_CONFIG and runs the role's program."""
 
-_MEMORY_UNITS = {
-    "": 1 / (1024 * 1024),
-    "ki": 1 / 1024,
-    "mi": 1,
-    "gi": 1024,
-    "ti": 1024 * 1024,
-    "k": 1000 / (1024 * 1024),
-    "m": 1e6 / (1024 * 1024),
-    "g": 1e9 / (1024 * 1024),
-}
-_MEMORY = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]{0,2})\s*$")
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 
@@ -174,7 +165,7 @@ class JobSpec:
         with the master (loopback on the local engine, every interface elsewhere)."""
         if self.ps is None:
             raise JobSpecError(f"job {self.name} has no ps role")
-        host = "127.0.0.1" if self.engine == "local" else "0.0.0.0"
+        host = node_host(self.engine)
         env = {ENV_MASTER_ADDR: master_addr, ENV_JOB_TOKEN: token, ENV_JOB_NAME: self.name}
         return NodeSpec(
             job_name=self.name,
@@ -199,7 +190,7 @@ class JobSpec:
         worker) or the entrypoint (chief, evaluator) with TF_CONFIG set."""
         if self.tf is None or role not in self.tf.roles:
             raise JobSpecError(f"job {self.name} has no TensorFlow role {role!r}")
-        host = "127.0.0.1" if self.engine == "local" else "0.0.0.0"
+        host = node_host(self.engine)
         env = {ENV_MASTER_ADDR: master_addr, ENV_JOB_TOKEN: token, ENV_JOB_NAME: self.name}
         program = ("--", self.entrypoint, *self.args) if role in ("chief", "evaluator") else ()
         return NodeSpec(
@@ -241,24 +232,10 @@ def parse_nnodes(value: str | int) -> tuple[int, int]:
 
 def parse_memory_mib(value: str | int | float, field: str = "memory") -> int:
     """'4Gi' -> 4096, '512Mi' -> 512, 2048 (a number is MiB) -> 2048. Refuses negatives."""
-    if isinstance(value, bool):
-        raise JobSpecError(f"resources.{field} must be a size like 4Gi or 512Mi, not {value!r}")
-    if isinstance(value, (int, float)):
-        mib = float(value)
-    else:
-        text = str(value)
-        if text.strip().startswith("-"):
-            raise JobSpecError(f"resources.{field} is {text}; it must be >= 0")
-        match = _MEMORY.match(text)
-        unit = match.group(2).lower() if match else ""
-        if match is None or unit not in _MEMORY_UNITS:
-            raise JobSpecError(
-                f"resources.{field} {text!r} is not a size; use e.g. 4Gi, 512Mi or a number of MiB"
-            )
-        mib = float(match.group(1)) * _MEMORY_UNITS[unit]
-    if mib < 0:
-        raise JobSpecError(f"resources.{field} is {value}; it must be >= 0")
-    return int(round(mib))
+    try:
+        return sizes.parse_memory_mib(value, field)
+    except sizes.SizeError as error:
+        raise JobSpecError(str(error)) from None
 
 
 def _number(section: Mapping[str, Any], key: str, where: str) -> float:
@@ -416,8 +393,11 @@ _KEYS = {
 }
 
 
-def job_spec_from_dict(raw: Mapping[str, Any]) -> JobSpec:
-    """Validate a parsed spec; raises JobSpecError with one message naming the first problem."""
+def job_spec_from_dict(
+    raw: Mapping[str, Any], engines: EngineRegistry = BUILTIN_ENGINES
+) -> JobSpec:
+    """Validate a parsed spec; raises JobSpecError with one message naming the first problem.
+    ``engine`` must name a kind of ``engines``."""
     if not isinstance(raw, Mapping):
         raise JobSpecError("the job spec must be a mapping of keys (name, entrypoint, nodes, ...)")
     unknown = set(raw) - _KEYS
@@ -431,8 +411,8 @@ def job_spec_from_dict(raw: Mapping[str, Any]) -> JobSpec:
             "entrypoint is missing: give the training script to run, e.g. entrypoint: train.py"
         )
     engine = raw.get("engine", DEFAULT_ENGINE)
-    if engine not in ENGINES:
-        raise JobSpecError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
+    if engine not in engines:
+        raise JobSpecError(f"unknown engine {engine!r}; choose one of {', '.join(engines.names)}")
     name = str(raw.get("name") or _default_name(entrypoint))
     if not _NAME.match(name) or len(name) > 40:
         raise JobSpecError(f"name {name!r} must be 1-40 lowercase letters, digits or '-'")
@@ -562,19 +542,7 @@ def job_spec_from_flags(
 
 def parse_capacity(text: str) -> Capacity:
     """``cpu=8,memory=32Gi`` (either part may be left out) as a Capacity."""
-    cpu: float | None = None
-    memory: int | None = None
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        key, _, value = part.partition("=")
-        if key == "cpu":
-            try:
-                cpu = float(value)
-            except ValueError:
-                raise JobSpecError(f"capacity cpu={value!r} is not a number") from None
-            if cpu < 0:
-                raise JobSpecError(f"capacity cpu={value} must be >= 0")
-        elif key == "memory":
-            memory = parse_memory_mib(value, "capacity memory")
-        else:
-            raise JobSpecError(f"capacity {part!r}: use cpu=N,memory=SIZE, e.g. cpu=8,memory=32Gi")
-    return Capacity(cpu, memory)
+    try:
+        return sizes.parse_capacity(text)
+    except sizes.SizeError as error:
+        raise JobSpecError(str(error)) from None
