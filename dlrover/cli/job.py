@@ -23,7 +23,14 @@ from dlrover.cli.serve_job import (
 )
 from dlrover.client.master_client import MasterClient, MasterClientError
 from dlrover.constants import PS_SCALE_KEY, TF_CLUSTER_KEY, TF_PS_GENERATION_KEY
-from dlrover.jobspec import JobSpecError, PsSpec, job_spec_from_flags, load_job_spec
+from dlrover.engines.registry import BUILTIN_ENGINES
+from dlrover.jobspec import (
+    DEFAULT_ENGINE,
+    JobSpecError,
+    PsSpec,
+    job_spec_from_flags,
+    load_job_spec,
+)
 
 logger = logging.getLogger("dlrover.job")
 
@@ -227,7 +234,11 @@ def build_parser() -> argparse.ArgumentParser:
         "spec_or_entrypoint", help="job.yaml, or the training script when flags describe the job"
     )
     s.add_argument("args", nargs=argparse.REMAINDER, help="Arguments of the training script.")
-    s.add_argument("--engine", default="local", help="local (default), ray or kubernetes")
+    s.add_argument(
+        "--engine",
+        default=DEFAULT_ENGINE,
+        help=f"one of {', '.join(BUILTIN_ENGINES.names)} (default {DEFAULT_ENGINE})",
+    )
     s.add_argument("--nnodes", default="1", help="N or MIN:MAX")
     s.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1)
     s.add_argument("--name", default=None, help="Job name (default: from the entry point)")
@@ -439,7 +450,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     except (JobSpecError, OSError) as e:
         parser.error(str(e))
     setup_logging("dlrover")
-    if spec.engine == "ray":
+    if BUILTIN_ENGINES.get(spec.engine).master_on_cluster:
         from dlrover.cli.ray_master import submit_to_ray
 
         return submit_to_ray(

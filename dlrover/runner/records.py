@@ -80,6 +80,17 @@ def read_record(name: str) -> JobRecord:
     return JobRecord(**{k: v for k, v in doc.items() if k in known})
 
 
+def fresh_state(name: str) -> Path:
+    """The SQLite state of a new submission of job ``name`` in its directory, with whatever an
+    earlier submission left there removed (a new submission starts from a clean state)."""
+    directory = job_dir(name)
+    directory.mkdir(parents=True, exist_ok=True)
+    db = directory / "master.db"
+    for stale in (db, db.with_name("master.db-wal"), db.with_name("master.db-shm")):
+        stale.unlink(missing_ok=True)
+    return db
+
+
 def pid_alive(pid: int) -> bool:
     """Whether a process with this pid exists (it may belong to another user)."""
     if pid <= 0:
