@@ -119,6 +119,7 @@ LAYERED = (
 """Packages with a rule below (proto: generated code; testing: may import anything but the CLI,
 and nothing imports it)."""
 FOUNDATION = (
+    "dlrover.backoff",
     "dlrover.constants",
     "dlrover.decisions",
     "dlrover.envvars",
