@@ -29,11 +29,8 @@ import os
 from dataclasses import dataclass
 from enum import Enum
 
-ENV_FAULTS = "DLROVER_FAULTS"
-"""The fault list (syntax in the module docstring)."""
-ENV_AGENT_PID = "DLROVER_AGENT_PID"
-
-"""Pid of the worker's agent, for the kill_agent fault (the agent exports it)."""
+from dlrover.constants import ENV_AGENT_PID as ENV_AGENT_PID
+from dlrover.constants import ENV_FAULTS as ENV_FAULTS
 
 _COMMON_KEYS = frozenset({"rank", "node", "step", "restart", "once"})
 _STEPLESS = frozenset({"slow", "collective_fail"})

@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 from dlrover import constants as c
+from dlrover.constants import ENV_SUPERVISED, ENV_SUPERVISED_METRICS_PORT
 from dlrover.jobspec import JobSpec
 from dlrover.master.job import JobMaster
 from dlrover.master.server import new_token
@@ -28,12 +29,6 @@ from dlrover.runner.records import fresh_state
 
 logger = logging.getLogger(__name__)
 
-ENV_SUPERVISED_METRICS_PORT = "DLROVER_SUPERVISED_METRICS_PORT"
-"""The metrics port a supervised `dlrover submit` child serves on (picked by its supervisor)."""
-
-ENV_SUPERVISED = "_DLROVER_SUPERVISED_MASTER"
-"""Set by `supervise_job` for its child: ``<port>:<state path>`` (the child serves the job on
-them; a restarted child resumes from the state)."""
 
 MAX_MASTER_RESTARTS = 3
 """How many times `dlrover submit` starts its job's master again after it was killed."""

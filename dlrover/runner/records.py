@@ -8,10 +8,12 @@ import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from dlrover.constants import ENV_HOME
+
 
 def dlrover_home() -> Path:
     """Where job records live: $DLROVER_HOME, else ~/.dlrover."""
-    return Path(os.environ.get("DLROVER_HOME", "") or Path.home() / ".dlrover")
+    return Path(os.environ.get(ENV_HOME, "") or Path.home() / ".dlrover")
 
 
 def job_dir(name: str) -> Path:
