@@ -36,6 +36,7 @@ MAX_LONG_POLL_S = 30.0
 """The longest the master holds a long poll (rendezvous, membership watch, exit barrier); an
 agent that needs to wait longer asks again."""
 DEFAULT_MAX_RESTARTS = 0
+"""Worker-group restarts of a node (dlrover-run --max-restarts, a job spec's max_restarts)."""
 DEFAULT_RDZV_JOIN_TIMEOUT_S = 600.0
 DEFAULT_RDZV_LAST_CALL_TIMEOUT_S = 1.0
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
@@ -119,6 +120,21 @@ the current cluster serves again (1: the first time; +1 after each ps relaunch);
 ``TF_PS_GENERATION_KEY/<G>``. The chief waits for the next generation after losing a ps."""
 ENV_TF_CLUSTER_VERSION = "DLROVER_TF_CLUSTER_VERSION"
 """Set by `dlrover-tf-node`: the version of the cluster spec in TF_CONFIG."""
+
+# --- Job spec defaults (dlrover/jobspec.py; `dlrover submit` flags default to them too) --------
+DEFAULT_NPROC_PER_NODE = 1
+"""Worker processes each node's agent starts."""
+DEFAULT_MAX_RELAUNCHES = 3
+"""Replacements of one node slot before the job fails."""
+DEFAULT_OOM_MEMORY_FACTOR = 1.5
+"""After an OOM kill a node is relaunched with this times its memory."""
+DEFAULT_OOM_MAX_MEMORY_MIB = 256 * 1024
+"""The cap of that growth, in MiB (256 GiB)."""
+DEFAULT_PS_REPLICA = "async"
+"""How an embedding server keeps its rows on the next one (async, sync, none)."""
+DEFAULT_SUBMIT_MAX_RESTARTS = 3
+"""`dlrover submit --max-restarts` when not given (a YAML spec without max_restarts gets
+DEFAULT_MAX_RESTARTS, as dlrover-run does)."""
 
 # === Environment variables of each subsystem (their one place; the subsystem's module re-exports
 # the name and reads it) ======================================================================

@@ -10,7 +10,17 @@ from typing import Any
 
 import yaml
 
-from dlrover.constants import DEFAULT_MAX_RESTARTS, ENV_JOB_NAME, ENV_JOB_TOKEN, ENV_MASTER_ADDR
+from dlrover.constants import (
+    DEFAULT_MAX_RELAUNCHES,
+    DEFAULT_MAX_RESTARTS,
+    DEFAULT_NPROC_PER_NODE,
+    DEFAULT_OOM_MAX_MEMORY_MIB,
+    DEFAULT_OOM_MEMORY_FACTOR,
+    DEFAULT_PS_REPLICA,
+    ENV_JOB_NAME,
+    ENV_JOB_TOKEN,
+    ENV_MASTER_ADDR,
+)
 from dlrover.engines import sizes
 from dlrover.engines.base import Capacity, InvalidNodeSpecError, NodeSpec, Resources
 from dlrover.engines.registry import BUILTIN_ENGINES, LOCAL, EngineRegistry, node_host
@@ -18,7 +28,6 @@ from dlrover.engines.registry import BUILTIN_ENGINES, LOCAL, EngineRegistry, nod
 ENGINES = BUILTIN_ENGINES.names
 """Engine names a job spec may ask for (those of `BUILTIN_ENGINES`)."""
 DEFAULT_ENGINE = LOCAL.name
-DEFAULT_NPROC_PER_NODE = 1
 DEFAULT_AGENT_COMMAND = ("dlrover-run",)
 """argv prefix that starts a node's agent; the engine runs it on every node."""
 PS_COMMAND = ("dlrover-ps",)
@@ -48,7 +57,7 @@ class PsSpec:
     count: int
     """Servers at the start; `dlrover scale NAME --role ps --count N` changes it."""
     resources: Resources = dataclasses.field(default_factory=Resources)
-    replica: str = "async"
+    replica: str = DEFAULT_PS_REPLICA
     """One of PS_REPLICAS: ``sync`` loses nothing on a failover, ``async`` (default) the last
     ~50 ms of updates, ``none`` cannot fail over."""
     max_count: int = 0
@@ -100,11 +109,11 @@ class JobSpec:
     """What each node asks for (cpu, memory, gpu, /dev/shm)."""
     max_restarts: int = DEFAULT_MAX_RESTARTS
     """In-place restarts of a node's workers before the node counts as failed."""
-    max_relaunches: int = 3
+    max_relaunches: int = DEFAULT_MAX_RELAUNCHES
     """Replacements of one node slot before the job fails."""
-    oom_memory_factor: float = 1.5
+    oom_memory_factor: float = DEFAULT_OOM_MEMORY_FACTOR
     """After an OOM kill a node is relaunched with this times its memory (> 1)."""
-    oom_max_memory_mib: int = 256 * 1024
+    oom_max_memory_mib: int = DEFAULT_OOM_MAX_MEMORY_MIB
     """The cap of that growth, in MiB (spec key ``oom_max_memory``, e.g. ``64Gi``)."""
     checkpoint_dir: str = ""
     """Where flash checkpoints are persisted ("" = no persistence)."""
@@ -310,7 +319,7 @@ def _roles(raw: Any, strategy: str) -> PsSpec | TfSpec | None:
     most = ps.get("max_count", count)
     if isinstance(most, bool) or not isinstance(most, int) or most < count:
         raise JobSpecError(f"roles.ps.max_count is {most!r}; it must be an integer >= count")
-    replica = str(ps.get("replica", "async")).lower()
+    replica = str(ps.get("replica", DEFAULT_PS_REPLICA)).lower()
     if replica not in PS_REPLICAS:
         raise JobSpecError(
             f"roles.ps.replica is {ps.get('replica')!r}; choose one of {', '.join(PS_REPLICAS)}"
@@ -424,16 +433,16 @@ def job_spec_from_dict(
     for key, default, low in (
         ("nproc_per_node", DEFAULT_NPROC_PER_NODE, 1),
         ("max_restarts", DEFAULT_MAX_RESTARTS, 0),
-        ("max_relaunches", 3, 0),
+        ("max_relaunches", DEFAULT_MAX_RELAUNCHES, 0),
     ):
         value = raw.get(key, default)
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise JobSpecError(f"{key} is {value!r}; it must be an integer >= {low}")
         counts[key] = value
-    factor = raw.get("oom_memory_factor", 1.5)
+    factor = raw.get("oom_memory_factor", DEFAULT_OOM_MEMORY_FACTOR)
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 1:
         raise JobSpecError(f"oom_memory_factor is {factor!r}; it must be a number > 1, e.g. 1.5")
-    cap = parse_memory_mib(raw.get("oom_max_memory", 256 * 1024), "oom_max_memory")
+    cap = parse_memory_mib(raw.get("oom_max_memory", DEFAULT_OOM_MAX_MEMORY_MIB), "oom_max_memory")
     if cap <= 0:
         raise JobSpecError("oom_max_memory must be > 0, e.g. 64Gi")
     flags = {}
@@ -515,7 +524,7 @@ def job_spec_from_flags(
     exclude_straggler: bool = False,
     auto_scale: bool = False,
     ps: int = 0,
-    ps_replica: str = "async",
+    ps_replica: str = DEFAULT_PS_REPLICA,
 ) -> JobSpec:
     """The same spec from CLI flags (`dlrover submit --engine ray --nnodes 2:4 train.py`);
     ``ps`` > 0 adds that many embedding servers."""

@@ -22,10 +22,18 @@ from dlrover.cli.serve_job import (
     supervise_job,
 )
 from dlrover.client.master_client import MasterClient, MasterClientError
-from dlrover.constants import PS_SCALE_KEY, TF_CLUSTER_KEY, TF_PS_GENERATION_KEY
+from dlrover.constants import (
+    DEFAULT_NPROC_PER_NODE,
+    DEFAULT_PS_REPLICA,
+    DEFAULT_SUBMIT_MAX_RESTARTS,
+    PS_SCALE_KEY,
+    TF_CLUSTER_KEY,
+    TF_PS_GENERATION_KEY,
+)
 from dlrover.engines.registry import BUILTIN_ENGINES
 from dlrover.jobspec import (
     DEFAULT_ENGINE,
+    PS_REPLICAS,
     JobSpecError,
     PsSpec,
     job_spec_from_flags,
@@ -240,9 +248,11 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"one of {', '.join(BUILTIN_ENGINES.names)} (default {DEFAULT_ENGINE})",
     )
     s.add_argument("--nnodes", default="1", help="N or MIN:MAX")
-    s.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1)
+    s.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=DEFAULT_NPROC_PER_NODE)
     s.add_argument("--name", default=None, help="Job name (default: from the entry point)")
-    s.add_argument("--max-restarts", "--max_restarts", type=int, default=3)
+    s.add_argument(
+        "--max-restarts", "--max_restarts", type=int, default=DEFAULT_SUBMIT_MAX_RESTARTS
+    )
     s.add_argument("--cpu", type=float, default=0.0)
     s.add_argument("--memory", default="0", help="Per node, e.g. 8Gi")
     s.add_argument("--gpu", type=int, default=0)
@@ -276,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--ps-replica",
         default=None,
-        choices=("async", "sync", "none"),
+        choices=PS_REPLICAS,
         help="How each embedding server keeps its rows on the next: async (default), sync "
         "(a failover loses nothing), none",
     )
@@ -445,7 +455,7 @@ def run(argv: Sequence[str] | None = None) -> int:
                 auto_scale=args.auto_scale,
                 engine_settings={"capacity": args.capacity} if args.capacity else None,
                 ps=args.ps,
-                ps_replica=args.ps_replica or "async",
+                ps_replica=args.ps_replica or DEFAULT_PS_REPLICA,
             )
     except (JobSpecError, OSError) as e:
         parser.error(str(e))
