@@ -9,8 +9,8 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
+from dlrover.constants import DEFAULT_RAY_NAMESPACE
 from dlrover.engines.base import Capacity, Engine
-from dlrover.engines.ray_engine import DEFAULT_RAY_NAMESPACE
 from dlrover.engines.sizes import parse_capacity
 
 LogReader = Callable[[str, int], "str | None"]
