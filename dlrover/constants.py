@@ -36,11 +36,14 @@ MAX_LONG_POLL_S = 30.0
 """The longest the master holds a long poll (rendezvous, membership watch, exit barrier); an
 agent that needs to wait longer asks again."""
 DEFAULT_MAX_RESTARTS = 0
+"""Worker-group restarts of a node (dlrover-run --max-restarts, a job spec's max_restarts)."""
 DEFAULT_RDZV_JOIN_TIMEOUT_S = 600.0
 DEFAULT_RDZV_LAST_CALL_TIMEOUT_S = 1.0
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
 DEFAULT_RPC_TIMEOUT_S = 10.0
 DEFAULT_STOP_GRACE_S = 5.0
+DEFAULT_RAY_NAMESPACE = "dlrover"
+"""The Ray namespace of a job's actors (engine_settings.namespace overrides it)."""
 DEFAULT_EXIT_BARRIER_TIMEOUT_S = 300.0
 DEFAULT_MASTER_IDLE_TIMEOUT_S = 1800.0
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
@@ -119,3 +122,88 @@ the current cluster serves again (1: the first time; +1 after each ps relaunch);
 ``TF_PS_GENERATION_KEY/<G>``. The chief waits for the next generation after losing a ps."""
 ENV_TF_CLUSTER_VERSION = "DLROVER_TF_CLUSTER_VERSION"
 """Set by `dlrover-tf-node`: the version of the cluster spec in TF_CONFIG."""
+
+# --- Job spec defaults (dlrover/jobspec.py; `dlrover submit` flags default to them too) --------
+DEFAULT_NPROC_PER_NODE = 1
+"""Worker processes each node's agent starts."""
+DEFAULT_MAX_RELAUNCHES = 3
+"""Replacements of one node slot before the job fails."""
+DEFAULT_OOM_MEMORY_FACTOR = 1.5
+"""After an OOM kill a node is relaunched with this times its memory."""
+DEFAULT_OOM_MAX_MEMORY_MIB = 256 * 1024
+"""The cap of that growth, in MiB (256 GiB)."""
+DEFAULT_PS_REPLICA = "async"
+"""How an embedding server keeps its rows on the next one (async, sync, none)."""
+DEFAULT_SUBMIT_MAX_RESTARTS = 3
+"""`dlrover submit --max-restarts` when not given (a YAML spec without max_restarts gets
+DEFAULT_MAX_RESTARTS, as dlrover-run does)."""
+
+# === Environment variables of each subsystem (their one place; the subsystem's module re-exports
+# the name and reads it) ======================================================================
+
+# --- flash checkpoint (read by dlrover.checkpoint.config) ---
+ENV_CKPT_BUFFERS = "DLROVER_CKPT_BUFFERS"
+"""Shared-memory buffers per saving rank: 2 (default; a save never waits for the persist or
+push of the previous step) or 1 (half the memory; a save waits for them)."""
+ENV_CKPT_PERSIST_PRIORITY = "DLROVER_CKPT_PERSIST_PRIORITY"
+"""CPU priority of the agent's persist and replica threads: ``batch`` (default: SCHED_BATCH
+at nice 0), ``batch:<n>`` (SCHED_BATCH at niceness n, 0..19), ``idle`` (SCHED_IDLE: only CPU
+time nobody else wants), or ``nice:<n>`` (SCHED_OTHER at niceness n). docs/checkpoint.md has
+the measurements behind the default."""
+ENV_CKPT_PERSIST_CPU = "DLROVER_CKPT_PERSIST_CPU"
+"""Share of the node's CPUs one persist may use, 0 < share <= 1 (default 0.1; 0: no cap). A
+persist's CPU time is fixed (checksums and write calls, about 0.1 CPU-s per GiB), so a cap
+spreads it thin: the trainers lose at most this share of the node while it runs."""
+ENV_CKPT_REPLICA_MIB_S = "DLROVER_CKPT_REPLICA_MIB_S"
+"""Cap on the rate an agent pushes checkpoint replicas to its peers, in MiB/s (0: no cap)."""
+
+# --- data sharding (read by dlrover.sharding.config) ---
+ENV_SHARD_PREFETCH = "DLROVER_SHARD_PREFETCH"
+"""Overrides DEFAULT_PREFETCH_SHARDS for the client built by the elastic sampler."""
+ENV_SHARD_LEASE_S = "DLROVER_SHARD_LEASE_S"
+"""Overrides DEFAULT_LEASE_S for datasets registered by the elastic sampler."""
+
+# --- the elastic trainer ---
+ENV_WORKER_NUM = "WORKER_NUM"
+"""DLRover's name for the largest number of worker nodes a job may have; read when set."""
+
+# --- the elastic data loader ---
+ENV_PARALLELISM_CONFIG = "DLROVER_PARAL_CONFIG_PATH"
+"""A JSON file whose ``{"dataloader": {"batch_size": N, "version": V}}`` sets the batch size
+(DLRover's parallelism config); a higher ``version`` than the last one read applies."""
+
+# --- ElasticEmbedding ---
+ENV_PS_ADDRS = "DLROVER_PS_ADDRS"
+"""Comma-separated addresses of the job's embedding servers, server 0 first."""
+
+# --- TensorFlow parameter-server training ---
+ENV_TF_RESCALE = "_DLROVER_TF_RESCALE"
+"""Set for the chief's next process when it starts again over more ps: when and what."""
+
+# --- a worker's bootstrap (set by the agent) ---
+ENV_PARENT_DEATH_PID = "DLROVER_PARENT_DEATH_PID"
+"""Set by the spawner: the worker kills itself when this process (its parent) dies."""
+ENV_DONE_FILE = "DLROVER_DONE_FILE"
+"""Set by the agent: the bootstrap writes the script's exit code to this file once the script has
+returned (or raised), before interpreter shutdown begins (see `read_script_result`)."""
+
+# --- dlrover-ps ---
+ENV_PS_ADDR = "DLROVER_PS_ADDR"
+"""What ``--write-env`` writes: the address the server listens on."""
+
+# --- dlrover submit's supervisor and its child ---
+ENV_SUPERVISED_METRICS_PORT = "DLROVER_SUPERVISED_METRICS_PORT"
+"""The metrics port a supervised `dlrover submit` child serves on (picked by its supervisor)."""
+ENV_SUPERVISED = "_DLROVER_SUPERVISED_MASTER"
+"""Set by `supervise_job` for its child: ``<port>:<state path>`` (the child serves the job on
+them; a restarted child resumes from the state)."""
+
+# --- fault injection (dlrover.faults) ---
+ENV_FAULTS = "DLROVER_FAULTS"
+"""The faults to inject (syntax: `dlrover.faults`)."""
+
+# --- where DLRover keeps things, how it logs ---
+ENV_HOME = "DLROVER_HOME"
+"""Where `dlrover submit` keeps job records, states and local nodes' logs (default ~/.dlrover)."""
+ENV_LOG_LEVEL = "DLROVER_LOG_LEVEL"
+"""Log level of DLRover's commands (default INFO)."""

@@ -10,13 +10,24 @@ from typing import Any
 
 import yaml
 
-from dlrover.constants import DEFAULT_MAX_RESTARTS, ENV_JOB_NAME, ENV_JOB_TOKEN, ENV_MASTER_ADDR
+from dlrover.constants import (
+    DEFAULT_MAX_RELAUNCHES,
+    DEFAULT_MAX_RESTARTS,
+    DEFAULT_NPROC_PER_NODE,
+    DEFAULT_OOM_MAX_MEMORY_MIB,
+    DEFAULT_OOM_MEMORY_FACTOR,
+    DEFAULT_PS_REPLICA,
+    ENV_JOB_NAME,
+    ENV_JOB_TOKEN,
+    ENV_MASTER_ADDR,
+)
+from dlrover.engines import sizes
 from dlrover.engines.base import Capacity, InvalidNodeSpecError, NodeSpec, Resources
+from dlrover.engines.registry import BUILTIN_ENGINES, LOCAL, EngineRegistry, node_host
 
-ENGINES = ("local", "ray", "kubernetes")
-"""Engine names a job spec may ask for."""
-DEFAULT_ENGINE = "local"
-DEFAULT_NPROC_PER_NODE = 1
+ENGINES = BUILTIN_ENGINES.names
+"""Engine names a job spec may ask for (those of `BUILTIN_ENGINES`)."""
+DEFAULT_ENGINE = LOCAL.name
 DEFAULT_AGENT_COMMAND = ("dlrover-run",)
 """argv prefix that starts a node's agent; the engine runs it on every node."""
 PS_COMMAND = ("dlrover-ps",)
@@ -31,17 +42,6 @@ TF_NODE_COMMAND = ("dlrover-tf-node",)
 """argv prefix that starts a node of a TensorFlow job: it registers its address with the master,
 waits for the cluster spec, sets TF_CONFIG and runs the role's program."""
 
-_MEMORY_UNITS = {
-    "": 1 / (1024 * 1024),
-    "ki": 1 / 1024,
-    "mi": 1,
-    "gi": 1024,
-    "ti": 1024 * 1024,
-    "k": 1000 / (1024 * 1024),
-    "m": 1e6 / (1024 * 1024),
-    "g": 1e9 / (1024 * 1024),
-}
-_MEMORY = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]{0,2})\s*$")
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 
@@ -57,7 +57,7 @@ class PsSpec:
     count: int
     """Servers at the start; `dlrover scale NAME --role ps --count N` changes it."""
     resources: Resources = dataclasses.field(default_factory=Resources)
-    replica: str = "async"
+    replica: str = DEFAULT_PS_REPLICA
     """One of PS_REPLICAS: ``sync`` loses nothing on a failover, ``async`` (default) the last
     ~50 ms of updates, ``none`` cannot fail over."""
     max_count: int = 0
@@ -109,11 +109,11 @@ class JobSpec:
     """What each node asks for (cpu, memory, gpu, /dev/shm)."""
     max_restarts: int = DEFAULT_MAX_RESTARTS
     """In-place restarts of a node's workers before the node counts as failed."""
-    max_relaunches: int = 3
+    max_relaunches: int = DEFAULT_MAX_RELAUNCHES
     """Replacements of one node slot before the job fails."""
-    oom_memory_factor: float = 1.5
+    oom_memory_factor: float = DEFAULT_OOM_MEMORY_FACTOR
     """After an OOM kill a node is relaunched with this times its memory (> 1)."""
-    oom_max_memory_mib: int = 256 * 1024
+    oom_max_memory_mib: int = DEFAULT_OOM_MAX_MEMORY_MIB
     """The cap of that growth, in MiB (spec key ``oom_max_memory``, e.g. ``64Gi``)."""
     checkpoint_dir: str = ""
     """Where flash checkpoints are persisted ("" = no persistence)."""
@@ -174,7 +174,7 @@ class JobSpec:
         with the master (loopback on the local engine, every interface elsewhere)."""
         if self.ps is None:
             raise JobSpecError(f"job {self.name} has no ps role")
-        host = "127.0.0.1" if self.engine == "local" else "0.0.0.0"
+        host = node_host(self.engine)
         env = {ENV_MASTER_ADDR: master_addr, ENV_JOB_TOKEN: token, ENV_JOB_NAME: self.name}
         return NodeSpec(
             job_name=self.name,
@@ -199,7 +199,7 @@ class JobSpec:
         worker) or the entrypoint (chief, evaluator) with TF_CONFIG set."""
         if self.tf is None or role not in self.tf.roles:
             raise JobSpecError(f"job {self.name} has no TensorFlow role {role!r}")
-        host = "127.0.0.1" if self.engine == "local" else "0.0.0.0"
+        host = node_host(self.engine)
         env = {ENV_MASTER_ADDR: master_addr, ENV_JOB_TOKEN: token, ENV_JOB_NAME: self.name}
         program = ("--", self.entrypoint, *self.args) if role in ("chief", "evaluator") else ()
         return NodeSpec(
@@ -241,24 +241,10 @@ def parse_nnodes(value: str | int) -> tuple[int, int]:
 
 def parse_memory_mib(value: str | int | float, field: str = "memory") -> int:
     """'4Gi' -> 4096, '512Mi' -> 512, 2048 (a number is MiB) -> 2048. Refuses negatives."""
-    if isinstance(value, bool):
-        raise JobSpecError(f"resources.{field} must be a size like 4Gi or 512Mi, not {value!r}")
-    if isinstance(value, (int, float)):
-        mib = float(value)
-    else:
-        text = str(value)
-        if text.strip().startswith("-"):
-            raise JobSpecError(f"resources.{field} is {text}; it must be >= 0")
-        match = _MEMORY.match(text)
-        unit = match.group(2).lower() if match else ""
-        if match is None or unit not in _MEMORY_UNITS:
-            raise JobSpecError(
-                f"resources.{field} {text!r} is not a size; use e.g. 4Gi, 512Mi or a number of MiB"
-            )
-        mib = float(match.group(1)) * _MEMORY_UNITS[unit]
-    if mib < 0:
-        raise JobSpecError(f"resources.{field} is {value}; it must be >= 0")
-    return int(round(mib))
+    try:
+        return sizes.parse_memory_mib(value, field)
+    except sizes.SizeError as error:
+        raise JobSpecError(str(error)) from None
 
 
 def _number(section: Mapping[str, Any], key: str, where: str) -> float:
@@ -333,7 +319,7 @@ def _roles(raw: Any, strategy: str) -> PsSpec | TfSpec | None:
     most = ps.get("max_count", count)
     if isinstance(most, bool) or not isinstance(most, int) or most < count:
         raise JobSpecError(f"roles.ps.max_count is {most!r}; it must be an integer >= count")
-    replica = str(ps.get("replica", "async")).lower()
+    replica = str(ps.get("replica", DEFAULT_PS_REPLICA)).lower()
     if replica not in PS_REPLICAS:
         raise JobSpecError(
             f"roles.ps.replica is {ps.get('replica')!r}; choose one of {', '.join(PS_REPLICAS)}"
@@ -416,8 +402,11 @@ _KEYS = {
 }
 
 
-def job_spec_from_dict(raw: Mapping[str, Any]) -> JobSpec:
-    """Validate a parsed spec; raises JobSpecError with one message naming the first problem."""
+def job_spec_from_dict(
+    raw: Mapping[str, Any], engines: EngineRegistry = BUILTIN_ENGINES
+) -> JobSpec:
+    """Validate a parsed spec; raises JobSpecError with one message naming the first problem.
+    ``engine`` must name a kind of ``engines``."""
     if not isinstance(raw, Mapping):
         raise JobSpecError("the job spec must be a mapping of keys (name, entrypoint, nodes, ...)")
     unknown = set(raw) - _KEYS
@@ -431,8 +420,8 @@ def job_spec_from_dict(raw: Mapping[str, Any]) -> JobSpec:
             "entrypoint is missing: give the training script to run, e.g. entrypoint: train.py"
         )
     engine = raw.get("engine", DEFAULT_ENGINE)
-    if engine not in ENGINES:
-        raise JobSpecError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
+    if engine not in engines:
+        raise JobSpecError(f"unknown engine {engine!r}; choose one of {', '.join(engines.names)}")
     name = str(raw.get("name") or _default_name(entrypoint))
     if not _NAME.match(name) or len(name) > 40:
         raise JobSpecError(f"name {name!r} must be 1-40 lowercase letters, digits or '-'")
@@ -444,16 +433,16 @@ def job_spec_from_dict(raw: Mapping[str, Any]) -> JobSpec:
     for key, default, low in (
         ("nproc_per_node", DEFAULT_NPROC_PER_NODE, 1),
         ("max_restarts", DEFAULT_MAX_RESTARTS, 0),
-        ("max_relaunches", 3, 0),
+        ("max_relaunches", DEFAULT_MAX_RELAUNCHES, 0),
     ):
         value = raw.get(key, default)
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise JobSpecError(f"{key} is {value!r}; it must be an integer >= {low}")
         counts[key] = value
-    factor = raw.get("oom_memory_factor", 1.5)
+    factor = raw.get("oom_memory_factor", DEFAULT_OOM_MEMORY_FACTOR)
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 1:
         raise JobSpecError(f"oom_memory_factor is {factor!r}; it must be a number > 1, e.g. 1.5")
-    cap = parse_memory_mib(raw.get("oom_max_memory", 256 * 1024), "oom_max_memory")
+    cap = parse_memory_mib(raw.get("oom_max_memory", DEFAULT_OOM_MAX_MEMORY_MIB), "oom_max_memory")
     if cap <= 0:
         raise JobSpecError("oom_max_memory must be > 0, e.g. 64Gi")
     flags = {}
@@ -535,7 +524,7 @@ def job_spec_from_flags(
     exclude_straggler: bool = False,
     auto_scale: bool = False,
     ps: int = 0,
-    ps_replica: str = "async",
+    ps_replica: str = DEFAULT_PS_REPLICA,
 ) -> JobSpec:
     """The same spec from CLI flags (`dlrover submit --engine ray --nnodes 2:4 train.py`);
     ``ps`` > 0 adds that many embedding servers."""
@@ -562,19 +551,7 @@ def job_spec_from_flags(
 
 def parse_capacity(text: str) -> Capacity:
     """``cpu=8,memory=32Gi`` (either part may be left out) as a Capacity."""
-    cpu: float | None = None
-    memory: int | None = None
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        key, _, value = part.partition("=")
-        if key == "cpu":
-            try:
-                cpu = float(value)
-            except ValueError:
-                raise JobSpecError(f"capacity cpu={value!r} is not a number") from None
-            if cpu < 0:
-                raise JobSpecError(f"capacity cpu={value} must be >= 0")
-        elif key == "memory":
-            memory = parse_memory_mib(value, "capacity memory")
-        else:
-            raise JobSpecError(f"capacity {part!r}: use cpu=N,memory=SIZE, e.g. cpu=8,memory=32Gi")
-    return Capacity(cpu, memory)
+    try:
+        return sizes.parse_capacity(text)
+    except sizes.SizeError as error:
+        raise JobSpecError(str(error)) from None

@@ -100,6 +100,37 @@ def _modules_of(prefix: str) -> list[str]:
     return sorted(m for m in MODULES if _in(m, (prefix,)))
 
 
+LAYERED = (
+    "dlrover.agent",
+    "dlrover.api",
+    "dlrover.checkpoint",
+    "dlrover.cli",
+    "dlrover.client",
+    "dlrover.embedding",
+    "dlrover.engines",
+    "dlrover.master",
+    "dlrover.operator",
+    "dlrover.proto",
+    "dlrover.runner",
+    "dlrover.sharding",
+    "dlrover.testing",
+    "dlrover.trainer",
+)
+"""Packages with a rule below (proto: generated code; testing: may import anything but the CLI,
+and nothing imports it)."""
+FOUNDATION = (
+    "dlrover.backoff",
+    "dlrover.constants",
+    "dlrover.decisions",
+    "dlrover.envvars",
+    "dlrover.faults",
+    "dlrover.jobspec",
+    "dlrover.json_messages",
+    "dlrover.worker_context",
+)
+"""Top-level modules everybody may import: they reach no side."""
+
+
 @pytest.mark.parametrize("module", _modules_of("dlrover.master"))
 def test_master_needs_no_ml_framework_nor_the_node_side(module: str) -> None:
     forbidden = ("torch", "dlrover.agent", "dlrover.trainer", "dlrover.client", "dlrover.cli")
@@ -126,6 +157,7 @@ def test_node_side_reaches_the_master_only_through_the_client(module: str) -> No
     [
         *_modules_of("dlrover.sharding"),
         *_modules_of("dlrover.api"),
+        *_modules_of("dlrover.proto"),
         "dlrover.checkpoint.coordinator",
     ],
 )
@@ -141,6 +173,82 @@ def test_importing_the_agent_imports_no_torch(module: str) -> None:
     # tests/checkpoint/test_ckpt_agent_torch_free.py checks that a running agent never does.
     bad = sorted(name for name in reachable(module, False) if _in(name, ("torch",)))
     assert not bad, f"{module} imports {bad}"
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        *_modules_of("dlrover.embedding"),
+        *_modules_of("dlrover.engines"),
+        *_modules_of("dlrover.operator"),
+        *FOUNDATION,
+    ],
+)
+def test_engines_embedding_operator_and_the_foundation_reach_no_side(module: str) -> None:
+    # Engines know nothing of policies; the embedding server is shared by the trainer and the
+    # master; the operator only turns custom resources into job specs.
+    sides = (
+        "dlrover.master",
+        "dlrover.runner",
+        "dlrover.client",
+        "dlrover.trainer",
+        "dlrover.agent",
+        "dlrover.testing",
+        "torch",
+    )
+    bad = sorted(name for name in reachable(module) if _in(name, sides))
+    assert not bad, f"{module} imports {bad}"
+
+
+@pytest.mark.parametrize("module", _modules_of("dlrover.runner"))
+def test_the_job_runner_is_master_side(module: str) -> None:
+    forbidden = ("torch", "dlrover.agent", "dlrover.trainer", "dlrover.client", "dlrover.cli")
+    bad = sorted(name for name in reachable(module) if _in(name, forbidden))
+    assert not bad, f"{module} imports {bad}"
+
+
+def test_the_product_never_imports_the_test_helpers() -> None:
+    bad = {
+        module: sorted(n for n in direct_imports(module) if _in(n, ("dlrover.testing",)))
+        for module in MODULES
+        if not _in(module, ("dlrover.testing",))
+    }
+    assert not {m: names for m, names in bad.items() if names}, (
+        "fault specs the product reads live in dlrover.faults"
+    )
+
+
+def test_every_module_has_a_layer() -> None:
+    """A new package gets a rule here before it lands (docs/architecture.md lists them)."""
+    placed = (*LAYERED, *FOUNDATION)
+    assert sorted(m for m in MODULES if not _in(m, placed) and m != "dlrover") == []
+
+
+def test_packages_import_each_other_one_way() -> None:
+    """No circle between dlrover's packages (and top-level modules), counting imports inside
+    functions too."""
+    graph: dict[str, set[str]] = {}
+    for module in MODULES:
+        here = _package(module)
+        for name in direct_imports(module):
+            if name in MODULES and _package(name) not in (here, "dlrover"):
+                graph.setdefault(here, set()).add(_package(name))
+    circles = []
+    for start in sorted(graph):
+        todo, seen = list(graph[start]), set()
+        while todo:
+            current = todo.pop()
+            if current == start:
+                circles.append(start)
+                break
+            if current not in seen:
+                seen.add(current)
+                todo.extend(graph.get(current, ()))
+    assert circles == [], f"these packages reach themselves through another: {circles}"
+
+
+def _package(module: str) -> str:
+    return ".".join(module.split(".")[:2])
 
 
 def test_nothing_imports_the_cli() -> None:

@@ -46,7 +46,7 @@ from dlrover.api.master import (
     MasterApi,
     NodeOutcome,
 )
-from dlrover.checkpoint.config import buffers_from_env, replica_bandwidth_from_env
+from dlrover.checkpoint.config import CheckpointEnv
 from dlrover.checkpoint.leftovers import OwnerLock, owner_prefix, sweep
 from dlrover.client.checkpoint import MasterCommitCoordinator, MasterPeerDirectory
 from dlrover.constants import (
@@ -337,8 +337,7 @@ class ElasticAgent:
         from dlrover.checkpoint.saver import CheckpointSaver
 
         try:
-            bandwidth = replica_bandwidth_from_env()
-            buffers = buffers_from_env()
+            settings = CheckpointEnv.from_env()
         except ValueError as e:
             raise AgentError(str(e)) from None
         self._saver = CheckpointSaver(
@@ -348,8 +347,8 @@ class ElasticAgent:
             peers=MasterPeerDirectory(self.master),
             replica_token=self._token or "",
             replica_host=self._host,
-            replica_bandwidth=bandwidth,
-            buffers=buffers,
+            replica_bandwidth=settings.replica_bytes_s,
+            buffers=settings.buffers,
         )
         self._saver.start()
 

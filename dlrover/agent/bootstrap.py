@@ -28,17 +28,12 @@ import types
 from collections.abc import Sequence
 
 from dlrover.agent.error_file import ErrorRecorder
-from dlrover.constants import ENV_STACK_FILE
+from dlrover.constants import ENV_DONE_FILE, ENV_PARENT_DEATH_PID, ENV_STACK_FILE
 
 STACK_DUMP_SIGNAL = signal.SIGUSR1
 """Signal that makes a bootstrapped worker dump all thread stacks to stderr (and go on)."""
 
-ENV_PARENT_DEATH_PID = "DLROVER_PARENT_DEATH_PID"
-"""Set by the spawner: the worker kills itself when this process (its parent) dies."""
 
-ENV_DONE_FILE = "DLROVER_DONE_FILE"
-"""Set by the agent: the bootstrap writes the script's exit code to this file once the script has
-returned (or raised), before interpreter shutdown begins (see `read_script_result`)."""
 _PR_SET_PDEATHSIG = 1
 
 USAGE = "usage: python -m dlrover.agent.bootstrap (script.py | -m module) [args...]"

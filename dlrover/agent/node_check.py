@@ -33,8 +33,8 @@ from dlrover.api.master import (
     NodeCheckTask,
 )
 from dlrover.constants import EXIT_NODE_EXCLUDED, MAX_LONG_POLL_S
+from dlrover.faults import ENV_FAULTS, FaultSpecError, node_check_faults, node_slot
 from dlrover.json_messages import MessageError, decode_tagged, encode, parse
-from dlrover.testing.faults import ENV_FAULTS, FaultSpecError, node_check_faults, node_slot
 
 logger = logging.getLogger(__name__)
 

@@ -22,6 +22,7 @@ from dlrover.api.master import (
     Registration,
 )
 from dlrover.api.retry import while_unreachable
+from dlrover.backoff import Backoff
 from dlrover.constants import DEFAULT_MASTER_RECONNECT_S, MAX_LONG_POLL_S
 
 logger = logging.getLogger(__name__)
@@ -94,7 +95,7 @@ class MembershipWatch:
             self._cond.notify_all()
 
     def _loop(self) -> None:
-        delay = 0.1
+        backoff = Backoff(0.1, 2.0)
         while True:
             with self._cond:
                 # Idle between rounds: look again every second (every wait has a deadline).
@@ -108,12 +109,12 @@ class MembershipWatch:
             try:
                 w = self._master.num_nodes_waiting(node_id, round, self._wait_s)
             except MasterClientError as e:
-                logger.debug("membership watch: %s; asking again in %.1fs", e, delay)
+                pause = backoff.next()
+                logger.debug("membership watch: %s; asking again in %.1fs", e, pause)
                 with self._cond:
-                    self._cond.wait(delay)
-                delay = min(delay * 2, 2.0)
+                    self._cond.wait(pause)
                 continue
-            delay = 0.1
+            backoff.reset()
             with self._cond:
                 if self._armed != watched:
                     continue  # the node moved on while the call was held
@@ -185,7 +186,7 @@ class RendezvousClient:
             lambda: self._master.join_rendezvous(request), deadline, "join the rendezvous"
         )
         next_log = start + 10.0
-        delay = 0.01
+        backoff = Backoff(0.01, 0.5)
         while True:
             asked = time.monotonic()
             world = while_unreachable(
@@ -237,8 +238,7 @@ class RendezvousClient:
             if now - asked < 0.5:
                 # The master answered without holding the call (a master without long polls):
                 # do not turn the wait into a busy loop.
-                time.sleep(delay)
-                delay = min(delay * 2, 0.5)
+                time.sleep(backoff.next())
 
     def _reconnect_deadline(self) -> float:
         return time.monotonic() + DEFAULT_MASTER_RECONNECT_S
@@ -274,7 +274,7 @@ class RendezvousClient:
         self._watch.disarm()
         deadline = time.monotonic() + cfg.exit_barrier_timeout_s
         report = NodeReport(self.node_id, self.incarnation, NodeOutcome.SUCCEEDED, 0, "")
-        delay = 0.01
+        backoff = Backoff(0.01, 0.5)
         while True:
             asked = time.monotonic()
             try:
@@ -300,8 +300,7 @@ class RendezvousClient:
                 return RunResult(0, "succeeded")
             if time.monotonic() - asked < 0.5:
                 # Not held (an unreachable master, or one without long polls): back off.
-                time.sleep(delay)
-                delay = min(delay * 2, 0.5)
+                time.sleep(backoff.next())
 
     def ended_by_master(self) -> RunResult:
         """The master ended the job: this node exits with the job's outcome."""

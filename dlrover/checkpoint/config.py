@@ -1,11 +1,18 @@
 """Defaults and environment-variable names of the flash-checkpoint subsystem."""
 
+from __future__ import annotations
+
 import logging
 import os
 import threading
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from dlrover.constants import ENV_CHECKPOINT_SOCKET
+from dlrover.constants import ENV_CKPT_BUFFERS as ENV_BUFFERS
+from dlrover.constants import ENV_CKPT_PERSIST_CPU as ENV_PERSIST_CPU
+from dlrover.constants import ENV_CKPT_PERSIST_PRIORITY as ENV_PERSIST_PRIORITY
+from dlrover.constants import ENV_CKPT_REPLICA_MIB_S as ENV_REPLICA_MIB_S
 from dlrover.envvars import number_from_env
 
 __all__ = [
@@ -20,6 +27,7 @@ __all__ = [
     "persist_priority_from_env",
     "ENV_BUFFERS",
     "buffers_from_env",
+    "CheckpointEnv",
     "run_in_background",
     "ENV_PERSIST_CPU",
     "persist_cpu_from_env",
@@ -47,11 +55,6 @@ MANIFEST_FILE = "manifest.json"
 """Per-step list of files, sizes and CRC32 checksums; its presence means 'committed'."""
 
 
-ENV_BUFFERS = "DLROVER_CKPT_BUFFERS"
-"""Shared-memory buffers per saving rank: 2 (default; a save never waits for the persist or
-push of the previous step) or 1 (half the memory; a save waits for them)."""
-
-
 def buffers_from_env(env: Mapping[str, str] | None = None) -> int:
     """The buffer count from DLROVER_CKPT_BUFFERS (default 2); ValueError naming the variable
     for anything but 1 or 2."""
@@ -63,11 +66,6 @@ def buffers_from_env(env: Mapping[str, str] | None = None) -> int:
     return int(raw)
 
 
-ENV_PERSIST_PRIORITY = "DLROVER_CKPT_PERSIST_PRIORITY"
-"""CPU priority of the agent's persist and replica threads: ``batch`` (default: SCHED_BATCH
-at nice 0), ``batch:<n>`` (SCHED_BATCH at niceness n, 0..19), ``idle`` (SCHED_IDLE: only CPU
-time nobody else wants), or ``nice:<n>`` (SCHED_OTHER at niceness n). docs/checkpoint.md has
-the measurements behind the default."""
 DEFAULT_PERSIST_PRIORITY = "batch"
 
 
@@ -111,11 +109,8 @@ def run_in_background() -> None:
         logger.debug("cannot set a persist thread's niceness: %s", exc)
 
 
-ENV_PERSIST_CPU = "DLROVER_CKPT_PERSIST_CPU"
-"""Share of the node's CPUs one persist may use, 0 < share <= 1 (default 0.1; 0: no cap). A
-persist's CPU time is fixed (checksums and write calls, about 0.1 CPU-s per GiB), so a cap
-spreads it thin: the trainers lose at most this share of the node while it runs."""
 DEFAULT_PERSIST_CPU = 0.1
+"""Default share of the node's CPUs a persist may use (ENV_PERSIST_CPU)."""
 
 
 def persist_cpu_from_env(env: Mapping[str, str] | None = None) -> float | None:
@@ -130,8 +125,6 @@ def persist_cpu_from_env(env: Mapping[str, str] | None = None) -> float | None:
     return share * len(os.sched_getaffinity(0))
 
 
-ENV_REPLICA_MIB_S = "DLROVER_CKPT_REPLICA_MIB_S"
-"""Cap on the rate an agent pushes checkpoint replicas to its peers, in MiB/s (0: no cap)."""
 DEFAULT_REPLICA_MIB_S = 1024.0
 
 
@@ -142,3 +135,20 @@ def replica_bandwidth_from_env(env: Mapping[str, str] | None = None) -> float | 
         ENV_REPLICA_MIB_S, DEFAULT_REPLICA_MIB_S, "MiB/s as a number >= 0 (0: no cap)", env
     )
     return mib_s * 2**20 if mib_s else None
+
+
+@dataclass(frozen=True)
+class CheckpointEnv:
+    """The flash-checkpoint settings a node reads from its environment, read in one place
+    (`from_env`). The persist threads' CPU priority is not here: each thread reads it as it
+    starts (`run_in_background`) and falls back to the default with a warning."""
+
+    replica_bytes_s: float | None
+    """Cap on the replica push rate in bytes/s (DLROVER_CKPT_REPLICA_MIB_S); None: no cap."""
+    buffers: int
+    """Shared-memory buffers per saving rank (DLROVER_CKPT_BUFFERS): 1 or 2."""
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> CheckpointEnv:
+        """Read every field; ValueError names the first variable that is wrong and what to give."""
+        return cls(replica_bandwidth_from_env(env), buffers_from_env(env))

@@ -6,11 +6,13 @@ import logging
 import os
 import sys
 
+from dlrover.constants import ENV_LOG_LEVEL
+
 
 def setup_logging(name: str) -> None:
     """Log to stderr at DLROVER_LOG_LEVEL (default INFO), each line tagged ``[name]``; gRPC's own
     loggers only from WARNING."""
-    level = os.environ.get("DLROVER_LOG_LEVEL", "INFO").upper()
+    level = os.environ.get(ENV_LOG_LEVEL, "INFO").upper()
     logging.basicConfig(
         level=getattr(logging, level, logging.INFO),
         format=f"[{name}] %(asctime)s.%(msecs)03d %(levelname)s %(name)s: %(message)s",

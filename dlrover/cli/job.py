@@ -22,8 +22,23 @@ from dlrover.cli.serve_job import (
     supervise_job,
 )
 from dlrover.client.master_client import MasterClient, MasterClientError
-from dlrover.constants import PS_SCALE_KEY, TF_CLUSTER_KEY, TF_PS_GENERATION_KEY
-from dlrover.jobspec import JobSpecError, PsSpec, job_spec_from_flags, load_job_spec
+from dlrover.constants import (
+    DEFAULT_NPROC_PER_NODE,
+    DEFAULT_PS_REPLICA,
+    DEFAULT_SUBMIT_MAX_RESTARTS,
+    PS_SCALE_KEY,
+    TF_CLUSTER_KEY,
+    TF_PS_GENERATION_KEY,
+)
+from dlrover.engines.registry import BUILTIN_ENGINES
+from dlrover.jobspec import (
+    DEFAULT_ENGINE,
+    PS_REPLICAS,
+    JobSpecError,
+    PsSpec,
+    job_spec_from_flags,
+    load_job_spec,
+)
 
 logger = logging.getLogger("dlrover.job")
 
@@ -227,11 +242,17 @@ def build_parser() -> argparse.ArgumentParser:
         "spec_or_entrypoint", help="job.yaml, or the training script when flags describe the job"
     )
     s.add_argument("args", nargs=argparse.REMAINDER, help="Arguments of the training script.")
-    s.add_argument("--engine", default="local", help="local (default), ray or kubernetes")
+    s.add_argument(
+        "--engine",
+        default=DEFAULT_ENGINE,
+        help=f"one of {', '.join(BUILTIN_ENGINES.names)} (default {DEFAULT_ENGINE})",
+    )
     s.add_argument("--nnodes", default="1", help="N or MIN:MAX")
-    s.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1)
+    s.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=DEFAULT_NPROC_PER_NODE)
     s.add_argument("--name", default=None, help="Job name (default: from the entry point)")
-    s.add_argument("--max-restarts", "--max_restarts", type=int, default=3)
+    s.add_argument(
+        "--max-restarts", "--max_restarts", type=int, default=DEFAULT_SUBMIT_MAX_RESTARTS
+    )
     s.add_argument("--cpu", type=float, default=0.0)
     s.add_argument("--memory", default="0", help="Per node, e.g. 8Gi")
     s.add_argument("--gpu", type=int, default=0)
@@ -265,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--ps-replica",
         default=None,
-        choices=("async", "sync", "none"),
+        choices=PS_REPLICAS,
         help="How each embedding server keeps its rows on the next: async (default), sync "
         "(a failover loses nothing), none",
     )
@@ -434,12 +455,12 @@ def run(argv: Sequence[str] | None = None) -> int:
                 auto_scale=args.auto_scale,
                 engine_settings={"capacity": args.capacity} if args.capacity else None,
                 ps=args.ps,
-                ps_replica=args.ps_replica or "async",
+                ps_replica=args.ps_replica or DEFAULT_PS_REPLICA,
             )
     except (JobSpecError, OSError) as e:
         parser.error(str(e))
     setup_logging("dlrover")
-    if spec.engine == "ray":
+    if BUILTIN_ENGINES.get(spec.engine).master_on_cluster:
         from dlrover.cli.ray_master import submit_to_ray
 
         return submit_to_ray(

@@ -20,9 +20,9 @@ from dlrover.master.job import JobState
 from dlrover.master.rendezvous import RendezvousConfig, RendezvousError
 from dlrover.master.server import MasterServerError, job_name_for_token, new_token
 from dlrover.master.state_store import StateStoreError
-from dlrover.master.stragglers import DEFAULT_REPORT_S
 from dlrover.master.tensorboard import TensorBoardError
 from dlrover.master.web import WebError
+from dlrover.runner.job_runner import straggler_report_s
 
 logger = logging.getLogger("dlrover.master")
 
@@ -180,9 +180,7 @@ def run(argv: Sequence[str] | None = None) -> int:
                 metrics_port=None if args.metrics_port < 0 else args.metrics_port,
                 tensorboard_dir=args.tensorboard_dir,
                 owns_process=True,
-                straggler_report_s=float(
-                    os.environ.get(c.ENV_STRAGGLER_REPORT_S, "") or DEFAULT_REPORT_S
-                ),
+                straggler_report_s=straggler_report_s(),
             )
         )
     except (MasterServerError, WebError, TensorBoardError, StateStoreError, RendezvousError) as e:

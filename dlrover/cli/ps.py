@@ -13,11 +13,9 @@ from collections.abc import Sequence
 
 from dlrover import constants as c
 from dlrover.cli.common import setup_logging
+from dlrover.constants import ENV_PS_ADDR
 
 logger = logging.getLogger("dlrover.ps")
-
-ENV_PS_ADDR = "DLROVER_PS_ADDR"
-"""What ``--write-env`` writes: the address the server listens on."""
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -26,11 +26,12 @@ from typing import Any
 
 from dlrover import constants as c
 from dlrover.cli.common import setup_logging
-from dlrover.cli.job_records import job_dir
 from dlrover.cli.serve_job import MAX_MASTER_RESTARTS, free_port, serve_job
+from dlrover.engines.registry import RAY
 from dlrover.jobspec import JobSpec
 from dlrover.master.job import JobMaster
 from dlrover.master.server import new_token
+from dlrover.runner.records import fresh_state
 
 OUTCOME_POLL_S = 10.0
 """How long one `outcome` call waits for the job's end (the driver calls it in a loop)."""
@@ -130,14 +131,8 @@ def submit_to_ray(
     except ImportError:
         print("dlrover: error: engine ray needs ray: pip install 'dlrover[ray]'", file=sys.stderr)
         return 1
-    from dlrover.engines.ray_engine import DEFAULT_RAY_NAMESPACE
-
-    settings = dict(spec.engine_settings)
-    ray.init(
-        address=settings.get("address"),
-        namespace=str(settings.get("namespace") or DEFAULT_RAY_NAMESPACE),
-        log_to_driver=True,
-    )
+    settings = RAY.settings(spec.engine_settings)
+    ray.init(address=settings.address, namespace=settings.namespace, log_to_driver=True)
     try:
         return _drive(spec, ray, NodeAffinitySchedulingStrategy, port, advertise, relaunch_delay_s)
     finally:
@@ -199,14 +194,7 @@ def _drive(
             f"run of job {spec.name}: {', '.join(sorted(orphans))}",
             file=sys.stderr,
         )
-    state = str(spec.engine_settings.get("state") or "")
-    if not state:
-        directory = job_dir(spec.name)
-        directory.mkdir(parents=True, exist_ok=True)
-        db = directory / "master.db"
-        for stale in (db, db.with_name("master.db-wal"), db.with_name("master.db-shm")):
-            stale.unlink(missing_ok=True)  # a new submission starts from a clean state
-        state = str(db)
+    state = RAY.settings(spec.engine_settings).state or str(fresh_state(spec.name))
     token = os.environ.get(c.ENV_JOB_TOKEN, "") or new_token()
     port = port or free_port("0.0.0.0")
     actor = (

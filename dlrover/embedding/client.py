@@ -17,6 +17,7 @@ import grpc
 import numpy as np
 import numpy.typing as npt
 
+from dlrover.backoff import Backoff
 from dlrover.constants import TOKEN_METADATA_KEY
 from dlrover.embedding.buckets import BucketMap, IdArray
 from dlrover.embedding.replica import PUSH_WINDOW
@@ -285,7 +286,7 @@ class EmbeddingClient:
         replacement and goes to it with the same seq (it may have been applied)."""
         pending: list[tuple[Index, int | None]] = [(np.arange(flat.size), None)]
         deadline = time.monotonic() + self.settle_s
-        delay = 0.005
+        backoff = Backoff(0.005, 0.1)
         while pending:
             placement = self.placement
             shares: list[tuple[str, Index, int]] = []
@@ -339,8 +340,8 @@ class EmbeddingClient:
                     )
                 )
             if not adopted:
-                time.sleep(delay)  # a hand-over is under way; nothing to wait on but the servers
-                delay = min(delay * 2, 0.1)
+                # A hand-over is under way; nothing to wait on but the servers.
+                time.sleep(backoff.next())
 
     def _look_for_replacement(self) -> bool:
         """Ask the servers that answer for their placement; adopt a newer one (a dead server's

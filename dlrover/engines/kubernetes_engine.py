@@ -8,6 +8,7 @@ import logging
 import threading
 from typing import Any
 
+from dlrover.backoff import Backoff
 from dlrover.engines.base import (
     Capacity,
     Engine,
@@ -280,14 +281,14 @@ class KubernetesEngine(Engine):
     def _watch_loop(self) -> None:
         from kubernetes.client.rest import ApiException
 
-        delay = self._reconnect_delay_s
+        backoff = Backoff(self._reconnect_delay_s, 10.0)
         while not self._stop.is_set():
             version = self._version
             try:
                 if version is None:
                     self._version = version = self._relist()
                 self._watch_once(version)
-                delay = self._reconnect_delay_s
+                backoff.reset()
             except _Expired as expired:
                 log.info(
                     "watch version %s expired (410 Gone: %s); re-listing pods", version, expired
@@ -297,11 +298,11 @@ class KubernetesEngine(Engine):
                 if error.status == 410:
                     self._version = None
                     continue
+                pause = backoff.next()
                 log.warning(
-                    "pod watch failed (%s %s); retrying in %.1fs", error.status, error.reason, delay
+                    "pod watch failed (%s %s); retrying in %.1fs", error.status, error.reason, pause
                 )
-                self._stop.wait(delay)
-                delay = min(delay * 2, 10.0)
+                self._stop.wait(pause)
             except Exception as error:  # dropped connection, protocol error, DNS...
                 if self._stop.is_set():
                     break
@@ -311,8 +312,7 @@ class KubernetesEngine(Engine):
                     error,
                     self._version,
                 )
-                self._stop.wait(delay)
-                delay = min(delay * 2, 10.0)
+                self._stop.wait(backoff.next())
 
     def _watch_once(self, version: str) -> None:
         """One watch request from `version`; `self._version` follows every event, so a stream

@@ -9,6 +9,7 @@ import threading
 import time
 from typing import Any
 
+from dlrover.constants import DEFAULT_RAY_NAMESPACE as DEFAULT_RAY_NAMESPACE
 from dlrover.constants import DEFAULT_STOP_GRACE_S
 from dlrover.engines.base import (
     Capacity,
@@ -27,7 +28,6 @@ from dlrover.engines.ray_runner import NodeRunner
 
 log = logging.getLogger(__name__)
 
-DEFAULT_RAY_NAMESPACE = "dlrover"
 DEFAULT_LAUNCH_TIMEOUT_S = 120.0
 """How long a node may wait for a Ray node with its resources before it fails to launch."""
 DEFAULT_POLL_INTERVAL_S = 0.2

@@ -19,6 +19,7 @@ from dlrover.engines.kube_manifests import (
     master_pod_manifest,
     master_service_manifest,
 )
+from dlrover.engines.registry import KUBERNETES
 from dlrover.jobspec import JobSpec, JobSpecError, job_spec_from_dict
 
 GROUP = "dlrover.io"
@@ -110,7 +111,7 @@ def job_spec_of(body: dict[str, Any]) -> JobSpec:
         {
             **spec,
             "name": body["metadata"]["name"],
-            "engine": "kubernetes",
+            "engine": KUBERNETES.name,
             "engine_settings": settings,
         }
     )
@@ -135,7 +136,7 @@ def spec_document(job: JobSpec) -> dict[str, Any]:
         "max_restarts": job.max_restarts,
         "max_relaunches": job.max_relaunches,
         "checkpoint_dir": job.checkpoint_dir,
-        "engine": "kubernetes",
+        "engine": KUBERNETES.name,
         "engine_settings": dict(job.engine_settings),
     }
     if job.tf is not None:

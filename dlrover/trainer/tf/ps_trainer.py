@@ -31,6 +31,7 @@ from dlrover import constants as c
 from dlrover.client.master_client import MasterClient
 from dlrover.client.sharding import GrpcShardingTransport
 from dlrover.client.sharding_client import ShardingClient
+from dlrover.constants import ENV_TF_RESCALE as ENV_RESCALE
 from dlrover.sharding.types import DatasetSpec, Position, Shard
 
 logger = logging.getLogger(__name__)
@@ -41,8 +42,6 @@ LATEST = "latest.json"
 """The checkpoint directory's marker: the newest complete checkpoint and its shard position,
 written last and atomically (temp + rename)."""
 KEEP_CHECKPOINTS = 2
-ENV_RESCALE = "_DLROVER_TF_RESCALE"
-"""Set for the chief's next process when it starts again over more ps: when and what."""
 MAX_FAILURES_WITHOUT_PROGRESS = 5
 """Rebuilds after a lost ps that may fail in a row before the chief gives up."""
 

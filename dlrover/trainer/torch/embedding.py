@@ -10,15 +10,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from dlrover.client.master_client import MasterClient
-from dlrover.constants import ENV_JOB_TOKEN, ENV_MASTER_ADDR, ENV_PS_WAIT_S, PS_PLACEMENT_KEY
+from dlrover.constants import (
+    ENV_JOB_TOKEN,
+    ENV_MASTER_ADDR,
+    ENV_PS_ADDRS,
+    ENV_PS_WAIT_S,
+    PS_PLACEMENT_KEY,
+)
 from dlrover.embedding.client import EmbeddingClient
 from dlrover.embedding.table import EmbeddingError
 from dlrover.embedding.wire import Placement
 from dlrover.envvars import number_from_env
 from dlrover.proto import embedding_pb2 as pb
-
-ENV_PS_ADDRS = "DLROVER_PS_ADDRS"
-"""Comma-separated addresses of the job's embedding servers, server 0 first."""
 
 
 class _Lookup(torch.autograd.Function):

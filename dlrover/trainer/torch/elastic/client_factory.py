@@ -12,12 +12,7 @@ from typing import Any
 from dlrover import worker_context
 from dlrover.client.sharding_transport import ShardingTransport
 from dlrover.constants import ENV_MASTER_ADDR, ENV_NODE_ID
-from dlrover.sharding.config import (
-    DEFAULT_LEASE_S,
-    DEFAULT_PREFETCH_SHARDS,
-    ENV_SHARD_LEASE_S,
-    ENV_SHARD_PREFETCH,
-)
+from dlrover.sharding.config import ENV_SHARD_LEASE_S, ENV_SHARD_PREFETCH, ShardingEnv
 from dlrover.sharding.errors import ShardingError
 
 logger = logging.getLogger(__name__)
@@ -61,15 +56,19 @@ def default_worker_id(rank: int) -> str:
 def prefetch_from_env() -> int:
     """Shards a sharding client keeps leased ahead: DLROVER_SHARD_PREFETCH, else
     DEFAULT_PREFETCH_SHARDS; ValueError for a value that is not an integer."""
-    value = os.environ.get(ENV_SHARD_PREFETCH, "")
-    return int(value) if value else DEFAULT_PREFETCH_SHARDS
+    return ShardingEnv.from_env(_only(ENV_SHARD_PREFETCH)).prefetch
 
 
 def lease_s_from_env() -> float:
     """Lease time in seconds of datasets the sampler registers: DLROVER_SHARD_LEASE_S, else
     DEFAULT_LEASE_S; ValueError for a value that is not a number."""
-    value = os.environ.get(ENV_SHARD_LEASE_S, "")
-    return float(value) if value else DEFAULT_LEASE_S
+    return ShardingEnv.from_env(_only(ENV_SHARD_LEASE_S)).lease_s
+
+
+def _only(name: str) -> dict[str, str]:
+    # One field read alone: a malformed other variable must not fail a caller that needs only
+    # this one (the sampler given its prefetch reads only the lease).
+    return {name: os.environ.get(name, "")}
 
 
 def restore_token(position: dict[str, Any]) -> str:

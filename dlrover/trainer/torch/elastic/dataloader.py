@@ -11,13 +11,10 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
+from dlrover.constants import ENV_PARALLELISM_CONFIG
 from dlrover.trainer.torch.elastic.dynamic_sampler import DynamicShardSampler
 
 logger = logging.getLogger(__name__)
-
-ENV_PARALLELISM_CONFIG = "DLROVER_PARAL_CONFIG_PATH"
-"""A JSON file whose ``{"dataloader": {"batch_size": N, "version": V}}`` sets the batch size
-(DLRover's parallelism config); a higher ``version`` than the last one read applies."""
 
 
 class ElasticDataLoader(DataLoader):  # type: ignore[type-arg]

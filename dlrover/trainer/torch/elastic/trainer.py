@@ -23,14 +23,11 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from dlrover.constants import ENV_MAX_NODES
+from dlrover.constants import ENV_MAX_NODES, ENV_WORKER_NUM
 from dlrover.trainer.torch.elastic import placement
 from dlrover.worker_context import WorkerContext
 
 logger = logging.getLogger(__name__)
-
-ENV_WORKER_NUM = "WORKER_NUM"
-"""DLRover's name for the largest number of worker nodes a job may have; read when set."""
 
 
 def accumulation_steps(global_batch_size: int, micro_batch_size: int, world_size: int) -> int:

@@ -1,0 +1,106 @@
+"""Job records of `dlrover submit`: `$DLROVER_HOME/jobs/<name>/job.json`, how `dlrover status`
+and `dlrover stop` find a job's master after the submitting terminal is gone."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from dlrover.constants import ENV_HOME
+
+
+def dlrover_home() -> Path:
+    """Where job records live: $DLROVER_HOME, else ~/.dlrover."""
+    return Path(os.environ.get(ENV_HOME, "") or Path.home() / ".dlrover")
+
+
+def job_dir(name: str) -> Path:
+    """The job's directory: its record, the master's state, the local engine's logs."""
+    return dlrover_home() / "jobs" / name
+
+
+class NoSuchJobError(Exception):
+    """No record of a job by this name."""
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """What the submitter writes when the job starts (with the master's address) and again
+    when it ends (with the outcome)."""
+
+    name: str
+    state: str
+    """running, succeeded or failed."""
+    pid: int
+    """The submitter's process (it hosts the master)."""
+    master_addr: str = ""
+    token: str = ""
+    engine: str = ""
+    reason: str = ""
+    exit_code: int = 0
+
+    @property
+    def ended(self) -> bool:
+        """True once the submitter recorded success or failure."""
+        return self.state in ("succeeded", "failed")
+
+    @property
+    def reachable(self) -> bool:
+        """Whether the record names a master that may still answer."""
+        return not self.ended and bool(self.master_addr)
+
+
+def _path(name: str) -> Path:
+    return job_dir(name) / "job.json"
+
+
+def has_record(name: str) -> bool:
+    """Whether a job named ``name`` has a record on this machine."""
+    return _path(name).exists()
+
+
+def write_record(record: JobRecord) -> None:
+    """Atomically replace the job's record."""
+    path = _path(record.name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    doc = {k: v for k, v in asdict(record).items() if v not in ("",)}
+    tmp.write_text(json.dumps(doc, indent=1))
+    os.replace(tmp, path)
+
+
+def read_record(name: str) -> JobRecord:
+    """The job's record; NoSuchJobError names where it looked."""
+    path = _path(name)
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise NoSuchJobError(f"no job named {name!r} (looked in {path.parent})") from None
+    known = {f.name for f in fields(JobRecord)}
+    return JobRecord(**{k: v for k, v in doc.items() if k in known})
+
+
+def fresh_state(name: str) -> Path:
+    """The SQLite state of a new submission of job ``name`` in its directory, with whatever an
+    earlier submission left there removed (a new submission starts from a clean state)."""
+    directory = job_dir(name)
+    directory.mkdir(parents=True, exist_ok=True)
+    db = directory / "master.db"
+    for stale in (db, db.with_name("master.db-wal"), db.with_name("master.db-shm")):
+        stale.unlink(missing_ok=True)
+    return db
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (it may belong to another user)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,35 @@
+"""examples/run_job.py, the documented way to run a job from Python (docs/architecture.md), runs
+a two-node job to its end and leaves the record `dlrover status` reads."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, clean_env
+
+
+@pytest.mark.slow
+def test_the_job_runner_example_runs_a_two_node_job_to_success(tmp_path: Path):
+    home = tmp_path / "home"
+    done = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "run_job.py")],
+        env=clean_env(DLROVER_HOME=str(home)),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
+    assert "job from-python succeeded (exit code 0): all 2 nodes succeeded" in done.stdout
+    record = (home / "jobs" / "from-python" / "job.json").read_text()
+    assert '"state": "succeeded"' in record
+    # Each node's agent ran the script; rank 0's loss lines are in its node's log.
+    logs = sorted((home / "jobs" / "from-python" / "nodes").glob("*/stderr"))
+    assert len(logs) == 2
+    assert "loss" in "".join(p.read_text() for p in logs) + "".join(
+        p.read_text() for p in (home / "jobs" / "from-python" / "nodes").glob("*/stdout")
+    )
