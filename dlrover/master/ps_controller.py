@@ -11,7 +11,6 @@ published in the master's key-value store (`PS_PLACEMENT_KEY`), where workers fi
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import queue
 import threading
@@ -20,6 +19,7 @@ from collections.abc import Callable
 
 from dlrover.api.master import FailureRecord
 from dlrover.constants import ENV_NODE_NAME, PS_ADDRESS_KEY, PS_PLACEMENT_KEY, PS_SCALE_KEY
+from dlrover.coordination import ScaleReport
 from dlrover.embedding.client import EmbeddingClient
 from dlrover.embedding.cluster import EmbeddingCluster, ResizeStuckError
 from dlrover.embedding.table import EmbeddingError
@@ -205,14 +205,14 @@ class PsController:
             except (PsLaunchError, EmbeddingError, EngineError) as e:
                 what = "failover" if kind == "replace" else f"scaling to {value}"
                 logger.error("embedding servers: %s failed: %s", what, e)
-                self._report({"action": kind, "request": request, "error": str(e)})
+                self._report(ScaleReport(kind, 0, request=request, error=str(e)))
                 if kind == "replace" or isinstance(e, ResizeStuckError):
                     # The workers cannot go on without the server's rows, or on a half-moved
                     # map.
                     self._job.stop(f"embedding servers: {what} failed: {e}")
             except Exception as e:
                 logger.exception("embedding servers: %s failed", kind)
-                self._report({"action": kind, "request": request, "error": repr(e)})
+                self._report(ScaleReport(kind, 0, request=request, error=repr(e)))
                 self._job.stop(f"embedding servers: {kind} failed: {e!r}")
 
     def _stats_loop(self) -> None:
@@ -238,7 +238,7 @@ class PsController:
         self._cluster = EmbeddingCluster(client, REPLICA_MODES[self._ps.replica])
         self._cluster.install()
         self._publish()
-        self._report({"action": "install", "servers": count})
+        self._report(ScaleReport("install", count))
         self.ready.set()
         logger.info("embedding servers ready: %s", ", ".join(addresses))
         self._job.event("ps", f"{count} embedding servers ready")
@@ -357,9 +357,10 @@ class PsController:
         message = self._cluster.client.placement.to_proto()
         self._job.kv.set(PS_PLACEMENT_KEY, message.SerializeToString())
 
-    def _report(self, what: dict[str, object]) -> None:
-        what = {**what, "servers": len(self._nodes), "time": time.time()}
-        self._job.kv.set(PS_SCALE_KEY, json.dumps(what).encode())
+    def _report(self, report: ScaleReport) -> None:
+        """Store ``report`` with the servers the job has now and the wall time."""
+        now = dataclasses.replace(report, servers=len(self._nodes), time=time.time())
+        self._job.kv.set(PS_SCALE_KEY, now.encode())
 
     def _replace(self, node_id: str) -> None:
         assert self._cluster is not None
@@ -420,14 +421,15 @@ class PsController:
         self.failovers += 1
         seconds = self._clock() - started
         self._report(
-            {
-                "action": "replace",
-                "index": index,
-                "node": spec.node_id,
-                "restored_rows": report.restored_rows,
-                "replica_last_heard_s": report.last_heard_s,
-                "seconds": seconds,
-            }
+            ScaleReport(
+                "replace",
+                0,
+                index=index,
+                node=spec.node_id,
+                restored_rows=report.restored_rows,
+                replica_last_heard_s=report.last_heard_s,
+                seconds=seconds,
+            )
         )
         self._job.event(
             "ps",
@@ -441,9 +443,7 @@ class PsController:
             nodes = list(self._nodes)
         before = len(nodes)
         if count == before:
-            self._report(
-                {"action": "scale", "request": request, "count": count, "moved_buckets": 0}
-            )
+            self._report(ScaleReport("scale", 0, request=request, count=count, moved_buckets=0))
             return
         started = self._clock()
         added: list[NodeSpec] = []
@@ -475,15 +475,16 @@ class PsController:
             before, count, seconds, report.moved_buckets, report.moved_rows, report.pause_s,
         )  # fmt: skip
         self._report(
-            {
-                "action": "scale",
-                "request": request,
-                "count": count,
-                "moved_buckets": report.moved_buckets,
-                "moved_rows": report.moved_rows,
-                "pause_s": report.pause_s,
-                "seconds": seconds,
-            }
+            ScaleReport(
+                "scale",
+                0,
+                request=request,
+                count=count,
+                moved_buckets=report.moved_buckets,
+                moved_rows=report.moved_rows,
+                pause_s=report.pause_s,
+                seconds=seconds,
+            )
         )
         self._job.event(
             "ps",

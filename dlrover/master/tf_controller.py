@@ -19,6 +19,7 @@ from dlrover.constants import (
     TF_PS_GENERATION_KEY,
     TF_READY_KEY,
 )
+from dlrover.coordination import PsGeneration, ScaleReport, TfCluster
 from dlrover.engines.base import (
     Engine,
     EngineError,
@@ -134,7 +135,7 @@ class TfController:
             self.ps_generation = int(saved["ps_generation"])
             self._generation_nodes = tuple(saved["generation_nodes"])
         published = self.job.kv.get(TF_CLUSTER_KEY) if saved is not None else None
-        cluster = json.loads(published)["cluster"] if published else {}
+        cluster = TfCluster.decode(published).cluster if published else {}
         specs = []
         for role in TF_ROLES:
             for index in range(self.counts[role]):
@@ -251,8 +252,8 @@ class TfController:
     def _scale_out(self, count: int, request: int) -> None:
         before = self.counts["ps"]
         if count <= before:
-            report = {"action": "scale", "request": request, "servers": before, "tf": True}
-            self.job.kv.set(PS_SCALE_KEY, json.dumps(report).encode())
+            report = ScaleReport("scale", before, request=request, tf=True)
+            self.job.kv.set(PS_SCALE_KEY, report.encode())
             return
         now = self._clock()
         specs = [self.node_spec("ps", index) for index in range(before, count)]
@@ -293,7 +294,7 @@ class TfController:
         for slot in self.slots.values():
             if slot.role in CLUSTER_ROLES:
                 slot.address = slot.registered
-        value = json.dumps({"version": self.cluster_version, "cluster": cluster}).encode()
+        value = TfCluster(self.cluster_version, cluster).encode()
         self.job.kv.set(f"{TF_CLUSTER_KEY}/{self.cluster_version}", value)
         self.job.kv.set(TF_CLUSTER_KEY, value)
         self._save()
@@ -310,9 +311,7 @@ class TfController:
             return
         self._generation_nodes = nodes
         self.ps_generation += 1
-        value = json.dumps(
-            {"generation": self.ps_generation, "cluster_version": self.cluster_version}
-        ).encode()
+        value = PsGeneration(self.ps_generation, self.cluster_version).encode()
         self.job.kv.set(f"{TF_PS_GENERATION_KEY}/{self.ps_generation}", value)
         self.job.kv.set(TF_PS_GENERATION_KEY, value)
         self._save()
@@ -322,14 +321,8 @@ class TfController:
             count, asked, request = self._scaling
             self._scaling = None
             seconds = self._clock() - asked
-            report = {
-                "action": "scale",
-                "request": request,
-                "servers": count,
-                "seconds": seconds,
-                "tf": True,
-            }
-            self.job.kv.set(PS_SCALE_KEY, json.dumps(report).encode())
+            report = ScaleReport("scale", count, request=request, tf=True, seconds=seconds)
+            self.job.kv.set(PS_SCALE_KEY, report.encode())
             logger.info("%d ps serve, %.1fs after the request", count, seconds)
 
     # --- events -------------------------------------------------------------------------------
