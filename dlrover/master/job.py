@@ -10,7 +10,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from dlrover.api.master import (
     FailureClass,
@@ -29,13 +28,10 @@ from dlrover.master.kv_store import KvStore
 from dlrover.master.node_check import CheckResult, CheckSettings, NodeCheck
 from dlrover.master.nodes import ALIVE_STATES, Node, NodeError, NodeState, NodeTable
 from dlrover.master.rendezvous import RendezvousConfig, RendezvousError, RendezvousManager, World
+from dlrover.master.roles import EmbeddingServers, RoleController, RoleRegistry
 from dlrover.master.sharding_service import ShardingService
 from dlrover.master.state_store import StateStore
 from dlrover.master.stragglers import DEFAULT_REPORT_S, Score, StragglerWatch
-
-if TYPE_CHECKING:
-    from dlrover.master.ps_controller import PsController
-    from dlrover.master.tf_controller import TfController
 
 logger = logging.getLogger(__name__)
 
@@ -150,10 +146,9 @@ class JobMaster:
         self._replace: list[tuple[str, str]] = []
         self.scale_summary = ""
         """The auto-scaler's latest plan in one line (`dlrover status`)."""
-        self.ps: PsController | None = None
-        """The embedding servers' controller, in a job with a ps role (`scale_role`, metrics)."""
-        self.tf: TfController | None = None
-        """The controller of a TensorFlow parameter-server job (`scale_role`)."""
+        self.roles = RoleRegistry()
+        """Each role's controller (`scale_role` asks it; the node controller routes events)."""
+        self._ps: EmbeddingServers | None = None
         self.metrics_port = 0
         """Where /metrics and the dashboard are served (0: nowhere)."""
         self.tick_hooks: list[Callable[[float], None]] = []
@@ -406,19 +401,39 @@ class JobMaster:
         """Ask for ``count`` nodes of ``role`` (`dlrover scale`): what will happen, and the
         request's id its report will carry. Raises ValueError for a role that cannot be scaled
         so."""
-        if self.tf is not None:
-            return self.tf.request_scale(role, count)
+        controller = self.roles.get(role)
+        if controller is not None:
+            return controller.request_scale(role, count)
         if role != "ps":
             raise ValueError(
                 f"role {role!r}: only ps (embedding servers) is scaled on request; workers scale "
                 "within --nnodes MIN:MAX (dlrover submit --auto-scale)"
             )
-        if self.ps is None:
-            raise ValueError(
-                f"job {self.config.job_name} has no embedding servers (roles.ps in the job spec, "
-                "or dlrover submit --ps N)"
-            )
-        return self.ps.request_scale(count)
+        raise ValueError(
+            f"job {self.config.job_name} has no embedding servers (roles.ps in the job spec, "
+            "or dlrover submit --ps N)"
+        )
+
+    @property
+    def ps(self) -> EmbeddingServers | None:
+        """The embedding servers' controller, in a job with a ps role (metrics, status);
+        setting it registers it for role ``ps``."""
+        return self._ps
+
+    @ps.setter
+    def ps(self, controller: EmbeddingServers | None) -> None:
+        self._ps = controller
+        self.roles.register("ps", controller)
+
+    @property
+    def tf(self) -> RoleController | None:
+        """The controller of a TensorFlow parameter-server job (every role); setting it
+        registers it for the whole job."""
+        return self.roles.whole_job()
+
+    @tf.setter
+    def tf(self, controller: RoleController | None) -> None:
+        self.roles.register_job(controller)
 
     def event(self, kind: str, text: str) -> None:
         """Add ``text`` to the timeline (kinds: round, failure, job, scale, node, ckpt)."""

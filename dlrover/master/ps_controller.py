@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dlrover.api.master import FailureRecord
 from dlrover.constants import ENV_NODE_NAME, PS_ADDRESS_KEY, PS_PLACEMENT_KEY, PS_SCALE_KEY
 from dlrover.coordination import ScaleReport
+from dlrover.decisions import FailureAction
 from dlrover.embedding.client import EmbeddingClient
 from dlrover.embedding.cluster import EmbeddingCluster, ResizeStuckError
 from dlrover.embedding.table import EmbeddingError
@@ -27,8 +28,10 @@ from dlrover.embedding.wire import Placement
 from dlrover.engines.base import Engine, EngineError, NodeEvent, NodeSpec
 from dlrover.jobspec import JobSpec
 from dlrover.master.job import JobMaster
+from dlrover.master.node_policy import NodeLossReason
 from dlrover.master.optimizer import ScaleAction, plan_ps
-from dlrover.master.relaunch_policy import OomPolicy, replacement_spec
+from dlrover.master.relaunch_policy import OomPolicy, RelaunchPolicy, failure_class_of
+from dlrover.master.roles import ServerStats
 from dlrover.master.state_store import MemoryStateStore, StateStore
 from dlrover.proto import embedding_pb2 as pb
 
@@ -48,21 +51,6 @@ _NAMESPACE = "ps"
 
 class PsLaunchError(Exception):
     """An embedding server could not be brought up (launch refused, died, never registered)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ServerStats:
-    """One server as its last Stats call saw it (for /metrics and `dlrover status`)."""
-
-    index: int
-    address: str
-    rows: int
-    bytes: int
-    lookups: int
-    pushes: int
-    lookups_per_s: float
-    rows_moved_in: int
-    rows_moved_out: int
 
 
 class PsController:
@@ -91,6 +79,8 @@ class PsController:
         self._master_addr = master_addr
         self._token = token
         self._oom = oom_policy or OomPolicy()
+        self._policy = RelaunchPolicy(spec.max_relaunches, self._oom)
+        """The relaunch rule every role controller applies."""
         self._store = store or MemoryStateStore()
         self._address_timeout_s = address_timeout_s
         self._stats_interval_s = stats_interval_s
@@ -155,9 +145,10 @@ class PsController:
         if current:
             self._requests.put(("replace", event.node_id, 0))
 
-    def request_scale(self, count: int) -> tuple[str, int]:
-        """Ask for ``count`` servers; returns what will happen and the request's id (its
-        report in PS_SCALE_KEY carries it). Raises ValueError when it cannot be done."""
+    def request_scale(self, role: str, count: int) -> tuple[str, int]:
+        """Ask for ``count`` servers (``role`` is ``ps``, the registry's key); returns what will
+        happen and the request's id (its report in PS_SCALE_KEY carries it). Raises ValueError
+        when it cannot be done."""
         if count < 1:
             raise ValueError(f"--count {count}: a job with embedding servers keeps at least 1")
         if not self.ready.is_set():
@@ -379,8 +370,6 @@ class PsController:
                 "its rows are lost"
             )
         if event is not None:
-            from dlrover.master.node_controller import failure_class_of
-
             self._job.record_failure(
                 FailureRecord(
                     time.time(),
@@ -391,12 +380,14 @@ class PsController:
                 )
             )
         started = self._clock()
-        sized = replacement_spec(event, self._oom) if event is not None else failed.replacement()
+        sized = self._policy.replacement(event) if event is not None else failed.replacement()
         if sized is None:
             raise PsLaunchError(f"embedding server {node_id} was OOM-killed and cannot grow")
         while True:
-            self._failures[index] = self._failures.get(index, 0) + 1
-            if self._failures[index] > self._spec.max_relaunches:
+            used = self._failures.get(index, 0)
+            self._failures[index] = used + 1
+            reason = self._policy.loss_reason(event) if event else NodeLossReason.PROCESS_EXITED
+            if self._policy.decide(node_id, reason, used).action is FailureAction.FAIL:
                 raise PsLaunchError(
                     f"embedding server {index} ended and its slot used its "
                     f"{self._spec.max_relaunches} relaunches (max_relaunches)"
