@@ -303,11 +303,6 @@ class JobMaster:
         NodeError for a stale incarnation, RendezvousError once the job has ended."""
         return self.members.join(node_id, incarnation, local_world_size, store_host, store_port)
 
-    def close_round_if_due(self) -> World | None:
-        """Close the waiting round if it may close now (max nodes, every live node waits, or the
-        last call passed) and wake its nodes; returns the new world, else None."""
-        return self.members.close_round_if_due()
-
     def close_deadline(self) -> float | None:
         """When the waiting round's last call ends (master clock), or None if none is due."""
         return self.rendezvous.close_deadline() if self.rendezvous is not None else None
@@ -498,7 +493,7 @@ class JobMaster:
         with self._lock:
             if self.stragglers.due():
                 self._score_stragglers()
-        self.close_round_if_due()
+        self.members.close_round_if_due()
         with self._lock:
             if (
                 not self.ended.is_set()

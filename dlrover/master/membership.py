@@ -114,7 +114,9 @@ class Membership:
         rdzv: RendezvousConfig | None,
         job_name: str,
     ) -> Node:
-        """See `JobMaster.register`."""
+        """Register a node: a new one, or a known id again with a bumped incarnation. The first
+        registration must carry ``rdzv`` and fixes the node range; a later ``rdzv`` with other
+        min/max nodes raises RendezvousError; a node replaced as a straggler raises NodeError."""
         with self._lock:
             if self.rendezvous is None:
                 if rdzv is None:
@@ -152,7 +154,7 @@ class Membership:
         return self.nodes.count(*ALIVE_STATES)
 
     def heartbeat_interval_s(self) -> float:
-        """See `JobMaster.heartbeat_interval_s`."""
+        """The shortest heartbeat interval the job's size allows: live nodes / the budget."""
         interval = self.alive() / self._heartbeats_per_s
         now = self._clock()
         with self._lock:
@@ -165,7 +167,8 @@ class Membership:
         return interval
 
     def heartbeat_timeout_s(self) -> float:
-        """See `JobMaster.heartbeat_timeout_s`."""
+        """Silence after which a node is lost: the configured timeout, or 3 times the longest
+        interval recently told to a node."""
         with self._lock:
             return max(self._heartbeat_timeout_s, 3.0 * self._told_high)
 
@@ -215,7 +218,9 @@ class Membership:
         store_host: str,
         store_port: int,
     ) -> int:
-        """See `JobMaster.join`."""
+        """Put the node into the next round and return its number; a running or lost node goes
+        back to PENDING and `on_rejoin` is told. Raises NodeError for a stale incarnation,
+        RendezvousError once the job has ended."""
         node = self.nodes.get(node_id, incarnation)
         self.nodes.touch(node_id)
         if self._ended.is_set():
@@ -239,7 +244,8 @@ class Membership:
         return round
 
     def close_round_if_due(self) -> World | None:
-        """See `JobMaster.close_round_if_due`."""
+        """Close the waiting round if it may close now (max nodes, every live node waits, or the
+        last call passed) and wake its nodes; returns the new world, else None."""
         if self.rendezvous is None:
             return None
         world = self.rendezvous.maybe_close(self.alive())
@@ -266,7 +272,8 @@ class Membership:
         self.changes.bump()
 
     def get_world(self, node_id: str, incarnation: int) -> World | None:
-        """See `JobMaster.get_world`."""
+        """The node's world once its round has closed, else None (a closed round is activated
+        here if no one did yet); ``incarnation`` 0 skips the incarnation check."""
         self.nodes.get(node_id, incarnation)
         self.nodes.touch(node_id)
         world = self.rdzv().get_world(node_id, self.alive())

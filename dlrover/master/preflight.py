@@ -55,7 +55,8 @@ class Preflight:
         self.summary = ""
 
     def join(self, join: NodeCheckJoin) -> None:
-        """See `JobMaster.join_node_check` (the node is known and touched)."""
+        """A member is ready for a round of its rendezvous round's check (the caller checked the
+        node is known); the check starts with the first join of a closed round's member."""
         with self._lock:
             world = self._world()
             if world is None or world.round != join.rdzv_round:
@@ -80,7 +81,8 @@ class Preflight:
             self._after_change(before)
 
     def task(self, node_id: str, rdzv_round: int, check_round: int) -> NodeCheckTask | None:
-        """See `JobMaster.node_check_task`."""
+        """What the node must do for ``check_round``; None while the round waits for members,
+        REFORM once the job ended or the world changed."""
         with self._lock:
             ended = self._ended()
             if ended is not None:
@@ -95,7 +97,7 @@ class Preflight:
             return check.task(node_id, check_round)
 
     def report(self, report: NodeCheckReport) -> None:
-        """See `JobMaster.report_node_check` (the node is known and touched)."""
+        """Record a node's result of a check round (the caller checked the node is known)."""
         with self._lock:
             check = self._check
             if check is None or check.rdzv_round != report.rdzv_round:
