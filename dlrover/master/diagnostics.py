@@ -14,7 +14,9 @@ from dlrover.master.goodput import GoodputTracker
 from dlrover.master.state_store import StateStore
 from dlrover.master.stragglers import Score, StragglerWatch
 
-logger = logging.getLogger(__name__)
+# The job's parts log as the job: their lines were always the job's log, and people (and
+# tests/e2e/test_node_check.py) read them as "dlrover.master.job: ...".
+logger = logging.getLogger("dlrover.master.job")
 
 MAX_EVENTS = 500
 """Timeline events kept (`Diagnostics.events`)."""

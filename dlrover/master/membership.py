@@ -12,7 +12,9 @@ from dlrover.master.nodes import ALIVE_STATES, Node, NodeError, NodeState, NodeT
 from dlrover.master.rendezvous import RendezvousConfig, RendezvousError, RendezvousManager, World
 from dlrover.master.state_store import StateStore
 
-logger = logging.getLogger(__name__)
+# The job's parts log as the job: their lines were always the job's log, and people (and
+# tests/e2e/test_node_check.py) read them as "dlrover.master.job: ...".
+logger = logging.getLogger("dlrover.master.job")
 
 NAMESPACE = "job"
 """The state namespace of the job's node range (shared with the job's own state)."""

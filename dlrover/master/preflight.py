@@ -17,7 +17,9 @@ from dlrover.master.changes import ChangeFeed
 from dlrover.master.node_check import CheckResult, CheckSettings, NodeCheck
 from dlrover.master.rendezvous import World
 
-logger = logging.getLogger(__name__)
+# The job's parts log as the job: their lines were always the job's log, and people (and
+# tests/e2e/test_node_check.py) read them as "dlrover.master.job: ...".
+logger = logging.getLogger("dlrover.master.job")
 
 Exclude = Callable[[str, FailureClass, str, str], None]
 """Told (node id, failure class, the check's cause, the verdict's summary) for each node the
