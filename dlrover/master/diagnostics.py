@@ -53,6 +53,8 @@ class Diagnostics:
         """(wall time, kind, text) of the job's latest events: rounds, failures, state changes,
         scale plans (the dashboard's timeline); in memory only."""
         self._replace: list[tuple[str, str]] = []
+        self.scale_summary = ""
+        """The auto-scaler's latest plan in one line (`dlrover status`)."""
 
     # --- the timeline and the failure log ---------------------------------------------------
     def event(self, kind: str, text: str) -> None:
@@ -94,6 +96,13 @@ class Diagnostics:
         """Every failure kept, oldest first."""
         with self._lock:
             return tuple(self._failures)
+
+    def scale_plan(self, summary: str, event: str = "") -> None:
+        """The auto-scaler's new plan: ``summary`` for the status, ``event`` (when it acts) for
+        the timeline."""
+        self.scale_summary = summary
+        if event:
+            self.event("scale", event)
 
     # --- runtime stragglers ------------------------------------------------------------------
     def observe_step_time(self, node_id: str, step_time_s: float) -> None:

@@ -132,8 +132,6 @@ class JobMaster:
             committed=int(store.get_json("checkpoint", "committed") or -1),
             on_committed=self._on_committed,
         )
-        self.scale_summary = ""
-        """The auto-scaler's latest plan in one line (`dlrover status`)."""
         self.metrics_port = 0
         """Where /metrics and the dashboard are served (0: nowhere)."""
         self.tick_hooks: list[Callable[[float], None]] = []
@@ -160,6 +158,11 @@ class JobMaster:
     def rendezvous(self) -> RendezvousManager | None:
         """The job's rendezvous (None until the first registration fixes the node range)."""
         return self.members.rendezvous
+
+    @property
+    def scale_summary(self) -> str:
+        """The auto-scaler's latest plan in one line (`dlrover status`)."""
+        return self.diagnostics.scale_summary
 
     @property
     def check_summary(self) -> str:
