@@ -103,7 +103,8 @@ PS_PLACEMENT_KEY = "dlrover/ps/placement"
 """The servers' current placement (an embedding_pb2.BucketMapMessage), set by the master once
 they are installed and after every resize or failover; workers read it to find the servers."""
 PS_SCALE_KEY = "dlrover/ps/scale"
-"""JSON of the master's last ps scaling or failover (what `dlrover scale` waits for and prints)."""
+"""JSON of the master's last ps scaling or failover (what `dlrover scale` waits for and prints):
+a `dlrover.coordination.ScaleReport`."""
 ENV_PS_WAIT_S = "DLROVER_PS_WAIT_S"
 """How long a worker waits for the job's embedding servers to be installed (default 300)."""
 
@@ -111,15 +112,17 @@ ENV_PS_WAIT_S = "DLROVER_PS_WAIT_S"
 TF_ADDRESS_KEY = "dlrover/tf/address/"
 """+ node id: the host:port a `dlrover-tf-node` will serve its role on (it sets it)."""
 TF_CLUSTER_KEY = "dlrover/tf/cluster"
-"""JSON ``{"version": N, "cluster": {role: [host:port, ...]}}``: the job's current cluster
-spec, set by the master once every node registered and again when an address changes; the same
-value is kept under ``TF_CLUSTER_KEY/<N>``, so a node can wait for the next version."""
+"""A `dlrover.coordination.TfCluster`, JSON ``{"version": N, "cluster": {role: [host:port]}}``:
+the job's current cluster spec, set by the master once every node registered and again when an
+address changes; the same value is kept under ``TF_CLUSTER_KEY/<N>``, so a node can wait for the
+next version."""
 TF_READY_KEY = "dlrover/tf/ready/"
 """+ node id: set by a ps or worker's TF server once it serves."""
 TF_PS_GENERATION_KEY = "dlrover/tf/ps-generation"
-"""JSON ``{"generation": G, "cluster_version": N}``: bumped by the master each time every ps of
-the current cluster serves again (1: the first time; +1 after each ps relaunch); also kept under
-``TF_PS_GENERATION_KEY/<G>``. The chief waits for the next generation after losing a ps."""
+"""A `dlrover.coordination.PsGeneration`, JSON ``{"generation": G, "cluster_version": N}``:
+bumped by the master each time every ps of the current cluster serves again (1: the first time;
++1 after each ps relaunch); also kept under ``TF_PS_GENERATION_KEY/<G>``. The chief waits for
+the next generation after losing a ps."""
 ENV_TF_CLUSTER_VERSION = "DLROVER_TF_CLUSTER_VERSION"
 """Set by `dlrover-tf-node`: the version of the cluster spec in TF_CONFIG."""
 

@@ -121,6 +121,7 @@ and nothing imports it)."""
 FOUNDATION = (
     "dlrover.backoff",
     "dlrover.constants",
+    "dlrover.coordination",
     "dlrover.decisions",
     "dlrover.envvars",
     "dlrover.faults",

@@ -99,11 +99,12 @@ class AutoScaler:
         )
         if plan.reason != self._last_reason:
             self._last_reason = plan.reason
-            self._job.scale_summary = f"auto-scale: {plan.action.value}: {plan.reason}"
-            log = logger.info if plan.action is not ScaleAction.NONE else logger.debug
-            log("%s", self._job.scale_summary)
-            if plan.action is not ScaleAction.NONE:
-                self._job.event("scale", f"{plan.action.value}: {plan.reason}")
+            summary = f"auto-scale: {plan.action.value}: {plan.reason}"
+            acts = plan.action is not ScaleAction.NONE
+            (logger.info if acts else logger.debug)("%s", summary)
+            self._job.diagnostics.scale_plan(
+                summary, f"{plan.action.value}: {plan.reason}" if acts else ""
+            )
         if plan.action is ScaleAction.RESIZE and plan.resources is not None:
             self._sized = True
             self._peaks.clear()

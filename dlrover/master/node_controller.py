@@ -7,7 +7,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from dlrover.api.master import FailureClass, FailureRecord
 from dlrover.constants import ENV_NODE_NAME, EXIT_NODE_EXCLUDED
@@ -25,30 +25,30 @@ from dlrover.engines.base import (
 )
 from dlrover.jobspec import JobSpec
 from dlrover.master.job import JobMaster
-from dlrover.master.node_policy import NodeLossObservation, NodeLossReason, decide_node_loss
 from dlrover.master.nodes import ALIVE_STATES
-from dlrover.master.relaunch_policy import OomPolicy, replacement_spec
-
-if TYPE_CHECKING:
-    from dlrover.master.autoscaler import AutoScaler
-    from dlrover.master.ps_controller import PsController
+from dlrover.master.relaunch_policy import OomPolicy, RelaunchPolicy, failure_class_of
 from dlrover.master.state_store import MemoryStateStore, StateStore
+
+if TYPE_CHECKING:  # an arrow down only: ps_controller imports no controller
+    from dlrover.master.ps_controller import PsController
+
+__all__ = ["NodeController", "Scaler", "failure_class_of"]
 
 logger = logging.getLogger(__name__)
 
 _NAMESPACE = "controller"
 
 
-def failure_class_of(event: NodeEvent) -> FailureClass:
-    """The diagnosis class of an engine's failure event."""
-    reason = event.reason
-    if reason is FailureReason.OOM_KILLED:
-        return FailureClass.OOM
-    if reason is FailureReason.SIGNAL:
-        return FailureClass.SIGNAL
-    if reason is FailureReason.EXIT_CODE:
-        return FailureClass.EXIT_CODE
-    return FailureClass.NODE_LOST  # lost, preempted, never launched, unknown
+class Scaler(Protocol):
+    """What the node controller asks of its auto-scaler (dlrover/master/autoscaler.py)."""
+
+    @property
+    def horizontal(self) -> bool:
+        """Whether the job may scale out and in (it then starts at min nodes)."""
+        ...
+
+    def tick(self) -> None:
+        """Plan (and act through the controller) if a period passed."""
 
 
 class NodeController:
@@ -80,6 +80,8 @@ class NodeController:
         self._master_addr = master_addr
         self._token = token
         self._oom = oom_policy or OomPolicy()
+        self.policy = RelaunchPolicy(spec.max_relaunches, self._oom)
+        """The relaunch rule (the one every role controller applies)."""
         self._planned: dict[int, int] = {}
         """Node slot -> how many of its attempts the auto-scaler launched (resize, scale-out)."""
         self._oom_tried: dict[int, list[int]] = {}
@@ -90,13 +92,31 @@ class NodeController:
         self._due: list[tuple[float, NodeSpec]] = []
         self.relaunches: dict[str, int] = {}
         """Replacements launched, per reason (for metrics and status)."""
-        self.scaler: AutoScaler | None = None
+        self.scaler: Scaler | None = None
         """Set for `--auto-scale`: plans (and resizes, scales out and in) on every `step`."""
-        self.ps: PsController | None = None
-        """Set for a job with embedding servers: gets the events of ``ps`` nodes."""
         self.slots = spec.max_nodes
         """Node slots in use: ranks ``0 .. slots-1`` (`start` may begin below max nodes,
         `scale_to` moves it within ``--nnodes MIN:MAX``)."""
+        self._ps: PsController | None = None
+        job.roles.register("worker", self)
+
+    @property
+    def ps(self) -> PsController | None:
+        """Set for a job with embedding servers: registered in the job's role registry for
+        role ``ps``, so it gets the events of ``ps`` nodes."""
+        return self._ps
+
+    @ps.setter
+    def ps(self, controller: PsController | None) -> None:
+        self._ps = controller
+        self.job.roles.register("ps", controller)
+
+    def request_scale(self, role: str, count: int) -> tuple[str, int]:
+        """Workers are not scaled on request: ValueError saying how they scale."""
+        raise ValueError(
+            f"role {role!r}: only ps (embedding servers) is scaled on request; workers scale "
+            "within --nnodes MIN:MAX (dlrover submit --auto-scale)"
+        )
 
     def node_spec(self, rank: int, relaunch_count: int = 0) -> NodeSpec:
         """The blueprint of node slot ``rank``, named so that its agent registers under the engine's
@@ -225,13 +245,7 @@ class NodeController:
                 self._save_slot(spec)
                 self._schedule(spec, self._clock())
         for event in self.engine.events(timeout_s):
-            spec = self._on_event(event)
-            if spec is not None:
-                self._save_slot(spec)  # before launching: a restarted master launches it too
-                self._schedule(spec, self._clock() + self._relaunch_delay_s)
-                logger.info(
-                    "node %s: saved, launching in %.1fs", spec.node_id, self._relaunch_delay_s
-                )
+            self.on_event(event)
         now = self._clock()
         replacements = [spec for due, spec in self._due if due <= now]
         self._due = [(due, spec) for due, spec in self._due if due > now]
@@ -310,21 +324,28 @@ class NodeController:
         """The engine's nodes of role ``worker`` (embedding servers are the ps controller's)."""
         return [n for n in self.engine.list_nodes() if n.spec.role == "worker"]
 
+    def on_event(self, event: NodeEvent) -> None:
+        """An engine event: a node of another registered role goes to that role's controller; a
+        failed worker is replaced (saved, then launched after the relaunch delay) or not, as
+        the relaunch policy decides."""
+        owner = self.job.roles.owner(event.spec.role)
+        if owner is not None and owner is not self:
+            owner.on_event(event)
+            return
+        spec = self._on_event(event)
+        if spec is not None:
+            self._save_slot(spec)  # before launching: a restarted master launches it too
+            self._schedule(spec, self._clock() + self._relaunch_delay_s)
+            logger.info("node %s: saved, launching in %.1fs", spec.node_id, self._relaunch_delay_s)
+
     def _on_event(self, event: NodeEvent) -> NodeSpec | None:
-        if event.spec.role == "ps" and self.ps is not None:
-            self.ps.on_event(event)
-            return None
         logger.info("engine: %s", event)
         if event.state != NodeState.FAILED or self.job.ended.is_set():
             return None
         if event.spec.rank >= self.slots:  # scaled in meanwhile: its slot is not in use
             self.job.node_lost(event.node_id, f"{event.message or event.reason} (slot retired)")
             return None
-        reason = (
-            NodeLossReason.OOM_KILLED
-            if event.reason is FailureReason.OOM_KILLED
-            else NodeLossReason.PROCESS_EXITED
-        )
+        reason = self.policy.loss_reason(event)
         # Expected before the loss is recorded: between the two, the job must not look like
         # it lost every node (withdrawn below if the node is not relaunched).
         successor = event.spec.replacement().node_id
@@ -335,18 +356,13 @@ class NodeController:
             for n in self.job.nodes.all()
             if n.state in ALIVE_STATES and n.node_id != event.node_id
         )
-        decision = decide_node_loss(
-            NodeLossObservation(
-                node_id=event.node_id,
-                reason=reason,
-                # Attempts the auto-scaler launched are not failures.
-                relaunch_count=max(
-                    0, event.spec.relaunch_count - self._planned.get(event.spec.rank, 0)
-                ),
-                max_relaunches=self.spec.max_relaunches,
-                alive_nodes=alive,
-                min_nodes=self.spec.min_nodes,
-            )
+        decision = self.policy.decide(
+            event.node_id,
+            reason,
+            # Attempts the auto-scaler launched are not failures.
+            max(0, event.spec.relaunch_count - self._planned.get(event.spec.rank, 0)),
+            alive_nodes=alive,
+            min_nodes=self.spec.min_nodes,
         )
         logger.info("node %s: %s (%s)", event.node_id, decision.action.value, decision.reason)
         if event.exit_code != EXIT_NODE_EXCLUDED:  # the node check recorded its exclusion
@@ -369,7 +385,7 @@ class NodeController:
             return None
         if decision.action is not FailureAction.RELAUNCH_NODE:
             return None
-        spec = replacement_spec(event, self._oom)
+        spec = self.policy.replacement(event)
         if spec is None:
             self.job.unexpect(successor)
             self.job.stop(

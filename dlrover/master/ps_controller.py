@@ -11,7 +11,6 @@ published in the master's key-value store (`PS_PLACEMENT_KEY`), where workers fi
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import queue
 import threading
@@ -20,6 +19,8 @@ from collections.abc import Callable
 
 from dlrover.api.master import FailureRecord
 from dlrover.constants import ENV_NODE_NAME, PS_ADDRESS_KEY, PS_PLACEMENT_KEY, PS_SCALE_KEY
+from dlrover.coordination import ScaleReport
+from dlrover.decisions import FailureAction
 from dlrover.embedding.client import EmbeddingClient
 from dlrover.embedding.cluster import EmbeddingCluster, ResizeStuckError
 from dlrover.embedding.table import EmbeddingError
@@ -27,8 +28,10 @@ from dlrover.embedding.wire import Placement
 from dlrover.engines.base import Engine, EngineError, NodeEvent, NodeSpec
 from dlrover.jobspec import JobSpec
 from dlrover.master.job import JobMaster
+from dlrover.master.node_policy import NodeLossReason
 from dlrover.master.optimizer import ScaleAction, plan_ps
-from dlrover.master.relaunch_policy import OomPolicy, replacement_spec
+from dlrover.master.relaunch_policy import OomPolicy, RelaunchPolicy, failure_class_of
+from dlrover.master.roles import ServerStats
 from dlrover.master.state_store import MemoryStateStore, StateStore
 from dlrover.proto import embedding_pb2 as pb
 
@@ -48,21 +51,6 @@ _NAMESPACE = "ps"
 
 class PsLaunchError(Exception):
     """An embedding server could not be brought up (launch refused, died, never registered)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ServerStats:
-    """One server as its last Stats call saw it (for /metrics and `dlrover status`)."""
-
-    index: int
-    address: str
-    rows: int
-    bytes: int
-    lookups: int
-    pushes: int
-    lookups_per_s: float
-    rows_moved_in: int
-    rows_moved_out: int
 
 
 class PsController:
@@ -91,6 +79,8 @@ class PsController:
         self._master_addr = master_addr
         self._token = token
         self._oom = oom_policy or OomPolicy()
+        self._policy = RelaunchPolicy(spec.max_relaunches, self._oom)
+        """The relaunch rule every role controller applies."""
         self._store = store or MemoryStateStore()
         self._address_timeout_s = address_timeout_s
         self._stats_interval_s = stats_interval_s
@@ -155,9 +145,10 @@ class PsController:
         if current:
             self._requests.put(("replace", event.node_id, 0))
 
-    def request_scale(self, count: int) -> tuple[str, int]:
-        """Ask for ``count`` servers; returns what will happen and the request's id (its
-        report in PS_SCALE_KEY carries it). Raises ValueError when it cannot be done."""
+    def request_scale(self, role: str, count: int) -> tuple[str, int]:
+        """Ask for ``count`` servers (``role`` is ``ps``, the registry's key); returns what will
+        happen and the request's id (its report in PS_SCALE_KEY carries it). Raises ValueError
+        when it cannot be done."""
         if count < 1:
             raise ValueError(f"--count {count}: a job with embedding servers keeps at least 1")
         if not self.ready.is_set():
@@ -205,14 +196,14 @@ class PsController:
             except (PsLaunchError, EmbeddingError, EngineError) as e:
                 what = "failover" if kind == "replace" else f"scaling to {value}"
                 logger.error("embedding servers: %s failed: %s", what, e)
-                self._report({"action": kind, "request": request, "error": str(e)})
+                self._report(ScaleReport(kind, 0, request=request, error=str(e)))
                 if kind == "replace" or isinstance(e, ResizeStuckError):
                     # The workers cannot go on without the server's rows, or on a half-moved
                     # map.
                     self._job.stop(f"embedding servers: {what} failed: {e}")
             except Exception as e:
                 logger.exception("embedding servers: %s failed", kind)
-                self._report({"action": kind, "request": request, "error": repr(e)})
+                self._report(ScaleReport(kind, 0, request=request, error=repr(e)))
                 self._job.stop(f"embedding servers: {kind} failed: {e!r}")
 
     def _stats_loop(self) -> None:
@@ -238,7 +229,7 @@ class PsController:
         self._cluster = EmbeddingCluster(client, REPLICA_MODES[self._ps.replica])
         self._cluster.install()
         self._publish()
-        self._report({"action": "install", "servers": count})
+        self._report(ScaleReport("install", count))
         self.ready.set()
         logger.info("embedding servers ready: %s", ", ".join(addresses))
         self._job.event("ps", f"{count} embedding servers ready")
@@ -357,9 +348,10 @@ class PsController:
         message = self._cluster.client.placement.to_proto()
         self._job.kv.set(PS_PLACEMENT_KEY, message.SerializeToString())
 
-    def _report(self, what: dict[str, object]) -> None:
-        what = {**what, "servers": len(self._nodes), "time": time.time()}
-        self._job.kv.set(PS_SCALE_KEY, json.dumps(what).encode())
+    def _report(self, report: ScaleReport) -> None:
+        """Store ``report`` with the servers the job has now and the wall time."""
+        now = dataclasses.replace(report, servers=len(self._nodes), time=time.time())
+        self._job.kv.set(PS_SCALE_KEY, now.encode())
 
     def _replace(self, node_id: str) -> None:
         assert self._cluster is not None
@@ -378,8 +370,6 @@ class PsController:
                 "its rows are lost"
             )
         if event is not None:
-            from dlrover.master.node_controller import failure_class_of
-
             self._job.record_failure(
                 FailureRecord(
                     time.time(),
@@ -390,12 +380,14 @@ class PsController:
                 )
             )
         started = self._clock()
-        sized = replacement_spec(event, self._oom) if event is not None else failed.replacement()
+        sized = self._policy.replacement(event) if event is not None else failed.replacement()
         if sized is None:
             raise PsLaunchError(f"embedding server {node_id} was OOM-killed and cannot grow")
         while True:
-            self._failures[index] = self._failures.get(index, 0) + 1
-            if self._failures[index] > self._spec.max_relaunches:
+            used = self._failures.get(index, 0)
+            self._failures[index] = used + 1
+            reason = self._policy.loss_reason(event) if event else NodeLossReason.PROCESS_EXITED
+            if self._policy.decide(node_id, reason, used).action is FailureAction.FAIL:
                 raise PsLaunchError(
                     f"embedding server {index} ended and its slot used its "
                     f"{self._spec.max_relaunches} relaunches (max_relaunches)"
@@ -420,14 +412,15 @@ class PsController:
         self.failovers += 1
         seconds = self._clock() - started
         self._report(
-            {
-                "action": "replace",
-                "index": index,
-                "node": spec.node_id,
-                "restored_rows": report.restored_rows,
-                "replica_last_heard_s": report.last_heard_s,
-                "seconds": seconds,
-            }
+            ScaleReport(
+                "replace",
+                0,
+                index=index,
+                node=spec.node_id,
+                restored_rows=report.restored_rows,
+                replica_last_heard_s=report.last_heard_s,
+                seconds=seconds,
+            )
         )
         self._job.event(
             "ps",
@@ -441,9 +434,7 @@ class PsController:
             nodes = list(self._nodes)
         before = len(nodes)
         if count == before:
-            self._report(
-                {"action": "scale", "request": request, "count": count, "moved_buckets": 0}
-            )
+            self._report(ScaleReport("scale", 0, request=request, count=count, moved_buckets=0))
             return
         started = self._clock()
         added: list[NodeSpec] = []
@@ -475,15 +466,16 @@ class PsController:
             before, count, seconds, report.moved_buckets, report.moved_rows, report.pause_s,
         )  # fmt: skip
         self._report(
-            {
-                "action": "scale",
-                "request": request,
-                "count": count,
-                "moved_buckets": report.moved_buckets,
-                "moved_rows": report.moved_rows,
-                "pause_s": report.pause_s,
-                "seconds": seconds,
-            }
+            ScaleReport(
+                "scale",
+                0,
+                request=request,
+                count=count,
+                moved_buckets=report.moved_buckets,
+                moved_rows=report.moved_rows,
+                pause_s=report.pause_s,
+                seconds=seconds,
+            )
         )
         self._job.event(
             "ps",

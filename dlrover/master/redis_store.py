@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from dlrover.master.state_store import StateStore, StateStoreError
+from dlrover.master.store_base import StateStore, StateStoreError
 
 # KEYS[1]: the hash; ARGV: field, expected ("" + flag for absent), value. Atomic on the server.
 _COMPARE_AND_SET = """

@@ -1,11 +1,18 @@
-"""Pure helpers for the controller: the spec of a failed node's replacement (OOM -> more memory)."""
+"""The one relaunch policy of every role controller: relaunch or not, and the replacement's spec."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 
+from dlrover.api.master import FailureClass
 from dlrover.engines.base import FailureReason, InvalidNodeSpecError, NodeEvent, NodeSpec, Resources
+from dlrover.master.node_policy import (
+    NodeLossDecision,
+    NodeLossObservation,
+    NodeLossReason,
+    decide_node_loss,
+)
 
 DEFAULT_OOM_MEMORY_FACTOR = 1.5
 DEFAULT_OOM_MAX_MEMORY_MIB = 256 * 1024
@@ -49,3 +56,61 @@ def replacement_spec(event: NodeEvent, policy: OomPolicy) -> NodeSpec | None:
             return None
         return event.spec.replacement(grown)
     return event.spec.replacement()
+
+
+def failure_class_of(event: NodeEvent) -> FailureClass:
+    """The diagnosis class of an engine's failure event."""
+    reason = event.reason
+    if reason is FailureReason.OOM_KILLED:
+        return FailureClass.OOM
+    if reason is FailureReason.SIGNAL:
+        return FailureClass.SIGNAL
+    if reason is FailureReason.EXIT_CODE:
+        return FailureClass.EXIT_CODE
+    return FailureClass.NODE_LOST  # lost, preempted, never launched, unknown
+
+
+@dataclasses.dataclass(frozen=True)
+class RelaunchPolicy:
+    """The relaunch rule of every role controller (all-reduce workers, TensorFlow roles,
+    embedding servers): a slot is relaunched while it has relaunches left (`decide_node_loss`),
+    with more memory after an OOM kill (`replacement_spec`). Pure: no I/O, no clock."""
+
+    max_relaunches: int
+    """Relaunches a node slot may use (the job spec's max_relaunches)."""
+    oom: OomPolicy = dataclasses.field(default_factory=OomPolicy)
+
+    def decide(
+        self,
+        node_id: str,
+        reason: NodeLossReason,
+        relaunch_count: int,
+        alive_nodes: int = 0,
+        min_nodes: int = 1,
+    ) -> NodeLossDecision:
+        """Relaunch the slot whose node ``node_id`` is lost, having used ``relaunch_count``
+        relaunches? With ``alive_nodes`` and ``min_nodes`` (all-reduce workers) the survivors may
+        go on smaller instead; a role without that choice (TensorFlow roles, embedding servers)
+        passes neither, so it is relaunch or fail."""
+        return decide_node_loss(
+            NodeLossObservation(
+                node_id=node_id,
+                reason=reason,
+                relaunch_count=relaunch_count,
+                max_relaunches=self.max_relaunches,
+                alive_nodes=alive_nodes,
+                min_nodes=min_nodes,
+            )
+        )
+
+    def replacement(self, event: NodeEvent) -> NodeSpec | None:
+        """The spec of the failed node's replacement (see `replacement_spec`); None when an
+        OOM-killed node cannot grow."""
+        return replacement_spec(event, self.oom)
+
+    @staticmethod
+    def loss_reason(event: NodeEvent) -> NodeLossReason:
+        """Why the engine's failure event counts as a lost node."""
+        if event.reason is FailureReason.OOM_KILLED:
+            return NodeLossReason.OOM_KILLED
+        return NodeLossReason.PROCESS_EXITED

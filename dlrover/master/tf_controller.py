@@ -19,6 +19,8 @@ from dlrover.constants import (
     TF_PS_GENERATION_KEY,
     TF_READY_KEY,
 )
+from dlrover.coordination import PsGeneration, ScaleReport, TfCluster
+from dlrover.decisions import FailureAction
 from dlrover.engines.base import (
     Engine,
     EngineError,
@@ -30,7 +32,7 @@ from dlrover.engines.base import (
 )
 from dlrover.jobspec import TF_ROLES, JobSpec
 from dlrover.master.job import JobMaster
-from dlrover.master.relaunch_policy import OomPolicy, replacement_spec
+from dlrover.master.relaunch_policy import OomPolicy, RelaunchPolicy, failure_class_of
 from dlrover.master.state_store import MemoryStateStore, StateStore
 
 logger = logging.getLogger(__name__)
@@ -95,6 +97,8 @@ class TfController:
         self._master_addr = master_addr
         self._token = token
         self._oom = oom_policy or OomPolicy()
+        self._policy = RelaunchPolicy(spec.max_relaunches, self._oom)
+        """The relaunch rule every role controller applies."""
         self._relaunch_delay_s = relaunch_delay_s
         self._address_timeout_s = address_timeout_s
         self._clock = clock
@@ -134,7 +138,7 @@ class TfController:
             self.ps_generation = int(saved["ps_generation"])
             self._generation_nodes = tuple(saved["generation_nodes"])
         published = self.job.kv.get(TF_CLUSTER_KEY) if saved is not None else None
-        cluster = json.loads(published)["cluster"] if published else {}
+        cluster = TfCluster.decode(published).cluster if published else {}
         specs = []
         for role in TF_ROLES:
             for index in range(self.counts[role]):
@@ -209,7 +213,7 @@ class TfController:
         """Handle the engine's events that arrive within ``timeout_s``, launch the replacements
         that are due, read the nodes' registrations and publish what changed."""
         for event in self.engine.events(timeout_s):
-            self._on_event(event)
+            self.on_event(event)
         with self._lock:
             requests, self._scale_requests = self._scale_requests, []
         for count, request in requests:
@@ -251,8 +255,8 @@ class TfController:
     def _scale_out(self, count: int, request: int) -> None:
         before = self.counts["ps"]
         if count <= before:
-            report = {"action": "scale", "request": request, "servers": before, "tf": True}
-            self.job.kv.set(PS_SCALE_KEY, json.dumps(report).encode())
+            report = ScaleReport("scale", before, request=request, tf=True)
+            self.job.kv.set(PS_SCALE_KEY, report.encode())
             return
         now = self._clock()
         specs = [self.node_spec("ps", index) for index in range(before, count)]
@@ -293,7 +297,7 @@ class TfController:
         for slot in self.slots.values():
             if slot.role in CLUSTER_ROLES:
                 slot.address = slot.registered
-        value = json.dumps({"version": self.cluster_version, "cluster": cluster}).encode()
+        value = TfCluster(self.cluster_version, cluster).encode()
         self.job.kv.set(f"{TF_CLUSTER_KEY}/{self.cluster_version}", value)
         self.job.kv.set(TF_CLUSTER_KEY, value)
         self._save()
@@ -310,9 +314,7 @@ class TfController:
             return
         self._generation_nodes = nodes
         self.ps_generation += 1
-        value = json.dumps(
-            {"generation": self.ps_generation, "cluster_version": self.cluster_version}
-        ).encode()
+        value = PsGeneration(self.ps_generation, self.cluster_version).encode()
         self.job.kv.set(f"{TF_PS_GENERATION_KEY}/{self.ps_generation}", value)
         self.job.kv.set(TF_PS_GENERATION_KEY, value)
         self._save()
@@ -322,18 +324,14 @@ class TfController:
             count, asked, request = self._scaling
             self._scaling = None
             seconds = self._clock() - asked
-            report = {
-                "action": "scale",
-                "request": request,
-                "servers": count,
-                "seconds": seconds,
-                "tf": True,
-            }
-            self.job.kv.set(PS_SCALE_KEY, json.dumps(report).encode())
+            report = ScaleReport("scale", count, request=request, tf=True, seconds=seconds)
+            self.job.kv.set(PS_SCALE_KEY, report.encode())
             logger.info("%d ps serve, %.1fs after the request", count, seconds)
 
     # --- events -------------------------------------------------------------------------------
-    def _on_event(self, event: NodeEvent) -> None:
+    def on_event(self, event: NodeEvent) -> None:
+        """An engine event of one of the job's nodes: the chief's success ends the job, a
+        current attempt's failure is relaunched (or ends the job) as the relaunch policy says."""
         logger.info("engine: %s", event)
         slot = self.slots.get((event.spec.role, event.spec.rank))
         if slot is None or slot.spec.node_id != event.node_id or self.job.ended.is_set():
@@ -348,16 +346,15 @@ class TfController:
             self._relaunch(slot, event)
 
     def _relaunch(self, slot: Slot, event: NodeEvent) -> None:
-        from dlrover.master.node_controller import failure_class_of
-
         why = event.message or (event.reason.value if event.reason else "failed")
         if event.reason is FailureReason.OOM_KILLED:
             slot.oom_kills.append(event.spec.resources.memory_mib)
-        if event.spec.relaunch_count >= self.spec.max_relaunches:
-            action, spec = "fail", None
-        else:
-            spec = replacement_spec(event, self._oom)
-            action = "relaunch_node" if spec is not None else "fail"
+        decision = self._policy.decide(
+            event.node_id, self._policy.loss_reason(event), event.spec.relaunch_count
+        )
+        exhausted = decision.action is FailureAction.FAIL
+        spec = None if exhausted else self._policy.replacement(event)
+        action = "relaunch_node" if spec is not None else "fail"
         self.job.record_failure(
             FailureRecord(
                 time.time(), event.node_id, failure_class_of(event), action, f"{slot.role}: {why}"
@@ -372,7 +369,7 @@ class TfController:
             )
             limit = (
                 f"used its {self.spec.max_relaunches} relaunches"
-                if event.spec.relaunch_count >= self.spec.max_relaunches
+                if exhausted
                 else f"cannot grow: the memory cap is {self._oom.max_memory_mib} MiB"
             )
             self.job.stop(f"TensorFlow {slot.role} {slot.index} ({event.node_id}) {limit}{history}")

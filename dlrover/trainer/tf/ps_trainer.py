@@ -32,6 +32,7 @@ from dlrover.client.master_client import MasterClient
 from dlrover.client.sharding import GrpcShardingTransport
 from dlrover.client.sharding_client import ShardingClient
 from dlrover.constants import ENV_TF_RESCALE as ENV_RESCALE
+from dlrover.coordination import PsGeneration, TfCluster
 from dlrover.sharding.types import DatasetSpec, Position, Shard
 
 logger = logging.getLogger(__name__)
@@ -184,8 +185,7 @@ class PsTrainer:
     # --- building -----------------------------------------------------------------------------
     def _wait_generation(self, after: int) -> int:
         """The master's ps generation once it is above ``after`` (every ps serves)."""
-        raw = self._client.kv_get(c.TF_PS_GENERATION_KEY)
-        current = int(json.loads(raw)["generation"]) if raw else 0
+        current = PsGeneration.of(self._client.kv_get(c.TF_PS_GENERATION_KEY))
         if current > after:
             return current
         logger.info("waiting for every ps to serve (ps generation %d)", after + 1)
@@ -195,14 +195,14 @@ class PsTrainer:
                 f"the master did not report every ps serving within {self.ps_wait_s:.0f}s "
                 f"(ps generation {after + 1}); see `dlrover diagnose`"
             )
-        return int(json.loads(raw)["generation"])
+        return PsGeneration.decode(raw).generation
 
     def _read_cluster(self) -> None:
         raw = self._client.kv_get(c.TF_CLUSTER_KEY)
         if raw:
-            value = json.loads(raw)
-            self.cluster = {k: list(v) for k, v in value["cluster"].items()}
-            self.cluster_version = int(value["version"])
+            published = TfCluster.decode(raw)
+            self.cluster = {k: list(v) for k, v in published.cluster.items()}
+            self.cluster_version = published.version
 
     def _build(self, generation: int, started: float = 0.0, saved_s: float = 0.0) -> None:
         """A strategy, coordinator and model over the master's current cluster; when it is not
@@ -348,8 +348,7 @@ class PsTrainer:
         logger.info("training done: %d batches, %d shards", self.batches, done)
 
     def _current_generation(self) -> int:
-        raw = self._client.kv_get(c.TF_PS_GENERATION_KEY)
-        return int(json.loads(raw)["generation"]) if raw else 0
+        return PsGeneration.of(self._client.kv_get(c.TF_PS_GENERATION_KEY))
 
     def _recovered(self, lost: tuple[str, float, float], restored: int) -> None:
         error, when, waited = lost
@@ -414,9 +413,9 @@ class PsTrainer:
         raw = self._client.kv_get(c.TF_PS_GENERATION_KEY)
         if not raw:
             return None
-        value = json.loads(raw)
-        if int(value["cluster_version"]) > self.cluster_version:
-            return int(value["generation"])
+        published = PsGeneration.decode(raw)
+        if published.cluster_version > self.cluster_version:
+            return published.generation
         return None
 
     def _rescale(self, generation: int) -> None:

@@ -1,0 +1,161 @@
+"""The master's diagnostics part: the failure log, runtime stragglers, goodput and the timeline."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+from dlrover.api.master import FailureClass, FailureRecord
+from dlrover.master import diagnosis
+from dlrover.master.goodput import GoodputTracker
+from dlrover.master.state_store import StateStore
+from dlrover.master.stragglers import Score, StragglerWatch
+
+# The job's parts log as the job: their lines were always the job's log, and people (and
+# tests/e2e/test_node_check.py) read them as "dlrover.master.job: ...".
+logger = logging.getLogger("dlrover.master.job")
+
+MAX_EVENTS = 500
+"""Timeline events kept (`Diagnostics.events`)."""
+
+
+class Diagnostics:
+    """What the master observed and concluded about the job, kept for people and tools.
+
+    Failures are kept in the state (`dlrover diagnose` reads them after the master is gone, see
+    dlrover/master/diagnosis.py); the timeline, the straggler scores and goodput live in memory.
+    It decides which runtime stragglers to replace and queues them (`take_replacements`); it
+    acts on nothing itself. Thread-safe under the job's lock.
+    """
+
+    def __init__(
+        self,
+        store: StateStore,
+        clock: Callable[[], float],
+        lock: threading.RLock,
+        straggler_report_s: float,
+        restarts_of: Callable[[str], int],
+    ) -> None:
+        self._store = store
+        self._lock = lock
+        self._restarts_of = restarts_of
+        """A node's worker restarts so far (0 for an unknown node), for its failure records."""
+        saved = diagnosis.load_failures(store)
+        self._failures = [record for _, record in saved]
+        self._failure_seq = saved[-1][0] if saved else 0
+        self.stragglers = StragglerWatch(clock, straggler_report_s)
+        self.goodput = GoodputTracker(clock())
+        """Live goodput and badput (metrics, dashboard, status)."""
+        self.events: deque[tuple[float, str, str]] = deque(maxlen=MAX_EVENTS)
+        """(wall time, kind, text) of the job's latest events: rounds, failures, state changes,
+        scale plans (the dashboard's timeline); in memory only."""
+        self._replace: list[tuple[str, str]] = []
+        self.scale_summary = ""
+        """The auto-scaler's latest plan in one line (`dlrover status`)."""
+
+    # --- the timeline and the failure log ---------------------------------------------------
+    def event(self, kind: str, text: str) -> None:
+        """Add ``text`` to the timeline (kinds: round, failure, job, scale, node, ckpt)."""
+        self.events.append((time.time(), kind, text))
+
+    def record_failure(self, record: FailureRecord) -> None:
+        """Keep a classified failure (in the state: it outlives the master) and log it."""
+        self.event(
+            "failure",
+            f"{record.node_id}: {record.failure_class.value} -> {record.action}: "
+            f"{record.root_cause.splitlines()[0][:200] if record.root_cause else ''}",
+        )
+        with self._lock:
+            self._failure_seq += 1
+            self._failures.append(record)
+            self._store.put_json(
+                diagnosis.NAMESPACE, diagnosis.key(self._failure_seq), diagnosis.to_json(record)
+            )
+            if len(self._failures) > diagnosis.MAX_FAILURES:
+                self._failures.pop(0)
+                self._store.delete(
+                    diagnosis.NAMESPACE, diagnosis.key(self._failure_seq - diagnosis.MAX_FAILURES)
+                )
+        logger.info(
+            "failure of node %s: %s -> %s: %s",
+            record.node_id,
+            record.failure_class.value,
+            record.action,
+            record.root_cause.splitlines()[0] if record.root_cause else "",
+        )
+
+    def record(self, node_id: str, cls: FailureClass, action: str, cause: str) -> None:
+        """`record_failure` of a failure observed now, with the node's restarts so far."""
+        restarts = self._restarts_of(node_id)
+        self.record_failure(FailureRecord(time.time(), node_id, cls, action, cause, restarts))
+
+    def failures(self) -> tuple[FailureRecord, ...]:
+        """Every failure kept, oldest first."""
+        with self._lock:
+            return tuple(self._failures)
+
+    def scale_plan(self, summary: str, event: str = "") -> None:
+        """The auto-scaler's new plan: ``summary`` for the status, ``event`` (when it acts) for
+        the timeline."""
+        self.scale_summary = summary
+        if event:
+            self.event("scale", event)
+
+    # --- runtime stragglers ------------------------------------------------------------------
+    def observe_step_time(self, node_id: str, step_time_s: float) -> None:
+        """A node's latest step time (scored at the next straggler report)."""
+        with self._lock:
+            self.stragglers.observe(node_id, step_time_s)
+
+    def forget(self, node_id: str) -> None:
+        """The node left the job: its replacement starts with no straggler history."""
+        with self._lock:
+            self.stragglers.forget(node_id)
+
+    def score_stragglers(self, running: list[str], replace: bool) -> list[str]:
+        """A straggler report over the ``running`` members of the round: each node newly below
+        the threshold for the set number of reports is queued for replacement (``replace``,
+        `--exclude-straggler`) or recorded as kept. Returns the nodes queued."""
+        scores, new = self.stragglers.report(running)
+        if len(scores) < 2:
+            return []
+        logger.info("straggler scores: %s", ", ".join(s.describe() for s in scores))
+        watch = self.stragglers
+        queued = []
+        for node in new:
+            score = watch.scores[node]
+            action = "replacing it" if replace else "kept (no --exclude-straggler)"
+            logger.warning(
+                "runtime straggler: node %s scored below %.2f of the fastest node in %d reports in "
+                "a row (now %.2f, %.3fs/step); %s",
+                node,
+                watch.threshold,
+                watch.reports,
+                score.relative,
+                score.step_time_s,
+                action,
+            )
+            cause = (
+                f"runtime score {score.relative:.2f} of the fastest node in {watch.reports} "
+                f"reports in a row ({score.step_time_s:.3f}s/step)"
+            )
+            if replace:
+                queued.append(node)
+                self._replace.append((node, cause))  # the controller records what it did
+            else:
+                self.record(node, FailureClass.STRAGGLER, "none", cause)
+        return queued
+
+    def straggler_scores(self) -> dict[str, Score]:
+        """A copy of the latest straggler report's scores by node."""
+        with self._lock:
+            return dict(self.stragglers.scores)
+
+    def take_replacements(self) -> list[tuple[str, str]]:
+        """(node, why) to replace as stragglers since the last call."""
+        with self._lock:
+            taken, self._replace = self._replace, []
+            return taken

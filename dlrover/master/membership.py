@@ -1,0 +1,318 @@
+"""The master's membership part: the node table, rendezvous rounds, heartbeats and one `lose`."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable
+
+from dlrover.master.changes import ChangeFeed
+from dlrover.master.nodes import ALIVE_STATES, Node, NodeError, NodeState, NodeTable
+from dlrover.master.rendezvous import RendezvousConfig, RendezvousError, RendezvousManager, World
+from dlrover.master.state_store import StateStore
+
+# The job's parts log as the job: their lines were always the job's log, and people (and
+# tests/e2e/test_node_check.py) read them as "dlrover.master.job: ...".
+logger = logging.getLogger("dlrover.master.job")
+
+NAMESPACE = "job"
+"""The state namespace of the job's node range (shared with the job's own state)."""
+
+RoundListener = Callable[[World], None]
+"""Told once per closed round, under the job's lock, after its members became RUNNING."""
+LossListener = Callable[[str, str, bool, bool], None]
+"""Told (node id, cause, whether it was alive, whether it went silent) by `lose`."""
+
+
+def restored_rendezvous(
+    store: StateStore, given: RendezvousConfig | None
+) -> RendezvousConfig | None:
+    """The node range of this job: the one a previous master of it saved, else ``given``.
+
+    Raises RendezvousError when both exist and differ (a restarted master must keep the job's
+    --nnodes, or start on a new state file).
+    """
+    saved = store.get_json(NAMESPACE, "rendezvous")
+    if saved is None:
+        return given
+    try:
+        restored = RendezvousConfig(**saved)
+    except TypeError as e:
+        raise RendezvousError(f"the saved node range {saved!r} is not readable ({e})") from None
+    if given is not None and given != restored:
+        raise RendezvousError(
+            f"this job's state has --nnodes {restored.min_nodes}:{restored.max_nodes} "
+            f"(node unit {restored.node_unit}) but the master was started with "
+            f"{given.min_nodes}:{given.max_nodes} (node unit {given.node_unit}); restart it with "
+            "the job's range, or give it a new --state-db for a new job"
+        )
+    return restored
+
+
+class Membership:
+    """Who is in the job: registration, liveness, rendezvous rounds, and losing a node.
+
+    Every departure goes through `lose` (an engine's event, a heartbeat timeout, the node check,
+    a scale-in or a resize), so each forgets the same things: the node leaves the round, is no
+    longer an expected replacement, and every `LossListener` (the failure log, the straggler
+    scores, the node check, the shard queues) hears of it. Long polls wait on two change feeds:
+    `rounds` (a round closed, the job ended) and `changes` (also joins and departures). It knows
+    nothing of the parts that listen to it; they subscribe (`on_round`, `on_lost`, `on_rejoin`).
+    """
+
+    def __init__(
+        self,
+        store: StateStore,
+        clock: Callable[[], float],
+        lock: threading.RLock,
+        ended: threading.Event,
+        heartbeat_timeout_s: float,
+        heartbeats_per_s: float,
+        rendezvous: RendezvousConfig | None,
+        ended_why: Callable[[], str] = lambda: "ended",
+    ) -> None:
+        self._store = store
+        self._ended_why = ended_why
+        """How the job ended (said to a node that joins after)."""
+        self._clock = clock
+        self._lock = lock
+        self._ended = ended
+        self._heartbeat_timeout_s = heartbeat_timeout_s
+        self._heartbeats_per_s = heartbeats_per_s
+        self.nodes = NodeTable(store, clock)
+        self.rendezvous: RendezvousManager | None = None
+        self.rounds = ChangeFeed()
+        self.changes = ChangeFeed()
+        self.on_round: list[RoundListener] = []
+        self.on_lost: list[LossListener] = []
+        self.on_rejoin: list[Callable[[str], object]] = []
+        """Told the node id when a node joins a new round: its workers are gone."""
+        self._expected: set[str] = set()
+        """Replacements launched but not registered yet (`expect`): while there are any,
+        losing every node does not fail the job."""
+        self._excluded: set[str] = set()
+        """Nodes replaced as stragglers: they may not register again."""
+        self.activated_round = 0
+        # The longest heartbeat interval told recently (see heartbeat_interval_s); a restarted
+        # master assumes its nodes were told what their number asks for.
+        self._told_high = self.nodes.count(*ALIVE_STATES) / heartbeats_per_s
+        self._told_high_at = clock()
+        config = restored_rendezvous(store, rendezvous)
+        if config is not None:
+            self.start_rendezvous(config)
+        if self.rendezvous is not None and self.rendezvous.world is not None:
+            self.activated_round = self.rendezvous.world.round
+
+    # --- registration and liveness -----------------------------------------------------------
+    def register(
+        self,
+        node_id: str,
+        host: str,
+        role: str,
+        local_world_size: int,
+        requested_rank: int,
+        pid: int,
+        rdzv: RendezvousConfig | None,
+        job_name: str,
+    ) -> Node:
+        """Register a node: a new one, or a known id again with a bumped incarnation. The first
+        registration must carry ``rdzv`` and fixes the node range; a later ``rdzv`` with other
+        min/max nodes raises RendezvousError; a node replaced as a straggler raises NodeError."""
+        with self._lock:
+            if self.rendezvous is None:
+                if rdzv is None:
+                    raise RendezvousError("the first node must say how many nodes the job has")
+                self.start_rendezvous(rdzv)
+                logger.info(
+                    "job %s: nodes %d:%d (node_unit %d)",
+                    job_name,
+                    rdzv.min_nodes,
+                    rdzv.max_nodes,
+                    rdzv.node_unit,
+                )
+            elif rdzv is not None:
+                have = self.rendezvous.config
+                if (rdzv.min_nodes, rdzv.max_nodes) != (have.min_nodes, have.max_nodes):
+                    raise RendezvousError(
+                        f"this node was started with --nnodes {rdzv.min_nodes}:{rdzv.max_nodes} "
+                        f"but the job has {have.min_nodes}:{have.max_nodes}; start every node "
+                        "with the same --nnodes"
+                    )
+            self._expected.discard(node_id)
+            if node_id in self._excluded:
+                raise NodeError(
+                    f"node {node_id} was replaced as a straggler; it may not join again"
+                )
+            return self.nodes.register(node_id, host, role, local_world_size, requested_rank, pid)
+
+    def start_rendezvous(self, rdzv: RendezvousConfig) -> None:
+        """Fix the job's node range (saved, so a restarted master knows it) and its rounds."""
+        self.rendezvous = RendezvousManager(rdzv, self._store, self._clock)
+        self._store.put_json(NAMESPACE, "rendezvous", dataclasses.asdict(rdzv))
+
+    def alive(self) -> int:
+        """Nodes in a live state (pending or running)."""
+        return self.nodes.count(*ALIVE_STATES)
+
+    def heartbeat_interval_s(self) -> float:
+        """The shortest heartbeat interval the job's size allows: live nodes / the budget."""
+        interval = self.alive() / self._heartbeats_per_s
+        now = self._clock()
+        with self._lock:
+            if interval >= self._told_high:
+                self._told_high, self._told_high_at = interval, now
+            elif now - self._told_high_at > 2 * self._told_high:
+                # Every node told the high mark has beaten since and heard a lower one; halve it,
+                # so a node told anything in between is still covered by 3 x the new mark.
+                self._told_high, self._told_high_at = max(interval, self._told_high / 2), now
+        return interval
+
+    def heartbeat_timeout_s(self) -> float:
+        """Silence after which a node is lost: the configured timeout, or 3 times the longest
+        interval recently told to a node."""
+        with self._lock:
+            return max(self._heartbeat_timeout_s, 3.0 * self._told_high)
+
+    # --- replacements on their way, stragglers shut out -----------------------------------------
+    def expect(self, node_id: str) -> None:
+        """A replacement ``node_id`` was launched: until it registers or is lost, losing every
+        node does not fail the job."""
+        with self._lock:
+            self._expected.add(node_id)
+
+    def unexpect(self, node_id: str) -> None:
+        """The replacement `expect` announced will not be launched after all."""
+        with self._lock:
+            self._expected.discard(node_id)
+
+    def expecting(self) -> bool:
+        """Whether a replacement is on its way."""
+        with self._lock:
+            return bool(self._expected)
+
+    def exclude(self, node_id: str) -> None:
+        """``node_id`` may not register again (replaced as a straggler)."""
+        with self._lock:
+            self._excluded.add(node_id)
+
+    def readmit(self, node_id: str) -> None:
+        """``node_id`` was not replaced after all: it may register again."""
+        with self._lock:
+            self._excluded.discard(node_id)
+
+    # --- rendezvous --------------------------------------------------------------------------
+    def rdzv(self) -> RendezvousManager:
+        """The rendezvous; RendezvousError before the first registration."""
+        if self.rendezvous is None:
+            raise RendezvousError("no node has registered yet")
+        return self.rendezvous
+
+    def world(self) -> World | None:
+        """The latest closed round's world, if any."""
+        return self.rendezvous.world if self.rendezvous is not None else None
+
+    def join(
+        self,
+        node_id: str,
+        incarnation: int,
+        local_world_size: int,
+        store_host: str,
+        store_port: int,
+    ) -> int:
+        """Put the node into the next round and return its number; a running or lost node goes
+        back to PENDING and `on_rejoin` is told. Raises NodeError for a stale incarnation,
+        RendezvousError once the job has ended."""
+        node = self.nodes.get(node_id, incarnation)
+        self.nodes.touch(node_id)
+        if self._ended.is_set():
+            raise RendezvousError(f"the job has ended ({self._ended_why()}); nothing to join")
+        if node.state in (NodeState.RUNNING, NodeState.LOST):
+            self.nodes.set_state(node_id, NodeState.PENDING, "joins a new rendezvous round")
+        # Its workers are gone (restart or re-form): what they leased goes back to the queues.
+        for listener in self.on_rejoin:
+            listener(node_id)
+        round = self.rdzv().join(
+            node_id,
+            local_world_size,
+            node.host,
+            store_host,
+            store_port,
+            node.requested_rank,
+            node.order,
+        )
+        self.changes.bump()  # running nodes may have to re-form for it
+        self.close_round_if_due()
+        return round
+
+    def close_round_if_due(self) -> World | None:
+        """Close the waiting round if it may close now (max nodes, every live node waits, or the
+        last call passed) and wake its nodes; returns the new world, else None."""
+        if self.rendezvous is None:
+            return None
+        world = self.rendezvous.maybe_close(self.alive())
+        if world is not None:
+            self._activate(world)
+        return world
+
+    def _activate(self, world: World) -> None:
+        """Once per closed round: record the members' ranks, make them RUNNING, tell the round
+        listeners, and wake everyone waiting on the round or watching membership."""
+        with self._lock:
+            if world.round <= self.activated_round:
+                return
+            self.activated_round = world.round
+            for m in world.members:
+                self.nodes.set_rank(m.node_id, m.node_rank)
+                if self.nodes.get(m.node_id).state == NodeState.PENDING:
+                    self.nodes.set_state(
+                        m.node_id, NodeState.RUNNING, f"member of round {world.round}"
+                    )
+            for listener in self.on_round:
+                listener(world)
+        self.rounds.bump()
+        self.changes.bump()
+
+    def get_world(self, node_id: str, incarnation: int) -> World | None:
+        """The node's world once its round has closed, else None (a closed round is activated
+        here if no one did yet); ``incarnation`` 0 skips the incarnation check."""
+        self.nodes.get(node_id, incarnation)
+        self.nodes.touch(node_id)
+        world = self.rdzv().get_world(node_id, self.alive())
+        if world is not None and world.round > self.activated_round:
+            self._activate(world)
+        return world
+
+    # --- departures --------------------------------------------------------------------------
+    def lose(self, node_id: str, cause: str, silent: bool = False) -> None:
+        """The one way a node leaves the job: it becomes LOST (if it was alive), is no longer
+        expected, leaves its round, and every `on_lost` listener is told; ``silent``: its
+        heartbeats stopped (the failure log records that). A node that never registered is
+        ignored."""
+        self._lose(node_id, cause, silent)
+        self.changes.bump()
+
+    def lose_silent(self, timeout_s: float) -> list[str]:
+        """Lose every node whose heartbeats stopped ``timeout_s`` ago; waking the watchers once
+        for all of them. Returns their ids."""
+        lost = [node.node_id for node in self.nodes.expired(timeout_s)]
+        for node_id in lost:
+            self._lose(node_id, f"no heartbeat for {timeout_s:.1f}s", silent=True)
+        if lost:
+            self.changes.bump()
+        return lost
+
+    def _lose(self, node_id: str, cause: str, silent: bool) -> None:
+        try:
+            node = self.nodes.get(node_id)
+        except NodeError:
+            return  # it died before it registered: nothing of it is in the job
+        alive = node.state in ALIVE_STATES
+        if alive:
+            self.nodes.set_state(node_id, NodeState.LOST, cause)
+        with self._lock:
+            self._expected.discard(node_id)
+        if self.rendezvous is not None:
+            self.rendezvous.leave(node_id, "lost" if silent else cause)
+        for listener in self.on_lost:
+            listener(node_id, cause, alive, silent)

@@ -1,0 +1,98 @@
+"""Role controllers behind one protocol, registered by role (the job asks the registry, not a slot).
+
+A job's nodes come in roles (`worker` of an all-reduce job; `chief`, `ps`, `worker`, `evaluator`
+of a TensorFlow job; `ps` embedding servers beside all-reduce workers). Each role is driven by
+one controller: the node controller (all-reduce workers), the TensorFlow controller (every role
+of its job) or the embedding servers' controller. They implement `RoleController`; the master's
+`RoleRegistry` maps a role to its controller, so the master and the node controller route a
+scale request or an engine event by role without importing any controller. Every controller
+relaunches through the one policy of dlrover/master/relaunch_policy.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Protocol
+
+from dlrover.engines.base import NodeEvent
+
+
+class RoleController(Protocol):
+    """What the master asks of the controller of a role."""
+
+    def on_event(self, event: NodeEvent) -> None:
+        """An engine event of a node of the controller's role(s)."""
+
+    def request_scale(self, role: str, count: int) -> tuple[str, int]:
+        """Ask for ``count`` nodes of ``role`` (`dlrover scale`): what will happen, and the
+        request's id its `dlrover.coordination.ScaleReport` carries. Raises ValueError for what
+        cannot be done."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerStats:
+    """One embedding server as its last Stats call saw it (for /metrics and `dlrover status`)."""
+
+    index: int
+    address: str
+    rows: int
+    bytes: int
+    lookups: int
+    pushes: int
+    lookups_per_s: float
+    rows_moved_in: int
+    rows_moved_out: int
+
+
+class EmbeddingServers(RoleController, Protocol):
+    """The controller of a job's embedding servers, as the metrics and the status read it."""
+
+    @property
+    def failovers(self) -> int:
+        """Servers replaced from a replica so far."""
+        ...
+
+    def stats(self) -> list[ServerStats]:
+        """Each server's last stats (empty before the first read)."""
+        ...
+
+
+class RoleRegistry:
+    """Role name -> its controller, plus at most one controller of the whole job (a TensorFlow
+    job's: it answers for any role, also one it refuses to scale). Thread-safe; registering the
+    same controller again changes nothing."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_role: dict[str, RoleController] = {}
+        self._whole_job: RoleController | None = None
+
+    def register(self, role: str, controller: RoleController | None) -> None:
+        """``controller`` drives ``role`` from now on (None: no controller does)."""
+        with self._lock:
+            if controller is None:
+                self._by_role.pop(role, None)
+            else:
+                self._by_role[role] = controller
+
+    def register_job(self, controller: RoleController | None) -> None:
+        """``controller`` drives every role of the job (None: none does)."""
+        with self._lock:
+            self._whole_job = controller
+
+    def owner(self, role: str) -> RoleController | None:
+        """The controller registered for exactly ``role`` (engine events are routed so)."""
+        with self._lock:
+            return self._by_role.get(role)
+
+    def whole_job(self) -> RoleController | None:
+        """The controller of the whole job, if one is registered."""
+        with self._lock:
+            return self._whole_job
+
+    def get(self, role: str) -> RoleController | None:
+        """Who answers for ``role``: the whole job's controller, else the role's own."""
+        with self._lock:
+            return self._whole_job or self._by_role.get(role)

@@ -1,0 +1,47 @@
+"""The typed KV records of TensorFlow and embedding-server jobs keep the JSON the keys had."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dlrover.coordination import PsGeneration, ScaleReport, TfCluster
+from dlrover.json_messages import MessageError
+
+
+def test_records_store_the_json_the_keys_always_had() -> None:
+    cluster = TfCluster(3, {"chief": ["h:1"], "ps": ["h:2", "h:3"]})
+    assert json.loads(cluster.encode()) == {
+        "version": 3,
+        "cluster": {"chief": ["h:1"], "ps": ["h:2", "h:3"]},
+    }
+    assert TfCluster.decode(cluster.encode()) == cluster
+    generation = PsGeneration(2, 3)
+    assert json.loads(generation.encode()) == {"generation": 2, "cluster_version": 3}
+    assert PsGeneration.decode(generation.encode()) == generation
+    assert PsGeneration.of(None) == 0 and PsGeneration.of(generation.encode()) == 2
+
+
+def test_a_scale_report_stores_only_the_fields_of_its_action() -> None:
+    report = ScaleReport("scale", 2, request=4, tf=True, seconds=1.5)
+    assert json.loads(report.encode()) == {
+        "action": "scale",
+        "servers": 2,
+        "request": 4,
+        "tf": True,
+        "seconds": 1.5,
+    }
+    assert ScaleReport.decode(report.encode()) == report
+    # What a master before these types wrote reads back.
+    old = b'{"action": "replace", "index": 1, "node": "ps-1-1", "restored_rows": 7, "servers": 2}'
+    assert ScaleReport.decode(old) == ScaleReport(
+        "replace", 2, index=1, node="ps-1-1", restored_rows=7
+    )
+
+
+def test_a_malformed_record_names_the_bad_field() -> None:
+    with pytest.raises(MessageError, match="generation"):
+        PsGeneration.decode(b'{"generation": "two", "cluster_version": 1}')
+    with pytest.raises(MessageError, match="not JSON"):
+        TfCluster.decode(b"{")

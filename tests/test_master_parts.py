@@ -1,0 +1,121 @@
+"""The master's parts: one way to lose a node, one relaunch rule, role controllers by role."""
+
+from __future__ import annotations
+
+import pytest
+
+from dlrover.api.master import FailureClass
+from dlrover.decisions import FailureAction
+from dlrover.engines.base import FailureReason, NodeEvent, NodeSpec, NodeState, Resources
+from dlrover.master.job import JobMaster, JobMasterConfig
+from dlrover.master.node_policy import NodeLossReason
+from dlrover.master.relaunch_policy import OomPolicy, RelaunchPolicy
+from dlrover.master.rendezvous import RendezvousConfig
+from dlrover.master.state_store import MemoryStateStore
+
+
+def _running_pair(now: list[float]) -> JobMaster:
+    """A two-node job whose round closed, with step times observed for both nodes."""
+    job = JobMaster(
+        JobMasterConfig("parts", RendezvousConfig(2, 2), heartbeat_timeout_s=10.0),
+        MemoryStateStore(),
+        clock=lambda: now[0],
+    )
+    for node in ("a", "b"):
+        job.register(node, "h", "worker", 1, -1, 1, None)
+        job.join(node, 0, 1, "h", 1)
+    assert job.get_world("a", 0) is not None
+    for node in ("a", "b"):
+        job.heartbeat(node, 0, 1, 0.0, 0, 0, step_time_s=0.1)
+    return job
+
+
+def _scored(job: JobMaster) -> list[str]:
+    """The nodes a straggler report would score now (those with a step time on record)."""
+    scores, _ = job.stragglers.report(["a", "b"])
+    return [s.node_id for s in scores]
+
+
+@pytest.mark.parametrize("how", ["heartbeat", "engine"])
+def test_a_lost_node_is_forgotten_the_same_way_whoever_noticed(how: str) -> None:
+    now = [0.0]
+    job = _running_pair(now)
+    assert _scored(job) == ["a", "b"]
+    job.expect("b")  # as if a controller had announced a replacement under that id
+    rounds = job.rendezvous
+    assert rounds is not None and rounds.world is not None
+    if how == "heartbeat":
+        now[0] += 11.0
+        job.heartbeat("a", 0, 2, 0.0, 0, 0)  # only a beats
+        job.tick()
+    else:
+        job.node_lost("b", "process_exited: killed")
+    node = job.nodes.get("b")
+    assert node.state.value == "lost"
+    # Every departure forgets the same things: the straggler history, the expected set.
+    assert _scored(job) == ["a"]
+    assert not job.members.expecting()
+    # and what it records depends on who noticed, as before: a silent node is a failure.
+    kinds = [kind for _, kind, _ in job.events]
+    if how == "heartbeat":
+        assert [f.failure_class for f in job.failures()] == [FailureClass.NODE_LOST]
+        assert "node" not in kinds
+    else:
+        assert job.failures() == ()
+        assert "node" in kinds
+
+
+def _event(reason: FailureReason, relaunch_count: int, memory_mib: int = 1000) -> NodeEvent:
+    spec = NodeSpec(
+        "j",
+        0,
+        ("dlrover-ps",),
+        role="ps",
+        relaunch_count=relaunch_count,
+        resources=Resources(memory_mib=memory_mib),
+    )
+    return NodeEvent(spec.node_id, spec, NodeState.FAILED, reason=reason)
+
+
+def test_one_relaunch_rule_for_roles_without_survivors() -> None:
+    policy = RelaunchPolicy(2, OomPolicy(factor=1.5, max_memory_mib=1400))
+    actions = [policy.decide("n", NodeLossReason.PROCESS_EXITED, used).action for used in range(4)]
+    assert actions == [
+        FailureAction.RELAUNCH_NODE,
+        FailureAction.RELAUNCH_NODE,
+        FailureAction.FAIL,
+        FailureAction.FAIL,
+    ]
+    grown = policy.replacement(_event(FailureReason.OOM_KILLED, 0))
+    assert grown is not None and grown.resources.memory_mib == 1400  # 1.5x, capped
+    assert policy.replacement(_event(FailureReason.OOM_KILLED, 1, memory_mib=1400)) is None
+    same = policy.replacement(_event(FailureReason.SIGNAL, 0))
+    assert same is not None and same.resources.memory_mib == 1000
+    assert policy.loss_reason(_event(FailureReason.OOM_KILLED, 0)) is NodeLossReason.OOM_KILLED
+
+
+def test_scale_requests_go_to_the_controller_registered_for_the_role() -> None:
+    job = JobMaster(JobMasterConfig("roles"), MemoryStateStore())
+    with pytest.raises(ValueError, match="no embedding servers"):
+        job.scale_role("ps", 2)
+    with pytest.raises(ValueError, match="only ps"):
+        job.scale_role("worker", 2)
+
+    class Servers:
+        failovers = 0
+
+        def on_event(self, event: NodeEvent) -> None:
+            """Unused here."""
+
+        def request_scale(self, role: str, count: int) -> tuple[str, int]:
+            return f"{role} -> {count}", 7
+
+        def stats(self) -> list[object]:
+            return []
+
+    servers = Servers()
+    job.ps = servers  # type: ignore[assignment]
+    assert job.roles.owner("ps") is servers
+    assert job.scale_role("ps", 3) == ("ps -> 3", 7)
+    job.tf = servers  # a TensorFlow job's controller answers for every role
+    assert job.scale_role("chief", 1) == ("chief -> 1", 7)
