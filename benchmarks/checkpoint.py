@@ -367,11 +367,14 @@ def bench_replica(state: dict[str, Any], work: Path, args: argparse.Namespace) -
         savers.append(saver)
         return saver
 
-    def engine(saver: CheckpointSaver, rank: int, round_id: int, sharded: bool
-               ) -> CheckpointEngine:
+    def engine(saver: CheckpointSaver, rank: int, round_id: int, sharded: bool,
+               local_ranks: int = 1) -> CheckpointEngine:
+        """Local rank 0 of node ``rank`` of two, each with ``local_ranks`` ranks."""
         os.environ[ENV_CHECKPOINT_SOCKET] = saver.socket_path
+        place = WorkerPlacement(rank * local_ranks, 0, 2 * local_ranks, local_ranks, rank,
+                                round_id)
         return CheckpointEngine(str(work / "replica-ckpt"), sharded, replica_count=1,
-                                placement=WorkerPlacement(rank, 0, 2, 1, rank, round_id))
+                                placement=place)
 
     def vote(*engines: CheckpointEngine) -> list[int | None]:
         with ThreadPoolExecutor(len(engines)) as pool:
@@ -404,30 +407,41 @@ def bench_replica(state: dict[str, Any], work: Path, args: argparse.Namespace) -
             e0.close()
             e1.close()
 
-        # DDP: every node holds the state; a replaced node copies the peer's own segment.
-        r = next(rounds)
-        e0 = engine(n0, 0, r, False)
-        e0.save(1, state, persist=False)
-        e0.close()
+        # DDP: every node holds the state; a replaced node takes the peer's own segment. With
+        # one rank per node that rank receives it straight into its model; with two, the
+        # slot both read is copied into the node's shared memory first (at the first load).
         target = make_state(args.size_gb, args.adam_child)
-        restore: list[float] = []
-        for _ in range(args.repeats):
-            fresh = node()  # the replacement machine: empty memory
+        for local_ranks, row, vote_row, load_row in (
+                (1, PEER_RESTORE, PEER_RESTORE_VOTE, PEER_RESTORE_LOAD),
+                (2, PEER_RESTORE_SHM, PEER_RESTORE_SHM_VOTE, PEER_RESTORE_SHM_LOAD)):
             r = next(rounds)
-            e0, e1 = engine(n0, 0, r, False), engine(fresh, 1, r, False)
-            start = time.perf_counter()
-            steps = vote(e0, e1)
-            voted = time.perf_counter()
-            e1.load_from_memory(target)
-            restore.append(time.perf_counter() - start)
-            restore_parts.setdefault(PEER_RESTORE_VOTE, []).append(voted - start)
-            restore_parts.setdefault(PEER_RESTORE_LOAD, []).append(restore[-1] - (voted - start))
-            assert steps == [1, 1] and e1.restored_from_peer == 0, steps
+            e0 = engine(n0, 0, r, False, local_ranks)
+            e0.save(1, state, persist=False)
             e0.close()
-            e1.close()
-            fresh.close(unlink=True)
-            savers.remove(fresh)
-        rows.append(("restore from the peer's memory (replaced node)", restore))
+            restore: list[float] = []
+            for _ in range(args.repeats):
+                fresh = node()  # the replacement machine: empty memory
+                r = next(rounds)
+                e0 = engine(n0, 0, r, False, local_ranks)
+                e1 = engine(fresh, 1, r, False, local_ranks)
+                start = time.perf_counter()
+                steps = vote(e0, e1)
+                voted = time.perf_counter()
+                e1.load_from_memory(target)
+                restore.append(time.perf_counter() - start)
+                restore_parts.setdefault(vote_row, []).append(voted - start)
+                restore_parts.setdefault(load_row, []).append(restore[-1] - (voted - start))
+                assert steps == [1, 1] and e1.restored_from_peer == 0, steps
+                assert all(torch.equal(a, b) for a, b in zip(tensors_of(target["model"]),
+                                                             tensors_of(state["model"]),
+                                                             strict=True))
+                e0.close()
+                e1.close()
+                fresh.close(unlink=True)
+                savers.remove(fresh)
+                for t in tensors_of(target):
+                    t.zero_()  # the next restore must bring every byte again
+            rows.append((row, restore))
         rows += list(restore_parts.items())
 
         os.environ.pop(ENV_CHECKPOINT_SOCKET, None)  # a saver of its own: storage only
@@ -453,8 +467,13 @@ RESTORE_OURS = "flash restore from storage, {} (vote + verify + read into model)
 RESTORE_PEERS = ("torch.load, {}", "DCP load, {} (into the model)")
 PEER_RESTORE = "restore from the peer's memory (replaced node)"
 PEER_PUSH = "push a sharded part to the next node (no cap)"
-PEER_RESTORE_VOTE = "  of which: vote + copy from the peer into new shm"
-PEER_RESTORE_LOAD = "  of which: load from that shm into the model"
+PEER_RESTORE_VOTE = "  of which: vote (lists the peer's images, copies nothing)"
+PEER_RESTORE_LOAD = "  of which: load from the peer straight into the model"
+PEER_RESTORE_SHM = "restore from a peer, DDP 2 ranks/node (via new shm)"
+PEER_RESTORE_SHM_VOTE = "  of which: vote"
+PEER_RESTORE_SHM_LOAD = "  of which: copy into new shm, then from it into the model"
+PEER_ROWS = (PEER_RESTORE, PEER_RESTORE_VOTE, PEER_RESTORE_LOAD, PEER_RESTORE_SHM,
+             PEER_RESTORE_SHM_VOTE, PEER_RESTORE_SHM_LOAD, PEER_PUSH)
 
 
 def bench_restore(state: dict[str, Any], work: Path, args: argparse.Namespace) -> list[Row]:
@@ -527,12 +546,13 @@ def report_restore(rows: list[Row]) -> None:
                 print(f"{name:68} {med[name]:8.3f} {low[name]:7.3f} "
                       f"{max(dict(rows)[name]):7.3f} {med[name] / med[ours]:8.2f} "
                       f"{low[name] / low[ours]:8.2f}")
-    for name in (PEER_RESTORE, PEER_RESTORE_VOTE, PEER_RESTORE_LOAD, PEER_PUSH):
+    for name in PEER_ROWS:
         if name in med:
             print(f"{name:68} {med[name]:8.3f} {low[name]:7.3f} {max(dict(rows)[name]):7.3f}")
-    if PEER_RESTORE in med and PEER_PUSH in med:
-        print(f"  peer restore / push of the same bytes: median "
-              f"{med[PEER_RESTORE] / med[PEER_PUSH]:.2f}x, min {low[PEER_RESTORE] / low[PEER_PUSH]:.2f}x")
+    for name in (PEER_RESTORE, PEER_RESTORE_SHM):
+        if name in med and PEER_PUSH in med:
+            print(f"  {name.strip()} / push of the same bytes: median "
+                  f"{med[name] / med[PEER_PUSH]:.2f}x, min {low[name] / low[PEER_PUSH]:.2f}x")
 
 
 def profile_restore(args: argparse.Namespace) -> None:
@@ -585,8 +605,7 @@ def run_case(size_gb: float, adam: bool, args: argparse.Namespace) -> None:
                f"{args.repeats} repeats, torch {torch.__version__}, {os.cpu_count()} cpus, "
                f"load average {load:.1f}", rows)
         if restore:
-            peer = (PEER_RESTORE, PEER_RESTORE_VOTE, PEER_RESTORE_LOAD, PEER_PUSH)
-            report_restore(restore + [r for r in rows if r[0] in peer])
+            report_restore(restore + [r for r in rows if r[0] in PEER_ROWS])
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

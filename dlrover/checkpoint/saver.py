@@ -116,7 +116,11 @@ class CheckpointSaver:
         self._published: set[tuple[int, int]] = set()  # (round, node rank) told to the peers
         self._exchange_lock = threading.Lock()
         self._load_lock = threading.Lock()  # one load vote (and peer restore) at a time
-        self._restored: dict[int, int] = {}  # round -> the peer node its step was copied from
+        self._restored: dict[int, int] = {}  # round -> the peer node whose step it voted
+        # Slot -> (peer address, image) of a step voted from a peer's memory, not copied yet:
+        # the first rank that loads it receives it (see _attach).
+        self._remote: dict[int, tuple[str, SegmentInfo]] = {}
+        self._replica_token = replica_token
         self.last_replica_s = 0.0
         """How long the latest push of this node's slots to its peers took (0.0: none yet)."""
 
@@ -219,7 +223,7 @@ class CheckpointSaver:
                 seg = buffers.segments[buffers.newest() or 0]
                 return AllocateReply(seg.path, seg.size)
         if isinstance(request, AttachRequest):
-            return AttachReply(self._attach(request.slot, request.step))
+            return self._attach(request)
         if isinstance(request, BeginCopyRequest):
             return self._begin_copy(request)
         if isinstance(request, CopiedRequest):
@@ -235,17 +239,17 @@ class CheckpointSaver:
             )
         raise CheckpointError(f"unknown saver request {request.op!r}")
 
-    def _slot(self, slot: int, nbytes: int) -> SlotBuffers:
-        """The buffers of ``slot``, created (all of them, ``nbytes`` each) on first use.
-        Called under the lock."""
+    def _slot(self, slot: int, nbytes: int, count: int | None = None) -> SlotBuffers:
+        """The buffers of ``slot``, created (the first ``count``, default all of them,
+        ``nbytes`` each) on first use. Called under the lock."""
         buffers = self._slots.get(slot)
         if buffers is None:
             buffers = SlotBuffers(f"{self.shm_prefix}-slot{slot}", self.buffers, self.shm_dir)
-            buffers.ensure(nbytes)
+            buffers.ensure(nbytes, count)
             self._slots[slot] = buffers
             log.info(
                 "allocated %d x %d bytes of shared memory for slot %d at %s-buf*",
-                self.buffers,
+                len(buffers.segments),
                 nbytes,
                 slot,
                 buffers.name,
@@ -255,15 +259,16 @@ class CheckpointSaver:
     def _allocate(self, slot: int, nbytes: int) -> SharedSegment:
         """A buffer of ``slot`` to copy a step into from elsewhere (a peer's memory), at least
         ``nbytes`` long; it becomes the slot's latest, and what the other buffers held is
-        dropped (the copied step replaces the slot's memory)."""
+        dropped (the copied step replaces the slot's memory). The vote stands: the step
+        copied in is the one it agreed on. A slot with no buffers yet gets one now, the
+        others at its next save: a restore pays for the memory it fills, not more."""
         with self._cond:
-            buffers = self._slot(slot, nbytes)
-            buffers.ensure(nbytes)
+            buffers = self._slot(slot, nbytes, count=1)
+            buffers.ensure(nbytes, count=1)
             if not self._cond.wait_for(lambda: buffers.target(False) is not None, 60.0):
                 raise CheckpointError(f"slot {slot}: every buffer is still being read")
             target = buffers.target(False)
             assert target is not None
-            self._votes.clear()
             return buffers.begin(target, nbytes, -1)
 
     def _begin_copy(self, request: BeginCopyRequest) -> BeginCopyReply:
@@ -291,17 +296,38 @@ class CheckpointSaver:
                     "(the agent's log says how long persists take)"
                 )
             self._votes.clear()  # memory is about to change: a new restart round must re-vote
+            self._remote.pop(slot, None)  # and a step voted from a peer is no longer the newest
             seg = buffers.begin(target, request.nbytes, request.step)
             return BeginCopyReply(seg.path, seg.size, time.monotonic() - started if waited else 0.0)
 
-    def _attach(self, slot: int, step: int | None) -> str | None:
-        """The buffer of ``slot`` to load from: the one holding ``step``, or the newest."""
+    def _attach(self, request: AttachRequest) -> AttachReply:
+        """Where ``request.slot``'s step is loaded from: the buffer holding it (or the newest);
+        for a step voted from a peer's memory, that peer (a ``direct`` rank receives it
+        itself), else the buffer it is first copied into, once for all the node's ranks."""
+        slot, step = request.slot, request.step
         with self._cond:
-            buffers = self._slots.get(slot)
-            if buffers is None:
-                return None
-            i = buffers.newest() if step is None else buffers.holding(step)
-            return None if i is None else buffers.segments[i].path
+            path = self._held_path(slot, step)
+            remote = self._remote.get(slot)
+        if path is not None or remote is None or step not in (None, remote[1].step):
+            return AttachReply(path)
+        addr, info = remote
+        if request.direct:
+            return AttachReply(None, addr, info.key, info.step, self._replica_token)
+        with self._load_lock:  # the node's ranks ask together: the first one copies
+            with self._cond:
+                path = self._held_path(slot, step)
+                copy = path is None and self._remote.get(slot) == remote
+            if copy:
+                path = self._copy_from_peer(slot, addr, info)
+        return AttachReply(path)
+
+    def _held_path(self, slot: int, step: int | None) -> str | None:
+        """The buffer of ``slot`` holding ``step`` (None: the newest), or None; under the lock."""
+        buffers = self._slots.get(slot)
+        if buffers is None:
+            return None
+        i = buffers.newest() if step is None else buffers.holding(step)
+        return None if i is None else buffers.segments[i].path
 
     def _copied(self, slot: int, step: int, spec: PersistSpec | None, persist: bool) -> None:
         with self._cond:
@@ -343,7 +369,7 @@ class CheckpointSaver:
             local = _newest_common(held)
             published = request.replica_count and self._publish(round_id, request.node_rank)
             if published and local is None and request.total_nodes > 1:
-                local, peer = self._restore_from_peers(request)
+                local, peer = self._find_on_peers(request)
                 if local is not None and peer is not None:
                     self._restored[round_id] = peer
             agreed = self.coordinator.agree_load_step(
@@ -480,10 +506,14 @@ class CheckpointSaver:
                 sent / 2**20 / max(took, 1e-9),
             )
 
-    def _restore_from_peers(self, request: LoadStepRequest) -> tuple[int | None, int | None]:
-        """Copy this node's ranks' newest step from a peer's memory into its own slots (a node
-        that lost its memory); returns that step and the peer, or Nones if no peer holds it."""
+    def _find_on_peers(self, request: LoadStepRequest) -> tuple[int | None, int | None]:
+        """The newest step of this node's ranks a peer's memory holds (this node lost its
+        own), and that peer; Nones if none holds one. Nothing is copied: the images are
+        recorded for the ranks' loads (``_attach``)."""
         assert self._exchange is not None and self._peers is not None
+        with self._cond:
+            for slot in request.slots:
+                self._remote.pop(slot, None)  # what an earlier round found
         deadline = time.monotonic() + min(20.0, request.timeout / 2)
         for i in range(1, request.total_nodes):
             peer = (request.node_rank + i) % request.total_nodes
@@ -492,29 +522,45 @@ class CheckpointSaver:
                 continue
             try:
                 choice = _choose_images(self._exchange.list_peer(addr), request)
-                if choice is None:
-                    continue
-                started = time.monotonic()
-                for slot, info in choice.items():
-                    seg = self._allocate(slot, info.nbytes)
-                    if not self._exchange.fetch(addr, info, seg):
-                        raise ReplicaError(f"{info.key} changed while it was sent")
-            except (ReplicaError, CheckpointError) as exc:
-                log.warning("restoring from node %d (%s) failed: %s", peer, addr, exc)
+            except ReplicaError as exc:
+                log.warning("listing the images of node %d (%s) failed: %s", peer, addr, exc)
                 continue
+            if choice is None:
+                continue
+            with self._cond:
+                for slot, info in choice.items():
+                    self._remote[slot] = (addr, info)
             step = next(iter(choice.values())).step
-            nbytes = sum(info.nbytes for info in choice.values())
-            log.info(
-                "restored step %d from node %d's memory (%s): %.0f MiB in %.2f s",
-                step,
-                peer,
-                addr,
-                nbytes / 2**20,
-                time.monotonic() - started,
-            )
+            log.info("node %d's memory (%s) holds step %d of this node's ranks", peer, addr, step)
             return step, peer
         log.info("no peer holds a step of this node's ranks in memory")
         return None, None
+
+    def _copy_from_peer(self, slot: int, addr: str, info: SegmentInfo) -> str | None:
+        """Copy image ``info`` from the peer at ``addr`` into a buffer of ``slot`` (for the
+        slots several ranks read); its path, or None if the copy failed (the ranks then load
+        from storage)."""
+        assert self._exchange is not None
+        started = time.monotonic()
+        try:
+            seg = self._allocate(slot, info.nbytes)
+            if not self._exchange.fetch(addr, info, seg):
+                raise ReplicaError(f"{info.key} changed while it was sent")
+        except (ReplicaError, CheckpointError) as exc:
+            log.warning("copying step %d from %s failed: %s", info.step, addr, exc)
+            return None
+        finally:
+            with self._cond:
+                self._remote.pop(slot, None)
+        log.info(
+            "copied step %d of slot %d from %s: %.0f MiB in %.2f s",
+            info.step,
+            slot,
+            addr,
+            info.nbytes / 2**20,
+            time.monotonic() - started,
+        )
+        return seg.path
 
 
 def _newest_common(held: list[list[int]]) -> int | None:
