@@ -344,9 +344,11 @@ def report(title: str, rows: list[Row]) -> None:
 
 
 def bench_replica(state: dict[str, Any], work: Path, args: argparse.Namespace) -> list[Row]:
-    """Two simulated nodes (savers in this process, real TCP and shared memory): the push of a
-    sharded part to the next node, and a replaced node's restore from the peer's memory against
-    a load from storage (what it does without replicas)."""
+    """Simulated nodes (savers in this process, real TCP and shared memory): the push of a
+    sharded part to the next node, and a replaced node's restore from a peer's memory, into the
+    model and through new shared memory, interleaved repeat by repeat with the uncapped push
+    (this machine's load changes by the minute); then a load from storage (what a replaced
+    node does without replicas)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from dlrover.checkpoint.coordinator import LocalCommitCoordinator
@@ -367,68 +369,91 @@ def bench_replica(state: dict[str, Any], work: Path, args: argparse.Namespace) -
         savers.append(saver)
         return saver
 
-    def engine(saver: CheckpointSaver, rank: int, round_id: int, sharded: bool
-               ) -> CheckpointEngine:
+    def engine(saver: CheckpointSaver, rank: int, round_id: int, sharded: bool,
+               local_ranks: int = 1, directory: str = "replica-ckpt") -> CheckpointEngine:
+        """Local rank 0 of node ``rank`` of two, each with ``local_ranks`` ranks."""
         os.environ[ENV_CHECKPOINT_SOCKET] = saver.socket_path
-        return CheckpointEngine(str(work / "replica-ckpt"), sharded, replica_count=1,
-                                placement=WorkerPlacement(rank, 0, 2, 1, rank, round_id))
+        place = WorkerPlacement(rank * local_ranks, 0, 2 * local_ranks, local_ranks, rank,
+                                round_id)
+        return CheckpointEngine(str(work / directory), sharded, replica_count=1,
+                                placement=place)
 
     def vote(*engines: CheckpointEngine) -> list[int | None]:
         with ThreadPoolExecutor(len(engines)) as pool:
             return list(pool.map(lambda e: e.memory_step(None), engines))
 
-    rows: list[Row] = []
-    restore_parts: dict[str, list[float]] = {}
+    times: dict[str, list[float]] = {}
     try:
         n0, n1 = node(), node()
-        for label, cap in (("push a sharded part to the next node (1 GiB/s cap)", 1 << 30),
-                           ("push a sharded part to the next node (no cap)", None)):
+        r = next(rounds)
+        pusher, receiver = engine(n0, 0, r, True), engine(n1, 1, r, True)
+        vote(pusher, receiver)
+        steps = iter(range(r * 100, r * 100 + 10_000))
+
+        def push(cap: float | None) -> float:
+            """n0 saves a sharded part; the time its saver took to push it to n1."""
             for s in (n0, n1):
                 assert s._exchange is not None
                 s._exchange.bandwidth = cap
-            r = next(rounds)
-            e0, e1 = engine(n0, 0, r, True), engine(n1, 1, r, True)
-            vote(e0, e1)
-            pushes: list[float] = []
-            for k in range(args.repeats):
-                step, before = r * 100 + k, n0.last_replica_s
-                assert e0.save(step, state, persist=False)
-                deadline = time.perf_counter() + 120
-                while n0.last_replica_s == before:  # the saver's own figure, set once sent
-                    assert time.perf_counter() < deadline, "the replica was not sent"
-                    time.sleep(0.002)
-                assert any(i.key == "replica/0/0" and i.step == step
-                           for i in n1._exchange.holdings())  # type: ignore[union-attr]
-                pushes.append(n0.last_replica_s)
-            rows.append((label, pushes))
-            e0.close()
-            e1.close()
+            step, before = next(steps), n0.last_replica_s
+            assert pusher.save(step, state, persist=False)
+            deadline = time.perf_counter() + 120
+            while n0.last_replica_s == before:  # the saver's own figure, set once sent
+                assert time.perf_counter() < deadline, "the replica was not sent"
+                time.sleep(0.002)
+            assert any(i.key == "replica/0/0" and i.step == step
+                       for i in n1._exchange.holdings())  # type: ignore[union-attr]
+            return n0.last_replica_s
 
-        # DDP: every node holds the state; a replaced node copies the peer's own segment.
-        r = next(rounds)
-        e0 = engine(n0, 0, r, False)
-        e0.save(1, state, persist=False)
-        e0.close()
-        target = make_state(args.size_gb, args.adam_child)
-        restore: list[float] = []
         for _ in range(args.repeats):
-            fresh = node()  # the replacement machine: empty memory
+            times.setdefault("push a sharded part to the next node (1 GiB/s cap)",
+                             []).append(push(1 << 30))
+
+        # DDP: every node holds the state, n1 here (in another directory than the sharded
+        # replica it keeps, so that is no candidate); a replaced node takes n1's own segment.
+        # With one rank per node that rank receives it straight into its model; with two, the
+        # slot both read is copied into the node's shared memory first (at the first load).
+        r = next(rounds)
+        source = engine(n1, 0, r, False, directory="replica-ddp")
+        source.save(1, state, persist=False)
+        source.close()
+        target = make_state(args.size_gb, args.adam_child)
+
+        def restore(local_ranks: int) -> tuple[float, float]:
+            """A replaced node 1 (empty memory) votes with n1 as node 0 and loads: the time of
+            both, and of the vote."""
+            fresh = node()
             r = next(rounds)
-            e0, e1 = engine(n0, 0, r, False), engine(fresh, 1, r, False)
+            e0 = engine(n1, 0, r, False, local_ranks, "replica-ddp")
+            e1 = engine(fresh, 1, r, False, local_ranks, "replica-ddp")
             start = time.perf_counter()
-            steps = vote(e0, e1)
+            voted_steps = vote(e0, e1)
             voted = time.perf_counter()
             e1.load_from_memory(target)
-            restore.append(time.perf_counter() - start)
-            restore_parts.setdefault(PEER_RESTORE_VOTE, []).append(voted - start)
-            restore_parts.setdefault(PEER_RESTORE_LOAD, []).append(restore[-1] - (voted - start))
-            assert steps == [1, 1] and e1.restored_from_peer == 0, steps
+            took = time.perf_counter() - start
+            assert voted_steps == [1, 1] and e1.restored_from_peer == 0, voted_steps
+            assert all(torch.equal(a, b) for a, b in zip(tensors_of(target), tensors_of(state),
+                                                         strict=True))
             e0.close()
             e1.close()
             fresh.close(unlink=True)
             savers.remove(fresh)
-        rows.append(("restore from the peer's memory (replaced node)", restore))
-        rows += list(restore_parts.items())
+            for t in tensors_of(target):
+                t.zero_()  # the next restore must bring every byte again
+            return took, voted - start
+
+        for _ in range(args.repeats):
+            times.setdefault(PEER_PUSH, []).append(push(None))
+            for local_ranks, row, vote_row, load_row in (
+                    (1, PEER_RESTORE, PEER_RESTORE_VOTE, PEER_RESTORE_LOAD),
+                    (2, PEER_RESTORE_SHM, PEER_RESTORE_SHM_VOTE, PEER_RESTORE_SHM_LOAD)):
+                took, voting = restore(local_ranks)
+                times.setdefault(row, []).append(took)
+                times.setdefault(vote_row, []).append(voting)
+                times.setdefault(load_row, []).append(took - voting)
+        pusher.close()
+        receiver.close()
+        rows: list[Row] = list(times.items())
 
         os.environ.pop(ENV_CHECKPOINT_SOCKET, None)  # a saver of its own: storage only
         ckpt = DdpCheckpointer(str(work / "storage-ckpt"))
@@ -453,8 +478,13 @@ RESTORE_OURS = "flash restore from storage, {} (vote + verify + read into model)
 RESTORE_PEERS = ("torch.load, {}", "DCP load, {} (into the model)")
 PEER_RESTORE = "restore from the peer's memory (replaced node)"
 PEER_PUSH = "push a sharded part to the next node (no cap)"
-PEER_RESTORE_VOTE = "  of which: vote + copy from the peer into new shm"
-PEER_RESTORE_LOAD = "  of which: load from that shm into the model"
+PEER_RESTORE_VOTE = "  of which: vote (lists the peer's images, copies nothing)"
+PEER_RESTORE_LOAD = "  of which: load from the peer straight into the model"
+PEER_RESTORE_SHM = "restore from a peer, DDP 2 ranks/node (via new shm)"
+PEER_RESTORE_SHM_VOTE = "  of which: vote"
+PEER_RESTORE_SHM_LOAD = "  of which: copy into new shm, then from it into the model"
+PEER_ROWS = (PEER_RESTORE, PEER_RESTORE_VOTE, PEER_RESTORE_LOAD, PEER_RESTORE_SHM,
+             PEER_RESTORE_SHM_VOTE, PEER_RESTORE_SHM_LOAD, PEER_PUSH)
 
 
 def bench_restore(state: dict[str, Any], work: Path, args: argparse.Namespace) -> list[Row]:
@@ -527,12 +557,18 @@ def report_restore(rows: list[Row]) -> None:
                 print(f"{name:68} {med[name]:8.3f} {low[name]:7.3f} "
                       f"{max(dict(rows)[name]):7.3f} {med[name] / med[ours]:8.2f} "
                       f"{low[name] / low[ours]:8.2f}")
-    for name in (PEER_RESTORE, PEER_RESTORE_VOTE, PEER_RESTORE_LOAD, PEER_PUSH):
+    for name in PEER_ROWS:
         if name in med:
             print(f"{name:68} {med[name]:8.3f} {low[name]:7.3f} {max(dict(rows)[name]):7.3f}")
-    if PEER_RESTORE in med and PEER_PUSH in med:
-        print(f"  peer restore / push of the same bytes: median "
-              f"{med[PEER_RESTORE] / med[PEER_PUSH]:.2f}x, min {low[PEER_RESTORE] / low[PEER_PUSH]:.2f}x")
+    times = dict(rows)
+    for name in (PEER_RESTORE, PEER_RESTORE_SHM):
+        if name in med and PEER_PUSH in med:
+            # The rows are interleaved repeat by repeat: each restore against its own push.
+            paired = [t / p for t, p in zip(times[name], times[PEER_PUSH], strict=True)]
+            print(f"  {name.strip()} / push of the same bytes: median "
+                  f"{med[name] / med[PEER_PUSH]:.2f}x, min {low[name] / low[PEER_PUSH]:.2f}x; "
+                  f"repeat by repeat {', '.join(f'{r:.2f}x' for r in paired)} "
+                  f"(median {statistics.median(paired):.2f}x)")
 
 
 def profile_restore(args: argparse.Namespace) -> None:
@@ -563,6 +599,58 @@ def profile_restore(args: argparse.Namespace) -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
+def profile_peer_restore(args: argparse.Namespace) -> None:
+    """The pieces of a restore from a peer through new shared memory (a slot several ranks
+    read), one by one, against a push of the same image: allocating one buffer, receiving the
+    image into it, mapping it in the rank, copying it into the model."""
+    from dlrover.checkpoint.layout import plan_layout, read_state, write_state
+    from dlrover.checkpoint.replica import ReplicaExchange
+    from dlrover.checkpoint.shm import SharedSegment
+
+    state, target = make_state(args.size_gb, False), make_state(args.size_gb, False)
+    layout = plan_layout(state, {"dir": "d"})
+    tag = f"dlrover-bench-{uuid.uuid4().hex[:6]}"
+    src = SharedSegment.create(f"{tag}-src", layout.required_bytes(1))
+    write_state(src, layout, 1)
+    peer = ReplicaExchange(lambda: {0: src}, tag, "/dev/shm", bandwidth=None)
+    other = ReplicaExchange(dict, f"{tag}-other", "/dev/shm", bandwidth=None)
+    peer.start()
+    other.start()
+    times: dict[str, list[float]] = {}
+    try:
+        info = next(i for i in peer.holdings() if i.key == "own/0")
+        peer.push(other.addr, 0, 0, src)  # the replica segment a push lands in, touched
+        for r in range(args.repeats):
+            marks = [time.perf_counter()]
+            seg = SharedSegment.create(f"{tag}-dst{r}", info.nbytes)
+            marks.append(time.perf_counter())
+            assert peer.fetch(peer.addr, info, seg)
+            marks.append(time.perf_counter())
+            mapped = SharedSegment.attach(seg.path)
+            marks.append(time.perf_counter())
+            read_state(mapped, target)
+            marks.append(time.perf_counter())
+            mapped.close()
+            seg.close(unlink=True)
+            peer.push(other.addr, 0, 0, src)
+            marks.append(time.perf_counter())
+            for name, took in zip(("allocate and touch one buffer", "receive the image into it",
+                                   "map it in the rank (attach)", "copy it into the model",
+                                   "push of the same image (into a touched replica)"),
+                                  (b - a for a, b in zip(marks, marks[1:], strict=False)),
+                                  strict=True):
+                times.setdefault(name, []).append(took)
+    finally:
+        peer.close()
+        other.close()
+        src.close(unlink=True)
+    print(f"restore through new shared memory, {args.size_gb} GiB, piece by piece "
+          f"(load average {os.getloadavg()[0]:.1f})")
+    for name, got in times.items():
+        print(f"  {name:50} median {statistics.median(got):.3f} s, "
+              f"min {min(got):.3f} s, max {max(got):.3f} s")
+
+
 def run_case(size_gb: float, adam: bool, args: argparse.Namespace) -> None:
     state = make_state(size_gb, adam)
     nbytes = sum(t.numel() * t.element_size() for t in tensors_of(state))
@@ -585,8 +673,7 @@ def run_case(size_gb: float, adam: bool, args: argparse.Namespace) -> None:
                f"{args.repeats} repeats, torch {torch.__version__}, {os.cpu_count()} cpus, "
                f"load average {load:.1f}", rows)
         if restore:
-            peer = (PEER_RESTORE, PEER_RESTORE_VOTE, PEER_RESTORE_LOAD, PEER_PUSH)
-            report_restore(restore + [r for r in rows if r[0] in peer])
+            report_restore(restore + [r for r in rows if r[0] in PEER_ROWS])
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -837,10 +924,16 @@ def main() -> None:
                         help="seconds a busy persist may take before it is reported as inf")
     parser.add_argument("--profile-restore", action="store_true",
                         help="only profile a cold and a warm load from storage (cProfile)")
+    parser.add_argument("--profile-peer-restore", action="store_true",
+                        help="only time the pieces of a restore from a peer through new "
+                             "shared memory against a push")
     parser.add_argument("--child-load", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.profile_restore:
         profile_restore(args)
+        return
+    if args.profile_peer_restore:
+        profile_peer_restore(args)
         return
     if args.child_load:
         child_load(args.child_load, args.size_gb, args.adam, args.repeats)

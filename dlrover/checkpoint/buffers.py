@@ -41,7 +41,9 @@ class SlotBuffers:
     into; a buffer in ``pending``, ``persisting`` or ``replicating`` is pinned and never copied
     into; the newest complete step is ``latest``'s, or the other buffer's when ``latest``'s
     copy was torn. All buffers are created together at the first allocation (the second one
-    is used from the second save on) and grown one at a time, only while free.
+    is used from the second save on) and grown one at a time, only while free; the one
+    exception is a step copied in from a peer, which creates only the buffer it needs (the
+    others are created by the first copy that picks one of them, in ``begin``).
     """
 
     def __init__(self, name: str, count: int, shm_dir: str) -> None:
@@ -57,21 +59,27 @@ class SlotBuffers:
         self.replicating: set[int] = set()  # buffers sent to a peer right now
 
     # ------------------------------------------------------------------ memory
-    def ensure(self, nbytes: int) -> None:
-        """Create every buffer (at least ``nbytes`` each) if not done yet; grow free ones."""
-        if not self.segments:
+    def ensure(self, nbytes: int, count: int | None = None) -> None:
+        """Create the first ``count`` buffers (default: all; at least ``nbytes`` each) if not
+        done yet; grow free ones."""
+        want = self.count if count is None else min(count, self.count)
+        if len(self.segments) < want:
+            created = len(self.segments)
             free = shm_free_bytes(self.shm_dir)
-            if self.count * nbytes > free:  # say the whole need, not the second buffer's
-                raise ShmSpaceError(f"{self.name}-buf*", self.count * nbytes, free)
+            if (want - created) * nbytes > free:  # say the whole need, not one buffer's
+                raise ShmSpaceError(f"{self.name}-buf*", (want - created) * nbytes, free)
             try:
-                for i in range(self.count):
+                for i in range(created, want):
                     self.segments.append(
                         SharedSegment.create(f"{self.name}-buf{i}", nbytes, self.shm_dir)
                     )
             except BaseException:
-                self.close(unlink=True)  # all or nothing: no half-allocated slot stays
+                for seg in self.segments[created:]:  # all or nothing: none half-allocated
+                    seg.close(unlink=True)
+                del self.segments[created:]
                 raise
-            return
+            if created == 0:
+                return
         for i, seg in enumerate(self.segments):
             if not self.pinned(i) and seg.size < nbytes:
                 seg.grow(nbytes)
@@ -88,6 +96,8 @@ class SlotBuffers:
         """Buffer ``i`` becomes the one written last, at least ``nbytes`` long. A free other
         buffer holding ``step`` or a later one is invalidated: the job went back (resumed from
         an older step), and that abandoned step must not look newer than what follows."""
+        if i >= len(self.segments):
+            self.ensure(nbytes)  # only one buffer was created (a step copied from a peer)
         seg = self.segments[i]
         if seg.size < nbytes:
             seg.grow(nbytes)
@@ -110,7 +120,7 @@ class SlotBuffers:
             # Nothing written by this saver yet: the highest complete step (adopted memory).
             held = [(s, i) for i, s in enumerate(self.steps()) if s is not None]
             return max(held)[1] if held else None
-        order = [self.latest, *(i for i in range(self.count) if i != self.latest)]
+        order = [self.latest, *(i for i in range(len(self.segments)) if i != self.latest)]
         for i in order:
             if complete_step(self.segments[i]) is not None:
                 return i

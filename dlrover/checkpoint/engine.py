@@ -27,6 +27,7 @@ from dlrover.checkpoint.config import (
 from dlrover.checkpoint.errors import CheckpointError, CheckpointStorageError, SegmentStateError
 from dlrover.checkpoint.layout import Layout, plan_layout, read_state, write_state
 from dlrover.checkpoint.leftovers import owner_prefix
+from dlrover.checkpoint.peer_load import load_from_peer
 from dlrover.checkpoint.saver import CheckpointSaver
 from dlrover.checkpoint.saver_messages import (
     AttachRequest,
@@ -352,13 +353,22 @@ class CheckpointEngine:
         self, target: Any = None, step: int | None = None
     ) -> tuple[int, Any, dict[str, Any]]:
         """(step, state, metadata) from the buffer of this process's slot holding ``step``
-        (None: the newest complete one); SegmentStateError if none holds it."""
-        path = self.client.request(AttachRequest(self.slot, step)).path
-        if path is None:
+        (None: the newest complete one), or from the peer's memory the vote found it in;
+        SegmentStateError if none holds it or the copy from the peer failed (``target`` may
+        then hold part of it: load it from storage)."""
+        # A rank that alone reads its slot takes a step held only by a peer straight into its
+        # tensors; where several ranks read one slot (DDP), the saver copies it in once.
+        direct = self.sharded or self.place.local_world_size == 1
+        reply = self.client.request(AttachRequest(self.slot, step, direct=direct))
+        if reply.path is None and reply.peer_addr and reply.step is not None:
+            got, state, meta = load_from_peer(
+                reply.peer_addr, reply.token, reply.key, reply.step, target
+            )
+        elif reply.path is None:
             held = "no segment" if step is None else f"no complete copy of step {step}"
             raise SegmentStateError(f"the saver holds {held} for this rank")
-        seg = self._attach(path)
-        got, state, meta = read_state(seg, target)
+        else:
+            got, state, meta = read_state(self._attach(reply.path), target)
         if step is not None and got != step:
             raise SegmentStateError(f"memory moved on from step {step} to {got} while loading")
         step = got

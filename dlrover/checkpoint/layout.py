@@ -48,7 +48,7 @@ def _is_sharded_tensor(value: Any) -> bool:
     return type(value).__name__ == "ShardedTensor" and hasattr(value, "local_shards")
 
 
-def _local_part(value: Any) -> torch.Tensor | None:
+def local_part(value: Any) -> torch.Tensor | None:
     """The tensor of ``value`` this rank holds: a DTensor's local shard, a ShardedTensor's one
     local shard (None when this rank holds none of it), or ``value`` itself."""
     if _is_dtensor(value):
@@ -200,14 +200,14 @@ def tensor_view(data: torch.Tensor, entry: dict[str, Any], base: int = HEADER_SI
     return data[start : start + entry["nbytes"]].view(dtype).view(entry["shape"])
 
 
-def decode(
-    meta: dict[str, Any], data: torch.Tensor, target: Any = None, base: int = HEADER_SIZE
-) -> Any:
-    """Rebuild the state from ``meta`` and the bytes in ``data``.
+TensorPlacer = Callable[[int, dict[str, Any], Any], Any]
+"""``place(index, entry, tgt)``: the value of the tree's tensor ``index`` (``entry``: its
+metadata; ``tgt``: the matching node of the caller's target, or None)."""
 
-    Tensors are copied into the matching tensor of ``target`` (same path, shape and dtype) in
-    place; otherwise into a fresh tensor. The result never aliases ``data``.
-    """
+
+def rebuild(meta: dict[str, Any], target: Any, place: TensorPlacer) -> Any:
+    """Rebuild the state's tree from ``meta``, walking ``target`` alongside: each tensor's value
+    is what ``place`` returns (a tensor this rank holds none of keeps ``target``'s node)."""
     entries = meta["tensors"]
 
     def build(node: dict[str, Any], tgt: Any) -> Any:
@@ -215,17 +215,7 @@ def decode(
             entry = entries[node["tensor"]]
             if entry.get("empty_shard"):
                 return tgt  # this rank held none of it: nothing to load
-            src = tensor_view(data, entry, base)
-            dest = _local_part(tgt)
-            if (
-                isinstance(dest, torch.Tensor)
-                and dest.shape == src.shape
-                and dest.dtype == src.dtype
-            ):
-                with torch.no_grad():
-                    dest.copy_(src)
-                return tgt
-            return src.clone()
+            return place(node["tensor"], entry, tgt)
         if "dict" in node:
             tmap = tgt if isinstance(tgt, dict) else {}
             return {k: build(v, tmap.get(k)) for k, v in node["dict"]}
@@ -241,6 +231,27 @@ def decode(
         return node["value"]
 
     return build(meta["tree"], target)
+
+
+def decode(
+    meta: dict[str, Any], data: torch.Tensor, target: Any = None, base: int = HEADER_SIZE
+) -> Any:
+    """Rebuild the state from ``meta`` and the bytes in ``data``.
+
+    Tensors are copied into the matching tensor of ``target`` (same path, shape and dtype) in
+    place; otherwise into a fresh tensor. The result never aliases ``data``.
+    """
+
+    def place(index: int, entry: dict[str, Any], tgt: Any) -> Any:
+        src = tensor_view(data, entry, base)
+        dest = local_part(tgt)
+        if isinstance(dest, torch.Tensor) and dest.shape == src.shape and dest.dtype == src.dtype:
+            with torch.no_grad():
+                dest.copy_(src)
+            return tgt
+        return src.clone()
+
+    return rebuild(meta, target, place)
 
 
 def read_state(seg: SharedSegment, target: Any = None) -> tuple[int, Any, dict[str, Any]]:

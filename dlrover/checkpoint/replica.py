@@ -13,14 +13,18 @@ a ``PeerDirectory`` (the job master's KV store in a job).
   slot is the replica.
 
 A restoring node lists its peers' segments, picks the newest step that holds every rank it
-needs (same ranks, same world size, same checkpoint directory), copies those images into its
-own slots and then votes that step like any node whose memory survived.
+needs (same ranks, same world size, same checkpoint directory) and votes that step like any
+node whose memory survived; nothing is copied before a rank loads. A rank that alone reads its
+slot then receives the image straight into its tensors (``read_image``: the metadata first,
+then the data, see peer_load.py); a slot several ranks read (DDP) is copied once into the
+node's shared memory when the first of them loads (``fetch``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import hmac
+import json
 import logging
 import socket
 import socketserver
@@ -36,6 +40,7 @@ from dlrover.checkpoint.header import (
     begin_write,
     image_len,
     install_header,
+    read_header,
     read_metadata,
     read_seq,
 )
@@ -130,6 +135,16 @@ class GetRequest(ReplicaRequest):
 
 
 @dataclass(frozen=True)
+class ReadRequest(ReplicaRequest):
+    """Send image ``key`` (it must still hold ``step``) for a load into tensors: its metadata
+    first, then its data bytes, then the trailer."""
+
+    op: ClassVar[str] = "read"
+    key: str
+    step: int
+
+
+@dataclass(frozen=True)
 class PutRequest(ReplicaRequest):
     """Keep this image of ``slot`` from node ``source_node``: ``nbytes`` raw bytes follow."""
 
@@ -142,12 +157,14 @@ class PutRequest(ReplicaRequest):
 @dataclass(frozen=True)
 class ReplicaReply:
     """An answer: ``ok``, or ``error`` saying why not; ``segments`` for a list, ``nbytes`` of the
-    image that follows a get."""
+    image that follows a get (of the data that follows a read's ``meta_len`` bytes of
+    metadata)."""
 
     ok: bool
     error: str = ""
     segments: list[SegmentInfo] = field(default_factory=list)
     nbytes: int = 0
+    meta_len: int = 0
 
 
 @dataclass(frozen=True)
@@ -157,7 +174,7 @@ class Trailer:
     intact: bool
 
 
-_REQUESTS = {r.op: r for r in (ListRequest, GetRequest, PutRequest)}
+_REQUESTS = {r.op: r for r in (ListRequest, GetRequest, ReadRequest, PutRequest)}
 
 
 def _send_line(sock: socket.socket, message: Any, **tags: str) -> None:
@@ -171,17 +188,23 @@ def _recv_line(stream: Any, what: str) -> dict[str, object]:
     return parse(line, what)
 
 
+def _send_bytes(
+    sock: socket.socket, buf: memoryview, start: int, end: int, rate: float | None
+) -> None:
+    """Send ``buf[start:end]`` straight from the mapping, at most ``rate`` bytes/s."""
+    started = time.monotonic()
+    for pos in range(start, end, CHUNK_BYTES):
+        sock.sendall(buf[pos : min(pos + CHUNK_BYTES, end)])
+        if rate:
+            ahead = (pos - start + CHUNK_BYTES) / rate - (time.monotonic() - started)
+            if ahead > 0:
+                time.sleep(ahead)  # the bandwidth cap, not a synchronisation
+
+
 def _send_image(sock: socket.socket, seg: SharedSegment, nbytes: int, rate: float | None) -> None:
     """Send the first ``nbytes`` of ``seg``, at most ``rate`` bytes/s, then the trailer."""
     seq = read_seq(seg)
-    buf = seg.buffer
-    started = time.monotonic()
-    for start in range(0, nbytes, CHUNK_BYTES):
-        sock.sendall(buf[start : min(start + CHUNK_BYTES, nbytes)])
-        if rate:
-            ahead = (start + CHUNK_BYTES) / rate - (time.monotonic() - started)
-            if ahead > 0:
-                time.sleep(ahead)  # the bandwidth cap, not a synchronisation
+    _send_bytes(sock, seg.buffer, 0, nbytes, rate)
     _send_line(sock, Trailer(intact=read_seq(seg) == seq and seq % 2 == 0))
 
 
@@ -285,6 +308,8 @@ class ReplicaExchange:
                 _send_line(sock, ReplicaReply(ok=True, segments=self.holdings()))
             elif isinstance(request, GetRequest):
                 self._serve_get(sock, request)
+            elif isinstance(request, ReadRequest):
+                self._serve_read(sock, request)
             elif isinstance(request, PutRequest):
                 stored = self._store(sock, stream, request)
                 _send_line(sock, ReplicaReply(ok=stored, error="" if stored else "torn image"))
@@ -320,6 +345,23 @@ class ReplicaExchange:
                 return
             _send_line(sock, ReplicaReply(ok=True, nbytes=info.nbytes))
             _send_image(sock, seg, info.nbytes, None)
+
+    def _serve_read(self, sock: socket.socket, request: ReadRequest) -> None:
+        """The metadata of image ``request.key``, then its data, then whether it stayed intact."""
+        with self._lock:
+            seg = dict(self._segments()).get(request.key)
+            header = _complete_header(seg) if seg is not None else None
+            if seg is None or header is None or header[1] != request.step:
+                _send_line(
+                    sock, ReplicaReply(ok=False, error=f"no step {request.step} at {request.key}")
+                )
+                return
+            seq, _, data_len, meta_offset, meta_len = header
+            _send_line(sock, ReplicaReply(ok=True, nbytes=data_len, meta_len=meta_len))
+            buf = seg.buffer
+            sock.sendall(buf[meta_offset : meta_offset + meta_len])
+            _send_bytes(sock, buf, HEADER_SIZE, HEADER_SIZE + data_len, None)
+            _send_line(sock, Trailer(intact=read_seq(seg) == seq))
 
     def _store(self, sock: socket.socket, stream: Any, request: PutRequest) -> bool:
         """Make room for the image (a full /dev/shm is refused before any byte is sent), say
@@ -371,6 +413,77 @@ class ReplicaExchange:
                 log.warning("peer %s cannot send %s: %s", addr, info.key, reply.error)
                 return False
             return _recv_image(stream, into, reply.nbytes)
+
+
+class PeerImage:
+    """An image a peer sends for a load into tensors (``read_image``): ``meta``, its parsed
+    metadata, then ``data_len`` bytes of data received in order (``readinto``, ``skip_to``),
+    then the trailer (``intact``). ``position`` is the offset of the next data byte."""
+
+    def __init__(self, stream: Any, meta: dict[str, Any], data_len: int) -> None:
+        self._stream = stream
+        self.meta = meta
+        self.data_len = data_len
+        self.position = 0
+
+    def readinto(self, view: memoryview) -> None:
+        """Receive the next ``len(view)`` data bytes straight into ``view``."""
+        if self.position + len(view) > self.data_len:
+            raise ReplicaError(
+                f"the image's data ends at {self.data_len} bytes, "
+                f"{len(view)} asked at {self.position}"
+            )
+        got = 0
+        while got < len(view):
+            n = self._stream.readinto(view[got : got + CHUNK_BYTES])
+            if not n:
+                raise ReplicaError("the peer closed the connection in the middle of the image")
+            got += n
+        self.position += got
+
+    def skip_to(self, offset: int) -> None:
+        """Discard the data bytes before ``offset`` (the padding between tensors)."""
+        if not self.position <= offset <= self.data_len:
+            raise ReplicaError(f"cannot skip from byte {self.position} to {offset} of the image")
+        while self.position < offset:
+            chunk = self._stream.read(min(offset - self.position, CHUNK_BYTES))
+            if not chunk:
+                raise ReplicaError("the peer closed the connection in the middle of the image")
+            self.position += len(chunk)
+
+    def intact(self) -> bool:
+        """After the data: whether the peer's image stayed the same while it was sent."""
+        self.skip_to(self.data_len)
+        line = _recv_line(self._stream, "replica trailer")
+        return from_fields(Trailer, line, "replica trailer").intact
+
+
+@contextlib.contextmanager
+def read_image(addr: str, token: str, key: str, step: int) -> Iterator[PeerImage]:
+    """Open image ``key`` of the peer at ``addr``, which must still hold ``step``, for a load
+    straight into tensors; ReplicaError if the peer refuses or the transfer breaks off."""
+    with _connect(addr) as (sock, stream):
+        _send_line(sock, ReadRequest(token, key, step), op="read")
+        reply = _reply(stream, f"replica read from {addr}")
+        if not reply.ok:
+            raise ReplicaError(f"peer {addr} cannot send {key}: {reply.error}")
+        raw = stream.read(reply.meta_len)
+        if len(raw) != reply.meta_len:
+            raise ReplicaError(f"peer {addr} closed the connection in the metadata of {key}")
+        try:
+            meta = json.loads(raw)
+        except ValueError as exc:
+            raise ReplicaError(f"peer {addr} sent unreadable metadata for {key}: {exc}") from exc
+        yield PeerImage(stream, meta, reply.nbytes)
+
+
+def _complete_header(seg: SharedSegment) -> tuple[int, int, int, int, int] | None:
+    """(seq, step, data_len, meta_offset, meta_len) of the complete step in ``seg``, or None."""
+    try:
+        header = read_header(seg)
+    except SegmentStateError:
+        return None
+    return None if header[0] % 2 else header
 
 
 def _info(key: str, seg: SharedSegment) -> SegmentInfo | None:

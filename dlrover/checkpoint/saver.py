@@ -1,4 +1,4 @@
-"""CheckpointSaver: the agent-side owner of the checkpoint segments and their background persist."""
+"""CheckpointSaver: the agent-side owner of the checkpoint segments, their load vote and replicas."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from collections.abc import Callable
 from typing import Any
 
 from dlrover.checkpoint.buffers import DEFAULT_BUFFERS, SlotBuffers
-from dlrover.checkpoint.catalog import Catalog, Finalizer
 from dlrover.checkpoint.config import (
     DEFAULT_COPY_WAIT_S,
     DEFAULT_PERSIST_WAIT_S,
@@ -22,6 +21,7 @@ from dlrover.checkpoint.config import (
 from dlrover.checkpoint.coordinator import CommitCoordinator, LocalCommitCoordinator
 from dlrover.checkpoint.errors import CheckpointError, ShmSpaceError
 from dlrover.checkpoint.header import image_len, read_metadata
+from dlrover.checkpoint.persister import Persister
 from dlrover.checkpoint.replica import (
     DEFAULT_BANDWIDTH_BYTES_S,
     PeerDirectory,
@@ -47,7 +47,6 @@ from dlrover.checkpoint.saver_messages import (
     SaverReply,
     SaverRequest,
     ShmSpaceRefused,
-    WaitPersistedReply,
     WaitPersistedRequest,
     decode_request,
     encode_reply,
@@ -59,7 +58,8 @@ log = logging.getLogger(__name__)
 
 
 class CheckpointSaver:
-    """Owns one shared segment per local saving rank ("slot") and persists them to storage.
+    """Owns one shared segment per local saving rank ("slot") and persists them to storage
+    (through its ``Persister``, persister.py).
 
     Workers talk to it over a unix socket (the messages: ``saver_messages.py``). Invariants:
     a slot is never copied into while it is being persisted (``begin_copy`` waits or reports
@@ -83,19 +83,18 @@ class CheckpointSaver:
         self.shm_prefix = shm_prefix or f"dlrover-ckpt-{os.getpid()}"
         self.shm_dir = shm_dir
         self.coordinator: CommitCoordinator = coordinator or LocalCommitCoordinator()
-        self._storage_factory = storage_factory
         self._cond = threading.Condition()
         self.buffers = buffers
         self._slots: dict[int, SlotBuffers] = {}  # slot -> its buffers and their pins
-        self._failures = 0  # bumped when workers die: persists waiting for them give up
-        self.last_persist_s = 0.0
-        """How long the latest successful persist took (0.0: none yet): heartbeats carry it."""
-        self._spec: PersistSpec | None = None
-        self._committed: dict[str, int] = {}
-        self._errors: dict[str, str] = {}
+        self._persister = Persister(
+            self._cond,
+            self._slots,
+            self.coordinator,
+            storage_factory,
+            self._common_step,
+            self._push_deferred,
+        )
         self._votes: dict[int, int | None] = {}
-        self._persist_lock = threading.Lock()
-        self._jobs: queue.Queue[tuple[int, PersistSpec] | None] = queue.Queue()
         self._server: socketserver.ThreadingUnixStreamServer | None = None
         self._threads: list[threading.Thread] = []
         # Replicas in peers' memory (only with a PeerDirectory): see replica.py.
@@ -117,7 +116,11 @@ class CheckpointSaver:
         self._published: set[tuple[int, int]] = set()  # (round, node rank) told to the peers
         self._exchange_lock = threading.Lock()
         self._load_lock = threading.Lock()  # one load vote (and peer restore) at a time
-        self._restored: dict[int, int] = {}  # round -> the peer node its step was copied from
+        self._restored: dict[int, int] = {}  # round -> the peer node whose step it voted
+        # Slot -> (peer address, image) of a step voted from a peer's memory, not copied yet:
+        # the first rank that loads it receives it (see _attach).
+        self._remote: dict[int, tuple[str, SegmentInfo]] = {}
+        self._replica_token = replica_token
         self.last_replica_s = 0.0
         """How long the latest push of this node's slots to its peers took (0.0: none yet)."""
 
@@ -139,7 +142,7 @@ class CheckpointSaver:
         self._server = server
         self._threads = [
             threading.Thread(target=server.serve_forever, name="ckpt-saver-socket", daemon=True),
-            threading.Thread(target=self._persist_loop, name="ckpt-saver-persist", daemon=True),
+            self._persister.thread(),
         ]
         for t in self._threads:
             t.start()
@@ -151,7 +154,7 @@ class CheckpointSaver:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
-        self._jobs.put(None)
+        self._persister.stop()
         self._replica_jobs.put(None)
         if self._exchange is not None:
             self._exchange.close(unlink=unlink)
@@ -186,7 +189,12 @@ class CheckpointSaver:
     def last_persisted(self, checkpoint_dir: str) -> int | None:
         """The newest step this saver committed to ``checkpoint_dir``, or None."""
         with self._cond:
-            return self._committed.get(checkpoint_dir)
+            return self._persister.committed.get(checkpoint_dir)
+
+    @property
+    def last_persist_s(self) -> float:
+        """How long the latest successful persist took (0.0: none yet): heartbeats carry it."""
+        return self._persister.last_persist_s
 
     def persist_latest_if_newer(self, timeout: float = DEFAULT_PERSIST_WAIT_S) -> int | None:
         """Persist the newest step complete in every saving slot if storage lacks it.
@@ -194,27 +202,7 @@ class CheckpointSaver:
         Called by the agent after its workers died and before it restarts them, so the step
         they last copied survives even if the node is lost later. Returns the persisted step.
         """
-        with self._cond:
-            spec = self._spec
-            # Persists still waiting for a rank to finish copying will never see it finish.
-            self._failures += 1
-            for b in self._slots.values():
-                b.pending.clear()
-            self._cond.notify_all()
-        if spec is None:
-            return None
-        if not self._persist_lock.acquire(timeout=timeout):
-            log.warning("persist on failure skipped: another persist took over %.0f s", timeout)
-            return None
-        try:
-            step = self._common_step(spec)
-            last = self._last_committed(spec)
-            if step is None or (last is not None and step <= last):
-                return None
-            log.info("persisting in-memory step %d after a worker failure", step)
-            return step if self._persist(step, spec) else None
-        finally:
-            self._persist_lock.release()
+        return self._persister.persist_latest_if_newer(timeout)
 
     # ------------------------------------------------------------------ socket protocol
     def _handle_line(self, line: bytes) -> SaverReply:
@@ -235,7 +223,7 @@ class CheckpointSaver:
                 seg = buffers.segments[buffers.newest() or 0]
                 return AllocateReply(seg.path, seg.size)
         if isinstance(request, AttachRequest):
-            return AttachReply(self._attach(request.slot, request.step))
+            return self._attach(request)
         if isinstance(request, BeginCopyRequest):
             return self._begin_copy(request)
         if isinstance(request, CopiedRequest):
@@ -246,20 +234,22 @@ class CheckpointSaver:
         if isinstance(request, LoadStepRequest):
             return LoadStepReply(*self._agree_load_step(request))
         if isinstance(request, WaitPersistedRequest):
-            return self._wait_persisted(request.checkpoint_dir, request.step, request.timeout_s)
+            return self._persister.wait_persisted(
+                request.checkpoint_dir, request.step, request.timeout_s
+            )
         raise CheckpointError(f"unknown saver request {request.op!r}")
 
-    def _slot(self, slot: int, nbytes: int) -> SlotBuffers:
-        """The buffers of ``slot``, created (all of them, ``nbytes`` each) on first use.
-        Called under the lock."""
+    def _slot(self, slot: int, nbytes: int, count: int | None = None) -> SlotBuffers:
+        """The buffers of ``slot``, created (the first ``count``, default all of them,
+        ``nbytes`` each) on first use. Called under the lock."""
         buffers = self._slots.get(slot)
         if buffers is None:
             buffers = SlotBuffers(f"{self.shm_prefix}-slot{slot}", self.buffers, self.shm_dir)
-            buffers.ensure(nbytes)
+            buffers.ensure(nbytes, count)
             self._slots[slot] = buffers
             log.info(
                 "allocated %d x %d bytes of shared memory for slot %d at %s-buf*",
-                self.buffers,
+                len(buffers.segments),
                 nbytes,
                 slot,
                 buffers.name,
@@ -269,15 +259,16 @@ class CheckpointSaver:
     def _allocate(self, slot: int, nbytes: int) -> SharedSegment:
         """A buffer of ``slot`` to copy a step into from elsewhere (a peer's memory), at least
         ``nbytes`` long; it becomes the slot's latest, and what the other buffers held is
-        dropped (the copied step replaces the slot's memory)."""
+        dropped (the copied step replaces the slot's memory). The vote stands: the step
+        copied in is the one it agreed on. A slot with no buffers yet gets one now, the
+        others at its next save: a restore pays for the memory it fills, not more."""
         with self._cond:
-            buffers = self._slot(slot, nbytes)
-            buffers.ensure(nbytes)
+            buffers = self._slot(slot, nbytes, count=1)
+            buffers.ensure(nbytes, count=1)
             if not self._cond.wait_for(lambda: buffers.target(False) is not None, 60.0):
                 raise CheckpointError(f"slot {slot}: every buffer is still being read")
             target = buffers.target(False)
             assert target is not None
-            self._votes.clear()
             return buffers.begin(target, nbytes, -1)
 
     def _begin_copy(self, request: BeginCopyRequest) -> BeginCopyReply:
@@ -305,23 +296,44 @@ class CheckpointSaver:
                     "(the agent's log says how long persists take)"
                 )
             self._votes.clear()  # memory is about to change: a new restart round must re-vote
+            self._remote.pop(slot, None)  # and a step voted from a peer is no longer the newest
             seg = buffers.begin(target, request.nbytes, request.step)
             return BeginCopyReply(seg.path, seg.size, time.monotonic() - started if waited else 0.0)
 
-    def _attach(self, slot: int, step: int | None) -> str | None:
-        """The buffer of ``slot`` to load from: the one holding ``step``, or the newest."""
+    def _attach(self, request: AttachRequest) -> AttachReply:
+        """Where ``request.slot``'s step is loaded from: the buffer holding it (or the newest);
+        for a step voted from a peer's memory, that peer (a ``direct`` rank receives it
+        itself), else the buffer it is first copied into, once for all the node's ranks."""
+        slot, step = request.slot, request.step
         with self._cond:
-            buffers = self._slots.get(slot)
-            if buffers is None:
-                return None
-            i = buffers.newest() if step is None else buffers.holding(step)
-            return None if i is None else buffers.segments[i].path
+            path = self._held_path(slot, step)
+            remote = self._remote.get(slot)
+        if path is not None or remote is None or step not in (None, remote[1].step):
+            return AttachReply(path)
+        addr, info = remote
+        if request.direct:
+            return AttachReply(None, addr, info.key, info.step, self._replica_token)
+        with self._load_lock:  # the node's ranks ask together: the first one copies
+            with self._cond:
+                path = self._held_path(slot, step)
+                copy = path is None and self._remote.get(slot) == remote
+            if copy:
+                path = self._copy_from_peer(slot, addr, info)
+        return AttachReply(path)
+
+    def _held_path(self, slot: int, step: int | None) -> str | None:
+        """The buffer of ``slot`` holding ``step`` (None: the newest), or None; under the lock."""
+        buffers = self._slots.get(slot)
+        if buffers is None:
+            return None
+        i = buffers.newest() if step is None else buffers.holding(step)
+        return None if i is None else buffers.segments[i].path
 
     def _copied(self, slot: int, step: int, spec: PersistSpec | None, persist: bool) -> None:
         with self._cond:
             if spec is not None and spec.persists:
-                self._spec = spec
-                self._errors.pop(spec.checkpoint_dir, None)
+                self._persister.spec = spec
+                self._persister.errors.pop(spec.checkpoint_dir, None)
             buffers = self._slots.get(slot)
             held = buffers.holding(step) if buffers is not None else None
             if persist and spec is not None and buffers is not None and held is not None:
@@ -330,7 +342,7 @@ class CheckpointSaver:
             self._cond.notify_all()
         # Every saving slot sends "copied"; one job per step is enough (the first one).
         if persist and spec is not None and slot == min(spec.slots):
-            self._jobs.put((step, spec))
+            self._persister.submit(step, spec)
         replicate = spec is not None and spec.replicas and slot == min(spec.slots)
         if replicate and spec is not None and self._publish(spec.round_id, spec.node_rank):
             self._replica_jobs.put((step, spec))
@@ -340,14 +352,6 @@ class CheckpointSaver:
         with self._cond:
             held = [self._loadable_steps(s, None, None) for s in spec.slots]
         return _newest_common(held)
-
-    def _last_committed(self, spec: PersistSpec) -> int | None:
-        with self._cond:
-            if spec.checkpoint_dir not in self._committed:
-                latest = Catalog(self._storage_factory(spec.checkpoint_dir)).latest_step()
-                if latest is not None:
-                    self._committed[spec.checkpoint_dir] = latest
-            return self._committed.get(spec.checkpoint_dir)
 
     def _agree_load_step(self, request: LoadStepRequest) -> tuple[int | None, int | None]:
         """The step the nodes agreed on for the request's round, and the peer node this node
@@ -365,7 +369,7 @@ class CheckpointSaver:
             local = _newest_common(held)
             published = request.replica_count and self._publish(round_id, request.node_rank)
             if published and local is None and request.total_nodes > 1:
-                local, peer = self._restore_from_peers(request)
+                local, peer = self._find_on_peers(request)
                 if local is not None and peer is not None:
                     self._restored[round_id] = peer
             agreed = self.coordinator.agree_load_step(
@@ -401,186 +405,6 @@ class CheckpointSaver:
                 out.append(int(meta["step"]))
         return sorted(out, reverse=True)
 
-    def _wait_persisted(self, checkpoint_dir: str, step: int, timeout: float) -> WaitPersistedReply:
-        with self._cond:
-            spec = self._spec
-            writes_here = spec is not None and spec.checkpoint_dir == checkpoint_dir
-        if not writes_here:
-            # This node keeps a memory copy only (DDP: node rank 0 writes storage's one copy):
-            # nothing is persisted here, so the step is done when the job's commit says so.
-            committed = self.coordinator.wait_committed(step, timeout)
-            with self._cond:
-                if committed and self._committed.get(checkpoint_dir, -1) < step:
-                    self._committed[checkpoint_dir] = step
-                return WaitPersistedReply(
-                    persisted=committed, committed=self._committed.get(checkpoint_dir), failure=None
-                )
-        with self._cond:
-            done = self._cond.wait_for(
-                lambda: (
-                    self._committed.get(checkpoint_dir, -1) >= step
-                    or checkpoint_dir in self._errors
-                ),
-                timeout,
-            )
-            error = self._errors.get(checkpoint_dir)
-            return WaitPersistedReply(
-                persisted=done and error is None,
-                committed=self._committed.get(checkpoint_dir),
-                failure=error,
-            )
-
-    # ------------------------------------------------------------------ persisting
-    def _persist_loop(self) -> None:
-        run_in_background()  # per thread: only the persist yields to the trainers
-        while (job := self._jobs.get()) is not None:
-            step, spec = job
-            try:
-                if not self._wait_ready(step, spec, DEFAULT_PERSIST_WAIT_S):
-                    continue
-                with self._persist_lock:
-                    last = self._last_committed(spec)
-                    if last is None or step > last:
-                        self._persist(step, spec)
-            finally:
-                self._release(spec, step)
-
-    def _wait_ready(
-        self, step: int, spec: PersistSpec, timeout: float, what: str = "persisting"
-    ) -> bool:
-        """Wait until every saving slot of the node holds ``step`` (they copy in parallel)."""
-        with self._cond:
-            failures = self._failures
-            self._cond.wait_for(
-                lambda: self._slots_hold(spec, step) is not False or self._failures != failures,
-                timeout,
-            )
-            if self._slots_hold(spec, step) and self._failures == failures:
-                return True
-        log.warning("not %s step %d: its copy is not complete in every slot", what, step)
-        return False
-
-    def _release(self, spec: PersistSpec, step: int) -> None:
-        """Unpin the buffers of ``step``'s persist; a push deferred meanwhile goes now."""
-        with self._cond:
-            for slot in spec.slots:
-                buffers = self._slots.get(slot)
-                if buffers is None:
-                    continue
-                for pins in (buffers.persisting, buffers.pending):
-                    for i, pinned_step in list(pins.items()):
-                        if pinned_step == step:
-                            del pins[i]
-            deferred, self._replica_deferred = self._replica_deferred, None
-            self._cond.notify_all()
-        if deferred is not None:
-            newest = self._common_step(deferred)
-            if newest is not None:
-                self._replica_jobs.put((newest, deferred))
-
-    def _persist(self, step: int, spec: PersistSpec) -> bool:
-        """Write ``step`` of every slot in ``spec``, report it, commit if last. Never raises."""
-        with self._cond:
-            if not self._slots_hold(spec, step):
-                log.warning("not persisting step %d: a slot no longer holds it", step)
-                return False
-            for slot in spec.slots:
-                buffers = self._slots[slot]
-                held = buffers.holding(step)
-                assert held is not None  # _slots_hold
-                buffers.persisting[held] = step
-        started = time.monotonic()
-        catalog = Catalog(self._storage_factory(spec.checkpoint_dir), spec.keep_last)
-        try:
-            try:
-                finalize = self._write_parts(catalog, step, spec)
-            finally:
-                # The segments are free for the next copy as soon as their bytes are out;
-                # the commit below may wait for other nodes.
-                self._release(spec, step)
-            self._commit(catalog, step, spec, finalize)
-        except Exception as exc:  # any failure must leave training running and storage intact
-            log.error("persisting step %d to %s failed: %s", step, spec.checkpoint_dir, exc)
-            with self._cond:
-                self._errors[spec.checkpoint_dir] = f"step {step}: {exc}"
-                self._cond.notify_all()
-            return False
-        self.last_persist_s = time.monotonic() - started
-        log.info(
-            "persisted step %d to %s in %.2f s", step, spec.checkpoint_dir, self.last_persist_s
-        )
-        return True
-
-    def _slots_hold(self, spec: PersistSpec, step: int) -> bool | None:
-        """True: every slot holds ``step``; False: some slot is behind; None: passed it."""
-        holds = []
-        for s in spec.slots:
-            buffers = self._slots.get(s)
-            if buffers is not None and buffers.holding(step) is not None:
-                holds.append(True)
-                continue
-            newest = buffers.newest_step() if buffers is not None else None
-            if newest is not None and newest > step:
-                return None
-            holds.append(False)
-        return all(holds)
-
-    def _segments_of(self, spec: PersistSpec, step: int) -> dict[int, SharedSegment]:
-        """Slot -> the buffer holding ``step``, for every slot of ``spec``; under the lock."""
-        segs = {}
-        for slot in spec.slots:
-            buffers = self._slots[slot]
-            held = buffers.holding(step)
-            if held is None:
-                raise CheckpointError(f"slot {slot} no longer holds step {step}")
-            segs[slot] = buffers.segments[held]
-        return segs
-
-    def _write_parts(self, catalog: Catalog, step: int, spec: PersistSpec) -> Finalizer | None:
-        """Stream every slot of ``spec`` to storage and record this node's part."""
-        with self._cond:
-            segs = self._segments_of(spec, step)
-        finalize: Finalizer | None = None
-        extra: dict[str, Any] = {}
-        if spec.fmt == "dcp":
-            from dlrover.checkpoint.dcp_writer import persist_dcp, write_dcp_metadata
-
-            files, extra["dcp"] = persist_dcp(
-                catalog, step, {spec.slots[s]: seg for s, seg in segs.items()}
-            )
-            finalize = write_dcp_metadata
-        else:
-            files = {}
-            for slot, seg in segs.items():
-                seq, meta = read_metadata(seg)
-                if meta["step"] != step:
-                    raise CheckpointError(f"slot {slot} moved on from step {step}")
-                files.update(
-                    catalog.persist_plain_part(step, f"rank_{spec.slots[slot]}", seg, meta, seq)
-                )
-        catalog.record_node_part(step, spec.node_rank, files, extra)
-        return finalize
-
-    def _commit(
-        self, catalog: Catalog, step: int, spec: PersistSpec, finalize: Finalizer | None
-    ) -> None:
-        """Report this node's part; the last node to report writes manifest and 'latest'."""
-        committer = self.coordinator.report_persisted(step, spec.node_rank, spec.persist_nodes)
-        if committer:
-            catalog.commit(step, spec.fmt, finalize)
-            self.coordinator.mark_committed(step)
-        elif not self.coordinator.wait_committed(step, DEFAULT_PERSIST_WAIT_S):
-            raise CheckpointError(f"step {step} was not committed by every node in time")
-        with self._cond:
-            self._committed[spec.checkpoint_dir] = step
-            self._cond.notify_all()
-        if committer:
-            # After the waiters are told: deleting older steps is not part of saving this one.
-            try:
-                catalog.collect_garbage()
-            except OSError as exc:
-                log.warning("could not delete old steps of %s: %s", spec.checkpoint_dir, exc)
-
     # ------------------------------------------------------------------ replicas in peers
     def _publish(self, round_id: int, node_rank: int) -> bool:
         """Serve replicas (from the first job that asks for them on) and tell the peers where,
@@ -599,6 +423,15 @@ class CheckpointSaver:
                 self._peers.publish(round_id, node_rank, self._exchange.addr)
                 self._published.add((round_id, node_rank))
         return True
+
+    def _push_deferred(self) -> None:
+        """After a persist unpinned its buffers: send the push it deferred, of the newest step."""
+        with self._cond:
+            deferred, self._replica_deferred = self._replica_deferred, None
+        if deferred is not None:
+            newest = self._common_step(deferred)
+            if newest is not None:
+                self._replica_jobs.put((newest, deferred))
 
     def _replica_loop(self) -> None:
         run_in_background()
@@ -619,10 +452,10 @@ class CheckpointSaver:
         per slot, so a memory save always finds a free one): a push that finds a persist
         running is deferred until it ends, and then sends the newest step."""
         assert self._exchange is not None and self._peers is not None
-        if not self._wait_ready(step, spec, DEFAULT_COPY_WAIT_S, "replicating"):
+        if not self._persister.wait_ready(step, spec, DEFAULT_COPY_WAIT_S, "replicating"):
             return
         with self._cond:
-            if not self._slots_hold(spec, step):
+            if not self._persister.slots_hold(spec, step):
                 return
             held = {slot: self._slots[slot].holding(step) for slot in spec.slots}
             for slot, i in held.items():
@@ -673,10 +506,14 @@ class CheckpointSaver:
                 sent / 2**20 / max(took, 1e-9),
             )
 
-    def _restore_from_peers(self, request: LoadStepRequest) -> tuple[int | None, int | None]:
-        """Copy this node's ranks' newest step from a peer's memory into its own slots (a node
-        that lost its memory); returns that step and the peer, or Nones if no peer holds it."""
+    def _find_on_peers(self, request: LoadStepRequest) -> tuple[int | None, int | None]:
+        """The newest step of this node's ranks a peer's memory holds (this node lost its
+        own), and that peer; Nones if none holds one. Nothing is copied: the images are
+        recorded for the ranks' loads (``_attach``)."""
         assert self._exchange is not None and self._peers is not None
+        with self._cond:
+            for slot in request.slots:
+                self._remote.pop(slot, None)  # what an earlier round found
         deadline = time.monotonic() + min(20.0, request.timeout / 2)
         for i in range(1, request.total_nodes):
             peer = (request.node_rank + i) % request.total_nodes
@@ -685,29 +522,45 @@ class CheckpointSaver:
                 continue
             try:
                 choice = _choose_images(self._exchange.list_peer(addr), request)
-                if choice is None:
-                    continue
-                started = time.monotonic()
-                for slot, info in choice.items():
-                    seg = self._allocate(slot, info.nbytes)
-                    if not self._exchange.fetch(addr, info, seg):
-                        raise ReplicaError(f"{info.key} changed while it was sent")
-            except (ReplicaError, CheckpointError) as exc:
-                log.warning("restoring from node %d (%s) failed: %s", peer, addr, exc)
+            except ReplicaError as exc:
+                log.warning("listing the images of node %d (%s) failed: %s", peer, addr, exc)
                 continue
+            if choice is None:
+                continue
+            with self._cond:
+                for slot, info in choice.items():
+                    self._remote[slot] = (addr, info)
             step = next(iter(choice.values())).step
-            nbytes = sum(info.nbytes for info in choice.values())
-            log.info(
-                "restored step %d from node %d's memory (%s): %.0f MiB in %.2f s",
-                step,
-                peer,
-                addr,
-                nbytes / 2**20,
-                time.monotonic() - started,
-            )
+            log.info("node %d's memory (%s) holds step %d of this node's ranks", peer, addr, step)
             return step, peer
         log.info("no peer holds a step of this node's ranks in memory")
         return None, None
+
+    def _copy_from_peer(self, slot: int, addr: str, info: SegmentInfo) -> str | None:
+        """Copy image ``info`` from the peer at ``addr`` into a buffer of ``slot`` (for the
+        slots several ranks read); its path, or None if the copy failed (the ranks then load
+        from storage)."""
+        assert self._exchange is not None
+        started = time.monotonic()
+        try:
+            seg = self._allocate(slot, info.nbytes)
+            if not self._exchange.fetch(addr, info, seg):
+                raise ReplicaError(f"{info.key} changed while it was sent")
+        except (ReplicaError, CheckpointError) as exc:
+            log.warning("copying step %d from %s failed: %s", info.step, addr, exc)
+            return None
+        finally:
+            with self._cond:
+                self._remote.pop(slot, None)
+        log.info(
+            "copied step %d of slot %d from %s: %.0f MiB in %.2f s",
+            info.step,
+            slot,
+            addr,
+            info.nbytes / 2**20,
+            time.monotonic() - started,
+        )
+        return seg.path
 
 
 def _newest_common(held: list[list[int]]) -> int | None:

@@ -68,9 +68,16 @@ class AllocateReply(SaverReply):
 
 @dataclass(frozen=True)
 class AttachReply(SaverReply):
-    """The slot's shared segment; None if the saver holds none for it."""
+    """The slot's shared segment; None if the saver holds none for it. With no segment and a
+    ``peer_addr``: the step was voted from that peer's memory and the rank (which asked
+    ``direct``) receives it from there itself: image ``key`` holding ``step``, asked for with
+    the job's ``token``."""
 
     path: str | None
+    peer_addr: str = ""
+    key: str = ""
+    step: int | None = None
+    token: str = ""
 
 
 @dataclass(frozen=True)
@@ -144,12 +151,20 @@ class AllocateRequest(SaverRequest[AllocateReply]):
 @dataclass(frozen=True)
 class AttachRequest(SaverRequest[AttachReply]):
     """Which buffer of ``slot`` holds ``step`` (None: its newest complete copy), for loading
-    from memory."""
+    from memory. A step the vote found in a peer's memory only: with ``direct`` (the rank
+    alone reads the slot) the answer says where, and the rank receives it straight into its
+    tensors; without, the saver first copies it into the slot (within ``timeout``)."""
 
     op: ClassVar[str] = "attach"
     reply_type: ClassVar[type[AttachReply]] = AttachReply
     slot: int
     step: int | None = None
+    direct: bool = False
+    timeout: float = 60.0
+
+    def answer_within_s(self) -> float | None:
+        """The saver may copy the step from a peer, up to ``timeout``, before it answers."""
+        return self.timeout
 
 
 @dataclass(frozen=True)
@@ -198,8 +213,9 @@ class LoadStepRequest(SaverRequest[LoadStepReply]):
     """Vote the step complete in all of ``slots`` (saved by ``ranks[slot]`` at ``world_size``
     when given) and agree with the other nodes on the step to load in restart round
     ``round_id``; the first request of a round votes, the others get the same answer. With
-    ``replica_count``, a node whose memory lacks the step first copies it from a peer's memory
-    (images of ``checkpoint_dir``, when given)."""
+    ``replica_count``, a node whose memory lacks the step votes the newest step a peer's
+    memory holds for all its slots (images of ``checkpoint_dir``, when given); it is copied
+    only when a rank loads it (``AttachRequest``)."""
 
     op: ClassVar[str] = "load_step"
     reply_type: ClassVar[type[LoadStepReply]] = LoadStepReply

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import glob
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -20,16 +22,21 @@ import torch
 from dlrover.checkpoint.config import ENV_CHECKPOINT_SOCKET
 from dlrover.checkpoint.coordinator import LocalCommitCoordinator
 from dlrover.checkpoint.engine import CheckpointEngine, WorkerPlacement
-from dlrover.checkpoint.header import HEADER_SIZE, complete_step, image_len
+from dlrover.checkpoint.errors import SegmentStateError
+from dlrover.checkpoint.header import HEADER_SIZE, complete_step, image_len, read_header
+from dlrover.checkpoint.layout import plan_layout, write_state
+from dlrover.checkpoint.peer_load import load_from_peer
 from dlrover.checkpoint.replica import (
     LocalPeerDirectory,
     ReplicaError,
     ReplicaExchange,
+    ReplicaReply,
     Trailer,
     _recv_image,
     _send_line,
 )
 from dlrover.checkpoint.saver import CheckpointSaver
+from dlrover.checkpoint.saver_messages import HeldRequest
 from dlrover.checkpoint.shm import SharedSegment
 from tests.checkpoint.harness import assert_same
 
@@ -178,6 +185,156 @@ def test_replicated_state_needs_no_push_a_peer_s_own_copy_restores_a_replaced_no
         e0.close()
     finally:
         n0.lose()
+
+
+def _segments_of(node_name: str) -> list[str]:
+    """The shared-memory files of this process's simulated node ``node_name``."""
+    return glob.glob(f"/dev/shm/dlrtest-{node_name}-{os.getpid()}-*")
+
+
+def test_a_rank_receives_a_peer_s_step_straight_into_its_tensors_and_the_vote_copies_nothing(
+    tmp_path: Path, job: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One rank per node reads its slot alone: its load takes the peer's bytes from the socket
+    into the target's own tensors (a bfloat16 one too); a non-contiguous target tensor is filled
+    after the transfer, one of another shape is left alone and a fresh tensor returned. The
+    replaced node allocates no shared memory for it, before or after the load."""
+    coordinator, peers = job
+    ckpt = str(tmp_path / "ckpt")
+    n0 = Node(tmp_path, "n0", coordinator, peers)
+    try:
+        e0 = n0.engine(ckpt, _place(0, 1), False, monkeypatch)
+        state = _state(7)
+        state["half"] = torch.arange(10, dtype=torch.bfloat16)
+        state["strided"] = torch.randn(4, 6)
+        assert e0.save(5, state, persist=False)
+        e0.close()
+        with _replaced(tmp_path, n0, job, ckpt, False, monkeypatch) as (_, e1b, steps):
+            assert steps == [5, 5] and e1b.restored_from_peer == 0
+            assert e1b.client.request(HeldRequest()).steps == {}
+            assert _segments_of("n1b") == []  # the vote copied nothing
+            target = {
+                "w": torch.zeros(1000),
+                "opt": {"m": torch.zeros(5)},  # another shape: a fresh tensor comes back
+                "half": torch.zeros(10, dtype=torch.bfloat16),
+                "strided": torch.zeros(6, 4).t(),  # not contiguous: filled after the transfer
+            }
+            kept = dict(target)
+            step, got, _ = e1b.load_from_memory(target, 5)
+            assert step == 5
+            assert_same(got, state)
+            for key in ("w", "half", "strided"):
+                assert got[key] is kept[key]  # the target's own tensors were filled
+            assert got["opt"]["m"] is not target["opt"]["m"]
+            assert torch.equal(target["opt"]["m"], torch.zeros(5))
+            assert _segments_of("n1b") == []  # nor did the load: no copy in between
+    finally:
+        n0.lose()
+
+
+def test_a_slot_two_local_ranks_read_is_copied_from_the_peer_once_at_the_first_load(
+    tmp_path: Path, job: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DDP with two ranks per node: the replaced node's ranks both read slot 0, so its saver
+    copies the peer's step into one buffer when the first of them loads (not at the vote), and
+    both load it from there."""
+    coordinator, peers = job
+    ckpt = str(tmp_path / "ckpt")
+
+    def place(node: int, local: int, round_id: int) -> WorkerPlacement:
+        return WorkerPlacement(node * 2 + local, local, 4, 2, node, round_id)
+
+    n0, n1b = Node(tmp_path, "n0", coordinator, peers), Node(tmp_path, "n1b", coordinator, peers)
+    try:
+        e0 = n0.engine(ckpt, place(0, 0, 1), False, monkeypatch)
+        state = _state(9)
+        assert e0.save(6, state, persist=False)
+        e0.close()
+        engines = [
+            node.engine(ckpt, place(n, local, 2), False, monkeypatch)
+            for n, node in enumerate((n0, n1b))
+            for local in (0, 1)
+        ]
+        assert _together(*(functools.partial(e.memory_step, None) for e in engines)) == [6] * 4
+        assert engines[2].client.request(HeldRequest()).steps == {}  # nothing copied yet
+        loads = _together(*(functools.partial(e.load_from_memory, None, 6) for e in engines[2:]))
+        for step, got, _ in loads:
+            assert step == 6
+            assert_same(got, state)
+        assert engines[2].client.request(HeldRequest()).steps == {0: 6}
+        assert len(_segments_of("n1b")) == 1  # one buffer: the second comes with a save
+        assert engines[2].save(7, _state(10), persist=False)
+        assert len(_segments_of("n1b")) == 2
+        for e in engines:
+            e.close()
+    finally:
+        n0.lose()
+        n1b.lose()
+
+
+def test_a_peer_gone_between_the_vote_and_the_load_is_a_clear_error(
+    tmp_path: Path, job: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The load raises SegmentStateError naming the peer, which sends the checkpointers to
+    storage."""
+    coordinator, peers = job
+    ckpt = str(tmp_path / "ckpt")
+    n0 = Node(tmp_path, "n0", coordinator, peers)
+    try:
+        e0 = n0.engine(ckpt, _place(0, 1), False, monkeypatch)
+        assert e0.save(5, _state(7), persist=False)
+        e0.close()
+        with _replaced(tmp_path, n0, job, ckpt, False, monkeypatch) as (_, e1b, steps):
+            assert steps == [5, 5]
+            n0.lose()
+            with pytest.raises(SegmentStateError, match="cannot reach the checkpoint peer"):
+                e1b.load_from_memory(None, 5)
+    finally:
+        n0.lose()
+
+
+def test_a_peer_image_that_changed_while_it_was_sent_is_refused(tmp_path: Path) -> None:
+    """A peer that answers a read with its image and then a trailer: intact, the state loads;
+    not intact (the peer's segment changed meanwhile), the load is refused."""
+    state = _state(3)
+    seg = SharedSegment.create(f"dlrtest-read-{os.getpid()}", 1 << 20)
+    write_state(seg, plan_layout(state, {"dir": "d"}), 4)
+    _, _, data_len, meta_offset, meta_len = read_header(seg)
+
+    def serve(listener: socket.socket, intact: bool) -> None:
+        conn, _ = listener.accept()
+        with conn, conn.makefile("rb") as stream:
+            stream.readline()
+            _send_line(conn, ReplicaReply(ok=True, nbytes=data_len, meta_len=meta_len))
+            conn.sendall(seg.buffer[meta_offset : meta_offset + meta_len])
+            conn.sendall(seg.buffer[HEADER_SIZE : HEADER_SIZE + data_len])
+            _send_line(conn, Trailer(intact=intact))
+
+    try:
+        for intact in (True, False):
+            with socket.create_server(("127.0.0.1", 0)) as listener:
+                thread = threading.Thread(target=serve, args=(listener, intact), daemon=True)
+                thread.start()
+                addr = f"127.0.0.1:{listener.getsockname()[1]}"
+                if intact:
+                    assert_same(load_from_peer(addr, "", "own/0", 4)[1], state)
+                else:
+                    with pytest.raises(SegmentStateError, match="changed while"):
+                        load_from_peer(addr, "", "own/0", 4)
+                thread.join(30)
+                assert not thread.is_alive()
+        server = ReplicaExchange(lambda: {0: seg}, "dlrtest-readsrv", "/dev/shm", token="t")
+        server.start()
+        try:
+            assert_same(load_from_peer(server.addr, "t", "own/0", 4)[1], state)
+            with pytest.raises(SegmentStateError, match="no step 5 at own/0"):
+                load_from_peer(server.addr, "t", "own/0", 5)
+            with pytest.raises(SegmentStateError, match="wrong token"):
+                load_from_peer(server.addr, "x", "own/0", 4)
+        finally:
+            server.close()
+    finally:
+        seg.close(unlink=True)
 
 
 def test_without_replicas_a_replaced_node_makes_every_node_load_from_storage(

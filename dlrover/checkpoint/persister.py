@@ -1,0 +1,292 @@
+"""Persister: writes a step held in a node's shared-memory buffers to storage, in the background."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from dlrover.checkpoint.buffers import SlotBuffers
+from dlrover.checkpoint.catalog import Catalog, Finalizer
+from dlrover.checkpoint.config import DEFAULT_PERSIST_WAIT_S, run_in_background
+from dlrover.checkpoint.coordinator import CommitCoordinator
+from dlrover.checkpoint.errors import CheckpointError
+from dlrover.checkpoint.header import read_metadata
+from dlrover.checkpoint.saver_messages import PersistSpec, WaitPersistedReply
+from dlrover.checkpoint.shm import SharedSegment
+from dlrover.checkpoint.storage import Storage
+
+log = logging.getLogger(__name__)
+
+
+class Persister:
+    """The persist half of a ``CheckpointSaver``: one thread that streams each asked-for step
+    of every saving slot to storage, reports it and commits it when this node is the last.
+
+    It shares the saver's ``slots`` and their lock ``cond`` (the saver creates and closes the
+    buffers; both pin and unpin them only under ``cond``). Invariants: at most one persist runs
+    at a time (``lock``); a buffer is pinned (``persisting``) while its bytes are streamed and
+    unpinned as soon as they are out, before the commit, which may wait for other nodes.
+    ``after_release`` runs (outside the lock) after each unpin, so the saver can send a peer
+    push that waited for the persist; ``common_step`` gives the newest step complete in every
+    slot of a spec (the saver's view of its buffers).
+    """
+
+    def __init__(
+        self,
+        cond: threading.Condition,
+        slots: dict[int, SlotBuffers],
+        coordinator: CommitCoordinator,
+        storage_factory: Callable[[str], Storage],
+        common_step: Callable[[PersistSpec], int | None],
+        after_release: Callable[[], None],
+    ) -> None:
+        self._cond = cond
+        self._slots = slots
+        self.coordinator = coordinator
+        self._storage_factory = storage_factory
+        self._common_step = common_step
+        self._after_release = after_release
+        self.lock = threading.Lock()
+        """Held by the persist running now (a persist on failure waits for it)."""
+        self.failures = 0
+        """Bumped (under ``cond``) when workers die: waits for their copies give up."""
+        self.spec: PersistSpec | None = None
+        """The newest spec that asked for persists (set by the saver under ``cond``)."""
+        self.committed: dict[str, int] = {}
+        """Checkpoint directory -> the newest step committed there (under ``cond``)."""
+        self.errors: dict[str, str] = {}
+        """Checkpoint directory -> why its latest persist failed (under ``cond``)."""
+        self.last_persist_s = 0.0
+        """How long the latest successful persist took (0.0: none yet): heartbeats carry it."""
+        self._jobs: queue.Queue[tuple[int, PersistSpec] | None] = queue.Queue()
+
+    # ------------------------------------------------------------------ the thread
+    def thread(self) -> threading.Thread:
+        """The persist thread, not started (the saver starts and joins it)."""
+        return threading.Thread(target=self._loop, name="ckpt-saver-persist", daemon=True)
+
+    def submit(self, step: int, spec: PersistSpec) -> None:
+        """Persist ``step`` once every slot of ``spec`` holds it (its buffers stay pinned)."""
+        self._jobs.put((step, spec))
+
+    def stop(self) -> None:
+        """Let the thread end after the job it runs (the saver joins it)."""
+        self._jobs.put(None)
+
+    def _loop(self) -> None:
+        run_in_background()  # per thread: only the persist yields to the trainers
+        while (job := self._jobs.get()) is not None:
+            step, spec = job
+            try:
+                if not self.wait_ready(step, spec, DEFAULT_PERSIST_WAIT_S):
+                    continue
+                with self.lock:
+                    last = self.last_committed(spec)
+                    if last is None or step > last:
+                        self.persist(step, spec)
+            finally:
+                self._release(spec, step)
+
+    # ------------------------------------------------------------------ waits and pins
+    def wait_ready(
+        self, step: int, spec: PersistSpec, timeout: float, what: str = "persisting"
+    ) -> bool:
+        """Wait until every saving slot of the node holds ``step`` (they copy in parallel)."""
+        with self._cond:
+            failures = self.failures
+            self._cond.wait_for(
+                lambda: self.slots_hold(spec, step) is not False or self.failures != failures,
+                timeout,
+            )
+            if self.slots_hold(spec, step) and self.failures == failures:
+                return True
+        log.warning("not %s step %d: its copy is not complete in every slot", what, step)
+        return False
+
+    def slots_hold(self, spec: PersistSpec, step: int) -> bool | None:
+        """True: every slot holds ``step``; False: some slot is behind; None: passed it.
+        Called under ``cond``."""
+        holds = []
+        for s in spec.slots:
+            buffers = self._slots.get(s)
+            if buffers is not None and buffers.holding(step) is not None:
+                holds.append(True)
+                continue
+            newest = buffers.newest_step() if buffers is not None else None
+            if newest is not None and newest > step:
+                return None
+            holds.append(False)
+        return all(holds)
+
+    def _release(self, spec: PersistSpec, step: int) -> None:
+        """Unpin the buffers of ``step``'s persist, then run ``after_release``."""
+        with self._cond:
+            for slot in spec.slots:
+                buffers = self._slots.get(slot)
+                if buffers is None:
+                    continue
+                for pins in (buffers.persisting, buffers.pending):
+                    for i, pinned_step in list(pins.items()):
+                        if pinned_step == step:
+                            del pins[i]
+            self._cond.notify_all()
+        self._after_release()
+
+    # ------------------------------------------------------------------ persisting
+    def persist_latest_if_newer(self, timeout: float) -> int | None:
+        """Persist the newest step complete in every saving slot if storage lacks it (see
+        ``CheckpointSaver.persist_latest_if_newer``). Returns the persisted step."""
+        with self._cond:
+            spec = self.spec
+            # Persists still waiting for a rank to finish copying will never see it finish.
+            self.failures += 1
+            for b in self._slots.values():
+                b.pending.clear()
+            self._cond.notify_all()
+        if spec is None:
+            return None
+        if not self.lock.acquire(timeout=timeout):
+            log.warning("persist on failure skipped: another persist took over %.0f s", timeout)
+            return None
+        try:
+            step = self._common_step(spec)
+            last = self.last_committed(spec)
+            if step is None or (last is not None and step <= last):
+                return None
+            log.info("persisting in-memory step %d after a worker failure", step)
+            return step if self.persist(step, spec) else None
+        finally:
+            self.lock.release()
+
+    def last_committed(self, spec: PersistSpec) -> int | None:
+        """The newest step committed to ``spec``'s directory (storage asked once)."""
+        with self._cond:
+            if spec.checkpoint_dir not in self.committed:
+                latest = Catalog(self._storage_factory(spec.checkpoint_dir)).latest_step()
+                if latest is not None:
+                    self.committed[spec.checkpoint_dir] = latest
+            return self.committed.get(spec.checkpoint_dir)
+
+    def persist(self, step: int, spec: PersistSpec) -> bool:
+        """Write ``step`` of every slot in ``spec``, report it, commit if last. Never raises.
+        Called with ``lock`` held."""
+        with self._cond:
+            if not self.slots_hold(spec, step):
+                log.warning("not persisting step %d: a slot no longer holds it", step)
+                return False
+            for slot in spec.slots:
+                buffers = self._slots[slot]
+                held = buffers.holding(step)
+                assert held is not None  # slots_hold
+                buffers.persisting[held] = step
+        started = time.monotonic()
+        catalog = Catalog(self._storage_factory(spec.checkpoint_dir), spec.keep_last)
+        try:
+            try:
+                finalize = self._write_parts(catalog, step, spec)
+            finally:
+                # The segments are free for the next copy as soon as their bytes are out;
+                # the commit below may wait for other nodes.
+                self._release(spec, step)
+            self._commit(catalog, step, spec, finalize)
+        except Exception as exc:  # any failure must leave training running and storage intact
+            log.error("persisting step %d to %s failed: %s", step, spec.checkpoint_dir, exc)
+            with self._cond:
+                self.errors[spec.checkpoint_dir] = f"step {step}: {exc}"
+                self._cond.notify_all()
+            return False
+        self.last_persist_s = time.monotonic() - started
+        log.info(
+            "persisted step %d to %s in %.2f s", step, spec.checkpoint_dir, self.last_persist_s
+        )
+        return True
+
+    def _segments_of(self, spec: PersistSpec, step: int) -> dict[int, SharedSegment]:
+        """Slot -> the buffer holding ``step``, for every slot of ``spec``; under the lock."""
+        segs = {}
+        for slot in spec.slots:
+            buffers = self._slots[slot]
+            held = buffers.holding(step)
+            if held is None:
+                raise CheckpointError(f"slot {slot} no longer holds step {step}")
+            segs[slot] = buffers.segments[held]
+        return segs
+
+    def _write_parts(self, catalog: Catalog, step: int, spec: PersistSpec) -> Finalizer | None:
+        """Stream every slot of ``spec`` to storage and record this node's part."""
+        with self._cond:
+            segs = self._segments_of(spec, step)
+        finalize: Finalizer | None = None
+        extra: dict[str, Any] = {}
+        if spec.fmt == "dcp":
+            from dlrover.checkpoint.dcp_writer import persist_dcp, write_dcp_metadata
+
+            files, extra["dcp"] = persist_dcp(
+                catalog, step, {spec.slots[s]: seg for s, seg in segs.items()}
+            )
+            finalize = write_dcp_metadata
+        else:
+            files = {}
+            for slot, seg in segs.items():
+                seq, meta = read_metadata(seg)
+                if meta["step"] != step:
+                    raise CheckpointError(f"slot {slot} moved on from step {step}")
+                files.update(
+                    catalog.persist_plain_part(step, f"rank_{spec.slots[slot]}", seg, meta, seq)
+                )
+        catalog.record_node_part(step, spec.node_rank, files, extra)
+        return finalize
+
+    def _commit(
+        self, catalog: Catalog, step: int, spec: PersistSpec, finalize: Finalizer | None
+    ) -> None:
+        """Report this node's part; the last node to report writes manifest and 'latest'."""
+        committer = self.coordinator.report_persisted(step, spec.node_rank, spec.persist_nodes)
+        if committer:
+            catalog.commit(step, spec.fmt, finalize)
+            self.coordinator.mark_committed(step)
+        elif not self.coordinator.wait_committed(step, DEFAULT_PERSIST_WAIT_S):
+            raise CheckpointError(f"step {step} was not committed by every node in time")
+        with self._cond:
+            self.committed[spec.checkpoint_dir] = step
+            self._cond.notify_all()
+        if committer:
+            # After the waiters are told: deleting older steps is not part of saving this one.
+            try:
+                catalog.collect_garbage()
+            except OSError as exc:
+                log.warning("could not delete old steps of %s: %s", spec.checkpoint_dir, exc)
+
+    # ------------------------------------------------------------------ waiting for it
+    def wait_persisted(self, checkpoint_dir: str, step: int, timeout: float) -> WaitPersistedReply:
+        """Wait until ``step`` is committed to ``checkpoint_dir`` (or its persist failed)."""
+        with self._cond:
+            spec = self.spec
+            writes_here = spec is not None and spec.checkpoint_dir == checkpoint_dir
+        if not writes_here:
+            # This node keeps a memory copy only (DDP: node rank 0 writes storage's one copy):
+            # nothing is persisted here, so the step is done when the job's commit says so.
+            committed = self.coordinator.wait_committed(step, timeout)
+            with self._cond:
+                if committed and self.committed.get(checkpoint_dir, -1) < step:
+                    self.committed[checkpoint_dir] = step
+                return WaitPersistedReply(
+                    persisted=committed, committed=self.committed.get(checkpoint_dir), failure=None
+                )
+        with self._cond:
+            done = self._cond.wait_for(
+                lambda: (
+                    self.committed.get(checkpoint_dir, -1) >= step or checkpoint_dir in self.errors
+                ),
+                timeout,
+            )
+            error = self.errors.get(checkpoint_dir)
+            return WaitPersistedReply(
+                persisted=done and error is None,
+                committed=self.committed.get(checkpoint_dir),
+                failure=error,
+            )
