@@ -762,58 +762,71 @@ def stop_saver_proc(proc: subprocess.Popen[bytes]) -> None:
 
 def bench_persist_priority(state: dict[str, Any], work: Path, args: argparse.Namespace
                            ) -> list[tuple[str, float, float, float, float]]:
-    """Per persist priority: persist time idle and with every core busy, and the busy
-    trainers' step time during those persists vs just before each."""
+    """Per persist setting: persist time idle and with every core busy, and the busy trainers'
+    mean step time during those persists over the one just before each (their throughput
+    loss). One saver per setting, all started at once, and the settings take turns repeat by
+    repeat, so a change in the machine's load hits them alike."""
     from dlrover.checkpoint.config import ENV_PERSIST_CPU, ENV_PERSIST_PRIORITY
     from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer, StorageType
 
-    out = []
-    for policy in args.busy_policies.split(","):
-        priority, _, cpu_share = policy.partition("/")
-        env = {ENV_PERSIST_PRIORITY: priority, ENV_PERSIST_CPU: cpu_share}
-        name = policy.replace(":", "").replace("/", "-")
-        sock = str(work / f"busy-{name}.sock")
-        saver = start_saver_proc(sock, env)
-        os.environ[ENV_CHECKPOINT_SOCKET] = sock
-        ckpt_dir = str(work / f"busy-{name}")
-        trainers: BusyTrainers | None = None
-        try:
-            ckpt = DdpCheckpointer(ckpt_dir)
-            step = iter(range(1, 10_000))
-            ckpt.save_checkpoint(next(step), state, storage_type=StorageType.DISK)
-            assert ckpt.wait_latest_checkpoint(600)  # allocation and first touch out of the way
-            idle = []
-            for _ in range(args.repeats):
-                ckpt.save_checkpoint(next(step), state, storage_type=StorageType.DISK)
-                start = time.perf_counter()
-                assert ckpt.wait_latest_checkpoint(600)
-                idle.append(time.perf_counter() - start)
-            trainers = BusyTrainers(os.cpu_count() or 1)
-            trainers.wait_steps(20)
-            busy, before, during = [], [], []
-            for _ in range(args.repeats):
+    policies = args.busy_policies.split(",")
+    savers: list[subprocess.Popen[bytes]] = []
+    ckpts: dict[str, Any] = {}
+    trainers: BusyTrainers | None = None
+    step = iter(range(1, 100_000))
+    idle: dict[str, list[float]] = {p: [] for p in policies}
+    busy: dict[str, list[float]] = {p: [] for p in policies}
+    slow: dict[str, list[float]] = {p: [] for p in policies}
+
+    def persist(policy: str, timeout: float) -> float:
+        ckpt = ckpts[policy]
+        ckpt.save_checkpoint(next(step), state, storage_type=StorageType.DISK)
+        start = time.monotonic()
+        done = ckpt.wait_latest_checkpoint(timeout)
+        took = time.monotonic() - start if done else float("inf")
+        if not done:
+            assert ckpt.wait_latest_checkpoint(600)  # let it end before the next one
+        return took
+
+    try:
+        for policy in policies:
+            priority, _, cpu_share = policy.partition("/")
+            name = policy.replace(":", "").replace("/", "-")
+            sock = str(work / f"busy-{name}.sock")
+            savers.append(start_saver_proc(
+                sock, {ENV_PERSIST_PRIORITY: priority, ENV_PERSIST_CPU: cpu_share}))
+            os.environ[ENV_CHECKPOINT_SOCKET] = sock
+            ckpts[policy] = DdpCheckpointer(str(work / f"busy-{name}"))
+            persist(policy, 600)  # allocation and first touch out of the way
+        for _ in range(args.repeats):
+            for policy in policies:
+                idle[policy].append(persist(policy, 600))
+        trainers = BusyTrainers(os.cpu_count() or 1)
+        trainers.wait_steps(20)
+        for _ in range(args.repeats):
+            for policy in policies:
                 base0 = time.monotonic()
                 trainers.wait_steps(20)  # the baseline window: the same trainers, no persist
                 base1 = time.monotonic()
-                ckpt.save_checkpoint(next(step), state, storage_type=StorageType.DISK)
                 t0 = time.monotonic()
-                done = ckpt.wait_latest_checkpoint(args.busy_timeout)
-                t1 = time.monotonic()
-                busy.append(t1 - t0 if done else float("inf"))
-                before += trainers.steps(base0, base1)
-                during += trainers.steps(t0, t1)
-                if not done:
-                    assert ckpt.wait_latest_checkpoint(600)  # let it end before the next one
+                busy[policy].append(persist(policy, args.busy_timeout))
+                t1 = t0 + busy[policy][-1]
+                before, during = trainers.steps(base0, base1), trainers.steps(t0, t1)
+                if before and during:
+                    slow[policy].append(statistics.mean(during) / statistics.mean(before))
+    finally:
+        if trainers is not None:
+            trainers.close()
+        for ckpt in ckpts.values():
             ckpt.close()
-            med_idle = statistics.median(idle)
-            med_busy = statistics.median(busy)
-            slow = statistics.median(during) / statistics.median(before) if during else 1.0
-            out.append((policy, med_idle, med_busy, med_busy / med_idle, slow))
-        finally:
-            if trainers is not None:
-                trainers.close()
-            os.environ.pop(ENV_CHECKPOINT_SOCKET, None)
+        os.environ.pop(ENV_CHECKPOINT_SOCKET, None)
+        for saver in savers:
             stop_saver_proc(saver)
+    out = []
+    for policy in policies:
+        med_idle, med_busy = statistics.median(idle[policy]), statistics.median(busy[policy])
+        loss = statistics.median(slow[policy]) if slow[policy] else 1.0
+        out.append((policy, med_idle, med_busy, med_busy / med_idle, loss))
     return out
 
 
@@ -866,9 +879,9 @@ def report_busy(title: str, priorities: list[tuple[str, float, float, float, flo
     print(f"\n{title}")
     if priorities:
         print(f"{'priority[/cpu share]':24} {'idle s':>7} {'busy s':>7} {'busy/idle':>9} "
-              f"{'step during/before':>18}")
+              f"{'step mean during/before':>24}")
         for policy, idle, busy, ratio, slow in priorities:
-            print(f"{policy:24} {idle:7.2f} {busy:7.2f} {ratio:9.2f} {slow:18.2f}")
+            print(f"{policy:24} {idle:7.2f} {busy:7.2f} {ratio:9.2f} {slow:24.2f}")
     if saves:
         print(f"{'saves, busy CPU':24} {'asked':>6} {'at once':>7} {'waited':>6} "
               f"{'wait s':>7} {'wall s':>7}")
@@ -890,7 +903,8 @@ def run_busy(size_gb: float, args: argparse.Namespace) -> None:
         gc.collect()
         del state
         gc.collect()
-        saves = bench_saves_taken(make_state(args.busy_saves_gb, False), work, args)
+        saves = (bench_saves_taken(make_state(args.busy_saves_gb, False), work, args)
+                 if args.busy_steps else [])
         report_busy(f"busy node: state {nbytes / 2**30:.2f} GiB, {os.cpu_count()} cpus each run "
                     "by a trainer process with a spinning side thread, "
                     f"{args.repeats} repeats (medians); saves: {args.busy_saves_gb} GiB, "

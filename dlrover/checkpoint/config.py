@@ -109,7 +109,7 @@ def run_in_background() -> None:
         logger.debug("cannot set a persist thread's niceness: %s", exc)
 
 
-DEFAULT_PERSIST_CPU = 0.1
+DEFAULT_PERSIST_CPU = 0.05
 """Default share of the node's CPUs a persist may use (ENV_PERSIST_CPU)."""
 
 

@@ -22,6 +22,7 @@ from dlrover.checkpoint.config import (
 )
 from dlrover.checkpoint.crc import crc32, crc32_combine
 from dlrover.checkpoint.errors import CheckpointStorageError
+from dlrover.checkpoint.pacer import CpuPacer
 from dlrover.checkpoint.read_ranges import ShortFileError, Span, checksum_file, read_spans
 
 WRITE_THREADS = 4
@@ -388,34 +389,6 @@ def _cpu_cap() -> float | None:
     except ValueError as exc:
         logging.getLogger(__name__).warning("%s; using the default", exc)
         return persist_cpu_from_env({})
-
-
-class CpuPacer:
-    """Keeps the CPU time of a group of threads under ``cpus`` CPUs' worth of wall time since
-    the group started (None: no cap), by making a thread that is ahead of it sleep.
-
-    A persist is paced rather than only deprioritised: its CPU time is the same at any
-    priority, and a cap spreads it so that busy trainers lose at most ``cpus`` while it runs
-    (docs/checkpoint.md, "A busy node")."""
-
-    def __init__(self, cpus: float | None) -> None:
-        self.cpus = cpus
-        self._start = time.monotonic()
-        self._used = 0.0
-        self._lock = threading.Lock()
-
-    def charge(self, since: float) -> float:
-        """Add the calling thread's CPU time since ``since`` (a ``time.thread_time()``), sleep
-        while the group is ahead of its cap; returns the thread's CPU time now."""
-        now = time.thread_time()
-        if self.cpus is None:
-            return now
-        with self._lock:
-            self._used += now - since
-            ahead = self._used / self.cpus - (time.monotonic() - self._start)
-        if ahead > 0:
-            time.sleep(ahead)  # pacing, not waiting for an event: the cap is a rate
-        return time.thread_time()
 
 
 def _write_ranges(

@@ -88,7 +88,7 @@ def test_the_persist_cpu_share_is_read_from_the_environment() -> None:
     from dlrover.checkpoint.config import ENV_PERSIST_CPU, persist_cpu_from_env
 
     cpus = len(os.sched_getaffinity(0))
-    assert persist_cpu_from_env({}) == pytest.approx(0.1 * cpus)
+    assert persist_cpu_from_env({}) == pytest.approx(0.05 * cpus)
     assert persist_cpu_from_env({ENV_PERSIST_CPU: "0.5"}) == pytest.approx(0.5 * cpus)
     assert persist_cpu_from_env({ENV_PERSIST_CPU: "0"}) is None
     assert persist_cpu_from_env({ENV_PERSIST_CPU: "1"}) is None
@@ -98,12 +98,15 @@ def test_the_persist_cpu_share_is_read_from_the_environment() -> None:
 
 
 def test_the_pacer_keeps_a_thread_group_under_its_cpu_cap() -> None:
-    """Threads that burn CPU and charge it are slept until their CPU time fits the cap: when
-    they end, the wall time since the start is at least their CPU time over the cap."""
+    """On a saturated node (no idle share), threads that burn CPU and charge it are slept
+    until their CPU time fits the cap: when they end, the wall time since the start is at
+    least their CPU time over the cap."""
     import threading
     import time
 
-    pacer = storage_mod.CpuPacer(0.25)
+    from dlrover.checkpoint.pacer import CpuPacer
+
+    pacer = CpuPacer(0.25, idle_share=lambda: 0.0)
     start = time.monotonic()
     used = [0.0, 0.0]
 
@@ -124,6 +127,35 @@ def test_the_pacer_keeps_a_thread_group_under_its_cpu_cap() -> None:
     wall = time.monotonic() - start
     assert sum(used) >= 0.2
     assert wall >= sum(used) / 0.25 * 0.95  # thread_time's resolution: a little slack
+
+
+def test_the_pacer_lets_a_persist_run_free_while_the_node_has_cpu_to_spare() -> None:
+    """The cap binds only while the node is saturated, and idle time builds no credit: after
+    a spare spell, a saturated node is paced from then on."""
+    from dlrover.checkpoint.pacer import PROBE_EVERY_S, CpuPacer
+
+    now = [0.0]
+    spare = [True]
+    pacer = CpuPacer(0.1, idle_share=lambda: 0.9 if spare[0] else 0.0, clock=lambda: now[0])
+    for _ in range(5):  # 0.05 CPU-s per 0.06 s of wall: far over the cap, but CPU is spare
+        now[0] += PROBE_EVERY_S + 0.01
+        assert pacer.account(0.05) == 0.0
+    spare[0] = False
+    now[0] += PROBE_EVERY_S + 0.01
+    # Ahead by its CPU over the cap less the wall time since the last spare probe: no credit.
+    assert pacer.account(0.05) == pytest.approx(0.05 / 0.1 - (PROBE_EVERY_S + 0.01))
+    assert CpuPacer(None, idle_share=lambda: 0.0).account(5.0) == 0.0
+
+
+def test_the_node_idle_probe_reads_proc_stat(tmp_path: Path) -> None:
+    from dlrover.checkpoint.pacer import NodeIdleProbe
+
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 0 100 700 100 0 0 0 0 0\ncpu0 1 2 3\n")
+    probe = NodeIdleProbe(str(stat))
+    stat.write_text("cpu  250 0 150 750 100 0 0 0 0 0\n")  # 250 ticks, 50 of them idle
+    assert probe() == pytest.approx(0.2)
+    assert NodeIdleProbe(str(tmp_path / "missing"))() == 0.0
 
 
 def test_a_capped_persist_writes_the_same_bytes(
