@@ -80,6 +80,8 @@ class Mapper:
     ) -> None:
         self._paths = dict(paths or {})
         self._custom = dict(custom or {})
+        # Filled as plans are first needed, from any thread: two threads may build the same
+        # plan, and either result serves (a dict assignment is atomic).
         self._encoders: dict[tuple[Any, str], Encode] = {}
         self._decoders: dict[tuple[Any, str], Decode] = {}
 
@@ -115,6 +117,7 @@ class Mapper:
     def field_encoder(self, hint: Any, field: FieldDescriptor) -> Encode:
         """A function from a ``hint`` value to what the constructor of ``field``'s message takes
         for that field."""
+        hint, _ = _unwrap_optional(hint)
         if _is_repeated(field) and field.message_type is not None and _is_map(field):
             return dict
         if _is_repeated(field):
@@ -125,6 +128,7 @@ class Mapper:
 
     def field_decoder(self, hint: Any, field: FieldDescriptor) -> Decode:
         """A function from ``field``'s value in a message to a ``hint`` value."""
+        hint, _ = _unwrap_optional(hint)
         if _is_repeated(field) and field.message_type is not None and _is_map(field):
             return dict
         if _is_repeated(field):

@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import operator
-import re
 import typing
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -304,7 +303,7 @@ def interface_methods(interface: type) -> list[str]:
     return [
         name
         for name, value in vars(interface).items()
-        if callable(value) and not name.startswith("_") and not re.match(r"^[A-Z]", name)
+        if callable(value) and not name.startswith("_")
     ]
 
 

@@ -132,10 +132,6 @@ class MasterClient(_MasterRpcs, MasterApi):
                     f"the master at {self.addr} refused the job token: set {ENV_JOB_TOKEN} to the "
                     "token dlrover-master printed"
                 ) from None
-            if code == grpc.StatusCode.NOT_FOUND:
-                raise UnknownNodeError(str(details)) from None
-            if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
-                raise MasterRequestError(str(details)) from None
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise MasterUnreachableError(
                     f"the DLRover master at {self.addr} did not answer ({details})"
