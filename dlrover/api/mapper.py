@@ -183,7 +183,7 @@ class Mapper:
                 holder = message
                 for part in path[:-1]:
                     holder = getattr(holder, part)
-                _assign(holder, path[-1], item)
+                assign(holder, path[-1], item)
             return message
 
         return encode
@@ -280,7 +280,7 @@ def _field_at(descriptor: Descriptor, path: Sequence[str], owner: type) -> Field
     return field
 
 
-def _assign(message: Any, name: str, value: Any) -> None:
+def assign(message: Any, name: str, value: Any) -> None:
     """Set one field of an existing message, whatever its kind."""
     if isinstance(value, Message):
         getattr(message, name).CopyFrom(value)

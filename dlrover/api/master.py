@@ -12,7 +12,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from dlrover.api.rpc import INVERT, rpc
+from dlrover.api.rpc import INVERT, Run, rpc
 from dlrover.constants import MAX_CHECKPOINT_WAIT_S
 
 
@@ -354,7 +354,7 @@ class MasterApi(Protocol):
         """The round number joined."""
         ...
 
-    @rpc(run="poll", poll="comm_world_poll")
+    @rpc(run=Run.POLL, poll="comm_world_poll")
     def get_comm_world(self, node_id: str, round: int, wait_s: float = 0.0) -> CommWorld:
         """The world of the round this node waits for or belongs to; ``complete`` is False until
         that round closes (ask again). ``wait_s`` > 0 makes it a long poll: the answer comes as
@@ -362,7 +362,7 @@ class MasterApi(Protocol):
         the master) incomplete."""
         ...
 
-    @rpc(run="poll", poll="membership_poll")
+    @rpc(run=Run.POLL, poll="membership_poll")
     def num_nodes_waiting(self, node_id: str, round: int, wait_s: float = 0.0) -> Waiting:
         """How many waiting nodes should make this node's running world re-form now, and the newest
         round (0 waiting: carry on). ``wait_s`` > 0 makes it a membership watch: the answer comes
@@ -370,13 +370,13 @@ class MasterApi(Protocol):
         master) with nothing to do."""
         ...
 
-    @rpc(run="poll", poll="exit_poll")
+    @rpc(run=Run.POLL, poll="exit_poll")
     def report_node_status(self, report: NodeReport, wait_s: float = 0.0) -> bool:
         """True once every node of the final world has succeeded (the exit barrier). ``wait_s`` > 0
         holds the call until the job has ended or ``wait_s`` (capped by the master) passed."""
         ...
 
-    @rpc(run="poll", poll="node_check_poll")
+    @rpc(run=Run.POLL, poll="node_check_poll")
     def join_node_check(self, join: NodeCheckJoin, wait_s: float = 0.0) -> NodeCheckTask:
         """Join a round of the pre-flight node check; waits up to ``wait_s`` for every member to
         join (then the task is RUN) or for the verdict (DONE / REFORM); WAIT if neither came."""
@@ -416,7 +416,7 @@ class MasterApi(Protocol):
         empty key, a value over MAX_KV_VALUE_BYTES or a full store."""
         ...
 
-    @rpc(run="pool_if_waiting")
+    @rpc(run=Run.POOL_IF_WAITING)
     def kv_get(self, key: str, wait_s: float = 0.0) -> bytes | None:
         """The value of ``key``, waiting up to ``wait_s`` seconds for it to appear; None if it did
         not."""
@@ -437,18 +437,20 @@ class MasterApi(Protocol):
         """This node wrote all its files of ``step``; True for the one node that commits it."""
         ...
 
-    @rpc("CheckpointCommitted", run="pool", fixed={"mark": True})
+    @rpc("CheckpointCommitted", run=Run.POOL, fixed={"mark": True})
     def checkpoint_committed(self, step: int) -> None:
         """The committer announces that ``step`` is committed: waiters on it (or an older step)
         return True."""
         ...
 
-    @rpc("CheckpointCommitted", run="pool", max_wait_s=MAX_CHECKPOINT_WAIT_S, fixed={"mark": False})
+    @rpc(
+        "CheckpointCommitted", run=Run.POOL, max_wait_s=MAX_CHECKPOINT_WAIT_S, fixed={"mark": False}
+    )
     def wait_checkpoint_committed(self, step: int, wait_s: float) -> bool:
         """Whether ``step`` (or a newer one) is committed within ``wait_s`` seconds."""
         ...
 
-    @rpc("AgreeLoadStep", run="pool", max_wait_s=MAX_CHECKPOINT_WAIT_S)
+    @rpc("AgreeLoadStep", run=Run.POOL, max_wait_s=MAX_CHECKPOINT_WAIT_S)
     def vote_load_step(
         self, node_rank: int, total_nodes: int, local_step: int | None, round_id: int, wait_s: float
     ) -> tuple[bool, int | None]:

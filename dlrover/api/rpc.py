@@ -20,6 +20,7 @@ an unknown method.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import inspect
 import operator
 import typing
@@ -29,7 +30,7 @@ from typing import Any, TypeVar
 from google.protobuf.message import Message
 
 from dlrover.api.errors import MasterRequestError, UnknownNodeError
-from dlrover.api.mapper import Descriptor, FieldDescriptor, Mapper, message_class
+from dlrover.api.mapper import Descriptor, FieldDescriptor, Mapper, assign, message_class
 from dlrover.proto import master_pb2 as pb
 from dlrover.sharding import errors as sharding_errors
 
@@ -93,17 +94,30 @@ def raise_sharding_error(response: Message) -> None:
         raise sharding_error_from_proto(getattr(response, SHARDING_ERROR))
 
 
+class Run(str, enum.Enum):
+    """How the master runs an RPC's implementation."""
+
+    INLINE = "inline"
+    """On its event loop: a quick call."""
+    POOL = "pool"
+    """On its thread pool: the call blocks a thread (a wait, a broker asked)."""
+    POOL_IF_WAITING = "pool_if_waiting"
+    """On the thread pool when its ``wait_s`` > 0, else inline."""
+    POLL = "poll"
+    """A long poll held on the loop: the implementation's method named by `RpcOptions.poll`
+    returns a LongPoll (dlrover.master.local_api), held up to ``wait_s``."""
+
+
 @dataclasses.dataclass(frozen=True)
 class RpcOptions:
     """What an interface method says about its RPC beyond its signature."""
 
     name: str = ""
     """The proto RPC; "" is the method's name in CamelCase."""
-    run: str = "inline"
-    """How the master runs it: "inline" on its event loop (quick calls), "pool" on a thread
-    (it blocks), "pool_if_waiting" (on a thread when ``wait_s`` > 0) or "poll" (a long poll:
-    the implementation's method named by `poll` returns a LongPoll, held ``wait_s``)."""
+    run: Run = Run.INLINE
     poll: str = ""
+    """For Run.POLL: the implementation's method that takes the other arguments and returns
+    the LongPoll."""
     max_wait_s: float | None = None
     """The master holds ``wait_s`` at most this long (the client asks again)."""
     fixed: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -115,7 +129,7 @@ class RpcOptions:
 def rpc(
     name: str = "",
     *,
-    run: str = "inline",
+    run: Run = Run.INLINE,
     poll: str = "",
     max_wait_s: float | None = None,
     fixed: Mapping[str, Any] | None = None,
@@ -123,7 +137,7 @@ def rpc(
 ) -> Callable[[F], F]:
     """Say more about an interface method's RPC (see RpcOptions); a method without it is an
     RPC all the same."""
-    if run == "poll" and not poll:
+    if run is Run.POLL and not poll:
         raise ValueError("a long poll names the implementation's method that returns it")
     options = RpcOptions(name, run, poll, max_wait_s, dict(fixed or {}), dict(fields or {}))
 
@@ -167,7 +181,6 @@ class Rpc:
         hints = typing.get_type_hints(function)
         self._mapper = mapper
         self._params = [p for p in self.signature.parameters if p != "self"]
-        self.waits = "wait_s" in self._params
         self._request_plan = [self._param_plan(p, hints[p]) for p in self._params]
         self._result_hint = hints.get("return")
         self._build_result()
@@ -201,7 +214,7 @@ class Rpc:
             if not field:
                 request.MergeFrom(encode(value))
             else:
-                _assign(request, field, encode(value))
+                assign(request, field, encode(value))
         for field, value in self.options.fixed.items():
             setattr(request, field, value)
         return request
@@ -285,17 +298,6 @@ def _optional(hint: Any) -> bool:
 
 def _then(first: Callable[[Any], Any], second: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return lambda value: second(first(value))
-
-
-def _assign(message: Message, name: str, value: Any) -> None:
-    if isinstance(value, Message):
-        getattr(message, name).CopyFrom(value)
-    elif isinstance(value, list):
-        getattr(message, name).extend(value)
-    elif isinstance(value, dict):
-        getattr(message, name).update(value)
-    else:
-        setattr(message, name, value)
 
 
 def interface_methods(interface: type) -> list[str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from dlrover.api.rpc import rpc
+from dlrover.api.rpc import Run, rpc
 from dlrover.sharding.stream import (
     StreamFetchResult,
     StreamMark,
@@ -96,7 +96,7 @@ class StreamTransport(Protocol):
     master runs it on a thread). Refusals raise their class from
     dlrover.sharding.errors; implementations must be thread-safe."""
 
-    @rpc(run="pool")
+    @rpc(run=Run.POOL)
     def register_stream(self, spec: StreamSpec) -> RegisterResult:
         """Register ``spec``: a no-op if the same spec exists, DatasetConflictError if a different
         one does; StreamSourceError if the master cannot read the topic."""

@@ -24,7 +24,7 @@ from google.protobuf.message import Message
 
 from dlrover.api.errors import MasterRequestError, UnknownNodeError
 from dlrover.api.master import MasterApi
-from dlrover.api.rpc import SERVICE, Rpc
+from dlrover.api.rpc import SERVICE, Rpc, Run
 from dlrover.api.sharding import ShardingTransport, StreamTransport
 from dlrover.api.wire import RPCS
 from dlrover.constants import MAX_CHECKPOINT_WAIT_S, MAX_MESSAGE_BYTES, TOKEN_METADATA_KEY
@@ -215,12 +215,12 @@ class MasterServicer:
         if call.options.max_wait_s is not None:
             args["wait_s"] = min(args["wait_s"], call.options.max_wait_s)
         run = call.options.run
-        if run == "poll":
+        if run is Run.POLL:
             wait_s = args.pop("wait_s")
             poll = getattr(target, call.options.poll)(**args)
             return await self._hold(poll, wait_s)
         method = getattr(target, call.method)
-        if run == "pool" or (run == "pool_if_waiting" and args["wait_s"] > 0):
+        if run is Run.POOL or (run is Run.POOL_IF_WAITING and args["wait_s"] > 0):
             return await self._loop.run_in_executor(self._executor, lambda: method(**args))
         return method(**args)
 
