@@ -199,7 +199,8 @@ class MasterServicer:
         targets = [(call, implementations[call.interface]) for call in calls]
 
         async def handle(request: Message, context: grpc.aio.ServicerContext) -> Message:
-            call, target = next((c, t) for c, t in targets if c.matches(request))
+            # Methods sharing one RPC (checkpoint_committed and its wait) differ in a field.
+            call, target = next(((c, t) for c, t in targets if c.matches(request)), targets[-1])
             try:
                 return call.encode_response(await self._run(call, target, request))
             except Exception as e:
