@@ -98,6 +98,17 @@ class Master:
         return code
 
 
+class Refused(Exception):
+    """The master refused a call: it answered with the response's `refused` field set."""
+
+
+def answer(response):
+    """The response, or Refused when the master refused the call (dlrover/api/rpc.py)."""
+    if response.HasField("refused"):
+        raise Refused(response.refused.message)
+    return response
+
+
 @dataclass
 class Stats:
     latencies: list[float] = field(default_factory=list)
@@ -123,7 +134,7 @@ class Agent:
     async def _call(self, method, request, timeout: float = 60.0):
         t = time.monotonic()
         try:
-            return await method(request, timeout=timeout, metadata=self.md)
+            return answer(await method(request, timeout=timeout, metadata=self.md))
         finally:
             self.stats.latencies.append(time.monotonic() - t)
 
@@ -160,7 +171,7 @@ class Agent:
                 )
                 if not self.poll:
                     self.interval = max(2.0, r.heartbeat_interval_s)
-            except grpc.aio.AioRpcError:
+            except (grpc.aio.AioRpcError, Refused):
                 self.stats.errors += 1
             try:
                 await asyncio.wait_for(self.stop.wait(), self.next_wait())
@@ -176,10 +187,10 @@ class Agent:
         self.round = r.round
         while True:
             wait_s = 0.0 if self.poll else HOLD_S
-            w = await self.stub.GetCommWorld(
+            w = answer(await self.stub.GetCommWorld(
                 pb.GetCommWorldRequest(node_id=self.node_id, round=self.round, wait_s=wait_s),
                 timeout=wait_s + 60, metadata=self.md,
-            )
+            ))
             if w.complete:
                 self.round = w.round
                 return
@@ -191,13 +202,13 @@ class Agent:
         while not self.stop.is_set():
             wait_s = 0.0 if self.poll else HOLD_S
             try:
-                w = await self.stub.NumNodesWaiting(
+                w = answer(await self.stub.NumNodesWaiting(
                     pb.NumNodesWaitingRequest(node_id=self.node_id, round=self.round,
                                               wait_s=wait_s),
                     timeout=wait_s + 60, metadata=self.md,
-                )
-            except grpc.aio.AioRpcError as e:
-                if e.code() == grpc.StatusCode.CANCELLED:
+                ))
+            except (grpc.aio.AioRpcError, Refused) as e:
+                if isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.CANCELLED:
                     return
                 self.stats.errors += 1
                 await asyncio.sleep(1)
@@ -219,14 +230,16 @@ class Agent:
             try:
                 if await self._exit_step(request):
                     return True
-            except grpc.aio.AioRpcError:
+            except (grpc.aio.AioRpcError, Refused):
                 self.stats.errors += 1
                 return False  # e.g. the master took the node for lost: it misses the end
         return False
 
     async def _exit_step(self, request: pb.ReportNodeStatusRequest) -> bool:
         if not self.poll:
-            r = await self.stub.ReportNodeStatus(request, timeout=HOLD_S + 60, metadata=self.md)
+            r = answer(
+                await self.stub.ReportNodeStatus(request, timeout=HOLD_S + 60, metadata=self.md)
+            )
             return bool(r.job_done)
         if (await self._call(self.stub.ReportNodeStatus, request)).job_done:
             return True

@@ -35,6 +35,8 @@ budget x interval, it stretches every node's interval (and the loss timeout with
 MAX_LONG_POLL_S = 30.0
 """The longest the master holds a long poll (rendezvous, membership watch, exit barrier); an
 agent that needs to wait longer asks again."""
+MAX_CHECKPOINT_WAIT_S = 10.0
+"""A checkpoint wait held in the master is capped; clients ask again until their own deadline."""
 DEFAULT_MAX_RESTARTS = 0
 """Worker-group restarts of a node (dlrover-run --max-restarts, a job spec's max_restarts)."""
 DEFAULT_RDZV_JOIN_TIMEOUT_S = 600.0

@@ -1,8 +1,9 @@
 """The master's API as the node side sees it: typed requests and answers, and `MasterApi`.
 
-Two implementations: `dlrover.client.master_client.MasterClient` (gRPC, across processes and
-machines) and `dlrover.master.local_api.LocalMasterApi` (the same calls on a JobMaster in this
-process; the gRPC servicer is a thin adapter over it, and agent tests use it without a server).
+`MasterApi` is the one source of each of its RPCs (see `dlrover.api.rpc`). Two
+implementations: `dlrover.master.local_api.LocalMasterApi` (the calls on a JobMaster in this
+process; the gRPC servicer is derived from this interface and calls it, and agent tests use it
+without a server) and `dlrover.client.master_client.MasterClient` (gRPC, derived from it).
 """
 
 from __future__ import annotations
@@ -10,6 +11,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 from typing import Protocol
+
+from dlrover.api.rpc import INVERT, Run, rpc
+from dlrover.constants import MAX_CHECKPOINT_WAIT_S
 
 
 class HeartbeatAction(str, enum.Enum):
@@ -326,6 +330,9 @@ class JobStatus:
 class MasterApi(Protocol):
     """The calls an agent and a training process make to the job master.
 
+    Each method is one RPC of the proto's service (dlrover/api/rpc.py says how); adding one is
+    three edits: the proto, this interface, and LocalMasterApi.
+
     Errors (``dlrover.api.errors``), the same from both implementations:
     ``MasterRequestError`` for a refused request (stale incarnation, bad configuration),
     ``UnknownNodeError`` for a node id the master does not know (register again).
@@ -347,6 +354,7 @@ class MasterApi(Protocol):
         """The round number joined."""
         ...
 
+    @rpc(run=Run.POLL, poll="comm_world_poll")
     def get_comm_world(self, node_id: str, round: int, wait_s: float = 0.0) -> CommWorld:
         """The world of the round this node waits for or belongs to; ``complete`` is False until
         that round closes (ask again). ``wait_s`` > 0 makes it a long poll: the answer comes as
@@ -354,6 +362,7 @@ class MasterApi(Protocol):
         the master) incomplete."""
         ...
 
+    @rpc(run=Run.POLL, poll="membership_poll")
     def num_nodes_waiting(self, node_id: str, round: int, wait_s: float = 0.0) -> Waiting:
         """How many waiting nodes should make this node's running world re-form now, and the newest
         round (0 waiting: carry on). ``wait_s`` > 0 makes it a membership watch: the answer comes
@@ -361,11 +370,13 @@ class MasterApi(Protocol):
         master) with nothing to do."""
         ...
 
+    @rpc(run=Run.POLL, poll="exit_poll")
     def report_node_status(self, report: NodeReport, wait_s: float = 0.0) -> bool:
         """True once every node of the final world has succeeded (the exit barrier). ``wait_s`` > 0
         holds the call until the job has ended or ``wait_s`` (capped by the master) passed."""
         ...
 
+    @rpc(run=Run.POLL, poll="node_check_poll")
     def join_node_check(self, join: NodeCheckJoin, wait_s: float = 0.0) -> NodeCheckTask:
         """Join a round of the pre-flight node check; waits up to ``wait_s`` for every member to
         join (then the task is RUN) or for the verdict (DONE / REFORM); WAIT if neither came."""
@@ -383,6 +394,7 @@ class MasterApi(Protocol):
         """Every failure the job recorded, oldest first (`dlrover diagnose`)."""
         ...
 
+    @rpc(fields={"with_nodes": ("without_nodes", INVERT)})
     def get_job_status(self, with_nodes: bool = True) -> JobStatus:
         """The job and (unless ``with_nodes`` is False) every node it knows, as the master sees
         them now."""
@@ -393,11 +405,18 @@ class MasterApi(Protocol):
         their next heartbeat); returns the job's status after."""
         ...
 
+    def scale_role(self, role: str, count: int) -> tuple[str, int]:
+        """Ask for ``count`` nodes of ``role`` (today the embedding servers, role ps): what the
+        master will do, and the id its report will carry; refused (MasterRequestError) for a
+        role that cannot be scaled."""
+        ...
+
     def kv_set(self, key: str, value: bytes) -> None:
         """Publish ``value`` under ``key`` and wake its readers; refused (MasterRequestError) for an
         empty key, a value over MAX_KV_VALUE_BYTES or a full store."""
         ...
 
+    @rpc(run=Run.POOL_IF_WAITING)
     def kv_get(self, key: str, wait_s: float = 0.0) -> bytes | None:
         """The value of ``key``, waiting up to ``wait_s`` seconds for it to appear; None if it did
         not."""
@@ -418,15 +437,20 @@ class MasterApi(Protocol):
         """This node wrote all its files of ``step``; True for the one node that commits it."""
         ...
 
+    @rpc("CheckpointCommitted", run=Run.POOL, fixed={"mark": True})
     def checkpoint_committed(self, step: int) -> None:
         """The committer announces that ``step`` is committed: waiters on it (or an older step)
         return True."""
         ...
 
+    @rpc(
+        "CheckpointCommitted", run=Run.POOL, max_wait_s=MAX_CHECKPOINT_WAIT_S, fixed={"mark": False}
+    )
     def wait_checkpoint_committed(self, step: int, wait_s: float) -> bool:
         """Whether ``step`` (or a newer one) is committed within ``wait_s`` seconds."""
         ...
 
+    @rpc("AgreeLoadStep", run=Run.POOL, max_wait_s=MAX_CHECKPOINT_WAIT_S)
     def vote_load_step(
         self, node_rank: int, total_nodes: int, local_step: int | None, round_id: int, wait_s: float
     ) -> tuple[bool, int | None]:

@@ -5,12 +5,11 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar, cast
 
 import grpc
+from google.protobuf.message import Message
 
-from dlrover.api import master as api
-from dlrover.api import wire
 from dlrover.api.errors import (
     MasterClientError,
     MasterRequestError,
@@ -18,6 +17,9 @@ from dlrover.api.errors import (
     UnknownNodeError,
     WrongTokenError,
 )
+from dlrover.api.master import MasterApi
+from dlrover.api.rpc import Rpc, derive_client, raise_refused
+from dlrover.api.wire import RPCS
 from dlrover.constants import (
     DEFAULT_CONNECT_TIMEOUT_S,
     DEFAULT_RPC_TIMEOUT_S,
@@ -28,7 +30,6 @@ from dlrover.constants import (
     MAX_MESSAGE_BYTES,
     TOKEN_METADATA_KEY,
 )
-from dlrover.proto import master_pb2 as pb
 from dlrover.proto import master_pb2_grpc as pb_grpc
 from dlrover.worker_context import WorkerContext
 
@@ -47,8 +48,17 @@ CHECKPOINT_WAIT_S = 5.0
 T = TypeVar("T")
 
 
-class MasterClient:
+_MasterRpcs: Any = derive_client(
+    "_MasterRpcs", {m: call for m, call in RPCS.items() if call.interface is MasterApi}
+)
+"""A method per MasterApi RPC, made from the interface (typed Any: mypy reads the methods'
+signatures from MasterApi, which MasterClient names as its base too)."""
+
+
+class MasterClient(_MasterRpcs, MasterApi):
     """`dlrover.api.master.MasterApi` over gRPC: domain types in and out, protobuf stays inside.
+    Its methods are derived from the interface (`dlrover.api.rpc`); only the calls with more to
+    do on this side than one RPC are written here.
 
     Every call has a deadline and carries the job token; failures raise the errors of
     `dlrover.api.errors` with a message that says what to do.
@@ -109,11 +119,11 @@ class MasterClient:
         self._channel.close()
 
     def call(self, fn: Callable[..., T], request: object, timeout_s: float | None = None) -> T:
-        """One RPC of `stub` with this client's deadline and token; gRPC failures become the
-        errors of `dlrover.api.errors`. For wire adapters beside this one (the sharding
-        transport); everything else uses the typed methods."""
+        """One RPC of `stub` with this client's deadline and token; gRPC failures and the
+        master's refusal (a response's ``refused``) become the errors of `dlrover.api.errors`.
+        A sharding refusal stays in the response's ``error`` (its typed method raises it)."""
         try:
-            return fn(request, timeout=timeout_s or self._timeout, metadata=self._metadata)
+            response = fn(request, timeout=timeout_s or self._timeout, metadata=self._metadata)
         except grpc.RpcError as e:
             code = e.code() if hasattr(e, "code") else None
             details = e.details() if hasattr(e, "details") else str(e)
@@ -122,10 +132,6 @@ class MasterClient:
                     f"the master at {self.addr} refused the job token: set {ENV_JOB_TOKEN} to the "
                     "token dlrover-master printed"
                 ) from None
-            if code == grpc.StatusCode.NOT_FOUND:
-                raise UnknownNodeError(str(details)) from None
-            if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
-                raise MasterRequestError(str(details)) from None
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise MasterUnreachableError(
                     f"the DLRover master at {self.addr} did not answer ({details})"
@@ -133,108 +139,24 @@ class MasterClient:
             raise MasterClientError(
                 f"call to the master at {self.addr} failed: {details}"
             ) from None
+        raise_refused(cast(Message, response))
+        return response
 
-    # --- agent calls ---------------------------------------------------------------------------
-    def register_node(self, registration: api.Registration) -> api.Registered:
-        """Register this agent (RegisterNode RPC; see MasterApi.register_node)."""
-        request = wire.registration_to_pb(registration)
-        return wire.registered_from_pb(self.call(self.stub.RegisterNode, request))
-
-    def heartbeat(self, report: api.HeartbeatReport) -> api.HeartbeatReply:
-        """Send a heartbeat (Heartbeat RPC); an action this client does not know reads as NONE."""
-        response = self.call(self.stub.Heartbeat, wire.heartbeat_to_pb(report))
-        return wire.heartbeat_reply_from_pb(response)
-
-    def join_rendezvous(self, request: api.JoinRequest) -> int:
-        """Join the next rendezvous round (JoinRendezvous RPC); returns its number."""
-        return self.call(self.stub.JoinRendezvous, wire.join_to_pb(request)).round
-
-    def get_comm_world(self, node_id: str, round: int, wait_s: float = 0.0) -> api.CommWorld:
-        """This node's world (GetCommWorld RPC); ``complete`` is False until its round closes.
-        ``wait_s`` > 0: one long poll (the master holds it until the round closes, at most
-        MAX_LONG_POLL_S)."""
-        request = pb.GetCommWorldRequest(node_id=node_id, round=round, wait_s=wait_s)
-        return wire.world_from_pb(self.call(self.stub.GetCommWorld, request, self._held(wait_s)))
-
-    def num_nodes_waiting(self, node_id: str, round: int, wait_s: float = 0.0) -> api.Waiting:
-        """Waiting nodes that should make the world re-form, and the newest round (NumNodesWaiting
-        RPC); ``wait_s`` > 0 makes it one membership watch (a long poll)."""
-        request = pb.NumNodesWaitingRequest(node_id=node_id, round=round, wait_s=wait_s)
-        response = self.call(self.stub.NumNodesWaiting, request, self._held(wait_s))
-        return api.Waiting(response.waiting, response.latest_round, response.job_ended)
-
-    def report_node_status(self, report: api.NodeReport, wait_s: float = 0.0) -> bool:
-        """Report how this node's workers finished (ReportNodeStatus RPC); True once the whole job
-        has succeeded. ``wait_s`` > 0 holds the call until the job ended (a long poll)."""
-        request = wire.node_report_to_pb(report)
-        request.wait_s = wait_s
-        return self.call(self.stub.ReportNodeStatus, request, self._held(wait_s)).job_done
-
-    def join_node_check(self, join: api.NodeCheckJoin, wait_s: float = 0.0) -> api.NodeCheckTask:
-        """Join a node-check round (JoinNodeCheck RPC); ``wait_s`` > 0 holds the call until every
-        member joined it or the verdict is out (a long poll)."""
-        request = wire.check_join_to_pb(join, wait_s)
-        return wire.check_task_from_pb(
-            self.call(self.stub.JoinNodeCheck, request, self._held(wait_s))
-        )
-
-    def report_node_check(self, report: api.NodeCheckReport) -> None:
-        """Report this node's result of a node-check round (ReportNodeCheck RPC)."""
-        self.call(self.stub.ReportNodeCheck, wire.check_report_to_pb(report))
-
-    def report_failure(self, node_id: str, incarnation: int, record: api.FailureRecord) -> None:
-        """Record a classified failure of this node (ReportFailure RPC)."""
-        request = pb.ReportFailureRequest(
-            node_id=node_id, incarnation=incarnation, record=wire.failure_to_pb(record)
-        )
-        self.call(self.stub.ReportFailure, request)
-
-    def get_failures(self) -> tuple[api.FailureRecord, ...]:
-        """Every failure the job recorded, oldest first (GetFailures RPC)."""
-        response = self.call(self.stub.GetFailures, pb.GetFailuresRequest())
-        return tuple(wire.failure_from_pb(f) for f in response.failures)
-
-    def get_job_status(self, with_nodes: bool = True) -> api.JobStatus:
-        """The job and (``with_nodes``) its nodes as the master sees them (GetJobStatus RPC)."""
-        request = pb.GetJobStatusRequest(without_nodes=not with_nodes)
-        return wire.job_status_from_pb(self.call(self.stub.GetJobStatus, request))
+    def invoke(self, call: Rpc, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """One RPC of the interfaces (`dlrover.api.wire.RPCS`) with these arguments: its request
+        encoded, sent with this client's deadline (a long poll's: what the master may hold it
+        plus the usual time) and token, its answer decoded; refusals raise."""
+        request = call.encode_request(args, kwargs)
+        timeout = None
+        if "wait_s" in request.DESCRIPTOR.fields_by_name:
+            timeout = self._held(request.wait_s)  # type: ignore[attr-defined]
+        return call.decode_response(self.call(getattr(self.stub, call.name), request, timeout))
 
     def _held(self, wait_s: float) -> float:
         """The deadline of a long poll: what the master may hold it, plus the usual RPC time."""
         return min(max(0.0, wait_s), MAX_LONG_POLL_S) + self._timeout
 
-    def stop_job(self, reason: str) -> api.JobStatus:
-        """End the job as failed with ``reason`` (StopJob RPC); returns its status."""
-        request = pb.StopJobRequest(reason=reason)
-        return wire.job_status_from_pb(self.call(self.stub.StopJob, request))
-
-    def scale_role(self, role: str, count: int) -> tuple[str, int]:
-        """Ask for ``count`` nodes of ``role`` (ScaleRole RPC): what the master will do, and the
-        id of the request, which its report carries."""
-        request = pb.ScaleRoleRequest(role=role, count=count)
-        response = self.call(self.stub.ScaleRole, request)
-        return str(response.message), int(response.request_id)
-
-    # --- key-value -----------------------------------------------------------------------------
-    def kv_set(self, key: str, value: bytes) -> None:
-        """Store ``value`` under ``key`` (KvSet RPC)."""
-        self.call(self.stub.KvSet, pb.KvSetRequest(key=key, value=value))
-
-    def kv_get(self, key: str, wait_s: float = 0.0) -> bytes | None:
-        """The value of ``key``, asking again until ``wait_s`` seconds have passed (the master holds
-        each KvGet at most MAX_KV_WAIT_S); None if it never appeared."""
-        deadline = time.monotonic() + wait_s
-        while True:
-            left = max(0.0, deadline - time.monotonic())
-            resp = self.call(
-                self.stub.KvGet, pb.KvGetRequest(key=key, wait_s=left), left + self._timeout
-            )
-            if resp.found:
-                return bytes(resp.value)
-            if time.monotonic() >= deadline:
-                return None
-
-    # --- training-process calls ----------------------------------------------------------------
+    # --- calls with more to do on this side than one RPC ---------------------------------------
     def report_step(
         self,
         step: int,
@@ -242,40 +164,32 @@ class MasterClient:
         metrics: dict[str, float] | None = None,
         node_id: str | None = None,
     ) -> None:
-        """Tell the master the training step this process has completed."""
-        self.call(
-            self.stub.ReportStep,
-            pb.ReportStepRequest(
-                node_id=node_id or os.environ.get(ENV_NODE_ID, ""),
-                rank=WorkerContext.from_env().rank if rank is None else rank,
-                step=step,
-                timestamp=time.time(),
-                metrics=metrics or {},
-            ),
+        """Tell the master the training step this process has completed (ReportStep RPC); the
+        node and rank default to this process's."""
+        rank = WorkerContext.from_env().rank if rank is None else rank
+        _MasterRpcs.report_step(
+            self, step, rank, metrics or {}, node_id or os.environ.get(ENV_NODE_ID, "")
         )
 
-    # --- flash-checkpoint votes ----------------------------------------------------------------
-    def checkpoint_persisted(self, step: int, node_rank: int, total_nodes: int) -> bool:
-        """Report that this node persisted all its files of ``step`` (CheckpointPersisted RPC); True
-        if it is the step's committer."""
-        request = pb.CheckpointPersistedRequest(
-            step=step, node_rank=node_rank, total_nodes=total_nodes
-        )
-        return bool(self.call(self.stub.CheckpointPersisted, request).committer)
-
-    def checkpoint_committed(self, step: int) -> None:
-        """Mark ``step`` committed (CheckpointCommitted RPC with ``mark`` set)."""
-        self.call(
-            self.stub.CheckpointCommitted, pb.CheckpointCommittedRequest(step=step, mark=True)
-        )
+    def kv_get(self, key: str, wait_s: float = 0.0) -> bytes | None:
+        """The value of ``key``, asking again until ``wait_s`` seconds have passed (the master holds
+        each KvGet at most MAX_KV_WAIT_S); None if it never appeared."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            value: bytes | None = _MasterRpcs.kv_get(
+                self, key, max(0.0, deadline - time.monotonic())
+            )
+            if value is not None:
+                return value
+            if time.monotonic() >= deadline:
+                return None
 
     def wait_checkpoint_committed(self, step: int, wait_s: float) -> bool:
         """Whether ``step`` is committed within ``wait_s`` (asking again every few seconds)."""
         deadline = time.monotonic() + wait_s
         while True:
             wait = min(CHECKPOINT_WAIT_S, max(0.0, deadline - time.monotonic()))
-            request = pb.CheckpointCommittedRequest(step=step, wait_s=wait)
-            if self.call(self.stub.CheckpointCommitted, request, wait + self._timeout).committed:
+            if _MasterRpcs.wait_checkpoint_committed(self, step, wait):
                 return True
             if time.monotonic() >= deadline:
                 return False
@@ -287,13 +201,10 @@ class MasterClient:
         deadline = time.monotonic() + wait_s
         while True:
             wait = min(CHECKPOINT_WAIT_S, max(0.0, deadline - time.monotonic()))
-            request = pb.AgreeLoadStepRequest(
-                node_rank=node_rank, total_nodes=total_nodes, round_id=round_id, wait_s=wait
+            decided, step = _MasterRpcs.vote_load_step(
+                self, node_rank, total_nodes, local_step, round_id, wait
             )
-            if local_step is not None:
-                request.local_step = local_step
-            response = self.call(self.stub.AgreeLoadStep, request, wait + self._timeout)
-            if response.decided:
-                return True, response.step if response.HasField("step") else None
+            if decided:
+                return True, step
             if time.monotonic() >= deadline:
                 return False, None

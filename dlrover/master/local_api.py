@@ -1,6 +1,6 @@
 """`MasterApi` on a JobMaster in this process: the calls' rules in domain types.
 
-The gRPC servicer (`server.py`) converts messages and calls this; an embedded master or a test
+The gRPC handlers (`server.py`, derived from `MasterApi`) call this; an embedded master or a test
 can hand it to an agent directly, with no server and no processes in between.
 """
 

@@ -1,4 +1,4 @@
-"""The master's gRPC service: token check, message caps, and proto <-> JobMaster translation.
+"""The master's gRPC service: token check, message caps, and the handlers derived from the API.
 
 It is an asyncio server (grpc.aio) on a loop thread of its own: a long poll held for one of
 10,000 nodes is a suspended coroutine, not a thread. Handlers that answer at once call the
@@ -22,9 +22,12 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf.message import Message
 
-from dlrover.api import wire
 from dlrover.api.errors import MasterRequestError, UnknownNodeError
-from dlrover.constants import MAX_MESSAGE_BYTES, TOKEN_METADATA_KEY
+from dlrover.api.master import MasterApi
+from dlrover.api.rpc import SERVICE, Rpc, Run
+from dlrover.api.sharding import ShardingTransport, StreamTransport
+from dlrover.api.wire import RPCS
+from dlrover.constants import MAX_CHECKPOINT_WAIT_S, MAX_MESSAGE_BYTES, TOKEN_METADATA_KEY
 from dlrover.master.changes import ChangeFeed
 from dlrover.master.fencing import Fence, Leader
 from dlrover.master.job import JobMaster
@@ -33,14 +36,12 @@ from dlrover.master.local_api import LocalMasterApi, LongPoll, hold_s
 from dlrover.master.nodes import NodeError
 from dlrover.master.rendezvous import RendezvousError
 from dlrover.proto import master_pb2 as pb
-from dlrover.proto import master_pb2_grpc as pb_grpc
-from dlrover.sharding import wire as sharding_wire
-from dlrover.sharding.errors import ShardingError
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-R = TypeVar("R", bound=Message)
+
+__all__ = ["MAX_CHECKPOINT_WAIT_S", "MasterServer", "MasterServerError", "MasterServicer"]
 
 FULL_GC_EVERY_S = 600.0
 """How often a master that owns its process runs a full garbage collection (see MasterServer)."""
@@ -50,9 +51,6 @@ _NEVER = 2**30
 
 _MAX_PENDING_CALLS = 100_000
 """Calls that may queue in gRPC before the loop takes them (a 10,000-node job's burst, x10)."""
-
-MAX_CHECKPOINT_WAIT_S = 10.0
-"""A checkpoint wait held in the master is capped; clients ask again until their own deadline."""
 
 
 class MasterServerError(Exception):
@@ -95,55 +93,14 @@ class _TokenInterceptor(grpc.aio.ServerInterceptor):
         return self._deny
 
 
-def _refusal(e: Exception) -> tuple[grpc.StatusCode, str] | None:
-    """The status a refused request gets, or None for an error that is a bug (re-raised)."""
+def refusal_kind(e: Exception) -> int | None:
+    """The MasterError kind of a refused request, or None for an error that is a bug (the call
+    fails with status UNKNOWN and the master logs it)."""
     if isinstance(e, UnknownNodeError):
-        return grpc.StatusCode.NOT_FOUND, str(e)
-    if isinstance(e, MasterRequestError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(e)
-    if isinstance(e, NodeError):
-        return grpc.StatusCode.FAILED_PRECONDITION, str(e)
-    if isinstance(e, (RendezvousError, KvError, ValueError)):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(e)
+        return pb.MasterError.UNKNOWN_NODE
+    if isinstance(e, (MasterRequestError, NodeError, RendezvousError, KvError, ValueError)):
+        return pb.MasterError.REQUEST
     return None
-
-
-async def _guard_async(context: grpc.aio.ServicerContext, work: Awaitable[T]) -> T:
-    """Await a handler's work; a refused request becomes a clear status, never a stack trace."""
-    try:
-        return await work
-    except Exception as e:
-        refusal = _refusal(e)
-        if refusal is None:
-            raise
-        await context.abort(*refusal)
-    raise AssertionError("unreachable")
-
-
-async def _guard(context: grpc.aio.ServicerContext, fn: Callable[[], T]) -> T:
-    """Run a quick handler inline on the loop (see `_guard_async`)."""
-
-    async def run() -> T:
-        return fn()
-
-    return await _guard_async(context, run())
-
-
-async def _sharding(
-    context: grpc.aio.ServicerContext, response: Callable[..., R], fn: Callable[[], R]
-) -> R:
-    """Run a sharding handler: a ShardingError travels in the response's typed `error` field
-    (the client raises the same class); a malformed request is refused like any other."""
-
-    return await _guard(context, lambda: _sharding_call(response, fn))
-
-
-def _sharding_call(response: Callable[..., R], fn: Callable[[], R]) -> R:
-    """``fn()``, or the response carrying the ShardingError it raised."""
-    try:
-        return fn()
-    except ShardingError as e:
-        return response(error=sharding_wire.error_to_proto(e))
 
 
 class _Waker:
@@ -193,15 +150,12 @@ def _resolve(future: asyncio.Future[None]) -> None:
         future.set_result(None)
 
 
-def _require(request: Message, field: str) -> None:
-    """Refuse (INVALID_ARGUMENT) a request that lacks a message field it cannot do without."""
-    if not request.HasField(field):
-        raise ValueError(f"{type(request).__name__} has no {field!r}: it is required")
-
-
-class MasterServicer(pb_grpc.MasterServicer):
-    """Thin adapter: converts messages (`dlrover.api.wire`) and calls `LocalMasterApi`, where
-    the rules of each call live; refusals become gRPC status codes in `_guard`."""
+class MasterServicer:
+    """The master's gRPC handlers, derived from the interfaces (`dlrover.api.wire.RPCS`): each
+    RPC decodes its request into the interface method's arguments, runs the method on its
+    implementation (`LocalMasterApi` for `MasterApi`, the job's `ShardingService` for the
+    sharding interfaces) inline, on the thread pool or as a long poll held on the loop, and
+    encodes the answer; a refusal travels in the response (see `dlrover.api.rpc`)."""
 
     def __init__(
         self, job: JobMaster, loop: asyncio.AbstractEventLoop, executor: futures.Executor
@@ -213,11 +167,63 @@ class MasterServicer(pb_grpc.MasterServicer):
         self._wakers = {
             id(feed): _Waker(loop, feed) for feed in (job.rounds, job.membership, job.checks)
         }
+        implementations: dict[type, object] = {
+            MasterApi: self.api,
+            ShardingTransport: job.sharding,
+            StreamTransport: job.sharding,
+        }
+        by_name: dict[str, list[Rpc]] = {}
+        for call in RPCS.values():
+            by_name.setdefault(call.name, []).append(call)
+        self.handler = grpc.method_handlers_generic_handler(
+            SERVICE.full_name,
+            {
+                name: grpc.unary_unary_rpc_method_handler(
+                    self._handler(calls, implementations),
+                    request_deserializer=calls[0].request_type.FromString,
+                    response_serializer=calls[0].response_type.SerializeToString,
+                )
+                for name, calls in by_name.items()
+            },
+        )
+        """The generic handler of every RPC, for `grpc.aio.Server.add_generic_rpc_handlers`."""
 
     def close(self) -> None:
         """Detach from the job's change feeds."""
         for waker in self._wakers.values():
             waker.close()
+
+    def _handler(
+        self, calls: list[Rpc], implementations: dict[type, object]
+    ) -> Callable[[Message, grpc.aio.ServicerContext], Awaitable[Message]]:
+        targets = [(call, implementations[call.interface]) for call in calls]
+
+        async def handle(request: Message, context: grpc.aio.ServicerContext) -> Message:
+            # Methods sharing one RPC (checkpoint_committed and its wait) differ in a field.
+            call, target = next(((c, t) for c, t in targets if c.matches(request)), targets[-1])
+            try:
+                return call.encode_response(await self._run(call, target, request))
+            except Exception as e:
+                refused = call.refusal(e, refusal_kind)
+                if refused is None:
+                    raise
+                return refused  # type: ignore[no-any-return]
+
+        return handle
+
+    async def _run(self, call: Rpc, target: object, request: Message) -> Any:
+        args = call.decode_request(request)
+        if call.options.max_wait_s is not None:
+            args["wait_s"] = min(args["wait_s"], call.options.max_wait_s)
+        run = call.options.run
+        if run is Run.POLL:
+            wait_s = args.pop("wait_s")
+            poll = getattr(target, call.options.poll)(**args)
+            return await self._hold(poll, wait_s)
+        method = getattr(target, call.method)
+        if run is Run.POOL or (run is Run.POOL_IF_WAITING and args["wait_s"] > 0):
+            return await self._loop.run_in_executor(self._executor, lambda: method(**args))
+        return method(**args)
 
     async def _hold(self, poll: LongPoll[T], wait_s: float) -> T:
         """Run a long poll as a coroutine: at most hold_s(``wait_s``) seconds, waking when its
@@ -233,502 +239,6 @@ class MasterServicer(pb_grpc.MasterServicer):
             if now >= deadline:
                 return poll.on_timeout()
             await waker.wait(generation, poll.sleep_s(deadline - now, self.job.now()))
-
-    async def _blocking(self, context: grpc.aio.ServicerContext, fn: Callable[[], T]) -> T:
-        """Run a handler that blocks a thread inside the JobMaster on the server's pool."""
-        return await _guard_async(context, self._loop.run_in_executor(self._executor, fn))
-
-    async def RegisterNode(
-        self, request: pb.RegisterNodeRequest, context: grpc.aio.ServicerContext
-    ) -> pb.RegisterNodeResponse:  # noqa: N802
-        """Register an agent; answer its node id, incarnation and the job's node range."""
-        return await _guard(
-            context,
-            lambda: wire.registered_to_pb(
-                self.api.register_node(wire.registration_from_pb(request))
-            ),
-        )
-
-    async def Heartbeat(
-        self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
-    ) -> pb.HeartbeatResponse:  # noqa: N802
-        """Record an agent's heartbeat; answer what it must do and the job's state."""
-
-        return await _guard(
-            context,
-            lambda: wire.heartbeat_reply_to_pb(self.api.heartbeat(wire.heartbeat_from_pb(request))),
-        )
-
-    async def JoinRendezvous(
-        self, request: pb.JoinRendezvousRequest, context: grpc.aio.ServicerContext
-    ) -> pb.JoinRendezvousResponse:  # noqa: N802
-        """Put a node into the next rendezvous round; answer the round's number."""
-        return await _guard(
-            context,
-            lambda: pb.JoinRendezvousResponse(
-                round=self.api.join_rendezvous(wire.join_from_pb(request))
-            ),
-        )
-
-    async def GetCommWorld(
-        self, request: pb.GetCommWorldRequest, context: grpc.aio.ServicerContext
-    ) -> pb.CommWorld:  # noqa: N802
-        """Answer a node's world once its round has closed (``complete`` is False until then);
-        with ``wait_s``, a long poll held until the round closes."""
-        poll = self.api.comm_world_poll(request.node_id, request.round)
-        world = await _guard_async(context, self._hold(poll, request.wait_s))
-        return wire.world_to_pb(world)
-
-    async def NumNodesWaiting(
-        self, request: pb.NumNodesWaitingRequest, context: grpc.aio.ServicerContext
-    ) -> pb.NumNodesWaitingResponse:  # noqa: N802
-        """Answer how many waiting nodes should make the running world re-form, and the newest
-        round."""
-
-        poll = self.api.membership_poll(request.node_id, request.round)
-        w = await _guard_async(context, self._hold(poll, request.wait_s))
-        return pb.NumNodesWaitingResponse(
-            waiting=w.waiting, latest_round=w.latest_round, job_ended=w.job_ended
-        )
-
-    async def KvSet(
-        self, request: pb.KvSetRequest, context: grpc.aio.ServicerContext
-    ) -> pb.KvSetResponse:  # noqa: N802
-        """Store a value in the master's key-value store."""
-
-        def run() -> pb.KvSetResponse:
-            self.api.kv_set(request.key, request.value)
-            return pb.KvSetResponse()
-
-        return await _guard(context, run)
-
-    async def KvGet(
-        self, request: pb.KvGetRequest, context: grpc.aio.ServicerContext
-    ) -> pb.KvGetResponse:  # noqa: N802
-        """Answer a key's value, holding the call up to ``wait_s`` (at most MAX_KV_WAIT_S) for it to
-        appear."""
-
-        def run() -> pb.KvGetResponse:
-            value = self.api.kv_get(request.key, request.wait_s)
-            if value is None:
-                return pb.KvGetResponse(found=False)
-            return pb.KvGetResponse(found=True, value=value)
-
-        if request.wait_s <= 0:
-            return await _guard(context, run)
-        return await self._blocking(context, run)
-
-    async def ReportStep(
-        self, request: pb.ReportStepRequest, context: grpc.aio.ServicerContext
-    ) -> pb.ReportStepResponse:  # noqa: N802
-        """Record a training step that a worker of a node finished."""
-
-        def run() -> pb.ReportStepResponse:
-            self.api.report_step(request.step, request.rank, dict(request.metrics), request.node_id)
-            return pb.ReportStepResponse()
-
-        return await _guard(context, run)
-
-    async def ReportNodeStatus(
-        self, request: pb.ReportNodeStatusRequest, context: grpc.aio.ServicerContext
-    ) -> pb.ReportNodeStatusResponse:  # noqa: N802
-        """Record that a node's workers finished; answer whether the whole job has succeeded
-        (with ``wait_s``, a long poll held until the job has ended: the exit barrier)."""
-        poll = await _guard(context, lambda: self.api.exit_poll(wire.node_report_from_pb(request)))
-        done = await _guard_async(context, self._hold(poll, request.wait_s))
-        return pb.ReportNodeStatusResponse(job_done=done)
-
-    async def JoinNodeCheck(
-        self, request: pb.JoinNodeCheckRequest, context: grpc.aio.ServicerContext
-    ) -> pb.NodeCheckTask:  # noqa: N802
-        """Record a node ready for a node-check round; answer its task once every member joined
-        the round or the verdict is out (with ``wait_s``, a long poll)."""
-        join = wire.check_join_from_pb(request)
-        poll = await _guard(context, lambda: self.api.node_check_poll(join))
-        task = await _guard_async(context, self._hold(poll, request.wait_s))
-        return wire.check_task_to_pb(task)
-
-    async def ReportNodeCheck(
-        self, request: pb.ReportNodeCheckRequest, context: grpc.aio.ServicerContext
-    ) -> pb.ReportNodeCheckResponse:  # noqa: N802
-        """Record a node's result of a node-check round."""
-
-        def run() -> pb.ReportNodeCheckResponse:
-            self.api.report_node_check(wire.check_report_from_pb(request))
-            return pb.ReportNodeCheckResponse()
-
-        return await _guard(context, run)
-
-    async def ReportFailure(
-        self, request: pb.ReportFailureRequest, context: grpc.aio.ServicerContext
-    ) -> pb.ReportFailureResponse:  # noqa: N802
-        """Record a node's classified failure."""
-
-        def run() -> pb.ReportFailureResponse:
-            record = wire.failure_from_pb(request.record)
-            self.api.report_failure(request.node_id, request.incarnation, record)
-            return pb.ReportFailureResponse()
-
-        return await _guard(context, run)
-
-    async def GetFailures(
-        self, request: pb.GetFailuresRequest, context: grpc.aio.ServicerContext
-    ) -> pb.GetFailuresResponse:  # noqa: N802
-        """Answer every failure the job recorded."""
-        return await _guard(
-            context,
-            lambda: pb.GetFailuresResponse(
-                failures=[wire.failure_to_pb(f) for f in self.api.get_failures()]
-            ),
-        )
-
-    async def GetJobStatus(
-        self, request: pb.GetJobStatusRequest, context: grpc.aio.ServicerContext
-    ) -> pb.JobStatus:  # noqa: N802
-        """Answer the job's state and its nodes (``dlrover status``)."""
-        return await _guard(
-            context,
-            lambda: wire.job_status_to_pb(self.api.get_job_status(not request.without_nodes)),
-        )
-
-    async def CheckpointPersisted(
-        self, request: pb.CheckpointPersistedRequest, context: grpc.aio.ServicerContext
-    ) -> pb.CheckpointPersistedResponse:  # noqa: N802
-        """Record that a node persisted a checkpoint step; answer whether it is that step's
-        committer."""
-        return await _guard(
-            context,
-            lambda: pb.CheckpointPersistedResponse(
-                committer=self.api.checkpoint_persisted(
-                    request.step, request.node_rank, request.total_nodes
-                )
-            ),
-        )
-
-    async def CheckpointCommitted(
-        self, request: pb.CheckpointCommittedRequest, context: grpc.aio.ServicerContext
-    ) -> pb.CheckpointCommittedResponse:  # noqa: N802
-        """Mark a checkpoint step committed, or wait (at most MAX_CHECKPOINT_WAIT_S) until it is."""
-
-        def run() -> pb.CheckpointCommittedResponse:
-            if request.mark:
-                self.api.checkpoint_committed(request.step)
-                return pb.CheckpointCommittedResponse(committed=True)
-            wait_s = min(request.wait_s, MAX_CHECKPOINT_WAIT_S)
-            return pb.CheckpointCommittedResponse(
-                committed=self.api.wait_checkpoint_committed(request.step, wait_s)
-            )
-
-        return await self._blocking(context, run)
-
-    async def AgreeLoadStep(
-        self, request: pb.AgreeLoadStepRequest, context: grpc.aio.ServicerContext
-    ) -> pb.AgreeLoadStepResponse:  # noqa: N802
-        """Record a node's vote on the step to load; answer the decision once every node voted
-        (waits at most MAX_CHECKPOINT_WAIT_S)."""
-
-        def run() -> pb.AgreeLoadStepResponse:
-            local = request.local_step if request.HasField("local_step") else None
-            decided, step = self.api.vote_load_step(
-                request.node_rank,
-                request.total_nodes,
-                local,
-                request.round_id,
-                min(request.wait_s, MAX_CHECKPOINT_WAIT_S),
-            )
-            response = pb.AgreeLoadStepResponse(decided=decided)
-            if step is not None:
-                response.step = step
-            return response
-
-        return await self._blocking(context, run)
-
-    async def StopJob(
-        self, request: pb.StopJobRequest, context: grpc.aio.ServicerContext
-    ) -> pb.JobStatus:  # noqa: N802
-        """End the job as failed with the given reason; answer its status."""
-        return await _guard(
-            context, lambda: wire.job_status_to_pb(self.api.stop_job(request.reason))
-        )
-
-    async def ScaleRole(
-        self, request: pb.ScaleRoleRequest, context: grpc.aio.ServicerContext
-    ) -> pb.ScaleRoleResponse:  # noqa: N802
-        """Ask for a number of nodes of a role (the embedding servers); answer what happens."""
-
-        def run() -> pb.ScaleRoleResponse:
-            message, request_id = self.api.scale_role(request.role, request.count)
-            return pb.ScaleRoleResponse(message=message, request_id=request_id)
-
-        return await _guard(context, run)
-
-    # --- dynamic data sharding: messages <-> dataclasses in dlrover/sharding/wire.py -----------
-    async def RegisterDataset(
-        self, request: pb.RegisterDatasetRequest, context: grpc.aio.ServicerContext
-    ) -> pb.RegisterDatasetResponse:  # noqa: N802
-        """Register a dataset for dynamic sharding (the same spec again is a no-op)."""
-
-        def run() -> pb.RegisterDatasetResponse:
-            _require(request, "spec")
-            result = self.job.sharding.register_dataset(
-                sharding_wire.dataset_spec_from_proto(request.spec)
-            )
-            return pb.RegisterDatasetResponse(result=sharding_wire.register_result_to_proto(result))
-
-        return await _sharding(context, pb.RegisterDatasetResponse, run)
-
-    async def FetchShards(
-        self, request: pb.FetchShardsRequest, context: grpc.aio.ServicerContext
-    ) -> pb.FetchShardsResponse:  # noqa: N802
-        """Lease a dataset's next shards to a worker."""
-
-        def run() -> pb.FetchShardsResponse:
-            result = self.job.sharding.fetch_shards(
-                request.dataset, request.worker_id, request.max_count
-            )
-            return pb.FetchShardsResponse(result=sharding_wire.fetch_result_to_proto(result))
-
-        return await _sharding(context, pb.FetchShardsResponse, run)
-
-    async def ReportDone(
-        self, request: pb.ReportDoneRequest, context: grpc.aio.ServicerContext
-    ) -> pb.ReportDoneResponse:  # noqa: N802
-        """Record shards a worker has finished."""
-
-        def run() -> pb.ReportDoneResponse:
-            shard_ids = [sharding_wire.shard_id_from_proto(s) for s in request.shard_ids]
-            result = self.job.sharding.report_done(request.dataset, request.worker_id, shard_ids)
-            return pb.ReportDoneResponse(result=sharding_wire.report_result_to_proto(result))
-
-        return await _sharding(context, pb.ReportDoneResponse, run)
-
-    async def ReportProgress(
-        self, request: pb.ReportProgressRequest, context: grpc.aio.ServicerContext
-    ) -> pb.ReportProgressResponse:  # noqa: N802
-        """Record how far a worker is into a shard, renewing its lease."""
-
-        def run() -> pb.ReportProgressResponse:
-            _require(request, "shard_id")
-            accepted = self.job.sharding.report_progress(
-                request.dataset,
-                request.worker_id,
-                sharding_wire.shard_id_from_proto(request.shard_id),
-                request.consumed,
-            )
-            return pb.ReportProgressResponse(accepted=accepted)
-
-        return await _sharding(context, pb.ReportProgressResponse, run)
-
-    async def RenewLeases(
-        self, request: pb.RenewLeasesRequest, context: grpc.aio.ServicerContext
-    ) -> pb.RenewLeasesResponse:  # noqa: N802
-        """Extend every lease a worker holds on a dataset."""
-
-        def run() -> pb.RenewLeasesResponse:
-            renewed = self.job.sharding.renew_leases(request.dataset, request.worker_id)
-            return pb.RenewLeasesResponse(renewed=renewed)
-
-        return await _sharding(context, pb.RenewLeasesResponse, run)
-
-    async def GetPosition(
-        self, request: pb.GetPositionRequest, context: grpc.aio.ServicerContext
-    ) -> pb.GetPositionResponse:  # noqa: N802
-        """Answer a dataset's consumed position, to save with a checkpoint."""
-
-        def run() -> pb.GetPositionResponse:
-            position = self.job.sharding.get_position(request.dataset)
-            return pb.GetPositionResponse(position=sharding_wire.position_to_proto(position))
-
-        return await _sharding(context, pb.GetPositionResponse, run)
-
-    async def MarkConsumption(
-        self, request: pb.MarkConsumptionRequest, context: grpc.aio.ServicerContext
-    ) -> pb.MarkConsumptionResponse:  # noqa: N802
-        """Record where a worker stands in its iteration over a dataset."""
-
-        def run() -> pb.MarkConsumptionResponse:
-            _require(request, "mark")
-            mark = sharding_wire.consumption_mark_from_proto(request.mark)
-            self.job.sharding.mark_consumption(request.dataset, request.worker_id, mark)
-            return pb.MarkConsumptionResponse()
-
-        return await _sharding(context, pb.MarkConsumptionResponse, run)
-
-    async def PositionAt(
-        self, request: pb.PositionAtRequest, context: grpc.aio.ServicerContext
-    ) -> pb.PositionAtResponse:  # noqa: N802
-        """Answer a dataset's position at a step of every worker, or the workers it still waits
-        for."""
-
-        def run() -> pb.PositionAtResponse:
-            result = self.job.sharding.position_at(request.dataset, request.epoch, request.consumed)
-            return pb.PositionAtResponse(result=sharding_wire.position_at_to_proto(result))
-
-        return await _sharding(context, pb.PositionAtResponse, run)
-
-    async def RestorePosition(
-        self, request: pb.RestorePositionRequest, context: grpc.aio.ServicerContext
-    ) -> pb.RestorePositionResponse:  # noqa: N802
-        """Reset a dataset's queues to a checkpointed position (once per restore token)."""
-
-        def run() -> pb.RestorePositionResponse:
-            _require(request, "position")
-            token = request.token if request.HasField("token") else None
-            applied = self.job.sharding.restore_position(
-                sharding_wire.position_from_proto(request.position), token
-            )
-            return pb.RestorePositionResponse(applied=applied)
-
-        return await _sharding(context, pb.RestorePositionResponse, run)
-
-    async def DatasetProgress(
-        self, request: pb.DatasetProgressRequest, context: grpc.aio.ServicerContext
-    ) -> pb.DatasetProgressResponse:  # noqa: N802
-        """Answer a dataset's progress counters."""
-
-        def run() -> pb.DatasetProgressResponse:
-            progress = self.job.sharding.dataset_progress(request.dataset)
-            return pb.DatasetProgressResponse(
-                result=sharding_wire.dataset_progress_to_proto(progress)
-            )
-
-        return await _sharding(context, pb.DatasetProgressResponse, run)
-
-    # --- streams: messages <-> dataclasses in dlrover/sharding/wire.py ------------------------
-    async def RegisterStream(
-        self, request: pb.RegisterStreamRequest, context: grpc.aio.ServicerContext
-    ) -> pb.RegisterStreamResponse:  # noqa: N802
-        """Register a stream over the Kafka topic its spec names (the same spec again is a
-        no-op). The first registration asks the broker for the partitions: off the loop."""
-
-        def run() -> pb.RegisterStreamResponse:
-            _require(request, "spec")
-            spec = sharding_wire.stream_spec_from_proto(request.spec)
-            result = self.job.sharding.register_stream(spec)
-            return pb.RegisterStreamResponse(result=sharding_wire.register_result_to_proto(result))
-
-        return await self._blocking(context, lambda: _sharding_call(pb.RegisterStreamResponse, run))
-
-    async def FetchStreamShards(
-        self, request: pb.FetchStreamShardsRequest, context: grpc.aio.ServicerContext
-    ) -> pb.FetchStreamShardsResponse:  # noqa: N802
-        """Lease a stream's next record ranges to a worker."""
-
-        def run() -> pb.FetchStreamShardsResponse:
-            result = self.job.sharding.fetch_stream_shards(
-                request.stream, request.worker_id, request.max_count
-            )
-            return pb.FetchStreamShardsResponse(
-                result=sharding_wire.stream_fetch_result_to_proto(result)
-            )
-
-        return await _sharding(context, pb.FetchStreamShardsResponse, run)
-
-    async def ReportStreamDone(
-        self, request: pb.ReportStreamDoneRequest, context: grpc.aio.ServicerContext
-    ) -> pb.ReportStreamDoneResponse:  # noqa: N802
-        """Record record ranges a worker has finished."""
-
-        def run() -> pb.ReportStreamDoneResponse:
-            keys = [(r.partition, r.start) for r in request.shards]
-            accepted = self.job.sharding.report_stream_done(request.stream, request.worker_id, keys)
-            return pb.ReportStreamDoneResponse(accepted=accepted)
-
-        return await _sharding(context, pb.ReportStreamDoneResponse, run)
-
-    async def ReturnStreamShards(
-        self, request: pb.ReturnStreamShardsRequest, context: grpc.aio.ServicerContext
-    ) -> pb.ReportStreamDoneResponse:  # noqa: N802
-        """Take back record ranges a worker will not read further (its pass closed early)."""
-
-        def run() -> pb.ReportStreamDoneResponse:
-            remainders = [(r.partition, r.start, r.resume, r.yielded) for r in request.shards]
-            accepted = self.job.sharding.return_stream_shards(
-                request.stream, request.worker_id, remainders
-            )
-            return pb.ReportStreamDoneResponse(accepted=accepted)
-
-        return await _sharding(context, pb.ReportStreamDoneResponse, run)
-
-    async def RenewStreamLeases(
-        self, request: pb.RenewLeasesRequest, context: grpc.aio.ServicerContext
-    ) -> pb.RenewLeasesResponse:  # noqa: N802
-        """Extend every lease a worker holds on a stream (`dataset` names the stream)."""
-
-        def run() -> pb.RenewLeasesResponse:
-            renewed = self.job.sharding.renew_stream_leases(request.dataset, request.worker_id)
-            return pb.RenewLeasesResponse(renewed=renewed)
-
-        return await _sharding(context, pb.RenewLeasesResponse, run)
-
-    async def MarkStream(
-        self, request: pb.MarkStreamRequest, context: grpc.aio.ServicerContext
-    ) -> pb.MarkStreamResponse:  # noqa: N802
-        """Record where a worker stands in its pass over a stream; refused for a range it no
-        longer holds."""
-
-        def run() -> pb.MarkStreamResponse:
-            _require(request, "mark")
-            mark = sharding_wire.stream_mark_from_proto(request.mark)
-            accepted = self.job.sharding.mark_stream(request.stream, request.worker_id, mark)
-            return pb.MarkStreamResponse(accepted=accepted)
-
-        return await _sharding(context, pb.MarkStreamResponse, run)
-
-    async def StreamPositionAt(
-        self, request: pb.StreamPositionAtRequest, context: grpc.aio.ServicerContext
-    ) -> pb.StreamPositionAtResponse:  # noqa: N802
-        """Answer a stream's position once every worker yielded a number of records, or the
-        workers it still waits for."""
-
-        def run() -> pb.StreamPositionAtResponse:
-            result = self.job.sharding.stream_position_at(request.stream, request.consumed)
-            return pb.StreamPositionAtResponse(
-                result=sharding_wire.stream_position_at_to_proto(result)
-            )
-
-        return await _sharding(context, pb.StreamPositionAtResponse, run)
-
-    async def RestoreStreamPosition(
-        self, request: pb.RestoreStreamPositionRequest, context: grpc.aio.ServicerContext
-    ) -> pb.RestorePositionResponse:  # noqa: N802
-        """Restart a stream at a checkpointed position (once per restore token)."""
-
-        def run() -> pb.RestorePositionResponse:
-            _require(request, "position")
-            token = request.token if request.HasField("token") else None
-            applied = self.job.sharding.restore_stream(
-                sharding_wire.stream_position_from_proto(request.position), token
-            )
-            return pb.RestorePositionResponse(applied=applied)
-
-        return await _sharding(context, pb.RestorePositionResponse, run)
-
-    async def StopStream(
-        self, request: pb.StreamProgressRequest, context: grpc.aio.ServicerContext
-    ) -> pb.StreamProgressResponse:  # noqa: N802
-        """Cut no new shards of a stream: it ends once the ranges in flight are done."""
-
-        def run() -> pb.StreamProgressResponse:
-            progress = self.job.sharding.stop_stream(request.stream)
-            return pb.StreamProgressResponse(
-                result=sharding_wire.stream_progress_to_proto(progress)
-            )
-
-        return await _sharding(context, pb.StreamProgressResponse, run)
-
-    async def StreamProgress(
-        self, request: pb.StreamProgressRequest, context: grpc.aio.ServicerContext
-    ) -> pb.StreamProgressResponse:  # noqa: N802
-        """Answer a stream's counters: committed and end offsets per partition."""
-
-        def run() -> pb.StreamProgressResponse:
-            progress = self.job.sharding.stream_progress(request.stream)
-            return pb.StreamProgressResponse(
-                result=sharding_wire.stream_progress_to_proto(progress)
-            )
-
-        return await _sharding(context, pb.StreamProgressResponse, run)
 
 
 class MasterServer:
@@ -804,7 +314,7 @@ class MasterServer:
             ],
         )
         self._servicer = MasterServicer(self.job, self._loop, self._executor)
-        pb_grpc.add_MasterServicer_to_server(self._servicer, self._server)
+        self._server.add_generic_rpc_handlers((self._servicer.handler,))
         try:
             bound = self._server.add_insecure_port(f"{host}:{port}")
         except RuntimeError as e:

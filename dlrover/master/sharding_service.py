@@ -53,8 +53,8 @@ def _close(source: StreamSource) -> None:
 class ShardingService:
     """Serialises calls onto the ShardManager and saves its state after every change.
 
-    Its methods are those of ShardingTransport (dlrover/client/sharding_transport.py), each
-    one RPC. The state is a few kilobytes (index ranges, not samples), so it is written whole
+    It implements ShardingTransport and StreamTransport (dlrover/api/sharding.py): the master's
+    gRPC handlers of those RPCs call it. The state is a few kilobytes (index ranges, not samples), so it is written whole
     after each call that changes what a restarted master must know; a restarted master
     rebuilds the manager from it and no registered dataset is reset. Lease renewals and
     consumption marks are not saved: leases get a fresh lease time on restore, and marks
@@ -178,7 +178,7 @@ class ShardingService:
         with self._lock:
             return self.manager.stream_position_at(stream, consumed)
 
-    def restore_stream(self, position: StreamPosition, token: str | None) -> bool:
+    def restore_stream_position(self, position: StreamPosition, token: str | None) -> bool:
         """Restart the stream at ``position``, once per ``token``, and save the state."""
         with self._changing():
             return self.manager.restore_stream(position, token)

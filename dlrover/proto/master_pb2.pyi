@@ -7,6 +7,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class MasterError(_message.Message):
+    __slots__ = ("kind", "message")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        REQUEST: _ClassVar[MasterError.Kind]
+        UNKNOWN_NODE: _ClassVar[MasterError.Kind]
+    REQUEST: MasterError.Kind
+    UNKNOWN_NODE: MasterError.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    kind: MasterError.Kind
+    message: str
+    def __init__(self, kind: _Optional[_Union[MasterError.Kind, str]] = ..., message: _Optional[str] = ...) -> None: ...
+
 class JobConfig(_message.Message):
     __slots__ = ("min_nodes", "max_nodes", "node_unit", "last_call_timeout_s", "job_name")
     MIN_NODES_FIELD_NUMBER: _ClassVar[int]
@@ -40,16 +54,18 @@ class RegisterNodeRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., host: _Optional[str] = ..., role: _Optional[str] = ..., local_world_size: _Optional[int] = ..., requested_rank: _Optional[int] = ..., config: _Optional[_Union[JobConfig, _Mapping]] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class RegisterNodeResponse(_message.Message):
-    __slots__ = ("node_id", "incarnation", "config", "heartbeat_interval_s")
+    __slots__ = ("node_id", "incarnation", "config", "heartbeat_interval_s", "refused")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     incarnation: int
     config: JobConfig
     heartbeat_interval_s: float
-    def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., config: _Optional[_Union[JobConfig, _Mapping]] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
+    refused: MasterError
+    def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., config: _Optional[_Union[JobConfig, _Mapping]] = ..., heartbeat_interval_s: _Optional[float] = ..., refused: _Optional[_Union[MasterError, _Mapping]] = ...) -> None: ...
 
 class ResourceUsage(_message.Message):
     __slots__ = ("cpu_percent", "memory_bytes")
@@ -94,14 +110,16 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., usage: _Optional[_Union[ResourceUsage, _Mapping]] = ..., step: _Optional[int] = ..., worker_state: _Optional[str] = ..., restart_count: _Optional[int] = ..., step_time_s: _Optional[float] = ..., attempt_step: _Optional[int] = ..., attempt_step_age_s: _Optional[float] = ..., attempt_first_step: _Optional[int] = ..., attempt_first_age_s: _Optional[float] = ..., step_wall_s: _Optional[float] = ..., step_data_s: _Optional[float] = ..., step_checkpoint_s: _Optional[float] = ..., checkpoint_persist_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("action", "job_state", "heartbeat_interval_s")
+    __slots__ = ("action", "job_state", "heartbeat_interval_s", "refused")
     ACTION_FIELD_NUMBER: _ClassVar[int]
     JOB_STATE_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     action: str
     job_state: str
     heartbeat_interval_s: float
-    def __init__(self, action: _Optional[str] = ..., job_state: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
+    refused: MasterError
+    def __init__(self, action: _Optional[str] = ..., job_state: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., refused: _Optional[_Union[MasterError, _Mapping]] = ...) -> None: ...
 
 class JoinRendezvousRequest(_message.Message):
     __slots__ = ("node_id", "incarnation", "local_world_size", "store_host", "store_port")
@@ -118,10 +136,12 @@ class JoinRendezvousRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., local_world_size: _Optional[int] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ...) -> None: ...
 
 class JoinRendezvousResponse(_message.Message):
-    __slots__ = ("round",)
+    __slots__ = ("round", "refused")
     ROUND_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     round: int
-    def __init__(self, round: _Optional[int] = ...) -> None: ...
+    refused: MasterError
+    def __init__(self, round: _Optional[int] = ..., refused: _Optional[_Union[MasterError, _Mapping]] = ...) -> None: ...
 
 class GetCommWorldRequest(_message.Message):
     __slots__ = ("node_id", "round", "wait_s")
@@ -134,7 +154,7 @@ class GetCommWorldRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., round: _Optional[int] = ..., wait_s: _Optional[float] = ...) -> None: ...
 
 class CommWorld(_message.Message):
-    __slots__ = ("round", "complete", "node_rank", "world_size", "rank_offset", "store_host", "store_port", "excluded", "message", "rejoin", "num_nodes")
+    __slots__ = ("round", "complete", "node_rank", "world_size", "rank_offset", "store_host", "store_port", "excluded", "message", "rejoin", "num_nodes", "refused")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_FIELD_NUMBER: _ClassVar[int]
     NODE_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +166,7 @@ class CommWorld(_message.Message):
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     REJOIN_FIELD_NUMBER: _ClassVar[int]
     NUM_NODES_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     round: int
     complete: bool
     node_rank: int
@@ -157,7 +178,8 @@ class CommWorld(_message.Message):
     message: str
     rejoin: bool
     num_nodes: int
-    def __init__(self, round: _Optional[int] = ..., complete: _Optional[bool] = ..., node_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., rank_offset: _Optional[int] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., excluded: _Optional[bool] = ..., message: _Optional[str] = ..., rejoin: _Optional[bool] = ..., num_nodes: _Optional[int] = ...) -> None: ...
+    refused: MasterError
+    def __init__(self, round: _Optional[int] = ..., complete: _Optional[bool] = ..., node_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., rank_offset: _Optional[int] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., excluded: _Optional[bool] = ..., message: _Optional[str] = ..., rejoin: _Optional[bool] = ..., num_nodes: _Optional[int] = ..., refused: _Optional[_Union[MasterError, _Mapping]] = ...) -> None: ...
 
 class NumNodesWaitingRequest(_message.Message):
     __slots__ = ("node_id", "round", "wait_s")
@@ -170,14 +192,16 @@ class NumNodesWaitingRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., round: _Optional[int] = ..., wait_s: _Optional[float] = ...) -> None: ...
 
 class NumNodesWaitingResponse(_message.Message):
-    __slots__ = ("waiting", "latest_round", "job_ended")
+    __slots__ = ("waiting", "latest_round", "job_ended", "refused")
     WAITING_FIELD_NUMBER: _ClassVar[int]
     LATEST_ROUND_FIELD_NUMBER: _ClassVar[int]
     JOB_ENDED_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     waiting: int
     latest_round: int
     job_ended: bool
-    def __init__(self, waiting: _Optional[int] = ..., latest_round: _Optional[int] = ..., job_ended: _Optional[bool] = ...) -> None: ...
+    refused: MasterError
+    def __init__(self, waiting: _Optional[int] = ..., latest_round: _Optional[int] = ..., job_ended: _Optional[bool] = ..., refused: _Optional[_Union[MasterError, _Mapping]] = ...) -> None: ...
 
 class KvSetRequest(_message.Message):
     __slots__ = ("key", "value")
@@ -188,8 +212,10 @@ class KvSetRequest(_message.Message):
     def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
 
 class KvSetResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("refused",)
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    refused: MasterError
+    def __init__(self, refused: _Optional[_Union[MasterError, _Mapping]] = ...) -> None: ...
 
 class KvGetRequest(_message.Message):
     __slots__ = ("key", "wait_s")
@@ -200,12 +226,12 @@ class KvGetRequest(_message.Message):
     def __init__(self, key: _Optional[str] = ..., wait_s: _Optional[float] = ...) -> None: ...
 
 class KvGetResponse(_message.Message):
-    __slots__ = ("found", "value")
-    FOUND_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("value", "refused")
     VALUE_FIELD_NUMBER: _ClassVar[int]
-    found: bool
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     value: bytes
-    def __init__(self, found: _Optional[bool] = ..., value: _Optional[bytes] = ...) -> None: ...
+    refused: MasterError
+    def __init__(self, value: _Optional[bytes] = ..., refused: _Optional[_Union[MasterError, _Mapping]] = ...) -> None: ...
 
 class ReportStepRequest(_message.Message):
     __slots__ = ("node_id", "rank", "step", "timestamp", "metrics")
@@ -229,8 +255,10 @@ class ReportStepRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., timestamp: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class ReportStepResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("refused",)
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    refused: MasterError
+    def __init__(self, refused: _Optional[_Union[MasterError, _Mapping]] = ...) -> None: ...
 
 class ReportNodeStatusRequest(_message.Message):
     __slots__ = ("node_id", "incarnation", "status", "exit_code", "reason", "wait_s")
@@ -249,10 +277,12 @@ class ReportNodeStatusRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., status: _Optional[str] = ..., exit_code: _Optional[int] = ..., reason: _Optional[str] = ..., wait_s: _Optional[float] = ...) -> None: ...
 
 class ReportNodeStatusResponse(_message.Message):
-    __slots__ = ("job_done",)
+    __slots__ = ("job_done", "refused")
     JOB_DONE_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     job_done: bool
-    def __init__(self, job_done: _Optional[bool] = ...) -> None: ...
+    refused: MasterError
+    def __init__(self, job_done: _Optional[bool] = ..., refused: _Optional[_Union[MasterError, _Mapping]] = ...) -> None: ...
 
 class GetJobStatusRequest(_message.Message):
     __slots__ = ("without_nodes",)
@@ -295,7 +325,7 @@ class NodeStatus(_message.Message):
     def __init__(self, step_wall_s: _Optional[float] = ..., step_data_s: _Optional[float] = ..., step_checkpoint_s: _Optional[float] = ..., node_id: _Optional[str] = ..., state: _Optional[str] = ..., node_rank: _Optional[int] = ..., host: _Optional[str] = ..., step: _Optional[int] = ..., restart_count: _Optional[int] = ..., last_heartbeat_age_s: _Optional[float] = ..., role: _Optional[str] = ..., cpu_percent: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., check: _Optional[str] = ..., score: _Optional[float] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job_name", "state", "round", "nodes", "reason", "exit_code", "node_check", "autoscale", "goodput", "metrics_port", "embedding_servers")
+    __slots__ = ("job_name", "state", "round", "nodes", "reason", "exit_code", "node_check", "autoscale", "goodput", "metrics_port", "embedding_servers", "refused")
     JOB_NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -307,6 +337,7 @@ class JobStatus(_message.Message):
     GOODPUT_FIELD_NUMBER: _ClassVar[int]
     METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_SERVERS_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     job_name: str
     state: str
     round: int
@@ -318,7 +349,8 @@ class JobStatus(_message.Message):
     goodput: float
     metrics_port: int
     embedding_servers: _containers.RepeatedCompositeFieldContainer[EmbeddingServerStatus]
-    def __init__(self, job_name: _Optional[str] = ..., state: _Optional[str] = ..., round: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., reason: _Optional[str] = ..., exit_code: _Optional[int] = ..., node_check: _Optional[str] = ..., autoscale: _Optional[str] = ..., goodput: _Optional[float] = ..., metrics_port: _Optional[int] = ..., embedding_servers: _Optional[_Iterable[_Union[EmbeddingServerStatus, _Mapping]]] = ...) -> None: ...
+    refused: MasterError
+    def __init__(self, job_name: _Optional[str] = ..., state: _Optional[str] = ..., round: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., reason: _Optional[str] = ..., exit_code: _Optional[int] = ..., node_check: _Optional[str] = ..., autoscale: _Optional[str] = ..., goodput: _Optional[float] = ..., metrics_port: _Optional[int] = ..., embedding_servers: _Optional[_Iterable[_Union[EmbeddingServerStatus, _Mapping]]] = ..., refused: _Optional[_Union[MasterError, _Mapping]] = ...) -> None: ...
 
 class EmbeddingServerStatus(_message.Message):
     __slots__ = ("index", "address", "rows", "bytes", "lookups_per_s")
@@ -355,7 +387,7 @@ class JoinNodeCheckRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., rdzv_round: _Optional[int] = ..., check_round: _Optional[int] = ..., addr: _Optional[str] = ..., straggler_ratio: _Optional[float] = ..., exclude_stragglers: _Optional[bool] = ..., wait_s: _Optional[float] = ...) -> None: ...
 
 class NodeCheckTask(_message.Message):
-    __slots__ = ("state", "check_round", "peers", "index", "excluded", "reason", "summary")
+    __slots__ = ("state", "check_round", "peers", "index", "excluded", "reason", "summary", "refused")
     STATE_FIELD_NUMBER: _ClassVar[int]
     CHECK_ROUND_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
@@ -363,6 +395,7 @@ class NodeCheckTask(_message.Message):
     EXCLUDED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     state: str
     check_round: int
     peers: _containers.RepeatedScalarFieldContainer[str]
@@ -370,7 +403,8 @@ class NodeCheckTask(_message.Message):
     excluded: bool
     reason: str
     summary: str
-    def __init__(self, state: _Optional[str] = ..., check_round: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ..., index: _Optional[int] = ..., excluded: _Optional[bool] = ..., reason: _Optional[str] = ..., summary: _Optional[str] = ...) -> None: ...
+    refused: MasterError
+    def __init__(self, state: _Optional[str] = ..., check_round: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ..., index: _Optional[int] = ..., excluded: _Optional[bool] = ..., reason: _Optional[str] = ..., summary: _Optional[str] = ..., refused: _Optional[_Union[MasterError, _Mapping]] = ...) -> None: ...
 
 class ReportNodeCheckRequest(_message.Message):
     __slots__ = ("node_id", "incarnation", "rdzv_round", "check_round", "ok", "compute_s", "comm_s", "error")
@@ -393,8 +427,10 @@ class ReportNodeCheckRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., rdzv_round: _Optional[int] = ..., check_round: _Optional[int] = ..., ok: _Optional[bool] = ..., compute_s: _Optional[float] = ..., comm_s: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
 
 class ReportNodeCheckResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("refused",)
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    refused: MasterError
+    def __init__(self, refused: _Optional[_Union[MasterError, _Mapping]] = ...) -> None: ...
 
 class FailureRecord(_message.Message):
     __slots__ = ("at", "node_id", "failure_class", "action", "root_cause", "restart_count")
@@ -423,18 +459,22 @@ class ReportFailureRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., record: _Optional[_Union[FailureRecord, _Mapping]] = ...) -> None: ...
 
 class ReportFailureResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("refused",)
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    refused: MasterError
+    def __init__(self, refused: _Optional[_Union[MasterError, _Mapping]] = ...) -> None: ...
 
 class GetFailuresRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class GetFailuresResponse(_message.Message):
-    __slots__ = ("failures",)
+    __slots__ = ("failures", "refused")
     FAILURES_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     failures: _containers.RepeatedCompositeFieldContainer[FailureRecord]
-    def __init__(self, failures: _Optional[_Iterable[_Union[FailureRecord, _Mapping]]] = ...) -> None: ...
+    refused: MasterError
+    def __init__(self, failures: _Optional[_Iterable[_Union[FailureRecord, _Mapping]]] = ..., refused: _Optional[_Union[MasterError, _Mapping]] = ...) -> None: ...
 
 class StopJobRequest(_message.Message):
     __slots__ = ("reason",)
@@ -451,12 +491,14 @@ class ScaleRoleRequest(_message.Message):
     def __init__(self, role: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
 
 class ScaleRoleResponse(_message.Message):
-    __slots__ = ("message", "request_id")
+    __slots__ = ("message", "request_id", "refused")
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     message: str
     request_id: int
-    def __init__(self, message: _Optional[str] = ..., request_id: _Optional[int] = ...) -> None: ...
+    refused: MasterError
+    def __init__(self, message: _Optional[str] = ..., request_id: _Optional[int] = ..., refused: _Optional[_Union[MasterError, _Mapping]] = ...) -> None: ...
 
 class CheckpointPersistedRequest(_message.Message):
     __slots__ = ("step", "node_rank", "total_nodes")
@@ -469,10 +511,12 @@ class CheckpointPersistedRequest(_message.Message):
     def __init__(self, step: _Optional[int] = ..., node_rank: _Optional[int] = ..., total_nodes: _Optional[int] = ...) -> None: ...
 
 class CheckpointPersistedResponse(_message.Message):
-    __slots__ = ("committer",)
+    __slots__ = ("committer", "refused")
     COMMITTER_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     committer: bool
-    def __init__(self, committer: _Optional[bool] = ...) -> None: ...
+    refused: MasterError
+    def __init__(self, committer: _Optional[bool] = ..., refused: _Optional[_Union[MasterError, _Mapping]] = ...) -> None: ...
 
 class CheckpointCommittedRequest(_message.Message):
     __slots__ = ("step", "mark", "wait_s")
@@ -485,10 +529,12 @@ class CheckpointCommittedRequest(_message.Message):
     def __init__(self, step: _Optional[int] = ..., mark: _Optional[bool] = ..., wait_s: _Optional[float] = ...) -> None: ...
 
 class CheckpointCommittedResponse(_message.Message):
-    __slots__ = ("committed",)
+    __slots__ = ("committed", "refused")
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     committed: bool
-    def __init__(self, committed: _Optional[bool] = ...) -> None: ...
+    refused: MasterError
+    def __init__(self, committed: _Optional[bool] = ..., refused: _Optional[_Union[MasterError, _Mapping]] = ...) -> None: ...
 
 class AgreeLoadStepRequest(_message.Message):
     __slots__ = ("node_rank", "total_nodes", "local_step", "round_id", "wait_s")
@@ -505,12 +551,14 @@ class AgreeLoadStepRequest(_message.Message):
     def __init__(self, node_rank: _Optional[int] = ..., total_nodes: _Optional[int] = ..., local_step: _Optional[int] = ..., round_id: _Optional[int] = ..., wait_s: _Optional[float] = ...) -> None: ...
 
 class AgreeLoadStepResponse(_message.Message):
-    __slots__ = ("decided", "step")
+    __slots__ = ("decided", "step", "refused")
     DECIDED_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     decided: bool
     step: int
-    def __init__(self, decided: _Optional[bool] = ..., step: _Optional[int] = ...) -> None: ...
+    refused: MasterError
+    def __init__(self, decided: _Optional[bool] = ..., step: _Optional[int] = ..., refused: _Optional[_Union[MasterError, _Mapping]] = ...) -> None: ...
 
 class ShardingError(_message.Message):
     __slots__ = ("kind", "message")
@@ -687,12 +735,14 @@ class RegisterDatasetRequest(_message.Message):
     def __init__(self, spec: _Optional[_Union[DatasetSpec, _Mapping]] = ...) -> None: ...
 
 class RegisterDatasetResponse(_message.Message):
-    __slots__ = ("error", "result")
+    __slots__ = ("error", "result", "refused")
     ERROR_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     error: ShardingError
     result: RegisterResult
-    def __init__(self, error: _Optional[_Union[ShardingError, _Mapping]] = ..., result: _Optional[_Union[RegisterResult, _Mapping]] = ...) -> None: ...
+    refused: MasterError
+    def __init__(self, error: _Optional[_Union[ShardingError, _Mapping]] = ..., result: _Optional[_Union[RegisterResult, _Mapping]] = ..., refused: _Optional[_Union[MasterError, _Mapping]] = ...) -> None: ...
 
 class FetchShardsRequest(_message.Message):
     __slots__ = ("dataset", "worker_id", "max_count")
@@ -705,12 +755,14 @@ class FetchShardsRequest(_message.Message):
     def __init__(self, dataset: _Optional[str] = ..., worker_id: _Optional[str] = ..., max_count: _Optional[int] = ...) -> None: ...
 
 class FetchShardsResponse(_message.Message):
-    __slots__ = ("error", "result")
+    __slots__ = ("error", "result", "refused")
     ERROR_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     error: ShardingError
     result: FetchResult
-    def __init__(self, error: _Optional[_Union[ShardingError, _Mapping]] = ..., result: _Optional[_Union[FetchResult, _Mapping]] = ...) -> None: ...
+    refused: MasterError
+    def __init__(self, error: _Optional[_Union[ShardingError, _Mapping]] = ..., result: _Optional[_Union[FetchResult, _Mapping]] = ..., refused: _Optional[_Union[MasterError, _Mapping]] = ...) -> None: ...
 
 class ReportDoneRequest(_message.Message):
     __slots__ = ("dataset", "worker_id", "shard_ids")
@@ -723,12 +775,14 @@ class ReportDoneRequest(_message.Message):
     def __init__(self, dataset: _Optional[str] = ..., worker_id: _Optional[str] = ..., shard_ids: _Optional[_Iterable[_Union[ShardId, _Mapping]]] = ...) -> None: ...
 
 class ReportDoneResponse(_message.Message):
-    __slots__ = ("error", "result")
+    __slots__ = ("error", "result", "refused")
     ERROR_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     error: ShardingError
     result: ReportResult
-    def __init__(self, error: _Optional[_Union[ShardingError, _Mapping]] = ..., result: _Optional[_Union[ReportResult, _Mapping]] = ...) -> None: ...
+    refused: MasterError
+    def __init__(self, error: _Optional[_Union[ShardingError, _Mapping]] = ..., result: _Optional[_Union[ReportResult, _Mapping]] = ..., refused: _Optional[_Union[MasterError, _Mapping]] = ...) -> None: ...
 
 class ReportProgressRequest(_message.Message):
     __slots__ = ("dataset", "worker_id", "shard_id", "consumed")
@@ -743,12 +797,14 @@ class ReportProgressRequest(_message.Message):
     def __init__(self, dataset: _Optional[str] = ..., worker_id: _Optional[str] = ..., shard_id: _Optional[_Union[ShardId, _Mapping]] = ..., consumed: _Optional[int] = ...) -> None: ...
 
 class ReportProgressResponse(_message.Message):
-    __slots__ = ("error", "accepted")
+    __slots__ = ("error", "accepted", "refused")
     ERROR_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     error: ShardingError
     accepted: bool
-    def __init__(self, error: _Optional[_Union[ShardingError, _Mapping]] = ..., accepted: _Optional[bool] = ...) -> None: ...
+    refused: MasterError
+    def __init__(self, error: _Optional[_Union[ShardingError, _Mapping]] = ..., accepted: _Optional[bool] = ..., refused: _Optional[_Union[MasterError, _Mapping]] = ...) -> None: ...
 
 class RenewLeasesRequest(_message.Message):
     __slots__ = ("dataset", "worker_id")
@@ -759,12 +815,14 @@ class RenewLeasesRequest(_message.Message):
     def __init__(self, dataset: _Optional[str] = ..., worker_id: _Optional[str] = ...) -> None: ...
 
 class RenewLeasesResponse(_message.Message):
-    __slots__ = ("error", "renewed")
+    __slots__ = ("error", "renewed", "refused")
     ERROR_FIELD_NUMBER: _ClassVar[int]
     RENEWED_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     error: ShardingError
     renewed: int
-    def __init__(self, error: _Optional[_Union[ShardingError, _Mapping]] = ..., renewed: _Optional[int] = ...) -> None: ...
+    refused: MasterError
+    def __init__(self, error: _Optional[_Union[ShardingError, _Mapping]] = ..., renewed: _Optional[int] = ..., refused: _Optional[_Union[MasterError, _Mapping]] = ...) -> None: ...
 
 class GetPositionRequest(_message.Message):
     __slots__ = ("dataset",)
@@ -773,12 +831,14 @@ class GetPositionRequest(_message.Message):
     def __init__(self, dataset: _Optional[str] = ...) -> None: ...
 
 class GetPositionResponse(_message.Message):
-    __slots__ = ("error", "position")
+    __slots__ = ("error", "position", "refused")
     ERROR_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     error: ShardingError
     position: Position
-    def __init__(self, error: _Optional[_Union[ShardingError, _Mapping]] = ..., position: _Optional[_Union[Position, _Mapping]] = ...) -> None: ...
+    refused: MasterError
+    def __init__(self, error: _Optional[_Union[ShardingError, _Mapping]] = ..., position: _Optional[_Union[Position, _Mapping]] = ..., refused: _Optional[_Union[MasterError, _Mapping]] = ...) -> None: ...
 
 class MarkConsumptionRequest(_message.Message):
     __slots__ = ("dataset", "worker_id", "mark")
@@ -791,10 +851,12 @@ class MarkConsumptionRequest(_message.Message):
     def __init__(self, dataset: _Optional[str] = ..., worker_id: _Optional[str] = ..., mark: _Optional[_Union[ConsumptionMark, _Mapping]] = ...) -> None: ...
 
 class MarkConsumptionResponse(_message.Message):
-    __slots__ = ("error",)
+    __slots__ = ("error", "refused")
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     error: ShardingError
-    def __init__(self, error: _Optional[_Union[ShardingError, _Mapping]] = ...) -> None: ...
+    refused: MasterError
+    def __init__(self, error: _Optional[_Union[ShardingError, _Mapping]] = ..., refused: _Optional[_Union[MasterError, _Mapping]] = ...) -> None: ...
 
 class PositionAtRequest(_message.Message):
     __slots__ = ("dataset", "epoch", "consumed")
@@ -807,12 +869,14 @@ class PositionAtRequest(_message.Message):
     def __init__(self, dataset: _Optional[str] = ..., epoch: _Optional[int] = ..., consumed: _Optional[int] = ...) -> None: ...
 
 class PositionAtResponse(_message.Message):
-    __slots__ = ("error", "result")
+    __slots__ = ("error", "result", "refused")
     ERROR_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     error: ShardingError
     result: PositionAt
-    def __init__(self, error: _Optional[_Union[ShardingError, _Mapping]] = ..., result: _Optional[_Union[PositionAt, _Mapping]] = ...) -> None: ...
+    refused: MasterError
+    def __init__(self, error: _Optional[_Union[ShardingError, _Mapping]] = ..., result: _Optional[_Union[PositionAt, _Mapping]] = ..., refused: _Optional[_Union[MasterError, _Mapping]] = ...) -> None: ...
 
 class RestorePositionRequest(_message.Message):
     __slots__ = ("position", "token")
@@ -823,12 +887,14 @@ class RestorePositionRequest(_message.Message):
     def __init__(self, position: _Optional[_Union[Position, _Mapping]] = ..., token: _Optional[str] = ...) -> None: ...
 
 class RestorePositionResponse(_message.Message):
-    __slots__ = ("error", "applied")
+    __slots__ = ("error", "applied", "refused")
     ERROR_FIELD_NUMBER: _ClassVar[int]
     APPLIED_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     error: ShardingError
     applied: bool
-    def __init__(self, error: _Optional[_Union[ShardingError, _Mapping]] = ..., applied: _Optional[bool] = ...) -> None: ...
+    refused: MasterError
+    def __init__(self, error: _Optional[_Union[ShardingError, _Mapping]] = ..., applied: _Optional[bool] = ..., refused: _Optional[_Union[MasterError, _Mapping]] = ...) -> None: ...
 
 class DatasetProgressRequest(_message.Message):
     __slots__ = ("dataset",)
@@ -837,12 +903,14 @@ class DatasetProgressRequest(_message.Message):
     def __init__(self, dataset: _Optional[str] = ...) -> None: ...
 
 class DatasetProgressResponse(_message.Message):
-    __slots__ = ("error", "result")
+    __slots__ = ("error", "result", "refused")
     ERROR_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     error: ShardingError
     result: DatasetProgress
-    def __init__(self, error: _Optional[_Union[ShardingError, _Mapping]] = ..., result: _Optional[_Union[DatasetProgress, _Mapping]] = ...) -> None: ...
+    refused: MasterError
+    def __init__(self, error: _Optional[_Union[ShardingError, _Mapping]] = ..., result: _Optional[_Union[DatasetProgress, _Mapping]] = ..., refused: _Optional[_Union[MasterError, _Mapping]] = ...) -> None: ...
 
 class PartitionOffset(_message.Message):
     __slots__ = ("partition", "offset")
@@ -957,12 +1025,14 @@ class RegisterStreamRequest(_message.Message):
     def __init__(self, spec: _Optional[_Union[StreamSpec, _Mapping]] = ...) -> None: ...
 
 class RegisterStreamResponse(_message.Message):
-    __slots__ = ("error", "result")
+    __slots__ = ("error", "result", "refused")
     ERROR_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     error: ShardingError
     result: RegisterResult
-    def __init__(self, error: _Optional[_Union[ShardingError, _Mapping]] = ..., result: _Optional[_Union[RegisterResult, _Mapping]] = ...) -> None: ...
+    refused: MasterError
+    def __init__(self, error: _Optional[_Union[ShardingError, _Mapping]] = ..., result: _Optional[_Union[RegisterResult, _Mapping]] = ..., refused: _Optional[_Union[MasterError, _Mapping]] = ...) -> None: ...
 
 class FetchStreamShardsRequest(_message.Message):
     __slots__ = ("stream", "worker_id", "max_count")
@@ -975,12 +1045,14 @@ class FetchStreamShardsRequest(_message.Message):
     def __init__(self, stream: _Optional[str] = ..., worker_id: _Optional[str] = ..., max_count: _Optional[int] = ...) -> None: ...
 
 class FetchStreamShardsResponse(_message.Message):
-    __slots__ = ("error", "result")
+    __slots__ = ("error", "result", "refused")
     ERROR_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     error: ShardingError
     result: StreamFetchResult
-    def __init__(self, error: _Optional[_Union[ShardingError, _Mapping]] = ..., result: _Optional[_Union[StreamFetchResult, _Mapping]] = ...) -> None: ...
+    refused: MasterError
+    def __init__(self, error: _Optional[_Union[ShardingError, _Mapping]] = ..., result: _Optional[_Union[StreamFetchResult, _Mapping]] = ..., refused: _Optional[_Union[MasterError, _Mapping]] = ...) -> None: ...
 
 class ReportStreamDoneRequest(_message.Message):
     __slots__ = ("stream", "worker_id", "shards")
@@ -993,12 +1065,14 @@ class ReportStreamDoneRequest(_message.Message):
     def __init__(self, stream: _Optional[str] = ..., worker_id: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[StreamRange, _Mapping]]] = ...) -> None: ...
 
 class ReportStreamDoneResponse(_message.Message):
-    __slots__ = ("error", "accepted")
+    __slots__ = ("error", "accepted", "refused")
     ERROR_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     error: ShardingError
     accepted: int
-    def __init__(self, error: _Optional[_Union[ShardingError, _Mapping]] = ..., accepted: _Optional[int] = ...) -> None: ...
+    refused: MasterError
+    def __init__(self, error: _Optional[_Union[ShardingError, _Mapping]] = ..., accepted: _Optional[int] = ..., refused: _Optional[_Union[MasterError, _Mapping]] = ...) -> None: ...
 
 class StreamRemainder(_message.Message):
     __slots__ = ("partition", "start", "resume", "yielded")
@@ -1013,14 +1087,22 @@ class StreamRemainder(_message.Message):
     def __init__(self, partition: _Optional[int] = ..., start: _Optional[int] = ..., resume: _Optional[int] = ..., yielded: _Optional[int] = ...) -> None: ...
 
 class ReturnStreamShardsRequest(_message.Message):
-    __slots__ = ("stream", "worker_id", "shards")
+    __slots__ = ("stream", "worker_id", "remainders")
     STREAM_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
-    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    REMAINDERS_FIELD_NUMBER: _ClassVar[int]
     stream: str
     worker_id: str
-    shards: _containers.RepeatedCompositeFieldContainer[StreamRemainder]
-    def __init__(self, stream: _Optional[str] = ..., worker_id: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[StreamRemainder, _Mapping]]] = ...) -> None: ...
+    remainders: _containers.RepeatedCompositeFieldContainer[StreamRemainder]
+    def __init__(self, stream: _Optional[str] = ..., worker_id: _Optional[str] = ..., remainders: _Optional[_Iterable[_Union[StreamRemainder, _Mapping]]] = ...) -> None: ...
+
+class RenewStreamLeasesRequest(_message.Message):
+    __slots__ = ("stream", "worker_id")
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    stream: str
+    worker_id: str
+    def __init__(self, stream: _Optional[str] = ..., worker_id: _Optional[str] = ...) -> None: ...
 
 class MarkStreamRequest(_message.Message):
     __slots__ = ("stream", "worker_id", "mark")
@@ -1033,12 +1115,14 @@ class MarkStreamRequest(_message.Message):
     def __init__(self, stream: _Optional[str] = ..., worker_id: _Optional[str] = ..., mark: _Optional[_Union[StreamMark, _Mapping]] = ...) -> None: ...
 
 class MarkStreamResponse(_message.Message):
-    __slots__ = ("error", "accepted")
+    __slots__ = ("error", "accepted", "refused")
     ERROR_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     error: ShardingError
     accepted: bool
-    def __init__(self, error: _Optional[_Union[ShardingError, _Mapping]] = ..., accepted: _Optional[bool] = ...) -> None: ...
+    refused: MasterError
+    def __init__(self, error: _Optional[_Union[ShardingError, _Mapping]] = ..., accepted: _Optional[bool] = ..., refused: _Optional[_Union[MasterError, _Mapping]] = ...) -> None: ...
 
 class StreamPositionAtRequest(_message.Message):
     __slots__ = ("stream", "consumed")
@@ -1049,12 +1133,14 @@ class StreamPositionAtRequest(_message.Message):
     def __init__(self, stream: _Optional[str] = ..., consumed: _Optional[int] = ...) -> None: ...
 
 class StreamPositionAtResponse(_message.Message):
-    __slots__ = ("error", "result")
+    __slots__ = ("error", "result", "refused")
     ERROR_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     error: ShardingError
     result: StreamPositionAt
-    def __init__(self, error: _Optional[_Union[ShardingError, _Mapping]] = ..., result: _Optional[_Union[StreamPositionAt, _Mapping]] = ...) -> None: ...
+    refused: MasterError
+    def __init__(self, error: _Optional[_Union[ShardingError, _Mapping]] = ..., result: _Optional[_Union[StreamPositionAt, _Mapping]] = ..., refused: _Optional[_Union[MasterError, _Mapping]] = ...) -> None: ...
 
 class RestoreStreamPositionRequest(_message.Message):
     __slots__ = ("position", "token")
@@ -1071,9 +1157,11 @@ class StreamProgressRequest(_message.Message):
     def __init__(self, stream: _Optional[str] = ...) -> None: ...
 
 class StreamProgressResponse(_message.Message):
-    __slots__ = ("error", "result")
+    __slots__ = ("error", "result", "refused")
     ERROR_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     error: ShardingError
     result: StreamProgress
-    def __init__(self, error: _Optional[_Union[ShardingError, _Mapping]] = ..., result: _Optional[_Union[StreamProgress, _Mapping]] = ...) -> None: ...
+    refused: MasterError
+    def __init__(self, error: _Optional[_Union[ShardingError, _Mapping]] = ..., result: _Optional[_Union[StreamProgress, _Mapping]] = ..., refused: _Optional[_Union[MasterError, _Mapping]] = ...) -> None: ...

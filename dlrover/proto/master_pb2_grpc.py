@@ -201,7 +201,7 @@ class MasterStub:
                 _registered_method=True)
         self.RenewStreamLeases = channel.unary_unary(
                 '/dlrover.Master/RenewStreamLeases',
-                request_serializer=dlrover_dot_proto_dot_master__pb2.RenewLeasesRequest.SerializeToString,
+                request_serializer=dlrover_dot_proto_dot_master__pb2.RenewStreamLeasesRequest.SerializeToString,
                 response_deserializer=dlrover_dot_proto_dot_master__pb2.RenewLeasesResponse.FromString,
                 _registered_method=True)
         self.MarkStream = channel.unary_unary(
@@ -366,8 +366,8 @@ class MasterServicer:
 
     def RegisterDataset(self, request, context):
         """Dynamic data sharding: one call per ShardingTransport method of the same name
-        (dlrover/client/sharding_transport.py). A refusal of the sharding subsystem comes back in
-        the response's `error` (a ShardingError), never as a gRPC status.
+        (dlrover/api/sharding.py). A refusal of the sharding subsystem comes back in the
+        response's `error` (a ShardingError), never as a gRPC status.
         Create a dataset; the same spec again is a no-op, a different one a DATASET_CONFLICT.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -669,7 +669,7 @@ def add_MasterServicer_to_server(servicer, server):
             ),
             'RenewStreamLeases': grpc.unary_unary_rpc_method_handler(
                     servicer.RenewStreamLeases,
-                    request_deserializer=dlrover_dot_proto_dot_master__pb2.RenewLeasesRequest.FromString,
+                    request_deserializer=dlrover_dot_proto_dot_master__pb2.RenewStreamLeasesRequest.FromString,
                     response_serializer=dlrover_dot_proto_dot_master__pb2.RenewLeasesResponse.SerializeToString,
             ),
             'MarkStream': grpc.unary_unary_rpc_method_handler(
@@ -1614,7 +1614,7 @@ class Master:
             request,
             target,
             '/dlrover.Master/RenewStreamLeases',
-            dlrover_dot_proto_dot_master__pb2.RenewLeasesRequest.SerializeToString,
+            dlrover_dot_proto_dot_master__pb2.RenewStreamLeasesRequest.SerializeToString,
             dlrover_dot_proto_dot_master__pb2.RenewLeasesResponse.FromString,
             options,
             channel_credentials,

@@ -101,7 +101,7 @@ class DatasetSpec:
         return unpermute(index, self.num_shards, mix64(self.seed, 0, epoch))
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON form kept in the master's saved state (the wire uses sharding/wire.py)."""
+        """The JSON form kept in the master's saved state (the wire uses dlrover.api.mapper)."""
         data = asdict(self)
         data["mode"] = self.mode.value
         return data
@@ -181,7 +181,7 @@ class Position:
     pending: tuple[tuple[int, int, int], ...] = field(default_factory=tuple)
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON form a checkpoint keeps (the sampler's state_dict; the wire uses wire.py)."""
+        """The JSON form a checkpoint keeps (the sampler's state_dict; the wire has its own)."""
         return {
             "dataset": self.dataset,
             "epoch": self.epoch,
