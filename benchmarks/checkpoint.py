@@ -762,11 +762,11 @@ def stop_saver_proc(proc: subprocess.Popen[bytes]) -> None:
 
 def bench_persist_priority(state: dict[str, Any], work: Path, args: argparse.Namespace
                            ) -> list[tuple[str, float, float, float, float]]:
-    """Per persist setting: persist time idle and with every core busy, and the busy trainers'
+    """Per persist priority: persist time idle and with every core busy, and the busy trainers'
     mean step time during those persists over the one just before each (their throughput
-    loss). One saver per setting, all started at once, and the settings take turns repeat by
+    loss). One saver per priority, all started at once, and the priorities take turns repeat by
     repeat, so a change in the machine's load hits them alike."""
-    from dlrover.checkpoint.config import ENV_PERSIST_CPU, ENV_PERSIST_PRIORITY
+    from dlrover.checkpoint.config import ENV_PERSIST_PRIORITY
     from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer, StorageType
 
     policies = args.busy_policies.split(",")
@@ -790,11 +790,9 @@ def bench_persist_priority(state: dict[str, Any], work: Path, args: argparse.Nam
 
     try:
         for policy in policies:
-            priority, _, cpu_share = policy.partition("/")
-            name = policy.replace(":", "").replace("/", "-")
+            name = policy.replace(":", "")
             sock = str(work / f"busy-{name}.sock")
-            savers.append(start_saver_proc(
-                sock, {ENV_PERSIST_PRIORITY: priority, ENV_PERSIST_CPU: cpu_share}))
+            savers.append(start_saver_proc(sock, {ENV_PERSIST_PRIORITY: policy}))
             os.environ[ENV_CHECKPOINT_SOCKET] = sock
             ckpts[policy] = DdpCheckpointer(str(work / f"busy-{name}"))
             persist(policy, 600)  # allocation and first touch out of the way
@@ -878,7 +876,7 @@ def report_busy(title: str, priorities: list[tuple[str, float, float, float, flo
     """The busy-node tables, with the ratios the issue asks for (persist <= 2x, step <= 1.1x)."""
     print(f"\n{title}")
     if priorities:
-        print(f"{'priority[/cpu share]':24} {'idle s':>7} {'busy s':>7} {'busy/idle':>9} "
+        print(f"{'persist thread priority':24} {'idle s':>7} {'busy s':>7} {'busy/idle':>9} "
               f"{'step mean during/before':>24}")
         for policy, idle, busy, ratio, slow in priorities:
             print(f"{policy:24} {idle:7.2f} {busy:7.2f} {ratio:9.2f} {slow:24.2f}")
@@ -926,10 +924,8 @@ def main() -> None:
     parser.add_argument("--busy", choices=("also", "only", "skip"), default="also",
                         help="the busy-node rows: persist priority, saves taken with 2 vs 1 "
                              "buffers (default: after the others)")
-    parser.add_argument("--busy-policies", default="idle/0,batch/0,batch,batch:10",
-                        help="persist settings compared: DLROVER_CKPT_PERSIST_PRIORITY, then "
-                        "optionally /DLROVER_CKPT_PERSIST_CPU (batch/0: SCHED_BATCH, no CPU cap; "
-                        "batch: both defaults)")
+    parser.add_argument("--busy-policies", default="idle,batch,batch:10,nice:10",
+                        help="persist priorities compared (DLROVER_CKPT_PERSIST_PRIORITY)")
     parser.add_argument("--busy-steps", type=int, default=30,
                         help="steps of the saves-taken run (memory every step, disk every 10)")
     parser.add_argument("--busy-saves-gb", type=float, default=0.25,

@@ -155,11 +155,6 @@ ENV_CKPT_PERSIST_PRIORITY = "DLROVER_CKPT_PERSIST_PRIORITY"
 at nice 0), ``batch:<n>`` (SCHED_BATCH at niceness n, 0..19), ``idle`` (SCHED_IDLE: only CPU
 time nobody else wants), or ``nice:<n>`` (SCHED_OTHER at niceness n). docs/checkpoint.md has
 the measurements behind the default."""
-ENV_CKPT_PERSIST_CPU = "DLROVER_CKPT_PERSIST_CPU"
-"""Share of the node's CPUs one persist may use while the node has no CPU to spare, 0 < share
-<= 1 (default 0.05; 0: no cap). A persist's CPU time is fixed (checksums and write calls,
-about 0.1 CPU-s per GiB), so on a saturated node a cap spreads it thin: the trainers lose
-little while it runs. With idle CPU on the node a persist is not paced."""
 ENV_CKPT_REPLICA_MIB_S = "DLROVER_CKPT_REPLICA_MIB_S"
 """Cap on the rate an agent pushes checkpoint replicas to its peers, in MiB/s (0: no cap)."""
 

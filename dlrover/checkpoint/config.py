@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 from dlrover.constants import ENV_CHECKPOINT_SOCKET
 from dlrover.constants import ENV_CKPT_BUFFERS as ENV_BUFFERS
-from dlrover.constants import ENV_CKPT_PERSIST_CPU as ENV_PERSIST_CPU
 from dlrover.constants import ENV_CKPT_PERSIST_PRIORITY as ENV_PERSIST_PRIORITY
 from dlrover.constants import ENV_CKPT_REPLICA_MIB_S as ENV_REPLICA_MIB_S
 from dlrover.envvars import number_from_env
@@ -29,8 +28,6 @@ __all__ = [
     "buffers_from_env",
     "CheckpointEnv",
     "run_in_background",
-    "ENV_PERSIST_CPU",
-    "persist_cpu_from_env",
     "ENV_REPLICA_MIB_S",
     "replica_bandwidth_from_env",
     "LATEST_FILE",
@@ -107,22 +104,6 @@ def run_in_background() -> None:
         os.setpriority(os.PRIO_PROCESS, tid, nice)
     except (OSError, AttributeError) as exc:
         logger.debug("cannot set a persist thread's niceness: %s", exc)
-
-
-DEFAULT_PERSIST_CPU = 0.05
-"""Default share of the node's CPUs a persist may use (ENV_PERSIST_CPU)."""
-
-
-def persist_cpu_from_env(env: Mapping[str, str] | None = None) -> float | None:
-    """CPUs' worth of time a persist may use (DLROVER_CKPT_PERSIST_CPU times the CPUs this
-    process may run on), None for no cap; ValueError naming the variable for a value outside
-    0..1."""
-    share = number_from_env(ENV_PERSIST_CPU, DEFAULT_PERSIST_CPU, "a share from 0 to 1", env)
-    if share > 1:
-        raise ValueError(f"{ENV_PERSIST_CPU}={share!r}: give a share from 0 to 1 (0: no cap)")
-    if not share or share == 1:
-        return None
-    return share * len(os.sched_getaffinity(0))
 
 
 DEFAULT_REPLICA_MIB_S = 1024.0

@@ -6,23 +6,16 @@ import abc
 import contextlib
 import ctypes
 import errno
-import logging
 import os
 import shutil
 import threading
-import time
 import uuid
 from collections.abc import Iterator, Sequence
 from typing import IO, Any
 
-from dlrover.checkpoint.config import (
-    PERSIST_CHUNK_BYTES,
-    persist_cpu_from_env,
-    run_in_background,
-)
+from dlrover.checkpoint.config import PERSIST_CHUNK_BYTES, run_in_background
 from dlrover.checkpoint.crc import crc32, crc32_combine
 from dlrover.checkpoint.errors import CheckpointStorageError
-from dlrover.checkpoint.pacer import CpuPacer
 from dlrover.checkpoint.read_ranges import ShortFileError, Span, checksum_file, read_spans
 
 WRITE_THREADS = 4
@@ -382,15 +375,6 @@ def _split(length: int, align: int, base: int = 0) -> list[tuple[int, int]]:
     return [(base + lo, base + min(lo + per, length)) for lo in range(0, length, per)]
 
 
-def _cpu_cap() -> float | None:
-    """The persist CPU cap in CPUs (DLROVER_CKPT_PERSIST_CPU); a bad value is logged, default."""
-    try:
-        return persist_cpu_from_env()
-    except ValueError as exc:
-        logging.getLogger(__name__).warning("%s; using the default", exc)
-        return persist_cpu_from_env({})
-
-
 def _write_ranges(
     data: memoryview, ranges: list[tuple[int, int]], fd: int, direct_fd: int, direct_end: int
 ) -> list[int]:
@@ -398,11 +382,9 @@ def _write_ranges(
     A write O_DIRECT refuses after all (EINVAL) is repeated buffered."""
     crcs = [0] * len(ranges)
     errors: list[OSError] = []
-    pacer = CpuPacer(_cpu_cap())
 
     def write_range(i: int) -> None:
         run_in_background()
-        cpu = time.thread_time()
         lo, hi = ranges[i]
         target = direct_fd if hi <= direct_end and direct_fd >= 0 else fd
         crc = 0
@@ -418,7 +400,6 @@ def _write_ranges(
                             raise
                         target = fd
                 crc = crc32(chunk, crc)
-                cpu = pacer.charge(cpu)
         except OSError as exc:
             errors.append(exc)
         crcs[i] = crc
