@@ -8,8 +8,9 @@ from typing import TypeVar
 import pytest
 from google.protobuf.message import Message
 
+from dlrover.api import sharding_wire as wire
 from dlrover.proto import master_pb2 as pb
-from dlrover.sharding import errors, wire
+from dlrover.sharding import errors
 from dlrover.sharding.config import DEFAULT_LEASE_S, DEFAULT_MAX_RETRIES
 from dlrover.sharding.manager import ShardManager
 from dlrover.sharding.types import (
