@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
 import time
 
+from dlrover.api.retry import while_unreachable
 from dlrover.client.sharding_transport import ShardingTransport
+from dlrover.constants import DEFAULT_MASTER_RECONNECT_S
 from dlrover.sharding.config import (
     DEFAULT_FETCH_TIMEOUT_S,
     DEFAULT_POLL_INTERVAL_S,
@@ -277,7 +280,15 @@ class ShardingClient:
                             free = min(free, self.max_shards - self._leased)
                     result = None
                     if free > 0 and not self._fetching_stopped:
-                        result = self.transport.fetch_shards(self.spec.name, self.worker_id, free)
+                        # A master being restarted is waited for, as agents wait for it:
+                        # training goes on from the queue meanwhile.
+                        result = while_unreachable(
+                            functools.partial(
+                                self.transport.fetch_shards, self.spec.name, self.worker_id, free
+                            ),
+                            time.monotonic() + DEFAULT_MASTER_RECONNECT_S,
+                            f"worker {self.worker_id}: fetching shards",
+                        )
                         for shard in result.shards:
                             self._queue.put_nowait(shard)
                         with self._count_lock:

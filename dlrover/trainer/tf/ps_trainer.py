@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from dlrover import constants as c
+from dlrover.api.errors import MasterUnreachableError
 from dlrover.client.master_client import MasterClient
 from dlrover.client.sharding import GrpcShardingTransport
 from dlrover.client.sharding_client import ShardingClient
@@ -409,8 +410,13 @@ class PsTrainer:
 
     def _rescale_due(self) -> int | None:
         """The ps generation of a newer cluster whose ps all serve (the master scaled them), or
-        None."""
-        raw = self._client.kv_get(c.TF_PS_GENERATION_KEY)
+        None. While the master is unreachable (it is being restarted) none is due: the check
+        runs again after the next shard, and training goes on meanwhile."""
+        try:
+            raw = self._client.kv_get(c.TF_PS_GENERATION_KEY)
+        except MasterUnreachableError as exc:
+            logger.debug("no rescale check while the master does not answer: %s", exc)
+            return None
         if not raw:
             return None
         published = PsGeneration.decode(raw)
