@@ -7,6 +7,7 @@ import queue
 import threading
 import time
 
+from dlrover.backoff import Backoff
 from dlrover.client.sharding_transport import ShardingTransport
 from dlrover.sharding.config import (
     DEFAULT_FETCH_TIMEOUT_S,
@@ -218,7 +219,7 @@ class ShardingClient:
         """
         wait_s = self.fetch_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + wait_s
-        delay = 0.005
+        backoff = Backoff(0.005, 0.2)
         while True:
             answer = self.transport.position_at(self.spec.name, epoch, consumed)
             if answer.position is not None:
@@ -231,8 +232,7 @@ class ShardingClient:
                     f"rank has completed in this epoch."
                 )
             # Waiting on other processes' progress, which reaches us only by asking again.
-            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-            delay = min(delay * 2, 0.2)
+            time.sleep(min(backoff.next(), max(0.0, deadline - time.monotonic())))
 
     def restore_position(self, position: Position, token: str | None = None) -> bool:
         """Reset the master to `position`, dropping this client's prefetched shards."""
