@@ -375,7 +375,8 @@ def bench_replica(state: dict[str, Any], work: Path, args: argparse.Namespace) -
         os.environ[ENV_CHECKPOINT_SOCKET] = saver.socket_path
         place = WorkerPlacement(rank * local_ranks, 0, 2 * local_ranks, local_ranks, rank,
                                 round_id)
-        return CheckpointEngine(str(work / directory), sharded, replica_count=1,
+        return CheckpointEngine(str(work / directory), "dcp" if sharded else "plain",
+                                replica_count=1,
                                 placement=place)
 
     def vote(*engines: CheckpointEngine) -> list[int | None]:

@@ -89,7 +89,8 @@ def test_a_failing_tick_hook_does_not_skip_the_jobs_work(caplog: pytest.LogCaptu
         calls.append("full disk")
         raise OSError(28, "No space left on device")
 
-    job.tick_hooks += [full_disk, lambda now: calls.append("next")]
+    job.add_tick_hook(full_disk)
+    job.add_tick_hook(lambda now: calls.append("next"))
     job.node_lost("n0", "gone")
     job.tick()
     assert job.ended.is_set() and job.reason == "every node was lost"

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from dlrover.api.errors import MasterUnreachableError
+from dlrover.backoff import Backoff
 
 T = TypeVar("T")
 
@@ -18,16 +19,16 @@ def while_unreachable(call: Callable[[], T], deadline: float, what: str) -> T:
     """Run ``call``; while the master does not answer (it is restarting, or the network is
     down), try again with a growing pause (0.05 s .. 1 s) until the monotonic ``deadline``,
     then raise the last MasterUnreachableError. Every other error is raised at once."""
-    pause = 0.05
+    backoff = Backoff(0.05, 1.0)
     warned = False
     while True:
         try:
             return call()
         except MasterUnreachableError as e:
+            pause = backoff.next()
             if time.monotonic() + pause >= deadline:
                 raise
             if not warned:
                 logger.warning("%s: the master does not answer (%s); trying again", what, e)
                 warned = True
         time.sleep(pause)  # nothing to wait on: the master is another process, perhaps gone
-        pause = min(pause * 2, 1.0)

@@ -25,6 +25,7 @@ from dlrover.checkpoint.config import (
     buffers_from_env,
 )
 from dlrover.checkpoint.errors import CheckpointError, CheckpointStorageError, SegmentStateError
+from dlrover.checkpoint.formats import CheckpointFormat, format_named
 from dlrover.checkpoint.layout import Layout, plan_layout, read_state, write_state
 from dlrover.checkpoint.leftovers import owner_prefix
 from dlrover.checkpoint.peer_load import load_from_peer
@@ -82,9 +83,10 @@ class WorkerPlacement:
 class CheckpointEngine:
     """Save/load of one process's part of a checkpoint through a CheckpointSaver.
 
-    ``sharded`` selects who saves: every rank its own part (FSDP), else only local rank 0 of
-    each node copies into memory and only global rank 0 persists (DDP: identical replicas, so
-    one copy per node lets every node load from memory while storage gets one copy).
+    ``fmt`` (a name of ``dlrover.checkpoint.formats.FORMATS``, or a format) selects who saves
+    and how a step is stored: "dcp", every rank its own part (FSDP); "plain", only local rank 0
+    of each node copies into memory and only global rank 0 persists (DDP: identical replicas,
+    so one copy per node lets every node load from memory while storage gets one copy).
 
     Without the agent's socket (plain torchrun/python) an in-process saver is started: saves
     and persists work, but memory does not outlive this process, so crash survival and loading
@@ -99,7 +101,7 @@ class CheckpointEngine:
     def __init__(
         self,
         checkpoint_dir: str,
-        sharded: bool,
+        fmt: str | CheckpointFormat,
         keep_last: int = DEFAULT_KEEP_LAST,
         placement: WorkerPlacement | None = None,
         replica_count: int = 0,
@@ -107,7 +109,7 @@ class CheckpointEngine:
         if replica_count < 0:
             raise ValueError(f"replica_count must be >= 0, got {replica_count}")
         self.checkpoint_dir = checkpoint_dir
-        self.sharded = sharded
+        self.format = format_named(fmt) if isinstance(fmt, str) else fmt
         self.keep_last = keep_last
         self.replica_count = replica_count
         self.place = placement or WorkerPlacement.from_env()
@@ -136,30 +138,28 @@ class CheckpointEngine:
     @property
     def saves_to_memory(self) -> bool:
         """Whether this rank copies into shared memory: every rank when sharded, else local rank 0."""
-        return self.sharded or self.place.local_rank == 0
+        return self.format.saves_to_memory(self.place)
 
     @property
     def slot(self) -> int:
         """The saver slot this rank writes: its local rank when sharded, else 0."""
-        return self.place.local_rank if self.sharded else 0
+        return self.format.slot(self.place)
 
-    def _saving_slots(self) -> dict[int, int]:
-        """Local slot -> global rank, for every saving rank of this node."""
-        base = self.place.node_rank * self.place.local_world_size
-        if self.sharded:
-            return {s: base + s for s in range(self.place.local_world_size)}
-        return {0: self.place.rank - self.place.local_rank}
+    @property
+    def _persists(self) -> bool:
+        """Whether this rank's saves ask for a persist (the format says which ranks do)."""
+        return self.format.persists(self.place)
 
     def _spec(self) -> PersistSpec:
         return PersistSpec(
             checkpoint_dir=self.checkpoint_dir,
-            slots=self._saving_slots(),
-            fmt="dcp" if self.sharded else "plain",
+            slots=self.format.saving_slots(self.place),
+            fmt=self.format.name,  # type: ignore[arg-type]  # a name of FORMATS
             node_rank=self.place.node_rank,
-            persist_nodes=self.place.num_nodes if self.sharded else 1,
+            persist_nodes=self.format.persist_nodes(self.place),
             keep_last=self.keep_last,
-            persists=self.sharded or self.place.rank == 0,
-            replicas=self.replica_count if self.sharded else 0,
+            persists=self._persists,
+            replicas=self.format.replicas(self.replica_count),
             num_nodes=self.place.num_nodes,
             round_id=self.place.round_id,
         )
@@ -188,7 +188,7 @@ class CheckpointEngine:
         with self._lock:
             seg = self._begin_copy(step, layout, persist)
             write_state(seg, layout, step, after_tensor)
-            do_persist = persist and (self.sharded or self.place.rank == 0)
+            do_persist = persist and self._persists
             self.client.request(CopiedRequest(self.slot, step, self._spec(), persist=do_persist))
             if persist:
                 self._last_disk_step = step
@@ -240,7 +240,7 @@ class CheckpointEngine:
     ) -> None:
         try:
             write_state(seg, layout, step, after_tensor)
-            do_persist = persist and (self.sharded or self.place.rank == 0)
+            do_persist = persist and self._persists
             self.client.request(CopiedRequest(self.slot, step, self._spec(), persist=do_persist))
             if persist:
                 self._last_disk_step = step
@@ -327,17 +327,16 @@ class CheckpointEngine:
         """The step every rank agrees to load from memory, if not older than storage's."""
         if self._own_saver is not None:
             return None  # in-process memory does not survive a restart
-        # Sharded: every local rank saves its own part, which must be the same rank's at the
-        # same world size as now; else only slot 0 holds the (replicated) state.
-        ranks = self._saving_slots() if self.sharded else {}
+        # The format says which slots hold this node's state and what a copy must match to
+        # load (sharded: the same rank's part at the same world size as now).
         reply = self.client.request(
             LoadStepRequest(
-                slots=list(ranks) if self.sharded else [0],
+                slots=list(self.format.saving_slots(self.place)),
                 node_rank=self.place.node_rank,
                 total_nodes=self.place.num_nodes,
                 round_id=self.place.round_id,
-                ranks=ranks,
-                world_size=self.place.world_size if self.sharded else None,
+                ranks=self.format.ranks_to_match(self.place),
+                world_size=self.format.world_size_to_match(self.place),
                 timeout=60.0,
                 replica_count=self.replica_count,
                 checkpoint_dir=self.checkpoint_dir,
@@ -358,7 +357,7 @@ class CheckpointEngine:
         then hold part of it: load it from storage)."""
         # A rank that alone reads its slot takes a step held only by a peer straight into its
         # tensors; where several ranks read one slot (DDP), the saver copies it in once.
-        direct = self.sharded or self.place.local_world_size == 1
+        direct = self.format.reads_directly(self.place)
         reply = self.client.request(AttachRequest(self.slot, step, direct=direct))
         if reply.path is None and reply.peer_addr and reply.step is not None:
             got, state, meta = load_from_peer(

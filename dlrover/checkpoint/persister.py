@@ -7,14 +7,13 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 from dlrover.checkpoint.buffers import SlotBuffers
 from dlrover.checkpoint.catalog import Catalog, Finalizer
 from dlrover.checkpoint.config import DEFAULT_PERSIST_WAIT_S, run_in_background
 from dlrover.checkpoint.coordinator import CommitCoordinator
 from dlrover.checkpoint.errors import CheckpointError
-from dlrover.checkpoint.header import read_metadata
+from dlrover.checkpoint.formats import format_named
 from dlrover.checkpoint.saver_messages import PersistSpec, WaitPersistedReply
 from dlrover.checkpoint.shm import SharedSegment
 from dlrover.checkpoint.storage import Storage
@@ -220,24 +219,7 @@ class Persister:
         """Stream every slot of ``spec`` to storage and record this node's part."""
         with self._cond:
             segs = self._segments_of(spec, step)
-        finalize: Finalizer | None = None
-        extra: dict[str, Any] = {}
-        if spec.fmt == "dcp":
-            from dlrover.checkpoint.dcp_writer import persist_dcp, write_dcp_metadata
-
-            files, extra["dcp"] = persist_dcp(
-                catalog, step, {spec.slots[s]: seg for s, seg in segs.items()}
-            )
-            finalize = write_dcp_metadata
-        else:
-            files = {}
-            for slot, seg in segs.items():
-                seq, meta = read_metadata(seg)
-                if meta["step"] != step:
-                    raise CheckpointError(f"slot {slot} moved on from step {step}")
-                files.update(
-                    catalog.persist_plain_part(step, f"rank_{spec.slots[slot]}", seg, meta, seq)
-                )
+        files, extra, finalize = format_named(spec.fmt).write_parts(catalog, step, spec.slots, segs)
         catalog.record_node_part(step, spec.node_rank, files, extra)
         return finalize
 

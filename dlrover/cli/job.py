@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import os
 import sys
@@ -30,6 +29,7 @@ from dlrover.constants import (
     TF_CLUSTER_KEY,
     TF_PS_GENERATION_KEY,
 )
+from dlrover.coordination import PsGeneration, ScaleReport, TfCluster
 from dlrover.engines.registry import BUILTIN_ENGINES
 from dlrover.jobspec import (
     DEFAULT_ENGINE,
@@ -107,11 +107,11 @@ def _tf_cluster_text(client: MasterClient) -> str:
     raw = client.kv_get(TF_CLUSTER_KEY)
     if not raw:
         return ""
-    cluster = json.loads(raw)
+    cluster = TfCluster.decode(raw)
     generation = client.kv_get(TF_PS_GENERATION_KEY)
-    ps = f", ps generation {json.loads(generation)['generation']}" if generation else ""
-    lines = [f"\ntensorflow cluster version {cluster['version']}{ps}:"]
-    for role, addresses in cluster["cluster"].items():
+    ps = f", ps generation {PsGeneration.decode(generation).generation}" if generation else ""
+    lines = [f"\ntensorflow cluster version {cluster.version}{ps}:"]
+    for role, addresses in cluster.cluster.items():
         lines.append(f"  {role:<8} " + "  ".join(f"{i}={a}" for i, a in enumerate(addresses)))
     return "\n".join(lines)
 
@@ -371,25 +371,25 @@ def cmd_scale(name: str, role: str, count: int, timeout_s: float = 300.0) -> int
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             raw = client.kv_get(PS_SCALE_KEY)
-            report = json.loads(raw) if raw else None
-            if report is None or report.get("request") != request:
+            report = ScaleReport.decode(raw) if raw else None
+            if report is None or report.request != request:
                 time.sleep(0.2)  # another process writes it: nothing to wait on but the key
                 continue
-            if report.get("error"):
-                print(f"dlrover: error: scaling failed: {report['error']}", file=sys.stderr)
+            if report.error:
+                print(f"dlrover: error: scaling failed: {report.error}", file=sys.stderr)
                 return 1
-            if report.get("tf"):
+            if report.tf:
                 print(
-                    f"job {name}: {report['servers']} ps serve, "
-                    f"{report.get('seconds', 0.0):.1f}s after the request; the chief "
+                    f"job {name}: {report.servers} ps serve, "
+                    f"{report.seconds or 0.0:.1f}s after the request; the chief "
                     "re-partitions the variables over them from its next checkpoint"
                 )
                 return 0
             print(
-                f"job {name}: {report['servers']} embedding servers in "
-                f"{report.get('seconds', 0.0):.1f}s: {report.get('moved_buckets', 0)} buckets, "
-                f"{report.get('moved_rows', 0)} rows moved; moving buckets paused "
-                f"{report.get('pause_s', 0.0):.2f}s, training went on"
+                f"job {name}: {report.servers} embedding servers in "
+                f"{report.seconds or 0.0:.1f}s: {report.moved_buckets or 0} buckets, "
+                f"{report.moved_rows or 0} rows moved; moving buckets paused "
+                f"{report.pause_s or 0.0:.2f}s, training went on"
             )
             return 0
     except MasterClientError as e:

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dlrover import constants as c
 from dlrover.cli.common import setup_logging
 from dlrover.client.master_client import MasterClient, MasterClientError
+from dlrover.coordination import TfCluster
 
 logger = logging.getLogger("dlrover.tf_node")
 
@@ -78,10 +79,11 @@ def _free_port(host: str, wanted: int) -> int:
 
 
 def _published(raw: bytes | None) -> tuple[int, dict[str, list[str]]]:
+    """(version, role -> addresses) of the cluster spec stored as ``raw``; (0, {}) for none."""
     if not raw:
         return 0, {}
-    value = json.loads(raw)
-    return int(value["version"]), {k: list(v) for k, v in value["cluster"].items()}
+    spec = TfCluster.decode(raw)
+    return spec.version, {role: list(addresses) for role, addresses in spec.cluster.items()}
 
 
 def tf_config(cluster: dict[str, list[str]], role: str, index: int) -> str:

@@ -9,6 +9,7 @@ import threading
 import time
 
 from dlrover.api.retry import while_unreachable
+from dlrover.backoff import Backoff
 from dlrover.client.sharding_transport import ShardingTransport
 from dlrover.constants import DEFAULT_MASTER_RECONNECT_S
 from dlrover.sharding.config import (
@@ -221,7 +222,7 @@ class ShardingClient:
         """
         wait_s = self.fetch_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + wait_s
-        delay = 0.005
+        backoff = Backoff(0.005, 0.2)
         while True:
             answer = self.transport.position_at(self.spec.name, epoch, consumed)
             if answer.position is not None:
@@ -234,8 +235,7 @@ class ShardingClient:
                     f"rank has completed in this epoch."
                 )
             # Waiting on other processes' progress, which reaches us only by asking again.
-            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-            delay = min(delay * 2, 0.2)
+            time.sleep(min(backoff.next(), max(0.0, deadline - time.monotonic())))
 
     def restore_position(self, position: Position, token: str | None = None) -> bool:
         """Reset the master to `position`, dropping this client's prefetched shards."""

@@ -7,6 +7,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
+from dlrover.backoff import Backoff
 from dlrover.client.sharding_transport import StreamTransport
 from dlrover.sharding.config import DEFAULT_FETCH_TIMEOUT_S, DEFAULT_PREFETCH_SHARDS
 from dlrover.sharding.errors import InvalidSpecError, ShardingTimeoutError
@@ -66,7 +67,7 @@ class StreamShardingClient:
         self.start()
         self._renew_if_due()
         deadline = time.monotonic() + timeout_s
-        delay = 0.01
+        backoff = Backoff(0.01, MAX_POLL_INTERVAL_S)
         while not self._leased and not self.finished:
             result = self.transport.fetch_stream_shards(
                 self.spec.name, self.worker_id, self.prefetch
@@ -77,8 +78,7 @@ class StreamShardingClient:
             if self._leased or self.finished or remaining <= 0:
                 break
             # New records reach the master only through the broker; ask again shortly.
-            time.sleep(min(delay, remaining))
-            delay = min(delay * 2, MAX_POLL_INTERVAL_S)
+            time.sleep(min(backoff.next(), remaining))
         return self._leased.popleft() if self._leased else None
 
     def mark(self, mark: StreamMark) -> bool:
@@ -120,7 +120,7 @@ class StreamShardingClient:
         """
         wait_s = self.fetch_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + wait_s
-        delay = 0.005
+        backoff = Backoff(0.005, 0.2)
         while True:
             answer = self.transport.stream_position_at(self.spec.name, consumed)
             if answer.position is not None:
@@ -132,8 +132,7 @@ class StreamShardingClient:
                     f"is unknown. Call state_dict() after a step that every rank has completed."
                 )
             # Other workers' progress reaches us only by asking again.
-            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-            delay = min(delay * 2, 0.2)
+            time.sleep(min(backoff.next(), max(0.0, deadline - time.monotonic())))
 
     def restore_position(self, position: StreamPosition, token: str | None = None) -> bool:
         """Restart the stream at ``position`` (once per ``token``); drops the ranges this client

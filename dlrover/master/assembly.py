@@ -164,7 +164,7 @@ def build_master(
         raise
     running = RunningMaster(job, server.start(), store, web.start() if web else None, tensorboard)
     if web is not None:
-        job.metrics_port = web.port
+        job.serve_metrics_on(web.port)
     if tensorboard is not None:
-        job.tick_hooks.append(tensorboard.maybe_write)
+        job.add_tick_hook(tensorboard.maybe_write)
     return running

@@ -132,11 +132,8 @@ class JobMaster:
             committed=int(store.get_json("checkpoint", "committed") or -1),
             on_committed=self._on_committed,
         )
-        self.metrics_port = 0
-        """Where /metrics and the dashboard are served (0: nowhere)."""
-        self.tick_hooks: list[Callable[[float], None]] = []
-        """Called with the master's time at the end of every `tick` (the TensorBoard exporter);
-        one that raises is logged and does not stop the tick or the other hooks."""
+        self._metrics_port = 0
+        self._tick_hooks: list[Callable[[float], None]] = []
         # The parts' state as the RPC layer, the metrics and the dashboard read it.
         self.nodes = self.members.nodes
         self.rounds = self.members.rounds
@@ -508,7 +505,7 @@ class JobMaster:
             elif not self.ended.is_set() and self.state == JobState.RUNNING:
                 self._check_success()
         # Last, each on its own: an exporter's failure (a full disk) must not skip the job's work.
-        for hook in list(self.tick_hooks):
+        for hook in list(self._tick_hooks):
             try:
                 hook(self._clock())
             except Exception:
@@ -525,6 +522,20 @@ class JobMaster:
         ]
         for node in self.diagnostics.score_stragglers(running, self.config.exclude_stragglers):
             self.members.exclude(node)
+
+    @property
+    def metrics_port(self) -> int:
+        """Where /metrics and the dashboard are served (0: nowhere)."""
+        return self._metrics_port
+
+    def serve_metrics_on(self, port: int) -> None:
+        """Say that /metrics and the dashboard are served on ``port`` (job status reports it)."""
+        self._metrics_port = port
+
+    def add_tick_hook(self, hook: Callable[[float], None]) -> None:
+        """Call ``hook`` with the master's time at the end of every `tick` (the TensorBoard
+        exporter); one that raises is logged and does not stop the tick or the other hooks."""
+        self._tick_hooks.append(hook)
 
     def _set_job_state(self, new: JobState, reason: str) -> None:
         logger.info(

@@ -6,6 +6,7 @@ import dataclasses
 import math
 
 from dlrover.api.master import FailureClass
+from dlrover.constants import DEFAULT_OOM_MAX_MEMORY_MIB, DEFAULT_OOM_MEMORY_FACTOR
 from dlrover.engines.base import FailureReason, InvalidNodeSpecError, NodeEvent, NodeSpec, Resources
 from dlrover.master.node_policy import (
     NodeLossDecision,
@@ -13,9 +14,6 @@ from dlrover.master.node_policy import (
     NodeLossReason,
     decide_node_loss,
 )
-
-DEFAULT_OOM_MEMORY_FACTOR = 1.5
-DEFAULT_OOM_MAX_MEMORY_MIB = 256 * 1024
 
 
 @dataclasses.dataclass(frozen=True)

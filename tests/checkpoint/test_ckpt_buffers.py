@@ -132,7 +132,7 @@ def test_memory_saves_during_a_persist_are_taken_and_the_persist_writes_its_own_
     factory = lambda url: GatedStorage(url, gate, started)  # noqa: E731
     with running_saver(tmp_path, storage_factory=factory) as saver:
         monkeypatch.setenv(ENV_CHECKPOINT_SOCKET, saver.socket_path)
-        engine = CheckpointEngine(ckpt, sharded=False, placement=WorkerPlacement(0, 0, 1, 1, 0, 0))
+        engine = CheckpointEngine(ckpt, "plain", placement=WorkerPlacement(0, 0, 1, 1, 0, 0))
         try:
             assert engine.save(10, expected_state(10), persist=True)
             assert started.wait(60)  # the persist of step 10 is under way, and held
@@ -161,7 +161,7 @@ def test_one_buffer_makes_a_memory_save_wait_instead_of_skipping(
     with running_saver(tmp_path, storage_factory=factory, buffers=1) as saver:
         monkeypatch.setenv(ENV_CHECKPOINT_SOCKET, saver.socket_path)
         engine = CheckpointEngine(
-            str(tmp_path / "ckpt"), sharded=False, placement=WorkerPlacement(0, 0, 1, 1, 0, 0)
+            str(tmp_path / "ckpt"), "plain", placement=WorkerPlacement(0, 0, 1, 1, 0, 0)
         )
         try:
             assert engine.save(10, {"w": torch.ones(4)}, persist=True)

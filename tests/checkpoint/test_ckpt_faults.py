@@ -161,7 +161,7 @@ def test_worker_failure_releases_a_persist_waiting_for_a_dead_rank(
     with running_saver(tmp_path) as saver:
         monkeypatch.setenv(ENV_CHECKPOINT_SOCKET, saver.socket_path)
         rank0 = CheckpointEngine(
-            str(tmp_path / "ckpt"), sharded=True, placement=WorkerPlacement(0, 0, 2, 2, 0, 0)
+            str(tmp_path / "ckpt"), "dcp", placement=WorkerPlacement(0, 0, 2, 2, 0, 0)
         )
         try:
             # Rank 1 dies before copying step 5, so that persist can never start.

@@ -61,7 +61,9 @@ class Node:
         self, ckpt: str, place: WorkerPlacement, sharded: bool, monkeypatch: pytest.MonkeyPatch
     ) -> CheckpointEngine:
         monkeypatch.setenv(ENV_CHECKPOINT_SOCKET, self.saver.socket_path)
-        return CheckpointEngine(ckpt, sharded, placement=place, replica_count=1)
+        return CheckpointEngine(
+            ckpt, "dcp" if sharded else "plain", placement=place, replica_count=1
+        )
 
     def lose(self) -> None:
         """The machine is gone: its saver stops and its shared memory is freed."""
@@ -347,10 +349,10 @@ def test_without_replicas_a_replaced_node_makes_every_node_load_from_storage(
     n1b = Node(tmp_path, "n1b", coordinator, peers)
     try:
         monkeypatch.setenv(ENV_CHECKPOINT_SOCKET, n0.saver.socket_path)
-        e0 = CheckpointEngine(ckpt, False, placement=_place(0, 1))
+        e0 = CheckpointEngine(ckpt, "plain", placement=_place(0, 1))
         assert e0.save(5, _state(7), persist=False)
         monkeypatch.setenv(ENV_CHECKPOINT_SOCKET, n1b.saver.socket_path)
-        e1b = CheckpointEngine(ckpt, False, placement=_place(1, 1))
+        e1b = CheckpointEngine(ckpt, "plain", placement=_place(1, 1))
         assert _together(lambda: e0.memory_step(None), lambda: e1b.memory_step(None)) == [None] * 2
         e0.close()
         e1b.close()

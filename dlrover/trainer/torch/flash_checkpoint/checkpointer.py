@@ -9,8 +9,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from dlrover.checkpoint.catalog import Catalog
+from dlrover.checkpoint.catalog import Catalog, step_dir
 from dlrover.checkpoint.engine import CheckpointEngine
+from dlrover.checkpoint.errors import SegmentStateError
 from dlrover.checkpoint.saver_messages import HeldRequest
 from dlrover.checkpoint.storage import storage_for
 from dlrover.constants import ENV_CHECKPOINT_SOCKET
@@ -43,9 +44,14 @@ class StorageType(enum.Enum):
 
 
 class Checkpointer:
-    """Base of the trainer-facing checkpointers; owns one CheckpointEngine per directory."""
+    """Base of the trainer-facing checkpointers; owns one CheckpointEngine per directory.
 
-    sharded: bool = False
+    ``checkpoint_format`` names the format of ``dlrover.checkpoint.formats`` a subclass saves
+    in. Every subclass loads through ``_load_newest``, the one memory -> storage ladder; it
+    only says what to load into and whether this rank reads at all.
+    """
+
+    checkpoint_format: str = "plain"
 
     def __init__(
         self,
@@ -115,7 +121,7 @@ class Checkpointer:
         key = path or self.checkpoint_dir
         if key not in self._engines:
             self._engines[key] = CheckpointEngine(
-                key, self.sharded, self.keep_last, replica_count=self.replica_count
+                key, self.checkpoint_format, self.keep_last, replica_count=self.replica_count
             )
         return self._engines[key]
 
@@ -141,6 +147,44 @@ class Checkpointer:
             held = self.engine.client.request(HeldRequest()).steps
             steps.extend(step for step in held.values() if step is not None)
         return max(steps) if steps else None
+
+    def _load_newest(
+        self, resume_path: str, target: Any, reads: bool = True
+    ) -> tuple[int, Any] | None:
+        """(step, state) of the newest checkpoint, or None when there is none; sets
+        ``last_load_source``. The load of every checkpointer:
+
+        1. storage's latest committed step (of ``resume_path`` when given: a checkpoint
+           directory or one of its ``step_<n>`` directories, which bounds the step);
+        2. without ``resume_path``, the step every rank agrees to load from memory (the
+           agent's shared memory, or a peer's), if not older than storage's: every rank takes
+           part in this vote, so it is asked even where ``reads`` is False;
+        3. that step from memory, into ``target``'s tensors; should memory fail, or hold
+           nothing, the newest intact step from storage, read by the engine's format.
+
+        ``reads`` False: this rank only votes (its state comes from another rank) and gets None.
+        """
+        engine = self.engine
+        self.last_load_source = None
+        catalog, bound = resolve_catalog(engine, resume_path)
+        latest = storage_step(catalog)
+        in_memory = None if resume_path else engine.memory_step(latest)
+        if not reads:
+            return None
+        if in_memory is not None:
+            try:
+                step, state, _ = engine.load_from_memory(target, in_memory)
+                log.info("loaded step %d from shared memory%s", step, self._from_memory_note())
+                self.last_load_source = "memory"
+                return step, state
+            except SegmentStateError as exc:
+                log.warning("cannot load from memory (%s); loading from storage", exc)
+        found = engine.format.load_newest(catalog, target, bound)
+        if found is None:
+            return None
+        log.info("loaded step %d from %s", found[0], catalog.storage.url(step_dir(found[0])))
+        self.last_load_source = "storage"
+        return found
 
     def wait_latest_checkpoint(self, timeout: float = 1800.0) -> bool:
         """Block until the newest DISK save is committed on storage (False at the deadline);

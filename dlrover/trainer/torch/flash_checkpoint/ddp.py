@@ -5,13 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from dlrover.checkpoint.errors import SegmentStateError
-from dlrover.trainer.torch.flash_checkpoint.checkpointer import (
-    Checkpointer,
-    StorageType,
-    resolve_catalog,
-    storage_step,
-)
+from dlrover.trainer.torch.flash_checkpoint.checkpointer import Checkpointer, StorageType
 
 __all__ = ["DdpCheckpointer", "StorageType"]
 
@@ -26,7 +20,7 @@ class DdpCheckpointer(Checkpointer):
     Other ranks' ``save_checkpoint`` calls return at once.
     """
 
-    sharded = False
+    checkpoint_format = "plain"
 
     def save_checkpoint(
         self,
@@ -65,23 +59,5 @@ class DdpCheckpointer(Checkpointer):
         ``target`` (e.g. ``{"model": model.state_dict(), ...}``) is filled in place, which
         saves allocating fresh tensors; the returned dict then shares its tensors.
         """
-        engine = self.engine
-        self.last_load_source = None
-        catalog, bound = resolve_catalog(engine, resume_path)
-        latest = storage_step(catalog)
-        in_memory = None if resume_path else engine.memory_step(latest)
-        if in_memory is not None:
-            try:
-                step, state, _ = engine.load_from_memory(target, in_memory)
-                log.info("loaded step %d from shared memory%s", step, self._from_memory_note())
-                self.last_load_source = "memory"
-                return dict(state)
-            except SegmentStateError as exc:
-                log.warning("cannot load from memory (%s); loading from storage", exc)
-        found = catalog.load_newest_plain("rank_0", target, bound)
-        if found is None:
-            return {}
-        step, state = found
-        log.info("loaded step %d from %s", step, catalog.storage.root)
-        self.last_load_source = "storage"
-        return dict(state)
+        found = self._load_newest(resume_path, target)
+        return {} if found is None else dict(found[1])

@@ -7,8 +7,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -17,14 +15,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from dlrover.checkpoint.catalog import step_dir
-from dlrover.checkpoint.errors import SegmentStateError
 from dlrover.trainer.torch.flash_checkpoint.checkpointer import (
     DEFAULT_SAVE_TIMEOUT_S,
     Checkpointer,
     StorageType,
-    resolve_catalog,
-    storage_step,
 )
 
 __all__ = ["FsdpShardCheckpointer", "FsdpFullCheckpointer", "StorageType"]
@@ -61,7 +55,7 @@ class FsdpShardCheckpointer(_FsdpCheckpointer):
     the agent persists all of them in the DCP format, so ``torch.distributed.checkpoint.load``
     reads a step directory directly and a job at another world size can resume from it."""
 
-    sharded = True
+    checkpoint_format = "dcp"
 
     def save_checkpoint(
         self,
@@ -86,81 +80,14 @@ class FsdpShardCheckpointer(_FsdpCheckpointer):
         that was saved with it ({} when there is no checkpoint)."""
         model_sd, optim_sd = get_state_dict(model, optimizer)
         target: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
-        engine = self.engine
-        self.last_load_source = None
-        catalog, bound = resolve_catalog(engine, resume_path)
-        latest = storage_step(catalog)
-        state: dict[str, Any] | None = None
-        in_memory = None if resume_path else engine.memory_step(latest)
-        if in_memory is not None:
-            try:
-                step, state, _ = engine.load_from_memory(target, in_memory)
-                log.info("loaded step %d from shared memory%s", step, self._from_memory_note())
-                self.last_load_source = "memory"
-            except SegmentStateError as exc:
-                log.warning("cannot load from memory (%s); loading from storage", exc)
-        if state is None:
-            found = catalog.newest_valid(bound)
-            if found is None:
-                return {}
-            url = catalog.storage.url(step_dir(found[0]))
-            target["extra"] = _extra_target(url)
-            # FSDP1 gives a rank no part of a tensor smaller than the world (a Linear(d, 1)
-            # head): DCP cannot load such an entry, and there is nothing to load into it.
-            removed = _pop_empty_shards(target)
-            try:
-                dcp.load(target, checkpoint_id=url)
-            finally:
-                for node, key, value in removed:
-                    node[key] = value
-            state = target
-            self.last_load_source = "storage"
-            log.info("loaded step %d from %s", found[0], url)
+        found = self._load_newest(resume_path, target)
+        if found is None:
+            return {}
+        state = found[1]
         set_state_dict(
             model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
         )
         return dict(state.get("extra", {}))
-
-
-def _pop_empty_shards(tree: Any) -> list[tuple[dict[Any, Any], Any, Any]]:
-    """Take out of ``tree`` (in place) the ShardedTensors this rank holds no shard of, and return
-    where they were, to be put back once DCP has loaded the rest (DCP fills the caller's dicts
-    in place, so the tree itself must be what it loads)."""
-    removed: list[tuple[dict[Any, Any], Any, Any]] = []
-
-    def walk(node: Any) -> None:
-        if isinstance(node, dict):
-            for key in list(node):
-                value = node[key]
-                if type(value).__name__ == "ShardedTensor" and not value.local_shards():
-                    removed.append((node, key, value))
-                    del node[key]
-                else:
-                    walk(value)
-        elif isinstance(node, list):
-            for value in node:
-                walk(value)
-
-    walk(tree)
-    return removed
-
-
-def _extra_target(url: str) -> dict[str, Any]:
-    """Placeholders for the saved ``extra.*`` entries, so that DCP loads them too."""
-    metadata = dcp.FileSystemReader(url).read_metadata()
-    extra: dict[str, Any] = {}
-    for fqn, md in metadata.state_dict_metadata.items():
-        if not fqn.startswith("extra."):
-            continue
-        *parents, leaf = fqn[len("extra.") :].split(".")
-        node = extra
-        for key in parents:
-            node = node.setdefault(key, {})
-        if isinstance(md, TensorStorageMetadata):
-            node[leaf] = torch.empty(md.size, dtype=md.properties.dtype)
-        else:
-            node[leaf] = None
-    return extra
 
 
 class FsdpFullCheckpointer(_FsdpCheckpointer):
@@ -168,7 +95,7 @@ class FsdpFullCheckpointer(_FsdpCheckpointer):
     on load rank 0 reads it and broadcasts it to the other ranks. Simple, not reshardable.
     ``load_checkpoint`` returns the saved ``extra_sd`` on rank 0 only ({} elsewhere)."""
 
-    sharded = False
+    checkpoint_format = "plain"
 
     def save_checkpoint(
         self,
@@ -195,22 +122,8 @@ class FsdpFullCheckpointer(_FsdpCheckpointer):
         """Rank 0 loads the newest step (shared memory first, then storage) and broadcasts it into
         every rank's model and optimizer; every rank must call it. Returns ``extra_sd`` on rank 0,
         {} on the others and when there is no checkpoint."""
-        engine = self.engine
-        self.last_load_source = None
-        catalog, bound = resolve_catalog(engine, resume_path)
-        latest = storage_step(catalog)
-        in_memory = None if resume_path else engine.memory_step(latest)
-        state: dict[str, Any] = {}
-        if _rank() == 0:
-            if in_memory is not None:
-                try:
-                    state = dict(engine.load_from_memory(None, in_memory)[1])
-                    self.last_load_source = "memory"
-                except SegmentStateError as exc:
-                    log.warning("cannot load from memory (%s); loading from storage", exc)
-            if not state and (found := catalog.load_newest_plain("rank_0", None, bound)):
-                state = dict(found[1])
-                self.last_load_source = "storage"
+        found = self._load_newest(resume_path, None, reads=_rank() == 0)
+        state: dict[str, Any] = {} if found is None else dict(found[1])
         have = torch.tensor([1 if state else 0])
         if dist.is_initialized():
             dist.broadcast(have, src=0)

@@ -1,0 +1,55 @@
+"""The checkpoint format registry: who saves, persists and loads in each format, by name."""
+
+from __future__ import annotations
+
+import pytest
+
+from dlrover.checkpoint.engine import WorkerPlacement
+from dlrover.checkpoint.errors import CheckpointError
+from dlrover.checkpoint.formats import FORMATS, DcpFormat, PlainFormat, format_named
+
+# Rank 3 of a job of 2 nodes x 2 ranks: node 1, local rank 1.
+PLACE = WorkerPlacement(rank=3, local_rank=1, world_size=4, local_world_size=2, node_rank=1,
+                        round_id=1)  # fmt: skip
+NODE_LEADER = WorkerPlacement(2, 0, 4, 2, 1, 1)
+JOB_LEADER = WorkerPlacement(0, 0, 4, 2, 0, 1)
+
+
+def test_the_registry_names_both_formats_and_refuses_an_unknown_one() -> None:
+    assert sorted(FORMATS) == ["dcp", "plain"]
+    assert isinstance(format_named("plain"), PlainFormat)
+    assert isinstance(format_named("dcp"), DcpFormat)
+    with pytest.raises(
+        CheckpointError, match=r"unknown checkpoint format 'zip'; known: dcp, plain"
+    ):
+        format_named("zip")
+    with pytest.raises(TypeError):
+        FORMATS["zip"] = PlainFormat()  # type: ignore[index]  # one place adds formats
+
+
+def test_plain_keeps_one_copy_per_node_and_persists_one_per_job() -> None:
+    plain = format_named("plain")
+    assert [plain.saves_to_memory(p) for p in (PLACE, NODE_LEADER, JOB_LEADER)] == [
+        False,
+        True,
+        True,
+    ]
+    assert [plain.persists(p) for p in (PLACE, NODE_LEADER, JOB_LEADER)] == [False, False, True]
+    assert plain.slot(PLACE) == 0
+    assert plain.saving_slots(PLACE) == {0: 2}  # the node's local rank 0
+    assert plain.persist_nodes(PLACE) == 1
+    assert plain.replicas(2) == 0  # every node holds its own copy already
+    assert plain.ranks_to_match(PLACE) == {} and plain.world_size_to_match(PLACE) is None
+    assert not plain.reads_directly(PLACE)
+    assert plain.reads_directly(WorkerPlacement(0, 0, 1, 1, 0, 0))
+
+
+def test_dcp_saves_and_persists_every_rank_and_loads_only_the_same_rank_and_world() -> None:
+    dcp = format_named("dcp")
+    assert all(dcp.saves_to_memory(p) and dcp.persists(p) for p in (PLACE, JOB_LEADER))
+    assert dcp.slot(PLACE) == 1
+    assert dcp.saving_slots(PLACE) == {0: 2, 1: 3}
+    assert dcp.persist_nodes(PLACE) == 2
+    assert dcp.replicas(2) == 2
+    assert dcp.ranks_to_match(PLACE) == {0: 2, 1: 3} and dcp.world_size_to_match(PLACE) == 4
+    assert dcp.reads_directly(PLACE)
