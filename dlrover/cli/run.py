@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dlrover import constants as c
 from dlrover.agent.agent import ElasticAgent, SignalReceived, install_signal_handlers
 from dlrover.agent.config import AgentConfig
+from dlrover.agent.workers import STD_ALL
 from dlrover.cli.common import parse_nnodes, parse_std_spec, setup_logging
 from dlrover.client.master_client import MasterClient, MasterClientError
 from dlrover.master.assembly import MasterSettings, RunningMaster, build_master
@@ -333,6 +334,10 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
             f"start dlrover-master, or give --rdzv-endpoint"
         )
     log_dir = args.log_dir or ""
+    engine_logs = os.environ.get(c.ENV_RANK_LOG_DIR, "")
+    if engine_logs and not log_dir and not (red_default or tee_default or red or tee):
+        # The engine that launched this node reads the per-rank files back (`dlrover logs`).
+        log_dir, red_default = engine_logs, STD_ALL
     if (red_default or tee_default or red or tee) and not log_dir:
         import tempfile
 
