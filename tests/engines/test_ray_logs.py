@@ -64,9 +64,7 @@ def test_ray_nodes_per_rank_logs_on_the_dashboard_and_from_dlrover_logs(
             if (home / "jobs" / "raylogs" / "job.json").exists():
                 r = dlrover_cli(home, "logs", "raylogs", "-n", "3")
                 if r.returncode == 0 and all(
-                    f"chatty rank={k} attempt=0 step=2" in r.stdout
-                    or f"chatty rank={k} attempt=0 step=3" in r.stdout
-                    for k in range(4)
+                    f"chatty rank={k} attempt=0 step=" in r.stdout for k in range(4)
                 ):
                     break
             time.sleep(0.5)  # the job's state is in other processes: polling, bounded above
