@@ -473,6 +473,11 @@ def run(argv: Sequence[str] | None = None) -> int:
 
     client = MasterClient(master_addr, token)
     install_signal_handlers()
+    echo = None
+    if config.log_dir and os.environ.get(c.ENV_RANK_LOG_ECHO, "") not in ("", "0"):
+        from dlrover.agent.rank_echo import RankLogEcho
+
+        echo = RankLogEcho(config.log_dir).start()
     try:
         client.wait_ready(c.DEFAULT_CONNECT_TIMEOUT_S if server is None else 5.0)
         agent = ElasticAgent(config, client, master_addr, token)
@@ -508,6 +513,8 @@ def run(argv: Sequence[str] | None = None) -> int:
         print(f"dlrover-run: error: {e}", file=sys.stderr)
         return 1
     finally:
+        if echo is not None:
+            echo.stop()
         client.close()
         if server is not None:
             server.stop(grace_s=0.5)

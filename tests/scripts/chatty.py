@@ -14,6 +14,7 @@ out, steps, step_time = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 kill_rank, kill_step = (int(sys.argv[4]), int(sys.argv[5])) if len(sys.argv) > 5 else (-1, -1)
 rank = int(os.environ["RANK"])
 attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+os.makedirs(out, exist_ok=True)
 tmp = os.path.join(out, f".pid.{rank}.tmp")
 with open(tmp, "w") as f:
     f.write(f"{os.getpid()} {attempt}\n")
