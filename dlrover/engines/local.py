@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -145,6 +146,9 @@ class LocalEngine(Engine):
             if adopted is not None:
                 return adopted
             (node_dir / "exit_code").unlink(missing_ok=True)
+            # Per-rank logs of an earlier job of this name: the new agent's attempts count from
+            # 0 again and would mix with them.
+            shutil.rmtree(node_dir / RANKS_SUBDIR, ignore_errors=True)
             env = {
                 **os.environ,
                 ENV_RANK_LOG_DIR: str(node_dir / RANKS_SUBDIR),  # `dlrover logs --rank` reads them

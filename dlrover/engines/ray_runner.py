@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -60,6 +61,9 @@ class NodeRunner:
                 self._node_id = node_id
                 self._logs = LocalNodeLogs(Path(tempfile.gettempdir()) / "dlrover-nodes")
                 node_dir = self._logs.nodes_dir / node_id
+                # A started (not adopted) node is new: what an earlier job of the same name left
+                # under its id would mix into its logs.
+                shutil.rmtree(node_dir, ignore_errors=True)
                 node_dir.mkdir(parents=True, exist_ok=True)
                 full.setdefault(ENV_RANK_LOG_DIR, str(node_dir / RANKS_SUBDIR))
                 out = open(node_dir / "stdout", "ab")  # noqa: SIM115 - the child holds it

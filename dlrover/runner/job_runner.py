@@ -304,7 +304,9 @@ class JobRunner:
         except Exception as e:  # an engine that cannot start is the job's failure, said plainly
             job.stop(f"cannot start engine {spec.engine}: {e}")
             master.stop(0.5)
-            write_record(JobRecord(name=spec.name, state="failed", pid=os.getpid()))
+            write_record(
+                JobRecord(name=spec.name, state="failed", pid=os.getpid(), engine=spec.engine)
+            )
             self._closed = True
             raise EngineStartError(f"cannot start engine {spec.engine}: {e}") from e
         logs = engine.logs()
@@ -454,6 +456,7 @@ class JobRunner:
                 pid=os.getpid(),
                 reason=job.reason,
                 exit_code=job.exit_code,
+                engine=self.spec.engine,  # `dlrover logs` of the ended job: where its logs were
             )
         )
 
