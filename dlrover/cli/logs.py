@@ -63,6 +63,11 @@ class HttpNodeLogs:
         body = self._get("/api/log/ranks", node=node_id)
         return tuple(int(r) for r in json.loads(body)) if body else ()
 
+    def node_ids(self) -> tuple[str, ...]:
+        """See `NodeLogs.node_ids`."""
+        body = self._get("/api/log/nodes")
+        return tuple(str(n) for n in json.loads(body)) if body else ()
+
     def read(self, node_id: str, rank: int | None, stream: str, offset: int) -> LogChunk | None:
         """See `NodeLogs.read`."""
         body = self._get("/api/log/read", node=node_id, rank=rank, stream=stream, offset=offset)
@@ -158,28 +163,30 @@ def _nodes_and_logs(record: JobRecord) -> tuple[list[NodeStatus], NodeLogs]:
         final = read_final(record.name)
         status = final.status if final is not None else None
     nodes = list(status.nodes) if status is not None else []
+    logs: NodeLogs
     if record.engine in ("", "local"):
         logs = LocalNodeLogs(job_dir(record.name) / "nodes")
-        known = {n.node_id for n in nodes}
-        # Nodes the table does not name (a job that left none): their directories.
-        nodes += [
-            NodeStatus(i, "-", -1, "", -1, 0, 0.0, "", 0.0, 0)
-            for i in logs.node_ids()
-            if i not in known
-        ]
-        return nodes, logs
-    if not record.reachable or status is None:
+    elif not record.reachable or status is None:
         raise LogsError(
             f"job {record.name} ran on engine {record.engine} and {record.state}: its logs were "
             "kept where its nodes ran, which are gone (see your cluster's own logs)"
         )
-    if not status.metrics_port:
+    elif not status.metrics_port:
         raise LogsError(
             f"job {record.name}'s master serves no dashboard (--metrics-port -1), which is "
             f"where the logs of {record.engine} nodes are read"
         )
-    host = record.master_addr.rsplit(":", 1)[0]
-    return nodes, HttpNodeLogs(f"http://{host}:{status.metrics_port}")
+    else:
+        host = record.master_addr.rsplit(":", 1)[0]
+        logs = HttpNodeLogs(f"http://{host}:{status.metrics_port}")
+    known = {n.node_id for n in nodes}
+    # Nodes the table does not name (a TensorFlow job's roles, a job that left no table).
+    nodes += [
+        NodeStatus(i, "-", -1, "", -1, 0, 0.0, "", 0.0, 0)
+        for i in logs.node_ids()
+        if i not in known
+    ]
+    return nodes, logs
 
 
 def _show_tail(

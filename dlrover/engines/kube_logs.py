@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from typing import Any
 
 from dlrover.engines.node_logs import LogChunk
@@ -36,9 +37,17 @@ class KubeNodeLogs:
     """`NodeLogs` of a job's pods (their container logs, split by rank tag). A follower's reads
     fetch the whole log each time: the API offers no byte offsets."""
 
-    def __init__(self, core: Any, namespace: str) -> None:
+    def __init__(
+        self, core: Any, namespace: str, node_ids: Callable[[], tuple[str, ...]] = tuple
+    ) -> None:
+        """``node_ids``: the pods the engine knows now."""
         self._core = core
         self._namespace = namespace
+        self._node_ids = node_ids
+
+    def node_ids(self) -> tuple[str, ...]:
+        """See `NodeLogs.node_ids`."""
+        return self._node_ids()
 
     def _text(self, pod: str, tail_lines: int | None) -> str | None:
         try:

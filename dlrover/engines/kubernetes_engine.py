@@ -207,7 +207,11 @@ class KubernetesEngine(Engine):
 
     def logs(self) -> KubeNodeLogs:
         """The pods' logs through the API, split by the agents' rank tags."""
-        return KubeNodeLogs(self._core, self._settings.namespace)
+
+        def live() -> tuple[str, ...]:
+            return tuple(sorted(n.node_id for n in self.list_nodes() if not n.state.is_final))
+
+        return KubeNodeLogs(self._core, self._settings.namespace, live)
 
     def list_nodes(self) -> list[Node]:
         """Copies of every node this engine knows, with their last watched states."""

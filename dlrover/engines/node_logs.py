@@ -36,11 +36,16 @@ class NodeLogs(Protocol):
 
     def tail(self, node_id: str, rank: int | None, lines: int) -> str | None:
         """The last ``lines`` lines of node ``node_id``'s own log (``rank`` None), or of its
-        worker ``rank``'s latest attempt (stdout, then stderr); None where there is none."""
+        worker ``rank``'s latest attempt (each: stdout, then stderr); None where there is none."""
         ...
 
     def ranks(self, node_id: str) -> tuple[int, ...]:
         """The global ranks node ``node_id`` has logs of, lowest first (() for an unknown node)."""
+        ...
+
+    def node_ids(self) -> tuple[str, ...]:
+        """Every node whose logs can be read here (also nodes the master's table does not list:
+        a TensorFlow job's ps, chief and workers)."""
         ...
 
     def read(self, node_id: str, rank: int | None, stream: str, offset: int) -> LogChunk | None:
@@ -145,9 +150,10 @@ class LocalNodeLogs:
         if path is None:
             return None
         if rank is None:
-            if not (path / "stderr").is_file():
+            if not any((path / s).is_file() for s in STREAMS):
                 return None
-            return tail_file(path / "stderr", lines)
+            parts = [tail_file(path / s, lines) for s in STREAMS]  # stdout, then stderr
+            return "\n".join(p for p in parts if p)
         rank_dir = self.rank_dirs(node_id).get(rank)
         return rank_tail(rank_dir, lines) if rank_dir is not None else None
 

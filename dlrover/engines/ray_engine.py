@@ -438,6 +438,10 @@ class RayNodeLogs:
         """See `NodeLogs.ranks`."""
         return tuple(int(r) for r in self._engine._actor_call(node_id, "ranks") or ())
 
+    def node_ids(self) -> tuple[str, ...]:
+        """See `NodeLogs.node_ids`: the live node actors."""
+        return tuple(sorted(n.node_id for n in self._engine.list_nodes() if not n.state.is_final))
+
     def read(self, node_id: str, rank: int | None, stream: str, offset: int) -> LogChunk | None:
         """See `NodeLogs.read`."""
         doc = self._engine._actor_call(node_id, "read", rank, stream, offset)

@@ -10,6 +10,7 @@ Routes (read-only, no token: bind it where only your network reaches, as the gRP
 - ``/api/log?node=ID&lines=N``: the tail of a node's own log (its agent), and with ``&rank=R``
   of its worker R's latest attempt, where the engine can read them back (local, Ray), else 404;
 - ``/api/log/ranks?node=ID``: the ranks that node has logs of, as a JSON list;
+- ``/api/log/nodes``: every node whose logs are kept (a TensorFlow job's roles too), JSON list;
 - ``/api/log/read?node=ID[&rank=R]&stream=stdout|stderr&offset=B``: that stream from byte B on
   (-1: its end) as JSON ``{"text", "offset", "source"}`` (what `dlrover logs -f` polls).
 """
@@ -128,6 +129,10 @@ class WebServer:
             return None
         return self.log_reader.read(node_id, rank, stream, offset)
 
+    def log_nodes(self) -> tuple[str, ...]:
+        """The nodes whose logs are kept (() where none are)."""
+        return self.log_reader.node_ids() if self.log_reader is not None else ()
+
     def log_ranks(self, node_id: str) -> tuple[int, ...]:
         """The ranks ``node_id`` has logs of (() where none are kept)."""
         return self.log_reader.ranks(node_id) if self.log_reader is not None else ()
@@ -181,6 +186,9 @@ def _handler(server: WebServer) -> type[BaseHTTPRequestHandler]:
                     else:
                         body = json.dumps(dataclasses.asdict(chunk)).encode()
                         self._send(200, "application/json", body)
+                elif url.path == "/api/log/nodes":
+                    body = json.dumps(list(server.log_nodes())).encode()
+                    self._send(200, "application/json", body)
                 elif url.path == "/api/log/ranks":
                     node = parse_qs(url.query).get("node", [""])[0]
                     body = json.dumps(list(server.log_ranks(node))).encode()
