@@ -73,12 +73,13 @@ def test_dlrover_submit_runs_a_tf_ps_job_on_ray_to_its_end(
         running = dlrover_cli(home, "status", "raytfsub").stdout
         assert "job raytfsub: running" in running, running
         assert re.search(r"ps +0=\S+:\d+  1=\S+:\d+", running), running  # the cluster spec
-        chief = dlrover_cli(home, "logs", "raytfsub", "--node", "raytfsub-chief-0-0", "-n", "50")
+        chief = dlrover_cli(home, "logs", "raytfsub", "--node", "raytfsub-chief-0-0", "-n", "2000")
         assert chief.returncode == 0, chief.stderr
-        # The chief's own log, read by its actor: dlrover-tf-node's line, then the script's.
-        assert "chief 0: cluster spec version" in chief.stdout, chief.stdout
-        ps = dlrover_cli(home, "logs", "raytfsub", "--node", "raytfsub-ps-1-0", "-n", "50")
-        assert "ps 1 serves at" in ps.stdout, ps.stdout + ps.stderr
+        # The chief's own log, read by its actor: dlrover-tf-node's lines, then the script's.
+        assert "chief 0: cluster spec version" in chief.stdout, chief.stdout[-3000:]
+        assert "strategy over 2 ps and 2 workers" in chief.stdout, chief.stdout[-3000:]
+        ps = dlrover_cli(home, "logs", "raytfsub", "--node", "raytfsub-ps-1-0", "-n", "2000")
+        assert "raytfsub-ps-1-0 registered" in ps.stdout, ps.stdout[-3000:] + ps.stderr
         assert job.wait(240) == 0, log_path.read_text()[-4000:]
     finally:
         if job.poll() is None:
