@@ -52,14 +52,17 @@ class NodeRunner:
         """Start ``command`` with ``env`` over the actor's environment, in its own session and (on
         Linux) killed when the actor dies; returns the Ray node id, hostname and pid. With a
         ``node_id``, its output and its workers' per-rank logs go to
-        ``<temp>/dlrover-nodes/<node_id>/`` on this machine (what `read`/`tail` serve)."""
+        ``<$RAY_TMPDIR or the temp dir>/dlrover-nodes/<node_id>/`` on this machine (what
+        `read`/`tail` serve)."""
         if self._popen is None:  # a retried start must not run the command twice
             full = {**os.environ, **env}
             out: Any = None
             err: Any = None
             if node_id:
                 self._node_id = node_id
-                self._logs = LocalNodeLogs(Path(tempfile.gettempdir()) / "dlrover-nodes")
+                # Next to Ray's own logs: cleaned with its temp dir.
+                base = os.environ.get("RAY_TMPDIR") or tempfile.gettempdir()
+                self._logs = LocalNodeLogs(Path(base) / "dlrover-nodes")
                 node_dir = self._logs.nodes_dir / node_id
                 # A started (not adopted) node is new: what an earlier job of the same name left
                 # under its id would mix into its logs.
