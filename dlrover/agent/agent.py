@@ -490,6 +490,9 @@ class ElasticAgent:
             restart_count=self.restart_count,
             step_time_s=self._monitor.step_time_s if self._monitor is not None else 0.0,
             checkpoint_persist_s=self._saver.last_persist_s if self._saver is not None else 0.0,
+            worker_pids=tuple(pid for _, pid in sorted(self._group.pids.items()))
+            if self._group is not None
+            else (),
             **_attempt_progress(self._monitor),
         )
 

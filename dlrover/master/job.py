@@ -246,11 +246,12 @@ class JobMaster:
         sample: StepSample | None = None,
         breakdown: tuple[float, float, float] | None = None,
         persist_s: float = 0.0,
+        worker_pids: tuple[int, ...] | None = None,
     ) -> str:
         """Record liveness (and the node's step time for straggler scores, its workers' step
         for goodput); returns the action for the agent ("", "stop" or "reregister")."""
         state = self.nodes.record_heartbeat(
-            node_id, incarnation, step, cpu, mem, restarts, breakdown, persist_s
+            node_id, incarnation, step, cpu, mem, restarts, breakdown, persist_s, worker_pids
         )
         world = self.members.world()
         if sample is not None and world is not None and world.member(node_id) is not None:
