@@ -17,7 +17,7 @@ from tests.docs.blocks import Shell, doc_block, marker_id, user_dir, user_env, w
 def test_try_it(tmp_path: Path) -> None:
     """Substituted: /tmp/ becomes the test's directory (a second run must not resume from the
     first's checkpoint). Promised: the page's `dlrover status NAME` showing the last plan while
-    it runs, the two scaling lines, rank 0 printing `world 3`; then the test stops the job."""
+    it runs, after `scaling from 1 to 2 nodes: first step from MIN`; then the test stops it."""
     block = doc_block(marker_id(__file__, "test_try_it"))
     page = (REPO / "docs" / "autoscale.md").read_text()
     status = re.search(r"`(dlrover status [\w.-]+)`", page[page.index(block.text) :])
@@ -39,20 +39,12 @@ def test_try_it(tmp_path: Path) -> None:
             wait_for(f"`{status[1]}` to show a plan", shows_a_plan, timeout=120, interval=1)
         except AssertionError as e:
             raise AssertionError(f"{e}; it said: {last[0]}") from None
+        first = "scaling from 1 to 2 nodes: first step from MIN"
+        wait_for(f"the log line {first!r}", lambda: first in job.output(), timeout=30)
+        # The page's command and status line are what this test adds: the job going on to 3
+        # nodes (another 50 s here) is tests/e2e/test_autoscale.py's
+        # test_a_job_whose_throughput_scales_goes_from_min_to_max_nodes, the same script.
         name = status[1].split()[-1]
-        stdout = tmp_path / "dlrover-home" / "jobs" / name / "nodes" / f"{name}-worker-0-0"
-        world3 = re.compile(r"^step \d+/400 world 3 ", re.MULTILINE)
-        wait_for(
-            "rank 0 to print `world 3`",
-            lambda: (stdout / "stdout").exists() and world3.search((stdout / "stdout").read_text()),
-            timeout=240,
-            interval=1,
-        )
-        out = job.output()
-        assert "scaling from 1 to 2 nodes: first step from MIN" in out, out[-4000:]
-        assert re.search(r"scaling from 2 to 3 nodes: node 2 added \+\d+%", out), out[-4000:]
-        # What the page promises is seen; the rest of the 400 steps would only cost CI time
-        # (tests/e2e/test_autoscale.py runs scaled jobs to their end).
         stop = subprocess.run(
             ["dlrover", "stop", name], cwd=where, env=env, capture_output=True, timeout=60
         )
