@@ -75,6 +75,27 @@ def blocks(path: Path) -> list[Block]:
     return found
 
 
+# A command in an indented (unfenced) code block: it could hide from the checks, so it is refused.
+INDENTED_COMMAND = re.compile(
+    r"^ {4,}(\$ |dlrover(-run|-master|-ps)? |python3? |pip |torchrun |export |[A-Z][A-Z_]+=\S* )"
+)
+
+
+def indented_commands(path: Path) -> list[int]:
+    """1-based lines of ``path`` outside fences that open an indented code block (after a
+    blank line) with a command."""
+    lines = path.read_text().splitlines()
+    inside = {n for b in blocks(path) for n in range(b.line, b.line + b.text.count("\n") + 2)}
+    return [
+        i + 1
+        for i, line in enumerate(lines)
+        if i > 0
+        and i + 1 not in inside
+        and not lines[i - 1].strip()
+        and INDENTED_COMMAND.match(line)
+    ]
+
+
 def all_blocks() -> list[Block]:
     return [b for path in doc_files() for b in blocks(path)]
 

@@ -8,7 +8,16 @@ import re
 from pathlib import Path
 
 from tests.conftest import REPO
-from tests.docs.blocks import NOT_RUN, RUN_BY, RUNNABLE, Block, all_blocks, blocks
+from tests.docs.blocks import (
+    NOT_RUN,
+    RUN_BY,
+    RUNNABLE,
+    Block,
+    all_blocks,
+    blocks,
+    doc_files,
+    indented_commands,
+)
 
 
 def problems(found: list[Block]) -> list[str]:
@@ -58,6 +67,25 @@ def test_every_doc_block_is_run_or_says_why_not() -> None:
     assert len(found) > 20, "the doc pages lost their blocks, or the parser did"
     wrong = problems(found)
     assert not wrong, "\n".join(wrong)
+
+
+def test_no_command_hides_in_an_indented_block() -> None:
+    wrong = [
+        f"{path.relative_to(REPO)}:{line}: a command in an indented code block: fence it "
+        "(```bash) and mark it (docs/architecture.md, 'Docs are tested')"
+        for path in doc_files()
+        for line in indented_commands(path)
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_an_indented_command_is_found(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text(
+        "Run:\n\n    $ dlrover status x\n\n- a list\n\n    continued, not code\n\n"
+        "```bash\n\n    dlrover-run --standalone x.py\n```\n\n    PYTHONPATH=. python b.py\n"
+    )
+    assert indented_commands(page) == [3, 14]
 
 
 def test_the_checker_names_each_unmarked_block(tmp_path: Path) -> None:
