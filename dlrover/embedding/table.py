@@ -91,9 +91,10 @@ class EmbeddingTable:
         slots = self._slots_of(flat, create=True)  # first: it may grow (replace) the arrays
         return self._weights[slots]
 
-    def apply_gradients(self, ids: IdArray, grads: Rows) -> None:
+    def apply_gradients(self, ids: IdArray, grads: Rows) -> IdArray:
         """Apply the optimizer to the rows of ``ids`` with ``grads`` (one row per id; gradients
-        of a repeated id are summed first, as a dense embedding's backward does)."""
+        of a repeated id are summed first, as a dense embedding's backward does). Returns the
+        distinct ids updated, sorted (what a replica is sent)."""
         flat = self._checked(ids)
         grads = np.asarray(grads, dtype=np.float32)
         if grads.shape != (flat.size, self.dim):
@@ -107,7 +108,7 @@ class EmbeddingTable:
         if opt.name == "sgd":
             summed *= opt.lr
             self._weights[slots] -= summed
-            return
+            return unique
         # In place, in the order torch's Adagrad computes it (sum += g*g; w -= lr*g/(sqrt(sum)+eps)),
         # with one temporary: the step is memory-bound on the gathered rows.
         accum = self._accum[slots]
@@ -119,6 +120,7 @@ class EmbeddingTable:
         np.divide(summed, step, out=step)
         step *= opt.lr
         self._weights[slots] -= step
+        return unique
 
     def _checked(self, ids: IdArray) -> IdArray:
         array = np.asarray(ids)
@@ -197,13 +199,17 @@ class EmbeddingTable:
         """Take rows (with their optimizer state) moved from another server; an id this table
         already holds is overwritten."""
         ids = np.asarray(ids, dtype=np.int64)
-        present = self._present(ids)
+        slots = self._index.find(ids, self._row_ids)
+        present = slots >= 0
+        if present.all():
+            self._weights[slots] = rows
+            self._accum[slots] = accum
+            return
         if present.any():
-            slots = self._slots_of(ids[present], create=False)
-            self._weights[slots] = rows[present]
-            self._accum[slots] = accum[present]
-        if (~present).any():
-            self._insert(ids[~present], rows[~present], accum[~present])
+            self._weights[slots[present]] = rows[present]
+            self._accum[slots[present]] = accum[present]
+        absent = ~present
+        self._insert(ids[absent], rows[absent], accum[absent])
 
     def drop_buckets(self, buckets: npt.NDArray[np.int64], num_buckets: int) -> int:
         """Forget every row whose id hashes into ``buckets`` (they moved away); returns how many."""
