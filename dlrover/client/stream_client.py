@@ -87,6 +87,12 @@ class StreamShardingClient:
         self._renew_if_due()
         return self.transport.mark_stream(self.spec.name, self.worker_id, mark)
 
+    def send_mark(self, mark: StreamMark) -> bool:
+        """``mark`` without renewing the leases: safe to call from another thread than the one
+        that polls (a reader that has its marks sent while it reads on; it calls
+        ``keep_alive`` itself)."""
+        return self.transport.mark_stream(self.spec.name, self.worker_id, mark)
+
     def report_done(self, shard: StreamShard) -> int:
         """Tell the master this worker has read every record of ``shard``; 0 when another worker
         holds it now."""
