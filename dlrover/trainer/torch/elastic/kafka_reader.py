@@ -125,6 +125,21 @@ class RangeReader:
         self._cursor[partition] = end
         return out
 
+    def prepare(self, shards: list[StreamShard]) -> None:
+        """Assign the partitions of ``shards`` (ranges to read next) not assigned yet, at their
+        starts, so that their first fetches run while another range is read."""
+        from confluent_kafka import TopicPartition
+
+        new = {s.partition: s.start for s in shards if s.partition not in self._kept}
+        if not new:
+            return
+        self._consumer.incremental_assign(
+            [TopicPartition(self._topic, p, start) for p, start in new.items()]
+        )
+        for partition, start in new.items():
+            self._kept[partition] = deque()
+            self._cursor[partition] = start
+
     def _position(self, shard: StreamShard) -> None:
         """Make the consumer deliver ``shard.partition`` from ``shard.start`` on (or from a
         little before it): assign it the first time, re-position only when the range is not

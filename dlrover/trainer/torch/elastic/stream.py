@@ -284,6 +284,9 @@ class _ReadAhead:
         """Ranges the thread leased but did not queue (the pass was closed meanwhile)."""
         self._ended = False
         self._closed_after = 0
+        self._to_report: list[StreamShard] = []
+        self._report_queued = False
+        self._reports_lock = threading.Lock()
         self._pending: tuple[_Item, Future[bool]] | None = None
         """A range read and decoded whose mark is on its way to the master: the loop gets it
         once the master accepted the mark, which it answers while the next range is read."""
@@ -441,6 +444,8 @@ class _ReadAhead:
                     logged = now
                 continue
             self._unread.append(shard)  # until it is pending: given back if the pass closes
+            # The partitions of the ranges leased next start fetching while this one is read.
+            dataset._reader().prepare(client.leased_shards())
             messages = dataset._read(shard, self._stop)
             if self._stop.is_set():
                 return
@@ -513,14 +518,23 @@ class _ReadAhead:
             self._report(shard)
 
     def _report(self, shard: StreamShard) -> None:
-        """Report ``shard`` done on the thread of master calls; the reader goes on meanwhile."""
-        self._calls.submit(self._report_now, shard)
+        """Report ``shard`` done on the thread of master calls; the reader goes on meanwhile.
+        Ranges finished while that thread is busy go in one call."""
+        with self._reports_lock:
+            self._to_report.append(shard)
+            if self._report_queued:
+                return
+            self._report_queued = True
+        self._calls.submit(self._report_now)
 
-    def _report_now(self, shard: StreamShard) -> None:
+    def _report_now(self) -> None:
+        with self._reports_lock:
+            shards, self._to_report = self._to_report, []
+            self._report_queued = False
         try:
-            self.client.report_done(shard)
-        except Exception as error:  # the range stays leased; its lease or a restore settles it
-            logger.warning("could not report %s done: %s", shard, error)
+            self.client.report_all_done(shards)
+        except Exception as error:  # the ranges stay leased; their lease or a restore settles it
+            logger.warning("could not report %s done: %s", shards, error)
 
 
 def _transport_from_env() -> StreamTransport:
