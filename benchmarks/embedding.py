@@ -64,13 +64,14 @@ def spec(dim: int) -> pb.TableSpec:
 
 def server_rate(client: EmbeddingClient, batches: list[np.ndarray], dim: int) -> float:
     """ids/s of lookup + update through ``client``'s servers, the way a training step uses
-    them (ElasticEmbedding: look the rows up, push their gradients)."""
+    them (ElasticEmbedding: look the rows up, push their gradients), over a second pass of the
+    batches: the rows exist by then, as the floor's dense table does from the start."""
     client.create_table(spec(dim))
-    client.lookup("items", batches[0], dim)  # warm up
-    start = time.perf_counter()
-    for ids in batches:
-        rows = client.lookup("items", ids, dim)
-        client.push("items", ids, rows * 0.01)
+    for _pass in ("untimed", "timed"):  # the first pass creates the rows, as the floor's allocation
+        start = time.perf_counter()
+        for ids in batches:
+            rows = client.lookup("items", ids, dim)
+            client.push("items", ids, rows * 0.01)
     return sum(b.size for b in batches) / (time.perf_counter() - start)
 
 
@@ -83,12 +84,13 @@ def floor_rate(batches: list[np.ndarray], dim: int, rows: int, threads: int) -> 
     try:
         bag = torch.nn.EmbeddingBag(rows, dim, mode="sum", sparse=True)
         opt = torch.optim.Adagrad(bag.parameters(), lr=0.01)
-        start = time.perf_counter()
-        for ids in batches:
-            t = torch.from_numpy(ids).reshape(-1, 1)
-            opt.zero_grad()
-            bag(t).sum().backward()
-            opt.step()
+        for _pass in ("untimed", "timed"):  # the same untimed first pass as the servers get
+            start = time.perf_counter()
+            for ids in batches:
+                t = torch.from_numpy(ids).reshape(-1, 1)
+                opt.zero_grad()
+                bag(t).sum().backward()
+                opt.step()
         return sum(b.size for b in batches) / (time.perf_counter() - start)
     finally:
         torch.set_num_threads(before)
