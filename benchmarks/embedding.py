@@ -2,10 +2,13 @@
 stopping, saving, restarting and loading.
 
 Run: PYTHONPATH=. python benchmarks/embedding.py [--mib 256] [--dim 64] [--batch 8192]
+     [--repeats 3] [--skip-resize]
 Prints
-- lookup + update ids/s through 1 and 2 `dlrover-ps` processes, against an in-process
-  ``nn.EmbeddingBag(sparse=True)`` with torch's Adagrad on the same batches (the floor: no
-  network, no server);
+- lookup + update ids/s through 1 .. min(cores, 4) `dlrover-ps` processes, and 2 with ASYNC and
+  SYNC replicas, against an in-process ``nn.EmbeddingBag(sparse=True)`` with torch's Adagrad on
+  the same batches (the floor: no network, no server; with 1 thread and with every core, the
+  faster counting). Interleaved over --repeats rounds; medians, and the ratios issue 32 set
+  goals for (one server vs the floor, N servers vs N x one, what replicas cost);
 - growing 2 -> 3 servers holding --mib of embedding rows (weights; the Adagrad state doubles
   it): the live resize (how long the moving buckets were refused) against the restart way
   (export every row to a file, start 3 fresh servers, load and re-partition them); then one of

@@ -1,11 +1,13 @@
 """Benchmark of online learning from Kafka: reading through the master vs a plain consumer.
 
-Run: PYTHONPATH=. python benchmarks/stream.py [--records 60000] [--shard 256,1024,4096]
-Needs confluent-kafka and noida-db==0.2.3 (the broker it starts on loopback). Prints
+Run: PYTHONPATH=. python benchmarks/stream.py [--records 60000] [--shard 1024] [--repeats 5]
+Needs confluent-kafka and noida-db==0.2.3 (the broker it starts on loopback). Prints, as medians
+of --repeats rounds that each measure the plain consumer and the dataset back to back:
 
 - read only: records/s of one plain confluent-kafka consumer reading the whole topic with
-  assign() (the peer: what a script does without DLRover) and of ElasticStreamDataset (the
-  master leases offset ranges, a thread assign()s and reads each one ahead of the loop);
+  assign() (the peer: what a script does without DLRover), from the consumer's creation on, and
+  of ElasticStreamDataset (the master leases offset ranges, a thread reads them ahead of the
+  loop with one consumer that stays assigned);
 - a training loop: batches of --batch records with --step-ms of simulated compute each, fed by
   the plain consumer in the loop or by the dataset through a DataLoader, against the compute
   alone;

@@ -416,6 +416,7 @@ class _ReadAhead:
 
     def _read_ranges(self) -> None:
         dataset, client = self.dataset, self.client
+        dataset._reader()  # the client connects to the brokers while the master is asked
         begin = 0
         idle_since = logged = time.monotonic()
         while not self._stop.is_set():
