@@ -61,16 +61,18 @@ def slow_workers(
     faults: Iterable[Fault], ranks: Iterable[int], restart_count: int, node: tuple[int, int] | None
 ) -> list[SlowWorker]:
     """The workers of ``ranks`` (this node's global ranks) that slow faults apply to in restart
-    ``restart_count`` on ``node`` (slot, attempt); several faults on a rank multiply."""
+    ``restart_count`` on ``node`` (slot, attempt): one entry per rank and step a fault starts
+    at, with the product of the factors of the rank's faults started by then."""
     slow = [f for f in faults if f.kind is FaultKind.SLOW and f.factor > 1]
     out = []
     for rank in ranks:
         mine = [f for f in slow if f.applies(rank, restart_count, node)]
-        if mine:
+        for step in sorted({f.step for f in mine}):
             factor = 1.0
             for fault in mine:
-                factor *= fault.factor
-            out.append(SlowWorker(rank, factor, min(f.step for f in mine)))
+                if fault.step <= step:
+                    factor *= fault.factor
+            out.append(SlowWorker(rank, factor, step))
     return out
 
 
@@ -116,10 +118,12 @@ class QuotaThrottle(Throttle):
         return None
 
     def add(self, pid: int, rank: int, factor: float) -> None:
-        """Move ``pid`` into a new cgroup allowed ``period / factor`` of CPU per period."""
+        """Move ``pid`` into a cgroup allowed ``period / factor`` of CPU per period (a later
+        call for the same rank changes its factor)."""
         d = self._parent / f"{PREFIX}{os.getpid()}-{rank}"
         d.mkdir(exist_ok=True)
-        self._dirs.append(d)
+        if d not in self._dirs:
+            self._dirs.append(d)
         period = int((d / "cpu.cfs_period_us").read_text())
         (d / "cpu.cfs_quota_us").write_text(str(max(1000, int(period / factor))))
         # The quota caps it on an idle machine; on a busy one everyone gets less than the cap,

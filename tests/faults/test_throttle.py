@@ -29,9 +29,13 @@ def test_slow_faults_pick_the_ranks_of_the_node_and_multiply() -> None:
     faults = parse_faults("slow:node=1:factor=3;slow:rank=3:step=5:factor=2;kill:rank=2:step=1")
     assert slow_workers(faults, [2, 3], 0, (1, 0)) == [
         SlowWorker(2, 3.0, 0),
-        SlowWorker(3, 6.0, 0),
+        SlowWorker(3, 3.0, 0),
+        SlowWorker(3, 6.0, 5),
     ]
     assert slow_workers(faults, [2, 3], 0, (1, 1)) == [SlowWorker(3, 2.0, 5)]  # a replacement
+    # Two faults on one rank from different steps: the second multiplies from its own step on.
+    twice = parse_faults("slow:rank=0:step=4:factor=3;slow:rank=0:step=9:factor=2")
+    assert slow_workers(twice, [0], 0, None) == [SlowWorker(0, 3.0, 4), SlowWorker(0, 6.0, 9)]
     assert slow_workers(faults, [0, 1], 0, (0, 0)) == []
     assert slow_workers(faults, [2, 3], 1, (1, 0)) == []  # restart 0 only, by default
 
