@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 import torch
@@ -83,6 +84,7 @@ def main() -> None:
         model.copy_(state["model"])
         done = int(state["step"])
         sampler.load_state_dict(state["sampler"])  # type: ignore[attr-defined]
+    print(f"rank {rank}: resuming after step {done} ({ckpt.last_load_source})", file=sys.stderr)
     faults, progress = FaultInjector.from_env(), StepReporter()
     indices = iter(sampler)  # type: ignore[call-overload]
     seen: set[int] = set()  # this rank's samples of this pass: a repeat is lockstep padding
