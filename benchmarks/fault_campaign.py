@@ -224,8 +224,9 @@ def _verify_checkpoint(root: Path, final_hash: str) -> bool:
         "print(json.dumps({'hash': tensors_digest([s['model']]) if s else ''}))\n"
     )
     env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    # A fresh interpreter imports torch: on a busy machine that alone can take a minute.
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       timeout=120, cwd=root)  # fmt: skip
+                       timeout=900, cwd=root)  # fmt: skip
     if r.returncode != 0:
         return True
     return json.loads(r.stdout.strip().splitlines()[-1])["hash"] != final_hash
