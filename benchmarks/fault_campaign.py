@@ -373,6 +373,9 @@ def main() -> None:
     print()
     summary(schedules, results, floor)
     print(f"\n{time.monotonic() - started:.0f}s; not covered yet: {', '.join(NOT_COVERED)}")
+    kept = [p for p in base.iterdir()] if base.exists() else []
+    if kept:
+        print(f"kept for a look (wrong or hung jobs): {', '.join(map(str, kept))}", file=sys.stderr)
     if a.json:
         rows = [
             {"job": s.index, "faults": s.describe(), "should_fail": s.should_fail,
@@ -381,7 +384,8 @@ def main() -> None:
             for s, r in zip(schedules, rs, strict=True)
         ]  # fmt: skip
         Path(a.json).write_text(json.dumps(rows, indent=1))
-    shutil.rmtree(base, ignore_errors=True)
+    if not kept:
+        base.rmdir()
 
 
 def summary(
