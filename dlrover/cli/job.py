@@ -188,6 +188,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="Replace stragglers: found by --node-check, or slow while training (runtime scores)",
     )
     s.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=None,
+        help="Seconds without a reported step before a node's workers count as hung and "
+        "restart (each agent's --hang-timeout; default: off)",
+    )
+    s.add_argument(
         "--auto-scale",
         action="store_true",
         help="The master sizes nodes from their measured use (and scales them as that lands)",
@@ -366,6 +373,9 @@ def run(argv: Sequence[str] | None = None) -> int:
                 node_check=spec.node_check or args.node_check,
                 exclude_straggler=spec.exclude_straggler or args.exclude_straggler,
                 auto_scale=spec.auto_scale or args.auto_scale,
+                hang_timeout_s=spec.hang_timeout_s
+                if args.hang_timeout is None
+                else args.hang_timeout,
                 engine_settings=settings,
                 ps=_ps_from_flags(spec.ps, args.ps, args.ps_replica),
             )
@@ -389,6 +399,7 @@ def run(argv: Sequence[str] | None = None) -> int:
                 engine_settings={"capacity": args.capacity} if args.capacity else None,
                 ps=args.ps,
                 ps_replica=args.ps_replica or DEFAULT_PS_REPLICA,
+                hang_timeout=args.hang_timeout or 0.0,
             )
     except (JobSpecError, OSError) as e:
         parser.error(str(e))

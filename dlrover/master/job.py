@@ -121,7 +121,12 @@ class JobMaster:
             store, clock, self._lock, config.straggler_report_s, self._restarts_of
         )
         self.preflight = Preflight(
-            clock, self._lock, self.members.world, self._ended_as, self._exclude_checked
+            clock,
+            self._lock,
+            self.members.world,
+            self._ended_as,
+            self._exclude_checked,
+            self._keep_checked,
         )
         self.roles = RoleRegistry()
         """Each role's controller (`scale_role` asks it; the node controller routes events)."""
@@ -200,6 +205,12 @@ class JobMaster:
         """The node check excluded ``node_id``: recorded, and the node is lost."""
         self.diagnostics.record(node_id, cls, "exclude", cause)
         self.node_lost(node_id, f"excluded by the node check: {summary}")
+
+    def _keep_checked(self, node_id: str, cause: str) -> None:
+        """The node check named ``node_id`` a straggler and keeps it: recorded all the same."""
+        self.diagnostics.record(
+            node_id, FailureClass.STRAGGLER, "none", f"{cause}; kept (no --exclude-straggler)"
+        )
 
     def _on_committed(self, step: int) -> None:
         self._store.put_json("checkpoint", "committed", step)
