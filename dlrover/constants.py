@@ -207,6 +207,9 @@ ENV_SUPERVISED = "_DLROVER_SUPERVISED_MASTER"
 them; a restarted child resumes from the state)."""
 
 # --- fault injection (dlrover.faults) ---
+ENV_THROTTLE = "DLROVER_THROTTLE"
+"""How the ``slow`` fault throttles a worker: ``quota`` (cgroup CPU quota) or ``stop`` (a
+SIGSTOP/SIGCONT cycle) forces that way, for tests of the fallback; empty: quota where possible."""
 ENV_FAULTS = "DLROVER_FAULTS"
 """The faults to inject (syntax: `dlrover.faults`)."""
 

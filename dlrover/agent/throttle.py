@@ -36,6 +36,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from dlrover.constants import ENV_THROTTLE
 from dlrover.faults import Fault, FaultKind, FaultSpecError, parse_faults
 
 logger = logging.getLogger(__name__)
@@ -44,8 +45,6 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 PREFIX = "dlrover-slow-"
 STOP_CYCLE_PERIOD_S = 0.1
 """One run + stop cycle of the fallback: short, so a step sees the average rate."""
-ENV_THROTTLE = "DLROVER_THROTTLE"
-"""``quota`` or ``stop`` forces that way (tests of the fallback); empty: quota where possible."""
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from dlrover.agent.throttle import (
     make_throttle,
     slow_workers,
 )
+from dlrover.constants import ENV_THROTTLE
 from dlrover.faults import parse_faults
 
 SPIN = "import os\nos.setsid()\nwhile True: pass\n"
@@ -72,7 +73,7 @@ def test_a_throttled_spinning_process_gets_at_most_its_share(kind: str) -> None:
 def test_slow_faults_wait_for_their_step_and_release_everything() -> None:
     proc = subprocess.Popen([sys.executable, "-c", SPIN])
     slow = SlowFaults("slow:rank=5:step=3:factor=4")
-    os.environ[throttle.ENV_THROTTLE] = "stop"
+    os.environ[ENV_THROTTLE] = "stop"
     try:
         time.sleep(0.3)
         slow.start_attempt(4, {0: os.getpid(), 1: proc.pid}, 0, None)
@@ -85,7 +86,7 @@ def test_slow_faults_wait_for_their_step_and_release_everything() -> None:
         assert slow._throttle is None
         assert psutil.Process(proc.pid).status() != psutil.STATUS_STOPPED
     finally:
-        del os.environ[throttle.ENV_THROTTLE]
+        del os.environ[ENV_THROTTLE]
         slow.release()
         proc.kill()
         proc.wait(10)
