@@ -38,6 +38,7 @@ from pathlib import Path
 
 from dlrover.constants import ENV_THROTTLE
 from dlrover.faults import Fault, FaultKind, FaultSpecError, parse_faults
+from dlrover.processes import pid_alive
 
 logger = logging.getLogger(__name__)
 
@@ -307,18 +308,8 @@ def sweep(root: Path = CGROUP_ROOT) -> int:
     with contextlib.suppress(OSError):
         for d in quota._parent.iterdir():
             match = re.fullmatch(re.escape(PREFIX) + r"(\d+)-\d+", d.name)
-            if match is None or _alive(int(match.group(1))):
+            if match is None or pid_alive(int(match.group(1))):
                 continue
             _remove(d)
             removed += not d.exists()
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -27,12 +27,12 @@ from dlrover.master.stragglers import DEFAULT_REPORT_S
 from dlrover.master.tensorboard import TensorBoardError
 from dlrover.master.tf_controller import TfController
 from dlrover.master.web import WebError
+from dlrover.processes import pid_alive
 from dlrover.runner.records import (
     FinalState,
     JobRecord,
     has_record,
     job_dir,
-    pid_alive,
     read_record,
     remove_final,
     write_final,

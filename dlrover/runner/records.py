@@ -149,16 +149,3 @@ def read_final(name: str) -> FinalState | None:
 def remove_final(name: str) -> None:
     """Forget an earlier submission's final state (a new one of the same name starts)."""
     _final_path(name).unlink(missing_ok=True)
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process with this pid exists (it may belong to another user)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
