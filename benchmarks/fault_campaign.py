@@ -301,9 +301,12 @@ def expected_hash() -> str:
 
 
 def _logs(root: Path) -> str:
-    """The launcher's output and every node's (dlrover submit keeps those under its home)."""
+    """The launcher's output, every node's agent and every rank's (dlrover submit keeps those
+    under its home: a node's std* files, its ranks' in ranks/<run>/attempt_<n>/rank_<r>/)."""
     parts = [p.read_text(errors="replace") for p in [root / "launcher.log"] if p.exists()]
     parts += [p.read_text(errors="replace") for p in sorted(root.glob("home/jobs/*/nodes/*/std*"))]
+    ranks = sorted(root.glob("home/jobs/*/nodes/*/ranks/*/*/*/*.log"))
+    parts += [p.read_text(errors="replace") for p in ranks]
     return "\n".join(parts)
 
 

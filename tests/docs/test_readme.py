@@ -71,11 +71,11 @@ def _read(path: Path) -> str:
 def test_submit_status_diagnose_stop(tmp_path: Path) -> None:
     """The submit line without its trailing `&` runs in the background here (the test keeps its
     exit status), then each next line as written, as a user types them while it trains. Promised
-    by the comments: status lists the nodes with rank, state, step, restarts, cpu and memory;
-    diagnose lists the failures (none); stop stops the workers, the nodes are removed, submit
-    exits non-zero."""
+    by the comments: status lists the nodes with rank, state, step, restarts, cpu, memory and
+    pids; logs prints rank 0's own lines; diagnose lists the failures (none); stop stops the
+    workers, the nodes are removed, submit exits non-zero."""
     block = doc_block(marker_id(__file__, "test_submit_status_diagnose_stop"))
-    submit, status, diagnose, stop = command_lines(block.text)
+    submit, status, logs, diagnose, stop = command_lines(block.text)
     assert submit.rstrip().endswith("&") and "--name mlp" in submit
     where, env = user_dir(tmp_path), user_env(tmp_path)
     job = Shell(submit.rstrip().removesuffix("&"), where, env, tmp_path / "submit.log")
@@ -88,8 +88,15 @@ def test_submit_status_diagnose_stop(tmp_path: Path) -> None:
             return out if code == 0 and running else ""
 
         table = str(wait_for("`dlrover status mlp` to list running nodes", running_table, 90))
-        assert re.search(r"^node +rank +state +step +restarts +cpu% +mem MB$", table, re.M), table
+        header = r"^node +rank +state +step +restarts +cpu% +mem MB +pid +worker pids"
+        assert re.search(header, table, re.M), table
         nodes = re.findall(r"^(mlp-worker-\d+-\d+) ", table, re.MULTILINE)
+
+        def rank0_trained() -> str:
+            code, out = bash(logs, where, env)
+            return out if code == 0 and re.search(r"^step \d+/2000 loss", out, re.M) else ""
+
+        wait_for("`dlrover logs mlp --rank 0` to show a loss line", rank0_trained, 90)
 
         code, out = bash(diagnose, where, env)
         assert code == 0 and out.strip() == "job mlp: no failures recorded", out
