@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from dlrover.api.errors import MasterUnreachableError
 from dlrover.checkpoint.buffers import SlotBuffers
 from dlrover.checkpoint.catalog import Catalog, Finalizer
 from dlrover.checkpoint.config import DEFAULT_PERSIST_WAIT_S, run_in_background
@@ -253,8 +254,14 @@ class Persister:
         deadline = time.monotonic() + max(timeout, 0.0)
         while True:
             remaining = deadline - time.monotonic()
-            if self.coordinator.wait_committed(step, min(max(remaining, 0.0), 0.2)):
-                return True
+            try:
+                if self.coordinator.wait_committed(step, min(max(remaining, 0.0), 0.2)):
+                    return True
+            except MasterUnreachableError:
+                # The master is being restarted: each short wait would end in this error (a
+                # single wait of the whole timeout used to ride it out); the marker, and the
+                # master once back, still count until the deadline.
+                pass
             try:
                 latest = catalog.latest_step()
             except CheckpointError:
