@@ -107,7 +107,7 @@ def test_submit_status_diagnose_stop(tmp_path: Path) -> None:
         submitted = job.output()
         assert "job mlp failed: stopped by dlrover stop" in submitted, submitted[-4000:]
         for node in nodes:
-            removed = rf"^.* node {node}: running -> .*\bdeleted\b"
+            removed = rf"^.* node {node}: \w+ -> .*\bdeleted\b"  # a third may still be starting
             assert re.search(removed, submitted, re.MULTILINE), (node, submitted[-4000:])
     finally:
         job.close()
