@@ -11,14 +11,17 @@ import ctypes
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 
 from dlrover import constants as c
+from dlrover.checkpoint.leftovers import owner_prefix
 from dlrover.cli.common import setup_logging
 from dlrover.client.master_client import MasterClient, MasterClientError
 from dlrover.coordination import TfCluster
@@ -86,6 +89,17 @@ def _published(raw: bytes | None) -> tuple[int, dict[str, list[str]]]:
     return spec.version, {role: list(addresses) for role, addresses in spec.cluster.items()}
 
 
+def node_tmpdir(job: str, node: str) -> str:
+    """A temp folder of this node's own (``<tmp>/dlrover.<job>.<node>.<pid>.tmp``), made the
+    role's TMPDIR: TensorFlow writes a ``__autograph_generated_file*.py`` there for every
+    function it converts and removes none of them when it is killed, which is how a ps or worker
+    always ends. The chief's folder goes when its program ends; what a killed node leaves, the
+    job's leftover sweep removes (its owner, this pid, is gone)."""
+    path = os.path.join(tempfile.gettempdir(), owner_prefix(job, node, os.getpid()) + ".tmp")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    return path
+
+
 def tf_config(cluster: dict[str, list[str]], role: str, index: int) -> str:
     """The TF_CONFIG of task ``role:index`` in ``cluster``."""
     return json.dumps({"cluster": cluster, "task": {"type": role, "index": index}})
@@ -124,10 +138,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         client.close()
     version, spec = cluster
+    tmp = node_tmpdir(os.environ.get(c.ENV_JOB_NAME, c.DEFAULT_JOB_NAME), node)
     env = {
         **os.environ,
         "TF_CONFIG": tf_config(spec, args.role, args.index),
         c.ENV_TF_CLUSTER_VERSION: str(version),
+        "TMPDIR": tmp,
     }
     if args.role in ("ps", "worker"):
         argv_ = [sys.executable, "-u", "-m", SERVER_MODULE]
@@ -141,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.role in ("ps", "worker"):
         # exec: the engine's process is the server (it ends only when it is stopped or killed).
         os.execvpe(argv_[0], argv_, env)
-    return _run_program(argv_, env)
+    return _run_program(argv_, env, tmp)
 
 
 def _pdeathsig() -> None:
@@ -153,15 +169,16 @@ def _pdeathsig() -> None:
     libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
-def _run_program(argv: list[str], env: dict[str, str]) -> int:
+def _run_program(argv: list[str], env: dict[str, str], tmp: str) -> int:
     """Run the chief's (evaluator's) program as a child and end as it did: its exit code, also
     written to $DLROVER_NODE_EXIT_FILE like dlrover-run does (an engine of a restarted master
     that adopted this node learns the end from it), or its signal. SIGTERM and SIGINT are
-    passed on."""
+    passed on. The program's temp folder ``tmp`` is removed once it ended."""
     child = subprocess.Popen(argv, env=env, preexec_fn=_pdeathsig)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: child.send_signal(signum))
     code = child.wait()  # the program's whole run: the master bounds the job
+    shutil.rmtree(tmp, ignore_errors=True)
     exit_file = os.environ.get(c.ENV_NODE_EXIT_FILE, "")
     if exit_file:
         try:

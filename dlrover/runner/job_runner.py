@@ -427,14 +427,13 @@ class JobRunner:
         self._closed = True
         self._stop.set()
         try:
-            if isinstance(self._controller, NodeController):
-                if self._controller.ps is not None:
-                    self._controller.ps.close()
-                if not self.fenced:
-                    # Nodes the engine had to SIGKILL (past their grace) could not free their
-                    # shared memory and temp folders; with the local engine they are on this
-                    # machine.
-                    sweep(job=self.spec.name)
+            if isinstance(self._controller, NodeController) and self._controller.ps is not None:
+                self._controller.ps.close()
+            if not self.fenced:
+                # Nodes the engine had to SIGKILL (past their grace) could not free their shared
+                # memory and temp folders (a TensorFlow ps or worker always ends so); with the
+                # local engine they are on this machine.
+                sweep(job=self.spec.name)
         finally:
             self._close_master()
 

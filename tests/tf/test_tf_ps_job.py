@@ -99,10 +99,12 @@ class Job:
         self.tmp, self.name = tmp, name
         self.home = tmp / "home"
         self.out = tmp / name
+        self.tmpdir = tmp / f"{name}-tmp"  # the job's TMPDIR, to see what it leaves there
+        self.tmpdir.mkdir()
         self.log = open(tmp / f"{name}.log", "w")  # noqa: SIM115
         self.proc = subprocess.Popen(
             [*run_cmd("dlrover.cli.job"), "submit", str(_spec(tmp, name, **spec))],
-            env=clean_env(DLROVER_HOME=str(self.home)),
+            env=clean_env(DLROVER_HOME=str(self.home), TMPDIR=str(self.tmpdir)),
             cwd=REPO,
             stdout=self.log,
             stderr=subprocess.STDOUT,
@@ -170,6 +172,15 @@ class Job:
                 self.proc.wait(10)
         self.log.close()
 
+    def left_in_tmp(self) -> list[str]:
+        """What the ended job left in its TMPDIR: its nodes' folders, TensorFlow's autograph
+        files (one per converted function, never removed by TensorFlow)."""
+        return sorted(
+            p.name
+            for p in self.tmpdir.iterdir()
+            if p.name.startswith((f"dlrover.{self.name}.", "__autograph_generated_file"))
+        )
+
     def result(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         report = json.loads((self.out / "report.json").read_text())
         with np.load(self.out / "model.npz") as model:
@@ -184,6 +195,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     assert job.wait() == 0, job.text()[-4000:]
     report, model = job.result()
     assert (model["seen"] == 1).all()
+    report["left_in_tmp"] = job.left_in_tmp()
     return report
 
 
@@ -198,6 +210,7 @@ def test_a_failure_free_job_trains_every_sample_once(reference: dict[str, Any]) 
     assert reference["batches"] == SIZE // BATCH
     assert reference["eval_loss"] < 0.55  # it learned (0.69 untrained)
     assert reference["shards_per_variable"]["deep"] == 2  # the embedding is split over the ps
+    assert reference["left_in_tmp"] == []  # the chief's autograph files, the nodes' folders
 
 
 def test_a_killed_worker_is_relaunched_and_the_coordinator_goes_on(
