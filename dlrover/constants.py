@@ -81,6 +81,14 @@ DEFAULT_MASTER_RECONNECT_S = 120.0
 """How long a node keeps calling a master that does not answer (it may be restarting on its
 saved state) before it gives up on a call that cannot be skipped."""
 
+DEFAULT_MASTER_LOST_TIMEOUT_S = 600.0
+"""How long a running node's heartbeats may go unanswered before it takes the job's master for
+gone: it stops its workers (persisting the newest in-memory checkpoint) and exits, instead of
+training on with nobody left to end the job. Long enough for a master to restart on its state."""
+
+EXIT_MASTER_LOST = 7
+"""dlrover-run's exit code when the job's master stopped answering for --master-lost-timeout."""
+
 ENV_STRAGGLER_REPORT_S = "DLROVER_STRAGGLER_REPORT_S"
 """Seconds between runtime straggler reports of a master (default 60; tests shorten it)."""
 

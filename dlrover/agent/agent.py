@@ -55,6 +55,7 @@ from dlrover.constants import (
     DEFAULT_JOB_NAME,
     ENV_NODE_MEMORY_LIMIT_MIB,
     ENV_NODE_NAME,
+    EXIT_MASTER_LOST,
     EXIT_NODE_OOM,
 )
 from dlrover.decisions import FailureAction
@@ -119,7 +120,12 @@ class ElasticAgent:
         self._group: WorkerGroup | None = None
         self._monitor: WorkerMonitor | None = None
         self._plan: LaunchPlan | None = None
-        self._heartbeat = Heartbeat(master, config.heartbeat_interval_s, self._heartbeat_report)
+        self._heartbeat = Heartbeat(
+            master,
+            config.heartbeat_interval_s,
+            self._heartbeat_report,
+            lost_timeout_s=config.master_lost_timeout_s,
+        )
         self._rdzv = RendezvousClient(master, config, self._heartbeat.stop_requested)
         self._host = config.local_addr or self._guess_host()
         self._run_dir = ""
@@ -267,6 +273,20 @@ class ElasticAgent:
             self._heartbeat.reregister_requested.clear()
             self._register()
             return None
+        if outcome is Outcome.MASTER_LOST:
+            # Nobody is left to end the job, re-form it or hand out data: training on would
+            # leave these workers running for ever. Keep the newest memory step on storage.
+            group.stop(cfg.stop_grace_s)
+            self._persist_on_failure()
+            self._set_state(WorkerGroupState.FAILED)
+            why = (
+                f"the job's master at {self._master_addr} answered no heartbeat for "
+                f"{cfg.master_lost_timeout_s:.0f}s (--master-lost-timeout): this node stopped "
+                "its workers. Start the master again on its state (dlrover submit does it by "
+                "itself), then this node"
+            )
+            logger.error(why)
+            return RunResult(EXIT_MASTER_LOST, why)
         if outcome is Outcome.MEMBERSHIP:
             logger.info("membership changed: re-forming the world (no restart used)")
             group.stop(cfg.stop_grace_s)
@@ -351,7 +371,7 @@ class ElasticAgent:
         self._saver = CheckpointSaver(
             socket_path=os.path.join(self._run_dir, "ckpt.sock"),
             shm_prefix=shm_prefix,
-            coordinator=MasterCommitCoordinator(self.master),
+            coordinator=MasterCommitCoordinator(self.master, self._heartbeat.master_lost),
             peers=MasterPeerDirectory(self.master),
             replica_token=self._token or "",
             replica_host=self._host,
@@ -428,6 +448,7 @@ class ElasticAgent:
             MonitorSignals(
                 stop_requested=self._heartbeat.stop_requested,
                 reregister_requested=self._heartbeat.reregister_requested,
+                master_lost=self._heartbeat.master_lost,
                 world_must_reform=self._rdzv.world_must_reform,
                 every_second=self._every_second,
             ),

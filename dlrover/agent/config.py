@@ -50,6 +50,8 @@ class AgentConfig:
     heartbeat_interval_s: float = c.DEFAULT_HEARTBEAT_INTERVAL_S
     stop_grace_s: float = c.DEFAULT_STOP_GRACE_S
     """After SIGTERM, how long workers get before SIGKILL."""
+    master_lost_timeout_s: float = c.DEFAULT_MASTER_LOST_TIMEOUT_S
+    """Heartbeats unanswered for this long: the master is gone, the node stops; 0: never."""
     exit_barrier_timeout_s: float = c.DEFAULT_EXIT_BARRIER_TIMEOUT_S
     """On success, how long to wait for the other nodes to finish too."""
     script_argv: list[str] | None = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import random
 import threading
+import time
 from collections.abc import Callable
 
 import psutil
@@ -48,7 +49,8 @@ class Heartbeat:
     `stop_requested` ("stop": the job has ended) or `reregister_requested` (the master took this
     node for lost, or restarted without knowing it), and may stretch the interval: in a big job
     the master asks every node to beat less often, so that all beats together stay within its
-    budget (the interval is never shorter than `interval_s`).
+    budget (the interval is never shorter than `interval_s`). A master that has answered no beat
+    for `lost_timeout_s` (0: never) sets `master_lost`.
     """
 
     def __init__(
@@ -56,6 +58,7 @@ class Heartbeat:
         master: MasterApi,
         interval_s: float,
         snapshot: Callable[[], HeartbeatReport],
+        lost_timeout_s: float = 0.0,
     ) -> None:
         self._master = master
         self._interval_s = interval_s
@@ -65,6 +68,9 @@ class Heartbeat:
         self._stop = threading.Event()
         self.stop_requested = threading.Event()
         self.reregister_requested = threading.Event()
+        self.master_lost = threading.Event()
+        self._lost_timeout_s = lost_timeout_s
+        self._last_answer = time.monotonic()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="dlrover-heartbeat")
 
     @property
@@ -94,14 +100,20 @@ class Heartbeat:
             reply = self._master.heartbeat(self._snapshot())
         except UnknownNodeError as e:
             logger.warning("heartbeat refused: %s", e)
+            self._last_answer = time.monotonic()
             self.reregister_requested.set()
             return
         except MasterRequestError as e:
             logger.warning("heartbeat refused: %s", e)
+            self._last_answer = time.monotonic()  # refused, but it answers
             return
         except MasterClientError as e:
-            logger.warning("heartbeat failed: %s", e)
+            silent = time.monotonic() - self._last_answer
+            logger.warning("heartbeat failed (no answer for %.0fs): %s", silent, e)
+            if self._lost_timeout_s > 0 and silent >= self._lost_timeout_s:
+                self.master_lost.set()
             return
+        self._last_answer = time.monotonic()
         self.stretch(reply.heartbeat_interval_s)
         if reply.action is HeartbeatAction.STOP:
             self.stop_requested.set()

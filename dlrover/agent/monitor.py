@@ -10,7 +10,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dlrover.agent.bootstrap import read_script_result
 from dlrover.agent.config import AgentConfig
@@ -38,6 +38,8 @@ class Outcome(enum.Enum):
     """The master took this node for lost (or restarted without it)."""
     MEMBERSHIP = "membership"
     """Nodes wait to join, or a newer round formed: the world re-forms (no restart used)."""
+    MASTER_LOST = "master_lost"
+    """The master answered no heartbeat for --master-lost-timeout: the node stops."""
 
 
 def describe_exit(e: WorkerExit) -> str:
@@ -58,6 +60,7 @@ class MonitorSignals:
     reregister_requested: threading.Event
     world_must_reform: Callable[[], bool]
     """Asked every membership_check_interval_s; answered from the membership watch (no RPC)."""
+    master_lost: threading.Event = field(default_factory=threading.Event)
     every_second: Callable[[], None] = lambda: None
     """The agent's own periodic work (starting the zygote)."""
 
@@ -119,6 +122,8 @@ class WorkerMonitor:
             return Outcome.STOP
         if self._signals.reregister_requested.is_set():
             return Outcome.REREGISTER
+        if self._signals.master_lost.is_set():
+            return Outcome.MASTER_LOST
         now = time.monotonic()
         if now >= self._next_progress_check:
             self._next_progress_check = now + 1.0

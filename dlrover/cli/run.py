@@ -215,6 +215,16 @@ def build_parser() -> argparse.ArgumentParser:
         "as hung at exit: its stacks are logged, it is ended and counted as what its script "
         "returned (failed if it never returned). 0: off. Default 60.",
     )
+    _add(
+        p,
+        "--master-lost-timeout",
+        type=float,
+        default=c.DEFAULT_MASTER_LOST_TIMEOUT_S,
+        help="Seconds the job's master may leave heartbeats unanswered before this node takes it "
+        "for gone: it stops its workers (persisting the newest in-memory checkpoint) and exits "
+        f"with code {c.EXIT_MASTER_LOST}. A master that restarts on its state within it is not "
+        "noticed. 0: never. Default 600.",
+    )
     p.add_argument(
         "--node-check",
         "--node_check",
@@ -311,6 +321,10 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         raise ValueError(
             f"--exit-hang-timeout {args.exit_hang_timeout}: must be >= 0 (0 turns it off)"
         )
+    if args.master_lost_timeout < 0:
+        raise ValueError(
+            f"--master-lost-timeout {args.master_lost_timeout}: must be >= 0 (0 turns it off)"
+        )
     if args.hang_timeout < 0:
         raise ValueError(f"--hang-timeout {args.hang_timeout}: must be >= 0 (0 turns it off)")
     if args.hang_warning_timeout < 0:
@@ -371,6 +385,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         stop_grace_s=args.shutdown_timeout,
         hang_timeout_s=args.hang_timeout,
         exit_hang_timeout_s=args.exit_hang_timeout,
+        master_lost_timeout_s=args.master_lost_timeout,
         hang_warning_timeout_s=args.hang_warning_timeout,
         node_check=args.node_check,
         exclude_straggler=args.exclude_straggler,

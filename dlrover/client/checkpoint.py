@@ -4,9 +4,10 @@ and find each other's replica servers, through the master."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
-from dlrover.api.errors import MasterClientError
+from dlrover.api.errors import MasterClientError, MasterUnreachableError
 from dlrover.api.master import MasterApi
 from dlrover.api.retry import while_unreachable
 from dlrover.constants import DEFAULT_MASTER_RECONNECT_S
@@ -16,26 +17,47 @@ log = logging.getLogger(__name__)
 
 class MasterCommitCoordinator:
     """Implements dlrover.checkpoint.coordinator.CommitCoordinator through the job master
-    (over gRPC with a MasterClient, or in process with a LocalMasterApi)."""
+    (over gRPC with a MasterClient, or in process with a LocalMasterApi).
 
-    def __init__(self, master: MasterApi) -> None:
+    Once ``master_lost`` is set (the agent took the master for gone), a call is tried once
+    instead of for DEFAULT_MASTER_RECONNECT_S: the node is stopping and persists its newest
+    step on its way out. The one node that writes every part of a step (DDP) then commits it on
+    its own; a step whose parts come from several nodes cannot be committed without the master.
+    """
+
+    def __init__(self, master: MasterApi, master_lost: threading.Event | None = None) -> None:
         self._master = master
+        self._lost = master_lost or threading.Event()
+
+    def _deadline(self) -> float:
+        return time.monotonic() + (0.0 if self._lost.is_set() else DEFAULT_MASTER_RECONNECT_S)
 
     def report_persisted(self, step: int, node_rank: int, total_nodes: int) -> bool:
         """This node wrote all its files of ``step``; True for the step's one committer."""
-        return while_unreachable(
-            lambda: self._master.checkpoint_persisted(step, node_rank, total_nodes),
-            time.monotonic() + DEFAULT_MASTER_RECONNECT_S,
-            f"report checkpoint step {step} persisted",
-        )
+        try:
+            return while_unreachable(
+                lambda: self._master.checkpoint_persisted(step, node_rank, total_nodes),
+                self._deadline(),
+                f"report checkpoint step {step} persisted",
+            )
+        except MasterUnreachableError:
+            if self._lost.is_set() and total_nodes == 1:
+                log.warning("the master is gone: committing step %d on this node alone", step)
+                return True
+            raise
 
     def mark_committed(self, step: int) -> None:
         """Announce that ``step`` is committed; the master persists it and wakes waiters."""
-        while_unreachable(
-            lambda: self._master.checkpoint_committed(step),
-            time.monotonic() + DEFAULT_MASTER_RECONNECT_S,
-            f"mark checkpoint step {step} committed",
-        )
+        try:
+            while_unreachable(
+                lambda: self._master.checkpoint_committed(step),
+                self._deadline(),
+                f"mark checkpoint step {step} committed",
+            )
+        except MasterUnreachableError:
+            if not self._lost.is_set():
+                raise
+            log.warning("the master is gone: it does not learn that step %d is committed", step)
 
     def wait_committed(self, step: int, timeout: float) -> bool:
         """Whether ``step`` or a newer one is committed within ``timeout`` seconds."""
