@@ -36,11 +36,17 @@ def make_state(size_gb: float, adam: bool) -> dict[str, Any]:
     params = {f"layer{i}.weight": torch.randn(numel) for i in range(64)}
     state: dict[str, Any] = {"model": params, "step": 1}
     if adam:
-        state["optimizer"] = {"state": {i: {"step": torch.tensor(1.0),
-                                            "exp_avg": torch.randn(numel),
-                                            "exp_avg_sq": torch.rand(numel)}
-                                        for i in range(64)},
-                              "param_groups": [{"lr": 1e-3, "params": list(range(64))}]}
+        state["optimizer"] = {
+            "state": {
+                i: {
+                    "step": torch.tensor(1.0),
+                    "exp_avg": torch.randn(numel),
+                    "exp_avg_sq": torch.rand(numel),
+                }
+                for i in range(64)
+            },
+            "param_groups": [{"lr": 1e-3, "params": list(range(64))}],
+        }
     return state
 
 
@@ -54,8 +60,9 @@ def tensors_of(state: Any) -> list[torch.Tensor]:
     return []
 
 
-def timed(fn: Callable[[], Any], repeats: int, before: Callable[[], Any] | None = None
-          ) -> list[float]:
+def timed(
+    fn: Callable[[], Any], repeats: int, before: Callable[[], Any] | None = None
+) -> list[float]:
     out = []
     for _ in range(repeats):
         if before is not None:
@@ -88,7 +95,7 @@ def shared_views(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     views, at = [], 0
     for t in tensors:
         n = t.numel() * t.element_size()
-        views.append(flat[at:at + n].view(t.dtype).view(t.shape))
+        views.append(flat[at : at + n].view(t.dtype).view(t.shape))
         at += n
     return views
 
@@ -103,11 +110,18 @@ def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> Callable[[], N
 
 def start_agent(sock: str) -> subprocess.Popen[bytes]:
     """The saver in its own process, as the agent runs it."""
-    code = ("import sys; from dlrover.checkpoint.saver import CheckpointSaver;"
-            f"s = CheckpointSaver({sock!r}, shm_prefix='dlrover-bench-{uuid.uuid4().hex[:6]}');"
-            "s.start(); print('ready', flush=True); sys.stdin.read(); s.close(unlink=True)")
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO)})
+    code = (
+        "import sys; from dlrover.checkpoint.saver import CheckpointSaver;"
+        f"s = CheckpointSaver({sock!r}, shm_prefix='dlrover-bench-{uuid.uuid4().hex[:6]}');"
+        "s.start(); print('ready', flush=True); sys.stdin.read(); s.close(unlink=True)"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
     return proc
 
@@ -148,8 +162,9 @@ def train_step_fn() -> Callable[[], None]:
     return step
 
 
-def steps_while(step: Callable[[], None], busy: Callable[[], bool], limit: int = 400
-                ) -> list[float]:
+def steps_while(
+    step: Callable[[], None], busy: Callable[[], bool], limit: int = 400
+) -> list[float]:
     times: list[float] = []
     while busy() and len(times) < limit:
         start = time.perf_counter()
@@ -178,16 +193,16 @@ def bench_flash(state: dict[str, Any], work: Path, args: argparse.Namespace) -> 
         flash: list[float] = []
         for _ in range(args.repeats):
             floor += timed(floor_fn, 1)
-            flash += timed(lambda: ckpt.save_checkpoint(next(step), state,
-                                                        storage_type=StorageType.MEMORY), 1)
+            flash += timed(
+                lambda: ckpt.save_checkpoint(next(step), state, storage_type=StorageType.MEMORY), 1
+            )
         del floor_fn
         rows.append(("copy into a touched shared buffer (floor)", floor))
         rows.append(("flash save, blocking (MEMORY)", flash))
         overlap: list[float] = []
         for _ in range(args.repeats):
             start = time.perf_counter()
-            ckpt.save_checkpoint(next(step), state, storage_type=StorageType.MEMORY,
-                                 overlap=True)
+            ckpt.save_checkpoint(next(step), state, storage_type=StorageType.MEMORY, overlap=True)
             overlap.append(time.perf_counter() - start)
             ckpt.wait_copy()
         rows.append(("flash save, overlapped: blocking part", overlap))
@@ -219,10 +234,24 @@ def bench_flash(state: dict[str, Any], work: Path, args: argparse.Namespace) -> 
         ckpt.close()
 
         env = {**os.environ, "PYTHONPATH": str(REPO), "TORCHELASTIC_RESTART_COUNT": "1"}
-        out = subprocess.run([sys.executable, __file__, "--child-load", ckpt_dir,
-                              "--size-gb", str(args.size_gb), "--repeats", str(args.repeats)]
-                             + (["--adam"] if args.adam_child else []), env=env, check=True,
-                             capture_output=True, text=True, timeout=1200)
+        out = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--child-load",
+                ckpt_dir,
+                "--size-gb",
+                str(args.size_gb),
+                "--repeats",
+                str(args.repeats),
+            ]
+            + (["--adam"] if args.adam_child else []),
+            env=env,
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=1200,
+        )
         loads = json.loads(out.stdout.strip().splitlines()[-1])
         rows.append(("copy back into live tensors (load floor)", loads["floor"]))
         rows.append(("flash load from memory, new process, into model", loads["into"]))
@@ -252,12 +281,17 @@ def bench_torch_save(state: dict[str, Any], work: Path, repeats: int) -> list[Ro
     def save(sync: bool) -> None:
         torch_save(state, path, sync)
 
-    rows: list[Row] = [("torch.save", timed(lambda: save(False), repeats)),
-                       ("torch.save + fsync", timed(lambda: save(True), repeats))]
-    rows.append(("torch.load warm", timed(lambda: torch.load(path, weights_only=True),
-                                          repeats)))
-    rows.append(("torch.load cold (pages evicted)", timed(
-        lambda: torch.load(path, weights_only=True), repeats, before=lambda: evict(path))))
+    rows: list[Row] = [
+        ("torch.save", timed(lambda: save(False), repeats)),
+        ("torch.save + fsync", timed(lambda: save(True), repeats)),
+    ]
+    rows.append(("torch.load warm", timed(lambda: torch.load(path, weights_only=True), repeats)))
+    rows.append(
+        (
+            "torch.load cold (pages evicted)",
+            timed(lambda: torch.load(path, weights_only=True), repeats, before=lambda: evict(path)),
+        )
+    )
     os.unlink(path)
     return rows
 
@@ -276,14 +310,20 @@ def bench_dcp(state: dict[str, Any], work: Path, repeats: int) -> list[Row]:
         shutil.rmtree(root, ignore_errors=True)
         return str(d)
 
-    rows.append(("DCP save (fsync)", timed(lambda: dcp.save(state, checkpoint_id=new_dir()),
-                                           repeats)))
+    rows.append(
+        ("DCP save (fsync)", timed(lambda: dcp.save(state, checkpoint_id=new_dir()), repeats))
+    )
     target = {k: v for k, v in state.items()}
     last = str(root / str(next(counter) - 1))
-    rows.append(("DCP load warm", timed(lambda: dcp.load(target, checkpoint_id=last),
-                                        repeats)))
-    rows.append(("DCP load cold (pages evicted)", timed(
-        lambda: dcp.load(target, checkpoint_id=last), repeats, before=lambda: evict(last))))
+    rows.append(("DCP load warm", timed(lambda: dcp.load(target, checkpoint_id=last), repeats)))
+    rows.append(
+        (
+            "DCP load cold (pages evicted)",
+            timed(
+                lambda: dcp.load(target, checkpoint_id=last), repeats, before=lambda: evict(last)
+            ),
+        )
+    )
 
     def async_mode(stager: Any) -> list[float]:
         blocked = []
@@ -300,8 +340,10 @@ def bench_dcp(state: dict[str, Any], work: Path, repeats: int) -> list[Row]:
         return blocked
 
     rows.append(("DCP async_save blocking: default", async_mode(None)))
-    for label, options in (("reused stager", StagingOptions(False, False, False, False)),
-                           ("async staging", StagingOptions(False, False, True, False))):
+    for label, options in (
+        ("reused stager", StagingOptions(False, False, False, False)),
+        ("async staging", StagingOptions(False, False, True, False)),
+    ):
         try:
             stager = DefaultStager(options)
             rows.append((f"DCP async_save blocking: {label}", async_mode(stager)))
@@ -324,23 +366,31 @@ def report(title: str, rows: list[Row]) -> None:
     ours_save = "flash save, blocking (MEMORY)"
     ours_load = "flash load from memory, new process, into model"
     print(f"\n{title}")
-    print(f"{'operation':52} {'median s':>8} {'min s':>7} {'max s':>7} "
-          f"{'med/floor':>9} {'min/floor':>9} {'med/ours':>8} {'min/ours':>8}")
+    print(
+        f"{'operation':52} {'median s':>8} {'min s':>7} {'max s':>7} "
+        f"{'med/floor':>9} {'min/floor':>9} {'med/ours':>8} {'min/ours':>8}"
+    )
     for name, times in rows:
         is_load = "load" in name
         floor = floor_load if is_load else floor_save
         ours = ours_load if is_load else ours_save
-        print(f"{name:52} {med[name]:8.3f} {low[name]:7.3f} {max(times):7.3f} "
-              f"{med[name] / med[floor]:9.2f} {low[name] / low[floor]:9.2f} "
-              f"{med[name] / med[ours]:8.2f} {low[name] / low[ours]:8.2f}")
-    pairs = [("flash persist in background (agent, fsync)", PEER_PERSIST),
-             ("train step while the agent persists", "train step, idle"),
-             ("restore from the peer's memory (replaced node)", "restore from storage, cold"),
-             ("restore from the peer's memory (replaced node)", "restore from storage, warm")]
+        print(
+            f"{name:52} {med[name]:8.3f} {low[name]:7.3f} {max(times):7.3f} "
+            f"{med[name] / med[floor]:9.2f} {low[name] / low[floor]:9.2f} "
+            f"{med[name] / med[ours]:8.2f} {low[name] / low[ours]:8.2f}"
+        )
+    pairs = [
+        ("flash persist in background (agent, fsync)", PEER_PERSIST),
+        ("train step while the agent persists", "train step, idle"),
+        ("restore from the peer's memory (replaced node)", "restore from storage, cold"),
+        ("restore from the peer's memory (replaced node)", "restore from storage, warm"),
+    ]
     for ours_row, peer_row in pairs:
         if ours_row in med and peer_row in med:
-            print(f"  {ours_row} / {peer_row}: median {med[ours_row] / med[peer_row]:.2f}x, "
-                  f"min {low[ours_row] / low[peer_row]:.2f}x")
+            print(
+                f"  {ours_row} / {peer_row}: median {med[ours_row] / med[peer_row]:.2f}x, "
+                f"min {low[ours_row] / low[peer_row]:.2f}x"
+            )
 
 
 def bench_replica(state: dict[str, Any], work: Path, args: argparse.Namespace) -> list[Row]:
@@ -363,21 +413,30 @@ def bench_replica(state: dict[str, Any], work: Path, args: argparse.Namespace) -
 
     def node() -> CheckpointSaver:
         tag = uuid.uuid4().hex[:6]
-        saver = CheckpointSaver(str(work / f"{tag}.sock"), shm_prefix=f"dlrover-bench-{tag}",
-                                coordinator=coordinator, peers=peers)
+        saver = CheckpointSaver(
+            str(work / f"{tag}.sock"),
+            shm_prefix=f"dlrover-bench-{tag}",
+            coordinator=coordinator,
+            peers=peers,
+        )
         saver.start()
         savers.append(saver)
         return saver
 
-    def engine(saver: CheckpointSaver, rank: int, round_id: int, sharded: bool,
-               local_ranks: int = 1, directory: str = "replica-ckpt") -> CheckpointEngine:
+    def engine(
+        saver: CheckpointSaver,
+        rank: int,
+        round_id: int,
+        sharded: bool,
+        local_ranks: int = 1,
+        directory: str = "replica-ckpt",
+    ) -> CheckpointEngine:
         """Local rank 0 of node ``rank`` of two, each with ``local_ranks`` ranks."""
         os.environ[ENV_CHECKPOINT_SOCKET] = saver.socket_path
-        place = WorkerPlacement(rank * local_ranks, 0, 2 * local_ranks, local_ranks, rank,
-                                round_id)
-        return CheckpointEngine(str(work / directory), "dcp" if sharded else "plain",
-                                replica_count=1,
-                                placement=place)
+        place = WorkerPlacement(rank * local_ranks, 0, 2 * local_ranks, local_ranks, rank, round_id)
+        return CheckpointEngine(
+            str(work / directory), "dcp" if sharded else "plain", replica_count=1, placement=place
+        )
 
     def vote(*engines: CheckpointEngine) -> list[int | None]:
         with ThreadPoolExecutor(len(engines)) as pool:
@@ -402,13 +461,13 @@ def bench_replica(state: dict[str, Any], work: Path, args: argparse.Namespace) -
             while n0.last_replica_s == before:  # the saver's own figure, set once sent
                 assert time.perf_counter() < deadline, "the replica was not sent"
                 time.sleep(0.002)
-            assert any(i.key == "replica/0/0" and i.step == step
-                       for i in n1._exchange.holdings())  # type: ignore[union-attr]
+            assert any(i.key == "replica/0/0" and i.step == step for i in n1._exchange.holdings())  # type: ignore[union-attr]
             return n0.last_replica_s
 
         for _ in range(args.repeats):
-            times.setdefault("push a sharded part to the next node (1 GiB/s cap)",
-                             []).append(push(1 << 30))
+            times.setdefault("push a sharded part to the next node (1 GiB/s cap)", []).append(
+                push(1 << 30)
+            )
 
         # DDP: every node holds the state, n1 here (in another directory than the sharded
         # replica it keeps, so that is no candidate); a replaced node takes n1's own segment.
@@ -433,8 +492,10 @@ def bench_replica(state: dict[str, Any], work: Path, args: argparse.Namespace) -
             e1.load_from_memory(target)
             took = time.perf_counter() - start
             assert voted_steps == [1, 1] and e1.restored_from_peer == 0, voted_steps
-            assert all(torch.equal(a, b) for a, b in zip(tensors_of(target), tensors_of(state),
-                                                         strict=True))
+            assert all(
+                torch.equal(a, b)
+                for a, b in zip(tensors_of(target), tensors_of(state), strict=True)
+            )
             e0.close()
             e1.close()
             fresh.close(unlink=True)
@@ -446,8 +507,9 @@ def bench_replica(state: dict[str, Any], work: Path, args: argparse.Namespace) -
         for _ in range(args.repeats):
             times.setdefault(PEER_PUSH, []).append(push(None))
             for local_ranks, row, vote_row, load_row in (
-                    (1, PEER_RESTORE, PEER_RESTORE_VOTE, PEER_RESTORE_LOAD),
-                    (2, PEER_RESTORE_SHM, PEER_RESTORE_SHM_VOTE, PEER_RESTORE_SHM_LOAD)):
+                (1, PEER_RESTORE, PEER_RESTORE_VOTE, PEER_RESTORE_LOAD),
+                (2, PEER_RESTORE_SHM, PEER_RESTORE_SHM_VOTE, PEER_RESTORE_SHM_LOAD),
+            ):
                 took, voting = restore(local_ranks)
                 times.setdefault(row, []).append(took)
                 times.setdefault(vote_row, []).append(voting)
@@ -460,8 +522,11 @@ def bench_replica(state: dict[str, Any], work: Path, args: argparse.Namespace) -
         ckpt = DdpCheckpointer(str(work / "storage-ckpt"))
         ckpt.save_checkpoint(1, state)
         assert ckpt.wait_latest_checkpoint(600)
-        cold = timed(lambda: ckpt.load_checkpoint(target=target), args.repeats,
-                     before=lambda: evict(str(work / "storage-ckpt")))
+        cold = timed(
+            lambda: ckpt.load_checkpoint(target=target),
+            args.repeats,
+            before=lambda: evict(str(work / "storage-ckpt")),
+        )
         warm = timed(lambda: ckpt.load_checkpoint(target=target), args.repeats)
         assert ckpt.last_load_source == "storage"
         ckpt.close()
@@ -484,8 +549,15 @@ PEER_RESTORE_LOAD = "  of which: load from the peer straight into the model"
 PEER_RESTORE_SHM = "restore from a peer, DDP 2 ranks/node (via new shm)"
 PEER_RESTORE_SHM_VOTE = "  of which: vote"
 PEER_RESTORE_SHM_LOAD = "  of which: copy into new shm, then from it into the model"
-PEER_ROWS = (PEER_RESTORE, PEER_RESTORE_VOTE, PEER_RESTORE_LOAD, PEER_RESTORE_SHM,
-             PEER_RESTORE_SHM_VOTE, PEER_RESTORE_SHM_LOAD, PEER_PUSH)
+PEER_ROWS = (
+    PEER_RESTORE,
+    PEER_RESTORE_VOTE,
+    PEER_RESTORE_LOAD,
+    PEER_RESTORE_SHM,
+    PEER_RESTORE_SHM_VOTE,
+    PEER_RESTORE_SHM_LOAD,
+    PEER_PUSH,
+)
 
 
 def bench_restore(state: dict[str, Any], work: Path, args: argparse.Namespace) -> list[Row]:
@@ -509,8 +581,9 @@ def bench_restore(state: dict[str, Any], work: Path, args: argparse.Namespace) -
         import torch.distributed.checkpoint as dcp
 
         dcp.save(state, checkpoint_id=str(dcp_dir))
-    saver = CheckpointSaver(str(work / "restore.sock"),
-                            shm_prefix=f"dlrover-bench-{uuid.uuid4().hex[:6]}")
+    saver = CheckpointSaver(
+        str(work / "restore.sock"), shm_prefix=f"dlrover-bench-{uuid.uuid4().hex[:6]}"
+    )
     saver.start()
     os.environ[ENV_CHECKPOINT_SOCKET] = saver.socket_path
     target = make_state(args.size_gb, False)  # the restarted job's model, built and touched
@@ -519,10 +592,12 @@ def bench_restore(state: dict[str, Any], work: Path, args: argparse.Namespace) -
         reader = DdpCheckpointer(str(ckpt_dir))
         cases: list[tuple[str, Callable[[], Any], Path]] = [
             (RESTORE_OURS, lambda: reader.load_checkpoint(target=target), ckpt_dir),
-            (RESTORE_PEERS[0], lambda: torch.load(pt_file, weights_only=True), pt_file)]
+            (RESTORE_PEERS[0], lambda: torch.load(pt_file, weights_only=True), pt_file),
+        ]
         if dcp is not None:
-            cases.append((RESTORE_PEERS[1],
-                          lambda: dcp.load(target, checkpoint_id=str(dcp_dir)), dcp_dir))
+            cases.append(
+                (RESTORE_PEERS[1], lambda: dcp.load(target, checkpoint_id=str(dcp_dir)), dcp_dir)
+            )
         for _ in range(args.repeats):
             for cache in ("cold", "warm"):
                 for label, load, path in cases:
@@ -534,8 +609,9 @@ def bench_restore(state: dict[str, Any], work: Path, args: argparse.Namespace) -
                     gc.collect()
         assert reader.last_load_source == "storage"
         got = reader.load_checkpoint(target=target)
-        assert all(torch.equal(a, b) for a, b in zip(tensors_of(got), tensors_of(state),
-                                                     strict=True))
+        assert all(
+            torch.equal(a, b) for a, b in zip(tensors_of(got), tensors_of(state), strict=True)
+        )
         reader.close()
     finally:
         os.environ.pop(ENV_CHECKPOINT_SOCKET, None)
@@ -549,15 +625,19 @@ def report_restore(rows: list[Row]) -> None:
     med = {name: statistics.median(t) for name, t in rows}
     low = {name: min(t) for name, t in rows}
     print("\nrestore (ours first; ratio = this row / ours, < 1: this row is faster)")
-    print(f"{'operation':68} {'median s':>8} {'min s':>7} {'max s':>7} {'med/ours':>8} "
-          f"{'min/ours':>8}")
+    print(
+        f"{'operation':68} {'median s':>8} {'min s':>7} {'max s':>7} {'med/ours':>8} "
+        f"{'min/ours':>8}"
+    )
     for cache in ("cold", "warm"):
         ours = RESTORE_OURS.format(cache)
         for name in (ours, *(p.format(cache) for p in RESTORE_PEERS)):
             if name in med:
-                print(f"{name:68} {med[name]:8.3f} {low[name]:7.3f} "
-                      f"{max(dict(rows)[name]):7.3f} {med[name] / med[ours]:8.2f} "
-                      f"{low[name] / low[ours]:8.2f}")
+                print(
+                    f"{name:68} {med[name]:8.3f} {low[name]:7.3f} "
+                    f"{max(dict(rows)[name]):7.3f} {med[name] / med[ours]:8.2f} "
+                    f"{low[name] / low[ours]:8.2f}"
+                )
     for name in PEER_ROWS:
         if name in med:
             print(f"{name:68} {med[name]:8.3f} {low[name]:7.3f} {max(dict(rows)[name]):7.3f}")
@@ -566,10 +646,12 @@ def report_restore(rows: list[Row]) -> None:
         if name in med and PEER_PUSH in med:
             # The rows are interleaved repeat by repeat: each restore against its own push.
             paired = [t / p for t, p in zip(times[name], times[PEER_PUSH], strict=True)]
-            print(f"  {name.strip()} / push of the same bytes: median "
-                  f"{med[name] / med[PEER_PUSH]:.2f}x, min {low[name] / low[PEER_PUSH]:.2f}x; "
-                  f"repeat by repeat {', '.join(f'{r:.2f}x' for r in paired)} "
-                  f"(median {statistics.median(paired):.2f}x)")
+            print(
+                f"  {name.strip()} / push of the same bytes: median "
+                f"{med[name] / med[PEER_PUSH]:.2f}x, min {low[name] / low[PEER_PUSH]:.2f}x; "
+                f"repeat by repeat {', '.join(f'{r:.2f}x' for r in paired)} "
+                f"(median {statistics.median(paired):.2f}x)"
+            )
 
 
 def profile_restore(args: argparse.Namespace) -> None:
@@ -635,21 +717,31 @@ def profile_peer_restore(args: argparse.Namespace) -> None:
             seg.close(unlink=True)
             peer.push(other.addr, 0, 0, src)
             marks.append(time.perf_counter())
-            for name, took in zip(("allocate and touch one buffer", "receive the image into it",
-                                   "map it in the rank (attach)", "copy it into the model",
-                                   "push of the same image (into a touched replica)"),
-                                  (b - a for a, b in zip(marks, marks[1:], strict=False)),
-                                  strict=True):
+            for name, took in zip(
+                (
+                    "allocate and touch one buffer",
+                    "receive the image into it",
+                    "map it in the rank (attach)",
+                    "copy it into the model",
+                    "push of the same image (into a touched replica)",
+                ),
+                (b - a for a, b in zip(marks, marks[1:], strict=False)),
+                strict=True,
+            ):
                 times.setdefault(name, []).append(took)
     finally:
         peer.close()
         other.close()
         src.close(unlink=True)
-    print(f"restore through new shared memory, {args.size_gb} GiB, piece by piece "
-          f"(load average {os.getloadavg()[0]:.1f})")
+    print(
+        f"restore through new shared memory, {args.size_gb} GiB, piece by piece "
+        f"(load average {os.getloadavg()[0]:.1f})"
+    )
     for name, got in times.items():
-        print(f"  {name:50} median {statistics.median(got):.3f} s, "
-              f"min {min(got):.3f} s, max {max(got):.3f} s")
+        print(
+            f"  {name:50} median {statistics.median(got):.3f} s, "
+            f"min {min(got):.3f} s, max {max(got):.3f} s"
+        )
 
 
 def run_case(size_gb: float, adam: bool, args: argparse.Namespace) -> None:
@@ -670,9 +762,12 @@ def run_case(size_gb: float, adam: bool, args: argparse.Namespace) -> None:
         gc.collect()
         restore = [] if adam else bench_restore(state, work, args)
         load = os.getloadavg()[0]
-        report(f"state {nbytes / 2**30:.2f} GiB ({'params + Adam' if adam else 'params'}), "
-               f"{args.repeats} repeats, torch {torch.__version__}, {os.cpu_count()} cpus, "
-               f"load average {load:.1f}", rows)
+        report(
+            f"state {nbytes / 2**30:.2f} GiB ({'params + Adam' if adam else 'params'}), "
+            f"{args.repeats} repeats, torch {torch.__version__}, {os.cpu_count()} cpus, "
+            f"load average {load:.1f}",
+            rows,
+        )
         if restore:
             report_restore(restore + [r for r in rows if r[0] in PEER_ROWS])
     finally:
@@ -707,9 +802,12 @@ class BusyTrainers:
         import threading
 
         self.ends: list[list[float]] = [[] for _ in range(count)]
-        self.procs = [subprocess.Popen([sys.executable, "-c", BUSY_TRAINER],
-                                       stdout=subprocess.PIPE, text=True)
-                      for _ in range(count)]
+        self.procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", BUSY_TRAINER], stdout=subprocess.PIPE, text=True
+            )
+            for _ in range(count)
+        ]
         for i, proc in enumerate(self.procs):
             threading.Thread(target=self._read, args=(proc, self.ends[i]), daemon=True).start()
 
@@ -743,14 +841,20 @@ class BusyTrainers:
 
 def start_saver_proc(sock: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
     """A saver in its own process (as the agent runs it) with ``env`` added (priority, buffers)."""
-    code = ("import sys; from dlrover.checkpoint.saver import CheckpointSaver;"
-            "from dlrover.checkpoint.config import buffers_from_env;"
-            f"s = CheckpointSaver({sock!r}, shm_prefix='dlrover-bench-{uuid.uuid4().hex[:6]}',"
-            " buffers=buffers_from_env());"
-            "s.start(); print('ready', flush=True); sys.stdin.read(); s.close(unlink=True)")
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE,
-                            env={**os.environ, "PYTHONPATH": str(REPO), **env})
+    code = (
+        "import sys; from dlrover.checkpoint.saver import CheckpointSaver;"
+        "from dlrover.checkpoint.config import buffers_from_env;"
+        f"s = CheckpointSaver({sock!r}, shm_prefix='dlrover-bench-{uuid.uuid4().hex[:6]}',"
+        " buffers=buffers_from_env());"
+        "s.start(); print('ready', flush=True); sys.stdin.read(); s.close(unlink=True)"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(REPO), **env},
+    )
     assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
     return proc
 
@@ -761,8 +865,9 @@ def stop_saver_proc(proc: subprocess.Popen[bytes]) -> None:
     proc.wait(120)
 
 
-def bench_persist_priority(state: dict[str, Any], work: Path, args: argparse.Namespace
-                           ) -> list[tuple[str, float, float, float, float]]:
+def bench_persist_priority(
+    state: dict[str, Any], work: Path, args: argparse.Namespace
+) -> list[tuple[str, float, float, float, float]]:
     """Per persist priority: persist time idle and with every core busy, and the busy trainers'
     mean step time during those persists over the one just before each (their throughput
     loss). One saver per priority, all started at once, and the priorities take turns repeat by
@@ -829,8 +934,9 @@ def bench_persist_priority(state: dict[str, Any], work: Path, args: argparse.Nam
     return out
 
 
-def bench_saves_taken(state: dict[str, Any], work: Path, args: argparse.Namespace
-                      ) -> list[tuple[str, int, int, int, float, float]]:
+def bench_saves_taken(
+    state: dict[str, Any], work: Path, args: argparse.Namespace
+) -> list[tuple[str, int, int, int, float, float]]:
     """With every core busy: a memory save every step and a DISK save every 10th; ours (two
     buffers per slot, the default persist priority) vs the release before (one buffer,
     SCHED_IDLE persists), in which a save that found its buffer held by a persist was
@@ -846,7 +952,8 @@ def bench_saves_taken(state: dict[str, Any], work: Path, args: argparse.Namespac
         for label, buffers, priority in runs:
             sock = str(work / f"saves-{buffers}.sock")
             saver = start_saver_proc(
-                sock, {ENV_BUFFERS: str(buffers), ENV_PERSIST_PRIORITY: priority})
+                sock, {ENV_BUFFERS: str(buffers), ENV_PERSIST_PRIORITY: priority}
+            )
             os.environ[ENV_CHECKPOINT_SOCKET] = sock
             try:
                 ckpt = DdpCheckpointer(str(work / f"saves-{buffers}"))
@@ -872,25 +979,34 @@ def bench_saves_taken(state: dict[str, Any], work: Path, args: argparse.Namespac
     return out
 
 
-def report_busy(title: str, priorities: list[tuple[str, float, float, float, float]],
-                saves: list[tuple[str, int, int, int, float, float]]) -> None:
+def report_busy(
+    title: str,
+    priorities: list[tuple[str, float, float, float, float]],
+    saves: list[tuple[str, int, int, int, float, float]],
+) -> None:
     """The busy-node tables, with the ratios the issue asks for (persist <= 2x, step <= 1.1x)."""
     print(f"\n{title}")
     if priorities:
-        print(f"{'persist thread priority':24} {'idle s':>7} {'busy s':>7} {'busy/idle':>9} "
-              f"{'step mean during/before':>24}")
+        print(
+            f"{'persist thread priority':24} {'idle s':>7} {'busy s':>7} {'busy/idle':>9} "
+            f"{'step mean during/before':>24}"
+        )
         for policy, idle, busy, ratio, slow in priorities:
             print(f"{policy:24} {idle:7.2f} {busy:7.2f} {ratio:9.2f} {slow:24.2f}")
     if saves:
-        print(f"{'saves, busy CPU':24} {'asked':>6} {'at once':>7} {'waited':>6} "
-              f"{'wait s':>7} {'wall s':>7}")
+        print(
+            f"{'saves, busy CPU':24} {'asked':>6} {'at once':>7} {'waited':>6} "
+            f"{'wait s':>7} {'wall s':>7}"
+        )
         for label, asked, at_once, waited, wait_s, wall in saves:
             print(f"{label:24} {asked:6d} {at_once:7d} {waited:6d} {wait_s:7.2f} {wall:7.2f}")
         if len(saves) == 2:
             (_, _, ours, _, _, ours_wall), (_, _, one, _, _, one_wall) = saves
-            print(f"  memory saves taken: ours {ours} of {saves[0][1]}, before {one} of "
-                  f"{saves[1][1]} (it skipped the ones that waited here); "
-                  f"wall before / ours: {one_wall / ours_wall:.2f}x")
+            print(
+                f"  memory saves taken: ours {ours} of {saves[0][1]}, before {one} of "
+                f"{saves[1][1]} (it skipped the ones that waited here); "
+                f"wall before / ours: {one_wall / ours_wall:.2f}x"
+            )
 
 
 def run_busy(size_gb: float, args: argparse.Namespace) -> None:
@@ -902,12 +1018,19 @@ def run_busy(size_gb: float, args: argparse.Namespace) -> None:
         gc.collect()
         del state
         gc.collect()
-        saves = (bench_saves_taken(make_state(args.busy_saves_gb, False), work, args)
-                 if args.busy_steps else [])
-        report_busy(f"busy node: state {nbytes / 2**30:.2f} GiB, {os.cpu_count()} cpus each run "
-                    "by a trainer process with a spinning side thread, "
-                    f"{args.repeats} repeats (medians); saves: {args.busy_saves_gb} GiB, "
-                    f"load average {os.getloadavg()[0]:.1f}", priorities, saves)
+        saves = (
+            bench_saves_taken(make_state(args.busy_saves_gb, False), work, args)
+            if args.busy_steps
+            else []
+        )
+        report_busy(
+            f"busy node: state {nbytes / 2**30:.2f} GiB, {os.cpu_count()} cpus each run "
+            "by a trainer process with a spinning side thread, "
+            f"{args.repeats} repeats (medians); saves: {args.busy_saves_gb} GiB, "
+            f"load average {os.getloadavg()[0]:.1f}",
+            priorities,
+            saves,
+        )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -915,29 +1038,58 @@ def run_busy(size_gb: float, args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--size-gb", type=float, default=1.0, help="GiB of float32 params")
-    parser.add_argument("--adam", action="store_true",
-                        help="also run the params + Adam moments case (3x the size)")
+    parser.add_argument(
+        "--adam", action="store_true", help="also run the params + Adam moments case (3x the size)"
+    )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dir", default=None, help="where files go (default: the temp dir)")
     parser.add_argument("--skip-dcp", action="store_true")
-    parser.add_argument("--skip-replica", action="store_true",
-                        help="leave out the peer-replica rows (push, restore from a peer)")
-    parser.add_argument("--busy", choices=("also", "only", "skip"), default="also",
-                        help="the busy-node rows: persist priority, saves taken with 2 vs 1 "
-                             "buffers (default: after the others)")
-    parser.add_argument("--busy-policies", default="idle,batch,batch:10,nice:10",
-                        help="persist priorities compared (DLROVER_CKPT_PERSIST_PRIORITY)")
-    parser.add_argument("--busy-steps", type=int, default=30,
-                        help="steps of the saves-taken run (memory every step, disk every 10)")
-    parser.add_argument("--busy-saves-gb", type=float, default=0.25,
-                        help="GiB of state in the saves-taken run (a save every step)")
-    parser.add_argument("--busy-timeout", type=float, default=120.0,
-                        help="seconds a busy persist may take before it is reported as inf")
-    parser.add_argument("--profile-restore", action="store_true",
-                        help="only profile a cold and a warm load from storage (cProfile)")
-    parser.add_argument("--profile-peer-restore", action="store_true",
-                        help="only time the pieces of a restore from a peer through new "
-                             "shared memory against a push")
+    parser.add_argument(
+        "--skip-replica",
+        action="store_true",
+        help="leave out the peer-replica rows (push, restore from a peer)",
+    )
+    parser.add_argument(
+        "--busy",
+        choices=("also", "only", "skip"),
+        default="also",
+        help="the busy-node rows: persist priority, saves taken with 2 vs 1 "
+        "buffers (default: after the others)",
+    )
+    parser.add_argument(
+        "--busy-policies",
+        default="idle,batch,batch:10,nice:10",
+        help="persist priorities compared (DLROVER_CKPT_PERSIST_PRIORITY)",
+    )
+    parser.add_argument(
+        "--busy-steps",
+        type=int,
+        default=30,
+        help="steps of the saves-taken run (memory every step, disk every 10)",
+    )
+    parser.add_argument(
+        "--busy-saves-gb",
+        type=float,
+        default=0.25,
+        help="GiB of state in the saves-taken run (a save every step)",
+    )
+    parser.add_argument(
+        "--busy-timeout",
+        type=float,
+        default=120.0,
+        help="seconds a busy persist may take before it is reported as inf",
+    )
+    parser.add_argument(
+        "--profile-restore",
+        action="store_true",
+        help="only profile a cold and a warm load from storage (cProfile)",
+    )
+    parser.add_argument(
+        "--profile-peer-restore",
+        action="store_true",
+        help="only time the pieces of a restore from a peer through new "
+        "shared memory against a push",
+    )
     parser.add_argument("--child-load", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.profile_restore:

@@ -59,11 +59,24 @@ class Master:
         self._log = open(self.log_path, "w")  # noqa: SIM115 - open for the process's life
         self.proc = subprocess.Popen(
             [
-                sys.executable, "-m", "dlrover.cli.master", "--port", "0", "--host", "127.0.0.1",
-                "--write-env", env_file, "--nnodes", f"{nodes}:{nodes}",
-                "--state-db", os.path.join(self.dir, "state.db"), "--idle-timeout", "600",
+                sys.executable,
+                "-m",
+                "dlrover.cli.master",
+                "--port",
+                "0",
+                "--host",
+                "127.0.0.1",
+                "--write-env",
+                env_file,
+                "--nnodes",
+                f"{nodes}:{nodes}",
+                "--state-db",
+                os.path.join(self.dir, "state.db"),
+                "--idle-timeout",
+                "600",
             ],
-            stdout=self._log, stderr=subprocess.STDOUT,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
         )
         deadline = time.monotonic() + 60
         while not os.path.exists(env_file):
@@ -142,9 +155,12 @@ class Agent:
         r = await self._call(
             self.stub.RegisterNode,
             pb.RegisterNodeRequest(
-                host=f"10.0.{self.i // 256}.{self.i % 256}", local_world_size=8, pid=self.i + 1,
-                config=pb.JobConfig(min_nodes=nodes, max_nodes=nodes, node_unit=1,
-                                    last_call_timeout_s=1.0),
+                host=f"10.0.{self.i // 256}.{self.i % 256}",
+                local_world_size=8,
+                pid=self.i + 1,
+                config=pb.JobConfig(
+                    min_nodes=nodes, max_nodes=nodes, node_unit=1, last_call_timeout_s=1.0
+                ),
             ),
         )
         self.node_id, self.incarnation = r.node_id, r.incarnation
@@ -181,16 +197,24 @@ class Agent:
     async def rendezvous(self) -> None:
         r = await self._call(
             self.stub.JoinRendezvous,
-            pb.JoinRendezvousRequest(node_id=self.node_id, incarnation=self.incarnation,
-                                     local_world_size=8, store_host="h", store_port=1),
+            pb.JoinRendezvousRequest(
+                node_id=self.node_id,
+                incarnation=self.incarnation,
+                local_world_size=8,
+                store_host="h",
+                store_port=1,
+            ),
         )
         self.round = r.round
         while True:
             wait_s = 0.0 if self.poll else HOLD_S
-            w = answer(await self.stub.GetCommWorld(
-                pb.GetCommWorldRequest(node_id=self.node_id, round=self.round, wait_s=wait_s),
-                timeout=wait_s + 60, metadata=self.md,
-            ))
+            w = answer(
+                await self.stub.GetCommWorld(
+                    pb.GetCommWorldRequest(node_id=self.node_id, round=self.round, wait_s=wait_s),
+                    timeout=wait_s + 60,
+                    metadata=self.md,
+                )
+            )
             if w.complete:
                 self.round = w.round
                 return
@@ -202,11 +226,15 @@ class Agent:
         while not self.stop.is_set():
             wait_s = 0.0 if self.poll else HOLD_S
             try:
-                w = answer(await self.stub.NumNodesWaiting(
-                    pb.NumNodesWaitingRequest(node_id=self.node_id, round=self.round,
-                                              wait_s=wait_s),
-                    timeout=wait_s + 60, metadata=self.md,
-                ))
+                w = answer(
+                    await self.stub.NumNodesWaiting(
+                        pb.NumNodesWaitingRequest(
+                            node_id=self.node_id, round=self.round, wait_s=wait_s
+                        ),
+                        timeout=wait_s + 60,
+                        metadata=self.md,
+                    )
+                )
             except (grpc.aio.AioRpcError, Refused) as e:
                 if isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.CANCELLED:
                     return
@@ -223,7 +251,9 @@ class Agent:
 
     async def exit_barrier(self) -> bool:
         request = pb.ReportNodeStatusRequest(
-            node_id=self.node_id, incarnation=self.incarnation, status="succeeded",
+            node_id=self.node_id,
+            incarnation=self.incarnation,
+            status="succeeded",
             wait_s=0.0 if self.poll else HOLD_S,
         )
         for _ in range(100):
@@ -259,7 +289,10 @@ async def run_one(nodes: int, steady_s: float, poll: bool) -> dict[str, float | 
     stubs = [pb_grpc.MasterStub(c) for c in channels]
     stats = Stats()
     agents = [Agent(i, stubs[i % n_channels], md, stats, poll) for i in range(nodes)]
-    row: dict[str, float | int | str] = {"nodes": nodes, "protocol": "poll" if poll else "long-poll"}
+    row: dict[str, float | int | str] = {
+        "nodes": nodes,
+        "protocol": "poll" if poll else "long-poll",
+    }
     tasks: list[asyncio.Task] = []
     try:
         t0 = time.monotonic()
@@ -310,8 +343,12 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, nargs="+", default=[1000, 2000, 5000, 10000])
     parser.add_argument("--steady-s", type=float, default=40.0)
     parser.add_argument("--protocol", choices=["long-poll", "poll", "both"], default="both")
-    parser.add_argument("--poll-max-nodes", type=int, default=2000,
-                        help="with --protocol both, run the old protocol only up to this size")
+    parser.add_argument(
+        "--poll-max-nodes",
+        type=int,
+        default=2000,
+        help="with --protocol both, run the old protocol only up to this size",
+    )
     args = parser.parse_args()
     random.seed(0)
     rows = asyncio.run(run_all(args))
@@ -332,18 +369,46 @@ async def run_all(args: argparse.Namespace) -> list[dict[str, float | int | str]
             except Exception as e:  # a failed size is a row of the table, not the end of it
                 traceback.print_exc()
                 detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
-                rows.append({"nodes": n, "protocol": "poll" if poll else "long-poll",
-                             "failed": f"{type(e).__name__}: {detail}"[:120]})
+                rows.append(
+                    {
+                        "nodes": n,
+                        "protocol": "poll" if poll else "long-poll",
+                        "failed": f"{type(e).__name__}: {detail}"[:120],
+                    }
+                )
     return rows
 
 
 def print_table(rows: list[dict[str, float | int | str]], sizes: list[int]) -> None:
     """The markdown table, and the long-poll vs poll ratios where both ran."""
-    cols = ["nodes", "protocol", "register_s", "rendezvous_s", "cpu_pct", "rss_mib", "p99_ms",
-            "lag_ms",
-            "exit_s", "exit_ok", "errors", "master_exit"]
-    heads = ["nodes", "protocol", "register s", "rendezvous s", "CPU % (steady)", "RSS MiB",
-             "p99 ms", "client lag p99 ms", "exit s", "exit ok", "errors", "master exit"]
+    cols = [
+        "nodes",
+        "protocol",
+        "register_s",
+        "rendezvous_s",
+        "cpu_pct",
+        "rss_mib",
+        "p99_ms",
+        "lag_ms",
+        "exit_s",
+        "exit_ok",
+        "errors",
+        "master_exit",
+    ]
+    heads = [
+        "nodes",
+        "protocol",
+        "register s",
+        "rendezvous s",
+        "CPU % (steady)",
+        "RSS MiB",
+        "p99 ms",
+        "client lag p99 ms",
+        "exit s",
+        "exit ok",
+        "errors",
+        "master exit",
+    ]
     print()
     print("| " + " | ".join(heads) + " |")
     print("|" + "---|" * len(heads))

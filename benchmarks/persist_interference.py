@@ -81,12 +81,16 @@ def main() -> None:
         trainers.close()
         if os.path.exists(path):
             os.unlink(path)
-    print(f"{nbytes / 2**30:.2f} GiB, {os.cpu_count()} cpus busy with trainers, "
-          f"{args.repeats} repeats (medians), load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"{nbytes / 2**30:.2f} GiB, {os.cpu_count()} cpus busy with trainers, "
+        f"{args.repeats} repeats (medians), load average {os.getloadavg()[0]:.1f}"
+    )
     print(f"{'during':30} {'took s':>7} {'step mean during/before':>24}")
     for name in cases:
-        print(f"{name:30} {statistics.median(took[name]):7.2f} "
-              f"{statistics.median(slow[name]) if slow[name] else float('nan'):24.2f}")
+        print(
+            f"{name:30} {statistics.median(took[name]):7.2f} "
+            f"{statistics.median(slow[name]) if slow[name] else float('nan'):24.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -37,8 +37,18 @@ class GrpcMaster:
         self._dir = tempfile.mkdtemp(prefix="dlrover_bench_")
         env_file = os.path.join(self._dir, "master.env")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dlrover.cli.master", "--port", "0", "--write-env", env_file, *extra],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                sys.executable,
+                "-m",
+                "dlrover.cli.master",
+                "--port",
+                "0",
+                "--write-env",
+                env_file,
+                *extra,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + 30
         while not os.path.exists(env_file):
@@ -200,9 +210,14 @@ def master_capacity(args: argparse.Namespace, factory: TransportFactory) -> dict
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--transport", default=None, help="module:factory(manager) -> transport")
-    parser.add_argument("--grpc", action="store_true",
-                        help="Clients talk to a real dlrover-master process over gRPC")
-    parser.add_argument("--master-args", default="", help="extra dlrover-master flags, e.g. '--state-db memory'")
+    parser.add_argument(
+        "--grpc",
+        action="store_true",
+        help="Clients talk to a real dlrover-master process over gRPC",
+    )
+    parser.add_argument(
+        "--master-args", default="", help="extra dlrover-master flags, e.g. '--state-db memory'"
+    )
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--batch-ms", type=float, default=4.0, help="fast worker, per batch")
     parser.add_argument("--slow-factor", type=float, default=3.0)

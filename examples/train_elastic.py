@@ -41,8 +41,11 @@ def main() -> None:
     p.add_argument("--micro-batch", type=int, default=1, help="samples per forward/backward")
     p.add_argument("--sample-time", type=float, default=0.01, help="simulated seconds per sample")
     p.add_argument(
-        "--serial-time", type=float, default=0.0, help="simulated seconds per step that no "
-        "number of workers shortens (a serial part: data loading, a parameter sync)"
+        "--serial-time",
+        type=float,
+        default=0.0,
+        help="simulated seconds per step that no "
+        "number of workers shortens (a serial part: data loading, a parameter sync)",
     )
     p.add_argument("--ckpt", required=True, help="flash checkpoint directory (shared by nodes)")
     p.add_argument("--disk-every", type=int, default=10, help="persist every k steps")
