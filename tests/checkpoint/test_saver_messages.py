@@ -131,6 +131,14 @@ def test_refusals_keep_their_wire_form() -> None:
             b'"round_id": 0}\n',
             r"field 'slots\[1\]' must be an int",
         ),
+        # Found by benchmarks/protocol_fuzz.py: a key given twice was read as its last value
+        # (a 7 s wait_persisted behind a 0.1 s one), and deep nesting raised RecursionError,
+        # which killed the connection's thread without an answer.
+        (
+            b'{"op": "allocate", "slot": 0, "nbytes": 8, "nbytes": 1099511627776}\n',
+            r"keys given more than once: \['nbytes'\]",
+        ),
+        (b'{"op": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n", "nests too deeply"),
     ],
 )
 def test_malformed_request_names_what_is_wrong(line: bytes, error: str) -> None:
@@ -172,6 +180,9 @@ def test_saver_answers_a_malformed_line_with_a_refusal_and_keeps_serving(tmp_pat
             assert refusal.error.startswith("MessageError: saver request 'attach': field 'slot'")
             sock.sendall(encode_request(AttachRequest(0)))
             assert decode_reply(reader.readline(), AttachReply) == AttachReply(None)
+            sock.sendall(b"[" * 100_000 + b"]" * 100_000 + b"\n")  # answered, not dropped
+            refusal = decode_reply(reader.readline(), AttachReply)
+            assert isinstance(refusal, Refused) and "nests too deeply" in refusal.error
         client = SaverClient(saver.socket_path)
         try:
             assert client.request(HeldRequest()) == HeldReply({})
