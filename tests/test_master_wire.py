@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
+import grpc
 import pytest
 
 from dlrover.api.master import (
@@ -58,6 +59,20 @@ def test_wrong_or_missing_token_is_refused_and_changes_nothing(server):
     assert server.job.nodes.all() == []
     with pytest.raises(WrongTokenError):
         client(server, "wrong").wait_ready(5)
+
+
+def test_a_malformed_request_is_invalid_argument_naming_its_type_and_changes_nothing(server):
+    """Found by benchmarks/protocol_fuzz.py: bytes that do not parse as the RPC's request came
+    back as status UNKNOWN ("Unexpected DecodeError"), as if the master had a bug."""
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        register_raw = channel.unary_unary("/dlrover.Master/RegisterNode")
+        for raw in (b"\x0a\xff\xff\xff\xff\x0f", b"\x0a\x05ab"):  # a huge length; truncated
+            with pytest.raises(grpc.RpcError) as refused:
+                register_raw(raw, metadata=(("x-dlrover-token", TOKEN),), timeout=5)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "malformed RegisterNodeRequest" in (refused.value.details() or "")
+    assert server.job.nodes.all() == []
+    assert register(client(server)).node_id  # and the master serves on
 
 
 def test_two_nodes_rendezvous_over_grpc(server):
