@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
+from dlrover.checkpoint.bounded_server import BoundedThreadingMixIn
 from dlrover.checkpoint.errors import CheckpointError, SegmentStateError
 from dlrover.checkpoint.header import (
     HEADER_SIZE,
@@ -57,6 +58,16 @@ CONNECT_TIMEOUT_S = 3.0
 """Deadline of a connection to a peer (a dead machine must not stall a restore)."""
 DEFAULT_BANDWIDTH_BYTES_S = 1 << 30
 """Default cap on the rate a node pushes replicas at (1 GiB/s): training's traffic goes first."""
+
+
+MAX_REPLICA_CONNECTIONS = 128
+"""Connections a replica server serves at once (peers pushing, listing and reading); more are
+refused with an error line rather than each holding a thread."""
+
+
+class _ReplicaServer(BoundedThreadingMixIn, socketserver.TCPServer):
+    max_connections = MAX_REPLICA_CONNECTIONS
+    what = "checkpoint replica server"
 
 
 class ReplicaError(CheckpointError):
@@ -260,7 +271,7 @@ class ReplicaExchange:
         self.bandwidth = bandwidth
         self._lock = threading.Lock()  # guards the replica table and every write into it
         self._replicas: dict[tuple[int, int], SharedSegment] = {}
-        self._server: socketserver.ThreadingTCPServer | None = None
+        self._server: _ReplicaServer | None = None
         self._thread: threading.Thread | None = None
         self.addr = ""
         """``host:port`` once started."""
@@ -276,8 +287,7 @@ class ReplicaExchange:
             def handle(self) -> None:
                 exchange._serve(self.connection, self.rfile)
 
-        server = socketserver.ThreadingTCPServer((self._host, 0), Handler)
-        server.daemon_threads = True
+        server = _ReplicaServer((self._host, 0), Handler)
         self._server = server
         self.addr = f"{self._host}:{server.server_address[1]}"
         self._thread = threading.Thread(
