@@ -371,8 +371,27 @@ class ReplicaTarget(LineTarget):
 
     name = "replica"
 
+    def __init__(self, host: Host) -> None:
+        super().__init__(host)
+        self._stalled_pushes = 0
+
     def connect(self) -> socket.socket:
         return _tcp(self.host.where["addr"])
+
+    def stall(self, rng: random.Random) -> socket.socket:
+        """Half the time a push with the right token that stops in the middle of its image
+        (each of its own replica slot, so that each is accepted)."""
+        if rng.random() < 0.5:
+            return super().stall(rng)
+        self._stalled_pushes += 1
+        doc = {"op": "put", "token": self.host.token, "source_node": 100, "nbytes": 8192}
+        doc["slot"] = self._stalled_pushes
+        sock = self.connect()
+        sock.sendall(json.dumps(doc).encode() + b"\n")
+        reply, _ = read_line(sock, CASE_DEADLINE_S)
+        if reply is not None and json.loads(reply).get("ok"):
+            sock.sendall(b"\0" * 100)  # and nothing more
+        return sock
 
     def valid_doc(self, rng: random.Random) -> dict[str, Any]:
         token = self.host.token

@@ -269,8 +269,9 @@ class ReplicaExchange:
         self._token = token
         self._host = host
         self.bandwidth = bandwidth
-        self._lock = threading.Lock()  # guards the replica table and every write into it
+        self._lock = threading.Lock()  # guards the replica table and every resize of its segments
         self._replicas: dict[tuple[int, int], SharedSegment] = {}
+        self._receiving: set[tuple[int, int]] = set()  # replicas whose image is arriving
         self._server: _ReplicaServer | None = None
         self._thread: threading.Thread | None = None
         self.addr = ""
@@ -378,6 +379,11 @@ class ReplicaExchange:
         "ready", receive it."""
         key = (request.source_node, request.slot)
         with self._lock:
+            if key in self._receiving:
+                raise ReplicaError(
+                    f"the replica of slot {request.slot} of node {request.source_node} is being "
+                    "received from another connection"
+                )
             seg = self._replicas.get(key)
             if seg is None:
                 name = f"{self._prefix}-replica-n{request.source_node}-slot{request.slot}"
@@ -385,8 +391,16 @@ class ReplicaExchange:
                 self._replicas[key] = seg
             elif seg.size < request.nbytes:
                 seg.grow(request.nbytes)
+            self._receiving.add(key)
+        # Received without the lock: a peer that sends slowly (or stops) must not stall every
+        # list, read and push of this node. Readers see the segment as torn (an odd sequence
+        # number) until its header arrives, last; nothing else writes or resizes it meanwhile.
+        try:
             _send_line(sock, ReplicaReply(ok=True))
             return _recv_image(stream, seg, request.nbytes)
+        finally:
+            with self._lock:
+                self._receiving.discard(key)
 
     # ------------------------------------------------------------------ client side
     def push(self, addr: str, source_node: int, slot: int, seg: SharedSegment) -> bool:

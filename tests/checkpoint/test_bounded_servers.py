@@ -95,3 +95,41 @@ def test_stalled_connections_take_at_most_the_cap_of_replica_threads(
         )
     finally:
         exchange.close()
+
+
+def test_a_push_that_stalls_mid_image_stalls_nothing_else() -> None:
+    """The replica server received a pushed image under its one lock: a peer that stopped
+    sending in the middle held every list, read and push of the node for up to 30 s per
+    stalled read (the fuzzer's valid probe after such a push went unanswered)."""
+    exchange = ReplicaExchange(dict, f"dlrtest-{uuid.uuid4().hex[:8]}", "/dev/shm", token="t")
+    exchange.start()
+    host, _, port = exchange.addr.rpartition(":")
+
+    def connect() -> socket.socket:
+        return socket.create_connection((host, int(port)), timeout=5)
+
+    put = b'{"op": "put", "token": "t", "source_node": 1, "slot": 0, "nbytes": 8192}\n'
+    try:
+        with connect() as pusher:
+            pusher.sendall(put)
+            pusher.settimeout(5)
+            reader = pusher.makefile("rb")
+            assert json.loads(reader.readline())["ok"] is True
+            pusher.sendall(b"\0" * 100)  # and nothing more
+            with connect() as lister:  # answered at once (a 5 s timeout), not after the stall
+                lister.sendall(b'{"op": "list", "token": "t"}\n')
+                assert _reply(lister) == {
+                    "ok": True, "error": "", "segments": [], "nbytes": 0, "meta_len": 0,
+                }  # fmt: skip
+            with connect() as second:
+                second.sendall(put)
+                refusal = _reply(second)
+            assert refusal["ok"] is False and "is being received" in str(refusal["error"])
+            pusher.shutdown(socket.SHUT_WR)  # the push breaks off: the image is torn
+            assert json.loads(reader.readline()) == {
+                "ok": False, "error": "torn image", "segments": [], "nbytes": 0, "meta_len": 0,
+            }  # fmt: skip
+            reader.close()
+        assert exchange.holdings() == []
+    finally:
+        exchange.close()
