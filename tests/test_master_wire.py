@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 
@@ -73,6 +74,29 @@ def test_a_malformed_request_is_invalid_argument_naming_its_type_and_changes_not
             assert "malformed RegisterNodeRequest" in (refused.value.details() or "")
     assert server.job.nodes.all() == []
     assert register(client(server)).node_id  # and the master serves on
+
+
+def test_a_wait_of_nan_seconds_is_refused_not_waited_for_ever(server):
+    """Found by benchmarks/protocol_fuzz.py: a wait_s of NaN slipped through every bound
+    (min(nan, 10) is nan) and held a thread of the master's pool without end."""
+    from dlrover.proto import master_pb2 as pb
+
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        for method, request, reply in (
+            ("CheckpointCommitted", pb.CheckpointCommittedRequest(step=1, wait_s=math.nan),
+             pb.CheckpointCommittedResponse),
+            ("KvGet", pb.KvGetRequest(key="k", wait_s=math.nan), pb.KvGetResponse),
+        ):  # fmt: skip
+            call = channel.unary_unary(
+                f"/dlrover.Master/{method}",
+                request_serializer=type(request).SerializeToString,
+                response_deserializer=reply.FromString,
+            )
+            answer = call(request, metadata=(("x-dlrover-token", TOKEN),), timeout=5)
+            assert (
+                answer.refused.message == f"{method}: wait_s must be a number of seconds, got NaN"
+            )
+    assert client(server).kv_get("k") is None  # and the master serves on
 
 
 def test_two_nodes_rendezvous_over_grpc(server):

@@ -12,6 +12,7 @@ import asyncio
 import gc
 import hashlib
 import logging
+import math
 import secrets
 import threading
 import time
@@ -224,6 +225,9 @@ class MasterServicer:
 
     async def _run(self, call: Rpc, target: object, request: Message) -> Any:
         args = call.decode_request(request)
+        if "wait_s" in args and math.isnan(args["wait_s"]):
+            # NaN passes every min() and max() that bound a wait: the wait never ended.
+            raise MasterRequestError(f"{call.name}: wait_s must be a number of seconds, got NaN")
         if call.options.max_wait_s is not None:
             args["wait_s"] = min(args["wait_s"], call.options.max_wait_s)
         run = call.options.run
