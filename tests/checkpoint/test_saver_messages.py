@@ -139,6 +139,26 @@ def test_refusals_keep_their_wire_form() -> None:
             r"keys given more than once: \['nbytes'\]",
         ),
         (b'{"op": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n", "nests too deeply"),
+        # A wait_persisted of NaN (or 1e308) seconds never answered; a load_step of Infinity
+        # raised OverflowError, which dropped the connection without an answer.
+        (
+            b'{"op": "wait_persisted", "checkpoint_dir": "/c", "step": 1, "timeout_s": NaN}\n',
+            "'wait_persisted': a wait of nan s; at most 86400 s",
+        ),
+        (
+            b'{"op": "wait_persisted", "checkpoint_dir": "/c", "step": 1, "timeout_s": 1e308}\n',
+            "a wait of 1e.308 s",
+        ),
+        (
+            b'{"op": "load_step", "slots": [0], "node_rank": 0, "total_nodes": 2, "round_id": 1, '
+            b'"timeout": Infinity}\n',
+            "'load_step': a wait of inf s",
+        ),
+        (b'{"op": "attach", "slot": 0, "timeout": 1e9}\n', "'attach': a wait of 1000000000.0 s"),
+        (
+            b'{"op": "begin_copy", "slot": 0, "nbytes": 8, "step": 1, "timeout": NaN}\n',
+            "'begin_copy': a wait of nan s",
+        ),
     ],
 )
 def test_malformed_request_names_what_is_wrong(line: bytes, error: str) -> None:
