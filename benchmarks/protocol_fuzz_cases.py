@@ -57,6 +57,8 @@ _FLOATS = [0.0, -1.0, 0.5, 1e308, -1e308, math.inf, -math.inf, math.nan, 1e9]
 _WAITS = [0, 0.05, -1.0, math.nan, math.inf, 1e308, 1e9, 2**63 - 1]
 """Values of a field that says how long to wait: the finite huge ones must be refused, not
 waited for (the fuzzer would call that a hang)."""
+EXTREME_WAITS = [math.nan, math.inf, 1e308, 1e9, 2**63 - 1]
+"""Waits no server should take on: NaN, infinite, or longer than anyone means."""
 _SIZES = [0, 1, 64, 4096, -1, 2**62, 2**63 - 1, 2**64, 1e300]
 """Values of a byte-count field: small, or beyond any memory. A size between is a request the
 servers honour by design (a worker's checkpoint is as large as it is), so none is sent."""

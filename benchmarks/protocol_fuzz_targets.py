@@ -21,6 +21,7 @@ from protocol_fuzz_cases import (
     ACCEPTED,
     CASE_DEADLINE_S,
     CLEAR,
+    EXTREME_WAITS,
     HANG,
     OVERSIZED_BYTES,
     OVERSIZED_LINE_BYTES,
@@ -300,7 +301,12 @@ class LineTarget(Target):
             return "oversized", self.exchange(line)
         if roll < 0.1:
             return "truncated_stream", self._truncated(rng)
-        kind, line = mutate_doc(rng, self.valid_doc(rng))
+        doc = self.valid_doc(rng)
+        waits = [key for key in doc if "timeout" in key]
+        if roll < 0.2 and waits:  # a wait no server should take on
+            doc[rng.choice(waits)] = rng.choice(EXTREME_WAITS)
+            return "extreme_wait", self.exchange(json.dumps(doc).encode() + b"\n")
+        kind, line = mutate_doc(rng, doc)
         return kind, self.exchange(line)
 
     def _truncated(self, rng: random.Random) -> Case:
