@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import types
 import typing
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import MISSING, fields, is_dataclass
 from functools import cache
@@ -46,11 +47,25 @@ def encode(message: DataclassInstance, **tags: str | bool) -> bytes:
 def parse(line: bytes | str, what: str) -> dict[str, object]:
     """The JSON object on ``line``; MessageError naming ``what`` if it is none."""
     try:
-        doc = json.loads(line)
-    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+        doc = json.loads(line, object_pairs_hook=_unique_keys)
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError and a repeated key
         raise MessageError(f"{what} is not JSON: {exc}: {_show(line)}") from None
+    except RecursionError:  # nesting deeper than the parser's stack: no message nests so
+        raise MessageError(f"{what} nests too deeply to be a message: {_show(line)}") from None
     if not isinstance(doc, dict):
         raise MessageError(f"{what} is not a JSON object: {_show(line)}")
+    return doc
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    """An object whose keys are all different: with a key twice, which one is meant is a guess
+    two readers may make differently, so the message is refused."""
+    doc = dict(pairs)
+    if len(doc) != len(pairs):
+        counts = Counter(key for key, _ in pairs)
+        raise ValueError(
+            f"keys given more than once: {sorted(k for k, n in counts.items() if n > 1)}"
+        )
     return doc
 
 

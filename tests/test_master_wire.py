@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 
+import grpc
 import pytest
 
 from dlrover.api.master import (
@@ -58,6 +60,43 @@ def test_wrong_or_missing_token_is_refused_and_changes_nothing(server):
     assert server.job.nodes.all() == []
     with pytest.raises(WrongTokenError):
         client(server, "wrong").wait_ready(5)
+
+
+def test_a_malformed_request_is_invalid_argument_naming_its_type_and_changes_nothing(server):
+    """Found by benchmarks/protocol_fuzz.py: bytes that do not parse as the RPC's request came
+    back as status UNKNOWN ("Unexpected DecodeError"), as if the master had a bug."""
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        register_raw = channel.unary_unary("/dlrover.Master/RegisterNode")
+        for raw in (b"\x0a\xff\xff\xff\xff\x0f", b"\x0a\x05ab"):  # a huge length; truncated
+            with pytest.raises(grpc.RpcError) as refused:
+                register_raw(raw, metadata=(("x-dlrover-token", TOKEN),), timeout=5)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "malformed RegisterNodeRequest" in (refused.value.details() or "")
+    assert server.job.nodes.all() == []
+    assert register(client(server)).node_id  # and the master serves on
+
+
+def test_a_wait_of_nan_seconds_is_refused_not_waited_for_ever(server):
+    """Found by benchmarks/protocol_fuzz.py: a wait_s of NaN slipped through every bound
+    (min(nan, 10) is nan) and held a thread of the master's pool without end."""
+    from dlrover.proto import master_pb2 as pb
+
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        for method, request, reply in (
+            ("CheckpointCommitted", pb.CheckpointCommittedRequest(step=1, wait_s=math.nan),
+             pb.CheckpointCommittedResponse),
+            ("KvGet", pb.KvGetRequest(key="k", wait_s=math.nan), pb.KvGetResponse),
+        ):  # fmt: skip
+            call = channel.unary_unary(
+                f"/dlrover.Master/{method}",
+                request_serializer=type(request).SerializeToString,
+                response_deserializer=reply.FromString,
+            )
+            answer = call(request, metadata=(("x-dlrover-token", TOKEN),), timeout=5)
+            assert (
+                answer.refused.message == f"{method}: wait_s must be a number of seconds, got NaN"
+            )
+    assert client(server).kv_get("k") is None  # and the master serves on
 
 
 def test_two_nodes_rendezvous_over_grpc(server):

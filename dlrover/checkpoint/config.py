@@ -32,10 +32,14 @@ __all__ = [
     "replica_bandwidth_from_env",
     "LATEST_FILE",
     "MANIFEST_FILE",
+    "MAX_SAVER_CONNECTIONS",
 ]
 
 DEFAULT_SHM_DIR = "/dev/shm"
 """Where segments live; a tmpfs, so its pages are host memory that outlives a worker."""
+MAX_SAVER_CONNECTIONS = 256
+"""Connections a saver serves at once: a node's ranks hold one each (two with an overlap
+thread), far fewer than this; more are refused rather than each holding a thread."""
 DEFAULT_KEEP_LAST = 3
 """Persisted steps kept on storage; older complete steps are deleted after a commit."""
 DEFAULT_PERSIST_WAIT_S = 600.0

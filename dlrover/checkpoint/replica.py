@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
+from dlrover.checkpoint.bounded_server import BoundedThreadingMixIn
 from dlrover.checkpoint.errors import CheckpointError, SegmentStateError
 from dlrover.checkpoint.header import (
     HEADER_SIZE,
@@ -57,6 +58,16 @@ CONNECT_TIMEOUT_S = 3.0
 """Deadline of a connection to a peer (a dead machine must not stall a restore)."""
 DEFAULT_BANDWIDTH_BYTES_S = 1 << 30
 """Default cap on the rate a node pushes replicas at (1 GiB/s): training's traffic goes first."""
+
+
+MAX_REPLICA_CONNECTIONS = 128
+"""Connections a replica server serves at once (peers pushing, listing and reading); more are
+refused with an error line rather than each holding a thread."""
+
+
+class _ReplicaServer(BoundedThreadingMixIn, socketserver.TCPServer):
+    max_connections = MAX_REPLICA_CONNECTIONS
+    what = "checkpoint replica server"
 
 
 class ReplicaError(CheckpointError):
@@ -258,9 +269,10 @@ class ReplicaExchange:
         self._token = token
         self._host = host
         self.bandwidth = bandwidth
-        self._lock = threading.Lock()  # guards the replica table and every write into it
+        self._lock = threading.Lock()  # guards the replica table and every resize of its segments
         self._replicas: dict[tuple[int, int], SharedSegment] = {}
-        self._server: socketserver.ThreadingTCPServer | None = None
+        self._receiving: set[tuple[int, int]] = set()  # replicas whose image is arriving
+        self._server: _ReplicaServer | None = None
         self._thread: threading.Thread | None = None
         self.addr = ""
         """``host:port`` once started."""
@@ -276,8 +288,7 @@ class ReplicaExchange:
             def handle(self) -> None:
                 exchange._serve(self.connection, self.rfile)
 
-        server = socketserver.ThreadingTCPServer((self._host, 0), Handler)
-        server.daemon_threads = True
+        server = _ReplicaServer((self._host, 0), Handler)
         self._server = server
         self.addr = f"{self._host}:{server.server_address[1]}"
         self._thread = threading.Thread(
@@ -368,6 +379,11 @@ class ReplicaExchange:
         "ready", receive it."""
         key = (request.source_node, request.slot)
         with self._lock:
+            if key in self._receiving:
+                raise ReplicaError(
+                    f"the replica of slot {request.slot} of node {request.source_node} is being "
+                    "received from another connection"
+                )
             seg = self._replicas.get(key)
             if seg is None:
                 name = f"{self._prefix}-replica-n{request.source_node}-slot{request.slot}"
@@ -375,8 +391,16 @@ class ReplicaExchange:
                 self._replicas[key] = seg
             elif seg.size < request.nbytes:
                 seg.grow(request.nbytes)
+            self._receiving.add(key)
+        # Received without the lock: a peer that sends slowly (or stops) must not stall every
+        # list, read and push of this node. Readers see the segment as torn (an odd sequence
+        # number) until its header arrives, last; nothing else writes or resizes it meanwhile.
+        try:
             _send_line(sock, ReplicaReply(ok=True))
             return _recv_image(stream, seg, request.nbytes)
+        finally:
+            with self._lock:
+                self._receiving.discard(key)
 
     # ------------------------------------------------------------------ client side
     def push(self, addr: str, source_node: int, slot: int, seg: SharedSegment) -> bool:

@@ -11,11 +11,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from dlrover.checkpoint.bounded_server import BoundedThreadingMixIn
 from dlrover.checkpoint.buffers import DEFAULT_BUFFERS, SlotBuffers
 from dlrover.checkpoint.config import (
     DEFAULT_COPY_WAIT_S,
     DEFAULT_PERSIST_WAIT_S,
     DEFAULT_SHM_DIR,
+    MAX_SAVER_CONNECTIONS,
     run_in_background,
 )
 from dlrover.checkpoint.coordinator import CommitCoordinator, LocalCommitCoordinator
@@ -57,6 +59,11 @@ from dlrover.checkpoint.storage import Storage, storage_for
 log = logging.getLogger(__name__)
 
 
+class _SaverServer(BoundedThreadingMixIn, socketserver.UnixStreamServer):
+    max_connections = MAX_SAVER_CONNECTIONS
+    what = "checkpoint saver"
+
+
 class CheckpointSaver:
     """Owns one shared segment per local saving rank ("slot") and persists them to storage
     (through its ``Persister``, persister.py).
@@ -95,7 +102,7 @@ class CheckpointSaver:
             self._push_deferred,
         )
         self._votes: dict[int, int | None] = {}
-        self._server: socketserver.ThreadingUnixStreamServer | None = None
+        self._server: _SaverServer | None = None
         self._threads: list[threading.Thread] = []
         # Replicas in peers' memory (only with a PeerDirectory): see replica.py.
         self._peers = peers
@@ -137,8 +144,7 @@ class CheckpointSaver:
                     self.wfile.write(encode_reply(saver._handle_line(line)))
                     self.wfile.flush()
 
-        server = socketserver.ThreadingUnixStreamServer(self.socket_path, Handler)
-        server.daemon_threads = True
+        server = _SaverServer(self.socket_path, Handler)
         self._server = server
         self._threads = [
             threading.Thread(target=server.serve_forever, name="ckpt-saver-socket", daemon=True),

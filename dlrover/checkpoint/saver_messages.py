@@ -33,6 +33,10 @@ class PersistSpec:
     round_id: int = 0  # the rendezvous round the copy was made in (peers' addresses are per round)
 
 
+MAX_WAIT_S = 86_400.0
+"""The longest wait a request may ask the saver for (a day; the defaults are minutes)."""
+
+
 @dataclass(frozen=True)
 class SaverReply:
     """Base of the saver's answers."""
@@ -55,6 +59,15 @@ class SaverRequest(ABC, Generic[ReplyT]):
     def answer_within_s(self) -> float | None:
         """How long the saver may wait before it answers; None: it answers at once."""
         return None
+
+    def __post_init__(self) -> None:
+        wait = self.answer_within_s()
+        # `not <=` also catches NaN, which passes every bound and made a wait endless, and
+        # infinity, which the saver's condition waits cannot take (OverflowError).
+        if wait is not None and not wait <= MAX_WAIT_S:
+            raise MessageError(
+                f"saver request {self.op!r}: a wait of {wait} s; at most {MAX_WAIT_S:.0f} s"
+            )
 
 
 # ---------------------------------------------------------------------------- replies

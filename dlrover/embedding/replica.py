@@ -158,7 +158,16 @@ def rows_message(
 
 
 def rows_from_message(message: pb.RowsMessage, dim: int) -> tuple[IdArray, Rows, Rows]:
-    """The ids, rows and optimizer state a RowsMessage carries."""
+    """The ids, rows and optimizer state a RowsMessage carries; EmbeddingError when its byte
+    counts do not fit ``dim`` float32 values per id."""
+    if len(message.ids) % 8:
+        raise EmbeddingError(f"ids must be int64: got {len(message.ids)} bytes")
+    need = len(message.ids) // 8 * dim * 4
+    if len(message.rows) != need or len(message.accum) != need:
+        raise EmbeddingError(
+            f"table {message.table!r}: {len(message.ids) // 8} rows of {dim} float32 values are "
+            f"{need} bytes; got {len(message.rows)} of rows, {len(message.accum)} of state"
+        )
     ids = np.frombuffer(message.ids, dtype="<i8").astype(np.int64, copy=False)
     rows = np.frombuffer(message.rows, dtype="<f4").reshape(ids.size, dim)
     accum = np.frombuffer(message.accum, dtype="<f4").reshape(ids.size, dim)

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError, Message
 
 from dlrover.constants import TOKEN_METADATA_KEY
 from dlrover.embedding.buckets import bucket_of
@@ -22,6 +23,7 @@ from dlrover.embedding.replica import (
     ReplicaStore,
     claims,
     combined,
+    rows_from_message,
     rows_message,
 )
 from dlrover.embedding.table import EmbeddingError, EmbeddingTable, Optimizer
@@ -30,6 +32,7 @@ from dlrover.embedding.wire import (
     MovingError,
     NotOwnerError,
     Placement,
+    buckets_from_bytes,
     error_to_proto,
 )
 from dlrover.proto import embedding_pb2 as pb
@@ -142,7 +145,17 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
         def run() -> pb.SetMapResponse:
             placement = Placement.from_proto(request.map)
             new = placement.map
-            frozen = np.frombuffer(request.frozen, dtype="<i8")
+            frozen = buckets_from_bytes(request.frozen, new.num_buckets)
+            if not -1 <= request.index < len(placement.addresses):
+                raise EmbeddingError(
+                    f"server index {request.index} is not in the map's "
+                    f"{len(placement.addresses)} servers (-1: removed)"
+                )
+            if request.replica not in pb.ReplicaMode.values():
+                raise EmbeddingError(
+                    f"unknown replica mode {request.replica} (known: "
+                    f"{', '.join(pb.ReplicaMode.keys())}): is the server older than the master?"
+                )
             with self._gate:
                 old = self._placement
                 if old is not None and new.version < old.map.version:
@@ -230,7 +243,7 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
         """The replica's rows of a table in the buckets (to restore a replacement)."""
 
         def run() -> pb.RowsMessage:
-            buckets = np.frombuffer(request.buckets, dtype="<i8").astype(np.int64)
+            buckets = buckets_from_bytes(request.buckets, request.num_buckets)
             return self.replica.export(request.table, buckets, request.num_buckets)
 
         return _answer(pb.RowsMessage, run)
@@ -285,7 +298,7 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
 
         def run() -> pb.RowsMessage:
             served = self._table(request.table)
-            buckets = np.frombuffer(request.buckets, dtype="<i8").astype(np.int64)
+            buckets = buckets_from_bytes(request.buckets, request.num_buckets)
             with served.lock:
                 ids, rows, accum = served.table.export_buckets(buckets, request.num_buckets)
                 # The new owner must know which pushes these rows hold already: a push whose
@@ -309,10 +322,7 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
 
         def run() -> pb.ImportResponse:
             served = self._table(request.table)
-            ids = ids_from_bytes(request.ids)
-            dim = served.table.dim
-            rows = np.frombuffer(request.rows, dtype="<f4").reshape(ids.size, dim)
-            accum = np.frombuffer(request.accum, dtype="<f4").reshape(ids.size, dim)
+            ids, rows, accum = rows_from_message(request, served.table.dim)
             with served.lock:
                 served.table.import_rows(ids, rows, accum)
                 # The pushes applied to these rows (a replacement takes over the failed one's).
@@ -330,7 +340,7 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
 
         def run() -> pb.ImportResponse:
             served = self._table(request.table)
-            buckets = np.frombuffer(request.buckets, dtype="<i8").astype(np.int64)
+            buckets = buckets_from_bytes(request.buckets, request.num_buckets)
             with served.lock:
                 dropped = served.table.drop_buckets(buckets, request.num_buckets)
             with self._gate:
@@ -485,6 +495,38 @@ def _answer(response: Callable[..., R], fn: Callable[[], R]) -> R:
         return response(error=error_to_proto(e))
 
 
+def _parsing_handlers(service: EmbeddingService) -> grpc.GenericRpcHandler:
+    """The service's handlers, each parsing its own request: gRPC answers a request it cannot
+    parse with a bare INTERNAL status, and a malformed request is the caller's error, to be
+    named as such (INVALID_ARGUMENT)."""
+    descriptor = pb.DESCRIPTOR.services_by_name["EmbeddingServer"]
+    handlers = {
+        method.name: grpc.unary_unary_rpc_method_handler(
+            _parsing(getattr(pb, method.input_type.name), getattr(service, method.name)),
+            response_serializer=getattr(pb, method.output_type.name).SerializeToString,
+        )
+        for method in descriptor.methods
+    }
+    return grpc.method_handlers_generic_handler(descriptor.full_name, handlers)
+
+
+def _parsing(
+    request_type: type[Message], method: Callable[[Any, grpc.ServicerContext], Message]
+) -> Callable[[bytes, grpc.ServicerContext], Message]:
+    def handle(raw: bytes, context: grpc.ServicerContext) -> Message:
+        try:
+            request = request_type.FromString(raw)
+        except DecodeError as e:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"malformed {request_type.__name__} ({len(raw)} bytes): {e}; send it with "
+                "dlrover's EmbeddingClient of the server's version",
+            )
+        return method(request, context)
+
+    return handle
+
+
 class _TokenCheck(grpc.ServerInterceptor):
     """Refuses every call whose metadata lacks the job token."""
 
@@ -524,7 +566,7 @@ class EmbeddingServer:
             interceptors=[_TokenCheck(token)],
             options=options,
         )
-        pb_grpc.add_EmbeddingServerServicer_to_server(self.service, self._server)
+        self._server.add_generic_rpc_handlers((_parsing_handlers(self.service),))
         self.port = self._server.add_insecure_port(f"{host}:{port}")
         if self.port == 0:
             raise OSError(f"cannot listen on {host}:{port}")

@@ -21,6 +21,11 @@ class EmbeddingError(ValueError):
     """A request an embedding table cannot serve: the message says what is wrong."""
 
 
+MAX_DIM = 1 << 16
+"""The widest row a table takes (256 KiB of float32): a wider one is a mistake, and its first
+1,024 rows alone would take gigabytes."""
+
+
 @dataclass(frozen=True)
 class Optimizer:
     """The sparse optimizer applied where the rows live: ``adagrad`` (the default for
@@ -62,8 +67,8 @@ class EmbeddingTable:
         init_scale: float | None = None,
         capacity: int = 1024,
     ) -> None:
-        if dim < 1:
-            raise EmbeddingError(f"table {name!r}: dim must be >= 1, got {dim}")
+        if not 1 <= dim <= MAX_DIM:
+            raise EmbeddingError(f"table {name!r}: dim must be 1 .. {MAX_DIM}, got {dim}")
         self.name = name
         self.dim = dim
         self.optimizer = optimizer or Optimizer()

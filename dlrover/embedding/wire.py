@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 from dlrover.embedding.buckets import BucketMap
 from dlrover.embedding.table import EmbeddingError
@@ -38,8 +39,19 @@ class Placement:
 
     @classmethod
     def from_proto(cls, message: pb.BucketMapMessage) -> Placement:
-        """A BucketMapMessage back into a Placement."""
+        """A BucketMapMessage back into a Placement; EmbeddingError for a map that cannot route
+        (no buckets, or an owner that is none of its addresses)."""
+        if not message.owners or len(message.owners) % 4:
+            raise EmbeddingError(
+                f"a bucket map needs one int32 owner per bucket: got {len(message.owners)} bytes"
+            )
         owners = np.frombuffer(message.owners, dtype="<i4")
+        servers = len(message.addresses)
+        if owners.min() < 0 or owners.max() >= servers:
+            raise EmbeddingError(
+                f"bucket map version {message.version} names owners {owners.min()} .. "
+                f"{owners.max()} but has {servers} addresses"
+            )
         bucket_map = BucketMap(message.version, tuple(int(o) for o in owners))
         return cls(bucket_map, tuple(message.addresses))
 
@@ -54,6 +66,19 @@ class NotOwnerError(EmbeddingError):
 
 class MovingError(EmbeddingError):
     """Ids of buckets being moved to another server: ask again shortly."""
+
+
+def buckets_from_bytes(data: bytes, num_buckets: int) -> npt.NDArray[np.int64]:
+    """Little-endian int64 bucket numbers, each below ``num_buckets``; EmbeddingError if not."""
+    if num_buckets < 1 or len(data) % 8:
+        raise EmbeddingError(
+            f"buckets must be int64s of a map with at least one bucket: got {len(data)} bytes "
+            f"of {num_buckets} buckets"
+        )
+    buckets = np.frombuffer(data, dtype="<i8").astype(np.int64)
+    if buckets.size and (buckets.min() < 0 or buckets.max() >= num_buckets):
+        raise EmbeddingError(f"bucket numbers must be in 0 .. {num_buckets - 1}")
+    return buckets
 
 
 def error_to_proto(error: EmbeddingError) -> pb.EmbeddingError:

@@ -12,6 +12,7 @@ import asyncio
 import gc
 import hashlib
 import logging
+import math
 import secrets
 import threading
 import time
@@ -20,7 +21,7 @@ from concurrent import futures
 from typing import Any, TypeVar
 
 import grpc
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 
 from dlrover.api.errors import MasterRequestError, UnknownNodeError
 from dlrover.api.master import MasterApi
@@ -178,9 +179,11 @@ class MasterServicer:
         self.handler = grpc.method_handlers_generic_handler(
             SERVICE.full_name,
             {
+                # The request is parsed by the handler, not by gRPC: gRPC answers a request it
+                # cannot parse with a bare INTERNAL status, and a malformed request is the
+                # caller's error, to be named as such.
                 name: grpc.unary_unary_rpc_method_handler(
                     self._handler(calls, implementations),
-                    request_deserializer=calls[0].request_type.FromString,
                     response_serializer=calls[0].response_type.SerializeToString,
                 )
                 for name, calls in by_name.items()
@@ -195,10 +198,19 @@ class MasterServicer:
 
     def _handler(
         self, calls: list[Rpc], implementations: dict[type, object]
-    ) -> Callable[[Message, grpc.aio.ServicerContext], Awaitable[Message]]:
+    ) -> Callable[[bytes, grpc.aio.ServicerContext], Awaitable[Message]]:
         targets = [(call, implementations[call.interface]) for call in calls]
+        request_type = calls[0].request_type
 
-        async def handle(request: Message, context: grpc.aio.ServicerContext) -> Message:
+        async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> Message:
+            try:
+                request = request_type.FromString(raw)
+            except DecodeError as e:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"malformed {request_type.__name__} ({len(raw)} bytes): {e}; send it with "
+                    "dlrover's MasterClient of the master's version",
+                )
             # Methods sharing one RPC (checkpoint_committed and its wait) differ in a field.
             call, target = next(((c, t) for c, t in targets if c.matches(request)), targets[-1])
             try:
@@ -213,6 +225,9 @@ class MasterServicer:
 
     async def _run(self, call: Rpc, target: object, request: Message) -> Any:
         args = call.decode_request(request)
+        if "wait_s" in args and math.isnan(args["wait_s"]):
+            # NaN passes every min() and max() that bound a wait: the wait never ended.
+            raise MasterRequestError(f"{call.name}: wait_s must be a number of seconds, got NaN")
         if call.options.max_wait_s is not None:
             args["wait_s"] = min(args["wait_s"], call.options.max_wait_s)
         run = call.options.run

@@ -131,6 +131,34 @@ def test_refusals_keep_their_wire_form() -> None:
             b'"round_id": 0}\n',
             r"field 'slots\[1\]' must be an int",
         ),
+        # Found by benchmarks/protocol_fuzz.py: a key given twice was read as its last value
+        # (a 7 s wait_persisted behind a 0.1 s one), and deep nesting raised RecursionError,
+        # which killed the connection's thread without an answer.
+        (
+            b'{"op": "allocate", "slot": 0, "nbytes": 8, "nbytes": 1099511627776}\n',
+            r"keys given more than once: \['nbytes'\]",
+        ),
+        (b'{"op": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n", "nests too deeply"),
+        # A wait_persisted of NaN (or 1e308) seconds never answered; a load_step of Infinity
+        # raised OverflowError, which dropped the connection without an answer.
+        (
+            b'{"op": "wait_persisted", "checkpoint_dir": "/c", "step": 1, "timeout_s": NaN}\n',
+            "'wait_persisted': a wait of nan s; at most 86400 s",
+        ),
+        (
+            b'{"op": "wait_persisted", "checkpoint_dir": "/c", "step": 1, "timeout_s": 1e308}\n',
+            "a wait of 1e.308 s",
+        ),
+        (
+            b'{"op": "load_step", "slots": [0], "node_rank": 0, "total_nodes": 2, "round_id": 1, '
+            b'"timeout": Infinity}\n',
+            "'load_step': a wait of inf s",
+        ),
+        (b'{"op": "attach", "slot": 0, "timeout": 1e9}\n', "'attach': a wait of 1000000000.0 s"),
+        (
+            b'{"op": "begin_copy", "slot": 0, "nbytes": 8, "step": 1, "timeout": NaN}\n',
+            "'begin_copy': a wait of nan s",
+        ),
     ],
 )
 def test_malformed_request_names_what_is_wrong(line: bytes, error: str) -> None:
@@ -172,6 +200,9 @@ def test_saver_answers_a_malformed_line_with_a_refusal_and_keeps_serving(tmp_pat
             assert refusal.error.startswith("MessageError: saver request 'attach': field 'slot'")
             sock.sendall(encode_request(AttachRequest(0)))
             assert decode_reply(reader.readline(), AttachReply) == AttachReply(None)
+            sock.sendall(b"[" * 100_000 + b"]" * 100_000 + b"\n")  # answered, not dropped
+            refusal = decode_reply(reader.readline(), AttachReply)
+            assert isinstance(refusal, Refused) and "nests too deeply" in refusal.error
         client = SaverClient(saver.socket_path)
         try:
             assert client.request(HeldRequest()) == HeldReply({})

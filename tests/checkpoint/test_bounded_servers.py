@@ -1,0 +1,135 @@
+"""The checkpoint saver's socket and the replica port under a crowd of connections (found by
+benchmarks/protocol_fuzz.py): a burst of connections all reach the saver, and connections that
+open and send nothing take at most the cap of threads; the next gets an error line, and once
+they close the server serves as before."""
+
+from __future__ import annotations
+
+import json
+import socket
+import uuid
+from pathlib import Path
+
+import pytest
+
+from dlrover.checkpoint import replica, saver
+from dlrover.checkpoint.replica import ReplicaExchange
+from dlrover.checkpoint.saver import CheckpointSaver
+
+CAP = 4
+
+
+def _reply(sock: socket.socket) -> dict[str, object]:
+    sock.settimeout(10)
+    with sock.makefile("rb") as reader:
+        doc = json.loads(reader.readline())
+    assert isinstance(doc, dict)
+    return doc
+
+
+def _unix(path: str) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(path)
+    return sock
+
+
+def test_connections_queue_while_the_saver_accepts_none(tmp_path: Path) -> None:
+    """The unix socket's listen queue was 5: with the saver busy for a moment, the sixth rank
+    connecting got EAGAIN at once ("cannot reach the checkpoint saver")."""
+    s = CheckpointSaver(str(tmp_path / "s.sock"), shm_prefix=f"dlrtest-{uuid.uuid4().hex[:8]}")
+    s.start()
+    assert s._server is not None
+    s._server.shutdown()  # accepts nothing from now on; the socket still listens
+    connected: list[socket.socket] = []
+    try:
+        for _ in range(64):
+            connected.append(_unix(s.socket_path))
+    finally:
+        for sock in connected:
+            sock.close()
+        s.close(unlink=True)
+
+
+def _crowd(connect: object, probe: bytes) -> None:
+    """CAP stalled connections, then one more (refused with an error line), then, once they
+    are gone, a request answered as usual."""
+    stalled = [connect() for _ in range(CAP)]  # type: ignore[operator]
+    try:
+        for sock in stalled:
+            sock.sendall(b'{"op": "he')  # and nothing more
+        with connect() as extra:  # type: ignore[operator]
+            refusal = _reply(extra)
+        assert refusal["ok"] is False
+        assert f"already serves {CAP} connections" in str(refusal["error"])
+    finally:
+        for sock in stalled:
+            sock.close()
+    with connect() as sock:  # type: ignore[operator]
+        sock.sendall(probe)
+        assert _reply(sock)["ok"] is True
+
+
+def test_stalled_connections_take_at_most_the_cap_of_saver_threads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(saver._SaverServer, "max_connections", CAP)
+    s = CheckpointSaver(str(tmp_path / "s.sock"), shm_prefix=f"dlrtest-{uuid.uuid4().hex[:8]}")
+    s.start()
+    try:
+        _crowd(lambda: _unix(s.socket_path), b'{"op": "held"}\n')
+    finally:
+        s.close(unlink=True)
+
+
+def test_stalled_connections_take_at_most_the_cap_of_replica_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(replica._ReplicaServer, "max_connections", CAP)
+    exchange = ReplicaExchange(dict, f"dlrtest-{uuid.uuid4().hex[:8]}", "/dev/shm", token="t")
+    exchange.start()
+    host, _, port = exchange.addr.rpartition(":")
+    try:
+        _crowd(
+            lambda: socket.create_connection((host, int(port)), timeout=10),
+            b'{"op": "list", "token": "t"}\n',
+        )
+    finally:
+        exchange.close()
+
+
+def test_a_push_that_stalls_mid_image_stalls_nothing_else() -> None:
+    """The replica server received a pushed image under its one lock: a peer that stopped
+    sending in the middle held every list, read and push of the node for up to 30 s per
+    stalled read (the fuzzer's valid probe after such a push went unanswered)."""
+    exchange = ReplicaExchange(dict, f"dlrtest-{uuid.uuid4().hex[:8]}", "/dev/shm", token="t")
+    exchange.start()
+    host, _, port = exchange.addr.rpartition(":")
+
+    def connect() -> socket.socket:
+        return socket.create_connection((host, int(port)), timeout=5)
+
+    put = b'{"op": "put", "token": "t", "source_node": 1, "slot": 0, "nbytes": 8192}\n'
+    try:
+        with connect() as pusher:
+            pusher.sendall(put)
+            pusher.settimeout(5)
+            reader = pusher.makefile("rb")
+            assert json.loads(reader.readline())["ok"] is True
+            pusher.sendall(b"\0" * 100)  # and nothing more
+            with connect() as lister:  # answered at once (a 5 s timeout), not after the stall
+                lister.sendall(b'{"op": "list", "token": "t"}\n')
+                assert _reply(lister) == {
+                    "ok": True, "error": "", "segments": [], "nbytes": 0, "meta_len": 0,
+                }  # fmt: skip
+            with connect() as second:
+                second.sendall(put)
+                refusal = _reply(second)
+            assert refusal["ok"] is False and "is being received" in str(refusal["error"])
+            pusher.shutdown(socket.SHUT_WR)  # the push breaks off: the image is torn
+            assert json.loads(reader.readline()) == {
+                "ok": False, "error": "torn image", "segments": [], "nbytes": 0, "meta_len": 0,
+            }  # fmt: skip
+            reader.close()
+        assert exchange.holdings() == []
+    finally:
+        exchange.close()
