@@ -72,19 +72,26 @@ def _run(tmp_path: Path, seed: int) -> tuple[str, str]:
     return "", text
 
 
+CHUNKS = 3
+"""The runs are split into this many tests, so that parallel test workers share them."""
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(3600)
-def test_forked_ranks_exit_after_a_kill_at_random_steps(tmp_path: Path) -> None:
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("chunk", range(CHUNKS))
+def test_forked_ranks_exit_after_a_kill_at_random_steps(tmp_path: Path, chunk: int) -> None:
     failed: list[str] = []
     hung: list[str] = []
+    seeds = range(chunk, RUNS, CHUNKS)
     # Two jobs at a time (each its own master and ports): half the wall time on a 2-core CI.
     with ThreadPoolExecutor(max_workers=2) as pool:
-        results = list(pool.map(lambda seed: _run(tmp_path, seed), range(RUNS)))
-    for seed, (problem, text) in enumerate(results):
+        results = list(pool.map(lambda seed: _run(tmp_path, seed), seeds))
+    for seed, (problem, text) in zip(seeds, results, strict=True):
         if problem:
             failed.append(f"seed {seed}: {problem}\n{text[-6000:]}")
         if HANG_MARK in text:
             start = text.index(HANG_MARK)
             hung.append(f"seed {seed}: {text[max(0, start - 200) : start + 6000]}")
     assert not failed, "\n\n".join(failed)
-    assert not hung, f"{len(hung)} of {RUNS} runs had a rank hung at exit:\n\n" + "\n\n".join(hung)
+    runs = len(seeds)
+    assert not hung, f"{len(hung)} of {runs} runs had a rank hung at exit:\n\n" + "\n\n".join(hung)
