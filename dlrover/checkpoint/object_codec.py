@@ -17,7 +17,7 @@ ALLOWED_MODULE_PREFIXES = ("deepspeed.", "megatron.")
 """Classes of these packages may be rebuilt from a checkpoint: the frameworks whose own files
 hold such objects. Nothing else is imported on load (a checkpoint names no arbitrary code)."""
 
-ALLOWED_CLASSES = frozenset({"torch:Size", "argparse:Namespace"})
+ALLOWED_CLASSES = frozenset({"torch:Size", "argparse:Namespace", "numpy:ndarray"})
 """Classes outside those packages that the frameworks' states hold."""
 
 
@@ -47,6 +47,8 @@ def encode_objects(value: Any) -> Any:
     if value is None or cls in (bool, int, float, str) or isinstance(value, torch.dtype):
         return value
     name = _class_name(cls)
+    if name == "numpy:ndarray":  # numpy's RNG state (Megatron-LM's rng_state): as a tensor
+        return {OBJECT_KEY: name, "tensor": torch.from_numpy(value.copy())}
     if not _allowed(name):
         return value
     if isinstance(value, enum.Enum):
@@ -82,6 +84,8 @@ def _rebuild(name: str, doc: dict[str, Any]) -> Any:
     cls: Any = importlib.import_module(module)
     for part in qualname.split("."):
         cls = getattr(cls, part)
+    if "tensor" in doc:
+        return doc["tensor"].numpy()
     if "member" in doc:
         return cls[doc["member"]]
     if "items" in doc:

@@ -28,7 +28,9 @@ def build_engine(stage: int) -> Any:
         "zero_optimization": {"stage": stage},
         "steps_per_print": 1000,
     }
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=config
+    )
     return engine
 
 

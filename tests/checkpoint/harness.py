@@ -152,3 +152,36 @@ def run_workers(args: list[str], envs: list[dict[str, str]], timeout: float = 60
 def kill(proc: subprocess.Popen[bytes]) -> None:
     proc.send_signal(signal.SIGKILL)
     proc.wait(10)
+
+
+def run_ranks(
+    module: str, args: list[str], envs: list[dict[str, str]], *, kill_at_rank: int | None = None,
+    timeout: float = 180.0,
+) -> None:  # fmt: skip
+    """Run ``python -m module *args`` once per env (one per rank) to completion and fail with
+    their output if any fails. ``kill_at_rank``: that rank SIGKILLs itself; the others, waiting
+    for it in a collective, are killed once it is gone."""
+    procs = [
+        subprocess.Popen([sys.executable, "-m", module, *args], cwd=REPO, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        for env in envs
+    ]  # fmt: skip
+    outputs: list[str] = []
+    try:
+        if kill_at_rank is not None:
+            procs[kill_at_rank].wait(timeout)
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+        outputs = [proc.communicate(timeout=timeout)[0].decode() for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+    if kill_at_rank is not None:
+        killed = procs[kill_at_rank]
+        assert killed.returncode == -signal.SIGKILL, outputs[kill_at_rank][-3000:]
+        return
+    for proc, text in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, text[-5000:]

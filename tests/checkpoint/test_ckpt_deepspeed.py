@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.checkpoint.harness import REPO, assert_same, free_port, running_saver, worker_env
+from tests.checkpoint.harness import (
+    assert_same,
+    free_port,
+    run_ranks,
+    running_saver,
+    worker_env,
+)
 
 pytestmark = [pytest.mark.extras, pytest.mark.slow]
 deepspeed = pytest.importorskip(
@@ -19,15 +23,6 @@ deepspeed = pytest.importorskip(
 )
 
 STEPS, DISK_EVERY = 6, 3
-
-
-def _start(mode: str, stage: int, ckpt: Path, out: Path, env: dict[str, str], *extra: str) -> Any:
-    return subprocess.Popen(
-        [sys.executable, "-m", "tests.checkpoint.ds_workers", mode, f"--stage={stage}",
-         f"--ckpt={ckpt}", f"--out={out}", f"--steps={STEPS}", f"--disk-every={DISK_EVERY}",
-         *extra],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )  # fmt: skip
 
 
 def _envs(socket_path: str | None, restart: int = 0) -> list[dict[str, str]]:
@@ -41,25 +36,10 @@ def _envs(socket_path: str | None, restart: int = 0) -> list[dict[str, str]]:
 def _run(mode: str, stage: int, ckpt: Path, out: Path, socket_path: str | None,
          *extra: str, restart: int = 0, expect_kill: bool = False) -> None:  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
-    procs = [_start(mode, stage, ckpt, out, env, *extra) for env in _envs(socket_path, restart)]
-    outputs = []
-    try:
-        for i, proc in enumerate(procs):
-            if expect_kill and i == 0:
-                # Rank 0 waits in a collective for the killed rank 1: end it once rank 1 is gone.
-                procs[1].wait(180)
-                proc.kill()
-            outputs.append(proc.communicate(timeout=180)[0].decode())
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
-    if expect_kill:
-        assert procs[1].returncode == -9, outputs[1][-3000:]
-        return
-    for proc, text in zip(procs, outputs, strict=True):
-        assert proc.returncode == 0, text[-5000:]
+    args = [mode, f"--stage={stage}", f"--ckpt={ckpt}", f"--out={out}", f"--steps={STEPS}",
+            f"--disk-every={DISK_EVERY}", *extra]  # fmt: skip
+    envs = _envs(socket_path, restart)
+    run_ranks("tests.checkpoint.ds_workers", args, envs, kill_at_rank=1 if expect_kill else None)
 
 
 def _load_record(out: Path, rank: int, prefix: str = "load") -> dict[str, Any]:
@@ -69,29 +49,6 @@ def _load_record(out: Path, rank: int, prefix: str = "load") -> dict[str, Any]:
 
 def _final(out: Path, prefix: str = "final") -> list[dict[str, torch.Tensor]]:
     return [torch.load(out / f"{prefix}_{r}.pt", weights_only=True) for r in range(2)]
-
-
-@pytest.mark.parametrize("stage", [1, 2])
-def test_rank_killed_resumes_from_memory_and_matches_failure_free_run(
-    tmp_path: Path, stage: int
-) -> None:
-    _run("train", stage, tmp_path / "ref-ckpt", tmp_path / "ref", None)
-    reference = _final(tmp_path / "ref")
-    ckpt = tmp_path / "ckpt"
-    with running_saver(tmp_path) as saver:
-        _run("train", stage, ckpt, tmp_path / "a", saver.socket_path, "--kill-at=5",
-             expect_kill=True)  # fmt: skip
-        _run("train", stage, ckpt, tmp_path / "b", saver.socket_path, restart=1)
-    for rank in range(2):
-        loaded = _load_record(tmp_path / "b", rank)
-        assert loaded["source"] == "memory", loaded
-        # Step 4 was saved to memory only; step 5's save never happened (rank 1 was killed).
-        assert loaded["global_steps"] == 4 and loaded["client"]["step"] == 4, loaded
-        assert loaded["path"] == str(ckpt / "global_step4")
-    for got, want in zip(_final(tmp_path / "b"), reference, strict=True):
-        assert_same(got, want)
-    # Storage holds the last DISK step in DeepSpeed's layout, its marker written last.
-    assert (ckpt / "latest").read_text() == "global_step6"
 
 
 def _same_value(ours: Any, theirs: Any, path: str) -> None:
@@ -113,11 +70,37 @@ def _same_value(ours: Any, theirs: Any, path: str) -> None:
         assert ours == theirs, (path, ours, theirs)
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_files_match_deepspeeds_own_and_load_with_its_loader(tmp_path: Path, stage: int) -> None:
-    ckpt, own = tmp_path / "ckpt", tmp_path / "own"
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_stage_saves_deepspeeds_files_and_resumes_from_memory(
+    tmp_path: Path, stage: int
+) -> None:
+    """One failure-free run writes our files and DeepSpeed's own of the same state (compared
+    file by file, read by DeepSpeed's loaders); a run whose rank 1 is SIGKILLed resumes from
+    memory and ends with the failure-free run's model."""
+    ref_ckpt, own = tmp_path / "ref-ckpt", tmp_path / "own"
     with running_saver(tmp_path) as saver:
-        _run("train", stage, ckpt, tmp_path / "run", saver.socket_path, f"--own-save={own}")
+        _run("train", stage, ref_ckpt, tmp_path / "ref", saver.socket_path, f"--own-save={own}")
+    reference = _final(tmp_path / "ref")
+    _check_files_as_deepspeeds(stage, ref_ckpt, own, tmp_path / "ref")
+
+    ckpt = tmp_path / "ckpt"
+    with running_saver(tmp_path) as saver:
+        _run("train", stage, ckpt, tmp_path / "a", saver.socket_path, "--kill-at=5",
+             expect_kill=True)  # fmt: skip
+        _run("train", stage, ckpt, tmp_path / "b", saver.socket_path, restart=1)
+    for rank in range(2):
+        loaded = _load_record(tmp_path / "b", rank)
+        assert loaded["source"] == "memory", loaded
+        # Step 4 was saved to memory only; step 5's save never happened (rank 1 was killed).
+        assert loaded["global_steps"] == 4 and loaded["client"]["step"] == 4, loaded
+        assert loaded["path"] == str(ckpt / "global_step4")
+    for got, want in zip(_final(tmp_path / "b"), reference, strict=True):
+        assert_same(got, want)
+    # Storage holds the last DISK step in DeepSpeed's layout, its marker written last.
+    assert (ckpt / "latest").read_text() == f"global_step{STEPS}"
+
+
+def _check_files_as_deepspeeds(stage: int, ckpt: Path, own: Path, out: Path) -> None:
     tag = f"global_step{STEPS}"
     assert (ckpt / "latest").read_text() == (own / "latest").read_text() == tag
     theirs = sorted(p.name for p in (own / tag).iterdir())
@@ -135,9 +118,9 @@ def test_files_match_deepspeeds_own_and_load_with_its_loader(tmp_path: Path, sta
         dict(get_fp32_state_dict_from_zero_checkpoint(str(ckpt))),
         dict(get_fp32_state_dict_from_zero_checkpoint(str(own))),
     )
-    _run("load-own", stage, ckpt, tmp_path / "run", None)
+    _run("load-own", stage, ckpt, out, None)
     for rank in range(2):
-        loaded = _load_record(tmp_path / "run", rank, "load_own")
+        loaded = _load_record(out, rank, "load_own")
         assert loaded["global_steps"] == STEPS and loaded["client"]["step"] == STEPS, loaded
-    for got, want in zip(_final(tmp_path / "run", "load_own"), _final(tmp_path / "run")):
+    for got, want in zip(_final(out, "load_own"), _final(out), strict=True):
         assert_same(got, want)

@@ -133,7 +133,9 @@ class DeepSpeedCheckpointer(Checkpointer):
         # restarted rank then loads it from its own memory.
         engine.save_non_zero_checkpoint = True
         try:
-            engine.save_checkpoint(save_dir, tag, client_state=client_state or {}, save_latest=False)
+            engine.save_checkpoint(
+                save_dir, tag, client_state=client_state or {}, save_latest=False
+            )
         finally:
             engine.checkpoint_engine = own_engine
             engine.save_non_zero_checkpoint = writes_model
