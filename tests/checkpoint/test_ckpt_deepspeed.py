@@ -17,7 +17,8 @@ from tests.checkpoint.harness import (
     worker_env,
 )
 
-pytestmark = [pytest.mark.extras, pytest.mark.slow]
+# Each rank's start (import, process group, model) takes 10-20 s here, more on a busy machine.
+pytestmark = [pytest.mark.extras, pytest.mark.slow, pytest.mark.timeout(900)]
 deepspeed = pytest.importorskip(
     "deepspeed", reason="deepspeed is not installed (DS_BUILD_OPS=0 pip install deepspeed==0.19.8)"
 )

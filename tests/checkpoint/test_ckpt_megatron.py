@@ -16,7 +16,8 @@ from tests.checkpoint.harness import (
     worker_env,
 )
 
-pytestmark = [pytest.mark.extras, pytest.mark.slow]
+# Each rank's start (import, process group, model) takes 10-20 s here, more on a busy machine.
+pytestmark = [pytest.mark.extras, pytest.mark.slow, pytest.mark.timeout(1200)]
 pytest.importorskip(
     "megatron.core", reason="megatron-core is not installed (pip install megatron-core==0.16.1)"
 )
