@@ -84,6 +84,8 @@ def main() -> None:
         disk = step % args.disk_every == 0
         storage = StorageType.DISK if disk else StorageType.MEMORY
         ckpt.save_checkpoint(args.ckpt, client_state={"step": step}, storage_type=storage)
+        if disk:  # the next memory saves then find a free buffer: which step loads is fixed
+            assert ckpt.wait_latest_checkpoint(120)
     assert ckpt.wait_latest_checkpoint(120)
     if args.own_save:  # DeepSpeed's own files of the same state, to compare with ours
         engine.save_checkpoint(args.own_save, client_state={"step": engine.global_steps})

@@ -82,6 +82,8 @@ def main() -> None:
         disk = step % args.disk_every == 0
         storage = StorageType.DISK if disk else StorageType.MEMORY
         ckpt.save_checkpoint(step, model, optimizer, scheduler, storage_type=storage)
+        if disk:  # the next memory saves then find a free buffer: which step loads is fixed
+            assert ckpt.wait_latest_checkpoint(120)
     assert ckpt.wait_latest_checkpoint(120)
     final = {k: v.detach().clone() for k, v in model.state_dict().items() if v is not None}
     torch.save(final, Path(args.out, f"final_{rank}.pt"))
