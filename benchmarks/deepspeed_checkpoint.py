@@ -65,13 +65,14 @@ def main() -> None:
                                     "ours: DISK save until on storage": [],
                                     "DeepSpeed's save_checkpoint": []}  # fmt: skip
     try:
-        ckpt.save_checkpoint(storage_type=StorageType.MEMORY)  # first save allocates the buffers
-        for _ in range(args.repeats):
+        # Each save is a new step (a step already on storage is not persisted again).
+        ckpt.save_checkpoint(tag="global_step1", storage_type=StorageType.MEMORY)  # allocates
+        for i in range(args.repeats):
             t = time.perf_counter()
-            ckpt.save_checkpoint(storage_type=StorageType.MEMORY)
+            ckpt.save_checkpoint(tag=f"global_step{2 * i + 2}", storage_type=StorageType.MEMORY)
             rows["ours: save to memory"].append(time.perf_counter() - t)
             t = time.perf_counter()
-            ckpt.save_checkpoint(storage_type=StorageType.DISK)
+            ckpt.save_checkpoint(tag=f"global_step{2 * i + 3}", storage_type=StorageType.DISK)
             rows["ours: DISK save, blocked"].append(time.perf_counter() - t)
             assert ckpt.wait_latest_checkpoint(600)
             rows["ours: DISK save until on storage"].append(time.perf_counter() - t)
