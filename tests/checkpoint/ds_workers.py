@@ -70,6 +70,9 @@ def main() -> None:
         record = {"path": path, "client": client, "global_steps": engine.global_steps}
         (out / f"load_own_{rank}.json").write_text(json.dumps(record))
         torch.save(module_state(engine), out / f"load_own_{rank}.pt")
+        # An explicit end: left to interpreter exit, a ZeRO-3 rank at times aborted in C++
+        # teardown ("terminate called without an active exception") after its work was done.
+        torch.distributed.destroy_process_group()
         return
     ckpt = DeepSpeedCheckpointer(engine, args.ckpt)
     path, client = ckpt.load_checkpoint()
@@ -91,6 +94,7 @@ def main() -> None:
         engine.save_checkpoint(args.own_save, client_state={"step": engine.global_steps})
     torch.save(module_state(engine), out / f"final_{rank}.pt")
     ckpt.close()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
