@@ -2,10 +2,13 @@
 stopping, saving, restarting and loading.
 
 Run: PYTHONPATH=. python benchmarks/embedding.py [--mib 256] [--dim 64] [--batch 8192]
+     [--repeats 3] [--skip-resize]
 Prints
-- lookup + update ids/s through 1 and 2 `dlrover-ps` processes, against an in-process
-  ``nn.EmbeddingBag(sparse=True)`` with torch's Adagrad on the same batches (the floor: no
-  network, no server);
+- lookup + update ids/s through 1 .. min(cores, 4) `dlrover-ps` processes, and 2 with ASYNC and
+  SYNC replicas, against an in-process ``nn.EmbeddingBag(sparse=True)`` with torch's Adagrad on
+  the same batches (the floor: no network, no server; with 1 thread and with every core, the
+  faster counting). Interleaved over --repeats rounds; medians, and the ratios issue 32 set
+  goals for (one server vs the floor, N servers vs N x one, what replicas cost);
 - growing 2 -> 3 servers holding --mib of embedding rows (weights; the Adagrad state doubles
   it): the live resize (how long the moving buckets were refused) against the restart way
   (export every row to a file, start 3 fresh servers, load and re-partition them); then one of
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -62,26 +66,89 @@ def spec(dim: int) -> pb.TableSpec:
 
 
 def server_rate(client: EmbeddingClient, batches: list[np.ndarray], dim: int) -> float:
+    """ids/s of lookup + update through ``client``'s servers, the way a training step uses
+    them (ElasticEmbedding: look the rows up, push their gradients), over a second pass of the
+    batches: the rows exist by then, as the floor's dense table does from the start."""
     client.create_table(spec(dim))
-    client.lookup("items", batches[0], dim)  # warm up
-    start = time.perf_counter()
-    for ids in batches:
-        rows = client.lookup("items", ids, dim)
-        client.push("items", ids, rows * 0.01)
+    for _pass in ("untimed", "timed"):  # the first pass creates the rows, as the floor's allocation
+        start = time.perf_counter()
+        for ids in batches:
+            rows = client.lookup("items", ids, dim)
+            client.push("items", ids, rows * 0.01)
     return sum(b.size for b in batches) / (time.perf_counter() - start)
 
 
-def floor_rate(batches: list[np.ndarray], dim: int, rows: int) -> float:
+def floor_rate(batches: list[np.ndarray], dim: int, rows: int, threads: int) -> float:
+    """ids/s of an in-process ``nn.EmbeddingBag(sparse=True)`` with torch's sparse Adagrad on
+    the same batches, with ``threads`` intra-op threads."""
     warnings.filterwarnings("ignore", message="Sparse invariant checks")
-    bag = torch.nn.EmbeddingBag(rows, dim, mode="sum", sparse=True)
-    opt = torch.optim.Adagrad(bag.parameters(), lr=0.01)
-    start = time.perf_counter()
-    for ids in batches:
-        t = torch.from_numpy(ids).reshape(-1, 1)
-        opt.zero_grad()
-        bag(t).sum().backward()
-        opt.step()
-    return sum(b.size for b in batches) / (time.perf_counter() - start)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        bag = torch.nn.EmbeddingBag(rows, dim, mode="sum", sparse=True)
+        opt = torch.optim.Adagrad(bag.parameters(), lr=0.01)
+        for _pass in ("untimed", "timed"):  # the same untimed first pass as the servers get
+            start = time.perf_counter()
+            for ids in batches:
+                t = torch.from_numpy(ids).reshape(-1, 1)
+                opt.zero_grad()
+                bag(t).sum().backward()
+                opt.step()
+        return sum(b.size for b in batches) / (time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(before)
+
+
+def throughput(tmp: str, batches: list[np.ndarray], dim: int, id_space: int, repeats: int) -> None:
+    """The floor and each server setting, interleaved in ``repeats`` rounds (fresh servers,
+    so a fresh table, each time); prints medians and the ratios the issue asks about."""
+    cores = os.cpu_count() or 1
+    counts = list(range(1, min(cores, 4) + 1))
+    settings: list[tuple[str, int, int]] = [(f"dlrover-ps x {n}", n, pb.NO_REPLICA) for n in counts]
+    pair = max(2, counts[-1]) if len(counts) > 1 else 2
+    settings += [
+        (f"dlrover-ps x {pair}, ASYNC replicas", pair, pb.ASYNC),
+        (f"dlrover-ps x {pair}, SYNC replicas", pair, pb.SYNC),
+    ]
+    if pair not in counts:
+        settings.insert(len(counts), (f"dlrover-ps x {pair}", pair, pb.NO_REPLICA))
+    rates: dict[str, list[float]] = {"floor, 1 thread": [], f"floor, {cores} threads": []}
+    rates.update({name: [] for name, _, _ in settings})
+    for round_ in range(repeats):
+        rates["floor, 1 thread"].append(floor_rate(batches, dim, id_space, 1))
+        rates[f"floor, {cores} threads"].append(floor_rate(batches, dim, id_space, cores))
+        for k, (name, n, mode) in enumerate(settings):
+            servers = [Ps(tmp, f"rate{round_}-{k}-{i}") for i in range(n)]
+            try:
+                client = EmbeddingClient([s.address for s in servers], TOKEN)
+                EmbeddingCluster(client, replica=mode).install()
+                rates[name].append(server_rate(client, batches, dim))
+                client.close()
+            finally:
+                for s in servers:
+                    s.stop()
+    med = {name: statistics.median(values) for name, values in rates.items()}
+    # The floor is the faster of torch's thread settings in each round: on a loaded machine its
+    # OpenMP threads can be much slower than one.
+    floors = [max(a, b) for a, b in zip(*(rates[k] for k in list(rates)[:2]), strict=True)]
+    floor = statistics.median(floors)
+    print(f"| {'':40} | {'median ids/s':>12} | {'min-max':>17} | {'vs floor':>8} |")
+    print(f"|{'-' * 42}|{'-' * 14}|{'-' * 19}|{'-' * 10}|")
+    for name, values in rates.items():
+        spread = f"{min(values) / 1e3:.0f}-{max(values) / 1e3:.0f} k"
+        print(f"| {name:40} | {med[name]:12.0f} | {spread:>17} | {med[name] / floor:8.2f} |")
+    one = med["dlrover-ps x 1"]
+    print(f"\nfloor = the faster thread setting of each round, median {floor:.0f} ids/s")
+    print(f"one server / floor: {one / floor:.2f} (goal >= 0.6)")
+    for n in counts[1:]:
+        scale = med[f"dlrover-ps x {n}"] / (n * one)
+        print(f"{n} servers / ({n} x one server): {scale:.2f} (goal >= 0.8)")
+    plain = med[f"dlrover-ps x {pair}"]
+    for mode in ("ASYNC", "SYNC"):
+        cost = 1 - med[f"dlrover-ps x {pair}, {mode} replicas"] / plain
+        goal = "10%" if mode == "ASYNC" else "25%"
+        print(f"{mode} replicas cost: {cost * 100:.0f}% of {pair} servers' rate (goal <= {goal})")
+    print(f"({repeats} interleaved rounds; load average before/after: see the header)")
 
 
 def fill(client: EmbeddingClient, total_rows: int, dim: int) -> None:
@@ -142,6 +209,8 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--batch", type=int, default=8192, help="ids per lookup + update")
     p.add_argument("--batches", type=int, default=100)
+    p.add_argument("--repeats", type=int, default=3, help="interleaved rounds of the rates")
+    p.add_argument("--skip-resize", action="store_true", help="only the lookup + update rates")
     args = p.parse_args()
     dim = args.dim
     rng = np.random.default_rng(0)
@@ -150,27 +219,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         servers = [Ps(tmp, f"ps{i}") for i in range(3)]
         try:
-            print(f"lookup + Adagrad update, {args.batch} ids of {dim} dims per batch\n")
-            print(f"| {'':36} | {'ids/s':>10} | {'vs floor':>8} |")
-            print(f"|{'-' * 38}|{'-' * 12}|{'-' * 10}|")
-            floor = floor_rate(batches, dim, id_space)
-            print(f"| {'in-process nn.EmbeddingBag (floor)':36} | {floor:10.0f} | {1.0:8.2f} |")
-            modes = [
-                (1, pb.NO_REPLICA, "dlrover-ps x 1"),
-                (2, pb.NO_REPLICA, "dlrover-ps x 2"),
-                (2, pb.ASYNC, "dlrover-ps x 2, ASYNC replicas"),
-                (2, pb.SYNC, "dlrover-ps x 2, SYNC replicas"),
-            ]
-            for round_, (n, mode, name) in enumerate(modes):
-                client = EmbeddingClient([s.address for s in servers[:n]], TOKEN)
-                EmbeddingCluster(client, replica=mode).install()
-                rate = server_rate(client, batches, dim)
-                print(f"| {name:36} | {rate:10.0f} | {rate / floor:8.2f} |")
-                client.close()
-                for s in servers[:n]:  # a fresh table per measurement
-                    s.stop()
-                servers[:n] = [Ps(tmp, f"ps{i}-again{round_}") for i in range(n)]
-
+            print(
+                f"lookup + Adagrad update, {args.batch} ids of {dim} dims per batch, "
+                f"{args.batches} batches; load average {os.getloadavg()[0]:.1f} "
+                f"on {os.cpu_count()} cores\n"
+            )
+            throughput(tmp, batches, dim, id_space, args.repeats)
+            print(f"load average after: {os.getloadavg()[0]:.1f}")
+            if args.skip_resize:
+                return
             total_rows = args.mib * 2**20 // (dim * 4)
             print(f"\nGrowing 2 -> 3 servers holding {args.mib} MiB of rows ({total_rows} rows)\n")
             client = EmbeddingClient([s.address for s in servers[:2]], TOKEN)

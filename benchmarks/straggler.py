@@ -4,9 +4,9 @@ Run: PYTHONPATH=. python benchmarks/straggler.py [--steps 60] [--step-time 0.2] 
 
 Each row is a real `dlrover submit` of 3 nodes x 1 worker on the local engine, training the
 deterministic DDP oracle (tests/scripts/oracle_train.py: one allreduce per parameter each step,
-``--step-time`` seconds of simulated compute). The slow node is node slot 1 with
-``DLROVER_FAULTS=slow:node=1:factor=3``: its steps, and its node-check compute test, take 3x as
-long; its replacement (a new machine) is healthy. Rows:
+``--step-time`` seconds of CPU work, `--compute-ms`). The slow node is node slot 1 with
+``DLROVER_FAULTS=slow:node=1:factor=3``: its agent holds its worker to 1/3 of a CPU
+(dlrover/agent/throttle.py) so its steps take 3x as long, and so does its node-check compute test; its replacement (a new machine) is healthy. Rows:
 
 - healthy: no slow node (the floor), and the same with --node-check (what the check costs);
 - static: the slow node stays, every step waits for it (what a job without a check gets);
@@ -52,7 +52,7 @@ def run_job(
         cmd = [
             sys.executable, "-m", "dlrover.cli.job", "submit", "--name", name, "--nnodes", "3",
             "--nproc-per-node", "1", *flags, str(ORACLE), "--steps", str(steps),
-            "--step-time", str(step_time), "--ckpt", str(ckpt), "--out", str(Path(tmp) / "out"),
+            "--compute-ms", str(step_time * 1000), "--ckpt", str(ckpt), "--out", str(Path(tmp) / "out"),
         ]  # fmt: skip
         start = time.monotonic()
         r = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=900)

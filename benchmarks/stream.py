@@ -1,11 +1,13 @@
 """Benchmark of online learning from Kafka: reading through the master vs a plain consumer.
 
-Run: PYTHONPATH=. python benchmarks/stream.py [--records 60000] [--shard 256,1024,4096]
-Needs confluent-kafka and noida-db==0.2.3 (the broker it starts on loopback). Prints
+Run: PYTHONPATH=. python benchmarks/stream.py [--records 60000] [--shard 1024] [--repeats 5]
+Needs confluent-kafka and noida-db==0.2.3 (the broker it starts on loopback). Prints, as medians
+of --repeats rounds that each measure the plain consumer and the dataset back to back:
 
 - read only: records/s of one plain confluent-kafka consumer reading the whole topic with
-  assign() (the peer: what a script does without DLRover) and of ElasticStreamDataset (the
-  master leases offset ranges, a thread assign()s and reads each one ahead of the loop);
+  assign() (the peer: what a script does without DLRover), from the consumer's creation on, and
+  of ElasticStreamDataset (the master leases offset ranges, a thread reads them ahead of the
+  loop with one consumer that stays assigned);
 - a training loop: batches of --batch records with --step-ms of simulated compute each, fed by
   the plain consumer in the loop or by the dataset through a DataLoader, against the compute
   alone;
@@ -16,6 +18,8 @@ Needs confluent-kafka and noida-db==0.2.3 (the broker it starts on loopback). Pr
 from __future__ import annotations
 
 import argparse
+import itertools
+import os
 import statistics
 import sys
 import tempfile
@@ -30,6 +34,7 @@ from benchmarks.sharding import GrpcMaster  # noqa: E402
 from tests.kafka_broker import KafkaBroker, kafka_missing  # noqa: E402
 
 PARTITIONS = 3
+_RUNS = itertools.count()
 VALUE = b"x" * 100
 
 
@@ -40,6 +45,7 @@ def plain_consumer(
     with ``batch``, ``step_s`` of compute per ``batch`` records."""
     from confluent_kafka import Consumer, TopicPartition
 
+    start = time.perf_counter()  # from nothing, as the dataset's time (its consumer is lazy)
     consumer = Consumer(
         {
             "bootstrap.servers": broker.bootstrap,
@@ -47,7 +53,6 @@ def plain_consumer(
             "enable.auto.commit": False,
         }
     )
-    start = time.perf_counter()
     consumer.assign([TopicPartition(topic, p, 0) for p in range(PARTITIONS)])
     left = per_partition * PARTITIONS
     while left:
@@ -83,7 +88,7 @@ def stream_dataset(
     dataset: Any = ElasticStreamDataset(
         topic,
         broker.bootstrap,
-        name=f"{topic}-{shard}-{batch}",
+        name=f"{topic}-{shard}-{batch}-{next(_RUNS)}",  # a new stream each run
         records_per_shard=shard,
         end_offsets={p: per_partition for p in range(PARTITIONS)},
         transport=connect(master.addr, master.token),
@@ -128,14 +133,19 @@ def plain_commit_latency(broker: KafkaBroker, topic: str, rounds: int = 20) -> l
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--records", type=int, default=60000, help="records in the topic")
-    p.add_argument("--shard", default="256,1024,4096", help="records_per_shard values")
+    p.add_argument("--shard", default="1024", help="records_per_shard values (1024: the default)")
     p.add_argument("--batch", type=int, default=256, help="records per training step")
     p.add_argument("--step-ms", type=float, default=5.0, help="simulated compute per step")
+    p.add_argument("--repeats", type=int, default=5, help="interleaved rounds")
     args = p.parse_args()
     missing = kafka_missing()
     if missing:
         sys.exit(f"cannot run: {missing}")
     per_partition = args.records // PARTITIONS
+    total = per_partition * PARTITIONS
+    shards = [int(x) for x in args.shard.split(",")]
+    step_s = args.step_ms / 1000
+    steps = -(-total // args.batch)
     with tempfile.TemporaryDirectory() as tmp:
         broker = KafkaBroker(Path(tmp))
         master = GrpcMaster()  # a process of its own, as under dlrover-run
@@ -144,51 +154,75 @@ def main() -> None:
             for p_ in range(PARTITIONS):
                 broker.produce("bench", [(p_, VALUE)] * per_partition)
             plain_consumer(broker, "bench", per_partition)  # warm the broker's caches
-            plain_s = plain_consumer(broker, "bench", per_partition)
-            total = per_partition * PARTITIONS
-            print(f"{total} records of {len(VALUE)} B in {PARTITIONS} partitions, one reader\n")
-            print(f"| {'reader':38} | {'records/s':>10} | {'vs plain':>8} |")
-            print(f"|{'-' * 40}|{'-' * 12}|{'-' * 10}|")
-            print(
-                f"| {'plain confluent-kafka, assign()':38} | {total / plain_s:10.0f} | {1.0:8.2f} |"
-            )
+            load = os.getloadavg()[0]
+            read: dict[str, list[float]] = {"plain": []}
+            loop: dict[str, list[float]] = {"plain": []}
             state_ms: list[float] = []
-            for shard in (int(s) for s in args.shard.split(",")):
-                seconds, latencies = stream_dataset(broker, master, "bench", per_partition, shard)
-                state_ms += [x * 1000 for x in latencies]
-                name = f"ElasticStreamDataset, {shard}/shard"
-                print(f"| {name:38} | {total / seconds:10.0f} | {plain_s / seconds:8.2f} |")
-            step_s = args.step_ms / 1000
-            steps = -(-total // args.batch)
-            ideal = steps * step_s
-            print(
-                f"\nTraining loop: {steps} steps of {args.batch} records, {args.step_ms:g} ms "
-                f"compute each (compute alone {ideal:.2f} s)\n"
-            )
-            print(f"| {'reader':38} | {'seconds':>10} | {'vs ideal':>8} |")
-            print(f"|{'-' * 40}|{'-' * 12}|{'-' * 10}|")
-            seconds = plain_consumer(broker, "bench", per_partition, args.batch, step_s)
-            print(
-                f"| {'plain consumer in the loop':38} | {seconds:10.2f} | {seconds / ideal:8.2f} |"
-            )
-            for shard in (int(s) for s in args.shard.split(",")):
-                seconds, _ = stream_dataset(
-                    broker, master, "bench", per_partition, shard,
-                    args.batch, step_s,
-                )  # fmt: skip
-                name = f"ElasticStreamDataset, {shard}/shard"
-                print(f"| {name:38} | {seconds:10.2f} | {seconds / ideal:8.2f} |")
+            # Interleaved: every round measures the plain consumer and the dataset back to
+            # back, so a load that comes and goes hits both alike.
+            for _ in range(args.repeats):
+                read["plain"].append(plain_consumer(broker, "bench", per_partition))
+                for shard in shards:
+                    seconds, latencies = stream_dataset(
+                        broker, master, "bench", per_partition, shard
+                    )
+                    read.setdefault(str(shard), []).append(seconds)
+                    state_ms += [x * 1000 for x in latencies]
+                loop["plain"].append(
+                    plain_consumer(broker, "bench", per_partition, args.batch, step_s)
+                )
+                for shard in shards:
+                    seconds, _ = stream_dataset(
+                        broker, master, "bench", per_partition, shard, args.batch, step_s
+                    )
+                    loop.setdefault(str(shard), []).append(seconds)
             commit_ms = [x * 1000 for x in plain_commit_latency(broker, "bench")]
-            print(f"\n| {'remembering the position':38} | {'median ms':>10} | {'max ms':>8} |")
-            print(f"|{'-' * 40}|{'-' * 12}|{'-' * 10}|")
-            for name, values in (
-                ("dataset.state_dict() (master RPC)", state_ms),
-                ("plain consumer commit(sync) to broker", commit_ms),
-            ):
-                print(f"| {name:38} | {statistics.median(values):10.2f} | {max(values):8.2f} |")
         finally:
             master.close()
             broker.stop()
+    med = {k: statistics.median(v) for k, v in read.items()}
+    print(
+        f"{total} records of {len(VALUE)} B in {PARTITIONS} partitions, one reader; medians of "
+        f"{args.repeats} interleaved rounds; load average {load:.1f} / {os.getloadavg()[0]:.1f} "
+        f"(before / after) on {os.cpu_count()} cores\n"
+    )
+    print(f"| {'read only':38} | {'records/s':>10} | {'min-max k/s':>13} | {'vs plain':>8} |")
+    print(f"|{'-' * 40}|{'-' * 12}|{'-' * 15}|{'-' * 10}|")
+    for key, values in read.items():
+        name = (
+            "plain confluent-kafka, assign()"
+            if key == "plain"
+            else f"ElasticStreamDataset, {key}/range"
+        )
+        spread = f"{total / max(values) / 1e3:.0f}-{total / min(values) / 1e3:.0f}"
+        print(
+            f"| {name:38} | {total / med[key]:10.0f} | {spread:>13} | "
+            f"{med['plain'] / med[key]:8.2f} |"
+        )
+    ideal = steps * step_s
+    lmed = {k: statistics.median(v) for k, v in loop.items()}
+    print(
+        f"\nTraining loop: {steps} steps of {args.batch} records, {args.step_ms:g} ms compute "
+        f"each (compute alone {ideal:.2f} s)\n"
+    )
+    print(f"| {'reader':38} | {'seconds':>10} | {'vs compute':>10} | {'vs plain loop':>13} |")
+    print(f"|{'-' * 40}|{'-' * 12}|{'-' * 12}|{'-' * 15}|")
+    for key in loop:
+        name = (
+            "plain consumer in the loop" if key == "plain" else f"ElasticStreamDataset, {key}/range"
+        )
+        print(
+            f"| {name:38} | {lmed[key]:10.2f} | {lmed[key] / ideal:10.2f} | "
+            f"{lmed[key] / lmed['plain']:13.2f} |"
+        )
+    print(f"\n| {'remembering the position':38} | {'median ms':>10} | {'p90 ms':>8} |")
+    print(f"|{'-' * 40}|{'-' * 12}|{'-' * 10}|")
+    for name, values in (
+        ("dataset.state_dict() (master RPC)", state_ms),
+        ("plain consumer commit(sync) to broker", commit_ms),
+    ):
+        p90 = statistics.quantiles(values, n=10)[-1]
+        print(f"| {name:38} | {statistics.median(values):10.2f} | {p90:8.2f} |")
 
 
 if __name__ == "__main__":

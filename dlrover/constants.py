@@ -64,6 +64,13 @@ ENV_NODE_NAME = "DLROVER_NODE_NAME"
 ENV_NODE_EXIT_FILE = "DLROVER_NODE_EXIT_FILE"
 """Where dlrover-run writes its exit code as it ends (set by the local engine, which may have to
 learn a node's end without being its parent: a restarted master adopting running nodes)."""
+ENV_RANK_LOG_DIR = "DLROVER_RANK_LOG_DIR"
+"""Set by an engine for the agent it launches: where its workers' per-rank logs go
+(``<dir>/<run_id>/attempt_<n>/rank_<r>/{stdout,stderr}.log``, as with --log-dir and --redirects 3)
+when the command gives no --log-dir; the engine reads them back for `dlrover logs`."""
+ENV_RANK_LOG_ECHO = "DLROVER_RANK_LOG_ECHO"
+"""Set (to 1) by an engine whose only readable log is the node's console (Kubernetes): the agent
+also prints its workers' per-rank lines there, each as ``[rank R] line``."""
 """Set by an engine for the agent it launches: the node id the agent registers under."""
 ENV_STACK_FILE = "DLROVER_STACK_FILE"
 """Set by the agent: where a worker writes its Python stacks when asked (SIGUSR1)."""
@@ -200,6 +207,9 @@ ENV_SUPERVISED = "_DLROVER_SUPERVISED_MASTER"
 them; a restarted child resumes from the state)."""
 
 # --- fault injection (dlrover.faults) ---
+ENV_THROTTLE = "DLROVER_THROTTLE"
+"""How the ``slow`` fault throttles a worker: ``quota`` (cgroup CPU quota) or ``stop`` (a
+SIGSTOP/SIGCONT cycle) forces that way, for tests of the fallback; empty: quota where possible."""
 ENV_FAULTS = "DLROVER_FAULTS"
 """The faults to inject (syntax: `dlrover.faults`)."""
 

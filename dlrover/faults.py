@@ -7,7 +7,8 @@ separated by ``;``, each ``kind:key=value:...``, for example::
     kill:rank=1:step=5;raise:rank=0:step=3:restart=1;hang:rank=1:step=4;slow:rank=1:factor=3
 
 Kinds: ``kill`` (SIGKILL itself), ``raise`` (RuntimeError), ``hang`` (block, forever or for
-``seconds``), ``slow`` (each step from ``step`` on takes ``factor`` times as long; the node
+``seconds``), ``slow`` (from ``step`` on the worker runs ``factor`` times slower: under an
+agent it is throttled, dlrover/agent/throttle.py, elsewhere each step sleeps; the node
 check's compute test too), ``exit`` (``os._exit(code)``, as a native library calling exit
 would), ``kill_agent`` (SIGKILL the pid in DLROVER_AGENT_PID), ``lose_node`` (the node's
 machine is gone: SIGKILL the agent, delete its flash-checkpoint shared memory, SIGKILL

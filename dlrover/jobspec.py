@@ -128,6 +128,9 @@ class JobSpec:
     exclude_straggler: bool = False
     """Replace stragglers: those the node check finds (`dlrover-run --exclude-straggler`) and
     nodes that stay slow while training (runtime scores, dlrover/master/stragglers.py)."""
+    hang_timeout_s: float = 0.0
+    """Workers with no step reported for this long count as hung and restart (the agent's
+    ``--hang-timeout``); 0: off, as in dlrover-run."""
     ps: PsSpec | None = None
     """Embedding servers (role ``ps``), or None for a job of workers only."""
     tf: TfSpec | None = None
@@ -148,6 +151,7 @@ class JobSpec:
             f"--max-restarts={self.max_restarts}",
             *(["--node-check"] if self.node_check else []),
             *(["--exclude-straggler"] if self.node_check and self.exclude_straggler else []),
+            *([f"--hang-timeout={self.hang_timeout_s:g}"] if self.hang_timeout_s else []),
             self.entrypoint,
             *self.args,
         )
@@ -386,6 +390,7 @@ _KEYS = {
     "auto_scale",
     "node_check",
     "exclude_straggler",
+    "hang_timeout",
     "name",
     "entrypoint",
     "args",
@@ -451,6 +456,9 @@ def job_spec_from_dict(
         if not isinstance(value, bool):
             raise JobSpecError(f"{key} is {value!r}; it must be true or false")
         flags[key] = value
+    hang = raw.get("hang_timeout", 0)
+    if isinstance(hang, bool) or not isinstance(hang, (int, float)) or hang < 0:
+        raise JobSpecError(f"hang_timeout is {hang!r}; it must be seconds >= 0 (0: off)")
     settings = raw.get("engine_settings") or {}
     if not isinstance(settings, Mapping):
         raise JobSpecError("engine_settings must be a mapping")
@@ -480,6 +488,7 @@ def job_spec_from_dict(
         engine_settings=dict(settings),
         oom_memory_factor=float(factor),
         oom_max_memory_mib=cap,
+        hang_timeout_s=float(hang),
         ps=roles if isinstance(roles, PsSpec) else None,
         tf=roles if isinstance(roles, TfSpec) else None,
         **flags,
@@ -525,6 +534,7 @@ def job_spec_from_flags(
     auto_scale: bool = False,
     ps: int = 0,
     ps_replica: str = DEFAULT_PS_REPLICA,
+    hang_timeout: float = 0.0,
 ) -> JobSpec:
     """The same spec from CLI flags (`dlrover submit --engine ray --nnodes 2:4 train.py`);
     ``ps`` > 0 adds that many embedding servers."""
@@ -541,6 +551,7 @@ def job_spec_from_flags(
         "node_check": node_check,
         "exclude_straggler": exclude_straggler,
         "auto_scale": auto_scale,
+        "hang_timeout": hang_timeout,
     }
     if ps:
         raw["roles"] = {"ps": {"count": ps, "replica": ps_replica}}

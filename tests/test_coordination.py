@@ -58,18 +58,18 @@ class _Kv:
 
 
 def test_dlrover_status_and_the_tf_node_read_the_records() -> None:
-    from dlrover.cli.job import _tf_cluster_text
+    from dlrover.cli.status_view import tf_cluster_text
     from dlrover.cli.tf_node import _published
     from dlrover.constants import TF_CLUSTER_KEY, TF_PS_GENERATION_KEY
 
     cluster = TfCluster(3, {"chief": ["h:1"], "ps": ["h:2", "h:3"]})
     kv = _Kv({TF_CLUSTER_KEY: cluster.encode(), TF_PS_GENERATION_KEY: PsGeneration(2, 3).encode()})
-    assert _tf_cluster_text(kv) == (  # type: ignore[arg-type]
+    assert tf_cluster_text(kv) == (  # type: ignore[arg-type]
         "\ntensorflow cluster version 3, ps generation 2:\n  chief    0=h:1\n  ps       0=h:2  1=h:3"
     )
     del kv.values[TF_PS_GENERATION_KEY]  # no ps serves yet
-    assert _tf_cluster_text(kv).startswith("\ntensorflow cluster version 3:\n")  # type: ignore[arg-type]
-    assert _tf_cluster_text(_Kv({})) == ""  # type: ignore[arg-type]  # not a TensorFlow job
+    assert tf_cluster_text(kv).startswith("\ntensorflow cluster version 3:\n")  # type: ignore[arg-type]
+    assert tf_cluster_text(_Kv({})) == ""  # type: ignore[arg-type]  # not a TensorFlow job
     assert _published(cluster.encode()) == (3, {"chief": ["h:1"], "ps": ["h:2", "h:3"]})
     assert _published(None) == (0, {})
     with pytest.raises(MessageError):

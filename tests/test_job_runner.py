@@ -16,7 +16,7 @@ from dlrover.runner import (
     JobSettingsError,
     RunnerSettings,
 )
-from dlrover.runner.records import JobRecord, read_record, write_record
+from dlrover.runner.records import JobRecord, read_final, read_record, write_record
 from dlrover.testing.fake_engine import FakeEngine
 
 SETTINGS = RunnerSettings(host="127.0.0.1", token="tok", metrics_port=None)
@@ -72,7 +72,13 @@ def test_a_node_failing_past_its_relaunches_ends_the_run_with_the_jobs_failure()
         pid=read_record("lib").pid,
         reason=outcome.reason,
         exit_code=runner.job.exit_code,
+        engine="local",
     )
+    # What `dlrover status` prints of it now: the last table and the failure.
+    final = read_final("lib")
+    assert final is not None and final.status.state == "failed"
+    assert [(f.node_id, f.action) for f in final.failures] == [("lib-worker-1-0", "fail")]
+    assert final.status.reason == outcome.reason
 
 
 def test_a_live_master_of_the_same_job_is_refused_before_anything_starts():

@@ -127,6 +127,7 @@ FOUNDATION = (
     "dlrover.faults",
     "dlrover.jobspec",
     "dlrover.json_messages",
+    "dlrover.processes",
     "dlrover.worker_context",
 )
 """Top-level modules everybody may import: they reach no side."""

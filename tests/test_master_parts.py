@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dlrover.api.master import FailureClass
+from dlrover.api.master import FailureClass, NodeCheckJoin, NodeCheckReport
 from dlrover.decisions import FailureAction
 from dlrover.engines.base import FailureReason, NodeEvent, NodeSpec, NodeState, Resources
 from dlrover.master.job import JobMaster, JobMasterConfig
@@ -119,3 +119,43 @@ def test_scale_requests_go_to_the_controller_registered_for_the_role() -> None:
     assert job.scale_role("ps", 3) == ("ps -> 3", 7)
     job.tf = servers  # a TensorFlow job's controller answers for every role
     assert job.scale_role("chief", 1) == ("chief -> 1", 7)
+
+
+@pytest.mark.parametrize("exclude", [False, True])
+def test_a_straggler_the_node_check_names_is_recorded_whether_excluded_or_kept(
+    exclude: bool,
+) -> None:
+    """`dlrover diagnose` reads `failures()`: a node the check found 3x slow is there with the
+    action taken (exclude, or none when the job keeps it)."""
+    now = [0.0]
+    job = _running_pair(now)
+    world = job.get_world("a", 0)
+    assert world is not None
+    for node in ("a", "b"):
+        job.join_node_check(NodeCheckJoin(node, 0, world.round, 1, f"h:{node}", 2.0, exclude))
+    for node, compute_s in (("a", 1.0), ("b", 3.0)):
+        job.report_node_check(NodeCheckReport(node, 0, world.round, 1, True, compute_s, 0.1))
+    [record] = job.failures()
+    assert (record.node_id, record.failure_class) == ("b", FailureClass.STRAGGLER)
+    assert record.action == ("exclude" if exclude else "none")
+    assert record.root_cause.startswith("node check: 3.0x the median check time")
+    assert exclude or record.root_cause.endswith("kept (no --exclude-straggler)")
+
+
+def test_a_runtime_straggler_the_job_keeps_is_recorded() -> None:
+    """Without --exclude-straggler, a node scoring low in three reports in a row is recorded
+    (action none); with it, the node controller records the replacement it makes."""
+    now = [0.0]
+    job = _running_pair(now)
+    for _ in range(3):
+        now[0] += job.stragglers.report_s
+        job.heartbeat("a", 0, 1, 0.0, 0, 0, step_time_s=0.1)
+        job.heartbeat("b", 0, 1, 0.0, 0, 0, step_time_s=0.4)
+        job.tick()
+    [record] = job.failures()
+    assert (record.node_id, record.failure_class, record.action) == (
+        "b",
+        FailureClass.STRAGGLER,
+        "none",
+    )
+    assert "runtime score 0.25 of the fastest node in 3 reports" in record.root_cause

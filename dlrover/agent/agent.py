@@ -36,6 +36,8 @@ from dlrover.agent.rendezvous_client import (
     RendezvousTimeoutError,
     RunResult,
 )
+from dlrover.agent.throttle import SlowFaults
+from dlrover.agent.throttle import sweep as sweep_throttles
 from dlrover.agent.workers import WorkerGroup
 from dlrover.agent.zygote import PendingZygote, Zygote, ZygoteError
 from dlrover.api.master import (
@@ -56,6 +58,7 @@ from dlrover.constants import (
     EXIT_NODE_OOM,
 )
 from dlrover.decisions import FailureAction
+from dlrover.faults import ENV_FAULTS, node_slot
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +131,8 @@ class ElasticAgent:
         self._usage = UsageMeter()
         self._oom_kills: int | None = None
         """The cgroup's OOM-kill counter when the current workers started."""
+        self._slow = SlowFaults(os.environ.get(ENV_FAULTS, ""))
+        """DLROVER_FAULTS's slow faults, applied to this node's workers by the agent."""
         self._checker = (
             NodeChecker(
                 master,
@@ -183,6 +188,7 @@ class ElasticAgent:
         # What agents SIGKILLed on this node left behind (their owner lock is free); live
         # agents' things, of this job or another, are not touched.
         sweep()
+        sweep_throttles()
         self._register()
         # Named for the job, node and this process, and guarded by a lock held until close:
         # an operator can tell whose they are, and the next agent's sweep whether the owner died.
@@ -195,6 +201,7 @@ class ElasticAgent:
 
     def close(self) -> None:
         """Stop the workers, the heartbeat, the zygote and the saver; remove the run dir."""
+        self._slow.release()
         if self._group is not None:
             self._group.stop(self.config.stop_grace_s)
         self._heartbeat.stop()
@@ -239,6 +246,7 @@ class ElasticAgent:
         cfg = self.config
         group = self._group
         assert group is not None
+        self._slow.release()  # a stopped worker would not see the agent's SIGTERM
         if outcome in (Outcome.SUCCEEDED, Outcome.FAILED):
             # The steps since the last beat, before the workers' state changes (goodput).
             monitor.check_progress()
@@ -393,6 +401,12 @@ class ElasticAgent:
         group.start(plan.launches, zygote)
         self._started_at = started
         self._attempt += 1
+        self._slow.start_attempt(
+            world.rank_offset,
+            group.pids,
+            self.restart_count,
+            node_slot(self.node_id, cfg.requested_node_rank),
+        )
         logger.info(
             "started %d workers (ranks %d..%d, restart %d): %s",
             cfg.nproc_per_node,
@@ -415,11 +429,15 @@ class ElasticAgent:
                 stop_requested=self._heartbeat.stop_requested,
                 reregister_requested=self._heartbeat.reregister_requested,
                 world_must_reform=self._rdzv.world_must_reform,
-                every_second=self._maybe_begin_zygote,
+                every_second=self._every_second,
             ),
             step=self.step_reached,
         )
         return self._monitor
+
+    def _every_second(self) -> None:
+        self._slow.tick(self._monitor.step if self._monitor is not None else -1)
+        self._maybe_begin_zygote()
 
     def _maybe_begin_zygote(self) -> None:
         """Start the template process once the workers are past their imports (so its own
@@ -490,6 +508,9 @@ class ElasticAgent:
             restart_count=self.restart_count,
             step_time_s=self._monitor.step_time_s if self._monitor is not None else 0.0,
             checkpoint_persist_s=self._saver.last_persist_s if self._saver is not None else 0.0,
+            worker_pids=tuple(pid for _, pid in sorted(self._group.pids.items()))
+            if self._group is not None
+            else (),
             **_attempt_progress(self._monitor),
         )
 

@@ -28,6 +28,7 @@ import types
 from collections.abc import Sequence
 
 from dlrover.agent.error_file import ErrorRecorder
+from dlrover.agent.group_teardown import GroupKeeper
 from dlrover.constants import ENV_DONE_FILE, ENV_PARENT_DEATH_PID, ENV_STACK_FILE
 
 STACK_DUMP_SIGNAL = signal.SIGUSR1
@@ -97,6 +98,8 @@ def run_target(argv: Sequence[str]) -> None:
     """
     if not argv or (argv[0] == "-m" and len(argv) < 2):
         raise BootstrapError(f"no script or module given; {USAGE}")
+    groups = GroupKeeper()  # see group_teardown: what keeps a rank from hanging at exit
+    groups.install()
     try:
         with ErrorRecorder():
             if argv[0] == "-m":
@@ -105,11 +108,14 @@ def run_target(argv: Sequence[str]) -> None:
                 _run_script(argv[0], list(argv[1:]))
     except SystemExit as exc:
         _mark_done(_exit_code(exc.code))
+        groups.release_groups()
         raise
     except BaseException:
         _mark_done(1)  # the interpreter prints the traceback and exits 1
+        groups.release_groups()
         raise
     _mark_done(0)
+    groups.release_groups()
 
 
 def _exit_code(code: object) -> int:

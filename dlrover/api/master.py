@@ -100,6 +100,8 @@ class HeartbeatReport:
     """The part of it blocked in checkpoint saves (as the script reported it)."""
     checkpoint_persist_s: float = 0.0
     """How long the node's latest flash-checkpoint persist took (0.0: none yet)."""
+    worker_pids: tuple[int, ...] = ()
+    """The process ids of the node's current workers, by local rank (empty between attempts)."""
 
 
 @dataclass(frozen=True)
@@ -287,6 +289,10 @@ class NodeStatus:
     """Seconds per step lately (0.0: not measured), and its data-wait and checkpoint parts."""
     step_data_s: float = 0.0
     step_checkpoint_s: float = 0.0
+    pid: int = 0
+    """The agent's process id as it registered (0: unknown), on ``host``."""
+    worker_pids: tuple[int, ...] = ()
+    """Its workers' process ids by local rank, as its last heartbeat said (empty: none)."""
 
 
 @dataclass(frozen=True)

@@ -367,7 +367,11 @@ class CheckpointEngine:
             held = "no segment" if step is None else f"no complete copy of step {step}"
             raise SegmentStateError(f"the saver holds {held} for this rank")
         else:
-            got, state, meta = read_state(self._attach(reply.path), target)
+            try:
+                segment = self._attach(reply.path)
+            except CheckpointError as exc:  # gone since the saver counted it: not loadable
+                raise SegmentStateError(str(exc)) from exc
+            got, state, meta = read_state(segment, target)
         if step is not None and got != step:
             raise SegmentStateError(f"memory moved on from step {step} to {got} while loading")
         step = got

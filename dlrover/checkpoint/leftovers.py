@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import logging
 import os
@@ -14,6 +13,7 @@ import time
 from dataclasses import dataclass
 
 from dlrover.checkpoint.config import DEFAULT_SHM_DIR
+from dlrover.processes import pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -103,14 +103,6 @@ class OwnerLock:
         self._fd = -1
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except OSError as exc:
-        return exc.errno != errno.ESRCH
-    return True
-
-
 def _owner_gone(prefix: str, pid: int, shm_dir: str) -> bool:
     """Whether the owner of ``prefix`` is dead: its lock file is free; with no lock file (an
     in-process saver, or an owner between removing its things and its lock), its PID is gone."""
@@ -118,7 +110,7 @@ def _owner_gone(prefix: str, pid: int, shm_dir: str) -> bool:
     try:
         fd = os.open(lock, os.O_RDWR)
     except FileNotFoundError:
-        return not _pid_alive(pid)
+        return not pid_alive(pid)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -202,7 +194,7 @@ def sweep(
     for prefix, paths in groups.items():
         pid = owners[prefix]
         gone = (
-            not _pid_alive(pid)
+            not pid_alive(pid)
             if prefix.startswith("legacy:")
             else _owner_gone(prefix, pid, shm_dir)
         )

@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from dlrover.api.errors import MasterUnreachableError
 from dlrover.checkpoint.buffers import SlotBuffers
 from dlrover.checkpoint.catalog import Catalog, Finalizer
 from dlrover.checkpoint.config import DEFAULT_PERSIST_WAIT_S, run_in_background
@@ -16,7 +17,7 @@ from dlrover.checkpoint.errors import CheckpointError
 from dlrover.checkpoint.formats import format_named
 from dlrover.checkpoint.saver_messages import PersistSpec, WaitPersistedReply
 from dlrover.checkpoint.shm import SharedSegment
-from dlrover.checkpoint.storage import Storage
+from dlrover.checkpoint.storage import Storage, storage_for
 
 log = logging.getLogger(__name__)
 
@@ -249,6 +250,32 @@ class Persister:
                 log.warning("could not delete old steps of %s: %s", spec.checkpoint_dir, exc)
 
     # ------------------------------------------------------------------ waiting for it
+    def _wait_committed_elsewhere(self, checkpoint_dir: str, step: int, timeout: float) -> bool:
+        """Whether another node committed ``step`` (or a newer one) within ``timeout``: the
+        coordinator says so, or storage's "latest" marker does. Without a master (an
+        in-process saver under plain torchrun) nobody tells this node of the writer's commit,
+        but the marker, written last and atomically on the storage every node shares, does."""
+        catalog = Catalog(storage_for(checkpoint_dir))
+        deadline = time.monotonic() + max(timeout, 0.0)
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                if self.coordinator.wait_committed(step, min(max(remaining, 0.0), 0.2)):
+                    return True
+            except MasterUnreachableError:
+                # The master is being restarted: each short wait would end in this error (a
+                # single wait of the whole timeout used to ride it out); the marker, and the
+                # master once back, still count until the deadline.
+                pass
+            try:
+                latest = catalog.latest_step()
+            except CheckpointError:
+                latest = None  # unreadable now: the coordinator may still say
+            if latest is not None and latest >= step:
+                return True
+            if remaining <= 0:
+                return False
+
     def wait_persisted(self, checkpoint_dir: str, step: int, timeout: float) -> WaitPersistedReply:
         """Wait until ``step`` is committed to ``checkpoint_dir`` (or its persist failed)."""
         with self._cond:
@@ -257,7 +284,7 @@ class Persister:
         if not writes_here:
             # This node keeps a memory copy only (DDP: node rank 0 writes storage's one copy):
             # nothing is persisted here, so the step is done when the job's commit says so.
-            committed = self.coordinator.wait_committed(step, timeout)
+            committed = self._wait_committed_elsewhere(checkpoint_dir, step, timeout)
             with self._cond:
                 if committed and self.committed.get(checkpoint_dir, -1) < step:
                     self.committed[checkpoint_dir] = step

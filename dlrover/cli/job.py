@@ -1,5 +1,5 @@
-"""`dlrover submit | status | diagnose | stop | scale`: run a whole job through an engine,
-inspect it, read its failures, end it, change its embedding servers."""
+"""`dlrover submit | status | logs | diagnose | stop | scale`: run a whole job through an engine,
+inspect it, read its logs and failures, end it, change its embedding servers."""
 
 from __future__ import annotations
 
@@ -11,25 +11,25 @@ import sys
 import time
 from collections.abc import Sequence
 
-from dlrover.api.master import FailureRecord, JobStatus
+from dlrover.api.master import FailureRecord
 from dlrover.cli.common import setup_logging
 from dlrover.cli.job_records import NoSuchJobError, pid_alive, read_record
+from dlrover.cli.logs import cmd_logs
 from dlrover.cli.serve_job import (
     ENV_SUPERVISED,
     ENV_SUPERVISED_METRICS_PORT,
     serve_job,
     supervise_job,
 )
+from dlrover.cli.status_view import failure_lines, status_text
 from dlrover.client.master_client import MasterClient, MasterClientError
 from dlrover.constants import (
     DEFAULT_NPROC_PER_NODE,
     DEFAULT_PS_REPLICA,
     DEFAULT_SUBMIT_MAX_RESTARTS,
     PS_SCALE_KEY,
-    TF_CLUSTER_KEY,
-    TF_PS_GENERATION_KEY,
 )
-from dlrover.coordination import PsGeneration, ScaleReport, TfCluster
+from dlrover.coordination import ScaleReport
 from dlrover.engines.registry import BUILTIN_ENGINES
 from dlrover.jobspec import (
     DEFAULT_ENGINE,
@@ -43,85 +43,12 @@ from dlrover.jobspec import (
 logger = logging.getLogger("dlrover.job")
 
 
-def _status_table(status: JobStatus, master_host: str = "") -> str:
-    lines = [
-        f"job {status.job_name}: {status.state} (round {status.round}, goodput "
-        f"{status.goodput:.1%})" + (f" - {status.reason}" if status.reason else "")
-    ]
-    if status.metrics_port:
-        lines.append(f"dashboard: http://{master_host or 'MASTER'}:{status.metrics_port}/")
-    if status.node_check:
-        lines.append(status.node_check)
-    if status.autoscale:
-        lines.append(status.autoscale)
-    check = any(n.check for n in status.nodes)
-    score = any(n.score for n in status.nodes)
-    timed = any(n.step_wall_s for n in status.nodes)
-    lines.append(
-        f"{'node':<28} {'rank':>4} {'state':<10} {'step':>8} {'restarts':>8} {'cpu%':>6} {'mem MB':>8}"
-        + (f" {'s/step':>7} {'data':>6} {'ckpt':>6}" if timed else "")
-        + (f" {'score':>6}" if score else "")
-        + ("  check" if check else "")
-    )
-    for n in sorted(status.nodes, key=lambda n: (n.node_rank, n.node_id)):
-        lines.append(
-            f"{n.node_id:<28} {n.node_rank:>4} {n.state:<10} {n.step:>8} "
-            f"{n.restart_count:>8} {n.cpu_percent:>6.0f} {n.memory_bytes / 2**20:>8.0f}"
-            + (
-                f" {n.step_wall_s:>7.3f} {n.step_data_s:>6.3f} {n.step_checkpoint_s:>6.3f}"
-                if timed
-                else ""
-            )
-            + (f" {n.score:>6.2f}" if score else "")
-            + (f"  {n.check}" if check else "")
-        )
-    if status.embedding_servers:
-        lines.append(
-            f"{'embedding server':<28} {'address':<22} {'rows':>10} {'MB':>8} {'ids/s':>9}"
-        )
-        for e in status.embedding_servers:
-            lines.append(
-                f"{'ps ' + str(e.index):<28} {e.address:<22} {e.rows:>10} "
-                f"{e.bytes / 2**20:>8.1f} {e.lookups_per_s:>9.0f}"
-            )
-    return "\n".join(lines)
-
-
-def _status_text(name: str) -> tuple[str, bool]:
-    """The job's status as ``dlrover status`` prints it, and whether the job has ended (then the
-    text is its final state). Raises MasterClientError if its master does not answer."""
-    record = read_record(name)
-    if not record.reachable:
-        return f"job {name}: {record.state} - {record.reason}", True
-    client = MasterClient(record.master_addr, record.token, rpc_timeout_s=5)
-    try:
-        host = record.master_addr.rsplit(":", 1)[0]
-        text = _status_table(client.get_job_status(), host)
-        return text + _tf_cluster_text(client), False
-    finally:
-        client.close()
-
-
-def _tf_cluster_text(client: MasterClient) -> str:
-    """A TensorFlow job's cluster spec and ps generation, from the master's KV ("" otherwise)."""
-    raw = client.kv_get(TF_CLUSTER_KEY)
-    if not raw:
-        return ""
-    cluster = TfCluster.decode(raw)
-    generation = client.kv_get(TF_PS_GENERATION_KEY)
-    ps = f", ps generation {PsGeneration.decode(generation).generation}" if generation else ""
-    lines = [f"\ntensorflow cluster version {cluster.version}{ps}:"]
-    for role, addresses in cluster.cluster.items():
-        lines.append(f"  {role:<8} " + "  ".join(f"{i}={a}" for i, a in enumerate(addresses)))
-    return "\n".join(lines)
-
-
 def cmd_status(name: str) -> int:
     """``dlrover status NAME``: print the job's node table from its master, or its final state if it
     ended. Returns the exit code (1 if the master does not answer); NoSuchJobError if the job has no
     record."""
     try:
-        text, _ = _status_text(name)
+        text, _ = status_text(name)
     except MasterClientError as e:
         print(f"dlrover: error: job {name}'s master does not answer: {e}", file=sys.stderr)
         return 1
@@ -139,7 +66,7 @@ def cmd_watch(name: str, every_s: float) -> int:
     try:
         while True:
             try:
-                text, ended = _status_text(name)
+                text, ended = status_text(name)
             except MasterClientError as e:
                 text, ended = f"job {name}: its master does not answer ({e}); trying again", False
             if ended:
@@ -187,14 +114,7 @@ def cmd_diagnose(name: str, full: bool = False) -> int:
         print(f"job {name}: no failures recorded")
         return 0
     print(f"job {name}: {len(failures)} failure(s)")
-    print(f"{'time':<8}  {'node':<28} {'class':<12} {'action':<17} root cause")
-    for f in failures:
-        cause = f.root_cause.strip() or "-"
-        first = cause.splitlines()[0]
-        stamp = time.strftime("%H:%M:%S", time.localtime(f.at))
-        print(f"{stamp:<8}  {f.node_id:<28} {f.failure_class.value:<12} {f.action:<17} {first}")
-        if full and cause != first:
-            print("    " + cause.replace("\n", "\n    "))
+    print("\n".join(failure_lines(failures, full)))
     return 0
 
 
@@ -232,7 +152,8 @@ def cmd_stop(name: str, timeout_s: float = 60.0) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``dlrover`` command line: ``submit``, ``status``, ``diagnose``, ``stop``, ``scale``."""
+    """The ``dlrover`` command line: ``submit``, ``status``, ``logs``, ``diagnose``, ``stop``,
+    ``scale``."""
     p = argparse.ArgumentParser(
         prog="dlrover", description="Submit, inspect and stop DLRover jobs."
     )
@@ -265,6 +186,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--exclude-straggler",
         action="store_true",
         help="Replace stragglers: found by --node-check, or slow while training (runtime scores)",
+    )
+    s.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=None,
+        help="Seconds without a reported step before a node's workers count as hung and "
+        "restart (each agent's --hang-timeout; default: off)",
     )
     s.add_argument(
         "--auto-scale",
@@ -331,6 +259,16 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("stop", help="End a job: workers stop, nodes are removed.")
     sp.add_argument("name")
     sp.add_argument("--timeout", type=float, default=60.0)
+    lg = sub.add_parser(
+        "logs", help="A job's logs: every rank's, one rank's (--rank) or a node's own (--node)."
+    )
+    lg.add_argument("name")
+    lg.add_argument("--node", default=None, help="A node id, or a node rank (status shows both)")
+    lg.add_argument("--rank", type=int, default=None, help="A worker's global rank")
+    lg.add_argument(
+        "-f", "--follow", action="store_true", help="Keep printing new lines until the job ends"
+    )
+    lg.add_argument("-n", "--lines", type=int, default=100, help="Lines of each log (default 100)")
     sc = sub.add_parser(
         "scale",
         help="Change a running job's embedding servers or TensorFlow ps (--role ps).",
@@ -417,6 +355,8 @@ def run(argv: Sequence[str] | None = None) -> int:
             return cmd_scale(args.name, args.role, args.count, args.timeout)
         if args.command == "diagnose":
             return cmd_diagnose(args.name, args.full)
+        if args.command == "logs":
+            return cmd_logs(args.name, args.node, args.rank, args.follow, args.lines)
     except NoSuchJobError as e:
         print(f"dlrover: error: {e}", file=sys.stderr)
         return 1
@@ -433,6 +373,9 @@ def run(argv: Sequence[str] | None = None) -> int:
                 node_check=spec.node_check or args.node_check,
                 exclude_straggler=spec.exclude_straggler or args.exclude_straggler,
                 auto_scale=spec.auto_scale or args.auto_scale,
+                hang_timeout_s=spec.hang_timeout_s
+                if args.hang_timeout is None
+                else args.hang_timeout,
                 engine_settings=settings,
                 ps=_ps_from_flags(spec.ps, args.ps, args.ps_replica),
             )
@@ -456,6 +399,7 @@ def run(argv: Sequence[str] | None = None) -> int:
                 engine_settings={"capacity": args.capacity} if args.capacity else None,
                 ps=args.ps,
                 ps_replica=args.ps_replica or DEFAULT_PS_REPLICA,
+                hang_timeout=args.hang_timeout or 0.0,
             )
     except (JobSpecError, OSError) as e:
         parser.error(str(e))

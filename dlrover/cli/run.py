@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dlrover import constants as c
 from dlrover.agent.agent import ElasticAgent, SignalReceived, install_signal_handlers
 from dlrover.agent.config import AgentConfig
+from dlrover.agent.workers import STD_ALL
 from dlrover.cli.common import parse_nnodes, parse_std_spec, setup_logging
 from dlrover.client.master_client import MasterClient, MasterClientError
 from dlrover.master.assembly import MasterSettings, RunningMaster, build_master
@@ -333,6 +334,10 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
             f"start dlrover-master, or give --rdzv-endpoint"
         )
     log_dir = args.log_dir or ""
+    engine_logs = os.environ.get(c.ENV_RANK_LOG_DIR, "")
+    if engine_logs and not log_dir and not (red_default or tee_default or red or tee):
+        # The engine that launched this node reads the per-rank files back (`dlrover logs`).
+        log_dir, red_default = engine_logs, STD_ALL
     if (red_default or tee_default or red or tee) and not log_dir:
         import tempfile
 
@@ -468,6 +473,11 @@ def run(argv: Sequence[str] | None = None) -> int:
 
     client = MasterClient(master_addr, token)
     install_signal_handlers()
+    echo = None
+    if config.log_dir and os.environ.get(c.ENV_RANK_LOG_ECHO, "") not in ("", "0"):
+        from dlrover.agent.rank_echo import RankLogEcho
+
+        echo = RankLogEcho(config.log_dir).start()
     try:
         client.wait_ready(c.DEFAULT_CONNECT_TIMEOUT_S if server is None else 5.0)
         agent = ElasticAgent(config, client, master_addr, token)
@@ -503,6 +513,8 @@ def run(argv: Sequence[str] | None = None) -> int:
         print(f"dlrover-run: error: {e}", file=sys.stderr)
         return 1
     finally:
+        if echo is not None:
+            echo.stop()
         client.close()
         if server is not None:
             server.stop(grace_s=0.5)

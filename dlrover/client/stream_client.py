@@ -87,12 +87,26 @@ class StreamShardingClient:
         self._renew_if_due()
         return self.transport.mark_stream(self.spec.name, self.worker_id, mark)
 
+    def send_mark(self, mark: StreamMark) -> bool:
+        """``mark`` without renewing the leases: safe to call from another thread than the one
+        that polls (a reader that has its marks sent while it reads on; it calls
+        ``keep_alive`` itself)."""
+        return self.transport.mark_stream(self.spec.name, self.worker_id, mark)
+
     def report_done(self, shard: StreamShard) -> int:
         """Tell the master this worker has read every record of ``shard``; 0 when another worker
         holds it now."""
+        return self.report_all_done([shard])
+
+    def report_all_done(self, shards: Sequence[StreamShard]) -> int:
+        """``report_done`` for several ranges in one call; how many the master took."""
         return self.transport.report_stream_done(
-            self.spec.name, self.worker_id, [(shard.partition, shard.start)]
+            self.spec.name, self.worker_id, [(shard.partition, shard.start) for shard in shards]
         )
+
+    def leased_shards(self) -> list[StreamShard]:
+        """The ranges leased and not handed out by ``poll`` yet (a reader may prepare them)."""
+        return list(self._leased)
 
     def leased_ahead(self) -> int:
         """Ranges leased and not handed out by ``poll`` yet."""

@@ -230,13 +230,17 @@ class EmbeddingClient:
         rows = np.empty((flat.size, dim), dtype=np.float32)
 
         def ask(address: str, index: Index, seq: int) -> None:
-            request = pb.LookupRequest(table=table, ids=flat[index].astype("<i8").tobytes())
+            request = pb.LookupRequest(table=table, ids=_wire_bytes(flat, index, "<i8"))
             response = self.call(address, "Lookup", request)
             if response.dim != dim:
                 raise EmbeddingError(
                     f"table {table!r} has {response.dim} dims at {address}, not {dim}"
                 )
-            rows[index] = np.frombuffer(response.rows, dtype="<f4").reshape(index.size, dim)
+            got = np.frombuffer(response.rows, dtype="<f4").reshape(index.size, dim)
+            if index.size == flat.size:  # the whole batch from one server: one plain copy
+                rows[...] = got
+            else:
+                rows[index] = got
 
         self._route_chunks(flat, dim, ask)
         return rows
@@ -251,8 +255,8 @@ class EmbeddingClient:
         def send(address: str, index: Index, seq: int) -> None:
             request = pb.PushRequest(
                 table=table,
-                ids=flat[index].astype("<i8").tobytes(),
-                grads=grads[index].astype("<f4").tobytes(),
+                ids=_wire_bytes(flat, index, "<i8"),
+                grads=_wire_bytes(grads, index, "<f4"),
                 client=self.client_id,
                 seq=seq,
             )
@@ -376,6 +380,14 @@ def _why(code: grpc.StatusCode | None, details: str, took_s: float, timeout_s: f
     if code is None:
         return f"failed: {details}"
     return f"failed: {code.name}: {details}"
+
+
+def _wire_bytes(values: npt.NDArray[Any], index: Index, dtype: str) -> bytes:
+    """The rows ``index`` of ``values`` as little-endian bytes, copied once: no gather when the
+    share is the whole batch (one server, or one server's chunk) and no conversion when the
+    values are in the wire's type already."""
+    part = values if index.size == len(values) else values[index]
+    return part.astype(dtype, copy=False).tobytes()
 
 
 def _int64(ids: IdArray) -> IdArray:

@@ -147,9 +147,9 @@ def rows_message(
     them."""
     return pb.RowsMessage(
         table=spec.name,
-        ids=ids.astype("<i8").tobytes(),
-        rows=rows.astype("<f4").tobytes(),
-        accum=accum.astype("<f4").tobytes(),
+        ids=ids.astype("<i8", copy=False).tobytes(),
+        rows=rows.astype("<f4", copy=False).tobytes(),
+        accum=accum.astype("<f4", copy=False).tobytes(),
         dim=spec.dim,
         seqs=seqs,
         spec=spec,
@@ -159,7 +159,7 @@ def rows_message(
 
 def rows_from_message(message: pb.RowsMessage, dim: int) -> tuple[IdArray, Rows, Rows]:
     """The ids, rows and optimizer state a RowsMessage carries."""
-    ids = np.frombuffer(message.ids, dtype="<i8").astype(np.int64)
+    ids = np.frombuffer(message.ids, dtype="<i8").astype(np.int64, copy=False)
     rows = np.frombuffer(message.rows, dtype="<f4").reshape(ids.size, dim)
     accum = np.frombuffer(message.accum, dtype="<f4").reshape(ids.size, dim)
     return ids, rows, accum

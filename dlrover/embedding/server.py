@@ -384,7 +384,9 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
                     served.lookups += ids.size
             finally:
                 self._leave(version)
-            return pb.LookupResponse(rows=rows.astype("<f4").tobytes(), dim=served.table.dim)
+            return pb.LookupResponse(
+                rows=rows.astype("<f4", copy=False).tobytes(), dim=served.table.dim
+            )
 
         return _answer(pb.LookupResponse, run)
 
@@ -409,11 +411,11 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
                     client, seq = request.client, request.seq
                     if client and served.applied.applied(client, seq):
                         return pb.PushResponse(duplicate=True)
-                    served.table.apply_gradients(ids, grads)
+                    updated = served.table.apply_gradients(ids, grads)
                     served.pushes += ids.size
                     if client:
                         served.applied.add(client, seq)
-                    self._replicate(served, ids, [(client, seq)] if client else [])
+                    self._replicate(served, updated, [(client, seq)] if client else [])
             finally:
                 self._leave(version)
             return pb.PushResponse(applied=ids.size)
@@ -421,15 +423,15 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
         return _answer(pb.PushResponse, run)
 
     def _replicate(
-        self, served: _Served, ids: np.ndarray[Any, np.dtype[np.int64]], pushes: list[Claim]
+        self, served: _Served, unique: np.ndarray[Any, np.dtype[np.int64]], pushes: list[Claim]
     ) -> None:
-        """After an update (by ``pushes``), under the table's lock: SYNC sends the rows' new
-        values now, ASYNC marks them for the sender's thread. Either way the replica hears of a
-        push together with the rows it changed, and of no push without them."""
+        """After an update (by ``pushes``) of the rows of ``unique`` (distinct ids), under the
+        table's lock: SYNC sends the rows' new values now, ASYNC marks them for the sender's
+        thread. Either way the replica hears of a push together with the rows it changed, and
+        of no push without them."""
         sender = self._sender
         if sender is None:
             return
-        unique = np.unique(ids)
         if sender.mode == pb.ASYNC:
             sender.mark(served.table.name, unique, pushes)
             return

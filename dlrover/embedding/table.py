@@ -69,11 +69,11 @@ class EmbeddingTable:
         self.optimizer = optimizer or Optimizer()
         self.seed = seed
         self.init_scale = init_scale if init_scale is not None else 1.0 / np.sqrt(dim)
-        self._ids = np.empty(0, dtype=np.int64)  # sorted
-        self._slots = np.empty(0, dtype=np.int64)  # row of each id in _ids
+        self._row_ids = np.empty(capacity, dtype=np.int64)  # the id of each row slot
         self._weights = np.empty((capacity, dim), dtype=np.float32)
         self._accum = np.empty((capacity, dim), dtype=np.float32)
         self._size = 0
+        self._index = _HashIndex()
 
     def __len__(self) -> int:
         return self._size
@@ -81,7 +81,7 @@ class EmbeddingTable:
     @property
     def nbytes(self) -> int:
         """Memory the rows and their optimizer state take."""
-        return int(self._size * self.dim * 4 * 2 + self._ids.nbytes + self._slots.nbytes)
+        return int(self._size * (self.dim * 4 * 2 + 8) + self._index.nbytes)
 
     # --- lookups and updates ------------------------------------------------------------------
     def lookup(self, ids: IdArray) -> Rows:
@@ -91,9 +91,10 @@ class EmbeddingTable:
         slots = self._slots_of(flat, create=True)  # first: it may grow (replace) the arrays
         return self._weights[slots]
 
-    def apply_gradients(self, ids: IdArray, grads: Rows) -> None:
+    def apply_gradients(self, ids: IdArray, grads: Rows) -> IdArray:
         """Apply the optimizer to the rows of ``ids`` with ``grads`` (one row per id; gradients
-        of a repeated id are summed first, as a dense embedding's backward does)."""
+        of a repeated id are summed first, as a dense embedding's backward does). Returns the
+        distinct ids updated, sorted (what a replica is sent)."""
         flat = self._checked(ids)
         grads = np.asarray(grads, dtype=np.float32)
         if grads.shape != (flat.size, self.dim):
@@ -101,17 +102,25 @@ class EmbeddingTable:
                 f"table {self.name!r}: {flat.size} ids need gradients of shape "
                 f"({flat.size}, {self.dim}), got {grads.shape}"
             )
-        unique, inverse = np.unique(flat, return_inverse=True)
-        summed = np.zeros((unique.size, self.dim), dtype=np.float32)
-        np.add.at(summed, inverse, grads)
+        unique, summed = _summed_by_id(flat, grads)
         slots = self._slots_of(unique, create=True)
         opt = self.optimizer
         if opt.name == "sgd":
-            self._weights[slots] -= opt.lr * summed
-            return
-        accum = self._accum[slots] + summed * summed
+            summed *= opt.lr
+            self._weights[slots] -= summed
+            return unique
+        # In place, in the order torch's Adagrad computes it (sum += g*g; w -= lr*g/(sqrt(sum)+eps)),
+        # with one temporary: the step is memory-bound on the gathered rows.
+        accum = self._accum[slots]
+        step = np.multiply(summed, summed)
+        accum += step
         self._accum[slots] = accum
-        self._weights[slots] -= opt.lr * summed / (np.sqrt(accum) + opt.eps)
+        np.sqrt(accum, out=step)
+        step += opt.eps
+        np.divide(summed, step, out=step)
+        step *= opt.lr
+        self._weights[slots] -= step
+        return unique
 
     def _checked(self, ids: IdArray) -> IdArray:
         array = np.asarray(ids)
@@ -123,20 +132,23 @@ class EmbeddingTable:
         return array.reshape(-1)
 
     def _slots_of(self, flat: IdArray, create: bool) -> npt.NDArray[np.int64]:
-        pos = np.searchsorted(self._ids, flat)
-        found = pos < self._ids.size
-        found[found] = self._ids[pos[found]] == flat[found]
-        if not found.all():
+        slots = self._index.find(flat, self._row_ids)
+        missing = slots < 0
+        if missing.any():
             if not create:
-                missing = np.unique(flat[~found])
-                raise EmbeddingError(f"table {self.name!r}: no rows for ids {missing[:5]}...")
-            self._insert(np.unique(flat[~found]))
-            pos = np.searchsorted(self._ids, flat)
-        return self._slots[pos]
+                absent = np.unique(flat[missing])
+                raise EmbeddingError(f"table {self.name!r}: no rows for ids {absent[:5]}...")
+            new_ids = np.unique(flat[missing])
+            first = self._size
+            self._insert(new_ids)
+            # New ids took consecutive slots in sorted order.
+            slots[missing] = first + np.searchsorted(new_ids, flat[missing])
+        return slots
 
     def _insert(
         self, new_ids: IdArray, rows: Rows | None = None, accum: Rows | None = None
     ) -> None:
+        """Give ``new_ids`` (unique, none held yet) the next row slots."""
         count = new_ids.size
         self._reserve(self._size + count)
         slots = np.arange(self._size, self._size + count, dtype=np.int64)
@@ -145,22 +157,21 @@ class EmbeddingTable:
         self._weights[slots] = rows
         initial = self.optimizer.initial_accumulator
         self._accum[slots] = initial if accum is None else accum
+        self._row_ids[slots] = new_ids
         self._size += count
-        ids = np.concatenate([self._ids, new_ids])
-        order = np.argsort(ids, kind="stable")
-        self._ids = ids[order]
-        self._slots = np.concatenate([self._slots, slots])[order]
+        self._index.insert(new_ids, slots, self._row_ids[: self._size])
 
     def _reserve(self, size: int) -> None:
         capacity = self._weights.shape[0]
         if size <= capacity:
             return
         grown = max(size, capacity * 2)
-        for name in ("_weights", "_accum"):
-            old = getattr(self, name)
-            new = np.empty((grown, self.dim), dtype=np.float32)
-            new[: self._size] = old[: self._size]
-            setattr(self, name, new)
+        # Grown in place (realloc: large blocks are remapped, not copied): copying every row
+        # into a new array was a third of a filling server's time. No view of these arrays
+        # outlives a method of the table (rows go out as copies), so none is left dangling.
+        self._weights.resize((grown, self.dim), refcheck=False)
+        self._accum.resize((grown, self.dim), refcheck=False)
+        self._row_ids.resize(grown, refcheck=False)
 
     def snapshot(self, ids: IdArray) -> tuple[Rows, Rows]:
         """The rows and optimizer state of ``ids``, which the table must hold."""
@@ -169,44 +180,51 @@ class EmbeddingTable:
 
     def export_all(self) -> tuple[IdArray, Rows, Rows]:
         """Every id the table holds, with its row and optimizer state."""
-        slots = self._slots
-        return self._ids.copy(), self._weights[slots], self._accum[slots]
+        size = self._size
+        return self._row_ids[:size].copy(), self._weights[:size].copy(), self._accum[:size].copy()
 
     # --- buckets: what moves between servers --------------------------------------------------
     def export_buckets(
         self, buckets: npt.NDArray[np.int64], num_buckets: int
     ) -> tuple[IdArray, Rows, Rows]:
         """The ids, rows and optimizer state of every row whose id hashes into ``buckets``."""
-        mask = np.isin(bucket_of(self._ids, num_buckets), buckets)
-        slots = self._slots[mask]
-        return self._ids[mask].copy(), self._weights[slots].copy(), self._accum[slots].copy()
+        slots = np.flatnonzero(
+            np.isin(bucket_of(self._row_ids[: self._size], num_buckets), buckets)
+        )
+        return self._row_ids[slots], self._weights[slots], self._accum[slots]
 
     def import_rows(self, ids: IdArray, rows: Rows, accum: Rows) -> None:
         """Take rows (with their optimizer state) moved from another server; an id this table
         already holds is overwritten."""
         ids = np.asarray(ids, dtype=np.int64)
-        present = self._present(ids)
+        slots = self._index.find(ids, self._row_ids)
+        present = slots >= 0
+        if present.all():
+            self._weights[slots] = rows
+            self._accum[slots] = accum
+            return
         if present.any():
-            slots = self._slots_of(ids[present], create=False)
-            self._weights[slots] = rows[present]
-            self._accum[slots] = accum[present]
-        if (~present).any():
-            self._insert(ids[~present], rows[~present], accum[~present])
+            self._weights[slots[present]] = rows[present]
+            self._accum[slots[present]] = accum[present]
+        absent = ~present
+        self._insert(ids[absent], rows[absent], accum[absent])
 
     def drop_buckets(self, buckets: npt.NDArray[np.int64], num_buckets: int) -> int:
         """Forget every row whose id hashes into ``buckets`` (they moved away); returns how many."""
-        mask = np.isin(bucket_of(self._ids, num_buckets), buckets)
-        dropped = int(mask.sum())
+        keep = ~np.isin(bucket_of(self._row_ids[: self._size], num_buckets), buckets)
+        dropped = int(self._size - keep.sum())
         if not dropped:
             return 0
-        keep_slots = self._slots[~mask]
-        keep_ids = self._ids[~mask]
-        # Compact the rows so memory follows what the server owns.
-        self._weights[: keep_slots.size] = self._weights[keep_slots]
-        self._accum[: keep_slots.size] = self._accum[keep_slots]
-        self._ids = keep_ids
-        self._slots = np.arange(keep_slots.size, dtype=np.int64)
-        self._size = keep_slots.size
+        kept = np.flatnonzero(keep)
+        # Compact the rows so memory follows what the server owns; the index is rebuilt.
+        self._weights[: kept.size] = self._weights[kept]
+        self._accum[: kept.size] = self._accum[kept]
+        self._row_ids[: kept.size] = self._row_ids[kept]
+        self._size = kept.size
+        self._index = _HashIndex()
+        self._index.insert(
+            self._row_ids[: kept.size], np.arange(kept.size), self._row_ids[: kept.size]
+        )
         return dropped
 
     def holds(self, ids: IdArray) -> npt.NDArray[np.bool_]:
@@ -214,7 +232,95 @@ class EmbeddingTable:
         return self._present(np.asarray(ids, dtype=np.int64))
 
     def _present(self, ids: IdArray) -> npt.NDArray[np.bool_]:
-        pos = np.searchsorted(self._ids, ids)
-        present = pos < self._ids.size
-        present[present] = self._ids[pos[present]] == ids[present]
-        return present
+        return self._index.find(ids, self._row_ids) >= 0
+
+
+def _summed_by_id(flat: IdArray, grads: Rows) -> tuple[IdArray, Rows]:
+    """The distinct ids of ``flat`` (sorted) and the sum of each one's gradient rows, added in
+    the order they came. A fresh array either way (the caller scales it in place). Repeats are
+    few in a batch of ids, so only they go through ``add.at`` (slow per row); ``add.reduceat``
+    over every id costs a call per id."""
+    order = np.argsort(flat, kind="stable")
+    ordered = flat[order]
+    first = np.ones(ordered.size, dtype=bool)
+    np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
+    if first.all():
+        return ordered, grads[order]
+    starts = np.flatnonzero(first)
+    summed = grads[order[starts]]
+    repeats = np.flatnonzero(~first)
+    np.add.at(summed, np.cumsum(first)[repeats] - 1, grads[order[repeats]])
+    return ordered[starts], summed
+
+
+class _HashIndex:
+    """id -> row slot, an open-addressing hash table probed for a whole batch of ids at once
+    (linear probing, each round a vectorised gather over the ids still looking). It replaces a
+    sorted id array with binary search, whose ~20 cache-missing probes per id and re-sort on
+    every insert were most of a server's time per request (docs/embedding.md). Slots index the
+    table's ``row_ids``; -1 is an empty cell. Kept at most half full."""
+
+    def __init__(self) -> None:
+        self._cells = np.full(1024, -1, dtype=np.int64)
+        self._used = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Memory of the cells."""
+        return int(self._cells.nbytes)
+
+    def _start(self, ids: IdArray) -> npt.NDArray[np.int64]:
+        # The top bits of the mix: its low bits pick the id's bucket, so a server owning some
+        # buckets only would see them clustered.
+        shift = np.uint64(64 - (self._cells.size.bit_length() - 1))
+        return (mix64(ids.view(np.uint64)) >> shift).astype(np.int64)
+
+    def find(self, ids: IdArray, row_ids: IdArray) -> npt.NDArray[np.int64]:
+        """The slot of each id; -1 for an id not held."""
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        found = np.full(ids.size, -1, dtype=np.int64)
+        if not self._used:
+            return found
+        mask = self._cells.size - 1
+        position = self._start(ids)
+        looking = np.arange(ids.size)
+        while looking.size:
+            cell = self._cells[position]
+            empty = cell < 0
+            hit = ~empty
+            hit[hit] = row_ids[cell[hit]] == ids[looking[hit]]
+            found[looking[hit]] = cell[hit]
+            going_on = ~(empty | hit)
+            looking = looking[going_on]
+            position = (position[going_on] + 1) & mask
+        return found
+
+    def insert(self, ids: IdArray, slots: npt.NDArray[np.int64], row_ids: IdArray) -> None:
+        """Index ``ids`` (unique, none held yet) at ``slots``; ``row_ids`` holds every id by slot
+        (the new ones included), for a rebuild when the cells fill."""
+        if (self._used + ids.size) * 2 > self._cells.size:
+            size = self._cells.size
+            while (self._used + ids.size) * 2 > size:
+                size *= 2
+            held = np.flatnonzero(self._cells >= 0)
+            old_slots = self._cells[held]
+            self._cells = np.full(size, -1, dtype=np.int64)
+            self._used = 0
+            if old_slots.size:
+                self._place(row_ids[old_slots], old_slots)
+        self._place(np.ascontiguousarray(ids, dtype=np.int64), slots)
+
+    def _place(self, ids: IdArray, slots: npt.NDArray[np.int64]) -> None:
+        mask = self._cells.size - 1
+        position = self._start(ids)
+        waiting = np.arange(ids.size)
+        while waiting.size:
+            free = self._cells[position] < 0
+            claim = waiting[free]
+            self._cells[position[free]] = slots[claim]
+            # Two ids may claim one cell in a round: the one written last has it.
+            won = np.zeros(waiting.size, dtype=bool)
+            won[free] = self._cells[position[free]] == slots[claim]
+            waiting = waiting[~won]
+            position = (position[~won] + 1) & mask
+        self._used += ids.size

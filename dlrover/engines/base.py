@@ -13,6 +13,8 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+from dlrover.engines.node_logs import NodeLogs
+
 ROLES = ("worker", "ps", "chief", "evaluator")
 """Node roles a job is made of; only `worker` is driven today, the others come with PS jobs."""
 
@@ -289,6 +291,11 @@ class Engine(abc.ABC):
     def capacity(self) -> Capacity:
         """What this engine can still launch now (default: unknown)."""
         return Capacity()
+
+    def logs(self) -> NodeLogs | None:
+        """Where the nodes' logs (agents' and per-rank) can be read back, or None where this
+        engine keeps none readable from the master."""
+        return None
 
     def launch_many(
         self, specs: Sequence[NodeSpec], parallelism: int = DEFAULT_LAUNCH_PARALLELISM

@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from dlrover.constants import ENV_RANK_LOG_DIR, ENV_RANK_LOG_ECHO
 from dlrover.engines.base import NodeSpec
+from dlrover.engines.kube_logs import RANK_LOG_DIR_IN_POD
 
 LABEL_APP = "app.kubernetes.io/name"
 LABEL_JOB = "dlrover.io/job"
@@ -109,7 +111,7 @@ def pod_manifest(spec: NodeSpec, settings: PodSettings) -> dict[str, Any]:
         "image": settings.image,
         "imagePullPolicy": settings.image_pull_policy,
         "command": list(spec.command),
-        "env": [{"name": k, "value": v} for k, v in sorted(spec.env.items())],
+        "env": [{"name": k, "value": v} for k, v in sorted(_node_env(spec).items())],
         "resources": {"requests": requests, "limits": limits},
         "volumeMounts": [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}],
     }
@@ -194,3 +196,9 @@ def master_pod_manifest(
             ],
         },
     }
+
+
+def _node_env(spec: NodeSpec) -> dict[str, str]:
+    """The spec's environment, plus where the agent keeps per-rank logs and that it echoes them
+    to the pod's log (what `dlrover logs` reads through the API)."""
+    return {ENV_RANK_LOG_DIR: RANK_LOG_DIR_IN_POD, ENV_RANK_LOG_ECHO: "1", **spec.env}

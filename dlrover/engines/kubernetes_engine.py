@@ -23,6 +23,7 @@ from dlrover.engines.base import (
     NodeState,
 )
 from dlrover.engines.kube_capacity import free_capacity
+from dlrover.engines.kube_logs import KubeNodeLogs
 from dlrover.engines.kube_manifests import (
     DEFAULT_MASTER_PORT,
     PodSettings,
@@ -203,6 +204,14 @@ class KubernetesEngine(Engine):
                     _message(e) if isinstance(e, ApiException) else e,
                 )
             return Capacity()
+
+    def logs(self) -> KubeNodeLogs:
+        """The pods' logs through the API, split by the agents' rank tags."""
+
+        def live() -> tuple[str, ...]:
+            return tuple(sorted(n.node_id for n in self.list_nodes() if not n.state.is_final))
+
+        return KubeNodeLogs(self._core, self._settings.namespace, live)
 
     def list_nodes(self) -> list[Node]:
         """Copies of every node this engine knows, with their last watched states."""

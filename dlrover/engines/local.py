@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -18,6 +19,7 @@ from dlrover.constants import (
     DEFAULT_STOP_GRACE_S,
     ENV_NODE_EXIT_FILE,
     ENV_NODE_MEMORY_LIMIT_MIB,
+    ENV_RANK_LOG_DIR,
     EXIT_NODE_OOM,
 )
 from dlrover.engines.base import (
@@ -34,6 +36,7 @@ from dlrover.engines.base import (
     NodeState,
 )
 from dlrover.engines.cgroups import CgroupError, CgroupRoot, NodeCgroup, cgroup_command
+from dlrover.engines.node_logs import RANKS_SUBDIR, LocalNodeLogs
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +146,15 @@ class LocalEngine(Engine):
             if adopted is not None:
                 return adopted
             (node_dir / "exit_code").unlink(missing_ok=True)
-            env = {**os.environ, **spec.env, ENV_NODE_EXIT_FILE: str(node_dir / "exit_code")}
+            # Per-rank logs of an earlier job of this name: the new agent's attempts count from
+            # 0 again and would mix with them.
+            shutil.rmtree(node_dir / RANKS_SUBDIR, ignore_errors=True)
+            env = {
+                **os.environ,
+                ENV_RANK_LOG_DIR: str(node_dir / RANKS_SUBDIR),  # `dlrover logs --rank` reads them
+                **spec.env,
+                ENV_NODE_EXIT_FILE: str(node_dir / "exit_code"),
+            }
             cgroup = self._cgroup_for(spec)
             if cgroup is not None and spec.resources.memory_mib:
                 env[ENV_NODE_MEMORY_LIMIT_MIB] = str(spec.resources.memory_mib)
@@ -353,6 +364,10 @@ class LocalEngine(Engine):
         # Wait for the watcher so the DELETED event is queued when delete returns.
         if not process.finished.wait(timeout=self._stop_grace_s + 5):
             raise EngineError(f"node {node_id}: process {process.pid} did not end after SIGKILL")
+
+    def logs(self) -> LocalNodeLogs:
+        """The nodes' logs in ``<log_dir>``: each agent's stderr, its workers' per-rank logs."""
+        return LocalNodeLogs(self._log_dir)
 
     def capacity(self) -> Capacity:
         """The configured capacity (``--capacity``) less what the live nodes ask for; unknown

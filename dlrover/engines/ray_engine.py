@@ -24,6 +24,7 @@ from dlrover.engines.base import (
     NodeSpec,
     NodeState,
 )
+from dlrover.engines.node_logs import LogChunk
 from dlrover.engines.ray_runner import NodeRunner
 
 log = logging.getLogger(__name__)
@@ -126,7 +127,7 @@ class RayEngine(Engine):
                     placement_group=group, placement_group_bundle_index=0
                 ),
             ).remote()
-            start_ref = actor.start.remote(list(spec.command), dict(spec.env))
+            start_ref = actor.start.remote(list(spec.command), dict(spec.env), spec.node_id)
         except Exception as error:  # Ray raises ValueError/RayError subclasses here
             raise LaunchError(f"{spec.node_id}: Ray refused the node: {error}") from error
         log.info("node %s: placement group requested %s", spec.node_id, bundle)
@@ -183,6 +184,22 @@ class RayEngine(Engine):
         except Exception as error:  # the actor may already be gone; killing it below suffices
             log.info("node %s: graceful stop failed (%s); killing the actor", node_id, error)
         self._kill(entry)
+
+    def logs(self) -> RayNodeLogs:
+        """The nodes' logs, read by their actors on the machines they run on."""
+        return RayNodeLogs(self)
+
+    def _actor_call(self, node_id: str, method: str, *args: object) -> Any:
+        """``method`` of node ``node_id``'s actor, or None for an unknown or gone node."""
+        with self._lock:
+            entry = self._nodes.get(node_id)
+        if entry is None or entry.node.state.is_final:
+            return None
+        try:
+            return self._ray.get(getattr(entry.actor, method).remote(*args), timeout=LOG_TIMEOUT_S)
+        except Exception as error:  # a node going away as it is asked: no log, not an error
+            log.info("node %s: cannot read its logs: %s", node_id, error)
+            return None
 
     def capacity(self) -> Capacity:
         """What the Ray cluster has free now (CPU, memory); unknown if Ray does not say."""
@@ -399,3 +416,35 @@ class RayEngine(Engine):
         )
         log.info("node %s: %s -> %s", spec.node_id, old.value, event)
         self._queue.put(event)
+
+
+LOG_TIMEOUT_S = 10.0
+"""How long a node actor may take to read its logs."""
+
+
+class RayNodeLogs:
+    """`NodeLogs` of a Ray engine's nodes: each read runs in the node's actor, where its files
+    are."""
+
+    def __init__(self, engine: RayEngine) -> None:
+        self._engine = engine
+
+    def tail(self, node_id: str, rank: int | None, lines: int) -> str | None:
+        """See `NodeLogs.tail`."""
+        text = self._engine._actor_call(node_id, "tail", rank, lines)
+        return None if text is None else str(text)
+
+    def ranks(self, node_id: str) -> tuple[int, ...]:
+        """See `NodeLogs.ranks`."""
+        return tuple(int(r) for r in self._engine._actor_call(node_id, "ranks") or ())
+
+    def node_ids(self) -> tuple[str, ...]:
+        """See `NodeLogs.node_ids`: the live node actors."""
+        return tuple(sorted(n.node_id for n in self._engine.list_nodes() if not n.state.is_final))
+
+    def read(self, node_id: str, rank: int | None, stream: str, offset: int) -> LogChunk | None:
+        """See `NodeLogs.read`."""
+        doc = self._engine._actor_call(node_id, "read", rank, stream, offset)
+        if doc is None:
+            return None
+        return LogChunk(str(doc["text"]), int(doc["offset"]), str(doc["source"]))

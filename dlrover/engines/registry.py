@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import socket
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -11,10 +10,11 @@ from typing import Any, Generic, TypeVar
 
 from dlrover.constants import DEFAULT_RAY_NAMESPACE
 from dlrover.engines.base import Capacity, Engine
+from dlrover.engines.node_logs import LocalNodeLogs, NodeLogs
 from dlrover.engines.sizes import parse_capacity
 
-LogReader = Callable[[str, int], "str | None"]
-"""``(node id, lines) -> the tail of that node's log``, or None where there is none."""
+LogReader = NodeLogs
+"""Where the dashboard and `dlrover logs` read a job's node logs (`NodeLogs`)."""
 
 SettingsT = TypeVar("SettingsT")
 
@@ -131,20 +131,10 @@ def _local_engine(job_name: str, job_dir: Path, settings: LocalSettings) -> Engi
     return LocalEngine(job_dir / "nodes", capacity=settings.capacity)
 
 
-def local_log_reader(job_dir: Path) -> LogReader:
-    """Reads the tail of a local-engine node's log (its stderr file) for the dashboard."""
-
-    def tail(node_id: str, lines: int) -> str | None:
-        path = job_dir / "nodes" / node_id / "stderr"
-        if "/" in node_id or node_id in ("", ".", "..") or not path.is_file():
-            return None
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - (256 << 10)))
-            text = f.read().decode(errors="replace")
-        return "\n".join(text.splitlines()[-lines:])
-
-    return tail
+def local_log_reader(job_dir: Path) -> LocalNodeLogs:
+    """A local-engine job's node logs in its directory: each agent's stderr and its workers'
+    per-rank logs."""
+    return LocalNodeLogs(job_dir / "nodes")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -121,7 +121,12 @@ class JobMaster:
             store, clock, self._lock, config.straggler_report_s, self._restarts_of
         )
         self.preflight = Preflight(
-            clock, self._lock, self.members.world, self._ended_as, self._exclude_checked
+            clock,
+            self._lock,
+            self.members.world,
+            self._ended_as,
+            self._exclude_checked,
+            self._keep_checked,
         )
         self.roles = RoleRegistry()
         """Each role's controller (`scale_role` asks it; the node controller routes events)."""
@@ -201,6 +206,12 @@ class JobMaster:
         self.diagnostics.record(node_id, cls, "exclude", cause)
         self.node_lost(node_id, f"excluded by the node check: {summary}")
 
+    def _keep_checked(self, node_id: str, cause: str) -> None:
+        """The node check named ``node_id`` a straggler and keeps it: recorded all the same."""
+        self.diagnostics.record(
+            node_id, FailureClass.STRAGGLER, "none", f"{cause}; kept (no --exclude-straggler)"
+        )
+
     def _on_committed(self, step: int) -> None:
         self._store.put_json("checkpoint", "committed", step)
         self.event("ckpt", f"checkpoint of step {step} committed to storage")
@@ -246,11 +257,12 @@ class JobMaster:
         sample: StepSample | None = None,
         breakdown: tuple[float, float, float] | None = None,
         persist_s: float = 0.0,
+        worker_pids: tuple[int, ...] | None = None,
     ) -> str:
         """Record liveness (and the node's step time for straggler scores, its workers' step
         for goodput); returns the action for the agent ("", "stop" or "reregister")."""
         state = self.nodes.record_heartbeat(
-            node_id, incarnation, step, cpu, mem, restarts, breakdown, persist_s
+            node_id, incarnation, step, cpu, mem, restarts, breakdown, persist_s, worker_pids
         )
         world = self.members.world()
         if sample is not None and world is not None and world.member(node_id) is not None:

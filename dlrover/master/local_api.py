@@ -139,6 +139,7 @@ class LocalMasterApi:
                 StepSample.of(report),
                 (report.step_wall_s, report.step_data_s, report.step_checkpoint_s),
                 report.checkpoint_persist_s,
+                report.worker_pids,
             )
         return api.HeartbeatReply(
             api.HeartbeatAction(action), self.job.state.value, self.job.heartbeat_interval_s()
@@ -313,6 +314,8 @@ class LocalMasterApi:
                     step_wall_s=n.breakdown[0],
                     step_data_s=n.breakdown[1],
                     step_checkpoint_s=n.breakdown[2],
+                    pid=n.pid,
+                    worker_pids=n.worker_pids,
                 )
                 for n in (job.nodes.all() if with_nodes else ())
             ),

@@ -76,6 +76,9 @@ class Node:
     exit_code: int = 0
     reason: str = ""
     pid: int = 0
+    """The agent's process id as it registered."""
+    worker_pids: tuple[int, ...] = ()
+    """Its workers' process ids by local rank, from its heartbeats."""
     last_heartbeat: float = field(default=0.0)
     """Monotonic time of the last sign of life; not persisted (a restarted master re-arms it)."""
     step_at: float = field(default=0.0)
@@ -101,6 +104,7 @@ class Node:
         it)."""
         d = dict(d)
         d["state"] = NodeState(d["state"])
+        d["worker_pids"] = tuple(d.get("worker_pids") or ())  # type: ignore[arg-type]
         return cls(**d)  # type: ignore[arg-type]
 
 
@@ -200,8 +204,10 @@ class NodeTable:
         restart_count: int,
         breakdown: tuple[float, float, float] | None = None,
         persist_s: float = 0.0,
+        worker_pids: tuple[int, ...] | None = None,
     ) -> NodeState:
-        """A heartbeat of this incarnation: liveness, usage and progress; returns its state."""
+        """A heartbeat of this incarnation: liveness, usage and progress, and its workers' pids
+        (None: not said); returns its state."""
         with self._lock:
             node = self.get(node_id, incarnation)
             node.last_heartbeat = self._clock()
@@ -213,6 +219,10 @@ class NodeTable:
                 node.persist_s = persist_s
             if step > node.step:
                 node.step, node.step_at = step, node.last_heartbeat
+            if worker_pids is not None and tuple(worker_pids) != node.worker_pids:
+                # Persisted (they change once per attempt): an ended job's table still names them.
+                node.worker_pids = tuple(worker_pids)
+                self._persist(node)
             return node.state
 
     def record_step(self, node_id: str, step: int) -> None:

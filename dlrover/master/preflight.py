@@ -25,6 +25,10 @@ Exclude = Callable[[str, FailureClass, str, str], None]
 """Told (node id, failure class, the check's cause, the verdict's summary) for each node the
 check excludes: the job records the failure and loses the node."""
 
+Keep = Callable[[str, str], None]
+"""Told (node id, the check's cause) for each straggler the check names but keeps (no
+``--exclude-straggler``): the job records it, so `dlrover diagnose` lists it all the same."""
+
 
 class Preflight:
     """The node check of the current round: its joins, tasks, reports and verdict.
@@ -41,6 +45,7 @@ class Preflight:
         world: Callable[[], World | None],
         ended: Callable[[], str | None],
         exclude: Exclude,
+        keep: Keep,
     ) -> None:
         self._clock = clock
         self._lock = lock
@@ -48,6 +53,7 @@ class Preflight:
         self._ended = ended
         """How the job ended, or None while it runs."""
         self._exclude = exclude
+        self._keep = keep
         self.checks = ChangeFeed()
         self._check: NodeCheck | None = None
         self._checked: set[str] = set()
@@ -171,4 +177,7 @@ class Preflight:
                     else f"node check: {verdict.stragglers[node]:.1f}x the median check time",
                     verdict.summary,
                 )
+            for node, factor in verdict.stragglers.items():
+                if node not in verdict.excluded:
+                    self._keep(node, f"node check: {factor:.1f}x the median check time")
         self.checks.bump()

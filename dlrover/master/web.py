@@ -7,8 +7,12 @@ Routes (read-only, no token: bind it where only your network reaches, as the gRP
   that polls the JSON below every 2 s;
 - ``/api/status``: the job, its nodes, goodput and badput, the goodput history and the event
   timeline;
-- ``/api/log?node=ID&lines=N``: the tail of a node's log, where the engine keeps it on this
-  machine (the local engine), else 404.
+- ``/api/log?node=ID&lines=N``: the tail of a node's own log (its agent), and with ``&rank=R``
+  of its worker R's latest attempt, where the engine can read them back (local, Ray), else 404;
+- ``/api/log/ranks?node=ID``: the ranks that node has logs of, as a JSON list;
+- ``/api/log/nodes``: every node whose logs are kept (a TensorFlow job's roles too), JSON list;
+- ``/api/log/read?node=ID[&rank=R]&stream=stdout|stderr&offset=B``: that stream from byte B on
+  (-1: its end) as JSON ``{"text", "offset", "source"}`` (what `dlrover logs -f` polls).
 """
 
 from __future__ import annotations
@@ -18,20 +22,20 @@ import errno
 import json
 import logging
 import threading
-from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
+from dlrover.engines.node_logs import LogChunk, NodeLogs
 from dlrover.master.job import JobMaster
 from dlrover.master.local_api import LocalMasterApi
 from dlrover.master.metrics import JobMetrics
 
 logger = logging.getLogger(__name__)
 
-LogReader = Callable[[str, int], "str | None"]
-"""(node id, lines) -> the tail of that node's log, or None where there is none."""
+LogReader = NodeLogs
+"""Where node logs are read (`dlrover.engines.node_logs.NodeLogs`)."""
 MAX_LOG_LINES = 2000
 
 
@@ -113,11 +117,25 @@ class WebServer:
         status["has_logs"] = self.log_reader is not None
         return status
 
-    def log(self, node_id: str, lines: int) -> str | None:
-        """The tail of ``node_id``'s log (None: not kept here)."""
+    def log(self, node_id: str, lines: int, rank: int | None = None) -> str | None:
+        """The tail of ``node_id``'s own log, or of its worker ``rank`` (None: not kept)."""
         if self.log_reader is None:
             return None
-        return self.log_reader(node_id, max(1, min(lines, MAX_LOG_LINES)))
+        return self.log_reader.tail(node_id, rank, max(1, min(lines, MAX_LOG_LINES)))
+
+    def read_log(self, node_id: str, rank: int | None, stream: str, offset: int) -> LogChunk | None:
+        """A stream of ``node_id``'s log (or of its worker ``rank``) from ``offset`` on."""
+        if self.log_reader is None:
+            return None
+        return self.log_reader.read(node_id, rank, stream, offset)
+
+    def log_nodes(self) -> tuple[str, ...]:
+        """The nodes whose logs are kept (() where none are)."""
+        return self.log_reader.node_ids() if self.log_reader is not None else ()
+
+    def log_ranks(self, node_id: str) -> tuple[int, ...]:
+        """The ranks ``node_id`` has logs of (() where none are kept)."""
+        return self.log_reader.ranks(node_id) if self.log_reader is not None else ()
 
 
 def dashboard_html() -> bytes:
@@ -146,11 +164,35 @@ def _handler(server: WebServer) -> type[BaseHTTPRequestHandler]:
                     query = parse_qs(url.query)
                     node = query.get("node", [""])[0]
                     lines = int(query.get("lines", ["200"])[0])
-                    text = server.log(node, lines)
+                    rank_text = query.get("rank", [""])[0]
+                    rank = int(rank_text) if rank_text else None
+                    text = server.log(node, lines, rank)
                     if text is None:
-                        self._send(404, "text/plain", b"no log of that node is kept here\n")
+                        what = f"rank {rank} of node {node}" if rank is not None else node
+                        self._send(404, "text/plain", f"no log of {what} is kept here\n".encode())
                     else:
                         self._send(200, "text/plain; charset=utf-8", text.encode())
+                elif url.path == "/api/log/read":
+                    query = parse_qs(url.query)
+                    rank_text = query.get("rank", [""])[0]
+                    chunk = server.read_log(
+                        query.get("node", [""])[0],
+                        int(rank_text) if rank_text else None,
+                        query.get("stream", ["stdout"])[0],
+                        int(query.get("offset", ["0"])[0]),
+                    )
+                    if chunk is None:
+                        self._send(404, "text/plain", b"no such log is kept here\n")
+                    else:
+                        body = json.dumps(dataclasses.asdict(chunk)).encode()
+                        self._send(200, "application/json", body)
+                elif url.path == "/api/log/nodes":
+                    body = json.dumps(list(server.log_nodes())).encode()
+                    self._send(200, "application/json", body)
+                elif url.path == "/api/log/ranks":
+                    node = parse_qs(url.query).get("node", [""])[0]
+                    body = json.dumps(list(server.log_ranks(node))).encode()
+                    self._send(200, "application/json", body)
                 else:
                     self._send(404, "text/plain", b"not found: try / or /metrics\n")
             except (ValueError, KeyError) as e:

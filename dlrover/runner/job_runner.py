@@ -16,6 +16,7 @@ from dlrover.envvars import number_from_env
 from dlrover.jobspec import JobSpec, JobSpecError
 from dlrover.master.assembly import MasterSettings, RunningMaster, build_master
 from dlrover.master.job import JobMaster, JobState
+from dlrover.master.local_api import LocalMasterApi
 from dlrover.master.node_controller import NodeController
 from dlrover.master.optimizer import OptimizerConfig
 from dlrover.master.relaunch_policy import OomPolicy
@@ -26,12 +27,15 @@ from dlrover.master.stragglers import DEFAULT_REPORT_S
 from dlrover.master.tensorboard import TensorBoardError
 from dlrover.master.tf_controller import TfController
 from dlrover.master.web import WebError
+from dlrover.processes import pid_alive
 from dlrover.runner.records import (
+    FinalState,
     JobRecord,
     has_record,
     job_dir,
-    pid_alive,
     read_record,
+    remove_final,
+    write_final,
     write_record,
 )
 
@@ -152,6 +156,16 @@ def straggler_report_s() -> float:
     return float(os.environ.get(c.ENV_STRAGGLER_REPORT_S, "") or DEFAULT_REPORT_S)
 
 
+def final_state(job: JobMaster) -> FinalState:
+    """What ``dlrover status`` shows of ``job`` once it ended: its node table, the scale plans
+    acted on and its failures."""
+    return FinalState(
+        status=LocalMasterApi(job).get_job_status(),
+        plans=tuple((at, text) for at, kind, text in list(job.events) if kind == "scale"),
+        failures=job.failures(),
+    )
+
+
 def advertise_address(kind: EngineKind[object], port: int, explicit: str) -> str:
     """``host:port`` nodes reach the master by: ``explicit`` (its port added if it has none),
     else the engine kind's master host."""
@@ -234,6 +248,7 @@ class JobRunner:
         if not settings.state:
             for stale in (db, db.with_name("master.db-wal"), db.with_name("master.db-shm")):
                 stale.unlink(missing_ok=True)  # a new submission starts from a clean state
+            remove_final(spec.name)
         self.token = settings.token or os.environ.get(c.ENV_JOB_TOKEN, "") or new_token()
         try:
             master = build_master(
@@ -289,9 +304,14 @@ class JobRunner:
         except Exception as e:  # an engine that cannot start is the job's failure, said plainly
             job.stop(f"cannot start engine {spec.engine}: {e}")
             master.stop(0.5)
-            write_record(JobRecord(name=spec.name, state="failed", pid=os.getpid()))
+            write_record(
+                JobRecord(name=spec.name, state="failed", pid=os.getpid(), engine=spec.engine)
+            )
             self._closed = True
             raise EngineStartError(f"cannot start engine {spec.engine}: {e}") from e
+        logs = engine.logs()
+        if logs is not None and master.web is not None:
+            master.web.log_reader = logs  # the engine reads where its nodes run (Ray: actors)
         self._controller = self._controllers(engine, scaling)
         try:
             if isinstance(self._controller, NodeController) and self._controller.ps is not None:
@@ -423,7 +443,12 @@ class JobRunner:
         if self.fenced:
             master.store.close()  # another master leads the job: nothing more of it is ours
             return
+        final = final_state(job)
         master.stop(grace_s=1.0)
+        try:
+            write_final(self.spec.name, final)
+        except OSError as e:  # the outcome below matters more than the table
+            logger.warning("job %s: cannot write its final state: %s", self.spec.name, e)
         write_record(
             JobRecord(
                 name=self.spec.name,
@@ -431,6 +456,7 @@ class JobRunner:
                 pid=os.getpid(),
                 reason=job.reason,
                 exit_code=job.exit_code,
+                engine=self.spec.engine,  # `dlrover logs` of the ended job: where its logs were
             )
         )
 

@@ -1,5 +1,5 @@
-"""Job records of `dlrover submit`: `$DLROVER_HOME/jobs/<name>/job.json`, how `dlrover status`
-and `dlrover stop` find a job's master after the submitting terminal is gone."""
+"""Job records of `dlrover submit`: `$DLROVER_HOME/jobs/<name>/job.json` (how `dlrover status`
+and `dlrover stop` find a job's master) and `final.json` (what an ended job's status shows)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from dlrover.api.master import FailureClass, FailureRecord, JobStatus, NodeStatus
 from dlrover.constants import ENV_HOME
 
 
@@ -90,17 +91,61 @@ def fresh_state(name: str) -> Path:
     db = directory / "master.db"
     for stale in (db, db.with_name("master.db-wal"), db.with_name("master.db-shm")):
         stale.unlink(missing_ok=True)
+    remove_final(name)
     return db
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether a process with this pid exists (it may belong to another user)."""
-    if pid <= 0:
-        return False
+@dataclass(frozen=True)
+class FinalState:
+    """What a job's master saw last, written when the job ends: `dlrover status` of an ended job
+    prints it (the master that could answer is gone)."""
+
+    status: JobStatus
+    """The job and its node table at the end."""
+    plans: tuple[tuple[float, str], ...] = ()
+    """(unix time, text) of every scale plan acted on, oldest first."""
+    failures: tuple[FailureRecord, ...] = ()
+    """Every failure recorded, oldest first."""
+
+
+def _final_path(name: str) -> Path:
+    return job_dir(name) / "final.json"
+
+
+def write_final(name: str, final: FinalState) -> None:
+    """Atomically write job ``name``'s final state (before the record says it ended, so a reader
+    that sees the end finds it)."""
+    path = _final_path(name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = asdict(final)
+    for failure in doc["failures"]:
+        failure["failure_class"] = failure["failure_class"].value
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=1))
+    os.replace(tmp, path)
+
+
+def read_final(name: str) -> FinalState | None:
+    """Job ``name``'s final state, or None when it left none (it has not ended, ended before
+    it served, or was run by an older DLRover)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        doc = json.loads(_final_path(name).read_text())
+    except FileNotFoundError:
+        return None
+    status = dict(doc["status"])
+    status["nodes"] = tuple(
+        NodeStatus(**{**n, "worker_pids": tuple(n.get("worker_pids", ()))})
+        for n in status.get("nodes", ())
+    )
+    status["embedding_servers"] = ()  # live figures only: an ended job serves no rows
+    failures = tuple(
+        FailureRecord(**{**f, "failure_class": FailureClass(f["failure_class"])})
+        for f in doc.get("failures", ())
+    )
+    plans = tuple((float(at), str(text)) for at, text in doc.get("plans", ()))
+    return FinalState(JobStatus(**status), plans, failures)
+
+
+def remove_final(name: str) -> None:
+    """Forget an earlier submission's final state (a new one of the same name starts)."""
+    _final_path(name).unlink(missing_ok=True)

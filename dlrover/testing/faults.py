@@ -66,12 +66,16 @@ class FaultInjector:
         sleep: Callable[[float], None] = time.sleep,
         agent_pid: int | None = None,
         node: tuple[int, int] | None = None,
+        slow_by_agent: bool = False,
     ) -> None:
+        # Under a dlrover agent, slow faults throttle the process itself
+        # (dlrover/agent/throttle.py); sleeping here too would slow it twice.
         self._faults = tuple(
             fault
             for fault in faults
             if fault.applies(rank, restart_count, node)
             and fault.kind is not FaultKind.COLLECTIVE_FAIL
+            and not (slow_by_agent and fault.kind is FaultKind.SLOW)
         )
         self._rank = rank
         self._clock = clock
@@ -82,8 +86,9 @@ class FaultInjector:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> FaultInjector:
         """The injector of this process: faults from DLROVER_FAULTS, rank and restart count from the
-        worker environment, the agent's pid from DLROVER_AGENT_PID. Raises FaultSpecError for a
-        malformed fault list."""
+        worker environment, the agent's pid from DLROVER_AGENT_PID (whose agent applies the slow
+        faults: the injector then leaves them out). Raises FaultSpecError for a malformed fault
+        list."""
         env = os.environ if env is None else env
         agent = env.get(ENV_AGENT_PID, "")
         return cls(
@@ -92,6 +97,7 @@ class FaultInjector:
             restart_count=int(env.get(worker_context.RESTART_COUNT, "0")),
             agent_pid=int(agent) if agent.isdigit() else None,
             node=node_slot(env.get(ENV_NODE_ID, "")),
+            slow_by_agent=agent.isdigit(),
         )
 
     @property

@@ -124,3 +124,28 @@ def test_fsdp1_full_state_checkpointer_round_trip(tmp_path: Path) -> None:
             _envs(saver.socket_path, 2, restart=1, FSDP_VERSION="1"),
             timeout=120,
         )
+
+
+@pytest.mark.slow
+def test_a_rank_that_cannot_load_the_voted_memory_step_sends_every_rank_to_storage(
+    tmp_path: Path,
+) -> None:
+    """Step 5 in memory, step 3 on storage; rank 1's shared memory vanishes after the saver
+    counted it (the vote still says 5). Rank 0 could load 5 from memory, rank 1 only 3 from
+    storage: every rank must resume from step 3, never a mix."""
+    ckpt, oracle = str(tmp_path / "ckpt"), str(tmp_path / "oracle.pt")
+    with running_saver(tmp_path) as saver:
+        run_workers(
+            ["fsdp_save_disk_then_memory", ckpt, oracle], _envs(saver.socket_path, 2), timeout=120
+        )
+        assert saver.held_steps() == {0: 5, 1: 5}
+        rank1 = [p for p in Path("/dev/shm").iterdir() if saver.shm_prefix in p.name]
+        rank1 = [p for p in rank1 if "slot1" in p.name]
+        assert rank1, "rank 1's segments were not found"
+        for path in rank1:
+            path.unlink()
+        run_workers(
+            ["fsdp_load", ckpt, "3", oracle, "storage"],
+            _envs(saver.socket_path, 2, restart=1),
+            timeout=120,
+        )

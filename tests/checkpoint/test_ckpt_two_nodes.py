@@ -85,3 +85,34 @@ def test_a_node_that_only_keeps_a_memory_copy_learns_the_commit_from_the_coordin
         (reply,) = replies
         assert reply.persisted and reply.committed == 5 and reply.failure is None
         assert time.monotonic() - start < 10
+
+
+def test_without_a_master_a_memory_only_node_learns_the_commit_from_storage(
+    tmp_path: Path,
+) -> None:
+    """DDP across nodes under plain torchrun: each worker's in-process saver has a coordinator
+    of its own, so node 1 never hears of node 0's commit. Storage's "latest" marker (written
+    last, atomically) says it: node 1's wait for step 5 ends once the marker names it, not at
+    its timeout (found by benchmarks/fault_campaign.py: every torchrun job of 2 nodes waited
+    its final wait_latest_checkpoint out)."""
+    import threading
+
+    from dlrover.checkpoint.saver_messages import WaitPersistedRequest
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    with running_saver(tmp_path, coordinator=LocalCommitCoordinator()) as node1:
+        replies = []
+        waiter = threading.Thread(
+            target=lambda: replies.append(node1._dispatch(WaitPersistedRequest(str(ckpt), 5, 60.0)))
+        )
+        waiter.start()
+        waiter.join(0.5)
+        assert not replies  # nothing on storage yet: it waits
+        (ckpt / "latest").write_text("4")
+        waiter.join(0.5)
+        assert not replies  # an older step is not the one waited for
+        (ckpt / "latest").write_text("5")  # node 0's saver committed step 5
+        waiter.join(30)
+        (reply,) = replies
+        assert reply.persisted and reply.committed == 5 and reply.failure is None

@@ -124,6 +124,29 @@ def fsdp_save(ckpt_dir: str, step: str, oracle: str, kind: str = "shard") -> Non
     dist.destroy_process_group()
 
 
+def fsdp_save_disk_then_memory(ckpt_dir: str, oracle: str) -> None:
+    """Save step 3 to storage (its full state is the oracle), train on, save step 5 to memory
+    only: a restart finds step 5 in memory and step 3 on storage."""
+    dist.init_process_group("gloo")
+    model, optim = _fsdp_model(seed=0)
+    _train(model, optim, 2)
+    from dlrover.trainer.torch.flash_checkpoint.checkpointer import StorageType
+
+    ckpt = _checkpointer("shard", ckpt_dir)
+    assert ckpt.save_checkpoint(3, model, optim, extra_sd={"step": 3})
+    assert ckpt.wait_latest_checkpoint(60)
+    full = _full_state(model, optim)
+    if dist.get_rank() == 0:
+        torch.save(full, oracle)  # test oracle file, read back with weights_only=True
+    _train(model, optim, 1)
+    assert ckpt.save_checkpoint(
+        5, model, optim, extra_sd={"step": 5}, storage_type=StorageType.MEMORY
+    )
+    dist.barrier()
+    ckpt.close()
+    dist.destroy_process_group()
+
+
 def fsdp_load(ckpt_dir: str, step: str, oracle: str, source: str, kind: str = "shard") -> None:
     """A fresh (differently initialised) job loads the checkpoint; compare to the oracle."""
     dist.init_process_group("gloo")
@@ -149,7 +172,14 @@ def main(argv: list[str]) -> None:
         faulthandler.dump_traceback_later(float(os.environ["WORKER_DUMP_AFTER"]), exit=True)
     scenarios = {
         f.__name__: f
-        for f in (ddp_save, ddp_save_then_die_mid_copy, ddp_load, fsdp_save, fsdp_load)
+        for f in (
+            ddp_save,
+            ddp_save_then_die_mid_copy,
+            ddp_load,
+            fsdp_save,
+            fsdp_save_disk_then_memory,
+            fsdp_load,
+        )
     }
     scenarios[argv[0]](*argv[1:])
     print(json.dumps({"done": argv[0]}))

@@ -149,7 +149,11 @@ def test_metrics_and_dashboard_of_a_job_with_a_failure(tmp_path: Path) -> None:
     shown = shown_path.read_text()
     assert shown.count(f"dashboard: http://127.0.0.1:{port}/") >= 2, shown
     assert re.search(r"job met: running \(round \d+, goodput \d+\.\d%\)", shown), shown
-    assert shown.rstrip().splitlines()[-1].startswith("job met: succeeded"), shown
+    # It ends with the ended job's state line, then its last table (and plans, failures).
+    state_lines = [line for line in shown.splitlines() if line.startswith("job met: ")]
+    assert state_lines[-1].startswith("job met: succeeded"), shown
+    ended = shown.split("job met: succeeded", 1)[1]
+    assert "failures (1):" in ended and "user_error   restart_processes" in ended, shown
 
     from tests.test_tensorboard import _records
 

@@ -9,12 +9,22 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
+from dlrover.agent.throttle import QuotaThrottle
 from tests.conftest import REPO, SCRIPTS, clean_env, dlrover_cli, dlrover_run
 from tests.e2e.test_fault_tolerance import steps_log
 
 
 def _submit(
-    tmp: Path, name: str, faults: str, *flags: str, steps: int = 20, **env: str
+    tmp: Path,
+    name: str,
+    faults: str,
+    *flags: str,
+    steps: int = 20,
+    work: tuple[str, ...] = ("--step-time", "0.1"),
+    nnodes: str = "3",
+    **env: str,
 ) -> tuple[subprocess.Popen[str], Path, Path]:
     (tmp / f"{name}-ckpt").mkdir()
     log = tmp / f"{name}.log"
@@ -27,7 +37,7 @@ def _submit(
             "--name",
             name,
             "--nnodes",
-            "3",
+            nnodes,
             "--nproc-per-node",
             "1",
             *flags,
@@ -38,8 +48,7 @@ def _submit(
             str(tmp / f"{name}-ckpt"),
             "--out",
             str(tmp / name),
-            "--step-time",
-            "0.1",
+            *work,
         ],
         env=clean_env(DLROVER_HOME=str(tmp / "home"), DLROVER_FAULTS=faults, **env),
         cwd=REPO,
@@ -131,7 +140,7 @@ def test_a_runtime_straggler_is_replaced_within_three_reports(tmp_path: Path) ->
     steps = 80
     job, log, out = _submit(
         tmp_path, "rt", "slow:node=1:factor=3", "--exclude-straggler", steps=steps,
-        DLROVER_STRAGGLER_REPORT_S="2",
+        work=("--compute-ms", "100"), DLROVER_STRAGGLER_REPORT_S="2",
     )  # fmt: skip
     try:
         assert job.wait(240) == 0, log.read_text()
@@ -150,6 +159,41 @@ def test_a_runtime_straggler_is_replaced_within_three_reports(tmp_path: Path) ->
     assert "node rt-worker-1-0: replacing the straggler" in text
     assert "rt-worker-1-1" in home_nodes(tmp_path, "rt")
     assert [s for s, _, _ in steps_log(out)] == list(range(1, steps + 1))
+
+
+@pytest.mark.parametrize("throttle", ["quota", "stop"])
+def test_the_slow_fault_slows_the_worker_itself_and_runtime_scores_name_it(
+    tmp_path: Path, throttle: str
+) -> None:
+    """2 nodes, ``slow:node=1:factor=3`` and no --exclude-straggler: node 1's agent throttles
+    its worker (a CPU quota, or the SIGSTOP/SIGCONT cycle), the script never calls
+    maybe_inject for it (under an agent the injector leaves slow faults out), and its CPU
+    work per step takes about 3x as long: the runtime scores name node 1, the job keeps it,
+    finishes every step, and `dlrover diagnose` lists the straggler."""
+    if throttle == "quota" and QuotaThrottle.detect() is None:
+        pytest.skip("no writable cgroup v1 cpu controller here")
+    steps = 60
+    job, log, out = _submit(
+        tmp_path, "sl", "slow:node=1:factor=3", steps=steps, work=("--compute-ms", "100"),
+        nnodes="2", DLROVER_STRAGGLER_REPORT_S="2", DLROVER_THROTTLE=throttle,
+    )  # fmt: skip
+    try:
+        assert job.wait(420) == 0, log.read_text()
+    finally:
+        if job.poll() is None:
+            job.kill()
+    text = log.read_text()
+    kind = "cpu quota" if throttle == "quota" else "stop cycle"
+    node1 = (tmp_path / "home" / "jobs" / "sl" / "nodes" / "sl-worker-1-0" / "stderr").read_text()
+    # (the master ranks the nodes: node slot 1 may hold rank 0)
+    assert re.search(rf"slow fault: rank \d \(pid \d+\) held to 1/3 of a CPU \({kind}\)", node1)
+    warning = re.search(r"runtime straggler: node (\S+) scored below 0.75 .*; (.*)", text)
+    assert warning and warning.groups() == ("sl-worker-1-0", "kept (no --exclude-straggler)")
+    assert [s for s, _, _ in steps_log(out)] == list(range(1, steps + 1))
+    rows = dlrover_cli(tmp_path / "home", "diagnose", "sl").stdout.splitlines()[2:]
+    assert [r.split()[1:4] for r in rows] == [["sl-worker-1-0", "straggler", "none"]], rows
+    # The throttle is gone with the job: no cgroup of it is left.
+    assert not list(Path("/sys/fs/cgroup/cpu").glob("**/dlrover-slow-*"))
 
 
 def test_bad_node_check_flags_are_refused(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ _PATH = re.compile(
     r"^/api/v1/namespaces/(?P<ns>[^/]+)/(?P<kind>pods|services)(?:/(?P<name>[^/]+))?$"
 )
 _KINDS = {"pods": "Pod", "services": "Service"}
+_LOG_PATH = re.compile(r"^/api/v1/namespaces/(?P<ns>[^/]+)/pods/(?P<name>[^/]+)/log$")
 
 
 @dataclasses.dataclass
@@ -90,6 +91,8 @@ class FakeKubeApi:
         self.forbid_cluster_reads = False
         """Answer 403 to cluster-wide lists (a service account without the ClusterRole)."""
         self.watch_requests: list[dict[str, str]] = []
+        self.pod_logs: dict[tuple[str, str], str] = {}
+        """(namespace, pod) -> its container's log, served at .../pods/NAME/log (test-written)."""
         api = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -210,6 +213,10 @@ class FakeKubeApi:
         if method == "GET" and url.path in ("/api/v1/nodes", "/api/v1/pods"):
             self._cluster_list(request, url.path)
             return
+        log_match = _LOG_PATH.match(url.path)
+        if method == "GET" and log_match is not None:
+            self._pod_log(request, log_match["ns"], log_match["name"], query)
+            return
         match = _PATH.match(url.path)
         if match is None:
             self._reply(request, 404, _status(404, "NotFound", f"no route {url.path}"))
@@ -289,6 +296,26 @@ class FakeKubeApi:
             self._record(kind, namespace, "DELETED", obj)
             return 200, copy.deepcopy(obj)
         return 405, _status(405, "MethodNotAllowed", f"{method} not supported here")
+
+    def _pod_log(
+        self, request: BaseHTTPRequestHandler, namespace: str, name: str, query: dict[str, str]
+    ) -> None:
+        """A pod's log as text (``tailLines``: its last lines), or 404 as the API says it."""
+        with self._cond:
+            text = self.pod_logs.get((namespace, name))
+        if text is None:
+            message = f'pods "{name}" not found'
+            self._reply(request, 404, _status(404, "NotFound", message, name, "pods"))
+            return
+        if "tailLines" in query:
+            lines = text.splitlines(keepends=True)
+            text = "".join(lines[-int(query["tailLines"]) :])
+        data = text.encode()
+        request.send_response(200)
+        request.send_header("Content-Type", "text/plain")
+        request.send_header("Content-Length", str(len(data)))
+        request.end_headers()
+        request.wfile.write(data)
 
     def _reply(self, request: BaseHTTPRequestHandler, code: int, body: dict[str, Any]) -> None:
         data = json.dumps(body).encode()

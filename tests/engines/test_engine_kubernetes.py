@@ -117,6 +117,9 @@ def test_pod_spec_content(engine: Any, api: Any) -> None:
     assert {e["name"]: e["value"] for e in container["env"]} == {
         "DLROVER_MASTER_ADDR": "kjob-master.train.svc:50001",
         "DLROVER_JOB_TOKEN": "tok",
+        # Per-rank logs in the pod, echoed to its log with rank tags (`dlrover logs` reads them).
+        "DLROVER_RANK_LOG_DIR": "/tmp/dlrover-ranks",
+        "DLROVER_RANK_LOG_ECHO": "1",
     }
     assert container["resources"] == {
         "requests": {"cpu": "1500m", "memory": "1024Mi", "nvidia.com/gpu": "1"},

@@ -109,13 +109,13 @@ def test_lost_ray_node_is_relaunched_elsewhere_and_job_result_is_correct(
     try:
         engine.launch_many([spec(rank) for rank in range(nnodes)])
         seen: list[NodeEvent] = []
-        hosts: dict[str, str] = {}
-        while len(hosts) < nnodes:
-            event = wait_for_event(engine, lambda e: e.state is NodeState.RUNNING, 60, seen)
-            hosts[event.node_id] = event.host
-        for event in seen:
-            if event.state is NodeState.RUNNING:
-                hosts[event.node_id] = event.host
+        wait_for_event(  # one drain may bring both events: read them from `seen`
+            engine,
+            lambda e: sum(x.state is NodeState.RUNNING for x in seen) == nnodes,
+            60,
+            seen,
+        )
+        hosts = {e.node_id: e.host for e in seen if e.state is NodeState.RUNNING}
         assert len(set(hosts.values())) == 2, f"nodes were not spread over Ray nodes: {hosts}"
 
         victim_host = hosts["rayjob-worker-1-0"]

@@ -58,12 +58,30 @@ def test_where_nodes_and_the_master_are_reached():
 
 
 def test_the_local_kind_reads_node_logs_from_the_job_directory(tmp_path: Path):
-    (tmp_path / "nodes" / "n-worker-0-0").mkdir(parents=True)
-    (tmp_path / "nodes" / "n-worker-0-0" / "stderr").write_text("a\nb\nc\n")
-    read = LOCAL.logs(tmp_path)
-    assert read is not None
-    assert read("n-worker-0-0", 2) == "b\nc"
-    assert read("../etc", 2) is None and read("missing", 2) is None
+    node = tmp_path / "nodes" / "n-worker-0-0"
+    node.mkdir(parents=True)
+    (node / "stderr").write_text("a\nb\nc\n")
+    # The agent's per-rank layout: an older attempt's rank moved to another node since.
+    for attempt, rank, text in ((0, 5, "old\n"), (1, 2, "two\n"), (1, 3, "three\nmore\n")):
+        rank_dir = node / "ranks" / "n" / f"attempt_{attempt}" / f"rank_{rank}"
+        rank_dir.mkdir(parents=True)
+        (rank_dir / "stdout.log").write_text(text)
+    (node / "ranks" / "n" / "attempt_1" / "rank_3" / "stderr.log").write_text("oops\n")
+    logs = LOCAL.logs(tmp_path)
+    assert logs is not None
+    assert logs.tail("n-worker-0-0", None, 2) == "b\nc"
+    assert logs.ranks("n-worker-0-0") == (2, 3)
+    assert logs.tail("n-worker-0-0", 3, 5) == "three\nmore\noops"
+    assert logs.tail("n-worker-0-0", 5, 5) is None  # not this node's rank any more
+    assert logs.tail("../etc", None, 2) is None and logs.tail("missing", None, 2) is None
+    assert logs.ranks("missing") == ()
+    # Reads by offset, whole lines only: what `dlrover logs -f` polls.
+    end = logs.read("n-worker-0-0", 3, "stdout", -1)
+    assert end is not None and end.text == "" and end.offset == len("three\nmore\n")
+    with open(node / "ranks" / "n" / "attempt_1" / "rank_3" / "stdout.log", "a") as f:
+        f.write("new\npart")
+    chunk = logs.read("n-worker-0-0", 3, "stdout", end.offset)
+    assert chunk is not None and chunk.text == "new\n" and chunk.source == end.source
     assert RAY.logs(tmp_path) is None
 
 

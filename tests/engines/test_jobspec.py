@@ -70,6 +70,17 @@ def test_yaml_spec_loads_and_matches_flags(tmp_path: Path) -> None:
     )
 
 
+def test_hang_timeout_reaches_every_agent() -> None:
+    """A job's workers hung for that long restart: without it a hung worker of a submitted job
+    held the job until someone stopped it (found by benchmarks/fault_campaign.py)."""
+    spec = job_spec_from_dict({"entrypoint": "train.py", "hang_timeout": 30})
+    assert spec.hang_timeout_s == 30
+    assert spec.agent_command()[-2:] == ("--hang-timeout=30", "train.py")
+    flags = job_spec_from_flags("train.py", hang_timeout=7.5)
+    assert "--hang-timeout=7.5" in flags.agent_command()
+    assert not any("hang" in arg for arg in job_spec_from_flags("train.py").agent_command())
+
+
 def test_node_spec_carries_master_address_and_token() -> None:
     spec = job_spec_from_flags("train.py", nnodes="1:2", name="job-b", memory=1024)
     node = spec.node_spec(rank=1, master_addr="10.0.0.1:5000", token="s3cret", relaunch_count=2)
@@ -94,6 +105,7 @@ def test_node_spec_carries_master_address_and_token() -> None:
         ({"nproc_per_node": 0}, "nproc_per_node is 0"),
         ({"resources": {"memory": "lots"}}, "'lots' is not a size"),
         ({"epochs": 3}, "unknown keys \\['epochs'\\]"),
+        ({"hang_timeout": -1}, "hang_timeout is -1; it must be seconds >= 0"),
     ],
 )
 def test_bad_spec_gets_one_clear_error(change: dict[str, object], message: str) -> None:

@@ -38,6 +38,13 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--step-time", type=float, default=0.0, help="simulated compute per step (s)")
     p.add_argument(
+        "--compute-ms",
+        type=float,
+        default=0.0,
+        help="CPU work per step: spin until this many ms of the process's CPU time passed (a "
+        "slow fault's throttling stretches it; a --step-time sleep it does not)",
+    )
+    p.add_argument(
         "--linger-from-rank",
         type=int,
         default=-1,
@@ -73,6 +80,10 @@ def main() -> None:
         faults.maybe_inject(step)
         if a.step_time:
             time.sleep(a.step_time)  # simulated compute, so membership changes land mid-run
+        if a.compute_ms:
+            spin_until = time.process_time() + a.compute_ms / 1000
+            while time.process_time() < spin_until:
+                pass
         x, y = batch(step, rank)
         loss = nn.functional.mse_loss(model(x), y)
         opt.zero_grad()

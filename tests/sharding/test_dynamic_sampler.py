@@ -230,6 +230,40 @@ def test_a_restore_mid_epoch_at_another_world_size_trains_the_rest_in_lockstep(
     assert rest <= len(after[0][0]) + len(after[1][0]) <= rest + (2 + 3) * 7
 
 
+def test_a_restart_that_restores_nothing_trains_the_epoch_from_its_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Exactly-once: the first start trains a step (its progress is on the master), a node is
+    lost before any checkpoint every node could load, and the next start loads nothing, so its
+    model starts over: every sample must be read again, none skipped (found by
+    benchmarks/fault_campaign.py: the restarted start resumed the master's half-read shards
+    from their offsets, and 12 samples never reached the model)."""
+    size, step_at = 48, 2
+    transport = InProcessTransport(ShardManager())
+
+    def first_attempt(rank: int) -> None:
+        s = sampler(transport, size, 3, rank, mode=DeliveryMode.EXACTLY_ONCE, shard_size=8)
+        it = iter(s)
+        for _ in range(step_at):
+            next(it)
+        s.state_dict(step_at, 1)  # the flash checkpoint that no node could load later
+        s.close()
+
+    on_ranks(3, first_attempt)
+    for rank in range(3):
+        transport.recover_worker(f"n{rank}/0")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+
+    def second_attempt(rank: int) -> list[int]:
+        s = sampler(transport, size, 3, rank, mode=DeliveryMode.EXACTLY_ONCE, shard_size=8)
+        got = list(s)
+        s.close()
+        return got
+
+    after = on_ranks(3, second_attempt)
+    assert sorted(i for got in after for i in got) == list(range(size))
+
+
 def test_ranks_that_disagree_on_the_count_raise_instead_of_hanging(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

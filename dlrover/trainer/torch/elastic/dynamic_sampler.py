@@ -13,6 +13,7 @@ from typing import Any
 
 from torch.utils.data import Sampler
 
+from dlrover import worker_context
 from dlrover.client.sharding_client import ShardingClient
 from dlrover.client.sharding_transport import ShardingTransport
 from dlrover.constants import ENV_MASTER_ADDR
@@ -297,7 +298,9 @@ class DynamicShardSampler(Sampler[int]):
     def _prepare(self, epoch: int) -> DatasetSpec:
         """Register the epoch's dataset (once per process); after a restore, an epoch past the
         restored one starts from its beginning: what the previous attempt read of it went into
-        a model that the restore rolled back."""
+        a model that the restore rolled back. The same, exactly-once, for a restarted start of
+        the job that restored nothing: its model starts over (no checkpoint yet, or none that
+        every node could load), so what earlier starts read went into a model that is gone."""
         spec = self.epoch_spec(epoch)
         if epoch in self._prepared:
             return spec
@@ -305,6 +308,9 @@ class DynamicShardSampler(Sampler[int]):
         if self._restored is not None and epoch > self._restored[0]:
             restored = self._restored[1].to_dict()
             token = restore_token({"from_start": spec.name, "after": restored})
+            self.transport.restore_position(Position(spec.name, 0, 0), token)
+        elif self._restored is None and self.mode is DeliveryMode.EXACTLY_ONCE and _restarted():
+            token = restore_token({"from_start": spec.name, "after": None})
             self.transport.restore_position(Position(spec.name, 0, 0), token)
         self._prepared.add(epoch)
         return spec
@@ -429,3 +435,10 @@ class DynamicShardSampler(Sampler[int]):
     def close(self) -> None:
         """Stop the sharding client's prefetcher."""
         self._close_client()
+
+
+def _restarted() -> bool:
+    """Whether these workers are a later start of the job (a restart, or a later rendezvous
+    round), whose earlier starts may have read shards."""
+    ctx = worker_context.WorkerContext.from_env()
+    return ctx.restart_count > 0 or ctx.rdzv_round > 1

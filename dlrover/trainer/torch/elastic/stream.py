@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Generic, NamedTuple, TypeVar
 
 from torch.utils.data import IterableDataset, get_worker_info
 
@@ -29,11 +30,13 @@ from dlrover.trainer.torch.elastic.client_factory import (
     prefetch_from_env,
     restore_token,
 )
+from dlrover.trainer.torch.elastic.kafka_reader import CONSUME_BATCH, RangeReader
 from dlrover.worker_context import WorkerContext
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 DEFAULT_RECORDS_PER_SHARD = 1024
 """Records of one partition leased as one shard."""
@@ -44,14 +47,11 @@ DEFAULT_POLL_S = 1.0
 READ_AHEAD_SHARDS = 2
 """Ranges read from the broker ahead of the training loop (memory: this many ranges' records)."""
 _WAITING_LOG_EVERY_S = 30.0
-_CONSUME_BATCH = 100
-"""Records asked of the client at once: small, so the reader thread lets go of the GIL often
-and the training loop never waits long for it."""
 
 
-@dataclass(frozen=True)
-class KafkaRecord:
-    """One record of the topic, as the reader got it from the broker."""
+class KafkaRecord(NamedTuple):
+    """One record of the topic, as the reader got it from the broker (a named tuple: built
+    for every record, it costs a tenth of a frozen dataclass)."""
 
     partition: int
     offset: int
@@ -124,7 +124,8 @@ class ElasticStreamDataset(IterableDataset[T], Generic[T]):
             transport, self.spec, worker_id or default_worker_id(ctx.rank), prefetch_from_env()
         )
         self._yielded = 0
-        self._consumer: Any = None
+        """Records yielded by the last pass (the current one counts in its _ReadAhead)."""
+        self._consumer: RangeReader | None = None
         self._pass: _ReadAhead | None = None
 
     # --- reading ----------------------------------------------------------------------------
@@ -144,78 +145,54 @@ class ElasticStreamDataset(IterableDataset[T], Generic[T]):
                 item = reading.next_item()
                 if item is None:
                     return
-                shard, messages = item
-                for yielded, message in enumerate(messages, 1):
-                    self._yielded += 1
-                    record = KafkaRecord(
-                        shard.partition,
-                        message.offset(),
-                        message.key(),
-                        message.value(),
-                        message.timestamp()[1],
-                    )
-                    # Where a pass closed here would stand: in case it is not resumed.
-                    reading.taken = (shard, record.offset + 1, yielded)
-                    yield self.decode(record)
-                reading.finished(shard)
+                # The samples were decoded by the reader thread; the loop's share per record
+                # is one step of a list iterator, whose progress is the count `yielded` reads.
+                yield from reading.current(item)
+                reading.finished(item[0])
         finally:
+            self._yielded = reading.yielded()
             reading.close(self._yielded)
             if self._pass is reading:
                 self._pass = None
 
     def _end_pass(self) -> None:
         if self._pass is not None:
+            self._yielded = self._pass.yielded()
             self._pass.close(self._yielded)
             self._pass = None
 
-    def _read(self, shard: StreamShard, stop: threading.Event) -> Iterator[Any]:
+    def _count(self) -> int:
+        """Records yielded in the current (or last) pass."""
+        reading = self._pass
+        return reading.yielded() if reading is not None else self._yielded
+
+    def _read(self, shard: StreamShard, stop: threading.Event) -> list[Any]:
         """The messages of ``shard``'s offset range, in order (none more once ``stop`` is set):
-        the client's own objects, made into KafkaRecords by the loop (so the reader thread holds
-        the GIL as little as it can). Offsets may have gaps (transaction markers, compaction,
-        retention): the range is read once the consumer is past its end. Raises
-        StreamSourceError when the broker does not deliver them within ``read_timeout_s``."""
-        from confluent_kafka import KafkaError, TopicPartition
+        the client's own objects. Raises StreamSourceError when the broker does not deliver
+        them within ``read_timeout_s`` (see RangeReader)."""
+        return self._reader().read(
+            shard, stop.is_set, self.read_timeout_s, self.poll_s, self.client.keep_alive
+        )
 
-        consumer = self._reader()
-        consumer.assign([TopicPartition(self.topic, shard.partition, shard.start)])
-        expected = shard.start
-        deadline = time.monotonic() + self.read_timeout_s
-        last_error = ""
-        while expected < shard.end and not stop.is_set():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise StreamSourceError(
-                    f"the Kafka brokers {self.bootstrap_servers} did not deliver records "
-                    f"[{expected}, {shard.end}) of topic {self.topic!r} partition "
-                    f"{shard.partition} within {self.read_timeout_s:.0f}s"
-                    f"{f' ({last_error})' if last_error else ''}. Check that they run; the "
-                    f"training position is not lost: a restarted worker resumes from its "
-                    f"checkpoint."
+    def _decode_all(self, partition: int, messages: list[Any]) -> list[T]:
+        """The samples of ``messages``, decoded in the reader thread (ahead of the loop)."""
+        if self.decode is record_value:  # the value is the sample: no record to build
+            return [message.value() for message in messages]
+        decode = self.decode
+        return [
+            decode(
+                KafkaRecord(
+                    partition,
+                    message.offset(),
+                    message.key(),
+                    message.value(),
+                    message.timestamp()[1],
                 )
-            batch = consumer.consume(
-                num_messages=min(_CONSUME_BATCH, shard.end - expected),
-                timeout=min(remaining, self.poll_s),
             )
-            for message in batch:
-                error = message.error()
-                if error is not None:
-                    if error.code() != KafkaError._PARTITION_EOF:
-                        last_error = str(error)
-                    continue
-                offset = message.offset()
-                if offset >= shard.end:
-                    expected = shard.end  # a later record: none is left below the end
-                    break
-                if offset < expected:
-                    continue
-                expected = offset + 1
-                deadline = time.monotonic() + self.read_timeout_s
-                yield message
-            if expected < shard.end and _past(consumer, self.topic, shard):
-                expected = shard.end
-            self.client.keep_alive()  # a slow broker must not cost the leases
+            for message in messages
+        ]
 
-    def _reader(self) -> Any:
+    def _reader(self) -> RangeReader:
         if self._consumer is None:
             try:
                 from confluent_kafka import Consumer
@@ -232,7 +209,14 @@ class ElasticStreamDataset(IterableDataset[T], Generic[T]):
                 "auto.offset.reset": "earliest",
             }
             config.update(self.consumer_config)
-            self._consumer = Consumer(config)
+            records = self.spec.records_per_shard
+            self._consumer = RangeReader(
+                Consumer(config),
+                self.topic,
+                self.bootstrap_servers,
+                skip_limit=2 * records,
+                buffer_limit=max(8 * records, 8 * CONSUME_BATCH),
+            )
         return self._consumer
 
     # --- checkpoint -------------------------------------------------------------------------
@@ -240,7 +224,7 @@ class ElasticStreamDataset(IterableDataset[T], Generic[T]):
         """Where to resume: the stream's position when every rank had taken ``consumed`` records
         in this pass (default: as many as this rank has taken; right after a step, with
         num_workers=0, that is every record the step trained). No collective runs."""
-        count = self._yielded if consumed is None else consumed
+        count = self._count() if consumed is None else consumed
         position = self.client.position_at(count)
         return {"topic": self.topic, "position": position.to_dict()}
 
@@ -273,8 +257,8 @@ class _End:
     """Queue marker: the pass has ended (the stream's end, a stop, or the idle timeout)."""
 
 
-_Item = tuple[StreamShard, list[Any]]
-"""A range and its messages (confluent_kafka.Message)."""
+_Item = tuple[StreamShard, list[Any], list[int]]
+"""A range, its samples (decoded) and their offsets."""
 
 
 class _ReadAhead:
@@ -292,12 +276,23 @@ class _ReadAhead:
         self._done: queue.Queue[StreamShard | None] = queue.Queue()
         self._stop = threading.Event()
         self._wake = threading.Event()
-        self.taken: tuple[StreamShard, int, int] | None = None
-        """The range the loop is in: (range, first offset not yielded, records yielded)."""
+        self._current: tuple[StreamShard, list[int], Iterator[Any]] | None = None
+        """The range the loop is in: its offsets and the iterator the loop takes samples from."""
+        self._yielded_before = 0
+        """Records of the ranges the loop finished in this pass."""
         self._unread: list[StreamShard] = []
         """Ranges the thread leased but did not queue (the pass was closed meanwhile)."""
         self._ended = False
         self._closed_after = 0
+        self._to_report: list[StreamShard] = []
+        self._report_queued = False
+        self._reports_lock = threading.Lock()
+        self._pending: tuple[_Item, Future[bool]] | None = None
+        """A range read and decoded whose mark is on its way to the master: the loop gets it
+        once the master accepted the mark, which it answers while the next range is read."""
+        self._calls = ThreadPoolExecutor(1, thread_name_prefix=f"stream-master-{dataset.topic}")
+        """The thread of this pass's calls to the master that the reader need not wait for
+        (reports, marks answered while the next range is read), in the order they were made."""
         self._thread = threading.Thread(
             target=self._run, name=f"stream-reader-{dataset.topic}", daemon=True
         )
@@ -322,12 +317,40 @@ class _ReadAhead:
             return None
         if isinstance(item, BaseException):
             raise item
-        self.taken = (item[0], item[0].start, 0)
         return item
+
+    def current(self, item: _Item) -> Iterator[Any]:
+        """The samples of ``item`` for the loop to yield: the range it is in from now on."""
+        shard, samples, offsets = item
+        records = iter(samples)
+        self._current = (shard, offsets, records)
+        return records
+
+    def yielded(self) -> int:
+        """Records the loop has yielded in this pass (read from its iterator's progress, so the
+        loop does no bookkeeping per record)."""
+        current = self._current
+        if current is None:
+            return self._yielded_before
+        _, offsets, records = current
+        return self._yielded_before + len(offsets) - operator.length_hint(records)
+
+    @property
+    def taken(self) -> tuple[StreamShard, int, int] | None:
+        """The range the loop is in: (range, first offset not yielded, records yielded)."""
+        current = self._current
+        if current is None:
+            return None
+        shard, offsets, records = current
+        count = len(offsets) - operator.length_hint(records)
+        return (shard, offsets[count - 1] + 1 if count else shard.start, count)
 
     def finished(self, shard: StreamShard) -> None:
         """The loop has yielded every record of ``shard``."""
-        self.taken = None
+        current = self._current
+        if current is not None:
+            self._yielded_before += len(current[1])
+        self._current = None
         self._done.put(shard)
         self._wake.set()
 
@@ -358,7 +381,10 @@ class _ReadAhead:
                 break
             self._report(shard)
         self._report_finished()
-        self._give_back()
+        try:
+            self._give_back()
+        finally:
+            self._calls.shutdown(wait=True)  # the reports queued reach the master first
 
     def _give_back(self) -> None:
         remainders = [] if self.taken is None else [self.taken]
@@ -373,20 +399,36 @@ class _ReadAhead:
         if self._ended and not remainders and not self.client.leased_ahead():
             return  # the loop read the whole pass
         try:
-            self.client.give_back(remainders)
+            # After the reports and marks queued before: the master sees them in order.
+            self._call(self.client.give_back, remainders)
             # The pass ended here: a position at this count must not wait for more.
-            self.client.mark(StreamMark(self._closed_after))
+            self._call(self.client.send_mark, StreamMark(self._closed_after))
         except Exception as error:  # the ranges stay leased until their lease runs out
             logger.warning("could not give back the unread ranges %s: %s", remainders, error)
 
     def _read_ahead(self) -> None:
+        try:
+            self._read_ranges()
+        finally:
+            if self._pending is not None:  # the pass was closed before the loop got it
+                self._unread.append(self._pending[0][0])
+                self._pending = None
+
+    def _read_ranges(self) -> None:
         dataset, client = self.dataset, self.client
+        dataset._reader()  # the client connects to the brokers while the master is asked
         begin = 0
         idle_since = logged = time.monotonic()
         while not self._stop.is_set():
             self._report_finished()
-            shard = client.poll(dataset.poll_s)
+            shard = client.poll(dataset.poll_s if self._pending is None else 0.0)
             if shard is None:
+                if self._pending is not None:  # nothing to read meanwhile: let the loop have it
+                    begin, queued = self._settle(begin)
+                    if not queued:
+                        return
+                    idle_since = time.monotonic()
+                    continue
                 now = time.monotonic()
                 if client.finished:
                     break
@@ -402,22 +444,52 @@ class _ReadAhead:
                     logger.info("waiting for new records of topic %r", dataset.topic)
                     logged = now
                 continue
-            messages = list(dataset._read(shard, self._stop))
+            self._unread.append(shard)  # until it is pending: given back if the pass closes
+            # The partitions of the ranges leased next start fetching while this one is read.
+            dataset._reader().prepare(client.leased_shards())
+            messages = dataset._read(shard, self._stop)
             if self._stop.is_set():
-                self._unread.append(shard)
                 return
-            if not client.mark(StreamMark(begin, shard.partition, shard.start, len(messages))):
-                # Another worker may hold it now: yielding it would train it twice.
-                logger.warning("lost the lease on %s while reading it: skipped", shard)
-                continue
-            begin += len(messages)
-            if not self._put((shard, messages)):
-                self._unread.append(shard)
+            samples = dataset._decode_all(shard.partition, messages)
+            if self._pending is not None:
+                begin, queued = self._settle(begin)
+                if not queued:
+                    return
+                idle_since = time.monotonic()
+            # Its begin counts the ranges accepted before it: the previous one was settled.
+            mark = StreamMark(begin, shard.partition, shard.start, len(messages))
+            client.keep_alive()
+            offsets = [message.offset() for message in messages]
+            self._unread.remove(shard)
+            self._pending = ((shard, samples, offsets), self._calls.submit(client.send_mark, mark))
+        if self._pending is not None:
+            begin, queued = self._settle(begin)
+            if not queued:
                 return
-            idle_since = time.monotonic()
-        client.mark(StreamMark(begin))  # this pass has ended after `begin` records
+        self._call(client.send_mark, StreamMark(begin))  # this pass has ended after `begin`
         self._ended = True
         self._put(_End())
+
+    def _settle(self, begin: int) -> tuple[int, bool]:
+        """Wait for the master's answer to the pending range's mark and queue the range if it
+        was accepted; returns the next range's begin, and False if the pass was closed meanwhile
+        (the range is then given back with the unread ones)."""
+        assert self._pending is not None
+        item, accepted = self._pending
+        taken = accepted.result()  # raising, the range stays pending: given back
+        if not taken:
+            # Another worker may hold it now: yielding it would train it twice.
+            logger.warning("lost the lease on %s while reading it: skipped", item[0])
+            self._pending = None
+            return begin, True
+        if not self._put(item):
+            return begin, False
+        self._pending = None
+        return begin + len(item[1]), True
+
+    def _call(self, fn: Callable[..., R], *args: Any) -> R:
+        """``fn(*args)`` on the thread of master calls, after the ones queued before it."""
+        return self._calls.submit(fn, *args).result()
 
     def _put(self, item: _Item | _End | BaseException) -> bool:
         """Queue ``item`` once there is room (the loop takes items as it trains); False if the
@@ -447,25 +519,23 @@ class _ReadAhead:
             self._report(shard)
 
     def _report(self, shard: StreamShard) -> None:
+        """Report ``shard`` done on the thread of master calls; the reader goes on meanwhile.
+        Ranges finished while that thread is busy go in one call."""
+        with self._reports_lock:
+            self._to_report.append(shard)
+            if self._report_queued:
+                return
+            self._report_queued = True
+        self._calls.submit(self._report_now)
+
+    def _report_now(self) -> None:
+        with self._reports_lock:
+            shards, self._to_report = self._to_report, []
+            self._report_queued = False
         try:
-            self.client.report_done(shard)
-        except Exception as error:  # the range stays leased; its lease or a restore settles it
-            logger.warning("could not report %s done: %s", shard, error)
-
-
-def _past(consumer: Any, topic: str, shard: StreamShard) -> bool:
-    """Whether ``consumer`` is past the end of ``shard`` though it delivered no record at or
-    after it: the last offsets of the range hold no record (a transaction's marker moves the
-    position past it) or were deleted (the oldest offset kept is at or past the end)."""
-    from confluent_kafka import KafkaException, TopicPartition
-
-    partition = TopicPartition(topic, shard.partition)
-    try:
-        (position,) = consumer.position([partition])
-        oldest, _ = consumer.get_watermark_offsets(partition, cached=True)
-    except KafkaException:
-        return False
-    return max(position.offset, oldest) >= shard.end
+            self.client.report_all_done(shards)
+        except Exception as error:  # the ranges stay leased; their lease or a restore settles it
+            logger.warning("could not report %s done: %s", shards, error)
 
 
 def _transport_from_env() -> StreamTransport:

@@ -8,6 +8,9 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from dlrover.checkpoint.catalog import Catalog
 from dlrover.checkpoint.engine import CheckpointEngine
 from dlrover.checkpoint.errors import SegmentStateError
@@ -157,8 +160,9 @@ class Checkpointer:
         2. without ``resume_path``, the step every rank agrees to load from memory (the
            agent's shared memory, or a peer's), if not older than storage's: every rank takes
            part in this vote, so it is asked even where ``reads`` is False;
-        3. that step from memory, into ``target``'s tensors; should memory fail, or hold
-           nothing, the newest intact step from storage, read by the engine's format.
+        3. that step from memory, into ``target``'s tensors, kept only if every rank loaded
+           it (one all-reduce); should memory fail on any rank, or hold nothing, the newest
+           intact step from storage, read by the engine's format, on every rank.
 
         ``reads`` False: this rank only votes (its state comes from another rank) and gets None.
         """
@@ -167,16 +171,29 @@ class Checkpointer:
         catalog, bound = resolve_catalog(engine, resume_path)
         latest = storage_step(catalog)
         in_memory = None if resume_path else engine.memory_step(latest)
-        if not reads:
-            return None
-        if in_memory is not None:
+        from_memory: tuple[int, Any] | None = None
+        if in_memory is not None and reads:
             try:
                 step, state, _ = engine.load_from_memory(target, in_memory)
-                log.info("loaded step %d from shared memory%s", step, self._from_memory_note())
-                self.last_load_source = "memory"
-                return step, state
+                from_memory = step, state
             except SegmentStateError as exc:
-                log.warning("cannot load from memory (%s); loading from storage", exc)
+                log.warning("cannot load step %d from memory (%s)", in_memory, exc)
+        # Every rank voted, so every rank is here with the same `in_memory`: agree that every
+        # reader holds it before anyone trains on it (a peer gone between the vote and the
+        # load fails one rank's load, and that rank alone would go back to storage's step).
+        if in_memory is not None and not every_rank_holds(from_memory is not None or not reads):
+            log.warning(
+                "step %d could not be loaded from memory by every rank; every rank loads "
+                "from storage instead, so that all resume from one step",
+                in_memory,
+            )
+            from_memory = None
+        if not reads:
+            return None
+        if from_memory is not None:
+            log.info("loaded step %d from shared memory%s", from_memory[0], self._from_memory_note())
+            self.last_load_source = "memory"
+            return from_memory
         found = engine.format.load_newest(catalog, target, bound)
         if found is None:
             return None
@@ -196,6 +213,19 @@ class Checkpointer:
         for engine in self._engines.values():
             engine.close()
         self._engines.clear()
+
+
+def every_rank_holds(ok: bool) -> bool:
+    """True when ``ok`` is True on every rank of the default process group (one all-reduce of
+    one number; on the current CUDA device for NCCL); just ``ok`` without a process group."""
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return ok
+    device = torch.device("cpu")
+    if "nccl" in str(dist.get_backend()):
+        device = torch.device("cuda", torch.cuda.current_device())
+    failed = torch.tensor([0 if ok else 1], dtype=torch.int32, device=device)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    return int(failed.item()) == 0
 
 
 def resolve_catalog(engine: CheckpointEngine, resume_path: str) -> tuple[Catalog, int | None]:

@@ -1,0 +1,129 @@
+"""What `dlrover status` prints: a running job's table from its master, an ended job's final
+table, scale plans and failures from the records it left."""
+
+from __future__ import annotations
+
+import time
+
+from dlrover.api.master import FailureRecord, JobStatus
+from dlrover.client.master_client import MasterClient
+from dlrover.constants import TF_CLUSTER_KEY, TF_PS_GENERATION_KEY
+from dlrover.coordination import PsGeneration, TfCluster
+from dlrover.runner.records import FinalState, JobRecord, read_final, read_record
+
+NODE_HEADERS = {"ray": "ray actor", "kubernetes": "pod"}
+"""The first column's header by engine: what the node's id names there (else ``node``)."""
+
+
+def status_table(status: JobStatus, master_host: str = "", engine: str = "") -> str:
+    """The job's state line and node table: each node's id (the Ray actor's or pod's name on
+    those engines), rank, state, progress, usage and process ids (the agent's and its workers'
+    by local rank, on the node's host)."""
+    lines = [
+        f"job {status.job_name}: {status.state} (round {status.round}, goodput "
+        f"{status.goodput:.1%})" + (f" - {status.reason}" if status.reason else "")
+    ]
+    if status.metrics_port and not status.ended:
+        lines.append(f"dashboard: http://{master_host or 'MASTER'}:{status.metrics_port}/")
+    if status.node_check:
+        lines.append(status.node_check)
+    if status.autoscale:
+        lines.append(status.autoscale)
+    check = any(n.check for n in status.nodes)
+    score = any(n.score for n in status.nodes)
+    timed = any(n.step_wall_s for n in status.nodes)
+    header = NODE_HEADERS.get(engine, "node")
+    lines.append(
+        f"{header:<28} {'rank':>4} {'state':<10} {'step':>8} {'restarts':>8} {'cpu%':>6} "
+        f"{'mem MB':>8} {'pid':>8} {'worker pids':<16}"
+        + (f" {'s/step':>7} {'data':>6} {'ckpt':>6}" if timed else "")
+        + (f" {'score':>6}" if score else "")
+        + ("  check" if check else "")
+    )
+    for n in sorted(status.nodes, key=lambda n: (n.node_rank, n.node_id)):
+        workers = ",".join(str(p) for p in n.worker_pids) or "-"
+        lines.append(
+            f"{n.node_id:<28} {n.node_rank:>4} {n.state:<10} {n.step:>8} "
+            f"{n.restart_count:>8} {n.cpu_percent:>6.0f} {n.memory_bytes / 2**20:>8.0f} "
+            f"{n.pid or '-':>8} {workers:<16}"
+            + (
+                f" {n.step_wall_s:>7.3f} {n.step_data_s:>6.3f} {n.step_checkpoint_s:>6.3f}"
+                if timed
+                else ""
+            )
+            + (f" {n.score:>6.2f}" if score else "")
+            + (f"  {n.check}" if check else "")
+        )
+    if status.embedding_servers:
+        lines.append(
+            f"{'embedding server':<28} {'address':<22} {'rows':>10} {'MB':>8} {'ids/s':>9}"
+        )
+        for e in status.embedding_servers:
+            lines.append(
+                f"{'ps ' + str(e.index):<28} {e.address:<22} {e.rows:>10} "
+                f"{e.bytes / 2**20:>8.1f} {e.lookups_per_s:>9.0f}"
+            )
+    return "\n".join(lines)
+
+
+def failure_lines(failures: tuple[FailureRecord, ...], full: bool = False) -> list[str]:
+    """The failures as `dlrover diagnose` lists them: a header, then one line each (``full``:
+    with the whole root cause indented under it)."""
+    lines = [f"{'time':<8}  {'node':<28} {'class':<12} {'action':<17} root cause"]
+    for f in failures:
+        cause = f.root_cause.strip() or "-"
+        first = cause.splitlines()[0]
+        stamp = time.strftime("%H:%M:%S", time.localtime(f.at))
+        lines.append(
+            f"{stamp:<8}  {f.node_id:<28} {f.failure_class.value:<12} {f.action:<17} {first}"
+        )
+        if full and cause != first:
+            lines.append("    " + cause.replace("\n", "\n    "))
+    return lines
+
+
+def final_text(record: JobRecord, final: FinalState | None) -> str:
+    """An ended job's status: its outcome, then (when it left them) its last node table, the
+    scale plans acted on and its failures."""
+    head = f"job {record.name}: {record.state}" + (f" - {record.reason}" if record.reason else "")
+    if final is None:
+        return head  # it ended before serving, or an older DLRover ran it
+    lines = [head, status_table(final.status, engine=record.engine).split("\n", 1)[1]]
+    lines.append(f"plans ({len(final.plans)}):" if final.plans else "plans: none")
+    for at, text in final.plans:
+        lines.append(f"  {time.strftime('%H:%M:%S', time.localtime(at))}  {text}")
+    if final.failures:
+        lines.append(f"failures ({len(final.failures)}):")
+        lines.extend("  " + line for line in failure_lines(final.failures))
+    else:
+        lines.append("failures: none")
+    return "\n".join(lines)
+
+
+def status_text(name: str) -> tuple[str, bool]:
+    """The job's status as ``dlrover status`` prints it, and whether the job has ended (then the
+    text is its final state). Raises MasterClientError if its master does not answer."""
+    record = read_record(name)
+    if not record.reachable:
+        return final_text(record, read_final(name)), True
+    client = MasterClient(record.master_addr, record.token, rpc_timeout_s=5)
+    try:
+        host = record.master_addr.rsplit(":", 1)[0]
+        text = status_table(client.get_job_status(), host, record.engine)
+        return text + tf_cluster_text(client), False
+    finally:
+        client.close()
+
+
+def tf_cluster_text(client: MasterClient) -> str:
+    """A TensorFlow job's cluster spec and ps generation, from the master's KV ("" otherwise)."""
+    raw = client.kv_get(TF_CLUSTER_KEY)
+    if not raw:
+        return ""
+    cluster = TfCluster.decode(raw)
+    generation = client.kv_get(TF_PS_GENERATION_KEY)
+    ps = f", ps generation {PsGeneration.decode(generation).generation}" if generation else ""
+    lines = [f"\ntensorflow cluster version {cluster.version}{ps}:"]
+    for role, addresses in cluster.cluster.items():
+        lines.append(f"  {role:<8} " + "  ".join(f"{i}={a}" for i, a in enumerate(addresses)))
+    return "\n".join(lines)
