@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 import uuid
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,8 +17,10 @@ from typing import Any
 
 import torch
 
+from dlrover.agent.bootstrap import read_script_result
 from dlrover.checkpoint.config import ENV_CHECKPOINT_SOCKET
 from dlrover.checkpoint.saver import CheckpointSaver
+from dlrover.constants import ENV_DONE_FILE
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -155,33 +158,60 @@ def kill(proc: subprocess.Popen[bytes]) -> None:
 
 
 def run_ranks(
-    module: str, args: list[str], envs: list[dict[str, str]], *, kill_at_rank: int | None = None,
-    timeout: float = 180.0,
+    module: str, args: list[str], envs: list[dict[str, str]], logs: Path, *,
+    kill_at_rank: int | None = None, timeout: float = 600.0,
 ) -> None:  # fmt: skip
-    """Run ``python -m module *args`` once per env (one per rank) to completion and fail with
-    their output if any fails. ``kill_at_rank``: that rank SIGKILLs itself; the others, waiting
-    for it in a collective, are killed once it is gone."""
-    procs = [
-        subprocess.Popen([sys.executable, "-m", module, *args], cwd=REPO, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        for env in envs
-    ]  # fmt: skip
-    outputs: list[str] = []
+    """Run ``module`` once per env (one per rank) as our agent starts a worker (through the
+    bootstrap, output to ``logs/rank_<r>.log``) and fail with a rank's log if its script did
+    not return 0. ``kill_at_rank``: that rank SIGKILLs itself; the others, waiting for it in a
+    collective, are killed once it is gone.
+
+    A rank is judged as the agent judges it, by what its script returned (the bootstrap's done
+    file), not by the process's exit status: torch 2.13 with gloo at times aborts in interpreter
+    shutdown after the script has returned ("terminate called without an active exception",
+    docs/fault_tolerance.md). Such an abort is reported as a warning, with the rank's log."""
+    logs.mkdir(parents=True, exist_ok=True)
+    done = [logs / f"rank_{rank}.result" for rank in range(len(envs))]
+    procs = []
+    for rank, env in enumerate(envs):
+        with (logs / f"rank_{rank}.log").open("wb") as out:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "dlrover.agent.bootstrap", "-m", module, *args],
+                    cwd=REPO, env={**env, ENV_DONE_FILE: str(done[rank])},
+                    stdout=out, stderr=subprocess.STDOUT,
+                )
+            )  # fmt: skip
+    deadline = time.monotonic() + timeout
     try:
         if kill_at_rank is not None:
             procs[kill_at_rank].wait(timeout)
             for proc in procs:
                 if proc.poll() is None:
                     proc.kill()
-        outputs = [proc.communicate(timeout=timeout)[0].decode() for proc in procs]
+        for proc in procs:
+            proc.wait(max(1.0, deadline - time.monotonic()))
     finally:
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(10)
+
+    def log_of(rank: int) -> str:
+        return (logs / f"rank_{rank}.log").read_text(errors="replace")[-5000:]
+
     if kill_at_rank is not None:
         killed = procs[kill_at_rank]
-        assert killed.returncode == -signal.SIGKILL, outputs[kill_at_rank][-3000:]
+        assert killed.returncode == -signal.SIGKILL, log_of(kill_at_rank)
         return
-    for proc, text in zip(procs, outputs, strict=True):
-        assert proc.returncode == 0, text[-5000:]
+    for rank, proc in enumerate(procs):
+        returned = read_script_result(str(done[rank]))
+        assert returned == 0, (
+            f"rank {rank}: script returned {returned}, exit {proc.returncode}:\n{log_of(rank)}"
+        )
+        if proc.returncode != 0:
+            warnings.warn(
+                f"rank {rank} of {module} returned 0 from its script, then ended with "
+                f"{proc.returncode} in interpreter shutdown:\n{log_of(rank)[-1500:]}",
+                stacklevel=2,
+            )
