@@ -7,6 +7,7 @@ import logging
 import re
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from dlrover.checkpoint.config import (
@@ -28,7 +29,6 @@ from dlrover.checkpoint.storage import Storage
 
 log = logging.getLogger(__name__)
 
-_STEP_RE = re.compile(r"^step_(\d+)$")
 FileTable = dict[str, dict[str, int]]  # file name -> {"size": n, "crc32": c}
 Finalizer = Callable[["Catalog", int, list[dict[str, Any]]], FileTable]
 
@@ -39,11 +39,50 @@ Finalizer = Callable[["Catalog", int, list[dict[str, Any]]], FileTable]
 #   <dir>/step_<n>/node_<k>.json       the files node k wrote, with sizes and CRC32s
 #   <dir>/step_<n>/manifest.json       all files of the step; written once every node is done
 #   <dir>/latest                       the newest committed step; written last (temp + rename)
+# A format may name the step directories and the marker as its framework does (StepNaming):
+# DeepSpeed's global_step<n>/ and "latest" holding "global_step<n>", Megatron-LM's iter_<n:07>/
+# and latest_checkpointed_iteration.txt holding "<n>".
+
+
+@dataclass(frozen=True)
+class StepNaming:
+    """How a format names each step's directory and the marker of the newest committed step:
+    ``<dir_prefix><step, zero-padded to digits>`` and ``latest_file`` holding
+    ``<latest_prefix><step>``. The default is ours: ``step_<n>`` and ``latest`` = ``<n>``."""
+
+    dir_prefix: str = "step_"
+    digits: int = 0
+    latest_file: str = LATEST_FILE
+    latest_prefix: str = ""
+
+    def dir(self, step: int) -> str:
+        """The directory of ``step``, relative to the storage root."""
+        return f"{self.dir_prefix}{step:0{self.digits}d}"
+
+    def parse_dir(self, name: str) -> int | None:
+        """The step a directory named ``name`` holds; None if it is not a step directory."""
+        match = re.fullmatch(re.escape(self.dir_prefix) + r"(\d+)", name)
+        return int(match.group(1)) if match else None
+
+    def latest_text(self, step: int) -> str:
+        """What the marker holds once ``step`` is the newest committed one."""
+        return f"{self.latest_prefix}{step}"
+
+    def parse_latest(self, text: str) -> int | None:
+        """The step the marker's ``text`` names; None if malformed."""
+        if not text.startswith(self.latest_prefix):
+            return None
+        rest = text[len(self.latest_prefix) :]
+        return int(rest) if rest.isdigit() else None
+
+
+DEFAULT_NAMING = StepNaming()
+"""``step_<n>`` directories and ``latest`` holding ``<n>`` (the plain and DCP formats)."""
 
 
 def step_dir(step: int) -> str:
-    """The directory of ``step``, relative to the storage root: ``step_<n>``."""
-    return f"step_{step}"
+    """The directory of ``step`` in the default naming, relative to the storage root."""
+    return DEFAULT_NAMING.dir(step)
 
 
 def crc32_file(storage: Storage, rel: str) -> tuple[int, int]:
@@ -59,18 +98,28 @@ def crc32_file(storage: Storage, rel: str) -> tuple[int, int]:
 class Catalog:
     """Reads and writes checkpoint steps on one Storage; keeps the newest ``keep_last`` steps."""
 
-    def __init__(self, storage: Storage, keep_last: int = DEFAULT_KEEP_LAST) -> None:
+    def __init__(
+        self,
+        storage: Storage,
+        keep_last: int = DEFAULT_KEEP_LAST,
+        naming: StepNaming = DEFAULT_NAMING,
+    ) -> None:
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {keep_last}")
         self.storage = storage
         self.keep_last = keep_last
+        self.naming = naming
+
+    def step_dir(self, step: int) -> str:
+        """The directory of ``step``, relative to the storage root (in this catalog's naming)."""
+        return self.naming.dir(step)
 
     # ------------------------------------------------------------------ writing
     def persist_plain_part(
         self, step: int, part: str, seg: SharedSegment, meta: dict[str, Any], seq: int
     ) -> FileTable:
         """Stream the data of ``seg`` (holding ``step`` at ``seq``) into the step directory."""
-        rel = step_dir(step)
+        rel = self.step_dir(step)
         self.storage.makedirs(rel)
         data_len = int(meta["data_len"])
         data = seg.buffer[HEADER_SIZE : HEADER_SIZE + data_len]
@@ -94,7 +143,7 @@ class Catalog:
         the committer's finalizer); ``commit`` merges these records into the manifest."""
         doc = {"step": step, "node_rank": node_rank, "files": files, "extra": extra or {}}
         self.storage.write_atomic(
-            f"{step_dir(step)}/node_{node_rank}.json", json.dumps(doc).encode()
+            f"{self.step_dir(step)}/node_{node_rank}.json", json.dumps(doc).encode()
         )
 
     def commit(self, step: int, fmt: str, finalize: Finalizer | None = None) -> None:
@@ -104,7 +153,7 @@ class Catalog:
         ``finalize(catalog, step, extras)`` may write more files (DCP's .metadata) from the
         nodes' ``extra`` documents before the manifest is written; it returns their entries.
         """
-        rel = step_dir(step)
+        rel = self.step_dir(step)
         files: FileTable = {}
         extras: list[dict[str, Any]] = []
         for name in self.storage.listdir(rel):
@@ -118,45 +167,46 @@ class Catalog:
         self.storage.write_atomic(f"{rel}/{MANIFEST_FILE}", json.dumps(manifest).encode())
         latest = self.latest_step()
         if latest is None or step > latest:
-            self.storage.write_atomic(LATEST_FILE, str(step).encode())
+            self.storage.write_atomic(
+                self.naming.latest_file, self.naming.latest_text(step).encode()
+            )
 
     def collect_garbage(self) -> None:
         """Delete committed steps beyond the newest ``keep_last`` and stale uncommitted ones."""
         latest = self.latest_step()
         steps = self.steps()
-        committed = [s for s in steps if self.storage.exists(f"{step_dir(s)}/{MANIFEST_FILE}")]
+        committed = [s for s in steps if self.storage.exists(f"{self.step_dir(s)}/{MANIFEST_FILE}")]
         keep = set(committed[-self.keep_last :])
         for s in steps:
             # Uncommitted steps newer than latest may still be in flight; leave them alone.
             if s not in keep and (latest is None or s < latest):
-                self.storage.remove_tree(step_dir(s))
+                self.storage.remove_tree(self.step_dir(s))
 
     # ------------------------------------------------------------------ reading
     def steps(self) -> list[int]:
         """Every step that has a directory, committed or not, ascending."""
-        found = (_STEP_RE.match(n) for n in self.storage.listdir(""))
-        return sorted(int(m.group(1)) for m in found if m)
+        found = (self.naming.parse_dir(n) for n in self.storage.listdir(""))
+        return sorted(step for step in found if step is not None)
 
     def latest_step(self) -> int | None:
         """The step the "latest" marker names; None if there is no marker or it is malformed
         (logged). Raises CheckpointStorageError if it cannot be read."""
+        marker = self.naming.latest_file
         try:
-            text = self.storage.read_bytes(LATEST_FILE).decode().strip()
+            text = self.storage.read_bytes(marker).decode().strip()
         except FileNotFoundError:
             return None
         except OSError as exc:
-            raise CheckpointStorageError(
-                f"cannot read {self.storage.url(LATEST_FILE)}: {exc}"
-            ) from exc
-        if not text.isdigit():
-            log.warning("ignoring malformed marker %s: %r", self.storage.url(LATEST_FILE), text)
-            return None
-        return int(text)
+            raise CheckpointStorageError(f"cannot read {self.storage.url(marker)}: {exc}") from exc
+        step = self.naming.parse_latest(text)
+        if step is None:
+            log.warning("ignoring malformed marker %s: %r", self.storage.url(marker), text)
+        return step
 
     def manifest(self, step: int) -> dict[str, Any]:
         """The manifest of ``step``, not verified (see ``verify``); raises CheckpointCorruptError if
         it is missing (never committed) or not JSON."""
-        rel = f"{step_dir(step)}/{MANIFEST_FILE}"
+        rel = f"{self.step_dir(step)}/{MANIFEST_FILE}"
         try:
             manifest: dict[str, Any] = json.loads(self.storage.read_bytes(rel))
         except FileNotFoundError as exc:
@@ -177,7 +227,7 @@ class Catalog:
 
         def check(name: str) -> None:
             info = manifest["files"][name]
-            rel = f"{step_dir(step)}/{name}"
+            rel = f"{self.step_dir(step)}/{name}"
             try:
                 size, crc = self.storage.checksum(rel)
             except FileNotFoundError as exc:
@@ -260,7 +310,7 @@ class Catalog:
         # only writes parts, imports this module without it.
         from dlrover.checkpoint.part_reader import plan_part
 
-        rel = step_dir(step)
+        rel = self.step_dir(step)
         files = self.manifest(step)["files"]
         data_name, meta_name = f"{part}.bin", f"{part}.meta.json"
         for name in (data_name, meta_name):

@@ -381,7 +381,8 @@ class CheckpointEngine:
 
     def catalog(self, resume_path: str = "") -> Catalog:
         """The checkpoints committed to storage (or to ``resume_path``), to list or load from."""
-        return Catalog(storage_for(resume_path) if resume_path else self.storage, self.keep_last)
+        storage = storage_for(resume_path) if resume_path else self.storage
+        return Catalog(storage, self.keep_last, self.format.naming)
 
     # ------------------------------------------------------------------ lifecycle
     def _check_writable(self) -> None:

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, Protocol
 
-from dlrover.checkpoint.catalog import Catalog, FileTable, Finalizer, step_dir
+from dlrover.checkpoint.catalog import DEFAULT_NAMING, Catalog, FileTable, Finalizer, StepNaming
 from dlrover.checkpoint.errors import CheckpointError
 from dlrover.checkpoint.header import read_metadata
 from dlrover.checkpoint.shm import SharedSegment
@@ -57,6 +57,9 @@ class CheckpointFormat(Protocol):
     name: str
     """The name on the saver's socket (``PersistSpec.fmt``) and in the manifest ("format")."""
 
+    naming: StepNaming
+    """How its step directories and the newest-step marker are named on storage."""
+
     def saves_to_memory(self, place: Placement) -> bool:
         """Whether ``place`` copies into shared memory: every rank its own part (sharded state),
         or local rank 0 the node's copy (replicated state)."""
@@ -105,6 +108,7 @@ class PlainFormat:
     ``rank_<r>.meta.json`` per saving rank, loaded by reading ``rank_0`` back."""
 
     name = "plain"
+    naming = DEFAULT_NAMING
 
     def saves_to_memory(self, place: Placement) -> bool:
         """Local rank 0 keeps the node's copy (every rank holds the same state)."""
@@ -166,6 +170,7 @@ class DcpFormat:
     torch.distributed.checkpoint files, so DCP reads a step directory at any world size."""
 
     name = "dcp"
+    naming = DEFAULT_NAMING
 
     def saves_to_memory(self, place: Placement) -> bool:
         """Every rank copies its own shards."""
@@ -224,12 +229,63 @@ class DcpFormat:
         found = catalog.newest_valid(not_newer_than)
         if found is None:
             return None
-        load_dcp(catalog.storage.url(step_dir(found[0])), target)
+        load_dcp(catalog.storage.url(catalog.step_dir(found[0])), target)
         return found[0], target
 
 
+class TorchFilesFormat(DcpFormat):
+    """A framework's own checkpoint files (DeepSpeed's, Megatron-LM's): every rank copies the
+    files it would ``torch.save`` (and those it needs to load) into its own slot; the agent
+    writes them with ``torch.save`` into a step directory named as the framework names it, so
+    the framework's own loader reads storage. Who saves, persists and loads: as DCP's."""
+
+    def __init__(self, name: str, naming: StepNaming) -> None:
+        self.name = name
+        self.naming = naming
+
+    def write_parts(
+        self, catalog: Catalog, step: int, ranks: Mapping[int, int], segs: dict[int, SharedSegment]
+    ) -> tuple[FileTable, dict[str, Any], Finalizer | None]:
+        """Each slot's files, written with ``torch.save`` (torch only here, as DCP's)."""
+        from dlrover.checkpoint.torch_files import persist_torch_files
+
+        return persist_torch_files(catalog, step, ranks, segs), {}, None
+
+    def load_newest(
+        self, catalog: Catalog, target: Any, not_newer_than: int | None
+    ) -> tuple[int, Any] | None:
+        """The newest step that verifies, not read: ``{"dir": its directory's URL, "files":
+        its file names}``, for the framework's own loader to read."""
+        found = catalog.newest_valid(not_newer_than)
+        if found is None:
+            return None
+        step, manifest = found
+        return step, {
+            "dir": catalog.storage.url(catalog.step_dir(step)),
+            "files": manifest["files"],
+        }
+
+
+DEEPSPEED_NAMING = StepNaming(
+    dir_prefix="global_step", latest_file="latest", latest_prefix="global_step"
+)
+"""DeepSpeed's default tags: ``global_step<n>/`` and ``latest`` holding ``global_step<n>``."""
+
+MEGATRON_NAMING = StepNaming(
+    dir_prefix="iter_", digits=7, latest_file="latest_checkpointed_iteration.txt"
+)
+"""Megatron-LM's: ``iter_<n, 7 digits>/`` and ``latest_checkpointed_iteration.txt`` holding ``<n>``."""
+
 FORMATS: Mapping[str, CheckpointFormat] = MappingProxyType(
-    {f.name: f for f in (PlainFormat(), DcpFormat())}
+    {
+        f.name: f
+        for f in (
+            PlainFormat(),
+            DcpFormat(),
+            TorchFilesFormat("deepspeed", DEEPSPEED_NAMING),
+            TorchFilesFormat("megatron", MEGATRON_NAMING),
+        )
+    }
 )
 """Every checkpoint format by name (read-only: a format is added here, in one place)."""
 

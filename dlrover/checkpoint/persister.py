@@ -166,7 +166,8 @@ class Persister:
         """The newest step committed to ``spec``'s directory (storage asked once)."""
         with self._cond:
             if spec.checkpoint_dir not in self.committed:
-                latest = Catalog(self._storage_factory(spec.checkpoint_dir)).latest_step()
+                storage = self._storage_factory(spec.checkpoint_dir)
+                latest = Catalog(storage, naming=format_named(spec.fmt).naming).latest_step()
                 if latest is not None:
                     self.committed[spec.checkpoint_dir] = latest
             return self.committed.get(spec.checkpoint_dir)
@@ -184,7 +185,11 @@ class Persister:
                 assert held is not None  # slots_hold
                 buffers.persisting[held] = step
         started = time.monotonic()
-        catalog = Catalog(self._storage_factory(spec.checkpoint_dir), spec.keep_last)
+        catalog = Catalog(
+            self._storage_factory(spec.checkpoint_dir),
+            spec.keep_last,
+            format_named(spec.fmt).naming,
+        )
         try:
             try:
                 finalize = self._write_parts(catalog, step, spec)

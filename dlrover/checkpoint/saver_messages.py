@@ -23,7 +23,8 @@ class PersistSpec:
 
     checkpoint_dir: str
     slots: dict[int, int]  # local slot -> global rank whose part it is
-    fmt: Literal["plain", "dcp"]  # rank_<r>.bin + meta, or torch.distributed.checkpoint files
+    # rank_<r>.bin + meta, torch.distributed.checkpoint files, or a framework's torch.save files
+    fmt: Literal["plain", "dcp", "deepspeed", "megatron"]
     node_rank: int
     persist_nodes: int  # how many nodes write parts of a step; the commit waits for all
     keep_last: int

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 import uuid
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,8 +17,10 @@ from typing import Any
 
 import torch
 
+from dlrover.agent.bootstrap import read_script_result
 from dlrover.checkpoint.config import ENV_CHECKPOINT_SOCKET
 from dlrover.checkpoint.saver import CheckpointSaver
+from dlrover.constants import ENV_DONE_FILE
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -152,3 +155,63 @@ def run_workers(args: list[str], envs: list[dict[str, str]], timeout: float = 60
 def kill(proc: subprocess.Popen[bytes]) -> None:
     proc.send_signal(signal.SIGKILL)
     proc.wait(10)
+
+
+def run_ranks(
+    module: str, args: list[str], envs: list[dict[str, str]], logs: Path, *,
+    kill_at_rank: int | None = None, timeout: float = 600.0,
+) -> None:  # fmt: skip
+    """Run ``module`` once per env (one per rank) as our agent starts a worker (through the
+    bootstrap, output to ``logs/rank_<r>.log``) and fail with a rank's log if its script did
+    not return 0. ``kill_at_rank``: that rank SIGKILLs itself; the others, waiting for it in a
+    collective, are killed once it is gone.
+
+    A rank is judged as the agent judges it, by what its script returned (the bootstrap's done
+    file), not by the process's exit status: torch 2.13 with gloo at times aborts in interpreter
+    shutdown after the script has returned ("terminate called without an active exception",
+    docs/fault_tolerance.md). Such an abort is reported as a warning, with the rank's log."""
+    logs.mkdir(parents=True, exist_ok=True)
+    done = [logs / f"rank_{rank}.result" for rank in range(len(envs))]
+    procs = []
+    for rank, env in enumerate(envs):
+        with (logs / f"rank_{rank}.log").open("wb") as out:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "dlrover.agent.bootstrap", "-m", module, *args],
+                    cwd=REPO, env={**env, ENV_DONE_FILE: str(done[rank])},
+                    stdout=out, stderr=subprocess.STDOUT,
+                )
+            )  # fmt: skip
+    deadline = time.monotonic() + timeout
+    try:
+        if kill_at_rank is not None:
+            procs[kill_at_rank].wait(timeout)
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+        for proc in procs:
+            proc.wait(max(1.0, deadline - time.monotonic()))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+
+    def log_of(rank: int) -> str:
+        return (logs / f"rank_{rank}.log").read_text(errors="replace")[-5000:]
+
+    if kill_at_rank is not None:
+        killed = procs[kill_at_rank]
+        assert killed.returncode == -signal.SIGKILL, log_of(kill_at_rank)
+        return
+    for rank, proc in enumerate(procs):
+        returned = read_script_result(str(done[rank]))
+        assert returned == 0, (
+            f"rank {rank}: script returned {returned}, exit {proc.returncode}:\n{log_of(rank)}"
+        )
+        if proc.returncode != 0:
+            warnings.warn(
+                f"rank {rank} of {module} returned 0 from its script, then ended with "
+                f"{proc.returncode} in interpreter shutdown:\n{log_of(rank)[-1500:]}",
+                stacklevel=2,
+            )

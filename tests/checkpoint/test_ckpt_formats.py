@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from dlrover.checkpoint.catalog import DEFAULT_NAMING, Catalog
 from dlrover.checkpoint.engine import WorkerPlacement
 from dlrover.checkpoint.errors import CheckpointError
-from dlrover.checkpoint.formats import FORMATS, DcpFormat, PlainFormat, format_named
+from dlrover.checkpoint.formats import (
+    FORMATS,
+    DcpFormat,
+    PlainFormat,
+    TorchFilesFormat,
+    format_named,
+)
+from dlrover.checkpoint.storage import storage_for
 
 # Rank 3 of a job of 2 nodes x 2 ranks: node 1, local rank 1.
 PLACE = WorkerPlacement(rank=3, local_rank=1, world_size=4, local_world_size=2, node_rank=1,
@@ -15,12 +25,13 @@ NODE_LEADER = WorkerPlacement(2, 0, 4, 2, 1, 1)
 JOB_LEADER = WorkerPlacement(0, 0, 4, 2, 0, 1)
 
 
-def test_the_registry_names_both_formats_and_refuses_an_unknown_one() -> None:
-    assert sorted(FORMATS) == ["dcp", "plain"]
+def test_the_registry_names_every_format_and_refuses_an_unknown_one() -> None:
+    assert sorted(FORMATS) == ["dcp", "deepspeed", "megatron", "plain"]
     assert isinstance(format_named("plain"), PlainFormat)
     assert isinstance(format_named("dcp"), DcpFormat)
+    assert isinstance(format_named("deepspeed"), TorchFilesFormat)
     with pytest.raises(
-        CheckpointError, match=r"unknown checkpoint format 'zip'; known: dcp, plain"
+        CheckpointError, match=r"unknown checkpoint format 'zip'; known: dcp, deepspeed, megatron"
     ):
         format_named("zip")
     with pytest.raises(TypeError):
@@ -53,3 +64,37 @@ def test_dcp_saves_and_persists_every_rank_and_loads_only_the_same_rank_and_worl
     assert dcp.replicas(2) == 2
     assert dcp.ranks_to_match(PLACE) == {0: 2, 1: 3} and dcp.world_size_to_match(PLACE) == 4
     assert dcp.reads_directly(PLACE)
+
+
+def test_framework_formats_name_steps_and_the_marker_as_their_frameworks_do(tmp_path: Path) -> None:
+    deepspeed, megatron = format_named("deepspeed"), format_named("megatron")
+    assert (deepspeed.naming.dir(40), megatron.naming.dir(40)) == ("global_step40", "iter_0000040")
+    assert deepspeed.naming.latest_file == "latest"
+    assert megatron.naming.latest_file == "latest_checkpointed_iteration.txt"
+    assert (
+        deepspeed.naming.parse_dir("global_step7") == 7
+        and megatron.naming.parse_dir("iter_0000007") == 7
+    )
+    assert (
+        deepspeed.naming.parse_dir("step_7") is None
+        and DEFAULT_NAMING.parse_dir("global_step7") is None
+    )
+    assert deepspeed.naming.parse_latest("global_step7") == 7
+    assert (
+        deepspeed.naming.parse_latest("7") is None
+        and deepspeed.naming.parse_latest("global_stepx") is None
+    )
+    # Who saves and loads: as DCP's (every rank its own files, same ranks and world to load).
+    assert all(megatron.saves_to_memory(p) and megatron.persists(p) for p in (PLACE, JOB_LEADER))
+    assert (
+        megatron.ranks_to_match(PLACE) == {0: 2, 1: 3} and megatron.world_size_to_match(PLACE) == 4
+    )
+    # A catalog in DeepSpeed's naming lists and marks only its own step directories.
+    catalog = Catalog(storage_for(str(tmp_path)), 2, deepspeed.naming)
+    for name in ("global_step3", "global_step12", "step_5", "zero_to_fp32.py"):
+        (tmp_path / name).mkdir()
+    assert catalog.steps() == [3, 12]
+    catalog.commit(12, "deepspeed")
+    assert (tmp_path / "latest").read_text() == "global_step12"
+    assert catalog.latest_step() == 12
+    assert (tmp_path / "global_step12" / "manifest.json").exists()

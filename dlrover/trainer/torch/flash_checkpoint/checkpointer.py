@@ -5,14 +5,13 @@ from __future__ import annotations
 import enum
 import logging
 import os
-import re
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from dlrover.checkpoint.catalog import Catalog, step_dir
+from dlrover.checkpoint.catalog import Catalog
 from dlrover.checkpoint.engine import CheckpointEngine
 from dlrover.checkpoint.errors import SegmentStateError
 from dlrover.checkpoint.saver_messages import HeldRequest
@@ -21,7 +20,6 @@ from dlrover.constants import ENV_CHECKPOINT_SOCKET
 
 log = logging.getLogger(__name__)
 
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 _FILE_SUFFIXES = frozenset({".pt", ".pth", ".bin", ".ckpt", ".safetensors"})
 
 
@@ -201,7 +199,9 @@ class Checkpointer:
         found = engine.format.load_newest(catalog, target, bound)
         if found is None:
             return None
-        log.info("loaded step %d from %s", found[0], catalog.storage.url(step_dir(found[0])))
+        log.info(
+            "loaded step %d from %s", found[0], catalog.storage.url(catalog.step_dir(found[0]))
+        )
         self.last_load_source = "storage"
         return found
 
@@ -232,14 +232,15 @@ def every_rank_holds(ok: bool) -> bool:
 
 def resolve_catalog(engine: CheckpointEngine, resume_path: str) -> tuple[Catalog, int | None]:
     """The catalog to load from and an upper bound on the step: a checkpoint directory or one
-    of its ``step_<n>`` directories."""
+    of its step directories (``step_<n>``, or as the engine's format names them)."""
     if not resume_path:
         return engine.catalog(), None
     base = os.path.basename(resume_path.rstrip("/"))
-    match = _STEP_DIR.match(base)
-    if match:
+    naming = engine.format.naming
+    step = naming.parse_dir(base)
+    if step is not None:
         parent = resume_path.rstrip("/")[: -len(base)].rstrip("/") or "."
-        return Catalog(storage_for(parent), engine.keep_last), int(match.group(1))
+        return Catalog(storage_for(parent), engine.keep_last, naming), step
     return engine.catalog(resume_path), None
 
 

@@ -1,0 +1,85 @@
+"""The agent's persist of a framework's own checkpoint files (torch.save) from shared memory."""
+
+from __future__ import annotations
+
+import io
+import posixpath
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from dlrover.checkpoint.catalog import Catalog, FileTable
+from dlrover.checkpoint.errors import CheckpointError, SegmentStateError
+from dlrover.checkpoint.header import HEADER_SIZE, read_metadata, read_seq
+from dlrover.checkpoint.layout import dtype_from_name, rebuild
+from dlrover.checkpoint.object_codec import decode_objects
+from dlrover.checkpoint.shm import SharedSegment
+
+# What a saving rank copies into its segment (a "torch files" state):
+#   {"files": {<name relative to the step directory>: <what torch.save writes there>},
+#    "persist": [<the names this rank writes to storage>], ...}
+# Every rank keeps, in memory, every file it needs to load (so a restarted rank loads from its
+# own slot), and persists only those its framework would have written from that rank.
+FILES_KEY = "files"
+PERSIST_KEY = "persist"
+
+
+def check_file_name(name: str) -> str:
+    """``name`` if it is a plain relative path inside a step directory; CheckpointError if not
+    (an absolute path or a ``..`` would write outside the step)."""
+    norm = posixpath.normpath(name)
+    if not name or norm != name or name.startswith("/") or norm.split("/")[0] == "..":
+        raise CheckpointError(
+            f"checkpoint file name {name!r} is not a path inside a step directory"
+        )
+    return name
+
+
+def persist_torch_files(
+    catalog: Catalog, step: int, ranks: Mapping[int, int], segs: dict[int, SharedSegment]
+) -> FileTable:
+    """Write each slot's files named in its ``persist`` list with ``torch.save`` into the step
+    directory, their tensors read straight from the segment (no copy of the state first)."""
+    rel_dir = catalog.step_dir(step)
+    catalog.storage.makedirs(rel_dir)
+    files: FileTable = {}
+    for slot, seg in segs.items():
+        seq, meta = read_metadata(seg)
+        if meta["step"] != step:
+            raise CheckpointError(f"slot {slot} (rank {ranks[slot]}) moved on from step {step}")
+        state = rebuild(meta, None, _viewer(seg))
+        for name in state.get(PERSIST_KEY, []):
+            check_file_name(name)
+            if name in files:
+                raise CheckpointError(f"two ranks of step {step} write {name}")
+            buf = io.BytesIO()
+            torch.save(decode_objects(state[FILES_KEY][name]), buf)
+            parent = posixpath.dirname(name)
+            if parent:
+                catalog.storage.makedirs(f"{rel_dir}/{parent}")
+            with buf.getbuffer() as data:
+                crc = catalog.storage.write_from(f"{rel_dir}/{name}", data)
+                files[name] = {"size": len(data), "crc32": crc}
+        if read_seq(seg) != seq:
+            raise SegmentStateError(f"segment {seg.path} was overwritten during the persist")
+    return files
+
+
+def _viewer(seg: SharedSegment) -> Any:
+    """A tensor placer whose tensors own exactly their bytes of the mapping (torch.save writes
+    a tensor's whole storage: a view into the segment's one big tensor would write all of it)."""
+
+    def place(index: int, entry: dict[str, Any], tgt: Any) -> torch.Tensor:
+        dtype = dtype_from_name(entry["dtype"])
+        if not entry["nbytes"]:
+            return torch.empty(entry["shape"], dtype=dtype)
+        raw = torch.frombuffer(
+            seg.buffer,
+            dtype=torch.uint8,
+            count=entry["nbytes"],
+            offset=HEADER_SIZE + entry["offset"],
+        )
+        return raw.view(dtype).view(entry["shape"])
+
+    return place

@@ -1,0 +1,230 @@
+"""DeepSpeedCheckpointer: flash checkpoints of a DeepSpeed engine, in DeepSpeed's own layout."""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from typing import Any
+
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
+    CheckpointCommitInfo,
+    CheckpointEngine,
+)
+
+from dlrover.checkpoint.errors import CheckpointError
+from dlrover.checkpoint.formats import DEEPSPEED_NAMING
+from dlrover.checkpoint.object_codec import decode_objects, encode_objects
+from dlrover.checkpoint.torch_files import FILES_KEY, PERSIST_KEY, check_file_name
+from dlrover.trainer.torch.flash_checkpoint.checkpointer import (
+    DEFAULT_SAVE_TIMEOUT_S,
+    Checkpointer,
+    StorageType,
+)
+
+__all__ = ["DeepSpeedCheckpointer", "StorageType"]
+
+log = logging.getLogger(__name__)
+
+
+class _MemoryFiles(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed's class is untyped
+    """A DeepSpeed checkpoint engine that writes nothing: ``save`` keeps each state dict by its
+    path, ``load`` answers from states given to it. DeepSpeed builds every file's state and
+    names it (ZeRO shards, model states, client state); this engine only collects them."""
+
+    def __init__(self, loads: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.name = "dlrover-flash"
+        self.saved: dict[str, Any] = {}
+        self._loads = loads or {}
+
+    def create(self, info: CheckpointCommitInfo) -> None:
+        """Nothing to prepare: the files go to shared memory."""
+
+    def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        """No directories: the agent creates them when it persists."""
+
+    def save(self, state_dict: Any, path: str) -> None:
+        """Keep ``state_dict`` as the content of ``path``."""
+        self.saved[os.path.normpath(path)] = state_dict
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        """The state kept for ``path``."""
+        try:
+            return self._loads[os.path.normpath(path)]
+        except KeyError:
+            raise CheckpointError(
+                f"DeepSpeed asked for {path}, which the checkpoint in memory does not hold"
+            ) from None
+
+    def commit(self, info: CheckpointCommitInfo) -> bool:
+        """Nothing to commit here: the agent's persist commits each step."""
+        return True
+
+
+class DeepSpeedCheckpointer(Checkpointer):
+    """Flash checkpoints of a DeepSpeed engine (ZeRO stages 0-3), used in place of
+    ``engine.save_checkpoint`` / ``engine.load_checkpoint``.
+
+    A save lets DeepSpeed build every file it would write from this rank (through DeepSpeed's
+    pluggable checkpoint engine, swapped in for the call), copies them into the agent's shared
+    memory and, with DISK, the agent writes them with ``torch.save`` in DeepSpeed's layout:
+    ``<dir>/global_step<n>/mp_rank_00_model_states.pt``, ZeRO's
+    ``*zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` (and, at stage 3, each rank's
+    ``zero_pp_rank_<r>_mp_rank_00_model_states.pt``), then ``<dir>/latest`` = ``global_step<n>``
+    once every rank's files are on storage. ``engine.load_checkpoint`` reads that directory.
+    Each rank also keeps in memory the model states file only data-parallel rank 0 writes, so
+    every rank can load from its own memory after a restart.
+    """
+
+    checkpoint_format = "deepspeed"
+
+    def __init__(
+        self,
+        engine: Any,
+        checkpoint_dir: str,
+        comm_backend: str = "",
+        deletion_strategy: Any = None,
+        save_timeout: float = DEFAULT_SAVE_TIMEOUT_S,
+        replica_count: int = 0,
+        *,
+        keep_last: int = 3,
+    ) -> None:
+        """``engine``: what ``deepspeed.initialize`` returned first; the rest as DdpCheckpointer's.
+        MoE engines are refused (their expert files are not collected yet)."""
+        if getattr(engine, "has_moe_layers", False):
+            raise CheckpointError(
+                "DeepSpeedCheckpointer does not save MoE layers yet; use engine.save_checkpoint"
+            )
+        super().__init__(
+            checkpoint_dir,
+            comm_backend=comm_backend,
+            deletion_strategy=deletion_strategy,
+            save_timeout=save_timeout,
+            replica_count=replica_count,
+            keep_last=keep_last,
+        )
+        self.ds_engine = engine
+
+    # ------------------------------------------------------------------ saving
+    def save_checkpoint(
+        self,
+        save_dir: str = "",
+        tag: str | None = None,
+        client_state: dict[str, Any] | None = None,
+        save_latest: bool = True,
+        storage_type: StorageType = StorageType.DISK,
+    ) -> bool:
+        """As ``engine.save_checkpoint(save_dir, tag, client_state)``, into shared memory (and,
+        with DISK, to ``save_dir`` in the background); every rank must call it (DeepSpeed's
+        save has collectives). ``save_dir`` defaults to the checkpoint directory; ``tag`` must
+        be None (``global_step<engine.global_steps>``) or ``global_step<n>``: the step is the
+        number. ``save_latest`` is accepted: ``latest`` is always written, last, when a step is
+        on storage. Returns True (no save is skipped) or raises CheckpointError."""
+        del save_latest  # the agent's commit moves `latest`
+        save_dir = save_dir or self.checkpoint_dir
+        step = self._step_of(tag)
+        tag = DEEPSPEED_NAMING.dir(step)
+        engine = self.ds_engine
+        collector = _MemoryFiles()
+        own_engine, writes_model = engine.checkpoint_engine, engine.save_non_zero_checkpoint
+        engine.checkpoint_engine = collector
+        # Every rank builds the model states file (only data-parallel rank 0 writes it): a
+        # restarted rank then loads it from its own memory.
+        engine.save_non_zero_checkpoint = True
+        try:
+            engine.save_checkpoint(
+                save_dir, tag, client_state=client_state or {}, save_latest=False
+            )
+        finally:
+            engine.checkpoint_engine = own_engine
+            engine.save_non_zero_checkpoint = writes_model
+        step_path = os.path.normpath(os.path.join(save_dir, tag))
+        files: dict[str, Any] = {}
+        for path, state in collector.saved.items():
+            name = os.path.relpath(path, step_path).replace(os.sep, "/")
+            files[check_file_name(name)] = encode_objects(state)
+        # Storage gets what DeepSpeed would have written from this rank: the model states file
+        # only where DeepSpeed writes it (data-parallel rank 0 below ZeRO-3).
+        persist = [n for n in files if writes_model or not n.endswith("_model_states.pt")]
+        state = {"tag": tag, FILES_KEY: files, PERSIST_KEY: persist}
+        return self._engine_for(save_dir).save(
+            step, state, persist=storage_type == StorageType.DISK
+        )
+
+    @staticmethod
+    def _parse_tag(tag: str) -> int:
+        step = DEEPSPEED_NAMING.parse_dir(str(tag))
+        if step is None:
+            raise CheckpointError(
+                f"tag {tag!r}: flash checkpoints name each step global_step<n> (DeepSpeed's "
+                "default); pass tag=None or tag=f'global_step{n}'"
+            )
+        return step
+
+    def _step_of(self, tag: str | None) -> int:
+        return int(self.ds_engine.global_steps) if tag is None else self._parse_tag(tag)
+
+    # ------------------------------------------------------------------ loading
+    def load_checkpoint(
+        self,
+        load_dir: str = "",
+        tag: str | None = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+        custom_load_fn: Any = None,
+    ) -> tuple[str | None, dict[str, Any] | None]:
+        """As ``engine.load_checkpoint``: (the loaded step's directory, the client state), or
+        (None, None) when there is no checkpoint. Every rank must call it. Without ``tag``, the
+        newest step: from shared memory when every rank holds one not older than storage's,
+        else the newest step on storage that verifies, read by DeepSpeed's own loader; a
+        ``tag`` (``global_step<n>``) loads that step from storage."""
+        load_dir = load_dir or self.checkpoint_dir
+        resume_path = ""
+        if tag is not None:
+            resume_path = os.path.join(load_dir, DEEPSPEED_NAMING.dir(self._parse_tag(tag)))
+        elif os.path.abspath(load_dir) != os.path.abspath(self.checkpoint_dir):
+            resume_path = load_dir
+        found = self._load_newest(resume_path, None)
+        if found is None:
+            return None, None
+        step, state = found
+        tag = DEEPSPEED_NAMING.dir(step)
+        options = {
+            "load_module_strict": load_module_strict,
+            "load_optimizer_states": load_optimizer_states,
+            "load_lr_scheduler_states": load_lr_scheduler_states,
+            "load_module_only": load_module_only,
+            "custom_load_fn": custom_load_fn,
+        }
+        if self.last_load_source == "storage":
+            step_dir = str(state["dir"])
+            _, client_state = self.ds_engine.load_checkpoint(
+                os.path.dirname(step_dir), tag, **options
+            )
+            return step_dir, client_state
+        return self._load_from_memory_files(load_dir, tag, state[FILES_KEY], options)
+
+    def _load_from_memory_files(
+        self, load_dir: str, tag: str, files: dict[str, Any], options: dict[str, Any]
+    ) -> tuple[str, dict[str, Any] | None]:
+        """Run DeepSpeed's own load over the files held in memory: DeepSpeed finds the model
+        states files by listing the step directory, so empty files stand in for their names in
+        a temporary directory, and the swapped-in checkpoint engine answers each read."""
+        engine = self.ds_engine
+        with tempfile.TemporaryDirectory(prefix="dlrover-ds-load-") as root:
+            loads = {}
+            for name, content in files.items():
+                path = os.path.normpath(os.path.join(root, tag, name))
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                open(path, "wb").close()
+                loads[path] = decode_objects(content)
+            own_engine = engine.checkpoint_engine
+            engine.checkpoint_engine = _MemoryFiles(loads)
+            try:
+                _, client_state = engine.load_checkpoint(root, tag, **options)
+            finally:
+                engine.checkpoint_engine = own_engine
+        return os.path.join(load_dir, tag), client_state
