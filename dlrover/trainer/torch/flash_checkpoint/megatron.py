@@ -20,7 +20,13 @@ from dlrover.trainer.torch.flash_checkpoint.checkpointer import (
     StorageType,
 )
 
-__all__ = ["MegatronCheckpointer", "StorageType", "checkpoint_file_name"]
+__all__ = [
+    "MegatronCheckpointer",
+    "StorageType",
+    "checkpoint_file_name",
+    "load_checkpoint",
+    "save_checkpoint",
+]
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +116,9 @@ class MegatronCheckpointer(Checkpointer):
             replica_count=replica_count,
             keep_last=keep_last,
         )
+        self.last_extra: dict[str, Any] = {}
+        """The loaded file's entries besides model, optimizer, scheduler and RNG (``iteration``,
+        ``num_floating_point_operations_so_far``, ``args``...)."""
 
     def save_checkpoint(
         self,
@@ -179,6 +188,11 @@ class MegatronCheckpointer(Checkpointer):
             optimizer.load_state_dict(content["optimizer"])
         if opt_param_scheduler is not None and "opt_param_scheduler" in content:
             opt_param_scheduler.load_state_dict(content["opt_param_scheduler"])
+        self.last_extra = {
+            k: v
+            for k, v in content.items()
+            if k not in ("model", "optimizer", "opt_param_scheduler", "rng_state")
+        }
         if load_rng and content.get("rng_state"):
             set_rng_state(content["rng_state"][0])
         iteration = int(content["iteration"])
@@ -189,3 +203,119 @@ class MegatronCheckpointer(Checkpointer):
     def iteration_dir(iteration: int) -> str:
         """The directory of ``iteration`` inside the checkpoint directory: ``iter_<n:07>``."""
         return MEGATRON_NAMING.dir(iteration)
+
+
+# --- DLRover's drop-in functions for Megatron-LM's training loop -------------------------------
+# Megatron-LM's `pretrain` calls `save_checkpoint(iteration, model, optimizer, opt_param_scheduler,
+# num_floating_point_operations_so_far)` and `load_checkpoint(model, optimizer,
+# opt_param_scheduler)`, with the directories in its global arguments (`--save`, `--load`).
+# DLRover users swap those two imports for these; a checkpointer is kept per directory, because
+# the functions are called once per save, and the shared memory must outlive the call.
+
+
+class _Checkpointers:
+    """The checkpointer of each directory the functions below were called with."""
+
+    def __init__(self) -> None:
+        self.by_dir: dict[str, MegatronCheckpointer] = {}
+
+    def get(self, checkpoint_dir: str, comm_backend: str) -> MegatronCheckpointer:
+        key = os.path.abspath(checkpoint_dir)
+        if key not in self.by_dir:
+            self.by_dir[key] = MegatronCheckpointer(key, comm_backend=comm_backend)
+        return self.by_dir[key]
+
+
+_CHECKPOINTERS = _Checkpointers()
+
+
+def _megatron_args() -> Any:
+    """Megatron-LM's global arguments (``megatron.training.get_args()``, or ``megatron.get_args``
+    of releases before megatron/training/)."""
+    try:
+        from megatron.training import get_args
+    except ImportError:
+        try:
+            from megatron import get_args  # type: ignore[attr-defined,no-redef]
+        except ImportError:
+            raise CheckpointError(
+                "save_checkpoint/load_checkpoint read the directories from Megatron-LM's "
+                "arguments (--save, --load), and Megatron-LM's megatron.training is not "
+                "importable here; pass checkpoint_dir=..., or use MegatronCheckpointer"
+            ) from None
+    return get_args()
+
+
+def _one_chunk(model: Any) -> torch.nn.Module:
+    """Megatron-LM passes its model as a list of chunks (one per virtual pipeline stage)."""
+    if isinstance(model, (list, tuple)):
+        if len(model) != 1:
+            raise CheckpointError(
+                f"a model of {len(model)} virtual pipeline chunks is not supported yet; "
+                "save without --num-layers-per-virtual-pipeline-stage"
+            )
+        model = model[0]
+    if not isinstance(model, torch.nn.Module):
+        raise CheckpointError(f"model must be a torch.nn.Module (or a list of one), not {model!r}")
+    return model
+
+
+def save_checkpoint(
+    iteration: int,
+    model: Any,
+    optimizer: Any,
+    opt_param_scheduler: Any,
+    num_floating_point_operations_so_far: float = 0,
+    storage_type: StorageType = StorageType.DISK,
+    storage: Any = None,
+    comm_backend: str = "",
+    *,
+    checkpoint_dir: str = "",
+) -> bool:
+    """Megatron-LM's ``save_checkpoint`` through flash checkpoint, as DLRover names it: this
+    rank's state goes to shared memory now, and with DISK to ``<--save>/iter_<n:07>/`` in the
+    background. ``checkpoint_dir`` stands in for Megatron-LM's ``--save``; ``storage`` is
+    accepted for DLRover's signature (storage is the local file system)."""
+    del storage
+    directory = checkpoint_dir or _megatron_args().save
+    return _CHECKPOINTERS.get(directory, comm_backend).save_checkpoint(
+        iteration,
+        _one_chunk(model),
+        optimizer,
+        opt_param_scheduler,
+        extra={"num_floating_point_operations_so_far": num_floating_point_operations_so_far},
+        storage_type=storage_type,
+    )
+
+
+def load_checkpoint(
+    model: Any,
+    optimizer: Any,
+    opt_param_scheduler: Any,
+    load_arg: str = "load",
+    strict: bool = True,
+    storage: Any = None,
+    comm_backend: str = "",
+    *,
+    checkpoint_dir: str = "",
+) -> tuple[int, float]:
+    """Megatron-LM's ``load_checkpoint`` through flash checkpoint: the newest iteration from
+    shared memory when every rank holds it, else from ``<--load>`` (``load_arg`` names the
+    argument, as in Megatron-LM). Returns ``(iteration, num_floating_point_operations_so_far)``,
+    as Megatron-LM's does, ``(0, 0)`` without a checkpoint. ``checkpoint_dir`` stands in for
+    the argument; memory is looked up under ``--save``, where the saves went."""
+    del storage
+    if checkpoint_dir:
+        save_dir = load_dir = checkpoint_dir
+    else:
+        args = _megatron_args()
+        load_dir = getattr(args, load_arg, None) or ""
+        save_dir = getattr(args, "save", None) or load_dir
+        if not save_dir:
+            raise CheckpointError(f"Megatron-LM's arguments name no --{load_arg} and no --save")
+    checkpointer = _CHECKPOINTERS.get(save_dir, comm_backend)
+    chunk = _one_chunk(model)
+    iteration = checkpointer.load_checkpoint(
+        chunk, optimizer, opt_param_scheduler, load_dir=load_dir, strict=strict
+    )
+    return iteration, float(checkpointer.last_extra.get("num_floating_point_operations_so_far", 0))
