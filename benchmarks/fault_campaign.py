@@ -1,6 +1,7 @@
 """Fault campaign: N seeded multi-node jobs, each with 1-4 random faults, under dlrover and torchrun.
 
 Run: PYTHONPATH=. python benchmarks/fault_campaign.py [--jobs 50] [--seed 1] [--no-torchrun]
+(``--list`` prints the drawn schedules; ``--only 1 4`` runs those jobs of the same draw)
 
 Each job is a real `dlrover submit` of 2 or 3 nodes x 1 worker on the local engine training
 benchmarks/fault_campaign_train.py (dynamic shards from the master, a flash checkpoint every
@@ -321,10 +322,22 @@ def main() -> None:
     p.add_argument("--deadline-s", type=float, default=240.0, help="per job, then it is hung")
     p.add_argument("--no-torchrun", action="store_true", help="dlrover only")
     p.add_argument("--json", default="", help="also write every job's result to this file")
+    p.add_argument("--only", type=int, nargs="+", default=[], help="run only these jobs (index)")
+    p.add_argument("--list", action="store_true", help="print the schedules and run nothing")
     a = p.parse_args()
     launchers = ["dlrover"] + ([] if a.no_torchrun else ["torchrun"])
     rng = random.Random(a.seed)
+    # Every job is drawn, so that --only N runs the same schedule as job N of a full campaign.
     schedules = [draw(rng, i) for i in range(a.jobs)]
+    if a.list:
+        for s in schedules:
+            print(f"{s.index}: {s.nodes} nodes, {s.steps} steps: {s.describe()}")
+        return
+    if a.only:
+        unknown = sorted(set(a.only) - set(range(a.jobs)))
+        if unknown:
+            raise SystemExit(f"--only {unknown}: the campaign has jobs 0..{a.jobs - 1}")
+        schedules = [s for s in schedules if s.index in a.only]
     expected = expected_hash()
     base = Path(tempfile.mkdtemp(prefix="dlrover-campaign-"))
     started = time.monotonic()
@@ -338,7 +351,7 @@ def main() -> None:
             floor[(launcher, nodes)] = r.wall_s
     results: dict[str, list[Result | None]] = {launcher: [] for launcher in launchers}
     print(
-        f"seed {a.seed}, {a.jobs} jobs; failure-free wall s: "
+        f"seed {a.seed}, {len(schedules)} of {a.jobs} jobs; failure-free wall s: "
         + ", ".join(f"{who} {n} nodes {s:.1f}" for (who, n), s in floor.items()),
         flush=True,
     )

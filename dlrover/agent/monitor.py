@@ -179,7 +179,9 @@ class WorkerMonitor:
         now = time.time()
         pids = self._group.pids
         watch_cpu = cfg.hang_warning_timeout_s > 0
-        done = set(self._done)
+        # A rank whose script returned reports no more steps: a slow interpreter exit (a
+        # throttled rank's teardown) is not a hang; the exit-hang watch judges it.
+        done = set(self._done) | self._returned()
         for local_rank, files in enumerate(self._plan.files):
             record = read_step_file(files.step_file)
             if record is not None:
@@ -210,6 +212,14 @@ class WorkerMonitor:
         if stalls:
             self._warn_stalls(stalls)
         return False
+
+    def _returned(self) -> set[int]:
+        """Running local ranks whose script has returned (their done file)."""
+        return {
+            local_rank
+            for local_rank, files in enumerate(self._plan.files)
+            if local_rank not in self._done and read_script_result(files.done_file) is not None
+        }
 
     def end_workers_hung_at_exit(self) -> list[int]:
         """End the workers hung at exit (see `ExitWatch`), after logging their stacks; each then

@@ -72,14 +72,22 @@ def _only(name: str) -> dict[str, str]:
 
 
 def restore_token(position: dict[str, Any]) -> str:
-    """Names one restore of ``position`` in this restart of the job: every rank restoring the same
-    checkpoint sends the same token, so the master applies it once."""
+    """Names one restore of ``position`` in this start of the workers (see attempt_id): every
+    rank restoring the same checkpoint sends the same token, so the master applies it once."""
     digest = hashlib.sha256(json.dumps(position, sort_keys=True).encode()).hexdigest()
     return f"{digest[:16]}@{attempt_id()}"
 
 
 def attempt_id() -> str:
-    """``<rendezvous round>.<restart count>``: the same on every rank of one start of the
-    workers, different after any restart or re-rendezvous."""
+    """Names one start of the job's workers alike on every rank: ``round-<n>``, the rendezvous
+    round they started in (every start under dlrover-run is a new round); without one (no
+    dlrover agent) ``restart-<n>``, the restart count.
+
+    Not the restart count under an agent: it is each node's own (the node whose worker failed
+    counts a restart, the others only re-form; a replacement node starts at 0), so ranks of one
+    start would name it differently, and each would apply the checkpoint's position again after
+    others had leased shards under it."""
     ctx = worker_context.WorkerContext.from_env()
-    return f"{ctx.rdzv_round}.{ctx.restart_count}"
+    if ctx.rdzv_round > 0:
+        return f"round-{ctx.rdzv_round}"
+    return f"restart-{ctx.restart_count}"
