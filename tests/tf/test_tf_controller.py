@@ -1,5 +1,6 @@
 """TensorFlow jobs without TensorFlow: the job spec's roles, and the master's TfController on a
-FakeEngine (cluster spec versions, ps generations, relaunches, OOM growth, the chief's end)."""
+FakeEngine (cluster spec versions, ps generations, relaunches, OOM growth, the chief's end, the
+nodes' usage and the job's throughput in the status and the metrics)."""
 
 from __future__ import annotations
 
@@ -7,16 +8,23 @@ import json
 
 import pytest
 
+from dlrover.api.wire import job_status_from_pb, job_status_to_pb
+from dlrover.cli.status_view import status_table
 from dlrover.constants import (
     PS_SCALE_KEY,
     TF_ADDRESS_KEY,
     TF_CLUSTER_KEY,
+    TF_PROGRESS_KEY,
     TF_PS_GENERATION_KEY,
     TF_READY_KEY,
+    TF_USAGE_KEY,
 )
+from dlrover.coordination import TfNodeUsage, TfProgress
 from dlrover.engines.base import FailureReason
 from dlrover.jobspec import JobSpecError, job_spec_from_dict
 from dlrover.master.job import JobMaster, JobMasterConfig, JobState
+from dlrover.master.local_api import LocalMasterApi
+from dlrover.master.metrics import JobMetrics
 from dlrover.master.relaunch_policy import OomPolicy
 from dlrover.master.state_store import MemoryStateStore
 from dlrover.master.tf_controller import TfController
@@ -225,3 +233,85 @@ def test_scaling_the_ps_out_publishes_a_new_cluster_and_generation() -> None:
     assert h.generation() == 2
     report = json.loads(h.job.kv.get(PS_SCALE_KEY) or b"{}")
     assert report["action"] == "scale" and report["servers"] == 3 and report["tf"]
+
+
+def test_every_role_is_in_the_status_the_metrics_and_the_table_with_its_usage() -> None:
+    h = Harness()
+    h.bring_up()
+    usage = TfNodeUsage(
+        cpu_percent=150.0, memory_bytes=300 * 2**20, peak_memory_bytes=310 * 2**20, pid=4321, at=1.0
+    )
+    h.job.kv.set(TF_USAGE_KEY + "tfjob-ps-1-0", usage.encode())
+    h.job.kv.set(TF_PROGRESS_KEY, TfProgress(batches=10, samples=2000, at=100.0).encode())
+    h.step()
+    h.job.kv.set(TF_PROGRESS_KEY, TfProgress(batches=30, samples=6000, at=102.0).encode())
+    h.engine.fail("tfjob-worker-0-0", FailureReason.SIGNAL)
+    h.step()
+
+    status = LocalMasterApi(h.job).get_job_status()
+    rows = {n.node_id: n for n in status.nodes}
+    assert [(n.role, n.node_rank) for n in status.nodes] == [
+        ("chief", 0),
+        ("ps", 0),
+        ("ps", 1),
+        ("worker", 0),
+        ("worker", 1),
+        ("evaluator", 0),
+    ]
+    ps1 = rows["tfjob-ps-1-0"]
+    assert (ps1.state, ps1.cpu_percent, ps1.memory_bytes, ps1.pid) == (
+        "running",
+        150.0,
+        300 * 2**20,
+        4321,
+    )
+    assert ps1.memory_limit_bytes == 2**30  # roles.ps.resources.memory
+    relaunched = rows["tfjob-worker-0-1"]
+    assert (relaunched.state, relaunched.restart_count) == ("pending", 1)
+    assert rows["tfjob-evaluator-0-0"].state == "pending"  # no report from it yet
+    assert (status.steps_per_s, status.samples_per_s) == (10.0, 2000.0)
+
+    # The status survives the wire, and `dlrover status` prints every role's row.
+    assert job_status_from_pb(job_status_to_pb(status)) == status
+    table = status_table(status)
+    assert "throughput: 2000 samples/s, 10.0 steps/s" in table
+    line = next(row for row in table.splitlines() if row.startswith("tfjob-ps-1-0"))
+    assert line.split() == [
+        "tfjob-ps-1-0",
+        "ps",
+        "1",
+        "running",
+        "-",
+        "0",
+        "150",
+        "300",
+        "1024",
+        "4321",
+        "-",
+    ]
+
+    metrics = JobMetrics(h.job).render().decode()
+    assert 'dlrover_node_memory_bytes{job_name="tfjob",node="tfjob-ps-1-0"} 3.145728e+08' in metrics
+    assert (
+        'dlrover_role_node_state{job_name="tfjob",node="tfjob-worker-0-1",role="worker",'
+        'state="pending"} 1.0' in metrics
+    )
+    assert (
+        'dlrover_role_node_relaunches{job_name="tfjob",node="tfjob-worker-0-1",role="worker"} 1.0'
+        in metrics
+    )
+    assert 'dlrover_samples_per_second{job_name="tfjob"} 2000.0' in metrics
+
+
+def test_a_report_that_does_not_decode_is_skipped_and_a_restore_restarts_the_rates() -> None:
+    h = Harness()
+    h.bring_up()
+    h.job.kv.set(TF_USAGE_KEY + "tfjob-ps-0-0", b'{"cpu_percent": "lots"}')
+    for batches, at in ((10, 100.0), (20, 101.0), (5, 102.0)):  # then a restored checkpoint
+        h.job.kv.set(TF_PROGRESS_KEY, TfProgress(batches, batches * 200, at).encode())
+        h.step()
+    assert h.controller.role_nodes()[1].cpu_percent == 0.0
+    assert h.controller.rates().steps_per_s == 0.0  # one report since the restore
+    h.job.kv.set(TF_PROGRESS_KEY, TfProgress(9, 1800, 104.0).encode())
+    h.step()
+    assert h.controller.rates().steps_per_s == 2.0

@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -355,6 +356,37 @@ def test_scaling_the_ps_from_two_to_three_re_partitions_the_model_from_a_checkpo
     _close_to_reference(report, reference)
     refused = dlrover_cli(job.home, "scale", "grow", "--role", "worker", "--count", "3")
     assert refused.returncode == 1  # the job ended; a running one says why (unit tests)
+
+
+def test_every_role_is_shown_with_its_usage_and_the_job_throughput(tmp_path: Path) -> None:
+    job = Job(tmp_path, "seen", shard_delay=0.3, evaluator=True)
+    job.wait_shards(13)  # the chief reported its progress after shards 4, 8 and 12
+    status = dlrover_cli(job.home, "status", "seen")
+    assert status.returncode == 0, status.stderr
+    rows = {line.split()[0]: line.split() for line in status.stdout.splitlines() if line}
+    for role, count in (("chief", 1), ("ps", 2), ("worker", 2), ("evaluator", 1)):
+        for index in range(count):
+            row = rows[f"seen-{role}-{index}-0"]
+            # node, role, rank, state, step, restarts, cpu%, mem MB, pid
+            assert row[1:4] == [role, str(index), "running"], status.stdout
+            assert int(row[7]) > 50 and int(row[8]) > 0, status.stdout  # a TF process's memory
+    throughput = re.search(r"throughput: (\d+) samples/s", status.stdout)
+    assert throughput and int(throughput.group(1)) > 0, status.stdout
+    port = re.search(r"dashboard: http://[^:]+:(\d+)/", status.stdout)
+    assert port, status.stdout
+    with urllib.request.urlopen(f"http://127.0.0.1:{port.group(1)}/metrics", timeout=10) as r:
+        metrics = r.read().decode()
+    ps_memory = re.search(
+        r'dlrover_node_memory_bytes\{job_name="seen",node="seen-ps-1-0"\} (\S+)', metrics
+    )
+    assert ps_memory and float(ps_memory.group(1)) > 50 * 2**20, metrics
+    assert 'role="evaluator",state="running"} 1.0' in metrics
+    assert re.search(r'dlrover_samples_per_second\{job_name="seen"\} [1-9]', metrics), metrics
+    assert job.wait() == 0, job.text()[-4000:]
+    report, model = job.result()
+    assert (model["seen"] == 1).all()
+    final = dlrover_cli(job.home, "status", "seen").stdout
+    assert re.search(r"seen-chief-0-0 +chief +0 succeeded", final), final
 
 
 BIG = 500_000

@@ -193,7 +193,9 @@ class Checkpointer:
         if not reads:
             return None
         if from_memory is not None:
-            log.info("loaded step %d from shared memory%s", from_memory[0], self._from_memory_note())
+            log.info(
+                "loaded step %d from shared memory%s", from_memory[0], self._from_memory_note()
+            )
             self.last_load_source = "memory"
             return from_memory
         found = engine.format.load_newest(catalog, target, bound)
