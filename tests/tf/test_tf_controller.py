@@ -1,12 +1,15 @@
 """TensorFlow jobs without TensorFlow: the job spec's roles, and the master's TfController on a
 FakeEngine (cluster spec versions, ps generations, relaunches, OOM growth, the chief's end, the
-nodes' usage and the job's throughput in the status and the metrics)."""
+nodes' usage and the job's throughput in the status and the metrics), and the seeds' ElasticJob
+read as a job spec."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+import yaml
 
 from dlrover.api.wire import job_status_from_pb, job_status_to_pb
 from dlrover.cli.status_view import status_table
@@ -20,15 +23,17 @@ from dlrover.constants import (
     TF_USAGE_KEY,
 )
 from dlrover.coordination import TfNodeUsage, TfProgress
-from dlrover.engines.base import FailureReason
-from dlrover.jobspec import JobSpecError, job_spec_from_dict
+from dlrover.engines.base import FailureReason, Resources
+from dlrover.jobspec import JobSpecError, job_spec_from_dict, load_job_spec
 from dlrover.master.job import JobMaster, JobMasterConfig, JobState
 from dlrover.master.local_api import LocalMasterApi
 from dlrover.master.metrics import JobMetrics
 from dlrover.master.relaunch_policy import OomPolicy
 from dlrover.master.state_store import MemoryStateStore
 from dlrover.master.tf_controller import TfController
+from dlrover.operator.master_objects import job_spec_of
 from dlrover.testing.fake_engine import FakeEngine
+from tests.conftest import REPO
 
 ROLES = {
     "ps": {"count": 2, "resources": {"memory": "1Gi"}},
@@ -315,3 +320,54 @@ def test_a_report_that_does_not_decode_is_skipped_and_a_restore_restarts_the_rat
     h.job.kv.set(TF_PROGRESS_KEY, TfProgress(9, 1800, 104.0).encode())
     h.step()
     assert h.controller.rates().steps_per_s == 2.0
+
+
+SEEDS_SHAPE = REPO / "examples" / "tf_ps" / "elasticjob.yaml"
+
+
+def test_the_seeds_elasticjob_without_resources_is_a_job_spec_of_one_ps_and_one_worker() -> None:
+    spec = load_job_spec(SEEDS_SHAPE)
+    assert spec.name == "wide-deep-auto" and spec.engine == "local" and spec.tf is not None
+    assert {r: spec.tf.count(r) for r in spec.tf.roles} == {"chief": 1, "ps": 1, "worker": 1}
+    assert all(role.resources == Resources() for role in spec.tf.roles.values())
+    # The chief runs the worker's container command (no chief replica given).
+    assert (spec.entrypoint, spec.args) == (
+        "examples/tf_ps/wide_deep.py",
+        ("--out", "/tmp/wide-deep-auto"),
+    )
+    # The operator reads the same resource the same way (engine kubernetes).
+    body = yaml.safe_load(SEEDS_SHAPE.read_text())
+    body["metadata"].update(uid="u", namespace="ns")
+    operated = job_spec_of(body)
+    assert (operated.tf, operated.entrypoint, operated.args) == (
+        spec.tf,
+        spec.entrypoint,
+        spec.args,
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"apiVersion": "v1"}, "apiVersion 'v1' of kind ElasticJob is not known"),
+        ({"metadata": {}}, "metadata.name is missing"),
+        (
+            {
+                "spec": {
+                    "distributionStrategy": "ParameterServerStrategy",
+                    "replicaSpecs": {"ps": {}, "worker": {}},
+                }
+            },
+            "no entrypoint: give spec.entrypoint, or a command",
+        ),
+        ({"spec": {"replicaSpecs": [1]}}, "replicaSpecs must map each role"),
+    ],
+)
+def test_a_bad_elasticjob_says_what_to_change(
+    tmp_path: Path, change: dict[str, object], message: str
+) -> None:
+    body = {**yaml.safe_load(SEEDS_SHAPE.read_text()), **change}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(body))
+    with pytest.raises(JobSpecError, match=f"{path}: {message}"):
+        load_job_spec(path)

@@ -389,6 +389,35 @@ def test_every_role_is_shown_with_its_usage_and_the_job_throughput(tmp_path: Pat
     assert re.search(r"seen-chief-0-0 +chief +0 succeeded", final), final
 
 
+def test_the_seeds_elasticjob_without_counts_or_resources_runs_with_one_ps_and_one_worker(
+    tmp_path: Path,
+) -> None:
+    command = ["python", str(EXAMPLE), "--size", str(SIZE), "--out", str(tmp_path / "auto")]
+    main = {"template": {"spec": {"containers": [{"name": "main", "command": command}]}}}
+    body = {
+        "apiVersion": "elastic.iml.github.io/v1alpha1",
+        "kind": "ElasticJob",
+        "metadata": {"name": "auto"},
+        "spec": {
+            "distributionStrategy": "ParameterServerStrategy",
+            "replicaSpecs": {"ps": main, "worker": main},
+        },
+    }
+    path = tmp_path / "elasticjob.yaml"
+    path.write_text(json.dumps(body))
+    home = tmp_path / "home"
+    submitted = dlrover_cli(home, "submit", str(path), timeout=240)
+    assert submitted.returncode == 0, submitted.stdout[-3000:] + submitted.stderr[-3000:]
+    assert "job auto: 1 chief, 1 ps, 1 worker on engine local" in submitted.stderr
+    report = json.loads((tmp_path / "auto" / "report.json").read_text())
+    with np.load(tmp_path / "auto" / "model.npz") as model:
+        assert (model["seen"] == 1).all()
+    assert report["ps"] == 1 and report["eval_loss"] < 0.55
+    final = dlrover_cli(home, "status", "auto").stdout
+    assert re.search(r"^auto-ps-0-0 +ps +0 ", final, re.M), final
+    assert "limit MB" not in final  # submitted without resources: no limits
+
+
 BIG = 500_000
 """Embedding rows per field of the OOM test: a 4M x 8 table (128 MiB); each ps peaks at ~870 MiB RSS
 while the chief creates it (idle: ~560 MiB RSS, much of it TensorFlow's reclaimable file pages, so
