@@ -11,9 +11,9 @@ API_VERSIONS = ("dlrover.io/v1alpha1", "elastic.iml.github.io/v1alpha1")
 """The operator's group, and the seeds' (whose ElasticJob YAMLs `dlrover submit` runs too)."""
 KUBE_KEYS = ("image", "masterImage", "serviceAccount", "masterPort")
 """Keys of an ElasticJob's spec that configure Kubernetes rather than the job itself."""
-IGNORED_KEYS = ("optimizeMode",)
-"""Keys of the seeds' ElasticJob spec that name their optimiser's mode; DLRover's master plans
-the job itself, so they are read and dropped."""
+OPTIMIZE_MODE = "optimizeMode"
+"""The seeds' ElasticJob key that turns their optimiser on (``single-job``): here it means
+``auto_scale: true`` (the master sizes the roles given without resources)."""
 _PYTHONS = ("python", "python3")
 
 
@@ -89,8 +89,8 @@ def tensorflow_keys(spec: dict[str, Any]) -> None:
     is the chief's (else the worker's) container command."""
     if "distributionStrategy" in spec:
         spec["distribution_strategy"] = spec.pop("distributionStrategy")
-    for key in IGNORED_KEYS:
-        spec.pop(key, None)
+    if spec.pop(OPTIMIZE_MODE, None):
+        spec["auto_scale"] = True
     replicas = spec.pop("replicaSpecs", None)
     if replicas is None:
         return

@@ -467,7 +467,7 @@ def job_spec_from_dict(
     if not isinstance(strategy, str):
         raise JobSpecError(f"distribution_strategy must be a name, not {strategy!r}")
     if strategy:
-        for key in ("nodes", "nproc_per_node", "node_check", "auto_scale"):
+        for key in ("nodes", "nproc_per_node", "node_check"):
             if key in raw:
                 raise JobSpecError(
                     f"{key} does not apply to a {strategy} job: give each role's count and "

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 from dlrover.api.master import FailureRecord, JobStatus
-from dlrover.client.master_client import MasterClient
+from dlrover.client.master_client import MasterClient, MasterClientError
 from dlrover.constants import TF_CLUSTER_KEY, TF_PS_GENERATION_KEY
 from dlrover.coordination import PsGeneration, TfCluster
 from dlrover.runner.records import FinalState, JobRecord, read_final, read_record
@@ -98,6 +98,29 @@ def failure_lines(failures: tuple[FailureRecord, ...], full: bool = False) -> li
         if full and cause != first:
             lines.append("    " + cause.replace("\n", "\n    "))
     return lines
+
+
+def plan_lines(name: str) -> list[str]:
+    """The auto-scaler's plans as `dlrover diagnose` lists them: an ended job's every plan
+    acted on, a running job's latest plan; [] for none (or a master that does not answer)."""
+    record = read_record(name)
+    if not record.reachable:
+        final = read_final(name)
+        plans = final.plans if final is not None else ()
+        return (
+            [f"plans ({len(plans)}):"]
+            + [f"  {time.strftime('%H:%M:%S', time.localtime(at))}  {text}" for at, text in plans]
+            if plans
+            else []
+        )
+    client = MasterClient(record.master_addr, record.token, rpc_timeout_s=5)
+    try:
+        latest = client.get_job_status(with_nodes=False).autoscale
+    except MasterClientError:
+        return []
+    finally:
+        client.close()
+    return [f"latest plan: {latest}"] if latest else []
 
 
 def final_text(record: JobRecord, final: FinalState | None) -> str:

@@ -40,6 +40,7 @@ from dlrover.master.ps_load import Rates, Throughput
 from dlrover.master.relaunch_policy import OomPolicy, RelaunchPolicy, failure_class_of
 from dlrover.master.roles import RoleNode
 from dlrover.master.state_store import MemoryStateStore, StateStore
+from dlrover.master.tf_sizing import TfSizer
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -74,6 +75,8 @@ class Slot:
     """The current attempt's last usage report (None before one)."""
     ended: str = ""
     """succeeded or failed once the slot's last attempt ended for good ("" until then)."""
+    planned: int = 0
+    """Attempts the auto-scaler launched (a resize): they do not use up max_relaunches."""
 
     @property
     def state(self) -> str:
@@ -144,6 +147,8 @@ class TfController:
         """The job's step and sample rates, from the chief's progress reports."""
         self._raw: dict[str, bytes] = {}
         """The last report read under each key (a report is decoded once)."""
+        self.sizer: TfSizer | None = None
+        """Sizes the roles submitted without resources (``auto_scale``), if set."""
 
     # --- launching ----------------------------------------------------------------------------
     def node_spec(self, role: str, index: int, relaunch_count: int = 0) -> NodeSpec:
@@ -170,7 +175,7 @@ class TfController:
                 spec = self.node_spec(role, index, int(attempt["relaunch_count"]) if attempt else 0)
                 if attempt:
                     spec = dataclasses.replace(spec, resources=Resources(**attempt["resources"]))
-                slot = Slot(role, index, spec, now)
+                slot = Slot(role, index, spec, now, planned=int((attempt or {}).get("planned", 0)))
                 addresses = cluster.get(role, [])
                 slot.address = addresses[index] if index < len(addresses) else ""
                 self.slots[(role, index)] = slot
@@ -225,6 +230,7 @@ class TfController:
                 "slots": {
                     f"{s.role}-{s.index}": {
                         "relaunch_count": s.spec.relaunch_count,
+                        "planned": s.planned,
                         "resources": dataclasses.asdict(s.spec.resources),
                     }
                     for s in self.slots.values()
@@ -255,6 +261,8 @@ class TfController:
         self._read_reports()
         self._publish_cluster()
         self._publish_ps_generation()
+        if self.sizer is not None:
+            self.sizer.tick()
 
     def _read_registrations(self, now: float) -> None:
         for slot in self.slots.values():
@@ -299,6 +307,48 @@ class TfController:
         except MessageError as e:
             logger.warning("ignoring the report under %s: %s", key, e)
             return None
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The controller's clock (the sizer measures with it)."""
+        return self._clock
+
+    def sized(self, role: str) -> bool:
+        """Whether ``role``'s nodes have a memory limit (given, or planned)."""
+        return any(s.spec.resources.memory_mib for s in self.slots.values() if s.role == role)
+
+    def trained(self) -> bool:
+        """Whether the chief reported finished batches (the variables and their optimizer
+        slots are on the ps by then)."""
+        return self.throughput.latest is not None
+
+    def resize_role(self, role: str, resources: Resources, reason: str) -> None:
+        """Relaunch every node of ``role`` with ``resources`` (the auto-scaler's plan): each
+        slot's next attempt replaces the current one, on its address where it can be bound, as
+        after a failure (a ps: the chief restores; the chief: it resumes from its checkpoint).
+        These attempts do not use up the slot's max_relaunches."""
+        now = self._clock()
+        old, new = [], []
+        for slot in self.slots.values():
+            if slot.role != role or slot.ended:
+                continue
+            spec = self.node_spec(role, slot.index, slot.spec.relaunch_count + 1)
+            spec = dataclasses.replace(spec, resources=resources)
+            old.append(slot.spec.node_id)
+            new.append(spec)
+            slot.spec, slot.registered, slot.serving, slot.usage = spec, "", False, None
+            slot.launched_at = now
+            slot.planned += 1
+        if not new:
+            return
+        self._save()  # before launching: a restarted master launches these attempts too
+        logger.info("resizing the %s nodes (%s): %s", role, reason, ", ".join(old))
+        self.job.event("tf", f"resizing {role}: relaunching {', '.join(s.node_id for s in new)}")
+        try:
+            self.engine.delete_many(old)
+            self.engine.launch_many(new)
+        except EngineError as e:
+            self.job.stop(f"could not relaunch the {role} nodes at their new size: {e}")
 
     def rates(self) -> Rates:
         """The job's step and sample rates lately."""
@@ -425,7 +475,9 @@ class TfController:
         if event.reason is FailureReason.OOM_KILLED:
             slot.oom_kills.append(event.spec.resources.memory_mib)
         decision = self._policy.decide(
-            event.node_id, self._policy.loss_reason(event), event.spec.relaunch_count
+            event.node_id,
+            self._policy.loss_reason(event),
+            event.spec.relaunch_count - slot.planned,
         )
         exhausted = decision.action is FailureAction.FAIL
         spec = None if exhausted else self._policy.replacement(event)

@@ -31,6 +31,7 @@ from dlrover.master.metrics import JobMetrics
 from dlrover.master.relaunch_policy import OomPolicy
 from dlrover.master.state_store import MemoryStateStore
 from dlrover.master.tf_controller import TfController
+from dlrover.master.tf_sizing import TfSizer
 from dlrover.operator.master_objects import job_spec_of
 from dlrover.testing.fake_engine import FakeEngine
 from tests.conftest import REPO
@@ -328,6 +329,7 @@ SEEDS_SHAPE = REPO / "examples" / "tf_ps" / "elasticjob.yaml"
 def test_the_seeds_elasticjob_without_resources_is_a_job_spec_of_one_ps_and_one_worker() -> None:
     spec = load_job_spec(SEEDS_SHAPE)
     assert spec.name == "wide-deep-auto" and spec.engine == "local" and spec.tf is not None
+    assert spec.auto_scale  # the seeds' optimizeMode: the master sizes the roles
     assert {r: spec.tf.count(r) for r in spec.tf.roles} == {"chief": 1, "ps": 1, "worker": 1}
     assert all(role.resources == Resources() for role in spec.tf.roles.values())
     # The chief runs the worker's container command (no chief replica given).
@@ -371,3 +373,58 @@ def test_a_bad_elasticjob_says_what_to_change(
     path.write_text(yaml.safe_dump(body))
     with pytest.raises(JobSpecError, match=f"{path}: {message}"):
         load_job_spec(path)
+
+
+def test_unsized_roles_are_sized_from_their_measured_peaks_and_relaunched_at_that_size() -> None:
+    h = Harness()  # roles.ps has 1Gi: only the chief, the workers and the evaluator are sized
+    h.bring_up()
+    now = [0.0]
+    h.controller.sizer = TfSizer(h.job, h.controller, sizing_window_s=10.0, clock=lambda: now[0])
+    nodes = [n.node_id for n in h.controller.role_nodes()]
+
+    def report(node: str, mib: int, cpu: float) -> None:
+        usage = TfNodeUsage(cpu, mib * 2**20, mib * 2**20, 1, now[0])
+        h.job.kv.set(TF_USAGE_KEY + node, usage.encode())
+
+    for node in nodes:
+        report(node, 300, 50.0)
+    h.step()
+    now[0] = 20.0
+    h.step()
+    assert not h.engine.deleted  # the chief trained no batch yet: the ps hold no slots yet
+    now[0] = 0.0
+    h.job.kv.set(TF_PROGRESS_KEY, TfProgress(batches=10, samples=2000, at=1.0).encode())
+    h.step()  # every node runs and the chief trains: the window starts
+    now[0] = 5.0
+    report("tfjob-worker-1-0", 400, 120.0)  # the hungriest worker sizes the role
+    h.step()
+    assert not h.engine.deleted  # not before the window is over
+    now[0] = 10.0
+    h.step()
+    assert sorted(h.engine.deleted) == [
+        "tfjob-chief-0-0",
+        "tfjob-evaluator-0-0",
+        "tfjob-worker-0-0",
+        "tfjob-worker-1-0",
+    ]
+    launched = {s.node_id: s.resources for s in h.engine.launched[-4:]}
+    assert launched["tfjob-worker-0-1"] == Resources(cpu=2.0, memory_mib=520)  # 400 x 1.3
+    assert launched["tfjob-chief-0-1"] == Resources(cpu=1.0, memory_mib=390)
+    plans = [text for _, kind, text in h.job.events if kind == "scale"]
+    assert "resize worker: measured peak 400 MiB and 1.2 cores per node: 520 MiB, 2 CPU (x1.3)" in (
+        plans
+    )
+    assert h.job.scale_summary.startswith("auto-scale: resize ")
+    rows = {n.node_id: n for n in LocalMasterApi(h.job).get_job_status().nodes}
+    assert rows["tfjob-worker-0-1"].memory_limit_bytes == 520 * 2**20
+    # The resize used none of the slot's relaunches: max_relaunches (2) failures still relaunch.
+    h.engine.fail("tfjob-worker-0-1", FailureReason.SIGNAL)
+    h.step()
+    h.engine.fail("tfjob-worker-0-2", FailureReason.SIGNAL)
+    h.step()
+    assert h.engine.launched[-1].node_id == "tfjob-worker-0-3"
+    assert h.engine.launched[-1].resources == Resources(cpu=2.0, memory_mib=520)
+    assert not h.job.ended.is_set()
+    now[0] = 100.0
+    h.step()
+    assert len(plans) == len([1 for _, kind, _ in h.job.events if kind == "scale"])  # once

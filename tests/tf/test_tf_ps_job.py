@@ -418,6 +418,45 @@ def test_the_seeds_elasticjob_without_counts_or_resources_runs_with_one_ps_and_o
     assert "limit MB" not in final  # submitted without resources: no limits
 
 
+def test_a_job_without_resources_is_sized_from_measurement_and_completes_at_that_size(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "sized"
+    command = ["python", str(EXAMPLE), "--out", str(out), "--shard-delay", "1.0"]
+    main = {"template": {"spec": {"containers": [{"name": "main", "command": command}]}}}
+    body = {
+        "apiVersion": "elastic.iml.github.io/v1alpha1",
+        "kind": "ElasticJob",
+        "metadata": {"name": "sized"},
+        "spec": {
+            "distributionStrategy": "ParameterServerStrategy",
+            "optimizeMode": "single-job",
+            "replicaSpecs": {"ps": main, "worker": main},
+        },
+    }
+    path = tmp_path / "elasticjob.yaml"
+    path.write_text(json.dumps(body))
+    home = tmp_path / "home"
+    submitted = dlrover_cli(home, "submit", str(path), timeout=300, DLROVER_AUTOSCALE_SIZING_S="4")
+    assert submitted.returncode == 0, submitted.stderr[-4000:]
+    with np.load(out / "model.npz") as model:
+        assert (model["seen"] == 1).all(), np.flatnonzero(model["seen"] != 1)[:20]
+    report = json.loads((out / "report.json").read_text())
+    assert report["eval_loss"] < 0.55
+    final = dlrover_cli(home, "status", "sized").stdout
+    for role in ("chief", "ps", "worker"):
+        assert re.search(rf"resize {role}: measured peak \d+ MiB and [\d.]+ cores per node", final)
+        row = re.search(
+            rf"^sized-{role}-0-(\d+) +{role} +0 +\S+ +- +\d+ +\d+ +\d+ +(\d+) ", final, re.M
+        )
+        assert row and int(row.group(1)) >= 1 and int(row.group(2)) > 0, (
+            final
+        )  # relaunched, limited
+    assert "failures: none" in final, final  # sized before any OOM kill
+    diagnose = dlrover_cli(home, "diagnose", "sized").stdout
+    assert "no failures recorded" in diagnose and "resize ps: measured peak" in diagnose, diagnose
+
+
 BIG = 500_000
 """Embedding rows per field of the OOM test: a 4M x 8 table (128 MiB); each ps peaks at ~870 MiB RSS
 while the chief creates it (idle: ~560 MiB RSS, much of it TensorFlow's reclaimable file pages, so
