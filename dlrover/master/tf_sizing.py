@@ -109,7 +109,10 @@ class TfSizer:
         if self._job.ended.is_set() or all(r.role in self.sized for r in nodes):
             return
         now = self._clock()
-        if any(r.state != "running" for r in nodes) or not self._controller.trained():
+        # A node without a usage report yet (or with reports off) is not measured: no size
+        # is ever planned from a zero.
+        measured = all(r.state == "running" and r.memory_bytes for r in nodes)
+        if not measured or not self._controller.trained():
             self._since = None
             self._peaks.clear()
             self._cores.clear()

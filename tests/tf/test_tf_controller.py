@@ -392,14 +392,13 @@ def test_unsized_roles_are_sized_from_their_measured_peaks_and_relaunched_at_tha
     now[0] = 20.0
     h.step()
     assert not h.engine.deleted  # the chief trained no batch yet: the ps hold no slots yet
-    now[0] = 0.0
     h.job.kv.set(TF_PROGRESS_KEY, TfProgress(batches=10, samples=2000, at=1.0).encode())
     h.step()  # every node runs and the chief trains: the window starts
-    now[0] = 5.0
+    now[0] = 25.0
     report("tfjob-worker-1-0", 400, 120.0)  # the hungriest worker sizes the role
     h.step()
     assert not h.engine.deleted  # not before the window is over
-    now[0] = 10.0
+    now[0] = 30.0
     h.step()
     assert sorted(h.engine.deleted) == [
         "tfjob-chief-0-0",
@@ -428,3 +427,17 @@ def test_unsized_roles_are_sized_from_their_measured_peaks_and_relaunched_at_tha
     now[0] = 100.0
     h.step()
     assert len(plans) == len([1 for _, kind, _ in h.job.events if kind == "scale"])  # once
+
+
+def test_nothing_is_sized_from_a_node_that_never_reported_its_usage() -> None:
+    h = Harness()
+    h.bring_up()
+    now = [0.0]
+    h.controller.sizer = TfSizer(h.job, h.controller, sizing_window_s=1.0, clock=lambda: now[0])
+    h.job.kv.set(TF_PROGRESS_KEY, TfProgress(batches=10, samples=2000, at=1.0).encode())
+    for node in [n.node_id for n in h.controller.role_nodes() if n.role != "worker"]:
+        usage = TfNodeUsage(50.0, 300 * 2**20, 300 * 2**20, 1, 0.0)
+        h.job.kv.set(TF_USAGE_KEY + node, usage.encode())
+    for now[0] in (0.0, 50.0, 100.0):
+        h.step()
+    assert not h.engine.deleted  # the workers run without reports (DLROVER_TF_USAGE_INTERVAL_S=0)
