@@ -19,6 +19,8 @@ class Rates:
     samples_per_s: float = 0.0
     span_s: float = 0.0
     """The time the rates were measured over."""
+    steps: int = 0
+    """Steps (batches) finished by the newest report."""
 
 
 class Throughput:
@@ -50,9 +52,12 @@ class Throughput:
     def rates(self) -> Rates:
         """Steps and samples per second between the oldest and newest reports kept."""
         if len(self._points) < 2:
-            return Rates()
+            return Rates(steps=self._points[-1].batches if self._points else 0)
         first, last = self._points[0], self._points[-1]
         span = last.at - first.at
         return Rates(
-            (last.batches - first.batches) / span, (last.samples - first.samples) / span, span
+            (last.batches - first.batches) / span,
+            (last.samples - first.samples) / span,
+            span,
+            last.batches,
         )

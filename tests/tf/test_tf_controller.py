@@ -30,11 +30,13 @@ from dlrover.master.local_api import LocalMasterApi
 from dlrover.master.metrics import JobMetrics
 from dlrover.master.relaunch_policy import OomPolicy
 from dlrover.master.state_store import MemoryStateStore
+from dlrover.master.tensorboard import TensorBoardExporter
 from dlrover.master.tf_controller import TfController
 from dlrover.master.tf_sizing import TfSizer
 from dlrover.operator.master_objects import job_spec_of
 from dlrover.testing.fake_engine import FakeEngine
 from tests.conftest import REPO
+from tests.test_tensorboard import _records, _scalar
 
 ROLES = {
     "ps": {"count": 2, "resources": {"memory": "1Gi"}},
@@ -441,3 +443,22 @@ def test_nothing_is_sized_from_a_node_that_never_reported_its_usage() -> None:
     for now[0] in (0.0, 50.0, 100.0):
         h.step()
     assert not h.engine.deleted  # the workers run without reports (DLROVER_TF_USAGE_INTERVAL_S=0)
+
+
+def test_tensorboard_gets_the_role_nodes_and_the_throughput_at_the_chiefs_batch(
+    tmp_path: Path,
+) -> None:
+    h = Harness()
+    h.bring_up()
+    usage = TfNodeUsage(80.0, 256 * 2**20, 256 * 2**20, 7, 0.0)
+    h.job.kv.set(TF_USAGE_KEY + "tfjob-ps-0-0", usage.encode())
+    for batches, at in ((10, 100.0), (30, 102.0)):
+        h.job.kv.set(TF_PROGRESS_KEY, TfProgress(batches, batches * 200, at).encode())
+        h.step()
+    exporter = TensorBoardExporter(h.job, str(tmp_path))
+    exporter.write(h.job.now())
+    exporter.writer.close()
+    _, point = _records(exporter.writer.path)
+    assert point[9:11] == b"\x10\x1e"  # step (field 2): the chief's 30 batches
+    assert _scalar(point, "node/tfjob-ps-0-0/memory_mib") == 256.0
+    assert _scalar(point, "job/samples_per_second") == 2000.0
