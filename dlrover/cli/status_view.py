@@ -60,7 +60,7 @@ def status_table(status: JobStatus, master_host: str = "", engine: str = "") -> 
         lines.append(
             f"{n.node_id:<28} "
             + (f"{n.role:<9} " if roles else "")
-            + f"{n.node_rank:>4} {n.state:<10} {n.step if n.step >= 0 else '-':>8} "
+            + f"{n.node_rank:>4} {n.state:<10} {n.step:>8} "
             f"{n.restart_count:>8} {n.cpu_percent:>6.0f} {n.memory_bytes / 2**20:>8.0f} "
             + (f"{limit} " if limits else "")
             + f"{n.pid or '-':>8} {workers:<16}"

@@ -289,7 +289,7 @@ def test_every_role_is_in_the_status_the_metrics_and_the_table_with_its_usage() 
         "ps",
         "1",
         "running",
-        "-",
+        "-1",
         "0",
         "150",
         "300",

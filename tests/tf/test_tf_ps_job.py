@@ -447,7 +447,7 @@ def test_a_job_without_resources_is_sized_from_measurement_and_completes_at_that
     for role in ("chief", "ps", "worker"):
         assert re.search(rf"resize {role}: measured peak \d+ MiB and [\d.]+ cores per node", final)
         row = re.search(
-            rf"^sized-{role}-0-(\d+) +{role} +0 +\S+ +- +\d+ +\d+ +\d+ +(\d+) ", final, re.M
+            rf"^sized-{role}-0-(\d+) +{role} +0 +\S+ +-1 +\d+ +\d+ +\d+ +(\d+) ", final, re.M
         )
         assert row and int(row.group(1)) >= 1 and int(row.group(2)) > 0, (
             final
