@@ -29,6 +29,7 @@ from typing import Any
 
 from dlrover import constants as c
 from dlrover.api.errors import MasterClientError, MasterUnreachableError
+from dlrover.api.retry import while_unreachable
 from dlrover.client.master_client import MasterClient
 from dlrover.client.sharding import GrpcShardingTransport
 from dlrover.client.sharding_client import ShardingClient
@@ -261,7 +262,9 @@ class PsTrainer:
         sequence = self.sequence + 1
         started = time.monotonic()
         path = self.state.checkpoint.write(str(self.checkpoint_dir / f"ckpt-{sequence}"))
-        position = self._sharding.get_position()
+        position = while_unreachable(
+            self._sharding.get_position, time.monotonic() + self.ps_wait_s, "reading the position"
+        )
         marker = {
             "sequence": sequence,
             "path": path,
@@ -480,7 +483,13 @@ class PsTrainer:
             batches = self._batches(shard)
             self.batches += len(batches)
             self.samples += sum(len(ids) for ids in batches)
-            self._sharding.report_done(shard)
+            # A master being restarted answers again within seconds: ride it out (a shard
+            # reported twice is ignored the second time).
+            while_unreachable(
+                lambda: self._sharding.report_done(shard),  # noqa: B023 (called at once)
+                time.monotonic() + self.ps_wait_s,
+                f"reporting shard {shard.id} done",
+            )
             self.shards_done += 1
         self._report_progress()
 
