@@ -14,7 +14,9 @@ from dlrover.runner.records import FinalState, JobRecord, read_final, read_recor
 NODE_HEADERS = {"ray": "ray actor", "kubernetes": "pod"}
 """The first column's header by engine: what the node's id names there (else ``node``)."""
 ROLE_ORDER = {"chief": -2, "ps": -1, "worker": 0, "evaluator": 1}
-"""The order of a parameter-server job's roles in the table (any other role: with workers)."""
+"""The order of a parameter-server job's roles in the table (any other role: with workers); a
+table with any of them but ``worker`` gets a role column (agents' roles, ``default`` or
+``worker``, get none)."""
 
 
 def status_table(status: JobStatus, master_host: str = "", engine: str = "") -> str:
@@ -39,7 +41,7 @@ def status_table(status: JobStatus, master_host: str = "", engine: str = "") -> 
     score = any(n.score for n in status.nodes)
     timed = any(n.step_wall_s for n in status.nodes)
     # A parameter-server job's nodes have roles and (its controller's) memory limits.
-    roles = any(n.role != "worker" for n in status.nodes)
+    roles = any(n.role in ROLE_ORDER and n.role != "worker" for n in status.nodes)
     limits = any(n.memory_limit_bytes for n in status.nodes)
     header = NODE_HEADERS.get(engine, "node")
     lines.append(

@@ -36,7 +36,7 @@ from dlrover.master.tf_sizing import TfSizer
 from dlrover.operator.master_objects import job_spec_of
 from dlrover.testing.fake_engine import FakeEngine
 from tests.conftest import REPO
-from tests.test_tensorboard import _records, _scalar
+from tests.test_tensorboard import _job, _records, _scalar
 
 ROLES = {
     "ps": {"count": 2, "resources": {"memory": "1Gi"}},
@@ -462,3 +462,9 @@ def test_tensorboard_gets_the_role_nodes_and_the_throughput_at_the_chiefs_batch(
     assert point[9:11] == b"\x10\x1e"  # step (field 2): the chief's 30 batches
     assert _scalar(point, "node/tfjob-ps-0-0/memory_mib") == 256.0
     assert _scalar(point, "job/samples_per_second") == 2000.0
+
+
+def test_an_all_reduce_jobs_table_keeps_its_columns() -> None:
+    job = _job()  # one agent node, of role "default"
+    header = status_table(LocalMasterApi(job).get_job_status()).splitlines()[1]
+    assert header.split()[:5] == ["node", "rank", "state", "step", "restarts"]  # no role column
