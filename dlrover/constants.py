@@ -142,6 +142,15 @@ bumped by the master each time every ps of the current cluster serves again (1: 
 the next generation after losing a ps."""
 ENV_TF_CLUSTER_VERSION = "DLROVER_TF_CLUSTER_VERSION"
 """Set by `dlrover-tf-node`: the version of the cluster spec in TF_CONFIG."""
+TF_USAGE_KEY = "dlrover/tf/usage/"
+"""+ node id: a `dlrover.coordination.TfNodeUsage`, the node's CPU and memory as it measured
+them, set every `ENV_TF_USAGE_INTERVAL_S` by the node."""
+TF_PROGRESS_KEY = "dlrover/tf/progress"
+"""A `dlrover.coordination.TfProgress`: the chief's batches and samples finished, set by its
+`PsTrainer` each time its scheduled batches finished."""
+ENV_TF_USAGE_INTERVAL_S = "DLROVER_TF_USAGE_INTERVAL_S"
+"""Seconds between two usage reports of a TensorFlow node (default 2; 0: none)."""
+DEFAULT_TF_USAGE_INTERVAL_S = 2.0
 
 # --- Job spec defaults (dlrover/jobspec.py; `dlrover submit` flags default to them too) --------
 DEFAULT_NPROC_PER_NODE = 1

@@ -3,7 +3,7 @@
 Each record has one `encode` (the JSON value stored under its key, the wire format the keys had
 before these types) and one `decode` (a `MessageError` naming the bad field, not a KeyError in a
 caller). The keys are in dlrover/constants.py: `TF_CLUSTER_KEY`, `TF_PS_GENERATION_KEY`,
-`PS_SCALE_KEY`. Standard library only: the master, the TensorFlow nodes and the CLI import it.
+`TF_USAGE_KEY`, `TF_PROGRESS_KEY`, `PS_SCALE_KEY`. Standard library only: the master, the TensorFlow nodes and the CLI import it.
 """
 
 from __future__ import annotations
@@ -100,3 +100,52 @@ class ScaleReport:
     def decode(cls, raw: bytes | str) -> ScaleReport:
         """The record stored as ``raw``; MessageError if it is not one."""
         return from_fields(cls, parse(raw, "the scale report"), "ScaleReport")
+
+
+@dataclass(frozen=True)
+class TfNodeUsage:
+    """What a TensorFlow node measured of itself (`TF_USAGE_KEY` + its node id): the node's
+    processes together (`dlrover-tf-node` and the chief's or evaluator's program; a ps or
+    worker is one process, its TF server)."""
+
+    cpu_percent: float
+    """CPU since the node's previous report (100 = one core)."""
+    memory_bytes: int
+    """Resident memory now."""
+    peak_memory_bytes: int
+    """The highest resident memory any report of this attempt saw."""
+    pid: int
+    """The node's process id on its host."""
+    at: float
+    """Wall time of the measurement."""
+
+    def encode(self) -> bytes:
+        """The stored value: a JSON object of the fields."""
+        return json.dumps(to_fields(self)).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> TfNodeUsage:
+        """The record stored as ``raw``; MessageError if it is not one."""
+        return from_fields(cls, parse(raw, "a TensorFlow node's usage"), "TfNodeUsage")
+
+
+@dataclass(frozen=True)
+class TfProgress:
+    """The chief's training progress (`TF_PROGRESS_KEY`), set each time its scheduled batches
+    finished: the master's step and sample rates of the job are differences of these."""
+
+    batches: int
+    """Batches (steps) finished since the job started (restored from the checkpoint)."""
+    samples: int
+    """Samples trained since the job started."""
+    at: float
+    """Wall time the batches were seen finished."""
+
+    def encode(self) -> bytes:
+        """The stored value: a JSON object of the fields."""
+        return json.dumps(to_fields(self)).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> TfProgress:
+        """The record stored as ``raw``; MessageError if it is not one."""
+        return from_fields(cls, parse(raw, "the chief's progress"), "TfProgress")

@@ -21,6 +21,7 @@ from dlrover.constants import (
     ENV_JOB_TOKEN,
     ENV_MASTER_ADDR,
 )
+from dlrover.elasticjob import ElasticJobError, is_elasticjob, spec_of
 from dlrover.engines import sizes
 from dlrover.engines.base import Capacity, InvalidNodeSpecError, NodeSpec, Resources
 from dlrover.engines.registry import BUILTIN_ENGINES, LOCAL, EngineRegistry, node_host
@@ -466,7 +467,7 @@ def job_spec_from_dict(
     if not isinstance(strategy, str):
         raise JobSpecError(f"distribution_strategy must be a name, not {strategy!r}")
     if strategy:
-        for key in ("nodes", "nproc_per_node", "node_check", "auto_scale"):
+        for key in ("nodes", "nproc_per_node", "node_check"):
             if key in raw:
                 raise JobSpecError(
                     f"{key} does not apply to a {strategy} job: give each role's count and "
@@ -502,7 +503,8 @@ def _default_name(entrypoint: str) -> str:
 
 
 def load_job_spec(path: str | os.PathLike[str]) -> JobSpec:
-    """Read and validate a YAML job spec file."""
+    """Read and validate a YAML job spec file: a job spec, or an ElasticJob resource
+    (`dlrover.elasticjob`)."""
     try:
         with open(path, encoding="utf-8") as file:
             raw = yaml.safe_load(file)
@@ -511,8 +513,9 @@ def load_job_spec(path: str | os.PathLike[str]) -> JobSpec:
     except yaml.YAMLError as error:
         raise JobSpecError(f"job spec {os.fspath(path)!r} is not valid YAML: {error}") from None
     try:
-        return job_spec_from_dict(raw if raw is not None else {})
-    except JobSpecError as error:
+        # The seeds' ElasticJob resource runs as it is, on any engine.
+        return job_spec_from_dict(spec_of(raw) if is_elasticjob(raw) else (raw or {}))
+    except (JobSpecError, ElasticJobError) as error:
         raise JobSpecError(f"{os.fspath(path)}: {error}") from None
 
 

@@ -123,6 +123,7 @@ FOUNDATION = (
     "dlrover.constants",
     "dlrover.coordination",
     "dlrover.decisions",
+    "dlrover.elasticjob",
     "dlrover.envvars",
     "dlrover.faults",
     "dlrover.jobspec",

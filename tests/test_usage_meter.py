@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from dlrover.agent.heartbeat import UsageMeter
+from dlrover.processes import UsageMeter
 
 
 def test_a_busy_process_shows_its_cpu_from_the_second_sample_on() -> None:

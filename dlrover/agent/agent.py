@@ -26,7 +26,7 @@ from dlrover.agent.failure_policy import (
     WorkerGroupState,
 )
 from dlrover.agent.failures import Judgement, judge
-from dlrover.agent.heartbeat import Heartbeat, UsageMeter
+from dlrover.agent.heartbeat import Heartbeat
 from dlrover.agent.launch_plan import AttemptContext, LaunchPlan, plan_launch
 from dlrover.agent.monitor import MonitorSignals, Outcome, WorkerMonitor, describe_exit
 from dlrover.agent.node_check import EXIT_EXCLUDED, CheckOutcome, CheckSettings, NodeChecker
@@ -60,6 +60,7 @@ from dlrover.constants import (
 )
 from dlrover.decisions import FailureAction
 from dlrover.faults import ENV_FAULTS, node_slot
+from dlrover.processes import UsageMeter
 
 logger = logging.getLogger(__name__)
 

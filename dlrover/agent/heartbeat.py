@@ -8,38 +8,10 @@ import threading
 import time
 from collections.abc import Callable
 
-import psutil
-
 from dlrover.api.errors import MasterClientError, MasterRequestError, UnknownNodeError
 from dlrover.api.master import HeartbeatAction, HeartbeatReport, MasterApi
 
 logger = logging.getLogger(__name__)
-
-
-class UsageMeter:
-    """CPU percent and resident memory of a set of processes, sampled at each heartbeat.
-
-    psutil measures a process's CPU percent between two calls on the same `Process` object, so
-    the objects are kept from one sample to the next (a fresh one always says 0.0)."""
-
-    def __init__(self) -> None:
-        self._procs: dict[int, psutil.Process] = {}
-
-    def sample(self, pids: list[int]) -> tuple[float, int]:
-        """(cpu percent since the last sample, resident bytes) summed over ``pids``, ignoring
-        those already gone; a process seen for the first time counts 0% CPU this once."""
-        cpu, mem = 0.0, 0
-        seen: dict[int, psutil.Process] = {}
-        for pid in pids:
-            try:
-                p = self._procs.get(pid) or psutil.Process(pid)
-                cpu += p.cpu_percent(None)
-                mem += p.memory_info().rss
-                seen[pid] = p
-            except psutil.Error:
-                pass
-        self._procs = seen
-        return cpu, mem
 
 
 class Heartbeat:

@@ -293,6 +293,8 @@ class NodeStatus:
     """The agent's process id as it registered (0: unknown), on ``host``."""
     worker_pids: tuple[int, ...] = ()
     """Its workers' process ids by local rank, as its last heartbeat said (empty: none)."""
+    memory_limit_bytes: int = 0
+    """Its memory limit (0: none asked); given for the nodes a role controller drives."""
 
 
 @dataclass(frozen=True)
@@ -326,6 +328,10 @@ class JobStatus:
     """The port of /metrics and the dashboard on the master's host (0: none)."""
     embedding_servers: tuple[EmbeddingServerStatus, ...] = field(default=())
     """A job with a ps role: its embedding servers, server 0 first."""
+    steps_per_s: float = 0.0
+    """A TensorFlow job's steps (batches) per second lately, from its chief (0.0: none)."""
+    samples_per_s: float = 0.0
+    """A TensorFlow job's samples per second lately (0.0: not measured yet)."""
 
     @property
     def ended(self) -> bool:

@@ -21,7 +21,7 @@ from dlrover.cli.serve_job import (
     serve_job,
     supervise_job,
 )
-from dlrover.cli.status_view import failure_lines, status_text
+from dlrover.cli.status_view import failure_lines, plan_lines, status_text
 from dlrover.client.master_client import MasterClient, MasterClientError
 from dlrover.constants import (
     DEFAULT_NPROC_PER_NODE,
@@ -112,9 +112,12 @@ def cmd_diagnose(name: str, full: bool = False) -> int:
     failures = _failures_of(name)
     if not failures:
         print(f"job {name}: no failures recorded")
-        return 0
-    print(f"job {name}: {len(failures)} failure(s)")
-    print("\n".join(failure_lines(failures, full)))
+    else:
+        print(f"job {name}: {len(failures)} failure(s)")
+        print("\n".join(failure_lines(failures, full)))
+    plans = plan_lines(name)
+    if plans:
+        print("\n".join(plans))
     return 0
 
 

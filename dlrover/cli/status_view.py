@@ -6,13 +6,17 @@ from __future__ import annotations
 import time
 
 from dlrover.api.master import FailureRecord, JobStatus
-from dlrover.client.master_client import MasterClient
+from dlrover.client.master_client import MasterClient, MasterClientError
 from dlrover.constants import TF_CLUSTER_KEY, TF_PS_GENERATION_KEY
 from dlrover.coordination import PsGeneration, TfCluster
 from dlrover.runner.records import FinalState, JobRecord, read_final, read_record
 
 NODE_HEADERS = {"ray": "ray actor", "kubernetes": "pod"}
 """The first column's header by engine: what the node's id names there (else ``node``)."""
+ROLE_ORDER = {"chief": -2, "ps": -1, "worker": 0, "evaluator": 1}
+"""The order of a parameter-server job's roles in the table (any other role: with workers); a
+table with any of them but ``worker`` gets a role column (agents' roles, ``default`` or
+``worker``, get none)."""
 
 
 def status_table(status: JobStatus, master_host: str = "", engine: str = "") -> str:
@@ -29,23 +33,39 @@ def status_table(status: JobStatus, master_host: str = "", engine: str = "") -> 
         lines.append(status.node_check)
     if status.autoscale:
         lines.append(status.autoscale)
+    if status.samples_per_s:
+        lines.append(
+            f"throughput: {status.samples_per_s:.0f} samples/s, {status.steps_per_s:.1f} steps/s"
+        )
     check = any(n.check for n in status.nodes)
     score = any(n.score for n in status.nodes)
     timed = any(n.step_wall_s for n in status.nodes)
+    # A parameter-server job's nodes have roles and (its controller's) memory limits.
+    roles = any(n.role in ROLE_ORDER and n.role != "worker" for n in status.nodes)
+    limits = any(n.memory_limit_bytes for n in status.nodes)
     header = NODE_HEADERS.get(engine, "node")
     lines.append(
-        f"{header:<28} {'rank':>4} {'state':<10} {'step':>8} {'restarts':>8} {'cpu%':>6} "
-        f"{'mem MB':>8} {'pid':>8} {'worker pids':<16}"
+        f"{header:<28} "
+        + (f"{'role':<9} " if roles else "")
+        + f"{'rank':>4} {'state':<10} {'step':>8} {'restarts':>8} {'cpu%':>6} {'mem MB':>8} "
+        + (f"{'limit MB':>8} " if limits else "")
+        + f"{'pid':>8} {'worker pids':<16}"
         + (f" {'s/step':>7} {'data':>6} {'ckpt':>6}" if timed else "")
         + (f" {'score':>6}" if score else "")
         + ("  check" if check else "")
     )
-    for n in sorted(status.nodes, key=lambda n: (n.node_rank, n.node_id)):
+    for n in sorted(
+        status.nodes, key=lambda n: (ROLE_ORDER.get(n.role, 0), n.node_rank, n.node_id)
+    ):
         workers = ",".join(str(p) for p in n.worker_pids) or "-"
+        limit = f"{n.memory_limit_bytes / 2**20:>8.0f}" if n.memory_limit_bytes else f"{'-':>8}"
         lines.append(
-            f"{n.node_id:<28} {n.node_rank:>4} {n.state:<10} {n.step:>8} "
+            f"{n.node_id:<28} "
+            + (f"{n.role:<9} " if roles else "")
+            + f"{n.node_rank:>4} {n.state:<10} {n.step:>8} "
             f"{n.restart_count:>8} {n.cpu_percent:>6.0f} {n.memory_bytes / 2**20:>8.0f} "
-            f"{n.pid or '-':>8} {workers:<16}"
+            + (f"{limit} " if limits else "")
+            + f"{n.pid or '-':>8} {workers:<16}"
             + (
                 f" {n.step_wall_s:>7.3f} {n.step_data_s:>6.3f} {n.step_checkpoint_s:>6.3f}"
                 if timed
@@ -80,6 +100,29 @@ def failure_lines(failures: tuple[FailureRecord, ...], full: bool = False) -> li
         if full and cause != first:
             lines.append("    " + cause.replace("\n", "\n    "))
     return lines
+
+
+def plan_lines(name: str) -> list[str]:
+    """The auto-scaler's plans as `dlrover diagnose` lists them: an ended job's every plan
+    acted on, a running job's latest plan; [] for none (or a master that does not answer)."""
+    record = read_record(name)
+    if not record.reachable:
+        final = read_final(name)
+        plans = final.plans if final is not None else ()
+        return (
+            [f"plans ({len(plans)}):"]
+            + [f"  {time.strftime('%H:%M:%S', time.localtime(at))}  {text}" for at, text in plans]
+            if plans
+            else []
+        )
+    client = MasterClient(record.master_addr, record.token, rpc_timeout_s=5)
+    try:
+        latest = client.get_job_status(with_nodes=False).autoscale
+    except MasterClientError:
+        return []
+    finally:
+        client.close()
+    return [f"latest plan: {latest}"] if latest else []
 
 
 def final_text(record: JobRecord, final: FinalState | None) -> str:

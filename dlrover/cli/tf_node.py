@@ -1,8 +1,8 @@
 """`dlrover-tf-node`: one node of a TensorFlow parameter-server job. It registers the address
 its role will serve on with the job's master, waits for the cluster spec that names it, sets
 TF_CONFIG and runs the role's program: it becomes a TF server for ps and worker (exec), and
-runs the entrypoint of the chief and the evaluator as its child, whose end it reports. No
-TensorFlow is imported here."""
+runs the entrypoint of the chief and the evaluator as its child, whose end and usage it
+reports. No TensorFlow is imported here."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from dlrover.checkpoint.leftovers import owner_prefix
 from dlrover.cli.common import setup_logging
 from dlrover.client.master_client import MasterClient, MasterClientError
 from dlrover.coordination import TfCluster
+from dlrover.trainer.tf.usage import UsageReporter, process_tree
 
 logger = logging.getLogger("dlrover.tf_node")
 
@@ -177,7 +178,16 @@ def _run_program(argv: list[str], env: dict[str, str], tmp: str) -> int:
     child = subprocess.Popen(argv, env=env, preexec_fn=_pdeathsig)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: child.send_signal(signum))
-    code = child.wait()  # the program's whole run: the master bounds the job
+    client = MasterClient(env[c.ENV_MASTER_ADDR], env.get(c.ENV_JOB_TOKEN, ""))
+    reporter = UsageReporter.from_env(client, lambda: process_tree(os.getpid()))
+    if reporter is not None:
+        reporter.start()
+    try:
+        code = child.wait()  # the program's whole run: the master bounds the job
+    finally:
+        if reporter is not None:
+            reporter.stop()
+        client.close()
     shutil.rmtree(tmp, ignore_errors=True)
     exit_file = os.environ.get(c.ENV_NODE_EXIT_FILE, "")
     if exit_file:

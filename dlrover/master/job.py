@@ -36,8 +36,16 @@ from dlrover.master.membership import NAMESPACE as _NAMESPACE
 from dlrover.master.membership import Membership
 from dlrover.master.nodes import Node, NodeError, NodeState
 from dlrover.master.preflight import Preflight
+from dlrover.master.ps_load import Rates
 from dlrover.master.rendezvous import RendezvousConfig, RendezvousError, RendezvousManager, World
-from dlrover.master.roles import EmbeddingServers, RoleController, RoleRegistry
+from dlrover.master.roles import (
+    EmbeddingServers,
+    MeasuresThroughput,
+    RoleController,
+    RoleNode,
+    RoleRegistry,
+    ShowsNodes,
+)
 from dlrover.master.sharding_service import ShardingService
 from dlrover.master.state_store import StateStore
 from dlrover.master.stragglers import DEFAULT_REPORT_S, Score
@@ -373,6 +381,21 @@ class JobMaster:
     @tf.setter
     def tf(self, controller: RoleController | None) -> None:
         self.roles.register_job(controller)
+
+    def role_nodes(self) -> list[RoleNode]:
+        """The nodes role controllers drive beside the agents of the node table (a TensorFlow
+        job's every role, embedding servers): what status, /metrics and the dashboard add."""
+        rows: list[RoleNode] = []
+        for controller in self.roles.controllers():
+            if isinstance(controller, ShowsNodes):
+                rows.extend(controller.role_nodes())
+        return rows
+
+    def rates(self) -> Rates:
+        """The job's step and sample rates lately, where a role controller measures them (a
+        TensorFlow job's chief reports its progress); zeros otherwise."""
+        controller = self.tf
+        return controller.rates() if isinstance(controller, MeasuresThroughput) else Rates()
 
     # --- diagnosis ---------------------------------------------------------------------------
     def event(self, kind: str, text: str) -> None:

@@ -291,6 +291,7 @@ class LocalMasterApi:
         job = self.job
         now = job.now()
         scores = job.straggler_scores()
+        rates = job.rates()
         return api.JobStatus(
             job_name=job.config.job_name,
             state=job.state.value,
@@ -318,6 +319,23 @@ class LocalMasterApi:
                     worker_pids=n.worker_pids,
                 )
                 for n in (job.nodes.all() if with_nodes else ())
+            )
+            + tuple(
+                api.NodeStatus(
+                    node_id=r.node_id,
+                    state=r.state,
+                    node_rank=r.index,
+                    host="",
+                    step=-1,
+                    restart_count=r.relaunches,
+                    last_heartbeat_age_s=0.0,
+                    role=r.role,
+                    cpu_percent=r.cpu_percent,
+                    memory_bytes=r.memory_bytes,
+                    pid=r.pid,
+                    memory_limit_bytes=r.memory_limit_bytes,
+                )
+                for r in (job.role_nodes() if with_nodes else ())
             ),
             node_check=job.check_summary,
             autoscale=job.scale_summary,
@@ -327,6 +345,8 @@ class LocalMasterApi:
                 api.EmbeddingServerStatus(s.index, s.address, s.rows, s.bytes, s.lookups_per_s)
                 for s in (job.ps.stats() if job.ps is not None else ())
             ),
+            steps_per_s=rates.steps_per_s,
+            samples_per_s=rates.samples_per_s,
         )
 
     def stop_job(self, reason: str) -> api.JobStatus:

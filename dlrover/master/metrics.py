@@ -24,6 +24,7 @@ from prometheus_client.registry import Collector
 from dlrover.master.goodput import REASONS
 from dlrover.master.job import JobMaster
 from dlrover.master.nodes import ALIVE_STATES, NodeState
+from dlrover.master.roles import RoleNode
 
 _RECOVERY_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 _RESTART_ACTIONS = ("restart_processes", "relaunch_node")
@@ -112,10 +113,29 @@ class JobCollector(Collector):
                     phases.add_metric([name, n.node_id, "data"], data)
                     phases.add_metric([name, n.node_id, "checkpoint"], ckpt)
                     phases.add_metric([name, n.node_id, "compute"], max(0.0, wall - data - ckpt))
+        role_nodes = job.role_nodes()
+        for r in role_nodes:
+            if r.state in ("pending", "running"):
+                cpu.add_metric([name, r.node_id], r.cpu_percent)
+                mem.add_metric([name, r.node_id], float(r.memory_bytes))
         yield cpu
         yield mem
         yield step
         yield phases
+        yield from _role_node_metrics(name, role_nodes)
+        rates = job.rates()
+        yield _gauge(
+            "dlrover_steps_per_second",
+            "A TensorFlow job's steps (batches) per second lately, from its chief",
+            name,
+            rates.steps_per_s,
+        )
+        yield _gauge(
+            "dlrover_samples_per_second",
+            "A TensorFlow job's samples per second lately, from its chief",
+            name,
+            rates.samples_per_s,
+        )
         checkpoint = GaugeMetricFamily(
             "dlrover_checkpoint_seconds",
             "Checkpoint time on the slowest node: save (training blocked per step, as scripts "
@@ -186,6 +206,36 @@ class JobCollector(Collector):
             name,
             float(job.rendezvous.round if job.rendezvous else 0),
         )
+
+
+def _role_node_metrics(name: str, nodes: list[RoleNode]) -> Iterator[Metric]:
+    """The nodes role controllers drive (a TensorFlow job's roles): role and state, relaunches,
+    memory limit; their CPU and memory are in the node series above."""
+    labels = ["job_name", "node", "role"]
+    info = GaugeMetricFamily(
+        "dlrover_role_node_state",
+        "1 for each node a role controller drives (a TensorFlow job's chief, ps, workers, "
+        "evaluator), labelled with its role and state",
+        labels=[*labels, "state"],
+    )
+    relaunches = GaugeMetricFamily(
+        "dlrover_role_node_relaunches",
+        "Attempts launched after the slot's first, of each role node's slot",
+        labels=labels,
+    )
+    limit = GaugeMetricFamily(
+        "dlrover_node_memory_limit_bytes",
+        "A role node's memory limit (only nodes that have one)",
+        labels=labels,
+    )
+    for r in nodes:
+        info.add_metric([name, r.node_id, r.role, r.state], 1.0)
+        relaunches.add_metric([name, r.node_id, r.role], float(r.relaunches))
+        if r.memory_limit_bytes:
+            limit.add_metric([name, r.node_id, r.role], float(r.memory_limit_bytes))
+    yield info
+    yield relaunches
+    yield limit
 
 
 def _ps_metrics(job: JobMaster) -> Iterator[Metric]:

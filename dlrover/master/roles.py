@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from dlrover.engines.base import NodeEvent
+from dlrover.master.ps_load import Rates
 
 
 class RoleController(Protocol):
@@ -28,6 +29,49 @@ class RoleController(Protocol):
         """Ask for ``count`` nodes of ``role`` (`dlrover scale`): what will happen, and the
         request's id its `dlrover.coordination.ScaleReport` carries. Raises ValueError for what
         cannot be done."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class RoleNode:
+    """A node a role controller drives that is no agent of the node table (a TensorFlow job's
+    chief, ps, workers and evaluator; embedding servers), as `dlrover status`, /metrics and
+    the dashboard show it."""
+
+    node_id: str
+    """Its current attempt's node id."""
+    role: str
+    index: int
+    """Its index within the role (the slot)."""
+    state: str
+    """pending (launched, not serving yet), running, succeeded or failed."""
+    relaunches: int
+    """Attempts launched after the slot's first."""
+    cpu_percent: float = 0.0
+    """CPU by its last report (100 = one core); 0.0 before one."""
+    memory_bytes: int = 0
+    """Resident memory by its last report (embedding servers: their rows' bytes)."""
+    memory_limit_bytes: int = 0
+    """The attempt's memory limit (0: none asked)."""
+    pid: int = 0
+    """Its process id on its host, by its last report (0: unknown)."""
+
+
+@runtime_checkable
+class ShowsNodes(Protocol):
+    """A role controller whose nodes the job's status lists (`RoleNode`)."""
+
+    def role_nodes(self) -> list[RoleNode]:
+        """Each node of the controller's slots now, in role and index order."""
+        ...
+
+
+@runtime_checkable
+class MeasuresThroughput(Protocol):
+    """A role controller that measures its job's throughput (a TensorFlow job's)."""
+
+    def rates(self) -> Rates:
+        """The job's step and sample rates lately."""
         ...
 
 
@@ -91,6 +135,15 @@ class RoleRegistry:
         """The controller of the whole job, if one is registered."""
         with self._lock:
             return self._whole_job
+
+    def controllers(self) -> list[RoleController]:
+        """Every registered controller once: the whole job's first, then by role name."""
+        with self._lock:
+            found: list[RoleController] = [self._whole_job] if self._whole_job else []
+            for _, controller in sorted(self._by_role.items()):
+                if all(controller is not seen for seen in found):
+                    found.append(controller)
+            return found
 
     def get(self, role: str) -> RoleController | None:
         """Who answers for ``role``: the whole job's controller, else the role's own."""

@@ -126,7 +126,8 @@ class EventFileWriter:
 
 
 class TensorBoardExporter:
-    """Writes the job's metrics every ``every_s`` (goodput, badput, steps, nodes, usage)."""
+    """Writes the job's metrics every ``every_s`` (goodput, badput, steps, nodes, usage; a
+    TensorFlow job's role nodes and throughput)."""
 
     def __init__(self, job: JobMaster, directory: str, every_s: float = DEFAULT_EVERY_S) -> None:
         self._job = job
@@ -160,7 +161,16 @@ class TensorBoardExporter:
             if n.state in ALIVE_STATES:
                 values[f"node/{n.node_id}/cpu_percent"] = n.cpu_percent
                 values[f"node/{n.node_id}/memory_mib"] = n.memory_bytes / 2**20
-        self.writer.scalars(g.steps, values)
+        # A TensorFlow job's roles and throughput; its step is the chief's batches.
+        for r in job.role_nodes():
+            if r.state in ("pending", "running"):
+                values[f"node/{r.node_id}/cpu_percent"] = r.cpu_percent
+                values[f"node/{r.node_id}/memory_mib"] = r.memory_bytes / 2**20
+        rates = job.rates()
+        if rates.steps:
+            values["job/steps_per_second"] = rates.steps_per_s
+            values["job/samples_per_second"] = rates.samples_per_s
+        self.writer.scalars(g.steps or rates.steps, values)
 
     def close(self) -> None:
         """Write a last point and close the file."""

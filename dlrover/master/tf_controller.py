@@ -9,6 +9,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 from dlrover.api.master import FailureRecord
 from dlrover.constants import (
@@ -16,10 +17,12 @@ from dlrover.constants import (
     PS_SCALE_KEY,
     TF_ADDRESS_KEY,
     TF_CLUSTER_KEY,
+    TF_PROGRESS_KEY,
     TF_PS_GENERATION_KEY,
     TF_READY_KEY,
+    TF_USAGE_KEY,
 )
-from dlrover.coordination import PsGeneration, ScaleReport, TfCluster
+from dlrover.coordination import PsGeneration, ScaleReport, TfCluster, TfNodeUsage, TfProgress
 from dlrover.decisions import FailureAction
 from dlrover.engines.base import (
     Engine,
@@ -31,11 +34,16 @@ from dlrover.engines.base import (
     Resources,
 )
 from dlrover.jobspec import TF_ROLES, JobSpec
+from dlrover.json_messages import MessageError
 from dlrover.master.job import JobMaster
+from dlrover.master.ps_load import Rates, Throughput
 from dlrover.master.relaunch_policy import OomPolicy, RelaunchPolicy, failure_class_of
+from dlrover.master.roles import RoleNode
 from dlrover.master.state_store import MemoryStateStore, StateStore
+from dlrover.master.tf_sizing import TfSizer
 
 logger = logging.getLogger(__name__)
+R = TypeVar("R")
 
 DEFAULT_ADDRESS_TIMEOUT_S = 300.0
 """How long a launched node has to register its address (it imports nothing heavy before)."""
@@ -63,6 +71,21 @@ class Slot:
     serving: bool = False
     oom_kills: list[int] = dataclasses.field(default_factory=list)
     """The memory (MiB) of each attempt that was OOM-killed."""
+    usage: TfNodeUsage | None = None
+    """The current attempt's last usage report (None before one)."""
+    ended: str = ""
+    """succeeded or failed once the slot's last attempt ended for good ("" until then)."""
+    planned: int = 0
+    """Attempts the auto-scaler launched (a resize): they do not use up max_relaunches."""
+
+    @property
+    def state(self) -> str:
+        """pending, running, succeeded or failed: running once the attempt serves (ps,
+        worker), registered (chief) or reported its usage (evaluator)."""
+        if self.ended:
+            return self.ended
+        up = {"ps": self.serving, "worker": self.serving, "chief": bool(self.registered)}
+        return "running" if up.get(self.role, self.usage is not None) else "pending"
 
 
 class TfController:
@@ -120,6 +143,12 @@ class TfController:
         self._store = store or MemoryStateStore()
         """Where each slot's current attempt and the published versions are kept, so that a
         master restarted on its state launches the same attempts (the engine adopts them)."""
+        self.throughput = Throughput()
+        """The job's step and sample rates, from the chief's progress reports."""
+        self._raw: dict[str, bytes] = {}
+        """The last report read under each key (a report is decoded once)."""
+        self.sizer: TfSizer | None = None
+        """Sizes the roles submitted without resources (``auto_scale``), if set."""
 
     # --- launching ----------------------------------------------------------------------------
     def node_spec(self, role: str, index: int, relaunch_count: int = 0) -> NodeSpec:
@@ -146,7 +175,7 @@ class TfController:
                 spec = self.node_spec(role, index, int(attempt["relaunch_count"]) if attempt else 0)
                 if attempt:
                     spec = dataclasses.replace(spec, resources=Resources(**attempt["resources"]))
-                slot = Slot(role, index, spec, now)
+                slot = Slot(role, index, spec, now, planned=int((attempt or {}).get("planned", 0)))
                 addresses = cluster.get(role, [])
                 slot.address = addresses[index] if index < len(addresses) else ""
                 self.slots[(role, index)] = slot
@@ -201,6 +230,7 @@ class TfController:
                 "slots": {
                     f"{s.role}-{s.index}": {
                         "relaunch_count": s.spec.relaunch_count,
+                        "planned": s.planned,
                         "resources": dataclasses.asdict(s.spec.resources),
                     }
                     for s in self.slots.values()
@@ -228,8 +258,11 @@ class TfController:
                 self.job.stop(f"could not relaunch TensorFlow nodes: {e}")
                 return
         self._read_registrations(now)
+        self._read_reports()
         self._publish_cluster()
         self._publish_ps_generation()
+        if self.sizer is not None:
+            self.sizer.tick()
 
     def _read_registrations(self, now: float) -> None:
         for slot in self.slots.values():
@@ -251,6 +284,97 @@ class TfController:
             if serves and self.job.kv.get(TF_READY_KEY + node_id):
                 slot.serving = True
                 logger.info("tf node %s serves on %s", node_id, slot.registered)
+
+    def _read_reports(self) -> None:
+        """Take each attempt's usage report and the chief's progress, when they changed."""
+        for slot in self.slots.values():
+            usage = self._report(TF_USAGE_KEY + slot.spec.node_id, TfNodeUsage.decode)
+            if usage is not None:
+                slot.usage = usage
+        progress = self._report(TF_PROGRESS_KEY, TfProgress.decode)
+        if progress is not None:
+            self.throughput.add(progress)
+
+    def _report(self, key: str, decode: Callable[[bytes], R]) -> R | None:
+        """The record under ``key`` if it changed since the last read (else None); a record
+        that does not decode is logged and skipped (a node of another DLRover version)."""
+        raw = self.job.kv.get(key)
+        if raw is None or raw == self._raw.get(key):
+            return None
+        self._raw[key] = raw
+        try:
+            return decode(raw)
+        except MessageError as e:
+            logger.warning("ignoring the report under %s: %s", key, e)
+            return None
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The controller's clock (the sizer measures with it)."""
+        return self._clock
+
+    def sized(self, role: str) -> bool:
+        """Whether ``role``'s nodes have a memory limit (given, or planned)."""
+        return any(s.spec.resources.memory_mib for s in self.slots.values() if s.role == role)
+
+    def trained(self) -> bool:
+        """Whether the chief reported finished batches (the variables and their optimizer
+        slots are on the ps by then)."""
+        return self.throughput.latest is not None
+
+    def resize_role(self, role: str, resources: Resources, reason: str) -> None:
+        """Relaunch every node of ``role`` with ``resources`` (the auto-scaler's plan): each
+        slot's next attempt replaces the current one, on its address where it can be bound, as
+        after a failure (a ps: the chief restores; the chief: it resumes from its checkpoint).
+        These attempts do not use up the slot's max_relaunches."""
+        now = self._clock()
+        old, new = [], []
+        for slot in self.slots.values():
+            if slot.role != role or slot.ended:
+                continue
+            spec = self.node_spec(role, slot.index, slot.spec.relaunch_count + 1)
+            spec = dataclasses.replace(spec, resources=resources)
+            old.append(slot.spec.node_id)
+            new.append(spec)
+            slot.spec, slot.registered, slot.serving, slot.usage = spec, "", False, None
+            slot.launched_at = now
+            slot.planned += 1
+        if not new:
+            return
+        self._save()  # before launching: a restarted master launches these attempts too
+        logger.info("resizing the %s nodes (%s): %s", role, reason, ", ".join(old))
+        self.job.event("tf", f"resizing {role}: relaunching {', '.join(s.node_id for s in new)}")
+        try:
+            self.engine.delete_many(old)
+            self.engine.launch_many(new)
+        except EngineError as e:
+            self.job.stop(f"could not relaunch the {role} nodes at their new size: {e}")
+
+    def rates(self) -> Rates:
+        """The job's step and sample rates lately."""
+        return self.throughput.rates()
+
+    def role_nodes(self) -> list[RoleNode]:
+        """Every slot's current attempt: state, relaunches, usage, memory limit."""
+        rows = []
+        for (role, index), slot in sorted(
+            self.slots.items(), key=lambda item: (TF_ROLES.index(item[0][0]), item[0][1])
+        ):
+            usage = slot.usage
+            rows.append(
+                RoleNode(
+                    node_id=slot.spec.node_id,
+                    role=role,
+                    index=index,
+                    state=slot.state,
+                    relaunches=slot.spec.relaunch_count,
+                    cpu_percent=usage.cpu_percent if usage else 0.0,
+                    memory_bytes=usage.memory_bytes if usage else 0,
+                    memory_limit_bytes=slot.spec.resources.memory_mib * 2**20,
+                    pid=usage.pid if usage else 0,
+                )
+            )
+        return rows
 
     def _scale_out(self, count: int, request: int) -> None:
         before = self.counts["ps"]
@@ -337,6 +461,7 @@ class TfController:
         if slot is None or slot.spec.node_id != event.node_id or self.job.ended.is_set():
             return  # an attempt replaced already, or the job is over
         if event.state is NodeState.SUCCEEDED:
+            slot.ended = "succeeded"
             if slot.role == "chief":
                 self.job.succeed(f"the chief {event.node_id} succeeded")
             else:
@@ -350,7 +475,9 @@ class TfController:
         if event.reason is FailureReason.OOM_KILLED:
             slot.oom_kills.append(event.spec.resources.memory_mib)
         decision = self._policy.decide(
-            event.node_id, self._policy.loss_reason(event), event.spec.relaunch_count
+            event.node_id,
+            self._policy.loss_reason(event),
+            event.spec.relaunch_count - slot.planned,
         )
         exhausted = decision.action is FailureAction.FAIL
         spec = None if exhausted else self._policy.replacement(event)
@@ -372,6 +499,7 @@ class TfController:
                 if exhausted
                 else f"cannot grow: the memory cap is {self._oom.max_memory_mib} MiB"
             )
+            slot.ended = "failed"
             self.job.stop(f"TensorFlow {slot.role} {slot.index} ({event.node_id}) {limit}{history}")
             return
         spec = dataclasses.replace(spec, env={**spec.env, ENV_NODE_NAME: spec.node_id})
@@ -389,6 +517,7 @@ class TfController:
         slot.spec = spec
         slot.registered = ""
         slot.serving = False
+        slot.usage = None
         slot.launched_at = self._clock() + self._relaunch_delay_s
         self.relaunches[slot.role] = self.relaunches.get(slot.role, 0) + 1
         self._save()  # before launching: a restarted master launches this attempt too

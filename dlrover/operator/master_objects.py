@@ -10,6 +10,7 @@ from typing import Any
 import yaml
 
 from dlrover.constants import ENV_JOB_TOKEN
+from dlrover.elasticjob import KUBE_KEYS, ElasticJobError, tensorflow_keys
 from dlrover.engines.base import Resources
 from dlrover.engines.kube_manifests import (
     DEFAULT_MASTER_PORT,
@@ -30,8 +31,6 @@ SPEC_MOUNT_DIR = "/etc/dlrover"
 STATE_MOUNT_DIR = "/var/lib/dlrover"
 """Where the master pod mounts its state claim (the SQLite state survives the container)."""
 SPEC_FILE = "job.yaml"
-# Keys of an ElasticJob's spec that configure Kubernetes rather than the job itself.
-_KUBE_KEYS = ("image", "masterImage", "serviceAccount", "masterPort")
 
 
 def owner_of(body: dict[str, Any]) -> OwnerReference:
@@ -41,65 +40,14 @@ def owner_of(body: dict[str, Any]) -> OwnerReference:
     return OwnerReference(f"{GROUP}/{VERSION}", KIND, meta["name"], meta["uid"])
 
 
-def _cpu(value: Any) -> Any:
-    """Kubernetes' ``500m`` as 0.5; numbers and other text as they are (the job spec checks)."""
-    if isinstance(value, str) and value.endswith("m") and value[:-1].isdigit():
-        return int(value[:-1]) / 1000
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return value
-    return value
-
-
-def _replica_resources(replica: dict[str, Any]) -> dict[str, Any] | None:
-    """A replica spec's resources: its own ``resources`` ({cpu, memory, gpu}), else the limits
-    (or requests) of its pod template's first container, as the seeds' ElasticJob wrote them."""
-    if replica.get("resources"):
-        return dict(replica["resources"])
-    containers = ((replica.get("template") or {}).get("spec") or {}).get("containers") or []
-    if not containers:
-        return None
-    wanted = containers[0].get("resources") or {}
-    found = dict(wanted.get("limits") or wanted.get("requests") or {})
-    resources: dict[str, Any] = {}
-    if "cpu" in found:
-        resources["cpu"] = _cpu(found["cpu"])
-    if "memory" in found:
-        resources["memory"] = found["memory"]
-    if "nvidia.com/gpu" in found:
-        resources["gpu"] = int(found["nvidia.com/gpu"])
-    return resources or None
-
-
-def _tensorflow_keys(spec: dict[str, Any]) -> None:
-    """The ElasticJob's spelling of a TensorFlow job (``distributionStrategy``, ``replicaSpecs:
-    {ps: {replicas: 2, template: ...}}``) as the job spec's (``distribution_strategy``,
-    ``roles: {ps: {count: 2, resources}}``), in place."""
-    if "distributionStrategy" in spec:
-        spec["distribution_strategy"] = spec.pop("distributionStrategy")
-    replicas = spec.pop("replicaSpecs", None)
-    if replicas is None:
-        return
-    if not isinstance(replicas, dict):
-        raise JobSpecError("replicaSpecs must map each role to {replicas, template|resources}")
-    roles: dict[str, Any] = {}
-    for role, replica in replicas.items():
-        if not isinstance(replica, dict):
-            raise JobSpecError(f"replicaSpecs.{role} must be a mapping: replicas, template")
-        roles[role] = {"count": replica.get("replicas", 1)}
-        resources = _replica_resources(replica)
-        if resources:
-            roles[role]["resources"] = resources
-    spec["roles"] = roles
-
-
 def job_spec_of(body: dict[str, Any]) -> JobSpec:
     """The JobSpec an ElasticJob describes (its name is the resource's name; engine kubernetes).
     Raises JobSpecError with one clear message for a bad resource."""
-    spec = {k: v for k, v in dict(body.get("spec") or {}).items() if k not in _KUBE_KEYS}
-    _tensorflow_keys(spec)
+    spec = {k: v for k, v in dict(body.get("spec") or {}).items() if k not in KUBE_KEYS}
+    try:
+        tensorflow_keys(spec)
+    except ElasticJobError as error:
+        raise JobSpecError(str(error)) from None
     settings = dict(spec.pop("engine_settings", None) or {})
     kube = body.get("spec") or {}
     settings.update(

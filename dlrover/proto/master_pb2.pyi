@@ -293,7 +293,7 @@ class GetJobStatusRequest(_message.Message):
     def __init__(self, without_nodes: _Optional[bool] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("step_wall_s", "step_data_s", "step_checkpoint_s", "node_id", "state", "node_rank", "host", "step", "restart_count", "last_heartbeat_age_s", "role", "cpu_percent", "memory_bytes", "check", "score", "pid", "worker_pids")
+    __slots__ = ("step_wall_s", "step_data_s", "step_checkpoint_s", "node_id", "state", "node_rank", "host", "step", "restart_count", "last_heartbeat_age_s", "role", "cpu_percent", "memory_bytes", "check", "score", "pid", "worker_pids", "memory_limit_bytes")
     STEP_WALL_S_FIELD_NUMBER: _ClassVar[int]
     STEP_DATA_S_FIELD_NUMBER: _ClassVar[int]
     STEP_CHECKPOINT_S_FIELD_NUMBER: _ClassVar[int]
@@ -311,6 +311,7 @@ class NodeStatus(_message.Message):
     SCORE_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     WORKER_PIDS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
     step_wall_s: float
     step_data_s: float
     step_checkpoint_s: float
@@ -328,10 +329,11 @@ class NodeStatus(_message.Message):
     score: float
     pid: int
     worker_pids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_wall_s: _Optional[float] = ..., step_data_s: _Optional[float] = ..., step_checkpoint_s: _Optional[float] = ..., node_id: _Optional[str] = ..., state: _Optional[str] = ..., node_rank: _Optional[int] = ..., host: _Optional[str] = ..., step: _Optional[int] = ..., restart_count: _Optional[int] = ..., last_heartbeat_age_s: _Optional[float] = ..., role: _Optional[str] = ..., cpu_percent: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., check: _Optional[str] = ..., score: _Optional[float] = ..., pid: _Optional[int] = ..., worker_pids: _Optional[_Iterable[int]] = ...) -> None: ...
+    memory_limit_bytes: int
+    def __init__(self, step_wall_s: _Optional[float] = ..., step_data_s: _Optional[float] = ..., step_checkpoint_s: _Optional[float] = ..., node_id: _Optional[str] = ..., state: _Optional[str] = ..., node_rank: _Optional[int] = ..., host: _Optional[str] = ..., step: _Optional[int] = ..., restart_count: _Optional[int] = ..., last_heartbeat_age_s: _Optional[float] = ..., role: _Optional[str] = ..., cpu_percent: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., check: _Optional[str] = ..., score: _Optional[float] = ..., pid: _Optional[int] = ..., worker_pids: _Optional[_Iterable[int]] = ..., memory_limit_bytes: _Optional[int] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job_name", "state", "round", "nodes", "reason", "exit_code", "node_check", "autoscale", "goodput", "metrics_port", "embedding_servers", "refused")
+    __slots__ = ("job_name", "state", "round", "nodes", "reason", "exit_code", "node_check", "autoscale", "goodput", "metrics_port", "embedding_servers", "steps_per_s", "samples_per_s", "refused")
     JOB_NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -343,6 +345,8 @@ class JobStatus(_message.Message):
     GOODPUT_FIELD_NUMBER: _ClassVar[int]
     METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_SERVERS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_S_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
     job_name: str
     state: str
@@ -355,8 +359,10 @@ class JobStatus(_message.Message):
     goodput: float
     metrics_port: int
     embedding_servers: _containers.RepeatedCompositeFieldContainer[EmbeddingServerStatus]
+    steps_per_s: float
+    samples_per_s: float
     refused: MasterError
-    def __init__(self, job_name: _Optional[str] = ..., state: _Optional[str] = ..., round: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., reason: _Optional[str] = ..., exit_code: _Optional[int] = ..., node_check: _Optional[str] = ..., autoscale: _Optional[str] = ..., goodput: _Optional[float] = ..., metrics_port: _Optional[int] = ..., embedding_servers: _Optional[_Iterable[_Union[EmbeddingServerStatus, _Mapping]]] = ..., refused: _Optional[_Union[MasterError, _Mapping]] = ...) -> None: ...
+    def __init__(self, job_name: _Optional[str] = ..., state: _Optional[str] = ..., round: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., reason: _Optional[str] = ..., exit_code: _Optional[int] = ..., node_check: _Optional[str] = ..., autoscale: _Optional[str] = ..., goodput: _Optional[float] = ..., metrics_port: _Optional[int] = ..., embedding_servers: _Optional[_Iterable[_Union[EmbeddingServerStatus, _Mapping]]] = ..., steps_per_s: _Optional[float] = ..., samples_per_s: _Optional[float] = ..., refused: _Optional[_Union[MasterError, _Mapping]] = ...) -> None: ...
 
 class EmbeddingServerStatus(_message.Message):
     __slots__ = ("index", "address", "rows", "bytes", "lookups_per_s")

@@ -341,6 +341,10 @@ class JobRunner:
                 relaunch_delay_s=delay,
                 store=master.store,
             )
+            if scaling is not None:
+                from dlrover.master.tf_sizing import TfSizer
+
+                tf.sizer = TfSizer(job, tf, scaling[0].sizing_window_s, scaling[0].margin)
             job.tf = tf
             return tf
         controller = NodeController(

@@ -49,7 +49,8 @@ def examples_with_own_out(where: Path, tmp: Path) -> None:
 
 def test_submit_the_example_job(tmp_path: Path) -> None:
     """Promised: the lines the page shows, in order, `dlrover status wide-deep` showing the
-    cluster the master published while it runs, and the chief's output in --out."""
+    cluster the master published and a row of each node while it runs, and the chief's output
+    in --out."""
     block = doc_block(marker_id(__file__, "test_submit_the_example_job"))
     where, env = tmp_path / "user", user_env(tmp_path)
     examples_with_own_out(where, tmp_path)
@@ -64,6 +65,7 @@ def test_submit_the_example_job(tmp_path: Path) -> None:
             return bool(
                 re.search(r"^tensorflow cluster version 1, ps generation \d+:$", done.stdout, re.M)
                 and re.search(r"^  ps +0=127\.0\.0\.1:\d+  1=127\.0\.0\.1:\d+$", done.stdout, re.M)
+                and re.search(r"^wide-deep-ps-1-0 +ps +1 +(pending|running) ", done.stdout, re.M)
             )
 
         wait_for("`dlrover status wide-deep` to show the cluster", shows_the_cluster, 180)

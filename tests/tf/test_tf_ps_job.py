@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -368,6 +369,105 @@ def test_scaling_the_ps_from_two_to_three_re_partitions_the_model_from_a_checkpo
     _close_to_reference(report, reference)
     refused = dlrover_cli(job.home, "scale", "grow", "--role", "worker", "--count", "3")
     assert refused.returncode == 1  # the job ended; a running one says why (unit tests)
+
+
+def test_every_role_is_shown_with_its_usage_and_the_job_throughput(tmp_path: Path) -> None:
+    job = Job(tmp_path, "seen", shard_delay=0.3, evaluator=True)
+    job.wait_shards(13)  # the chief reported its progress after shards 4, 8 and 12
+    status = dlrover_cli(job.home, "status", "seen")
+    assert status.returncode == 0, status.stderr
+    rows = {line.split()[0]: line.split() for line in status.stdout.splitlines() if line}
+    for role, count in (("chief", 1), ("ps", 2), ("worker", 2), ("evaluator", 1)):
+        for index in range(count):
+            row = rows[f"seen-{role}-{index}-0"]
+            # node, role, rank, state, step, restarts, cpu%, mem MB, pid
+            assert row[1:4] == [role, str(index), "running"], status.stdout
+            assert int(row[7]) > 50 and int(row[8]) > 0, status.stdout  # a TF process's memory
+    throughput = re.search(r"throughput: (\d+) samples/s", status.stdout)
+    assert throughput and int(throughput.group(1)) > 0, status.stdout
+    port = re.search(r"dashboard: http://[^:]+:(\d+)/", status.stdout)
+    assert port, status.stdout
+    with urllib.request.urlopen(f"http://127.0.0.1:{port.group(1)}/metrics", timeout=10) as r:
+        metrics = r.read().decode()
+    ps_memory = re.search(
+        r'dlrover_node_memory_bytes\{job_name="seen",node="seen-ps-1-0"\} (\S+)', metrics
+    )
+    assert ps_memory and float(ps_memory.group(1)) > 50 * 2**20, metrics
+    assert 'role="evaluator",state="running"} 1.0' in metrics
+    assert re.search(r'dlrover_samples_per_second\{job_name="seen"\} [1-9]', metrics), metrics
+    assert job.wait() == 0, job.text()[-4000:]
+    report, model = job.result()
+    assert (model["seen"] == 1).all()
+    final = dlrover_cli(job.home, "status", "seen").stdout
+    assert re.search(r"seen-chief-0-0 +chief +0 succeeded", final), final
+
+
+def test_the_seeds_elasticjob_without_counts_or_resources_runs_with_one_ps_and_one_worker(
+    tmp_path: Path,
+) -> None:
+    command = ["python", str(EXAMPLE), "--size", str(SIZE), "--out", str(tmp_path / "auto")]
+    main = {"template": {"spec": {"containers": [{"name": "main", "command": command}]}}}
+    body = {
+        "apiVersion": "elastic.iml.github.io/v1alpha1",
+        "kind": "ElasticJob",
+        "metadata": {"name": "auto"},
+        "spec": {
+            "distributionStrategy": "ParameterServerStrategy",
+            "replicaSpecs": {"ps": main, "worker": main},
+        },
+    }
+    path = tmp_path / "elasticjob.yaml"
+    path.write_text(json.dumps(body))
+    home = tmp_path / "home"
+    submitted = dlrover_cli(home, "submit", str(path), timeout=240)
+    assert submitted.returncode == 0, submitted.stdout[-3000:] + submitted.stderr[-3000:]
+    assert "job auto: 1 chief, 1 ps, 1 worker on engine local" in submitted.stderr
+    report = json.loads((tmp_path / "auto" / "report.json").read_text())
+    with np.load(tmp_path / "auto" / "model.npz") as model:
+        assert (model["seen"] == 1).all()
+    assert report["ps"] == 1 and report["eval_loss"] < 0.55
+    final = dlrover_cli(home, "status", "auto").stdout
+    assert re.search(r"^auto-ps-0-0 +ps +0 ", final, re.M), final
+    assert "limit MB" not in final  # submitted without resources: no limits
+
+
+def test_a_job_without_resources_is_sized_from_measurement_and_completes_at_that_size(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "sized"
+    command = ["python", str(EXAMPLE), "--out", str(out), "--shard-delay", "1.0"]
+    main = {"template": {"spec": {"containers": [{"name": "main", "command": command}]}}}
+    body = {
+        "apiVersion": "elastic.iml.github.io/v1alpha1",
+        "kind": "ElasticJob",
+        "metadata": {"name": "sized"},
+        "spec": {
+            "distributionStrategy": "ParameterServerStrategy",
+            "optimizeMode": "single-job",
+            "replicaSpecs": {"ps": main, "worker": main},
+        },
+    }
+    path = tmp_path / "elasticjob.yaml"
+    path.write_text(json.dumps(body))
+    home = tmp_path / "home"
+    submitted = dlrover_cli(home, "submit", str(path), timeout=300, DLROVER_AUTOSCALE_SIZING_S="4")
+    assert submitted.returncode == 0, submitted.stderr[-4000:]
+    with np.load(out / "model.npz") as model:
+        assert (model["seen"] == 1).all(), np.flatnonzero(model["seen"] != 1)[:20]
+    report = json.loads((out / "report.json").read_text())
+    assert report["eval_loss"] < 0.55
+    final = dlrover_cli(home, "status", "sized").stdout
+    for role in ("chief", "ps", "worker"):
+        assert re.search(rf"resize {role}: measured peak \d+ MiB and [\d.]+ cores per node", final)
+        row = re.search(
+            rf"^sized-{role}-0-(\d+) +{role} +0 +\S+ +-1 +\d+ +\d+ +\d+ +(\d+) ", final, re.M
+        )
+        assert row and int(row.group(1)) >= 1 and int(row.group(2)) > 0, (
+            final
+        )  # relaunched, limited
+    assert "failures: none" in final, final  # sized before any OOM kill
+    diagnose = dlrover_cli(home, "diagnose", "sized").stdout
+    assert "no failures recorded" in diagnose and "resize ps: measured peak" in diagnose, diagnose
 
 
 BIG = 500_000

@@ -28,12 +28,13 @@ from pathlib import Path
 from typing import Any
 
 from dlrover import constants as c
-from dlrover.api.errors import MasterUnreachableError
+from dlrover.api.errors import MasterClientError, MasterUnreachableError
+from dlrover.api.retry import while_unreachable
 from dlrover.client.master_client import MasterClient
 from dlrover.client.sharding import GrpcShardingTransport
 from dlrover.client.sharding_client import ShardingClient
 from dlrover.constants import ENV_TF_RESCALE as ENV_RESCALE
-from dlrover.coordination import PsGeneration, TfCluster
+from dlrover.coordination import PsGeneration, TfCluster, TfProgress
 from dlrover.sharding.types import DatasetSpec, Position, Shard
 
 logger = logging.getLogger(__name__)
@@ -174,6 +175,8 @@ class PsTrainer:
         self.recoveries: list[Recovery] = []
         self.batches = 0
         """Closures that finished (re-runs after a ps recovery count again)."""
+        self.samples = 0
+        """Samples of the closures that finished."""
         self.shards_done = 0
         self._sharding = ShardingClient(
             GrpcShardingTransport(self._client), dataset, worker_id=f"{self.task_type}-0"
@@ -259,12 +262,15 @@ class PsTrainer:
         sequence = self.sequence + 1
         started = time.monotonic()
         path = self.state.checkpoint.write(str(self.checkpoint_dir / f"ckpt-{sequence}"))
-        position = self._sharding.get_position()
+        position = while_unreachable(
+            self._sharding.get_position, time.monotonic() + self.ps_wait_s, "reading the position"
+        )
         marker = {
             "sequence": sequence,
             "path": path,
             "position": position.to_dict(),
             "batches": self.batches,
+            "samples": self.samples,
             "shards_done": self.shards_done,
         }
         tmp = self.checkpoint_dir / f"{LATEST}.tmp"
@@ -295,12 +301,13 @@ class PsTrainer:
         if latest is None:
             position = Position(self.dataset.name, 0, 0)
             self._sharding.restore_position(position, token)
-            self.batches = self.shards_done = 0
+            self.batches = self.samples = self.shards_done = 0
             return -1
         self.state.checkpoint.read(latest["path"]).assert_consumed()
         self._sharding.restore_position(Position.from_dict(latest["position"]), token)
         self.sequence = int(latest["sequence"])
         self.batches = int(latest["batches"])
+        self.samples = int(latest.get("samples", self.batches * self.batch_size))
         self.shards_done = int(latest["shards_done"])
         logger.info("restored checkpoint %d (%d batches)", self.sequence, self.batches)
         return self.sequence
@@ -473,6 +480,25 @@ class PsTrainer:
         self.coordinator.join()
         self._progress_since_build = True
         for shard in shards:
-            self.batches += len(self._batches(shard))
-            self._sharding.report_done(shard)
+            batches = self._batches(shard)
+            self.batches += len(batches)
+            self.samples += sum(len(ids) for ids in batches)
+            # A master being restarted answers again within seconds: ride it out (a shard
+            # reported twice is ignored the second time).
+            while_unreachable(
+                lambda: self._sharding.report_done(shard),  # noqa: B023 (called at once)
+                time.monotonic() + self.ps_wait_s,
+                f"reporting shard {shard.id} done",
+            )
             self.shards_done += 1
+        self._report_progress()
+
+    def _report_progress(self) -> None:
+        """Tell the master the batches and samples finished (its job throughput, from which
+        it sizes the workers). Training never waits on it: a master that does not answer (it is
+        being restarted) misses one report."""
+        progress = TfProgress(self.batches, self.samples, time.time())
+        try:
+            self._client.kv_set(c.TF_PROGRESS_KEY, progress.encode())
+        except MasterClientError as exc:
+            logger.debug("progress report skipped: %s", exc)

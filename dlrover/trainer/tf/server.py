@@ -1,5 +1,6 @@
 """A ps or worker task of a TensorFlow job: a `tf.distribute.Server` from TF_CONFIG that tells
-the job's master once it serves, then serves until it is killed (`dlrover-tf-node` runs it)."""
+the job's master once it serves and reports its usage, then serves until it is killed
+(`dlrover-tf-node` runs it)."""
 
 from __future__ import annotations
 
@@ -38,12 +39,14 @@ def main() -> int:
     master = os.environ.get(c.ENV_MASTER_ADDR, "")
     if master and node:
         from dlrover.client.master_client import MasterClient
+        from dlrover.trainer.tf.usage import UsageReporter
 
         client = MasterClient(master, os.environ.get(c.ENV_JOB_TOKEN, ""))
-        try:
-            client.kv_set(c.TF_READY_KEY + node, server.target.encode())
-        finally:
-            client.close()
+        client.kv_set(c.TF_READY_KEY + node, server.target.encode())
+        # The master sizes and watches the ps from these (memory before an OOM kill, hot ps).
+        reporter = UsageReporter.from_env(client, lambda: [os.getpid()])
+        if reporter is not None:
+            reporter.start()
     server.join()  # until the engine stops the node (SIGTERM) or it is killed
     return 0
 

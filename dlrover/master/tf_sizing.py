@@ -1,0 +1,141 @@
+"""Sizes the roles of a TensorFlow job submitted without resources from what their nodes measured.
+
+With ``auto_scale``, every role whose nodes run without a memory limit is measured from the
+moment all the job's nodes run and the chief reported finished batches: each node's CPU and its
+peak resident memory, from the usage reports the nodes send (`dlrover.coordination.TfNodeUsage`).
+A ps holds its share of the variables from the chief's build and its optimizer slots from the
+first step, so by then its peak is what its variables and slots take with TensorFlow's own. After
+``sizing_window_s`` each role gets the resources `size_from_usage` gives (peak x margin, cores
+used x margin), and the controller relaunches its nodes at that size: on the local engine
+those are cgroup limits from then on (an underestimate is an OOM kill, which relaunches the
+node 1.5x bigger). Each plan is logged with its reason, kept as the job's latest plan
+(`dlrover status`) and put on the timeline (dashboard, the plans an ended job leaves).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from dlrover.engines.base import Resources
+from dlrover.master.job import JobMaster
+from dlrover.master.optimizer import NodeUsage, size_from_usage
+from dlrover.master.roles import RoleNode
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RoleSize:
+    """A plan for one role: the resources its nodes get, and why."""
+
+    role: str
+    resources: Resources
+    reason: str
+
+
+def size_role(role: str, usage: Sequence[NodeUsage], margin: float) -> RoleSize:
+    """The size of ``role``'s nodes from what they used (the hungriest node's use x margin)."""
+    resources = size_from_usage(usage, margin)
+    peak = max(u.memory_peak_mib for u in usage)
+    cores = max(u.cpu_cores for u in usage)
+    reason = (
+        f"{role}: measured peak {peak} MiB and {cores:.1f} cores per node: "
+        f"{resources.memory_mib} MiB, {resources.cpu:g} CPU (x{margin:g})"
+    )
+    return RoleSize(role, resources, reason)
+
+
+class SizedController(Protocol):
+    """What the sizer needs of the TensorFlow job's controller."""
+
+    counts: dict[str, int]
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The controller's clock."""
+        ...
+
+    def sized(self, role: str) -> bool:
+        """Whether ``role``'s nodes have a memory limit."""
+        ...
+
+    def trained(self) -> bool:
+        """Whether the chief reported finished batches (the ps hold variables and slots)."""
+        ...
+
+    def role_nodes(self) -> list[RoleNode]:
+        """Every slot's current attempt."""
+        ...
+
+    def resize_role(self, role: str, resources: Resources, reason: str) -> None:
+        """Relaunch ``role``'s nodes with ``resources``."""
+        ...
+
+
+class TfSizer:
+    """Sizes each unsized role of one TensorFlow job once (`tick` from the controller's step).
+
+    Invariant: a role is sized at most once, and only from reports of nodes that all run: a
+    node relaunched meanwhile starts the measurement over."""
+
+    def __init__(
+        self,
+        job: JobMaster,
+        controller: SizedController,
+        sizing_window_s: float,
+        margin: float = 1.3,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        self._job = job
+        self._controller = controller
+        self._window_s = sizing_window_s
+        self._margin = margin
+        self._clock = clock or controller.clock
+        self._since: float | None = None
+        """When every node was last seen running (None: not all run now)."""
+        self._peaks: dict[str, int] = {}
+        self._cores: dict[str, float] = {}
+        self.sized: set[str] = {
+            role for role, count in controller.counts.items() if count and controller.sized(role)
+        }
+        """Roles with a size: given in the spec, or planned here."""
+
+    def tick(self) -> None:
+        """Plan once the job's nodes ran for the window; cheap otherwise."""
+        nodes = self._controller.role_nodes()
+        if self._job.ended.is_set() or all(r.role in self.sized for r in nodes):
+            return
+        now = self._clock()
+        # A node without a usage report yet (or with reports off) is not measured: no size
+        # is ever planned from a zero.
+        measured = all(r.state == "running" and r.memory_bytes for r in nodes)
+        if not measured or not self._controller.trained():
+            self._since = None
+            self._peaks.clear()
+            self._cores.clear()
+            return
+        if self._since is None:
+            self._since = now
+        for r in nodes:
+            self._peaks[r.node_id] = max(self._peaks.get(r.node_id, 0), r.memory_bytes >> 20)
+            self._cores[r.node_id] = max(self._cores.get(r.node_id, 0.0), r.cpu_percent / 100)
+        if now - self._since < self._window_s:
+            return
+        for role in sorted({r.role for r in nodes} - self.sized):
+            usage = [
+                NodeUsage(r.node_id, self._cores[r.node_id], self._peaks[r.node_id])
+                for r in nodes
+                if r.role == role
+            ]
+            plan = size_role(role, usage, self._margin)
+            self.sized.add(role)
+            summary = f"auto-scale: resize {plan.reason}"
+            logger.info("%s", summary)
+            self._job.diagnostics.scale_plan(summary, f"resize {plan.reason}")
+            self._controller.resize_role(role, plan.resources, plan.reason)
+        self._since = None
+        self._peaks.clear()
+        self._cores.clear()
