@@ -14,7 +14,11 @@ would), ``kill_agent`` (SIGKILL the pid in DLROVER_AGENT_PID), ``lose_node`` (th
 machine is gone: SIGKILL the agent, delete its flash-checkpoint shared memory, SIGKILL
 itself), ``collective_fail`` (the node
 check's collective test fails on that node: give ``node``), ``oom`` (allocate and touch memory
-in 64 MiB chunks until the kernel's OOM killer ends the process: run it under a memory limit). Keys: ``rank`` (global RANK; default
+in 64 MiB chunks until the kernel's OOM killer ends the process: run it under a memory limit),
+``pending`` (a replacement node, of slot ``node`` or of any, waits before it registers until
+the file ``until`` exists: a pod pending for room, released when a test says so; the agent
+reads it).
+Keys: ``rank`` (global RANK; default
 every rank), ``node`` (the node slot an engine launched, the N of ``<job>-worker-N-<attempt>``,
 on its first attempt only: a replacement is another machine; ``dlrover-run --node-rank N``
 without an engine), ``step`` (required, except for slow and collective_fail: default 0),
@@ -34,8 +38,9 @@ from dlrover.constants import ENV_AGENT_PID as ENV_AGENT_PID
 from dlrover.constants import ENV_FAULTS as ENV_FAULTS
 
 _COMMON_KEYS = frozenset({"rank", "node", "step", "restart", "once"})
-_STEPLESS = frozenset({"slow", "collective_fail"})
+_STEPLESS = frozenset({"slow", "collective_fail", "pending"})
 _EXTRA_KEYS = {
+    "pending": frozenset({"until"}),
     "exit": frozenset({"code"}),
     "slow": frozenset({"factor"}),
     "hang": frozenset({"seconds"}),
@@ -55,6 +60,7 @@ class FaultKind(Enum):
     LOSE_NODE = "lose_node"
     COLLECTIVE_FAIL = "collective_fail"
     OOM = "oom"
+    PENDING = "pending"
 
 
 class FaultSpecError(ValueError):
@@ -79,6 +85,8 @@ class Fault:
     """A marker file: fire only if it does not exist yet (and create it)."""
     node: int | None = None
     """The node slot it is meant for (first attempt only); None: every node."""
+    until: str = ""
+    """For pending: the file whose creation releases the node."""
 
     def claim(self) -> bool:
         """True if the fault may fire now; with `once`, only the first claim anywhere succeeds."""
@@ -154,6 +162,8 @@ def parse_fault(item: str) -> Fault:
         raise FaultSpecError(f"{item!r}: {kind.value} needs step=N")
     if kind is FaultKind.COLLECTIVE_FAIL and "node" not in values:
         raise FaultSpecError(f"{item!r}: collective_fail needs node=N")
+    if kind is FaultKind.PENDING and not values.get("until"):
+        raise FaultSpecError(f"{item!r}: pending needs until=PATH")
     if kind is FaultKind.SLOW and "factor" not in values:
         raise FaultSpecError(f"{item!r}: slow needs factor=X (X >= 1)")
     restart = values.get("restart", "0")
@@ -167,6 +177,7 @@ def parse_fault(item: str) -> Fault:
         seconds=_float(item, "seconds", values["seconds"], 0.0) if "seconds" in values else None,
         once=values.get("once", ""),
         node=_int(item, "node", values["node"], 0) if "node" in values else None,
+        until=values.get("until", ""),
     )
 
 
@@ -191,6 +202,16 @@ def node_check_faults(text: str, node: tuple[int, int] | None) -> tuple[float, b
         elif fault.kind is FaultKind.COLLECTIVE_FAIL:
             fail = True
     return factor, fail
+
+
+def pending_until(text: str, node: tuple[int, int] | None) -> str:
+    """The file a replacement ``node`` (slot, attempt >= 1) waits for before it registers, from
+    a DLROVER_FAULTS value's ``pending`` item; "" when none applies."""
+    for fault in parse_faults(text):
+        replacement = node is not None and node[1] >= 1 and fault.node in (None, node[0])
+        if fault.kind is FaultKind.PENDING and replacement:
+            return fault.until
+    return ""
 
 
 def parse_faults(text: str) -> tuple[Fault, ...]:

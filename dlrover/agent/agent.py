@@ -59,7 +59,7 @@ from dlrover.constants import (
     EXIT_NODE_OOM,
 )
 from dlrover.decisions import FailureAction
-from dlrover.faults import ENV_FAULTS, node_slot
+from dlrover.faults import ENV_FAULTS, node_slot, pending_until
 from dlrover.processes import UsageMeter
 
 logger = logging.getLogger(__name__)
@@ -196,6 +196,7 @@ class ElasticAgent:
         # agents' things, of this job or another, are not touched.
         sweep()
         sweep_throttles()
+        self._wait_pending()
         self._register()
         # Named for the job, node and this process, and guarded by a lock held until close:
         # an operator can tell whose they are, and the next agent's sweep whether the owner died.
@@ -205,6 +206,17 @@ class ElasticAgent:
         os.makedirs(self._run_dir, mode=0o700, exist_ok=True)
         self._start_saver(f"{prefix}.ckpt")
         self._heartbeat.start()
+
+    def _wait_pending(self, deadline_s: float = 300.0) -> None:
+        """DLROVER_FAULTS's ``pending``: a replacement node waits, unregistered, until its file
+        exists (a pod pending for room), at most ``deadline_s``."""
+        path = pending_until(os.environ.get(ENV_FAULTS, ""), node_slot(self._node_name))
+        if not path:
+            return
+        logger.warning("fault injection: node %s pending until %s exists", self._node_name, path)
+        end = time.monotonic() + deadline_s
+        while not os.path.exists(path) and time.monotonic() < end:
+            time.sleep(0.1)
 
     def close(self) -> None:
         """Stop the workers, the heartbeat, the zygote and the saver; remove the run dir."""

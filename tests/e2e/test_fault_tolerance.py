@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +22,6 @@ def submit(
     steps: int,
     faults: str = "",
     step_time: float = 0.0,
-    relaunch_delay: float = 0.0,
 ) -> tuple[subprocess.CompletedProcess[str], Path]:
     """`dlrover submit` the oracle on the local engine: each node is a real agent process."""
     out = tmp / name
@@ -40,8 +41,6 @@ def submit(
             "2",
             "--max-restarts",
             "3",
-            "--relaunch-delay",
-            str(relaunch_delay),
             ORACLE,
             "--steps",
             str(steps),
@@ -120,23 +119,45 @@ def test_agent_killed_node_replaced_and_model_matches_failure_free_run(tmp_path:
     assert [s for s, _, _ in steps_log(out)] == list(range(1, 17))
 
 
+def release_when_shrunk(out: Path, gate: Path, deadline_s: float = 240.0) -> threading.Thread:
+    """Create ``gate`` (releasing the pending replacement) once the steps log shows a step at
+    world size 4: the survivors went on without the lost node. At the deadline it is created
+    anyway, so the job ends and the test's assertion says what happened."""
+
+    def watch() -> None:
+        end = time.monotonic() + deadline_s
+        steps = Path(f"{out}.steps")
+        while time.monotonic() < end:
+            if steps.exists() and any(
+                line.split()[1:2] == ["4"] for line in steps.read_text().splitlines()
+            ):
+                break
+            time.sleep(0.1)
+        gate.touch()
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
 @pytest.mark.slow
 def test_three_nodes_shrink_to_two_and_grow_back(tmp_path: Path):
     steps = 60
     ref, ref_out = submit(tmp_path, "ref", "2:3", steps, step_time=0.2)
     assert ref.returncode == 0
-    marker = tmp_path / "fired"
-    # The replacement comes 10 s later (as a new pod or Ray actor would), so the survivors go on
-    # at two nodes in the meantime.
+    marker, gate = tmp_path / "fired", tmp_path / "room"
+    # The replacement stays pending (as a pod without room would) until the survivors have
+    # trained at two nodes, then joins: 3 nodes -> 2 -> 3.
+    watcher = release_when_shrunk(tmp_path / "elastic", gate)
     r, out = submit(
         tmp_path,
         "elastic",
         "2:3",
         steps,
         step_time=0.2,
-        relaunch_delay=10.0,
-        faults=f"kill_agent:rank=4:step=6:once={marker}",
+        faults=f"kill_agent:rank=4:step=6:once={marker};pending:until={gate}",
     )
+    watcher.join(timeout=5)
     assert r.returncode == 0
     log = steps_log(out)
     assert [s for s, _, _ in log] == list(range(1, steps + 1))  # same final step, none twice

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from dlrover.faults import pending_until
 from dlrover.testing.faults import (
     Fault,
     FaultInjector,
@@ -65,11 +66,22 @@ def test_parse_every_kind() -> None:
         ("slow:rank=1", "slow needs factor=X"),
         ("slow:factor=0.5", "factor must be >= 1.0"),
         ("kill:step", "bad field 'step'"),
+        ("pending:node=2", "pending needs until=PATH"),
     ],
 )
 def test_parse_errors_name_the_problem(text: str, message: str) -> None:
     with pytest.raises(FaultSpecError, match=message.replace("(", r"\(")):
         parse_faults(text)
+
+
+def test_pending_holds_only_the_replacements_of_its_slot() -> None:
+    spec = "kill_agent:rank=4:step=6;pending:node=2:until=/tmp/room"
+    assert pending_until(spec, (2, 1)) == "/tmp/room"
+    assert pending_until(spec, (2, 3)) == "/tmp/room"
+    assert pending_until(spec, (2, 0)) == ""  # the first attempt starts at once
+    assert pending_until(spec, (1, 1)) == ""
+    assert pending_until(spec, None) == ""
+    assert pending_until("pending:until=/tmp/room", (1, 1)) == "/tmp/room"  # any slot's
 
 
 def test_faults_filter_by_rank_and_restart() -> None:
