@@ -18,6 +18,7 @@ from dlrover.engines.base import FailureReason, NodeEvent, NodeSpec, NodeState, 
 
 pytestmark = [
     pytest.mark.extras,
+    pytest.mark.xdist_group("ray"),  # one local Ray cluster at a time (.ci/run: -n 2)
     pytest.mark.skipif(
         importlib.util.find_spec("ray") is None,
         reason="ray is not installed (pip install 'dlrover[ray]')",

@@ -20,7 +20,7 @@ from dlrover.master.state_store import MemoryStateStore
 from tests.conftest import REPO, SCRIPTS, clean_env, dlrover_run
 from tests.engines.test_engine_ray import ray_cluster  # noqa: F401 - the fixture
 
-pytestmark = pytest.mark.extras
+pytestmark = [pytest.mark.extras, pytest.mark.xdist_group("ray")]  # one Ray cluster at a time
 pytest.importorskip("ray", reason="the Ray engine needs `pip install ray`")
 
 

@@ -20,6 +20,7 @@ from tests.engines.test_engine_ray import ray_cluster  # noqa: F401 - the fixtur
 
 pytestmark = [
     pytest.mark.extras,
+    pytest.mark.xdist_group("ray"),  # one local Ray cluster at a time (.ci/run: -n 2)
     pytest.mark.skipif(
         importlib.util.find_spec("ray") is None,
         reason="ray is not installed (pip install 'dlrover[ray]')",
