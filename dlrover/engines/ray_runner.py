@@ -4,6 +4,7 @@ its logs back (kept on the actor's machine as the local engine keeps them)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import os
 import shutil
@@ -15,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from dlrover.checkpoint.leftovers import sweep
 from dlrover.constants import ENV_RANK_LOG_DIR
 from dlrover.engines.node_logs import RANKS_SUBDIR, LocalNodeLogs
 
@@ -124,7 +126,9 @@ class NodeRunner:
         popen = self._popen
         if popen is None:
             raise RuntimeError("wait() before start()")
-        return await asyncio.get_running_loop().run_in_executor(None, popen.wait)
+        code = await asyncio.get_running_loop().run_in_executor(None, popen.wait)
+        _sweep_leftovers()
+        return code
 
     async def stop(self, grace_s: float) -> None:
         """SIGTERM the command's process group, SIGKILL it after `grace_s`."""
@@ -141,3 +145,17 @@ class NodeRunner:
             os.killpg(popen.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(loop.run_in_executor(None, popen.wait), timeout=5.0)
+        _sweep_leftovers()
+
+
+def _sweep_leftovers() -> None:
+    """Remove what the ended command's processes left on this machine (shared-memory segments,
+    TensorFlow's temp folders): a Ray node's ps or worker always ends killed, and nobody else
+    on this machine may run a dlrover process that sweeps. Only dead owners' things go."""
+    try:
+        sweep()
+    except OSError:
+        pass  # a best-effort tidy-up must not fail the node's exit report

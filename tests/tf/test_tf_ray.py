@@ -5,6 +5,7 @@ on its address by the controller, and the chief recovers in place; every sample 
 from __future__ import annotations
 
 import importlib.util
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -105,3 +106,6 @@ def test_a_ps_killed_on_ray_is_relaunched_and_the_chief_recovers(
         assert (model["seen"] == 1).all(), np.flatnonzero(model["seen"] != 1)[:20]
     report = (out / "report.json").read_text()
     assert '"kind": "ps_lost"' in report, report
+    # Each node's actor swept what its killed process left (TensorFlow's temp folders).
+    left = list(Path(tempfile.gettempdir()).glob("dlrover.raytf.*"))
+    assert not left, left
