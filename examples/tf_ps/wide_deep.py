@@ -145,6 +145,8 @@ def main() -> None:
     p.add_argument("--checkpoint-dir", default="", help="Default: OUT/checkpoints.")
     p.add_argument("--shard-delay", type=float, default=0.0, help="Seconds the chief waits per "
                    "shard (tests slow the job down to kill nodes mid-training).")  # fmt: skip
+    p.add_argument("--pause-file", default="", help="While this file exists the chief waits "
+                   "after each shard (tests hold the job mid-training until they saw a relaunch).")  # fmt: skip
     p.add_argument("--out", default="wide_deep_out", help="Directory of the results.")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(name)s: %(message)s")
@@ -157,6 +159,9 @@ def main() -> None:
         progress.flush()
         if args.shard_delay:
             time.sleep(args.shard_delay)
+        deadline = time.monotonic() + 300
+        while args.pause_file and os.path.exists(args.pause_file) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     checkpoint_dir = args.checkpoint_dir or out / "checkpoints"
     if cluster_from_env()[1] == "evaluator":
