@@ -54,6 +54,9 @@ CHUNK_BYTES = 8 << 20
 """Bytes per send/receive call (and per bandwidth check)."""
 IO_TIMEOUT_S = 30.0
 """Deadline of one socket operation between peers."""
+REQUEST_TIMEOUT_S = 5.0
+"""Deadline of a connection's first line (its request, with the token): a peer asks at once,
+and a client that connects and says nothing gives its slot back in 5 s, not 30."""
 CONNECT_TIMEOUT_S = 3.0
 """Deadline of a connection to a peer (a dead machine must not stall a restore)."""
 DEFAULT_BANDWIDTH_BYTES_S = 1 << 30
@@ -272,6 +275,7 @@ class ReplicaExchange:
         self._lock = threading.Lock()  # guards the replica table and every resize of its segments
         self._replicas: dict[tuple[int, int], SharedSegment] = {}
         self._receiving: set[tuple[int, int]] = set()  # replicas whose image is arriving
+        self._reading: dict[str, int] = {}  # key -> connections sending that image now
         self._server: _ReplicaServer | None = None
         self._thread: threading.Thread | None = None
         self.addr = ""
@@ -310,7 +314,9 @@ class ReplicaExchange:
 
     def _serve(self, sock: socket.socket, stream: Any) -> None:
         try:
+            sock.settimeout(REQUEST_TIMEOUT_S)
             doc = _recv_line(stream, "replica request")
+            sock.settimeout(IO_TIMEOUT_S)
             request = decode_tagged(doc, "op", _REQUESTS, "replica request")
             if not hmac.compare_digest(request.token, self._token):
                 _send_line(sock, ReplicaReply(ok=False, error="wrong token"))
@@ -345,9 +351,27 @@ class ReplicaExchange:
                     out.append(info)
         return out
 
-    def _serve_get(self, sock: socket.socket, request: GetRequest) -> None:
+    @contextlib.contextmanager
+    def _sending(self, key: str) -> Iterator[SharedSegment | None]:
+        """The segment of ``key`` (None: none), marked as being sent until the block ends: the
+        image goes out without the lock (a slow reader must not stall every list and push of
+        this node), and a push meanwhile may overwrite it (the trailer then says torn) but not
+        resize it (which would unmap what is being sent)."""
         with self._lock:
-            seg = dict(self._segments()).get(request.key)
+            seg = dict(self._segments()).get(key)
+            if seg is not None:
+                self._reading[key] = self._reading.get(key, 0) + 1
+        try:
+            yield seg
+        finally:
+            if seg is not None:
+                with self._lock:
+                    self._reading[key] -= 1
+                    if not self._reading[key]:
+                        del self._reading[key]
+
+    def _serve_get(self, sock: socket.socket, request: GetRequest) -> None:
+        with self._sending(request.key) as seg:
             info = _info(request.key, seg) if seg is not None else None
             if seg is None or info is None or info.step != request.step:
                 _send_line(
@@ -359,8 +383,7 @@ class ReplicaExchange:
 
     def _serve_read(self, sock: socket.socket, request: ReadRequest) -> None:
         """The metadata of image ``request.key``, then its data, then whether it stayed intact."""
-        with self._lock:
-            seg = dict(self._segments()).get(request.key)
+        with self._sending(request.key) as seg:
             header = _complete_header(seg) if seg is not None else None
             if seg is None or header is None or header[1] != request.step:
                 _send_line(
@@ -390,6 +413,11 @@ class ReplicaExchange:
                 seg = SharedSegment.create(name, request.nbytes, self._shm_dir)
                 self._replicas[key] = seg
             elif seg.size < request.nbytes:
+                if self._reading.get(f"replica/{request.source_node}/{request.slot}"):
+                    raise ReplicaError(
+                        f"the replica of slot {request.slot} of node {request.source_node} is "
+                        "being sent to a reader and cannot grow now: push again"
+                    )
                 seg.grow(request.nbytes)
             self._receiving.add(key)
         # Received without the lock: a peer that sends slowly (or stops) must not stall every

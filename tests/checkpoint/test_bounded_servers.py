@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 
 from dlrover.checkpoint import replica, saver
+from dlrover.checkpoint.header import FORMAT_VERSION, HEADER_SIZE, begin_write, publish
 from dlrover.checkpoint.replica import ReplicaExchange
 from dlrover.checkpoint.saver import CheckpointSaver
+from dlrover.checkpoint.shm import SharedSegment
 
 CAP = 4
 
@@ -143,3 +145,50 @@ def test_a_push_that_stalls_mid_image_stalls_nothing_else() -> None:
         assert exchange.holdings() == []
     finally:
         exchange.close()
+
+
+def test_a_connection_that_says_nothing_gives_its_slot_back_quickly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A connection's first line (its request, with the token) has REQUEST_TIMEOUT_S, not the
+    30 s of a transfer: a client without the token held one of the replica port's slots for
+    30 s by saying nothing."""
+    monkeypatch.setattr(replica, "REQUEST_TIMEOUT_S", 0.5)
+    exchange = ReplicaExchange(dict, f"dlrtest-{uuid.uuid4().hex[:8]}", "/dev/shm", token="t")
+    exchange.start()
+    host, _, port = exchange.addr.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=10) as silent:
+            reply = _reply(silent)  # a 10 s client deadline: the server spoke first
+        assert reply["ok"] is False and "timed out" in str(reply["error"]), reply
+    finally:
+        exchange.close()
+
+
+def test_a_reader_that_stops_reading_stalls_nothing_else() -> None:
+    """The replica server sent an image under its one lock: a reader that stopped reading held
+    every list and push of the node for up to 30 s per stalled send."""
+    name = f"dlrtest-{uuid.uuid4().hex[:8]}"
+    own = SharedSegment.create(f"{name}-own", 64 << 20, "/dev/shm")  # more than socket buffers
+    try:
+        meta = json.dumps({"version": FORMAT_VERSION, "step": 3}).encode()
+        publish(own, begin_write(own), 3, own.size - HEADER_SIZE - 4096, meta)
+        exchange = ReplicaExchange(lambda: {0: own}, name, "/dev/shm", token="t")
+        exchange.start()
+        host, _, port = exchange.addr.rpartition(":")
+        try:
+            with socket.create_connection((host, int(port)), timeout=5) as stalled:
+                stalled.sendall(b'{"op": "get", "token": "t", "key": "own/0", "step": 3}\n')
+                stalled.settimeout(5)
+                with stalled.makefile("rb") as reader:
+                    assert json.loads(reader.readline())["ok"] is True
+                    # ... and reads no more: the server's send blocks on full buffers.
+                    with socket.create_connection((host, int(port)), timeout=5) as lister:
+                        lister.sendall(b'{"op": "list", "token": "t"}\n')
+                        listed = _reply(lister)  # within the 5 s client deadline
+                    assert listed["ok"] is True
+                    assert [s["key"] for s in listed["segments"]] == ["own/0"]  # type: ignore[union-attr, index]
+        finally:
+            exchange.close()
+    finally:
+        own.close(unlink=True)
