@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from dlrover.api.master import FailureRecord, JobStatus
+from dlrover.api.master import FailureRecord, JobStatus, NodeStatus
 from dlrover.client.master_client import MasterClient, MasterClientError
 from dlrover.constants import TF_CLUSTER_KEY, TF_PS_GENERATION_KEY
 from dlrover.coordination import PsGeneration, TfCluster
@@ -37,12 +37,18 @@ def status_table(status: JobStatus, master_host: str = "", engine: str = "") -> 
         lines.append(
             f"throughput: {status.samples_per_s:.0f} samples/s, {status.steps_per_s:.1f} steps/s"
         )
-    check = any(n.check for n in status.nodes)
-    score = any(n.score for n in status.nodes)
-    timed = any(n.step_wall_s for n in status.nodes)
+    # Embedding servers (a ps role in a job without a TensorFlow chief) get a section of their
+    # own below: the node table keeps the agents' columns.
+    servers = {}
+    if not any(n.role == "chief" for n in status.nodes):
+        servers = {n.node_rank: n for n in status.nodes if n.role == "ps"}
+    nodes = [n for n in status.nodes if not (servers and n.role == "ps")]
+    check = any(n.check for n in nodes)
+    score = any(n.score for n in nodes)
+    timed = any(n.step_wall_s for n in nodes)
     # A parameter-server job's nodes have roles and (its controller's) memory limits.
-    roles = any(n.role in ROLE_ORDER and n.role != "worker" for n in status.nodes)
-    limits = any(n.memory_limit_bytes for n in status.nodes)
+    roles = any(n.role in ROLE_ORDER and n.role != "worker" for n in nodes)
+    limits = any(n.memory_limit_bytes for n in nodes)
     header = NODE_HEADERS.get(engine, "node")
     lines.append(
         f"{header:<28} "
@@ -54,9 +60,7 @@ def status_table(status: JobStatus, master_host: str = "", engine: str = "") -> 
         + (f" {'score':>6}" if score else "")
         + ("  check" if check else "")
     )
-    for n in sorted(
-        status.nodes, key=lambda n: (ROLE_ORDER.get(n.role, 0), n.node_rank, n.node_id)
-    ):
+    for n in sorted(nodes, key=lambda n: (ROLE_ORDER.get(n.role, 0), n.node_rank, n.node_id)):
         workers = ",".join(str(p) for p in n.worker_pids) or "-"
         limit = f"{n.memory_limit_bytes / 2**20:>8.0f}" if n.memory_limit_bytes else f"{'-':>8}"
         lines.append(
@@ -74,16 +78,36 @@ def status_table(status: JobStatus, master_host: str = "", engine: str = "") -> 
             + (f" {n.score:>6.2f}" if score else "")
             + (f"  {n.check}" if check else "")
         )
-    if status.embedding_servers:
-        lines.append(
-            f"{'embedding server':<28} {'address':<22} {'rows':>10} {'MB':>8} {'ids/s':>9}"
-        )
-        for e in status.embedding_servers:
-            lines.append(
-                f"{'ps ' + str(e.index):<28} {e.address:<22} {e.rows:>10} "
-                f"{e.bytes / 2**20:>8.1f} {e.lookups_per_s:>9.0f}"
-            )
+    if status.embedding_servers or servers:
+        lines.extend(_server_lines(status, servers))
     return "\n".join(lines)
+
+
+def _server_lines(status: JobStatus, servers: dict[int, NodeStatus]) -> list[str]:
+    """The embedding servers' section: each server's rows and lookups (a running job's), and
+    its node: id, state, restarts, CPU and memory."""
+    lines = [
+        f"{'embedding server':<28} {'address':<22} {'rows':>10} {'MB':>8} {'ids/s':>9}  "
+        f"{'node':<24} {'state':<10} {'restarts':>8} {'cpu%':>6} {'mem MB':>8}"
+    ]
+    live = {e.index: e for e in status.embedding_servers}
+    for index in sorted(set(live) | set(servers)):
+        e, n = live.get(index), servers.get(index)
+        lines.append(
+            f"{'ps ' + str(index):<28} "
+            + (
+                f"{e.address:<22} {e.rows:>10} {e.bytes / 2**20:>8.1f} {e.lookups_per_s:>9.0f}"
+                if e is not None
+                else f"{'-':<22} {'-':>10} {'-':>8} {'-':>9}"
+            )
+            + (
+                f"  {n.node_id:<24} {n.state:<10} {n.restart_count:>8} {n.cpu_percent:>6.0f} "
+                f"{n.memory_bytes / 2**20:>8.0f}"
+                if n is not None
+                else ""
+            )
+        )
+    return lines
 
 
 def failure_lines(failures: tuple[FailureRecord, ...], full: bool = False) -> list[str]:

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 import grpc
 import numpy as np
+import psutil
 from google.protobuf.message import DecodeError, Message
 
 from dlrover.constants import TOKEN_METADATA_KEY
@@ -96,6 +97,8 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
         # Ownership: no map yet serves every id (a lone server). Requests in flight are
         # counted so that a freeze waits for them before rows move.
         self._gate = threading.Condition()
+        self._process = psutil.Process()  # its CPU and memory, for Stats
+        self._process.cpu_percent(None)  # the first call only starts the count
         self._placement: Placement | None = None
         self._index = 0
         self._owned = np.empty(0, dtype=bool)
@@ -485,6 +488,9 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
             map_version=version,
             rows_moved_in=moved_in,
             rows_moved_out=moved_out,
+            cpu_percent=self._process.cpu_percent(None),
+            memory_bytes=self._process.memory_info().rss,
+            pid=self._process.pid,
         )
 
 

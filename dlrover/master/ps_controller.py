@@ -31,7 +31,7 @@ from dlrover.master.job import JobMaster
 from dlrover.master.node_policy import NodeLossReason
 from dlrover.master.optimizer import ScaleAction, plan_ps
 from dlrover.master.relaunch_policy import OomPolicy, RelaunchPolicy, failure_class_of
-from dlrover.master.roles import ServerStats
+from dlrover.master.roles import RoleNode, ServerStats
 from dlrover.master.state_store import MemoryStateStore, StateStore
 from dlrover.proto import embedding_pb2 as pb
 
@@ -168,6 +168,32 @@ class PsController:
         """Each server's last stats (empty before the first read)."""
         with self._lock:
             return list(self._stats)
+
+    def role_nodes(self) -> list[RoleNode]:
+        """Each embedding server (role ``ps``) as `dlrover status`, /metrics and the dashboard
+        show it: its current attempt, failures relaunched, and its last stats' CPU and memory."""
+        with self._lock:
+            nodes, failed = list(self._nodes), set(self._failed)
+            stats = {s.index: s for s in self._stats}
+            failures = dict(self._failures)
+        limit = self._ps.resources.memory_mib << 20 if self._ps.resources.memory_mib else 0
+        rows = []
+        for index, spec in enumerate(nodes):
+            s = stats.get(index)
+            rows.append(
+                RoleNode(
+                    node_id=spec.node_id,
+                    role="ps",
+                    index=index,
+                    state="failed" if spec.node_id in failed else "running" if s else "pending",
+                    relaunches=failures.get(spec.rank, 0),
+                    cpu_percent=s.cpu_percent if s else 0.0,
+                    memory_bytes=s.memory_bytes if s else 0,
+                    memory_limit_bytes=limit,
+                    pid=s.pid if s else 0,
+                )
+            )
+        return rows
 
     @property
     def addresses(self) -> tuple[str, ...]:
@@ -536,6 +562,9 @@ class PsController:
                     lookups_per_s=max(0.0, rate),
                     rows_moved_in=s.rows_moved_in,
                     rows_moved_out=s.rows_moved_out,
+                    cpu_percent=s.cpu_percent,
+                    memory_bytes=s.memory_bytes,
+                    pid=s.pid,
                 )
             )
         with self._lock:

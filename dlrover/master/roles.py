@@ -88,6 +88,11 @@ class ServerStats:
     lookups_per_s: float
     rows_moved_in: int
     rows_moved_out: int
+    cpu_percent: float = 0.0
+    """The server process's CPU since the previous read (100 = one core)."""
+    memory_bytes: int = 0
+    """The server process's resident memory."""
+    pid: int = 0
 
 
 class EmbeddingServers(RoleController, Protocol):

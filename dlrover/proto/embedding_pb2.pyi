@@ -235,13 +235,19 @@ class TableStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., lookups: _Optional[int] = ..., pushes: _Optional[int] = ..., spec: _Optional[_Union[TableSpec, _Mapping]] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tables", "map_version", "rows_moved_in", "rows_moved_out")
+    __slots__ = ("tables", "map_version", "rows_moved_in", "rows_moved_out", "cpu_percent", "memory_bytes", "pid")
     TABLES_FIELD_NUMBER: _ClassVar[int]
     MAP_VERSION_FIELD_NUMBER: _ClassVar[int]
     ROWS_MOVED_IN_FIELD_NUMBER: _ClassVar[int]
     ROWS_MOVED_OUT_FIELD_NUMBER: _ClassVar[int]
+    CPU_PERCENT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
     tables: _containers.RepeatedCompositeFieldContainer[TableStats]
     map_version: int
     rows_moved_in: int
     rows_moved_out: int
-    def __init__(self, tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ..., map_version: _Optional[int] = ..., rows_moved_in: _Optional[int] = ..., rows_moved_out: _Optional[int] = ...) -> None: ...
+    cpu_percent: float
+    memory_bytes: int
+    pid: int
+    def __init__(self, tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ..., map_version: _Optional[int] = ..., rows_moved_in: _Optional[int] = ..., rows_moved_out: _Optional[int] = ..., cpu_percent: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...

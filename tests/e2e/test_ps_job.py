@@ -131,6 +131,12 @@ def test_scaling_embedding_servers_two_three_two_mid_training_changes_nothing(
         _until(lambda: 'server="2"' in job.metrics(), 30, "no metrics of the third server")
         status = job.cli("status", "grow").stdout
         assert re.search(r"ps 2\s+127\.0\.0\.1:\d+\s+[1-9]\d*", status), status
+        # Each server's node too: its id, state, restarts, CPU and memory (MB).
+        server = re.search(r"ps 2 .* grow-ps-2-0\s+running\s+0\s+\d+\s+(\d+)", status)
+        assert server and int(server[1]) > 0, status
+        assert re.search(
+            r'dlrover_role_node_state\{[^}]*node="grow-ps-2-0",role="ps"', job.metrics()
+        )
         rows = {
             m[1]: float(m[2])
             for m in re.finditer(
@@ -175,6 +181,8 @@ def test_a_killed_embedding_server_is_replaced_from_its_replica_without_a_worker
     )
     assert job.restarts() == {"0"}  # the training loop waited and went on
     _same_model(tmp_path / "kill", reference)
+    final = job.cli("status", "kill").stdout  # the ended job's: its replacement, relaunched
+    assert re.search(r"^ps 1 .* kill-ps-1-1\s+\w+\s+1\s", final, re.MULTILINE), final
     diagnose = job.cli("diagnose", "kill")
     assert "kill-ps-1-0" in diagnose.stdout and "signal" in diagnose.stdout, diagnose.stdout
 
