@@ -211,8 +211,8 @@ class TfController:
         cannot be done: other roles, fewer ps, a scaling underway."""
         if role != "ps":
             raise ValueError(
-                f"role {role!r}: a TensorFlow job scales its ps on request; its workers keep "
-                "their count (roles.worker.count)"
+                f"role {role!r}: a TensorFlow job scales its ps on request; its workers are "
+                "scaled by the auto-scaler (auto_scale: true, roles.worker.max_count)"
             )
         with self._lock:
             current = self.counts["ps"]

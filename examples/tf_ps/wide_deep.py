@@ -64,8 +64,23 @@ def features(ids: tf.Tensor, buckets: int = BUCKETS) -> tuple[tf.Tensor, tf.Tens
     return dense, cats, label
 
 
+def worker_time(ids: tf.Tensor, seconds: float) -> tf.Tensor:
+    """``ids`` after ``seconds`` on the worker that runs the step: a stand-in for a heavy model's
+    compute, which more workers share (the worker scaling tests and benchmark need a step
+    whose throughput grows with the workers on a 2-core machine)."""
+    # TensorFlow's own sleep op is a tf.data transformation; it runs where the step runs.
+    from tensorflow.python.data.experimental.ops.testing import sleep
+
+    one = tf.data.Dataset.from_tensors(ids).apply(sleep(int(seconds * 1e6)))
+    return one.get_single_element()
+
+
 def build(
-    strategy: tf.distribute.Strategy, size: int, lr: float, buckets: int = BUCKETS
+    strategy: tf.distribute.Strategy,
+    size: int,
+    lr: float,
+    buckets: int = BUCKETS,
+    step_time: float = 0.0,
 ) -> TrainState:
     """The model's variables (on the ps) and its training step (run on a worker)."""
     init = tf.random.stateless_normal
@@ -89,6 +104,8 @@ def build(
     targets = [s for v in params.values() for s in getattr(v, "variables", [v])]
 
     def step(ids: tf.Tensor) -> tf.Tensor:
+        if step_time:
+            ids = worker_time(ids, step_time)
         dense, cats, label = features(ids, buckets)
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean(
@@ -145,6 +162,9 @@ def main() -> None:
     p.add_argument("--checkpoint-dir", default="", help="Default: OUT/checkpoints.")
     p.add_argument("--shard-delay", type=float, default=0.0, help="Seconds the chief waits per "
                    "shard (tests slow the job down to kill nodes mid-training).")  # fmt: skip
+    p.add_argument("--step-time", type=float, default=0.0, help="Seconds each step takes on "
+                   "its worker besides its compute (a heavier model: more workers, more "
+                   "samples/s).")  # fmt: skip
     p.add_argument("--out", default="wide_deep_out", help="Directory of the results.")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(name)s: %(message)s")
@@ -163,7 +183,7 @@ def main() -> None:
         evaluate_while_training(args, out, Path(checkpoint_dir))
         return
     trainer = PsTrainer(
-        lambda strategy: build(strategy, args.size, args.lr, args.buckets),
+        lambda strategy: build(strategy, args.size, args.lr, args.buckets, args.step_time),
         DatasetSpec("wide-deep", args.size, shard_size=args.shard_size, epochs=args.epochs),
         batch_size=args.batch_size,
         checkpoint_dir=checkpoint_dir,

@@ -492,3 +492,49 @@ def test_an_oom_killed_ps_is_relaunched_with_more_memory(tmp_path: Path) -> None
     report, model = job.result()
     assert (model["seen"] == 1).all(), np.flatnonzero(model["seen"] != 1)[:20]
     _close_to_reference(report, reference)
+
+
+def test_a_job_started_with_one_worker_adds_one_while_it_raises_samples_per_second(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "scaled"
+    limit = {"resources": {"memory": "2Gi"}}  # sized: nothing to measure before scaling
+    spec = {
+        "name": "scaled",
+        "distribution_strategy": "ParameterServerStrategy",
+        "entrypoint": str(EXAMPLE),
+        # 0.1 s of worker time per batch of 200: one worker trains ~2,000 samples/s, two ~4,000.
+        "args": [
+            "--out",
+            str(out),
+            "--step-time",
+            "0.1",
+            "--shard-size",
+            "1000",
+            "--checkpoint-every",
+            "1",
+        ],  # fmt: skip
+        "roles": {"chief": limit, "ps": limit, "worker": {"count": 1, "max_count": 2, **limit}},
+        "auto_scale": True,
+    }
+    path = tmp_path / "scaled.yaml"
+    path.write_text(json.dumps(spec))
+    home = tmp_path / "home"
+    submitted = dlrover_cli(
+        home,
+        "submit",
+        str(path),
+        timeout=300,
+        DLROVER_AUTOSCALE_INTERVAL_S="1",
+        DLROVER_AUTOSCALE_WINDOW_S="2",
+        DLROVER_AUTOSCALE_COOLDOWN_S="0",
+    )
+    assert submitted.returncode == 0, submitted.stderr[-4000:]
+    with np.load(out / "model.npz") as model:
+        assert (model["seen"] == 1).all(), np.flatnonzero(model["seen"] != 1)[:20]
+    report = json.loads((out / "report.json").read_text())
+    assert report["workers"] == 2 and report["eval_loss"] < 0.55, report
+    assert [r["what"] for r in report["recoveries"]] == ["worker 1 -> 2"], report["recoveries"]
+    final = dlrover_cli(home, "status", "scaled").stdout
+    assert re.search(r"scale_out worker 1 -> 2: first step from MIN", final), final
+    assert re.search(r"^scaled-worker-1-0 +worker +1 ", final, re.M), final

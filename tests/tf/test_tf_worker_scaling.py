@@ -24,6 +24,7 @@ from dlrover.master.roles import RoleNode
 from dlrover.master.state_store import MemoryStateStore
 from dlrover.master.tf_controller import TfController
 from dlrover.master.tf_scaling import TfWorkerScaler, saturated_ps
+from dlrover.master.tf_sizing import TfSizer
 from dlrover.testing.fake_engine import FakeEngine
 
 INTERVAL_S = 5.0
@@ -207,3 +208,32 @@ def test_a_bad_max_count_says_what_to_change(worker: dict[str, object], message:
         job_spec_from_dict(raw)
     with pytest.raises(JobSpecError, match="allowed: count, resources"):
         job_spec_from_dict({**raw, "roles": {"ps": {"max_count": 2}, "worker": {}}})
+
+
+def test_a_sizer_made_before_the_nodes_launch_leaves_the_given_sizes_alone() -> None:
+    """The job runner makes the sizer before `start`: roles given resources are still not
+    measured and relaunched (they were, after the sizing window, before this was fixed)."""
+    spec = job_spec_from_dict(
+        {
+            "name": "g",
+            "entrypoint": "train.py",
+            "distribution_strategy": "ParameterServerStrategy",
+            "auto_scale": True,
+            "roles": {"ps": {"resources": {"memory": "1Gi"}}, "worker": {}},
+        }
+    )
+    now = [0.0]
+    job = JobMaster(JobMasterConfig("g"), MemoryStateStore())
+    engine = FakeEngine()
+    controller = TfController(job, engine, spec, "m:1", "t", clock=lambda: now[0])
+    controller.sizer = TfSizer(job, controller, sizing_window_s=1.0)
+    controller.start()
+    for slot in controller.slots.values():
+        job.kv.set(TF_ADDRESS_KEY + slot.spec.node_id, f"h:{slot.role}".encode())
+        job.kv.set(TF_READY_KEY + slot.spec.node_id, b"grpc://x")
+        usage = TfNodeUsage(50.0, 300 << 20, 300 << 20, 1, 0.0)
+        job.kv.set(TF_USAGE_KEY + slot.spec.node_id, usage.encode())
+    job.kv.set(TF_PROGRESS_KEY, TfProgress(10, 2000, 1.0, 1).encode())
+    for now[0] in (0.0, 1.0, 5.0, 10.0):
+        controller.step(0.0)
+    assert sorted(engine.deleted) == ["g-chief-0-0", "g-worker-0-0"]  # the ps kept its 1Gi
