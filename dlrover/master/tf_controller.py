@@ -42,6 +42,7 @@ from dlrover.master.roles import RoleNode
 from dlrover.master.state_store import MemoryStateStore, StateStore
 from dlrover.master.tf_scaling import TfWorkerScaler
 from dlrover.master.tf_sizing import TfSizer
+from dlrover.master.tf_slot import Slot
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -51,42 +52,6 @@ DEFAULT_ADDRESS_TIMEOUT_S = 300.0
 _NAMESPACE = "tf-controller"
 CLUSTER_ROLES = ("chief", "ps", "worker")
 """The roles in the cluster spec; the evaluator is not part of it (TensorFlow's convention)."""
-
-
-@dataclasses.dataclass
-class Slot:
-    """One node slot (role, index) and its current attempt.
-
-    States of the attempt: launched (``registered`` empty) -> registered (its address known) ->
-    serving (a ps or worker whose TF server answers; set by the server itself). A relaunch starts
-    over at launched; ``address`` keeps the slot's published address meanwhile."""
-
-    role: str
-    index: int
-    spec: NodeSpec
-    launched_at: float
-    address: str = ""
-    """The slot's address in the published cluster spec ("" before the first)."""
-    registered: str = ""
-    """The address the current attempt registered ("" until it does)."""
-    serving: bool = False
-    oom_kills: list[int] = dataclasses.field(default_factory=list)
-    """The memory (MiB) of each attempt that was OOM-killed."""
-    usage: TfNodeUsage | None = None
-    """The current attempt's last usage report (None before one)."""
-    ended: str = ""
-    """succeeded or failed once the slot's last attempt ended for good ("" until then)."""
-    planned: int = 0
-    """Attempts the auto-scaler launched (a resize): they do not use up max_relaunches."""
-
-    @property
-    def state(self) -> str:
-        """pending, running, succeeded or failed: running once the attempt serves (ps,
-        worker), registered (chief) or reported its usage (evaluator)."""
-        if self.ended:
-            return self.ended
-        up = {"ps": self.serving, "worker": self.serving, "chief": bool(self.registered)}
-        return "running" if up.get(self.role, self.usage is not None) else "pending"
 
 
 class TfController:
