@@ -4,6 +4,7 @@ publishes the cluster spec each node's TF_CONFIG is made of, replaces failed nod
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import threading
@@ -42,7 +43,7 @@ from dlrover.master.roles import RoleNode
 from dlrover.master.state_store import MemoryStateStore, StateStore
 from dlrover.master.tf_scaling import TfWorkerScaler
 from dlrover.master.tf_sizing import TfSizer
-from dlrover.master.tf_slot import Slot
+from dlrover.master.tf_slot import Slot, attempt_of, attempt_record
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -122,7 +123,7 @@ class TfController:
         """The cluster version the last ps generation was published for."""
         self.workers_changing = False
         """The worker count changed and the chief has not been told (no generation yet)."""
-        self._retiring: list[str] = []
+        self._retiring: list[NodeSpec] = []
         """Workers out of the cluster, deleted once the chief trains without them."""
         self._retired: dict[int, int] = {}
         """Worker index -> the last attempt of a removed slot (a slot used again gets a new
@@ -145,6 +146,10 @@ class TfController:
             self.ps_generation = int(saved["ps_generation"])
             self._generation_nodes = tuple(saved["generation_nodes"])
             self._generation_cluster = int(saved.get("generation_cluster", 0))
+            self.workers_changing = bool(saved.get("workers_changing", False))
+            worker = functools.partial(self.node_spec, "worker")
+            self._retiring = [attempt_of(worker, r) for r in saved.get("retiring", [])]
+            self._retired = {int(k): int(v) for k, v in saved.get("retired", {}).items()}
         published = self.job.kv.get(TF_CLUSTER_KEY) if saved is not None else None
         cluster = TfCluster.decode(published).cluster if published else {}
         specs = []
@@ -168,7 +173,9 @@ class TfController:
             " (the attempts a master before this one launched)" if saved is not None else "",
         )
         self.job.event("tf", f"launching {counts}")
-        self.engine.launch_many(specs)
+        # Workers removed but not deleted yet are launched by name too: the engine adopts
+        # them, so that they can still be deleted once the chief trains without them.
+        self.engine.launch_many(specs + self._retiring)
 
     def request_scale(self, role: str, count: int) -> tuple[str, int]:
         """Ask for ``count`` ps (`dlrover scale NAME --role ps --count N`): what will happen, and
@@ -207,6 +214,9 @@ class TfController:
                 "ps_generation": self.ps_generation,
                 "generation_nodes": list(self._generation_nodes),
                 "generation_cluster": self._generation_cluster,
+                "workers_changing": self.workers_changing,
+                "retiring": [attempt_record(spec) for spec in self._retiring],
+                "retired": {str(k): v for k, v in self._retired.items()},
                 "slots": {
                     f"{s.role}-{s.index}": {
                         "relaunch_count": s.spec.relaunch_count,
@@ -278,8 +288,10 @@ class TfController:
             self.throughput.add(progress)
             trains_without = progress.cluster_version >= self._generation_cluster > 0
             if self._retiring and trains_without and not self.workers_changing:
-                logger.info("the chief trains without %s: deleting", ", ".join(self._retiring))
-                retiring, self._retiring = self._retiring, []
+                retiring = [spec.node_id for spec in self._retiring]
+                logger.info("the chief trains without %s: deleting", ", ".join(retiring))
+                self._retiring = []
+                self._save()
                 try:
                     self.engine.delete_many(retiring)
                 except EngineError as e:
@@ -369,7 +381,7 @@ class TfController:
         for index in range(count, before):
             slot = self.slots.pop(("worker", index))
             self._retired[index] = slot.spec.relaunch_count
-            self._retiring.append(slot.spec.node_id)
+            self._retiring.append(slot.spec)
         self.counts["worker"] = count
         self.workers_changing = True
         self._save()  # before launching: a restarted master launches these attempts too

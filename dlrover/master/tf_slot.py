@@ -4,9 +4,11 @@ TfController keeps it."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 from dlrover.coordination import TfNodeUsage
-from dlrover.engines.base import NodeSpec
+from dlrover.engines.base import NodeSpec, Resources
 
 
 @dataclasses.dataclass
@@ -43,3 +45,18 @@ class Slot:
             return self.ended
         up = {"ps": self.serving, "worker": self.serving, "chief": bool(self.registered)}
         return "running" if up.get(self.role, self.usage is not None) else "pending"
+
+
+def attempt_record(spec: NodeSpec) -> dict[str, Any]:
+    """What the master's state keeps of one attempt (`attempt_of` makes it again)."""
+    return {
+        "index": spec.rank,
+        "relaunch_count": spec.relaunch_count,
+        "resources": dataclasses.asdict(spec.resources),
+    }
+
+
+def attempt_of(node_spec: Callable[[int, int], NodeSpec], record: dict[str, Any]) -> NodeSpec:
+    """The attempt ``record`` names: ``node_spec(index, relaunch_count)`` with its resources."""
+    spec = node_spec(int(record["index"]), int(record["relaunch_count"]))
+    return dataclasses.replace(spec, resources=Resources(**record["resources"]))

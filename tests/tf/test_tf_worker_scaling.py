@@ -57,10 +57,11 @@ class Job:
             }
         )
         self.now = 0.0
-        self.job = JobMaster(JobMasterConfig("w"), MemoryStateStore())
+        self.store = MemoryStateStore()
+        self.job = JobMaster(JobMasterConfig("w"), self.store)
         self.engine = FakeEngine()
         self.controller = TfController(
-            self.job, self.engine, self.spec, "m:1", "t", clock=self.clock
+            self.job, self.engine, self.spec, "m:1", "t", clock=self.clock, store=self.store
         )
         config = OptimizerConfig(1, most, cooldown_s=0.0, unit="worker", rate_unit="samples/s")
         self.scaler = TfWorkerScaler(
@@ -237,3 +238,33 @@ def test_a_sizer_made_before_the_nodes_launch_leaves_the_given_sizes_alone() -> 
     for now[0] in (0.0, 1.0, 5.0, 10.0):
         controller.step(0.0)
     assert sorted(engine.deleted) == ["g-chief-0-0", "g-worker-0-0"]  # the ps kept its 1Gi
+
+
+def test_a_master_restarted_mid_change_finishes_it() -> None:
+    """The change underway is in the master's state: a master restarted after adding a worker
+    still tells the chief once the worker serves, and one restarted after removing a worker
+    still deletes it once the chief trains without it."""
+    job = Job(most=3)
+    job.run(12, {1: 1000.0, 2: 1000.0})
+    assert job.workers() == 2
+    job.controller.scale_workers(3)
+    job.controller.step(0.0)
+
+    def restart() -> None:
+        job.engine = FakeEngine()
+        job.job = JobMaster(JobMasterConfig("w"), job.store)
+        job.controller = TfController(
+            job.job, job.engine, job.spec, "m:1", "t", clock=job.clock, store=job.store
+        )
+        job.controller.start()
+
+    restart()
+    assert job.controller.workers_changing and job.workers() == 3
+    published = job._published()
+    job.bring_up()
+    assert job._published() > published  # the new worker serves: a generation names it
+    job.controller.scale_workers(2)
+    restart()
+    job.bring_up()
+    job.run(2, {2: 1000.0})  # the chief's report on the old cluster, then on the new one
+    assert job.engine.deleted == ["w-worker-2-0"]
