@@ -73,8 +73,9 @@ class RoleSpec:
     count: int
     resources: Resources = dataclasses.field(default_factory=Resources)
     max_count: int = 0
-    """With ``auto_scale``: the most workers the master adds from measured throughput (0:
-    ``count``, no growth); ``count`` is where the job starts and the least it keeps."""
+    """With ``auto_scale``: the most nodes the master runs (0: ``count``, no growth): workers
+    added from measured throughput, ps added for a hot or saturated ps; ``count`` is where the
+    job starts and the least it keeps."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -368,9 +369,8 @@ def _tf_roles(raw: Any, strategy: str) -> TfSpec:
             section = {}
         if not isinstance(section, Mapping):
             raise JobSpecError(f"roles.{role} must be a mapping: count, resources")
-        allowed = (
-            {"count", "resources", "max_count"} if role == "worker" else {"count", "resources"}
-        )
+        scaled = role in ("ps", "worker")
+        allowed = {"count", "resources", "max_count"} if scaled else {"count", "resources"}
         unknown = set(section) - allowed
         if unknown:
             raise JobSpecError(

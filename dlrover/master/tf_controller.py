@@ -41,7 +41,7 @@ from dlrover.master.ps_load import Rates, Throughput
 from dlrover.master.relaunch_policy import OomPolicy, RelaunchPolicy, failure_class_of
 from dlrover.master.roles import RoleNode
 from dlrover.master.state_store import MemoryStateStore, StateStore
-from dlrover.master.tf_scaling import TfWorkerScaler
+from dlrover.master.tf_scaling import TfPsScaler, TfWorkerScaler
 from dlrover.master.tf_sizing import TfSizer
 from dlrover.master.tf_slot import Slot, attempt_of, attempt_record
 
@@ -119,6 +119,9 @@ class TfController:
         self.worker_scaler: TfWorkerScaler | None = None
         """Adds and removes workers from the measured throughput (``auto_scale`` with
         ``roles.worker.max_count``), if set."""
+        self.ps_scaler: TfPsScaler | None = None
+        """Adds ps for a hot or saturated ps and resizes ps whose memory creeps to their limit
+        (``auto_scale``), if set."""
         self._generation_cluster = 0
         """The cluster version the last ps generation was published for."""
         self.workers_changing = False
@@ -255,6 +258,8 @@ class TfController:
             self.sizer.tick()
         if self.worker_scaler is not None:
             self.worker_scaler.tick()
+        if self.ps_scaler is not None and self._scaling is None:
+            self.ps_scaler.tick()
 
     def _read_registrations(self, now: float) -> None:
         for slot in self.slots.values():

@@ -1,5 +1,6 @@
-"""Adds and removes the workers of a TensorFlow job from its measured throughput.
+"""Scales the workers and ps of a TensorFlow job from what the master measures of it.
 
+Workers:
 With ``auto_scale`` and ``roles.worker.max_count`` above ``count``, the job starts with
 ``count`` workers. Every ``interval_s`` the `TfWorkerScaler` takes the job's samples/s, measured
 only from the chief's reports on the current cluster (a re-partition's pause never counts against
@@ -10,12 +11,20 @@ raised samples/s by the threshold, remove the last one when it adds nothing, wit
 limit) holds back any addition: more workers would only queue on it. The controller applies the
 plan (`TfController.scale_workers`); the chief starts again on the new cluster from a checkpoint
 with its data position, so every sample is still trained once.
+
+ps (`TfPsScaler`): a ps whose CPU is well above the others' (a hot embedding shard) or at its
+limit (saturated) adds a ps, up to ``roles.ps.max_count``, through the chief's re-partition from
+a checkpoint; a ps whose memory creeps past 90% of its limit resizes the ps (peak x 1.3) before
+the OOM kill.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from dlrover.coordination import TfProgress
@@ -148,3 +157,198 @@ class TfWorkerScaler:
         self._job.diagnostics.scale_plan(summary, summary.removeprefix("auto-scale: "))
         self.plans.append(plan)
         c.scale_workers(plan.nodes)
+
+
+HOT_FACTOR = 2.0
+"""A ps is hot when its CPU is at least this many times the mean of the others'."""
+HOT_FLOOR_CORES = 0.25
+"""...and at least this many cores: idle ps differ by noise, not by load."""
+PS_VOTES = 2
+"""Plans in a row that must find a ps hot or saturated before one is added."""
+
+
+@dataclass(frozen=True)
+class PsLoad:
+    """What one ps used lately: its mean CPU since the last plan and its peak memory."""
+
+    node_id: str
+    index: int
+    cpu_cores: float
+    memory_peak_mib: int
+
+
+def hot_ps(load: Sequence[PsLoad], factor: float = HOT_FACTOR) -> str | None:
+    """Why one ps is hot (its CPU ``factor`` times the others' mean, and busy), or None."""
+    for ps in load:
+        others = [p.cpu_cores for p in load if p is not ps]
+        if not others or ps.cpu_cores < HOT_FLOOR_CORES:
+            continue
+        mean = sum(others) / len(others)
+        if ps.cpu_cores >= factor * max(mean, 0.01):
+            return (
+                f"ps {ps.index} ({ps.node_id}) is hot: {ps.cpu_cores:.2f} cores, "
+                f"{ps.cpu_cores / max(mean, 0.01):.1f}x the others' {mean:.2f}"
+            )
+    return None
+
+
+def plan_ps(
+    load: Sequence[PsLoad],
+    size: Resources,
+    cores: float,
+    max_count: int,
+    margin: float = 1.3,
+    resize_at: float = 0.9,
+) -> ScalePlan:
+    """The ps' next step from their load: a ps whose memory peak passed ``resize_at`` of its
+    limit resizes the ps (peak x ``margin``) before an OOM kill; a hot or saturated ps (its
+    CPU at 90% of ``cores``, the limit or the host's) adds one ps, up to ``max_count``: the
+    variables are partitioned again over one more, which splits the hot part."""
+    count = len(load)
+    limit = size.memory_mib
+    creeping = [p for p in load if limit and p.memory_peak_mib > resize_at * limit]
+    if creeping:
+        worst = max(creeping, key=lambda p: p.memory_peak_mib)
+        memory = math.ceil(worst.memory_peak_mib * margin)
+        return ScalePlan(
+            ScaleAction.RESIZE,
+            count,
+            dataclasses.replace(size, memory_mib=memory),
+            f"ps {worst.index} ({worst.node_id}) memory creeps to {worst.memory_peak_mib} of "
+            f"{limit} MiB: {memory} MiB (x{margin:g})",
+        )
+    nodes = [RoleNode(p.node_id, "ps", p.index, "running", 0, p.cpu_cores * 100) for p in load]
+    why = saturated_ps(nodes, [cores] * count)
+    why = f"the ps are saturated: {why}" if why else hot_ps(load)
+    if why is None:
+        spread = ", ".join(f"{p.cpu_cores:.2f}" for p in load)
+        return ScalePlan(ScaleAction.NONE, count, reason=f"ps load even ({spread} cores)")
+    if count >= max_count:
+        return ScalePlan(ScaleAction.NONE, count, reason=f"{why}; at max ps ({max_count})")
+    return ScalePlan(ScaleAction.SCALE_OUT, count + 1, reason=why)
+
+
+class PsScaledController(Protocol):
+    """What the ps scaler needs of the TensorFlow job's controller."""
+
+    counts: dict[str, int]
+    workers_changing: bool
+
+    def role_nodes(self) -> list[RoleNode]:
+        """Every slot's current attempt."""
+        ...
+
+    def role_resources(self, role: str) -> Resources:
+        """What one node of ``role`` asks for now."""
+        ...
+
+    def settled(self) -> bool:
+        """Whether every role is sized and every ps and worker serves."""
+        ...
+
+    def request_scale(self, role: str, count: int) -> tuple[str, int]:
+        """Ask for ``count`` ps; ValueError while a scaling is in progress."""
+        ...
+
+    def resize_role(self, role: str, resources: Resources, reason: str) -> None:
+        """Relaunch ``role``'s nodes with ``resources``."""
+        ...
+
+
+class TfPsScaler:
+    """Plans the ps of one TensorFlow job from their load (`tick` from the controller's step).
+
+    Invariant: a plan uses only reports of the current ps attempts, all serving, gathered
+    over ``interval_s``; a ps is added only after ``votes`` plans in a row found one hot or
+    saturated (one busy report is noise), a resize acts at once (an OOM kill is near)."""
+
+    def __init__(
+        self,
+        job: JobMaster,
+        controller: PsScaledController,
+        max_count: int,
+        host_cores: float,
+        interval_s: float,
+        clock: Callable[[], float],
+        margin: float = 1.3,
+        votes: int = PS_VOTES,
+    ) -> None:
+        self._job = job
+        self._controller = controller
+        self._max_count = max_count
+        self._host_cores = host_cores
+        self._interval_s = interval_s
+        self._clock = clock
+        self._margin = margin
+        self._votes = votes
+        self._hot_votes = 0
+        self._since: float | None = None
+        self._cpu: dict[str, list[float]] = {}
+        self._peaks: dict[str, int] = {}
+        self.plans: list[ScalePlan] = []
+        """Every plan that acted."""
+
+    def _restart(self) -> None:
+        self._since = None
+        self._cpu.clear()
+        self._peaks.clear()
+
+    def tick(self) -> None:
+        """Sample the ps' usage; plan every ``interval_s``."""
+        c = self._controller
+        if self._job.ended.is_set() or c.workers_changing or not c.settled():
+            self._restart()
+            return
+        ps = [n for n in c.role_nodes() if n.role == "ps"]
+        if not all(n.memory_bytes for n in ps):
+            return  # a ps without a usage report yet: nothing to compare
+        now = self._clock()
+        if self._since is None or set(self._cpu) != {n.node_id for n in ps}:
+            self._restart()
+            self._since = now
+            self._cpu = {n.node_id: [] for n in ps}
+        for n in ps:
+            self._cpu[n.node_id].append(n.cpu_percent / 100)
+            self._peaks[n.node_id] = max(self._peaks.get(n.node_id, 0), n.memory_bytes >> 20)
+        if now - self._since < self._interval_s:
+            return
+        load = [
+            PsLoad(
+                n.node_id,
+                n.index,
+                sum(self._cpu[n.node_id]) / len(self._cpu[n.node_id]),
+                self._peaks[n.node_id],
+            )
+            for n in ps
+        ]
+        self._restart()
+        size = c.role_resources("ps")
+        plan = plan_ps(load, size, size.cpu or self._host_cores, self._max_count, self._margin)
+        if plan.action is ScaleAction.SCALE_OUT:
+            self._hot_votes += 1
+            if self._hot_votes < self._votes:
+                plan = ScalePlan(
+                    ScaleAction.NONE,
+                    plan.nodes - 1,
+                    reason=f"{plan.reason} (vote {self._hot_votes})",
+                )
+        else:
+            self._hot_votes = 0
+        if plan.action is ScaleAction.NONE:
+            self._job.diagnostics.scale_plan(f"auto-scale: {plan.reason}")
+            return
+        self._hot_votes = 0
+        count = c.counts["ps"]
+        what = "resize ps" if plan.action is ScaleAction.RESIZE else f"scale_out ps {count} -> "
+        summary = f"auto-scale: {what}{plan.nodes if plan.resources is None else ''}: {plan.reason}"
+        try:
+            if plan.resources is not None:
+                c.resize_role("ps", plan.resources, plan.reason)
+            else:
+                c.request_scale("ps", plan.nodes)
+        except ValueError as e:  # a ps scaling asked by hand is underway
+            self._job.diagnostics.scale_plan(f"auto-scale: {plan.reason}; waiting: {e}")
+            return
+        logger.info("%s", summary)
+        self._job.diagnostics.scale_plan(summary, summary.removeprefix("auto-scale: "))
+        self.plans.append(plan)

@@ -27,7 +27,7 @@ from dlrover.master.state_store import StateStoreError
 from dlrover.master.stragglers import DEFAULT_REPORT_S
 from dlrover.master.tensorboard import TensorBoardError
 from dlrover.master.tf_controller import TfController
-from dlrover.master.tf_scaling import TfWorkerScaler
+from dlrover.master.tf_scaling import TfPsScaler, TfWorkerScaler
 from dlrover.master.web import WebError
 from dlrover.processes import pid_alive
 from dlrover.runner.records import (
@@ -374,6 +374,11 @@ class JobRunner:
                 workers = spec.tf.roles["worker"]
                 if workers.max_count > workers.count:
                     tf.worker_scaler = worker_scaler(job, tf, engine, workers, scaling)
+                ps = spec.tf.roles["ps"]
+                cores = float(os.cpu_count() or 1)
+                tf.ps_scaler = TfPsScaler(
+                    job, tf, max(ps.max_count, ps.count), cores, scaling[1], time.monotonic
+                )
             job.tf = tf
             return tf
         controller = NodeController(

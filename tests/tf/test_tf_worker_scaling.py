@@ -208,7 +208,7 @@ def test_a_bad_max_count_says_what_to_change(worker: dict[str, object], message:
     with pytest.raises(JobSpecError, match=message.replace("(", r"\(")):
         job_spec_from_dict(raw)
     with pytest.raises(JobSpecError, match="allowed: count, resources"):
-        job_spec_from_dict({**raw, "roles": {"ps": {"max_count": 2}, "worker": {}}})
+        job_spec_from_dict({**raw, "roles": {"chief": {"max_count": 2}, "ps": {}, "worker": {}}})
 
 
 def test_a_sizer_made_before_the_nodes_launch_leaves_the_given_sizes_alone() -> None:
