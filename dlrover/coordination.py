@@ -140,6 +140,10 @@ class TfProgress:
     """Samples trained since the job started."""
     at: float
     """Wall time the batches were seen finished."""
+    cluster_version: int = 0
+    """The cluster version the chief's strategy trains on (0: not said): the master measures
+    each worker count's throughput from its own cluster's reports, and removes a worker once
+    the chief trains without it."""
 
     def encode(self) -> bytes:
         """The stored value: a JSON object of the fields."""

@@ -72,6 +72,10 @@ class RoleSpec:
 
     count: int
     resources: Resources = dataclasses.field(default_factory=Resources)
+    max_count: int = 0
+    """With ``auto_scale``: the most nodes the master runs (0: ``count``, no growth): workers
+    added from measured throughput, ps added for a hot or saturated ps; ``count`` is where the
+    job starts and the least it keeps."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -365,12 +369,21 @@ def _tf_roles(raw: Any, strategy: str) -> TfSpec:
             section = {}
         if not isinstance(section, Mapping):
             raise JobSpecError(f"roles.{role} must be a mapping: count, resources")
-        unknown = set(section) - {"count", "resources"}
+        scaled = role in ("ps", "worker")
+        allowed = {"count", "resources", "max_count"} if scaled else {"count", "resources"}
+        unknown = set(section) - allowed
         if unknown:
             raise JobSpecError(
-                f"roles.{role} has unknown keys {sorted(unknown)}; allowed: count, resources"
+                f"roles.{role} has unknown keys {sorted(unknown)}; allowed: "
+                f"{', '.join(sorted(allowed))}"
             )
-        roles[role] = RoleSpec(_count(section, role, 1, 0), _role_resources(section, role))
+        count = _count(section, role, 1, 0)
+        most = section.get("max_count", count)
+        if isinstance(most, bool) or not isinstance(most, int) or most < count:
+            raise JobSpecError(
+                f"roles.{role}.max_count is {most!r}; it must be an integer >= count ({count})"
+            )
+        roles[role] = RoleSpec(count, _role_resources(section, role), most)
     roles.setdefault("chief", RoleSpec(1))
     for role in ("ps", "worker"):
         if role not in roles or roles[role].count < 1:

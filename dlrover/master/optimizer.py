@@ -69,6 +69,10 @@ class OptimizerConfig:
     speedup_threshold: float = 0.2
     scale_in_votes: int = 2
     cooldown_s: float = 300.0
+    unit: str = "node"
+    """What the horizontal policy adds and removes (its reasons name it: node, worker)."""
+    rate_unit: str = "steps/s"
+    """What the throughput it is given counts (its reasons name it)."""
 
 
 @dataclass
@@ -151,7 +155,7 @@ class ResourceOptimizer:
         if now_t is None:
             return ScalePlan(ScaleAction.NONE, nodes, reason=f"measuring throughput at {nodes}")
         gain = None if before is None else now_t / before - 1
-        rates = "" if before is None else f" ({before:.3g} -> {now_t:.3g} steps/s)"
+        rates = "" if before is None else f" ({before:.3g} -> {now_t:.3g} {c.rate_unit})"
         if gain is not None and gain < c.speedup_threshold / 2 and nodes > c.min_nodes:
             s.scale_in_votes += 1
             if s.scale_in_votes >= c.scale_in_votes:
@@ -159,34 +163,36 @@ class ResourceOptimizer:
                     ScalePlan(
                         ScaleAction.SCALE_IN,
                         nodes - 1,
-                        reason=f"node {nodes} added {gain:+.0%}{rates}, "
+                        reason=f"{c.unit} {nodes} added {gain:+.0%}{rates}, "
                         f"{s.scale_in_votes} plans in a row",
                     )
                 )
             return ScalePlan(
                 ScaleAction.NONE,
                 nodes,
-                reason=f"node {nodes} added {gain:+.0%}: scale-in vote {s.scale_in_votes}",
+                reason=f"{c.unit} {nodes} added {gain:+.0%}: scale-in vote {s.scale_in_votes}",
             )
         s.scale_in_votes = 0
         if nodes >= c.max_nodes:
-            return ScalePlan(ScaleAction.NONE, nodes, reason=f"at max nodes ({c.max_nodes})")
+            return ScalePlan(ScaleAction.NONE, nodes, reason=f"at max {c.unit}s ({c.max_nodes})")
         if gain is not None and gain < c.speedup_threshold:
             return ScalePlan(
                 ScaleAction.NONE,
                 nodes,
-                reason=f"node {nodes} added {gain:+.0%} (< {c.speedup_threshold:.0%}): staying",
+                reason=f"{c.unit} {nodes} added {gain:+.0%} (< {c.speedup_threshold:.0%}): staying",
             )
         after = s.throughput.get(nodes + 1)
         if after is not None and after / now_t - 1 < c.speedup_threshold:
             return ScalePlan(
                 ScaleAction.NONE,
                 nodes,
-                reason=f"node {nodes + 1} added {after / now_t - 1:+.0%} when tried: staying",
+                reason=f"{c.unit} {nodes + 1} added {after / now_t - 1:+.0%} when tried: staying",
             )
         if not capacity.fits(size):
-            return ScalePlan(ScaleAction.NONE, nodes, reason="no capacity for another node")
-        why = "first step from MIN" if gain is None else f"node {nodes} added {gain:+.0%}{rates}"
+            return ScalePlan(ScaleAction.NONE, nodes, reason=f"no capacity for another {c.unit}")
+        why = (
+            "first step from MIN" if gain is None else f"{c.unit} {nodes} added {gain:+.0%}{rates}"
+        )
         return self._act(ScalePlan(ScaleAction.SCALE_OUT, nodes + 1, reason=why))
 
     def _act(self, plan: ScalePlan) -> ScalePlan:

@@ -4,6 +4,7 @@ publishes the cluster spec each node's TF_CONFIG is made of, replaces failed nod
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import threading
@@ -40,7 +41,9 @@ from dlrover.master.ps_load import Rates, Throughput
 from dlrover.master.relaunch_policy import OomPolicy, RelaunchPolicy, failure_class_of
 from dlrover.master.roles import RoleNode
 from dlrover.master.state_store import MemoryStateStore, StateStore
+from dlrover.master.tf_scaling import TfPsScaler, TfWorkerScaler
 from dlrover.master.tf_sizing import TfSizer
+from dlrover.master.tf_slot import Slot, attempt_of, attempt_record
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -50,42 +53,6 @@ DEFAULT_ADDRESS_TIMEOUT_S = 300.0
 _NAMESPACE = "tf-controller"
 CLUSTER_ROLES = ("chief", "ps", "worker")
 """The roles in the cluster spec; the evaluator is not part of it (TensorFlow's convention)."""
-
-
-@dataclasses.dataclass
-class Slot:
-    """One node slot (role, index) and its current attempt.
-
-    States of the attempt: launched (``registered`` empty) -> registered (its address known) ->
-    serving (a ps or worker whose TF server answers; set by the server itself). A relaunch starts
-    over at launched; ``address`` keeps the slot's published address meanwhile."""
-
-    role: str
-    index: int
-    spec: NodeSpec
-    launched_at: float
-    address: str = ""
-    """The slot's address in the published cluster spec ("" before the first)."""
-    registered: str = ""
-    """The address the current attempt registered ("" until it does)."""
-    serving: bool = False
-    oom_kills: list[int] = dataclasses.field(default_factory=list)
-    """The memory (MiB) of each attempt that was OOM-killed."""
-    usage: TfNodeUsage | None = None
-    """The current attempt's last usage report (None before one)."""
-    ended: str = ""
-    """succeeded or failed once the slot's last attempt ended for good ("" until then)."""
-    planned: int = 0
-    """Attempts the auto-scaler launched (a resize): they do not use up max_relaunches."""
-
-    @property
-    def state(self) -> str:
-        """pending, running, succeeded or failed: running once the attempt serves (ps,
-        worker), registered (chief) or reported its usage (evaluator)."""
-        if self.ended:
-            return self.ended
-        up = {"ps": self.serving, "worker": self.serving, "chief": bool(self.registered)}
-        return "running" if up.get(self.role, self.usage is not None) else "pending"
 
 
 class TfController:
@@ -149,6 +116,21 @@ class TfController:
         """The last report read under each key (a report is decoded once)."""
         self.sizer: TfSizer | None = None
         """Sizes the roles submitted without resources (``auto_scale``), if set."""
+        self.worker_scaler: TfWorkerScaler | None = None
+        """Adds and removes workers from the measured throughput (``auto_scale`` with
+        ``roles.worker.max_count``), if set."""
+        self.ps_scaler: TfPsScaler | None = None
+        """Adds ps for a hot or saturated ps and resizes ps whose memory creeps to their limit
+        (``auto_scale``), if set."""
+        self._generation_cluster = 0
+        """The cluster version the last ps generation was published for."""
+        self.workers_changing = False
+        """The worker count changed and the chief has not been told (no generation yet)."""
+        self._retiring: list[NodeSpec] = []
+        """Workers out of the cluster, deleted once the chief trains without them."""
+        self._retired: dict[int, int] = {}
+        """Worker index -> the last attempt of a removed slot (a slot used again gets a new
+        name)."""
 
     # --- launching ----------------------------------------------------------------------------
     def node_spec(self, role: str, index: int, relaunch_count: int = 0) -> NodeSpec:
@@ -166,6 +148,11 @@ class TfController:
             self.cluster_version = int(saved["cluster_version"])
             self.ps_generation = int(saved["ps_generation"])
             self._generation_nodes = tuple(saved["generation_nodes"])
+            self._generation_cluster = int(saved.get("generation_cluster", 0))
+            self.workers_changing = bool(saved.get("workers_changing", False))
+            worker = functools.partial(self.node_spec, "worker")
+            self._retiring = [attempt_of(worker, r) for r in saved.get("retiring", [])]
+            self._retired = {int(k): int(v) for k, v in saved.get("retired", {}).items()}
         published = self.job.kv.get(TF_CLUSTER_KEY) if saved is not None else None
         cluster = TfCluster.decode(published).cluster if published else {}
         specs = []
@@ -189,7 +176,9 @@ class TfController:
             " (the attempts a master before this one launched)" if saved is not None else "",
         )
         self.job.event("tf", f"launching {counts}")
-        self.engine.launch_many(specs)
+        # Workers removed but not deleted yet are launched by name too: the engine adopts
+        # them, so that they can still be deleted once the chief trains without them.
+        self.engine.launch_many(specs + self._retiring)
 
     def request_scale(self, role: str, count: int) -> tuple[str, int]:
         """Ask for ``count`` ps (`dlrover scale NAME --role ps --count N`): what will happen, and
@@ -197,8 +186,8 @@ class TfController:
         cannot be done: other roles, fewer ps, a scaling underway."""
         if role != "ps":
             raise ValueError(
-                f"role {role!r}: a TensorFlow job scales its ps on request; its workers keep "
-                "their count (roles.worker.count)"
+                f"role {role!r}: a TensorFlow job scales its ps on request; its workers are "
+                "scaled by the auto-scaler (auto_scale: true, roles.worker.max_count)"
             )
         with self._lock:
             current = self.counts["ps"]
@@ -227,6 +216,10 @@ class TfController:
                 "cluster_version": self.cluster_version,
                 "ps_generation": self.ps_generation,
                 "generation_nodes": list(self._generation_nodes),
+                "generation_cluster": self._generation_cluster,
+                "workers_changing": self.workers_changing,
+                "retiring": [attempt_record(spec) for spec in self._retiring],
+                "retired": {str(k): v for k, v in self._retired.items()},
                 "slots": {
                     f"{s.role}-{s.index}": {
                         "relaunch_count": s.spec.relaunch_count,
@@ -263,6 +256,10 @@ class TfController:
         self._publish_ps_generation()
         if self.sizer is not None:
             self.sizer.tick()
+        if self.worker_scaler is not None:
+            self.worker_scaler.tick()
+        if self.ps_scaler is not None and self._scaling is None:
+            self.ps_scaler.tick()
 
     def _read_registrations(self, now: float) -> None:
         for slot in self.slots.values():
@@ -294,6 +291,16 @@ class TfController:
         progress = self._report(TF_PROGRESS_KEY, TfProgress.decode)
         if progress is not None:
             self.throughput.add(progress)
+            trains_without = progress.cluster_version >= self._generation_cluster > 0
+            if self._retiring and trains_without and not self.workers_changing:
+                retiring = [spec.node_id for spec in self._retiring]
+                logger.info("the chief trains without %s: deleting", ", ".join(retiring))
+                self._retiring = []
+                self._save()
+                try:
+                    self.engine.delete_many(retiring)
+                except EngineError as e:
+                    logger.warning("could not delete the removed workers %s: %s", retiring, e)
 
     def _report(self, key: str, decode: Callable[[bytes], R]) -> R | None:
         """The record under ``key`` if it changed since the last read (else None); a record
@@ -349,6 +356,46 @@ class TfController:
             self.engine.launch_many(new)
         except EngineError as e:
             self.job.stop(f"could not relaunch the {role} nodes at their new size: {e}")
+
+    def role_resources(self, role: str) -> Resources:
+        """What one node of ``role`` asks for now (its first slot's current attempt)."""
+        specs = [s.spec for s in self.slots.values() if s.role == role]
+        return specs[0].resources if specs else Resources()
+
+    def settled(self) -> bool:
+        """Whether every role is sized (or given its size) and every ps and worker serves."""
+        sized = self.sizer is None or all(r.role in self.sizer.sized for r in self.role_nodes())
+        return sized and all(s.serving for s in self.slots.values() if s.role in ("ps", "worker"))
+
+    def scale_workers(self, count: int) -> None:
+        """Run ``count`` workers (the auto-scaler's plan). New slots are launched and join the
+        cluster once they serve: a new cluster version and ps generation, on which the chief
+        starts again from a checkpoint (as for more ps). Removed ones leave the cluster at once
+        and are deleted only once the chief trains without them, so no step of theirs is cut
+        off after its updates reached the ps (it would be run again: samples twice)."""
+        before = self.counts["worker"]
+        if count == before or count < 1:
+            return
+        now = self._clock()
+        specs = []
+        for index in range(before, count):
+            attempt = self._retired.pop(index, -1) + 1
+            spec = self.node_spec("worker", index, attempt)
+            self.slots[("worker", index)] = Slot("worker", index, spec, now, planned=attempt)
+            specs.append(spec)
+        for index in range(count, before):
+            slot = self.slots.pop(("worker", index))
+            self._retired[index] = slot.spec.relaunch_count
+            self._retiring.append(slot.spec)
+        self.counts["worker"] = count
+        self.workers_changing = True
+        self._save()  # before launching: a restarted master launches these attempts too
+        logger.info("scaling the workers from %d to %d", before, count)
+        self.job.event("scale", f"worker {before} -> {count}")
+        try:
+            self.engine.launch_many(specs)
+        except EngineError as e:
+            self.job.stop(f"could not launch the new workers: {e}")
 
     def rates(self) -> Rates:
         """The job's step and sample rates lately."""
@@ -415,7 +462,9 @@ class TfController:
             role: [self.slots[(role, i)].address for i in range(len(addresses))]
             for role, addresses in cluster.items()
         }
-        if cluster == published and self.cluster_version:
+        # Fewer workers leave every remaining address as published: the count changed.
+        shrunk = self.workers_changing and self.cluster_version == self._generation_cluster
+        if cluster == published and self.cluster_version and not shrunk:
             return
         self.cluster_version += 1
         for slot in self.slots.values():
@@ -434,9 +483,17 @@ class TfController:
         if not self.cluster_version or not all(s.serving for s in ps):
             return
         nodes = tuple(s.spec.node_id for s in ps)
-        if nodes == self._generation_nodes:
+        workers = [self.slots[("worker", i)] for i in range(self.counts["worker"])]
+        # A changed worker count is told to the chief as a generation too, once every worker
+        # of the new cluster serves (the chief builds over it and would wait for them).
+        new_workers = self.workers_changing and self.cluster_version != self._generation_cluster
+        if new_workers and not all(s.serving for s in workers):
+            return
+        if nodes == self._generation_nodes and not new_workers:
             return
         self._generation_nodes = nodes
+        self._generation_cluster = self.cluster_version
+        self.workers_changing = False
         self.ps_generation += 1
         value = PsGeneration(self.ps_generation, self.cluster_version).encode()
         self.job.kv.set(f"{TF_PS_GENERATION_KEY}/{self.ps_generation}", value)

@@ -106,6 +106,8 @@ class TfSizer:
     def tick(self) -> None:
         """Plan once the job's nodes ran for the window; cheap otherwise."""
         nodes = self._controller.role_nodes()
+        # Given sizes count from the first nodes on: the sizer is made before they launch.
+        self.sized.update(r.role for r in nodes if self._controller.sized(r.role))
         if self._job.ended.is_set() or all(r.role in self.sized for r in nodes):
             return
         now = self._clock()

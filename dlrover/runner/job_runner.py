@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 
 from dlrover import constants as c
@@ -13,12 +14,12 @@ from dlrover.checkpoint.leftovers import sweep
 from dlrover.engines.base import Engine
 from dlrover.engines.registry import BUILTIN_ENGINES, EngineKind, EngineRegistry
 from dlrover.envvars import number_from_env
-from dlrover.jobspec import JobSpec, JobSpecError
+from dlrover.jobspec import JobSpec, JobSpecError, RoleSpec
 from dlrover.master.assembly import MasterSettings, RunningMaster, build_master
 from dlrover.master.job import JobMaster, JobState
 from dlrover.master.local_api import LocalMasterApi
 from dlrover.master.node_controller import NodeController
-from dlrover.master.optimizer import OptimizerConfig
+from dlrover.master.optimizer import OptimizerConfig, ResourceOptimizer
 from dlrover.master.relaunch_policy import OomPolicy
 from dlrover.master.rendezvous import RendezvousConfig
 from dlrover.master.server import MasterServerError, new_token
@@ -26,6 +27,7 @@ from dlrover.master.state_store import StateStoreError
 from dlrover.master.stragglers import DEFAULT_REPORT_S
 from dlrover.master.tensorboard import TensorBoardError
 from dlrover.master.tf_controller import TfController
+from dlrover.master.tf_scaling import TfPsScaler, TfWorkerScaler
 from dlrover.master.web import WebError
 from dlrover.processes import pid_alive
 from dlrover.runner.records import (
@@ -148,6 +150,30 @@ def autoscale_settings(spec: JobSpec) -> tuple[OptimizerConfig, float, float] | 
         config,
         env_seconds(c.ENV_AUTOSCALE_INTERVAL_S, DEFAULT_INTERVAL_S),
         env_seconds(c.ENV_AUTOSCALE_WINDOW_S, DEFAULT_WINDOW_S),
+    )
+
+
+def worker_scaler(
+    job: JobMaster,
+    controller: TfController,
+    engine: Engine,
+    workers: RoleSpec,
+    scaling: tuple[OptimizerConfig, float, float],
+) -> TfWorkerScaler:
+    """The auto-scaler of a TensorFlow job's workers, within ``count..max_count``, with the
+    policy knobs, plan interval and rate window of the job's ``auto_scale`` settings."""
+    config, interval_s, window_s = scaling
+    config = dataclasses.replace(
+        config,
+        min_nodes=workers.count,
+        max_nodes=workers.max_count,
+        unit="worker",
+        rate_unit="samples/s",
+    )
+    optimizer = ResourceOptimizer(config, time.monotonic)
+    cores = float(os.cpu_count() or 1)
+    return TfWorkerScaler(
+        job, controller, optimizer, engine.capacity, cores, interval_s, window_s, time.monotonic
     )
 
 
@@ -345,6 +371,14 @@ class JobRunner:
                 from dlrover.master.tf_sizing import TfSizer
 
                 tf.sizer = TfSizer(job, tf, scaling[0].sizing_window_s, scaling[0].margin)
+                workers = spec.tf.roles["worker"]
+                if workers.max_count > workers.count:
+                    tf.worker_scaler = worker_scaler(job, tf, engine, workers, scaling)
+                ps = spec.tf.roles["ps"]
+                cores = float(os.cpu_count() or 1)
+                tf.ps_scaler = TfPsScaler(
+                    job, tf, max(ps.max_count, ps.count), cores, scaling[1], time.monotonic
+                )
             job.tf = tf
             return tf
         controller = NodeController(

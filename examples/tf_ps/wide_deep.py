@@ -18,6 +18,7 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -51,29 +52,51 @@ def _uniform(x: tf.Tensor, salt: int) -> tf.Tensor:
     return tf.cast(_hash(x, salt), tf.float32) / PRIME
 
 
-def features(ids: tf.Tensor, buckets: int = BUCKETS) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+def features(
+    ids: tf.Tensor, buckets: int = BUCKETS, skew: bool = False
+) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
     """(dense [n, 4], categorical [n, 8] in [0, FIELDS x buckets), label [n]) of sample ids;
-    the label does not depend on ``buckets``."""
+    the label does not depend on ``buckets``. ``skew``: every field's rows fall in the first
+    half of the vocabulary (fields 4-7 share the rows of 0-3), the part of the table the first
+    of two ps holds: a hot ps."""
     dense = tf.stack([_uniform(ids, 100 + k) * 2 - 1 for k in range(DENSE)], axis=1)
     values = [_hash(ids, 200 + f) % (BUCKETS // (1 + f % 4)) for f in range(FIELDS)]
     offsets = tf.constant([f * BUCKETS for f in range(FIELDS)], tf.int64)
     weight = _uniform(tf.stack(values, 1) + offsets, 300) * 2 - 1  # the hidden model
-    cats = tf.stack(values, axis=1) + tf.constant([f * buckets for f in range(FIELDS)], tf.int64)
+    rows = [(f % (FIELDS // 2) if skew else f) * buckets for f in range(FIELDS)]
+    cats = tf.stack(values, axis=1) + tf.constant(rows, tf.int64)
     logit = tf.reduce_sum(weight, axis=1) + tf.reduce_sum(dense * [1.5, -1.0, 0.5, 0.0], axis=1)
     label = tf.cast(_uniform(ids, 400) < tf.sigmoid(2 * logit), tf.float32)
     return dense, cats, label
 
 
+def worker_time(ids: tf.Tensor, seconds: float) -> tf.Tensor:
+    """``ids`` after ``seconds`` on the worker that runs the step: a stand-in for a heavy model's
+    compute, which more workers share (the worker scaling tests and benchmark need a step
+    whose throughput grows with the workers on a 2-core machine)."""
+    # TensorFlow's own sleep op is a tf.data transformation; it runs where the step runs.
+    from tensorflow.python.data.experimental.ops.testing import sleep
+
+    one = tf.data.Dataset.from_tensors(ids).apply(sleep(int(seconds * 1e6)))
+    return one.get_single_element()
+
+
 def build(
-    strategy: tf.distribute.Strategy, size: int, lr: float, buckets: int = BUCKETS
+    strategy: tf.distribute.Strategy,
+    size: int,
+    lr: float,
+    buckets: int = BUCKETS,
+    step_time: float = 0.0,
+    skew: bool = False,
+    dim: int = DIM,
 ) -> TrainState:
     """The model's variables (on the ps) and its training step (run on a worker)."""
     init = tf.random.stateless_normal
     vocab = FIELDS * buckets
     with strategy.scope():
-        deep = tf.Variable(init([vocab, DIM], seed=[1, 1], stddev=0.05), name="deep")
+        deep = tf.Variable(init([vocab, dim], seed=[1, 1], stddev=0.05), name="deep")
         wide = tf.Variable(tf.zeros([vocab, 1]), name="wide")
-        w1 = tf.Variable(init([FIELDS * DIM + DENSE, HIDDEN], seed=[1, 2], stddev=0.1), name="w1")
+        w1 = tf.Variable(init([FIELDS * dim + DENSE, HIDDEN], seed=[1, 2], stddev=0.1), name="w1")
         b1 = tf.Variable(tf.zeros([HIDDEN]), name="b1")
         w2 = tf.Variable(init([HIDDEN, 1], seed=[1, 3], stddev=0.1), name="w2")
         b2 = tf.Variable(tf.zeros([1]), name="b2")
@@ -81,7 +104,7 @@ def build(
     params = {"deep": deep, "wide": wide, "w1": w1, "b1": b1, "w2": w2, "b2": b2}
 
     def logits(dense: tf.Tensor, cats: tf.Tensor) -> tf.Tensor:
-        embedded = tf.reshape(tf.nn.embedding_lookup(deep, cats), [-1, FIELDS * DIM])
+        embedded = tf.reshape(tf.nn.embedding_lookup(deep, cats), [-1, FIELDS * dim])
         hidden = tf.nn.relu(tf.matmul(tf.concat([embedded, dense], 1), w1) + b1)
         wide_part = tf.reduce_sum(tf.nn.embedding_lookup(wide, cats), axis=[1, 2])
         return tf.squeeze(tf.matmul(hidden, w2) + b2, 1) + wide_part
@@ -89,7 +112,9 @@ def build(
     targets = [s for v in params.values() for s in getattr(v, "variables", [v])]
 
     def step(ids: tf.Tensor) -> tf.Tensor:
-        dense, cats, label = features(ids, buckets)
+        if step_time:
+            ids = worker_time(ids, step_time)
+        dense, cats, label = features(ids, buckets, skew)
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean(
                 tf.nn.sigmoid_cross_entropy_with_logits(labels=label, logits=logits(dense, cats))
@@ -108,7 +133,7 @@ def build(
 
     @tf.function
     def evaluate(ids: tf.Tensor) -> tf.Tensor:
-        dense, cats, label = features(ids, buckets)
+        dense, cats, label = features(ids, buckets, skew)
         return tf.reduce_mean(
             tf.nn.sigmoid_cross_entropy_with_logits(labels=label, logits=logits(dense, cats))
         )
@@ -122,7 +147,9 @@ def build(
 def evaluate_while_training(args: argparse.Namespace, out: Path, checkpoint_dir: Path) -> None:
     """The evaluator: the eval loss of each checkpoint the chief writes, on this process's own
     copy of the model (no ps), one JSON line each in OUT/eval.jsonl, until the chief's report."""
-    state = build(tf.distribute.get_strategy(), args.size, args.lr, args.buckets)
+    state = build(
+        tf.distribute.get_strategy(), args.size, args.lr, args.buckets, 0.0, args.skew, args.dim
+    )
     holdout = tf.range(args.size, args.size + 5_000, dtype=tf.int64)
     with open(out / "eval.jsonl", "a") as lines:
         for latest in follow_checkpoints(checkpoint_dir, (out / "report.json").exists):
@@ -147,6 +174,15 @@ def main() -> None:
                    "shard (tests slow the job down to kill nodes mid-training).")  # fmt: skip
     p.add_argument("--pause-file", default="", help="While this file exists the chief waits "
                    "after each shard (tests hold the job mid-training until they saw a relaunch).")  # fmt: skip
+    p.add_argument("--skew", action="store_true", help="Every categorical row in the first half "
+                   "of the table: with two ps, the first one serves every lookup and update.")  # fmt: skip
+    p.add_argument("--dim", type=int, default=DIM, help="Width of the deep embedding (wider: "
+                   "more bytes per lookup on the ps).")  # fmt: skip
+    p.add_argument("--grow-mb", type=int, default=0, help="MiB added to the ps per shard, "
+                   "outside the model (a table that grows as new ids arrive).")  # fmt: skip
+    p.add_argument("--step-time", type=float, default=0.0, help="Seconds each step takes on "
+                   "its worker besides its compute (a heavier model: more workers, more "
+                   "samples/s).")  # fmt: skip
     p.add_argument("--out", default="wide_deep_out", help="Directory of the results.")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(name)s: %(message)s")
@@ -154,9 +190,18 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     progress = open(out / "progress", "a")  # noqa: SIM115 (one line per shard, read by tests)
 
+    grown: dict[str, Any] = {"strategy": None, "blocks": []}
+    """--grow-mb: the blocks added to the ps of the current strategy so far."""
+
     def on_shard(trainer: PsTrainer, shards: int) -> None:
         progress.write(f"{shards} {trainer.batches} {len(trainer.recoveries)}\n")
         progress.flush()
+        if args.grow_mb:
+            if trainer.strategy is not grown["strategy"]:  # a ps was relaunched: empty ps
+                grown.update(strategy=trainer.strategy, blocks=[])
+            with trainer.strategy.scope():
+                block = tf.Variable(tf.zeros([args.grow_mb << 18]), trainable=False)
+            grown["blocks"].append(block)
         if args.shard_delay:
             time.sleep(args.shard_delay)
         deadline = time.monotonic() + 300
@@ -168,7 +213,9 @@ def main() -> None:
         evaluate_while_training(args, out, Path(checkpoint_dir))
         return
     trainer = PsTrainer(
-        lambda strategy: build(strategy, args.size, args.lr, args.buckets),
+        lambda strategy: build(
+            strategy, args.size, args.lr, args.buckets, args.step_time, args.skew, args.dim
+        ),
         DatasetSpec("wide-deep", args.size, shard_size=args.shard_size, epochs=args.epochs),
         batch_size=args.batch_size,
         checkpoint_dir=checkpoint_dir,

@@ -443,8 +443,12 @@ class PsTrainer:
         """Start this script again in this process (exec, same pid): TensorFlow cannot change
         the cluster of a process that joined one ("Could not start gRPC server"). The new process
         builds over ``cluster`` and restores the latest checkpoint."""
-        before, after = len(self._joined.get("ps", [])), len(cluster.get("ps", []))
-        what = f"ps {before} -> {after}" if before != after else "ps addresses changed"
+        changes = [
+            f"{role} {len(self._joined.get(role, []))} -> {len(cluster.get(role, []))}"
+            for role in ("ps", "worker")
+            if len(self._joined.get(role, [])) != len(cluster.get(role, []))
+        ]
+        what = ", ".join(changes) or "ps addresses changed"
         note = {"started": started, "saved_s": saved_s, "what": what}
         logger.info("the cluster changed (%s): starting again on it", what)
         for handler in logging.getLogger().handlers:
@@ -497,7 +501,7 @@ class PsTrainer:
         """Tell the master the batches and samples finished (its job throughput, from which
         it sizes the workers). Training never waits on it: a master that does not answer (it is
         being restarted) misses one report."""
-        progress = TfProgress(self.batches, self.samples, time.time())
+        progress = TfProgress(self.batches, self.samples, time.time(), self.cluster_version)
         try:
             self._client.kv_set(c.TF_PROGRESS_KEY, progress.encode())
         except MasterClientError as exc:

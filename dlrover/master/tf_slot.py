@@ -1,0 +1,62 @@
+"""One node slot of a TensorFlow job (role, index) and its current attempt, as the master's
+TfController keeps it."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from dlrover.coordination import TfNodeUsage
+from dlrover.engines.base import NodeSpec, Resources
+
+
+@dataclasses.dataclass
+class Slot:
+    """One node slot (role, index) and its current attempt.
+
+    States of the attempt: launched (``registered`` empty) -> registered (its address known) ->
+    serving (a ps or worker whose TF server answers; set by the server itself). A relaunch starts
+    over at launched; ``address`` keeps the slot's published address meanwhile."""
+
+    role: str
+    index: int
+    spec: NodeSpec
+    launched_at: float
+    address: str = ""
+    """The slot's address in the published cluster spec ("" before the first)."""
+    registered: str = ""
+    """The address the current attempt registered ("" until it does)."""
+    serving: bool = False
+    oom_kills: list[int] = dataclasses.field(default_factory=list)
+    """The memory (MiB) of each attempt that was OOM-killed."""
+    usage: TfNodeUsage | None = None
+    """The current attempt's last usage report (None before one)."""
+    ended: str = ""
+    """succeeded or failed once the slot's last attempt ended for good ("" until then)."""
+    planned: int = 0
+    """Attempts the auto-scaler launched (a resize): they do not use up max_relaunches."""
+
+    @property
+    def state(self) -> str:
+        """pending, running, succeeded or failed: running once the attempt serves (ps,
+        worker), registered (chief) or reported its usage (evaluator)."""
+        if self.ended:
+            return self.ended
+        up = {"ps": self.serving, "worker": self.serving, "chief": bool(self.registered)}
+        return "running" if up.get(self.role, self.usage is not None) else "pending"
+
+
+def attempt_record(spec: NodeSpec) -> dict[str, Any]:
+    """What the master's state keeps of one attempt (`attempt_of` makes it again)."""
+    return {
+        "index": spec.rank,
+        "relaunch_count": spec.relaunch_count,
+        "resources": dataclasses.asdict(spec.resources),
+    }
+
+
+def attempt_of(node_spec: Callable[[int, int], NodeSpec], record: dict[str, Any]) -> NodeSpec:
+    """The attempt ``record`` names: ``node_spec(index, relaunch_count)`` with its resources."""
+    spec = node_spec(int(record["index"]), int(record["relaunch_count"]))
+    return dataclasses.replace(spec, resources=Resources(**record["resources"]))
