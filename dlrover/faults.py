@@ -12,7 +12,9 @@ agent it is throttled, dlrover/agent/throttle.py, elsewhere each step sleeps; th
 check's compute test too), ``exit`` (``os._exit(code)``, as a native library calling exit
 would), ``kill_agent`` (SIGKILL the pid in DLROVER_AGENT_PID), ``lose_node`` (the node's
 machine is gone: SIGKILL the agent, delete its flash-checkpoint shared memory, SIGKILL
-itself), ``collective_fail`` (the node
+itself), ``kill_master`` (SIGKILL the job's master: the pid in the `dlrover submit` record of
+DLROVER_JOB_NAME under DLROVER_HOME; `dlrover submit` starts it again on its state),
+``collective_fail`` (the node
 check's collective test fails on that node: give ``node``), ``oom`` (allocate and touch memory
 in 64 MiB chunks until the kernel's OOM killer ends the process: run it under a memory limit). Keys: ``rank`` (global RANK; default
 every rank), ``node`` (the node slot an engine launched, the N of ``<job>-worker-N-<attempt>``,
@@ -44,7 +46,8 @@ _EXTRA_KEYS = {
 
 class FaultKind(Enum):
     """What a fault does: kill (SIGKILL itself), raise (InjectedFault), hang, slow, exit
-    (``os._exit``) or kill_agent (SIGKILL the agent)."""
+    (``os._exit``), kill_agent (SIGKILL the agent), lose_node, kill_master (SIGKILL the job's
+    master), collective_fail (the node check's collective) or oom."""
 
     KILL = "kill"
     RAISE = "raise"
@@ -53,6 +56,7 @@ class FaultKind(Enum):
     EXIT = "exit"
     KILL_AGENT = "kill_agent"
     LOSE_NODE = "lose_node"
+    KILL_MASTER = "kill_master"
     COLLECTIVE_FAIL = "collective_fail"
     OOM = "oom"
 

@@ -2,7 +2,7 @@
 
 The syntax of DLROVER_FAULTS and its parser live in `dlrover.faults` (the agent's node check
 reads it too); this module is what runs them: kill, raise, hang, slow, exit, kill_agent,
-lose_node, oom.
+lose_node, kill_master, oom.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from dlrover import worker_context
 from dlrover.checkpoint.config import DEFAULT_SHM_DIR
 from dlrover.checkpoint.leftovers import parse as parse_owned
-from dlrover.constants import ENV_NODE_ID
+from dlrover.constants import ENV_JOB_NAME, ENV_NODE_ID, ENV_NODE_MEMORY_LIMIT_MIB
 from dlrover.faults import (
     ENV_AGENT_PID,
     ENV_FAULTS,
@@ -29,6 +29,7 @@ from dlrover.faults import (
     parse_fault,
     parse_faults,
 )
+from dlrover.runner.records import NoSuchJobError, read_record
 
 __all__ = [
     "ENV_AGENT_PID",
@@ -47,7 +48,8 @@ __all__ = [
 ]
 
 OOM_MAX_BYTES = 64 << 30
-"""The oom fault gives up (MemoryError) after this much without being killed."""
+"""The oom fault gives up (MemoryError) after this much without being killed (after twice
+the node's memory limit where the engine set one, DLROVER_NODE_MEMORY_LIMIT_MIB)."""
 
 
 class InjectedFault(RuntimeError):
@@ -151,20 +153,41 @@ class FaultInjector:
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(os.path.join(DEFAULT_SHM_DIR, name))
             os.kill(os.getpid(), signal.SIGKILL)
+        elif fault.kind is FaultKind.KILL_MASTER:
+            os.kill(_master_pid(), signal.SIGKILL)
         elif fault.kind is FaultKind.OOM:
             hog = []
             chunk = 64 << 20
-            for _ in range(OOM_MAX_BYTES // chunk):  # bounded: no limit means no OOM kill
+            limit = os.environ.get(ENV_NODE_MEMORY_LIMIT_MIB, "")
+            # Bounded: no limit means no OOM kill, and an unkilled hog must not take the host.
+            most = min(OOM_MAX_BYTES, 2 * int(limit) << 20) if limit.isdigit() else OOM_MAX_BYTES
+            for _ in range(most // chunk):
                 block = bytearray(chunk)
                 block[::4096] = b"\x01" * (chunk // 4096)  # touch every page
                 hog.append(block)
-            raise MemoryError(f"oom fault: {OOM_MAX_BYTES >> 30} GiB allocated and no OOM kill")
+            raise MemoryError(f"oom fault: {most >> 20} MiB allocated and no OOM kill")
         elif fault.kind is FaultKind.HANG:
             if fault.seconds is not None:
                 self._sleep(fault.seconds)
                 return
             while True:  # until the agent's hang detection (or the test) kills us
                 self._sleep(3600)
+
+
+def _master_pid() -> int:
+    """The pid of this job's master from its `dlrover submit` record (DLROVER_JOB_NAME under
+    DLROVER_HOME); FaultSpecError where there is none (a job not started by `dlrover submit`)."""
+    name = os.environ.get(ENV_JOB_NAME, "")
+    try:
+        record = read_record(name) if name else None
+    except NoSuchJobError as exc:
+        raise FaultSpecError(f"kill_master needs a job of `dlrover submit`: {exc}") from None
+    if record is None or record.ended or record.pid <= 0:
+        raise FaultSpecError(
+            f"kill_master needs the running master of a `dlrover submit` job ({ENV_JOB_NAME}="
+            f"{name!r} names {'no job' if record is None else 'an ended one'})"
+        )
+    return record.pid
 
 
 def maybe_inject(step: int, cache: dict[str, FaultInjector] | None = None) -> None:
