@@ -68,12 +68,16 @@ KINDS = {
     "slow_node": Kind("slow:rank={rank}:step={step}:factor=3", True),
     "master_kill": Kind("kill_master:rank={rank}:step={step}:restart=*:once={once}", False),
     "worker_oom": Kind("oom:rank={rank}:step={step}:restart=*:once={once}", False),
+    "disk_full": Kind(
+        "fill_disk:rank={rank}:step={step}:restart=*:once={once}:seconds=3:path={ckpt}", True
+    ),
 }
 NODE_MEMORY = "1536Mi"
 """Each node's memory limit in a job with worker_oom (agent, zygote and worker fit in it)."""
+SMALL_DISK = "32m"
+"""The size of the tmpfs mounted as the checkpoint folder of a job with disk_full."""
 NOT_COVERED = (
     "/dev/shm full",
-    "disk full during a persist",
     "broker outage (stream job)",
     "ps SIGKILL (PS job)",
 )
@@ -97,6 +101,11 @@ class Schedule:
         return any(kind == "worker_oom" for kind, _, _ in self.faults)
 
     @property
+    def needs_small_disk(self) -> bool:
+        """Whether the job's checkpoints go to a filesystem of its own (disk_full fills it)."""
+        return any(kind == "disk_full" for kind, _, _ in self.faults)
+
+    @property
     def should_fail(self) -> bool:
         return any(kind == "exception_twice" for kind, _, _ in self.faults)
 
@@ -104,7 +113,8 @@ class Schedule:
         items = []
         for n, (kind, rank, step) in enumerate(self.faults):
             once = root / f"fired-{n}"
-            items.append(KINDS[kind].item.format(rank=rank, step=step, once=once))
+            item = KINDS[kind].item
+            items.append(item.format(rank=rank, step=step, once=once, ckpt=root / "ckpt"))
         return ";".join(items)
 
     def describe(self) -> str:
@@ -164,6 +174,8 @@ def _launch(
     sched: Schedule, launcher: str, root: Path, name: str, faults: str
 ) -> list[subprocess.Popen[bytes]]:
     (root / "ckpt").mkdir(parents=True)
+    if faults and sched.needs_small_disk:
+        _mount_small(root / "ckpt")
     log = open(root / "launcher.log", "wb")  # noqa: SIM115 - closed by the children's exit
     if launcher == "dlrover":
         cmd = [
@@ -194,7 +206,9 @@ def _ours(root: Path) -> list[psutil.Process]:
     found = []
     for proc in psutil.process_iter(["cmdline"]):
         with contextlib.suppress(psutil.Error):
-            if any(str(root) in part for part in proc.info["cmdline"] or ()):
+            cmdline = proc.info["cmdline"] or ()
+            # fill_disk's remover is the fault's, not the job's: it ends by itself.
+            if any(str(root) in part and ".dlrover-fill-" not in part for part in cmdline):
                 found.append(proc)
     return found
 
@@ -273,6 +287,12 @@ def run_job(
         with contextlib.suppress(psutil.Error):
             proc.kill()
     codes = [p.wait(10) for p in launchers]
+    if os.path.ismount(root / "ckpt"):
+        # The storage left is checked below on a copy: the mount goes with the job.
+        shutil.copytree(root / "ckpt", root / "ckpt.kept", symlinks=True)
+        subprocess.run(["umount", "-l", str(root / "ckpt")], check=False)
+        shutil.rmtree(root / "ckpt")
+        (root / "ckpt.kept").rename(root / "ckpt")
     log = _logs(root)
     final_path = root / "out.final"
     final = json.loads(final_path.read_text()) if final_path.exists() else None
@@ -306,6 +326,25 @@ def run_job(
     else:
         shutil.rmtree(root, ignore_errors=True)
     return result
+
+
+def _mount_small(where: Path) -> None:
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={SMALL_DISK}", "tmpfs", str(where)],
+        check=True,
+        capture_output=True,
+    )
+
+
+def _small_disk_missing() -> str:
+    """Why no small filesystem can be mounted here ("" where one can: root)."""
+    with tempfile.TemporaryDirectory() as probe:
+        try:
+            _mount_small(Path(probe))
+        except (OSError, subprocess.CalledProcessError) as exc:
+            return getattr(exc, "stderr", b"").decode(errors="replace").strip() or str(exc)
+        subprocess.run(["umount", probe], check=False)
+    return ""
 
 
 def _cgroups_missing() -> str:
@@ -364,6 +403,7 @@ def main() -> None:
         schedules = [s for s in schedules if s.index in a.only]
     expected = expected_hash()
     no_cgroup = _cgroups_missing()
+    no_small_disk = _small_disk_missing()
     base = Path(tempfile.mkdtemp(prefix="dlrover-campaign-"))
     started = time.monotonic()
     # Failure-free runs of each launcher and size: the model to match and the goodput floor.
@@ -396,6 +436,11 @@ def main() -> None:
                 # Without a node memory limit the oom fault would take the machine's memory.
                 results[launcher].append(None)
                 row += [f"skipped (worker_oom needs a cgroup: {no_cgroup})", "-"]
+                continue
+            if sched.needs_small_disk and no_small_disk:
+                # Filling the real disk would hurt everything else on the machine.
+                results[launcher].append(None)
+                row += [f"skipped (disk_full needs a tmpfs mount: {no_small_disk})", "-"]
                 continue
             r = run_job(sched, launcher, base, True, a.deadline_s, expected, a.keep)
             results[launcher].append(r)

@@ -14,7 +14,9 @@ would), ``kill_agent`` (SIGKILL the pid in DLROVER_AGENT_PID), ``lose_node`` (th
 machine is gone: SIGKILL the agent, delete its flash-checkpoint shared memory, SIGKILL
 itself), ``kill_master`` (SIGKILL the job's master: the pid in the `dlrover submit` record of
 DLROVER_JOB_NAME under DLROVER_HOME; `dlrover submit` starts it again on its state),
-``collective_fail`` (the node
+``fill_disk`` (fill the filesystem of ``path`` with a file until ENOSPC, and remove the file
+``seconds`` later, default 5, from a process of its own: the fault outlives a killed worker;
+only on a small filesystem made for it), ``collective_fail`` (the node
 check's collective test fails on that node: give ``node``), ``oom`` (allocate and touch memory
 in 64 MiB chunks until the kernel's OOM killer ends the process: run it under a memory limit). Keys: ``rank`` (global RANK; default
 every rank), ``node`` (the node slot an engine launched, the N of ``<job>-worker-N-<attempt>``,
@@ -41,13 +43,15 @@ _EXTRA_KEYS = {
     "exit": frozenset({"code"}),
     "slow": frozenset({"factor"}),
     "hang": frozenset({"seconds"}),
+    "fill_disk": frozenset({"path", "seconds"}),
 }
 
 
 class FaultKind(Enum):
     """What a fault does: kill (SIGKILL itself), raise (InjectedFault), hang, slow, exit
     (``os._exit``), kill_agent (SIGKILL the agent), lose_node, kill_master (SIGKILL the job's
-    master), collective_fail (the node check's collective) or oom."""
+    master), fill_disk (fill a filesystem for a while), collective_fail (the node check's
+    collective) or oom."""
 
     KILL = "kill"
     RAISE = "raise"
@@ -57,6 +61,7 @@ class FaultKind(Enum):
     KILL_AGENT = "kill_agent"
     LOSE_NODE = "lose_node"
     KILL_MASTER = "kill_master"
+    FILL_DISK = "fill_disk"
     COLLECTIVE_FAIL = "collective_fail"
     OOM = "oom"
 
@@ -83,6 +88,8 @@ class Fault:
     """A marker file: fire only if it does not exist yet (and create it)."""
     node: int | None = None
     """The node slot it is meant for (first attempt only); None: every node."""
+    path: str = ""
+    """For fill_disk: a folder on the filesystem to fill."""
 
     def claim(self) -> bool:
         """True if the fault may fire now; with `once`, only the first claim anywhere succeeds."""
@@ -158,6 +165,8 @@ def parse_fault(item: str) -> Fault:
         raise FaultSpecError(f"{item!r}: {kind.value} needs step=N")
     if kind is FaultKind.COLLECTIVE_FAIL and "node" not in values:
         raise FaultSpecError(f"{item!r}: collective_fail needs node=N")
+    if kind is FaultKind.FILL_DISK and not values.get("path"):
+        raise FaultSpecError(f"{item!r}: fill_disk needs path=DIR (on the filesystem to fill)")
     if kind is FaultKind.SLOW and "factor" not in values:
         raise FaultSpecError(f"{item!r}: slow needs factor=X (X >= 1)")
     restart = values.get("restart", "0")
@@ -171,6 +180,7 @@ def parse_fault(item: str) -> Fault:
         seconds=_float(item, "seconds", values["seconds"], 0.0) if "seconds" in values else None,
         once=values.get("once", ""),
         node=_int(item, "node", values["node"], 0) if "node" in values else None,
+        path=values.get("path", ""),
     )
 
 

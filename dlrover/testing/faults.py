@@ -2,14 +2,16 @@
 
 The syntax of DLROVER_FAULTS and its parser live in `dlrover.faults` (the agent's node check
 reads it too); this module is what runs them: kill, raise, hang, slow, exit, kill_agent,
-lose_node, kill_master, oom.
+lose_node, kill_master, fill_disk, oom.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -155,6 +157,8 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGKILL)
         elif fault.kind is FaultKind.KILL_MASTER:
             os.kill(_master_pid(), signal.SIGKILL)
+        elif fault.kind is FaultKind.FILL_DISK:
+            fill_disk(fault.path, DEFAULT_FILL_S if fault.seconds is None else fault.seconds)
         elif fault.kind is FaultKind.OOM:
             hog = []
             chunk = 64 << 20
@@ -172,6 +176,41 @@ class FaultInjector:
                 return
             while True:  # until the agent's hang detection (or the test) kills us
                 self._sleep(3600)
+
+
+DEFAULT_FILL_S = 5.0
+"""How long fill_disk keeps the filesystem full when the fault gives no ``seconds``."""
+
+_REMOVE_LATER = "import os, sys, time\ntime.sleep(float(sys.argv[1]))\nos.unlink(sys.argv[2])\n"
+
+
+def fill_disk(folder: str, seconds: float) -> str:
+    """Fill the filesystem of ``folder`` with one file until ENOSPC, and have a process of its
+    own (it outlives this one, which may be killed meanwhile) remove the file ``seconds``
+    later. Returns the file's path."""
+    path = os.path.join(folder, f".dlrover-fill-{os.getpid()}")
+    chunk = b"\0" * (1 << 20)
+    with open(path, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(chunk)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                os.unlink(path)
+                raise
+        with contextlib.suppress(OSError):  # the last bytes that fit
+            while True:
+                f.write(chunk[:4096])
+    # Detached, and holding none of this process's pipes: a reader waiting for their end
+    # (a launcher, a test) must not wait for it.
+    subprocess.Popen(
+        [sys.executable, "-c", _REMOVE_LATER, str(seconds), path],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    return path
 
 
 def _master_pid() -> int:

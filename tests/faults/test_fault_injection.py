@@ -193,3 +193,40 @@ def test_kill_master_without_a_submit_record_says_what_it_needs(tmp_path: Path) 
     )
     assert (returncode, done[-1]) == (1, "done 1")
     assert "kill_master needs a job of `dlrover submit`: no job named 'absent'" in stderr
+
+
+def _small_filesystem(where: Path, size: str) -> bool:
+    """A tmpfs of ``size`` mounted at ``where`` (root only); False where it cannot be made."""
+    where.mkdir()
+    made = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True
+    )
+    return made.returncode == 0
+
+
+def test_fill_disk_fills_the_filesystem_then_frees_it_from_a_process_of_its_own(
+    tmp_path: Path,
+) -> None:
+    small = tmp_path / "small"
+    if not _small_filesystem(small, "4m"):
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        proc = _run(f"fill_disk:rank=1:step=2:seconds=3:path={small}")
+        returncode, done, stderr = _finish(proc)
+        assert (returncode, len(done)) == (0, 8)  # the worker goes on; the disk is full
+        assert "dlrover fault injection: fill_disk rank 1 step 2" in stderr
+        [filler] = list(small.iterdir())
+        with pytest.raises(OSError, match="No space left on device"):
+            (small / "one-more").write_bytes(b"\0" * 8192)
+        deadline = time.monotonic() + 30
+        while filler.exists():  # removed by a detached process: nothing to wait on but the file
+            assert time.monotonic() < deadline, "the filler was never removed"
+            time.sleep(0.05)
+        (small / "one-more").write_bytes(b"\0" * 8192)  # room again
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=False)
+
+
+def test_fill_disk_needs_a_path() -> None:
+    with pytest.raises(FaultSpecError, match="fill_disk needs path=DIR"):
+        parse_faults("fill_disk:step=2")
