@@ -328,6 +328,19 @@ def run_job(
     return result
 
 
+def _not_run(sched: Schedule, launcher: str, no_cgroup: str, no_small_disk: str) -> str:
+    """Why ``sched`` does not run under ``launcher`` here ("" where it does)."""
+    if launcher == "torchrun" and not all(KINDS[k].torchrun for k, _, _ in sched.faults):
+        return "n/a"
+    if sched.needs_cgroup and no_cgroup:
+        # Without a node memory limit the oom fault would take the machine's memory.
+        return f"skipped (worker_oom needs a cgroup: {no_cgroup})"
+    if sched.needs_small_disk and no_small_disk:
+        # Filling the real disk would hurt everything else on the machine.
+        return f"skipped (disk_full needs a tmpfs mount: {no_small_disk})"
+    return ""
+
+
 def _mount_small(where: Path) -> None:
     subprocess.run(
         ["mount", "-t", "tmpfs", "-o", f"size={SMALL_DISK}", "tmpfs", str(where)],
@@ -425,22 +438,15 @@ def main() -> None:
     ]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
+    not_run: dict[tuple[str, int], str] = {}
     for sched in schedules:
         row = [str(sched.index), str(sched.nodes), sched.describe()]
         for launcher in launchers:
-            if launcher == "torchrun" and not all(KINDS[k].torchrun for k, _, _ in sched.faults):
+            why_not = _not_run(sched, launcher, no_cgroup, no_small_disk)
+            if why_not:
                 results[launcher].append(None)
-                row += ["n/a", "-"]
-                continue
-            if sched.needs_cgroup and no_cgroup:
-                # Without a node memory limit the oom fault would take the machine's memory.
-                results[launcher].append(None)
-                row += [f"skipped (worker_oom needs a cgroup: {no_cgroup})", "-"]
-                continue
-            if sched.needs_small_disk and no_small_disk:
-                # Filling the real disk would hurt everything else on the machine.
-                results[launcher].append(None)
-                row += [f"skipped (disk_full needs a tmpfs mount: {no_small_disk})", "-"]
+                not_run[(launcher, sched.index)] = why_not
+                row += [why_not, "-"]
                 continue
             r = run_job(sched, launcher, base, True, a.deadline_s, expected, a.keep)
             results[launcher].append(r)
@@ -470,7 +476,9 @@ def main() -> None:
     if a.json:
         rows = [
             {"job": s.index, "faults": s.describe(), "should_fail": s.should_fail,
-             "launcher": launcher, **(dataclasses.asdict(r) if r is not None else {})}
+             "launcher": launcher,
+             **(dataclasses.asdict(r) if r is not None
+                else {"verdict": "not run", "note": not_run[(launcher, s.index)]})}
             for launcher, rs in results.items()
             for s, r in zip(schedules, rs, strict=True)
         ]  # fmt: skip
