@@ -198,8 +198,8 @@ def fill_disk(folder: str, seconds: float) -> str:
             if exc.errno != errno.ENOSPC:
                 os.unlink(path)
                 raise
-        with contextlib.suppress(OSError):  # the last bytes that fit
-            while True:
+        with contextlib.suppress(OSError):  # the last pages that fit (at most a chunk)
+            for _ in range(len(chunk) // 4096):
                 f.write(chunk[:4096])
     # Detached, and holding none of this process's pipes: a reader waiting for their end
     # (a launcher, a test) must not wait for it.
