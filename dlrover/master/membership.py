@@ -197,8 +197,11 @@ class Membership:
         join again), a node that restarted its workers waits for a round that fewer than min
         nodes can join (the alive ones and replacements on their way)."""
         rdzv = self.rendezvous
-        waiting = rdzv.waiting() if rdzv is not None else []
-        if rdzv is None or not waiting or self.expecting():
+        # The counts first (O(1)): this runs on every join of a large first rendezvous.
+        if rdzv is None or self.nodes.count(NodeState.SUCCEEDED) == 0 or self.expecting():
+            return ""
+        waiting = rdzv.waiting()
+        if not waiting:
             return ""
         nodes = self.nodes.all()
         succeeded = sorted(n.node_id for n in nodes if n.state == NodeState.SUCCEEDED)
