@@ -1,7 +1,8 @@
 """Fault campaign: N seeded multi-node jobs, each with 1-4 random faults, under dlrover and torchrun.
 
 Run: PYTHONPATH=. python benchmarks/fault_campaign.py [--jobs 50] [--seed 1] [--no-torchrun]
-(``--list`` prints the drawn schedules; ``--only 1 4`` runs those jobs of the same draw)
+(``--list`` prints the drawn schedules; ``--only 1 4`` runs those jobs of the same draw;
+``--keep`` keeps every job's folder, not only the wrong or hung ones)
 
 Each job is a real `dlrover submit` of 2 or 3 nodes x 1 worker on the local engine training
 benchmarks/fault_campaign_train.py (dynamic shards from the master, a flash checkpoint every
@@ -65,12 +66,18 @@ KINDS = {
     "agent_kill": Kind("kill_agent:rank={rank}:step={step}:restart=*:once={once}", False),
     "node_lost": Kind("lose_node:rank={rank}:step={step}:restart=*:once={once}", False),
     "slow_node": Kind("slow:rank={rank}:step={step}:factor=3", True),
+    "master_kill": Kind("kill_master:rank={rank}:step={step}:restart=*:once={once}", False),
+    "worker_oom": Kind("oom:rank={rank}:step={step}:restart=*:once={once}", False),
+    "disk_full": Kind(
+        "fill_disk:rank={rank}:step={step}:restart=*:once={once}:seconds=3:path={ckpt}", True
+    ),
 }
+NODE_MEMORY = "1536Mi"
+"""Each node's memory limit in a job with worker_oom (agent, zygote and worker fit in it)."""
+SMALL_DISK = "32m"
+"""The size of the tmpfs mounted as the checkpoint folder of a job with disk_full."""
 NOT_COVERED = (
-    "worker OOM in its cgroup",
-    "master SIGKILL",
     "/dev/shm full",
-    "disk full during a persist",
     "broker outage (stream job)",
     "ps SIGKILL (PS job)",
 )
@@ -89,6 +96,16 @@ class Schedule:
         return SAMPLES // (4 * self.nodes)
 
     @property
+    def needs_cgroup(self) -> bool:
+        """Whether a node memory limit is part of the job (an OOM kill needs one)."""
+        return any(kind == "worker_oom" for kind, _, _ in self.faults)
+
+    @property
+    def needs_small_disk(self) -> bool:
+        """Whether the job's checkpoints go to a filesystem of its own (disk_full fills it)."""
+        return any(kind == "disk_full" for kind, _, _ in self.faults)
+
+    @property
     def should_fail(self) -> bool:
         return any(kind == "exception_twice" for kind, _, _ in self.faults)
 
@@ -96,7 +113,8 @@ class Schedule:
         items = []
         for n, (kind, rank, step) in enumerate(self.faults):
             once = root / f"fired-{n}"
-            items.append(KINDS[kind].item.format(rank=rank, step=step, once=once))
+            item = KINDS[kind].item
+            items.append(item.format(rank=rank, step=step, once=once, ckpt=root / "ckpt"))
         return ";".join(items)
 
     def describe(self) -> str:
@@ -156,12 +174,15 @@ def _launch(
     sched: Schedule, launcher: str, root: Path, name: str, faults: str
 ) -> list[subprocess.Popen[bytes]]:
     (root / "ckpt").mkdir(parents=True)
+    if faults and sched.needs_small_disk:
+        _mount_small(root / "ckpt")
     log = open(root / "launcher.log", "wb")  # noqa: SIM115 - closed by the children's exit
     if launcher == "dlrover":
         cmd = [
             sys.executable, "-m", "dlrover.cli.job", "submit", "--name", name,
             "--nnodes", str(sched.nodes), "--nproc-per-node", "1", "--max-restarts", "3",
-            "--hang-timeout", "10", *_train_args(root),
+            "--hang-timeout", "10",
+            *(["--memory", NODE_MEMORY] if sched.needs_cgroup else []), *_train_args(root),
         ]  # fmt: skip
         env = _env(DLROVER_HOME=str(root / "home"), DLROVER_FAULTS=faults)
         return [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -185,7 +206,9 @@ def _ours(root: Path) -> list[psutil.Process]:
     found = []
     for proc in psutil.process_iter(["cmdline"]):
         with contextlib.suppress(psutil.Error):
-            if any(str(root) in part for part in proc.info["cmdline"] or ()):
+            cmdline = proc.info["cmdline"] or ()
+            # fill_disk's remover is the fault's, not the job's: it ends by itself.
+            if any(str(root) in part and ".dlrover-fill-" not in part for part in cmdline):
                 found.append(proc)
     return found
 
@@ -234,7 +257,13 @@ def _verify_checkpoint(root: Path, final_hash: str) -> bool:
 
 
 def run_job(
-    sched: Schedule, launcher: str, base: Path, faults: bool, deadline_s: float, expected: str
+    sched: Schedule,
+    launcher: str,
+    base: Path,
+    faults: bool,
+    deadline_s: float,
+    expected: str,
+    keep: bool = False,
 ) -> Result:
     tag = "x" if faults else "ff"
     name = f"fc{os.getpid() % 10000}-{launcher[0]}{sched.index}{tag}"
@@ -258,6 +287,12 @@ def run_job(
         with contextlib.suppress(psutil.Error):
             proc.kill()
     codes = [p.wait(10) for p in launchers]
+    if os.path.ismount(root / "ckpt"):
+        # The storage left is checked below on a copy: the mount goes with the job.
+        shutil.copytree(root / "ckpt", root / "ckpt.kept", symlinks=True)
+        subprocess.run(["umount", "-l", str(root / "ckpt")], check=False)
+        shutil.rmtree(root / "ckpt")
+        (root / "ckpt.kept").rename(root / "ckpt")
     log = _logs(root)
     final_path = root / "out.final"
     final = json.loads(final_path.read_text()) if final_path.exists() else None
@@ -286,11 +321,51 @@ def run_job(
         result.torn = _verify_checkpoint(root, final["hash"])
     else:
         result.verdict, result.note = "wrong", f"exit codes {codes}"
-    if result.verdict == "wrong" or result.verdict == "hung":
+    if keep or result.verdict == "wrong" or result.verdict == "hung":
         result.note += f" (kept: {root})"
     else:
         shutil.rmtree(root, ignore_errors=True)
     return result
+
+
+def _not_run(sched: Schedule, launcher: str, no_cgroup: str, no_small_disk: str) -> str:
+    """Why ``sched`` does not run under ``launcher`` here ("" where it does)."""
+    if launcher == "torchrun" and not all(KINDS[k].torchrun for k, _, _ in sched.faults):
+        return "n/a"
+    if sched.needs_cgroup and no_cgroup:
+        # Without a node memory limit the oom fault would take the machine's memory.
+        return f"skipped (worker_oom needs a cgroup: {no_cgroup})"
+    if sched.needs_small_disk and no_small_disk:
+        # Filling the real disk would hurt everything else on the machine.
+        return f"skipped (disk_full needs a tmpfs mount: {no_small_disk})"
+    return ""
+
+
+def _mount_small(where: Path) -> None:
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={SMALL_DISK}", "tmpfs", str(where)],
+        check=True,
+        capture_output=True,
+    )
+
+
+def _small_disk_missing() -> str:
+    """Why no small filesystem can be mounted here ("" where one can: root)."""
+    with tempfile.TemporaryDirectory() as probe:
+        try:
+            _mount_small(Path(probe))
+        except (OSError, subprocess.CalledProcessError) as exc:
+            return getattr(exc, "stderr", b"").decode(errors="replace").strip() or str(exc)
+        subprocess.run(["umount", probe], check=False)
+    return ""
+
+
+def _cgroups_missing() -> str:
+    """Why no node memory limit can be set on this machine ("" where one can)."""
+    from dlrover.engines.cgroups import CgroupRoot
+
+    root, why = CgroupRoot.detect()
+    return "" if root is not None else why
 
 
 def expected_hash() -> str:
@@ -324,6 +399,7 @@ def main() -> None:
     p.add_argument("--json", default="", help="also write every job's result to this file")
     p.add_argument("--only", type=int, nargs="+", default=[], help="run only these jobs (index)")
     p.add_argument("--list", action="store_true", help="print the schedules and run nothing")
+    p.add_argument("--keep", action="store_true", help="keep every job's folder (logs, homes)")
     a = p.parse_args()
     launchers = ["dlrover"] + ([] if a.no_torchrun else ["torchrun"])
     rng = random.Random(a.seed)
@@ -339,6 +415,8 @@ def main() -> None:
             raise SystemExit(f"--only {unknown}: the campaign has jobs 0..{a.jobs - 1}")
         schedules = [s for s in schedules if s.index in a.only]
     expected = expected_hash()
+    no_cgroup = _cgroups_missing()
+    no_small_disk = _small_disk_missing()
     base = Path(tempfile.mkdtemp(prefix="dlrover-campaign-"))
     started = time.monotonic()
     # Failure-free runs of each launcher and size: the model to match and the goodput floor.
@@ -360,14 +438,17 @@ def main() -> None:
     ]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
+    not_run: dict[tuple[str, int], str] = {}
     for sched in schedules:
         row = [str(sched.index), str(sched.nodes), sched.describe()]
         for launcher in launchers:
-            if launcher == "torchrun" and not all(KINDS[k].torchrun for k, _, _ in sched.faults):
+            why_not = _not_run(sched, launcher, no_cgroup, no_small_disk)
+            if why_not:
                 results[launcher].append(None)
-                row += ["n/a", "-"]
+                not_run[(launcher, sched.index)] = why_not
+                row += [why_not, "-"]
                 continue
-            r = run_job(sched, launcher, base, True, a.deadline_s, expected)
+            r = run_job(sched, launcher, base, True, a.deadline_s, expected, a.keep)
             results[launcher].append(r)
             extra = []
             if r.lost or r.duplicated:
@@ -391,11 +472,13 @@ def main() -> None:
     print(f"\n{time.monotonic() - started:.0f}s; not covered yet: {', '.join(NOT_COVERED)}")
     kept = [p for p in base.iterdir()] if base.exists() else []
     if kept:
-        print(f"kept for a look (wrong or hung jobs): {', '.join(map(str, kept))}", file=sys.stderr)
+        print(f"kept for a look: {', '.join(map(str, kept))}", file=sys.stderr)
     if a.json:
         rows = [
             {"job": s.index, "faults": s.describe(), "should_fail": s.should_fail,
-             "launcher": launcher, **(dataclasses.asdict(r) if r is not None else {})}
+             "launcher": launcher,
+             **(dataclasses.asdict(r) if r is not None
+                else {"verdict": "not run", "note": not_run[(launcher, s.index)]})}
             for launcher, rs in results.items()
             for s, r in zip(schedules, rs, strict=True)
         ]  # fmt: skip

@@ -12,7 +12,11 @@ agent it is throttled, dlrover/agent/throttle.py, elsewhere each step sleeps; th
 check's compute test too), ``exit`` (``os._exit(code)``, as a native library calling exit
 would), ``kill_agent`` (SIGKILL the pid in DLROVER_AGENT_PID), ``lose_node`` (the node's
 machine is gone: SIGKILL the agent, delete its flash-checkpoint shared memory, SIGKILL
-itself), ``collective_fail`` (the node
+itself), ``kill_master`` (SIGKILL the job's master: the pid in the `dlrover submit` record of
+DLROVER_JOB_NAME under DLROVER_HOME; `dlrover submit` starts it again on its state),
+``fill_disk`` (fill the filesystem of ``path`` with a file until ENOSPC, and remove the file
+``seconds`` later, default 5, from a process of its own: the fault outlives a killed worker;
+only on a small filesystem made for it), ``collective_fail`` (the node
 check's collective test fails on that node: give ``node``), ``oom`` (allocate and touch memory
 in 64 MiB chunks until the kernel's OOM killer ends the process: run it under a memory limit),
 ``pending`` (a replacement node, of slot ``node`` or of any, waits before it registers until
@@ -44,12 +48,15 @@ _EXTRA_KEYS = {
     "exit": frozenset({"code"}),
     "slow": frozenset({"factor"}),
     "hang": frozenset({"seconds"}),
+    "fill_disk": frozenset({"path", "seconds"}),
 }
 
 
 class FaultKind(Enum):
     """What a fault does: kill (SIGKILL itself), raise (InjectedFault), hang, slow, exit
-    (``os._exit``) or kill_agent (SIGKILL the agent)."""
+    (``os._exit``), kill_agent (SIGKILL the agent), lose_node, kill_master (SIGKILL the job's
+    master), fill_disk (fill a filesystem for a while), collective_fail (the node check's
+    collective), oom or pending (a replacement node waits for a file)."""
 
     KILL = "kill"
     RAISE = "raise"
@@ -58,6 +65,8 @@ class FaultKind(Enum):
     EXIT = "exit"
     KILL_AGENT = "kill_agent"
     LOSE_NODE = "lose_node"
+    KILL_MASTER = "kill_master"
+    FILL_DISK = "fill_disk"
     COLLECTIVE_FAIL = "collective_fail"
     OOM = "oom"
     PENDING = "pending"
@@ -87,6 +96,8 @@ class Fault:
     """The node slot it is meant for (first attempt only); None: every node."""
     until: str = ""
     """For pending: the file whose creation releases the node."""
+    path: str = ""
+    """For fill_disk: a folder on the filesystem to fill."""
 
     def claim(self) -> bool:
         """True if the fault may fire now; with `once`, only the first claim anywhere succeeds."""
@@ -164,6 +175,8 @@ def parse_fault(item: str) -> Fault:
         raise FaultSpecError(f"{item!r}: collective_fail needs node=N")
     if kind is FaultKind.PENDING and not values.get("until"):
         raise FaultSpecError(f"{item!r}: pending needs until=PATH")
+    if kind is FaultKind.FILL_DISK and not values.get("path"):
+        raise FaultSpecError(f"{item!r}: fill_disk needs path=DIR (on the filesystem to fill)")
     if kind is FaultKind.SLOW and "factor" not in values:
         raise FaultSpecError(f"{item!r}: slow needs factor=X (X >= 1)")
     restart = values.get("restart", "0")
@@ -178,6 +191,7 @@ def parse_fault(item: str) -> Fault:
         once=values.get("once", ""),
         node=_int(item, "node", values["node"], 0) if "node" in values else None,
         until=values.get("until", ""),
+        path=values.get("path", ""),
     )
 
 

@@ -4,6 +4,8 @@ master process); its workers are real processes."""
 from __future__ import annotations
 
 import sys
+import threading
+import time
 
 from dlrover.agent.agent import ElasticAgent
 from dlrover.agent.config import AgentConfig
@@ -41,5 +43,61 @@ def test_one_step_per_round_restarts_then_succeeds():
         assert result is not None and result.exit_code == 0
         assert agent.state is WorkerGroupState.SUCCEEDED
         assert job.state is JobState.SUCCEEDED
+    finally:
+        agent.close()
+
+
+# The first attempt raises when the world re-forms under it (SIGTERM), the next at once: the
+# same user error both times, at the same place.
+RAISES_AS_IT_REFORMS = """
+import os, signal, sys, time
+def bad(*_):
+    raise ValueError("bad learning rate")
+if os.environ["DLROVER_RDZV_ROUND"] == "1":
+    signal.signal(signal.SIGTERM, bad)
+    open(sys.argv[1], "w").close()
+    while True:
+        time.sleep(1)
+bad()
+"""
+
+
+def test_a_user_error_raised_as_the_world_reforms_counts_toward_failing_fast(tmp_path):
+    """Found by benchmarks/fault_campaign.py (seed 2, job 3): a rank raised at the step where
+    another node was lost; the agent re-formed without judging it, so the error was raised
+    three times before the job failed fast. Now the re-form's own failures are remembered."""
+    job = JobMaster(JobMasterConfig(job_name="reform"), MemoryStateStore())
+    ready, script = tmp_path / "ready", tmp_path / "train.py"
+    script.write_text(RAISES_AS_IT_REFORMS)
+    config = AgentConfig(
+        # As dlrover-run starts a script: the bootstrap writes each rank's error file.
+        entrypoint=[sys.executable, "-u", "-m", "dlrover.agent.bootstrap", str(script), str(ready)],
+        nproc_per_node=1,
+        min_nodes=1,
+        max_nodes=2,
+        max_restarts=3,
+        fast_restart=False,
+        flash_checkpoint=False,
+        hang_warning_timeout_s=0,
+        monitor_interval_s=0.05,
+    )
+    agent = ElasticAgent(config, LocalMasterApi(job), "127.0.0.1:1", "token")
+    agent.start()
+    stepped: list[object] = []
+    try:
+        worker = threading.Thread(target=lambda: stepped.append(agent.step()), daemon=True)
+        worker.start()
+        deadline = time.monotonic() + 60
+        while not ready.exists():  # the worker's file is the only sign it is up
+            assert time.monotonic() < deadline and worker.is_alive(), "the worker never started"
+            time.sleep(0.05)
+        job.register("b", "127.0.0.1", "worker", 1, -1, 1, None)  # a node joins: re-form
+        job.join("b", 0, 1, "127.0.0.1", 1)
+        worker.join(60)
+        assert stepped == [None] and agent.restart_count == 0  # re-formed, no restart used
+        result = agent.step()  # round 2: the same error at once
+        assert result is not None and result.exit_code != 0, agent.state
+        assert "same user error twice in a row (ValueError" in result.reason
+        assert job.state is JobState.FAILED
     finally:
         agent.close()

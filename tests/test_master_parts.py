@@ -159,3 +159,39 @@ def test_a_runtime_straggler_the_job_keeps_is_recorded() -> None:
         "none",
     )
     assert "runtime score 0.25 of the fastest node in 3 reports" in record.root_cause
+
+
+@pytest.mark.parametrize("order", ["succeeded, then restarted", "restarted, then succeeded"])
+def test_a_round_no_one_can_join_after_others_succeeded_fails_the_job(order: str) -> None:
+    """A node restarting its workers (a hang) after the other node's workers exited 0 waits for
+    a round the succeeded node never joins: the job fails saying so instead of waiting."""
+    job = _running_pair([0.0])
+    if order.startswith("succeeded"):
+        assert not job.report_node_status("a", 1, "succeeded", 0, "")
+        assert not job.ended.is_set()  # b may still succeed
+        job.join("b", 0, 1, "h", 1)
+    else:
+        job.join("b", 0, 1, "h", 1)
+        assert not job.ended.is_set()  # a may still re-form with it
+        job.report_node_status("a", 1, "succeeded", 0, "")
+    assert job.ended.is_set() and job.state.value == "failed" and job.exit_code == 1
+    assert job.reason.startswith(
+        "rendezvous round 2 can never form: b restarted its workers after a succeeded"
+    )
+    assert "it needs 2 nodes of which 1 can join" in job.reason
+
+
+def test_a_round_the_alive_nodes_can_fill_is_waited_for_after_a_node_succeeded() -> None:
+    """With min 1 the restarted node forms a round alone; a replacement on its way may fill it."""
+    job = JobMaster(
+        JobMasterConfig("parts", RendezvousConfig(1, 2), heartbeat_timeout_s=10.0),
+        MemoryStateStore(),
+        clock=lambda: 0.0,
+    )
+    for node in ("a", "b"):
+        job.register(node, "h", "worker", 1, -1, 1, None)
+        job.join(node, 0, 1, "h", 1)
+    assert job.get_world("a", 0) is not None
+    job.report_node_status("a", 1, "succeeded", 0, "")
+    job.join("b", 0, 1, "h", 1)
+    assert not job.ended.is_set()

@@ -302,7 +302,28 @@ class ElasticAgent:
             return RunResult(EXIT_MASTER_LOST, why)
         if outcome is Outcome.MEMBERSHIP:
             logger.info("membership changed: re-forming the world (no restart used)")
-            group.stop(cfg.stop_grace_s)
+            stopping_at = time.time()
+            exits = monitor.stop_and_collect_failures()
+            if self._plan is not None:
+                # A user error raised as the world re-forms (a node lost at the same step)
+                # still counts toward failing fast: else the same error is seen once more. A
+                # rank whose error file predates the stop failed by itself, even if our SIGTERM
+                # ended its teardown.
+                for rank, path in self._plan.error_files.items():
+                    if rank not in exits and _written_before(path, stopping_at):
+                        exits[rank] = 1
+            if exits and self._plan is not None:
+                seen = judge(
+                    exits,
+                    self._plan.error_files,
+                    monitor.hung,
+                    self.restart_count,
+                    cfg.max_restarts,
+                    self._history,
+                    self.node_id,
+                )
+                if seen.signature is not None:
+                    self._history.append(seen.signature)
             self._set_state(WorkerGroupState.RESTARTING)
             return None
         # A worker failed or hung: the policy decides between a restart and failing fast.
@@ -577,3 +598,11 @@ def install_signal_handlers() -> None:
     signal.signal(signal.SIGINT, handler)
     if sys.platform != "win32":
         signal.signal(signal.SIGHUP, handler)
+
+
+def _written_before(path: str, moment: float) -> bool:
+    """Whether the file at ``path`` exists and was last written before ``moment`` (epoch s)."""
+    try:
+        return os.path.getmtime(path) < moment
+    except OSError:
+        return False

@@ -320,8 +320,17 @@ class JobMaster:
     ) -> int:
         """Put the node into the next rendezvous round and return its number; a running or lost
         node goes back to PENDING, and shards its workers held go back to the queues. Raises
-        NodeError for a stale incarnation, RendezvousError once the job has ended."""
-        return self.members.join(node_id, incarnation, local_world_size, store_host, store_port)
+        NodeError for a stale incarnation, RendezvousError once the job has ended; a round that
+        can never close (`Membership.unformable`) fails the job."""
+        round = self.members.join(node_id, incarnation, local_world_size, store_host, store_port)
+        self._fail_if_unformable()
+        return round
+
+    def _fail_if_unformable(self) -> None:
+        with self._lock:
+            why = self.members.unformable()
+            if why:
+                self._fail(why, 1)
 
     def close_deadline(self) -> float | None:
         """When the waiting round's last call ends (master clock), or None if none is due."""
@@ -462,6 +471,7 @@ class JobMaster:
             if status == "succeeded":
                 self.nodes.set_state(node_id, NodeState.SUCCEEDED, reason or "workers succeeded")
                 self._check_success()
+                self._fail_if_unformable()
             elif status == "failed":
                 self.nodes.set_state(node_id, NodeState.FAILED, reason or "workers failed")
                 self.nodes.set_exit_code(node_id, exit_code)
@@ -539,6 +549,7 @@ class JobMaster:
                 self._fail("every node was lost", 1)
             elif not self.ended.is_set() and self.state == JobState.RUNNING:
                 self._check_success()
+                self._fail_if_unformable()
         # Last, each on its own: an exporter's failure (a full disk) must not skip the job's work.
         for hook in list(self._tick_hooks):
             try:

@@ -191,6 +191,30 @@ class Membership:
         with self._lock:
             return bool(self._expected)
 
+    def unformable(self) -> str:
+        """Why the waiting rendezvous round can never close, or "" while it may: after nodes
+        succeeded (their workers exited 0; their agents only wait for the job's end and never
+        join again), a node that restarted its workers waits for a round that fewer than min
+        nodes can join (the alive ones and replacements on their way)."""
+        rdzv = self.rendezvous
+        # The counts first (O(1)): this runs on every join of a large first rendezvous.
+        if rdzv is None or self.nodes.count(NodeState.SUCCEEDED) == 0 or self.expecting():
+            return ""
+        waiting = rdzv.waiting()
+        if not waiting:
+            return ""
+        nodes = self.nodes.all()
+        succeeded = sorted(n.node_id for n in nodes if n.state == NodeState.SUCCEEDED)
+        could_join = sum(n.state in ALIVE_STATES for n in nodes)
+        if not succeeded or could_join >= rdzv.config.min_nodes:
+            return ""
+        return (
+            f"rendezvous round {rdzv.round + 1} can never form: {', '.join(waiting)} restarted "
+            f"its workers after {', '.join(succeeded)} succeeded (their workers exited 0 and do "
+            f"not join again), and it needs {rdzv.config.min_nodes} nodes of which {could_join} "
+            f"can join; the restart's cause is in `dlrover diagnose`"
+        )
+
     def exclude(self, node_id: str) -> None:
         """``node_id`` may not register again (replaced as a straggler)."""
         with self._lock:

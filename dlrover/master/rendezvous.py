@@ -223,6 +223,11 @@ class RendezvousManager:
                 return None
             return self._last_join + self.config.last_call_timeout_s
 
+    def waiting(self) -> list[str]:
+        """The nodes waiting for the next round, sorted."""
+        with self._lock:
+            return sorted(self._waiting)
+
     def is_waiting(self, node_id: str) -> bool:
         """Whether the node waits for the next round."""
         with self._lock:

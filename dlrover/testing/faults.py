@@ -2,14 +2,16 @@
 
 The syntax of DLROVER_FAULTS and its parser live in `dlrover.faults` (the agent's node check
 reads it too); this module is what runs them: kill, raise, hang, slow, exit, kill_agent,
-lose_node, oom.
+lose_node, kill_master, fill_disk, oom.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -17,7 +19,7 @@ from collections.abc import Callable, Mapping
 from dlrover import worker_context
 from dlrover.checkpoint.config import DEFAULT_SHM_DIR
 from dlrover.checkpoint.leftovers import parse as parse_owned
-from dlrover.constants import ENV_NODE_ID
+from dlrover.constants import ENV_JOB_NAME, ENV_NODE_ID, ENV_NODE_MEMORY_LIMIT_MIB
 from dlrover.faults import (
     ENV_AGENT_PID,
     ENV_FAULTS,
@@ -29,6 +31,7 @@ from dlrover.faults import (
     parse_fault,
     parse_faults,
 )
+from dlrover.runner.records import NoSuchJobError, read_record
 
 __all__ = [
     "ENV_AGENT_PID",
@@ -47,7 +50,8 @@ __all__ = [
 ]
 
 OOM_MAX_BYTES = 64 << 30
-"""The oom fault gives up (MemoryError) after this much without being killed."""
+"""The oom fault gives up (MemoryError) after this much without being killed (after twice
+the node's memory limit where the engine set one, DLROVER_NODE_MEMORY_LIMIT_MIB)."""
 
 
 class InjectedFault(RuntimeError):
@@ -151,20 +155,78 @@ class FaultInjector:
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(os.path.join(DEFAULT_SHM_DIR, name))
             os.kill(os.getpid(), signal.SIGKILL)
+        elif fault.kind is FaultKind.KILL_MASTER:
+            os.kill(_master_pid(), signal.SIGKILL)
+        elif fault.kind is FaultKind.FILL_DISK:
+            fill_disk(fault.path, DEFAULT_FILL_S if fault.seconds is None else fault.seconds)
         elif fault.kind is FaultKind.OOM:
             hog = []
             chunk = 64 << 20
-            for _ in range(OOM_MAX_BYTES // chunk):  # bounded: no limit means no OOM kill
+            limit = os.environ.get(ENV_NODE_MEMORY_LIMIT_MIB, "")
+            # Bounded: no limit means no OOM kill, and an unkilled hog must not take the host.
+            most = min(OOM_MAX_BYTES, 2 * int(limit) << 20) if limit.isdigit() else OOM_MAX_BYTES
+            for _ in range(most // chunk):
                 block = bytearray(chunk)
                 block[::4096] = b"\x01" * (chunk // 4096)  # touch every page
                 hog.append(block)
-            raise MemoryError(f"oom fault: {OOM_MAX_BYTES >> 30} GiB allocated and no OOM kill")
+            raise MemoryError(f"oom fault: {most >> 20} MiB allocated and no OOM kill")
         elif fault.kind is FaultKind.HANG:
             if fault.seconds is not None:
                 self._sleep(fault.seconds)
                 return
             while True:  # until the agent's hang detection (or the test) kills us
                 self._sleep(3600)
+
+
+DEFAULT_FILL_S = 5.0
+"""How long fill_disk keeps the filesystem full when the fault gives no ``seconds``."""
+
+_REMOVE_LATER = "import os, sys, time\ntime.sleep(float(sys.argv[1]))\nos.unlink(sys.argv[2])\n"
+
+
+def fill_disk(folder: str, seconds: float) -> str:
+    """Fill the filesystem of ``folder`` with one file until ENOSPC, and have a process of its
+    own (it outlives this one, which may be killed meanwhile) remove the file ``seconds``
+    later. Returns the file's path."""
+    path = os.path.join(folder, f".dlrover-fill-{os.getpid()}")
+    chunk = b"\0" * (1 << 20)
+    with open(path, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(chunk)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                os.unlink(path)
+                raise
+        with contextlib.suppress(OSError):  # the last pages that fit (at most a chunk)
+            for _ in range(len(chunk) // 4096):
+                f.write(chunk[:4096])
+    # Detached, and holding none of this process's pipes: a reader waiting for their end
+    # (a launcher, a test) must not wait for it.
+    subprocess.Popen(
+        [sys.executable, "-c", _REMOVE_LATER, str(seconds), path],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    return path
+
+
+def _master_pid() -> int:
+    """The pid of this job's master from its `dlrover submit` record (DLROVER_JOB_NAME under
+    DLROVER_HOME); FaultSpecError where there is none (a job not started by `dlrover submit`)."""
+    name = os.environ.get(ENV_JOB_NAME, "")
+    try:
+        record = read_record(name) if name else None
+    except NoSuchJobError as exc:
+        raise FaultSpecError(f"kill_master needs a job of `dlrover submit`: {exc}") from None
+    if record is None or record.ended or record.pid <= 0:
+        raise FaultSpecError(
+            f"kill_master needs the running master of a `dlrover submit` job ({ENV_JOB_NAME}="
+            f"{name!r} names {'no job' if record is None else 'an ended one'})"
+        )
+    return record.pid
 
 
 def maybe_inject(step: int, cache: dict[str, FaultInjector] | None = None) -> None:

@@ -177,3 +177,26 @@ def test_worker_failure_releases_a_persist_waiting_for_a_dead_rank(
             assert not (tmp_path / "ckpt" / "latest").exists()
         finally:
             rank0.close()
+
+
+def test_a_failed_persist_does_not_fail_the_wait_for_a_later_step_that_committed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk for a while (the fault campaign's disk_full) fails one persist, said for its
+    step; once there is room the next commits, and waiting for it succeeds (the agent's saver
+    outlives the failure: it must not hold it against later steps)."""
+    ckpt = tmp_path / "ckpt"
+    with running_saver(tmp_path) as saver:
+        monkeypatch.setenv(ENV_CHECKPOINT_SOCKET, saver.socket_path)
+        engine = CheckpointEngine(str(ckpt), "plain", placement=WorkerPlacement(0, 0, 1, 1, 0, 0))
+        try:
+            (ckpt / "step_10").write_text("a file where the step directory goes")
+            assert engine.save(10, {"w": torch.ones(4)}, persist=True)
+            with pytest.raises(CheckpointStorageError, match="step 10: .*still in memory"):
+                engine.wait_persisted(60)
+            (ckpt / "step_10").unlink()  # the disk has room again
+            assert engine.save(11, {"w": torch.full((4,), 2.0)}, persist=True)
+            assert engine.wait_persisted(60)
+            assert (ckpt / "latest").read_text() == "11"
+        finally:
+            engine.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import threading
@@ -273,3 +274,37 @@ def test_paused_node_is_lost_then_comes_back_and_the_model_is_unchanged(tmp_path
         master.close()
     assert final(out) == final(ref)
     assert [s for s, _, _ in steps_log(out)] == list(range(1, 31))
+
+
+@pytest.mark.slow
+def test_a_rank_hung_after_the_other_node_succeeded_fails_the_job_instead_of_waiting(
+    tmp_path: Path,
+):
+    """Node 1's rank hangs after its last step, node 0's returns and its node succeeds; the
+    hang restart puts node 1 into a round that node 0 never joins. The job used to wait there
+    until stopped (found by benchmarks/fault_campaign.py); now the master fails it, saying why,
+    and both agents exit."""
+    cmd = [
+        sys.executable, "-m", "dlrover.cli.job", "submit", "--name", "stall",
+        "--nnodes", "2", "--nproc-per-node", "1", "--hang-timeout", "2",
+        str(SCRIPTS / "hang_after_peers.py"),
+    ]  # fmt: skip
+    r = subprocess.run(
+        cmd,
+        env=clean_env(DLROVER_HOME=str(tmp_path / "home")),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,  # the exit barrier alone would hold node 0 for 300 s
+    )
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "hang -> restart_processes: rank 1 hung" in r.stderr
+    # Rank 1 is on whichever node joined second.
+    said = re.search(
+        r"job stall failed: rendezvous round 2 can never form: (stall-worker-\d-0) restarted "
+        r"its workers after (stall-worker-\d-0) succeeded .* it needs 2 nodes of which 1 can join",
+        r.stderr,
+    )
+    assert said is not None and said[1] != said[2], r.stderr[-3000:]
+    nodes = tmp_path / "home" / "jobs" / "stall" / "nodes"
+    assert sorted(p.name for p in nodes.iterdir()) == ["stall-worker-0-0", "stall-worker-1-0"]

@@ -42,7 +42,7 @@ def test_parse_every_kind() -> None:
     faults = parse_faults(
         "kill:rank=1:step=5:restart=0; raise:rank=0:step=3:restart=*;"
         "hang:rank=1:step=4:seconds=0.5;slow:rank=1:factor=3;exit:step=2:code=7;"
-        "kill_agent:rank=0:step=9:restart=2;"
+        "kill_agent:rank=0:step=9:restart=2;kill_master:step=4:restart=*;"
     )
     assert faults == (
         Fault(FaultKind.KILL, step=5, rank=1, restart=0),
@@ -51,6 +51,7 @@ def test_parse_every_kind() -> None:
         Fault(FaultKind.SLOW, step=0, rank=1, factor=3.0),
         Fault(FaultKind.EXIT, step=2, code=7),
         Fault(FaultKind.KILL_AGENT, step=9, rank=0, restart=2),
+        Fault(FaultKind.KILL_MASTER, step=4, restart=None),
     )
     assert parse_faults("") == ()
 
@@ -105,13 +106,14 @@ def test_slow_sleeps_factor_minus_one_step_times() -> None:
     assert slept == [2.0, 2.0, 2.0]  # steps 2, 3, 4; the injected sleep is not counted as work
 
 
-def _run(faults: str, rank: int = 1, restart: int = 0, timeout: float = 30):  # type: ignore[no-untyped-def]
+def _run(faults: str, rank: int = 1, restart: int = 0, **extra: str):  # type: ignore[no-untyped-def]
     env = dict(
         os.environ,
         PYTHONPATH=str(REPO),
         DLROVER_FAULTS=faults,
         RANK=str(rank),
         TORCHELASTIC_RESTART_COUNT=str(restart),
+        **extra,
     )
     return subprocess.Popen(
         [sys.executable, "-c", LOOP],
@@ -179,3 +181,64 @@ def test_once_fires_a_fault_only_the_first_time_anywhere(tmp_path) -> None:
     [fault] = parse_faults(f"raise:step=2:once={marker}")
     assert fault.claim() and marker.exists()
     assert not fault.claim()  # a replacement worker with the same restart count does not repeat it
+
+
+def test_kill_master_sigkills_the_pid_of_the_jobs_submit_record(tmp_path: Path) -> None:
+    master = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        home = {"DLROVER_HOME": str(tmp_path), "DLROVER_JOB_NAME": "j"}
+        path = tmp_path / "jobs" / "j" / "job.json"
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps({"name": "j", "state": "running", "pid": master.pid}))
+        returncode, done, stderr = _finish(_run("kill_master:step=2", **home))
+        assert (returncode, len(done)) == (0, 8)  # the worker goes on; the master is gone
+        assert master.wait(10) == -signal.SIGKILL
+        assert "dlrover fault injection: kill_master rank 1 step 2" in stderr
+    finally:
+        master.kill()
+        master.wait(10)
+
+
+def test_kill_master_without_a_submit_record_says_what_it_needs(tmp_path: Path) -> None:
+    returncode, done, stderr = _finish(
+        _run("kill_master:step=2", DLROVER_HOME=str(tmp_path), DLROVER_JOB_NAME="absent")
+    )
+    assert (returncode, done[-1]) == (1, "done 1")
+    assert "kill_master needs a job of `dlrover submit`: no job named 'absent'" in stderr
+
+
+def _small_filesystem(where: Path, size: str) -> bool:
+    """A tmpfs of ``size`` mounted at ``where`` (root only); False where it cannot be made."""
+    where.mkdir()
+    made = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True
+    )
+    return made.returncode == 0
+
+
+def test_fill_disk_fills_the_filesystem_then_frees_it_from_a_process_of_its_own(
+    tmp_path: Path,
+) -> None:
+    small = tmp_path / "small"
+    if not _small_filesystem(small, "4m"):
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        proc = _run(f"fill_disk:rank=1:step=2:seconds=3:path={small}")
+        returncode, done, stderr = _finish(proc)
+        assert (returncode, len(done)) == (0, 8)  # the worker goes on; the disk is full
+        assert "dlrover fault injection: fill_disk rank 1 step 2" in stderr
+        [filler] = list(small.iterdir())
+        with pytest.raises(OSError, match="No space left on device"):
+            (small / "one-more").write_bytes(b"\0" * 8192)
+        deadline = time.monotonic() + 30
+        while filler.exists():  # removed by a detached process: nothing to wait on but the file
+            assert time.monotonic() < deadline, "the filler was never removed"
+            time.sleep(0.05)
+        (small / "one-more").write_bytes(b"\0" * 8192)  # room again
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=False)
+
+
+def test_fill_disk_needs_a_path() -> None:
+    with pytest.raises(FaultSpecError, match="fill_disk needs path=DIR"):
+        parse_faults("fill_disk:step=2")

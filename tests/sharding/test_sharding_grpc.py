@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
 
-from dlrover.client.master_client import MasterClient, MasterRequestError
+from dlrover.client.master_client import MasterClient, MasterRequestError, MasterUnreachableError
 from dlrover.client.sharding import GrpcShardingTransport
 from dlrover.client.sharding_transport import ShardingTransport
 from dlrover.constants import TOKEN_METADATA_KEY
@@ -166,3 +169,56 @@ def test_a_restarted_master_keeps_what_changing_calls_saved() -> None:
         assert (progress.leased, progress.done_shards) == (2, 1)
     finally:
         second.stop(0.1)
+
+
+def test_a_call_made_while_the_master_restarts_is_answered_by_the_restarted_one(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A worker's mark during a master restart (the fault campaign's master_kill: the worker
+    failed with MasterUnreachableError) waits for the master that comes back on the same port
+    and state, instead of failing the worker."""
+    store = MemoryStateStore()
+    spec = DatasetSpec("d", size=100, shard_size=10)
+    first = start_server(store)
+    port = first.port
+    transport = GrpcShardingTransport(master_client(first))
+    transport.register_dataset(spec)
+    [shard] = transport.fetch_shards("d", "n0/0", 1).shards
+    first.stop(0.1)
+    caplog.set_level(logging.WARNING, "dlrover.api.retry")
+    done = threading.Event()
+    failed: list[BaseException] = []
+
+    def mark() -> None:
+        try:
+            transport.mark_consumption("d", "n0/0", ConsumptionMark(0, 0, shard.id, 0))
+        except BaseException as exc:  # reaches the assertion below
+            failed.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=mark, daemon=True).start()
+    deadline = time.monotonic() + 30
+    while "sharding call MarkConsumption: the master does not answer" not in caplog.text:
+        assert not done.is_set(), failed  # it must wait, not fail
+        assert time.monotonic() < deadline, "the mark never found the master gone"
+        time.sleep(0.02)  # the warning is logged by the caller's thread: nothing to await
+    job = JobMaster(JobMasterConfig(job_name="t"), store)
+    second = MasterServer(job, TOKEN, "127.0.0.1", port).start()
+    try:
+        assert done.wait(30) and not failed, failed
+        transport.report_done("d", "n0/0", [shard.id])  # the restarted master has its lease
+        assert transport.dataset_progress("d").done_shards == 1
+    finally:
+        second.stop(0.1)
+
+
+def test_a_master_gone_past_the_reconnect_window_is_a_clear_error() -> None:
+    first = start_server()
+    transport = GrpcShardingTransport(master_client(first), reconnect_s=1.0)
+    transport.register_dataset(DatasetSpec("d", size=100, shard_size=10))
+    first.stop(0.1)
+    started = time.monotonic()
+    with pytest.raises(MasterUnreachableError, match="master at 127.0.0.1.* did not answer"):
+        transport.get_position("d")
+    assert time.monotonic() - started < 30
