@@ -62,7 +62,7 @@ class AgentConfig:
     zygote_delay_s: float = 0.0
     """Start the zygote this long after the first workers (or at their first reported step).
     Its imports run at idle CPU priority, so starting it at once does not slow the first start."""
-    zygote_wait_s: float = 3.0
+    zygote_wait_s: float = c.DEFAULT_ZYGOTE_WAIT_S
     """At a restart, how long to wait for a zygote still importing before starting afresh
     (a fresh start costs the imports again, so waiting longer than that gains nothing)."""
     flash_checkpoint: bool = True

@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 
+from dlrover import constants as c
 from dlrover.agent.bootstrap import BootstrapError, die_with_parent, enable_stack_dumps, run_target
 from dlrover.agent.zygote_messages import (
     FDS_MARKER,
@@ -44,6 +45,7 @@ from dlrover.agent.zygote_messages import (
     decode_request,
     encode_event,
 )
+from dlrover.envvars import number_from_env
 from dlrover.json_messages import MessageError
 
 _MAX_FDS = 16
@@ -275,7 +277,8 @@ def run_child(spec: SpawnRequest, fds: list[int]) -> None:
 
 
 def preload_at_idle_priority(modules: list[str]) -> None:
-    """Import `modules` in a helper thread running at the lowest CPU priority (nice 19).
+    """Import `modules` in a helper thread running at the lowest CPU priority (nice 19, or
+    DLROVER_ZYGOTE_NICE).
 
     The zygote starts together with the first workers; at nice 19 its imports take only the CPU
     the workers leave idle, so the first start is not slowed, and the zygote is ready early for
@@ -290,14 +293,17 @@ def preload_at_idle_priority(modules: list[str]) -> None:
     zygote therefore also takes a session of its own and sets that group's nice to 19. A forked
     worker starts a new session, whose group has the normal weight again.
     """
+    nice = int(number_from_env(c.ENV_ZYGOTE_NICE, c.DEFAULT_ZYGOTE_NICE, "a nice value, 0-19"))
+    if nice > 19:
+        raise ValueError(f"{c.ENV_ZYGOTE_NICE}={nice}: give a nice value, 0-19")
     if sys.platform.startswith("linux"):
-        _own_session_at_lowest_weight()
+        _own_session_at_lowest_weight(nice)
     failure: list[BaseException] = []
 
     def work() -> None:
         try:
             if sys.platform.startswith("linux"):
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
             for module in modules:
                 importlib.import_module(module)
         except BaseException as exc:  # re-raised in the main thread
@@ -310,14 +316,14 @@ def preload_at_idle_priority(modules: list[str]) -> None:
         raise failure[0]
 
 
-def _own_session_at_lowest_weight() -> None:
+def _own_session_at_lowest_weight(nice: int) -> None:
     try:
         os.setsid()
     except OSError:  # already a session leader
         pass
     try:
         with open("/proc/self/autogroup", "w") as f:
-            f.write("19")
+            f.write(str(nice))
     except OSError:  # no autogroup scheduling here: the thread's nice value is what counts
         pass
 

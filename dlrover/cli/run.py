@@ -18,6 +18,7 @@ from dlrover.agent.config import AgentConfig
 from dlrover.agent.workers import STD_ALL
 from dlrover.cli.common import parse_nnodes, parse_std_spec, setup_logging
 from dlrover.client.master_client import MasterClient, MasterClientError
+from dlrover.envvars import number_from_env
 from dlrover.master.assembly import MasterSettings, RunningMaster, build_master
 from dlrover.master.server import MasterServerError, job_name_for_token, new_token
 from dlrover.master.tensorboard import TensorBoardError
@@ -390,6 +391,9 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         node_check=args.node_check,
         exclude_straggler=args.exclude_straggler,
         straggler_ratio=args.straggler_ratio,
+        zygote_wait_s=number_from_env(
+            c.ENV_ZYGOTE_WAIT_S, c.DEFAULT_ZYGOTE_WAIT_S, "a number of seconds"
+        ),
     )
 
 

@@ -35,6 +35,7 @@ def _run(tmp_path: Path, seed: int) -> tuple[str, str]:
         KILL_STEP=str(rng.randint(1, EPOCHS * STEPS_PER_EPOCH - 2)),
         CONSOLE_FILE=str(console),
         OMP_NUM_THREADS="1",
+        DLROVER_ZYGOTE_NICE="0",  # ready while the machine is busy (tests run in parallel)
     )
     args = ["--epochs", str(EPOCHS), "--snapshot", str(snapshot)]
     if seed % 2:
