@@ -32,6 +32,7 @@ import os
 import re
 import signal
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -289,14 +290,27 @@ def make_throttle(kind: str | None = None) -> Throttle:
     return StopCycleThrottle()
 
 
-def _remove(d: Path) -> None:
-    """Remove a throttle cgroup, moving what still runs in it up to the parent first."""
-    with contextlib.suppress(OSError):
-        for pid in (d / "cgroup.procs").read_text().split():
-            with contextlib.suppress(OSError):
-                (d.parent / "cgroup.procs").write_text(pid)
-    with contextlib.suppress(OSError):
-        d.rmdir()
+def _remove(d: Path, deadline_s: float = 2.0) -> None:
+    """Remove a throttle cgroup, moving what still runs in it up to the parent first. A worker
+    that is still exiting (an OOM-killed one freeing its memory) cannot be moved and keeps the
+    cgroup busy: it is asked again until ``deadline_s`` (an agent leaving right after such a
+    kill left its cgroup behind for the next agent's sweep)."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        with contextlib.suppress(OSError):
+            for pid in (d / "cgroup.procs").read_text().split():
+                with contextlib.suppress(OSError):
+                    (d.parent / "cgroup.procs").write_text(pid)
+        try:
+            d.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            if time.monotonic() >= deadline:
+                logger.warning("could not remove the throttle cgroup %s: still busy", d)
+                return
+        time.sleep(0.05)  # the kernel frees a cgroup once its last task has exited
 
 
 def sweep(root: Path = CGROUP_ROOT) -> int:
