@@ -10,6 +10,7 @@ import importlib.util
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -29,48 +30,49 @@ pytestmark = [
 EXAMPLE = REPO / "examples" / "tf_ps" / "wide_deep.py"
 
 
+def _submit(
+    tmp_path: Path, name: str, args: list[str], roles: dict[str, Any], **env: str
+) -> tuple[Path, str]:
+    """`dlrover submit` the example as job ``name`` with ``auto_scale``; asserts it ended 0 and
+    every sample was trained once; returns its DLROVER_HOME and its final `dlrover status`."""
+    out = tmp_path / name
+    spec = {
+        "name": name,
+        "distribution_strategy": "ParameterServerStrategy",
+        "entrypoint": str(EXAMPLE),
+        "args": ["--out", str(out), *args],
+        "roles": roles,
+        "auto_scale": True,
+    }
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(json.dumps(spec))
+    home = tmp_path / "home"
+    submitted = dlrover_cli(home, "submit", str(path), timeout=300, **env)
+    assert submitted.returncode == 0, submitted.stderr[-4000:]
+    with np.load(out / "model.npz") as model:
+        assert (model["seen"] == 1).all(), np.flatnonzero(model["seen"] != 1)[:20]
+    return home, dlrover_cli(home, "status", name).stdout
+
+
 def test_a_job_started_with_one_worker_adds_one_while_it_raises_samples_per_second(
     tmp_path: Path,
 ) -> None:
-    out = tmp_path / "scaled"
     limit = {"resources": {"memory": "2Gi"}}  # sized: nothing to measure before scaling
-    spec = {
-        "name": "scaled",
-        "distribution_strategy": "ParameterServerStrategy",
-        "entrypoint": str(EXAMPLE),
-        # 0.1 s of worker time per batch of 200: one worker trains ~2,000 samples/s, two ~4,000.
-        "args": [
-            "--out",
-            str(out),
-            "--step-time",
-            "0.1",
-            "--shard-size",
-            "1000",
-            "--checkpoint-every",
-            "1",
-        ],  # fmt: skip
-        "roles": {"chief": limit, "ps": limit, "worker": {"count": 1, "max_count": 2, **limit}},
-        "auto_scale": True,
-    }
-    path = tmp_path / "scaled.yaml"
-    path.write_text(json.dumps(spec))
-    home = tmp_path / "home"
-    submitted = dlrover_cli(
-        home,
-        "submit",
-        str(path),
-        timeout=300,
+    # 0.1 s of worker time per batch of 200: one worker trains ~2,000 samples/s, two ~4,000.
+    args = ["--step-time", "0.1", "--shard-size", "1000", "--checkpoint-every", "1"]
+    roles = {"chief": limit, "ps": limit, "worker": {"count": 1, "max_count": 2, **limit}}
+    _, final = _submit(
+        tmp_path,
+        "scaled",
+        args,
+        roles,
         DLROVER_AUTOSCALE_INTERVAL_S="1",
         DLROVER_AUTOSCALE_WINDOW_S="2",
         DLROVER_AUTOSCALE_COOLDOWN_S="0",
     )
-    assert submitted.returncode == 0, submitted.stderr[-4000:]
-    with np.load(out / "model.npz") as model:
-        assert (model["seen"] == 1).all(), np.flatnonzero(model["seen"] != 1)[:20]
-    report = json.loads((out / "report.json").read_text())
+    report = json.loads((tmp_path / "scaled" / "report.json").read_text())
     assert report["workers"] == 2 and report["eval_loss"] < 0.55, report
     assert [r["what"] for r in report["recoveries"]] == ["worker 1 -> 2"], report["recoveries"]
-    final = dlrover_cli(home, "status", "scaled").stdout
     assert re.search(r"scale_out worker 1 -> 2: first step from MIN", final), final
     assert re.search(r"^scaled-worker-1-0 +worker +1 ", final, re.M), final
 
@@ -78,35 +80,21 @@ def test_a_job_started_with_one_worker_adds_one_while_it_raises_samples_per_seco
 def test_a_hot_ps_of_a_skewed_table_is_named_and_a_third_ps_splits_its_part(
     tmp_path: Path,
 ) -> None:
-    out = tmp_path / "hot"
     limit = {"resources": {"memory": "2Gi"}}
-    spec = {
-        "name": "hot",
-        "distribution_strategy": "ParameterServerStrategy",
-        "entrypoint": str(EXAMPLE),
-        # Every row in the first half of a wide table: the ps holding it serves all lookups.
-        "args": ["--out", str(out), "--size", "120000", "--skew", "--dim", "1024"],
-        "roles": {"chief": limit, "ps": {"count": 2, "max_count": 3, **limit}, "worker": limit},
-        "auto_scale": True,
-    }
-    path = tmp_path / "hot.yaml"
-    path.write_text(json.dumps(spec))
-    home = tmp_path / "home"
-    submitted = dlrover_cli(
-        home,
-        "submit",
-        str(path),
-        timeout=300,
+    # Every row in the first half of a wide table: the ps holding it serves all lookups.
+    args = ["--size", "120000", "--skew", "--dim", "1024"]
+    roles = {"chief": limit, "ps": {"count": 2, "max_count": 3, **limit}, "worker": limit}
+    home, final = _submit(
+        tmp_path,
+        "hot",
+        args,
+        roles,
         DLROVER_AUTOSCALE_INTERVAL_S="2",
         DLROVER_TF_USAGE_INTERVAL_S="1",
     )
-    assert submitted.returncode == 0, submitted.stderr[-4000:]
-    with np.load(out / "model.npz") as model:
-        assert (model["seen"] == 1).all(), np.flatnonzero(model["seen"] != 1)[:20]
-    report = json.loads((out / "report.json").read_text())
+    report = json.loads((tmp_path / "hot" / "report.json").read_text())
     assert report["ps"] == 3 and report["eval_loss"] < 0.55, report
     assert [r["what"] for r in report["recoveries"]] == ["ps 2 -> 3"], report["recoveries"]
-    final = dlrover_cli(home, "status", "hot").stdout
     assert re.search(r"scale_out ps 2 -> 3: ps \d \(hot-ps-\d-0\) is hot: [\d.]+ cores", final), (
         final
     )
@@ -120,32 +108,18 @@ def test_a_hot_ps_of_a_skewed_table_is_named_and_a_third_ps_splits_its_part(
 def test_a_ps_whose_memory_creeps_to_its_limit_is_resized_before_any_oom_kill(
     tmp_path: Path,
 ) -> None:
-    out = tmp_path / "creep"
     limit = {"resources": {"memory": "2Gi"}}
-    spec = {
-        "name": "creep",
-        "distribution_strategy": "ParameterServerStrategy",
-        "entrypoint": str(EXAMPLE),
-        # 4 MiB more on the ps per shard: ~600 MiB at the start, past 810 (90%) within 60 shards.
-        "args": ["--out", str(out), "--size", "120000", "--grow-mb", "4", "--shard-delay", "0.2"],
-        "roles": {"chief": limit, "ps": {"resources": {"memory": "900Mi"}}, "worker": limit},
-        "auto_scale": True,
-    }
-    path = tmp_path / "creep.yaml"
-    path.write_text(json.dumps(spec))
-    home = tmp_path / "home"
-    submitted = dlrover_cli(
-        home,
-        "submit",
-        str(path),
-        timeout=300,
+    # 4 MiB more on the ps per shard: ~600 MiB at the start, past 810 (90%) within 60 shards.
+    args = ["--size", "120000", "--grow-mb", "4", "--shard-delay", "0.2"]
+    roles = {"chief": limit, "ps": {"resources": {"memory": "900Mi"}}, "worker": limit}
+    _, final = _submit(
+        tmp_path,
+        "creep",
+        args,
+        roles,
         DLROVER_AUTOSCALE_INTERVAL_S="1",
         DLROVER_TF_USAGE_INTERVAL_S="1",
     )
-    assert submitted.returncode == 0, submitted.stderr[-4000:]
-    with np.load(out / "model.npz") as model:
-        assert (model["seen"] == 1).all(), np.flatnonzero(model["seen"] != 1)[:20]
-    final = dlrover_cli(home, "status", "creep").stdout
     resized = re.search(
         r"resize ps: ps 0 \(creep-ps-0-0\) memory creeps to (\d+) of 900 MiB: (\d+) MiB", final
     )
@@ -153,5 +127,5 @@ def test_a_ps_whose_memory_creeps_to_its_limit_is_resized_before_any_oom_kill(
     row = re.search(r"^creep-ps-0-(\d+) +ps +0 +\S+ +-1 +\d+ +\d+ +\d+ +(\d+) ", final, re.M)
     assert row and int(row.group(1)) >= 1 and int(row.group(2)) > 900, final  # relaunched bigger
     assert "failures: none" in final, final  # no OOM kill
-    report = json.loads((out / "report.json").read_text())
+    report = json.loads((tmp_path / "creep" / "report.json").read_text())
     assert report["eval_loss"] < 0.55, report
