@@ -207,6 +207,22 @@ class ElasticAgent:
         self._start_saver(f"{prefix}.ckpt")
         self._heartbeat.start()
 
+    def _judge(
+        self, monitor: WorkerMonitor, exits: dict[int, int], oom_killed: bool = False
+    ) -> Judgement:
+        """The failure policy's verdict on ``exits`` of the current attempt."""
+        assert self._plan is not None
+        return judge(
+            exits,
+            self._plan.error_files,
+            monitor.hung,
+            self.restart_count,
+            self.config.max_restarts,
+            self._history,
+            self.node_id,
+            oom_killed=oom_killed,
+        )
+
     def _wait_pending(self, deadline_s: float = 300.0) -> None:
         """DLROVER_FAULTS's ``pending``: a replacement node waits, unregistered, until its file
         exists (a pod pending for room), at most ``deadline_s``."""
@@ -313,15 +329,7 @@ class ElasticAgent:
                     if rank not in exits and _written_before(path, stopping_at):
                         exits[rank] = 1
             if exits and self._plan is not None:
-                seen = judge(
-                    exits,
-                    self._plan.error_files,
-                    monitor.hung,
-                    self.restart_count,
-                    cfg.max_restarts,
-                    self._history,
-                    self.node_id,
-                )
+                seen = self._judge(monitor, exits)
                 if seen.signature is not None:
                     self._history.append(seen.signature)
             self._set_state(WorkerGroupState.RESTARTING)
@@ -329,16 +337,7 @@ class ElasticAgent:
         # A worker failed or hung: the policy decides between a restart and failing fast.
         exits = monitor.stop_and_collect_failures()
         assert self._plan is not None
-        verdict = judge(
-            exits,
-            self._plan.error_files,
-            monitor.hung,
-            self.restart_count,
-            cfg.max_restarts,
-            self._history,
-            self.node_id,
-            oom_killed=self._oom_kills_since_start(),
-        )
+        verdict = self._judge(monitor, exits, oom_killed=self._oom_kills_since_start())
         self._history.append(verdict.signature)
         limit_mib = os.environ.get(ENV_NODE_MEMORY_LIMIT_MIB, "")
         if verdict.failure_class is FailureClass.OOM and limit_mib.isdigit():
