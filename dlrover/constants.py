@@ -190,6 +190,11 @@ time nobody else wants), or ``nice:<n>`` (SCHED_OTHER at niceness n). docs/check
 the measurements behind the default."""
 ENV_CKPT_REPLICA_MIB_S = "DLROVER_CKPT_REPLICA_MIB_S"
 """Cap on the rate an agent pushes checkpoint replicas to its peers, in MiB/s (0: no cap)."""
+ENV_CKPT_SHM_DIR = "DLROVER_CKPT_SHM_DIR"
+"""The tmpfs folder the saver keeps its buffers in (default /dev/shm)."""
+ENV_CKPT_SPILL_DIR = "DLROVER_CKPT_SPILL_DIR"
+"""Where a saver puts a slot's buffers when the shared-memory folder has no room for them: a
+folder on local disk (default: the temp folder), or ``off`` (the save raises ShmSpaceError)."""
 
 # --- data sharding (read by dlrover.sharding.config) ---
 ENV_SHARD_PREFETCH = "DLROVER_SHARD_PREFETCH"

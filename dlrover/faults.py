@@ -16,7 +16,7 @@ itself), ``kill_master`` (SIGKILL the job's master: the pid in the `dlrover subm
 DLROVER_JOB_NAME under DLROVER_HOME; `dlrover submit` starts it again on its state),
 ``fill_disk`` (fill the filesystem of ``path`` with a file until ENOSPC, and remove the file
 ``seconds`` later, default 5, from a process of its own: the fault outlives a killed worker;
-only on a small filesystem made for it), ``collective_fail`` (the node
+``inf``: never; only on a small filesystem made for it), ``collective_fail`` (the node
 check's collective test fails on that node: give ``node``), ``oom`` (allocate and touch memory
 in 64 MiB chunks until the kernel's OOM killer ends the process: run it under a memory limit),
 ``pending`` (a replacement node, of slot ``node`` or of any, waits before it registers until

@@ -28,6 +28,16 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def small_tmpfs(where: Path, size: str) -> None:
+    """Make ``where`` and mount a tmpfs of ``size`` there, or skip the test (root only)."""
+    where.mkdir()
+    made = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True
+    )
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {made.stderr.decode()}")
+
+
 def run_cmd(module: str) -> list[str]:
     return [sys.executable, "-m", module]
 

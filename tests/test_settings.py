@@ -4,6 +4,7 @@ subsystem reads its own in one place (checkpoint, sharding)."""
 from __future__ import annotations
 
 import ast
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -28,12 +29,21 @@ def test_every_environment_variable_name_is_defined_in_constants():
     assert own == []
 
 
-def test_the_checkpoint_settings_are_read_together_and_name_a_bad_variable():
-    assert CheckpointEnv.from_env({}) == CheckpointEnv(1024 * 2**20, 2)
-    env = {"DLROVER_CKPT_REPLICA_MIB_S": "0", "DLROVER_CKPT_BUFFERS": "1"}
-    assert CheckpointEnv.from_env(env) == CheckpointEnv(None, 1)
+def test_the_checkpoint_settings_are_read_together_and_name_a_bad_variable(tmp_path: Path):
+    tmp = tempfile.gettempdir()
+    assert CheckpointEnv.from_env({}) == CheckpointEnv(1024 * 2**20, 2, "/dev/shm", tmp)
+    env = {
+        "DLROVER_CKPT_REPLICA_MIB_S": "0",
+        "DLROVER_CKPT_BUFFERS": "1",
+        "DLROVER_CKPT_SHM_DIR": str(tmp_path),
+        "DLROVER_CKPT_SPILL_DIR": "off",
+    }
+    assert CheckpointEnv.from_env(env) == CheckpointEnv(None, 1, str(tmp_path), None)
     with pytest.raises(ValueError, match="DLROVER_CKPT_BUFFERS='3': give 1 or 2"):
         CheckpointEnv.from_env({"DLROVER_CKPT_BUFFERS": "3"})
+    for name in ("DLROVER_CKPT_SHM_DIR", "DLROVER_CKPT_SPILL_DIR"):
+        with pytest.raises(ValueError, match=f"{name}='/nowhere': no such folder"):
+            CheckpointEnv.from_env({name: "/nowhere"})
 
 
 def test_the_sharding_settings_are_read_together():

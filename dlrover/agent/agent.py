@@ -192,19 +192,23 @@ class ElasticAgent:
         """Register with the master, host the checkpoint saver, start heartbeats."""
         if self._checker is not None:
             self._checker.prepare()  # its torch import overlaps registration and rendezvous
+        try:
+            settings = CheckpointEnv.from_env()
+        except ValueError as e:
+            raise AgentError(str(e)) from None
         # What agents SIGKILLed on this node left behind (their owner lock is free); live
         # agents' things, of this job or another, are not touched.
-        sweep()
+        sweep(settings.shm_dir, spill_dir=settings.spill_dir)
         sweep_throttles()
         self._wait_pending()
         self._register()
         # Named for the job, node and this process, and guarded by a lock held until close:
         # an operator can tell whose they are, and the next agent's sweep whether the owner died.
         prefix = owner_prefix(self.run_id, self.node_id or "node", os.getpid())
-        self._owner_lock = OwnerLock(prefix)
+        self._owner_lock = OwnerLock(prefix, settings.shm_dir)
         self._run_dir = os.path.join(tempfile.gettempdir(), f"{prefix}.agent")
         os.makedirs(self._run_dir, mode=0o700, exist_ok=True)
-        self._start_saver(f"{prefix}.ckpt")
+        self._start_saver(f"{prefix}.ckpt", settings)
         self._heartbeat.start()
 
     def _judge(
@@ -391,16 +395,12 @@ class ElasticAgent:
             self.run_id = registered.job_name
 
     # --- flash checkpoint --------------------------------------------------------------------
-    def _start_saver(self, shm_prefix: str) -> None:
+    def _start_saver(self, shm_prefix: str, settings: CheckpointEnv) -> None:
         """Own the flash-checkpoint shared memory of this node, so it outlives worker crashes."""
         if not self.config.flash_checkpoint:
             return
         from dlrover.checkpoint.saver import CheckpointSaver
 
-        try:
-            settings = CheckpointEnv.from_env()
-        except ValueError as e:
-            raise AgentError(str(e)) from None
         self._saver = CheckpointSaver(
             socket_path=os.path.join(self._run_dir, "ckpt.sock"),
             shm_prefix=shm_prefix,
@@ -410,6 +410,8 @@ class ElasticAgent:
             replica_host=self._host,
             replica_bandwidth=settings.replica_bytes_s,
             buffers=settings.buffers,
+            shm_dir=settings.shm_dir,
+            spill_dir=settings.spill_dir,
         )
         self._saver.start()
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 from dlrover.checkpoint.errors import ShmSpaceError
 from dlrover.checkpoint.header import begin_write, complete_step
 from dlrover.checkpoint.shm import SharedSegment, shm_free_bytes
+
+log = logging.getLogger(__name__)
 
 DEFAULT_BUFFERS = 2
 """Buffers per slot: a copy never waits for a persist or a push of the previous step."""
@@ -46,12 +49,16 @@ class SlotBuffers:
     others are created by the first copy that picks one of them, in ``begin``).
     """
 
-    def __init__(self, name: str, count: int, shm_dir: str) -> None:
+    def __init__(self, name: str, count: int, shm_dir: str, spill_dir: str | None = None) -> None:
         if count < 1:
             raise ValueError(f"a slot needs at least one buffer, got {count}")
         self.name = name
         self.count = count
         self.shm_dir = shm_dir
+        self.spill_dir = spill_dir
+        """Where buffers are created when ``shm_dir`` has no room (None: nowhere, the
+        allocation raises ShmSpaceError). Only while the need is at most half of its free
+        space: a spill must not fill the node's disk either."""
         self.segments: list[SharedSegment] = []
         self.latest: int | None = None
         self.pending: dict[int, int] = {}  # buffer -> step whose persist was asked, not done
@@ -65,14 +72,10 @@ class SlotBuffers:
         want = self.count if count is None else min(count, self.count)
         if len(self.segments) < want:
             created = len(self.segments)
-            free = shm_free_bytes(self.shm_dir)
-            if (want - created) * nbytes > free:  # say the whole need, not one buffer's
-                raise ShmSpaceError(f"{self.name}-buf*", (want - created) * nbytes, free)
+            where = self._room_for((want - created) * nbytes)
             try:
                 for i in range(created, want):
-                    self.segments.append(
-                        SharedSegment.create(f"{self.name}-buf{i}", nbytes, self.shm_dir)
-                    )
+                    self.segments.append(SharedSegment.create(f"{self.name}-buf{i}", nbytes, where))
             except BaseException:
                 for seg in self.segments[created:]:  # all or nothing: none half-allocated
                     seg.close(unlink=True)
@@ -83,6 +86,25 @@ class SlotBuffers:
         for i, seg in enumerate(self.segments):
             if not self.pinned(i) and seg.size < nbytes:
                 seg.grow(nbytes)
+
+    def _room_for(self, need: int) -> str:
+        """The folder new buffers of ``need`` bytes in all go to: the shared-memory one, else
+        the spill folder (said once per slot); ShmSpaceError (the whole need, not one
+        buffer's) where neither has room."""
+        free = shm_free_bytes(self.shm_dir)
+        if need <= free:
+            return self.shm_dir
+        if self.spill_dir is not None and need <= shm_free_bytes(self.spill_dir) // 2:
+            log.warning(
+                "%s has %d bytes free but the checkpoint buffers %s-buf* need %d: they are kept "
+                "in %s instead (saves, persists and restores after a worker restart work as "
+                "usual; a copy may be slower). Enlarge /dev/shm (`docker run --shm-size`, a "
+                "Kubernetes emptyDir with medium Memory) or point DLROVER_CKPT_SHM_DIR at a "
+                "larger tmpfs",
+                self.shm_dir, free, self.name, need, self.spill_dir,
+            )  # fmt: skip
+            return self.spill_dir
+        raise ShmSpaceError(f"{self.name}-buf*", need, free)
 
     def pinned(self, i: int) -> bool:
         """Whether buffer ``i`` is read by a persist or a push (asked for or running)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -12,6 +13,8 @@ from dlrover.constants import ENV_CHECKPOINT_SOCKET
 from dlrover.constants import ENV_CKPT_BUFFERS as ENV_BUFFERS
 from dlrover.constants import ENV_CKPT_PERSIST_PRIORITY as ENV_PERSIST_PRIORITY
 from dlrover.constants import ENV_CKPT_REPLICA_MIB_S as ENV_REPLICA_MIB_S
+from dlrover.constants import ENV_CKPT_SHM_DIR as ENV_SHM_DIR
+from dlrover.constants import ENV_CKPT_SPILL_DIR as ENV_SPILL_DIR
 from dlrover.envvars import number_from_env
 
 __all__ = [
@@ -29,6 +32,9 @@ __all__ = [
     "CheckpointEnv",
     "run_in_background",
     "ENV_REPLICA_MIB_S",
+    "ENV_SHM_DIR",
+    "ENV_SPILL_DIR",
+    "shm_dirs_from_env",
     "replica_bandwidth_from_env",
     "LATEST_FILE",
     "MANIFEST_FILE",
@@ -122,6 +128,25 @@ def replica_bandwidth_from_env(env: Mapping[str, str] | None = None) -> float | 
     return mib_s * 2**20 if mib_s else None
 
 
+def _folder(name: str, raw: str) -> str:
+    if not os.path.isdir(raw):
+        raise ValueError(f"{name}={raw!r}: no such folder (give an existing folder)")
+    return raw
+
+
+def shm_dirs_from_env(env: Mapping[str, str] | None = None) -> tuple[str, str | None]:
+    """(shared-memory folder, spill folder or None) from DLROVER_CKPT_SHM_DIR (default
+    /dev/shm) and DLROVER_CKPT_SPILL_DIR (default the temp folder; ``off``: None); ValueError
+    naming the variable for a folder that does not exist."""
+    env = os.environ if env is None else env
+    raw = env.get(ENV_SHM_DIR, "").strip()
+    shm_dir = _folder(ENV_SHM_DIR, raw) if raw else DEFAULT_SHM_DIR
+    raw = env.get(ENV_SPILL_DIR, "").strip()
+    if raw.lower() == "off":
+        return shm_dir, None
+    return shm_dir, _folder(ENV_SPILL_DIR, raw) if raw else tempfile.gettempdir()
+
+
 @dataclass(frozen=True)
 class CheckpointEnv:
     """The flash-checkpoint settings a node reads from its environment, read in one place
@@ -132,8 +157,13 @@ class CheckpointEnv:
     """Cap on the replica push rate in bytes/s (DLROVER_CKPT_REPLICA_MIB_S); None: no cap."""
     buffers: int
     """Shared-memory buffers per saving rank (DLROVER_CKPT_BUFFERS): 1 or 2."""
+    shm_dir: str = DEFAULT_SHM_DIR
+    """The tmpfs folder of the buffers (DLROVER_CKPT_SHM_DIR)."""
+    spill_dir: str | None = None
+    """Where buffers go when ``shm_dir`` has no room (DLROVER_CKPT_SPILL_DIR); None: nowhere."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> CheckpointEnv:
         """Read every field; ValueError names the first variable that is wrong and what to give."""
-        return cls(replica_bandwidth_from_env(env), buffers_from_env(env))
+        shm_dir, spill_dir = shm_dirs_from_env(env)
+        return cls(replica_bandwidth_from_env(env), buffers_from_env(env), shm_dir, spill_dir)

@@ -22,7 +22,7 @@ from dlrover.checkpoint.config import (
     DEFAULT_KEEP_LAST,
     ENV_BUFFERS,
     ENV_CHECKPOINT_SOCKET,
-    buffers_from_env,
+    CheckpointEnv,
 )
 from dlrover.checkpoint.errors import CheckpointError, CheckpointStorageError, SegmentStateError
 from dlrover.checkpoint.formats import CheckpointFormat, format_named
@@ -407,7 +407,14 @@ class CheckpointEngine:
         )
         prefix = f"{prefix}.{uuid.uuid4().hex[:8]}"
         path = os.path.join(tempfile.gettempdir(), f"{prefix}.sock")
-        saver = CheckpointSaver(path, shm_prefix=f"{prefix}.ckpt", buffers=buffers_from_env())
+        settings = CheckpointEnv.from_env()
+        saver = CheckpointSaver(
+            path,
+            shm_prefix=f"{prefix}.ckpt",
+            buffers=settings.buffers,
+            shm_dir=settings.shm_dir,
+            spill_dir=settings.spill_dir,
+        )
         saver.start()
         self._own_saver = saver
         atexit.register(self.close)

@@ -16,7 +16,9 @@ class ShmSpaceError(CheckpointError):
             f"shared memory {path!r} needs {needed} bytes ({needed / 2**30:.2f} GiB) more but "
             f"only {free} bytes ({free / 2**30:.2f} GiB) are free. Enlarge /dev/shm: "
             "`docker run --shm-size=<size>`, a Kubernetes emptyDir with `medium: Memory` "
-            "mounted at /dev/shm, or `mount -o remount,size=<size> /dev/shm`; or save less state "
+            "mounted at /dev/shm, or `mount -o remount,size=<size> /dev/shm`; or point "
+            "DLROVER_CKPT_SHM_DIR at a larger tmpfs, or DLROVER_CKPT_SPILL_DIR at a local folder "
+            "with room (a saver's buffers that do not fit go there); or save less state "
             "(each saving rank keeps two buffers; DLROVER_CKPT_BUFFERS=1 keeps one, and a save "
             "then waits for the persist of the step before)."
         )

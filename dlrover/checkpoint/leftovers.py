@@ -12,7 +12,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from dlrover.checkpoint.config import DEFAULT_SHM_DIR
+from dlrover.checkpoint.config import DEFAULT_SHM_DIR, shm_dirs_from_env
 from dlrover.processes import pid_alive
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,8 @@ class OwnerLock:
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os.write(fd, f"{os.getpid()}\n".encode())
+            with contextlib.suppress(OSError):  # a full tmpfs: the pid is in the name anyway
+                os.write(fd, f"{os.getpid()}\n".encode())
             os.rename(tmp, self.path)
         except BaseException:
             os.close(fd)
@@ -163,16 +164,21 @@ def _sweep_legacy_tmp(tmp_dir: str) -> list[str]:
 
 
 def sweep(
-    shm_dir: str = DEFAULT_SHM_DIR, tmp_dir: str | None = None, job: str | None = None
+    shm_dir: str = DEFAULT_SHM_DIR,
+    tmp_dir: str | None = None,
+    job: str | None = None,
+    spill_dir: str | None = None,
 ) -> list[str]:
     """Remove the shared-memory segments, lock files and temp folders whose owner is dead
     (``job``: only that job's); returns the paths removed. What a live process owns, of this
-    job or another, is never touched. Without ``job``, also the old release's temp folders
-    (``dlrover_agent_*``, no owner in the name) once idle for a day."""
+    job or another, is never touched. ``spill_dir``: where savers put buffers that did not fit
+    in ``shm_dir`` (owner locks stay in ``shm_dir``). Without ``job``, also the old release's
+    temp folders (``dlrover_agent_*``, no owner in the name) once idle for a day."""
     tmp_dir = tmp_dir or tempfile.gettempdir()
     groups: dict[str, list[str]] = {}
     owners: dict[str, int] = {}
-    for where in dict.fromkeys((shm_dir, tmp_dir)):
+    folders = (shm_dir, tmp_dir) if spill_dir is None else (shm_dir, tmp_dir, spill_dir)
+    for where in dict.fromkeys(folders):
         try:
             names = os.listdir(where)
         except OSError:
@@ -207,3 +213,15 @@ def sweep(
     if removed:
         log.info("removed %d leftovers of dead processes: %s", len(removed), " ".join(removed))
     return removed
+
+
+def sweep_configured(job: str | None = None) -> list[str]:
+    """`sweep` of the folders this process's environment names (DLROVER_CKPT_SHM_DIR and
+    DLROVER_CKPT_SPILL_DIR); a wrong setting is logged and the defaults swept (a tidy-up must
+    not fail over what the saver itself reports)."""
+    try:
+        shm_dir, spill_dir = shm_dirs_from_env()
+    except ValueError as exc:
+        log.warning("%s; sweeping the default folders", exc)
+        shm_dir, spill_dir = DEFAULT_SHM_DIR, None
+    return sweep(shm_dir, job=job, spill_dir=spill_dir)

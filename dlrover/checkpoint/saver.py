@@ -85,10 +85,14 @@ class CheckpointSaver:
         replica_host: str = "127.0.0.1",
         replica_bandwidth: float | None = DEFAULT_BANDWIDTH_BYTES_S,
         buffers: int = DEFAULT_BUFFERS,
+        spill_dir: str | None = None,
     ) -> None:
         self.socket_path = socket_path
         self.shm_prefix = shm_prefix or f"dlrover-ckpt-{os.getpid()}"
         self.shm_dir = shm_dir
+        self.spill_dir = spill_dir
+        """Where a slot's buffers go when ``shm_dir`` has no room for them (None: the save
+        raises ShmSpaceError); see SlotBuffers."""
         self.coordinator: CommitCoordinator = coordinator or LocalCommitCoordinator()
         self._cond = threading.Condition()
         self.buffers = buffers
@@ -250,7 +254,9 @@ class CheckpointSaver:
         ``nbytes`` each) on first use. Called under the lock."""
         buffers = self._slots.get(slot)
         if buffers is None:
-            buffers = SlotBuffers(f"{self.shm_prefix}-slot{slot}", self.buffers, self.shm_dir)
+            buffers = SlotBuffers(
+                f"{self.shm_prefix}-slot{slot}", self.buffers, self.shm_dir, self.spill_dir
+            )
             buffers.ensure(nbytes, count)
             self._slots[slot] = buffers
             log.info(
@@ -258,7 +264,7 @@ class CheckpointSaver:
                 len(buffers.segments),
                 nbytes,
                 slot,
-                buffers.name,
+                os.path.join(os.path.dirname(buffers.segments[0].path), buffers.name),
             )
         return buffers
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from dlrover.checkpoint.leftovers import sweep
+from dlrover.checkpoint.leftovers import sweep_configured
 from dlrover.constants import ENV_RANK_LOG_DIR
 from dlrover.engines.node_logs import RANKS_SUBDIR, LocalNodeLogs
 
@@ -156,6 +156,6 @@ def _sweep_leftovers() -> None:
     TensorFlow's temp folders): a Ray node's ps or worker always ends killed, and nobody else
     on this machine may run a dlrover process that sweeps. Only dead owners' things go."""
     try:
-        sweep()
+        sweep_configured()
     except OSError:
         pass  # a best-effort tidy-up must not fail the node's exit report

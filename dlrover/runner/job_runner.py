@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 
 from dlrover import constants as c
-from dlrover.checkpoint.leftovers import sweep
+from dlrover.checkpoint.leftovers import sweep_configured
 from dlrover.engines.base import Engine
 from dlrover.engines.registry import BUILTIN_ENGINES, EngineKind, EngineRegistry
 from dlrover.envvars import number_from_env
@@ -471,7 +471,7 @@ class JobRunner:
                 # Nodes the engine had to SIGKILL (past their grace) could not free their shared
                 # memory and temp folders (a TensorFlow ps or worker always ends so); with the
                 # local engine they are on this machine.
-                sweep(job=self.spec.name)
+                sweep_configured(job=self.spec.name)
         finally:
             self._close_master()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import math
 import os
 import signal
 import subprocess
@@ -17,7 +18,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from dlrover import worker_context
-from dlrover.checkpoint.config import DEFAULT_SHM_DIR
+from dlrover.checkpoint.config import shm_dirs_from_env
 from dlrover.checkpoint.leftovers import parse as parse_owned
 from dlrover.constants import ENV_JOB_NAME, ENV_NODE_ID, ENV_NODE_MEMORY_LIMIT_MIB
 from dlrover.faults import (
@@ -149,11 +150,13 @@ class FaultInjector:
             if self._agent_pid is None:
                 raise FaultSpecError(f"lose_node needs {ENV_AGENT_PID} set by the agent")
             os.kill(self._agent_pid, signal.SIGKILL)
-            for name in os.listdir(DEFAULT_SHM_DIR):
-                owned = parse_owned(name)
-                if owned is not None and owned.pid == self._agent_pid:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(os.path.join(DEFAULT_SHM_DIR, name))
+            # The node's memory goes with it: its segments, wherever the saver kept them.
+            for folder in filter(None, shm_dirs_from_env()):
+                for name in os.listdir(folder):
+                    owned = parse_owned(name)
+                    if owned is not None and owned.pid == self._agent_pid:
+                        with contextlib.suppress(OSError):  # gone, or a folder (not memory)
+                            os.unlink(os.path.join(folder, name))
             os.kill(os.getpid(), signal.SIGKILL)
         elif fault.kind is FaultKind.KILL_MASTER:
             os.kill(_master_pid(), signal.SIGKILL)
@@ -187,7 +190,7 @@ _REMOVE_LATER = "import os, sys, time\ntime.sleep(float(sys.argv[1]))\nos.unlink
 def fill_disk(folder: str, seconds: float) -> str:
     """Fill the filesystem of ``folder`` with one file until ENOSPC, and have a process of its
     own (it outlives this one, which may be killed meanwhile) remove the file ``seconds``
-    later. Returns the file's path."""
+    later (``inf``: never; it goes with its filesystem). Returns the file's path."""
     path = os.path.join(folder, f".dlrover-fill-{os.getpid()}")
     chunk = b"\0" * (1 << 20)
     with open(path, "wb", buffering=0) as f:
@@ -201,6 +204,8 @@ def fill_disk(folder: str, seconds: float) -> str:
         with contextlib.suppress(OSError):  # the last pages that fit (at most a chunk)
             for _ in range(len(chunk) // 4096):
                 f.write(chunk[:4096])
+    if math.isinf(seconds):
+        return path
     # Detached, and holding none of this process's pipes: a reader waiting for their end
     # (a launcher, a test) must not wait for it.
     subprocess.Popen(

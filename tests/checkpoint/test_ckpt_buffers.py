@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import threading
 import uuid
 from pathlib import Path
@@ -17,6 +18,7 @@ from dlrover.checkpoint.header import begin_write, publish
 from dlrover.checkpoint.shm import shm_free_bytes
 from dlrover.checkpoint.storage import LocalStorage
 from tests.checkpoint.harness import assert_same, expected_state, running_saver
+from tests.conftest import small_tmpfs
 
 
 @pytest.mark.parametrize(
@@ -99,6 +101,38 @@ def test_too_little_shm_for_both_buffers_says_the_whole_need_and_creates_nothing
         slot.ensure(half)
     assert info.value.needed == 2 * half and info.value.path.endswith("-buf*")
     assert slot.segments == [] and not list(Path(DEFAULT_SHM_DIR).glob(f"{name}-*"))
+
+
+def test_buffers_that_do_not_fit_in_shm_go_to_the_spill_folder(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two 3 MiB buffers and a 4 MiB shared-memory folder: with a spill folder the buffers are
+    made there (said, naming both folders); a need over half the spill folder's free space is
+    refused as before, naming the whole need, and nothing is left half-made."""
+    shm, small_spill, spill = tmp_path / "shm", tmp_path / "small-spill", tmp_path / "spill"
+    small_tmpfs(shm, "4m")
+    try:
+        small_tmpfs(small_spill, "8m")
+        spill.mkdir()
+        name = f"dlrtest-{uuid.uuid4().hex[:8]}-slot0"
+        slot = SlotBuffers(name, 2, str(shm), str(spill))
+        try:
+            with caplog.at_level("WARNING", logger="dlrover.checkpoint.buffers"):
+                slot.ensure(3 << 20)
+            assert [Path(s.path).parent for s in slot.segments] == [spill, spill]
+            assert f"they are kept in {spill} instead" in caplog.text
+            slot.ensure(3 << 20)  # made already: nothing more is asked
+        finally:
+            slot.close(unlink=True)
+        assert not list(spill.iterdir())
+        refused = SlotBuffers(name, 2, str(shm), str(small_spill))
+        with pytest.raises(ShmSpaceError) as info:
+            refused.ensure(3 << 20)  # 6 MiB > half of 8 MiB
+        assert info.value.needed == 6 << 20 and info.value.path.endswith("-buf*")
+        assert not list(shm.iterdir()) and not list(small_spill.iterdir())
+    finally:
+        for folder in (shm, small_spill):
+            subprocess.run(["umount", "-l", str(folder)], check=False)
 
 
 def test_buffer_count_setting_is_checked() -> None:

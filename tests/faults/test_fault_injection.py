@@ -20,6 +20,7 @@ from dlrover.testing.faults import (
     FaultSpecError,
     parse_faults,
 )
+from tests.conftest import small_tmpfs
 
 REPO = Path(__file__).resolve().parents[2]
 STEP_S = 0.05
@@ -207,21 +208,11 @@ def test_kill_master_without_a_submit_record_says_what_it_needs(tmp_path: Path) 
     assert "kill_master needs a job of `dlrover submit`: no job named 'absent'" in stderr
 
 
-def _small_filesystem(where: Path, size: str) -> bool:
-    """A tmpfs of ``size`` mounted at ``where`` (root only); False where it cannot be made."""
-    where.mkdir()
-    made = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True
-    )
-    return made.returncode == 0
-
-
 def test_fill_disk_fills_the_filesystem_then_frees_it_from_a_process_of_its_own(
     tmp_path: Path,
 ) -> None:
     small = tmp_path / "small"
-    if not _small_filesystem(small, "4m"):
-        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    small_tmpfs(small, "4m")
     try:
         proc = _run(f"fill_disk:rank=1:step=2:seconds=3:path={small}")
         returncode, done, stderr = _finish(proc)
