@@ -20,6 +20,8 @@ injected exception within two attempts), ``failed late`` (the same, with more at
 deadline). Also per job: torn checkpoints (the storage checkpoint left does not load, or is not
 the final step's model), orphan processes, leaked /dev/shm entries, cgroups and temp folders,
 and goodput (the failure-free run's wall time of the same launcher and size / this job's).
+One job in 6 is a stream job (a broker outage) and one a PS job (a killed embedding server):
+benchmarks/fault_campaign_jobs.py.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks import fault_campaign_jobs as jobs  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = str(Path(__file__).resolve().with_name("fault_campaign_train.py"))
@@ -71,16 +76,19 @@ KINDS = {
     "disk_full": Kind(
         "fill_disk:rank={rank}:step={step}:restart=*:once={once}:seconds=3:path={ckpt}", True
     ),
+    # Full from the first step to the end: every saver the job starts (the first, and any
+    # that replaces a lost node) finds no room in its shared memory.
+    "shm_full": Kind(
+        "fill_disk:rank={rank}:step=1:restart=*:once={once}:seconds=inf:path={shm}", True
+    ),  # fmt: skip
 }
 NODE_MEMORY = "1536Mi"
 """Each node's memory limit in a job with worker_oom (agent, zygote and worker fit in it)."""
 SMALL_DISK = "32m"
 """The size of the tmpfs mounted as the checkpoint folder of a job with disk_full."""
-NOT_COVERED = (
-    "/dev/shm full",
-    "broker outage (stream job)",
-    "ps SIGKILL (PS job)",
-)
+SMALL_SHM = "4m"
+"""The size of the tmpfs mounted as the shared-memory folder (DLROVER_CKPT_SHM_DIR) of a job
+with shm_full."""
 
 
 @dataclass
@@ -106,6 +114,11 @@ class Schedule:
         return any(kind == "disk_full" for kind, _, _ in self.faults)
 
     @property
+    def needs_small_shm(self) -> bool:
+        """Whether the job's shared memory is a filesystem of its own (shm_full fills it)."""
+        return any(kind == "shm_full" for kind, _, _ in self.faults)
+
+    @property
     def should_fail(self) -> bool:
         return any(kind == "exception_twice" for kind, _, _ in self.faults)
 
@@ -114,7 +127,9 @@ class Schedule:
         for n, (kind, rank, step) in enumerate(self.faults):
             once = root / f"fired-{n}"
             item = KINDS[kind].item
-            items.append(item.format(rank=rank, step=step, once=once, ckpt=root / "ckpt"))
+            items.append(
+                item.format(rank=rank, step=step, once=once, ckpt=root / "ckpt", shm=root / "shm")
+            )
         return ";".join(items)
 
     def describe(self) -> str:
@@ -128,6 +143,8 @@ def draw(rng: random.Random, index: int) -> Schedule:
         (rng.choice(sorted(KINDS)), rng.randrange(nodes), rng.randint(2, steps - 2))
         for _ in range(rng.randint(1, 4))
     ]
+    # shm_full strikes before the first save (step 1), whatever step was drawn.
+    faults = [(k, r, 1 if k == "shm_full" else s) for k, r, s in faults]
     return Schedule(index, nodes, faults)
 
 
@@ -176,6 +193,11 @@ def _launch(
     (root / "ckpt").mkdir(parents=True)
     if faults and sched.needs_small_disk:
         _mount_small(root / "ckpt")
+    shm: dict[str, str] = {}
+    if faults and sched.needs_small_shm:
+        (root / "shm").mkdir()
+        _mount_small(root / "shm", SMALL_SHM)
+        shm["DLROVER_CKPT_SHM_DIR"] = str(root / "shm")
     log = open(root / "launcher.log", "wb")  # noqa: SIM115 - closed by the children's exit
     if launcher == "dlrover":
         cmd = [
@@ -184,11 +206,11 @@ def _launch(
             "--hang-timeout", "10",
             *(["--memory", NODE_MEMORY] if sched.needs_cgroup else []), *_train_args(root),
         ]  # fmt: skip
-        env = _env(DLROVER_HOME=str(root / "home"), DLROVER_FAULTS=faults)
+        env = _env(DLROVER_HOME=str(root / "home"), DLROVER_FAULTS=faults, **shm)
         return [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                                  start_new_session=True)]  # fmt: skip
     port = _free_port()
-    env = _env(DLROVER_FAULTS=faults, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    env = _env(DLROVER_FAULTS=faults, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **shm)
     cmd = [
         sys.executable, "-m", "torch.distributed.run", f"--nnodes={sched.nodes}",
         "--nproc-per-node=1", "--max-restarts=3", "--rdzv-backend=c10d",
@@ -222,10 +244,12 @@ def _kill_all(root: Path, launchers: list[subprocess.Popen[bytes]]) -> None:
             proc.kill()
 
 
-def _leaks(name: str) -> list[str]:
-    """What the job left in /dev/shm, the temp folder and the cgroup tree."""
+def _leaks(name: str, root: Path | None = None) -> list[str]:
+    """What the job left in /dev/shm (or its own, under ``root``), the temp folder and the
+    cgroup tree."""
     left = []
-    for folder in (Path("/dev/shm"), Path(tempfile.gettempdir())):
+    own = [] if root is None else [root / "shm"]
+    for folder in (Path("/dev/shm"), *own, Path(tempfile.gettempdir())):
         left += [str(p) for p in folder.glob(f"*.{name}.*")]
     for d in Path("/sys/fs/cgroup").glob(f"*/**/dlrover-{name}-*"):
         left.append(str(d))
@@ -256,6 +280,10 @@ def _verify_checkpoint(root: Path, final_hash: str) -> bool:
     return json.loads(r.stdout.strip().splitlines()[-1])["hash"] != final_hash
 
 
+PORT_TAKEN = "Ping failed, invalid value returned from server"
+"""What torch's TCPStore client logs when its port answers but is not the job's store."""
+
+
 def run_job(
     sched: Schedule,
     launcher: str,
@@ -264,6 +292,7 @@ def run_job(
     deadline_s: float,
     expected: str,
     keep: bool = False,
+    tries: int = 3,
 ) -> Result:
     tag = "x" if faults else "ff"
     name = f"fc{os.getpid() % 10000}-{launcher[0]}{sched.index}{tag}"
@@ -287,6 +316,10 @@ def run_job(
         with contextlib.suppress(psutil.Error):
             proc.kill()
     codes = [p.wait(10) for p in launchers]
+    # A hung job was SIGKILLed whole by this benchmark: what it left is not its leak.
+    leaks = [] if hung else _leaks(name, root)
+    if os.path.ismount(root / "shm"):
+        subprocess.run(["umount", "-l", str(root / "shm")], check=False)
     if os.path.ismount(root / "ckpt"):
         # The storage left is checked below on a copy: the mount goes with the job.
         shutil.copytree(root / "ckpt", root / "ckpt.kept", symlinks=True)
@@ -294,12 +327,16 @@ def run_job(
         shutil.rmtree(root / "ckpt")
         (root / "ckpt.kept").rename(root / "ckpt")
     log = _logs(root)
+    if launcher == "torchrun" and tries > 1 and any(codes) and PORT_TAKEN in log:
+        # Not the schedule's doing: the free port picked for the rendezvous was bound by
+        # another process before torchrun's store could (a busy machine). Run it again.
+        print(f"<!-- job {sched.index} torchrun: its rendezvous port was taken; again -->",
+              file=sys.stderr)  # fmt: skip
+        shutil.rmtree(root, ignore_errors=True)
+        return run_job(sched, launcher, base, faults, deadline_s, expected, keep, tries - 1)
     final_path = root / "out.final"
     final = json.loads(final_path.read_text()) if final_path.exists() else None
-    # A hung job was SIGKILLed whole by this benchmark: what it left is not its leak.
-    result = Result(
-        "", wall, orphans=0 if hung else len(orphans), leaks=[] if hung else _leaks(name)
-    )
+    result = Result("", wall, orphans=0 if hung else len(orphans), leaks=leaks)
     ok = all(c == 0 for c in codes)
     if hung:
         result.verdict = "hung"
@@ -338,12 +375,14 @@ def _not_run(sched: Schedule, launcher: str, no_cgroup: str, no_small_disk: str)
     if sched.needs_small_disk and no_small_disk:
         # Filling the real disk would hurt everything else on the machine.
         return f"skipped (disk_full needs a tmpfs mount: {no_small_disk})"
+    if sched.needs_small_shm and no_small_disk:
+        return f"skipped (shm_full needs a tmpfs mount: {no_small_disk})"
     return ""
 
 
-def _mount_small(where: Path) -> None:
+def _mount_small(where: Path, size: str = SMALL_DISK) -> None:
     subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={SMALL_DISK}", "tmpfs", str(where)],
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
         check=True,
         capture_output=True,
     )
@@ -404,9 +443,16 @@ def main() -> None:
     launchers = ["dlrover"] + ([] if a.no_torchrun else ["torchrun"])
     rng = random.Random(a.seed)
     # Every job is drawn, so that --only N runs the same schedule as job N of a full campaign.
-    schedules = [draw(rng, i) for i in range(a.jobs)]
+    schedules: list[Schedule | jobs.OtherSchedule] = [
+        draw(rng, i) if jobs.job_type(i) == "allreduce" else jobs.draw(rng, i)
+        for i in range(a.jobs)
+    ]
     if a.list:
+        print(f"(jobs i with i % {jobs.EVERY} == 4 are stream jobs, == 5 PS jobs)")
         for s in schedules:
+            if isinstance(s, jobs.OtherSchedule):
+                print(s.listing())
+                continue
             print(f"{s.index}: {s.nodes} nodes, {s.steps} steps: {s.describe()}")
         return
     if a.only:
@@ -417,16 +463,25 @@ def main() -> None:
     expected = expected_hash()
     no_cgroup = _cgroups_missing()
     no_small_disk = _small_disk_missing()
+    no_stream = jobs.stream_missing()
+    others = jobs.OtherJobs(jobs.Harness(_env, _ours, _leaks, _verify_checkpoint, Result))
     base = Path(tempfile.mkdtemp(prefix="dlrover-campaign-"))
     started = time.monotonic()
     # Failure-free runs of each launcher and size: the model to match and the goodput floor.
-    floor: dict[tuple[str, int], float] = {}
+    floor: dict[tuple[str, int | str], float] = {}
     for launcher in launchers:
-        for nodes in sorted({s.nodes for s in schedules}):
+        for nodes in sorted({s.nodes for s in schedules if isinstance(s, Schedule)}):
             r = run_job(Schedule(nodes, nodes, []), launcher, base, False, a.deadline_s, expected)
             if r.verdict != "completed":
                 raise SystemExit(f"the failure-free {launcher} run of {nodes} nodes: {r}")
             floor[(launcher, nodes)] = r.wall_s
+        for ref in jobs.failure_free(schedules):
+            if others.not_run(ref, launcher, no_stream):
+                continue
+            r = others.run(ref, base, False, a.deadline_s, False)
+            if r.verdict != "completed":
+                raise SystemExit(f"the failure-free {launcher} {ref.nodes} run: {r}")
+            floor[(launcher, ref.nodes)] = r.wall_s
     results: dict[str, list[Result | None]] = {launcher: [] for launcher in launchers}
     print(
         f"seed {a.seed}, {len(schedules)} of {a.jobs} jobs; failure-free wall s: "
@@ -442,13 +497,20 @@ def main() -> None:
     for sched in schedules:
         row = [str(sched.index), str(sched.nodes), sched.describe()]
         for launcher in launchers:
-            why_not = _not_run(sched, launcher, no_cgroup, no_small_disk)
+            why_not = (
+                others.not_run(sched, launcher, no_stream)
+                if isinstance(sched, jobs.OtherSchedule)
+                else _not_run(sched, launcher, no_cgroup, no_small_disk)
+            )
             if why_not:
                 results[launcher].append(None)
                 not_run[(launcher, sched.index)] = why_not
                 row += [why_not, "-"]
                 continue
-            r = run_job(sched, launcher, base, True, a.deadline_s, expected, a.keep)
+            if isinstance(sched, jobs.OtherSchedule):
+                r = others.run(sched, base, True, a.deadline_s, a.keep)
+            else:
+                r = run_job(sched, launcher, base, True, a.deadline_s, expected, a.keep)
             results[launcher].append(r)
             extra = []
             if r.lost or r.duplicated:
@@ -464,12 +526,12 @@ def main() -> None:
                 floor[(launcher, sched.nodes)] / r.wall_s if r.verdict == "completed" else None
             )
             row += [verdict, f"{goodput:.0%}" if goodput is not None else "-"]
-            if r.note and r.verdict in ("wrong", "hung"):
+            if r.note and (r.verdict in ("wrong", "hung") or "not reached" in r.note):
                 print(f"<!-- job {sched.index} {launcher}: {r.note} -->", file=sys.stderr)
         print("| " + " | ".join(row) + " |", flush=True)
     print()
     summary(schedules, results, floor)
-    print(f"\n{time.monotonic() - started:.0f}s; not covered yet: {', '.join(NOT_COVERED)}")
+    print(f"\n{time.monotonic() - started:.0f}s")
     kept = [p for p in base.iterdir()] if base.exists() else []
     if kept:
         print(f"kept for a look: {', '.join(map(str, kept))}", file=sys.stderr)
@@ -488,9 +550,9 @@ def main() -> None:
 
 
 def summary(
-    schedules: list[Schedule],
+    schedules: list[Schedule | jobs.OtherSchedule],
     results: dict[str, list[Result | None]],
-    floor: dict[tuple[str, int], float],
+    floor: dict[tuple[str, int | str], float],
 ) -> None:
     """Per launcher: completion of should-complete jobs, fail-fast of should-fail ones, the
     oracle's counts; then goodput per fault class."""
@@ -519,7 +581,7 @@ def summary(
     print("\nGoodput per fault class (completed jobs that had it; failure-free wall / wall):\n")
     print("| fault class | " + " | ".join(results) + " |")
     print("|---|" + "---|" * len(results))
-    for kind in KINDS:
+    for kind in [*KINDS, *jobs.KINDS]:
         cells = []
         for launcher, rs in results.items():
             values = [

@@ -196,6 +196,31 @@ def test_broker_down_reader_fails_clearly_in_bounded_time_and_the_position_survi
     assert sorted(trained + _resumed(broker, master, state, end_offsets=ends)) == list(range(30))
 
 
+def test_an_outage_costs_a_line_a_second_per_client_not_twenty(
+    broker: KafkaBroker, master: Master, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """librdkafka logs every dial of a broker that refuses; the master's client and the
+    reader's dial again after DEFAULT_RECONNECT_BACKOFF_MS, not every ~50 ms (the campaign's
+    stream jobs logged ~290 such lines through a 15 s outage)."""
+    broker.create_topic("clicks", 10)
+    _produce(broker, "clicks", range(30), partitions=10)
+    ends = {p: 3 for p in range(10)}
+    reader = _dataset(broker, master, "w0", end_offsets=ends, read_timeout_s=4.0)
+    records = iter(reader)
+    [next(records) for _ in range(6)]
+    capfd.readouterr()
+    broker.stop(graceful=True)
+    began = time.monotonic()
+    with pytest.raises(StreamSourceError, match=r"did not deliver records"):
+        for _ in range(30):
+            next(records)
+    elapsed = time.monotonic() - began
+    reader.close()
+    dials = capfd.readouterr().err.count("Connect to")
+    # Two clients (master, reader) at about one dial a second each; 20 a second each before.
+    assert dials <= 4 * (elapsed + 1), (dials, elapsed)
+
+
 def test_a_restarted_master_resumes_its_streams_even_while_the_broker_is_down(
     broker: KafkaBroker, tmp_path: Path
 ) -> None:

@@ -19,6 +19,10 @@ DEFAULT_BROKER_TIMEOUT_S = 10.0
 """Deadline of one metadata or offsets request to the broker."""
 DEFAULT_REFRESH_S = 1.0
 """End offsets are asked of the broker at most this often; between, the last answer serves."""
+DEFAULT_RECONNECT_BACKOFF_MS = 1000
+"""librdkafka's wait before it dials a broker that refused again (the master's client and the
+readers'). Its own default (100 ms) dialled a stopped broker about every 50 ms, each time
+logging a ``Connect to ... failed`` line: 20 lines a second per client through an outage."""
 
 
 class KafkaStreamSource:
@@ -68,6 +72,7 @@ class KafkaStreamSource:
                 "group.id": self.group_id,
                 "enable.auto.commit": False,
                 "socket.timeout.ms": int(timeout_s * 1000),
+                "reconnect.backoff.ms": DEFAULT_RECONNECT_BACKOFF_MS,
             }
         )
         self._lock = threading.Lock()

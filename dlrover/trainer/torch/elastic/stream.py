@@ -23,6 +23,7 @@ from dlrover.sharding.errors import (
     ShardingError,
     StreamSourceError,
 )
+from dlrover.sharding.kafka_source import DEFAULT_RECONNECT_BACKOFF_MS
 from dlrover.sharding.stream import StreamMark, StreamPosition, StreamShard, StreamSpec
 from dlrover.trainer.torch.elastic.client_factory import (
     default_worker_id,
@@ -207,6 +208,7 @@ class ElasticStreamDataset(IterableDataset[T], Generic[T]):
                 "enable.auto.commit": False,
                 "enable.auto.offset.store": False,
                 "auto.offset.reset": "earliest",
+                "reconnect.backoff.ms": DEFAULT_RECONNECT_BACKOFF_MS,
             }
             config.update(self.consumer_config)
             records = self.spec.records_per_shard
