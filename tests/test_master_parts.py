@@ -161,6 +161,31 @@ def test_a_runtime_straggler_the_job_keeps_is_recorded() -> None:
     assert "runtime score 0.25 of the fastest node in 3 reports" in record.root_cause
 
 
+def test_no_straggler_is_replaced_once_a_node_of_the_round_succeeded() -> None:
+    """Three nodes, c 4x slow: with --exclude-straggler it would be replaced at the third
+    report; but a succeeded before it, so the round is finishing and a replacement could never
+    rejoin it (seen in CI: the replaced node's new round could not form and the job failed)."""
+    now = [0.0]
+    job = JobMaster(
+        JobMasterConfig("trio", RendezvousConfig(3, 3), 10.0, exclude_stragglers=True),
+        MemoryStateStore(),
+        clock=lambda: now[0],
+    )
+    for node in ("a", "b", "c"):
+        job.register(node, "h", "worker", 1, -1, 1, None)
+        job.join(node, 0, 1, "h", 1)
+    assert job.get_world("a", 0) is not None
+    for report in range(3):
+        if report == 2:
+            assert not job.report_node_status("a", 1, "succeeded", 0, "")
+        now[0] += job.stragglers.report_s
+        for node, step_s in (("a", 0.1), ("b", 0.1), ("c", 0.4)):
+            job.heartbeat(node, 0, 1, 0.0, 0, 0, step_time_s=step_s)
+        job.tick()
+    assert job.diagnostics.take_replacements() == [] and job.failures() == ()
+    assert not job.ended.is_set()  # b and c finish the round
+
+
 @pytest.mark.parametrize("order", ["succeeded, then restarted", "restarted, then succeeded"])
 def test_a_round_no_one_can_join_after_others_succeeded_fails_the_job(order: str) -> None:
     """A node restarting its workers (a hang) after the other node's workers exited 0 waits for

@@ -563,9 +563,12 @@ class JobMaster:
         world = self.members.world()
         if world is None or self.ended.is_set():
             return
-        running = [
-            m.node_id for m in world.members if self.nodes.get(m.node_id).state == NodeState.RUNNING
-        ]
+        states = {m.node_id: self.nodes.get(m.node_id).state for m in world.members}
+        if NodeState.SUCCEEDED in states.values():
+            # The round is finishing: a node replaced now could never rejoin it (the succeeded
+            # ones do not), so the replacement would strand the job instead of speeding it up.
+            return
+        running = [node for node, state in states.items() if state == NodeState.RUNNING]
         for node in self.diagnostics.score_stragglers(running, self.config.exclude_stragglers):
             self.members.exclude(node)
 
