@@ -107,10 +107,15 @@ def test_a_job_whose_throughput_scales_goes_from_min_to_max_nodes(tmp_path: Path
     assert "launching 1 nodes of job grow" in log
     assert "scaling from 1 to 2 nodes: first step from MIN" in log, log[-4000:]
     assert re.search(r"scaling from 2 to 3 nodes: node 2 added \+\d+%", log), log[-4000:]
-    assert "scale_in" not in log
+    # A later plan on a loaded machine may measure the third node's gain under the threshold
+    # and give it back (CI once: "node 3 added +9%"); it must say so. What this test holds is
+    # the climb from MIN to MAX, and the model.
+    for line in re.findall(r"scaling from 3 to 2 nodes: .*", log):
+        assert re.match(r"scaling from 3 to 2 nodes: node 3 added \+?-?\d+%", line), line
     steps = _steps(auto)
     worlds = [w for _, w in steps]
-    assert worlds[0] == 1 and worlds[-1] == 3 and worlds == sorted(worlds), worlds
+    climb = worlds[: worlds.index(3) + 1] if 3 in worlds else worlds
+    assert worlds[0] == 1 and climb[-1] == 3 and climb == sorted(climb), worlds
     assert {s for s, _ in steps} == set(range(1, 121))  # every step done (some again on resume)
     _same_model(auto, ref)
 
