@@ -11,8 +11,12 @@ with `dlrover submit` on the local engine, one after the other:
 - (c) no resources, ``auto_scale``: 1 ps and 1 worker, up to 2 of each (``max_count``),
   sized from measurement after ``--sizing-s`` and scaled by the master's plans every
   ``--interval-s``.
-It prints each job's completion time (submit -> the chief's end) and its ratio to (a), the
-nodes each ended with, and for (c) when its last plan was made (the time to its final size).
+It prints each job's completion time (submit -> the chief's end) and its ratio to (a), and
+where it went, from the chief's report: when its script had imported TensorFlow and when its
+first shard was done (both from the submit), its `fit` (of which its recoveries' pauses), the
+time after `fit` (reading the model back from the ps, the evaluation) and from the chief's
+report to the end of `dlrover submit` (the chief's exit, the master's). Then the nodes each
+ended with, and for (c) when its last plan was made (the time to its final size).
 """
 
 from __future__ import annotations
@@ -98,6 +102,12 @@ def run(tmp: Path, kind: str, args: argparse.Namespace) -> dict[str, Any]:
         "workers": report["workers"],
         "failures": len(final["failures"]),
         "eval_loss": report["eval_loss"],
+        "imported_s": report["imported_at"] - wall,
+        "first_shard_s": report["first_shard_at"] - wall,
+        "fit_s": report["seconds"],
+        "paused_s": sum(r["pause_s"] for r in report["recoveries"]),
+        "after_fit_s": report["ended_at"] - report["fit_ended_at"],
+        "exit_s": seconds - (report["ended_at"] - wall),
         "final_size_s": plans[-1][0] if plans else 0.0,
         "plans": plans,
     }
@@ -121,14 +131,23 @@ def main() -> None:
         for kind in labels:
             results[kind] = run(Path(directory), kind, args)
     base = results["good"]["seconds"]
-    print(f"{'run':<42} {'JCT s':>7} {'vs (a)':>7} {'ps':>3} {'workers':>8} {'failures':>9}"
-          f" {'final size at s':>16} {'eval loss':>10}")  # fmt: skip
+    print(f"{'run':<38} {'JCT s':>6} {'vs (a)':>6} {'ps':>3} {'workers':>7} {'failures':>8}"
+          f" {'final size at s':>15} {'eval loss':>9}")  # fmt: skip
     for kind, label in labels.items():
         r = results[kind]
         at = f"{r['final_size_s']:.1f}" if r["plans"] else "-"
         print(
-            f"{label:<42} {r['seconds']:7.1f} {r['seconds'] / base:6.2f}x {r['ps']:>3} "
-            f"{r['workers']:>8} {r['failures']:>9} {at:>16} {r['eval_loss']:10.4f}"
+            f"{label:<38} {r['seconds']:6.1f} {r['seconds'] / base:5.2f}x {r['ps']:>3} "
+            f"{r['workers']:>7} {r['failures']:>8} {at:>15} {r['eval_loss']:9.4f}"
+        )
+    print("\nwhere the time went (s):")
+    print(f"{'run':<38} {'imported':>8} {'1st shard':>9} {'fit':>6} {'paused':>6}"
+          f" {'after fit':>9} {'exit':>6}")  # fmt: skip
+    for kind, label in labels.items():
+        r = results[kind]
+        print(
+            f"{label:<38} {r['imported_s']:8.1f} {r['first_shard_s']:9.1f} {r['fit_s']:6.1f} "
+            f"{r['paused_s']:6.1f} {r['after_fit_s']:9.1f} {r['exit_s']:6.1f}"
         )
     print("(c)'s plans:")
     for at, text in results["auto"]["plans"]:

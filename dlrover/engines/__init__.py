@@ -12,6 +12,7 @@ from dlrover.engines.base import (
     NodeNotFoundError,
     NodeSpec,
     NodeState,
+    ResizeUnsupportedError,
     Resources,
     wait_for_event,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "NodeNotFoundError",
     "NodeSpec",
     "NodeState",
+    "ResizeUnsupportedError",
     "Resources",
     "wait_for_event",
 ]

@@ -41,6 +41,11 @@ class LaunchError(EngineError):
     """The engine could not create the node (API refused, no capacity before the deadline)."""
 
 
+class ResizeUnsupportedError(EngineError):
+    """A running node's resources cannot be changed in place (this engine cannot, the node ended,
+    or the new size is below what it uses): relaunch it at the new size instead."""
+
+
 class LaunchManyError(EngineError):
     """Some launches of a batch failed; the others are running and listed in `launched`."""
 
@@ -135,6 +140,11 @@ class NodeSpec:
     # Left out of the hash (a dict is not hashable); still compared for equality.
     env: Mapping[str, str] = dataclasses.field(default_factory=dict, hash=False)
     """Extra environment (DLROVER_MASTER_ADDR, DLROVER_JOB_TOKEN, ...) on top of the engine's."""
+    resizable: bool = False
+    """The master may size this node in place later (an auto-scaled job): the local engine gives
+    it a cgroup of its own even when it asks for no resources. Without it an unsized node runs
+    in the engine's cgroup, its processes sharing the CPU one by one with everything else on
+    the machine (a cgroup per node would share it node by node instead)."""
 
     def __post_init__(self) -> None:
         if not _DNS_LABEL.match(self.job_name) or len(self.job_name) > 40:
@@ -266,6 +276,8 @@ class Engine(abc.ABC):
     - Every node that ends produces exactly one final event (SUCCEEDED, FAILED or DELETED).
     - `close` stops the engine's watchers; `close(delete_nodes=True)` also removes every node
       (SIGTERM, grace, SIGKILL where the engine owns processes).
+    - `resize` changes a running node's resources without restarting it, or raises
+      ResizeUnsupportedError and changes nothing (the caller relaunches the node instead).
     """
 
     @abc.abstractmethod
@@ -287,6 +299,13 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def close(self, delete_nodes: bool = True) -> None:
         """Stop watching; with `delete_nodes`, remove every node first."""
+
+    def resize(self, node_id: str, resources: Resources) -> Node:
+        """Give the running node ``resources`` in place (no restart, same node id); returns the
+        node with its new spec. Raises NodeNotFoundError for an id never launched, and
+        ResizeUnsupportedError where it cannot be done in place (the default: this engine never
+        can), leaving the node as it was."""
+        raise ResizeUnsupportedError(f"the {type(self).__name__} cannot resize a running node")
 
     def capacity(self) -> Capacity:
         """What this engine can still launch now (default: unknown)."""

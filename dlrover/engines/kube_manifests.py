@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any
 
 from dlrover.constants import ENV_RANK_LOG_DIR, ENV_RANK_LOG_ECHO
-from dlrover.engines.base import NodeSpec
+from dlrover.engines.base import NodeSpec, Resources
 from dlrover.engines.kube_logs import RANK_LOG_DIR_IN_POD
 
 LABEL_APP = "app.kubernetes.io/name"
@@ -79,9 +79,9 @@ def shm_size_mib(spec: NodeSpec) -> int:
     return spec.resources.memory_mib // 2
 
 
-def pod_manifest(spec: NodeSpec, settings: PodSettings) -> dict[str, Any]:
-    """The pod that runs one node: its agent command, env, resources and a memory /dev/shm."""
-    resources = spec.resources
+def container_resources(resources: Resources) -> dict[str, dict[str, str]]:
+    """A node container's ``requests`` and ``limits``: CPU requested, memory requested = limit,
+    GPUs both."""
     requests: dict[str, str] = {}
     limits: dict[str, str] = {}
     if resources.cpu:
@@ -90,6 +90,11 @@ def pod_manifest(spec: NodeSpec, settings: PodSettings) -> dict[str, Any]:
         requests["memory"] = limits["memory"] = f"{resources.memory_mib}Mi"
     if resources.gpu:
         requests[GPU_RESOURCE] = limits[GPU_RESOURCE] = str(resources.gpu)
+    return {"requests": requests, "limits": limits}
+
+
+def pod_manifest(spec: NodeSpec, settings: PodSettings) -> dict[str, Any]:
+    """The pod that runs one node: its agent command, env, resources and a memory /dev/shm."""
     shm: dict[str, Any] = {"medium": "Memory"}
     if shm_size_mib(spec):
         shm["sizeLimit"] = f"{shm_size_mib(spec)}Mi"
@@ -112,7 +117,7 @@ def pod_manifest(spec: NodeSpec, settings: PodSettings) -> dict[str, Any]:
         "imagePullPolicy": settings.image_pull_policy,
         "command": list(spec.command),
         "env": [{"name": k, "value": v} for k, v in sorted(_node_env(spec).items())],
-        "resources": {"requests": requests, "limits": limits},
+        "resources": container_resources(spec.resources),
         "volumeMounts": [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}],
     }
     pod_spec: dict[str, Any] = {

@@ -21,12 +21,15 @@ from dlrover.engines.base import (
     NodeNotFoundError,
     NodeSpec,
     NodeState,
+    ResizeUnsupportedError,
+    Resources,
 )
 from dlrover.engines.kube_capacity import free_capacity
 from dlrover.engines.kube_logs import KubeNodeLogs
 from dlrover.engines.kube_manifests import (
     DEFAULT_MASTER_PORT,
     PodSettings,
+    container_resources,
     job_selector,
     master_service_manifest,
     pod_manifest,
@@ -178,6 +181,46 @@ class KubernetesEngine(Engine):
                 ) from error
             # Already gone: end it here; the watch's DELETED, if any, finds it final.
             self._end(node_id, PodOutcome(NodeState.DELETED, message="pod was already gone"))
+
+    def resize(self, node_id: str, resources: Resources) -> Node:
+        """Give the pod's container ``resources`` in place through the pod ``resize``
+        subresource (Kubernetes 1.33+: the kubelet applies it without restarting the
+        container); returns the node with its new spec once the API accepted it. Raises
+        NodeNotFoundError, or ResizeUnsupportedError where it cannot be done in place: a node
+        that ended, other GPUs or /dev/shm (not resizable), or the API's refusal (404: a server
+        without the subresource; 403: grant ``patch`` on ``pods/resize``; 422: e.g. a pod
+        without resources, whose QoS class may not change)."""
+        from kubernetes.client.rest import ApiException
+
+        with self._lock:
+            node = self._nodes.get(node_id)
+            if node is None:
+                raise NodeNotFoundError(node_id)
+            if node.state.is_final:
+                raise ResizeUnsupportedError(f"node {node_id} ended ({node.state.value})")
+            old = node.spec
+        if (resources.gpu, resources.shm_mib) != (old.resources.gpu, old.resources.shm_mib):
+            raise ResizeUnsupportedError(
+                f"{node_id}: GPUs and /dev/shm cannot change in place, only CPU and memory"
+            )
+        body = {
+            "spec": {
+                "containers": [{"name": old.role, "resources": container_resources(resources)}]
+            }
+        }
+        try:
+            self._core.patch_namespaced_pod_resize(
+                node_id, self._settings.namespace, body, _preload_content=False
+            )
+        except ApiException as error:
+            raise ResizeUnsupportedError(
+                f"{node_id}: the API refused the pod resize ({error.status} {error.reason}): "
+                f"{_message(error)}"
+            ) from error
+        with self._lock:
+            node.spec = dataclasses.replace(node.spec, resources=resources)
+            log.info("node %s: pod resized in place: %s", node_id, container_resources(resources))
+            return dataclasses.replace(node)
 
     def capacity(self) -> Capacity:
         """What one more node may still get: the ready machine with the most free memory (its

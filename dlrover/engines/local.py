@@ -34,6 +34,8 @@ from dlrover.engines.base import (
     NodeNotFoundError,
     NodeSpec,
     NodeState,
+    ResizeUnsupportedError,
+    Resources,
 )
 from dlrover.engines.cgroups import CgroupError, CgroupRoot, NodeCgroup, cgroup_command
 from dlrover.engines.node_logs import RANKS_SUBDIR, LocalNodeLogs
@@ -102,7 +104,9 @@ class LocalEngine(Engine):
     worker it spawned: SIGTERM, `stop_grace_s`, SIGKILL. A node whose leader process exits is
     reported (exit code 0 -> SUCCEEDED, else FAILED with EXIT_CODE or SIGNAL), and whatever it
     left running in its group is killed. stdout/stderr go to `<log_dir>/<node_id>/`.
-    Resources are not enforced here; they are the job's business on a single machine.
+    With ``enforce_resources`` (and a cgroup hierarchy this process may write), a node that asks
+    for resources, or is ``resizable``, runs in its own cgroup, limited to its resources
+    (unlimited where it asks for none), so `resize` can change its limits while it runs.
 
     Nodes outlive the engine's process (their own sessions): each node's pid and start time are
     kept in `<log_dir>/<node_id>/pid`, so an engine of a restarted master that launches the same
@@ -156,6 +160,12 @@ class LocalEngine(Engine):
                 ENV_NODE_EXIT_FILE: str(node_dir / "exit_code"),
             }
             cgroup = self._cgroup_for(spec)
+            if cgroup is not None and shutil.which(spec.command[0], path=env.get("PATH")) is None:
+                # The shell that joins the cgroup would start and fail with 127: say it here.
+                cgroup.remove(timeout_s=1.0)
+                raise LaunchError(
+                    f"{spec.node_id}: cannot start {spec.command[0]!r}: no such executable"
+                )
             if cgroup is not None and spec.resources.memory_mib:
                 env[ENV_NODE_MEMORY_LIMIT_MIB] = str(spec.resources.memory_mib)
             try:
@@ -193,10 +203,11 @@ class LocalEngine(Engine):
         return dataclasses.replace(node)
 
     def _cgroup_for(self, spec: NodeSpec) -> NodeCgroup | None:
-        """The node's cgroup limited to its resources, or None (no resources asked, or no
-        cgroup can be made here: said once, and nodes run unlimited). Called under the lock."""
+        """The node's cgroup limited to its resources (unlimited where it asks for none), or
+        None (not enforcing, or no cgroup can be made here: said once, and nodes run unlimited).
+        Called under the lock."""
         resources = spec.resources
-        if not self._enforce or not (resources.memory_mib or resources.cpu):
+        if not self._enforce or not (resources.memory_mib or resources.cpu or spec.resizable):
             return None
         if not self._cgroups_checked:
             self._cgroups_checked = True
@@ -210,13 +221,15 @@ class LocalEngine(Engine):
         try:
             return self._cgroups.create(spec.node_id, resources)
         except CgroupError as e:
-            log.warning("node %s runs unlimited: %s", spec.node_id, e)
+            if resources.memory_mib or resources.cpu:
+                log.warning("node %s runs unlimited: %s", spec.node_id, e)
             return None
 
     def _adopted_cgroup(self, spec: NodeSpec) -> NodeCgroup | None:
         """The cgroup an earlier engine made for an adopted node (watched and removed by this
         one), or None."""
-        if not self._enforce or not (spec.resources.memory_mib or spec.resources.cpu):
+        wanted = spec.resources.memory_mib or spec.resources.cpu or spec.resizable
+        if not self._enforce or not wanted:
             return None
         if not self._cgroups_checked:
             self._cgroups_checked = True
@@ -271,9 +284,11 @@ class LocalEngine(Engine):
     def _oom_killed(process: _Process, returncode: int) -> bool:
         """The node died of memory: its cgroup counted an OOM kill and the node ended with
         EXIT_NODE_OOM (its agent left after a worker's OOM kill) or by SIGKILL (the agent itself
-        was the OOM killer's pick). A script that exits 6 without an OOM is not taken for one."""
+        was the OOM killer's pick). A script that exits 6 without an OOM is not taken for one,
+        nor a node without a memory limit (the machine ran out, not the node: no size to grow)."""
         return (
             returncode in (EXIT_NODE_OOM, -signal.SIGKILL)
+            and process.node.spec.resources.memory_mib > 0
             and process.cgroup is not None
             and process.cgroup.oom_kills() > 0
         )
@@ -281,11 +296,18 @@ class LocalEngine(Engine):
     def _watch(self, process: _Process) -> None:
         # The wait ends when the process exits; delete/close bound that by SIGKILL.
         returncode = self._wait_exit(process)
+        with self._lock:
+            deleting = process.deleting
+            handed_over = self._closed and not deleting
+        if handed_over:
+            # Closed with its nodes left running: the engine of a restarted master adopts and
+            # watches them. Reaping or removing the node's cgroup here would race that engine,
+            # which may already have started a fresh node of that id in a new cgroup of the
+            # same name.
+            return
         # Reap what the leader left behind in its group before reporting the node as ended.
         stop_process_group(process.pid, self._stop_grace_s, None)
         spec = process.node.spec
-        with self._lock:
-            deleting = process.deleting
         if deleting:
             event = NodeEvent(
                 spec.node_id, spec, NodeState.DELETED, host=self._host, message="deleted on request"
@@ -348,6 +370,48 @@ class LocalEngine(Engine):
         if process is None:
             raise NodeNotFoundError(node_id)
         return process.pid
+
+    def resize(self, node_id: str, resources: Resources) -> Node:
+        """Change the running node's cgroup limits to ``resources`` without restarting anything;
+        returns the node with its new spec. Raises NodeNotFoundError, or ResizeUnsupportedError
+        where it cannot be done in place (the node ended, runs without a cgroup, or would be
+        limited below the memory it uses now): relaunch it instead."""
+        with self._lock:
+            process = self._processes.get(node_id)
+            if process is None:
+                raise NodeNotFoundError(node_id)
+            if process.node.state.is_final:
+                raise ResizeUnsupportedError(f"node {node_id} ended ({process.node.state.value})")
+            cgroup = process.cgroup
+            if cgroup is None:
+                raise ResizeUnsupportedError(
+                    f"node {node_id} runs without a cgroup of its own (launched without "
+                    "resources and not resizable, resources not enforced, or no cgroup could be "
+                    "made): its limits cannot change in place"
+                )
+            old = process.node.spec.resources
+            try:
+                used = cgroup.memory_use_bytes()
+                if resources.memory_mib and resources.memory_mib << 20 < used:
+                    raise ResizeUnsupportedError(
+                        f"node {node_id} uses {used >> 20} MiB now: a {resources.memory_mib} MiB "
+                        "limit would be below it"
+                    )
+                cgroup.set_limits(resources)
+            except (CgroupError, OSError, ValueError) as e:
+                raise ResizeUnsupportedError(f"node {node_id}: {e}") from None
+            process.node.spec = dataclasses.replace(process.node.spec, resources=resources)
+            node = dataclasses.replace(process.node)
+        log.info(
+            "node %s: resized in place (pid %d): %d -> %d MiB, %g -> %g CPU",
+            node_id,
+            process.pid,
+            old.memory_mib,
+            resources.memory_mib,
+            old.cpu,
+            resources.cpu,
+        )
+        return node
 
     def delete(self, node_id: str) -> None:
         """SIGTERM the node's process group, SIGKILL it after ``stop_grace_s``, and return once its

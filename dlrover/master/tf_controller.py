@@ -39,6 +39,7 @@ from dlrover.json_messages import MessageError
 from dlrover.master.job import JobMaster
 from dlrover.master.ps_load import Rates, Throughput
 from dlrover.master.relaunch_policy import OomPolicy, RelaunchPolicy, failure_class_of
+from dlrover.master.resize import resize_in_place
 from dlrover.master.roles import RoleNode
 from dlrover.master.state_store import MemoryStateStore, StateStore
 from dlrover.master.tf_scaling import TfPsScaler, TfWorkerScaler
@@ -136,7 +137,11 @@ class TfController:
     def node_spec(self, role: str, index: int, relaunch_count: int = 0) -> NodeSpec:
         """Slot (role, index)'s attempt, named so that it registers under the engine's id."""
         spec = self.spec.tf_node_spec(role, index, self._master_addr, self._token, relaunch_count)
-        return dataclasses.replace(spec, env={**spec.env, ENV_NODE_NAME: spec.node_id})
+        # Auto-scaled: sized (and a creeping ps resized) in place, which an unsized node allows
+        # only when the engine was told at launch.
+        return dataclasses.replace(
+            spec, env={**spec.env, ENV_NODE_NAME: spec.node_id}, resizable=self.spec.auto_scale
+        )
 
     def start(self) -> None:
         """Launch every node of every role at once: each slot's first attempt, or the attempt a
@@ -329,16 +334,39 @@ class TfController:
         slots are on the ps by then)."""
         return self.throughput.latest is not None
 
-    def resize_role(self, role: str, resources: Resources, reason: str) -> None:
-        """Relaunch every node of ``role`` with ``resources`` (the auto-scaler's plan): each
-        slot's next attempt replaces the current one, on its address where it can be bound, as
-        after a failure (a ps: the chief restores; the chief: it resumes from its checkpoint).
-        These attempts do not use up the slot's max_relaunches."""
+    def resize_role(self, role: str, resources: Resources, reason: str) -> str:
+        """Give every node of ``role`` ``resources`` (the auto-scaler's plan) and say how, for the
+        plan's record. In place where the engine can: the same processes go on (no restart, no
+        restore). Else each slot's next attempt replaces the current one, on its address where
+        it can be bound, as after a failure (a ps: the chief restores; the chief: it resumes
+        from its checkpoint); these attempts do not use up the slot's max_relaunches."""
+        slots = [s for s in self.slots.values() if s.role == role and not s.ended]
+        # A replacement not launched yet starts at the new size.
+        due = {spec.node_id for _, spec in self._due if spec.role == role}
+        self._due = [
+            (when, dataclasses.replace(spec, resources=resources) if spec.node_id in due else spec)
+            for when, spec in self._due
+        ]
+        for slot in slots:
+            if slot.spec.node_id in due:
+                slot.spec = dataclasses.replace(slot.spec, resources=resources)
+        outcome = resize_in_place(
+            self.engine, [s.spec for s in slots if s.spec.node_id not in due], resources
+        )
+        for slot in slots:
+            slot.spec = outcome.in_place.get(slot.spec.node_id, slot.spec)
+        if outcome.in_place:
+            nodes = ", ".join(outcome.in_place)
+            logger.info("resized the %s nodes in place (%s): %s", role, reason, nodes)
+            self.job.event("tf", f"resizing {role}: in place {nodes}")
+        self._relaunch_at(role, [s for s in slots if s.spec.node_id in outcome.relaunch], resources)
+        return outcome.describe()
+
+    def _relaunch_at(self, role: str, slots: list[Slot], resources: Resources) -> None:
+        """Relaunch ``slots`` with ``resources`` (their engine cannot resize them in place)."""
         now = self._clock()
         old, new = [], []
-        for slot in self.slots.values():
-            if slot.role != role or slot.ended:
-                continue
+        for slot in slots:
             spec = self.node_spec(role, slot.index, slot.spec.relaunch_count + 1)
             spec = dataclasses.replace(spec, resources=resources)
             old.append(slot.spec.node_id)
@@ -346,10 +374,10 @@ class TfController:
             slot.spec, slot.registered, slot.serving, slot.usage = spec, "", False, None
             slot.launched_at = now
             slot.planned += 1
+        self._save()  # before launching: a restarted master launches these attempts too
         if not new:
             return
-        self._save()  # before launching: a restarted master launches these attempts too
-        logger.info("resizing the %s nodes (%s): %s", role, reason, ", ".join(old))
+        logger.info("relaunching the %s nodes at their new size: %s", role, ", ".join(old))
         self.job.event("tf", f"resizing {role}: relaunching {', '.join(s.node_id for s in new)}")
         try:
             self.engine.delete_many(old)
@@ -403,25 +431,8 @@ class TfController:
 
     def role_nodes(self) -> list[RoleNode]:
         """Every slot's current attempt: state, relaunches, usage, memory limit."""
-        rows = []
-        for (role, index), slot in sorted(
-            self.slots.items(), key=lambda item: (TF_ROLES.index(item[0][0]), item[0][1])
-        ):
-            usage = slot.usage
-            rows.append(
-                RoleNode(
-                    node_id=slot.spec.node_id,
-                    role=role,
-                    index=index,
-                    state=slot.state,
-                    relaunches=slot.spec.relaunch_count,
-                    cpu_percent=usage.cpu_percent if usage else 0.0,
-                    memory_bytes=usage.memory_bytes if usage else 0,
-                    memory_limit_bytes=slot.spec.resources.memory_mib * 2**20,
-                    pid=usage.pid if usage else 0,
-                )
-            )
-        return rows
+        order = sorted(self.slots, key=lambda key: (TF_ROLES.index(key[0]), key[1]))
+        return [self.slots[key].role_node() for key in order]
 
     def _scale_out(self, count: int, request: int) -> None:
         before = self.counts["ps"]

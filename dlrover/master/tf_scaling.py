@@ -15,7 +15,8 @@ with its data position, so every sample is still trained once.
 ps (`TfPsScaler`): a ps whose CPU is well above the others' (a hot embedding shard) or at its
 limit (saturated) adds a ps, up to ``roles.ps.max_count``, through the chief's re-partition from
 a checkpoint; a ps whose memory creeps past 90% of its limit resizes the ps (peak x 1.3) before
-the OOM kill.
+the OOM kill: in place where the engine can (the same ps process goes on with a higher limit),
+else relaunched at that size (the chief restores it).
 """
 
 from __future__ import annotations
@@ -250,8 +251,8 @@ class PsScaledController(Protocol):
         """Ask for ``count`` ps; ValueError while a scaling is in progress."""
         ...
 
-    def resize_role(self, role: str, resources: Resources, reason: str) -> None:
-        """Relaunch ``role``'s nodes with ``resources``."""
+    def resize_role(self, role: str, resources: Resources, reason: str) -> str:
+        """Give ``role``'s nodes ``resources`` (in place, else relaunched); says which."""
         ...
 
 
@@ -343,7 +344,7 @@ class TfPsScaler:
         summary = f"auto-scale: {what}{plan.nodes if plan.resources is None else ''}: {plan.reason}"
         try:
             if plan.resources is not None:
-                c.resize_role("ps", plan.resources, plan.reason)
+                summary += f": {c.resize_role('ps', plan.resources, plan.reason)}"
             else:
                 c.request_scale("ps", plan.nodes)
         except ValueError as e:  # a ps scaling asked by hand is underway

@@ -6,10 +6,13 @@ peak resident memory, from the usage reports the nodes send (`dlrover.coordinati
 A ps holds its share of the variables from the chief's build and its optimizer slots from the
 first step, so by then its peak is what its variables and slots take with TensorFlow's own. After
 ``sizing_window_s`` each role gets the resources `size_from_usage` gives (peak x margin, cores
-used x margin), and the controller relaunches its nodes at that size: on the local engine
-those are cgroup limits from then on (an underestimate is an OOM kill, which relaunches the
-node 1.5x bigger). Each plan is logged with its reason, kept as the job's latest plan
-(`dlrover status`) and put on the timeline (dashboard, the plans an ended job leaves).
+used x margin), and the controller gives its nodes that size in place where the engine can
+(the local engine raises the running node's cgroup limits: no restart, the chief keeps its
+state) and relaunches them at that size where it cannot. On the local engine those are cgroup
+limits from then on (an underestimate is an OOM kill, which relaunches the node 1.5x bigger).
+Each plan is logged with its reason and how it was applied ("resized in place" or
+"relaunched"), kept as the job's latest plan (`dlrover status`) and put on the timeline
+(dashboard, the plans an ended job leaves).
 """
 
 from __future__ import annotations
@@ -70,8 +73,8 @@ class SizedController(Protocol):
         """Every slot's current attempt."""
         ...
 
-    def resize_role(self, role: str, resources: Resources, reason: str) -> None:
-        """Relaunch ``role``'s nodes with ``resources``."""
+    def resize_role(self, role: str, resources: Resources, reason: str) -> str:
+        """Give ``role``'s nodes ``resources`` (in place, else relaunched); says which."""
         ...
 
 
@@ -134,10 +137,10 @@ class TfSizer:
             ]
             plan = size_role(role, usage, self._margin)
             self.sized.add(role)
-            summary = f"auto-scale: resize {plan.reason}"
+            done = self._controller.resize_role(role, plan.resources, plan.reason)
+            summary = f"auto-scale: resize {plan.reason}: {done}"
             logger.info("%s", summary)
-            self._job.diagnostics.scale_plan(summary, f"resize {plan.reason}")
-            self._controller.resize_role(role, plan.resources, plan.reason)
+            self._job.diagnostics.scale_plan(summary, summary.removeprefix("auto-scale: "))
         self._since = None
         self._peaks.clear()
         self._cores.clear()

@@ -9,6 +9,7 @@ from typing import Any
 
 from dlrover.coordination import TfNodeUsage
 from dlrover.engines.base import NodeSpec, Resources
+from dlrover.master.roles import RoleNode
 
 
 @dataclasses.dataclass
@@ -45,6 +46,21 @@ class Slot:
             return self.ended
         up = {"ps": self.serving, "worker": self.serving, "chief": bool(self.registered)}
         return "running" if up.get(self.role, self.usage is not None) else "pending"
+
+    def role_node(self) -> RoleNode:
+        """The current attempt as `dlrover status` shows it: state, relaunches, usage, limit."""
+        usage = self.usage
+        return RoleNode(
+            node_id=self.spec.node_id,
+            role=self.role,
+            index=self.index,
+            state=self.state,
+            relaunches=self.spec.relaunch_count,
+            cpu_percent=usage.cpu_percent if usage else 0.0,
+            memory_bytes=usage.memory_bytes if usage else 0,
+            memory_limit_bytes=self.spec.resources.memory_mib * 2**20,
+            pid=usage.pid if usage else 0,
+        )
 
 
 def attempt_record(spec: NodeSpec) -> dict[str, Any]:

@@ -15,6 +15,8 @@ from dlrover.engines.base import (
     NodeNotFoundError,
     NodeSpec,
     NodeState,
+    ResizeUnsupportedError,
+    Resources,
 )
 
 
@@ -25,6 +27,8 @@ class FakeEngine(Engine):
     `fail_launch_of` makes launches of those node ids raise LaunchError (for partial-batch tests).
     `launch_barrier`, when set, makes every launch wait on it, so a test can prove launches
     overlap (a batch of N only passes an N-party barrier if all N run at once).
+    `resizable` makes `resize` succeed for running and pending nodes (recorded in `resized`);
+    otherwise it answers as an engine that cannot resize.
     """
 
     def __init__(self) -> None:
@@ -32,6 +36,8 @@ class FakeEngine(Engine):
         self.deleted: list[str] = []
         self.fail_launch_of: set[str] = set()
         self.launch_barrier: threading.Barrier | None = None
+        self.resizable = False
+        self.resized: list[tuple[str, Resources]] = []
         self.closed = False
         self._nodes: dict[str, Node] = {}
         self._queue = EventQueue()
@@ -66,6 +72,21 @@ class FakeEngine(Engine):
             if node.state.is_final:
                 return
         self.emit(node_id, NodeState.DELETED)
+
+    def resize(self, node_id: str, resources: Resources) -> Node:
+        """With ``resizable``, record the call and give the node ``resources``; otherwise (or
+        for a node that ended) ResizeUnsupportedError. NodeNotFoundError for an unknown id."""
+        if not self.resizable:
+            return super().resize(node_id, resources)
+        with self._lock:
+            node = self._nodes.get(node_id)
+            if node is None:
+                raise NodeNotFoundError(node_id)
+            if node.state.is_final:
+                raise ResizeUnsupportedError(f"node {node_id} ended ({node.state.value})")
+            node.spec = dataclasses.replace(node.spec, resources=resources)
+            self.resized.append((node_id, resources))
+            return dataclasses.replace(node)
 
     def list_nodes(self) -> list[Node]:
         """Copies of every launched node, in the state the test last emitted."""

@@ -192,8 +192,11 @@ def main() -> None:
 
     grown: dict[str, Any] = {"strategy": None, "blocks": []}
     """--grow-mb: the blocks added to the ps of the current strategy so far."""
+    times: dict[str, float] = {"imported_at": time.time()}
+    """Wall-clock moments of the chief's run (the benchmark tells where a job's time went)."""
 
     def on_shard(trainer: PsTrainer, shards: int) -> None:
+        times.setdefault("first_shard_at", time.time())
         progress.write(f"{shards} {trainer.batches} {len(trainer.recoveries)}\n")
         progress.flush()
         if args.grow_mb:
@@ -228,8 +231,10 @@ def main() -> None:
         on_shard=on_shard,
     )
     started = time.monotonic()
+    times["fit_started_at"] = time.time()
     trainer.fit()
     seconds = time.monotonic() - started
+    times["fit_ended_at"] = time.time()
     assert trainer.state is not None
     extra = trainer.state.extra
     model = {name: tf.convert_to_tensor(v).numpy() for name, v in extra["params"].items()}
@@ -259,6 +264,8 @@ def main() -> None:
             }
             for r in trainer.recoveries
         ],
+        **times,
+        "ended_at": time.time(),
     }
     (out / "report.json").write_text(json.dumps(report, indent=1))
     print(

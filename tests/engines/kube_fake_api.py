@@ -19,6 +19,21 @@ _PATH = re.compile(
 )
 _KINDS = {"pods": "Pod", "services": "Service"}
 _LOG_PATH = re.compile(r"^/api/v1/namespaces/(?P<ns>[^/]+)/pods/(?P<name>[^/]+)/log$")
+_RESIZE_PATH = re.compile(r"^/api/v1/namespaces/(?P<ns>[^/]+)/pods/(?P<name>[^/]+)/resize$")
+
+
+def _qos(pod: dict[str, Any]) -> str:
+    """The pod's QoS class as the API computes it (from its containers' requests and limits)."""
+    containers = [c.get("resources", {}) for c in pod["spec"]["containers"]]
+    if not any(r.get("requests") or r.get("limits") for r in containers):
+        return "BestEffort"
+    guaranteed = all(
+        (r.get("limits") or {}).get(k)
+        and (r.get("requests") or {}).get(k, r["limits"][k]) == r["limits"][k]
+        for r in containers
+        for k in ("cpu", "memory")
+    )
+    return "Guaranteed" if guaranteed else "Burstable"
 
 
 @dataclasses.dataclass
@@ -70,7 +85,10 @@ class FakeKubeApi:
       until timeoutSeconds; a version older than the retained history gets an ERROR event
       with a 410 Expired Status (as the real API does);
     - create of an existing name -> 409 AlreadyExists; get/delete of a missing one -> 404
-      NotFound, both as Status objects.
+      NotFound, both as Status objects;
+    - PATCH of a pod's ``resize`` subresource (a strategic merge of its containers' resources,
+      Kubernetes 1.33+) changes them in place, 422 where the QoS class would change (as the
+      API refuses); ``resize_subresource = False`` answers 404, as an older server.
 
     Test hooks play the kubelet and the cluster: `set_pod_status`, `remove_pod` (someone else
     deletes), `drop_watches` (cut every open stream mid-flight), `compact` (forget history).
@@ -92,6 +110,8 @@ class FakeKubeApi:
         """Answer 403 to cluster-wide lists (a service account without the ClusterRole)."""
         self.watch_requests: list[dict[str, str]] = []
         self.pod_logs: dict[tuple[str, str], str] = {}
+        self.resize_subresource = True
+        """False: an API server before pods/resize (1.33): its PATCH is a 404."""
         """(namespace, pod) -> its container's log, served at .../pods/NAME/log (test-written)."""
         api = self
 
@@ -109,6 +129,9 @@ class FakeKubeApi:
 
             def do_DELETE(self) -> None:
                 api._handle(self, "DELETE")
+
+            def do_PATCH(self) -> None:
+                api._handle(self, "PATCH")
 
         self._server = _QuietServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
@@ -217,13 +240,24 @@ class FakeKubeApi:
         if method == "GET" and log_match is not None:
             self._pod_log(request, log_match["ns"], log_match["name"], query)
             return
+        if method == "PATCH":
+            # Read before any answer: a body left unread would corrupt the kept-alive connection.
+            length = int(request.headers.get("Content-Length") or 0)
+            patch = json.loads(request.rfile.read(length) or b"{}")
+        resize = _RESIZE_PATH.match(url.path) if self.resize_subresource else None
+        if method == "PATCH" and resize is not None:
+            kind = request.headers.get("Content-Type", "")
+            with self._cond:
+                code, reply = self._resize(resize["ns"], resize["name"], patch, kind)
+            self._reply(request, code, reply)
+            return
         match = _PATH.match(url.path)
         if match is None:
             self._reply(request, 404, _status(404, "NotFound", f"no route {url.path}"))
             return
         kind, namespace, name = match["kind"], match["ns"], match["name"]
         length = int(request.headers.get("Content-Length") or 0)
-        body = json.loads(request.rfile.read(length)) if length else None
+        body = json.loads(request.rfile.read(length)) if length and method != "PATCH" else None
         if method == "GET" and name is None and query.get("watch") in ("true", "1", "True"):
             self._watch(request, kind, namespace, query)
             return
@@ -296,6 +330,30 @@ class FakeKubeApi:
             self._record(kind, namespace, "DELETED", obj)
             return 200, copy.deepcopy(obj)
         return 405, _status(405, "MethodNotAllowed", f"{method} not supported here")
+
+    def _resize(
+        self, namespace: str, name: str, patch: dict[str, Any], content_type: str
+    ) -> tuple[int, dict[str, Any]]:
+        """A strategic merge of the containers' resources, as the resize subresource takes."""
+        if content_type != "application/strategic-merge-patch+json":
+            message = f"the fake takes a strategic merge patch, not {content_type}"
+            return 415, _status(415, "UnsupportedMediaType", message)
+        pod = self._objects.get(("pods", namespace, name))
+        if pod is None:
+            return 404, _status(404, "NotFound", f'pods "{name}" not found', name, "pods")
+        resized = copy.deepcopy(pod)
+        containers = {c["name"]: c for c in resized["spec"]["containers"]}
+        for change in patch.get("spec", {}).get("containers", []):
+            if change["name"] not in containers:
+                message = f'pods "{name}" has no container "{change["name"]}"'
+                return 422, _status(422, "Invalid", message, name, "pods")
+            containers[change["name"]]["resources"] = change["resources"]
+        if _qos(resized) != _qos(pod):
+            message = f'Pod "{name}" is invalid: spec: Invalid value: "{_qos(resized)}": Pod QoS is immutable'
+            return 422, _status(422, "Invalid", message, name, "pods")
+        self._objects[("pods", namespace, name)] = resized
+        self._record("pods", namespace, "MODIFIED", resized)
+        return 200, copy.deepcopy(resized)
 
     def _pod_log(
         self, request: BaseHTTPRequestHandler, namespace: str, name: str, query: dict[str, str]

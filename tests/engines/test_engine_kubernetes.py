@@ -9,7 +9,14 @@ from typing import Any
 
 import pytest
 
-from dlrover.engines.base import FailureReason, NodeEvent, NodeSpec, NodeState, Resources
+from dlrover.engines.base import (
+    FailureReason,
+    NodeEvent,
+    NodeSpec,
+    NodeState,
+    ResizeUnsupportedError,
+    Resources,
+)
 from dlrover.engines.base import wait_for_event as wait_for
 from dlrover.engines.kube_manifests import OwnerReference, PodSettings
 from dlrover.engines.kube_pod_state import pod_outcome
@@ -382,3 +389,36 @@ def test_capacity_is_the_roomiest_ready_machine_less_its_pods_requests(
     assert engine.capacity() == Capacity(3.92, 16384)  # an ended pod holds nothing
     api.forbid_cluster_reads = True  # no ClusterRole for nodes: unknown, not an error
     assert engine.capacity() == Capacity()
+
+
+def test_a_running_pod_is_resized_in_place_and_what_the_api_refuses_is_said(
+    engine: Any, api: Any
+) -> None:
+    spec = _spec(memory_mib=1024)
+    engine.launch(spec)
+    api.set_pod_status(NS, spec.node_id, RUNNING)
+    wait_for(engine, lambda e: e.state is NodeState.RUNNING, 10)
+    grown = Resources(cpu=2.0, memory_mib=1536, gpu=1)
+    node = engine.resize(spec.node_id, grown)
+    assert node.node_id == spec.node_id and node.spec.resources == grown
+    assert ("PATCH", f"/api/v1/namespaces/{NS}/pods/{spec.node_id}/resize") in api.requests
+    resources = api.pod(NS, spec.node_id)["spec"]["containers"][0]["resources"]
+    assert resources["requests"]["memory"] == resources["limits"]["memory"] == "1536Mi"
+    assert resources["requests"]["cpu"] == "2"
+    assert [p["metadata"]["name"] for p in api.pods(NS)] == [spec.node_id]  # the same pod
+    with pytest.raises(ResizeUnsupportedError, match="GPUs and /dev/shm cannot change in place"):
+        engine.resize(spec.node_id, Resources(cpu=2.0, memory_mib=2048, gpu=2))
+    # A pod launched without resources is BestEffort: the API keeps its QoS class.
+    bare = NodeSpec(job_name="kjob", rank=1, command=("dlrover-run", "train.py"))
+    engine.launch(bare)
+    with pytest.raises(ResizeUnsupportedError, match="422 .*Pod QoS is immutable"):
+        engine.resize(bare.node_id, Resources(memory_mib=512))
+    assert api.pod(NS, bare.node_id)["spec"]["containers"][0]["resources"] == {
+        "requests": {},
+        "limits": {},
+    }
+    api.resize_subresource = False  # an API server before Kubernetes 1.33
+    with pytest.raises(ResizeUnsupportedError, match="refused the pod resize \\(404"):
+        engine.resize(spec.node_id, Resources(cpu=2.0, memory_mib=2048, gpu=1))
+    assert {n.node_id: n.spec.resources for n in engine.list_nodes()}[spec.node_id] == grown
+    assert not [e for e in engine.events(0.2) if e.state.is_final]  # nothing restarted

@@ -2,13 +2,18 @@
 the local engine: workers added while samples/s grows, a third ps for a hot ps of a skewed
 table, and a ps whose memory creeps to its limit resized before the OOM kill. Each submits the
 Wide & Deep example with `auto_scale` and short plan intervals; the oracle is every sample id
-trained once (a variable on the ps counts them) and the plans in `dlrover status`."""
+trained once (a variable on the ps counts them) and the plans in `dlrover status` (and, for the
+resize, the ps' own cgroup read while the job runs)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import re
+import subprocess
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +21,7 @@ import numpy as np
 import pytest
 
 from dlrover.engines.cgroups import CgroupRoot
-from tests.conftest import REPO, dlrover_cli
+from tests.conftest import REPO, clean_env, dlrover_cli, run_cmd
 
 pytestmark = [
     pytest.mark.extras,
@@ -31,10 +36,16 @@ EXAMPLE = REPO / "examples" / "tf_ps" / "wide_deep.py"
 
 
 def _submit(
-    tmp_path: Path, name: str, args: list[str], roles: dict[str, Any], **env: str
+    tmp_path: Path,
+    name: str,
+    args: list[str],
+    roles: dict[str, Any],
+    watch: Callable[[], None] = lambda: None,
+    **env: str,
 ) -> tuple[Path, str]:
-    """`dlrover submit` the example as job ``name`` with ``auto_scale``; asserts it ended 0 and
-    every sample was trained once; returns its DLROVER_HOME and its final `dlrover status`."""
+    """`dlrover submit` the example as job ``name`` with ``auto_scale`` (``watch`` is called
+    every 0.2 s while it runs); asserts it ended 0 and every sample was trained once; returns
+    its DLROVER_HOME and its final `dlrover status`."""
     out = tmp_path / name
     spec = {
         "name": name,
@@ -47,8 +58,25 @@ def _submit(
     path = tmp_path / f"{name}.yaml"
     path.write_text(json.dumps(spec))
     home = tmp_path / "home"
-    submitted = dlrover_cli(home, "submit", str(path), timeout=300, **env)
-    assert submitted.returncode == 0, submitted.stderr[-4000:]
+    log = tmp_path / f"{name}.log"
+    with open(log, "w") as output:
+        submitted = subprocess.Popen(
+            [*run_cmd("dlrover.cli.job"), "submit", str(path)],
+            env=clean_env(DLROVER_HOME=str(home), **env),
+            cwd=REPO,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 300
+        while submitted.poll() is None:
+            if time.monotonic() > deadline:
+                submitted.kill()
+                submitted.wait()
+                pytest.fail(f"job {name} did not end within 300 s: {log.read_text()[-4000:]}")
+            watch()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                submitted.wait(timeout=0.2)
+    assert submitted.returncode == 0, log.read_text()[-4000:]
     with np.load(out / "model.npz") as model:
         assert (model["seen"] == 1).all(), np.flatnonzero(model["seen"] != 1)[:20]
     return home, dlrover_cli(home, "status", name).stdout
@@ -105,9 +133,22 @@ def test_a_hot_ps_of_a_skewed_table_is_named_and_a_third_ps_splits_its_part(
 @pytest.mark.skipif(
     CgroupRoot.detect()[0] is None, reason="no cgroup can be made here for a memory limit"
 )
-def test_a_ps_whose_memory_creeps_to_its_limit_is_resized_before_any_oom_kill(
+def test_a_ps_whose_memory_creeps_to_its_limit_is_resized_in_place_before_any_oom_kill(
     tmp_path: Path,
 ) -> None:
+    root = CgroupRoot.detect()[0]
+    assert root is not None
+    seen: list[tuple[int | None, set[int]]] = []
+    """The ps' cgroup limit and its processes, read while the job runs."""
+
+    def watch() -> None:
+        node = root.existing("creep-ps-0-0")
+        if node is None:
+            return
+        with contextlib.suppress(OSError, ValueError):  # the node is starting or ending
+            procs = {int(p) for p in (node.dirs[0] / "cgroup.procs").read_text().split()}
+            seen.append((node.memory_limit_bytes(), procs))
+
     limit = {"resources": {"memory": "2Gi"}}
     # 4 MiB more on the ps per shard: ~600 MiB at the start, past 810 (90%) within 60 shards.
     args = ["--size", "120000", "--grow-mb", "4", "--shard-delay", "0.2"]
@@ -117,15 +158,25 @@ def test_a_ps_whose_memory_creeps_to_its_limit_is_resized_before_any_oom_kill(
         "creep",
         args,
         roles,
+        watch,
         DLROVER_AUTOSCALE_INTERVAL_S="1",
         DLROVER_TF_USAGE_INTERVAL_S="1",
     )
     resized = re.search(
-        r"resize ps: ps 0 \(creep-ps-0-0\) memory creeps to (\d+) of 900 MiB: (\d+) MiB", final
+        r"resize ps: ps 0 \(creep-ps-0-0\) memory creeps to (\d+) of 900 MiB: (\d+) MiB "
+        r"\(x1\.3\): resized in place",
+        final,
     )
     assert resized and int(resized.group(1)) > 810, final
-    row = re.search(r"^creep-ps-0-(\d+) +ps +0 +\S+ +-1 +\d+ +\d+ +\d+ +(\d+) ", final, re.M)
-    assert row and int(row.group(1)) >= 1 and int(row.group(2)) > 900, final  # relaunched bigger
+    # The same attempt (never relaunched), at the new limit, and its pid is the one that served
+    # under 900 MiB and after the resize.
+    row = re.search(r"^creep-ps-0-0 +ps +0 +\S+ +-1 +0 +\d+ +\d+ +(\d+) +(\d+) ", final, re.M)
+    assert row and int(row.group(1)) == int(resized.group(2)), final
+    pid = int(row.group(2))
+    before = [procs for mib, procs in seen if mib == 900 << 20]
+    after = [procs for mib, procs in seen if mib == int(resized.group(2)) << 20]
+    assert before and after, sorted({mib for mib, _ in seen}, key=str)
+    assert pid in before[0] and pid in after[-1], (pid, before[0], after[-1])
     assert "failures: none" in final, final  # no OOM kill
     report = json.loads((tmp_path / "creep" / "report.json").read_text())
     assert report["eval_loss"] < 0.55, report

@@ -412,9 +412,11 @@ def test_unsized_roles_are_sized_from_their_measured_peaks_and_relaunched_at_tha
     assert launched["tfjob-worker-0-1"] == Resources(cpu=2.0, memory_mib=520)  # 400 x 1.3
     assert launched["tfjob-chief-0-1"] == Resources(cpu=1.0, memory_mib=390)
     plans = [text for _, kind, text in h.job.events if kind == "scale"]
-    assert "resize worker: measured peak 400 MiB and 1.2 cores per node: 520 MiB, 2 CPU (x1.3)" in (
-        plans
-    )
+    assert (
+        "resize worker: measured peak 400 MiB and 1.2 cores per node: 520 MiB, 2 CPU (x1.3): "
+        "relaunched (tfjob-worker-0-0, tfjob-worker-1-0: the FakeEngine cannot resize a running "
+        "node)"
+    ) in plans
     assert h.job.scale_summary.startswith("auto-scale: resize ")
     rows = {n.node_id: n for n in LocalMasterApi(h.job).get_job_status().nodes}
     assert rows["tfjob-worker-0-1"].memory_limit_bytes == 520 * 2**20
@@ -429,6 +431,40 @@ def test_unsized_roles_are_sized_from_their_measured_peaks_and_relaunched_at_tha
     now[0] = 100.0
     h.step()
     assert len(plans) == len([1 for _, kind, _ in h.job.events if kind == "scale"])  # once
+
+
+def test_where_the_engine_resizes_in_place_every_role_is_sized_without_a_restart() -> None:
+    h = Harness()
+    h.engine.resizable = True
+    h.bring_up()
+    launched = len(h.engine.launched)
+    now = [0.0]
+    h.controller.sizer = TfSizer(h.job, h.controller, sizing_window_s=1.0, clock=lambda: now[0])
+    h.job.kv.set(TF_PROGRESS_KEY, TfProgress(batches=10, samples=2000, at=1.0).encode())
+    for node in [n.node_id for n in h.controller.role_nodes()]:
+        usage = TfNodeUsage(50.0, 300 * 2**20, 300 * 2**20, 1, 0.0)
+        h.job.kv.set(TF_USAGE_KEY + node, usage.encode())
+    for now[0] in (0.0, 2.0):
+        h.step()
+    sized = Resources(cpu=1.0, memory_mib=390)
+    assert sorted(h.engine.resized) == [
+        (node, sized)
+        for node in (
+            "tfjob-chief-0-0",
+            "tfjob-evaluator-0-0",
+            "tfjob-worker-0-0",
+            "tfjob-worker-1-0",
+        )
+    ]
+    assert not h.engine.deleted and len(h.engine.launched) == launched  # the chief goes on
+    plans = [text for _, kind, text in h.job.events if kind == "scale"]
+    assert (
+        "resize chief: measured peak 300 MiB and 0.5 cores per node: 390 MiB, 1 CPU (x1.3): "
+        "resized in place"
+    ) in plans
+    rows = {n.node_id: n for n in LocalMasterApi(h.job).get_job_status().nodes}
+    assert rows["tfjob-chief-0-0"].memory_limit_bytes == 390 * 2**20
+    assert h.generation() == 1  # no ps was relaunched: the chief is not told to rebuild
 
 
 def test_nothing_is_sized_from_a_node_that_never_reported_its_usage() -> None:

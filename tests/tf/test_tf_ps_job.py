@@ -470,13 +470,11 @@ def test_a_job_without_resources_is_sized_from_measurement_and_completes_at_that
     assert report["eval_loss"] < 0.55
     final = dlrover_cli(home, "status", "sized").stdout
     for role in ("chief", "ps", "worker"):
-        assert re.search(rf"resize {role}: measured peak \d+ MiB and [\d.]+ cores per node", final)
-        row = re.search(
-            rf"^sized-{role}-0-(\d+) +{role} +0 +\S+ +-1 +\d+ +\d+ +\d+ +(\d+) ", final, re.M
-        )
-        assert row and int(row.group(1)) >= 1 and int(row.group(2)) > 0, (
-            final
-        )  # relaunched, limited
+        plan = rf"resize {role}: measured peak \d+ MiB and [\d.]+ cores per node: (\d+) MiB"
+        sized = re.search(plan + r", [\d.]+ CPU \(x1\.3\): resized in place", final)
+        # The first attempt of each role (the chief too: no restart, no restore), now limited.
+        row = re.search(rf"^sized-{role}-0-0 +{role} +0 +\S+ +-1 +0 +\d+ +\d+ +(\d+) ", final, re.M)
+        assert sized and row and row.group(1) == sized.group(1), final
     assert "failures: none" in final, final  # sized before any OOM kill
     diagnose = dlrover_cli(home, "diagnose", "sized").stdout
     assert "no failures recorded" in diagnose and "resize ps: measured peak" in diagnose, diagnose

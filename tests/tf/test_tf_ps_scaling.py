@@ -59,7 +59,7 @@ class Job:
     """A job of 1 chief, 2 ps (1 CPU, 1000 MiB each, at most ``most``) and 1 worker; the ps
     report their usage once per second of the fake clock."""
 
-    def __init__(self, most: int = 3) -> None:
+    def __init__(self, most: int = 3, resizable: bool = False) -> None:
         spec = job_spec_from_dict(
             {
                 "name": "j",
@@ -78,6 +78,7 @@ class Job:
         self.now = 0.0
         self.job = JobMaster(JobMasterConfig("j"), MemoryStateStore())
         self.engine = FakeEngine()
+        self.engine.resizable = resizable
         self.controller = TfController(self.job, self.engine, spec, "m:1", "t", clock=self.clock)
         self.scaler = TfPsScaler(self.job, self.controller, most, 2.0, 2.0, self.clock)
         self.controller.ps_scaler = self.scaler
@@ -140,10 +141,40 @@ def test_a_ps_whose_memory_creeps_is_resized_before_the_oom_kill() -> None:
         "j-ps-0-1": 1235,
         "j-ps-1-1": 1235,
     }
-    assert "resize ps: ps 1 (j-ps-1-0) memory creeps to 950 of 1000 MiB: 1235 MiB (x1.3)" in (
-        job.plans()
-    )
+    assert (
+        "resize ps: ps 1 (j-ps-1-0) memory creeps to 950 of 1000 MiB: 1235 MiB (x1.3): relaunched "
+        "(j-ps-0-0, j-ps-1-0: the FakeEngine cannot resize a running node)"
+    ) in job.plans()
     # The resize used none of the slot's relaunches: a later OOM kill still grows it 1.5x.
     job.engine.fail("j-ps-1-1", FailureReason.OOM_KILLED)
     job.controller.step(0.0)
     assert job.engine.launched[-1].resources.memory_mib == 1853
+
+
+def test_an_engine_that_resizes_in_place_keeps_the_ps_running_and_relaunches_nothing() -> None:
+    job = Job(resizable=True)
+    launched = len(job.engine.launched)
+    job.run(6, [20.0, 20.0], [700, 950])
+    grown = Resources(cpu=1.0, memory_mib=1235)
+    assert job.engine.resized == [("j-ps-0-0", grown), ("j-ps-1-0", grown)]
+    assert not job.engine.deleted and len(job.engine.launched) == launched
+    assert (
+        "resize ps: ps 1 (j-ps-1-0) memory creeps to 950 of 1000 MiB: 1235 MiB (x1.3): "
+        "resized in place"
+    ) in job.plans()
+    rows = {n.node_id: n for n in job.controller.role_nodes() if n.role == "ps"}
+    assert set(rows) == {"j-ps-0-0", "j-ps-1-0"}  # the same attempts, serving on
+    assert all(r.memory_limit_bytes == 1235 << 20 and r.state == "running" for r in rows.values())
+    assert job.controller.role_resources("ps") == grown
+    # A ps that failed meanwhile and waits for its relaunch starts at the next size.
+    job.controller._relaunch_delay_s = 60.0
+    job.engine.fail("j-ps-0-0", FailureReason.SIGNAL)
+    job.engine.fail("j-worker-0-0", FailureReason.SIGNAL)  # another role's: keeps its size
+    job.run(6, [20.0, 20.0], [1200, 1200])  # past 90% of 1235 MiB
+    assert ("j-ps-1-0", Resources(cpu=1.0, memory_mib=1560)) in job.engine.resized
+    assert job.controller.slots[("ps", 0)].spec.resources.memory_mib == 1560
+    assert job.controller.slots[("worker", 0)].spec.resources == Resources()
+    job.now += 60.0
+    job.controller.step(0.0)
+    launched = {spec.node_id: spec.resources for spec in job.engine.launched}
+    assert launched["j-ps-0-1"].memory_mib == 1560 and launched["j-worker-0-1"] == Resources()
