@@ -100,7 +100,10 @@ def test_a_job_started_with_one_worker_adds_one_while_it_raises_samples_per_seco
     )
     report = json.loads((tmp_path / "scaled" / "report.json").read_text())
     assert report["workers"] == 2 and report["eval_loss"] < 0.55, report
-    assert [r["what"] for r in report["recoveries"]] == ["worker 1 -> 2"], report["recoveries"]
+    # The second worker joined the chief's running strategy: no checkpoint, no restart.
+    grown = [(r["kind"], r["what"], r["restored"]) for r in report["recoveries"]]
+    assert grown == [("grow", "worker 1 -> 2", grown[0][2])], report["recoveries"]
+    assert report["recoveries"][0]["pause_s"] < 2.0, report["recoveries"]
     assert re.search(r"scale_out worker 1 -> 2: first step from MIN", final), final
     assert re.search(r"^scaled-worker-1-0 +worker +1 ", final, re.M), final
 

@@ -26,6 +26,7 @@ from dlrover.master.tf_controller import TfController
 from dlrover.master.tf_scaling import TfWorkerScaler, saturated_ps
 from dlrover.master.tf_sizing import TfSizer
 from dlrover.testing.fake_engine import FakeEngine
+from dlrover.trainer.tf.grow import workers_added
 
 INTERVAL_S = 5.0
 WINDOW_S = 4.0
@@ -268,3 +269,14 @@ def test_a_master_restarted_mid_change_finishes_it() -> None:
     job.bring_up()
     job.run(2, {2: 1000.0})  # the chief's report on the old cluster, then on the new one
     assert job.engine.deleted == ["w-worker-2-0"]
+
+
+def test_only_workers_appended_to_the_cluster_join_the_chief_in_place() -> None:
+    old = {"chief": ["c:1"], "ps": ["p:1", "p:2"], "worker": ["w:1"]}
+    assert workers_added(old, {**old, "worker": ["w:1", "w:2", "w:3"]}) == ["w:2", "w:3"]
+    assert workers_added(old, old) == []
+    # Anything else changed: the chief starts again on the new cluster, as before.
+    assert workers_added(old, {**old, "worker": ["w:9", "w:2"]}) == []  # a worker moved
+    assert workers_added(old, {**old, "worker": []}) == []  # fewer workers
+    assert workers_added(old, {**old, "ps": ["p:1", "p:2", "p:3"], "worker": ["w:1", "w:2"]}) == []
+    assert workers_added(old, {**old, "evaluator": ["e:1"], "worker": ["w:1", "w:2"]}) == []

@@ -36,6 +36,7 @@ from dlrover.client.sharding_client import ShardingClient
 from dlrover.constants import ENV_TF_RESCALE as ENV_RESCALE
 from dlrover.coordination import PsGeneration, TfCluster, TfProgress
 from dlrover.sharding.types import DatasetSpec, Position, Shard
+from dlrover.trainer.tf.grow import grow_workers, workers_added
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +84,9 @@ class Recovery:
     restored_sequence: int
     """The checkpoint restored (its sequence number; -1: none, trained from the start)."""
     kind: str = "ps_lost"
-    """``ps_lost``, or ``rescale``: the cluster changed (more ps, or a ps relaunched at another
-    address) and the chief started again on it."""
+    """``ps_lost``; ``rescale``: the cluster changed (more ps, fewer workers, a node relaunched
+    at another address) and the chief started again on it; or ``grow``: workers were added to
+    the running strategy (no checkpoint, no restart)."""
 
     @property
     def pause_s(self) -> float:
@@ -415,7 +417,7 @@ class PsTrainer:
         self.save()
         return self.shards_done
 
-    def _rescale_due(self) -> int | None:
+    def _rescale_due(self) -> PsGeneration | None:
         """The ps generation of a newer cluster whose ps all serve (the master scaled them), or
         None. While the master is unreachable (it is being restarted) none is due: the check
         runs again after the next shard, and training goes on meanwhile."""
@@ -428,16 +430,57 @@ class PsTrainer:
             return None
         published = PsGeneration.decode(raw)
         if published.cluster_version > self.cluster_version:
-            return published.generation
+            return published
         return None
 
-    def _rescale(self, generation: int) -> None:
-        """Checkpoint on the current ps, then build over the new cluster, which starts this
-        script again (`_build`): the new process restores the checkpoint, which re-partitions
-        the variables over the new number of ps."""
+    def _rescale(self, published: PsGeneration) -> None:
+        """Train on the master's new cluster. Workers added (nothing else changed) join this
+        process's strategy in place (`grow_workers`); any other change checkpoints on the
+        current ps, then builds over the new cluster, which starts this script again
+        (`_build`): the new process restores the checkpoint, which re-partitions the variables
+        over the new number of ps."""
         started = time.time()
+        if self._grow(published):
+            return
         self.save()
-        self._build(generation, started=started, saved_s=time.time() - started)
+        self._build(published.generation, started=started, saved_s=time.time() - started)
+
+    def _grow(self, published: PsGeneration) -> bool:
+        """Add the workers of ``published``'s cluster to the running strategy, when adding
+        workers is all that changed and TensorFlow lets it; every scheduled closure is done."""
+        version = published.cluster_version
+        raw = self._client.kv_get(f"{c.TF_CLUSTER_KEY}/{version}")
+        if not raw:
+            return False
+        cluster = {k: list(v) for k, v in TfCluster.decode(raw).cluster.items()}
+        added = workers_added(self._joined, cluster)
+        if not added:
+            return False
+        started = time.monotonic()
+        if not grow_workers(self.strategy, self.coordinator, cluster):
+            return False
+        before = len(self._joined.get("worker", []))
+        self.cluster = self._joined = cluster
+        self.cluster_version = version
+        self.generation = published.generation
+        recovery = Recovery(
+            f"worker {before} -> {len(cluster['worker'])}",
+            0.0,
+            time.monotonic() - started,
+            self.sequence,
+            kind="grow",
+        )
+        self.recoveries.append(recovery)
+        logger.info(
+            "workers %d -> %d joined the running strategy in %.2fs (cluster version %d): %s",
+            before,
+            len(cluster["worker"]),
+            recovery.rebuilt_s,
+            version,
+            ", ".join(added),
+        )
+        self._report_progress()  # the master learns that the chief trains on the new cluster
+        return True
 
     def _start_again(self, cluster: dict[str, list[str]], started: float, saved_s: float) -> None:
         """Start this script again in this process (exec, same pid): TensorFlow cannot change
