@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import queue
 import threading
@@ -20,6 +21,19 @@ from dlrover.checkpoint.shm import SharedSegment
 from dlrover.checkpoint.storage import Storage, storage_for
 
 log = logging.getLogger(__name__)
+
+FULL_RETRY_S = 1.0
+"""How often a wait for a step whose persist found storage full writes it again."""
+
+
+def _storage_full(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what it was raised from) says the storage has no room."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 class Persister:
@@ -60,6 +74,9 @@ class Persister:
         """Checkpoint directory -> the newest step committed there (under ``cond``)."""
         self.errors: dict[str, str] = {}
         """Checkpoint directory -> why its latest persist failed (under ``cond``)."""
+        self.full: dict[str, int] = {}
+        """Checkpoint directory -> the step whose persist found storage full (under ``cond``):
+        a wait for it writes it again while the wait lasts (the step is still in memory)."""
         self.last_persist_s = 0.0
         """How long the latest successful persist took (0.0: none yet): heartbeats carry it."""
         self._jobs: queue.Queue[tuple[int, PersistSpec] | None] = queue.Queue()
@@ -202,6 +219,10 @@ class Persister:
             log.error("persisting step %d to %s failed: %s", step, spec.checkpoint_dir, exc)
             with self._cond:
                 self.errors[spec.checkpoint_dir] = f"step {step}: {exc}"
+                if _storage_full(exc):
+                    self.full[spec.checkpoint_dir] = step
+                else:
+                    self.full.pop(spec.checkpoint_dir, None)
                 self._cond.notify_all()
             return False
         self.last_persist_s = time.monotonic() - started
@@ -291,16 +312,59 @@ class Persister:
                 return WaitPersistedReply(
                     persisted=committed, committed=self.committed.get(checkpoint_dir), failure=None
                 )
-        with self._cond:
-            done = self._cond.wait_for(
-                lambda: (
-                    self.committed.get(checkpoint_dir, -1) >= step or checkpoint_dir in self.errors
-                ),
-                timeout,
-            )
-            error = self.errors.get(checkpoint_dir)
-            return WaitPersistedReply(
-                persisted=done and error is None,
-                committed=self.committed.get(checkpoint_dir),
-                failure=error,
-            )
+        deadline = time.monotonic() + max(timeout, 0.0)
+        while True:
+            with self._cond:
+                done = self._cond.wait_for(
+                    lambda: (
+                        self.committed.get(checkpoint_dir, -1) >= step
+                        or checkpoint_dir in self.errors
+                    ),
+                    max(deadline - time.monotonic(), 0.0),
+                )
+                error = self.errors.get(checkpoint_dir)
+                # A full disk is often a passing state (another job's files, a log burst):
+                # while the caller waits, the step, still in memory, is written again.
+                again = (
+                    error is not None
+                    and self.full.get(checkpoint_dir) == step
+                    and self.committed.get(checkpoint_dir, -1) < step
+                    and deadline - time.monotonic() > FULL_RETRY_S
+                )
+                if not again:
+                    return WaitPersistedReply(
+                        persisted=done and error is None,
+                        committed=self.committed.get(checkpoint_dir),
+                        failure=error,
+                    )
+                self._cond.wait(FULL_RETRY_S)  # a backoff; a commit meanwhile ends the wait
+            if not self._persist_again(checkpoint_dir, step, deadline):
+                with self._cond:
+                    error = self.errors.get(checkpoint_dir)
+                    return WaitPersistedReply(
+                        persisted=False, committed=self.committed.get(checkpoint_dir), failure=error
+                    )
+
+    def _persist_again(self, checkpoint_dir: str, step: int, deadline: float) -> bool:
+        """Write ``step`` to ``checkpoint_dir`` again after storage was full; False when it cannot
+        be tried (no longer in memory, another persist held the lock until ``deadline``). Its
+        outcome is recorded as any persist's (``committed`` or ``errors``)."""
+        if not self.lock.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
+            return False
+        try:
+            with self._cond:
+                spec = self.spec
+                if self.committed.get(checkpoint_dir, -1) >= step:
+                    return True
+                if spec is None or spec.checkpoint_dir != checkpoint_dir:
+                    return False
+                if not self.slots_hold(spec, step):
+                    return False
+                self.errors.pop(checkpoint_dir, None)
+            log.info("storage was full: writing step %d to %s again", step, checkpoint_dir)
+            if not self.persist(step, spec):
+                with self._cond:  # a persist that did not start recorded nothing
+                    self.errors.setdefault(checkpoint_dir, f"step {step}: no longer in memory")
+            return True
+        finally:
+            self.lock.release()

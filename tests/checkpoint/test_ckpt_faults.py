@@ -23,6 +23,7 @@ from dlrover.checkpoint.saver_messages import (
     PersistSpec,
 )
 from dlrover.checkpoint.shm import shm_free_bytes
+from dlrover.testing.faults import fill_disk
 from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer
 from tests.checkpoint.harness import (
     REPO,
@@ -33,6 +34,7 @@ from tests.checkpoint.harness import (
     wait_for_file,
     worker_env,
 )
+from tests.conftest import small_tmpfs
 
 
 def test_worker_killed_mid_copy_loads_previous_step_from_memory(tmp_path: Path) -> None:
@@ -200,3 +202,34 @@ def test_a_failed_persist_does_not_fail_the_wait_for_a_later_step_that_committed
             assert (ckpt / "latest").read_text() == "11"
         finally:
             engine.close()
+
+
+def test_waiting_for_a_step_whose_disk_was_full_writes_it_again_once_there_is_room(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fault campaign's disk_full at the end of training: the last DISK save's persist
+    finds no room, and the script's final `wait_latest_checkpoint(60)` used to raise, so the
+    job failed (twice the same error: failing fast). While the wait lasts, the step, still in
+    memory, is written again each second; once the disk has room it commits."""
+    ckpt = tmp_path / "ckpt"
+    small_tmpfs(ckpt, "4m")
+    try:
+        with running_saver(tmp_path) as saver:
+            monkeypatch.setenv(ENV_CHECKPOINT_SOCKET, saver.socket_path)
+            engine = CheckpointEngine(
+                str(ckpt), "plain", placement=WorkerPlacement(0, 0, 1, 1, 0, 0)
+            )
+            try:
+                filler = fill_disk(str(ckpt), 2.0)  # freed by a process of its own in 2 s
+                state = {"w": torch.arange(64 * 1024, dtype=torch.float32)}  # 256 KiB
+                assert engine.save(10, state, persist=True)
+                assert engine.wait_persisted(60)
+                assert not Path(filler).exists()
+                assert (ckpt / "latest").read_text() == "10"
+            finally:
+                engine.close()
+        monkeypatch.delenv(ENV_CHECKPOINT_SOCKET)  # the saver is gone: this reads storage
+        loaded = DdpCheckpointer(str(ckpt)).load_checkpoint()
+        assert torch.equal(loaded["w"], state["w"])
+    finally:
+        subprocess.run(["umount", "-l", str(ckpt)], check=False)
