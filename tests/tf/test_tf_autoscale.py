@@ -113,15 +113,17 @@ def test_a_hot_ps_of_a_skewed_table_is_named_and_a_third_ps_splits_its_part(
 ) -> None:
     limit = {"resources": {"memory": "2Gi"}}
     # Every row in the first half of a wide table: the ps holding it serves all lookups.
-    args = ["--size", "120000", "--skew", "--dim", "1024"]
+    # Long enough for two plans in a row to find the ps hot on a loaded machine (CI ran out of
+    # training at 120,000 samples once, with another TensorFlow job beside it).
+    args = ["--size", "240000", "--skew", "--dim", "1024"]
     roles = {"chief": limit, "ps": {"count": 2, "max_count": 3, **limit}, "worker": limit}
     home, final = _submit(
         tmp_path,
         "hot",
         args,
         roles,
-        DLROVER_AUTOSCALE_INTERVAL_S="2",
-        DLROVER_TF_USAGE_INTERVAL_S="1",
+        DLROVER_AUTOSCALE_INTERVAL_S="1",
+        DLROVER_TF_USAGE_INTERVAL_S="0.5",
     )
     report = json.loads((tmp_path / "hot" / "report.json").read_text())
     assert report["ps"] == 3 and report["eval_loss"] < 0.55, report
