@@ -71,3 +71,66 @@ def test_each_range_reads_exactly_its_records_in_every_way_the_consumer_gets_the
             ]
     finally:
         reader.close()
+
+
+class _Recording:
+    """A consumer that records its pause() and resume() calls, partitions only."""
+
+    def __init__(self, consumer: object) -> None:
+        self.consumer = consumer
+        self.calls: list[tuple[str, list[int]]] = []
+
+    def pause(self, partitions: list) -> None:  # type: ignore[type-arg]
+        self.calls.append(("pause", [tp.partition for tp in partitions]))
+        self.consumer.pause(partitions)  # type: ignore[attr-defined]
+
+    def resume(self, partitions: list) -> None:  # type: ignore[type-arg]
+        self.calls.append(("resume", [tp.partition for tp in partitions]))
+        self.consumer.resume(partitions)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.consumer, name)
+
+
+def test_a_paused_partition_is_resumed_when_its_range_is_leased_next_not_when_it_is_read(
+    broker: KafkaBroker,
+) -> None:
+    """A partition paused because its kept records passed the limit fetches again as soon as a
+    range of it is among the next ones (prepare), so its records are there when it is read; and
+    it is not paused again meanwhile."""
+    from confluent_kafka import Consumer
+
+    from dlrover.trainer.torch.elastic.kafka_reader import RangeReader
+
+    broker.create_topic("views", 2)
+    for partition in range(2):
+        broker.produce("views", [(partition, f"{partition}:{i}".encode()) for i in range(400)])
+    consumer = _Recording(
+        Consumer(
+            {
+                "bootstrap.servers": broker.bootstrap,
+                "group.id": "reader-resume-test",
+                "enable.auto.commit": False,
+                "auto.offset.reset": "earliest",
+            }
+        )
+    )
+    reader = RangeReader(consumer, "views", broker.bootstrap, skip_limit=8, buffer_limit=4)
+    try:
+        reader.prepare([StreamShard("views", 1, 0, 10)])  # assigned, then not read for a while
+        for start in range(0, 400, 50):  # partition 1 is delivered meanwhile: past 4 kept
+            shard = StreamShard("views", 0, start, start + 50)
+            reader.prepare([shard])
+            reader.read(shard, lambda: False, 30.0, 1.0, lambda: None)
+            if ("pause", [1]) in consumer.calls:
+                break
+        assert ("pause", [1]) in consumer.calls
+        consumer.calls.clear()
+        shard = StreamShard("views", 1, 0, 400)
+        reader.prepare([shard])
+        assert consumer.calls == [("resume", [1])]
+        messages = reader.read(shard, lambda: False, 30.0, 1.0, lambda: None)
+        assert [m.value() for m in messages] == [f"1:{i}".encode() for i in range(400)]
+        assert ("pause", [1]) not in consumer.calls
+    finally:
+        reader.close()

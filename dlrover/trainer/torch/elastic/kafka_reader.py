@@ -41,6 +41,8 @@ class RangeReader:
         self._cursor: dict[int, int | None] = {}
         self._kept: dict[int, deque[Any]] = {}
         self._paused: set[int] = set()
+        self._next: set[int] = set()
+        """Partitions of the ranges leased next: never paused, their records are read soon."""
 
     def close(self) -> None:
         """Close the consumer."""
@@ -127,18 +129,24 @@ class RangeReader:
 
     def prepare(self, shards: list[StreamShard]) -> None:
         """Assign the partitions of ``shards`` (ranges to read next) not assigned yet, at their
-        starts, so that their first fetches run while another range is read."""
+        starts, and resume those paused, so that their fetches run while another range is read
+        (resumed only when its range is read, a partition cost a fetch round trip then: ~100 ms
+        with a local broker)."""
         from confluent_kafka import TopicPartition
 
         new = {s.partition: s.start for s in shards if s.partition not in self._kept}
-        if not new:
-            return
-        self._consumer.incremental_assign(
-            [TopicPartition(self._topic, p, start) for p, start in new.items()]
-        )
-        for partition, start in new.items():
-            self._kept[partition] = deque()
-            self._cursor[partition] = start
+        if new:
+            self._consumer.incremental_assign(
+                [TopicPartition(self._topic, p, start) for p, start in new.items()]
+            )
+            for partition, start in new.items():
+                self._kept[partition] = deque()
+                self._cursor[partition] = start
+        self._next = {s.partition for s in shards}
+        paused = self._next & self._paused
+        if paused:
+            self._consumer.resume([TopicPartition(self._topic, p) for p in sorted(paused)])
+            self._paused -= paused
 
     def _position(self, shard: StreamShard) -> None:
         """Make the consumer deliver ``shard.partition`` from ``shard.start`` on (or from a
@@ -171,7 +179,10 @@ class RangeReader:
         full = [
             p
             for p, kept in self._kept.items()
-            if p != reading and p not in self._paused and len(kept) > self._buffer_limit
+            if p != reading
+            and p not in self._paused
+            and p not in self._next
+            and len(kept) > self._buffer_limit
         ]
         if full:
             self._consumer.pause([TopicPartition(self._topic, p) for p in full])
