@@ -97,6 +97,7 @@ class RangeReader:
                 batch = self._consumer.consume(
                     num_messages=CONSUME_BATCH, timeout=min(remaining, poll_s)
                 )
+                before = expected
                 for message in batch:
                     error = message.error()
                     if error is not None:
@@ -116,7 +117,8 @@ class RangeReader:
                     elif offset >= expected:
                         out.append(message)
                         expected = offset + 1
-                        deadline = time.monotonic() + read_timeout_s
+                if expected > before:  # records came: the broker delivers
+                    deadline = time.monotonic() + read_timeout_s
                 if expected < end and not kept and self._past(shard):
                     expected = end
                 self._pause_full(partition)

@@ -52,6 +52,8 @@ KEEP_PER_PARTITION = 65536
 that partition (a resumed partition waits for a fetch: with 8 ranges' worth kept, a reader of
 three partitions paused and resumed ~200 times per 300 k records and read ~25% slower).
 librdkafka itself queues up to 100 k records per partition (queued.min.messages)."""
+REPORT_EVERY = 8
+"""Finished ranges reported in one call while the reader is busy (at once when it waits)."""
 READ_AHEAD_SHARDS = 2
 """Ranges read from the broker ahead of the training loop (memory: this many ranges' records)."""
 _WAITING_LOG_EVERY_S = 30.0
@@ -434,9 +436,10 @@ class _ReadAhead:
         begin = 0
         idle_since = logged = time.monotonic()
         while not self._stop.is_set():
-            self._report_finished()
+            self._report_finished(now=False)
             shard = client.poll(dataset.poll_s if self._pending is None else 0.0)
             if shard is None:
+                self._flush_reports()
                 if self._pending is not None:  # nothing to read meanwhile: let the loop have it
                     begin, queued = self._settle(begin)
                     if not queued:
@@ -461,6 +464,14 @@ class _ReadAhead:
             self._unread.append(shard)  # until it is pending: given back if the pass closes
             # The partitions of the ranges leased next start fetching while this one is read.
             dataset._reader().prepare(client.leased_shards())
+            if self._pending is not None and self._items.empty():
+                # The loop has nothing queued (the pass's first range, or after a slow read):
+                # it gets the range read when its mark is answered (~1 ms), not once this one
+                # is read too (~100 ms for a partition's first fetch).
+                begin, queued = self._settle(begin)
+                if not queued:
+                    return
+                idle_since = time.monotonic()
             messages = dataset._read(shard, self._stop)
             if self._stop.is_set():
                 return
@@ -511,33 +522,46 @@ class _ReadAhead:
         the leases alive, while it waits."""
         while not self._stop.is_set():
             self._wake.clear()
-            self._report_finished()
+            self._report_finished(now=False)
             try:
                 self._items.put_nowait(item)
                 return True
             except queue.Full:
                 pass
+            self._flush_reports()  # the reader waits for the loop: nothing else to send
             self._wake.wait(1.0)  # set when the loop takes an item or finishes a range
             self.client.keep_alive()
         return False
 
-    def _report_finished(self) -> None:
+    def _report_finished(self, *, now: bool = True) -> None:
         while True:
             try:
                 shard = self._done.get_nowait()
             except queue.Empty:
-                return
+                break
             if shard is None:
                 self._done.put(None)  # keep the close marker for _run
-                return
-            self._report(shard)
+                break
+            self._report(shard, now=now)
+        if now:
+            self._flush_reports()
 
-    def _report(self, shard: StreamShard) -> None:
+    def _report(self, shard: StreamShard, *, now: bool = True) -> None:
         """Report ``shard`` done on the thread of master calls; the reader goes on meanwhile.
-        Ranges finished while that thread is busy go in one call."""
+        Ranges finished while that thread is busy go in one call. With ``now`` False the report
+        waits until REPORT_EVERY ranges are finished (a call per range halved the rate the
+        reader's marks could go at; nothing waits on a report)."""
         with self._reports_lock:
             self._to_report.append(shard)
-            if self._report_queued:
+            if self._report_queued or (not now and len(self._to_report) < REPORT_EVERY):
+                return
+            self._report_queued = True
+        self._calls.submit(self._report_now)
+
+    def _flush_reports(self) -> None:
+        """Report the finished ranges held back by ``_report(now=False)``."""
+        with self._reports_lock:
+            if self._report_queued or not self._to_report:
                 return
             self._report_queued = True
         self._calls.submit(self._report_now)
