@@ -549,8 +549,8 @@ class _ReadAhead:
     def _report(self, shard: StreamShard, *, now: bool = True) -> None:
         """Report ``shard`` done on the thread of master calls; the reader goes on meanwhile.
         Ranges finished while that thread is busy go in one call. With ``now`` False the report
-        waits until REPORT_EVERY ranges are finished (a call per range halved the rate the
-        reader's marks could go at; nothing waits on a report)."""
+        waits until REPORT_EVERY ranges are finished: nothing waits on a report, while the
+        reader waits on each range's mark, which queued behind a report per range."""
         with self._reports_lock:
             self._to_report.append(shard)
             if self._report_queued or (not now and len(self._to_report) < REPORT_EVERY):
