@@ -92,19 +92,25 @@ class _Recording:
         return getattr(self.consumer, name)
 
 
+@pytest.mark.parametrize(
+    ("limit", "limit_bytes"), [(4, None), (10_000, 4 * 1024)], ids=["records", "bytes"]
+)
 def test_a_paused_partition_is_resumed_when_its_range_is_leased_next_not_when_it_is_read(
-    broker: KafkaBroker,
+    broker: KafkaBroker, limit: int, limit_bytes: int | None
 ) -> None:
-    """A partition paused because its kept records passed the limit fetches again as soon as a
-    range of it is among the next ones (prepare), so its records are there when it is read; and
-    it is not paused again meanwhile."""
+    """A partition paused because its kept records passed the limit (a count, or bytes of 1 KiB
+    values) fetches again as soon as a range of it is among the next ones (prepare), so its
+    records are there when it is read; and it is not paused again meanwhile."""
     from confluent_kafka import Consumer
 
     from dlrover.trainer.torch.elastic.kafka_reader import RangeReader
 
+    def value(partition: int, i: int) -> bytes:
+        return f"{partition}:{i}".encode().ljust(1024, b".")
+
     broker.create_topic("views", 2)
     for partition in range(2):
-        broker.produce("views", [(partition, f"{partition}:{i}".encode()) for i in range(400)])
+        broker.produce("views", [(partition, value(partition, i)) for i in range(400)])
     consumer = _Recording(
         Consumer(
             {
@@ -115,7 +121,14 @@ def test_a_paused_partition_is_resumed_when_its_range_is_leased_next_not_when_it
             }
         )
     )
-    reader = RangeReader(consumer, "views", broker.bootstrap, skip_limit=8, buffer_limit=4)
+    reader = RangeReader(
+        consumer,
+        "views",
+        broker.bootstrap,
+        skip_limit=8,
+        buffer_limit=limit,
+        buffer_bytes=limit_bytes,
+    )
     try:
         reader.prepare([StreamShard("views", 1, 0, 10)])  # assigned, then not read for a while
         for start in range(0, 400, 50):  # partition 1 is delivered meanwhile: past 4 kept
@@ -130,7 +143,7 @@ def test_a_paused_partition_is_resumed_when_its_range_is_leased_next_not_when_it
         reader.prepare([shard])
         assert consumer.calls == [("resume", [1])]
         messages = reader.read(shard, lambda: False, 30.0, 1.0, lambda: None)
-        assert [m.value() for m in messages] == [f"1:{i}".encode() for i in range(400)]
+        assert [m.value() for m in messages] == [value(1, i) for i in range(400)]
         assert ("pause", [1]) not in consumer.calls
     finally:
         reader.close()

@@ -23,7 +23,8 @@ class RangeReader:
     partition stays assigned once read, and the next range of it that starts where the last
     one ended (or a little further: the records between are read and dropped) goes on from
     there. Records of other partitions that arrive meanwhile are kept for their next range;
-    a partition with more than ``buffer_limit`` kept is paused until a range of it is read.
+    a partition with more than ``buffer_limit`` records or about ``buffer_bytes`` of values
+    kept is paused until a range of it is leased next (``prepare``) or read.
     Only a range elsewhere (given back by another rank, a restored position) re-positions.
 
     Invariant, per assigned partition: every record the consumer delivered at or after
@@ -31,13 +32,20 @@ class RangeReader:
     """
 
     def __init__(
-        self, consumer: Any, topic: str, bootstrap: str, skip_limit: int, buffer_limit: int
+        self,
+        consumer: Any,
+        topic: str,
+        bootstrap: str,
+        skip_limit: int,
+        buffer_limit: int,
+        buffer_bytes: int | None = None,
     ) -> None:
         self._consumer = consumer
         self._topic = topic
         self._bootstrap = bootstrap
         self._skip_limit = skip_limit
         self._buffer_limit = buffer_limit
+        self._buffer_bytes = buffer_bytes
         self._cursor: dict[int, int | None] = {}
         self._kept: dict[int, deque[Any]] = {}
         self._paused: set[int] = set()
@@ -174,17 +182,25 @@ class RangeReader:
             self._paused.discard(partition)
 
     def _pause_full(self, reading: int) -> None:
-        """Pause the partitions (other than ``reading``) holding more than the buffer limit:
-        memory stays bounded when this rank reads some partitions rarely."""
+        """Pause the partitions (other than ``reading`` and those read next) holding more than
+        the buffer limit: memory stays bounded when this rank reads some partitions rarely.
+        The bytes are estimated from the oldest record kept (a partition's records are
+        usually alike), not summed per record."""
         from confluent_kafka import TopicPartition
 
         full = [
             p
             for p, kept in self._kept.items()
-            if p != reading
+            if kept
+            and p != reading
             and p not in self._paused
             and p not in self._next
-            and len(kept) > self._buffer_limit
+            and (
+                len(kept) > self._buffer_limit
+                or (
+                    self._buffer_bytes is not None and len(kept) * len(kept[0]) > self._buffer_bytes
+                )
+            )
         ]
         if full:
             self._consumer.pause([TopicPartition(self._topic, p) for p in full])

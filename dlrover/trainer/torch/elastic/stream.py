@@ -52,6 +52,9 @@ KEEP_PER_PARTITION = 65536
 that partition (a resumed partition waits for a fetch: with 8 ranges' worth kept, a reader of
 three partitions paused and resumed ~200 times per 300 k records and read ~25% slower).
 librdkafka itself queues up to 100 k records per partition (queued.min.messages)."""
+KEEP_BYTES_PER_PARTITION = 16 << 20
+"""Bytes of record values of a partition the reader keeps before it pauses it, if that comes
+before KEEP_PER_PARTITION records (records of 1 KiB: 16 k of them)."""
 REPORT_EVERY = 8
 """Finished ranges reported in one call while the reader is busy (at once when it waits)."""
 READ_AHEAD_SHARDS = 2
@@ -232,6 +235,7 @@ class ElasticStreamDataset(IterableDataset[T], Generic[T]):
                 self.bootstrap_servers,
                 skip_limit=2 * records,
                 buffer_limit=max(8 * records, KEEP_PER_PARTITION),
+                buffer_bytes=KEEP_BYTES_PER_PARTITION,
             )
         return self._consumer
 
