@@ -88,8 +88,47 @@ class _Recording:
         self.calls.append(("resume", [tp.partition for tp in partitions]))
         self.consumer.resume(partitions)  # type: ignore[attr-defined]
 
+    def incremental_unassign(self, partitions: list) -> None:  # type: ignore[type-arg]
+        self.calls.append(("unassign", [tp.partition for tp in partitions]))
+        self.consumer.incremental_unassign(partitions)  # type: ignore[attr-defined]
+
     def __getattr__(self, name: str) -> object:
         return getattr(self.consumer, name)
+
+
+def test_a_partition_is_assigned_at_its_earliest_range_leased_so_reading_it_never_repositions(
+    broker: KafkaBroker,
+) -> None:
+    """Several ranges of one partition among those prepared (a single-partition topic, or a
+    larger prefetch): the partition is assigned at the first of them, so reading them in order
+    goes on from the consumer's position, without a re-position (a fetch round trip each)."""
+    from confluent_kafka import Consumer
+
+    from dlrover.trainer.torch.elastic.kafka_reader import RangeReader
+
+    broker.create_topic("likes", 1)
+    broker.produce("likes", [(0, f"0:{i}".encode()) for i in range(30)])
+    consumer = _Recording(
+        Consumer(
+            {
+                "bootstrap.servers": broker.bootstrap,
+                "group.id": "reader-earliest-test",
+                "enable.auto.commit": False,
+                "auto.offset.reset": "earliest",
+            }
+        )
+    )
+    reader = RangeReader(consumer, "likes", broker.bootstrap, skip_limit=8, buffer_limit=100)
+    try:
+        shards = [StreamShard("likes", 0, start, start + 10) for start in (0, 10, 20)]
+        reader.prepare(shards)  # in lease order: the last of them must not decide
+        for k, shard in enumerate(shards):
+            reader.prepare(shards[k:])
+            messages = reader.read(shard, lambda: False, 30.0, 1.0, lambda: None)
+            assert [m.offset() for m in messages] == list(range(shard.start, shard.end))
+        assert [call for call in consumer.calls if call[0] == "unassign"] == []
+    finally:
+        reader.close()
 
 
 @pytest.mark.parametrize(

@@ -144,7 +144,10 @@ class RangeReader:
         with a local broker)."""
         from confluent_kafka import TopicPartition
 
-        new = {s.partition: s.start for s in shards if s.partition not in self._kept}
+        new: dict[int, int] = {}
+        for s in shards:  # at the earliest range of each: a later one would re-position it
+            if s.partition not in self._kept:
+                new[s.partition] = min(s.start, new.get(s.partition, s.start))
         if new:
             self._consumer.incremental_assign(
                 [TopicPartition(self._topic, p, start) for p, start in new.items()]

@@ -466,8 +466,9 @@ class _ReadAhead:
                     logged = now
                 continue
             self._unread.append(shard)  # until it is pending: given back if the pass closes
-            # The partitions of the ranges leased next start fetching while this one is read.
-            dataset._reader().prepare(client.leased_shards())
+            # The partitions of the ranges leased next start fetching while this one is read
+            # (this one too, at its start, if it is the first range of its partition).
+            dataset._reader().prepare([shard, *client.leased_shards()])
             if self._pending is not None and self._items.empty():
                 # The loop has nothing queued (the pass's first range, or after a slow read):
                 # it gets the range read when its mark is answered (~1 ms), not once this one
