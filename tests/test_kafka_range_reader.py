@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,24 +28,29 @@ def broker(tmp_path: Path) -> Iterator[KafkaBroker]:
         b.stop()
 
 
+def _consumer(broker: KafkaBroker, group: str) -> Any:
+    """A plain consumer of ``broker``, as ElasticStreamDataset makes (assign() only)."""
+    from confluent_kafka import Consumer
+
+    return Consumer(
+        {
+            "bootstrap.servers": broker.bootstrap,
+            "group.id": group,
+            "enable.auto.commit": False,
+            "auto.offset.reset": "earliest",
+        }
+    )
+
+
 def test_each_range_reads_exactly_its_records_in_every_way_the_consumer_gets_there(
     broker: KafkaBroker,
 ) -> None:
-    from confluent_kafka import Consumer
-
     from dlrover.trainer.torch.elastic.kafka_reader import RangeReader
 
     broker.create_topic("clicks", 2)
     for partition in range(2):
         broker.produce("clicks", [(partition, f"{partition}:{i}".encode()) for i in range(60)])
-    consumer = Consumer(
-        {
-            "bootstrap.servers": broker.bootstrap,
-            "group.id": "reader-test",
-            "enable.auto.commit": False,
-            "auto.offset.reset": "earliest",
-        }
-    )
+    consumer = _consumer(broker, "reader-test")
     reader = RangeReader(consumer, "clicks", broker.bootstrap, skip_limit=8, buffer_limit=4)
     try:
         # (partition, start, end), chosen to take each path: first range of a partition, the
@@ -102,22 +108,11 @@ def test_a_partition_is_assigned_at_its_earliest_range_leased_so_reading_it_neve
     """Several ranges of one partition among those prepared (a single-partition topic, or a
     larger prefetch): the partition is assigned at the first of them, so reading them in order
     goes on from the consumer's position, without a re-position (a fetch round trip each)."""
-    from confluent_kafka import Consumer
-
     from dlrover.trainer.torch.elastic.kafka_reader import RangeReader
 
     broker.create_topic("likes", 1)
     broker.produce("likes", [(0, f"0:{i}".encode()) for i in range(30)])
-    consumer = _Recording(
-        Consumer(
-            {
-                "bootstrap.servers": broker.bootstrap,
-                "group.id": "reader-earliest-test",
-                "enable.auto.commit": False,
-                "auto.offset.reset": "earliest",
-            }
-        )
-    )
+    consumer = _Recording(_consumer(broker, "reader-earliest-test"))
     reader = RangeReader(consumer, "likes", broker.bootstrap, skip_limit=8, buffer_limit=100)
     try:
         shards = [StreamShard("likes", 0, start, start + 10) for start in (0, 10, 20)]
@@ -140,8 +135,6 @@ def test_a_paused_partition_is_resumed_when_its_range_is_leased_next_not_when_it
     """A partition paused because its kept records passed the limit (a count, or bytes of 1 KiB
     values) fetches again as soon as a range of it is among the next ones (prepare), so its
     records are there when it is read; and it is not paused again meanwhile."""
-    from confluent_kafka import Consumer
-
     from dlrover.trainer.torch.elastic.kafka_reader import RangeReader
 
     def value(partition: int, i: int) -> bytes:
@@ -150,16 +143,7 @@ def test_a_paused_partition_is_resumed_when_its_range_is_leased_next_not_when_it
     broker.create_topic("views", 2)
     for partition in range(2):
         broker.produce("views", [(partition, value(partition, i)) for i in range(400)])
-    consumer = _Recording(
-        Consumer(
-            {
-                "bootstrap.servers": broker.bootstrap,
-                "group.id": "reader-resume-test",
-                "enable.auto.commit": False,
-                "auto.offset.reset": "earliest",
-            }
-        )
-    )
+    consumer = _Recording(_consumer(broker, "reader-resume-test"))
     reader = RangeReader(
         consumer,
         "views",
