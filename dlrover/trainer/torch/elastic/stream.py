@@ -558,10 +558,9 @@ class _ReadAhead:
         reader waits on each range's mark, which queued behind a report per range."""
         with self._reports_lock:
             self._to_report.append(shard)
-            if self._report_queued or (not now and len(self._to_report) < REPORT_EVERY):
-                return
-            self._report_queued = True
-        self._calls.submit(self._report_now)
+            due = now or len(self._to_report) >= REPORT_EVERY
+        if due:
+            self._flush_reports()
 
     def _flush_reports(self) -> None:
         """Report the finished ranges held back by ``_report(now=False)``."""
