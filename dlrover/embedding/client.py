@@ -19,6 +19,7 @@ import numpy.typing as npt
 
 from dlrover.backoff import Backoff
 from dlrover.constants import TOKEN_METADATA_KEY
+from dlrover.embedding import frames
 from dlrover.embedding.buckets import BucketMap, IdArray
 from dlrover.embedding.replica import PUSH_WINDOW
 from dlrover.embedding.table import EmbeddingError, Rows
@@ -35,6 +36,8 @@ from dlrover.proto import embedding_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 
+SERVICE_PATH = "/" + pb.DESCRIPTOR.services_by_name["EmbeddingServer"].full_name
+"""The servers' gRPC service, as its methods' paths begin."""
 DEFAULT_TIMEOUT_S = 30.0
 """Deadline of one call to a server."""
 DEFAULT_SETTLE_S = 60.0
@@ -191,11 +194,24 @@ class EmbeddingClient:
 
     def call(self, address: str, method: str, request: Any) -> Any:
         """One RPC to the server at ``address``; its refusal raised as an EmbeddingError."""
+        response = self._invoke(address, getattr(self._stub(address), method), request)
+        if "error" in response.DESCRIPTOR.fields_by_name and response.HasField("error"):
+            raise error_from_proto(response.error)
+        return response
+
+    def _raw(self, address: str, method: str) -> Callable[..., bytes]:
+        """``method`` of the server at ``address`` taking and giving the message's bytes (the
+        hot path encodes and decodes them itself: frames.py)."""
+        self._stub(address)
+        with self._lock:
+            return self._channels[address].unary_unary(f"{SERVICE_PATH}/{method}")
+
+    def _invoke(self, address: str, rpc: Callable[..., T], request: Any) -> T:
+        """``rpc(request)`` with the deadline and the token; a failed call raised as
+        EmbeddingServerUnavailable (or EmbeddingError for a refused token) naming the server."""
         started = time.monotonic()
         try:
-            response = getattr(self._stub(address), method)(
-                request, timeout=self.timeout_s, metadata=self._metadata
-            )
+            return rpc(request, timeout=self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as e:
             code = e.code() if isinstance(e, grpc.Call) else None
             details = (e.details() if isinstance(e, grpc.Call) else str(e)) or ""
@@ -212,9 +228,6 @@ class EmbeddingClient:
             raise EmbeddingServerUnavailable(
                 f"{server} {_why(code, details, time.monotonic() - started, self.timeout_s)}"
             ) from None
-        if "error" in response.DESCRIPTOR.fields_by_name and response.HasField("error"):
-            raise error_from_proto(response.error)
-        return response
 
     def each_server(self, fn: Callable[[str], T]) -> list[T]:
         """``fn(address)`` for every server of the current placement, in parallel."""
@@ -230,13 +243,18 @@ class EmbeddingClient:
         rows = np.empty((flat.size, dim), dtype=np.float32)
 
         def ask(address: str, index: Index, seq: int) -> None:
-            request = pb.LookupRequest(table=table, ids=_wire_bytes(flat, index, "<i8"))
-            response = self.call(address, "Lookup", request)
-            if response.dim != dim:
+            ids = _wire_array(flat, index, "<i8")
+            raw = self._invoke(
+                address, self._raw(address, "Lookup"), frames.lookup_request(table, ids)
+            )
+            answer = frames.read_lookup_response(raw)
+            if answer.error is not None:
+                raise error_from_proto(answer.error)
+            if answer.dim != dim or len(answer.rows) != index.size * dim * 4:
                 raise EmbeddingError(
-                    f"table {table!r} has {response.dim} dims at {address}, not {dim}"
+                    f"table {table!r} has {answer.dim} dims at {address}, not {dim}"
                 )
-            got = np.frombuffer(response.rows, dtype="<f4").reshape(index.size, dim)
+            got = np.frombuffer(answer.rows, dtype="<f4").reshape(index.size, dim)
             if index.size == flat.size:  # the whole batch from one server: one plain copy
                 rows[...] = got
             else:
@@ -253,14 +271,17 @@ class EmbeddingClient:
         grads = np.ascontiguousarray(grads, dtype=np.float32)
 
         def send(address: str, index: Index, seq: int) -> None:
-            request = pb.PushRequest(
-                table=table,
-                ids=_wire_bytes(flat, index, "<i8"),
-                grads=_wire_bytes(grads, index, "<f4"),
-                client=self.client_id,
-                seq=seq,
+            request = frames.push_request(
+                table,
+                _wire_array(flat, index, "<i8"),
+                _wire_array(grads, index, "<f4"),
+                self.client_id,
+                seq,
             )
-            self.call(address, "Push", request)
+            raw = self._invoke(address, self._raw(address, "Push"), request)
+            response = pb.PushResponse.FromString(raw)
+            if response.HasField("error"):
+                raise error_from_proto(response.error)
             with self._lock:
                 acked = self._acked.setdefault(address, deque(maxlen=PUSH_WINDOW))
                 acked.append((table, seq, index.size))
@@ -382,12 +403,12 @@ def _why(code: grpc.StatusCode | None, details: str, took_s: float, timeout_s: f
     return f"failed: {code.name}: {details}"
 
 
-def _wire_bytes(values: npt.NDArray[Any], index: Index, dtype: str) -> bytes:
-    """The rows ``index`` of ``values`` as little-endian bytes, copied once: no gather when the
-    share is the whole batch (one server, or one server's chunk) and no conversion when the
-    values are in the wire's type already."""
+def _wire_array(values: npt.NDArray[Any], index: Index, dtype: str) -> npt.NDArray[Any]:
+    """The rows ``index`` of ``values`` C-contiguous in the wire's little-endian ``dtype``: the
+    array itself when the share is the whole batch (one server, or one server's chunk) and it
+    is in that type already, else one gather or conversion."""
     part = values if index.size == len(values) else values[index]
-    return part.astype(dtype, copy=False).tobytes()
+    return np.ascontiguousarray(part, dtype=dtype)
 
 
 def _int64(ids: IdArray) -> IdArray:

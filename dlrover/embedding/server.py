@@ -8,7 +8,7 @@ import threading
 from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 import numpy as np
@@ -16,6 +16,7 @@ import psutil
 from google.protobuf.message import DecodeError, Message
 
 from dlrover.constants import TOKEN_METADATA_KEY
+from dlrover.embedding import frames
 from dlrover.embedding.buckets import bucket_of
 from dlrover.embedding.replica import (
     AppliedPushes,
@@ -27,7 +28,7 @@ from dlrover.embedding.replica import (
     rows_from_message,
     rows_message,
 )
-from dlrover.embedding.table import EmbeddingError, EmbeddingTable, Optimizer
+from dlrover.embedding.table import EmbeddingError, EmbeddingTable, Optimizer, Rows
 from dlrover.embedding.wire import (
     MAX_MESSAGE_BYTES,
     MovingError,
@@ -61,7 +62,7 @@ def spec_to_table(spec: pb.TableSpec) -> EmbeddingTable:
     )
 
 
-def ids_from_bytes(data: bytes) -> np.ndarray[Any, np.dtype[np.int64]]:
+def ids_from_bytes(data: bytes | memoryview) -> np.ndarray[Any, np.dtype[np.int64]]:
     """Little-endian int64 ids; EmbeddingError when the byte count is not a multiple of 8."""
     if len(data) % 8:
         raise EmbeddingError(f"ids must be int64: got {len(data)} bytes, not a multiple of 8")
@@ -388,52 +389,68 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
         """The rows of the ids, created on first use."""
 
         def run() -> pb.LookupResponse:
-            served = self._table(request.table)
-            ids = ids_from_bytes(request.ids)
-            version = self._enter(ids)
-            try:
-                with served.lock:
-                    rows = served.table.lookup(ids)
-                    served.lookups += ids.size
-            finally:
-                self._leave(version)
-            return pb.LookupResponse(
-                rows=rows.astype("<f4", copy=False).tobytes(), dim=served.table.dim
-            )
+            rows, dim = self.lookup_rows(request.table, request.ids)
+            return pb.LookupResponse(rows=rows.tobytes(), dim=dim)
 
         return _answer(pb.LookupResponse, run)
+
+    def lookup_rows(self, table: str, ids_bytes: bytes | memoryview) -> tuple[Rows, int]:
+        """(rows as little-endian float32, the table's dim) of the ids in ``ids_bytes``;
+        EmbeddingError (NotOwnerError, MovingError among them) when it cannot serve them."""
+        served = self._table(table)
+        ids = ids_from_bytes(ids_bytes)
+        version = self._enter(ids)
+        try:
+            with served.lock:
+                rows = served.table.lookup(ids)
+                served.lookups += ids.size
+        finally:
+            self._leave(version)
+        return rows.astype("<f4", copy=False), served.table.dim
 
     def Push(  # noqa: N802
         self, request: pb.PushRequest, context: grpc.ServicerContext
     ) -> pb.PushResponse:
         """Apply the table's optimizer with the gradients of the ids' rows."""
+        return _answer(
+            pb.PushResponse,
+            lambda: self.apply_push(
+                request.table, request.ids, request.grads, request.client, request.seq
+            ),
+        )
 
-        def run() -> pb.PushResponse:
-            served = self._table(request.table)
-            ids = ids_from_bytes(request.ids)
-            dim = served.table.dim
-            if len(request.grads) != ids.size * dim * 4:
-                raise EmbeddingError(
-                    f"table {request.table!r}: {ids.size} ids need {ids.size * dim} float32 "
-                    f"gradients, got {len(request.grads) // 4}"
-                )
-            grads = np.frombuffer(request.grads, dtype="<f4").reshape(ids.size, dim)
-            version = self._enter(ids)
-            try:
-                with served.lock:
-                    client, seq = request.client, request.seq
-                    if client and served.applied.applied(client, seq):
-                        return pb.PushResponse(duplicate=True)
-                    updated = served.table.apply_gradients(ids, grads)
-                    served.pushes += ids.size
-                    if client:
-                        served.applied.add(client, seq)
-                    self._replicate(served, updated, [(client, seq)] if client else [])
-            finally:
-                self._leave(version)
-            return pb.PushResponse(applied=ids.size)
-
-        return _answer(pb.PushResponse, run)
+    def apply_push(
+        self,
+        table: str,
+        ids_bytes: bytes | memoryview,
+        grads_bytes: bytes | memoryview,
+        client: str,
+        seq: int,
+    ) -> pb.PushResponse:
+        """Apply push ``seq`` of ``client`` (the gradients, little-endian float32, of the ids'
+        rows) unless it was applied already; EmbeddingError when it cannot be."""
+        served = self._table(table)
+        ids = ids_from_bytes(ids_bytes)
+        dim = served.table.dim
+        if len(grads_bytes) != ids.size * dim * 4:
+            raise EmbeddingError(
+                f"table {table!r}: {ids.size} ids need {ids.size * dim} float32 "
+                f"gradients, got {len(grads_bytes) // 4}"
+            )
+        grads = np.frombuffer(grads_bytes, dtype="<f4").reshape(ids.size, dim)
+        version = self._enter(ids)
+        try:
+            with served.lock:
+                if client and served.applied.applied(client, seq):
+                    return pb.PushResponse(duplicate=True)
+                updated = served.table.apply_gradients(ids, grads)
+                served.pushes += ids.size
+                if client:
+                    served.applied.add(client, seq)
+                self._replicate(served, updated, [(client, seq)] if client else [])
+        finally:
+            self._leave(version)
+        return pb.PushResponse(applied=ids.size)
 
     def _replicate(
         self, served: _Served, unique: np.ndarray[Any, np.dtype[np.int64]], pushes: list[Claim]
@@ -513,7 +530,49 @@ def _parsing_handlers(service: EmbeddingService) -> grpc.GenericRpcHandler:
         )
         for method in descriptor.methods
     }
+    # The hot path reads and writes its arrays without copies (frames.py); same bytes.
+    handlers["Lookup"] = grpc.unary_unary_rpc_method_handler(_fast_lookup(service))
+    handlers["Push"] = grpc.unary_unary_rpc_method_handler(_fast_push(service))
     return grpc.method_handlers_generic_handler(descriptor.full_name, handlers)
+
+
+def _fast_lookup(service: EmbeddingService) -> Callable[[bytes, grpc.ServicerContext], bytes]:
+    def handle(raw: bytes, context: grpc.ServicerContext) -> bytes:
+        try:
+            table, ids = frames.read_lookup_request(raw)
+        except frames.MalformedMessage as e:
+            _malformed(context, "LookupRequest", raw, e)
+        try:
+            rows, dim = service.lookup_rows(table, ids)
+        except EmbeddingError as e:
+            return pb.LookupResponse(error=error_to_proto(e)).SerializeToString()
+        return frames.lookup_response(rows, dim)
+
+    return handle
+
+
+def _fast_push(service: EmbeddingService) -> Callable[[bytes, grpc.ServicerContext], bytes]:
+    def handle(raw: bytes, context: grpc.ServicerContext) -> bytes:
+        try:
+            push = frames.read_push_request(raw)
+        except frames.MalformedMessage as e:
+            _malformed(context, "PushRequest", raw, e)
+        response = _answer(
+            pb.PushResponse,
+            lambda: service.apply_push(push.table, push.ids, push.grads, push.client, push.seq),
+        )
+        return response.SerializeToString()
+
+    return handle
+
+
+def _malformed(context: grpc.ServicerContext, kind: str, raw: bytes, error: Exception) -> NoReturn:
+    context.abort(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"malformed {kind} ({len(raw)} bytes): {error}; send it with "
+        "dlrover's EmbeddingClient of the server's version",
+    )
+    raise AssertionError("abort returns by raising")
 
 
 def _parsing(
@@ -523,11 +582,7 @@ def _parsing(
         try:
             request = request_type.FromString(raw)
         except DecodeError as e:
-            context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"malformed {request_type.__name__} ({len(raw)} bytes): {e}; send it with "
-                "dlrover's EmbeddingClient of the server's version",
-            )
+            _malformed(context, request_type.__name__, raw, e)
         return method(request, context)
 
     return handle
