@@ -18,7 +18,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from dlrover.embedding.table import EmbeddingTable, Optimizer, _summed_by_id, initial_rows
+from dlrover.embedding.table import EmbeddingTable, Optimizer, _summed_by_slot, initial_rows
 
 
 def best_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -54,15 +54,23 @@ def main() -> None:
         summed = np.zeros((unique.size, args.dim), dtype=np.float32)
         np.add.at(summed, inverse, grads)
 
+    unique = np.unique(ids)
+    grads_u = grads[: unique.size]
+    distinct, grads_d = _summed_by_slot(ids, slots, grads)
     sorted_ids = np.sort(table._row_ids[: len(table)])
     weights = torch.from_numpy(table._weights[: len(table)])
     index = torch.from_numpy(slots)
     steps: list[tuple[str, Callable[[], object]]] = [
         ("lookup (rows of existing ids)", lambda: table.lookup(ids)),
         ("apply_gradients (Adagrad)", lambda: table.apply_gradients(ids, grads)),
+        ("  the optimizer's step, in cache-sized chunks", lambda: table._step(distinct, grads_d)),
+        (
+            "apply_gradients, sorted distinct ids (ElasticEmbedding)",
+            lambda: table.apply_gradients(unique, grads_u),
+        ),
         ("  hash index: find the slots", lambda: table._index.find(ids, table._row_ids)),
         ("  sorted ids + binary search (before)", lambda: np.searchsorted(sorted_ids, ids)),
-        ("  gradient sum per id (sort + repeats)", lambda: _summed_by_id(ids, grads)),
+        ("  gradient sum per row (sort + repeats)", lambda: _summed_by_slot(ids, slots, grads)),
         ("  gradient sum per id, np.add.at (before)", add_at),
         ("  gather the rows (numpy)", lambda: table._weights[slots]),
         ("  scatter the rows (numpy)", lambda: table._weights.__setitem__(slots, rows)),
@@ -73,10 +81,11 @@ def main() -> None:
         f"{args.batch} ids x {args.dim} dims, table of {len(table)} rows, "
         f"torch threads {torch.get_num_threads()}; best of {args.repeats}\n"
     )
-    print(f"| {'step':44} | {'ms':>7} |")
-    print(f"|{'-' * 46}|{'-' * 9}|")
+    width = max(len(name) for name, _ in steps)
+    print(f"| {'step':{width}} | {'ms':>7} |")
+    print(f"|{'-' * (width + 2)}|{'-' * 9}|")
     for name, fn in steps:
-        print(f"| {name:44} | {best_ms(fn, args.repeats):7.3f} |")
+        print(f"| {name:{width}} | {best_ms(fn, args.repeats):7.3f} |")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ class EmbeddingError(ValueError):
     """A request an embedding table cannot serve: the message says what is wrong."""
 
 
+STEP_CHUNK_BYTES = 128 << 10
+"""The optimizer's step goes over the rows in chunks of about this many bytes of each array."""
 MAX_DIM = 1 << 16
 """The widest row a table takes (256 KiB of float32): a wider one is a mistake, and its first
 1,024 rows alone would take gigabytes."""
@@ -99,7 +101,7 @@ class EmbeddingTable:
     def apply_gradients(self, ids: IdArray, grads: Rows) -> IdArray:
         """Apply the optimizer to the rows of ``ids`` with ``grads`` (one row per id; gradients
         of a repeated id are summed first, as a dense embedding's backward does). Returns the
-        distinct ids updated, sorted (what a replica is sent)."""
+        distinct ids updated (what a replica is sent)."""
         flat = self._checked(ids)
         grads = np.asarray(grads, dtype=np.float32)
         if grads.shape != (flat.size, self.dim):
@@ -107,25 +109,37 @@ class EmbeddingTable:
                 f"table {self.name!r}: {flat.size} ids need gradients of shape "
                 f"({flat.size}, {self.dim}), got {grads.shape}"
             )
-        unique, summed = _summed_by_id(flat, grads)
-        slots = self._slots_of(unique, create=True)
+        slots, summed = _summed_by_slot(flat, self._slots_of(flat, create=True), grads)
+        self._step(slots, summed)
+        return self._row_ids[slots]
+
+    def _step(self, slots: npt.NDArray[np.int64], grads: Rows) -> None:
+        """The optimizer's step for the rows at ``slots`` (distinct) with ``grads`` (not
+        changed). Chunk by chunk, so each chunk's rows and temporaries stay in the CPU's cache
+        across the step's passes (one pass over every gathered row per operation was memory
+        bound), in the order torch's Adagrad computes it: sum += g*g; w -= lr*g/(sqrt(sum)+eps)."""
         opt = self.optimizer
-        if opt.name == "sgd":
-            summed *= opt.lr
-            self._weights[slots] -= summed
-            return unique
-        # In place, in the order torch's Adagrad computes it (sum += g*g; w -= lr*g/(sqrt(sum)+eps)),
-        # with one temporary: the step is memory-bound on the gathered rows.
-        accum = self._accum[slots]
-        step = np.multiply(summed, summed)
-        accum += step
-        self._accum[slots] = accum
-        np.sqrt(accum, out=step)
-        step += opt.eps
-        np.divide(summed, step, out=step)
-        step *= opt.lr
-        self._weights[slots] -= step
-        return unique
+        rows = max(1, min(slots.size, STEP_CHUNK_BYTES // (self.dim * 4)))
+        step = np.empty((rows, self.dim), dtype=np.float32)
+        gathered = np.empty((rows, self.dim), dtype=np.float32)
+        for start in range(0, slots.size, rows):
+            part = slots[start : start + rows]
+            grad = grads[start : start + rows]
+            s = step[: part.size]
+            if opt.name == "adagrad":
+                accum = np.take(self._accum, part, axis=0, out=gathered[: part.size])
+                np.multiply(grad, grad, out=s)
+                accum += s
+                self._accum[part] = accum
+                np.sqrt(accum, out=s)
+                s += opt.eps
+                np.divide(grad, s, out=s)
+                s *= opt.lr
+            else:
+                np.multiply(grad, opt.lr, out=s)
+            weights = np.take(self._weights, part, axis=0, out=gathered[: part.size])
+            weights -= s
+            self._weights[part] = weights
 
     def _checked(self, ids: IdArray) -> IdArray:
         array = np.asarray(ids)
@@ -240,17 +254,22 @@ class EmbeddingTable:
         return self._index.find(ids, self._row_ids) >= 0
 
 
-def _summed_by_id(flat: IdArray, grads: Rows) -> tuple[IdArray, Rows]:
-    """The distinct ids of ``flat`` (sorted) and the sum of each one's gradient rows, added in
-    the order they came. A fresh array either way (the caller scales it in place). Repeats are
-    few in a batch of ids, so only they go through ``add.at`` (slow per row); ``add.reduceat``
-    over every id costs a call per id."""
-    order = np.argsort(flat, kind="stable")
-    ordered = flat[order]
+def _summed_by_slot(
+    ids: IdArray, slots: npt.NDArray[np.int64], grads: Rows
+) -> tuple[npt.NDArray[np.int64], Rows]:
+    """The distinct ``slots`` (of ``ids``) and the sum of each one's gradient rows, added in
+    the order they came. Increasing ids (ElasticEmbedding sends them sorted and unique) come
+    back as they are, ``grads`` not copied; else a sort finds the repeats. Repeats are few in a
+    batch of ids, so only they go through ``add.at`` (slow per row); ``add.reduceat`` over
+    every id costs a call per id."""
+    if ids.size < 2 or bool(np.all(ids[1:] > ids[:-1])):
+        return slots, grads
+    order = np.argsort(slots, kind="stable")
+    ordered = slots[order]
     first = np.ones(ordered.size, dtype=bool)
     np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
     if first.all():
-        return ordered, grads[order]
+        return slots, grads
     starts = np.flatnonzero(first)
     summed = grads[order[starts]]
     repeats = np.flatnonzero(~first)
