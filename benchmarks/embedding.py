@@ -4,9 +4,9 @@ stopping, saving, restarting and loading.
 Run: PYTHONPATH=. python benchmarks/embedding.py [--mib 256] [--dim 64] [--batch 8192]
      [--repeats 3] [--skip-resize]
 Prints
-- lookup + update ids/s through 1 .. min(cores, 4) `dlrover-ps` processes, and 2 with ASYNC and
-  SYNC replicas, against an in-process ``nn.EmbeddingBag(sparse=True)`` with torch's Adagrad on
-  the same batches (the floor: no network, no server; with 1 thread and with every core, the
+- lookup + update ids/s through 1 .. min(cores, 4) `dlrover-ps` processes, 2 with ASYNC and
+  SYNC replicas, and 1 with Lookup and Push over gRPC only (no data port), against an
+  in-process ``nn.EmbeddingBag(sparse=True)`` with torch's Adagrad on the same batches (the floor: no network, no server; with 1 thread and with every core, the
   faster counting). Interleaved over --repeats rounds; medians, and the ratios issue 32 set
   goals for (one server vs the floor, N servers vs N x one, what replicas cost);
 - growing 2 -> 3 servers holding --mib of embedding rows (weights; the Adagrad state doubles
@@ -104,23 +104,26 @@ def throughput(tmp: str, batches: list[np.ndarray], dim: int, id_space: int, rep
     so a fresh table, each time); prints medians and the ratios the issue asks about."""
     cores = os.cpu_count() or 1
     counts = list(range(1, min(cores, 4) + 1))
-    settings: list[tuple[str, int, int]] = [(f"dlrover-ps x {n}", n, pb.NO_REPLICA) for n in counts]
+    settings: list[tuple[str, int, int, bool]] = [
+        (f"dlrover-ps x {n}", n, pb.NO_REPLICA, True) for n in counts
+    ]
+    settings.insert(1, ("dlrover-ps x 1, over gRPC only", 1, pb.NO_REPLICA, False))
     pair = max(2, counts[-1]) if len(counts) > 1 else 2
     settings += [
-        (f"dlrover-ps x {pair}, ASYNC replicas", pair, pb.ASYNC),
-        (f"dlrover-ps x {pair}, SYNC replicas", pair, pb.SYNC),
+        (f"dlrover-ps x {pair}, ASYNC replicas", pair, pb.ASYNC, True),
+        (f"dlrover-ps x {pair}, SYNC replicas", pair, pb.SYNC, True),
     ]
     if pair not in counts:
-        settings.insert(len(counts), (f"dlrover-ps x {pair}", pair, pb.NO_REPLICA))
+        settings.insert(len(counts) + 1, (f"dlrover-ps x {pair}", pair, pb.NO_REPLICA, True))
     rates: dict[str, list[float]] = {"floor, 1 thread": [], f"floor, {cores} threads": []}
-    rates.update({name: [] for name, _, _ in settings})
+    rates.update({name: [] for name, _, _, _ in settings})
     for round_ in range(repeats):
         rates["floor, 1 thread"].append(floor_rate(batches, dim, id_space, 1))
         rates[f"floor, {cores} threads"].append(floor_rate(batches, dim, id_space, cores))
-        for k, (name, n, mode) in enumerate(settings):
+        for k, (name, n, mode, data_port) in enumerate(settings):
             servers = [Ps(tmp, f"rate{round_}-{k}-{i}") for i in range(n)]
             try:
-                client = EmbeddingClient([s.address for s in servers], TOKEN)
+                client = EmbeddingClient([s.address for s in servers], TOKEN, data_port=data_port)
                 EmbeddingCluster(client, replica=mode).install()
                 rates[name].append(server_rate(client, batches, dim))
                 client.close()
@@ -140,14 +143,16 @@ def throughput(tmp: str, batches: list[np.ndarray], dim: int, id_space: int, rep
     one = med["dlrover-ps x 1"]
     print(f"\nfloor = the faster thread setting of each round, median {floor:.0f} ids/s")
     print(f"one server / floor: {one / floor:.2f} (goal >= 0.6)")
+    grpc_only = med["dlrover-ps x 1, over gRPC only"]
+    print(f"one server, data port / gRPC only: {one / grpc_only:.2f}x")
     for n in counts[1:]:
         scale = med[f"dlrover-ps x {n}"] / (n * one)
         print(f"{n} servers / ({n} x one server): {scale:.2f} (goal >= 0.8)")
     plain = med[f"dlrover-ps x {pair}"]
-    for mode in ("ASYNC", "SYNC"):
-        cost = 1 - med[f"dlrover-ps x {pair}, {mode} replicas"] / plain
-        goal = "10%" if mode == "ASYNC" else "25%"
-        print(f"{mode} replicas cost: {cost * 100:.0f}% of {pair} servers' rate (goal <= {goal})")
+    for kind in ("ASYNC", "SYNC"):
+        cost = 1 - med[f"dlrover-ps x {pair}, {kind} replicas"] / plain
+        goal = "10%" if kind == "ASYNC" else "25%"
+        print(f"{kind} replicas cost: {cost * 100:.0f}% of {pair} servers' rate (goal <= {goal})")
     print(f"({repeats} interleaved rounds; load average before/after: see the header)")
 
 

@@ -1,5 +1,6 @@
 """A protocol fuzzer against every port DLRover listens on: the master's gRPC service, an
-embedding server, the checkpoint saver's unix socket and the flash-checkpoint replica port.
+embedding server (its gRPC service and its data port), the checkpoint saver's unix socket and
+the flash-checkpoint replica port.
 
     python benchmarks/protocol_fuzz.py --cases 2000 --seed 1
 

@@ -46,7 +46,8 @@ def serve_embedding(_: Path) -> tuple[dict[str, object], Callable[[], None]]:
         pb.CreateTableRequest(spec=pb.TableSpec(name=PROBE_TABLE, dim=4)),
         None,  # type: ignore[arg-type]
     )
-    return {"addr": server.address}, lambda: server.stop(0.5)
+    where = {"addr": server.address, "data_port": server.service.data_port}
+    return where, lambda: server.stop(0.5)
 
 
 def serve_saver(folder: Path) -> tuple[dict[str, object], Callable[[], None]]:
@@ -84,6 +85,7 @@ def serve_replica(folder: Path) -> tuple[dict[str, object], Callable[[], None]]:
 SERVERS: dict[str, Callable[[Path], tuple[dict[str, object], Callable[[], None]]]] = {
     "master": serve_master,
     "embedding": serve_embedding,
+    "embedding-data": serve_embedding,
     "saver": serve_saver,
     "replica": serve_replica,
 }

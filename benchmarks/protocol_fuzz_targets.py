@@ -440,9 +440,107 @@ class ReplicaTarget(LineTarget):
         return self.exchange(line)()
 
 
+class EmbeddingDataTarget(Target):
+    """An embedding server's data port (Lookup and Push as length-prefixed frames on TCP)."""
+
+    name = "embedding-data"
+
+    def __init__(self, host: Host) -> None:
+        super().__init__(host)
+        from dlrover.embedding import dataport
+        from dlrover.proto import embedding_pb2
+
+        self._dp = dataport
+        self._pb = embedding_pb2
+        addr = host.where["addr"]
+        self.addr = f"{addr.rpartition(':')[0]}:{host.where['data_port']}"
+
+    def _frame(self, method: int, token: bytes, payload: bytes, length: int | None = None) -> bytes:
+        size = len(payload) if length is None else length
+        return self._dp.REQUEST.pack(method, len(token), size) + token + payload
+
+    def _exchange(self, frame: bytes, shut: bool = False) -> Case:
+        def run() -> tuple[str, str]:
+            with _tcp(self.addr) as sock:
+                try:
+                    sock.sendall(frame)
+                    if shut:
+                        sock.shutdown(socket.SHUT_WR)
+                except OSError:
+                    return CLEAR, "closed the connection while it was sent"
+                return self._judge(sock, frame)
+
+        return run
+
+    def _judge(self, sock: socket.socket, frame: bytes) -> tuple[str, str]:
+        deadline = time.monotonic() + CASE_DEADLINE_S
+        head = b""
+        try:
+            while len(head) < self._dp.REPLY.size:
+                sock.settimeout(max(0.01, deadline - time.monotonic()))
+                got = sock.recv(self._dp.REPLY.size - len(head))
+                if not got:
+                    return CLEAR, "closed the connection"
+                head += got
+            status, size = self._dp.REPLY.unpack(head)
+            body = b""
+            while len(body) < size:
+                sock.settimeout(max(0.01, deadline - time.monotonic()))
+                got = sock.recv(size - len(body))
+                if not got:
+                    return UNCLEAR, f"a reply cut short to {frame[:80]!r}"
+                body += got
+        except TimeoutError:
+            return HANG, f"no reply within {CASE_DEADLINE_S:g}s to {frame[:80]!r}"
+        except OSError:
+            return CLEAR, "reset the connection"
+        if status == self._dp.OK:
+            return ACCEPTED, f"{size} bytes"
+        if body:
+            return CLEAR, body[:120].decode(errors="replace")
+        return UNCLEAR, f"status {status} without a reason to {frame[:80]!r}"
+
+    def case(self, rng: random.Random) -> tuple[str, Case]:
+        token = self.host.token.encode()
+        method = rng.choice([self._dp.LOOKUP, self._dp.PUSH])
+        request = self._pb.LookupRequest if method == self._dp.LOOKUP else self._pb.PushRequest
+        roll = rng.random()
+        if roll < 0.1:
+            return "random_bytes", self._exchange(rng.randbytes(rng.randint(0, 300)), True)
+        if roll < 0.15:  # a length over the cap, and no payload behind it
+            return "oversized", self._exchange(self._frame(method, token, b"", OVERSIZED_BYTES))
+        if roll < 0.2:
+            return "unknown_method", self._exchange(self._frame(rng.randint(3, 255), token, b""))
+        if roll < 0.3:  # a frame whose payload breaks off
+            frame = self._frame(method, token, rng.randbytes(rng.randint(0, 200)), 4096)
+            return "truncated_stream", self._exchange(frame, True)
+        kind, data = mutate_message(rng, random_message(rng, request))
+        if roll < 0.4:
+            kind, token = "wrong_token", token + b"x"
+        elif roll < 0.45:
+            kind, token = "no_token", b""
+        return kind, self._exchange(self._frame(method, token, data))
+
+    def probe(self) -> tuple[str, str]:
+        ids = (1).to_bytes(8, "little") + (2).to_bytes(8, "little")
+        payload = self._pb.LookupRequest(table="probe", ids=ids).SerializeToString()
+        outcome, detail = self._exchange(
+            self._frame(self._dp.LOOKUP, self.host.token.encode(), payload)
+        )()
+        return outcome, detail
+
+    def stall(self, rng: random.Random) -> socket.socket:
+        sock = _tcp(self.addr)
+        sock.sendall(
+            self._frame(self._dp.LOOKUP, self.host.token.encode(), b"", 100)[: rng.randint(1, 12)]
+        )
+        return sock
+
+
 TARGETS: dict[str, Callable[[Host], Target]] = {
     "master": MasterTarget,
     "embedding": EmbeddingTarget,
+    "embedding-data": EmbeddingDataTarget,
     "saver": SaverTarget,
     "replica": ReplicaTarget,
 }

@@ -3,12 +3,13 @@ parallel, put the rows back in order; follow the bucket map when servers are add
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -21,6 +22,14 @@ from dlrover.backoff import Backoff
 from dlrover.constants import TOKEN_METADATA_KEY
 from dlrover.embedding import frames
 from dlrover.embedding.buckets import BucketMap, IdArray
+from dlrover.embedding.dataport import (
+    LOOKUP,
+    PUSH,
+    TOKEN,
+    DataChannel,
+    DataPortError,
+    DataPortRefused,
+)
 from dlrover.embedding.replica import PUSH_WINDOW
 from dlrover.embedding.table import EmbeddingError, Rows
 from dlrover.embedding.wire import (
@@ -38,6 +47,8 @@ logger = logging.getLogger(__name__)
 
 SERVICE_PATH = "/" + pb.DESCRIPTOR.services_by_name["EmbeddingServer"].full_name
 """The servers' gRPC service, as its methods' paths begin."""
+DATA_METHODS = {"Lookup": LOOKUP, "Push": PUSH}
+"""The methods a server's data port takes, by their gRPC names."""
 DEFAULT_TIMEOUT_S = 30.0
 """Deadline of one call to a server."""
 DEFAULT_SETTLE_S = 60.0
@@ -82,6 +93,7 @@ class EmbeddingClient:
         bucket_map: BucketMap | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         settle_s: float = DEFAULT_SETTLE_S,
+        data_port: bool = True,
     ) -> None:
         if not addresses:
             raise EmbeddingError("no embedding server addresses given")
@@ -95,6 +107,11 @@ class EmbeddingClient:
         self.timeout_s = timeout_s
         self.settle_s = settle_s
         self._metadata = ((TOKEN_METADATA_KEY, token),)
+        self._token = token
+        self._use_data_port = data_port
+        self._data: dict[str, DataChannel | None] = {}
+        """Per server address: its data port's connections (None: Lookup and Push go over
+        gRPC: no data port, or it could not be reached)."""
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
         self._stubs: dict[str, pb_grpc.EmbeddingServerStub] = {}
@@ -125,6 +142,10 @@ class EmbeddingClient:
                 channel.close()
             self._channels.clear()
             self._stubs.clear()
+            data, self._data = self._data, {}
+        for conns in data.values():
+            if conns is not None:
+                conns.close()
 
     def adopt(self, placement: Placement) -> bool:
         """Route by ``placement`` from now on if it is newer than the current one. A server
@@ -215,12 +236,7 @@ class EmbeddingClient:
         except grpc.RpcError as e:
             code = e.code() if isinstance(e, grpc.Call) else None
             details = (e.details() if isinstance(e, grpc.Call) else str(e)) or ""
-            addresses = self.addresses
-            server = (
-                f"embedding server {addresses.index(address)} at {address}"
-                if address in addresses
-                else f"embedding server at {address}"
-            )
+            server = self._name(address)
             if code == grpc.StatusCode.UNAUTHENTICATED:
                 raise EmbeddingError(
                     f"{server} refused the job token (set DLROVER_JOB_TOKEN to the job's token)"
@@ -228,6 +244,79 @@ class EmbeddingClient:
             raise EmbeddingServerUnavailable(
                 f"{server} {_why(code, details, time.monotonic() - started, self.timeout_s)}"
             ) from None
+
+    def _name(self, address: str) -> str:
+        """How messages name the server at ``address``."""
+        addresses = self.addresses
+        if address in addresses:
+            return f"embedding server {addresses.index(address)} at {address}"
+        return f"embedding server at {address}"
+
+    @contextlib.contextmanager
+    def _request(
+        self, address: str, method: str, parts: list[bytes | memoryview]
+    ) -> Iterator[bytes | memoryview]:
+        """Send ``method``'s request message made of ``parts`` to the server at ``address``
+        (over its data port, else gRPC) and yield the response message's bytes, valid inside
+        the block; errors as ``call``'s."""
+        channel = self._data_channel(address)
+        if channel is None:
+            yield self._invoke(address, self._raw(address, method), frames.join(parts))
+            return
+        try:
+            with channel.request(DATA_METHODS[method], parts, self.timeout_s) as payload:
+                yield payload
+        except DataPortError as e:
+            # Ask where its data port is again next time: a server back at the same address
+            # is a new process with a new port.
+            with self._lock:
+                if self._data.get(address) is channel:
+                    del self._data[address]
+            channel.close()
+            why = f"did not answer within {self.timeout_s:g}s" if e.timed_out else (
+                f"is not reachable (connection lost: {e})"
+            )  # fmt: skip
+            raise EmbeddingServerUnavailable(f"{self._name(address)} {why}") from None
+        except DataPortRefused as e:
+            if e.status == TOKEN:
+                raise EmbeddingError(
+                    f"{self._name(address)} refused the job token (set DLROVER_JOB_TOKEN to "
+                    "the job's token)"
+                ) from None
+            raise EmbeddingError(f"{self._name(address)} refused the request: {e}") from None
+
+    def _data_channel(self, address: str) -> DataChannel | None:
+        """The data port connections of the server at ``address``, asked for and opened on
+        first use; None when it has none (an older server) or it cannot be reached (a
+        firewall): then Lookup and Push go over gRPC, which reaches it."""
+        with self._lock:
+            if address in self._data or not self._use_data_port:
+                return self._data.get(address)
+        try:
+            port = self._invoke(address, self._stub(address).DataPort, pb.StatsRequest()).port
+        except EmbeddingServerUnavailable as e:
+            if "UNIMPLEMENTED" not in str(e):
+                raise
+            port = 0
+        channel: DataChannel | None = None
+        if port:
+            channel = DataChannel(address.rsplit(":", 1)[0].strip("[]"), port, self._token)
+            try:
+                channel.connect()
+            except DataPortError as e:
+                logger.warning(
+                    "%s: its data port %d cannot be reached (%s): lookups and pushes go "
+                    "over gRPC (slower)",
+                    self._name(address),
+                    port,
+                    e,
+                )
+                channel = None
+        with self._lock:
+            kept = self._data.setdefault(address, channel)
+        if kept is not channel and channel is not None:
+            channel.close()  # another thread opened one first
+        return kept
 
     def each_server(self, fn: Callable[[str], T]) -> list[T]:
         """``fn(address)`` for every server of the current placement, in parallel."""
@@ -243,22 +332,20 @@ class EmbeddingClient:
         rows = np.empty((flat.size, dim), dtype=np.float32)
 
         def ask(address: str, index: Index, seq: int) -> None:
-            ids = _wire_array(flat, index, "<i8")
-            raw = self._invoke(
-                address, self._raw(address, "Lookup"), frames.lookup_request(table, ids)
-            )
-            answer = frames.read_lookup_response(raw)
-            if answer.error is not None:
-                raise error_from_proto(answer.error)
-            if answer.dim != dim or len(answer.rows) != index.size * dim * 4:
-                raise EmbeddingError(
-                    f"table {table!r} has {answer.dim} dims at {address}, not {dim}"
-                )
-            got = np.frombuffer(answer.rows, dtype="<f4").reshape(index.size, dim)
-            if index.size == flat.size:  # the whole batch from one server: one plain copy
-                rows[...] = got
-            else:
-                rows[index] = got
+            request = frames.lookup_request(table, _wire_array(flat, index, "<i8"))
+            with self._request(address, "Lookup", request) as raw:
+                answer = frames.read_lookup_response(raw)
+                if answer.error is not None:
+                    raise error_from_proto(answer.error)
+                if answer.dim != dim or len(answer.rows) != index.size * dim * 4:
+                    raise EmbeddingError(
+                        f"table {table!r} has {answer.dim} dims at {address}, not {dim}"
+                    )
+                got = np.frombuffer(answer.rows, dtype="<f4").reshape(index.size, dim)
+                if index.size == flat.size:  # the whole batch from one server: one plain copy
+                    rows[...] = got
+                else:
+                    rows[index] = got
 
         self._route_chunks(flat, dim, ask)
         return rows
@@ -278,8 +365,8 @@ class EmbeddingClient:
                 self.client_id,
                 seq,
             )
-            raw = self._invoke(address, self._raw(address, "Push"), request)
-            response = pb.PushResponse.FromString(raw)
+            with self._request(address, "Push", request) as raw:
+                response = pb.PushResponse.FromString(bytes(raw))
             if response.HasField("error"):
                 raise error_from_proto(response.error)
             with self._lock:

@@ -158,19 +158,20 @@ def _array(number: int, array: np.ndarray[Any, Any]) -> list[bytes | memoryview]
     return [length_prefix(number, array.nbytes), array.data.cast("B")]
 
 
-def lookup_request(table: str, ids: np.ndarray[Any, Any]) -> bytes:
-    """A LookupRequest of ``ids`` (C-contiguous little-endian int64)."""
-    return join([_text(_LOOKUP_TABLE, table), *_array(_LOOKUP_IDS, ids)])
+def lookup_request(table: str, ids: np.ndarray[Any, Any]) -> list[bytes | memoryview]:
+    """A LookupRequest of ``ids`` (C-contiguous little-endian int64), in pieces that ``join``
+    makes one message of (or a socket sends one after the other): ids are not copied yet."""
+    return [_text(_LOOKUP_TABLE, table), *_array(_LOOKUP_IDS, ids)]
 
 
-def read_lookup_request(data: bytes) -> tuple[str, memoryview]:
+def read_lookup_request(data: bytes | memoryview) -> tuple[str, memoryview]:
     """(table, ids' bytes) of a LookupRequest."""
     got = fields(data)
     return as_str(got.get(_LOOKUP_TABLE)), as_view(got.get(_LOOKUP_IDS))
 
 
 def lookup_response(rows: np.ndarray[Any, Any], dim: int) -> bytes:
-    """A LookupResponse carrying ``rows`` (C-contiguous little-endian float32)."""
+    """A LookupResponse carrying ``rows`` (C-contiguous little-endian float32): one copy."""
     return join([*_array(_ROWS, rows), key(_ROWS_DIM, VARINT) + varint(dim)])
 
 
@@ -183,11 +184,11 @@ class LookupAnswer:
     dim: int
 
 
-def read_lookup_response(data: bytes) -> LookupAnswer:
+def read_lookup_response(data: bytes | memoryview) -> LookupAnswer:
     """A LookupResponse: a refusal is parsed whole (it is small and rare)."""
     got = fields(data)
     if _ROWS_ERROR in got:
-        return LookupAnswer(pb.LookupResponse.FromString(data).error, memoryview(b""), 0)
+        return LookupAnswer(pb.LookupResponse.FromString(bytes(data)).error, memoryview(b""), 0)
     return LookupAnswer(None, as_view(got.get(_ROWS)), as_int(got.get(_ROWS_DIM)))
 
 
@@ -204,21 +205,19 @@ class PushFields:
 
 def push_request(
     table: str, ids: np.ndarray[Any, Any], grads: np.ndarray[Any, Any], client: str, seq: int
-) -> bytes:
+) -> list[bytes | memoryview]:
     """A PushRequest of ``ids`` (int64) and their ``grads`` (float32), both C-contiguous and
-    little-endian."""
-    return join(
-        [
-            _text(_PUSH_TABLE, table),
-            *_array(_PUSH_IDS, ids),
-            *_array(_PUSH_GRADS, grads),
-            _text(_PUSH_CLIENT, client),
-            key(_PUSH_SEQ, VARINT) + varint(seq) if seq else b"",
-        ]
-    )
+    little-endian, in pieces as ``lookup_request``'s."""
+    return [
+        _text(_PUSH_TABLE, table),
+        *_array(_PUSH_IDS, ids),
+        *_array(_PUSH_GRADS, grads),
+        _text(_PUSH_CLIENT, client),
+        key(_PUSH_SEQ, VARINT) + varint(seq) if seq else b"",
+    ]
 
 
-def read_push_request(data: bytes) -> PushFields:
+def read_push_request(data: bytes | memoryview) -> PushFields:
     """A PushRequest's fields."""
     got = fields(data)
     return PushFields(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
 import threading
@@ -18,6 +19,7 @@ from google.protobuf.message import DecodeError, Message
 from dlrover.constants import TOKEN_METADATA_KEY
 from dlrover.embedding import frames
 from dlrover.embedding.buckets import bucket_of
+from dlrover.embedding.dataport import LOOKUP, PUSH, DataPortServer
 from dlrover.embedding.replica import (
     AppliedPushes,
     Claim,
@@ -107,6 +109,8 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
         self._active: dict[int, int] = {}
         """Map version -> requests admitted under it and still running."""
         self._busy = 0
+        self.data_port = 0
+        """The port of the server's DataPortServer, once it has one."""
         self.moved_in = 0
         self.moved_out = 0
 
@@ -284,6 +288,12 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
                 return pb.AppliedPushesResponse(seqs=[], floor=-1)
         seqs, floor = combined([s.applied for s in served], request.client)
         return pb.AppliedPushesResponse(seqs=seqs, floor=floor)
+
+    def DataPort(  # noqa: N802
+        self, request: pb.StatsRequest, context: grpc.ServicerContext
+    ) -> pb.DataPortResponse:
+        """The TCP port that also takes Lookup and Push (dataport.py); 0: none."""
+        return pb.DataPortResponse(port=self.data_port)
 
     def GetPlacement(  # noqa: N802
         self, request: pb.StatsRequest, context: grpc.ServicerContext
@@ -531,37 +541,44 @@ def _parsing_handlers(service: EmbeddingService) -> grpc.GenericRpcHandler:
         for method in descriptor.methods
     }
     # The hot path reads and writes its arrays without copies (frames.py); same bytes.
-    handlers["Lookup"] = grpc.unary_unary_rpc_method_handler(_fast_lookup(service))
-    handlers["Push"] = grpc.unary_unary_rpc_method_handler(_fast_push(service))
+    handlers["Lookup"] = grpc.unary_unary_rpc_method_handler(
+        _raw_handler(service, "LookupRequest", lookup_answer)
+    )
+    handlers["Push"] = grpc.unary_unary_rpc_method_handler(
+        _raw_handler(service, "PushRequest", push_answer)
+    )
     return grpc.method_handlers_generic_handler(descriptor.full_name, handlers)
 
 
-def _fast_lookup(service: EmbeddingService) -> Callable[[bytes, grpc.ServicerContext], bytes]:
+def lookup_answer(service: EmbeddingService, raw: bytes | memoryview) -> bytes:
+    """The LookupResponse to the LookupRequest in ``raw`` (over gRPC or the data port);
+    MalformedMessage if it is none."""
+    table, ids = frames.read_lookup_request(raw)
+    try:
+        rows, dim = service.lookup_rows(table, ids)
+    except EmbeddingError as e:
+        return pb.LookupResponse(error=error_to_proto(e)).SerializeToString()
+    return frames.lookup_response(rows, dim)
+
+
+def push_answer(service: EmbeddingService, raw: bytes | memoryview) -> bytes:
+    """The PushResponse to the PushRequest in ``raw``; MalformedMessage if it is none."""
+    push = frames.read_push_request(raw)
+    response = _answer(
+        pb.PushResponse,
+        lambda: service.apply_push(push.table, push.ids, push.grads, push.client, push.seq),
+    )
+    return response.SerializeToString()
+
+
+def _raw_handler(
+    service: EmbeddingService, kind: str, answer: Callable[[EmbeddingService, bytes], bytes]
+) -> Callable[[bytes, grpc.ServicerContext], bytes]:
     def handle(raw: bytes, context: grpc.ServicerContext) -> bytes:
         try:
-            table, ids = frames.read_lookup_request(raw)
+            return answer(service, raw)
         except frames.MalformedMessage as e:
-            _malformed(context, "LookupRequest", raw, e)
-        try:
-            rows, dim = service.lookup_rows(table, ids)
-        except EmbeddingError as e:
-            return pb.LookupResponse(error=error_to_proto(e)).SerializeToString()
-        return frames.lookup_response(rows, dim)
-
-    return handle
-
-
-def _fast_push(service: EmbeddingService) -> Callable[[bytes, grpc.ServicerContext], bytes]:
-    def handle(raw: bytes, context: grpc.ServicerContext) -> bytes:
-        try:
-            push = frames.read_push_request(raw)
-        except frames.MalformedMessage as e:
-            _malformed(context, "PushRequest", raw, e)
-        response = _answer(
-            pb.PushResponse,
-            lambda: service.apply_push(push.table, push.ids, push.grads, push.client, push.seq),
-        )
-        return response.SerializeToString()
+            _malformed(context, kind, raw, e)
 
     return handle
 
@@ -632,14 +649,31 @@ class EmbeddingServer:
         if self.port == 0:
             raise OSError(f"cannot listen on {host}:{port}")
         self.address = f"{host}:{self.port}"
+        # Lookup and Push also on a plain TCP port of the same host (dataport.py).
+        self._data = DataPortServer(
+            host,
+            0,
+            token,
+            {
+                LOOKUP: functools.partial(lookup_answer, self.service),
+                PUSH: functools.partial(push_answer, self.service),
+            },
+        )
+        self.service.data_port = self._data.port
 
     def start(self) -> EmbeddingServer:
         """Start serving (in gRPC's threads)."""
         self._server.start()
-        logger.info("embedding server listening on %s", self.address)
+        self._data.start()
+        logger.info(
+            "embedding server listening on %s (lookups and pushes also on port %d)",
+            self.address,
+            self._data.port,
+        )
         return self
 
     def stop(self, grace_s: float = 1.0) -> None:
         """Stop serving; in-flight calls get ``grace_s`` seconds."""
+        self._data.close()
         self._server.stop(grace_s).wait(grace_s + 1.0)
         self.service.close()

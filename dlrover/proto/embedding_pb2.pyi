@@ -218,6 +218,12 @@ class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class DataPortResponse(_message.Message):
+    __slots__ = ("port",)
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    port: int
+    def __init__(self, port: _Optional[int] = ...) -> None: ...
+
 class TableStats(_message.Message):
     __slots__ = ("name", "rows", "bytes", "lookups", "pushes", "spec")
     NAME_FIELD_NUMBER: _ClassVar[int]

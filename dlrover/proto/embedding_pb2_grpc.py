@@ -103,6 +103,11 @@ class EmbeddingServerStub:
                 request_serializer=dlrover_dot_proto_dot_embedding__pb2.AppliedPushesRequest.SerializeToString,
                 response_deserializer=dlrover_dot_proto_dot_embedding__pb2.AppliedPushesResponse.FromString,
                 _registered_method=True)
+        self.DataPort = channel.unary_unary(
+                '/dlrover.embedding.EmbeddingServer/DataPort',
+                request_serializer=dlrover_dot_proto_dot_embedding__pb2.StatsRequest.SerializeToString,
+                response_deserializer=dlrover_dot_proto_dot_embedding__pb2.DataPortResponse.FromString,
+                _registered_method=True)
 
 
 class EmbeddingServerServicer:
@@ -196,6 +201,14 @@ class EmbeddingServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DataPort(self, request, context):
+        """Where the server also takes Lookup and Push as length-prefixed frames on plain TCP
+        (dlrover/embedding/dataport.py): the same messages without HTTP/2's cost per call.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EmbeddingServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -263,6 +276,11 @@ def add_EmbeddingServerServicer_to_server(servicer, server):
                     servicer.AppliedPushes,
                     request_deserializer=dlrover_dot_proto_dot_embedding__pb2.AppliedPushesRequest.FromString,
                     response_serializer=dlrover_dot_proto_dot_embedding__pb2.AppliedPushesResponse.SerializeToString,
+            ),
+            'DataPort': grpc.unary_unary_rpc_method_handler(
+                    servicer.DataPort,
+                    request_deserializer=dlrover_dot_proto_dot_embedding__pb2.StatsRequest.FromString,
+                    response_serializer=dlrover_dot_proto_dot_embedding__pb2.DataPortResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -620,6 +638,33 @@ class EmbeddingServer:
             '/dlrover.embedding.EmbeddingServer/AppliedPushes',
             dlrover_dot_proto_dot_embedding__pb2.AppliedPushesRequest.SerializeToString,
             dlrover_dot_proto_dot_embedding__pb2.AppliedPushesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DataPort(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dlrover.embedding.EmbeddingServer/DataPort',
+            dlrover_dot_proto_dot_embedding__pb2.StatsRequest.SerializeToString,
+            dlrover_dot_proto_dot_embedding__pb2.DataPortResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -13,7 +13,9 @@ from dlrover.proto import embedding_pb2 as pb
 def test_a_push_written_by_frames_parses_as_the_generated_message() -> None:
     ids = np.array([3, -1, 1 << 40], dtype="<i8")
     grads = np.arange(12, dtype="<f4").reshape(3, 4)
-    message = pb.PushRequest.FromString(frames.push_request("items", ids, grads, "c1", 1 << 35))
+    message = pb.PushRequest.FromString(
+        frames.join(frames.push_request("items", ids, grads, "c1", 1 << 35))
+    )
     assert message.table == "items" and message.client == "c1" and message.seq == 1 << 35
     assert np.array_equal(np.frombuffer(message.ids, "<i8"), ids)
     assert np.array_equal(np.frombuffer(message.grads, "<f4").reshape(3, 4), grads)
@@ -33,7 +35,7 @@ def test_a_push_written_by_the_generated_message_reads_the_same_in_frames() -> N
 
 def test_lookups_both_ways_and_a_refusal() -> None:
     ids = np.arange(5, dtype="<i8")
-    request = pb.LookupRequest.FromString(frames.lookup_request("emb", ids))
+    request = pb.LookupRequest.FromString(frames.join(frames.lookup_request("emb", ids)))
     assert request.table == "emb" and request.ids == ids.tobytes()
     table, got = frames.read_lookup_request(request.SerializeToString())
     assert table == "emb" and bytes(got) == ids.tobytes()
@@ -53,7 +55,7 @@ def test_lookups_both_ways_and_a_refusal() -> None:
 
 def test_empty_fields_are_left_out_as_protobuf_does() -> None:
     empty = np.empty(0, dtype="<i8")
-    assert frames.push_request("", empty, np.empty((0, 4), "<f4"), "", 0) == b""
+    assert frames.join(frames.push_request("", empty, np.empty((0, 4), "<f4"), "", 0)) == b""
     push = frames.read_push_request(b"")
     assert (push.table, bytes(push.ids), bytes(push.grads), push.client, push.seq) == (
         "",

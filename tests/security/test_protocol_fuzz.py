@@ -1,5 +1,6 @@
-"""The protocol fuzzer's CI run: every port DLRover listens on (master gRPC, embedding server,
-checkpoint saver socket, replica port) survives seeded abuse and answers each case clearly.
+"""The protocol fuzzer's CI run: every port DLRover listens on (master gRPC, embedding server
+gRPC and data port, checkpoint saver socket, replica port) survives seeded abuse and answers
+each case clearly.
 
 benchmarks/protocol_fuzz.py with a fixed seed and ``--cases 150`` per target, real servers
 on port 0 in processes of their own. DLROVER_FUZZ_SEED replays another draw.
@@ -19,7 +20,7 @@ from tests.conftest import REPO, clean_env
 
 SEED = os.environ.get("DLROVER_FUZZ_SEED", "7")
 CASES = 150
-TARGETS = ("master", "embedding", "saver", "replica")
+TARGETS = ("master", "embedding", "embedding-data", "saver", "replica")
 
 
 @pytest.mark.slow
@@ -57,7 +58,7 @@ def test_every_server_survives_the_fuzzer_and_answers_each_case_clearly(tmp_path
         # The abuse was the abuse asked for: most cases refused, with every kind drawn.
         assert outcomes["clear"] > CASES // 2, (name, outcomes)
         assert {"oversized", "truncated_stream"} <= set(row["kinds"]), (name, row["kinds"])
-    for name in ("master", "embedding"):
+    for name in ("master", "embedding", "embedding-data"):
         assert {"random_bytes", "wrong_token", "no_token", "bit_flips"} <= set(rows[name]["kinds"])
     for name in ("saver", "replica"):
         assert {"deep_nesting", "repeat_key", "unknown_op"} <= set(rows[name]["kinds"])
