@@ -5,10 +5,12 @@ Run: PYTHONPATH=. python benchmarks/embedding.py [--mib 256] [--dim 64] [--batch
      [--repeats 3] [--skip-resize]
 Prints
 - lookup + update ids/s through 1 .. min(cores, 4) `dlrover-ps` processes, 2 with ASYNC and
-  SYNC replicas, and 1 with Lookup and Push over gRPC only (no data port), against an
-  in-process ``nn.EmbeddingBag(sparse=True)`` with torch's Adagrad on the same batches (the floor: no network, no server; with 1 thread and with every core, the
-  faster counting). Interleaved over --repeats rounds; medians, and the ratios issue 32 set
-  goals for (one server vs the floor, N servers vs N x one, what replicas cost);
+  SYNC replicas, 1 with Lookup and Push over gRPC only (no data port), and 1 through
+  ``ElasticEmbedding`` in a forward and backward (the module's own torch work included),
+  against an in-process ``nn.EmbeddingBag(sparse=True)`` with torch's Adagrad on the same
+  batches (the floor: no network, no server; with 1 thread and with every core, the faster
+  counting). Interleaved over --repeats rounds; medians, and the ratios issue 32 set goals for
+  (one server vs the floor, N servers vs N x one, what replicas cost);
 - growing 2 -> 3 servers holding --mib of embedding rows (weights; the Adagrad state doubles
   it): the live resize (how long the moving buckets were refused) against the restart way
   (export every row to a file, start 3 fresh servers, load and re-partition them); then one of
@@ -35,8 +37,10 @@ from dlrover.embedding.buckets import BucketMap
 from dlrover.embedding.client import EmbeddingClient
 from dlrover.embedding.cluster import EmbeddingCluster
 from dlrover.proto import embedding_pb2 as pb
+from dlrover.trainer.torch.embedding import ElasticEmbedding
 
 TOKEN = "bench"
+MODULE = "dlrover-ps x 1, through ElasticEmbedding"
 
 
 class Ps:
@@ -78,6 +82,18 @@ def server_rate(client: EmbeddingClient, batches: list[np.ndarray], dim: int) ->
     return sum(b.size for b in batches) / (time.perf_counter() - start)
 
 
+def module_rate(client: EmbeddingClient, batches: list[np.ndarray], dim: int) -> float:
+    """ids/s of ``ElasticEmbedding`` in a training step's forward and backward (one id per bag,
+    as the floor's batches): what a model sees, the module's own work (``torch.unique`` of
+    the ids, ``embedding_bag`` over the rows and its backward) included."""
+    emb = ElasticEmbedding("items", dim, lr=0.01, client=client)
+    for _pass in ("untimed", "timed"):
+        start = time.perf_counter()
+        for ids in batches:
+            emb(torch.from_numpy(ids).reshape(-1, 1)).sum().backward()
+    return sum(b.size for b in batches) / (time.perf_counter() - start)
+
+
 def floor_rate(batches: list[np.ndarray], dim: int, rows: int, threads: int) -> float:
     """ids/s of an in-process ``nn.EmbeddingBag(sparse=True)`` with torch's sparse Adagrad on
     the same batches, with ``threads`` intra-op threads."""
@@ -107,14 +123,17 @@ def throughput(tmp: str, batches: list[np.ndarray], dim: int, id_space: int, rep
     settings: list[tuple[str, int, int, bool]] = [
         (f"dlrover-ps x {n}", n, pb.NO_REPLICA, True) for n in counts
     ]
-    settings.insert(1, ("dlrover-ps x 1, over gRPC only", 1, pb.NO_REPLICA, False))
+    settings[1:1] = [
+        ("dlrover-ps x 1, over gRPC only", 1, pb.NO_REPLICA, False),
+        (MODULE, 1, pb.NO_REPLICA, True),
+    ]
     pair = max(2, counts[-1]) if len(counts) > 1 else 2
     settings += [
         (f"dlrover-ps x {pair}, ASYNC replicas", pair, pb.ASYNC, True),
         (f"dlrover-ps x {pair}, SYNC replicas", pair, pb.SYNC, True),
     ]
     if pair not in counts:
-        settings.insert(len(counts) + 1, (f"dlrover-ps x {pair}", pair, pb.NO_REPLICA, True))
+        settings.insert(len(counts) + 2, (f"dlrover-ps x {pair}", pair, pb.NO_REPLICA, True))
     rates: dict[str, list[float]] = {"floor, 1 thread": [], f"floor, {cores} threads": []}
     rates.update({name: [] for name, _, _, _ in settings})
     for round_ in range(repeats):
@@ -125,7 +144,8 @@ def throughput(tmp: str, batches: list[np.ndarray], dim: int, id_space: int, rep
             try:
                 client = EmbeddingClient([s.address for s in servers], TOKEN, data_port=data_port)
                 EmbeddingCluster(client, replica=mode).install()
-                rates[name].append(server_rate(client, batches, dim))
+                rate = module_rate if name == MODULE else server_rate
+                rates[name].append(rate(client, batches, dim))
                 client.close()
             finally:
                 for s in servers:
@@ -145,6 +165,7 @@ def throughput(tmp: str, batches: list[np.ndarray], dim: int, id_space: int, rep
     print(f"one server / floor: {one / floor:.2f} (goal >= 0.6)")
     grpc_only = med["dlrover-ps x 1, over gRPC only"]
     print(f"one server, data port / gRPC only: {one / grpc_only:.2f}x")
+    print(f"one server through ElasticEmbedding / floor: {med[MODULE] / floor:.2f}")
     for n in counts[1:]:
         scale = med[f"dlrover-ps x {n}"] / (n * one)
         print(f"{n} servers / ({n} x one server): {scale:.2f} (goal >= 0.8)")

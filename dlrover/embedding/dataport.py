@@ -54,9 +54,9 @@ POLL_S = 0.05
 """How often the accepting thread looks whether it was told to stop (a server's stop waits
 for it)."""
 
-Handler = Callable[[memoryview], bytes]
-"""A method: the request message's bytes -> the response message's bytes; MalformedMessage
-when the bytes are no such request."""
+Handler = Callable[[memoryview], list[bytes | memoryview]]
+"""A method: the request message's bytes -> the response message's bytes, in pieces sent one
+after the other; MalformedMessage when the bytes are no such request."""
 
 
 class DataPortError(ConnectionError):
@@ -170,7 +170,7 @@ class _Connection(socketserver.BaseRequestHandler):
         finally:
             self.server.track(sock, False)
 
-    def _answer(self, method: int, token: bytes, payload: memoryview) -> list[bytes]:
+    def _answer(self, method: int, token: bytes, payload: memoryview) -> list[bytes | memoryview]:
         if not hmac.compare_digest(token, self.server.token):
             return _reply(
                 TOKEN, "wrong or missing job token: set DLROVER_JOB_TOKEN to the job's token"
@@ -179,7 +179,7 @@ class _Connection(socketserver.BaseRequestHandler):
         if handler is None:
             return _reply(MALFORMED, f"unknown method {method}")
         try:
-            return _reply(OK, handler(payload))
+            return _reply(OK, *handler(payload))
         except MalformedMessage as e:
             return _reply(MALFORMED, f"malformed request ({len(payload)} bytes): {e}")
         except Exception as e:  # the client gets the reason; the connection goes on
@@ -197,9 +197,9 @@ def _keep_alive(sock: socket.socket) -> None:
                 sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
-def _reply(status: int, payload: bytes | str) -> list[bytes]:
-    data = payload.encode() if isinstance(payload, str) else payload
-    return [REPLY.pack(status, len(data)), data]
+def _reply(status: int, *payload: bytes | memoryview | str) -> list[bytes | memoryview]:
+    parts = [p.encode() if isinstance(p, str) else p for p in payload]
+    return [REPLY.pack(status, sum(len(p) for p in parts)), *parts]
 
 
 # ----------------------------------------------------------------------------- client

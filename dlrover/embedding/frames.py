@@ -170,9 +170,10 @@ def read_lookup_request(data: bytes | memoryview) -> tuple[str, memoryview]:
     return as_str(got.get(_LOOKUP_TABLE)), as_view(got.get(_LOOKUP_IDS))
 
 
-def lookup_response(rows: np.ndarray[Any, Any], dim: int) -> bytes:
-    """A LookupResponse carrying ``rows`` (C-contiguous little-endian float32): one copy."""
-    return join([*_array(_ROWS, rows), key(_ROWS_DIM, VARINT) + varint(dim)])
+def lookup_response(rows: np.ndarray[Any, Any], dim: int) -> list[bytes | memoryview]:
+    """A LookupResponse carrying ``rows`` (C-contiguous little-endian float32), in pieces as
+    ``lookup_request``'s."""
+    return [*_array(_ROWS, rows), key(_ROWS_DIM, VARINT) + varint(dim)]
 
 
 @dataclass(frozen=True)

@@ -550,33 +550,35 @@ def _parsing_handlers(service: EmbeddingService) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(descriptor.full_name, handlers)
 
 
-def lookup_answer(service: EmbeddingService, raw: bytes | memoryview) -> bytes:
-    """The LookupResponse to the LookupRequest in ``raw`` (over gRPC or the data port);
-    MalformedMessage if it is none."""
+def lookup_answer(service: EmbeddingService, raw: bytes | memoryview) -> list[bytes | memoryview]:
+    """The LookupResponse to the LookupRequest in ``raw`` (over gRPC or the data port), in
+    pieces (frames.join makes one message of them); MalformedMessage if it is none."""
     table, ids = frames.read_lookup_request(raw)
     try:
         rows, dim = service.lookup_rows(table, ids)
     except EmbeddingError as e:
-        return pb.LookupResponse(error=error_to_proto(e)).SerializeToString()
+        return [pb.LookupResponse(error=error_to_proto(e)).SerializeToString()]
     return frames.lookup_response(rows, dim)
 
 
-def push_answer(service: EmbeddingService, raw: bytes | memoryview) -> bytes:
+def push_answer(service: EmbeddingService, raw: bytes | memoryview) -> list[bytes | memoryview]:
     """The PushResponse to the PushRequest in ``raw``; MalformedMessage if it is none."""
     push = frames.read_push_request(raw)
     response = _answer(
         pb.PushResponse,
         lambda: service.apply_push(push.table, push.ids, push.grads, push.client, push.seq),
     )
-    return response.SerializeToString()
+    return [response.SerializeToString()]
 
 
 def _raw_handler(
-    service: EmbeddingService, kind: str, answer: Callable[[EmbeddingService, bytes], bytes]
+    service: EmbeddingService,
+    kind: str,
+    answer: Callable[[EmbeddingService, bytes], list[bytes | memoryview]],
 ) -> Callable[[bytes, grpc.ServicerContext], bytes]:
     def handle(raw: bytes, context: grpc.ServicerContext) -> bytes:
         try:
-            return answer(service, raw)
+            return frames.join(answer(service, raw))
         except frames.MalformedMessage as e:
             _malformed(context, kind, raw, e)
 

@@ -41,7 +41,7 @@ def test_lookups_both_ways_and_a_refusal() -> None:
     assert table == "emb" and bytes(got) == ids.tobytes()
 
     rows = np.linspace(0, 1, 10, dtype="<f4").reshape(5, 2)
-    response = pb.LookupResponse.FromString(frames.lookup_response(rows, 2))
+    response = pb.LookupResponse.FromString(frames.join(frames.lookup_response(rows, 2)))
     assert response.dim == 2 and response.rows == rows.tobytes()
     answer = frames.read_lookup_response(response.SerializeToString())
     assert answer.error is None and answer.dim == 2 and bytes(answer.rows) == rows.tobytes()
