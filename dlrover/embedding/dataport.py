@@ -12,10 +12,11 @@ protobuf messages (frames.py) there:
 
 little-endian; every request carries the job token. A reply's status is OK (the payload is
 the method's response message: a refusal such as NOT_OWNER travels inside it, as over
-gRPC), or TOKEN, MALFORMED or FAILED with a UTF-8 explanation. A connection serves one request
-at a time; a client keeps one per request it has in flight. Each side receives into a buffer
-it keeps per connection and sends its pieces with one ``sendmsg``: the arrays are copied once
-on their way out (frames.py) and not at all on their way in.
+gRPC), or TOKEN, MALFORMED or FAILED with a UTF-8 explanation; after TOKEN (checked before
+the payload is read) and after a header over the limits the server closes the connection. A
+connection serves one request at a time; a client keeps one per request it has in flight. Each
+side receives into a buffer it keeps per connection and sends its pieces with one ``sendmsg``:
+an array goes out straight from where it lies and comes in as a view of that buffer.
 """
 
 from __future__ import annotations
@@ -143,12 +144,14 @@ class _Connection(socketserver.BaseRequestHandler):
         _keep_alive(sock)
         self.server.track(sock, True)
         buffer = bytearray()
+        served = False
         try:
             while True:
-                # Between requests a connection waits as long as its client keeps it (a
-                # client gone without a word is found by TCP keep-alive); once a request
-                # begins, the rest of it must come within IO_TIMEOUT_S.
-                sock.settimeout(None)
+                # A connection's first request must come within IO_TIMEOUT_S; between later
+                # ones it waits as long as its client keeps it (a client gone without a word
+                # is found by TCP keep-alive). Once a request begins, the rest of it must come
+                # within IO_TIMEOUT_S.
+                sock.settimeout(IO_TIMEOUT_S if not served else None)
                 first = sock.recv(1)
                 if not first:
                     return
@@ -159,22 +162,24 @@ class _Connection(socketserver.BaseRequestHandler):
                     _send(sock, _reply(MALFORMED, f"a request of {nbytes} bytes with a "
                                        f"{token_len}-byte token is over the limits"))  # fmt: skip
                     return  # the rest of the stream cannot be trusted
-                token = _receive(sock, token_len)
+                # The token before the payload: a caller without it is answered and
+                # dropped before the server takes in (or makes room for) what it sends.
+                if not hmac.compare_digest(_receive(sock, token_len) or b"", self.server.token):
+                    _send(sock, _reply(TOKEN, "wrong or missing job token: set "
+                                       "DLROVER_JOB_TOKEN to the job's token"))  # fmt: skip
+                    return
                 if len(buffer) < nbytes:
                     buffer = bytearray(nbytes)
                 payload = memoryview(buffer)[:nbytes]
                 _receive_into(sock, payload)
-                _send(sock, self._answer(method, bytes(token or b""), payload))
+                _send(sock, self._answer(method, payload))
+                served = True
         except (OSError, DataPortError) as e:
             logger.debug("data port connection from %s ended: %s", self.client_address, e)
         finally:
             self.server.track(sock, False)
 
-    def _answer(self, method: int, token: bytes, payload: memoryview) -> list[bytes | memoryview]:
-        if not hmac.compare_digest(token, self.server.token):
-            return _reply(
-                TOKEN, "wrong or missing job token: set DLROVER_JOB_TOKEN to the job's token"
-            )
+    def _answer(self, method: int, payload: memoryview) -> list[bytes | memoryview]:
         handler = self.server.handlers.get(method)
         if handler is None:
             return _reply(MALFORMED, f"unknown method {method}")
