@@ -12,11 +12,12 @@ fields are skipped and anything else is refused as malformed.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from dlrover.proto import embedding_pb2 as pb
 
@@ -63,21 +64,42 @@ def fields(data: bytes | memoryview) -> dict[int, Field]:
     """Field number -> value of the message in ``data``: an int for a varint, a view into
     ``data`` for a length-delimited field (no copy); the last occurrence wins, as protobuf's
     for a singular field. MalformedMessage for truncated or foreign bytes."""
+    return {number: value for number, value, _ in _walk(data) if value is not None}
+
+
+def split(data: bytes | memoryview, big: set[int]) -> tuple[bytes, dict[int, memoryview]]:
+    """The message in ``data`` without its length-delimited fields ``big`` (the rest's bytes as
+    they came, for the generated class to parse), and views of those fields (the last of
+    each). MalformedMessage as ``fields``."""
+    rest: list[memoryview] = []
+    found: dict[int, memoryview] = {}
+    for number, value, span in _walk(data):
+        if number in big and isinstance(value, memoryview):
+            found[number] = value
+        else:
+            rest.append(span)
+    return join(rest), found
+
+
+def _walk(data: bytes | memoryview) -> Iterator[tuple[int, Field | None, memoryview]]:
+    """(number, value, the field's bytes) of each field of the message in ``data``; the value
+    is None for a fixed-width field."""
     view = memoryview(data).cast("B")
-    out: dict[int, Field] = {}
     pos, end = 0, len(view)
     while pos < end:
+        start = pos
         tag, pos = _read_varint(view, pos)
         number, wire_type = tag >> 3, tag & 7
+        value: Field | None = None
         if number == 0:
             raise MalformedMessage("field number 0")
         if wire_type == VARINT:
-            out[number], pos = _read_varint(view, pos)
+            value, pos = _read_varint(view, pos)
         elif wire_type == LENGTH_DELIMITED:
             size, pos = _read_varint(view, pos)
             if pos + size > end:
                 raise MalformedMessage(f"field {number} runs {pos + size - end} bytes past the end")
-            out[number] = view[pos : pos + size]
+            value = view[pos : pos + size]
             pos += size
         elif wire_type in (FIXED64, FIXED32):
             pos += 8 if wire_type == FIXED64 else 4
@@ -85,7 +107,7 @@ def fields(data: bytes | memoryview) -> dict[int, Field]:
                 raise MalformedMessage(f"field {number} runs past the end")
         else:
             raise MalformedMessage(f"field {number} has wire type {wire_type}")
-    return out
+        yield number, value, view[start:pos]
 
 
 def _read_varint(view: memoryview, pos: int) -> tuple[int, int]:
@@ -144,6 +166,9 @@ _PUSH_IDS = _number(pb.PushRequest, "ids")
 _PUSH_GRADS = _number(pb.PushRequest, "grads")
 _PUSH_CLIENT = _number(pb.PushRequest, "client")
 _PUSH_SEQ = _number(pb.PushRequest, "seq")
+_RM_IDS = _number(pb.RowsMessage, "ids")
+_RM_ROWS = _number(pb.RowsMessage, "rows")
+_RM_ACCUM = _number(pb.RowsMessage, "accum")
 
 
 def _text(number: int, text: str) -> bytes:
@@ -228,3 +253,34 @@ def read_push_request(data: bytes | memoryview) -> PushFields:
         client=as_str(got.get(_PUSH_CLIENT)),
         seq=as_int(got.get(_PUSH_SEQ)),
     )
+
+
+def rows_message(
+    meta: pb.RowsMessage,
+    ids: np.ndarray[Any, Any],
+    rows: np.ndarray[Any, Any],
+    accum: np.ndarray[Any, Any],
+) -> list[bytes | memoryview]:
+    """A RowsMessage: ``meta``'s fields (no ids, rows or accum of its own) and the arrays
+    (C-contiguous little-endian int64 and float32), in pieces as ``lookup_request``'s."""
+    return [
+        meta.SerializeToString(),
+        *_array(_RM_IDS, ids),
+        *_array(_RM_ROWS, rows),
+        *_array(_RM_ACCUM, accum),
+    ]
+
+
+def read_rows_message(
+    data: bytes | memoryview,
+) -> tuple[pb.RowsMessage, memoryview, memoryview, memoryview]:
+    """A RowsMessage as (its other fields, ids, rows, accum): the arrays are views of
+    ``data``, the rest parsed by the generated class."""
+    rest, arrays = split(data, {_RM_IDS, _RM_ROWS, _RM_ACCUM})
+    try:
+        meta = pb.RowsMessage.FromString(rest)
+    except DecodeError as e:
+        raise MalformedMessage(str(e)) from None
+    empty = memoryview(b"")
+    ids, rows, accum = (arrays.get(n, empty) for n in (_RM_IDS, _RM_ROWS, _RM_ACCUM))
+    return meta, ids, rows, accum

@@ -24,11 +24,11 @@ import grpc
 import numpy as np
 
 from dlrover.constants import TOKEN_METADATA_KEY
+from dlrover.embedding import frames
 from dlrover.embedding.buckets import IdArray
 from dlrover.embedding.table import EmbeddingError, EmbeddingTable, Rows
 from dlrover.embedding.wire import MAX_MESSAGE_BYTES, chunk_ids
 from dlrover.proto import embedding_pb2 as pb
-from dlrover.proto import embedding_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -160,18 +160,50 @@ def rows_message(
 def rows_from_message(message: pb.RowsMessage, dim: int) -> tuple[IdArray, Rows, Rows]:
     """The ids, rows and optimizer state a RowsMessage carries; EmbeddingError when its byte
     counts do not fit ``dim`` float32 values per id."""
-    if len(message.ids) % 8:
-        raise EmbeddingError(f"ids must be int64: got {len(message.ids)} bytes")
-    need = len(message.ids) // 8 * dim * 4
-    if len(message.rows) != need or len(message.accum) != need:
+    # Each field read once: every access to a bytes field of a parsed message copies it.
+    return arrays_from_bytes(message.table, message.ids, message.rows, message.accum, dim)
+
+
+def arrays_from_bytes(
+    table: str,
+    ids_bytes: bytes | memoryview,
+    rows_bytes: bytes | memoryview,
+    accum_bytes: bytes | memoryview,
+    dim: int,
+) -> tuple[IdArray, Rows, Rows]:
+    """Ids (little-endian int64), rows and optimizer state (float32, ``dim`` per id) as arrays
+    over the bytes given (not copied); EmbeddingError when the byte counts do not fit."""
+    if len(ids_bytes) % 8:
+        raise EmbeddingError(f"ids must be int64: got {len(ids_bytes)} bytes")
+    need = len(ids_bytes) // 8 * dim * 4
+    if len(rows_bytes) != need or len(accum_bytes) != need:
         raise EmbeddingError(
-            f"table {message.table!r}: {len(message.ids) // 8} rows of {dim} float32 values are "
-            f"{need} bytes; got {len(message.rows)} of rows, {len(message.accum)} of state"
+            f"table {table!r}: {len(ids_bytes) // 8} rows of {dim} float32 values are "
+            f"{need} bytes; got {len(rows_bytes)} of rows, {len(accum_bytes)} of state"
         )
-    ids = np.frombuffer(message.ids, dtype="<i8").astype(np.int64, copy=False)
-    rows = np.frombuffer(message.rows, dtype="<f4").reshape(ids.size, dim)
-    accum = np.frombuffer(message.accum, dtype="<f4").reshape(ids.size, dim)
+    ids = np.frombuffer(ids_bytes, dtype="<i8").astype(np.int64, copy=False)
+    rows = np.frombuffer(rows_bytes, dtype="<f4").reshape(ids.size, dim)
+    accum = np.frombuffer(accum_bytes, dtype="<f4").reshape(ids.size, dim)
     return ids, rows, accum
+
+
+def replica_rows(
+    spec: pb.TableSpec,
+    ids: IdArray,
+    rows: Rows,
+    accum: Rows,
+    seqs: list[pb.ClientSeq],
+    reset: bool = False,
+) -> list[bytes | memoryview]:
+    """What ``rows_message`` holds, as the pieces of a Replicate request (frames.py: the
+    arrays are not copied into a message first)."""
+    meta = pb.RowsMessage(table=spec.name, dim=spec.dim, seqs=seqs, spec=spec, reset=reset)
+    return frames.rows_message(
+        meta,
+        np.ascontiguousarray(ids, dtype="<i8"),
+        np.ascontiguousarray(rows, dtype="<f4"),
+        np.ascontiguousarray(accum, dtype="<f4"),
+    )
 
 
 class ReplicaStore:
@@ -187,6 +219,17 @@ class ReplicaStore:
 
     def take(self, message: pb.RowsMessage) -> int:
         """Apply a Replicate message; returns the rows it carried."""
+        return self.take_rows(message, message.ids, message.rows, message.accum)
+
+    def take_rows(
+        self,
+        message: pb.RowsMessage,
+        ids_bytes: bytes | memoryview,
+        rows_bytes: bytes | memoryview,
+        accum_bytes: bytes | memoryview,
+    ) -> int:
+        """Apply a Replicate message whose arrays come apart from it (``message``'s own are
+        not read); returns the rows it carried."""
         with self._lock:
             if message.reset:  # a full resend: what the sender had applied comes with it
                 self.tables.pop(message.table, None)
@@ -194,7 +237,9 @@ class ReplicaStore:
             table = self.tables.get(message.table)
             if table is None:
                 table = self.tables[message.table] = self._make_table(message.spec)
-            ids, rows, accum = rows_from_message(message, table.dim)
+            ids, rows, accum = arrays_from_bytes(
+                message.table, ids_bytes, rows_bytes, accum_bytes, table.dim
+            )
             if ids.size:
                 table.import_rows(ids, rows, accum)
             self.pushes.setdefault(message.table, AppliedPushes()).merge(message.seqs)
@@ -237,7 +282,8 @@ class ReplicaSender:
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ]
         self._channel = grpc.insecure_channel(address, options=options)
-        self._stub = pb_grpc.EmbeddingServerStub(self._channel)
+        service = pb.DESCRIPTOR.services_by_name["EmbeddingServer"].full_name
+        self._replicate = self._channel.unary_unary(f"/{service}/Replicate")
         self._metadata = ((TOKEN_METADATA_KEY, token),)
         self._dirty: dict[str, list[IdArray]] = {}
         self._claims: dict[str, list[Claim]] = {}
@@ -247,14 +293,16 @@ class ReplicaSender:
         self._thread: threading.Thread | None = None
         self.failures = 0
 
-    def send(self, message: pb.RowsMessage) -> None:
-        """One Replicate call; EmbeddingError when the next server does not take it."""
+    def send(self, request: list[bytes | memoryview]) -> None:
+        """One Replicate call with the pieces ``replica_rows`` made; EmbeddingError when the
+        next server does not take it."""
         try:
-            response = self._stub.Replicate(
-                message, timeout=SEND_TIMEOUT_S, metadata=self._metadata
+            raw = self._replicate(
+                frames.join(request), timeout=SEND_TIMEOUT_S, metadata=self._metadata
             )
         except grpc.RpcError as e:
             raise EmbeddingError(f"the replica at {self.address} did not answer: {e}") from None
+        response = pb.ImportResponse.FromString(raw)
         if response.HasField("error"):
             raise EmbeddingError(f"the replica at {self.address}: {response.error.message}")
 
@@ -269,7 +317,7 @@ class ReplicaSender:
             part = slice(start, start + step)
             last = start == starts[-1]
             self.send(
-                rows_message(
+                replica_rows(
                     spec, ids[part], rows[part], accum[part], seqs if last else [], start == 0
                 )
             )

@@ -27,8 +27,8 @@ from dlrover.embedding.replica import (
     ReplicaStore,
     claims,
     combined,
+    replica_rows,
     rows_from_message,
-    rows_message,
 )
 from dlrover.embedding.table import EmbeddingError, EmbeddingTable, Optimizer, Rows
 from dlrover.embedding.wire import (
@@ -230,7 +230,7 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
                 ids = taken[served.table.holds(taken)]  # rows that moved away since: not ours
                 rows, accum = served.table.snapshot(ids)
             try:
-                sender.send(rows_message(served.spec, ids, rows, accum, claims(pushes)))
+                sender.send(replica_rows(served.spec, ids, rows, accum, claims(pushes)))
             except EmbeddingError as e:  # the next round sends them (with newer values)
                 sender.mark(name, taken, pushes)
                 failed = failed or e
@@ -482,7 +482,7 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
             pushes = pushes + earlier_pushes
         rows, accum = served.table.snapshot(unique)
         try:
-            sender.send(rows_message(served.spec, unique, rows, accum, claims(pushes)))
+            sender.send(replica_rows(served.spec, unique, rows, accum, claims(pushes)))
         except EmbeddingError as e:
             # Serve on: the replica is unreachable. Its rows (and their pushes) go with the
             # next update of the table that reaches it (or the resync when the next server is
@@ -547,6 +547,9 @@ def _parsing_handlers(service: EmbeddingService) -> grpc.GenericRpcHandler:
     handlers["Push"] = grpc.unary_unary_rpc_method_handler(
         _raw_handler(service, "PushRequest", push_answer)
     )
+    handlers["Replicate"] = grpc.unary_unary_rpc_method_handler(
+        _raw_handler(service, "RowsMessage", replicate_answer)
+    )
     return grpc.method_handlers_generic_handler(descriptor.full_name, handlers)
 
 
@@ -567,6 +570,19 @@ def push_answer(service: EmbeddingService, raw: bytes | memoryview) -> list[byte
     response = _answer(
         pb.PushResponse,
         lambda: service.apply_push(push.table, push.ids, push.grads, push.client, push.seq),
+    )
+    return [response.SerializeToString()]
+
+
+def replicate_answer(
+    service: EmbeddingService, raw: bytes | memoryview
+) -> list[bytes | memoryview]:
+    """The ImportResponse to the Replicate request (a RowsMessage) in ``raw``, its arrays read
+    in place; MalformedMessage if it is none."""
+    message, ids, rows, accum = frames.read_rows_message(raw)
+    response = _answer(
+        pb.ImportResponse,
+        lambda: pb.ImportResponse(rows=service.replica.take_rows(message, ids, rows, accum)),
     )
     return [response.SerializeToString()]
 

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from dlrover.embedding import frames
 from dlrover.embedding.client import EmbeddingClient, EmbeddingServerUnavailable
 from dlrover.embedding.cluster import EmbeddingCluster
 from dlrover.embedding.server import EmbeddingServer
@@ -32,11 +33,14 @@ def _ids_of(client: EmbeddingClient, server: int, n: int) -> np.ndarray:
     return every[client.bucket_map.owner_of(every) == server][:n]
 
 
-def _failing_for(send: Callable[[pb.RowsMessage], None], refuse: Callable[[Any], bool]) -> Any:
-    def wrapped(message: pb.RowsMessage) -> None:
-        if refuse(message):
+def _failing_for(send: Callable[[Any], None], refuse: Callable[[Any], bool]) -> Any:
+    """``send`` (a ReplicaSender's) that refuses the Replicate requests ``refuse`` picks (it is
+    given the request's RowsMessage, arrays aside)."""
+
+    def wrapped(request: list[bytes | memoryview]) -> None:
+        if refuse(frames.read_rows_message(frames.join(request))[0]):
             raise EmbeddingError("the replica at test did not answer (injected)")
-        send(message)
+        send(request)
 
     return wrapped
 
