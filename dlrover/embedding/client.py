@@ -23,6 +23,8 @@ from dlrover.constants import TOKEN_METADATA_KEY
 from dlrover.embedding import frames
 from dlrover.embedding.buckets import BucketMap, IdArray
 from dlrover.embedding.dataport import (
+    BUSY,
+    FAILED,
     LOOKUP,
     PUSH,
     TOKEN,
@@ -278,12 +280,16 @@ class EmbeddingClient:
             )  # fmt: skip
             raise EmbeddingServerUnavailable(f"{self._name(address)} {why}") from None
         except DataPortRefused as e:
+            name = self._name(address)
             if e.status == TOKEN:
                 raise EmbeddingError(
-                    f"{self._name(address)} refused the job token (set DLROVER_JOB_TOKEN to "
-                    "the job's token)"
+                    f"{name} refused the job token (set DLROVER_JOB_TOKEN to the job's token)"
                 ) from None
-            raise EmbeddingError(f"{self._name(address)} refused the request: {e}") from None
+            if e.status == BUSY:  # asked again, as a server busy over gRPC is
+                raise MovingError(f"{name}: {e}") from None
+            if e.status == FAILED:  # as gRPC's UNKNOWN: asked again, a push with its number
+                raise EmbeddingServerUnavailable(f"{name} failed: {e}") from None
+            raise EmbeddingError(f"{name} refused the request: {e}") from None
 
     def _data_channel(self, address: str) -> DataChannel | None:
         """The data port connections of the server at ``address``, asked for and opened on
@@ -334,18 +340,21 @@ class EmbeddingClient:
         def ask(address: str, index: Index, seq: int) -> None:
             request = frames.lookup_request(table, _wire_array(flat, index, "<i8"))
             with self._request(address, "Lookup", request) as raw:
+                # A refusal is raised after the block: the connection stays good for the next.
                 answer = frames.read_lookup_response(raw)
-                if answer.error is not None:
-                    raise error_from_proto(answer.error)
-                if answer.dim != dim or len(answer.rows) != index.size * dim * 4:
-                    raise EmbeddingError(
-                        f"table {table!r} has {answer.dim} dims at {address}, not {dim}"
-                    )
-                got = np.frombuffer(answer.rows, dtype="<f4").reshape(index.size, dim)
-                if index.size == flat.size:  # the whole batch from one server: one plain copy
-                    rows[...] = got
-                else:
-                    rows[index] = got
+                fits = answer.dim == dim and len(answer.rows) == index.size * dim * 4
+                if answer.error is None and fits:
+                    got = np.frombuffer(answer.rows, dtype="<f4").reshape(index.size, dim)
+                    if index.size == flat.size:  # the whole batch from one server: one copy
+                        rows[...] = got
+                    else:
+                        rows[index] = got
+            if answer.error is not None:
+                raise error_from_proto(answer.error)
+            if not fits:
+                raise EmbeddingError(
+                    f"table {table!r} has {answer.dim} dims at {address}, not {dim}"
+                )
 
         self._route_chunks(flat, dim, ask)
         return rows

@@ -44,12 +44,15 @@ REPLY = struct.Struct("<BI")
 """status, payload bytes."""
 LOOKUP, PUSH = 1, 2
 """The methods."""
-OK, TOKEN, MALFORMED, FAILED = 0, 1, 2, 3
-"""The reply statuses."""
+OK, TOKEN, MALFORMED, FAILED, BUSY = 0, 1, 2, 3, 4
+"""The reply statuses (BUSY: the server serves as many connections as it takes)."""
 MAX_TOKEN_BYTES = 4096
 IO_TIMEOUT_S = 30.0
-"""How long the server waits for the rest of a request once its header came (an idle
-connection between requests waits as long as the client keeps it)."""
+"""How long the server gives a request, from its first byte to its last (and a reply to go
+out), and a new connection to send its first request."""
+IDLE_TIMEOUT_S = 600.0
+"""How long the server keeps a connection with nothing to do (its client reconnects once,
+at once, when it finds a kept connection closed)."""
 CONNECT_TIMEOUT_S = 3.0
 POLL_S = 0.05
 """How often the accepting thread looks whether it was told to stop (a server's stop waits
@@ -91,6 +94,7 @@ class DataPortServer(BoundedThreadingMixIn, socketserver.TCPServer):
         self.token = token.encode()
         self.handlers = handlers
         self._connections: set[socket.socket] = set()
+        self._closing = False
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         super().__init__((host, port), _Connection)
@@ -117,6 +121,7 @@ class DataPortServer(BoundedThreadingMixIn, socketserver.TCPServer):
             self.shutdown()
         self.server_close()
         with self._lock:
+            self._closing = True
             connections = list(self._connections)
         for conn in connections:
             with contextlib.suppress(OSError):
@@ -125,14 +130,16 @@ class DataPortServer(BoundedThreadingMixIn, socketserver.TCPServer):
     def _refuse(self, request: socket.socket) -> None:
         with contextlib.suppress(OSError):
             request.settimeout(1.0)
-            _send(request, _reply(FAILED, f"the {self.what} serves {self.max_connections} "
+            _send(request, _reply(BUSY, f"the {self.what} serves {self.max_connections} "
                                   "connections, the most at once: try again shortly"))  # fmt: skip
         self.shutdown_request(request)
 
-    def track(self, conn: socket.socket, open_: bool) -> None:
-        """Count a connection open or closed (``close`` ends the open ones)."""
+    def track(self, conn: socket.socket, open_: bool) -> bool:
+        """Count a connection open or closed (``close`` ends the open ones); False when the
+        server is closing (a connection opened just now must end too)."""
         with self._lock:
             (self._connections.add if open_ else self._connections.discard)(conn)
+            return not self._closing
 
 
 class _Connection(socketserver.BaseRequestHandler):
@@ -142,37 +149,40 @@ class _Connection(socketserver.BaseRequestHandler):
         sock: socket.socket = self.request
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         _keep_alive(sock)
-        self.server.track(sock, True)
+        if not self.server.track(sock, True):
+            self.server.track(sock, False)
+            return
         buffer = bytearray()
         served = False
         try:
             while True:
-                # A connection's first request must come within IO_TIMEOUT_S; between later
-                # ones it waits as long as its client keeps it (a client gone without a word
-                # is found by TCP keep-alive). Once a request begins, the rest of it must come
-                # within IO_TIMEOUT_S.
-                sock.settimeout(IO_TIMEOUT_S if not served else None)
+                # A new connection's first request must begin within IO_TIMEOUT_S, a kept
+                # one's next within IDLE_TIMEOUT_S (a client gone without a word is found by
+                # TCP keep-alive sooner). A request, once begun, has IO_TIMEOUT_S in all.
+                sock.settimeout(IDLE_TIMEOUT_S if served else IO_TIMEOUT_S)
                 first = sock.recv(1)
                 if not first:
                     return
-                sock.settimeout(IO_TIMEOUT_S)
-                header = first + (_receive(sock, REQUEST.size - 1) or b"")
+                deadline = time.monotonic() + IO_TIMEOUT_S
+                header = first + (_receive(sock, REQUEST.size - 1, deadline=deadline) or b"")
                 method, token_len, nbytes = REQUEST.unpack(header)
                 if token_len > MAX_TOKEN_BYTES or nbytes > MAX_MESSAGE_BYTES:
                     _send(sock, _reply(MALFORMED, f"a request of {nbytes} bytes with a "
-                                       f"{token_len}-byte token is over the limits"))  # fmt: skip
+                                       f"{token_len}-byte token is over the limits"), deadline)  # fmt: skip
                     return  # the rest of the stream cannot be trusted
                 # The token before the payload: a caller without it is answered and
                 # dropped before the server takes in (or makes room for) what it sends.
-                if not hmac.compare_digest(_receive(sock, token_len) or b"", self.server.token):
+                token = _receive(sock, token_len, deadline=deadline) or b""
+                if not hmac.compare_digest(token, self.server.token):
                     _send(sock, _reply(TOKEN, "wrong or missing job token: set "
-                                       "DLROVER_JOB_TOKEN to the job's token"))  # fmt: skip
+                                       "DLROVER_JOB_TOKEN to the job's token"), deadline)  # fmt: skip
                     return
                 if len(buffer) < nbytes:
                     buffer = bytearray(nbytes)
                 payload = memoryview(buffer)[:nbytes]
-                _receive_into(sock, payload)
-                _send(sock, self._answer(method, payload))
+                _receive_into(sock, payload, deadline)
+                answer = self._answer(method, payload)
+                _send(sock, answer, time.monotonic() + IO_TIMEOUT_S)
                 served = True
         except (OSError, DataPortError) as e:
             logger.debug("data port connection from %s ended: %s", self.client_address, e)
@@ -234,20 +244,33 @@ class DataChannel:
         deadline = time.monotonic() + timeout
         with self._lock:
             conn = self._free.pop() if self._free else None
-        if conn is None:
-            conn = _ClientConnection(self.host, self.port, min(timeout, CONNECT_TIMEOUT_S))
+        kept = conn is not None
+        while True:
+            if conn is None:
+                connect_s = min(max(0.0, deadline - time.monotonic()), CONNECT_TIMEOUT_S)
+                conn = _ClientConnection(self.host, self.port, connect_s)
+            try:
+                status, payload = conn.call(method, self._token, parts, deadline)
+                break
+            except OSError as e:  # DataPortError among them
+                conn.close()
+                conn = None
+                # A kept connection the server closed meanwhile (idle too long): ask once more
+                # on a new one. A lookup can be asked twice; a push keeps its number, so the
+                # server does not apply it twice. Not after the deadline passed.
+                timed_out = isinstance(e, TimeoutError) or getattr(e, "timed_out", False)
+                if kept and not timed_out:
+                    kept = False
+                    continue
+                if isinstance(e, DataPortError):
+                    raise
+                raise DataPortError(str(e)) from None
         try:
-            status, payload = conn.call(method, self._token, parts, deadline)
             if status != OK:
                 raise DataPortRefused(status, bytes(payload).decode(errors="replace"))
             yield payload
-        except (DataPortError, OSError) as e:
-            conn.close()
-            if isinstance(e, DataPortError):
-                raise
-            raise DataPortError(str(e)) from None
         except BaseException:
-            conn.close()  # a reply half read, or the caller's own error: start afresh
+            conn.close()  # a refusal (the server may close it), or the caller's own error
             raise
         else:
             with self._lock:

@@ -131,6 +131,7 @@ def as_int(value: Field | None, signed: bool = True) -> int:
         return 0
     if isinstance(value, memoryview):
         raise MalformedMessage("a varint field was sent length-delimited")
+    value &= (1 << 64) - 1  # as protobuf reads a varint of more than 64 bits
     return value - (1 << 64) if signed and value >= 1 << 63 else value
 
 

@@ -138,3 +138,25 @@ def test_a_server_gone_mid_training_is_named_and_its_port_asked_again(
         client.lookup("items", np.array([1], dtype=np.int64), 8)
     assert server.address not in client._data  # asked for again once it answers
     client.close()
+
+
+def test_a_kept_connection_the_server_closed_is_replaced_at_once_and_a_refusal_keeps_it(
+    servers: list[EmbeddingServer],
+) -> None:
+    server = servers[0]
+    client = EmbeddingClient([server.address], JOB_TOKEN, BucketMap.even(1), timeout_s=5.0)
+    client.create_table(SPEC)
+    before = client.lookup("items", np.arange(10, dtype=np.int64), 8)
+    channel = client._data[server.address]
+    assert channel is not None and len(channel._free) == 1
+    # The server ends its side of the kept connection (as after IDLE_TIMEOUT_S).
+    for conn in list(server._data._connections):
+        conn.shutdown(socket.SHUT_RDWR)
+    assert np.array_equal(client.lookup("items", np.arange(10, dtype=np.int64), 8), before)
+    assert client._data[server.address] is channel  # no failover, no re-discovery
+    # A refusal is an answer: the connection it came on is kept for the next request.
+    kept = channel._free[0]
+    with pytest.raises(Exception, match="no table 'other'"):
+        client.lookup("other", np.array([1], dtype=np.int64), 8)
+    assert channel._free == [kept]
+    client.close()

@@ -86,3 +86,8 @@ def test_bytes_that_are_no_such_message_are_refused(raw: bytes) -> None:
 def test_a_varint_where_bytes_belong_is_refused() -> None:
     with pytest.raises(frames.MalformedMessage):
         frames.read_lookup_request(b"\x10\x05")  # ids (field 2) as a varint
+
+
+def test_a_varint_over_64_bits_is_cut_to_64_as_protobuf_reads_it() -> None:
+    raw = b"\x28" + b"\xff" * 9 + b"\x7f"  # seq (field 5) = 2**70 - 1
+    assert frames.read_push_request(raw).seq == pb.PushRequest.FromString(raw).seq == -1
