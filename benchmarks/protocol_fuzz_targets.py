@@ -441,7 +441,7 @@ class ReplicaTarget(LineTarget):
 
 
 class EmbeddingDataTarget(Target):
-    """An embedding server's data port (Lookup and Push as length-prefixed frames on TCP)."""
+    """An embedding server's data port (Lookup, Push, Replicate as length-prefixed frames)."""
 
     name = "embedding-data"
 
@@ -502,15 +502,20 @@ class EmbeddingDataTarget(Target):
 
     def case(self, rng: random.Random) -> tuple[str, Case]:
         token = self.host.token.encode()
-        method = rng.choice([self._dp.LOOKUP, self._dp.PUSH])
-        request = self._pb.LookupRequest if method == self._dp.LOOKUP else self._pb.PushRequest
+        method, request = rng.choice(
+            [
+                (self._dp.LOOKUP, self._pb.LookupRequest),
+                (self._dp.PUSH, self._pb.PushRequest),
+                (self._dp.REPLICATE, self._pb.RowsMessage),
+            ]
+        )
         roll = rng.random()
         if roll < 0.1:
             return "random_bytes", self._exchange(rng.randbytes(rng.randint(0, 300)), True)
         if roll < 0.15:  # a length over the cap, and no payload behind it
             return "oversized", self._exchange(self._frame(method, token, b"", OVERSIZED_BYTES))
         if roll < 0.2:
-            return "unknown_method", self._exchange(self._frame(rng.randint(3, 255), token, b""))
+            return "unknown_method", self._exchange(self._frame(rng.randint(4, 255), token, b""))
         if roll < 0.3:  # a frame whose payload breaks off
             frame = self._frame(method, token, rng.randbytes(rng.randint(0, 200)), 4096)
             return "truncated_stream", self._exchange(frame, True)

@@ -1,7 +1,8 @@
-"""The hot path's own TCP port: Lookup and Push as length-prefixed frames, without HTTP/2.
+"""The hot path's own TCP port: Lookup, Push and Replicate as length-prefixed frames, without
+HTTP/2.
 
 Every other call to an embedding server goes over gRPC. Lookup and Push carry 2 MiB of rows
-each way per batch of 8192 ids x 64 dims, and on loopback gRPC's framing, flow control and
+each way per batch of 8192 ids x 64 dims (Replicate twice that, rows and optimizer state), and on loopback gRPC's framing, flow control and
 hand-overs between its threads cost about twice what the server's table work costs (a plain
 socket moves the same 2 MiB in ~0.4 ms, a gRPC call in ~1.3; docs/embedding.md). So a server
 also listens on a plain TCP port (``DataPort`` over gRPC tells which) and takes the same
@@ -42,8 +43,8 @@ REQUEST = struct.Struct("<BHI")
 """method, token bytes, payload bytes."""
 REPLY = struct.Struct("<BI")
 """status, payload bytes."""
-LOOKUP, PUSH = 1, 2
-"""The methods."""
+LOOKUP, PUSH, REPLICATE = 1, 2, 3
+"""The methods (REPLICATE: a server's changed rows to the next one, its replica)."""
 OK, TOKEN, MALFORMED, FAILED, BUSY = 0, 1, 2, 3, 4
 """The reply statuses (BUSY: the server serves as many connections as it takes)."""
 MAX_TOKEN_BYTES = 4096

@@ -26,6 +26,7 @@ import numpy as np
 from dlrover.constants import TOKEN_METADATA_KEY
 from dlrover.embedding import frames
 from dlrover.embedding.buckets import IdArray
+from dlrover.embedding.dataport import REPLICATE, DataChannel, DataPortError, DataPortRefused
 from dlrover.embedding.table import EmbeddingError, EmbeddingTable, Rows
 from dlrover.embedding.wire import MAX_MESSAGE_BYTES, chunk_ids
 from dlrover.proto import embedding_pb2 as pb
@@ -284,7 +285,17 @@ class ReplicaSender:
         self._channel = grpc.insecure_channel(address, options=options)
         service = pb.DESCRIPTOR.services_by_name["EmbeddingServer"].full_name
         self._replicate = self._channel.unary_unary(f"/{service}/Replicate")
+        self._data_port = self._channel.unary_unary(
+            f"/{service}/DataPort",
+            request_serializer=pb.StatsRequest.SerializeToString,
+            response_deserializer=pb.DataPortResponse.FromString,
+        )
         self._metadata = ((TOKEN_METADATA_KEY, token),)
+        self._token = token
+        self._data: DataChannel | None = None
+        """The next server's data port, once asked for and reached (None: gRPC)."""
+        self._data_asked = False
+        self._data_lock = threading.Lock()
         self._dirty: dict[str, list[IdArray]] = {}
         self._claims: dict[str, list[Claim]] = {}
         """Per table, the pushes that changed the marked rows (not on the replica yet)."""
@@ -294,17 +305,59 @@ class ReplicaSender:
         self.failures = 0
 
     def send(self, request: list[bytes | memoryview]) -> None:
-        """One Replicate call with the pieces ``replica_rows`` made; EmbeddingError when the
-        next server does not take it."""
-        try:
-            raw = self._replicate(
-                frames.join(request), timeout=SEND_TIMEOUT_S, metadata=self._metadata
-            )
-        except grpc.RpcError as e:
-            raise EmbeddingError(f"the replica at {self.address} did not answer: {e}") from None
-        response = pb.ImportResponse.FromString(raw)
+        """One Replicate call with the pieces ``replica_rows`` made (over the next server's
+        data port, else gRPC); EmbeddingError when the next server does not take it."""
+        channel = self._data_channel()
+        if channel is not None:
+            try:
+                with channel.request(REPLICATE, request, SEND_TIMEOUT_S) as raw:
+                    response = pb.ImportResponse.FromString(bytes(raw))
+            except (DataPortError, DataPortRefused) as e:
+                with self._data_lock:  # ask for its port again next time
+                    if self._data is channel:
+                        self._data, self._data_asked = None, False
+                channel.close()
+                raise EmbeddingError(f"the replica at {self.address} did not answer: {e}") from None
+        else:
+            try:
+                raw = self._replicate(
+                    frames.join(request), timeout=SEND_TIMEOUT_S, metadata=self._metadata
+                )
+            except grpc.RpcError as e:
+                raise EmbeddingError(f"the replica at {self.address} did not answer: {e}") from None
+            response = pb.ImportResponse.FromString(raw)
         if response.HasField("error"):
             raise EmbeddingError(f"the replica at {self.address}: {response.error.message}")
+
+    def _data_channel(self) -> DataChannel | None:
+        """The next server's data port, asked for once (and again after it failed); None:
+        Replicate goes over gRPC (no data port, or it cannot be reached)."""
+        with self._data_lock:
+            if self._data is not None or self._data_asked:
+                return self._data
+            self._data_asked = True
+            try:
+                port = self._data_port(
+                    pb.StatsRequest(), timeout=SEND_TIMEOUT_S, metadata=self._metadata
+                ).port
+            except grpc.RpcError:
+                return None  # gRPC then, whose own call says what is wrong
+            if not port:
+                return None
+            channel = DataChannel(self.address.rsplit(":", 1)[0].strip("[]"), port, self._token)
+            try:
+                channel.connect()
+            except DataPortError as e:
+                logger.warning(
+                    "the replica at %s: its data port %d cannot be reached (%s): replicas go "
+                    "over gRPC",
+                    self.address,
+                    port,
+                    e,
+                )
+                return None
+            self._data = channel
+            return channel
 
     def send_all(self, spec: pb.TableSpec, table: EmbeddingTable, seqs: list[pb.ClientSeq]) -> int:
         """Resend a whole table (the replica drops what it held first, rows and pushes);
@@ -366,8 +419,12 @@ class ReplicaSender:
         self._thread.start()
 
     def close(self) -> None:
-        """Stop the thread and close the channel."""
+        """Stop the thread and close the channels."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(SEND_TIMEOUT_S)
         self._channel.close()
+        with self._data_lock:
+            data, self._data = self._data, None
+        if data is not None:
+            data.close()

@@ -19,7 +19,7 @@ from google.protobuf.message import DecodeError, Message
 from dlrover.constants import TOKEN_METADATA_KEY
 from dlrover.embedding import frames
 from dlrover.embedding.buckets import bucket_of
-from dlrover.embedding.dataport import LOOKUP, PUSH, DataPortServer
+from dlrover.embedding.dataport import LOOKUP, PUSH, REPLICATE, DataPortServer
 from dlrover.embedding.replica import (
     AppliedPushes,
     Claim,
@@ -667,7 +667,7 @@ class EmbeddingServer:
         if self.port == 0:
             raise OSError(f"cannot listen on {host}:{port}")
         self.address = f"{host}:{self.port}"
-        # Lookup and Push also on a plain TCP port of the same host (dataport.py).
+        # Lookup, Push and Replicate also on a plain TCP port of the same host (dataport.py).
         self._data = DataPortServer(
             host,
             0,
@@ -675,6 +675,7 @@ class EmbeddingServer:
             {
                 LOOKUP: functools.partial(lookup_answer, self.service),
                 PUSH: functools.partial(push_answer, self.service),
+                REPLICATE: functools.partial(replicate_answer, self.service),
             },
         )
         self.service.data_port = self._data.port
