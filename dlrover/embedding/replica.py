@@ -136,28 +136,6 @@ def claims(pushes: list[Claim]) -> list[pb.ClientSeq]:
     return [pb.ClientSeq(client=c, seq=s, floor=-1) for c, s in sorted(set(pushes))]
 
 
-def rows_message(
-    spec: pb.TableSpec,
-    ids: IdArray,
-    rows: Rows,
-    accum: Rows,
-    seqs: list[pb.ClientSeq],
-    reset: bool = False,
-) -> pb.RowsMessage:
-    """Rows (and optimizer state) of a table as a message, with the clients' pushes applied to
-    them."""
-    return pb.RowsMessage(
-        table=spec.name,
-        ids=ids.astype("<i8", copy=False).tobytes(),
-        rows=rows.astype("<f4", copy=False).tobytes(),
-        accum=accum.astype("<f4", copy=False).tobytes(),
-        dim=spec.dim,
-        seqs=seqs,
-        spec=spec,
-        reset=reset,
-    )
-
-
 def rows_from_message(message: pb.RowsMessage, dim: int) -> tuple[IdArray, Rows, Rows]:
     """The ids, rows and optimizer state a RowsMessage carries; EmbeddingError when its byte
     counts do not fit ``dim`` float32 values per id."""
@@ -188,7 +166,7 @@ def arrays_from_bytes(
     return ids, rows, accum
 
 
-def replica_rows(
+def rows_message(
     spec: pb.TableSpec,
     ids: IdArray,
     rows: Rows,
@@ -196,8 +174,9 @@ def replica_rows(
     seqs: list[pb.ClientSeq],
     reset: bool = False,
 ) -> list[bytes | memoryview]:
-    """What ``rows_message`` holds, as the pieces of a Replicate request (frames.py: the
-    arrays are not copied into a message first)."""
+    """Rows (and optimizer state) of a table with the clients' pushes applied to them, as the
+    pieces of a RowsMessage (frames.py: the arrays are not copied into a message first; join
+    them and parse for the message itself)."""
     meta = pb.RowsMessage(table=spec.name, dim=spec.dim, seqs=seqs, spec=spec, reset=reset)
     return frames.rows_message(
         meta,
@@ -257,19 +236,23 @@ class ReplicaStore:
                 # Nothing of it changed on the previous server (or it was lookup-only): its
                 # rows come back as they started, from the table's seed and the id.
                 none = np.empty((0, 0), dtype=np.float32)
-                message = rows_message(
+                message = _parsed(rows_message(
                     pb.TableSpec(name=name), np.empty(0, dtype=np.int64), none, none, seqs
-                )  # fmt: skip
+                ))  # fmt: skip
                 message.age_s = (
                     time.monotonic() - self.heard_at if self.heard_at is not None else -1.0
                 )
                 return message
             ids, rows, accum = table.export_buckets(buckets, num_buckets)
             spec = pb.TableSpec(name=name, dim=table.dim)
-            message = rows_message(spec, ids, rows, accum, seqs)
+            message = _parsed(rows_message(spec, ids, rows, accum, seqs))
             age = time.monotonic() - self.heard_at if self.heard_at is not None else -1.0
             message.age_s = age
             return message
+
+
+def _parsed(pieces: list[bytes | memoryview]) -> pb.RowsMessage:
+    return pb.RowsMessage.FromString(frames.join(pieces))
 
 
 class ReplicaSender:
@@ -305,7 +288,7 @@ class ReplicaSender:
         self.failures = 0
 
     def send(self, request: list[bytes | memoryview]) -> None:
-        """One Replicate call with the pieces ``replica_rows`` made (over the next server's
+        """One Replicate call with the pieces ``rows_message`` made (over the next server's
         data port, else gRPC); EmbeddingError when the next server does not take it."""
         channel = self._data_channel()
         if channel is not None:
@@ -370,7 +353,7 @@ class ReplicaSender:
             part = slice(start, start + step)
             last = start == starts[-1]
             self.send(
-                replica_rows(
+                rows_message(
                     spec, ids[part], rows[part], accum[part], seqs if last else [], start == 0
                 )
             )

@@ -27,8 +27,8 @@ from dlrover.embedding.replica import (
     ReplicaStore,
     claims,
     combined,
-    replica_rows,
     rows_from_message,
+    rows_message,
 )
 from dlrover.embedding.table import EmbeddingError, EmbeddingTable, Optimizer, Rows
 from dlrover.embedding.wire import (
@@ -230,7 +230,7 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
                 ids = taken[served.table.holds(taken)]  # rows that moved away since: not ours
                 rows, accum = served.table.snapshot(ids)
             try:
-                sender.send(replica_rows(served.spec, ids, rows, accum, claims(pushes)))
+                sender.send(rows_message(served.spec, ids, rows, accum, claims(pushes)))
             except EmbeddingError as e:  # the next round sends them (with newer values)
                 sender.mark(name, taken, pushes)
                 failed = failed or e
@@ -482,7 +482,7 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
             pushes = pushes + earlier_pushes
         rows, accum = served.table.snapshot(unique)
         try:
-            sender.send(replica_rows(served.spec, unique, rows, accum, claims(pushes)))
+            sender.send(rows_message(served.spec, unique, rows, accum, claims(pushes)))
         except EmbeddingError as e:
             # Serve on: the replica is unreachable. Its rows (and their pushes) go with the
             # next update of the table that reaches it (or the resync when the next server is

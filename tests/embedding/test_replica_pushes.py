@@ -181,10 +181,14 @@ def test_a_full_resend_replaces_what_the_replica_held_of_a_table() -> None:
     store = ReplicaStore(spec_to_table)
     ids = np.arange(3, dtype=np.int64)
     rows = np.zeros((3, DIM), dtype=np.float32)
-    store.take(rows_message(_spec("t"), ids, rows, rows, claims([("c", 1)])))
-    store.take(rows_message(_spec("u"), ids, rows, rows, claims([("c", 2)])))
+
+    def message(*args: Any, **kwargs: Any) -> pb.RowsMessage:
+        return pb.RowsMessage.FromString(frames.join(rows_message(*args, **kwargs)))
+
+    store.take(message(_spec("t"), ids, rows, rows, claims([("c", 1)])))
+    store.take(message(_spec("u"), ids, rows, rows, claims([("c", 2)])))
     assert store.pushes["t"].of("c") == ([1], -1) and store.pushes["u"].of("c") == ([2], -1)
-    store.take(rows_message(_spec("t"), ids[:1], rows[:1], rows[:1], [], reset=True))
+    store.take(message(_spec("t"), ids[:1], rows[:1], rows[:1], [], reset=True))
     assert store.pushes["t"].of("c") == ([], -1) and len(store.tables["t"]) == 1
     assert store.export("u", np.arange(1), 1).seqs[0].seq == 2
     assert not store.export("t", np.arange(1), 1).seqs
