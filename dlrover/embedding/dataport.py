@@ -13,8 +13,9 @@ protobuf messages (frames.py) there:
 
 little-endian; every request carries the job token. A reply's status is OK (the payload is
 the method's response message: a refusal such as NOT_OWNER travels inside it, as over
-gRPC), or TOKEN, MALFORMED or FAILED with a UTF-8 explanation; after TOKEN (checked before
-the payload is read) and after a header over the limits the server closes the connection. A
+gRPC), or TOKEN, MALFORMED, FAILED or BUSY (the server serves as many connections as it
+takes) with a UTF-8 explanation; after TOKEN (checked before the payload is read), BUSY and a
+header over the limits the server closes the connection. A
 connection serves one request at a time; a client keeps one per request it has in flight. Each
 side receives into a buffer it keeps per connection and sends its pieces with one ``sendmsg``:
 an array goes out straight from where it lies and comes in as a view of that buffer.
@@ -55,6 +56,8 @@ IDLE_TIMEOUT_S = 600.0
 """How long the server keeps a connection with nothing to do (its client reconnects once,
 at once, when it finds a kept connection closed)."""
 CONNECT_TIMEOUT_S = 3.0
+REFUSAL_WAIT_S = 1.0
+"""How long a client whose request broke off looks for the answer the server sent first."""
 POLL_S = 0.05
 """How often the accepting thread looks whether it was told to stop (a server's stop waits
 for it)."""
@@ -243,29 +246,25 @@ class DataChannel:
         the connection's buffer, valid inside the block. DataPortError when the connection
         fails or ``timeout`` passes; DataPortRefused for a status other than OK."""
         deadline = time.monotonic() + timeout
-        with self._lock:
-            conn = self._free.pop() if self._free else None
-        kept = conn is not None
-        while True:
+        conn = None
+        while conn is None:
+            with self._lock:
+                conn = self._free.pop() if self._free else None
             if conn is None:
                 connect_s = min(max(0.0, deadline - time.monotonic()), CONNECT_TIMEOUT_S)
                 conn = _ClientConnection(self.host, self.port, connect_s)
-            try:
-                status, payload = conn.call(method, self._token, parts, deadline)
-                break
-            except OSError as e:  # DataPortError among them
+            elif not conn.alive():
+                # The server closed this kept connection meanwhile (idle too long): a new one,
+                # before anything was sent (a request is never sent twice from here).
                 conn.close()
                 conn = None
-                # A kept connection the server closed meanwhile (idle too long): ask once more
-                # on a new one. A lookup can be asked twice; a push keeps its number, so the
-                # server does not apply it twice. Not after the deadline passed.
-                timed_out = isinstance(e, TimeoutError) or getattr(e, "timed_out", False)
-                if kept and not timed_out:
-                    kept = False
-                    continue
-                if isinstance(e, DataPortError):
-                    raise
-                raise DataPortError(str(e)) from None
+        try:
+            status, payload = conn.call(method, self._token, parts, deadline)
+        except OSError as e:  # DataPortError among them
+            conn.close()
+            if isinstance(e, DataPortError):
+                raise
+            raise DataPortError(str(e)) from None
         try:
             if status != OK:
                 raise DataPortRefused(status, bytes(payload).decode(errors="replace"))
@@ -305,7 +304,18 @@ class _ClientConnection:
     ) -> tuple[int, memoryview]:
         nbytes = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
         header = REQUEST.pack(method, len(token), nbytes)
-        _send(self.sock, [header, token, *parts], deadline)
+        try:
+            _send(self.sock, [header, token, *parts], deadline)
+        except OSError:
+            # The server may have answered before reading it all (a wrong token, BUSY, a
+            # header over its limits) and closed: that answer says more than the broken pipe.
+            deadline = min(deadline, time.monotonic() + REFUSAL_WAIT_S)
+            with contextlib.suppress(OSError):
+                return self._reply(deadline)
+            raise
+        return self._reply(deadline)
+
+    def _reply(self, deadline: float) -> tuple[int, memoryview]:
         status, size = REPLY.unpack(_receive(self.sock, REPLY.size, deadline=deadline) or b"")
         if size > MAX_MESSAGE_BYTES:
             raise DataPortError(f"a reply of {size} bytes is over the limit")
@@ -315,7 +325,21 @@ class _ClientConnection:
         _receive_into(self.sock, payload, deadline)
         return status, payload
 
+    def alive(self) -> bool:
+        """Whether the server has not closed this idle connection (nothing is read)."""
+        try:
+            self.sock.setblocking(False)
+            try:
+                return self.sock.recv(1, socket.MSG_PEEK) != b""  # b"": closed by the server
+            finally:
+                self.sock.setblocking(True)
+        except BlockingIOError:
+            return True  # open, nothing to read: as an idle connection should be
+        except OSError:
+            return False
+
     def close(self) -> None:
+        """Close the socket."""
         with contextlib.suppress(OSError):
             self.sock.close()
 

@@ -22,11 +22,18 @@ from typing import Any
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from dlrover.constants import TOKEN_METADATA_KEY
 from dlrover.embedding import frames
 from dlrover.embedding.buckets import IdArray
-from dlrover.embedding.dataport import REPLICATE, DataChannel, DataPortError, DataPortRefused
+from dlrover.embedding.dataport import (
+    MALFORMED,
+    REPLICATE,
+    DataChannel,
+    DataPortError,
+    DataPortRefused,
+)
 from dlrover.embedding.table import EmbeddingError, EmbeddingTable, Rows
 from dlrover.embedding.wire import MAX_MESSAGE_BYTES, chunk_ids
 from dlrover.proto import embedding_pb2 as pb
@@ -36,6 +43,8 @@ logger = logging.getLogger(__name__)
 ASYNC_LAG_S = 0.05
 """In ASYNC mode, changed rows reach the replica at most about this long after the update."""
 SEND_TIMEOUT_S = 30.0
+DATA_PORT_ASK_S = 5.0
+"""Deadline of asking the next server for its data port (then gRPC for that send)."""
 
 
 PUSH_WINDOW = 256
@@ -294,37 +303,57 @@ class ReplicaSender:
         if channel is not None:
             try:
                 with channel.request(REPLICATE, request, SEND_TIMEOUT_S) as raw:
-                    response = pb.ImportResponse.FromString(bytes(raw))
-            except (DataPortError, DataPortRefused) as e:
-                with self._data_lock:  # ask for its port again next time
-                    if self._data is channel:
-                        self._data, self._data_asked = None, False
-                channel.close()
+                    answer = bytes(raw)
+                return self._check(answer)
+            except DataPortRefused as e:
+                if e.status != MALFORMED:
+                    self._forget(channel, again=True)
+                    raise EmbeddingError(f"the replica at {self.address} refused: {e}") from None
+                # A server of an earlier release: its data port takes no Replicate.
+                self._forget(channel, again=False)
+            except DataPortError as e:
+                self._forget(channel, again=True)
                 raise EmbeddingError(f"the replica at {self.address} did not answer: {e}") from None
-        else:
-            try:
-                raw = self._replicate(
-                    frames.join(request), timeout=SEND_TIMEOUT_S, metadata=self._metadata
-                )
-            except grpc.RpcError as e:
-                raise EmbeddingError(f"the replica at {self.address} did not answer: {e}") from None
+        try:
+            raw = self._replicate(
+                frames.join(request), timeout=SEND_TIMEOUT_S, metadata=self._metadata
+            )
+        except grpc.RpcError as e:
+            raise EmbeddingError(f"the replica at {self.address} did not answer: {e}") from None
+        self._check(raw)
+
+    def _check(self, raw: bytes) -> None:
+        try:
             response = pb.ImportResponse.FromString(raw)
+        except DecodeError as e:
+            raise EmbeddingError(f"the replica at {self.address} answered garbage: {e}") from None
         if response.HasField("error"):
             raise EmbeddingError(f"the replica at {self.address}: {response.error.message}")
 
+    def _forget(self, channel: DataChannel, again: bool) -> None:
+        """Stop using ``channel``: ask for the port again at the next send if ``again``, else
+        send over gRPC from now on."""
+        with self._data_lock:
+            if self._data is channel:
+                self._data, self._data_asked = None, not again
+        channel.close()
+
     def _data_channel(self) -> DataChannel | None:
-        """The next server's data port, asked for once (and again after it failed); None:
-        Replicate goes over gRPC (no data port, or it cannot be reached)."""
+        """The next server's data port, asked for when first needed (and again after a send
+        over it failed, or the ask itself did); None: this send goes over gRPC (for good when
+        the server has no data port or it cannot be reached)."""
         with self._data_lock:
             if self._data is not None or self._data_asked:
                 return self._data
-            self._data_asked = True
             try:
                 port = self._data_port(
-                    pb.StatsRequest(), timeout=SEND_TIMEOUT_S, metadata=self._metadata
+                    pb.StatsRequest(), timeout=DATA_PORT_ASK_S, metadata=self._metadata
                 ).port
-            except grpc.RpcError:
-                return None  # gRPC then, whose own call says what is wrong
+            except grpc.RpcError as e:
+                if isinstance(e, grpc.Call) and e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    self._data_asked = True  # an earlier release: gRPC for good
+                return None  # else gRPC this time, whose own call says what is wrong
+            self._data_asked = True
             if not port:
                 return None
             channel = DataChannel(self.address.rsplit(":", 1)[0].strip("[]"), port, self._token)

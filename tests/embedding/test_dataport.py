@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import socket
 import struct
+import threading
 from collections.abc import Iterator
 
 import numpy as np
@@ -15,8 +16,10 @@ import pytest
 from dlrover.embedding import frames
 from dlrover.embedding.buckets import BucketMap
 from dlrover.embedding.client import EmbeddingClient, EmbeddingServerUnavailable
+from dlrover.embedding.cluster import EmbeddingCluster
 from dlrover.embedding.dataport import LOOKUP, MALFORMED, OK, REPLY, REQUEST, TOKEN
 from dlrover.embedding.server import EmbeddingServer
+from dlrover.embedding.table import EmbeddingError
 from dlrover.proto import embedding_pb2 as pb
 
 JOB_TOKEN = "tok"
@@ -159,4 +162,38 @@ def test_a_kept_connection_the_server_closed_is_replaced_at_once_and_a_refusal_k
     with pytest.raises(Exception, match="no table 'other'"):
         client.lookup("other", np.array([1], dtype=np.int64), 8)
     assert channel._free == [kept]
+    client.close()
+
+
+def test_a_server_at_its_connection_cap_says_busy_and_is_asked_again(
+    servers: list[EmbeddingServer],
+) -> None:
+    server = servers[0]
+    server._data._slots = threading.BoundedSemaphore(1)  # a cap of one connection
+    client = EmbeddingClient([server.address], JOB_TOKEN, BucketMap.even(1), settle_s=1.0)
+    client.create_table(SPEC)
+    hog = socket.create_connection(("127.0.0.1", server.service.data_port))  # takes it
+    with pytest.raises(EmbeddingError, match=r"refused for 1s \(last: .*the most at once"):
+        client.lookup("items", np.array([1], dtype=np.int64), 8)
+    hog.close()  # its slot frees; the client's next ask gets through
+    client.settle_s = 10.0
+    assert client.lookup("items", np.array([1], dtype=np.int64), 8).shape == (1, 8)
+    client.close()
+
+
+def test_replicas_go_over_grpc_when_the_next_servers_data_port_cannot_be_reached(
+    servers: list[EmbeddingServer],
+) -> None:
+    pair = servers[:2]
+    pair[1]._data.close()  # the replica's data port is out of reach
+    client = EmbeddingClient([s.address for s in pair], JOB_TOKEN, BucketMap.even(2))
+    EmbeddingCluster(client, replica=pb.SYNC).install()
+    ids = np.arange(200, dtype=np.int64)
+    _train(client, 4)
+    sender = pair[0].service._sender
+    assert sender is not None and sender._data is None and sender.failures == 0
+    mine = ids[client.bucket_map.owner_of(ids) == 0]
+    rows, accum = pair[0].service._tables["items"].table.snapshot(mine)
+    held = pair[1].service.replica.tables["items"].snapshot(mine)
+    assert np.array_equal(held[0], rows) and np.array_equal(held[1], accum)
     client.close()
