@@ -54,14 +54,28 @@ def free_port() -> int:
 def dlrover_run(
     args: Sequence[str], env: dict[str, str] | None = None, timeout: float = 120, cwd: Path = REPO
 ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*run_cmd("dlrover.cli.run"), *args],
-        env=env or clean_env(),
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    """``dlrover-run ARGS``; a run past ``timeout`` fails the test with the end of its output
+    (where it stopped), not only the command line."""
+    try:
+        return subprocess.run(
+            [*run_cmd("dlrover.cli.run"), *args],
+            env=env or clean_env(),
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired as e:
+        tail = "\n".join(
+            _text(part)[-6000:] for part in (e.stdout, e.stderr) if part
+        )  # fmt: skip
+        raise AssertionError(
+            f"dlrover-run did not end within {timeout:g}s; its output:\n{tail}"
+        ) from None
+
+
+def _text(output: str | bytes) -> str:
+    return output.decode(errors="replace") if isinstance(output, bytes) else output
 
 
 def dlrover_cli(
