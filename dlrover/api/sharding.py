@@ -129,6 +129,12 @@ class StreamTransport(Protocol):
         hold the marked range (its lease expired): it must not yield it."""
         ...
 
+    def mark_stream_ranges(self, stream: str, worker_id: str, marks: Sequence[StreamMark]) -> int:
+        """``mark_stream`` for several ranges, in the order the worker yields them; returns how
+        many, from the first, were recorded: the next one names a range the worker no longer
+        holds (it must skip it) and the rest were not looked at (mark them again)."""
+        ...
+
     def stream_position_at(self, stream: str, consumed: int) -> StreamPositionAt:
         """The position once every worker had yielded ``consumed`` records, or who it waits for."""
         ...

@@ -173,6 +173,11 @@ class ShardingService:
         with self._lock:
             return self.manager.mark_stream(stream, worker_id, mark)
 
+    def mark_stream_ranges(self, stream: str, worker_id: str, marks: Sequence[StreamMark]) -> int:
+        """Record the worker's marks in order (ShardManager.mark_stream_ranges); in memory only."""
+        with self._lock:
+            return self.manager.mark_stream_ranges(stream, worker_id, marks)
+
     def stream_position_at(self, stream: str, consumed: int) -> StreamPositionAt:
         """The stream's position when every worker had yielded ``consumed`` records."""
         with self._lock:

@@ -1126,6 +1126,26 @@ class MarkStreamRequest(_message.Message):
     mark: StreamMark
     def __init__(self, stream: _Optional[str] = ..., worker_id: _Optional[str] = ..., mark: _Optional[_Union[StreamMark, _Mapping]] = ...) -> None: ...
 
+class MarkStreamRangesRequest(_message.Message):
+    __slots__ = ("stream", "worker_id", "marks")
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    MARKS_FIELD_NUMBER: _ClassVar[int]
+    stream: str
+    worker_id: str
+    marks: _containers.RepeatedCompositeFieldContainer[StreamMark]
+    def __init__(self, stream: _Optional[str] = ..., worker_id: _Optional[str] = ..., marks: _Optional[_Iterable[_Union[StreamMark, _Mapping]]] = ...) -> None: ...
+
+class MarkStreamRangesResponse(_message.Message):
+    __slots__ = ("error", "accepted", "refused")
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    error: ShardingError
+    accepted: int
+    refused: MasterError
+    def __init__(self, error: _Optional[_Union[ShardingError, _Mapping]] = ..., accepted: _Optional[int] = ..., refused: _Optional[_Union[MasterError, _Mapping]] = ...) -> None: ...
+
 class MarkStreamResponse(_message.Message):
     __slots__ = ("error", "accepted", "refused")
     ERROR_FIELD_NUMBER: _ClassVar[int]

@@ -209,6 +209,11 @@ class MasterStub:
                 request_serializer=dlrover_dot_proto_dot_master__pb2.MarkStreamRequest.SerializeToString,
                 response_deserializer=dlrover_dot_proto_dot_master__pb2.MarkStreamResponse.FromString,
                 _registered_method=True)
+        self.MarkStreamRanges = channel.unary_unary(
+                '/dlrover.Master/MarkStreamRanges',
+                request_serializer=dlrover_dot_proto_dot_master__pb2.MarkStreamRangesRequest.SerializeToString,
+                response_deserializer=dlrover_dot_proto_dot_master__pb2.MarkStreamRangesResponse.FromString,
+                _registered_method=True)
         self.StreamPositionAt = channel.unary_unary(
                 '/dlrover.Master/StreamPositionAt',
                 request_serializer=dlrover_dot_proto_dot_master__pb2.StreamPositionAtRequest.SerializeToString,
@@ -475,6 +480,13 @@ class MasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def MarkStreamRanges(self, request, context):
+        """Several marks in one call, in the order the worker yields their ranges.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def StreamPositionAt(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -676,6 +688,11 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.MarkStream,
                     request_deserializer=dlrover_dot_proto_dot_master__pb2.MarkStreamRequest.FromString,
                     response_serializer=dlrover_dot_proto_dot_master__pb2.MarkStreamResponse.SerializeToString,
+            ),
+            'MarkStreamRanges': grpc.unary_unary_rpc_method_handler(
+                    servicer.MarkStreamRanges,
+                    request_deserializer=dlrover_dot_proto_dot_master__pb2.MarkStreamRangesRequest.FromString,
+                    response_serializer=dlrover_dot_proto_dot_master__pb2.MarkStreamRangesResponse.SerializeToString,
             ),
             'StreamPositionAt': grpc.unary_unary_rpc_method_handler(
                     servicer.StreamPositionAt,
@@ -1643,6 +1660,33 @@ class Master:
             '/dlrover.Master/MarkStream',
             dlrover_dot_proto_dot_master__pb2.MarkStreamRequest.SerializeToString,
             dlrover_dot_proto_dot_master__pb2.MarkStreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MarkStreamRanges(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dlrover.Master/MarkStreamRanges',
+            dlrover_dot_proto_dot_master__pb2.MarkStreamRangesRequest.SerializeToString,
+            dlrover_dot_proto_dot_master__pb2.MarkStreamRangesResponse.FromString,
             options,
             channel_credentials,
             insecure,

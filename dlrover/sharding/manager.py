@@ -178,6 +178,10 @@ class ShardManager:
         for a range it does not hold."""
         return self._stream(stream).mark(worker_id, mark)
 
+    def mark_stream_ranges(self, stream: str, worker_id: str, marks: Sequence[StreamMark]) -> int:
+        """Record several marks in order (see StreamQueue.mark_all); returns how many were."""
+        return self._stream(stream).mark_all(worker_id, marks)
+
     def stream_position_at(self, stream: str, consumed: int) -> StreamPositionAt:
         """The position when every worker had yielded ``consumed`` records of its current pass."""
         return self._stream(stream).position_at(consumed)

@@ -402,6 +402,14 @@ class StreamQueue:
         self.ledgers.trim(worker_id, _MARKS_KEPT, self._is_open)
         return True
 
+    def mark_all(self, worker_id: str, marks: Sequence[StreamMark]) -> int:
+        """``mark`` each of ``marks`` in order up to the first refused; returns how many were
+        recorded (the later ones counted the refused range in their begins)."""
+        for index, mark in enumerate(marks):
+            if not self.mark(worker_id, mark):
+                return index
+        return len(marks)
+
     def _is_open(self, key: _MarkKey) -> bool:
         partition, start, _ = key
         return self.leases.get((partition, start)) is not None or any(

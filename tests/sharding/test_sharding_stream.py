@@ -74,3 +74,31 @@ def test_a_former_holder_cannot_end_or_mark_a_range_leased_again() -> None:
     assert manager.mark_stream("s", "w1", StreamMark(0, 0, 0))
     assert manager.report_stream_done("s", "w1", [(0, 0)]) == 1
     assert manager.stream_committed("s") == {0: 10}
+
+
+def test_marks_sent_together_are_recorded_up_to_the_first_range_no_longer_held() -> None:
+    from dlrover.sharding.stream import StreamMark
+
+    clock = [0.0]
+    source = InMemoryStreamSource(num_partitions=3)
+    for partition in range(3):
+        source.append(partition, 10)
+    manager = ShardManager(clock=lambda: clock[0])
+    manager.register_stream(StreamSpec("s", records_per_shard=10, lease_s=1.0), source)
+    (x,) = manager.fetch_stream_shards("s", "w0", 1).shards  # partition 0, until 1.0
+    clock[0] = 0.8
+    y, z = manager.fetch_stream_shards("s", "w0", 2).shards  # partitions 1 and 2, until 1.8
+    clock[0] = 1.5
+    assert manager.tick() == 1  # w0 stalled past x's lease: x goes to w1
+    assert manager.fetch_stream_shards("s", "w1", 1).shards[0].partition == x.partition
+    # w0 read y, x, z and marks them in one call: y is recorded, x refused, z not looked at.
+    marks = [StreamMark(i * 10, s.partition, s.start) for i, s in enumerate((y, x, z))]
+    assert manager.mark_stream_ranges("s", "w0", marks) == 1
+    # w0 skips x and marks z again, its begin no longer counting x's records.
+    assert manager.mark_stream_ranges("s", "w0", [StreamMark(10, z.partition, z.start)]) == 1
+    assert manager.mark_stream("s", "w1", StreamMark(0, x.partition, x.start))
+    # When each had yielded 10 records, w0 had trained y (not z), w1 x.
+    position = manager.stream_position_at("s", 10).position
+    assert position is not None
+    assert dict(position.offsets) == {x.partition: 10, y.partition: 10, z.partition: 0}
+    assert manager.mark_stream_ranges("s", "w0", []) == 0
