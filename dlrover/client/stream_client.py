@@ -81,6 +81,18 @@ class StreamShardingClient:
             time.sleep(min(backoff.next(), remaining))
         return self._leased.popleft() if self._leased else None
 
+    def lease_ahead(self) -> None:
+        """Lease up to ``prefetch`` more ranges now, for later ``poll`` calls (one call, no
+        wait for new records). A reader runs it in another thread while it reads the range
+        ``poll`` gave, so the round trip overlaps the reading; it must not ``poll`` or read
+        ``leased_shards`` before this returned."""
+        self.start()
+        if self.finished:
+            return
+        result = self.transport.fetch_stream_shards(self.spec.name, self.worker_id, self.prefetch)
+        self._leased.extend(result.shards)
+        self.finished = result.finished
+
     def mark(self, mark: StreamMark) -> bool:
         """Tell the master where this worker stands in its pass (before a range's records); False
         when this worker no longer holds the range (its lease expired): do not yield it."""
@@ -92,6 +104,13 @@ class StreamShardingClient:
         that polls (a reader that has its marks sent while it reads on; it calls
         ``keep_alive`` itself)."""
         return self.transport.mark_stream(self.spec.name, self.worker_id, mark)
+
+    def send_marks(self, marks: Sequence[StreamMark]) -> int:
+        """Several marks in one call, in the order their ranges are yielded (like ``send_mark``,
+        without renewing the leases); returns how many, from the first, the master recorded:
+        the next one's range is no longer this worker's (skip it), the rest were not looked at
+        (their begins counted it: mark them again)."""
+        return self.transport.mark_stream_ranges(self.spec.name, self.worker_id, marks)
 
     def report_done(self, shard: StreamShard) -> int:
         """Tell the master this worker has read every record of ``shard``; 0 when another worker

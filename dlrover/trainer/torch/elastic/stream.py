@@ -31,7 +31,7 @@ from dlrover.trainer.torch.elastic.client_factory import (
     prefetch_from_env,
     restore_token,
 )
-from dlrover.trainer.torch.elastic.kafka_reader import RangeReader
+from dlrover.trainer.torch.elastic.kafka_reader import RangeReader, Records
 from dlrover.worker_context import WorkerContext
 
 logger = logging.getLogger(__name__)
@@ -57,6 +57,10 @@ KEEP_BYTES_PER_PARTITION = 16 << 20
 before KEEP_PER_PARTITION records (records of 1 KiB: 16 k of them)."""
 REPORT_EVERY = 8
 """Finished ranges reported in one call while the reader is busy (at once when it waits)."""
+MARK_EVERY = 4
+"""Ranges read marked in one call while the loop has ranges queued (every range when it has
+none): each call costs the master and this process ~1 ms of CPU, what reading 1024 records
+does."""
 READ_AHEAD_SHARDS = 2
 """Ranges read from the broker ahead of the training loop (memory: this many ranges' records)."""
 _WAITING_LOG_EVERY_S = 30.0
@@ -179,16 +183,22 @@ class ElasticStreamDataset(IterableDataset[T], Generic[T]):
         reading = self._pass
         return reading.yielded() if reading is not None else self._yielded
 
-    def _read(self, shard: StreamShard, stop: threading.Event) -> list[Any]:
-        """The messages of ``shard``'s offset range, in order (none more once ``stop`` is set):
-        the client's own objects. Raises StreamSourceError when the broker does not deliver
-        them within ``read_timeout_s`` (see RangeReader)."""
+    def _read(self, shard: StreamShard, stop: threading.Event) -> Records:
+        """The records of ``shard``'s offset range, in order, decoded (none more once ``stop``
+        is set). Raises StreamSourceError when the broker does not deliver them within
+        ``read_timeout_s`` (see RangeReader)."""
         return self._reader().read(
-            shard, stop.is_set, self.read_timeout_s, self.poll_s, self.client.keep_alive
+            shard,
+            stop.is_set,
+            self.read_timeout_s,
+            self.poll_s,
+            self.client.keep_alive,
+            self._decode_all,
         )
 
     def _decode_all(self, partition: int, messages: list[Any]) -> list[T]:
-        """The samples of ``messages``, decoded in the reader thread (ahead of the loop)."""
+        """The samples of ``messages`` (the client's, of one partition), decoded in the reader
+        thread as they arrive (ahead of the loop)."""
         if self.decode is record_value:  # the value is the sample: no record to build
             return [message.value() for message in messages]
         decode = self.decode
@@ -307,9 +317,16 @@ class _ReadAhead:
         self._to_report: list[StreamShard] = []
         self._report_queued = False
         self._reports_lock = threading.Lock()
-        self._pending: tuple[_Item, Future[bool]] | None = None
-        """A range read and decoded whose mark is on its way to the master: the loop gets it
-        once the master accepted the mark, which it answers while the next range is read."""
+        self._pending: tuple[list[_Item], Future[int]] | None = None
+        """Ranges read and decoded whose marks are on their way to the master (one call): the
+        loop gets them once the master accepted the marks, which it answers while the next
+        ranges are read."""
+        self._marking: list[_Item] = []
+        """Ranges read whose marks are not sent yet: they go MARK_EVERY in one call."""
+        self._lease = ThreadPoolExecutor(1, thread_name_prefix=f"stream-lease-{dataset.topic}")
+        self._leasing: Future[None] | None = None
+        """The lease asked ahead while a range is read (the reader waits for it before it
+        polls the client again)."""
         self._calls = ThreadPoolExecutor(1, thread_name_prefix=f"stream-master-{dataset.topic}")
         """The thread of this pass's calls to the master that the reader need not wait for
         (reports, marks answered while the next range is read), in the order they were made."""
@@ -426,13 +443,28 @@ class _ReadAhead:
         except Exception as error:  # the ranges stay leased until their lease runs out
             logger.warning("could not give back the unread ranges %s: %s", remainders, error)
 
+    def _leased(self) -> None:
+        """Wait for the lease asked ahead, if any (raising what it met)."""
+        if self._leasing is not None:
+            leasing, self._leasing = self._leasing, None
+            leasing.result()
+
     def _read_ahead(self) -> None:
         try:
             self._read_ranges()
         finally:
-            if self._pending is not None:  # the pass was closed before the loop got it
-                self._unread.append(self._pending[0][0])
+            try:  # what it leased is given back with the rest
+                self._leased()
+            except Exception as error:
+                logger.warning("could not lease ranges ahead: %s", error)
+            finally:
+                self._lease.shutdown(wait=True)
+            # Read and not handed to the loop when the pass was closed: given back.
+            if self._pending is not None:
+                self._unread += [item[0] for item in self._pending[0]]
                 self._pending = None
+            self._unread += [item[0] for item in self._marking]
+            self._marking = []
 
     def _read_ranges(self) -> None:
         dataset, client = self.dataset, self.client
@@ -441,11 +473,13 @@ class _ReadAhead:
         idle_since = logged = time.monotonic()
         while not self._stop.is_set():
             self._report_finished(now=False)
-            shard = client.poll(dataset.poll_s if self._pending is None else 0.0)
+            held = self._pending is not None or bool(self._marking)
+            self._leased()
+            shard = client.poll(0.0 if held else dataset.poll_s)
             if shard is None:
                 self._flush_reports()
-                if self._pending is not None:  # nothing to read meanwhile: let the loop have it
-                    begin, queued = self._settle(begin)
+                if held:  # nothing to read meanwhile: let the loop have what was read
+                    begin, queued = self._settle_all(begin)
                     if not queued:
                         return
                     idle_since = time.monotonic()
@@ -465,57 +499,89 @@ class _ReadAhead:
                     logger.info("waiting for new records of topic %r", dataset.topic)
                     logged = now
                 continue
-            self._unread.append(shard)  # until it is pending: given back if the pass closes
+            self._unread.append(shard)  # until it is read: given back if the pass closes
             # The partitions of the ranges leased next start fetching while this one is read
             # (this one too, at its start, if it is the first range of its partition).
             dataset._reader().prepare([shard, *client.leased_shards()])
-            if self._pending is not None and self._items.empty():
+            if not client.leased_ahead():  # the next lease's round trip overlaps this reading
+                self._leasing = self._lease.submit(client.lease_ahead)
+            if held and self._items.empty():
                 # The loop has nothing queued (the pass's first range, or after a slow read):
-                # it gets the range read when its mark is answered (~1 ms), not once this one
-                # is read too (~100 ms for a partition's first fetch).
-                begin, queued = self._settle(begin)
+                # it gets the ranges read when their marks are answered (~1 ms), not once this
+                # one is read too (~100 ms for a partition's first fetch).
+                begin, queued = self._advance(begin, send_any=True)
                 if not queued:
                     return
                 idle_since = time.monotonic()
-            messages = dataset._read(shard, self._stop)
+            records = dataset._read(shard, self._stop)
             if self._stop.is_set():
                 return
-            samples = dataset._decode_all(shard.partition, messages)
-            if self._pending is not None:
-                begin, queued = self._settle(begin)
-                if not queued:
-                    return
-                idle_since = time.monotonic()
-            # Its begin counts the ranges accepted before it: the previous one was settled.
-            mark = StreamMark(begin, shard.partition, shard.start, len(messages))
-            client.keep_alive()
-            offsets = [message.offset() for message in messages]
             self._unread.remove(shard)
-            self._pending = ((shard, samples, offsets), self._calls.submit(client.send_mark, mark))
-        if self._pending is not None:
-            begin, queued = self._settle(begin)
+            self._marking.append((shard, records.samples, records.offsets))
+            client.keep_alive()
+            begin, queued = self._advance(begin, send_any=self._pending is None and not begin)
             if not queued:
                 return
+            idle_since = time.monotonic()
+        begin, queued = self._settle_all(begin)
+        if not queued:
+            return
         self._call(client.send_mark, StreamMark(begin))  # this pass has ended after `begin`
         self._ended = True
         self._put(_End())
 
+    def _advance(self, begin: int, *, send_any: bool = False) -> tuple[int, bool]:
+        """Queue the ranges of the marks in flight once the master answered (waiting for it when
+        MARK_EVERY ranges are read meanwhile, or with ``send_any``), then send the marks of the
+        ranges read since, MARK_EVERY at a time (any number with ``send_any``: the loop waits
+        for them). Returns the next range's begin, and False if the pass was closed meanwhile."""
+        if self._pending is not None and (
+            send_any or len(self._marking) >= MARK_EVERY or self._pending[1].done()
+        ):
+            begin, queued = self._settle(begin)
+            if not queued:
+                return begin, False
+        if (
+            self._pending is None
+            and self._marking
+            and (send_any or len(self._marking) >= MARK_EVERY)
+        ):
+            items, self._marking = self._marking[:MARK_EVERY], self._marking[MARK_EVERY:]
+            marks = []
+            at = begin  # the begins count the ranges accepted before: the last batch settled
+            for shard, samples, _ in items:
+                marks.append(StreamMark(at, shard.partition, shard.start, len(samples)))
+                at += len(samples)
+            self._pending = (items, self._calls.submit(self.client.send_marks, marks))
+        return begin, True
+
+    def _settle_all(self, begin: int) -> tuple[int, bool]:
+        """Mark and queue every range read: the loop gets them all."""
+        while self._pending is not None or self._marking:
+            begin, queued = self._advance(begin, send_any=True)
+            if not queued:
+                return begin, False
+        return begin, True
+
     def _settle(self, begin: int) -> tuple[int, bool]:
-        """Wait for the master's answer to the pending range's mark and queue the range if it
-        was accepted; returns the next range's begin, and False if the pass was closed meanwhile
-        (the range is then given back with the unread ones)."""
+        """Wait for the master's answer to the marks in flight and queue the ranges it accepted;
+        returns the next range's begin, and False if the pass was closed meanwhile (the ranges
+        not queued are then given back with the unread ones)."""
         assert self._pending is not None
-        item, accepted = self._pending
-        taken = accepted.result()  # raising, the range stays pending: given back
-        if not taken:
-            # Another worker may hold it now: yielding it would train it twice.
-            logger.warning("lost the lease on %s while reading it: skipped", item[0])
-            self._pending = None
-            return begin, True
-        if not self._put(item):
-            return begin, False
+        items, answer = self._pending
+        accepted = answer.result()  # raising, the ranges stay pending: given back
+        for index, item in enumerate(items[:accepted]):
+            if not self._put(item):
+                self._pending = (items[index:], answer)
+                return begin, False
+            begin += len(item[1])
         self._pending = None
-        return begin + len(item[1]), True
+        if accepted < len(items):
+            # Another worker may hold it now: yielding it would train it twice. The marks after
+            # it counted its records: they are sent again.
+            logger.warning("lost the lease on %s while reading it: skipped", items[accepted][0])
+            self._marking[:0] = items[accepted + 1 :]
+        return begin, True
 
     def _call(self, fn: Callable[..., R], *args: Any) -> R:
         """``fn(*args)`` on the thread of master calls, after the ones queued before it."""
