@@ -23,6 +23,7 @@ from dlrover.client.master_client import (
     MasterRequestError,
     MasterUnreachableError,
     UnknownNodeError,
+    UnsupportedCallError,
     WrongTokenError,
 )
 from dlrover.constants import MAX_KV_VALUE_BYTES
@@ -60,6 +61,21 @@ def test_wrong_or_missing_token_is_refused_and_changes_nothing(server):
     assert server.job.nodes.all() == []
     with pytest.raises(WrongTokenError):
         client(server, "wrong").wait_ready(5)
+
+
+def test_a_master_that_does_not_know_a_call_is_named_as_an_older_release() -> None:
+    """A worker of a newer release than its master: gRPC's own answer ("Method not found!")
+    said nothing of why."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    older = grpc.server(ThreadPoolExecutor(1))  # serves no dlrover.Master call at all
+    port = older.add_insecure_port("127.0.0.1:0")
+    older.start()
+    try:
+        with pytest.raises(UnsupportedCallError, match="older DLRover release"):
+            register(MasterClient(f"127.0.0.1:{port}", TOKEN, rpc_timeout_s=5))
+    finally:
+        older.stop(0)
 
 
 def test_a_malformed_request_is_invalid_argument_naming_its_type_and_changes_nothing(server):

@@ -15,6 +15,10 @@ class WrongTokenError(MasterClientError):
     """The master refused the job token."""
 
 
+class UnsupportedCallError(MasterClientError):
+    """The master does not know the call: it runs an older release than this client."""
+
+
 class MasterRequestError(MasterClientError):
     """The master refused the request as invalid (unknown node, bad configuration...)."""
 

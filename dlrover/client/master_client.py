@@ -15,6 +15,7 @@ from dlrover.api.errors import (
     MasterRequestError,
     MasterUnreachableError,
     UnknownNodeError,
+    UnsupportedCallError,
     WrongTokenError,
 )
 from dlrover.api.master import MasterApi
@@ -131,6 +132,11 @@ class MasterClient(_MasterRpcs, MasterApi):
                 raise WrongTokenError(
                     f"the master at {self.addr} refused the job token: set {ENV_JOB_TOKEN} to the "
                     "token dlrover-master printed"
+                ) from None
+            if code == grpc.StatusCode.UNIMPLEMENTED:
+                raise UnsupportedCallError(
+                    f"the master at {self.addr} does not know this call ({details}): it runs "
+                    "an older DLRover release than this worker; run the same release on both"
                 ) from None
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise MasterUnreachableError(

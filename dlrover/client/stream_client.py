@@ -7,11 +7,13 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
+from dlrover.api.errors import UnsupportedCallError
 from dlrover.backoff import Backoff
 from dlrover.client.sharding_transport import StreamTransport
 from dlrover.sharding.config import DEFAULT_FETCH_TIMEOUT_S, DEFAULT_PREFETCH_SHARDS
 from dlrover.sharding.errors import InvalidSpecError, ShardingTimeoutError
 from dlrover.sharding.stream import (
+    StreamFetchResult,
     StreamMark,
     StreamPosition,
     StreamProgress,
@@ -54,6 +56,8 @@ class StreamShardingClient:
         self.registration: RegisterResult | None = None
         self._leased: deque[StreamShard] = deque()
         self._renewed_at = time.monotonic()
+        self._batched_marks = True
+        """False once the master did not know MarkStreamRanges (an older release)."""
 
     def start(self) -> StreamShardingClient:
         """Register the stream (a no-op if it exists; the master reads the topic's partitions)."""
@@ -81,17 +85,18 @@ class StreamShardingClient:
             time.sleep(min(backoff.next(), remaining))
         return self._leased.popleft() if self._leased else None
 
-    def lease_ahead(self) -> None:
-        """Lease up to ``prefetch`` more ranges now, for later ``poll`` calls (one call, no
-        wait for new records). A reader runs it in another thread while it reads the range
-        ``poll`` gave, so the round trip overlaps the reading; it must not ``poll`` or read
-        ``leased_shards`` before this returned."""
+    def fetch_ahead(self) -> StreamFetchResult:
+        """Lease up to ``prefetch`` more ranges now (one call, no wait for new records) without
+        handing them out: a reader runs it in another thread while it reads a range, so the
+        round trip overlaps the reading, then gives the result to ``take_leases`` in the thread
+        that polls."""
         self.start()
-        if self.finished:
-            return
-        result = self.transport.fetch_stream_shards(self.spec.name, self.worker_id, self.prefetch)
+        return self.transport.fetch_stream_shards(self.spec.name, self.worker_id, self.prefetch)
+
+    def take_leases(self, result: StreamFetchResult) -> None:
+        """Add the ranges of a ``fetch_ahead`` to those ``poll`` hands out."""
         self._leased.extend(result.shards)
-        self.finished = result.finished
+        self.finished = result.finished and not self._leased
 
     def mark(self, mark: StreamMark) -> bool:
         """Tell the master where this worker stands in its pass (before a range's records); False
@@ -110,7 +115,16 @@ class StreamShardingClient:
         without renewing the leases); returns how many, from the first, the master recorded:
         the next one's range is no longer this worker's (skip it), the rest were not looked at
         (their begins counted it: mark them again)."""
-        return self.transport.mark_stream_ranges(self.spec.name, self.worker_id, marks)
+        if self._batched_marks:
+            try:
+                return self.transport.mark_stream_ranges(self.spec.name, self.worker_id, marks)
+            except UnsupportedCallError as error:
+                logger.info("marking ranges one per call: %s", error)
+                self._batched_marks = False
+        for index, mark in enumerate(marks):
+            if not self.transport.mark_stream(self.spec.name, self.worker_id, mark):
+                return index
+        return len(marks)
 
     def report_done(self, shard: StreamShard) -> int:
         """Tell the master this worker has read every record of ``shard``; 0 when another worker

@@ -102,3 +102,44 @@ def test_marks_sent_together_are_recorded_up_to_the_first_range_no_longer_held()
     assert position is not None
     assert dict(position.offsets) == {x.partition: 10, y.partition: 10, z.partition: 0}
     assert manager.mark_stream_ranges("s", "w0", []) == 0
+
+
+class _OlderMaster:
+    """The stream calls of a master of an earlier release: no MarkStreamRanges."""
+
+    def __init__(self, manager: ShardManager) -> None:
+        self.manager = manager
+        self.batched_calls = 0
+
+    def mark_stream(self, stream: str, worker_id: str, mark: object) -> bool:
+        return self.manager.mark_stream(stream, worker_id, mark)  # type: ignore[arg-type]
+
+    def mark_stream_ranges(self, stream: str, worker_id: str, marks: object) -> int:
+        from dlrover.api.errors import UnsupportedCallError
+
+        self.batched_calls += 1
+        raise UnsupportedCallError("the master does not know this call (Method not found!)")
+
+
+def test_marks_go_one_per_call_to_a_master_that_does_not_know_the_batched_call() -> None:
+    from dlrover.client.stream_client import StreamShardingClient
+    from dlrover.sharding.stream import StreamMark
+
+    clock = [0.0]
+    source = InMemoryStreamSource(num_partitions=2)
+    source.append(0, 10)
+    source.append(1, 10)
+    manager = ShardManager(clock=lambda: clock[0])
+    spec = StreamSpec("s", records_per_shard=10, lease_s=1.0)
+    manager.register_stream(spec, source)
+    (x,) = manager.fetch_stream_shards("s", "w0", 1).shards
+    clock[0] = 0.8
+    (y,) = manager.fetch_stream_shards("s", "w0", 1).shards
+    clock[0] = 1.5
+    assert manager.tick() == 1  # x's lease ran out
+    master = _OlderMaster(manager)
+    client = StreamShardingClient(master, spec, "w0")  # type: ignore[arg-type]
+    marks = [StreamMark(0, y.partition, y.start), StreamMark(10, x.partition, x.start)]
+    assert client.send_marks(marks) == 1  # y recorded, x refused: the same answer as batched
+    assert client.send_marks([StreamMark(10, 1, 10)]) == 0  # not y's range: refused
+    assert master.batched_calls == 1  # asked once, then one mark per call
