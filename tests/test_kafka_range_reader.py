@@ -78,9 +78,7 @@ def test_each_range_reads_exactly_its_records_in_every_way_the_consumer_gets_the
             reader.prepare([shard])
             records = reader.read(shard, lambda: False, 30.0, 1.0, lambda: None, _values)
             assert records.offsets == list(range(start, end))
-            assert records.samples == [
-                f"{partition}:{i}".encode() for i in range(start, end)
-            ]
+            assert records.samples == [f"{partition}:{i}".encode() for i in range(start, end)]
     finally:
         reader.close()
 

@@ -24,7 +24,13 @@ from dlrover.sharding.errors import (
     StreamSourceError,
 )
 from dlrover.sharding.kafka_source import DEFAULT_RECONNECT_BACKOFF_MS
-from dlrover.sharding.stream import StreamMark, StreamPosition, StreamShard, StreamSpec
+from dlrover.sharding.stream import (
+    StreamFetchResult,
+    StreamMark,
+    StreamPosition,
+    StreamShard,
+    StreamSpec,
+)
 from dlrover.trainer.torch.elastic.client_factory import (
     default_worker_id,
     lease_s_from_env,
@@ -324,9 +330,9 @@ class _ReadAhead:
         self._marking: list[_Item] = []
         """Ranges read whose marks are not sent yet: they go MARK_EVERY in one call."""
         self._lease = ThreadPoolExecutor(1, thread_name_prefix=f"stream-lease-{dataset.topic}")
-        self._leasing: Future[None] | None = None
-        """The lease asked ahead while a range is read (the reader waits for it before it
-        polls the client again)."""
+        self._leasing: Future[StreamFetchResult] | None = None
+        """The lease asked ahead while ranges are read (its ranges go to the client in the
+        reader's thread, the one that polls it)."""
         self._calls = ThreadPoolExecutor(1, thread_name_prefix=f"stream-master-{dataset.topic}")
         """The thread of this pass's calls to the master that the reader need not wait for
         (reports, marks answered while the next range is read), in the order they were made."""
@@ -443,18 +449,19 @@ class _ReadAhead:
         except Exception as error:  # the ranges stay leased until their lease runs out
             logger.warning("could not give back the unread ranges %s: %s", remainders, error)
 
-    def _leased(self) -> None:
-        """Wait for the lease asked ahead, if any (raising what it met)."""
-        if self._leasing is not None:
+    def _take_leases(self, *, wait: bool) -> None:
+        """Hand the ranges of the lease asked ahead to the client, once it is answered (waiting
+        for it with ``wait``); raises what it met."""
+        if self._leasing is not None and (wait or self._leasing.done()):
             leasing, self._leasing = self._leasing, None
-            leasing.result()
+            self.client.take_leases(leasing.result())
 
     def _read_ahead(self) -> None:
         try:
             self._read_ranges()
         finally:
             try:  # what it leased is given back with the rest
-                self._leased()
+                self._take_leases(wait=True)
             except Exception as error:
                 logger.warning("could not lease ranges ahead: %s", error)
             finally:
@@ -474,7 +481,7 @@ class _ReadAhead:
         while not self._stop.is_set():
             self._report_finished(now=False)
             held = self._pending is not None or bool(self._marking)
-            self._leased()
+            self._take_leases(wait=not client.leased_ahead())
             shard = client.poll(0.0 if held else dataset.poll_s)
             if shard is None:
                 self._flush_reports()
@@ -503,13 +510,15 @@ class _ReadAhead:
             # The partitions of the ranges leased next start fetching while this one is read
             # (this one too, at its start, if it is the first range of its partition).
             dataset._reader().prepare([shard, *client.leased_shards()])
-            if not client.leased_ahead():  # the next lease's round trip overlaps this reading
-                self._leasing = self._lease.submit(client.lease_ahead)
+            if self._leasing is None and client.leased_ahead() <= 1 and not client.finished:
+                # The next lease's round trip overlaps this reading (and the next one's).
+                self._leasing = self._lease.submit(client.fetch_ahead)
             if held and self._items.empty():
-                # The loop has nothing queued (the pass's first range, or after a slow read):
-                # it gets the ranges read when their marks are answered (~1 ms), not once this
-                # one is read too (~100 ms for a partition's first fetch).
-                begin, queued = self._advance(begin, send_any=True)
+                # The loop has nothing queued: it gets the ranges whose marks were answered,
+                # and the marks of those read are sent. The pass's first range waits for its
+                # answer (~1 ms), not until this one is read too (~100 ms for a partition's
+                # first fetch); later, the reader does not wait on the master.
+                begin, queued = self._advance(begin, hurry=True, force=not begin)
                 if not queued:
                     return
                 idle_since = time.monotonic()
@@ -519,7 +528,7 @@ class _ReadAhead:
             self._unread.remove(shard)
             self._marking.append((shard, records.samples, records.offsets))
             client.keep_alive()
-            begin, queued = self._advance(begin, send_any=self._pending is None and not begin)
+            begin, queued = self._advance(begin, hurry=self._items.empty())
             if not queued:
                 return
             idle_since = time.monotonic()
@@ -530,13 +539,14 @@ class _ReadAhead:
         self._ended = True
         self._put(_End())
 
-    def _advance(self, begin: int, *, send_any: bool = False) -> tuple[int, bool]:
-        """Queue the ranges of the marks in flight once the master answered (waiting for it when
-        MARK_EVERY ranges are read meanwhile, or with ``send_any``), then send the marks of the
-        ranges read since, MARK_EVERY at a time (any number with ``send_any``: the loop waits
-        for them). Returns the next range's begin, and False if the pass was closed meanwhile."""
+    def _advance(self, begin: int, *, hurry: bool = False, force: bool = False) -> tuple[int, bool]:
+        """Queue the ranges of the marks in flight if the master answered (waiting for the
+        answer once MARK_EVERY more ranges are read, or with ``force``), then send the marks of
+        the ranges read since, MARK_EVERY in one call (fewer with ``hurry``: the loop has
+        nothing queued, or ``force``). Returns the next range's begin, and False if the pass
+        was closed meanwhile."""
         if self._pending is not None and (
-            send_any or len(self._marking) >= MARK_EVERY or self._pending[1].done()
+            force or len(self._marking) >= MARK_EVERY or self._pending[1].done()
         ):
             begin, queued = self._settle(begin)
             if not queued:
@@ -544,7 +554,7 @@ class _ReadAhead:
         if (
             self._pending is None
             and self._marking
-            and (send_any or len(self._marking) >= MARK_EVERY)
+            and (force or hurry or len(self._marking) >= MARK_EVERY)
         ):
             items, self._marking = self._marking[:MARK_EVERY], self._marking[MARK_EVERY:]
             marks = []
@@ -558,7 +568,7 @@ class _ReadAhead:
     def _settle_all(self, begin: int) -> tuple[int, bool]:
         """Mark and queue every range read: the loop gets them all."""
         while self._pending is not None or self._marking:
-            begin, queued = self._advance(begin, send_any=True)
+            begin, queued = self._advance(begin, force=True)
             if not queued:
                 return begin, False
         return begin, True
