@@ -480,6 +480,13 @@ class _ReadAhead:
         idle_since = logged = time.monotonic()
         while not self._stop.is_set():
             self._report_finished(now=False)
+            if self._items.full() and (self._pending is not None or self._marking):
+                # The loop is behind: hand it what was read before reading further, so a
+                # rank holds no more ranges (memory; records another rank could train) than
+                # with a mark per range.
+                begin, queued = self._settle_all(begin)
+                if not queued:
+                    return
             held = self._pending is not None or bool(self._marking)
             self._take_leases(wait=not client.leased_ahead())
             shard = client.poll(0.0 if held else dataset.poll_s)
