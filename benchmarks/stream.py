@@ -10,11 +10,13 @@ of --repeats rounds that each measure the plain consumer and the dataset back to
   loop with one consumer that stays assigned). 300 k records: with 60 k, the plain consumer's
   whole read took ~50 ms, so both rates were mostly start-up;
 - a training loop: batches of --batch records with --step-ms of simulated compute each, fed by
-  the plain consumer in the loop or by the dataset through a DataLoader, against the compute
-  alone;
+  the plain consumer in the loop, by the plain consumer wrapped in an IterableDataset through a
+  DataLoader (the DataLoader's own cost per batch, ~0.17 ms here after a step's sleep, is then
+  in both), or by the dataset through a DataLoader, against the compute alone;
 - the latency of state_dict() (the exactly-once position: one round trip to the master), called
-  every 2000 records in a pass of its own (at the first --shard), next to a plain consumer's
-  synchronous commit of its offsets.
+  every 2000 records while reading flat out, and every 8 steps of the training loop (as a
+  checkpoint takes it), each in a pass of its own at the first --shard, next to a plain
+  consumer's synchronous commit of its offsets.
 """
 
 from __future__ import annotations
@@ -26,8 +28,11 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from torch.utils.data import IterableDataset
 
 from dlrover.client.sharding import connect
 
@@ -72,6 +77,54 @@ def plain_consumer(
     return elapsed
 
 
+class PlainConsumerDataset(IterableDataset[bytes | None]):
+    """The plain consumer as a script would feed it to a DataLoader: an IterableDataset whose
+    iterator assign()s every partition from offset 0 and yields each record's value."""
+
+    def __init__(self, bootstrap: str, topic: str, per_partition: int) -> None:
+        self.bootstrap, self.topic, self.total = bootstrap, topic, per_partition * PARTITIONS
+        self.per_partition = per_partition
+
+    def __iter__(self) -> Iterator[bytes | None]:
+        from confluent_kafka import Consumer, TopicPartition
+
+        consumer = Consumer(
+            {
+                "bootstrap.servers": self.bootstrap,
+                "group.id": "bench-loader",
+                "enable.auto.commit": False,
+            }
+        )
+        consumer.assign([TopicPartition(self.topic, p, 0) for p in range(PARTITIONS)])
+        left = self.total
+        try:
+            while left:
+                for message in consumer.consume(num_messages=min(500, left), timeout=1.0):
+                    if message.error() is None:
+                        left -= 1
+                        yield message.value()
+        finally:
+            consumer.close()
+
+
+def plain_loader(
+    broker: KafkaBroker, topic: str, per_partition: int, batch: int, step_s: float
+) -> float:
+    """Seconds of the training loop fed by the plain consumer through a DataLoader (the same
+    DataLoader the dataset goes through: its own cost per batch is in both)."""
+    from torch.utils.data import DataLoader
+
+    dataset = PlainConsumerDataset(broker.bootstrap, topic, per_partition)
+    start = time.perf_counter()
+    count = 0
+    for values in DataLoader(dataset, batch_size=batch, num_workers=0):
+        count += len(values)
+        time.sleep(step_s)
+    elapsed = time.perf_counter() - start
+    assert count == per_partition * PARTITIONS, count
+    return elapsed
+
+
 def stream_dataset(
     broker: KafkaBroker,
     master: GrpcMaster,
@@ -105,6 +158,10 @@ def stream_dataset(
         for values in DataLoader(dataset, batch_size=batch, num_workers=0):
             count += len(values)
             time.sleep(step_s)
+            if state_every and count // state_every != (count - len(values)) // state_every:
+                t = time.perf_counter()
+                dataset.state_dict()  # after the step, as a checkpoint takes it
+                latencies.append(time.perf_counter() - t)
     else:
         for _ in dataset:
             count += 1
@@ -161,8 +218,9 @@ def main() -> None:
             plain_consumer(broker, "bench", per_partition)  # warm the broker's caches
             load = os.getloadavg()[0]
             read: dict[str, list[float]] = {"plain": []}
-            loop: dict[str, list[float]] = {"plain": []}
+            loop: dict[str, list[float]] = {"plain": [], "loader": []}
             state_ms: list[float] = []
+            state_loop_ms: list[float] = []
             # Interleaved: every round measures the plain consumer and the dataset back to
             # back, so a load that comes and goes hits both alike.
             for _ in range(args.repeats):
@@ -176,8 +234,22 @@ def main() -> None:
                     broker, master, "bench", per_partition, shards[0], state_every=2000
                 )
                 state_ms += [x * 1000 for x in latencies]
+                _, latencies = stream_dataset(
+                    broker,
+                    master,
+                    "bench",
+                    per_partition,
+                    shards[0],
+                    args.batch,
+                    step_s,
+                    state_every=8 * args.batch,
+                )
+                state_loop_ms += [x * 1000 for x in latencies]
                 loop["plain"].append(
                     plain_consumer(broker, "bench", per_partition, args.batch, step_s)
+                )
+                loop["loader"].append(
+                    plain_loader(broker, "bench", per_partition, args.batch, step_s)
                 )
                 for shard in shards:
                     seconds, _ = stream_dataset(
@@ -213,20 +285,23 @@ def main() -> None:
         f"\nTraining loop: {steps} steps of {args.batch} records, {args.step_ms:g} ms compute "
         f"each (compute alone {ideal:.2f} s)\n"
     )
-    print(f"| {'reader':38} | {'seconds':>10} | {'vs compute':>10} | {'vs plain loop':>13} |")
-    print(f"|{'-' * 40}|{'-' * 12}|{'-' * 12}|{'-' * 15}|")
+    print(
+        f"| {'reader':38} | {'seconds':>10} | {'vs compute':>10} | {'vs plain loop':>13} | "
+        f"{'vs plain DataLoader':>19} |"
+    )
+    print(f"|{'-' * 40}|{'-' * 12}|{'-' * 12}|{'-' * 15}|{'-' * 21}|")
+    names = {"plain": "plain consumer in the loop", "loader": "plain consumer, DataLoader"}
     for key in loop:
-        name = (
-            "plain consumer in the loop" if key == "plain" else f"ElasticStreamDataset, {key}/range"
-        )
+        name = names.get(key, f"ElasticStreamDataset, {key}/range")
         print(
             f"| {name:38} | {lmed[key]:10.2f} | {lmed[key] / ideal:10.2f} | "
-            f"{lmed[key] / lmed['plain']:13.2f} |"
+            f"{lmed[key] / lmed['plain']:13.2f} | {lmed[key] / lmed['loader']:19.2f} |"
         )
     print(f"\n| {'remembering the position':38} | {'median ms':>10} | {'p90 ms':>8} |")
     print(f"|{'-' * 40}|{'-' * 12}|{'-' * 10}|")
     for name, values in (
-        ("dataset.state_dict() (master RPC)", state_ms),
+        ("state_dict(), reading flat out", state_ms),
+        ("state_dict(), in the loop, every 8 steps", state_loop_ms),
         ("plain consumer commit(sync) to broker", commit_ms),
     ):
         p90 = statistics.quantiles(values, n=10)[-1]
