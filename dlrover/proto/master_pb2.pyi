@@ -987,16 +987,18 @@ class StreamPosition(_message.Message):
     def __init__(self, stream: _Optional[str] = ..., offsets: _Optional[_Iterable[_Union[PartitionOffset, _Mapping]]] = ..., pending: _Optional[_Iterable[_Union[StreamRange, _Mapping]]] = ...) -> None: ...
 
 class StreamMark(_message.Message):
-    __slots__ = ("begin", "partition", "start", "count")
+    __slots__ = ("begin", "partition", "start", "count", "attempt")
     BEGIN_FIELD_NUMBER: _ClassVar[int]
     PARTITION_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     begin: int
     partition: int
     start: int
     count: int
-    def __init__(self, begin: _Optional[int] = ..., partition: _Optional[int] = ..., start: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
+    attempt: int
+    def __init__(self, begin: _Optional[int] = ..., partition: _Optional[int] = ..., start: _Optional[int] = ..., count: _Optional[int] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class StreamFetchResult(_message.Message):
     __slots__ = ("shards", "finished")

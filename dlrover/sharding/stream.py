@@ -156,6 +156,10 @@ class StreamMark:
     partition: int | None = None
     start: int = 0
     count: int | None = None
+    attempt: int | None = None
+    """The lease's attempt the worker read the shard under (None: not checked): a shard that
+    went back to the queue and was leased to the same worker again is refused under the old
+    one, so the worker does not yield both copies."""
 
 
 @dataclass(frozen=True)
@@ -383,7 +387,11 @@ class StreamQueue:
             return True
         key = (mark.partition, mark.start)
         lease = self.leases.get(key)
-        if lease is None or lease.worker_id != worker_id:
+        if (
+            lease is None
+            or lease.worker_id != worker_id
+            or (mark.attempt is not None and mark.attempt != lease.attempt)
+        ):
             logger.warning(
                 "stream %r: refused %s of %s (not its lease: it expired)",
                 self.spec.name,

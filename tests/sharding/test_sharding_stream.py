@@ -143,3 +143,27 @@ def test_marks_go_one_per_call_to_a_master_that_does_not_know_the_batched_call()
     assert client.send_marks(marks) == 1  # y recorded, x refused: the same answer as batched
     assert client.send_marks([StreamMark(10, 1, 10)]) == 0  # not y's range: refused
     assert master.batched_calls == 1  # asked once, then one mark per call
+
+
+def test_a_range_leased_again_to_the_same_worker_is_refused_under_its_old_lease() -> None:
+    """The worker stalled past its lease and asked for more: the master gave it the same range
+    again (a new attempt). Its mark of the copy it read under the old lease is refused, so it
+    yields the range once, not twice."""
+    from dlrover.sharding.stream import StreamMark
+
+    clock = [0.0]
+    source = InMemoryStreamSource(num_partitions=1)
+    source.append(0, 10)
+    manager = ShardManager(clock=lambda: clock[0])
+    manager.register_stream(StreamSpec("s", records_per_shard=10, lease_s=1.0), source)
+    (old,) = manager.fetch_stream_shards("s", "w0", 1).shards
+    clock[0] = 2.0
+    assert manager.tick() == 1
+    (new,) = manager.fetch_stream_shards("s", "w0", 1).shards
+    assert (new.partition, new.start) == (old.partition, old.start)
+    assert new.attempt == old.attempt + 1
+    stale = StreamMark(0, old.partition, old.start, attempt=old.attempt)
+    assert not manager.mark_stream("s", "w0", stale)
+    assert manager.mark_stream("s", "w0", StreamMark(0, new.partition, new.start, attempt=1))
+    # A mark that names no attempt (a client of an earlier release) is not checked.
+    assert manager.mark_stream("s", "w0", StreamMark(0, new.partition, new.start))
