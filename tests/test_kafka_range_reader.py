@@ -28,12 +28,6 @@ def broker(tmp_path: Path) -> Iterator[KafkaBroker]:
         b.stop()
 
 
-def _values(partition: int, messages: list[Any]) -> list[bytes]:
-    """The samples the reader keeps: each message's value (what ElasticStreamDataset's default
-    decode gives)."""
-    return [m.value() for m in messages]
-
-
 def _consumer(broker: KafkaBroker, group: str) -> Any:
     """A plain consumer of ``broker``, as ElasticStreamDataset makes (assign() only)."""
     from confluent_kafka import Consumer
@@ -76,9 +70,9 @@ def test_each_range_reads_exactly_its_records_in_every_way_the_consumer_gets_the
         for partition, start, end in ranges:
             shard = StreamShard("clicks", partition, start, end)
             reader.prepare([shard])
-            records = reader.read(shard, lambda: False, 30.0, 1.0, lambda: None, _values)
+            records = reader.read(shard, lambda: False, 30.0, 1.0, lambda: None)
             assert records.offsets == list(range(start, end))
-            assert records.samples == [f"{partition}:{i}".encode() for i in range(start, end)]
+            assert records.values == [f"{partition}:{i}".encode() for i in range(start, end)]
     finally:
         reader.close()
 
@@ -123,7 +117,7 @@ def test_a_partition_is_assigned_at_its_earliest_range_leased_so_reading_it_neve
         reader.prepare(shards)  # in lease order: the last of them must not decide
         for k, shard in enumerate(shards):
             reader.prepare(shards[k:])
-            records = reader.read(shard, lambda: False, 30.0, 1.0, lambda: None, _values)
+            records = reader.read(shard, lambda: False, 30.0, 1.0, lambda: None)
             assert records.offsets == list(range(shard.start, shard.end))
         assert [call for call in consumer.calls if call[0] == "unassign"] == []
     finally:
@@ -161,7 +155,7 @@ def test_a_paused_partition_is_resumed_when_its_range_is_leased_next_not_when_it
         for start in range(0, 400, 50):  # partition 1 is delivered meanwhile: past 4 kept
             shard = StreamShard("views", 0, start, start + 50)
             reader.prepare([shard])
-            reader.read(shard, lambda: False, 30.0, 1.0, lambda: None, _values)
+            reader.read(shard, lambda: False, 30.0, 1.0, lambda: None)
             if ("pause", [1]) in consumer.calls:
                 break
         assert ("pause", [1]) in consumer.calls
@@ -169,8 +163,8 @@ def test_a_paused_partition_is_resumed_when_its_range_is_leased_next_not_when_it
         shard = StreamShard("views", 1, 0, 400)
         reader.prepare([shard])
         assert consumer.calls == [("resume", [1])]
-        records = reader.read(shard, lambda: False, 30.0, 1.0, lambda: None, _values)
-        assert records.samples == [value(1, i) for i in range(400)]
+        records = reader.read(shard, lambda: False, 30.0, 1.0, lambda: None)
+        assert records.values == [value(1, i) for i in range(400)]
         assert ("pause", [1]) not in consumer.calls
     finally:
         reader.close()

@@ -475,3 +475,97 @@ def test_a_position_asked_after_a_worker_was_lost_still_counts_what_it_read_afte
     assert master.server.job.sharding.recover_node("n1") == 1
     # At the step, [2, 4) and [6, 8) were not trained, and [8, 12) is read again whole.
     assert alive.position_at(2, timeout_s=5) == StreamPosition("clicks", ((0, 6),), ((0, 2, 4),))
+
+
+def test_each_rank_decodes_only_the_records_it_trains_once_each(
+    broker: KafkaBroker, master: Master
+) -> None:
+    """A reader is handed records of every partition it reads; those of ranges another rank
+    holds must not reach its decode (an expensive or side-effecting decode, a record another
+    rank owns that this one cannot decode)."""
+    from dlrover.trainer.torch.elastic.stream import ElasticStreamDataset
+
+    broker.create_topic("clicks", 3)
+    _produce(broker, "clicks", range(600))
+    ends = {0: 200, 1: 200, 2: 200}
+    decoded: dict[str, list[int]] = {"w0": [], "w1": []}
+    yielded: dict[str, list[int]] = {"w0": [], "w1": []}
+
+    def read(worker: str) -> None:
+        def decode(record: Any) -> int:
+            decoded[worker].append(_record_id(record))
+            return _record_id(record)
+
+        reader = ElasticStreamDataset(
+            "clicks",
+            broker.bootstrap,
+            decode=decode,
+            records_per_shard=10,
+            end_offsets=ends,
+            transport=master.transport(),
+            worker_id=worker,
+        )
+        yielded[worker] = list(reader)
+        reader.close()
+
+    threads = [threading.Thread(target=read, args=(w,)) for w in ("w0", "w1")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert sorted(yielded["w0"] + yielded["w1"]) == list(range(600))
+    for worker in ("w0", "w1"):
+        assert decoded[worker] == yielded[worker], worker
+
+
+def test_a_pass_that_failed_in_decode_is_iterated_again_without_losing_a_record(
+    broker: KafkaBroker, master: Master
+) -> None:
+    from dlrover.trainer.torch.elastic.stream import ElasticStreamDataset
+
+    broker.create_topic("clicks", 2)
+    _produce(broker, "clicks", range(80), partitions=2)
+    failed: list[int] = []
+
+    def decode(record: Any) -> int:
+        if record.partition == 1 and not failed:  # once: a transient failure
+            failed.append(record.offset)
+            raise ValueError("cannot decode this record now")
+        return _record_id(record)
+
+    reader = ElasticStreamDataset(
+        "clicks",
+        broker.bootstrap,
+        decode=decode,
+        records_per_shard=4,
+        end_offsets={0: 40, 1: 40},
+        transport=master.transport(),
+        worker_id="w0",
+    )
+    seen: list[int] = []
+    with pytest.raises(ValueError, match="cannot decode"):
+        for record_id in reader:
+            seen.append(record_id)
+    seen += list(reader)  # the script catches it and iterates again
+    reader.close()
+    assert failed and sorted(seen) == list(range(80))
+
+
+def test_a_pass_closed_after_the_stream_ended_leaves_the_next_pass_what_it_gave_back(
+    broker: KafkaBroker, master: Master
+) -> None:
+    """The first pass's reader learns the stream has ended (it leased its last ranges) and
+    the loop stops early: the next pass must read the ranges given back, not end at once."""
+    broker.create_topic("clicks", 3)
+    _produce(broker, "clicks", range(12))
+    reader = _dataset(broker, master, "w0", end_offsets={0: 4, 1: 4, 2: 4})
+    records = iter(reader)
+    first = [next(records)]
+    deadline = time.monotonic() + 30
+    while not reader.client.finished and time.monotonic() < deadline:
+        time.sleep(0.01)  # the reader leases ahead meanwhile, up to the end
+    assert reader.client.finished
+    records.close()
+    rest = list(reader)
+    reader.close()
+    assert sorted(first + rest) == list(range(12))

@@ -65,6 +65,11 @@ class StreamShardingClient:
             self.registration = self.transport.register_stream(self.spec)
         return self
 
+    def begin_pass(self) -> None:
+        """A new pass over the stream: whether it has ended is asked of the master again (the
+        last pass may have learned it had, then given back ranges it did not read)."""
+        self.finished = False
+
     def poll(self, timeout_s: float) -> StreamShard | None:
         """The next leased record range; None when none came within ``timeout_s`` (no new
         records yet) or the stream has ended (then ``finished`` is True)."""
@@ -115,9 +120,10 @@ class StreamShardingClient:
         without renewing the leases); returns how many, from the first, the master recorded:
         the next one's range is no longer this worker's (skip it), the rest were not looked at
         (their begins counted it: mark them again)."""
-        if self._batched_marks:
+        batched = getattr(self.transport, "mark_stream_ranges", None)  # a transport of one's own
+        if self._batched_marks and batched is not None:
             try:
-                return self.transport.mark_stream_ranges(self.spec.name, self.worker_id, marks)
+                return int(batched(self.spec.name, self.worker_id, marks))
             except UnsupportedCallError as error:
                 logger.info("marking ranges one per call: %s", error)
                 self._batched_marks = False

@@ -17,50 +17,82 @@ CONSUME_BATCH = 500
 """Records asked of the client at once. Up to ~500 the client answers from what it fetched
 already; asking for more makes it wait for further fetches (about 20 ms each here)."""
 
-Decode = Callable[[int, list[Any]], list[Any]]
-"""(partition, the client's messages) -> their samples, in order."""
-
 
 class Records:
-    """Records of one partition in offset order: their offsets and samples (decoded as they
-    arrive: the client's message objects, which Python's garbage collector tracks, are not
-    kept; with ~200 k of them held, its collections tripled the reader's CPU time)."""
+    """Records of one partition in offset order, as columns of plain values: their offsets,
+    values and, for a decode that needs them, keys and timestamps (ms). The client's message
+    objects are not kept: Python's garbage collector tracks them, and with ~200 k of them held
+    (the partitions this reader was not reading at the time) its collections tripled the
+    reader's CPU time. Records are decoded only once they are a range's, in order."""
 
-    __slots__ = ("offsets", "samples")
+    __slots__ = ("columns",)
 
-    def __init__(self, offsets: list[int], samples: list[Any]) -> None:
-        self.offsets = offsets
-        self.samples = samples
+    def __init__(self, columns: list[list[Any]]) -> None:
+        self.columns = columns
+
+    @classmethod
+    def of(cls, messages: list[Any], full: bool) -> Records:
+        """The columns of ``messages`` (the client's, of one partition); keys and timestamps
+        only if ``full``."""
+        columns = [
+            [message.offset() for message in messages],
+            [message.value() for message in messages],
+        ]
+        if full:
+            columns.append([message.key() for message in messages])
+            columns.append([message.timestamp()[1] for message in messages])
+        return cls(columns)
+
+    def empty(self) -> Records:
+        """No records, with the same columns."""
+        return Records([[] for _ in self.columns])
+
+    @property
+    def offsets(self) -> list[int]:
+        """The records' offsets."""
+        return self.columns[0]
+
+    @property
+    def values(self) -> list[bytes | None]:
+        """The records' values."""
+        return self.columns[1]
+
+    def rows(self) -> Any:
+        """(offset, value, key, timestamp) of each record (a ``full`` one)."""
+        return zip(*self.columns, strict=True)
 
     def __len__(self) -> int:
-        return len(self.offsets)
+        return len(self.columns[0])
 
     def split(self, expected: int, end: int, out: Records) -> tuple[int, Records | None]:
         """Append the records of offsets [expected, end) to ``out``, drop those below
         ``expected``; returns the next offset expected and the records at or after ``end``
         (then the next offset expected is ``end``)."""
-        offsets, samples = self.offsets, self.samples
+        offsets = self.offsets
         if all(map(operator.lt, offsets, itertools.islice(offsets, 1, None))):  # the usual case
             low = bisect_left(offsets, expected)
             high = bisect_left(offsets, end, low)
             if high > low:
-                out.offsets += offsets[low:high]
-                out.samples += samples[low:high]
+                for column, into in zip(self.columns, out.columns, strict=True):
+                    into += column[low:high]
                 expected = offsets[high - 1] + 1
             if high < len(offsets):
-                return end, Records(offsets[high:], samples[high:])
+                return end, Records([column[high:] for column in self.columns])
             return expected, None
-        rest = Records([], [])
-        for offset, sample in zip(offsets, samples, strict=True):
+        rest = self.empty()
+        for row in zip(*self.columns, strict=True):
+            offset = row[0]
             if offset >= end:
-                rest.offsets.append(offset)
-                rest.samples.append(sample)
+                target = rest
                 expected = end
             elif offset >= expected:
-                out.offsets.append(offset)
-                out.samples.append(sample)
+                target = out
                 expected = offset + 1
-        return expected, rest if rest.offsets else None
+            else:
+                continue
+            for column, value in zip(target.columns, row, strict=True):
+                column.append(value)
+        return expected, rest if len(rest) else None
 
 
 class _Kept:
@@ -112,8 +144,7 @@ class RangeReader:
     kept is paused until a range of it is leased next (``prepare``) or read.
     Only a range elsewhere (given back by another rank, a restored position) re-positions.
 
-    Records are decoded as they arrive, so what is kept is the samples and their offsets, not
-    the client's message objects.
+    What is kept is columns of plain values (`Records`), not the client's message objects.
 
     Invariant, per assigned partition: every record the consumer delivered at or after
     ``_cursor[p]`` is in ``_kept[p]`` (in offset order), or is still to come from the consumer.
@@ -127,6 +158,7 @@ class RangeReader:
         skip_limit: int,
         buffer_limit: int,
         buffer_bytes: int | None = None,
+        full: bool = False,
     ) -> None:
         self._consumer = consumer
         self._topic = topic
@@ -134,6 +166,8 @@ class RangeReader:
         self._skip_limit = skip_limit
         self._buffer_limit = buffer_limit
         self._buffer_bytes = buffer_bytes
+        self._full = full
+        """Keep the records' keys and timestamps too (a decode that needs whole records)."""
         self._cursor: dict[int, int | None] = {}
         self._kept: dict[int, _Kept] = {}
         self._paused: set[int] = set()
@@ -151,18 +185,17 @@ class RangeReader:
         read_timeout_s: float,
         poll_s: float,
         keep_alive: Callable[[], None],
-        decode: Decode,
     ) -> Records:
-        """The records of ``shard``'s offset range, in order, decoded by ``decode`` (fewer if
-        ``stopped()`` turns true). Offsets may have gaps (transaction markers, compaction,
-        retention): the range is read once the consumer is past its end. Raises
-        StreamSourceError when the broker does not deliver them within ``read_timeout_s``."""
+        """The records of ``shard``'s offset range, in order (fewer if ``stopped()`` turns
+        true). Offsets may have gaps (transaction markers, compaction, retention): the range is
+        read once the consumer is past its end. Raises StreamSourceError when the broker does
+        not deliver them within ``read_timeout_s``."""
         from confluent_kafka import KafkaError
 
         partition, end = shard.partition, shard.end
         self._position(shard)
         kept = self._kept[partition]
-        out = Records([], [])
+        out = Records([[] for _ in range(4 if self._full else 2)])
         expected = kept.take(shard.start, end, out)
         deadline = time.monotonic() + read_timeout_s
         last_error = ""
@@ -199,7 +232,7 @@ class RangeReader:
                     held = kept if other == partition else self._kept.get(other)
                     if held is None:
                         continue  # of a partition no longer read here
-                    records = Records([message.offset() for message in run], decode(other, run))
+                    records = Records.of(run, self._full)
                     if held is kept:
                         expected, rest = records.split(expected, end, out)
                         if rest is None:
@@ -213,7 +246,11 @@ class RangeReader:
                 self._pause_full(partition)
                 keep_alive()  # a slow broker must not cost the leases
         except BaseException:
-            self._cursor[partition] = None
+            # A batch the client handed over may be stored in part: re-position every
+            # partition at its next read rather than miss a record.
+            for held in self._kept.values():
+                held.clear()
+            self._cursor = dict.fromkeys(self._cursor)
             raise
         self._cursor[partition] = end
         return out

@@ -68,7 +68,9 @@ MARK_EVERY = 4
 none): each call costs the master and this process ~1 ms of CPU, what reading 1024 records
 does."""
 READ_AHEAD_SHARDS = 2
-"""Ranges read from the broker ahead of the training loop (memory: this many ranges' records)."""
+"""Ranges queued for the training loop. While the loop is behind (the queue full) the reader
+holds one more, being handed over; while it keeps up, up to 2 x MARK_EVERY more may be read
+and on their way (marks in flight, or waiting to be sent) for a moment."""
 _WAITING_LOG_EVERY_S = 30.0
 
 
@@ -160,6 +162,7 @@ class ElasticStreamDataset(IterableDataset[T], Generic[T]):
             )
         self._end_pass()
         self.client.start()
+        self.client.begin_pass()
         self._yielded = 0  # a new pass; the master learns it from its first mark (begin 0)
         reading = _ReadAhead(self)
         self._pass = reading
@@ -190,35 +193,22 @@ class ElasticStreamDataset(IterableDataset[T], Generic[T]):
         return reading.yielded() if reading is not None else self._yielded
 
     def _read(self, shard: StreamShard, stop: threading.Event) -> Records:
-        """The records of ``shard``'s offset range, in order, decoded (none more once ``stop``
-        is set). Raises StreamSourceError when the broker does not deliver them within
+        """The records of ``shard``'s offset range, in order (none more once ``stop`` is set).
+        Raises StreamSourceError when the broker does not deliver them within
         ``read_timeout_s`` (see RangeReader)."""
         return self._reader().read(
-            shard,
-            stop.is_set,
-            self.read_timeout_s,
-            self.poll_s,
-            self.client.keep_alive,
-            self._decode_all,
+            shard, stop.is_set, self.read_timeout_s, self.poll_s, self.client.keep_alive
         )
 
-    def _decode_all(self, partition: int, messages: list[Any]) -> list[T]:
-        """The samples of ``messages`` (the client's, of one partition), decoded in the reader
-        thread as they arrive (ahead of the loop)."""
+    def _decode_all(self, partition: int, records: Records) -> list[T]:
+        """The samples of a range's ``records``, decoded in the reader thread (ahead of the
+        loop), once each."""
         if self.decode is record_value:  # the value is the sample: no record to build
-            return [message.value() for message in messages]
+            return records.values  # type: ignore[return-value]
         decode = self.decode
         return [
-            decode(
-                KafkaRecord(
-                    partition,
-                    message.offset(),
-                    message.key(),
-                    message.value(),
-                    message.timestamp()[1],
-                )
-            )
-            for message in messages
+            decode(KafkaRecord(partition, offset, key, value, timestamp))
+            for offset, value, key, timestamp in records.rows()
         ]
 
     def _reader(self) -> RangeReader:
@@ -252,6 +242,7 @@ class ElasticStreamDataset(IterableDataset[T], Generic[T]):
                 skip_limit=2 * records,
                 buffer_limit=max(8 * records, KEEP_PER_PARTITION),
                 buffer_bytes=KEEP_BYTES_PER_PARTITION,
+                full=self.decode is not record_value,
             )
         return self._consumer
 
@@ -532,8 +523,9 @@ class _ReadAhead:
             records = dataset._read(shard, self._stop)
             if self._stop.is_set():
                 return
+            samples = dataset._decode_all(shard.partition, records)
             self._unread.remove(shard)
-            self._marking.append((shard, records.samples, records.offsets))
+            self._marking.append((shard, samples, records.offsets))
             client.keep_alive()
             begin, queued = self._advance(begin, hurry=self._items.empty())
             if not queued:
@@ -567,7 +559,9 @@ class _ReadAhead:
             marks = []
             at = begin  # the begins count the ranges accepted before: the last batch settled
             for shard, samples, _ in items:
-                marks.append(StreamMark(at, shard.partition, shard.start, len(samples)))
+                marks.append(
+                    StreamMark(at, shard.partition, shard.start, len(samples), shard.attempt)
+                )
                 at += len(samples)
             self._pending = (items, self._calls.submit(self.client.send_marks, marks))
         return begin, True
