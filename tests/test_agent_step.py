@@ -65,7 +65,9 @@ bad()
 def test_a_user_error_raised_as_the_world_reforms_counts_toward_failing_fast(tmp_path):
     """Found by benchmarks/fault_campaign.py (seed 2, job 3): a rank raised at the step where
     another node was lost; the agent re-formed without judging it, so the error was raised
-    three times before the job failed fast. Now the re-form's own failures are remembered."""
+    three times before the job failed fast. Now the re-form's own failures are remembered, and
+    reported to the master (found by a CI failure of tests/e2e/test_diagnose.py: the user's
+    exception was missing from `dlrover diagnose` when another node re-formed the world first)."""
     job = JobMaster(JobMasterConfig(job_name="reform"), MemoryStateStore())
     ready, script = tmp_path / "ready", tmp_path / "train.py"
     script.write_text(RAISES_AS_IT_REFORMS)
@@ -95,6 +97,9 @@ def test_a_user_error_raised_as_the_world_reforms_counts_toward_failing_fast(tmp
         job.join("b", 0, 1, "127.0.0.1", 1)
         worker.join(60)
         assert stepped == [None] and agent.restart_count == 0  # re-formed, no restart used
+        # The error is the job's root cause: `dlrover diagnose` lists it though no restart ran.
+        rows = [f for f in job.failures() if "bad learning rate" in f.root_cause]
+        assert [(f.node_id, f.failure_class.value) for f in rows] == [(agent.node_id, "user_error")]
         result = agent.step()  # round 2: the same error at once
         assert result is not None and result.exit_code != 0, agent.state
         assert "same user error twice in a row (ValueError" in result.reason

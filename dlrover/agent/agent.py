@@ -336,6 +336,10 @@ class ElasticAgent:
                 seen = self._judge(monitor, exits)
                 if seen.signature is not None:
                     self._history.append(seen.signature)
+                    # The user's exception may be this job's root cause (another node's
+                    # agent re-formed the world on its collateral error first): the master's
+                    # failure table (`dlrover diagnose`) must hold it.
+                    self._report_failure(seen)
             self._set_state(WorkerGroupState.RESTARTING)
             return None
         # A worker failed or hung: the policy decides between a restart and failing fast.
