@@ -207,9 +207,13 @@ class NodeEvent:
     host: str = ""
     timestamp: float = dataclasses.field(default_factory=time.time)
 
-    def __str__(self) -> str:
+    def outcome(self) -> str:
+        """The new state and, for a failure, why: ``failed (exit_code: exited with code 1)``."""
         why = f" ({self.reason.value}: {self.message})" if self.reason else ""
-        return f"{self.node_id} -> {self.state.value}{why}"
+        return f"{self.state.value}{why}"
+
+    def __str__(self) -> str:
+        return f"{self.node_id} -> {self.outcome()}"
 
 
 class EventQueue:

@@ -459,7 +459,7 @@ class KubernetesEngine(Engine):
             outcome.message,
             host=node.host,
         )
-        log.info("node %s: %s -> %s", name, old.value, event)
+        log.info("node %s: %s -> %s", name, old.value, event.outcome())
         self._queue.put(event)
 
 

@@ -357,7 +357,7 @@ class LocalEngine(Engine):
             )
         with self._lock:
             process.node.state = event.state
-        log.info("node %s: running -> %s", spec.node_id, event)
+        log.info("node %s: running -> %s", spec.node_id, event.outcome())
         if process.cgroup is not None:
             process.cgroup.remove()
         self._queue.put(event)

@@ -414,7 +414,7 @@ class RayEngine(Engine):
         event = NodeEvent(
             spec.node_id, spec, state, reason, exit_code, signal, message, host=entry.ray_node_id
         )
-        log.info("node %s: %s -> %s", spec.node_id, old.value, event)
+        log.info("node %s: %s -> %s", spec.node_id, old.value, event.outcome())
         self._queue.put(event)
 
 

@@ -106,8 +106,11 @@ def test_submit_status_diagnose_stop(tmp_path: Path) -> None:
         assert job.wait(timeout=90) != 0
         submitted = job.output()
         assert "job mlp failed: stopped by dlrover stop" in submitted, submitted[-4000:]
-        for node in nodes:
-            removed = rf"^.* node {node}: \w+ -> .*\bdeleted\b"  # a third may still be starting
+        for node in nodes:  # (a third may still be starting)
+            # Deleted by the master, or ended by its agent that heard of the stop first.
+            removed = (
+                rf"^.* node {node}: running -> (deleted|failed \(exit_code: exited with code 1\))$"
+            )
             assert re.search(removed, submitted, re.MULTILINE), (node, submitted[-4000:])
     finally:
         job.close()
