@@ -3,15 +3,18 @@ job directory (local engine) or from its master's dashboard (Ray, Kubernetes).""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
 import re
+import signal
 import sys
-import time
+import threading
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from dlrover.api.master import NodeStatus
 from dlrover.client.master_client import MasterClient, MasterClientError
@@ -206,9 +209,10 @@ def _follow(
     refresh: Callable[[], list[Target]],
     lines: int,
     out: Callable[[str], None],
+    stop: threading.Event,
 ) -> None:
     """Print the last ``lines`` lines of each target, then new lines as they come, until the job
-    ends (a last read after that) or Ctrl-C (KeyboardInterrupt, to the caller)."""
+    ends (a last read after that) or ``stop`` is set (Ctrl-C)."""
     position: dict[tuple[Target, str], tuple[str, int]] = {}
     targets = refresh()
     several = len(targets) > 1
@@ -230,7 +234,7 @@ def _follow(
                 shown = shown[1:]  # the window starts inside a line
             emit(t, "\n".join(shown[-lines:]))
             position[(t, stream)] = (chunk.source, chunk.offset)
-    while True:
+    while not stop.is_set():
         ended = read_record(name).ended
         try:
             for t in targets:
@@ -247,11 +251,10 @@ def _follow(
         except LogsError:
             if not ended:
                 # The master is ending the job (the record says so next) or is restarted.
-                time.sleep(FOLLOW_POLL_S)
+                stop.wait(FOLLOW_POLL_S)
                 continue
-        if ended:
+        if ended or stop.wait(FOLLOW_POLL_S):
             return
-        time.sleep(FOLLOW_POLL_S)
         try:
             newer = refresh()
         except LogsError:
@@ -291,10 +294,31 @@ def cmd_logs(
             out(line)
             sys.stdout.flush()  # a pipe reader sees each line as it comes
 
-        _follow(name, logs, refresh, lines, flushed)
+        stop = threading.Event()
+        with _ctrl_c_sets(stop):
+            _follow(name, logs, refresh, lines, flushed, stop)
         return 0
     except LogsError as e:
         print(f"dlrover: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 0
+    except BrokenPipeError:  # `dlrover logs -f ... | head`: the reader has all it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        return 0
+
+
+@contextlib.contextmanager
+def _ctrl_c_sets(stop: threading.Event) -> Iterator[None]:
+    """Within the block, Ctrl-C (SIGINT) sets ``stop`` instead of raising KeyboardInterrupt
+    wherever the main thread is: an exception raised inside a gRPC call (the follow loop asks
+    the master for the job's nodes) can be lost there, and the follower then never ended. Off
+    the main thread (where signals cannot be handled) nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -130,6 +130,17 @@ def test_status_shows_live_pids_logs_follow_and_an_ended_jobs_table(tmp_path: Pa
         assert interrupted.stdout.readline().startswith("chatty rank=0")  # it is following
         interrupted.send_signal(signal.SIGINT)
         assert interrupted.wait(30) == 0
+        # Piped into a reader that stops reading (`| head -1`): it ends quietly at its next line.
+        piped = subprocess.Popen(
+            [*run_cmd("dlrover.cli.job"), "logs", "chat", "--rank", "1", "-f", "-n", "1"],
+            env=clean_env(DLROVER_HOME=str(home)), cwd=REPO, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert piped.stdout is not None and piped.stderr is not None
+        assert piped.stdout.readline().startswith("chatty rank=1")
+        piped.stdout.close()
+        assert piped.wait(30) == 0
+        assert piped.stderr.read() == ""  # no BrokenPipeError traceback
         follower = subprocess.Popen(
             [*run_cmd("dlrover.cli.job"), "logs", "chat", "--rank", "3", "-f", "-n", "1"],
             env=clean_env(DLROVER_HOME=str(home)), cwd=REPO, stdout=subprocess.PIPE, text=True,
