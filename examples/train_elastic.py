@@ -83,6 +83,9 @@ def main() -> None:
                 loss = nn.functional.mse_loss(ddp(xb), yb)
                 time.sleep(a.sample_time * len(xb))  # the accelerator's share of the work
                 trainer.backward(loss)
+        if rank == 0 and a.out:  # before the save: a step saved is a step logged
+            with open(a.out + ".steps", "a") as f:
+                f.write(f"{step} {world}\n")
         storage = StorageType.DISK if step % a.disk_every == 0 else StorageType.MEMORY
         saving = time.monotonic()
         ckpt.save_checkpoint(
@@ -94,13 +97,9 @@ def main() -> None:
             ckpt.wait_latest_checkpoint(60)  # so the next memory saves are not skipped
         # dlrover status and the metrics break the step time down with these.
         progress.report(step, data_s=data_s, checkpoint_s=time.monotonic() - saving)
-        if rank == 0:
-            if a.out:
-                with open(a.out + ".steps", "a") as f:
-                    f.write(f"{step} {world}\n")
-            if step % 20 == 0 or step == a.steps:
-                rate = (step - start + 1) / (time.monotonic() - t0)
-                print(f"step {step}/{a.steps} world {world} steps/s {rate:.2f}", flush=True)
+        if rank == 0 and (step % 20 == 0 or step == a.steps):
+            rate = (step - start + 1) / (time.monotonic() - t0)
+            print(f"step {step}/{a.steps} world {world} steps/s {rate:.2f}", flush=True)
     ckpt.wait_latest_checkpoint(60)
     if rank == 0 and a.out:
         torch.save(model.state_dict(), a.out + ".pt")
