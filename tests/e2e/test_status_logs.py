@@ -173,6 +173,8 @@ def test_status_shows_live_pids_logs_follow_and_an_ended_jobs_table(tmp_path: Pa
         after = dlrover(home, "logs", "chat", "--rank", "3", "-n", "1")
         assert after.returncode == 0 and lines_of(after.stdout)[-1].startswith("chatty rank=3")
     finally:
+        if job.poll() is None:  # a failed check: stop the job's nodes too, not only `submit`
+            dlrover(home, "stop", "chat")
         for proc in (job, follower):
             if proc is not None and proc.poll() is None:
                 proc.kill()
