@@ -65,9 +65,7 @@ bad()
 def test_a_user_error_raised_as_the_world_reforms_counts_toward_failing_fast(tmp_path):
     """Found by benchmarks/fault_campaign.py (seed 2, job 3): a rank raised at the step where
     another node was lost; the agent re-formed without judging it, so the error was raised
-    three times before the job failed fast. Now the re-form's own failures are remembered, and
-    reported to the master (found by a CI failure of tests/e2e/test_diagnose.py: the user's
-    exception was missing from `dlrover diagnose` when another node re-formed the world first)."""
+    three times before the job failed fast. Now the re-form's own failures are remembered."""
     job = JobMaster(JobMasterConfig(job_name="reform"), MemoryStateStore())
     ready, script = tmp_path / "ready", tmp_path / "train.py"
     script.write_text(RAISES_AS_IT_REFORMS)
@@ -97,12 +95,64 @@ def test_a_user_error_raised_as_the_world_reforms_counts_toward_failing_fast(tmp
         job.join("b", 0, 1, "127.0.0.1", 1)
         worker.join(60)
         assert stepped == [None] and agent.restart_count == 0  # re-formed, no restart used
-        # The error is the job's root cause: `dlrover diagnose` lists it though no restart ran.
-        rows = [f for f in job.failures() if "bad learning rate" in f.root_cause]
-        assert [(f.node_id, f.failure_class.value) for f in rows] == [(agent.node_id, "user_error")]
+        # Raised in answer to the agent's own stop: not a root cause to report.
+        assert job.failures() == ()
         result = agent.step()  # round 2: the same error at once
         assert result is not None and result.exit_code != 0, agent.state
         assert "same user error twice in a row (ValueError" in result.reason
         assert job.state is JobState.FAILED
+    finally:
+        agent.close()
+
+
+# Round 1 raises at once, then lingers at exit (as a rank whose teardown waits on its peers):
+# the error is written before the world re-forms, and the agent sees the re-form first.
+RAISES_THEN_LINGERS = """
+import atexit, os, sys, time
+def linger():
+    open(sys.argv[1], "w").close()
+    while True:
+        time.sleep(1)
+if os.environ["DLROVER_RDZV_ROUND"] == "1":
+    atexit.register(linger)
+raise ValueError("bad learning rate")
+"""
+
+
+def test_a_user_error_raised_before_the_world_reforms_is_reported_as_its_root_cause(tmp_path):
+    """Found by a CI failure of tests/e2e/test_diagnose.py: a rank raised, another node's agent
+    re-formed the world on its collateral error before this agent saw the exit, and the user's
+    exception never reached the master's failure table (`dlrover diagnose`)."""
+    job = JobMaster(JobMasterConfig(job_name="raised"), MemoryStateStore())
+    ready, script = tmp_path / "ready", tmp_path / "train.py"
+    script.write_text(RAISES_THEN_LINGERS)
+    config = AgentConfig(
+        entrypoint=[sys.executable, "-u", "-m", "dlrover.agent.bootstrap", str(script), str(ready)],
+        nproc_per_node=1,
+        min_nodes=1,
+        max_nodes=2,
+        max_restarts=0,  # a restart would be refused: the row still says the workers restart
+        fast_restart=False,
+        flash_checkpoint=False,
+        hang_warning_timeout_s=0,
+        monitor_interval_s=0.05,
+    )
+    agent = ElasticAgent(config, LocalMasterApi(job), "127.0.0.1:1", "token")
+    agent.start()
+    stepped: list[object] = []
+    try:
+        worker = threading.Thread(target=lambda: stepped.append(agent.step()), daemon=True)
+        worker.start()
+        deadline = time.monotonic() + 60
+        while not ready.exists():  # the error file is written, the process still alive
+            assert time.monotonic() < deadline and worker.is_alive(), "the worker never raised"
+            time.sleep(0.05)
+        job.register("b", "127.0.0.1", "worker", 1, -1, 1, None)  # a node joins: re-form
+        job.join("b", 0, 1, "127.0.0.1", 1)
+        worker.join(60)
+        assert stepped == [None] and agent.state is WorkerGroupState.RESTARTING
+        rows = [(f.node_id, f.failure_class.value, f.action) for f in job.failures()]
+        assert rows == [(agent.node_id, "user_error", "restart_processes")]
+        assert "ValueError: bad learning rate" in job.failures()[0].root_cause
     finally:
         agent.close()

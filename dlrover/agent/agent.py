@@ -336,10 +336,7 @@ class ElasticAgent:
                 seen = self._judge(monitor, exits)
                 if seen.signature is not None:
                     self._history.append(seen.signature)
-                    # The user's exception may be this job's root cause (another node's
-                    # agent re-formed the world on its collateral error first): the master's
-                    # failure table (`dlrover diagnose`) must hold it.
-                    self._report_failure(seen)
+                self._report_raised_before(monitor, exits, stopping_at)
             self._set_state(WorkerGroupState.RESTARTING)
             return None
         # A worker failed or hung: the policy decides between a restart and failing fast.
@@ -376,14 +373,32 @@ class ElasticAgent:
         now = oom_kill_count()
         return now is not None and self._oom_kills is not None and now > self._oom_kills
 
-    def _report_failure(self, verdict: Judgement) -> None:
-        """Tell the master what failed, its class and the action (`dlrover diagnose`);
-        best-effort: an unreachable master costs the restart one RPC time-out, nothing more."""
+    def _report_raised_before(
+        self, monitor: WorkerMonitor, exits: dict[int, int], stopping_at: float
+    ) -> None:
+        """As the world re-forms: report a user error that a worker raised before this agent
+        stopped the workers. It may be the job's root cause (another node's agent re-formed
+        the world on its collateral error first), and `dlrover diagnose` must show it; an
+        error raised in answer to the stop (a SIGTERM handler) is not one."""
+        assert self._plan is not None
+        files = self._plan.error_files
+        raised = {r: c for r, c in exits.items() if _written_before(files.get(r, ""), stopping_at)}
+        if not raised:
+            return
+        verdict = self._judge(monitor, raised)
+        if verdict.signature is not None:
+            # The workers start again in the new round, whatever a restart would have been.
+            self._report_failure(verdict, FailureAction.RESTART_PROCESSES)
+
+    def _report_failure(self, verdict: Judgement, action: FailureAction | None = None) -> None:
+        """Tell the master what failed, its class and the action (`dlrover diagnose`; the
+        verdict's own unless ``action``); best-effort: an unreachable master costs the restart
+        one RPC time-out, nothing more."""
         record = FailureRecord(
             time.time(),
             self.node_id,
             verdict.failure_class,
-            verdict.decision.action.value,
+            (action or verdict.decision.action).value,
             f"{verdict.summary}\n{verdict.report}"[:4000],
             self.restart_count,
         )
