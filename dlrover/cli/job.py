@@ -436,8 +436,18 @@ def run(argv: Sequence[str] | None = None) -> int:
 
 
 def main() -> None:
-    """Console entry point of ``dlrover``: exits with ``run()``'s code."""
-    sys.exit(run())
+    """Console entry point of ``dlrover``: exits with ``run()``'s code. Output piped into a
+    reader that stopped reading (`dlrover logs -f NAME | head`) ends it quietly with 0."""
+    try:
+        code = run()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Python's advice: point stdout at /dev/null, so the flush at exit raises no more.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        code = 0
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -6,11 +6,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
 import re
 import signal
 import sys
 import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -31,6 +31,34 @@ _TAIL_WINDOW = 256 << 10
 
 class LogsError(Exception):
     """What was asked for has no log; the message says what exists instead."""
+
+
+class _StopFlag:
+    """Set by Ctrl-C (from the signal handler: one attribute store, no lock that the
+    interrupted code could be holding); `wait` sleeps in short slices until it is set."""
+
+    SLICE_S = 0.05
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def set(self) -> None:
+        """Ask the loop to stop (safe in a signal handler)."""
+        self.requested = True
+
+    def is_set(self) -> bool:
+        """Whether stopping was asked for."""
+        return self.requested
+
+    def wait(self, seconds: float) -> bool:
+        """Sleep up to ``seconds``; True as soon as the flag is set."""
+        end = time.monotonic() + seconds
+        while not self.requested:
+            left = end - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(self.SLICE_S, left))
+        return True
 
 
 class HttpNodeLogs:
@@ -209,7 +237,7 @@ def _follow(
     refresh: Callable[[], list[Target]],
     lines: int,
     out: Callable[[str], None],
-    stop: threading.Event,
+    stop: _StopFlag,
 ) -> None:
     """Print the last ``lines`` lines of each target, then new lines as they come, until the job
     ends (a last read after that) or ``stop`` is set (Ctrl-C)."""
@@ -222,6 +250,8 @@ def _follow(
             out(f"[{t.label}] {line}" if several else line)
 
     for t in targets:  # the tail: whole lines from a window before each stream's end
+        if stop.is_set():
+            return
         for stream in STREAMS:
             end = logs.read(t.node_id, t.rank, stream, -1)
             if end is None:
@@ -238,6 +268,8 @@ def _follow(
         ended = read_record(name).ended
         try:
             for t in targets:
+                if stop.is_set():
+                    return
                 for stream in STREAMS:
                     source, offset = position.get((t, stream), ("", 0))
                     chunk = logs.read(t.node_id, t.rank, stream, offset)
@@ -294,7 +326,7 @@ def cmd_logs(
             out(line)
             sys.stdout.flush()  # a pipe reader sees each line as it comes
 
-        stop = threading.Event()
+        stop = _StopFlag()
         with _ctrl_c_sets(stop):
             _follow(name, logs, refresh, lines, flushed, stop)
         return 0
@@ -303,22 +335,21 @@ def cmd_logs(
         return 1
     except KeyboardInterrupt:
         return 0
-    except BrokenPipeError:  # `dlrover logs -f ... | head`: the reader has all it wanted
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
-        return 0
 
 
 @contextlib.contextmanager
-def _ctrl_c_sets(stop: threading.Event) -> Iterator[None]:
+def _ctrl_c_sets(stop: _StopFlag) -> Iterator[None]:
     """Within the block, Ctrl-C (SIGINT) sets ``stop`` instead of raising KeyboardInterrupt
     wherever the main thread is: an exception raised inside a gRPC call (the follow loop asks
-    the master for the job's nodes) can be lost there, and the follower then never ended. Off
-    the main thread (where signals cannot be handled) nothing changes."""
-    if threading.current_thread() is not threading.main_thread():
+    the master for the job's nodes) can be lost there, and the follower then never ended.
+    Only over Python's own handler, on the main thread: an inherited SIG_IGN (started with
+    `&` by a script) or a caller's handler stays as it is."""
+    main = threading.current_thread() is threading.main_thread()
+    if not main or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
         yield
         return
-    previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -3,6 +3,7 @@ check workers with real gloo groups) where one node is slow or its collective fa
 
 from __future__ import annotations
 
+import contextlib
 import re
 import subprocess
 import sys
@@ -59,6 +60,15 @@ def _submit(
     return job, log, tmp / name
 
 
+def _end(job: subprocess.Popen[str], tmp: Path, name: str) -> None:
+    """After a failed check: stop the job's nodes (`dlrover stop`), then `submit` itself."""
+    if job.poll() is None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            dlrover_cli(tmp / "home", "stop", name, "--timeout", "20", timeout=40)
+        if job.poll() is None:
+            job.kill()
+
+
 def _status(tmp: Path, name: str) -> str:
     return dlrover_cli(tmp / "home", "status", name, timeout=30).stdout
 
@@ -87,8 +97,7 @@ def test_a_slow_node_is_named_by_the_check_and_replaced(tmp_path: Path) -> None:
                 status = _status(tmp_path, "slow")
         assert job.wait(120) == 0, log.read_text()
     finally:
-        if job.poll() is None:
-            job.kill()
+        _end(job, tmp_path, "slow")
     text = log.read_text()
     checks = _checks(text)
     assert len(checks) >= 2, text[-6000:]  # the log says why a check is missing
@@ -115,8 +124,7 @@ def test_a_node_whose_collective_fails_is_localised_in_two_rounds(tmp_path: Path
     try:
         assert job.wait(180) == 0, log.read_text()
     finally:
-        if job.poll() is None:
-            job.kill()
+        _end(job, tmp_path, "coll")
     text = log.read_text()
     first = _checks(text)[0]
     assert "3 nodes, 2 check round(s)" in first, first
@@ -147,8 +155,7 @@ def test_a_runtime_straggler_is_replaced_within_three_reports(tmp_path: Path) ->
     try:
         assert job.wait(240) == 0, log.read_text()
     finally:
-        if job.poll() is None:
-            job.kill()
+        _end(job, tmp_path, "rt")
     text = log.read_text()
     reports = re.findall(r"straggler scores: (.*)", text)
     low = [r for r in reports if re.search(r"rt-worker-1-0 0\.[0-4]\d \(", r)]
@@ -182,8 +189,7 @@ def test_the_slow_fault_slows_the_worker_itself_and_runtime_scores_name_it(
     try:
         assert job.wait(420) == 0, log.read_text()
     finally:
-        if job.poll() is None:
-            job.kill()
+        _end(job, tmp_path, "sl")
     text = log.read_text()
     kind = "cpu quota" if throttle == "quota" else "stop cycle"
     node1 = (tmp_path / "home" / "jobs" / "sl" / "nodes" / "sl-worker-1-0" / "stderr").read_text()

@@ -3,6 +3,7 @@ job from `dlrover submit`, the CLI called as a user would."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -174,7 +175,8 @@ def test_status_shows_live_pids_logs_follow_and_an_ended_jobs_table(tmp_path: Pa
         assert after.returncode == 0 and lines_of(after.stdout)[-1].startswith("chatty rank=3")
     finally:
         if job.poll() is None:  # a failed check: stop the job's nodes too, not only `submit`
-            dlrover(home, "stop", "chat")
+            with contextlib.suppress(subprocess.TimeoutExpired):  # the failure says more
+                dlrover(home, "stop", "chat", "--timeout", "20")
         for proc in (job, follower):
             if proc is not None and proc.poll() is None:
                 proc.kill()

@@ -112,14 +112,15 @@ def test_embedding_servers_run_as_ray_nodes(ray_cluster: Any, tmp_path: Path, mo
     example = REPO / "examples" / "train_embedding.py"
     args = ["--steps", "60"]
     # One intra-op thread on both sides: Ray sets OMP_NUM_THREADS to an actor's CPUs where it is
-    # unset, and the MLP's sums over a batch split differently on 2 threads (last bits differ).
+    # unset (1: the node asks for no more), and the MLP's sums over a batch split differently
+    # on 2 threads (last bits differ), so the local reference job is given the same.
     ref = dlrover_cli(
         tmp_path / "home", "submit", "--name", "ref", "--ps", "2", str(example), *args,
         "--out", str(tmp_path / "ref"), timeout=240, OMP_NUM_THREADS="1",
     )  # fmt: skip
     assert ref.returncode == 0, ref.stderr[-4000:]
 
-    for key, value in clean_env(OMP_NUM_THREADS="1").items():
+    for key, value in clean_env().items():
         monkeypatch.setenv(key, value)  # the Ray actors inherit the driver's environment
     monkeypatch.chdir(REPO)
     spec = job_spec_from_flags(
