@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from pathlib import Path
 
 from dlrover.agent.agent import ElasticAgent
 from dlrover.agent.config import AgentConfig
@@ -62,20 +63,17 @@ bad()
 """
 
 
-def test_a_user_error_raised_as_the_world_reforms_counts_toward_failing_fast(tmp_path):
-    """Found by benchmarks/fault_campaign.py (seed 2, job 3): a rank raised at the step where
-    another node was lost; the agent re-formed without judging it, so the error was raised
-    three times before the job failed fast. Now the re-form's own failures are remembered."""
-    job = JobMaster(JobMasterConfig(job_name="reform"), MemoryStateStore())
-    ready, script = tmp_path / "ready", tmp_path / "train.py"
-    script.write_text(RAISES_AS_IT_REFORMS)
+def _bootstrapped_agent(
+    job: JobMaster, script: Path, ready: Path, max_restarts: int
+) -> ElasticAgent:
+    """An agent of one worker (1..2 nodes) running ``script READY`` as dlrover-run starts a
+    script: the bootstrap writes each rank's error file."""
     config = AgentConfig(
-        # As dlrover-run starts a script: the bootstrap writes each rank's error file.
         entrypoint=[sys.executable, "-u", "-m", "dlrover.agent.bootstrap", str(script), str(ready)],
         nproc_per_node=1,
         min_nodes=1,
         max_nodes=2,
-        max_restarts=3,
+        max_restarts=max_restarts,
         fast_restart=False,
         flash_checkpoint=False,
         hang_warning_timeout_s=0,
@@ -83,17 +81,35 @@ def test_a_user_error_raised_as_the_world_reforms_counts_toward_failing_fast(tmp
     )
     agent = ElasticAgent(config, LocalMasterApi(job), "127.0.0.1:1", "token")
     agent.start()
+    return agent
+
+
+def _step_reformed_once(agent: ElasticAgent, job: JobMaster, ready: Path) -> list[object]:
+    """One ``agent.step()`` in which, once the worker wrote ``ready``, a second node joins
+    (the world re-forms); returns what the step returned, in a list."""
     stepped: list[object] = []
+    worker = threading.Thread(target=lambda: stepped.append(agent.step()), daemon=True)
+    worker.start()
+    deadline = time.monotonic() + 60
+    while not ready.exists():  # the worker's file is the only sign it got there
+        assert time.monotonic() < deadline and worker.is_alive(), "the worker never got there"
+        time.sleep(0.05)
+    job.register("b", "127.0.0.1", "worker", 1, -1, 1, None)  # a node joins: re-form
+    job.join("b", 0, 1, "127.0.0.1", 1)
+    worker.join(60)
+    return stepped
+
+
+def test_a_user_error_raised_as_the_world_reforms_counts_toward_failing_fast(tmp_path):
+    """Found by benchmarks/fault_campaign.py (seed 2, job 3): a rank raised at the step where
+    another node was lost; the agent re-formed without judging it, so the error was raised
+    three times before the job failed fast. Now the re-form's own failures are remembered."""
+    job = JobMaster(JobMasterConfig(job_name="reform"), MemoryStateStore())
+    ready, script = tmp_path / "ready", tmp_path / "train.py"
+    script.write_text(RAISES_AS_IT_REFORMS)
+    agent = _bootstrapped_agent(job, script, ready, max_restarts=3)
     try:
-        worker = threading.Thread(target=lambda: stepped.append(agent.step()), daemon=True)
-        worker.start()
-        deadline = time.monotonic() + 60
-        while not ready.exists():  # the worker's file is the only sign it is up
-            assert time.monotonic() < deadline and worker.is_alive(), "the worker never started"
-            time.sleep(0.05)
-        job.register("b", "127.0.0.1", "worker", 1, -1, 1, None)  # a node joins: re-form
-        job.join("b", 0, 1, "127.0.0.1", 1)
-        worker.join(60)
+        stepped = _step_reformed_once(agent, job, ready)
         assert stepped == [None] and agent.restart_count == 0  # re-formed, no restart used
         # Raised in answer to the agent's own stop: not a root cause to report.
         assert job.failures() == ()
@@ -126,30 +142,10 @@ def test_a_user_error_raised_before_the_world_reforms_is_reported_as_its_root_ca
     job = JobMaster(JobMasterConfig(job_name="raised"), MemoryStateStore())
     ready, script = tmp_path / "ready", tmp_path / "train.py"
     script.write_text(RAISES_THEN_LINGERS)
-    config = AgentConfig(
-        entrypoint=[sys.executable, "-u", "-m", "dlrover.agent.bootstrap", str(script), str(ready)],
-        nproc_per_node=1,
-        min_nodes=1,
-        max_nodes=2,
-        max_restarts=0,  # a restart would be refused: the row still says the workers restart
-        fast_restart=False,
-        flash_checkpoint=False,
-        hang_warning_timeout_s=0,
-        monitor_interval_s=0.05,
-    )
-    agent = ElasticAgent(config, LocalMasterApi(job), "127.0.0.1:1", "token")
-    agent.start()
-    stepped: list[object] = []
+    # max_restarts=0: a restart would be refused; the row still says the workers restart.
+    agent = _bootstrapped_agent(job, script, ready, max_restarts=0)
     try:
-        worker = threading.Thread(target=lambda: stepped.append(agent.step()), daemon=True)
-        worker.start()
-        deadline = time.monotonic() + 60
-        while not ready.exists():  # the error file is written, the process still alive
-            assert time.monotonic() < deadline and worker.is_alive(), "the worker never raised"
-            time.sleep(0.05)
-        job.register("b", "127.0.0.1", "worker", 1, -1, 1, None)  # a node joins: re-form
-        job.join("b", 0, 1, "127.0.0.1", 1)
-        worker.join(60)
+        stepped = _step_reformed_once(agent, job, ready)  # the error file is written first
         assert stepped == [None] and agent.state is WorkerGroupState.RESTARTING
         rows = [(f.node_id, f.failure_class.value, f.action) for f in job.failures()]
         assert rows == [(agent.node_id, "user_error", "restart_processes")]
