@@ -14,9 +14,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -479,11 +481,21 @@ def bench_replica(state: dict[str, Any], work: Path, args: argparse.Namespace) -
         source.close()
         target = make_state(args.size_gb, args.adam_child)
 
-        def restore(local_ranks: int) -> tuple[float, float]:
+        def restore(local_ranks: int, prepared: bool = False) -> tuple[float, float]:
             """A replaced node 1 (empty memory) votes with n1 as node 0 and loads: the time of
-            both, and of the vote."""
+            both, and of the vote. ``prepared``: first both agents prepare the round (the
+            replaced one copies n1's step in) while a worker process starts (imports torch)
+            beside it; those two times go into their own rows."""
             fresh = node()
             r = next(rounds)
+            if prepared:
+                start = time.perf_counter()
+                n1.prepare_round(r, 0, 2, local_ranks)
+                fresh.prepare_round(r, 1, 2, local_ranks)
+                copied = _when(lambda: fresh.held_steps() == {0: 1}, start)
+                subprocess.run([sys.executable, "-c", "import torch"], check=True)
+                times.setdefault(PEER_RESTORE_PRE_START, []).append(time.perf_counter() - start)
+                times.setdefault(PEER_RESTORE_PRE_COPY, []).append(copied.result(timeout=120))
             e0 = engine(n1, 0, r, False, local_ranks, "replica-ddp")
             e1 = engine(fresh, 1, r, False, local_ranks, "replica-ddp")
             start = time.perf_counter()
@@ -506,11 +518,12 @@ def bench_replica(state: dict[str, Any], work: Path, args: argparse.Namespace) -
 
         for _ in range(args.repeats):
             times.setdefault(PEER_PUSH, []).append(push(None))
-            for local_ranks, row, vote_row, load_row in (
-                (1, PEER_RESTORE, PEER_RESTORE_VOTE, PEER_RESTORE_LOAD),
-                (2, PEER_RESTORE_SHM, PEER_RESTORE_SHM_VOTE, PEER_RESTORE_SHM_LOAD),
+            for local_ranks, prepared, row, vote_row, load_row in (
+                (1, False, PEER_RESTORE, PEER_RESTORE_VOTE, PEER_RESTORE_LOAD),
+                (2, False, PEER_RESTORE_SHM, PEER_RESTORE_SHM_VOTE, PEER_RESTORE_SHM_LOAD),
+                (2, True, PEER_RESTORE_PRE, PEER_RESTORE_PRE_VOTE, PEER_RESTORE_PRE_LOAD),
             ):
-                took, voting = restore(local_ranks)
+                took, voting = restore(local_ranks, prepared)
                 times.setdefault(row, []).append(took)
                 times.setdefault(vote_row, []).append(voting)
                 times.setdefault(load_row, []).append(took - voting)
@@ -549,6 +562,11 @@ PEER_RESTORE_LOAD = "  of which: load from the peer straight into the model"
 PEER_RESTORE_SHM = "restore from a peer, DDP 2 ranks/node (via new shm)"
 PEER_RESTORE_SHM_VOTE = "  of which: vote"
 PEER_RESTORE_SHM_LOAD = "  of which: copy into new shm, then from it into the model"
+PEER_RESTORE_PRE = "restore from a peer, DDP 2 ranks/node, copied in as the round forms"
+PEER_RESTORE_PRE_VOTE = "  of which: vote (waits for the copy if it still runs)"
+PEER_RESTORE_PRE_LOAD = "  of which: load from this node's shm into the model"
+PEER_RESTORE_PRE_COPY = "  before it: the agent's copy into new shm (from the round's start)"
+PEER_RESTORE_PRE_START = "  before it: a worker process starts, imports torch (beside the copy)"
 PEER_ROWS = (
     PEER_RESTORE,
     PEER_RESTORE_VOTE,
@@ -556,8 +574,30 @@ PEER_ROWS = (
     PEER_RESTORE_SHM,
     PEER_RESTORE_SHM_VOTE,
     PEER_RESTORE_SHM_LOAD,
+    PEER_RESTORE_PRE,
+    PEER_RESTORE_PRE_VOTE,
+    PEER_RESTORE_PRE_LOAD,
+    PEER_RESTORE_PRE_COPY,
+    PEER_RESTORE_PRE_START,
     PEER_PUSH,
 )
+
+
+def _when(cond: Callable[[], bool], start: float) -> Future[float]:
+    """Seconds from ``start`` until ``cond()`` first holds (polled every 2 ms, for 120 s)."""
+    done: Future[float] = Future()
+
+    def poll() -> None:
+        deadline = time.perf_counter() + 120
+        while not cond():
+            if time.perf_counter() > deadline:
+                done.set_exception(TimeoutError("condition not met in 120 s"))
+                return
+            time.sleep(0.002)
+        done.set_result(time.perf_counter() - start)
+
+    threading.Thread(target=poll, daemon=True).start()
+    return done
 
 
 def bench_restore(state: dict[str, Any], work: Path, args: argparse.Namespace) -> list[Row]:
@@ -642,7 +682,7 @@ def report_restore(rows: list[Row]) -> None:
         if name in med:
             print(f"{name:68} {med[name]:8.3f} {low[name]:7.3f} {max(dict(rows)[name]):7.3f}")
     times = dict(rows)
-    for name in (PEER_RESTORE, PEER_RESTORE_SHM):
+    for name in (PEER_RESTORE, PEER_RESTORE_SHM, PEER_RESTORE_PRE):
         if name in med and PEER_PUSH in med:
             # The rows are interleaved repeat by repeat: each restore against its own push.
             paired = [t / p for t, p in zip(times[name], times[PEER_PUSH], strict=True)]

@@ -41,8 +41,8 @@ class SlotBuffers:
     """The ``count`` segments of one slot (``<name>-buf<i>``) and who reads them.
 
     Invariants (kept by the saver under its lock): ``latest`` is the buffer the last copy went
-    into; a buffer in ``pending``, ``persisting`` or ``replicating`` is pinned and never copied
-    into; the newest complete step is ``latest``'s, or the other buffer's when ``latest``'s
+    into; a buffer in ``pending``, ``persisting``, ``replicating`` or ``receiving`` is pinned
+    and never copied into; the newest complete step is ``latest``'s, or the other buffer's when ``latest``'s
     copy was torn. All buffers are created together at the first allocation (the second one
     is used from the second save on) and grown one at a time, only while free; the one
     exception is a step copied in from a peer, which creates only the buffer it needs (the
@@ -64,6 +64,7 @@ class SlotBuffers:
         self.pending: dict[int, int] = {}  # buffer -> step whose persist was asked, not done
         self.persisting: dict[int, int] = {}  # buffer -> step streamed to storage right now
         self.replicating: set[int] = set()  # buffers sent to a peer right now
+        self.receiving: set[int] = set()  # buffers a peer's step is copied into right now
 
     # ------------------------------------------------------------------ memory
     def ensure(self, nbytes: int, count: int | None = None) -> None:
@@ -107,8 +108,14 @@ class SlotBuffers:
         raise ShmSpaceError(f"{self.name}-buf*", need, free)
 
     def pinned(self, i: int) -> bool:
-        """Whether buffer ``i`` is read by a persist or a push (asked for or running)."""
-        return i in self.pending or i in self.persisting or i in self.replicating
+        """Whether buffer ``i`` is read by a persist or a push (asked for or running), or
+        written by a copy from a peer."""
+        return (
+            i in self.pending
+            or i in self.persisting
+            or i in self.replicating
+            or i in self.receiving
+        )
 
     def target(self, persist: bool) -> int | None:
         """The buffer the next copy goes into (``choose_buffer``), or None to wait."""

@@ -274,6 +274,9 @@ class CheckpointEngine:
                 "dir": self.checkpoint_dir,
                 "rank": self.place.rank,
                 "world_size": self.place.world_size,
+                # Any node may load this copy (a replicated state: no rank to match), so a
+                # replaced node's saver may copy it in before its ranks ask (prepare_round).
+                "replicated": not self.format.ranks_to_match(self.place),
             },
         )
 

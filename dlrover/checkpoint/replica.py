@@ -122,6 +122,7 @@ class SegmentInfo:
     world_size: int
     checkpoint_dir: str
     nbytes: int  # header + data + metadata
+    replicated: bool = False  # any node's ranks may load it (DDP), not one rank's part
 
 
 @dataclass(frozen=True)
@@ -550,6 +551,7 @@ def _info(key: str, seg: SharedSegment) -> SegmentInfo | None:
         int(meta.get("world_size", -1)),
         str(meta.get("dir", "")),
         image_len(seg),
+        bool(meta.get("replicated", False)),
     )
 
 

@@ -58,6 +58,12 @@ from dlrover.checkpoint.storage import Storage, storage_for
 
 log = logging.getLogger(__name__)
 
+PREFETCH_SEARCH_S = 60.0
+"""How long a replaced node looks for a peer holding its replicated state while its workers
+start (the ranks' vote ends the search sooner)."""
+PREFETCH_POLL_S = 0.2
+"""Between two looks at the peers' addresses while none has published one yet."""
+
 
 class _SaverServer(BoundedThreadingMixIn, socketserver.UnixStreamServer):
     max_connections = MAX_SAVER_CONNECTIONS
@@ -132,6 +138,11 @@ class CheckpointSaver:
         # the first rank that loads it receives it (see _attach).
         self._remote: dict[int, tuple[str, SegmentInfo]] = {}
         self._replica_token = replica_token
+        # A round's preparation (prepare_round): its thread, and the flag that stops it looking
+        # for a peer once the node's ranks vote; the step it copied in: (round, peer, step).
+        self._round_prep: tuple[threading.Thread, threading.Event] | None = None
+        self._prep_lock = threading.Lock()  # the agent starts one, a vote ends it
+        self._prefetched: tuple[int, int, int] | None = None
         self.last_replica_s = 0.0
         """How long the latest push of this node's slots to its peers took (0.0: none yet)."""
 
@@ -166,6 +177,9 @@ class CheckpointSaver:
             self._server = None
         self._persister.stop()
         self._replica_jobs.put(None)
+        with self._prep_lock:
+            if self._round_prep is not None:
+                self._round_prep[1].set()  # a copy under way ends with the exchange below
         if self._exchange is not None:
             self._exchange.close(unlink=unlink)
         for t in self._threads:
@@ -268,12 +282,14 @@ class CheckpointSaver:
             )
         return buffers
 
-    def _allocate(self, slot: int, nbytes: int) -> SharedSegment:
+    def _allocate(self, slot: int, nbytes: int) -> tuple[SharedSegment, tuple[SlotBuffers, int]]:
         """A buffer of ``slot`` to copy a step into from elsewhere (a peer's memory), at least
-        ``nbytes`` long; it becomes the slot's latest, and what the other buffers held is
-        dropped (the copied step replaces the slot's memory). The vote stands: the step
-        copied in is the one it agreed on. A slot with no buffers yet gets one now, the
-        others at its next save: a restore pays for the memory it fills, not more."""
+        ``nbytes`` long, pinned (``receiving``) until the caller releases it: the buffer and
+        (the slot's buffers, its index). It becomes the slot's latest, and what the other
+        buffers held is dropped (the copied step replaces the slot's memory). The vote stands:
+        the step copied in is the one it agreed on (or, copied before the vote, the one the
+        node votes). A slot with no buffers yet gets one now, the others at its next save: a
+        restore pays for the memory it fills, not more."""
         with self._cond:
             buffers = self._slot(slot, nbytes, count=1)
             buffers.ensure(nbytes, count=1)
@@ -281,7 +297,9 @@ class CheckpointSaver:
                 raise CheckpointError(f"slot {slot}: every buffer is still being read")
             target = buffers.target(False)
             assert target is not None
-            return buffers.begin(target, nbytes, -1)
+            seg = buffers.begin(target, nbytes, -1)
+            buffers.receiving.add(target)
+            return seg, (buffers, target)
 
     def _begin_copy(self, request: BeginCopyRequest) -> BeginCopyReply:
         """Pick the buffer the worker copies ``request.step`` into (``choose_buffer``): with
@@ -374,11 +392,16 @@ class CheckpointSaver:
             with self._cond:
                 if round_id in self._votes:
                     return self._votes[round_id], self._restored.get(round_id)
+            self._end_round_prep(deadline)  # a copy it started is waited for, not repeated
+            with self._cond:
                 held = [
                     self._loadable_steps(s, request.ranks.get(s), request.world_size)
                     for s in request.slots
                 ]
             local = _newest_common(held)
+            prefetched = self._prefetched
+            if prefetched is not None and prefetched[0] == round_id and prefetched[2] == local:
+                self._restored[round_id] = prefetched[1]
             published = request.replica_count and self._publish(round_id, request.node_rank)
             if published and local is None and request.total_nodes > 1:
                 local, peer = self._find_on_peers(request)
@@ -416,6 +439,99 @@ class CheckpointSaver:
             if int(meta["step"]) <= newest:
                 out.append(int(meta["step"]))
         return sorted(out, reverse=True)
+
+    # ------------------------------------------------------------------ a new round
+    def prepare_round(
+        self, round_id: int, node_rank: int, num_nodes: int, local_ranks: int
+    ) -> None:
+        """What the agent calls once a round formed, before it starts the workers; returns at
+        once (the work runs on a thread of its own). A node that serves replicas tells its
+        peers where for this round now, not when its ranks load; a replaced node (no step in
+        its memory) whose ``local_ranks`` ranks will read one slot copies the newest
+        replicated step a peer holds (DDP's state, any node's own copy) into that slot
+        meanwhile, so that copy runs while its workers start instead of at their first load.
+        The ranks' vote waits for a copy under way and stops a search that found nothing."""
+        if self._exchange is None or self._peers is None or num_nodes < 2:
+            return
+        serving = bool(self._exchange.addr)
+        with self._cond:
+            empty = all(b.newest() is None for b in self._slots.values())
+        fetch = empty and local_ranks > 1
+        if not serving and not fetch:
+            return
+        self._end_round_prep(time.monotonic())  # an earlier round's, if its ranks never voted
+        stop = threading.Event()
+        thread = threading.Thread(
+            target=self._prepare_round,
+            args=(round_id, node_rank, num_nodes, serving, fetch, stop),
+            name="ckpt-round-prep",
+            daemon=True,
+        )
+        with self._prep_lock:
+            self._round_prep = (thread, stop)
+        thread.start()
+
+    def _prepare_round(
+        self,
+        round_id: int,
+        node_rank: int,
+        num_nodes: int,
+        serving: bool,
+        fetch: bool,
+        stop: threading.Event,
+    ) -> None:
+        assert self._exchange is not None and self._peers is not None
+        if serving:
+            self._publish(round_id, node_rank)
+        if not fetch:
+            return
+        # The peers publish as their own agents prepare the round (or their ranks vote): look
+        # for the first one of the ring holding a replicated step until the ranks vote.
+        deadline = time.monotonic() + PREFETCH_SEARCH_S
+        tried: set[int] = set()
+        while not stop.is_set() and time.monotonic() < deadline:
+            for i in range(1, num_nodes):
+                peer = (node_rank + i) % num_nodes
+                if peer in tried or stop.is_set():
+                    continue
+                addr = self._peers.lookup(round_id, peer, 0.0)
+                if addr is None:
+                    continue
+                tried.add(peer)
+                try:
+                    held = [info for info in self._exchange.list_peer(addr) if info.replicated]
+                except ReplicaError as exc:
+                    log.warning("listing the images of node %d (%s) failed: %s", peer, addr, exc)
+                    continue
+                if not held:
+                    continue
+                info = max(held, key=lambda info: info.step)
+                if stop.is_set():
+                    return
+                log.info(
+                    "node %d's memory (%s) holds step %d of this job's replicated state: "
+                    "copying it in while the workers start",
+                    peer, addr, info.step,
+                )  # fmt: skip
+                if self._copy_from_peer(0, addr, info) is not None:
+                    self._prefetched = (round_id, peer, info.step)
+                return
+            if len(tried) == num_nodes - 1:
+                return
+            stop.wait(PREFETCH_POLL_S)
+
+    def _end_round_prep(self, deadline: float) -> None:
+        """Stop the round's search for a peer and wait (until ``deadline``) for a copy it
+        started; called before the ranks' vote (under the load lock)."""
+        with self._prep_lock:
+            prep, self._round_prep = self._round_prep, None
+        if prep is None:
+            return
+        thread, stop = prep
+        stop.set()
+        thread.join(max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():
+            log.warning("the copy of a peer's step started for this round is still running")
 
     # ------------------------------------------------------------------ replicas in peers
     def _publish(self, round_id: int, node_rank: int) -> bool:
@@ -554,16 +670,20 @@ class CheckpointSaver:
         from storage)."""
         assert self._exchange is not None
         started = time.monotonic()
+        pinned: tuple[SlotBuffers, int] | None = None
         try:
-            seg = self._allocate(slot, info.nbytes)
+            seg, pinned = self._allocate(slot, info.nbytes)
             if not self._exchange.fetch(addr, info, seg):
                 raise ReplicaError(f"{info.key} changed while it was sent")
-        except (ReplicaError, CheckpointError) as exc:
+        except (ReplicaError, CheckpointError, OSError) as exc:
             log.warning("copying step %d from %s failed: %s", info.step, addr, exc)
             return None
         finally:
             with self._cond:
                 self._remote.pop(slot, None)
+                if pinned is not None:
+                    pinned[0].receiving.discard(pinned[1])
+                    self._cond.notify_all()
         log.info(
             "copied step %d of slot %d from %s: %.0f MiB in %.2f s",
             info.step,

@@ -35,7 +35,7 @@ from dlrover.checkpoint.replica import (
     _recv_image,
     _send_line,
 )
-from dlrover.checkpoint.saver import CheckpointSaver
+from dlrover.checkpoint.saver import PREFETCH_SEARCH_S, CheckpointSaver
 from dlrover.checkpoint.saver_messages import HeldRequest
 from dlrover.checkpoint.shm import SharedSegment
 from tests.checkpoint.harness import assert_same
@@ -269,6 +269,84 @@ def test_a_slot_two_local_ranks_read_is_copied_from_the_peer_once_at_the_first_l
         assert len(_segments_of("n1b")) == 2
         for e in engines:
             e.close()
+    finally:
+        n0.lose()
+        n1b.lose()
+
+
+def test_a_replaced_node_copies_the_peer_s_step_while_its_workers_start(
+    tmp_path: Path, job: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DDP with two ranks per node: once the new round forms, the agents prepare it (before
+    their workers start); the replaced node's saver copies the survivor's step into its slot
+    then, so its ranks' vote finds it in memory, names the peer it came from, and their loads
+    read it without asking the peer again."""
+    coordinator, peers = job
+    ckpt = str(tmp_path / "ckpt")
+
+    def place(node: int, local: int, round_id: int) -> WorkerPlacement:
+        return WorkerPlacement(node * 2 + local, local, 4, 2, node, round_id)
+
+    n0, n1 = Node(tmp_path, "n0", coordinator, peers), Node(tmp_path, "n1", coordinator, peers)
+    n1b = None
+    try:
+        first = [
+            node.engine(ckpt, place(n, local, 1), False, monkeypatch)
+            for n, node in enumerate((n0, n1))
+            for local in (0, 1)
+        ]  # the job's start: every rank asks for a step to load, none is held
+        assert _together(*(functools.partial(e.memory_step, None) for e in first)) == [None] * 4
+        state = _state(9)
+        assert first[0].save(6, state, persist=False) and first[2].save(6, state, persist=False)
+        for e in first:
+            e.close()
+        n1.lose()
+        n1b = Node(tmp_path, "n1b", coordinator, peers)
+        n1b.saver.prepare_round(2, 1, 2, 2)
+        n0.saver.prepare_round(2, 0, 2, 2)  # publishes where it serves for round 2
+        _wait_until(lambda: n1b.saver.held_steps() == {0: 6})  # before any rank asked
+        engines = [
+            node.engine(ckpt, place(n, local, 2), False, monkeypatch)
+            for n, node in enumerate((n0, n1b))
+            for local in (0, 1)
+        ]
+        assert _together(*(functools.partial(e.memory_step, None) for e in engines)) == [6] * 4
+        assert [e.restored_from_peer for e in engines] == [None, None, 0, 0]
+        assert n0.saver._exchange is not None
+        n0.saver._exchange.close(unlink=False)  # the peer is asked nothing more
+        loads = _together(*(functools.partial(e.load_from_memory, None, 6) for e in engines[2:]))
+        for step, got, _ in loads:
+            assert step == 6
+            assert_same(got, state)
+        assert len(_segments_of("n1b")) == 1  # one buffer: the second comes with a save
+        for e in engines:
+            e.close()
+    finally:
+        n0.lose()
+        if n1b is not None:
+            n1b.lose()
+
+
+def test_a_replaced_node_whose_peers_hold_nothing_votes_without_waiting_for_them(
+    tmp_path: Path, job: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No peer ever publishes an address (no replicas in the job): the search the round's
+    preparation started ends at the vote, which does not wait for it."""
+    coordinator, peers = job
+    ckpt = str(tmp_path / "ckpt")
+    n0, n1b = Node(tmp_path, "n0", coordinator, peers), Node(tmp_path, "n1b", coordinator, peers)
+    try:
+        n1b.saver.prepare_round(2, 1, 2, 2)
+        monkeypatch.setenv(ENV_CHECKPOINT_SOCKET, n0.saver.socket_path)
+        e0 = CheckpointEngine(ckpt, "plain", placement=WorkerPlacement(0, 0, 4, 2, 0, 2))
+        monkeypatch.setenv(ENV_CHECKPOINT_SOCKET, n1b.saver.socket_path)
+        e1 = CheckpointEngine(ckpt, "plain", placement=WorkerPlacement(2, 0, 4, 2, 1, 2))
+        started = time.monotonic()
+        assert _together(lambda: e0.memory_step(None), lambda: e1.memory_step(None)) == [None] * 2
+        assert time.monotonic() - started < PREFETCH_SEARCH_S / 4
+        assert n1b.saver.held_steps() == {}
+        e0.close()
+        e1.close()
     finally:
         n0.lose()
         n1b.lose()

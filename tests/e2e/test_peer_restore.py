@@ -59,6 +59,9 @@ def test_a_lost_node_s_replacement_loads_the_step_from_its_peer_s_memory(tmp_pat
     lines = Path(f"{lost}.steps").read_text().split("\n")
     steps = [int(x) for x in lines if x and not x.startswith("resume")]
     assert steps == list(range(1, 15))
+    # Its agent copied the step in as the round formed, while the workers started.
+    logs = "".join(p.read_text() for p in (tmp_path / "home/jobs/lost/nodes").glob("*/stderr"))
+    assert "holds step 8 of this job's replicated state: copying it in" in logs, logs[-4000:]
 
 
 @pytest.mark.slow
