@@ -469,6 +469,8 @@ class CheckpointSaver:
         )
         with self._prep_lock:
             self._round_prep = (thread, stop)
+        # close() joins it before it frees the slots: a copy it starts is never left behind.
+        self._threads = [t for t in self._threads if t.is_alive()] + [thread]
         thread.start()
 
     def _prepare_round(
