@@ -58,11 +58,11 @@ from dlrover.checkpoint.storage import Storage, storage_for
 
 log = logging.getLogger(__name__)
 
-PREFETCH_SEARCH_S = 60.0
+PREFETCH_SEARCH_S = 30.0
 """How long a replaced node looks for a peer holding its replicated state while its workers
 start (the ranks' vote ends the search sooner)."""
-PREFETCH_POLL_S = 0.2
-"""Between two looks at the peers' addresses while none has published one yet."""
+PREFETCH_WAIT_S = 0.25
+"""How long one look for a peer's address waits for it to be published."""
 
 
 class _SaverServer(BoundedThreadingMixIn, socketserver.UnixStreamServer):
@@ -179,7 +179,7 @@ class CheckpointSaver:
         self._replica_jobs.put(None)
         with self._prep_lock:
             if self._round_prep is not None:
-                self._round_prep[1].set()  # a copy under way ends with the exchange below
+                self._round_prep[1].set()  # a search ends; a copy under way is joined below
         if self._exchange is not None:
             self._exchange.close(unlink=unlink)
         for t in self._threads:
@@ -282,15 +282,20 @@ class CheckpointSaver:
             )
         return buffers
 
-    def _allocate(self, slot: int, nbytes: int) -> tuple[SharedSegment, tuple[SlotBuffers, int]]:
+    def _allocate(
+        self, slot: int, nbytes: int, only_if_empty: bool = False
+    ) -> tuple[SharedSegment, tuple[SlotBuffers, int]]:
         """A buffer of ``slot`` to copy a step into from elsewhere (a peer's memory), at least
         ``nbytes`` long, pinned (``receiving``) until the caller releases it: the buffer and
         (the slot's buffers, its index). It becomes the slot's latest, and what the other
         buffers held is dropped (the copied step replaces the slot's memory). The vote stands:
         the step copied in is the one it agreed on (or, copied before the vote, the one the
         node votes). A slot with no buffers yet gets one now, the others at its next save: a
-        restore pays for the memory it fills, not more."""
+        restore pays for the memory it fills, not more. ``only_if_empty``: CheckpointError if
+        a rank of this node copied a step into any slot since the saver started."""
         with self._cond:
+            if only_if_empty and any(b.latest is not None for b in self._slots.values()):
+                raise CheckpointError("a rank of this node saved a step meanwhile")
             buffers = self._slot(slot, nbytes, count=1)
             buffers.ensure(nbytes, count=1)
             if not self._cond.wait_for(lambda: buffers.target(False) is not None, 60.0):
@@ -392,7 +397,9 @@ class CheckpointSaver:
             with self._cond:
                 if round_id in self._votes:
                     return self._votes[round_id], self._restored.get(round_id)
-            self._end_round_prep(deadline)  # a copy it started is waited for, not repeated
+            # A copy started as the round formed is waited for (half the vote's time at most,
+            # the other half is the vote's), not repeated.
+            self._end_round_prep(time.monotonic() + request.timeout / 2)
             with self._cond:
                 held = [
                     self._loadable_steps(s, request.ranks.get(s), request.world_size)
@@ -453,17 +460,14 @@ class CheckpointSaver:
         The ranks' vote waits for a copy under way and stops a search that found nothing."""
         if self._exchange is None or self._peers is None or num_nodes < 2:
             return
-        serving = bool(self._exchange.addr)
-        with self._cond:
-            empty = all(b.newest() is None for b in self._slots.values())
-        fetch = empty and local_ranks > 1
-        if not serving and not fetch:
-            return
-        self._end_round_prep(time.monotonic())  # an earlier round's, if its ranks never voted
+        with self._prep_lock:
+            earlier, self._round_prep = self._round_prep, None
+        if earlier is not None:  # its ranks never voted: its search ends, a copy is waited for
+            earlier[1].set()
         stop = threading.Event()
         thread = threading.Thread(
             target=self._prepare_round,
-            args=(round_id, node_rank, num_nodes, serving, fetch, stop),
+            args=(round_id, node_rank, num_nodes, local_ranks, stop, earlier),
             name="ckpt-round-prep",
             daemon=True,
         )
@@ -478,25 +482,32 @@ class CheckpointSaver:
         round_id: int,
         node_rank: int,
         num_nodes: int,
-        serving: bool,
-        fetch: bool,
+        local_ranks: int,
         stop: threading.Event,
+        earlier: tuple[threading.Thread, threading.Event] | None,
     ) -> None:
         assert self._exchange is not None and self._peers is not None
-        if serving:
+        if earlier is not None:
+            earlier[0].join(DEFAULT_COPY_WAIT_S)  # one copy at a time; what it brought counts
+        if self._exchange.addr:
             self._publish(round_id, node_rank)
-        if not fetch:
+        with self._cond:
+            empty = all(b.latest is None and b.newest() is None for b in self._slots.values())
+        # In a job's first round no peer holds a step in memory yet: nothing to look for.
+        if not empty or local_ranks < 2 or round_id < 2:
             return
         # The peers publish as their own agents prepare the round (or their ranks vote): look
-        # for the first one of the ring holding a replicated step until the ranks vote.
+        # for the first one of the ring holding a replicated step until the ranks vote. One
+        # short wait for one peer's address at a time: a few requests a second to the master,
+        # and the vote (which ends the search) waits at most one of them.
         deadline = time.monotonic() + PREFETCH_SEARCH_S
+        ring = [(node_rank + i) % num_nodes for i in range(1, num_nodes)]
         tried: set[int] = set()
-        while not stop.is_set() and time.monotonic() < deadline:
-            for i in range(1, num_nodes):
-                peer = (node_rank + i) % num_nodes
+        while not stop.is_set() and time.monotonic() < deadline and len(tried) < len(ring):
+            for peer in ring:
                 if peer in tried or stop.is_set():
                     continue
-                addr = self._peers.lookup(round_id, peer, 0.0)
+                addr = self._peers.lookup(round_id, peer, PREFETCH_WAIT_S)
                 if addr is None:
                     continue
                 tried.add(peer)
@@ -515,12 +526,11 @@ class CheckpointSaver:
                     "copying it in while the workers start",
                     peer, addr, info.step,
                 )  # fmt: skip
-                if self._copy_from_peer(0, addr, info) is not None:
+                # Only into a node that still saved nothing: a rank that saved meanwhile
+                # (its script skipped the load) keeps its own, newer step.
+                if self._copy_from_peer(0, addr, info, only_if_empty=True) is not None:
                     self._prefetched = (round_id, peer, info.step)
                 return
-            if len(tried) == num_nodes - 1:
-                return
-            stop.wait(PREFETCH_POLL_S)
 
     def _end_round_prep(self, deadline: float) -> None:
         """Stop the round's search for a peer and wait (until ``deadline``) for a copy it
@@ -533,7 +543,10 @@ class CheckpointSaver:
         stop.set()
         thread.join(max(0.0, deadline - time.monotonic()))
         if thread.is_alive():
-            log.warning("the copy of a peer's step started for this round is still running")
+            log.warning(
+                "the copy of a peer's step started as this round formed is still running: "
+                "the vote goes on without it (its ranks may load from a peer or storage)"
+            )
 
     # ------------------------------------------------------------------ replicas in peers
     def _publish(self, round_id: int, node_rank: int) -> bool:
@@ -666,7 +679,9 @@ class CheckpointSaver:
         log.info("no peer holds a step of this node's ranks in memory")
         return None, None
 
-    def _copy_from_peer(self, slot: int, addr: str, info: SegmentInfo) -> str | None:
+    def _copy_from_peer(
+        self, slot: int, addr: str, info: SegmentInfo, only_if_empty: bool = False
+    ) -> str | None:
         """Copy image ``info`` from the peer at ``addr`` into a buffer of ``slot`` (for the
         slots several ranks read); its path, or None if the copy failed (the ranks then load
         from storage)."""
@@ -674,7 +689,7 @@ class CheckpointSaver:
         started = time.monotonic()
         pinned: tuple[SlotBuffers, int] | None = None
         try:
-            seg, pinned = self._allocate(slot, info.nbytes)
+            seg, pinned = self._allocate(slot, info.nbytes, only_if_empty)
             if not self._exchange.fetch(addr, info, seg):
                 raise ReplicaError(f"{info.key} changed while it was sent")
         except (ReplicaError, CheckpointError, OSError) as exc:

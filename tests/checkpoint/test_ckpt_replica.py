@@ -327,6 +327,33 @@ def test_a_replaced_node_copies_the_peer_s_step_while_its_workers_start(
             n1b.lose()
 
 
+def test_a_step_a_rank_saved_before_the_peer_was_found_is_not_overwritten(
+    tmp_path: Path, job: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The replaced node's rank saves (its script skipped the load) while the round's search
+    still waits for a peer; the peer then publishes an older step: it is not copied over the
+    rank's own."""
+    coordinator, peers = job
+    ckpt = str(tmp_path / "ckpt")
+    caplog.set_level("INFO", logger="dlrover.checkpoint.saver")
+    n0, n1b = Node(tmp_path, "n0", coordinator, peers), Node(tmp_path, "n1b", coordinator, peers)
+    try:
+        e0 = n0.engine(ckpt, WorkerPlacement(0, 0, 4, 2, 0, 1), False, monkeypatch)
+        assert e0.save(6, _state(9), persist=False)
+        assert n0.saver._publish(1, 0)  # it serves, as after round 1's vote
+        n1b.saver.prepare_round(2, 1, 2, 2)
+        e1 = n1b.engine(ckpt, WorkerPlacement(2, 0, 4, 2, 1, 2), False, monkeypatch)
+        assert e1.save(7, _state(10), persist=False)
+        n0.saver.prepare_round(2, 0, 2, 2)
+        _wait_until(lambda: "saved a step meanwhile" in caplog.text)
+        assert n1b.saver.held_steps() == {0: 7}
+        e0.close()
+        e1.close()
+    finally:
+        n0.lose()
+        n1b.lose()
+
+
 def test_a_replaced_node_whose_peers_hold_nothing_votes_without_waiting_for_them(
     tmp_path: Path, job: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -62,6 +62,7 @@ def test_a_lost_node_s_replacement_loads_the_step_from_its_peer_s_memory(tmp_pat
     # Its agent copied the step in as the round formed, while the workers started.
     logs = "".join(p.read_text() for p in (tmp_path / "home/jobs/lost/nodes").glob("*/stderr"))
     assert "holds step 8 of this job's replicated state: copying it in" in logs, logs[-4000:]
+    assert "copied step 8 of slot 0 from" in logs, logs[-4000:]
 
 
 @pytest.mark.slow
