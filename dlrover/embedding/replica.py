@@ -289,6 +289,9 @@ class ReplicaSender:
         self._data_asked = False
         self._data_lock = threading.Lock()
         self._dirty: dict[str, list[IdArray]] = {}
+        """SYNC: per table, the ids a failed send did not carry (the next update takes them)."""
+        self._changed: set[str] = set()
+        """ASYNC: the tables whose marked rows (the table marks them) the thread sends next."""
         self._claims: dict[str, list[Claim]] = {}
         """Per table, the pushes that changed the marked rows (not on the replica yet)."""
         self._dirty_lock = threading.Lock()
@@ -406,15 +409,31 @@ class ReplicaSender:
             pushes = self._claims.pop(table, [])
         return (np.unique(np.concatenate(parts)), pushes) if parts else None
 
+    def changed(self, table: str, pushes: Sequence[Claim] = ()) -> None:
+        """ASYNC: rows of ``table`` were marked in the table (by ``pushes``), under its lock,
+        after the update; the thread sends them soon."""
+        with self._dirty_lock:
+            self._changed.add(table)
+            self._claims.setdefault(table, []).extend(pushes)
+
+    def take_claims(self, table: str) -> list[Claim]:
+        """ASYNC, under the table's lock, as its marked rows are taken: the pushes that changed
+        them (and no other), now unmarked."""
+        with self._dirty_lock:
+            self._changed.discard(table)
+            return self._claims.pop(table, [])
+
     def marked(self) -> list[str]:
         """The tables with marked rows."""
         with self._dirty_lock:
-            return [t for t, parts in self._dirty.items() if parts]
+            return [t for t, parts in self._dirty.items() if parts] + [
+                t for t in self._changed if t not in self._dirty
+            ]
 
     def start(self, flush: Callable[[list[str]], None]) -> None:
         """ASYNC: start the thread that hands the tables with marked rows to ``flush`` every
-        ASYNC_LAG_S (which takes them with `take_marked`, and marks again what it could not
-        send: the next round resends the newer values)."""
+        ASYNC_LAG_S (which takes them from the table with the claims of `take_claims`, and
+        marks again what it could not send: the next round resends the newer values)."""
 
         def run() -> None:
             while not self._stop.wait(ASYNC_LAG_S):

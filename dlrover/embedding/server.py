@@ -222,17 +222,18 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
             served = self._table(name)
             with served.lock:
                 # Taken with the rows, under the lock: the values hold the pushes marked with
-                # them (and those sent before), and the message claims no other push.
-                marked = sender.take_marked(name)
-                if marked is None:
-                    continue
-                taken, pushes = marked
-                ids = taken[served.table.holds(taken)]  # rows that moved away since: not ours
-                rows, accum = served.table.snapshot(ids)
+                # them (and those sent before), and the message claims no other push. Rows
+                # that moved away since they were marked are no longer in the table.
+                pushes = sender.take_claims(name)
+                ids, rows, accum = served.table.take_marked()
+            if not ids.size and not pushes:
+                continue
             try:
                 sender.send(rows_message(served.spec, ids, rows, accum, claims(pushes)))
             except EmbeddingError as e:  # the next round sends them (with newer values)
-                sender.mark(name, taken, pushes)
+                with served.lock:
+                    served.table.mark(ids)
+                    sender.changed(name, pushes)
                 failed = failed or e
         if failed is not None:
             raise failed
@@ -453,27 +454,32 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
             with served.lock:
                 if client and served.applied.applied(client, seq):
                     return pb.PushResponse(duplicate=True)
-                updated = served.table.apply_gradients(ids, grads)
+                sender = self._sender
+                mark = sender is not None and sender.mode == pb.ASYNC
+                updated = served.table.apply_gradients(ids, grads, mark=mark)
                 served.pushes += ids.size
                 if client:
                     served.applied.add(client, seq)
-                self._replicate(served, updated, [(client, seq)] if client else [])
+                self._replicate(sender, served, updated, [(client, seq)] if client else [])
         finally:
             self._leave(version)
         return pb.PushResponse(applied=ids.size)
 
     def _replicate(
-        self, served: _Served, unique: np.ndarray[Any, np.dtype[np.int64]], pushes: list[Claim]
+        self,
+        sender: ReplicaSender | None,
+        served: _Served,
+        unique: np.ndarray[Any, np.dtype[np.int64]],
+        pushes: list[Claim],
     ) -> None:
         """After an update (by ``pushes``) of the rows of ``unique`` (distinct ids), under the
-        table's lock: SYNC sends the rows' new values now, ASYNC marks them for the sender's
-        thread. Either way the replica hears of a push together with the rows it changed, and
-        of no push without them."""
-        sender = self._sender
+        table's lock: SYNC sends the rows' new values now; with ASYNC the update marked them
+        in the table, and the sender's thread is told. Either way the replica hears of a push
+        together with the rows it changed, and of no push without them."""
         if sender is None:
             return
         if sender.mode == pb.ASYNC:
-            sender.mark(served.table.name, unique, pushes)
+            sender.changed(served.table.name, pushes)
             return
         behind = sender.take_marked(served.table.name)  # rows an earlier send failed to carry
         if behind is not None:

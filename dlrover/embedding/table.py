@@ -81,6 +81,10 @@ class EmbeddingTable:
         self._accum = np.empty((capacity, dim), dtype=np.float32)
         self._size = 0
         self._index = _HashIndex()
+        # Per row slot: changed by an update with ``mark`` and not taken yet (ASYNC replicas):
+        # the slots are at hand when the update runs, so marking costs one scatter and taking
+        # one scan, where keeping ids meant sorting them and finding their slots twice more.
+        self._marked = np.zeros(capacity, dtype=np.bool_)
 
     def __len__(self) -> int:
         return self._size
@@ -88,7 +92,7 @@ class EmbeddingTable:
     @property
     def nbytes(self) -> int:
         """Memory the rows and their optimizer state take."""
-        return int(self._size * (self.dim * 4 * 2 + 8) + self._index.nbytes)
+        return int(self._size * (self.dim * 4 * 2 + 9) + self._index.nbytes)
 
     # --- lookups and updates ------------------------------------------------------------------
     def lookup(self, ids: IdArray) -> Rows:
@@ -98,10 +102,11 @@ class EmbeddingTable:
         slots = self._slots_of(flat, create=True)  # first: it may grow (replace) the arrays
         return self._weights[slots]
 
-    def apply_gradients(self, ids: IdArray, grads: Rows) -> IdArray:
+    def apply_gradients(self, ids: IdArray, grads: Rows, mark: bool = False) -> IdArray:
         """Apply the optimizer to the rows of ``ids`` with ``grads`` (one row per id; gradients
         of a repeated id are summed first, as a dense embedding's backward does). Returns the
-        distinct ids updated (what a replica is sent)."""
+        distinct ids updated (what a replica is sent); ``mark`` also marks their rows for
+        ``take_marked``."""
         flat = self._checked(ids)
         grads = np.asarray(grads, dtype=np.float32)
         if grads.shape != (flat.size, self.dim):
@@ -111,6 +116,8 @@ class EmbeddingTable:
             )
         slots, summed = _summed_by_slot(flat, self._slots_of(flat, create=True), grads)
         self._step(slots, summed)
+        if mark:
+            self._marked[slots] = True
         return self._row_ids[slots]
 
     def _step(self, slots: npt.NDArray[np.int64], grads: Rows) -> None:
@@ -140,6 +147,19 @@ class EmbeddingTable:
             weights = np.take(self._weights, part, axis=0, out=gathered[: part.size])
             weights -= s
             self._weights[part] = weights
+
+    def mark(self, ids: IdArray) -> None:
+        """Mark the rows of those of ``ids`` the table holds (a send of them failed: the next
+        ``take_marked`` takes them again, with their newer values)."""
+        slots = self._index.find(np.asarray(ids, dtype=np.int64), self._row_ids)
+        self._marked[slots[slots >= 0]] = True
+
+    def take_marked(self) -> tuple[IdArray, Rows, Rows]:
+        """The ids, rows and optimizer state of every marked row (in slot order), now
+        unmarked. Rows that moved away since they were marked are not among them."""
+        slots = np.flatnonzero(self._marked[: self._size])
+        self._marked[slots] = False
+        return self._row_ids[slots], self._weights[slots], self._accum[slots]
 
     def _checked(self, ids: IdArray) -> IdArray:
         array = np.asarray(ids)
@@ -177,6 +197,7 @@ class EmbeddingTable:
         initial = self.optimizer.initial_accumulator
         self._accum[slots] = initial if accum is None else accum
         self._row_ids[slots] = new_ids
+        self._marked[slots] = False
         self._size += count
         self._index.insert(new_ids, slots, self._row_ids[: self._size])
 
@@ -191,6 +212,7 @@ class EmbeddingTable:
         self._weights.resize((grown, self.dim), refcheck=False)
         self._accum.resize((grown, self.dim), refcheck=False)
         self._row_ids.resize(grown, refcheck=False)
+        self._marked.resize(grown, refcheck=False)
 
     def snapshot(self, ids: IdArray) -> tuple[Rows, Rows]:
         """The rows and optimizer state of ``ids``, which the table must hold."""
@@ -239,6 +261,7 @@ class EmbeddingTable:
         self._weights[: kept.size] = self._weights[kept]
         self._accum[: kept.size] = self._accum[kept]
         self._row_ids[: kept.size] = self._row_ids[kept]
+        self._marked[: kept.size] = self._marked[kept]  # a moved row's mark goes with it
         self._size = kept.size
         self._index = _HashIndex()
         self._index.insert(
