@@ -455,8 +455,7 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
                 if client and served.applied.applied(client, seq):
                     return pb.PushResponse(duplicate=True)
                 sender = self._sender
-                mark = sender is not None and sender.mode == pb.ASYNC
-                updated = served.table.apply_gradients(ids, grads, mark=mark)
+                updated = served.table.apply_gradients(ids, grads, mark=sender is not None)
                 served.pushes += ids.size
                 if client:
                     served.applied.add(client, seq)
@@ -472,29 +471,28 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
         unique: np.ndarray[Any, np.dtype[np.int64]],
         pushes: list[Claim],
     ) -> None:
-        """After an update (by ``pushes``) of the rows of ``unique`` (distinct ids), under the
-        table's lock: SYNC sends the rows' new values now; with ASYNC the update marked them
-        in the table, and the sender's thread is told. Either way the replica hears of a push
-        together with the rows it changed, and of no push without them."""
+        """After an update (by ``pushes``) that marked the rows it changed in the table, under
+        the table's lock: SYNC sends the marked rows' new values now (this update's, and any
+        an earlier send failed to carry); with ASYNC the sender's thread takes them soon.
+        Either way the replica hears of a push together with the rows it changed, and of no
+        push without them."""
         if sender is None:
             return
+        name = served.table.name
+        sender.changed(name, pushes)
         if sender.mode == pb.ASYNC:
-            sender.changed(served.table.name, pushes)
             return
-        behind = sender.take_marked(served.table.name)  # rows an earlier send failed to carry
-        if behind is not None:
-            earlier, earlier_pushes = behind
-            unique = np.union1d(unique, earlier[served.table.holds(earlier)])
-            pushes = pushes + earlier_pushes
-        rows, accum = served.table.snapshot(unique)
+        pushes = sender.take_claims(name)
+        ids, rows, accum = served.table.take_marked()
         try:
-            sender.send(rows_message(served.spec, unique, rows, accum, claims(pushes)))
+            sender.send(rows_message(served.spec, ids, rows, accum, claims(pushes)))
         except EmbeddingError as e:
             # Serve on: the replica is unreachable. Its rows (and their pushes) go with the
             # next update of the table that reaches it (or the resync when the next server is
             # replaced).
             sender.failures += 1
-            sender.mark(served.table.name, unique, pushes)
+            served.table.mark(ids)
+            sender.changed(name, pushes)
             logger.warning("update not replicated (re-sent with the next one): %s", e)
 
     def Stats(  # noqa: N802
