@@ -362,12 +362,18 @@ def test_a_killed_chief_is_relaunched_and_resumes_from_the_latest_checkpoint(
 def test_scaling_the_ps_from_two_to_three_re_partitions_the_model_from_a_checkpoint(
     tmp_path: Path, reference: dict[str, Any]
 ) -> None:
-    job = Job(tmp_path, "grow", shard_delay=0.6)  # 12 s of training: a new ps serves in ~5 s
+    pause = tmp_path / "pause"
+    job = Job(tmp_path, "grow", shard_delay=0.6, pause_file=str(pause))
     job.wait_shards(2)
+    # The chief waits after its shard while the ps scale and `status` is read: a busy machine
+    # (a new ps serves in ~5 s idle) once let the job end first, and status shows no cluster
+    # of an ended job. The scale needs the ps only; the chief re-partitions once it goes on.
+    pause.touch()
     scaled = dlrover_cli(job.home, "scale", "grow", "--role", "ps", "--count", "3", timeout=120)
     assert scaled.returncode == 0, scaled.stderr + job.text()[-3000:]
     assert "3 ps serve" in scaled.stdout, scaled.stdout
     status = dlrover_cli(job.home, "status", "grow")
+    pause.unlink()
     assert "tensorflow cluster version 2, ps generation 2" in status.stdout, status.stdout
     assert re.search(r"ps +0=127\.0\.0\.1:\d+  1=\S+  2=127\.0\.0\.1:\d+", status.stdout)
     assert job.wait() == 0, job.text()[-4000:]
