@@ -288,9 +288,7 @@ class ReplicaSender:
         """The next server's data port, once asked for and reached (None: gRPC)."""
         self._data_asked = False
         self._data_lock = threading.Lock()
-        self._changed: set[str] = set()
-        """The tables whose marked rows (the table marks them) are not on the replica yet:
-        ASYNC's thread sends them, SYNC's next update of the table takes them along."""
+        self._dirty: dict[str, list[IdArray]] = {}
         self._claims: dict[str, list[Claim]] = {}
         """Per table, the pushes that changed the marked rows (not on the replica yet)."""
         self._dirty_lock = threading.Lock()
@@ -390,29 +388,33 @@ class ReplicaSender:
             )
         return int(ids.size)
 
-    def changed(self, table: str, pushes: Sequence[Claim] = ()) -> None:
-        """Rows of ``table`` were marked in the table (by ``pushes``), under its lock, after
-        the update (or after a send of them failed)."""
+    def mark(self, table: str, ids: IdArray, pushes: Sequence[Claim] = ()) -> None:
+        """``ids`` of ``table`` changed (by ``pushes``) and are not on the replica yet: ASYNC's
+        thread sends their values soon; in SYNC mode (a send that failed) the next update of
+        the table takes them along (`take_marked`). Call it under the table's lock, after the
+        update: the marked rows then hold every marked push."""
         with self._dirty_lock:
-            self._changed.add(table)
+            self._dirty.setdefault(table, []).append(ids)
             self._claims.setdefault(table, []).extend(pushes)
 
-    def take_claims(self, table: str) -> list[Claim]:
-        """Under the table's lock, as its marked rows are taken: the pushes that changed them
-        (and no other), now unmarked."""
+    def take_marked(self, table: str) -> tuple[IdArray, list[Claim]] | None:
+        """The ids of ``table`` marked (None if none) and the pushes that changed them, now
+        unmarked. Under the table's lock, the rows' values then hold exactly those pushes and
+        the ones sent before: a message with both claims only pushes whose rows it carries."""
         with self._dirty_lock:
-            self._changed.discard(table)
-            return self._claims.pop(table, [])
+            parts = self._dirty.pop(table, None)
+            pushes = self._claims.pop(table, [])
+        return (np.unique(np.concatenate(parts)), pushes) if parts else None
 
     def marked(self) -> list[str]:
         """The tables with marked rows."""
         with self._dirty_lock:
-            return list(self._changed)
+            return [t for t, parts in self._dirty.items() if parts]
 
     def start(self, flush: Callable[[list[str]], None]) -> None:
         """ASYNC: start the thread that hands the tables with marked rows to ``flush`` every
-        ASYNC_LAG_S (which takes them from the table with the claims of `take_claims`, and
-        marks again what it could not send: the next round resends the newer values)."""
+        ASYNC_LAG_S (which takes them with `take_marked`, and marks again what it could not
+        send: the next round resends the newer values)."""
 
         def run() -> None:
             while not self._stop.wait(ASYNC_LAG_S):

@@ -222,18 +222,17 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
             served = self._table(name)
             with served.lock:
                 # Taken with the rows, under the lock: the values hold the pushes marked with
-                # them (and those sent before), and the message claims no other push. Rows
-                # that moved away since they were marked are no longer in the table.
-                pushes = sender.take_claims(name)
-                ids, rows, accum = served.table.take_marked()
-            if not ids.size and not pushes:
-                continue
+                # them (and those sent before), and the message claims no other push.
+                marked = sender.take_marked(name)
+                if marked is None:
+                    continue
+                taken, pushes = marked
+                ids = taken[served.table.holds(taken)]  # rows that moved away since: not ours
+                rows, accum = served.table.snapshot(ids)
             try:
                 sender.send(rows_message(served.spec, ids, rows, accum, claims(pushes)))
             except EmbeddingError as e:  # the next round sends them (with newer values)
-                with served.lock:
-                    served.table.mark(ids)
-                    sender.changed(name, pushes)
+                sender.mark(name, taken, pushes)
                 failed = failed or e
         if failed is not None:
             raise failed
@@ -454,45 +453,42 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
             with served.lock:
                 if client and served.applied.applied(client, seq):
                     return pb.PushResponse(duplicate=True)
-                sender = self._sender
-                updated = served.table.apply_gradients(ids, grads, mark=sender is not None)
+                updated = served.table.apply_gradients(ids, grads)
                 served.pushes += ids.size
                 if client:
                     served.applied.add(client, seq)
-                self._replicate(sender, served, updated, [(client, seq)] if client else [])
+                self._replicate(served, updated, [(client, seq)] if client else [])
         finally:
             self._leave(version)
         return pb.PushResponse(applied=ids.size)
 
     def _replicate(
-        self,
-        sender: ReplicaSender | None,
-        served: _Served,
-        unique: np.ndarray[Any, np.dtype[np.int64]],
-        pushes: list[Claim],
+        self, served: _Served, unique: np.ndarray[Any, np.dtype[np.int64]], pushes: list[Claim]
     ) -> None:
-        """After an update (by ``pushes``) that marked the rows it changed in the table, under
-        the table's lock: SYNC sends the marked rows' new values now (this update's, and any
-        an earlier send failed to carry); with ASYNC the sender's thread takes them soon.
-        Either way the replica hears of a push together with the rows it changed, and of no
-        push without them."""
+        """After an update (by ``pushes``) of the rows of ``unique`` (distinct ids), under the
+        table's lock: SYNC sends the rows' new values now, ASYNC marks them for the sender's
+        thread. Either way the replica hears of a push together with the rows it changed, and
+        of no push without them."""
+        sender = self._sender
         if sender is None:
             return
-        name = served.table.name
-        sender.changed(name, pushes)
         if sender.mode == pb.ASYNC:
+            sender.mark(served.table.name, unique, pushes)
             return
-        pushes = sender.take_claims(name)
-        ids, rows, accum = served.table.take_marked()
+        behind = sender.take_marked(served.table.name)  # rows an earlier send failed to carry
+        if behind is not None:
+            earlier, earlier_pushes = behind
+            unique = np.union1d(unique, earlier[served.table.holds(earlier)])
+            pushes = pushes + earlier_pushes
+        rows, accum = served.table.snapshot(unique)
         try:
-            sender.send(rows_message(served.spec, ids, rows, accum, claims(pushes)))
+            sender.send(rows_message(served.spec, unique, rows, accum, claims(pushes)))
         except EmbeddingError as e:
             # Serve on: the replica is unreachable. Its rows (and their pushes) go with the
             # next update of the table that reaches it (or the resync when the next server is
             # replaced).
             sender.failures += 1
-            served.table.mark(ids)
-            sender.changed(name, pushes)
+            sender.mark(served.table.name, unique, pushes)
             logger.warning("update not replicated (re-sent with the next one): %s", e)
 
     def Stats(  # noqa: N802

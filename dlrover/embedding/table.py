@@ -81,14 +81,6 @@ class EmbeddingTable:
         self._accum = np.empty((capacity, dim), dtype=np.float32)
         self._size = 0
         self._index = _HashIndex()
-        # The slots of rows changed by updates with ``mark`` and not taken yet (ASYNC
-        # replicas): the slots are at hand when the update runs, so marking keeps an array
-        # and taking drops repeats through ``_last`` (a slot -> position scratch array), in
-        # time of the rows changed, not of the table; keeping ids meant sorting them and
-        # finding their slots twice more.
-        self._marked: list[npt.NDArray[np.int64]] = []
-        self._marked_count = 0
-        self._last = np.empty(capacity, dtype=np.int64)
 
     def __len__(self) -> int:
         return self._size
@@ -96,7 +88,7 @@ class EmbeddingTable:
     @property
     def nbytes(self) -> int:
         """Memory the rows and their optimizer state take."""
-        return int(self._size * (self.dim * 4 * 2 + 16) + self._index.nbytes)
+        return int(self._size * (self.dim * 4 * 2 + 8) + self._index.nbytes)
 
     # --- lookups and updates ------------------------------------------------------------------
     def lookup(self, ids: IdArray) -> Rows:
@@ -106,11 +98,10 @@ class EmbeddingTable:
         slots = self._slots_of(flat, create=True)  # first: it may grow (replace) the arrays
         return self._weights[slots]
 
-    def apply_gradients(self, ids: IdArray, grads: Rows, mark: bool = False) -> IdArray:
+    def apply_gradients(self, ids: IdArray, grads: Rows) -> IdArray:
         """Apply the optimizer to the rows of ``ids`` with ``grads`` (one row per id; gradients
         of a repeated id are summed first, as a dense embedding's backward does). Returns the
-        distinct ids updated (what a replica is sent); ``mark`` also marks their rows for
-        ``take_marked``."""
+        distinct ids updated (what a replica is sent)."""
         flat = self._checked(ids)
         grads = np.asarray(grads, dtype=np.float32)
         if grads.shape != (flat.size, self.dim):
@@ -120,8 +111,6 @@ class EmbeddingTable:
             )
         slots, summed = _summed_by_slot(flat, self._slots_of(flat, create=True), grads)
         self._step(slots, summed)
-        if mark:
-            self._mark_slots(slots)
         return self._row_ids[slots]
 
     def _step(self, slots: npt.NDArray[np.int64], grads: Rows) -> None:
@@ -151,35 +140,6 @@ class EmbeddingTable:
             weights = np.take(self._weights, part, axis=0, out=gathered[: part.size])
             weights -= s
             self._weights[part] = weights
-
-    def mark(self, ids: IdArray) -> None:
-        """Mark the rows of those of ``ids`` the table holds (a send of them failed: the next
-        ``take_marked`` takes them again, with their newer values)."""
-        slots = self._index.find(np.asarray(ids, dtype=np.int64), self._row_ids)
-        self._mark_slots(slots[slots >= 0])
-
-    def take_marked(self) -> tuple[IdArray, Rows, Rows]:
-        """The ids, rows and optimizer state of every marked row (each once), now unmarked.
-        Rows that moved away since they were marked are not among them."""
-        slots = self._distinct_marked()
-        self._marked, self._marked_count = [], 0
-        return self._row_ids[slots], self._weights[slots], self._accum[slots]
-
-    def _mark_slots(self, slots: npt.NDArray[np.int64]) -> None:
-        self._marked.append(slots)
-        self._marked_count += slots.size
-        if self._marked_count > max(self._size, 1 << 16):  # never taken (a replica is down)
-            distinct = self._distinct_marked()
-            self._marked, self._marked_count = [distinct], distinct.size
-
-    def _distinct_marked(self) -> npt.NDArray[np.int64]:
-        """The marked slots, each once (where it was marked last)."""
-        if not self._marked:
-            return np.empty(0, dtype=np.int64)
-        slots = np.concatenate(self._marked)
-        at = np.arange(slots.size)
-        self._last[slots] = at
-        return slots[self._last[slots] == at]
 
     def _checked(self, ids: IdArray) -> IdArray:
         array = np.asarray(ids)
@@ -231,7 +191,6 @@ class EmbeddingTable:
         self._weights.resize((grown, self.dim), refcheck=False)
         self._accum.resize((grown, self.dim), refcheck=False)
         self._row_ids.resize(grown, refcheck=False)
-        self._last.resize(grown, refcheck=False)
 
     def snapshot(self, ids: IdArray) -> tuple[Rows, Rows]:
         """The rows and optimizer state of ``ids``, which the table must hold."""
@@ -280,12 +239,6 @@ class EmbeddingTable:
         self._weights[: kept.size] = self._weights[kept]
         self._accum[: kept.size] = self._accum[kept]
         self._row_ids[: kept.size] = self._row_ids[kept]
-        if self._marked:  # a staying row's mark follows it to its new slot
-            marked = self._distinct_marked()
-            marked = marked[keep[marked]]
-            moved_to = np.cumsum(keep) - 1
-            self._marked = [moved_to[marked]] if marked.size else []
-            self._marked_count = marked.size
         self._size = kept.size
         self._index = _HashIndex()
         self._index.insert(

@@ -107,30 +107,6 @@ def test_a_table_grows_past_its_first_capacity() -> None:
     assert len(table) == 10
 
 
-def test_marked_rows_are_taken_once_with_their_newest_values_and_follow_compaction() -> None:
-    """ASYNC replicas take the rows updates marked: each once, with the values at the take;
-    marks survive the table growing and move with their rows when other buckets leave."""
-    table = EmbeddingTable("t", 4, capacity=2)
-    grads = np.ones((3, 4), dtype=np.float32)
-    table.apply_gradients(np.array([10, 11, 12], dtype=np.int64), grads, mark=True)
-    table.apply_gradients(np.array([20, 21, 22], dtype=np.int64), grads)  # not marked
-    table.apply_gradients(np.array([12, 30, 12], dtype=np.int64), grads, mark=True)  # grows
-    ids, rows, accum = table.take_marked()
-    assert sorted(ids.tolist()) == [10, 11, 12, 30]
-    assert np.array_equal(rows, table.snapshot(ids)[0])
-    assert np.array_equal(accum, table.snapshot(ids)[1])
-    assert table.take_marked()[0].size == 0  # taken: unmarked
-    marked = np.array([10, 20, 21, 30, 31], dtype=np.int64)
-    table.apply_gradients(marked, np.ones((5, 4), dtype=np.float32), mark=True)
-    leaving = np.unique(bucket_of(np.array([20, 21], dtype=np.int64), 64))
-    staying = marked[~np.isin(bucket_of(marked, 64), leaving)]
-    assert staying.size < marked.size
-    table.drop_buckets(leaving, 64)  # compacts the rows that stay
-    assert sorted(table.take_marked()[0].tolist()) == sorted(staying.tolist())
-    table.mark(np.array([11, 20, 999], dtype=np.int64))  # a failed send: held ones again
-    assert table.take_marked()[0].tolist() == [11]  # 20 left with its bucket, 999 never came
-
-
 def test_applied_pushes_remember_a_window_then_a_floor_and_merge() -> None:
     from dlrover.embedding.replica import PUSH_WINDOW, AppliedPushes
 
