@@ -697,7 +697,8 @@ class CheckpointSaver:
             return None
         finally:
             with self._cond:
-                self._remote.pop(slot, None)
+                if not only_if_empty:  # a copy for the vote's marker; a round's copy has none
+                    self._remote.pop(slot, None)
                 if pinned is not None:
                     pinned[0].receiving.discard(pinned[1])
                     self._cond.notify_all()
