@@ -76,10 +76,10 @@ def _dataset(broker: KafkaBroker, master: Master, worker: str, **kw: Any) -> Any
     from dlrover.trainer.torch.elastic.stream import ElasticStreamDataset
 
     kw.setdefault("records_per_shard", 4)
+    kw.setdefault("decode", _record_id)
     return ElasticStreamDataset(
         "clicks",
         broker.bootstrap,
-        decode=_record_id,
         transport=master.transport(),
         worker_id=worker,
         **kw,
@@ -111,6 +111,76 @@ def test_resume_at_a_saved_position_trains_no_record_twice_and_skips_none(
 
     rest = _resumed(broker, master, state, end_offsets=ends)
     assert sorted(before + rest) == list(range(60))
+
+
+def test_batches_cut_across_ranges_and_resume_exactly_where_the_last_batch_ended(
+    broker: KafkaBroker, master: Master
+) -> None:
+    """``batches(n)`` hands out lists cut from the queued ranges (of 4 records: batches of 5
+    span two), and a position taken after a batch counts exactly the records handed out."""
+    broker.create_topic("clicks", 3)
+    _produce(broker, "clicks", range(60))
+    ends = {0: 20, 1: 20, 2: 20}
+    reader = _dataset(broker, master, "w0", end_offsets=ends)
+    batches = reader.batches(5)
+    before = [next(batches) for _ in range(3)]
+    assert [len(b) for b in before] == [5, 5, 5]
+    state = json.loads(json.dumps(reader.state_dict()))
+    lost = next(batches)  # trained after the checkpoint, then lost with the process
+    taken = [i for b in before for i in b]
+    assert len(set(taken + lost)) == 20
+    reader.close()
+
+    again = _dataset(broker, master, "w0", end_offsets=ends)
+    again.load_state_dict(state)
+    rest = list(again.batches(7))
+    again.close()
+    assert [len(b) for b in rest] == [7] * 6 + [3]  # 45 records left: the last batch is short
+    assert sorted(taken + [i for b in rest for i in b]) == list(range(60))
+
+
+def test_a_batch_being_filled_when_the_broker_fails_is_handed_out_before_the_error(
+    broker: KafkaBroker, master: Master
+) -> None:
+    """The broker stops once the reader has decoded two ranges; batches of 1000 (more than
+    the stream holds) are still being filled when the reader's error comes. What they hold is
+    handed out first, so a position taken after the error counts exactly what the loop got
+    (dropped, those records were lost: counted as trained, never trained)."""
+    broker.create_topic("clicks", 10)
+    _produce(broker, "clicks", range(30), partitions=10)
+    ends = {p: 3 for p in range(10)}
+    decoded: list[int] = []
+
+    def decode(record: Any) -> int:
+        decoded.append(_record_id(record))
+        if len(decoded) == 6:  # in the reader's thread: it reads on only after the stop
+            broker.stop(graceful=True)
+        return decoded[-1]
+
+    reader = _dataset(broker, master, "w0", end_offsets=ends, read_timeout_s=3.0, decode=decode)
+    got: list[int] = []
+    with pytest.raises(StreamSourceError, match=r"did not deliver records"):
+        for batch in reader.batches(1000):
+            got += batch
+    assert len(got) >= 6
+    state = reader.state_dict()
+    reader.close()
+    broker.start()
+    assert sorted(got + _resumed(broker, master, state, end_offsets=ends)) == list(range(30))
+
+
+def test_batches_of_a_whole_pass_and_a_wrong_batch_size(
+    broker: KafkaBroker, master: Master
+) -> None:
+    broker.create_topic("clicks", 3)
+    _produce(broker, "clicks", range(30))
+    reader = _dataset(broker, master, "w0", end_offsets={0: 10, 1: 10, 2: 10})
+    with pytest.raises(InvalidSpecError, match="batch_size must be >= 1"):
+        next(reader.batches(0))
+    batches = list(reader.batches(8))
+    assert [len(b) for b in batches] == [8, 8, 8, 6]
+    assert sorted(i for b in batches for i in b) == list(range(30))
+    reader.close()
 
 
 def test_records_produced_while_reading_arrive_and_stop_ends_the_stream(

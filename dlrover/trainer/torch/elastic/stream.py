@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import operator
 import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import closing
 from typing import Any, Generic, NamedTuple, TypeVar
 
 from torch.utils.data import IterableDataset, get_worker_info
@@ -155,6 +157,44 @@ class ElasticStreamDataset(IterableDataset[T], Generic[T]):
 
     # --- reading ----------------------------------------------------------------------------
     def __iter__(self) -> Iterator[T]:
+        with closing(self._ranges()) as ranges:
+            for samples in ranges:
+                # The samples were decoded by the reader thread; the loop's share per record
+                # is one step of a list iterator, whose progress is the count `yielded` reads.
+                yield from samples
+
+    def batches(self, batch_size: int) -> Iterator[list[T]]:
+        """A pass over the stream in lists of ``batch_size`` samples (the last one of a pass
+        may be shorter), for a loop that needs no DataLoader: a batch is cut from the ranges
+        the reader queued in one C-level step, where a DataLoader takes each sample with a
+        Python call (0.1-0.2 ms per batch of 256 here). Exactly once as with iteration:
+        right after a batch, ``state_dict()`` counts every record handed out so far.
+        """
+        if batch_size < 1:
+            raise InvalidSpecError(f"batch_size must be >= 1, got {batch_size}")
+        batch: list[T] = []
+        with closing(self._ranges()) as ranges:
+            try:
+                for samples in ranges:
+                    while True:
+                        batch += itertools.islice(samples, batch_size - len(batch))
+                        if len(batch) < batch_size:
+                            break  # this range is used up: the rest comes from the next one
+                        yield batch
+                        batch = []
+            except BaseException:
+                # Records taken into a batch count as handed out: the loop gets them before
+                # the error, which it meets at its next batch.
+                if batch:
+                    yield batch
+                raise
+            if batch:
+                yield batch
+
+    def _ranges(self) -> Generator[Iterator[T], None, None]:
+        """One pass: the samples of each range the reader queued, as an iterator whose progress
+        is what this rank has taken (``state_dict`` counts it); take every sample of one
+        before asking for the next."""
         if get_worker_info() is not None:
             raise InvalidSpecError(
                 "ElasticStreamDataset reads in the training process: use DataLoader(..., "
@@ -171,9 +211,7 @@ class ElasticStreamDataset(IterableDataset[T], Generic[T]):
                 item = reading.next_item()
                 if item is None:
                     return
-                # The samples were decoded by the reader thread; the loop's share per record
-                # is one step of a list iterator, whose progress is the count `yielded` reads.
-                yield from reading.current(item)
+                yield reading.current(item)
                 reading.finished(item[0])
         finally:
             self._yielded = reading.yielded()
