@@ -7,12 +7,14 @@ of --repeats rounds that each measure the plain consumer and the dataset back to
 - read only: records/s of one plain confluent-kafka consumer reading the whole topic with
   assign() (the peer: what a script does without DLRover), from the consumer's creation on, and
   of ElasticStreamDataset (the master leases offset ranges, a thread reads them ahead of the
-  loop with one consumer that stays assigned). 300 k records: with 60 k, the plain consumer's
+  loop with one consumer that stays assigned), taken one record at a time and through
+  ``dataset.batches(500)`` (lists cut from the ranges). 300 k records: with 60 k, the plain consumer's
   whole read took ~50 ms, so both rates were mostly start-up;
 - a training loop: batches of --batch records with --step-ms of simulated compute each, fed by
   the plain consumer in the loop, by the plain consumer wrapped in an IterableDataset through a
   DataLoader (the DataLoader's own cost per batch, ~0.17 ms here after a step's sleep, is then
-  in both), or by the dataset through a DataLoader, against the compute alone;
+  in both), by the dataset through a DataLoader, or by ``dataset.batches(--batch)`` (no
+  DataLoader, as the plain consumer in the loop), against the compute alone;
 - the latency of state_dict() (the exactly-once position: one round trip to the master), called
   every 2000 records while reading flat out, and every 8 steps of the training loop (as a
   checkpoint takes it), each in a pass of its own at the first --shard, next to a plain
@@ -134,10 +136,13 @@ def stream_dataset(
     batch: int = 0,
     step_s: float = 0.0,
     state_every: int = 0,
+    batched: int = 0,
 ) -> tuple[float, list[float]]:
     """Seconds for ElasticStreamDataset to read every record (with ``batch``: through a
-    DataLoader, ``step_s`` of compute per batch), and, with ``state_every``, the latencies (s)
-    of state_dict() called every that many records (not counted in the seconds)."""
+    DataLoader, ``step_s`` of compute per batch; with ``batched``, ``dataset.batches(batched)``
+    instead of a DataLoader or of one record at a time), and, with ``state_every``, the
+    latencies (s) of state_dict() called every that many records (not counted in the
+    seconds)."""
     from torch.utils.data import DataLoader
 
     from dlrover.trainer.torch.elastic.stream import ElasticStreamDataset
@@ -154,7 +159,16 @@ def stream_dataset(
     latencies: list[float] = []
     start = time.perf_counter()
     count = 0
-    if batch:
+    if batched:
+        for values in dataset.batches(batched):
+            count += len(values)
+            if step_s:
+                time.sleep(step_s)
+            if state_every and count // state_every != (count - len(values)) // state_every:
+                t = time.perf_counter()
+                dataset.state_dict()
+                latencies.append(time.perf_counter() - t)
+    elif batch:
         for values in DataLoader(dataset, batch_size=batch, num_workers=0):
             count += len(values)
             time.sleep(step_s)
@@ -220,6 +234,7 @@ def main() -> None:
             read: dict[str, list[float]] = {"plain": []}
             loop: dict[str, list[float]] = {"plain": [], "loader": []}
             state_ms: list[float] = []
+            state_batched_ms: list[float] = []
             state_loop_ms: list[float] = []
             # Interleaved: every round measures the plain consumer and the dataset back to
             # back, so a load that comes and goes hits both alike.
@@ -228,12 +243,21 @@ def main() -> None:
                 for shard in shards:
                     seconds, _ = stream_dataset(broker, master, "bench", per_partition, shard)
                     read.setdefault(str(shard), []).append(seconds)
+                    seconds, _ = stream_dataset(
+                        broker, master, "bench", per_partition, shard, batched=500
+                    )
+                    read.setdefault(f"{shard} batches", []).append(seconds)
                 # The position while reading: a pass of its own, so that the read-only rate is
                 # of reading alone (the plain consumer's loop remembers no position).
                 _, latencies = stream_dataset(
                     broker, master, "bench", per_partition, shards[0], state_every=2000
                 )
                 state_ms += [x * 1000 for x in latencies]
+                _, latencies = stream_dataset(
+                    broker, master, "bench", per_partition, shards[0], state_every=2000,
+                    batched=500,
+                )  # fmt: skip
+                state_batched_ms += [x * 1000 for x in latencies]
                 _, latencies = stream_dataset(
                     broker,
                     master,
@@ -256,6 +280,11 @@ def main() -> None:
                         broker, master, "bench", per_partition, shard, args.batch, step_s
                     )
                     loop.setdefault(str(shard), []).append(seconds)
+                    seconds, _ = stream_dataset(
+                        broker, master, "bench", per_partition, shard, 0, step_s,
+                        batched=args.batch,
+                    )  # fmt: skip
+                    loop.setdefault(f"{shard} batches", []).append(seconds)
             commit_ms = [x * 1000 for x in plain_commit_latency(broker, "bench")]
         finally:
             master.close()
@@ -266,17 +295,13 @@ def main() -> None:
         f"{args.repeats} interleaved rounds; load average {load:.1f} / {os.getloadavg()[0]:.1f} "
         f"(before / after) on {os.cpu_count()} cores\n"
     )
-    print(f"| {'read only':38} | {'records/s':>10} | {'min-max k/s':>13} | {'vs plain':>8} |")
-    print(f"|{'-' * 40}|{'-' * 12}|{'-' * 15}|{'-' * 10}|")
+    print(f"| {'read only':46} | {'records/s':>10} | {'min-max k/s':>13} | {'vs plain':>8} |")
+    print(f"|{'-' * 48}|{'-' * 12}|{'-' * 15}|{'-' * 10}|")
     for key, values in read.items():
-        name = (
-            "plain confluent-kafka, assign()"
-            if key == "plain"
-            else f"ElasticStreamDataset, {key}/range"
-        )
+        name = "plain confluent-kafka, assign()" if key == "plain" else _name(key)
         spread = f"{total / max(values) / 1e3:.0f}-{total / min(values) / 1e3:.0f}"
         print(
-            f"| {name:38} | {total / med[key]:10.0f} | {spread:>13} | "
+            f"| {name:46} | {total / med[key]:10.0f} | {spread:>13} | "
             f"{med['plain'] / med[key]:8.2f} |"
         )
     ideal = steps * step_s
@@ -286,26 +311,34 @@ def main() -> None:
         f"each (compute alone {ideal:.2f} s)\n"
     )
     print(
-        f"| {'reader':38} | {'seconds':>10} | {'vs compute':>10} | {'vs plain loop':>13} | "
+        f"| {'reader':46} | {'seconds':>10} | {'vs compute':>10} | {'vs plain loop':>13} | "
         f"{'vs plain DataLoader':>19} |"
     )
-    print(f"|{'-' * 40}|{'-' * 12}|{'-' * 12}|{'-' * 15}|{'-' * 21}|")
+    print(f"|{'-' * 48}|{'-' * 12}|{'-' * 12}|{'-' * 15}|{'-' * 21}|")
     names = {"plain": "plain consumer in the loop", "loader": "plain consumer, DataLoader"}
     for key in loop:
-        name = names.get(key, f"ElasticStreamDataset, {key}/range")
+        name = names.get(key) or _name(key)
         print(
-            f"| {name:38} | {lmed[key]:10.2f} | {lmed[key] / ideal:10.2f} | "
+            f"| {name:46} | {lmed[key]:10.2f} | {lmed[key] / ideal:10.2f} | "
             f"{lmed[key] / lmed['plain']:13.2f} | {lmed[key] / lmed['loader']:19.2f} |"
         )
-    print(f"\n| {'remembering the position':38} | {'median ms':>10} | {'p90 ms':>8} |")
-    print(f"|{'-' * 40}|{'-' * 12}|{'-' * 10}|")
+    print(f"\n| {'remembering the position':46} | {'median ms':>10} | {'p90 ms':>8} |")
+    print(f"|{'-' * 48}|{'-' * 12}|{'-' * 10}|")
     for name, values in (
         ("state_dict(), reading flat out", state_ms),
+        ("state_dict(), batches(500) flat out", state_batched_ms),
         ("state_dict(), in the loop, every 8 steps", state_loop_ms),
         ("plain consumer commit(sync) to broker", commit_ms),
     ):
         p90 = statistics.quantiles(values, n=10)[-1]
-        print(f"| {name:38} | {statistics.median(values):10.2f} | {p90:8.2f} |")
+        print(f"| {name:46} | {statistics.median(values):10.2f} | {p90:8.2f} |")
+
+
+def _name(key: str) -> str:
+    """The table's name of a dataset setting: "1024" (per record, or through a DataLoader in
+    the loop), "1024 batches" (``dataset.batches(n)``)."""
+    shard, _, how = key.partition(" ")
+    return f"ElasticStreamDataset, {shard}/range" + (", batches()" if how else "")
 
 
 if __name__ == "__main__":
