@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -167,6 +168,27 @@ def test_a_batch_being_filled_when_the_broker_fails_is_handed_out_before_the_err
     reader.close()
     broker.start()
     assert sorted(got + _resumed(broker, master, state, end_offsets=ends)) == list(range(30))
+
+
+def test_a_batches_loop_left_midway_gives_back_the_rest_and_the_next_pass_reads_it(
+    broker: KafkaBroker, master: Master
+) -> None:
+    broker.create_topic("clicks", 3)
+    _produce(broker, "clicks", range(30))
+    reader = _dataset(broker, master, "w0", end_offsets={0: 10, 1: 10, 2: 10})
+    first: list[int] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an exception in the generator's close is a warning
+        batches = reader.batches(3)
+        for batch in batches:
+            first += batch
+            if len(first) == 9:
+                break
+        batches.close()
+    rest = [i for batch in reader.batches(5) for i in batch]
+    reader.close()
+    assert len(first) == 9
+    assert sorted(first + rest) == list(range(30))
 
 
 def test_batches_of_a_whole_pass_and_a_wrong_batch_size(

@@ -180,9 +180,9 @@ class ElasticStreamDataset(IterableDataset[T], Generic[T]):
                         batch += itertools.islice(samples, batch_size - len(batch))
                         if len(batch) < batch_size:
                             break  # this range is used up: the rest comes from the next one
-                        yield batch
-                        batch = []
-            except BaseException:
+                        full, batch = batch, []
+                        yield full
+            except Exception:
                 # Records taken into a batch count as handed out: the loop gets them before
                 # the error, which it meets at its next batch.
                 if batch:
