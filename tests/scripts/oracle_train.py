@@ -6,7 +6,9 @@ Gradients are averaged with one all_reduce per parameter instead of DDP: DDP re-
 gradients after the first iteration of every process, so a resumed run would sum some elements
 in another order than an uninterrupted one and differ in the last bits.
 Faults come from DLROVER_FAULTS (dlrover.testing.faults). Rank 0 appends every completed step
-to <out>.steps and writes the final parameters' SHA-256 to <out>.final.
+to <out>.steps, then saves it, and writes the final parameters' SHA-256 to <out>.final. A run
+that resumes drops the logged steps its checkpoint does not hold (stopped between the line and
+the save, they are trained again), so the log names each step once.
 """
 
 from __future__ import annotations
@@ -22,6 +24,19 @@ from torch import nn
 from dlrover.testing.digest import tensors_digest
 from dlrover.testing.faults import FaultInjector
 from dlrover.trainer import StepReporter
+
+
+def forget_steps_after(log: str, saved: int) -> None:
+    """Keep the lines of ``log`` up to step ``saved`` (replaced whole: a test may be reading)."""
+    if not os.path.exists(log):
+        return
+    with open(log) as f:
+        lines = f.read().splitlines(keepends=True)
+    kept = [line for line in lines if line.split() and int(line.split()[0]) <= saved]
+    if len(kept) < len(lines):
+        with open(log + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(log + ".tmp", log)
 
 
 def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,6 +84,8 @@ def main() -> None:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         start = int(state["step"]) + 1
+    if rank == 0:
+        forget_steps_after(a.out + ".steps", start - 1)
     for t in model.state_dict().values():
         dist.broadcast(t, 0)
     held = bytearray(a.hold_mib << 20)
