@@ -159,19 +159,16 @@ def stream_dataset(
     latencies: list[float] = []
     start = time.perf_counter()
     count = 0
-    if batched:
-        for values in dataset.batches(batched):
+    if batch or batched:
+        steps = (
+            dataset.batches(batched)
+            if batched
+            else DataLoader(dataset, batch_size=batch, num_workers=0)
+        )
+        for values in steps:
             count += len(values)
             if step_s:
                 time.sleep(step_s)
-            if state_every and count // state_every != (count - len(values)) // state_every:
-                t = time.perf_counter()
-                dataset.state_dict()
-                latencies.append(time.perf_counter() - t)
-    elif batch:
-        for values in DataLoader(dataset, batch_size=batch, num_workers=0):
-            count += len(values)
-            time.sleep(step_s)
             if state_every and count // state_every != (count - len(values)) // state_every:
                 t = time.perf_counter()
                 dataset.state_dict()  # after the step, as a checkpoint takes it

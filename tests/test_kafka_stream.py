@@ -87,6 +87,13 @@ def _dataset(broker: KafkaBroker, master: Master, worker: str, **kw: Any) -> Any
     )
 
 
+def _thirty_records(broker: KafkaBroker, master: Master) -> Any:
+    """A reader of a topic of ids 0..29 in 3 partitions, ending there."""
+    broker.create_topic("clicks", 3)
+    _produce(broker, "clicks", range(30))
+    return _dataset(broker, master, "w0", end_offsets={0: 10, 1: 10, 2: 10})
+
+
 def _resumed(broker: KafkaBroker, master: Master, state: Any, **kw: Any) -> list[int]:
     """Every id a new reader restored at ``state`` yields (to the end offsets in ``kw``)."""
     again = _dataset(broker, master, "w0", **kw)
@@ -173,9 +180,7 @@ def test_a_batch_being_filled_when_the_broker_fails_is_handed_out_before_the_err
 def test_a_batches_loop_left_midway_gives_back_the_rest_and_the_next_pass_reads_it(
     broker: KafkaBroker, master: Master
 ) -> None:
-    broker.create_topic("clicks", 3)
-    _produce(broker, "clicks", range(30))
-    reader = _dataset(broker, master, "w0", end_offsets={0: 10, 1: 10, 2: 10})
+    reader = _thirty_records(broker, master)
     first: list[int] = []
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # an exception in the generator's close is a warning
@@ -194,9 +199,7 @@ def test_a_batches_loop_left_midway_gives_back_the_rest_and_the_next_pass_reads_
 def test_batches_of_a_whole_pass_and_a_wrong_batch_size(
     broker: KafkaBroker, master: Master
 ) -> None:
-    broker.create_topic("clicks", 3)
-    _produce(broker, "clicks", range(30))
-    reader = _dataset(broker, master, "w0", end_offsets={0: 10, 1: 10, 2: 10})
+    reader = _thirty_records(broker, master)
     with pytest.raises(InvalidSpecError, match="batch_size must be >= 1"):
         next(reader.batches(0))
     batches = list(reader.batches(8))

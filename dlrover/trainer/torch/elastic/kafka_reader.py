@@ -34,15 +34,13 @@ class Records:
     def of(cls, messages: list[Any], full: bool) -> Records:
         """The columns of ``messages`` (the client's, of one partition); keys and timestamps
         only if ``full``."""
-        if not messages:
-            return cls([[] for _ in range(4 if full else 2)])
-        # The message type's methods mapped over the list: a C loop, where a comprehension ran
-        # a Python step (an attribute lookup and a call) per record and column.
-        kind = type(messages[0])
-        columns = [list(map(kind.offset, messages)), list(map(kind.value, messages))]
+        columns = [
+            [message.offset() for message in messages],
+            [message.value() for message in messages],
+        ]
         if full:
-            columns.append(list(map(kind.key, messages)))
-            columns.append(list(map(operator.itemgetter(1), map(kind.timestamp, messages))))
+            columns.append([message.key() for message in messages])
+            columns.append([message.timestamp()[1] for message in messages])
         return cls(columns)
 
     def empty(self) -> Records:
@@ -221,7 +219,7 @@ class RangeReader:
                     num_messages=CONSUME_BATCH, timeout=min(remaining, poll_s)
                 )
                 before = expected
-                if batch and any(map(type(batch[0]).error, batch)):
+                if any([message.error() for message in batch]):
                     good = []
                     for message in batch:
                         error = message.error()
@@ -263,7 +261,7 @@ class RangeReader:
         delivers a fetch's records of a partition together)."""
         if not batch:
             return []
-        partitions = list(map(type(batch[0]).partition, batch))
+        partitions = [message.partition() for message in batch]
         first = partitions[0]
         if partitions.count(first) == len(partitions):
             return [(first, batch)]
