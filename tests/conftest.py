@@ -11,8 +11,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.stages import StageCheck
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(StageCheck(), "dlrover-test-stages")
 
 
 def clean_env(**extra: str) -> dict[str, str]:

@@ -9,9 +9,12 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "master_scale.py"
 
 
+@pytest.mark.e2e
 def test_300_simulated_agents_complete_a_job_on_a_real_master():
     spec = importlib.util.spec_from_file_location("master_scale", BENCH)
     assert spec is not None and spec.loader is not None

@@ -21,7 +21,7 @@ from tests.checkpoint.harness import (
 # Each rank's start (import, process group, model) takes 10-20 s here, more on a busy machine.
 # One test process runs them all (.ci/run: -n 2 --dist loadgroup): the job fixture runs once.
 ONE_PROCESS = pytest.mark.xdist_group("deepspeed")
-pytestmark = [pytest.mark.extras, pytest.mark.slow, pytest.mark.timeout(900), ONE_PROCESS]
+pytestmark = [pytest.mark.extras, pytest.mark.timeout(900), ONE_PROCESS]
 deepspeed = pytest.importorskip(
     "deepspeed", reason="deepspeed is not installed (DS_BUILD_OPS=0 pip install deepspeed==0.19.8)"
 )

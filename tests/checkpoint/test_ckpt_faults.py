@@ -52,7 +52,7 @@ def test_worker_killed_mid_copy_loads_previous_step_from_memory(tmp_path: Path) 
         run_workers(["ddp_load", ckpt, "1", "memory"], [worker_env(saver.socket_path, restart=1)])
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_saver_killed_mid_persist_keeps_previous_step(tmp_path: Path) -> None:
     ckpt, marker = str(tmp_path / "ckpt"), tmp_path / "mid-persist"
     sock, prefix = str(tmp_path / "agent.sock"), f"dlrtest-{uuid.uuid4().hex[:8]}"

@@ -26,7 +26,7 @@ def _envs(socket_path: str, world: int, restart: int = 0, **extra: str) -> list[
     ]
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_sharded_save_load_memory_storage_dcp_and_other_world_sizes(tmp_path: Path) -> None:
     ckpt, oracle = str(tmp_path / "ckpt"), str(tmp_path / "oracle.pt")
     with running_saver(tmp_path) as saver:
@@ -61,7 +61,7 @@ def test_sharded_save_load_memory_storage_dcp_and_other_world_sizes(tmp_path: Pa
             )
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_full_state_checkpointer_round_trip(tmp_path: Path) -> None:
     ckpt, oracle = str(tmp_path / "ckpt"), str(tmp_path / "oracle.pt")
     with running_saver(tmp_path) as saver:
@@ -82,7 +82,7 @@ def test_full_state_checkpointer_round_trip(tmp_path: Path) -> None:
         )
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_fsdp1_sharded_tensor_state_saves_and_loads(tmp_path: Path) -> None:
     """FSDP1 wrapped without a device mesh (DLRover's nanoGPT example): ShardedTensor state, from
     memory after a restart, and from storage (a DCP checkpoint) at the same and another world
@@ -112,7 +112,7 @@ def test_fsdp1_sharded_tensor_state_saves_and_loads(tmp_path: Path) -> None:
             )
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_fsdp1_full_state_checkpointer_round_trip(tmp_path: Path) -> None:
     """FsdpFullCheckpointer on an FSDP1 CPU model (DLRover's nanoGPT with --flash_full_ckpt)."""
     ckpt, oracle = str(tmp_path / "ckpt"), str(tmp_path / "oracle.pt")
@@ -126,7 +126,7 @@ def test_fsdp1_full_state_checkpointer_round_trip(tmp_path: Path) -> None:
         )
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_a_rank_that_cannot_load_the_voted_memory_step_sends_every_rank_to_storage(
     tmp_path: Path,
 ) -> None:

@@ -21,7 +21,7 @@ from tests.checkpoint.harness import (
 # Each rank's start (import, process group, model) takes 10-20 s here, more on a busy machine.
 # One test process runs them all (.ci/run: -n 2 --dist loadgroup): the job fixture runs once.
 ONE_PROCESS = pytest.mark.xdist_group("megatron")
-pytestmark = [pytest.mark.extras, pytest.mark.slow, pytest.mark.timeout(900), ONE_PROCESS]
+pytestmark = [pytest.mark.extras, pytest.mark.timeout(900), ONE_PROCESS]
 # Found, not imported: this process needs none of megatron (its import takes 10-20 s here).
 if (
     importlib.util.find_spec("megatron") is None

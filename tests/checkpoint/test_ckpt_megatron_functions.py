@@ -20,7 +20,7 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_megatron_drop_ins_save_in_megatrons_layout_and_load_memory_then_storage(
     tmp_path: Path,
 ) -> None:

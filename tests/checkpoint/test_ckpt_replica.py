@@ -532,7 +532,7 @@ def test_the_replica_bandwidth_cap_comes_from_the_environment_with_a_clear_error
             replica_bandwidth_from_env({"DLROVER_CKPT_REPLICA_MIB_S": bad})
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_fsdp_shards_of_a_node_that_lost_its_memory_come_back_from_the_next_node(
     tmp_path: Path,
 ) -> None:

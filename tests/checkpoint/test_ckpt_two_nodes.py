@@ -25,7 +25,7 @@ def _node_envs(sockets: list[str], restart: int = 0) -> list[dict[str, str]]:
     return envs
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_two_nodes_merge_one_dcp_checkpoint_loadable_by_plain_dcp(tmp_path: Path) -> None:
     ckpt, oracle = str(tmp_path / "ckpt"), str(tmp_path / "oracle.pt")
     master = LocalCommitCoordinator()  # what the job master provides between nodes

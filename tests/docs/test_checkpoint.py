@@ -53,7 +53,7 @@ def assemble(fragment: str, directory: Path) -> str:
     return head + TRAINING + textwrap.indent(save, "    ") + "".join(lines[wait:]) + CHECKSUM
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_save_and_load_as_the_page_shows(tmp_path: Path) -> None:
     block = doc_block(marker_id(__file__, "test_save_and_load_as_the_page_shows"))
     where, env = user_dir(tmp_path), user_env(tmp_path)

@@ -25,7 +25,7 @@ def bash(line: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProce
     )  # fmt: skip
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_a_job_with_embedding_servers(tmp_path: Path) -> None:
     """The submit line without its `&` runs in the background here (the test keeps its exit
     status); `dlrover scale` is typed once the worker trains, then `dlrover status`. Promised:
@@ -60,6 +60,7 @@ def test_a_job_with_embedding_servers(tmp_path: Path) -> None:
         job.close()
 
 
+@pytest.mark.e2e
 def test_servers_started_by_hand(tmp_path: Path) -> None:
     """The bash block as written, /tmp/ substituted by the test's directory; then, as the page
     says, a third server started the same way and the Python block run with `ps0`..`ps2` read

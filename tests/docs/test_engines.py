@@ -12,7 +12,7 @@ import pytest
 from tests.docs.blocks import doc_block, marker_id, user_dir, user_env
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_a_job_s_status_and_rank_log(tmp_path: Path) -> None:
     """Each line as written, in order (comments are what the docs promise it prints)."""
     block = doc_block(marker_id(__file__, "test_a_job_s_status_and_rank_log"))

@@ -16,7 +16,7 @@ VERDICT = re.compile(r" node check of round 1: 3 nodes, \d+ check round\(s\), [\
 CHECK = re.compile(r"  (ok [\d.]+s|straggler [\d.]+x|faulty)$")
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_submit_with_the_node_check(tmp_path: Path) -> None:
     """`train.py` stands for the reader's script: here a copy of examples/train_mlp.py (so the
     job is named `train`, as the page's status line says). The submit line runs in the

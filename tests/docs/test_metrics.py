@@ -12,7 +12,7 @@ import pytest
 from tests.docs.blocks import Shell, doc_block, marker_id, user_dir, user_env, wait_for
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_the_dashboard_address(tmp_path: Path) -> None:
     """The `$ ` lines are the commands (the submit in the background, as a second terminal
     types the status while it runs); the other lines are what they print, the numbers and the

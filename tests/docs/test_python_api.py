@@ -27,7 +27,7 @@ def run_python(text: str, tmp: Path, timeout: float) -> str:
     return done.stdout
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_job_runner_from_python(tmp_path: Path) -> None:
     """docs/architecture.md, "Running a job from Python": two nodes of examples/train_mlp.py on
     the local engine, as written; the printed outcome is the one the comment shows."""

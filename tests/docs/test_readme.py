@@ -29,7 +29,7 @@ def bash(line: str, cwd: Path, env: dict[str, str], timeout: float = 60) -> tupl
     return done.returncode, done.stdout + done.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_several_nodes(tmp_path: Path) -> None:
     """Three terminals, as a user on one machine would open them: the master (line 1) in one,
     and in each "node" the `set -a` line then its `dlrover-run`. Nothing substituted (the block
@@ -67,7 +67,7 @@ def _read(path: Path) -> str:
     return path.read_text() if path.exists() else ""
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_submit_status_diagnose_stop(tmp_path: Path) -> None:
     """The submit line without its trailing `&` runs in the background here (the test keeps its
     exit status), then each next line as written, as a user types them while it trains. Promised

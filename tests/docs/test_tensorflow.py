@@ -15,7 +15,6 @@ from tests.docs.blocks import Shell, doc_block, marker_id, user_env, wait_for
 
 pytestmark = [
     pytest.mark.extras,
-    pytest.mark.slow,
     pytest.mark.skipif(
         importlib.util.find_spec("tensorflow") is None,
         reason="tensorflow is not installed (pip install tensorflow-cpu==2.21.0)",

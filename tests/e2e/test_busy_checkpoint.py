@@ -42,7 +42,7 @@ def _run(tmp: Path, name: str, faults: str = "") -> Path:
     return out
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_a_worker_killed_on_a_busy_node_resumes_from_its_newest_memory_save(tmp_path: Path):
     """Two ranks, each with a spinning side thread (2 cores saturated), save to memory every
     step and to disk every 10th without waiting for persists; every save returns True (the

@@ -62,6 +62,7 @@ def _diagnose(tmp: Path, name: str, *flags: str) -> list[list[str]]:
     return [line.split(None, 4) for line in lines[2:] if not line.startswith("    ")]
 
 
+@pytest.mark.e2e
 def test_diagnose_lists_each_failure_with_its_class_and_action(tmp_path: Path) -> None:
     """A worker raises (user error: restart in place), then a node's agent is SIGKILLed (the
     node is relaunched). After the job ended, `dlrover diagnose` reads them from the state."""
@@ -131,6 +132,7 @@ def memory_limit() -> Iterator[Path]:
                 time.sleep(0.1)
 
 
+@pytest.mark.e2e
 def test_a_worker_killed_by_the_oom_killer_is_classified_oom(
     tmp_path: Path, memory_limit: Path
 ) -> None:

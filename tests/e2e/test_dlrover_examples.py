@@ -130,11 +130,10 @@ def _paths(tmp: Path, name: str, script: str) -> tuple[Path, list[str]]:
     return out, ["--output_dir", str(ckpt), "--out", str(out)]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "scenario",
     [
-        pytest.param(name, marks=pytest.mark.extras) if name == "hf-trainer" else name
+        pytest.param(name, marks=pytest.mark.extras if name == "hf-trainer" else pytest.mark.e2e)
         for name in SCENARIOS
     ],
 )
@@ -170,7 +169,7 @@ def test_dlrover_style_script_resumes_from_memory_after_a_kill(
         assert trained == expected and len(expected) >= 2, (rank, trained, expected)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.parametrize("first,second", [("torchrun", "dlrover-run"), ("dlrover-run", "torchrun")])
 def test_a_checkpoint_moves_between_torchrun_and_dlrover_run(
     tmp_path: Path, first: str, second: str
@@ -209,7 +208,7 @@ def no_join_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return reference
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.parametrize("first", range(0, 20, 4))  # 5 chunks of 4 seeds: CI spreads them out
 def test_ddp_loop_without_join_never_hangs_after_kills(
     tmp_path: Path, no_join_reference: Path, first: int

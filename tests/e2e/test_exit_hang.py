@@ -24,7 +24,7 @@ def _run(mode: str) -> tuple[int, str]:
     return r.returncode, r.stdout + r.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_a_rank_stuck_after_its_script_returned_counts_as_succeeded() -> None:
     code, log = _run("after_return")
     assert "rank(s) 1 did not exit 2s after" in log, log
@@ -33,7 +33,7 @@ def test_a_rank_stuck_after_its_script_returned_counts_as_succeeded() -> None:
     assert code == 0, log
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_a_rank_whose_script_never_returned_counts_as_failed() -> None:
     code, log = _run("in_script")
     assert "rank(s) 1 did not exit 2s after" in log, log

@@ -43,7 +43,7 @@ def _campaign(tmp_path: Path, *args: str, timeout: float) -> list[dict[str, obje
     return rows
 
 
-@pytest.mark.slow
+@pytest.mark.campaign
 @pytest.mark.timeout(1500)
 def test_every_job_of_a_small_campaign_ends_as_it_should(tmp_path: Path) -> None:
     rows = _campaign(tmp_path, "--jobs", "4", "--seed", SEED, timeout=1400)
@@ -66,7 +66,6 @@ def _campaign_job(tmp_path: Path, seed: str, index: int) -> dict[str, object]:
     return row
 
 
-@pytest.mark.slow
 @pytest.mark.extras
 @pytest.mark.skipif(bool(kafka_missing()), reason=kafka_missing() or "ok")
 @pytest.mark.timeout(700)
@@ -81,7 +80,7 @@ def test_a_stream_job_through_two_broker_outages_and_a_worker_kill_trains_every_
     assert (row["orphans"], row["leaks"]) == (0, []), row
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.timeout(700)
 def test_a_ps_job_whose_server_is_killed_twice_ends_with_the_failure_free_model(
     tmp_path: Path,

@@ -96,7 +96,7 @@ def final(out: Path) -> str:
     return Path(f"{out}.final").read_text()
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_worker_kill_and_exception_restart_in_place_bit_for_bit(tmp_path: Path):
     ref = standalone(tmp_path, "ref", 12)
     killed = standalone(tmp_path, "killed", 12, faults="kill:rank=1:step=5")
@@ -107,7 +107,7 @@ def test_worker_kill_and_exception_restart_in_place_bit_for_bit(tmp_path: Path):
         assert [s for s, _, _ in steps_log(out)] == list(range(1, 13))  # none twice, none skipped
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_agent_killed_node_replaced_and_model_matches_failure_free_run(tmp_path: Path):
     ref, ref_out = submit(tmp_path, "ref", "2", 16)
     assert ref.returncode == 0
@@ -141,7 +141,7 @@ def release_when_shrunk(out: Path, gate: Path, deadline_s: float = 240.0) -> thr
     return thread
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_three_nodes_shrink_to_two_and_grow_back(tmp_path: Path):
     steps = 60
     ref, ref_out = submit(tmp_path, "ref", "2:3", steps, step_time=0.2)
@@ -170,7 +170,7 @@ def test_three_nodes_shrink_to_two_and_grow_back(tmp_path: Path):
     assert tail <= 1.5 * ref_tail + 0.05
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_restarted_workers_resume_from_shared_memory_bit_for_bit(tmp_path: Path):
     def run(name: str, faults: str = "") -> Path:
         out = tmp_path / name
@@ -205,7 +205,7 @@ def test_restarted_workers_resume_from_shared_memory_bit_for_bit(tmp_path: Path)
     assert steps == list(range(1, 15))
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_paused_node_is_lost_then_comes_back_and_the_model_is_unchanged(tmp_path: Path):
     """SIGSTOP one agent past the heartbeat timeout, then SIGCONT it: the master drops it, the
     node registers again when it is heard, and the job ends as if nothing happened."""
@@ -276,7 +276,7 @@ def test_paused_node_is_lost_then_comes_back_and_the_model_is_unchanged(tmp_path
     assert [s for s, _, _ in steps_log(out)] == list(range(1, 31))
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_a_rank_hung_after_the_other_node_succeeded_fails_the_job_instead_of_waiting(
     tmp_path: Path,
 ):

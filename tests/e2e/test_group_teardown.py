@@ -87,7 +87,7 @@ def _has_py_spy() -> bool:
     return subprocess.run(["which", "py-spy"], capture_output=True, check=False).returncode == 0
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.timeout(1800)
 def test_ranks_that_free_ddp_right_after_destroy_process_group_exit(tmp_path: Path) -> None:
     """Before the fix 6 of 20 such ranks hung here (docs/fault_tolerance.md)."""

@@ -25,7 +25,7 @@ from dlrover.engines.cgroups import PREFIX as CGROUP_PREFIX
 from dlrover.engines.cgroups import CgroupRoot
 from tests.conftest import REPO, SCRIPTS, clean_env, dlrover_run
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 
 def _job(case: str) -> str:

@@ -14,7 +14,7 @@ from dlrover.constants import EXIT_MASTER_LOST
 from dlrover.processes import pid_alive
 from tests.conftest import SCRIPTS, MasterProcess, clean_env, run_cmd
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 
 def _steps(out: Path) -> list[int]:

@@ -67,7 +67,16 @@ REDIS = pytest.param(
 )
 
 
-@pytest.mark.parametrize("moment", ["mid-training", "during-rendezvous", "at-exit-barrier", REDIS])
+@pytest.mark.parametrize(
+    "moment",
+    [
+        *(
+            pytest.param(moment, marks=pytest.mark.e2e)
+            for moment in ("mid-training", "during-rendezvous", "at-exit-barrier")
+        ),
+        REDIS,
+    ],
+)
 def test_a_killed_master_restarted_on_its_state_resumes_the_job(
     tmp_path: Path, moment: str, request: pytest.FixtureRequest
 ):

@@ -10,6 +10,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import REPO, SCRIPTS, clean_env, dlrover_run, free_port, run_cmd
@@ -71,6 +72,7 @@ def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     return out
 
 
+@pytest.mark.e2e
 def test_metrics_and_dashboard_of_a_job_with_a_failure(tmp_path: Path) -> None:
     """2 nodes train; rank 1 raises at step 15 (restart in place). Scraped all along, the
     master reports goodput, badput by reason, steps, nodes, usage, restarts by class; the

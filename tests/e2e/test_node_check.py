@@ -80,6 +80,7 @@ def _checks(text: str) -> list[str]:
     )
 
 
+@pytest.mark.e2e
 def test_a_slow_node_is_named_by_the_check_and_replaced(tmp_path: Path) -> None:
     steps = 30
     job, log, out = _submit(
@@ -119,6 +120,7 @@ def test_a_slow_node_is_named_by_the_check_and_replaced(tmp_path: Path) -> None:
     assert seconds < 10, second
 
 
+@pytest.mark.e2e
 def test_a_node_whose_collective_fails_is_localised_in_two_rounds(tmp_path: Path) -> None:
     job, log, out = _submit(tmp_path, "coll", "collective_fail:node=1", "--node-check", steps=10)
     try:
@@ -143,6 +145,7 @@ def test_a_node_whose_collective_fails_is_localised_in_two_rounds(tmp_path: Path
     assert [s for s, _, _ in steps_log(out)] == list(range(1, 11))
 
 
+@pytest.mark.e2e
 def test_a_runtime_straggler_is_replaced_within_three_reports(tmp_path: Path) -> None:
     """No node check: node 1 turns out 3x slow while training. Its step times (reported with
     the heartbeats) score about 0.33 of the fastest node's in every report (every 2 s here); at
@@ -170,6 +173,7 @@ def test_a_runtime_straggler_is_replaced_within_three_reports(tmp_path: Path) ->
     assert [s for s, _, _ in steps_log(out)] == list(range(1, steps + 1))
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("throttle", ["quota", "stop"])
 def test_the_slow_fault_slows_the_worker_itself_and_runtime_scores_name_it(
     tmp_path: Path, throttle: str

@@ -40,7 +40,7 @@ def _loads(out: Path) -> list[tuple[int, int, str, int]]:
     return [(int(r), int(s), src, int(p)) for r, s, src, p in rows]
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_a_lost_node_s_replacement_loads_the_step_from_its_peer_s_memory(tmp_path: Path) -> None:
     ref = _submit(tmp_path, "ref")
     marker = tmp_path / "fired"
@@ -65,7 +65,7 @@ def test_a_lost_node_s_replacement_loads_the_step_from_its_peer_s_memory(tmp_pat
     assert "copied step 8 of slot 0 from" in logs, logs[-4000:]
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_without_replicas_the_replacement_makes_every_node_load_from_storage(
     tmp_path: Path,
 ) -> None:

@@ -21,7 +21,7 @@ import torch
 
 from tests.conftest import REPO, clean_env, dlrover_cli, run_cmd
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 EXAMPLE = REPO / "examples" / "train_embedding.py"
 STEPS = 240

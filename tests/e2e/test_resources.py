@@ -42,6 +42,7 @@ def _run(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return dlrover_cli(tmp / "home", *args, timeout=300)
 
 
+@pytest.mark.e2e
 def test_an_oom_killed_node_is_relaunched_with_more_memory_until_it_fits(tmp_path: Path) -> None:
     ref = _run(tmp_path, "submit", str(_job(tmp_path, "ref", "", 500)))
     assert ref.returncode == 0, ref.stderr
@@ -54,6 +55,7 @@ def test_an_oom_killed_node_is_relaunched_with_more_memory_until_it_fits(tmp_pat
     assert "oom          relaunch_node     OOM-killed at its 600 MiB memory limit" in diagnosis
 
 
+@pytest.mark.e2e
 def test_with_no_relaunch_left_the_job_fails_naming_the_memory_tried(tmp_path: Path) -> None:
     r = _run(tmp_path, "submit", str(_job(tmp_path, "big", "600Mi", 1500, max_relaunches=1)))
     assert r.returncode != 0
@@ -61,6 +63,7 @@ def test_with_no_relaunch_left_the_job_fails_naming_the_memory_tried(tmp_path: P
     assert "give each node more memory (resources.memory)" in r.stderr
 
 
+@pytest.mark.e2e
 def test_at_the_memory_cap_the_job_fails_naming_the_cap_and_the_sizes(tmp_path: Path) -> None:
     job = _job(tmp_path, "cap", "600Mi", 1500, oom_max_memory="700Mi")
     r = _run(tmp_path, "submit", str(job))

@@ -12,7 +12,7 @@ import pytest
 from tests.conftest import REPO, clean_env
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_the_job_runner_example_runs_a_two_node_job_to_success(tmp_path: Path):
     home = tmp_path / "home"
     done = subprocess.run(

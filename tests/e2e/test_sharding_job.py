@@ -17,6 +17,7 @@ from dlrover.sharding.types import DatasetSpec
 from tests.conftest import SCRIPTS, clean_env, dlrover_run
 
 
+@pytest.mark.e2e
 def test_worker_killed_mid_shard_every_sample_is_still_trained(tmp_path: Path):
     n = 400
     r = dlrover_run(
@@ -79,6 +80,7 @@ def test_many_concurrent_grpc_clients_never_share_a_leased_shard():
         server.stop(0.1)
 
 
+@pytest.mark.e2e
 def test_rank0_only_sampler_state_dict_never_blocks_and_loses_no_sample(tmp_path: Path):
     """The DLRover-style `if rank == 0: torch.save({"sampler": sampler.state_dict(...)})`: no
     collective inside, so it cannot deadlock; rank 1 is SIGKILLed mid-epoch, the job resumes
@@ -111,7 +113,7 @@ def test_rank0_only_sampler_state_dict_never_blocks_and_loses_no_sample(tmp_path
     assert after_restart < n
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "rank,step,resumed_epoch",
     [

@@ -52,7 +52,7 @@ def _train(tmp: Path, name: str, **env: str) -> tuple[Path, str]:
     return out, r.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_a_job_whose_shm_is_full_saves_to_disk_and_resumes_from_that_memory(
     tmp_path: Path, full_shm: Path
 ) -> None:

@@ -58,7 +58,7 @@ def lines_of(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.strip()]
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_status_shows_live_pids_logs_follow_and_an_ended_jobs_table(tmp_path: Path):
     home, out = tmp_path / "home", tmp_path / "out"
     out.mkdir()

@@ -8,11 +8,14 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import REPO, SCRIPTS, clean_env, dlrover_cli
 
 dlrover = dlrover_cli
 
 
+@pytest.mark.e2e
 def test_status_shows_progress_and_stop_ends_the_job(tmp_path: Path):
     home = tmp_path / "home"
     (tmp_path / "ck").mkdir()
@@ -86,6 +89,7 @@ def test_bad_job_specs_get_one_clear_error(tmp_path: Path):
     assert r.returncode != 0 and "no job named 'nope'" in r.stderr
 
 
+@pytest.mark.e2e
 def test_a_killed_master_is_restarted_by_submit_and_the_job_goes_on(tmp_path: Path):
     """SIGKILL of the job's master mid-training: `dlrover submit` starts it again on the same
     port, token and state; it adopts the running nodes (no second copy, no worker restart) and
@@ -156,6 +160,7 @@ def test_a_killed_master_is_restarted_by_submit_and_the_job_goes_on(tmp_path: Pa
         assert (node / "stderr").read_text().count("started 2 workers") == 1
 
 
+@pytest.mark.e2e
 def test_a_master_killed_during_a_node_replacement_launches_it_after_its_restart(tmp_path: Path):
     """An agent dies; the master decides to replace its node (relaunch delay 3 s) and is
     SIGKILLed before it launches the replacement. The restarted master launches the saved

@@ -23,7 +23,7 @@ def _results(out: Path, n: int) -> list[tuple[float, float, float, int, int]]:
     return rows
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_standalone_trains_and_the_loss_falls(tmp_path: Path):
     out = tmp_path / "result"
     r = dlrover_run(
@@ -36,7 +36,7 @@ def test_standalone_trains_and_the_loss_falls(tmp_path: Path):
     assert rows[0][2] == rows[1][2]  # DDP keeps replicas equal
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_two_nodes_through_a_separate_master_form_one_world(tmp_path: Path):
     master = MasterProcess(tmp_path)
     try:
@@ -202,6 +202,7 @@ def _wait_for(cond, proc, timeout: float = 60) -> None:
 assert os.name == "posix"
 
 
+@pytest.mark.e2e
 def test_hung_workers_are_detected_and_restarted(tmp_path: Path):
     r = dlrover_run(
         [
@@ -219,6 +220,7 @@ def test_hung_workers_are_detected_and_restarted(tmp_path: Path):
     assert sorted(p.read_text() for p in tmp_path.glob("done.*")) == ["1", "1"]
 
 
+@pytest.mark.e2e
 def test_a_rank_slow_to_exit_after_its_script_returned_is_not_a_hang(tmp_path: Path):
     """--hang-timeout watches steps while the script runs: after it returned (its done file),
     a slow interpreter exit is the exit-hang watch's to judge. It was taken for a hang and the

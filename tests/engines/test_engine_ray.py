@@ -78,7 +78,6 @@ def ray_cluster(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
         shutil.rmtree(tmpdir, ignore_errors=True)
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_lost_ray_node_is_relaunched_elsewhere_and_job_result_is_correct(
     ray_cluster: Any, tmp_path: Path

@@ -24,7 +24,6 @@ pytestmark = [pytest.mark.extras, pytest.mark.xdist_group("ray")]  # one Ray clu
 pytest.importorskip("ray", reason="the Ray engine needs `pip install ray`")
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_job_survives_a_lost_ray_node(ray_cluster: Any, tmp_path: Path, monkeypatch) -> None:  # noqa: F811
     from dlrover.engines.ray_engine import RayEngine
@@ -99,7 +98,6 @@ def test_job_survives_a_lost_ray_node(ray_cluster: Any, tmp_path: Path, monkeypa
     assert sys.platform.startswith("linux")
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_embedding_servers_run_as_ray_nodes(ray_cluster: Any, tmp_path: Path, monkeypatch) -> None:  # noqa: F811
     """A job with `--ps 2` on Ray: the master launches the dlrover-ps nodes as Ray actors (they

@@ -28,7 +28,6 @@ pytestmark = [
 ]
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_ray_nodes_per_rank_logs_on_the_dashboard_and_from_dlrover_logs(
     ray_cluster: Any,  # noqa: F811

@@ -56,7 +56,6 @@ def _job_yaml(tmp: Path, name: str, steps: int, address: str, state: str) -> Pat
     return path
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_killed_master_actor_is_restarted_by_ray_and_the_job_goes_on(
     ray_cluster: Any,  # noqa: F811

@@ -74,7 +74,7 @@ def _start(zygote: Zygote, script: Path, attempt_dir: Path, restart: int) -> lis
     return handles
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_killed_rank_is_restarted_in_place(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(TRAIN)
@@ -111,7 +111,7 @@ def test_killed_rank_is_restarted_in_place(tmp_path: Path) -> None:
         zygote.close()
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_survivor_error_after_peer_kill_is_collateral(tmp_path: Path) -> None:
     """When a peer dies mid-collective, the survivor's error must not count as a user error."""
     script = tmp_path / "train.py"

@@ -281,7 +281,7 @@ def _train_two_ranks(spawn: object, tmp_path: Path, tag: str) -> list[str]:
     return [(tmp_path / f"{tag}{rank}.out").read_text() for rank in range(2)]
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_forked_ddp_training_equals_popen_bit_for_bit(zygote: Zygote, tmp_path: Path) -> None:
     forked = _train_two_ranks(zygote.spawn, tmp_path, "forked")
     fresh = _train_two_ranks(spawn_popen, tmp_path, "fresh")

@@ -23,7 +23,7 @@ CASES = 150
 TARGETS = ("master", "embedding", "embedding-data", "saver", "replica")
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_every_server_survives_the_fuzzer_and_answers_each_case_clearly(tmp_path: Path) -> None:
     results = tmp_path / "fuzz.json"

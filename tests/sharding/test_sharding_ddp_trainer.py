@@ -16,7 +16,7 @@ REPO = HERE.parent.parent
 GLOBAL_BATCH = 12
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_global_batch_is_kept_across_world_sizes(tmp_path: Path) -> None:
     torch.manual_seed(0)
     phases = [(3, 2), (2, 2), (3, 2)]  # (world size, micro batch): accumulation 2, 3, 2

@@ -33,7 +33,7 @@ def wait_for(path: Path, timeout_s: float, what: str) -> None:
         time.sleep(0.01)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_sigkill_mid_shard_every_sample_trained_at_least_once(tmp_path: Path) -> None:
     server = MasterServer(JobMaster(JobMasterConfig(), MemoryStateStore()), "t", "127.0.0.1", 0)
     server.start()
@@ -82,7 +82,7 @@ def test_sigkill_mid_shard_every_sample_trained_at_least_once(tmp_path: Path) ->
     assert server.job.sharding.manager.dataset_progress("d").finished
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_ranks_of_one_start_with_different_restart_counts_restore_the_position_once(
     tmp_path: Path,
 ) -> None:

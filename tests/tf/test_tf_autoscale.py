@@ -25,7 +25,6 @@ from tests.conftest import REPO, clean_env, dlrover_cli, run_cmd
 
 pytestmark = [
     pytest.mark.extras,
-    pytest.mark.slow,
     pytest.mark.skipif(
         importlib.util.find_spec("tensorflow") is None,
         reason="TensorFlow is not installed: pip install tensorflow-cpu==2.21.0",

@@ -33,7 +33,6 @@ from tests.conftest import REPO, clean_env, dlrover_cli, run_cmd
 
 pytestmark = [
     pytest.mark.extras,
-    pytest.mark.slow,
     # One test process runs them all: the reference job (a module fixture) runs once.
     pytest.mark.xdist_group("tf"),
     pytest.mark.skipif(

@@ -26,7 +26,6 @@ from tests.engines.test_engine_ray import ray_cluster  # noqa: F401 - the fixtur
 pytestmark = [
     pytest.mark.extras,
     pytest.mark.xdist_group("ray"),  # one local Ray cluster at a time (.ci/run: -n 2)
-    pytest.mark.slow,
     pytest.mark.skipif(
         importlib.util.find_spec("tensorflow") is None,
         reason="TensorFlow is not installed: pip install tensorflow-cpu==2.21.0",
