@@ -149,14 +149,17 @@ TF_PROGRESS_KEY = "dlrover/tf/progress"
 """A `dlrover.coordination.TfProgress`: the chief's batches and samples finished, set by its
 `PsTrainer` each time its scheduled batches finished."""
 ENV_ZYGOTE_NICE = "DLROVER_ZYGOTE_NICE"
-"""The nice value (0-19, default 19) of the zygote's imports: at 19 they take only the CPU the
-workers leave idle, so on a node saturated by other work the zygote may not be ready for the
-first restarts; 0 makes it ready in an import's time at the cost of slowing the first start."""
-DEFAULT_ZYGOTE_NICE = 19
+"""The nice value (0-19, default 0) of the zygote's imports. The first workers fork from the
+zygote, so its imports are on the first start's path; 19 makes them take only idle CPU (a zygote
+started again after it was lost, while workers run), and on a saturated node can starve them."""
+DEFAULT_ZYGOTE_NICE = 0
 ENV_ZYGOTE_WAIT_S = "DLROVER_ZYGOTE_WAIT_S"
 """Seconds a restart waits for a zygote still importing before it starts its workers afresh
 (default 3; the zygote then serves later restarts)."""
 DEFAULT_ZYGOTE_WAIT_S = 3.0
+DEFAULT_ZYGOTE_FIRST_WAIT_S = 30.0
+"""Seconds the first start waits for the zygote begun as the agent started (importing at normal
+priority, so a fresh start would cost as much) before its workers start afresh."""
 ENV_TF_USAGE_INTERVAL_S = "DLROVER_TF_USAGE_INTERVAL_S"
 """Seconds between two usage reports of a TensorFlow node (default 2; 0: none)."""
 DEFAULT_TF_USAGE_INTERVAL_S = 2.0

@@ -53,6 +53,7 @@ from dlrover.checkpoint.leftovers import OwnerLock, owner_prefix, sweep
 from dlrover.client.checkpoint import MasterCommitCoordinator, MasterPeerDirectory
 from dlrover.constants import (
     DEFAULT_JOB_NAME,
+    DEFAULT_ZYGOTE_FIRST_WAIT_S,
     ENV_NODE_MEMORY_LIMIT_MIB,
     ENV_NODE_NAME,
     EXIT_MASTER_LOST,
@@ -210,6 +211,7 @@ class ElasticAgent:
         os.makedirs(self._run_dir, mode=0o700, exist_ok=True)
         self._start_saver(f"{prefix}.ckpt", settings)
         self._heartbeat.start()
+        self._begin_zygote_now()
 
     def _judge(
         self, monitor: WorkerMonitor, exits: dict[int, int], oom_killed: bool = False
@@ -471,7 +473,9 @@ class ElasticAgent:
         )
         for files in plan.files:
             os.makedirs(os.path.dirname(files.error_file), exist_ok=True)
-        zygote = self._ready_zygote() if self._attempt > 0 else None
+        zygote = self._ready_zygote(
+            self.config.zygote_wait_s if self._attempt > 0 else DEFAULT_ZYGOTE_FIRST_WAIT_S
+        )
         self._plan = plan
         self._group = group = WorkerGroup()
         self._oom_kills = oom_kill_count()
@@ -536,6 +540,18 @@ class ElasticAgent:
             logger.warning("fast restarts are off: cannot start the zygote (%s)", e)
             self._fast_restart = False
 
+    def _begin_zygote_now(self) -> None:
+        """Start the zygote before the first round: its imports overlap the rendezvous, and the
+        first workers fork from it too, so a node pays for one import of torch (and of the lazy
+        modules a DDP step needs) instead of one per worker."""
+        if not self._fast_restart or self.config.script_argv is None:
+            return
+        try:
+            self._zygote = Zygote.begin()
+        except (ZygoteError, OSError) as e:
+            logger.warning("fast restarts are off: cannot start the zygote (%s)", e)
+            self._fast_restart = False
+
     def _note_zygote_ready(self) -> None:
         """Once the zygote has finished its preload, take its ready message (which logs
         "zygote N ready"), so that the log says from when on restarts fork."""
@@ -549,15 +565,14 @@ class ElasticAgent:
             self._zygote = None
             self._fast_restart = False
 
-    def _ready_zygote(self) -> Zygote | None:
-        """The zygote if it is ready within `zygote_wait_s` (it may still be importing at low
-        priority); otherwise the workers start afresh and the zygote serves later restarts."""
+    def _ready_zygote(self, wait_s: float) -> Zygote | None:
+        """The zygote if it is ready within `wait_s` (it may still be importing); otherwise the
+        workers start afresh and the zygote serves later restarts."""
         if self._zygote is None:
             return None
-        if not self._zygote.wait_ready(self.config.zygote_wait_s):
+        if not self._zygote.wait_ready(wait_s):
             logger.info(
-                "the zygote is not ready after %.1fs; starting workers afresh this time",
-                self.config.zygote_wait_s,
+                "the zygote is not ready after %.1fs; starting workers afresh this time", wait_s
             )
             return None
         try:

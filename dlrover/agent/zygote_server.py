@@ -276,22 +276,20 @@ def run_child(spec: SpawnRequest, fds: list[int]) -> None:
         sys.exit(2)
 
 
-def preload_at_idle_priority(modules: list[str]) -> None:
-    """Import `modules` in a helper thread running at the lowest CPU priority (nice 19, or
-    DLROVER_ZYGOTE_NICE).
+def preload_at_priority(modules: list[str]) -> None:
+    """Import `modules` in a helper thread running at the nice value DLROVER_ZYGOTE_NICE
+    (default 0: the first workers fork from the zygote, so its imports are on their path).
 
-    The zygote starts together with the first workers; at nice 19 its imports take only the CPU
-    the workers leave idle, so the first start is not slowed, and the zygote is ready early for
-    a failure in the first seconds (once the workers are gone it gets the whole CPU). On Linux
-    a nice value belongs to one thread, so the main thread, which forks the workers, keeps the
-    normal priority and the workers inherit that. Elsewhere it would apply to the whole
-    process, so the imports run at normal priority there. The agent bounds the whole preload
-    (it kills a zygote not ready in time), so the join below needs no deadline of its own.
+    At 19 the imports take only the CPU the workers leave idle. On Linux a nice value belongs to
+    one thread, so the main thread, which forks the workers, keeps the normal priority and the
+    workers inherit that. Elsewhere it would apply to the whole process, so the imports run at
+    normal priority there. The agent bounds the whole preload (it kills a zygote not ready in
+    time), so the join below needs no deadline of its own.
 
     With autogroup scheduling (the Linux default on desktops and many servers) nice values only
     rank threads inside one session's group, and every worker has a session of its own: the
-    zygote therefore also takes a session of its own and sets that group's nice to 19. A forked
-    worker starts a new session, whose group has the normal weight again.
+    zygote therefore also takes a session of its own and sets that group's nice to the same
+    value. A forked worker starts a new session, whose group has the normal weight again.
     """
     nice = int(number_from_env(c.ENV_ZYGOTE_NICE, c.DEFAULT_ZYGOTE_NICE, "a nice value, 0-19"))
     if nice > 19:
@@ -338,7 +336,7 @@ def main() -> None:
     die_with_parent(args.parent_pid)
     sock = socket.socket(fileno=args.fd)
     started = time.perf_counter()
-    preload_at_idle_priority([m for m in args.preload.split(",") if m])
+    preload_at_priority([m for m in args.preload.split(",") if m])
     preload_s = round(time.perf_counter() - started, 4)
     _send(sock, ReadyEvent(os.getpid(), preload_s, _native_threads()))
     forked = _Server(sock).serve()

@@ -74,8 +74,19 @@ def test_a_node_whose_master_is_gone_stops_its_workers_and_persists_its_newest_s
 
 
 def _worker_pids(agent_pid: int) -> list[str]:
-    """The agent's worker processes (its children that run the script)."""
-    children = Path(f"/proc/{agent_pid}/task/{agent_pid}/children").read_text().split()
-    return [
-        pid for pid in children if b"flash_train.py" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    ]
+    """The agent's worker processes: its children that run the script, or the children of its
+    zygote (forked workers keep the zygote's command line)."""
+
+    def children(pid: str) -> list[str]:
+        return Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+
+    def cmdline(pid: str) -> bytes:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+
+    workers = []
+    for pid in children(str(agent_pid)):
+        if b"dlrover.agent.zygote_server" in cmdline(pid):
+            workers.extend(children(pid))
+        elif b"flash_train.py" in cmdline(pid):
+            workers.append(pid)
+    return workers
