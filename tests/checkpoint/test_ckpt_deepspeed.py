@@ -30,7 +30,7 @@ STEPS, DISK_EVERY, KILL_AT = 6, 3, 5
 STAGES = (1, 2, 3)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # computed once per test process, whatever runs between
 def job(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One 2-rank job for every ZeRO stage, launched twice as the agent would restart it: the
     first launch runs each stage failure-free (our files and DeepSpeed's own of the same

@@ -40,7 +40,7 @@ LAYOUTS = {
 """Each parallel layout the job runs, and the file of each rank in Megatron-LM's layout."""
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # computed once per test process, whatever runs between
 def job(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One 2-rank job for both layouts, launched twice as the agent would restart it: the first
     launch runs each layout failure-free, then again until step 5, where rank 1 of the last

@@ -199,7 +199,7 @@ NO_JOIN_ARGS = ["--epochs", "2", "--gradient_accumulation_steps", "2"]
 NO_JOIN_ARGS += ["--save_memory_interval", "1", "--save_storage_interval", "1000"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # computed once per test process, whatever runs between
 def no_join_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The failure-free model of the no-Join loop (once per test process)."""
     reference, ref_args = _paths(tmp_path_factory.mktemp("no-join"), "reference", "nanogpt.py")
@@ -208,7 +208,7 @@ def no_join_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return reference
 
 
-@pytest.mark.e2e
+@pytest.mark.campaign  # 20 seeded kills
 @pytest.mark.parametrize("first", range(0, 20, 4))  # 5 chunks of 4 seeds: CI spreads them out
 def test_ddp_loop_without_join_never_hangs_after_kills(
     tmp_path: Path, no_join_reference: Path, first: int

@@ -34,7 +34,7 @@ def _args(tmp: Path, name: str, *flags: str, step_time: float = 0.0) -> list[str
     ]  # fmt: skip
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # computed once per test process, whatever runs between
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
     """The model of a run on two servers that nothing happened to."""
     tmp = tmp_path_factory.mktemp("ps-ref")

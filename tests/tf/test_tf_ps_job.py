@@ -191,7 +191,7 @@ class Job:
             return report, {k: model[k] for k in model.files}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # computed once per test process, whatever runs between
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The report of a failure-free run."""
     tmp = tmp_path_factory.mktemp("tf-ref")
