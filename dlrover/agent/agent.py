@@ -523,27 +523,20 @@ class ElasticAgent:
         self._maybe_begin_zygote()
 
     def _maybe_begin_zygote(self) -> None:
-        """Start the template process once the workers are past their imports (so its own
-        imports do not slow the first start), to fork restarted workers in milliseconds."""
-        cfg = self.config
+        """Take the zygote's ready message; start a new zygote where the first was lost (once
+        the workers are `zygote_delay_s` into their attempt, or past their first step)."""
         if self._zygote is not None:
             self._note_zygote_ready()
             return
-        if not self._fast_restart or cfg.script_argv is None:
-            return
         step = self._monitor.step if self._monitor is not None else -1
-        if step < 0 and time.monotonic() - self._started_at < cfg.zygote_delay_s:
+        if step < 0 and time.monotonic() - self._started_at < self.config.zygote_delay_s:
             return
-        try:
-            self._zygote = Zygote.begin()
-        except (ZygoteError, OSError) as e:
-            logger.warning("fast restarts are off: cannot start the zygote (%s)", e)
-            self._fast_restart = False
+        self._begin_zygote_now()
 
     def _begin_zygote_now(self) -> None:
-        """Start the zygote before the first round: its imports overlap the rendezvous, and the
-        first workers fork from it too, so a node pays for one import of torch (and of the lazy
-        modules a DDP step needs) instead of one per worker."""
+        """Start the zygote (as the agent starts: its imports overlap the rendezvous, and the
+        first workers fork from it too, so a node pays for one import of torch, and of the lazy
+        modules a DDP step needs, instead of one per worker)."""
         if not self._fast_restart or self.config.script_argv is None:
             return
         try:

@@ -58,10 +58,11 @@ class AgentConfig:
     """`[script, args...]` or `["-m", module, args...]` for a Python entry point (None with
     --no-python): what the bootstrap and the zygote run."""
     fast_restart: bool = True
-    """Fork restarted workers from a zygote that has imported torch already."""
+    """Fork the workers (the first ones and restarted ones) from a zygote that has imported
+    torch already; off: every worker is a fresh interpreter."""
     zygote_delay_s: float = 0.0
-    """Start the zygote this long after the first workers (or at their first reported step).
-    Its imports run at idle CPU priority, so starting it at once does not slow the first start."""
+    """A zygote lost while workers run is started again this long into their attempt (or at
+    their first reported step)."""
     zygote_wait_s: float = c.DEFAULT_ZYGOTE_WAIT_S
     """At a restart, how long to wait for a zygote still importing before starting afresh
     (a fresh start costs the imports again, so waiting longer than that gains nothing)."""

@@ -255,8 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--fast-restart",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="Fork restarted workers from a process that has imported torch already, so a "
-        "restart skips the imports (default on; --no-fast-restart starts them afresh).",
+        help="Fork the workers, at the first start and at restarts, from a process that has "
+        "imported torch already, so the node imports it once and a restart skips the imports "
+        "(default on; --no-fast-restart starts every worker as a fresh interpreter).",
     )
     p.add_argument("training_script", help="The script (or module, or program) every worker runs.")
     p.add_argument("training_script_args", nargs=argparse.REMAINDER)
