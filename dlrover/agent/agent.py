@@ -582,8 +582,12 @@ class ElasticAgent:
 
     # --- heartbeats ------------------------------------------------------------------------------
     def _heartbeat_report(self) -> HeartbeatReport:
-        pids = [os.getpid(), *(self._group.pids.values() if self._group is not None else ())]
-        cpu, mem = self._usage.sample(pids)
+        # The zygote is part of the node's use (its cgroup counts it): without it a sizing
+        # window that ends while it still imports, before any worker is forked, measured only
+        # the agent, and auto-scale sized nodes at ~70 MiB (found with the e2e stage under load).
+        zygote = [self._zygote.pid] if self._zygote is not None else []
+        workers = self._group.pids.values() if self._group is not None else ()
+        cpu, mem = self._usage.sample([os.getpid(), *zygote, *workers])
         step = max(self.step_reached, self._monitor.step if self._monitor is not None else -1)
         return HeartbeatReport(
             node_id=self.node_id,

@@ -419,6 +419,11 @@ class PendingZygote:
         self._result: Zygote | None = None
 
     @property
+    def pid(self) -> int:
+        """The zygote process's pid (importing or ready)."""
+        return self._process.pid
+
+    @property
     def done(self) -> bool:
         """Whether `result()` has returned the ready zygote already."""
         return self._result is not None
