@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -437,7 +439,9 @@ def run(argv: Sequence[str] | None = None) -> int:
 
 def main() -> None:
     """Console entry point of ``dlrover``: exits with ``run()``'s code. Output piped into a
-    reader that stopped reading (`dlrover logs -f NAME | head`) ends it quietly with 0."""
+    reader that stopped reading (`dlrover logs -f NAME | head`) ends it quietly with 0.
+    SIGUSR1 prints every thread's stack to stderr (a command that seems stuck says where)."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         code = run()
         sys.stdout.flush()

@@ -132,7 +132,16 @@ def test_status_shows_live_pids_logs_follow_and_an_ended_jobs_table(tmp_path: Pa
         interrupted.send_signal(signal.SIGINT)
         # Read what it still writes until it ends: a follower blocked on a full pipe that nobody
         # reads cannot get to its Ctrl-C flag (seen beside another stage: 30 s without an exit).
-        interrupted.communicate(timeout=30)
+        try:
+            interrupted.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            interrupted.send_signal(signal.SIGUSR1)  # its stacks, to the captured stderr
+            time.sleep(1)
+            interrupted.kill()
+            interrupted.communicate(timeout=10)
+            raise AssertionError(
+                "logs -f did not end within 30 s of Ctrl-C; stacks: stderr"
+            ) from None
         assert interrupted.returncode == 0
         # Piped into a reader that stops reading (`| head -1`): it ends quietly at its next line.
         piped = subprocess.Popen(
