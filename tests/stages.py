@@ -81,7 +81,7 @@ class StageCheck:
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         for name, seconds in report.user_properties:
-            if name == _OVER:
+            if name == _OVER and isinstance(seconds, float):
                 self.over.append((seconds, report.nodeid))
 
     @pytest.hookimpl(trylast=True)

@@ -5,6 +5,7 @@ resumes from the memory step and ends with the failure-free run's model."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -15,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import torch
 
@@ -42,16 +44,27 @@ def launch(
     else:
         command = [sys.executable, "-m", "dlrover.cli.run", "--standalone"]
     command += ["--nproc_per_node=2", "--max-restarts=2", str(STYLE / script), *args]
+    # PYTHONFAULTHANDLER: a process that gets SIGABRT prints every thread's stack to the log.
     return subprocess.Popen(
-        command, env=clean_env(), cwd=REPO, stdout=log.open("wb"), stderr=subprocess.STDOUT
-    )
+        command, env=clean_env(PYTHONFAULTHANDLER="1"), cwd=REPO, stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+    )  # fmt: skip
 
 
 def finish(proc: subprocess.Popen[bytes], log: Path) -> None:
     try:
         code = proc.wait(RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        # Where each process waits, in the log: SIGABRT makes them print their stacks.
+        tree = [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]
+        for pid in reversed(tree):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGABRT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(10)
+        for pid in tree:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         proc.wait(10)
         raise AssertionError(
             f"the job did not end in {RUN_TIMEOUT_S}s:\n{log.read_text()[-6000:]}"
