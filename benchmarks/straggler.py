@@ -6,7 +6,7 @@ Each row is a real `dlrover submit` of 3 nodes x 1 worker on the local engine, t
 deterministic DDP oracle (tests/scripts/oracle_train.py: one allreduce per parameter each step,
 ``--step-time`` seconds of CPU work, `--compute-ms`). The slow node is node slot 1 with
 ``DLROVER_FAULTS=slow:node=1:factor=3``: its agent holds its worker to 1/3 of a CPU
-(dlrover/agent/throttle.py) so its steps take 3x as long, and so does its node-check compute test; its replacement (a new machine) is healthy. Rows:
+(dlrover/faults/throttle.py) so its steps take 3x as long, and so does its node-check compute test; its replacement (a new machine) is healthy. Rows:
 
 - healthy: no slow node (the floor), and the same with --node-check (what the check costs);
 - static: the slow node stays, every step waits for it (what a job without a check gets);

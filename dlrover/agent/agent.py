@@ -15,7 +15,7 @@ import socket
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, Protocol
 
 from dlrover.agent.cgroup import oom_kill_count
 from dlrover.agent.config import AgentConfig
@@ -36,8 +36,6 @@ from dlrover.agent.rendezvous_client import (
     RendezvousTimeoutError,
     RunResult,
 )
-from dlrover.agent.throttle import SlowFaults
-from dlrover.agent.throttle import sweep as sweep_throttles
 from dlrover.agent.workers import WorkerGroup
 from dlrover.agent.zygote import PendingZygote, Zygote, ZygoteError
 from dlrover.api.master import (
@@ -92,6 +90,29 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+class WorkerFaults(Protocol):
+    """Faults the agent applies to its own workers (`dlrover.faults.throttle.SlowFaults`: the
+    ``slow`` fault of DLROVER_FAULTS, which `dlrover-run` hands the agent)."""
+
+    def clean_leftovers(self) -> None:
+        """Undo what agents SIGKILLed on this machine left applied (as this agent starts)."""
+
+    def start_attempt(
+        self,
+        rank_offset: int,
+        pids: dict[int, int],
+        restart_count: int,
+        node: tuple[int, int] | None,
+    ) -> None:
+        """An attempt's workers (local rank -> pid) run."""
+
+    def tick(self, step: int) -> None:
+        """About every second, with the node's newest step."""
+
+    def release(self) -> None:
+        """Before the workers are stopped or judged: nothing applied any more."""
+
+
 class ElasticAgent:
     """Runs the workers of one node for the life of the job.
 
@@ -101,10 +122,18 @@ class ElasticAgent:
     (bounded by max_restarts); a membership change (a node waits to join, or a known node came
     back) re-forms without using up a restart; success ends in an exit barrier.
 
-    `master` is any `MasterApi`: a `MasterClient` (gRPC) or, in tests, a `LocalMasterApi`.
+    `master` is any `MasterApi`: a `MasterClient` (gRPC) or, in tests, a `LocalMasterApi`;
+    `worker_faults`, fault injection applied to the workers (None: none).
     """
 
-    def __init__(self, config: AgentConfig, master: MasterApi, master_addr: str, token: str):
+    def __init__(
+        self,
+        config: AgentConfig,
+        master: MasterApi,
+        master_addr: str,
+        token: str,
+        worker_faults: WorkerFaults | None = None,
+    ):
         self.config = config
         self.master = master
         self._master_addr = master_addr
@@ -139,8 +168,7 @@ class ElasticAgent:
         self._usage = UsageMeter()
         self._oom_kills: int | None = None
         """The cgroup's OOM-kill counter when the current workers started."""
-        self._slow = SlowFaults(os.environ.get(ENV_FAULTS, ""))
-        """DLROVER_FAULTS's slow faults, applied to this node's workers by the agent."""
+        self._faults = worker_faults
         self._checker = (
             NodeChecker(
                 master,
@@ -200,7 +228,8 @@ class ElasticAgent:
         # What agents SIGKILLed on this node left behind (their owner lock is free); live
         # agents' things, of this job or another, are not touched.
         sweep(settings.shm_dir, spill_dir=settings.spill_dir)
-        sweep_throttles()
+        if self._faults is not None:
+            self._faults.clean_leftovers()
         self._wait_pending()
         self._register()
         # Named for the job, node and this process, and guarded by a lock held until close:
@@ -242,7 +271,8 @@ class ElasticAgent:
 
     def close(self) -> None:
         """Stop the workers, the heartbeat, the zygote and the saver; remove the run dir."""
-        self._slow.release()
+        if self._faults is not None:
+            self._faults.release()
         if self._group is not None:
             self._group.stop(self.config.stop_grace_s)
         self._heartbeat.stop()
@@ -291,7 +321,8 @@ class ElasticAgent:
         cfg = self.config
         group = self._group
         assert group is not None
-        self._slow.release()  # a stopped worker would not see the agent's SIGTERM
+        if self._faults is not None:
+            self._faults.release()  # a stopped worker would not see the agent's SIGTERM
         if outcome in (Outcome.SUCCEEDED, Outcome.FAILED):
             # The steps since the last beat, before the workers' state changes (goodput).
             monitor.check_progress()
@@ -483,12 +514,13 @@ class ElasticAgent:
         group.start(plan.launches, zygote)
         self._started_at = started
         self._attempt += 1
-        self._slow.start_attempt(
-            world.rank_offset,
-            group.pids,
-            self.restart_count,
-            node_slot(self.node_id, cfg.requested_node_rank),
-        )
+        if self._faults is not None:
+            self._faults.start_attempt(
+                world.rank_offset,
+                group.pids,
+                self.restart_count,
+                node_slot(self.node_id, cfg.requested_node_rank),
+            )
         logger.info(
             "started %d workers (ranks %d..%d, restart %d): %s",
             cfg.nproc_per_node,
@@ -519,7 +551,8 @@ class ElasticAgent:
         return self._monitor
 
     def _every_second(self) -> None:
-        self._slow.tick(self._monitor.step if self._monitor is not None else -1)
+        if self._faults is not None:
+            self._faults.tick(self._monitor.step if self._monitor is not None else -1)
         self._maybe_begin_zygote()
 
     def _maybe_begin_zygote(self) -> None:

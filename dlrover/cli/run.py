@@ -19,6 +19,8 @@ from dlrover.agent.workers import STD_ALL
 from dlrover.cli.common import parse_nnodes, parse_std_spec, setup_logging
 from dlrover.client.master_client import MasterClient, MasterClientError
 from dlrover.envvars import number_from_env
+from dlrover.faults import ENV_FAULTS
+from dlrover.faults.throttle import SlowFaults
 from dlrover.master.assembly import MasterSettings, RunningMaster, build_master
 from dlrover.master.server import MasterServerError, job_name_for_token, new_token
 from dlrover.master.tensorboard import TensorBoardError
@@ -500,7 +502,9 @@ def run(argv: Sequence[str] | None = None) -> int:
         echo = RankLogEcho(config.log_dir).start()
     try:
         client.wait_ready(c.DEFAULT_CONNECT_TIMEOUT_S if server is None else 5.0)
-        agent = ElasticAgent(config, client, master_addr, token)
+        agent = ElasticAgent(
+            config, client, master_addr, token, SlowFaults(os.environ.get(ENV_FAULTS, ""))
+        )
         result = agent.run()
         if result.exit_code == c.EXIT_NODE_OOM:
             print(f"dlrover-run: this node needs more memory: {result.reason}", file=sys.stderr)

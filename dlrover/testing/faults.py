@@ -74,7 +74,7 @@ class FaultInjector:
         slow_by_agent: bool = False,
     ) -> None:
         # Under a dlrover agent, slow faults throttle the process itself
-        # (dlrover/agent/throttle.py); sleeping here too would slow it twice.
+        # (dlrover/faults/throttle.py); sleeping here too would slow it twice.
         self._faults = tuple(
             fault
             for fault in faults

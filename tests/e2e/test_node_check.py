@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dlrover.agent.throttle import QuotaThrottle
+from dlrover.faults.throttle import QuotaThrottle
 from tests.conftest import REPO, SCRIPTS, clean_env, dlrover_cli, dlrover_run
 from tests.e2e.test_fault_tolerance import steps_log
 

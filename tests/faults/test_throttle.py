@@ -11,8 +11,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from dlrover.agent import throttle
-from dlrover.agent.throttle import (
+from dlrover.constants import ENV_THROTTLE
+from dlrover.faults import parse_faults, throttle
+from dlrover.faults.throttle import (
     QuotaThrottle,
     SlowFaults,
     SlowWorker,
@@ -20,8 +21,6 @@ from dlrover.agent.throttle import (
     make_throttle,
     slow_workers,
 )
-from dlrover.constants import ENV_THROTTLE
-from dlrover.faults import parse_faults
 
 SPIN = "import os\nos.setsid()\nwhile True: pass\n"
 

@@ -8,7 +8,7 @@ separated by ``;``, each ``kind:key=value:...``, for example::
 
 Kinds: ``kill`` (SIGKILL itself), ``raise`` (RuntimeError), ``hang`` (block, forever or for
 ``seconds``), ``slow`` (from ``step`` on the worker runs ``factor`` times slower: under an
-agent it is throttled, dlrover/agent/throttle.py, elsewhere each step sleeps; the node
+agent it is throttled, dlrover/faults/throttle.py, elsewhere each step sleeps; the node
 check's compute test too), ``exit`` (``os._exit(code)``, as a native library calling exit
 would), ``kill_agent`` (SIGKILL the pid in DLROVER_AGENT_PID), ``lose_node`` (the node's
 machine is gone: SIGKILL the agent, delete its flash-checkpoint shared memory, SIGKILL

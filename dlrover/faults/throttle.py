@@ -200,9 +200,10 @@ class StopCycleThrottle(Throttle):
 class SlowFaults:
     """A node's slow faults across its attempts: which workers to throttle, from which step.
 
-    The agent calls `start_attempt` once its workers run, `tick` with the node's newest step
-    (about every second) and `release` before it stops or judges them (a stopped worker would
-    not act on SIGTERM)."""
+    The agent's `WorkerFaults` (dlrover/agent/agent.py), which `dlrover-run` hands it: the agent
+    calls `clean_leftovers` as it starts, `start_attempt` once its workers run, `tick` with the
+    node's newest step (about every second) and `release` before it stops or judges them (a
+    stopped worker would not act on SIGTERM)."""
 
     def __init__(self, faults_text: str) -> None:
         self._faults: tuple[Fault, ...] = ()
@@ -214,6 +215,10 @@ class SlowFaults:
         self._pending: list[SlowWorker] = []
         self._pids: dict[int, int] = {}
         self._throttle: Throttle | None = None
+
+    def clean_leftovers(self) -> None:
+        """Remove the throttle cgroups SIGKILLed agents left on this machine (`sweep`)."""
+        sweep()
 
     def start_attempt(
         self,
