@@ -128,6 +128,7 @@ FOUNDATION = (
     "dlrover.faults",
     "dlrover.jobspec",
     "dlrover.json_messages",
+    "dlrover.log",
     "dlrover.processes",
     "dlrover.worker_context",
 )

@@ -1,26 +1,11 @@
-"""Shared CLI pieces: logging set-up and argument parsers for node counts and stream specs."""
+"""Shared CLI pieces: logging set-up (`dlrover.log`) and argument parsers for node counts and
+stream specs."""
 
 from __future__ import annotations
 
-import logging
-import os
-import sys
+from dlrover.log import setup_logging
 
-from dlrover.constants import ENV_LOG_LEVEL
-
-
-def setup_logging(name: str) -> None:
-    """Log to stderr at DLROVER_LOG_LEVEL (default INFO), each line tagged ``[name]``; gRPC's own
-    loggers only from WARNING."""
-    level = os.environ.get(ENV_LOG_LEVEL, "INFO").upper()
-    logging.basicConfig(
-        level=getattr(logging, level, logging.INFO),
-        format=f"[{name}] %(asctime)s.%(msecs)03d %(levelname)s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-        stream=sys.stderr,
-    )
-    # gRPC's own loggers are noisy at INFO.
-    logging.getLogger("grpc").setLevel(logging.WARNING)
+__all__ = ["parse_nnodes", "parse_std_spec", "setup_logging"]
 
 
 def parse_nnodes(value: str) -> tuple[int, int]:
