@@ -90,7 +90,7 @@ def in_place(tmp: Path, index: int) -> float:
                 return resumed - killed
             before += 1
     finally:
-        job.stop()
+        job.lifecycle.stop()
 
 
 def restart(tmp: Path, index: int) -> float:
@@ -99,9 +99,9 @@ def restart(tmp: Path, index: int) -> float:
     try:
         job.wait_lines(5)
         killed = job.kill_ps()
-        job.stop()
+        job.lifecycle.stop()
     finally:
-        job.stop()
+        job.lifecycle.stop()
     before = len(Job.lines(job))
     again = Job(tmp / f"home-b{index}", out, f"restart{index}")
     try:

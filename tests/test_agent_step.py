@@ -11,6 +11,7 @@ from pathlib import Path
 from dlrover.agent.agent import ElasticAgent
 from dlrover.agent.config import AgentConfig
 from dlrover.agent.failure_policy import WorkerGroupState
+from dlrover.api.master import JoinRequest, Registration
 from dlrover.master.job import JobMaster, JobMasterConfig, JobState
 from dlrover.master.local_api import LocalMasterApi
 from dlrover.master.state_store import MemoryStateStore
@@ -43,7 +44,7 @@ def test_one_step_per_round_restarts_then_succeeds():
         result = agent.step()
         assert result is not None and result.exit_code == 0
         assert agent.state is WorkerGroupState.SUCCEEDED
-        assert job.state is JobState.SUCCEEDED
+        assert job.lifecycle.state is JobState.SUCCEEDED
     finally:
         agent.close()
 
@@ -94,8 +95,10 @@ def _step_reformed_once(agent: ElasticAgent, job: JobMaster, ready: Path) -> lis
     while not ready.exists():  # the worker's file is the only sign it got there
         assert time.monotonic() < deadline and worker.is_alive(), "the worker never got there"
         time.sleep(0.05)
-    job.register("b", "127.0.0.1", "worker", 1, -1, 1, None)  # a node joins: re-form
-    job.join("b", 0, 1, "127.0.0.1", 1)
+    job.members.register_node(
+        Registration("127.0.0.1", 1, "b", "worker", -1, 1)
+    )  # a node joins: re-form
+    job.members.join_rendezvous(JoinRequest("b", 0, 1, "127.0.0.1", 1))
     worker.join(60)
     return stepped
 
@@ -112,11 +115,11 @@ def test_a_user_error_raised_as_the_world_reforms_counts_toward_failing_fast(tmp
         stepped = _step_reformed_once(agent, job, ready)
         assert stepped == [None] and agent.restart_count == 0  # re-formed, no restart used
         # Raised in answer to the agent's own stop: not a root cause to report.
-        assert job.failures() == ()
+        assert job.diagnostics.failures() == ()
         result = agent.step()  # round 2: the same error at once
         assert result is not None and result.exit_code != 0, agent.state
         assert "same user error twice in a row (ValueError" in result.reason
-        assert job.state is JobState.FAILED
+        assert job.lifecycle.state is JobState.FAILED
     finally:
         agent.close()
 
@@ -147,8 +150,8 @@ def test_a_user_error_raised_before_the_world_reforms_is_reported_as_its_root_ca
     try:
         stepped = _step_reformed_once(agent, job, ready)  # the error file is written first
         assert stepped == [None] and agent.state is WorkerGroupState.RESTARTING
-        rows = [(f.node_id, f.failure_class.value, f.action) for f in job.failures()]
+        rows = [(f.node_id, f.failure_class.value, f.action) for f in job.diagnostics.failures()]
         assert rows == [(agent.node_id, "user_error", "restart_processes")]
-        assert "ValueError: bad learning rate" in job.failures()[0].root_cause
+        assert "ValueError: bad learning rate" in job.diagnostics.failures()[0].root_cause
     finally:
         agent.close()

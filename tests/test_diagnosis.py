@@ -80,12 +80,12 @@ def test_the_failure_log_outlives_the_master_and_keeps_the_newest(tmp_path: Path
     store = SqliteStateStore(str(tmp_path / "state.db"))
     job = JobMaster(JobMasterConfig(job_name="j"), store)
     for i in range(MAX_FAILURES + 5):
-        job.record_failure(
+        job.diagnostics.record_failure(
             FailureRecord(float(i), f"n{i}", FailureClass.SIGNAL, "restart_processes", "x")
         )
-    kept = job.failures()
+    kept = job.diagnostics.failures()
     assert len(kept) == MAX_FAILURES and kept[0].node_id == "n5"
     again = JobMaster(JobMasterConfig(job_name="j"), store)  # a restarted master
-    assert again.failures() == kept
+    assert again.diagnostics.failures() == kept
     assert [r for _, r in load_failures(store)] == list(kept)
     store.close()

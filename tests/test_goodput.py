@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from dlrover.api.master import HeartbeatReport, JoinRequest, Registration
 from dlrover.master.goodput import GoodputTracker, StepSample
 
 
@@ -114,8 +115,10 @@ def test_a_restarted_master_counts_goodput_of_the_round_it_took_over(tmp_path: P
     config = JobMasterConfig("g", RendezvousConfig(1, 1))
     store = SqliteStateStore(str(tmp_path / "state.db"))
     job = JobMaster(config, store, clock=lambda: now[0])
-    node = job.register("n0", "h", "default", 1, -1, 1, None)
-    job.join(node.node_id, node.incarnation, 1, "h", 1)  # max nodes: the round closes at once
+    node = job.members.register_node(Registration("h", 1, "n0", "default", -1, 1))
+    job.members.join_rendezvous(
+        JoinRequest(node.node_id, node.incarnation, 1, "h", 1)
+    )  # max nodes: the round closes at once
     assert job.rendezvous is not None and job.rendezvous.world is not None
     store.close()
 
@@ -123,6 +126,19 @@ def test_a_restarted_master_counts_goodput_of_the_round_it_took_over(tmp_path: P
     store = SqliteStateStore(str(tmp_path / "state.db"))
     job = JobMaster(config, store, clock=lambda: now[0])
     now[0] = 110.0
-    job.heartbeat("n0", node.incarnation, 70, 0.0, 0, 0, sample=StepSample(70, 0.0, 0, 70.0))
-    assert job.goodput.snapshot(110.0).productive_s == pytest.approx(10.0)
+    job.members.heartbeat(
+        HeartbeatReport(
+            "n0",
+            node.incarnation,
+            cpu_percent=0.0,
+            memory_bytes=0,
+            step=70,
+            restart_count=0,
+            attempt_step=70,
+            attempt_step_age_s=0.0,
+            attempt_first_step=0,
+            attempt_first_age_s=70.0,
+        )
+    )
+    assert job.diagnostics.goodput.snapshot(110.0).productive_s == pytest.approx(10.0)
     store.close()

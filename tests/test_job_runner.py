@@ -71,7 +71,7 @@ def test_a_node_failing_past_its_relaunches_ends_the_run_with_the_jobs_failure()
         state="failed",
         pid=read_record("lib").pid,
         reason=outcome.reason,
-        exit_code=runner.job.exit_code,
+        exit_code=runner.job.lifecycle.exit_code,
         engine="local",
     )
     # What `dlrover status` prints of it now: the last table and the failure.

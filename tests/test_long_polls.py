@@ -142,7 +142,7 @@ def test_the_exit_barrier_is_held_until_the_last_node_succeeds(server):
     thread.join(HELD)
     ((done, took),) = out
     assert done and took < 3.0
-    assert server.job.state is JobState.SUCCEEDED
+    assert server.job.lifecycle.state is JobState.SUCCEEDED
     # The barrier's status read leaves the node list out.
     assert c.get_job_status(with_nodes=False).nodes == ()
     assert len(c.get_job_status().nodes) == 2
@@ -171,7 +171,7 @@ def test_thousands_of_calls_at_once_are_all_answered(server):
     results = asyncio.run(burst())
     failed = [r for r in results if isinstance(r, BaseException)]
     assert not failed, f"{len(failed)} of {n} calls failed, e.g. {failed[0]!r}"
-    assert len({r.node_id for r in results}) == n == len(server.job.nodes)
+    assert len({r.node_id for r in results}) == n == len(server.job.members.nodes)
 
 
 def test_heartbeats_stretch_with_the_job_and_a_shrinking_job_keeps_its_nodes():
@@ -187,19 +187,19 @@ def test_heartbeats_stretch_with_the_job_and_a_shrinking_job_keeps_its_nodes():
     nodes = [api.register_node(Registration("h", 1)) for _ in range(40)]
     # 40 live nodes at 2 beats/s: each beats every 20 s, and is lost after 3 of those.
     assert nodes[-1].heartbeat_interval_s == pytest.approx(20.0)
-    assert job.heartbeat_timeout_s() == pytest.approx(60.0)
+    assert job.members.heartbeat_timeout_s() == pytest.approx(60.0)
     # 30 nodes end: new answers say 5 s, but nodes told 20 s must not be lost at 15 s of silence.
     for n in nodes[:30]:
-        job.nodes.set_state(n.node_id, NodeState.SUCCEEDED, "done")
-    assert job.heartbeat_interval_s() == pytest.approx(5.0)
+        job.members.nodes.set_state(n.node_id, NodeState.SUCCEEDED, "done")
+    assert job.members.heartbeat_interval_s() == pytest.approx(5.0)
     now[0] = 30.0
     job.tick()
-    assert all(job.nodes.get(n.node_id).state == NodeState.PENDING for n in nodes[30:])
+    assert all(job.members.nodes.get(n.node_id).state == NodeState.PENDING for n in nodes[30:])
     # Once every node has beaten again (2 high intervals later) the timeout comes down, by halves.
     now[0] = 45.0
     for n in nodes[30:]:
         api.heartbeat(HeartbeatReport(n.node_id, n.incarnation))
-    assert job.heartbeat_timeout_s() == pytest.approx(30.0)
+    assert job.members.heartbeat_timeout_s() == pytest.approx(30.0)
 
 
 def test_the_agents_membership_watch_flags_only_the_round_it_watched():
@@ -225,7 +225,7 @@ def test_the_agents_membership_watch_flags_only_the_round_it_watched():
         watch.arm(a.node_id, 2)  # the next round's watch starts clean
         time.sleep(0.2)
         assert not watch.must_reform(2)
-        job.stop("ended by the test")
+        job.lifecycle.stop("ended by the test")
         assert stop.wait(5)  # the watch hears the end at once and tells the agent to stop
     finally:
         watch.close()

@@ -124,4 +124,4 @@ def test_a_success_report_lost_with_the_master_reaches_the_restarted_one(tmp_pat
     barrier_a.join(20)
     barrier_b.join(20)
     assert [r.exit_code for r in result_a + result_b] == [0, 0]
-    assert job.state is JobState.SUCCEEDED
+    assert job.lifecycle.state is JobState.SUCCEEDED

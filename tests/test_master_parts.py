@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from dlrover.api.master import FailureClass, NodeCheckJoin, NodeCheckReport
+from dlrover.api.master import (
+    FailureClass,
+    HeartbeatReport,
+    JoinRequest,
+    NodeCheckJoin,
+    NodeCheckReport,
+    NodeOutcome,
+    NodeReport,
+    Registration,
+)
 from dlrover.decisions import FailureAction
 from dlrover.engines.base import FailureReason, NodeEvent, NodeSpec, NodeState, Resources
 from dlrover.master.job import JobMaster, JobMasterConfig
@@ -22,17 +31,21 @@ def _running_pair(now: list[float]) -> JobMaster:
         clock=lambda: now[0],
     )
     for node in ("a", "b"):
-        job.register(node, "h", "worker", 1, -1, 1, None)
-        job.join(node, 0, 1, "h", 1)
-    assert job.get_world("a", 0) is not None
+        job.members.register_node(Registration("h", 1, node, "worker", -1, 1))
+        job.members.join_rendezvous(JoinRequest(node, 0, 1, "h", 1))
+    assert job.members.get_world("a", 0) is not None
     for node in ("a", "b"):
-        job.heartbeat(node, 0, 1, 0.0, 0, 0, step_time_s=0.1)
+        job.members.heartbeat(
+            HeartbeatReport(
+                node, 0, cpu_percent=0.0, memory_bytes=0, step=1, restart_count=0, step_time_s=0.1
+            )
+        )
     return job
 
 
 def _scored(job: JobMaster) -> list[str]:
     """The nodes a straggler report would score now (those with a step time on record)."""
-    scores, _ = job.stragglers.report(["a", "b"])
+    scores, _ = job.diagnostics.stragglers.report(["a", "b"])
     return [s.node_id for s in scores]
 
 
@@ -41,27 +54,29 @@ def test_a_lost_node_is_forgotten_the_same_way_whoever_noticed(how: str) -> None
     now = [0.0]
     job = _running_pair(now)
     assert _scored(job) == ["a", "b"]
-    job.expect("b")  # as if a controller had announced a replacement under that id
+    job.members.expect("b")  # as if a controller had announced a replacement under that id
     rounds = job.rendezvous
     assert rounds is not None and rounds.world is not None
     if how == "heartbeat":
         now[0] += 11.0
-        job.heartbeat("a", 0, 2, 0.0, 0, 0)  # only a beats
+        job.members.heartbeat(
+            HeartbeatReport("a", 0, cpu_percent=0.0, memory_bytes=0, step=2, restart_count=0)
+        )  # only a beats
         job.tick()
     else:
-        job.node_lost("b", "process_exited: killed")
-    node = job.nodes.get("b")
+        job.members.lose("b", "process_exited: killed")
+    node = job.members.nodes.get("b")
     assert node.state.value == "lost"
     # Every departure forgets the same things: the straggler history, the expected set.
     assert _scored(job) == ["a"]
     assert not job.members.expecting()
     # and what it records depends on who noticed, as before: a silent node is a failure.
-    kinds = [kind for _, kind, _ in job.events]
+    kinds = [kind for _, kind, _ in job.diagnostics.events]
     if how == "heartbeat":
-        assert [f.failure_class for f in job.failures()] == [FailureClass.NODE_LOST]
+        assert [f.failure_class for f in job.diagnostics.failures()] == [FailureClass.NODE_LOST]
         assert "node" not in kinds
     else:
-        assert job.failures() == ()
+        assert job.diagnostics.failures() == ()
         assert "node" in kinds
 
 
@@ -97,9 +112,9 @@ def test_one_relaunch_rule_for_roles_without_survivors() -> None:
 def test_scale_requests_go_to_the_controller_registered_for_the_role() -> None:
     job = JobMaster(JobMasterConfig("roles"), MemoryStateStore())
     with pytest.raises(ValueError, match="no embedding servers"):
-        job.scale_role("ps", 2)
+        job.roles.scale_role("ps", 2)
     with pytest.raises(ValueError, match="only ps"):
-        job.scale_role("worker", 2)
+        job.roles.scale_role("worker", 2)
 
     class Servers:
         failovers = 0
@@ -114,11 +129,11 @@ def test_scale_requests_go_to_the_controller_registered_for_the_role() -> None:
             return []
 
     servers = Servers()
-    job.ps = servers  # type: ignore[assignment]
+    job.roles.register("ps", servers)
     assert job.roles.owner("ps") is servers
-    assert job.scale_role("ps", 3) == ("ps -> 3", 7)
-    job.tf = servers  # a TensorFlow job's controller answers for every role
-    assert job.scale_role("chief", 1) == ("chief -> 1", 7)
+    assert job.roles.scale_role("ps", 3) == ("ps -> 3", 7)
+    job.roles.register_job(servers)  # a TensorFlow job's controller answers for every role
+    assert job.roles.scale_role("chief", 1) == ("chief -> 1", 7)
 
 
 @pytest.mark.parametrize("exclude", [False, True])
@@ -129,13 +144,17 @@ def test_a_straggler_the_node_check_names_is_recorded_whether_excluded_or_kept(
     action taken (exclude, or none when the job keeps it)."""
     now = [0.0]
     job = _running_pair(now)
-    world = job.get_world("a", 0)
+    world = job.members.get_world("a", 0)
     assert world is not None
     for node in ("a", "b"):
-        job.join_node_check(NodeCheckJoin(node, 0, world.round, 1, f"h:{node}", 2.0, exclude))
+        job.preflight.node_check_poll(
+            NodeCheckJoin(node, 0, world.round, 1, f"h:{node}", 2.0, exclude)
+        )
     for node, compute_s in (("a", 1.0), ("b", 3.0)):
-        job.report_node_check(NodeCheckReport(node, 0, world.round, 1, True, compute_s, 0.1))
-    [record] = job.failures()
+        job.preflight.report_node_check(
+            NodeCheckReport(node, 0, world.round, 1, True, compute_s, 0.1)
+        )
+    [record] = job.diagnostics.failures()
     assert (record.node_id, record.failure_class) == ("b", FailureClass.STRAGGLER)
     assert record.action == ("exclude" if exclude else "none")
     assert record.root_cause.startswith("node check: 3.0x the median check time")
@@ -148,11 +167,19 @@ def test_a_runtime_straggler_the_job_keeps_is_recorded() -> None:
     now = [0.0]
     job = _running_pair(now)
     for _ in range(3):
-        now[0] += job.stragglers.report_s
-        job.heartbeat("a", 0, 1, 0.0, 0, 0, step_time_s=0.1)
-        job.heartbeat("b", 0, 1, 0.0, 0, 0, step_time_s=0.4)
+        now[0] += job.diagnostics.stragglers.report_s
+        job.members.heartbeat(
+            HeartbeatReport(
+                "a", 0, cpu_percent=0.0, memory_bytes=0, step=1, restart_count=0, step_time_s=0.1
+            )
+        )
+        job.members.heartbeat(
+            HeartbeatReport(
+                "b", 0, cpu_percent=0.0, memory_bytes=0, step=1, restart_count=0, step_time_s=0.4
+            )
+        )
         job.tick()
-    [record] = job.failures()
+    [record] = job.diagnostics.failures()
     assert (record.node_id, record.failure_class, record.action) == (
         "b",
         FailureClass.STRAGGLER,
@@ -172,18 +199,28 @@ def test_no_straggler_is_replaced_once_a_node_of_the_round_succeeded() -> None:
         clock=lambda: now[0],
     )
     for node in ("a", "b", "c"):
-        job.register(node, "h", "worker", 1, -1, 1, None)
-        job.join(node, 0, 1, "h", 1)
-    assert job.get_world("a", 0) is not None
+        job.members.register_node(Registration("h", 1, node, "worker", -1, 1))
+        job.members.join_rendezvous(JoinRequest(node, 0, 1, "h", 1))
+    assert job.members.get_world("a", 0) is not None
     for report in range(3):
         if report == 2:
-            assert not job.report_node_status("a", 1, "succeeded", 0, "")
-        now[0] += job.stragglers.report_s
+            assert not job.lifecycle.report_now(NodeReport("a", 1, NodeOutcome.SUCCEEDED, 0, ""))
+        now[0] += job.diagnostics.stragglers.report_s
         for node, step_s in (("a", 0.1), ("b", 0.1), ("c", 0.4)):
-            job.heartbeat(node, 0, 1, 0.0, 0, 0, step_time_s=step_s)
+            job.members.heartbeat(
+                HeartbeatReport(
+                    node,
+                    0,
+                    cpu_percent=0.0,
+                    memory_bytes=0,
+                    step=1,
+                    restart_count=0,
+                    step_time_s=step_s,
+                )
+            )
         job.tick()
-    assert job.diagnostics.take_replacements() == [] and job.failures() == ()
-    assert not job.ended.is_set()  # b and c finish the round
+    assert job.diagnostics.take_replacements() == [] and job.diagnostics.failures() == ()
+    assert not job.lifecycle.ended.is_set()  # b and c finish the round
 
 
 @pytest.mark.parametrize("order", ["succeeded, then restarted", "restarted, then succeeded"])
@@ -192,18 +229,22 @@ def test_a_round_no_one_can_join_after_others_succeeded_fails_the_job(order: str
     a round the succeeded node never joins: the job fails saying so instead of waiting."""
     job = _running_pair([0.0])
     if order.startswith("succeeded"):
-        assert not job.report_node_status("a", 1, "succeeded", 0, "")
-        assert not job.ended.is_set()  # b may still succeed
-        job.join("b", 0, 1, "h", 1)
+        assert not job.lifecycle.report_now(NodeReport("a", 1, NodeOutcome.SUCCEEDED, 0, ""))
+        assert not job.lifecycle.ended.is_set()  # b may still succeed
+        job.members.join_rendezvous(JoinRequest("b", 0, 1, "h", 1))
     else:
-        job.join("b", 0, 1, "h", 1)
-        assert not job.ended.is_set()  # a may still re-form with it
-        job.report_node_status("a", 1, "succeeded", 0, "")
-    assert job.ended.is_set() and job.state.value == "failed" and job.exit_code == 1
-    assert job.reason.startswith(
+        job.members.join_rendezvous(JoinRequest("b", 0, 1, "h", 1))
+        assert not job.lifecycle.ended.is_set()  # a may still re-form with it
+        job.lifecycle.report_now(NodeReport("a", 1, NodeOutcome.SUCCEEDED, 0, ""))
+    assert (
+        job.lifecycle.ended.is_set()
+        and job.lifecycle.state.value == "failed"
+        and job.lifecycle.exit_code == 1
+    )
+    assert job.lifecycle.reason.startswith(
         "rendezvous round 2 can never form: b restarted its workers after a succeeded"
     )
-    assert "it needs 2 nodes of which 1 can join" in job.reason
+    assert "it needs 2 nodes of which 1 can join" in job.lifecycle.reason
 
 
 def test_a_round_the_alive_nodes_can_fill_is_waited_for_after_a_node_succeeded() -> None:
@@ -214,9 +255,9 @@ def test_a_round_the_alive_nodes_can_fill_is_waited_for_after_a_node_succeeded()
         clock=lambda: 0.0,
     )
     for node in ("a", "b"):
-        job.register(node, "h", "worker", 1, -1, 1, None)
-        job.join(node, 0, 1, "h", 1)
-    assert job.get_world("a", 0) is not None
-    job.report_node_status("a", 1, "succeeded", 0, "")
-    job.join("b", 0, 1, "h", 1)
-    assert not job.ended.is_set()
+        job.members.register_node(Registration("h", 1, node, "worker", -1, 1))
+        job.members.join_rendezvous(JoinRequest(node, 0, 1, "h", 1))
+    assert job.members.get_world("a", 0) is not None
+    job.lifecycle.report_now(NodeReport("a", 1, NodeOutcome.SUCCEEDED, 0, ""))
+    job.members.join_rendezvous(JoinRequest("b", 0, 1, "h", 1))
+    assert not job.lifecycle.ended.is_set()

@@ -58,7 +58,7 @@ def test_wrong_or_missing_token_is_refused_and_changes_nothing(server):
     for bad in ("wrong", ""):
         with pytest.raises(WrongTokenError, match="DLROVER_JOB_TOKEN"):
             register(client(server, bad))
-    assert server.job.nodes.all() == []
+    assert server.job.members.nodes.all() == []
     with pytest.raises(WrongTokenError):
         client(server, "wrong").wait_ready(5)
 
@@ -88,7 +88,7 @@ def test_a_malformed_request_is_invalid_argument_naming_its_type_and_changes_not
                 register_raw(raw, metadata=(("x-dlrover-token", TOKEN),), timeout=5)
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "malformed RegisterNodeRequest" in (refused.value.details() or "")
-    assert server.job.nodes.all() == []
+    assert server.job.members.nodes.all() == []
     assert register(client(server)).node_id  # and the master serves on
 
 
@@ -219,16 +219,32 @@ def test_a_node_heard_again_after_being_lost_is_told_to_register_again():
     job = JobMaster(
         JobMasterConfig(heartbeat_timeout_s=5), MemoryStateStore(), clock=lambda: clock[0]
     )
-    from dlrover.master.rendezvous import RendezvousConfig
 
-    node = job.register("", "h", "worker", 2, -1, 1, RendezvousConfig(1, 2))
+    node = job.members.register_node(
+        Registration("h", 2, "", "worker", -1, 1, limits=NodeLimits(1, 2, 1, 1.0))
+    )
     first_incarnation = node.incarnation
     clock[0] = 6.0
     job.tick()
-    assert job.nodes.get(node.node_id).state.value == "lost"
-    assert job.heartbeat(node.node_id, node.incarnation, 3, 0.0, 0, 0) == "reregister"
-    again = job.register(node.node_id, "h", "worker", 2, -1, 1, RendezvousConfig(1, 2))
-    assert again.incarnation == first_incarnation + 1 and again.state.value == "pending"
+    assert job.members.nodes.get(node.node_id).state.value == "lost"
+    assert (
+        job.members.heartbeat(
+            HeartbeatReport(
+                node.node_id,
+                node.incarnation,
+                cpu_percent=0.0,
+                memory_bytes=0,
+                step=3,
+                restart_count=0,
+            )
+        ).action
+        == "reregister"
+    )
+    again = job.members.register_node(
+        Registration("h", 2, node.node_id, "worker", -1, 1, limits=NodeLimits(1, 2, 1, 1.0))
+    )
+    assert again.incarnation == first_incarnation + 1
+    assert job.members.nodes.get(again.node_id).state.value == "pending"
 
 
 def test_failures_travel_both_ways_and_a_stale_agent_is_refused(server):

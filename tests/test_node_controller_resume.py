@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from dlrover.api.master import Registration
 from dlrover.engines.base import FailureReason
 from dlrover.jobspec import job_spec_from_dict
 from dlrover.master.job import JobMaster, JobMasterConfig
@@ -62,7 +63,9 @@ def test_a_master_restarted_after_the_jobs_end_exits_0_without_launching(
     db = str(tmp_path / "state.db")
     store = SqliteStateStore(db)
     claim_state(store, "ended", "tok")
-    JobMaster(JobMasterConfig("ended", RendezvousConfig(1, 1)), store).stop("a node failed")
+    JobMaster(JobMasterConfig("ended", RendezvousConfig(1, 1)), store).lifecycle.stop(
+        "a node failed"
+    )
     store.close()
     spec = job_spec_from_dict({"name": "ended", "entrypoint": "train.py", "nodes": 1})
     assert serve_job(spec, "127.0.0.1", 0, token="tok", state=db) == 0
@@ -83,16 +86,16 @@ def test_a_one_node_job_is_not_failed_while_its_replacement_is_on_its_way(tmp_pa
     engine = FakeEngine()
     controller = NodeController(job, engine, spec, "127.0.0.1:1", "t")
     controller.start()
-    job.register("one-worker-0-0", "h", "default", 1, -1, 1, None)
+    job.members.register_node(Registration("h", 1, "one-worker-0-0", "default", -1, 1))
     engine.fail("one-worker-0-0", FailureReason.SIGNAL)
     controller.step(5.0)
     job.tick()
-    assert not job.ended.is_set(), job.reason  # one-worker-0-1 is expected
+    assert not job.lifecycle.ended.is_set(), job.lifecycle.reason  # one-worker-0-1 is expected
     assert engine.launched[-1].node_id == "one-worker-0-1"
     engine.fail("one-worker-0-1", FailureReason.NODE_LOST)  # lost before it registered
     controller.step(5.0)
-    assert job.ended.is_set() and "no relaunch left" in job.reason
-    assert [f.failure_class for f in job.failures()] == [
+    assert job.lifecycle.ended.is_set() and "no relaunch left" in job.lifecycle.reason
+    assert [f.failure_class for f in job.diagnostics.failures()] == [
         FailureClass.SIGNAL,
         FailureClass.NODE_LOST,
     ]
@@ -158,7 +161,7 @@ def test_resizes_do_not_use_up_the_relaunch_budget(tmp_path: Path):
     engine.fail("rb-worker-0-2")
     controller.step(0.1)
     assert engine.launched[-1].node_id == "rb-worker-0-3"  # its one relaunch for a failure
-    assert not job.ended.is_set()
+    assert not job.lifecycle.ended.is_set()
 
     store.close()  # a restarted master still knows two of the slot's attempts were planned
     store = SqliteStateStore(str(tmp_path / "state.db"))
@@ -168,14 +171,16 @@ def test_resizes_do_not_use_up_the_relaunch_budget(tmp_path: Path):
     controller.start()
     again.fail("rb-worker-0-3")
     controller.step(0.1)
-    assert job.ended.is_set() and "no relaunch left (1)" in job.reason, job.reason
+    assert job.lifecycle.ended.is_set() and "no relaunch left (1)" in job.lifecycle.reason, (
+        job.lifecycle.reason
+    )
 
 
 def _lose_all(job: JobMaster, node_ids: list[str]) -> None:
     """Register each node, lose it, and tick: the job fails unless a replacement is expected."""
     for node_id in node_ids:
-        job.register(node_id, "h", "default", 1, -1, 1, None)
-        job.node_lost(node_id, "gone")
+        job.members.register_node(Registration("h", 1, node_id, "default", -1, 1))
+        job.members.lose(node_id, "gone")
     job.tick()
 
 
@@ -195,7 +200,10 @@ def test_a_failed_scale_out_is_logged_and_the_job_goes_on(tmp_path: Path, caplog
     assert [s.node_id for s in engine.launched] == ["el-worker-0-0", "el-worker-1-1"]
     assert controller.slots == 2 and controller.relaunches["scale_out"] == 1
     _lose_all(controller.job, ["el-worker-0-0", "el-worker-1-1"])
-    assert controller.job.ended.is_set() and controller.job.reason == "every node was lost"
+    assert (
+        controller.job.lifecycle.ended.is_set()
+        and controller.job.lifecycle.reason == "every node was lost"
+    )
     store.close()
 
 
@@ -213,10 +221,10 @@ def test_a_scale_in_withdraws_the_relaunches_it_drops() -> None:
         job, engine, spec, "127.0.0.1:1", "t", relaunch_delay_s=60.0, clock=lambda: 0.0
     )
     controller.start()
-    job.register("si-worker-1-0", "h", "default", 1, -1, 1, None)
+    job.members.register_node(Registration("h", 1, "si-worker-1-0", "default", -1, 1))
     engine.fail("si-worker-1-0")
     controller.step(5.0)  # its replacement si-worker-1-1 is due in 60 s
     assert [s.node_id for s in engine.launched] == ["si-worker-0-0", "si-worker-1-0"]
     controller.scale_to(1, "test")
     _lose_all(job, ["si-worker-0-0"])
-    assert job.ended.is_set() and job.reason == "every node was lost"
+    assert job.lifecycle.ended.is_set() and job.lifecycle.reason == "every node was lost"

@@ -64,7 +64,7 @@ def setup() -> Iterator[tuple[JobMaster, ServerEngine, PsController, Callable[[]
     job = JobMaster(JobMasterConfig("j", RendezvousConfig(1, 1)), MemoryStateStore())
     engine = ServerEngine(job)
     controller = PsController(job, engine, spec, "127.0.0.1:1", TOKEN, stats_interval_s=0.2)
-    job.ps = controller
+    job.roles.register("ps", controller)
 
     def pump() -> None:  # what the node controller does with the engine's events
         for event in engine.events(0.0):
@@ -89,11 +89,11 @@ def _report(job: JobMaster, request: int, timeout_s: float = 30) -> dict[str, ob
         if report.get("request") == request:
             return dict(report)
         time.sleep(0.02)  # the controller's thread writes it
-    raise AssertionError(f"no report of request {request}: {job.reason}")
+    raise AssertionError(f"no report of request {request}: {job.lifecycle.reason}")
 
 
 def _scale(job: JobMaster, count: int) -> dict[str, object]:
-    _, request = job.scale_role("ps", count)
+    _, request = job.roles.scale_role("ps", count)
     return _report(job, request)
 
 
@@ -134,12 +134,12 @@ def test_a_server_that_exits_unasked_is_replaced_and_a_stale_failure_is_ignored(
     engine.stop_server("j-ps-1-0")
     engine.succeed("j-ps-1-0")  # exit 0 after a SIGTERM nobody in the job sent
     pump()
-    _until(lambda: controller.failovers == 1, f"not replaced: {job.reason}")
+    _until(lambda: controller.failovers == 1, f"not replaced: {job.lifecycle.reason}")
     assert np.array_equal(_rows(controller, ids), rows)
     engine.fail("j-ps-1-0")  # a late, duplicate event of the server already replaced
     pump()
     assert _scale(job, 3)["servers"] == 3  # the controller is alive and did nothing else
-    assert controller.failovers == 1 and not job.ended.is_set()
+    assert controller.failovers == 1 and not job.lifecycle.ended.is_set()
 
 
 def test_a_replacement_that_dies_before_it_registers_is_tried_again(setup) -> None:  # type: ignore[no-untyped-def]
@@ -149,10 +149,10 @@ def test_a_replacement_that_dies_before_it_registers_is_tried_again(setup) -> No
     engine.stop_server("j-ps-0-0")
     engine.fail("j-ps-0-0", FailureReason.SIGNAL)
     pump()
-    _until(lambda: controller.failovers == 1, f"not replaced: {job.reason}")
+    _until(lambda: controller.failovers == 1, f"not replaced: {job.lifecycle.reason}")
     assert [s.node_id for s in engine.launched][-2:] == ["j-ps-0-1", "j-ps-0-2"]
     assert np.array_equal(_rows(controller, ids), rows)
-    assert [f.node_id for f in job.failures()] == ["j-ps-0-0"]
+    assert [f.node_id for f in job.diagnostics.failures()] == ["j-ps-0-0"]
 
 
 @pytest.mark.parametrize("when", ["before the freeze", "after the freeze"])
@@ -185,7 +185,7 @@ def test_a_resize_that_fails_midway_leaves_the_old_servers_serving(setup, when: 
     assert "j-ps-2-0" in engine.deleted and "error" in report, report
     if when == "after the freeze":
         assert "rolled back to map version" in str(report["error"]), report
-    assert not job.ended.is_set() and len(controller.addresses) == 2
+    assert not job.lifecycle.ended.is_set() and len(controller.addresses) == 2
     assert np.array_equal(_rows(controller, ids), rows)  # nothing frozen, nothing lost
     cluster._set_map = set_map  # type: ignore[method-assign]
     engine.launch = ServerEngine.launch.__get__(engine)  # type: ignore[method-assign]

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from dlrover.api.master import NodeLimits, Registration
 from dlrover.master.state_store import (
     MemoryStateStore,
     SqliteStateStore,
@@ -117,9 +118,11 @@ def test_the_node_range_survives_a_master_restart_and_a_conflicting_one_is_refus
     from dlrover.master.rendezvous import RendezvousConfig, RendezvousError
 
     store = SqliteStateStore(str(tmp_path / "state.db"))
-    JobMaster(JobMasterConfig(), store).register("", "h", "w", 2, -1, 1, RendezvousConfig(2, 4))
+    JobMaster(JobMasterConfig(), store).members.register_node(
+        Registration("h", 2, "", "w", -1, 1, limits=NodeLimits(2, 4, 1, 1.0))
+    )
     restarted = JobMaster(JobMasterConfig(), store)  # no --nnodes: the saved range holds
-    assert restarted.rendezvous_config() == RendezvousConfig(2, 4)
+    assert restarted.members.rdzv().config == RendezvousConfig(2, 4)
     with pytest.raises(RendezvousError, match="has --nnodes 2:4 .* started with 1:1"):
         JobMaster(JobMasterConfig(rendezvous=RendezvousConfig(1, 1)), store)
     store.close()
@@ -134,15 +137,17 @@ def test_a_master_on_another_machine_takes_over_from_redis(redis_server):
 
     state = redis_server.url + "?prefix=job-a"
     first = build_master(MasterSettings("job-a", "t", host="127.0.0.1", state=state))
-    node = first.job.register("", "h", "w", 2, -1, 1, RendezvousConfig(1, 2))
+    node = first.job.members.register_node(
+        Registration("h", 2, "", "w", -1, 1, limits=NodeLimits(1, 2, 1, 1.0))
+    )
     first.job.kv.set("k", b"v")
     first.job.checkpoint.mark_committed(12)
     first.stop(0)  # the first master's machine is gone
     redis_server.restart()  # and Redis itself restarts: its append-only file keeps the state
     other = build_master(MasterSettings("job-a", "t", host="127.0.0.1", state=state))
-    assert other.job.nodes.get(node.node_id).incarnation == node.incarnation
+    assert other.job.members.nodes.get(node.node_id).incarnation == node.incarnation
     assert other.job.kv.get("k") == b"v" and other.job.checkpoint.wait_committed(12, 0)
-    assert other.job.rendezvous_config() == RendezvousConfig(1, 2)
+    assert other.job.members.rdzv().config == RendezvousConfig(1, 2)
     other.stop(0)
     with pytest.raises(StateMismatchError, match="another token"):
         build_master(MasterSettings("job-a", "not-t", host="127.0.0.1", state=state))

@@ -117,7 +117,7 @@ def test_scrapes_read_the_scores_under_the_jobs_lock() -> None:
             self._read()
             return super().items()
 
-    job.stragglers.scores = Scores(a=Score("a", 0.1, 1.0, 1.0, 0))
+    job.diagnostics.stragglers.scores = Scores(a=Score("a", 0.1, 1.0, 1.0, 0))
     assert b'dlrover_straggler_score{job_name="s",node="a"} 1.0' in JobMetrics(job).render()
     LocalMasterApi(job).get_job_status()
     assert locked and all(locked), locked

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from dlrover.api.master import Registration
 from dlrover.master.job import JobMaster, JobMasterConfig
 from dlrover.master.nodes import NodeState
 from dlrover.master.rendezvous import RendezvousConfig
@@ -60,7 +61,7 @@ def _scalar(event: bytes, tag: str) -> float | None:
 
 def _job() -> JobMaster:
     job = JobMaster(JobMasterConfig("tb", RendezvousConfig(1, 1)), MemoryStateStore())
-    job.register("n0", "h", "default", 1, -1, 1, None)
+    job.members.register_node(Registration("h", 1, "n0", "default", -1, 1))
     return job
 
 
@@ -70,7 +71,7 @@ def test_node_state_series_go_back_to_zero(tmp_path: Path) -> None:
     job = _job()
     exporter = TensorBoardExporter(job, str(tmp_path))
     exporter.write(job.now())
-    job.node_lost("n0", "gone")
+    job.members.lose("n0", "gone")
     exporter.write(job.now())
     exporter.writer.close()
     _, before, after = _records(exporter.writer.path)
@@ -91,9 +92,9 @@ def test_a_failing_tick_hook_does_not_skip_the_jobs_work(caplog: pytest.LogCaptu
 
     job.add_tick_hook(full_disk)
     job.add_tick_hook(lambda now: calls.append("next"))
-    job.node_lost("n0", "gone")
+    job.members.lose("n0", "gone")
     job.tick()
-    assert job.ended.is_set() and job.reason == "every node was lost"
+    assert job.lifecycle.ended.is_set() and job.lifecycle.reason == "every node was lost"
     assert calls == ["full disk", "next"]
     assert "tick hook" in caplog.text and "No space left on device" in caplog.text
 

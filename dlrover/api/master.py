@@ -339,16 +339,9 @@ class JobStatus:
         return self.state in ("succeeded", "failed")
 
 
-class MasterApi(Protocol):
-    """The calls an agent and a training process make to the job master.
-
-    Each method is one RPC of the proto's service (dlrover/api/rpc.py says how); adding one is
-    three edits: the proto, this interface, and LocalMasterApi.
-
-    Errors (``dlrover.api.errors``), the same from both implementations:
-    ``MasterRequestError`` for a refused request (stale incarnation, bad configuration),
-    ``UnknownNodeError`` for a node id the master does not know (register again).
-    """
+class MembershipApi(Protocol):
+    """Who is in the job: registration, heartbeats, rendezvous rounds and progress (served by
+    the master's `Membership`)."""
 
     def register_node(self, registration: Registration) -> Registered:
         """Admit an agent: a new node id, or the same id with a bumped incarnation for a restarted
@@ -382,11 +375,55 @@ class MasterApi(Protocol):
         master) with nothing to do."""
         ...
 
+    def report_step(
+        self,
+        step: int,
+        rank: int | None = None,
+        metrics: dict[str, float] | None = None,
+        node_id: str | None = None,
+    ) -> None:
+        """A training process finished ``step``: the node's progress, and a sign of life. The master
+        keeps the node's highest step; ``rank`` and ``metrics`` are not stored."""
+        ...
+
+
+class LifecycleApi(Protocol):
+    """The job's end: the exit barrier and a stop from outside (served by `JobLifecycle`)."""
+
     @rpc(run=Run.POLL, poll="exit_poll")
     def report_node_status(self, report: NodeReport, wait_s: float = 0.0) -> bool:
         """True once every node of the final world has succeeded (the exit barrier). ``wait_s`` > 0
         holds the call until the job has ended or ``wait_s`` (capped by the master) passed."""
         ...
+
+    def stop_job(self, reason: str) -> JobStatus:
+        """End the job as failed with ``reason`` (nothing if it already ended; agents learn it from
+        their next heartbeat); returns the job's status after."""
+        ...
+
+
+class StatusApi(Protocol):
+    """The job as the master sees it now (served by `JobStatusView`)."""
+
+    @rpc(fields={"with_nodes": ("without_nodes", INVERT)})
+    def get_job_status(self, with_nodes: bool = True) -> JobStatus:
+        """The job and (unless ``with_nodes`` is False) every node it knows, as the master sees
+        them now."""
+        ...
+
+
+class RolesApi(Protocol):
+    """Scaling a role on request (served by the job's `RoleRegistry`)."""
+
+    def scale_role(self, role: str, count: int) -> tuple[str, int]:
+        """Ask for ``count`` nodes of ``role`` (today the embedding servers, role ps): what the
+        master will do, and the id its report will carry; refused (MasterRequestError) for a
+        role that cannot be scaled."""
+        ...
+
+
+class NodeCheckApi(Protocol):
+    """The pre-flight node check of each round (served by `Preflight`)."""
 
     @rpc(run=Run.POLL, poll="node_check_poll")
     def join_node_check(self, join: NodeCheckJoin, wait_s: float = 0.0) -> NodeCheckTask:
@@ -398,6 +435,10 @@ class MasterApi(Protocol):
         """Report this node's result of a check round."""
         ...
 
+
+class DiagnosticsApi(Protocol):
+    """The failure log (served by `Diagnostics`)."""
+
     def report_failure(self, node_id: str, incarnation: int, record: FailureRecord) -> None:
         """Record a failure of this node's workers, classified, with the action taken."""
         ...
@@ -406,22 +447,9 @@ class MasterApi(Protocol):
         """Every failure the job recorded, oldest first (`dlrover diagnose`)."""
         ...
 
-    @rpc(fields={"with_nodes": ("without_nodes", INVERT)})
-    def get_job_status(self, with_nodes: bool = True) -> JobStatus:
-        """The job and (unless ``with_nodes`` is False) every node it knows, as the master sees
-        them now."""
-        ...
 
-    def stop_job(self, reason: str) -> JobStatus:
-        """End the job as failed with ``reason`` (nothing if it already ended; agents learn it from
-        their next heartbeat); returns the job's status after."""
-        ...
-
-    def scale_role(self, role: str, count: int) -> tuple[str, int]:
-        """Ask for ``count`` nodes of ``role`` (today the embedding servers, role ps): what the
-        master will do, and the id its report will carry; refused (MasterRequestError) for a
-        role that cannot be scaled."""
-        ...
+class KvApi(Protocol):
+    """The job's small key-value store (served by `KvStore`)."""
 
     def kv_set(self, key: str, value: bytes) -> None:
         """Publish ``value`` under ``key`` and wake its readers; refused (MasterRequestError) for an
@@ -434,16 +462,10 @@ class MasterApi(Protocol):
         not."""
         ...
 
-    def report_step(
-        self,
-        step: int,
-        rank: int | None = None,
-        metrics: dict[str, float] | None = None,
-        node_id: str | None = None,
-    ) -> None:
-        """A training process finished ``step``: the node's progress, and a sign of life. The master
-        keeps the node's highest step; ``rank`` and ``metrics`` are not stored."""
-        ...
+
+class CheckpointApi(Protocol):
+    """Flash-checkpoint coordination: the commit of a step and the load-step vote (served by
+    `dlrover.checkpoint.coordinator.CommitVotes`)."""
 
     def checkpoint_persisted(self, step: int, node_rank: int, total_nodes: int) -> bool:
         """This node wrote all its files of ``step``; True for the one node that commits it."""
@@ -468,3 +490,40 @@ class MasterApi(Protocol):
     ) -> tuple[bool, int | None]:
         """(decided, step) of the round's load-step vote (see dlrover.checkpoint.coordinator)."""
         ...
+
+
+class MasterApi(
+    MembershipApi,
+    LifecycleApi,
+    StatusApi,
+    RolesApi,
+    NodeCheckApi,
+    DiagnosticsApi,
+    KvApi,
+    CheckpointApi,
+    Protocol,
+):
+    """The calls an agent and a training process make to the job master: the interfaces of its
+    parts together.
+
+    Each method is one RPC of the proto's service (dlrover/api/rpc.py says how), served by the
+    part whose interface has it; adding one is three edits: the proto, the part's interface,
+    and the part's method.
+
+    Errors (``dlrover.api.errors``), the same in process (`LocalMasterApi`) and over gRPC:
+    ``MasterRequestError`` for a refused request (stale incarnation, bad configuration),
+    ``UnknownNodeError`` for a node id the master does not know (register again).
+    """
+
+
+MASTER_PARTS: tuple[type, ...] = (
+    MembershipApi,
+    LifecycleApi,
+    StatusApi,
+    RolesApi,
+    NodeCheckApi,
+    DiagnosticsApi,
+    KvApi,
+    CheckpointApi,
+)
+"""The part interfaces `MasterApi` is made of, each served by one part of the master."""

@@ -56,7 +56,7 @@ MAPPER = Mapper(
 )
 """The one mapper both sides use."""
 
-RPCS: dict[str, Rpc] = rpcs(api.MasterApi, ShardingTransport, StreamTransport, mapper=MAPPER)
+RPCS: dict[str, Rpc] = rpcs(*api.MASTER_PARTS, ShardingTransport, StreamTransport, mapper=MAPPER)
 """Every RPC of the master's service, by the interface method that is its source."""
 
 # Conversions by name, as tests and tools have called them.

@@ -98,10 +98,15 @@ class CommitVotes:
                 del self._committer[old]
             self._cond.notify_all()
 
-    def wait_committed(self, step: int, timeout: float) -> bool:
-        """Whether ``step`` (or a newer one) is committed within ``timeout`` seconds."""
+    def wait_committed(self, step: int, wait_s: float) -> bool:
+        """Whether ``step`` (or a newer one) is committed within ``wait_s`` seconds."""
         with self._cond:
-            return self._cond.wait_for(lambda: self._committed >= step, max(timeout, 0.0))
+            return self._cond.wait_for(lambda: self._committed >= step, max(wait_s, 0.0))
+
+    # The master serves `dlrover.api.master.CheckpointApi` with these.
+    checkpoint_persisted = report_persisted
+    checkpoint_committed = mark_committed
+    wait_checkpoint_committed = wait_committed
 
     def vote_load_step(
         self,
@@ -109,9 +114,9 @@ class CommitVotes:
         total_nodes: int,
         local_step: int | None,
         round_id: int,
-        timeout: float,
+        wait_s: float,
     ) -> tuple[bool, int | None]:
-        """Cast (or repeat) a vote and wait up to ``timeout`` for the round's decision:
+        """Cast (or repeat) a vote and wait up to ``wait_s`` for the round's decision:
         ``(decided, step)``; ``(False, None)`` while some node has not voted."""
         with self._cond:
             if round_id not in self._decided:
@@ -124,7 +129,7 @@ class CommitVotes:
                     for old in [r for r in self._decided if r < round_id - _KEEP_ROUNDS]:
                         del self._decided[old]
                     self._cond.notify_all()
-            self._cond.wait_for(lambda: round_id in self._decided, max(timeout, 0.0))
+            self._cond.wait_for(lambda: round_id in self._decided, max(wait_s, 0.0))
             if round_id not in self._decided:
                 return False, None
             return True, self._decided[round_id]

@@ -205,14 +205,14 @@ def run(argv: Sequence[str] | None = None) -> int:
     stop = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:
-        job.stop(f"master received {signal.Signals(signum).name}")
+        job.lifecycle.stop(f"master received {signal.Signals(signum).name}")
         stop.set()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
 
     start = time.monotonic()
-    while not job.ended.wait(0.5):
+    while not job.lifecycle.ended.wait(0.5):
         if master.server.fenced.is_set():
             newer = master.server.fenced_by
             print(
@@ -222,14 +222,17 @@ def run(argv: Sequence[str] | None = None) -> int:
             )
             master.store.close()
             return EXIT_FENCED
-        if len(job.nodes) == 0 and time.monotonic() - start > args.idle_timeout:
-            job.stop(f"no node registered within {args.idle_timeout:.0f}s")
+        if len(job.members.nodes) == 0 and time.monotonic() - start > args.idle_timeout:
+            job.lifecycle.stop(f"no node registered within {args.idle_timeout:.0f}s")
     # Let agents still in their exit barrier read the final state before the server goes away.
     if not stop.is_set():
         time.sleep(min(2.0, c.DEFAULT_HEARTBEAT_INTERVAL_S))
     master.stop(grace_s=1.0)
-    print(f"dlrover-master: job {job_name} {job.state.value}: {job.reason}", file=sys.stderr)
-    return 0 if job.state == JobState.SUCCEEDED else (job.exit_code or 1)
+    print(
+        f"dlrover-master: job {job_name} {job.lifecycle.state.value}: {job.lifecycle.reason}",
+        file=sys.stderr,
+    )
+    return 0 if job.lifecycle.state == JobState.SUCCEEDED else (job.lifecycle.exit_code or 1)
 
 
 def main() -> None:

@@ -518,7 +518,7 @@ def run(argv: Sequence[str] | None = None) -> int:
                     file=sys.stderr,
                     flush=True,
                 )
-                while not server.job.ended.wait(1.0):
+                while not server.job.lifecycle.ended.wait(1.0):
                     pass  # bounded by the job; SIGTERM/SIGINT end it through SignalReceived
         elif result.exit_code != 0:
             print(f"dlrover-run: job failed: {result.reason}", file=sys.stderr)

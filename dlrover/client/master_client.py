@@ -18,7 +18,7 @@ from dlrover.api.errors import (
     UnsupportedCallError,
     WrongTokenError,
 )
-from dlrover.api.master import MasterApi
+from dlrover.api.master import MASTER_PARTS, MasterApi
 from dlrover.api.rpc import Rpc, derive_client, raise_refused
 from dlrover.api.wire import RPCS
 from dlrover.constants import (
@@ -50,7 +50,7 @@ T = TypeVar("T")
 
 
 _MasterRpcs: Any = derive_client(
-    "_MasterRpcs", {m: call for m, call in RPCS.items() if call.interface is MasterApi}
+    "_MasterRpcs", {m: call for m, call in RPCS.items() if call.interface in MASTER_PARTS}
 )
 """A method per MasterApi RPC, made from the interface (typed Any: mypy reads the methods'
 signatures from MasterApi, which MasterClient names as its base too)."""

@@ -164,7 +164,7 @@ def build_master(
         raise
     running = RunningMaster(job, server.start(), store, web.start() if web else None, tensorboard)
     if web is not None:
-        job.serve_metrics_on(web.port)
+        job.status.serve_metrics_on(web.port)
     if tensorboard is not None:
         job.add_tick_hook(tensorboard.maybe_write)
     return running

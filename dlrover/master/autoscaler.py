@@ -82,10 +82,10 @@ class AutoScaler:
     def tick(self) -> None:
         """Plan (and act) if a period passed; cheap otherwise."""
         now = self._clock()
-        if now < self._next or self._job.ended.is_set():
+        if now < self._next or self._job.lifecycle.ended.is_set():
             return
         self._next = now + self._interval_s
-        running = [n for n in self._job.nodes.all() if n.state == NodeState.RUNNING]
+        running = [n for n in self._job.members.nodes.all() if n.state == NodeState.RUNNING]
         if not running:
             return
         for n in running:

@@ -8,8 +8,15 @@ a waiting thread (`wait`) or asyncio task (a `subscribe`d callback) then looks a
 
 from __future__ import annotations
 
+import random
 import threading
+import time
 from collections.abc import Callable
+from typing import Generic, TypeVar
+
+from dlrover.constants import MAX_LONG_POLL_S
+
+T = TypeVar("T")
 
 
 class ChangeFeed:
@@ -53,3 +60,53 @@ class ChangeFeed:
         with self._cond:
             if listener in self._listeners:
                 self._listeners.remove(listener)
+
+
+class LongPoll(Generic[T]):
+    """One long poll: which change feed wakes it, what it answers once there is something to
+    say (``check`` returns None while there is not), what it answers when the wait runs out,
+    and when it must look again without a wake-up (a rendezvous round's last call)."""
+
+    def __init__(
+        self,
+        feed: ChangeFeed,
+        check: Callable[[], T | None],
+        on_timeout: Callable[[], T],
+        wake_at: Callable[[], float | None] = lambda: None,
+    ) -> None:
+        self.feed = feed
+        self.check = check
+        self.on_timeout = on_timeout
+        self.wake_at = wake_at
+
+    def sleep_s(self, left_s: float, now: float) -> float:
+        """How long to wait for a bump before looking again: the time ``left_s`` of the hold,
+        or until `wake_at` (``now`` on the same clock); a last call that is over but closed
+        nothing is looked at again in 50 ms, never in a busy loop."""
+        wake = self.wake_at()
+        if wake is None:
+            return left_s
+        return min(left_s, max(0.05, wake - now))
+
+    def run_here(self, wait_s: float, clock: Callable[[], float]) -> T:
+        """Hold this poll in the calling thread for at most `hold_s` (``wait_s``) seconds: its
+        answer as soon as there is one, else its timeout answer (``clock``: the master's, for
+        `wake_at`, which may be a test's). The gRPC server holds the same polls on its event
+        loop instead."""
+        deadline = time.monotonic() + hold_s(wait_s)
+        while True:
+            version = self.feed.version
+            answer = self.check()
+            if answer is not None:
+                return answer
+            now = time.monotonic()
+            if now >= deadline:
+                return self.on_timeout()
+            self.feed.wait(version, self.sleep_s(deadline - now, clock()))
+
+
+def hold_s(wait_s: float) -> float:
+    """How long the master holds a long poll that asked for ``wait_s``: at most a random 50-100%
+    of MAX_LONG_POLL_S, so that the watches of 10,000 nodes armed in the same second do not all
+    come back in the same second ever after."""
+    return max(0.0, min(wait_s, MAX_LONG_POLL_S * random.uniform(0.5, 1.0)))

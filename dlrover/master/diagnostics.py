@@ -8,9 +8,11 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from dlrover.api.master import FailureClass, FailureRecord
+from dlrover.api.master import FailureClass, FailureRecord, HeartbeatReport
 from dlrover.master import diagnosis
-from dlrover.master.goodput import GoodputTracker
+from dlrover.master.goodput import GoodputTracker, StepSample
+from dlrover.master.nodes import NodeError, NodeTable
+from dlrover.master.rendezvous import World
 from dlrover.master.state_store import StateStore
 from dlrover.master.stragglers import Score, StragglerWatch
 
@@ -23,7 +25,8 @@ MAX_EVENTS = 500
 
 
 class Diagnostics:
-    """What the master observed and concluded about the job, kept for people and tools.
+    """What the master observed and concluded about the job, kept for people and tools. It
+    serves `DiagnosticsApi`.
 
     Failures are kept in the state (`dlrover diagnose` reads them after the master is gone, see
     dlrover/master/diagnosis.py); the timeline, the straggler scores and goodput live in memory.
@@ -37,12 +40,13 @@ class Diagnostics:
         clock: Callable[[], float],
         lock: threading.RLock,
         straggler_report_s: float,
-        restarts_of: Callable[[str], int],
+        nodes: NodeTable,
     ) -> None:
         self._store = store
+        self._clock = clock
         self._lock = lock
-        self._restarts_of = restarts_of
-        """A node's worker restarts so far (0 for an unknown node), for its failure records."""
+        self._nodes = nodes
+        """Whose failures are reported, and their worker restarts so far."""
         saved = diagnosis.load_failures(store)
         self._failures = [record for _, record in saved]
         self._failure_seq = saved[-1][0] if saved else 0
@@ -87,15 +91,26 @@ class Diagnostics:
             record.root_cause.splitlines()[0] if record.root_cause else "",
         )
 
+    def report_failure(self, node_id: str, incarnation: int, record: FailureRecord) -> None:
+        """A node's agent reports a classified failure of its workers (`DiagnosticsApi`); raises
+        for an unknown node or a stale incarnation."""
+        self._nodes.get(node_id, incarnation)
+        self.record_failure(record)
+
     def record(self, node_id: str, cls: FailureClass, action: str, cause: str) -> None:
         """`record_failure` of a failure observed now, with the node's restarts so far."""
-        restarts = self._restarts_of(node_id)
+        try:
+            restarts = self._nodes.get(node_id).restart_count
+        except NodeError:
+            restarts = 0
         self.record_failure(FailureRecord(time.time(), node_id, cls, action, cause, restarts))
 
     def failures(self) -> tuple[FailureRecord, ...]:
-        """Every failure kept, oldest first."""
+        """Every failure kept, oldest first (`DiagnosticsApi.get_failures`)."""
         with self._lock:
             return tuple(self._failures)
+
+    get_failures = failures
 
     def scale_plan(self, summary: str, event: str = "") -> None:
         """The auto-scaler's new plan: ``summary`` for the status, ``event`` (when it acts) for
@@ -105,6 +120,16 @@ class Diagnostics:
             self.event("scale", event)
 
     # --- runtime stragglers ------------------------------------------------------------------
+    def observe_heartbeat(self, report: HeartbeatReport, world: World | None) -> None:
+        """A heartbeat (`Membership.on_heartbeat`): the workers' progress counts for goodput while
+        the node is a member of the latest world; its step time is scored at the next straggler
+        report."""
+        sample = StepSample.of(report)
+        if sample is not None and world is not None and world.member(report.node_id) is not None:
+            self.goodput.on_progress(self._clock(), world.round, sample)
+        if report.step_time_s > 0:
+            self.observe_step_time(report.node_id, report.step_time_s)
+
     def observe_step_time(self, node_id: str, step_time_s: float) -> None:
         """A node's latest step time (scored at the next straggler report)."""
         with self._lock:

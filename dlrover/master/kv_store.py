@@ -57,6 +57,10 @@ class KvStore:
                         del self._waiting[key]
             return self._data.get(key)
 
+    # The master serves `dlrover.api.master.KvApi` with these.
+    kv_set = set
+    kv_get = get
+
     def wait_for_readers(self, key: str, count: int, timeout: float) -> bool:
         """Whether `count` readers are blocked waiting for `key` within `timeout` seconds."""
         with self._cond:

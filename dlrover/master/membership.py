@@ -7,8 +7,19 @@ import logging
 import threading
 from collections.abc import Callable
 
-from dlrover.master.changes import ChangeFeed
-from dlrover.master.nodes import ALIVE_STATES, Node, NodeError, NodeState, NodeTable
+from dlrover.api.master import (
+    CommWorld,
+    HeartbeatAction,
+    HeartbeatReply,
+    HeartbeatReport,
+    JoinRequest,
+    NodeLimits,
+    Registered,
+    Registration,
+    Waiting,
+)
+from dlrover.master.changes import ChangeFeed, LongPoll
+from dlrover.master.nodes import ALIVE_STATES, NodeError, NodeState, NodeTable
 from dlrover.master.rendezvous import RendezvousConfig, RendezvousError, RendezvousManager, World
 from dlrover.master.state_store import StateStore
 
@@ -23,6 +34,8 @@ RoundListener = Callable[[World], None]
 """Told once per closed round, under the job's lock, after its members became RUNNING."""
 LossListener = Callable[[str, str, bool, bool], None]
 """Told (node id, cause, whether it was alive, whether it went silent) by `lose`."""
+HeartbeatListener = Callable[[HeartbeatReport, "World | None"], None]
+"""Told each heartbeat and the latest closed round's world (goodput, step times)."""
 
 
 def restored_rendezvous(
@@ -51,7 +64,8 @@ def restored_rendezvous(
 
 
 class Membership:
-    """Who is in the job: registration, liveness, rendezvous rounds, and losing a node.
+    """Who is in the job: registration, liveness, rendezvous rounds, and losing a node. It serves
+    `MembershipApi` (the long polls as `comm_world_poll` and `membership_poll`).
 
     Every departure goes through `lose` (an engine's event, a heartbeat timeout, the node check,
     a scale-in or a resize), so each forgets the same things: the node leaves the round, is no
@@ -70,11 +84,14 @@ class Membership:
         heartbeat_timeout_s: float,
         heartbeats_per_s: float,
         rendezvous: RendezvousConfig | None,
-        ended_why: Callable[[], str] = lambda: "ended",
+        job_name: str = "none",
+        job_state: Callable[[], str] = lambda: "pending",
     ) -> None:
         self._store = store
-        self._ended_why = ended_why
-        """How the job ended (said to a node that joins after)."""
+        self._job_name = job_name
+        self._job_state = job_state
+        """The job's state (a `JobState` value): the heartbeat's answer, and how it ended (said
+        to a node that joins after)."""
         self._clock = clock
         self._lock = lock
         self._ended = ended
@@ -88,6 +105,10 @@ class Membership:
         self.on_lost: list[LossListener] = []
         self.on_rejoin: list[Callable[[str], object]] = []
         """Told the node id when a node joins a new round: its workers are gone."""
+        self.on_joined: list[Callable[[], object]] = []
+        """Told after every join (the job fails a round that can never form)."""
+        self.on_heartbeat: list[HeartbeatListener] = []
+        """Told every heartbeat of a known incarnation, with the latest world."""
         self._expected: set[str] = set()
         """Replacements launched but not registered yet (`expect`): while there are any,
         losing every node does not fail the job."""
@@ -105,46 +126,52 @@ class Membership:
             self.activated_round = self.rendezvous.world.round
 
     # --- registration and liveness -----------------------------------------------------------
-    def register(
-        self,
-        node_id: str,
-        host: str,
-        role: str,
-        local_world_size: int,
-        requested_rank: int,
-        pid: int,
-        rdzv: RendezvousConfig | None,
-        job_name: str,
-    ) -> Node:
-        """Register a node: a new one, or a known id again with a bumped incarnation. The first
-        registration must carry ``rdzv`` and fixes the node range; a later ``rdzv`` with other
-        min/max nodes raises RendezvousError; a node replaced as a straggler raises NodeError."""
+    def register_node(self, registration: Registration) -> Registered:
+        """Admit an agent (`MembershipApi.register_node`): a new node, or a known id again with a
+        bumped incarnation. The first registration must carry limits, which fix the node range;
+        a later one with other min/max nodes raises RendezvousError; a node replaced as a
+        straggler raises NodeError; a ``local_world_size`` below 1 raises ValueError."""
+        r = registration
+        if r.local_world_size < 1:
+            raise ValueError(f"local_world_size must be >= 1, got {r.local_world_size}")
         with self._lock:
             if self.rendezvous is None:
-                if rdzv is None:
+                if r.limits is None:
                     raise RendezvousError("the first node must say how many nodes the job has")
-                self.start_rendezvous(rdzv)
+                self.start_rendezvous(RendezvousConfig.of(r.limits))
                 logger.info(
                     "job %s: nodes %d:%d (node_unit %d)",
-                    job_name,
-                    rdzv.min_nodes,
-                    rdzv.max_nodes,
-                    rdzv.node_unit,
+                    self._job_name,
+                    r.limits.min_nodes,
+                    r.limits.max_nodes,
+                    max(1, r.limits.node_unit),
                 )
-            elif rdzv is not None:
+            elif r.limits is not None:
                 have = self.rendezvous.config
-                if (rdzv.min_nodes, rdzv.max_nodes) != (have.min_nodes, have.max_nodes):
+                if (r.limits.min_nodes, r.limits.max_nodes) != (have.min_nodes, have.max_nodes):
                     raise RendezvousError(
-                        f"this node was started with --nnodes {rdzv.min_nodes}:{rdzv.max_nodes} "
-                        f"but the job has {have.min_nodes}:{have.max_nodes}; start every node "
-                        "with the same --nnodes"
+                        f"this node was started with --nnodes {r.limits.min_nodes}:"
+                        f"{r.limits.max_nodes} but the job has {have.min_nodes}:"
+                        f"{have.max_nodes}; start every node with the same --nnodes"
                     )
-            self._expected.discard(node_id)
-            if node_id in self._excluded:
+            self._expected.discard(r.node_id)
+            if r.node_id in self._excluded:
                 raise NodeError(
-                    f"node {node_id} was replaced as a straggler; it may not join again"
+                    f"node {r.node_id} was replaced as a straggler; it may not join again"
                 )
-            return self.nodes.register(node_id, host, role, local_world_size, requested_rank, pid)
+            node = self.nodes.register(
+                r.node_id, r.host, r.role, r.local_world_size, r.requested_rank, r.pid
+            )
+            have = self.rdzv().config
+        return Registered(
+            node_id=node.node_id,
+            incarnation=node.incarnation,
+            limits=NodeLimits(
+                have.min_nodes, have.max_nodes, have.node_unit, have.last_call_timeout_s
+            ),
+            job_name=self._job_name,
+            heartbeat_interval_s=self.heartbeat_interval_s(),
+        )
 
     def start_rendezvous(self, rdzv: RendezvousConfig) -> None:
         """Fix the job's node range (saved, so a restarted master knows it) and its rounds."""
@@ -173,6 +200,33 @@ class Membership:
         interval recently told to a node."""
         with self._lock:
             return max(self._heartbeat_timeout_s, 3.0 * self._told_high)
+
+    def heartbeat(self, report: HeartbeatReport) -> HeartbeatReply:
+        """Record this incarnation's liveness, usage and progress (`MembershipApi.heartbeat`) and
+        tell the heartbeat listeners; answer REREGISTER to a node taken for lost, STOP once the
+        job ended."""
+        state = self.nodes.record_heartbeat(report)
+        world = self.world()
+        for listener in self.on_heartbeat:
+            listener(report, world)
+        if state == NodeState.LOST:
+            action = HeartbeatAction.REREGISTER  # heard again after it was presumed lost
+        elif self._ended.is_set():
+            action = HeartbeatAction.STOP
+        else:
+            action = HeartbeatAction.NONE
+        return HeartbeatReply(action, self._job_state(), self.heartbeat_interval_s())
+
+    def report_step(
+        self,
+        step: int,
+        rank: int | None = None,
+        metrics: dict[str, float] | None = None,
+        node_id: str | None = None,
+    ) -> None:
+        """Record a step a training process of ``node_id`` finished (also a sign of life);
+        ``rank`` and ``metrics`` are not kept. Raises UnknownNodeError (no ``node_id`` too)."""
+        self.nodes.record_step(node_id or "", step)
 
     # --- replacements on their way, stragglers shut out -----------------------------------------
     def expect(self, node_id: str) -> None:
@@ -236,38 +290,90 @@ class Membership:
         """The latest closed round's world, if any."""
         return self.rendezvous.world if self.rendezvous is not None else None
 
-    def join(
-        self,
-        node_id: str,
-        incarnation: int,
-        local_world_size: int,
-        store_host: str,
-        store_port: int,
-    ) -> int:
-        """Put the node into the next round and return its number; a running or lost node goes
-        back to PENDING and `on_rejoin` is told. Raises NodeError for a stale incarnation,
-        RendezvousError once the job has ended."""
-        node = self.nodes.get(node_id, incarnation)
-        self.nodes.touch(node_id)
+    def join_rendezvous(self, request: JoinRequest) -> int:
+        """Put the node into the next round and return its number (`MembershipApi`); a running or
+        lost node goes back to PENDING and `on_rejoin` is told, then `on_joined`. Raises
+        NodeError for a stale incarnation, RendezvousError once the job has ended."""
+        node = self.nodes.get(request.node_id, request.incarnation)
+        self.nodes.touch(request.node_id)
         if self._ended.is_set():
-            raise RendezvousError(f"the job has ended ({self._ended_why()}); nothing to join")
+            raise RendezvousError(f"the job has ended ({self._job_state()}); nothing to join")
         if node.state in (NodeState.RUNNING, NodeState.LOST):
-            self.nodes.set_state(node_id, NodeState.PENDING, "joins a new rendezvous round")
+            self.nodes.set_state(request.node_id, NodeState.PENDING, "joins a new rendezvous round")
         # Its workers are gone (restart or re-form): what they leased goes back to the queues.
         for listener in self.on_rejoin:
-            listener(node_id)
+            listener(request.node_id)
         round = self.rdzv().join(
-            node_id,
-            local_world_size,
+            request.node_id,
+            request.local_world_size,
             node.host,
-            store_host,
-            store_port,
+            request.store_host,
+            request.store_port,
             node.requested_rank,
             node.order,
         )
         self.changes.bump()  # running nodes may have to re-form for it
         self.close_round_if_due()
+        for joined in self.on_joined:
+            joined()
         return round
+
+    def comm_world_poll(self, node_id: str, round: int) -> LongPoll[CommWorld]:
+        """`get_comm_world` as a long poll: it ends when the round closes, when the node must
+        join again, or when the job ended."""
+
+        def check() -> CommWorld | None:
+            world = self.comm_world_now(node_id, round)
+            if world.complete or world.rejoin or self._ended.is_set():
+                return world
+            return None
+
+        return LongPoll(
+            self.rounds, check, lambda: self.comm_world_now(node_id, round), self.close_deadline
+        )
+
+    def comm_world_now(self, node_id: str, round: int) -> CommWorld:
+        """The node's world once its round closed, with this node's rank and global rank offset.
+        Incomplete, ``rejoin`` is set when the master does not know the node to wait for
+        ``round`` (the round its join returned): it restarted since. No incarnation is
+        checked."""
+        world = self.get_world(node_id, 0)
+        if world is None:
+            rejoin = round > 0 and self.rdzv().lost_join(node_id, round)
+            return CommWorld(round=round, complete=False, rejoin=rejoin)
+        me = world.member(node_id)
+        assert me is not None
+        return CommWorld(
+            round=world.round,
+            complete=True,
+            num_nodes=len(world.members),
+            node_rank=me.node_rank,
+            world_size=world.world_size,
+            rank_offset=world.rank_offset(me.node_rank),
+            store_host=world.store_host,
+            store_port=world.store_port,
+        )
+
+    def close_deadline(self) -> float | None:
+        """When the waiting round's last call ends (master clock), or None if none is due."""
+        return self.rendezvous.close_deadline() if self.rendezvous is not None else None
+
+    def membership_poll(self, node_id: str, round: int) -> LongPoll[Waiting]:
+        """`num_nodes_waiting` as the membership watch of a running node: it ends as soon as its
+        world must re-form or the job ended."""
+
+        def check() -> Waiting | None:
+            w = self.waiting_now(node_id, round)
+            return w if w.waiting > 0 or w.latest_round > round or w.job_ended else None
+
+        return LongPoll(self.changes, check, lambda: self.waiting_now(node_id, round))
+
+    def waiting_now(self, node_id: str, round: int) -> Waiting:
+        """Waiting nodes that should make the running world re-form now, the newest round, and
+        whether the job ended; also a sign of life of the node."""
+        self.nodes.touch(node_id)
+        waiting, latest = self.rdzv().num_nodes_waiting(node_id, round)
+        return Waiting(waiting, latest, self._ended.is_set())
 
     def close_round_if_due(self) -> World | None:
         """Close the waiting round if it may close now (max nodes, every live node waits, or the

@@ -40,7 +40,7 @@ class JobCollector(Collector):
         """The job's series now."""
         job = self._job
         name = job.config.job_name
-        g = job.goodput.snapshot(job.now())
+        g = job.diagnostics.goodput.snapshot(job.now())
         yield _gauge(
             "dlrover_goodput_ratio",
             "Productive step time / time since the master started (live estimate)",
@@ -78,7 +78,7 @@ class JobCollector(Collector):
         recovery.add_metric([name], buckets, sum_value=sum(g.recoveries_s))
         yield recovery
 
-        nodes = job.nodes.all()
+        nodes = job.members.nodes.all()
         by_state = Counter(n.state for n in nodes)
         gauge = GaugeMetricFamily("dlrover_nodes", "Nodes by state", labels=["job_name", "state"])
         for state in NodeState:
@@ -113,7 +113,7 @@ class JobCollector(Collector):
                     phases.add_metric([name, n.node_id, "data"], data)
                     phases.add_metric([name, n.node_id, "checkpoint"], ckpt)
                     phases.add_metric([name, n.node_id, "compute"], max(0.0, wall - data - ckpt))
-        role_nodes = job.role_nodes()
+        role_nodes = job.roles.role_nodes()
         for r in role_nodes:
             if r.state in ("pending", "running"):
                 cpu.add_metric([name, r.node_id], r.cpu_percent)
@@ -123,7 +123,7 @@ class JobCollector(Collector):
         yield step
         yield phases
         yield from _role_node_metrics(name, role_nodes)
-        rates = job.rates()
+        rates = job.roles.rates()
         yield _gauge(
             "dlrover_steps_per_second",
             "A TensorFlow job's steps (batches) per second lately, from its chief",
@@ -152,11 +152,11 @@ class JobCollector(Collector):
             "A node's runtime score: the fastest node's step time / its own (1 = fastest)",
             labels=["job_name", "node"],
         )
-        for node_id, s in sorted(job.straggler_scores().items()):
+        for node_id, s in sorted(job.diagnostics.straggler_scores().items()):
             score.add_metric([name, node_id], s.relative)
         yield score
 
-        failures = job.failures()
+        failures = job.diagnostics.failures()
         restarts = CounterMetricFamily(
             "dlrover_restarts",
             "Worker restarts in place and node relaunches, by the failure's class",
@@ -240,7 +240,8 @@ def _role_node_metrics(name: str, nodes: list[RoleNode]) -> Iterator[Metric]:
 
 def _ps_metrics(job: JobMaster) -> Iterator[Metric]:
     """Each embedding server's rows, memory, lookups and moved rows (a job with a ps role)."""
-    if job.ps is None:
+    servers = job.roles.embedding_servers()
+    if servers is None:
         return
     name = job.config.job_name
     labels = ["job_name", "server", "address"]
@@ -255,7 +256,7 @@ def _ps_metrics(job: JobMaster) -> Iterator[Metric]:
         ("dlrover_ps_rows_moved_in", "Rows moved onto a server by resizes", "rows_moved_in"),
         ("dlrover_ps_rows_moved_out", "Rows moved off a server by resizes", "rows_moved_out"),
     )
-    stats = job.ps.stats()
+    stats = servers.stats()
     for metric, doc, field in series:
         g = GaugeMetricFamily(metric, doc, labels=labels)
         for s in stats:
@@ -264,7 +265,7 @@ def _ps_metrics(job: JobMaster) -> Iterator[Metric]:
     failovers = CounterMetricFamily(
         "dlrover_ps_failovers", "Embedding servers replaced from a replica", labels=["job_name"]
     )
-    failovers.add_metric([name], float(job.ps.failovers))
+    failovers.add_metric([name], float(servers.failovers))
     yield failovers
 
 

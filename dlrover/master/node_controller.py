@@ -168,7 +168,7 @@ class NodeController:
                 if saved is not None:
                     self._planned[rank] = int(saved.get("planned", 0))
                 self._save_slot(spec, planned=saved is not None)
-                self.job.expect(spec.node_id)
+                self.job.members.expect(spec.node_id)
                 specs.append(spec)
             launched = self._launch_scale_out(specs, before)
             self.relaunches["scale_out"] = self.relaunches.get("scale_out", 0) + launched
@@ -179,13 +179,13 @@ class NodeController:
                 kept.append((due, spec))
             else:  # its slot is retired: the job must not wait for it any more
                 logger.info("node %s: not relaunched, its slot was scaled in", spec.node_id)
-                self.job.unexpect(spec.node_id)
+                self.job.members.unexpect(spec.node_id)
         self._due = kept
         for node in self._workers():
             if node.state.is_final or node.spec.rank < nodes:
                 continue
             self._save_slot(node.spec)  # a later scale-out launches its next attempt
-            self.job.node_lost(node.node_id, f"removed by the auto-scaler: {why}")
+            self.job.members.lose(node.node_id, f"removed by the auto-scaler: {why}")
             try:
                 self.engine.delete(node.node_id)
             except EngineError as e:
@@ -203,11 +203,13 @@ class NodeController:
             logger.error("scale-out to %d nodes failed: %s", self.slots, e)
             for spec in specs:
                 if spec.node_id not in launched:
-                    self.job.unexpect(spec.node_id)
+                    self.job.members.unexpect(spec.node_id)
             ranks = [spec.rank for spec in specs if spec.node_id in launched]
             self.slots = max(ranks) + 1 if ranks else before
             self._store.put_json(_NAMESPACE, "slots", {"slots": self.slots})
-            self.job.event("scale", f"scale-out: {len(launched)} of {len(specs)} launched: {e}")
+            self.job.diagnostics.event(
+                "scale", f"scale-out: {len(launched)} of {len(specs)} launched: {e}"
+            )
             return len(launched)
         return len(specs)
 
@@ -239,7 +241,7 @@ class NodeController:
         job asks to (runtime stragglers)."""
         if self.scaler is not None:
             self.scaler.tick()
-        for node_id, cause in self.job.take_replacements():
+        for node_id, cause in self.job.diagnostics.take_replacements():
             spec = self._replace_straggler(node_id, cause)
             if spec is not None:
                 self._save_slot(spec)
@@ -249,16 +251,16 @@ class NodeController:
         now = self._clock()
         replacements = [spec for due, spec in self._due if due <= now]
         self._due = [(due, spec) for due, spec in self._due if due > now]
-        if replacements and not self.job.ended.is_set():
+        if replacements and not self.job.lifecycle.ended.is_set():
             try:
                 self.engine.launch_many(replacements)
             except EngineError as e:
                 logger.error("relaunch failed: %s", e)
-                self.job.stop(f"could not relaunch nodes: {e}")
+                self.job.lifecycle.stop(f"could not relaunch nodes: {e}")
 
     def _schedule(self, spec: NodeSpec, due: float) -> None:
         """Launch ``spec`` at ``due``; the job expects it from now on."""
-        self.job.expect(spec.node_id)
+        self.job.members.expect(spec.node_id)
         self._due.append((due, self._named(spec)))
 
     def resize(self, resources: Resources, why: str) -> None:
@@ -275,8 +277,8 @@ class NodeController:
         )
         for node in live:
             spec = node.spec.replacement(resources)
-            self.job.expect(spec.node_id)  # the job is not "every node lost" meanwhile
-            self.job.node_lost(node.node_id, "relaunched at a new size by the auto-scaler")
+            self.job.members.expect(spec.node_id)  # the job is not "every node lost" meanwhile
+            self.job.members.lose(node.node_id, "relaunched at a new size by the auto-scaler")
             try:
                 self.engine.delete(node.node_id)
             except EngineError as e:  # it may still run: a second node in its slot would not do
@@ -307,11 +309,12 @@ class NodeController:
             )
             self.job.keep_straggler(node_id, cause)
             return None
-        self.job.record_failure(
+        self.job.diagnostics.record_failure(
             FailureRecord(time.time(), node_id, FailureClass.STRAGGLER, "relaunch_node", cause)
         )
-        self.job.expect(node.spec.replacement().node_id)  # before the loss: never "every lost"
-        self.job.node_lost(node_id, "replaced as a runtime straggler")
+        # Expected before the loss: the job is never "every node lost" meanwhile.
+        self.job.members.expect(node.spec.replacement().node_id)
+        self.job.members.lose(node_id, "replaced as a runtime straggler")
         try:
             self.engine.delete(node_id)
         except EngineError as e:
@@ -340,20 +343,20 @@ class NodeController:
 
     def _on_event(self, event: NodeEvent) -> NodeSpec | None:
         logger.info("engine: %s", event)
-        if event.state != NodeState.FAILED or self.job.ended.is_set():
+        if event.state != NodeState.FAILED or self.job.lifecycle.ended.is_set():
             return None
         if event.spec.rank >= self.slots:  # scaled in meanwhile: its slot is not in use
-            self.job.node_lost(event.node_id, f"{event.message or event.reason} (slot retired)")
+            self.job.members.lose(event.node_id, f"{event.message or event.reason} (slot retired)")
             return None
         reason = self.policy.loss_reason(event)
         # Expected before the loss is recorded: between the two, the job must not look like
         # it lost every node (withdrawn below if the node is not relaunched).
         successor = event.spec.replacement().node_id
-        self.job.expect(successor)
-        self.job.node_lost(event.node_id, f"{reason.value}: {event.message or event.reason}")
+        self.job.members.expect(successor)
+        self.job.members.lose(event.node_id, f"{reason.value}: {event.message or event.reason}")
         alive = sum(
             1
-            for n in self.job.nodes.all()
+            for n in self.job.members.nodes.all()
             if n.state in ALIVE_STATES and n.node_id != event.node_id
         )
         decision = self.policy.decide(
@@ -366,7 +369,7 @@ class NodeController:
         )
         logger.info("node %s: %s (%s)", event.node_id, decision.action.value, decision.reason)
         if event.exit_code != EXIT_NODE_EXCLUDED:  # the node check recorded its exclusion
-            self.job.record_failure(
+            self.job.diagnostics.record_failure(
                 FailureRecord(
                     time.time(),
                     event.node_id,
@@ -379,16 +382,16 @@ class NodeController:
         if event.reason is FailureReason.OOM_KILLED:
             tried.append(event.spec.resources.memory_mib)
         if decision.action is not FailureAction.RELAUNCH_NODE:
-            self.job.unexpect(successor)
+            self.job.members.unexpect(successor)
         if decision.action is FailureAction.FAIL:
-            self.job.stop(decision.reason + self._oom_history(event.spec.rank))
+            self.job.lifecycle.stop(decision.reason + self._oom_history(event.spec.rank))
             return None
         if decision.action is not FailureAction.RELAUNCH_NODE:
             return None
         spec = self.policy.replacement(event)
         if spec is None:
-            self.job.unexpect(successor)
-            self.job.stop(
+            self.job.members.unexpect(successor)
+            self.job.lifecycle.stop(
                 f"node {event.node_id} was OOM-killed and cannot grow: the memory cap is "
                 f"{self._oom.max_memory_mib} MiB" + self._oom_history(event.spec.rank)
             )
@@ -421,7 +424,7 @@ class NodeController:
         """Drive the controller until the job ends or `stop` is set; then remove every node,
         unless ``delete_nodes()`` says no (another master took the job over: they are its)."""
         try:
-            while not self.job.ended.is_set() and not stop.is_set():
+            while not self.job.lifecycle.ended.is_set() and not stop.is_set():
                 self.step(poll_s)
         finally:
             self.engine.close(delete_nodes=delete_nodes())

@@ -11,6 +11,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
+from dlrover.api.master import HeartbeatReport
 from dlrover.master.state_store import StateStore
 
 logger = logging.getLogger(__name__)
@@ -194,34 +195,23 @@ class NodeTable:
         with self._lock:
             return [replace(n) for n in self._nodes.values()]
 
-    def record_heartbeat(
-        self,
-        node_id: str,
-        incarnation: int,
-        step: int,
-        cpu_percent: float,
-        memory_bytes: int,
-        restart_count: int,
-        breakdown: tuple[float, float, float] | None = None,
-        persist_s: float = 0.0,
-        worker_pids: tuple[int, ...] | None = None,
-    ) -> NodeState:
+    def record_heartbeat(self, report: HeartbeatReport) -> NodeState:
         """A heartbeat of this incarnation: liveness, usage and progress, and its workers' pids
-        (None: not said); returns its state."""
+        (an empty tuple: between attempts); returns its state."""
         with self._lock:
-            node = self.get(node_id, incarnation)
+            node = self.get(report.node_id, report.incarnation)
             node.last_heartbeat = self._clock()
-            node.cpu_percent, node.memory_bytes = cpu_percent, memory_bytes
-            node.restart_count = restart_count
-            if breakdown is not None and breakdown[0] > 0:
-                node.breakdown = breakdown
-            if persist_s > 0:
-                node.persist_s = persist_s
-            if step > node.step:
-                node.step, node.step_at = step, node.last_heartbeat
-            if worker_pids is not None and tuple(worker_pids) != node.worker_pids:
+            node.cpu_percent, node.memory_bytes = report.cpu_percent, report.memory_bytes
+            node.restart_count = report.restart_count
+            if report.step_wall_s > 0:
+                node.breakdown = (report.step_wall_s, report.step_data_s, report.step_checkpoint_s)
+            if report.checkpoint_persist_s > 0:
+                node.persist_s = report.checkpoint_persist_s
+            if report.step > node.step:
+                node.step, node.step_at = report.step, node.last_heartbeat
+            if tuple(report.worker_pids) != node.worker_pids:
                 # Persisted (they change once per attempt): an ended job's table still names them.
-                node.worker_pids = tuple(worker_pids)
+                node.worker_pids = tuple(report.worker_pids)
                 self._persist(node)
             return node.state
 

@@ -13,8 +13,9 @@ from dlrover.api.master import (
     NodeCheckState,
     NodeCheckTask,
 )
-from dlrover.master.changes import ChangeFeed
+from dlrover.master.changes import ChangeFeed, LongPoll
 from dlrover.master.node_check import CheckResult, CheckSettings, NodeCheck
+from dlrover.master.nodes import NodeTable
 from dlrover.master.rendezvous import World
 
 # The job's parts log as the job: their lines were always the job's log, and people (and
@@ -31,7 +32,8 @@ Keep = Callable[[str, str], None]
 
 
 class Preflight:
-    """The node check of the current round: its joins, tasks, reports and verdict.
+    """The node check of the current round: its joins, tasks, reports and verdict. It serves
+    `NodeCheckApi` (the join as `node_check_poll`).
 
     `checks` is bumped when a check pairs a round, decides or is abandoned (its joins wait on
     it); not on every join, so a round of N nodes costs O(N) wake-ups. Thread-safe under the
@@ -42,6 +44,7 @@ class Preflight:
         self,
         clock: Callable[[], float],
         lock: threading.RLock,
+        nodes: NodeTable,
         world: Callable[[], World | None],
         ended: Callable[[], str | None],
         exclude: Exclude,
@@ -49,6 +52,7 @@ class Preflight:
     ) -> None:
         self._clock = clock
         self._lock = lock
+        self._nodes = nodes
         self._world = world
         self._ended = ended
         """How the job ended, or None while it runs."""
@@ -62,9 +66,52 @@ class Preflight:
         """node id -> the node check's word on it (`dlrover status`)."""
         self.summary = ""
 
-    def join(self, join: NodeCheckJoin) -> None:
-        """A member is ready for a round of its rendezvous round's check (the caller checked the
-        node is known); the check starts with the first join of a closed round's member."""
+    def node_check_poll(self, join: NodeCheckJoin) -> LongPoll[NodeCheckTask]:
+        """`NodeCheckApi.join_node_check` as a long poll: record the join now (raises for an
+        unknown node or a stale incarnation), then wait for the node's task: RUN once the round
+        is paired, DONE / REFORM once decided, WAIT when the wait ran out."""
+        self._join(join)
+
+        def task() -> NodeCheckTask | None:
+            return self.task(join.node_id, join.rdzv_round, join.check_round)
+
+        return LongPoll(
+            self.checks,
+            task,
+            lambda: task() or NodeCheckTask(NodeCheckState.WAIT, join.check_round),
+            self.deadline,
+        )
+
+    def report_node_check(self, report: NodeCheckReport) -> None:
+        """Record a node's result of a check round (`NodeCheckApi`); raises for an unknown node or
+        a stale incarnation."""
+        self._nodes.get(report.node_id, report.incarnation)
+        self._nodes.touch(report.node_id)
+        with self._lock:
+            check = self._check
+            if check is None or check.rdzv_round != report.rdzv_round:
+                return
+            if not report.ok:
+                logger.warning(
+                    "node check round %d: node %s failed: %s",
+                    report.check_round,
+                    report.node_id,
+                    report.error,
+                )
+            before = check.version
+            check.report(
+                report.node_id,
+                report.check_round,
+                CheckResult(report.ok, report.compute_s, report.comm_s, report.error),
+            )
+            self._after_change(before)
+
+    def _join(self, join: NodeCheckJoin) -> None:
+        """A member is ready for a round of its rendezvous round's check; the check starts with
+        the first join of a closed round's member. A join for an older rendezvous round is
+        answered REFORM by `task`."""
+        self._nodes.get(join.node_id, join.incarnation)
+        self._nodes.touch(join.node_id)
         with self._lock:
             world = self._world()
             if world is None or world.round != join.rdzv_round:
@@ -103,27 +150,6 @@ class Preflight:
                     NodeCheckState.REFORM, check_round, summary="the world changed; join again"
                 )
             return check.task(node_id, check_round)
-
-    def report(self, report: NodeCheckReport) -> None:
-        """Record a node's result of a check round (the caller checked the node is known)."""
-        with self._lock:
-            check = self._check
-            if check is None or check.rdzv_round != report.rdzv_round:
-                return
-            if not report.ok:
-                logger.warning(
-                    "node check round %d: node %s failed: %s",
-                    report.check_round,
-                    report.node_id,
-                    report.error,
-                )
-            before = check.version
-            check.report(
-                report.node_id,
-                report.check_round,
-                CheckResult(report.ok, report.compute_s, report.comm_s, report.error),
-            )
-            self._after_change(before)
 
     def deadline(self) -> float | None:
         """When the running check round times out (master clock), or None."""

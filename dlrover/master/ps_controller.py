@@ -134,7 +134,7 @@ class PsController:
         """An engine event of a ``ps`` node: a current server that ended (failed, or exited
         when nobody asked it to: SIGTERM, eviction) is replaced."""
         logger.info("engine: %s", event)
-        if not event.state.is_final or self._job.ended.is_set():
+        if not event.state.is_final or self._job.lifecycle.ended.is_set():
             return
         with self._lock:
             if event.node_id in self._retired:
@@ -206,13 +206,13 @@ class PsController:
         try:
             self._bring_up()
         except (PsLaunchError, EmbeddingError, EngineError) as e:
-            self._job.stop(f"the embedding servers could not start: {e}")
+            self._job.lifecycle.stop(f"the embedding servers could not start: {e}")
             return
         except Exception as e:  # a bug: said, and the job stops rather than hang
             logger.exception("embedding servers: bring-up failed")
-            self._job.stop(f"the embedding servers could not start: {e!r}")
+            self._job.lifecycle.stop(f"the embedding servers could not start: {e!r}")
             return
-        while not self._stop.is_set() and not self._job.ended.is_set():
+        while not self._stop.is_set() and not self._job.lifecycle.ended.is_set():
             kind, value, request = self._requests.get()
             try:
                 if kind == "replace":
@@ -226,14 +226,16 @@ class PsController:
                 if kind == "replace" or isinstance(e, ResizeStuckError):
                     # The workers cannot go on without the server's rows, or on a half-moved
                     # map.
-                    self._job.stop(f"embedding servers: {what} failed: {e}")
+                    self._job.lifecycle.stop(f"embedding servers: {what} failed: {e}")
             except Exception as e:
                 logger.exception("embedding servers: %s failed", kind)
                 self._report(ScaleReport(kind, 0, request=request, error=repr(e)))
-                self._job.stop(f"embedding servers: {kind} failed: {e!r}")
+                self._job.lifecycle.stop(f"embedding servers: {kind} failed: {e!r}")
 
     def _stats_loop(self) -> None:
-        while not self._stop.wait(self._stats_interval_s) and not self._job.ended.is_set():
+        while (
+            not self._stop.wait(self._stats_interval_s) and not self._job.lifecycle.ended.is_set()
+        ):
             if not self.ready.is_set():
                 continue
             try:
@@ -258,7 +260,7 @@ class PsController:
         self._report(ScaleReport("install", count))
         self.ready.set()
         logger.info("embedding servers ready: %s", ", ".join(addresses))
-        self._job.event("ps", f"{count} embedding servers ready")
+        self._job.diagnostics.event("ps", f"{count} embedding servers ready")
 
     def _resume(self) -> bool:
         """A master restarted on its state takes over the servers its predecessor installed:
@@ -353,7 +355,7 @@ class PsController:
         key = PS_ADDRESS_KEY + spec.node_id
         deadline = self._clock() + self._address_timeout_s
         while self._clock() < deadline:
-            if self._stop.is_set() or self._job.ended.is_set():
+            if self._stop.is_set() or self._job.lifecycle.ended.is_set():
                 raise PsLaunchError("the job ended")
             value = self._job.kv.get(key, 0.5)
             if value:
@@ -396,7 +398,7 @@ class PsController:
                 "its rows are lost"
             )
         if event is not None:
-            self._job.record_failure(
+            self._job.diagnostics.record_failure(
                 FailureRecord(
                     time.time(),
                     node_id,
@@ -448,7 +450,7 @@ class PsController:
                 seconds=seconds,
             )
         )
-        self._job.event(
+        self._job.diagnostics.event(
             "ps",
             f"embedding server {index} replaced by {spec.node_id} in {seconds:.1f}s: "
             f"{report.restored_rows} rows from its replica",
@@ -503,7 +505,7 @@ class PsController:
                 seconds=seconds,
             )
         )
-        self._job.event(
+        self._job.diagnostics.event(
             "ps",
             f"embedding servers {before} -> {count}: {report.moved_rows} rows moved, "
             f"{report.pause_s:.2f}s pause",
@@ -533,7 +535,9 @@ class PsController:
             logger.info(
                 "auto-scale: embedding servers: %d -> %d: %s", servers, plan.nodes, plan.reason
             )
-            self._job.event("scale", f"embedding servers -> {plan.nodes}: {plan.reason}")
+            self._job.diagnostics.event(
+                "scale", f"embedding servers -> {plan.nodes}: {plan.reason}"
+            )
             self._requests.put(("scale", plan.nodes, 0))
 
     def _read_stats(self) -> None:

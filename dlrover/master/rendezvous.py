@@ -7,6 +7,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from dlrover.api.master import NodeLimits
 from dlrover.master.state_store import StateStore
 
 logger = logging.getLogger(__name__)
@@ -30,6 +31,13 @@ class RendezvousConfig:
     """The world size in nodes is always a multiple of this (e.g. pipeline stages)."""
     last_call_timeout_s: float = 1.0
     """After min nodes are present, wait this long for more before closing the round."""
+
+    @classmethod
+    def of(cls, limits: NodeLimits) -> RendezvousConfig:
+        """The range agents launch with (a node unit below 1 is 1)."""
+        return cls(
+            limits.min_nodes, limits.max_nodes, max(1, limits.node_unit), limits.last_call_timeout_s
+        )
 
     def validate(self) -> None:
         """Raise RendezvousError unless 1 <= min <= max nodes, node_unit is in 1..max nodes, and

@@ -95,6 +95,7 @@ class ServerStats:
     pid: int = 0
 
 
+@runtime_checkable
 class EmbeddingServers(RoleController, Protocol):
     """The controller of a job's embedding servers, as the metrics and the status read it."""
 
@@ -111,9 +112,10 @@ class EmbeddingServers(RoleController, Protocol):
 class RoleRegistry:
     """Role name -> its controller, plus at most one controller of the whole job (a TensorFlow
     job's: it answers for any role, also one it refuses to scale). Thread-safe; registering the
-    same controller again changes nothing."""
+    same controller again changes nothing. It serves `RolesApi`."""
 
-    def __init__(self) -> None:
+    def __init__(self, job_name: str = "none") -> None:
+        self._job_name = job_name
         self._lock = threading.Lock()
         self._by_role: dict[str, RoleController] = {}
         self._whole_job: RoleController | None = None
@@ -154,3 +156,42 @@ class RoleRegistry:
         """Who answers for ``role``: the whole job's controller, else the role's own."""
         with self._lock:
             return self._whole_job or self._by_role.get(role)
+
+    def scale_role(self, role: str, count: int) -> tuple[str, int]:
+        """Ask for ``count`` nodes of ``role`` (`RolesApi`, `dlrover scale`): what will happen,
+        and the request's id its report will carry. Raises ValueError for a role that cannot be
+        scaled so."""
+        controller = self.get(role)
+        if controller is not None:
+            return controller.request_scale(role, count)
+        if role != "ps":
+            raise ValueError(
+                f"role {role!r}: only ps (embedding servers) is scaled on request; workers scale "
+                "within --nnodes MIN:MAX (dlrover submit --auto-scale)"
+            )
+        raise ValueError(
+            f"job {self._job_name} has no embedding servers (roles.ps in the job spec, "
+            "or dlrover submit --ps N)"
+        )
+
+    def embedding_servers(self) -> EmbeddingServers | None:
+        """The embedding servers' controller, in a job with a ps role of its own (metrics,
+        status)."""
+        with self._lock:
+            owner = self._by_role.get("ps")
+        return owner if isinstance(owner, EmbeddingServers) else None
+
+    def role_nodes(self) -> list[RoleNode]:
+        """The nodes role controllers drive beside the agents of the node table (a TensorFlow
+        job's every role, embedding servers): what status, /metrics and the dashboard add."""
+        rows: list[RoleNode] = []
+        for controller in self.controllers():
+            if isinstance(controller, ShowsNodes):
+                rows.extend(controller.role_nodes())
+        return rows
+
+    def rates(self) -> Rates:
+        """The job's step and sample rates lately, where a role controller measures them (a
+        TensorFlow job's chief reports its progress); zeros otherwise."""
+        controller = self.whole_job()
+        return controller.rates() if isinstance(controller, MeasuresThroughput) else Rates()

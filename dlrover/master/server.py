@@ -24,18 +24,13 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from dlrover.api.errors import MasterRequestError, UnknownNodeError
-from dlrover.api.master import MasterApi
 from dlrover.api.rpc import SERVICE, Rpc, Run
-from dlrover.api.sharding import ShardingTransport, StreamTransport
 from dlrover.api.wire import RPCS
 from dlrover.constants import MAX_CHECKPOINT_WAIT_S, MAX_MESSAGE_BYTES, TOKEN_METADATA_KEY
-from dlrover.master.changes import ChangeFeed
+from dlrover.master.changes import ChangeFeed, LongPoll, hold_s
 from dlrover.master.fencing import Fence, Leader
 from dlrover.master.job import JobMaster
-from dlrover.master.kv_store import KvError
-from dlrover.master.local_api import LocalMasterApi, LongPoll, hold_s
-from dlrover.master.nodes import NodeError
-from dlrover.master.rendezvous import RendezvousError
+from dlrover.master.refusals import as_refusal
 from dlrover.proto import master_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -97,11 +92,12 @@ class _TokenInterceptor(grpc.aio.ServerInterceptor):
 def refusal_kind(e: Exception) -> int | None:
     """The MasterError kind of a refused request, or None for an error that is a bug (the call
     fails with status UNKNOWN and the master logs it)."""
-    if isinstance(e, UnknownNodeError):
+    refusal = as_refusal(e)
+    if refusal is None:
+        return None
+    if isinstance(refusal, UnknownNodeError):
         return pb.MasterError.UNKNOWN_NODE
-    if isinstance(e, (MasterRequestError, NodeError, RendezvousError, KvError, ValueError)):
-        return pb.MasterError.REQUEST
-    return None
+    return pb.MasterError.REQUEST
 
 
 class _Waker:
@@ -153,26 +149,20 @@ def _resolve(future: asyncio.Future[None]) -> None:
 
 class MasterServicer:
     """The master's gRPC handlers, derived from the interfaces (`dlrover.api.wire.RPCS`): each
-    RPC decodes its request into the interface method's arguments, runs the method on its
-    implementation (`LocalMasterApi` for `MasterApi`, the job's `ShardingService` for the
-    sharding interfaces) inline, on the thread pool or as a long poll held on the loop, and
-    encodes the answer; a refusal travels in the response (see `dlrover.api.rpc`)."""
+    RPC decodes its request into the interface method's arguments, runs the method on the part
+    that serves its interface (`JobMaster.services`) inline, on the thread pool or as a long
+    poll held on the loop, and encodes the answer; a refusal travels in the response (see
+    `dlrover.api.rpc`)."""
 
     def __init__(
         self, job: JobMaster, loop: asyncio.AbstractEventLoop, executor: futures.Executor
     ) -> None:
         self.job = job
-        self.api = LocalMasterApi(job)
         self._loop = loop
         self._executor = executor
-        self._wakers = {
-            id(feed): _Waker(loop, feed) for feed in (job.rounds, job.membership, job.checks)
-        }
-        implementations: dict[type, object] = {
-            MasterApi: self.api,
-            ShardingTransport: job.sharding,
-            StreamTransport: job.sharding,
-        }
+        feeds = (job.members.rounds, job.members.changes, job.preflight.checks)
+        self._wakers = {id(feed): _Waker(loop, feed) for feed in feeds}
+        implementations = job.services()
         by_name: dict[str, list[Rpc]] = {}
         for call in RPCS.values():
             by_name.setdefault(call.name, []).append(call)
@@ -360,7 +350,7 @@ class MasterServer:
         next_gc = time.monotonic() + self._full_gc_every_s
         while True:
             wait = self._tick_interval_s
-            deadline = self.job.close_deadline()
+            deadline = self.job.members.close_deadline()
             if deadline is not None:
                 wait = min(wait, max(0.01, deadline - self.job.now()))
             if self._stop.wait(wait):

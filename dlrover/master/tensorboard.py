@@ -145,14 +145,14 @@ class TensorBoardExporter:
     def write(self, now: float) -> None:
         """Write one point of every scalar now."""
         job = self._job
-        g = job.goodput.snapshot(now)
+        g = job.diagnostics.goodput.snapshot(now)
         values = {
             "goodput/ratio": g.ratio,
             "goodput/productive_seconds": g.productive_s,
             "job/step_seconds": g.step_s,
             **{f"badput/{reason}_seconds": g.badput_s[reason] for reason in REASONS},
         }
-        nodes = job.nodes.all()
+        nodes = job.members.nodes.all()
         by_state = Counter(n.state for n in nodes)
         # Every state, 0 where no node is in it: a series that is only written while it is
         # non-zero would stay at its last count in TensorBoard (as metrics.py does).
@@ -162,11 +162,11 @@ class TensorBoardExporter:
                 values[f"node/{n.node_id}/cpu_percent"] = n.cpu_percent
                 values[f"node/{n.node_id}/memory_mib"] = n.memory_bytes / 2**20
         # A TensorFlow job's roles and throughput; its step is the chief's batches.
-        for r in job.role_nodes():
+        for r in job.roles.role_nodes():
             if r.state in ("pending", "running"):
                 values[f"node/{r.node_id}/cpu_percent"] = r.cpu_percent
                 values[f"node/{r.node_id}/memory_mib"] = r.memory_bytes / 2**20
-        rates = job.rates()
+        rates = job.roles.rates()
         if rates.steps:
             values["job/steps_per_second"] = rates.steps_per_s
             values["job/samples_per_second"] = rates.samples_per_s

@@ -180,7 +180,7 @@ class TfController:
             counts,
             " (the attempts a master before this one launched)" if saved is not None else "",
         )
-        self.job.event("tf", f"launching {counts}")
+        self.job.diagnostics.event("tf", f"launching {counts}")
         # Workers removed but not deleted yet are launched by name too: the engine adopts
         # them, so that they can still be deleted once the chief trains without them.
         self.engine.launch_many(specs + self._retiring)
@@ -249,11 +249,11 @@ class TfController:
         now = self._clock()
         due = [spec for when, spec in self._due if when <= now]
         self._due = [(when, spec) for when, spec in self._due if when > now]
-        if due and not self.job.ended.is_set():
+        if due and not self.job.lifecycle.ended.is_set():
             try:
                 self.engine.launch_many(due)
             except EngineError as e:
-                self.job.stop(f"could not relaunch TensorFlow nodes: {e}")
+                self.job.lifecycle.stop(f"could not relaunch TensorFlow nodes: {e}")
                 return
         self._read_registrations(now)
         self._read_reports()
@@ -275,9 +275,10 @@ class TfController:
                     slot.registered = value.decode()
                     logger.info("tf node %s registered %s", node_id, slot.registered)
                 elif (
-                    now - slot.launched_at > self._address_timeout_s and not self.job.ended.is_set()
+                    now - slot.launched_at > self._address_timeout_s
+                    and not self.job.lifecycle.ended.is_set()
                 ):
-                    self.job.stop(
+                    self.job.lifecycle.stop(
                         f"TensorFlow node {node_id} did not register its address within "
                         f"{self._address_timeout_s:.0f}s (is dlrover-tf-node installed where it "
                         "runs? see its log)"
@@ -358,7 +359,7 @@ class TfController:
         if outcome.in_place:
             nodes = ", ".join(outcome.in_place)
             logger.info("resized the %s nodes in place (%s): %s", role, reason, nodes)
-            self.job.event("tf", f"resizing {role}: in place {nodes}")
+            self.job.diagnostics.event("tf", f"resizing {role}: in place {nodes}")
         self._relaunch_at(role, [s for s in slots if s.spec.node_id in outcome.relaunch], resources)
         return outcome.describe()
 
@@ -378,12 +379,14 @@ class TfController:
         if not new:
             return
         logger.info("relaunching the %s nodes at their new size: %s", role, ", ".join(old))
-        self.job.event("tf", f"resizing {role}: relaunching {', '.join(s.node_id for s in new)}")
+        self.job.diagnostics.event(
+            "tf", f"resizing {role}: relaunching {', '.join(s.node_id for s in new)}"
+        )
         try:
             self.engine.delete_many(old)
             self.engine.launch_many(new)
         except EngineError as e:
-            self.job.stop(f"could not relaunch the {role} nodes at their new size: {e}")
+            self.job.lifecycle.stop(f"could not relaunch the {role} nodes at their new size: {e}")
 
     def role_resources(self, role: str) -> Resources:
         """What one node of ``role`` asks for now (its first slot's current attempt)."""
@@ -419,11 +422,11 @@ class TfController:
         self.workers_changing = True
         self._save()  # before launching: a restarted master launches these attempts too
         logger.info("scaling the workers from %d to %d", before, count)
-        self.job.event("scale", f"worker {before} -> {count}")
+        self.job.diagnostics.event("scale", f"worker {before} -> {count}")
         try:
             self.engine.launch_many(specs)
         except EngineError as e:
-            self.job.stop(f"could not launch the new workers: {e}")
+            self.job.lifecycle.stop(f"could not launch the new workers: {e}")
 
     def rates(self) -> Rates:
         """The job's step and sample rates lately."""
@@ -448,11 +451,11 @@ class TfController:
         self._scaling = (count, now, request)
         self._save()
         logger.info("scaling the ps from %d to %d", before, count)
-        self.job.event("scale", f"ps {before} -> {count}")
+        self.job.diagnostics.event("scale", f"ps {before} -> {count}")
         try:
             self.engine.launch_many(specs)
         except EngineError as e:
-            self.job.stop(f"could not launch the new ps: {e}")
+            self.job.lifecycle.stop(f"could not launch the new ps: {e}")
 
     def cluster(self) -> dict[str, list[str]] | None:
         """The cluster spec of the registered addresses, or None while a slot has none."""
@@ -486,8 +489,8 @@ class TfController:
         self.job.kv.set(TF_CLUSTER_KEY, value)
         self._save()
         logger.info("cluster spec version %d: %s", self.cluster_version, json.dumps(cluster))
-        self.job.event("tf", f"cluster spec version {self.cluster_version}")
-        self.job.mark_running(f"cluster spec version {self.cluster_version} published")
+        self.job.diagnostics.event("tf", f"cluster spec version {self.cluster_version}")
+        self.job.lifecycle.mark_running(f"cluster spec version {self.cluster_version} published")
 
     def _publish_ps_generation(self) -> None:
         ps = [self.slots[("ps", i)] for i in range(self.counts["ps"])]
@@ -511,7 +514,7 @@ class TfController:
         self.job.kv.set(TF_PS_GENERATION_KEY, value)
         self._save()
         logger.info("ps generation %d: %s serve", self.ps_generation, ", ".join(nodes))
-        self.job.event("tf", f"ps generation {self.ps_generation}: every ps serves")
+        self.job.diagnostics.event("tf", f"ps generation {self.ps_generation}: every ps serves")
         if self._scaling is not None:
             count, asked, request = self._scaling
             self._scaling = None
@@ -526,12 +529,12 @@ class TfController:
         current attempt's failure is relaunched (or ends the job) as the relaunch policy says."""
         logger.info("engine: %s", event)
         slot = self.slots.get((event.spec.role, event.spec.rank))
-        if slot is None or slot.spec.node_id != event.node_id or self.job.ended.is_set():
+        if slot is None or slot.spec.node_id != event.node_id or self.job.lifecycle.ended.is_set():
             return  # an attempt replaced already, or the job is over
         if event.state is NodeState.SUCCEEDED:
             slot.ended = "succeeded"
             if slot.role == "chief":
-                self.job.succeed(f"the chief {event.node_id} succeeded")
+                self.job.lifecycle.succeed(f"the chief {event.node_id} succeeded")
             else:
                 logger.info("tf node %s (%s) ended", event.node_id, slot.role)
             return
@@ -550,7 +553,7 @@ class TfController:
         exhausted = decision.action is FailureAction.FAIL
         spec = None if exhausted else self._policy.replacement(event)
         action = "relaunch_node" if spec is not None else "fail"
-        self.job.record_failure(
+        self.job.diagnostics.record_failure(
             FailureRecord(
                 time.time(), event.node_id, failure_class_of(event), action, f"{slot.role}: {why}"
             )
@@ -568,7 +571,9 @@ class TfController:
                 else f"cannot grow: the memory cap is {self._oom.max_memory_mib} MiB"
             )
             slot.ended = "failed"
-            self.job.stop(f"TensorFlow {slot.role} {slot.index} ({event.node_id}) {limit}{history}")
+            self.job.lifecycle.stop(
+                f"TensorFlow {slot.role} {slot.index} ({event.node_id}) {limit}{history}"
+            )
             return
         spec = dataclasses.replace(spec, env={**spec.env, ENV_NODE_NAME: spec.node_id})
         if spec.resources != event.spec.resources:
@@ -581,7 +586,9 @@ class TfController:
             )
         else:
             logger.info("tf node %s failed (%s); launching %s", event.node_id, why, spec.node_id)
-        self.job.event("tf", f"{event.node_id} failed ({why}): relaunching as {spec.node_id}")
+        self.job.diagnostics.event(
+            "tf", f"{event.node_id} failed ({why}): relaunching as {spec.node_id}"
+        )
         slot.spec = spec
         slot.registered = ""
         slot.serving = False
@@ -601,7 +608,7 @@ class TfController:
         """Drive the controller until the job ends or `stop` is set; then remove every node
         (unless ``delete_nodes()`` says no)."""
         try:
-            while not self.job.ended.is_set() and not stop.is_set():
+            while not self.job.lifecycle.ended.is_set() and not stop.is_set():
                 self.step(poll_s)
         finally:
             self.engine.close(delete_nodes=delete_nodes())

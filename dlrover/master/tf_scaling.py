@@ -127,7 +127,7 @@ class TfWorkerScaler:
     def tick(self) -> None:
         """Plan every ``interval_s`` once the current size's rate is measured; cheap otherwise."""
         c = self._controller
-        if self._job.ended.is_set() or c.workers_changing or not c.settled():
+        if self._job.lifecycle.ended.is_set() or c.workers_changing or not c.settled():
             return
         if not self._observe(c.throughput.latest):
             return
@@ -297,7 +297,7 @@ class TfPsScaler:
     def tick(self) -> None:
         """Sample the ps' usage; plan every ``interval_s``."""
         c = self._controller
-        if self._job.ended.is_set() or c.workers_changing or not c.settled():
+        if self._job.lifecycle.ended.is_set() or c.workers_changing or not c.settled():
             self._restart()
             return
         ps = [n for n in c.role_nodes() if n.role == "ps"]

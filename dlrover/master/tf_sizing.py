@@ -111,7 +111,7 @@ class TfSizer:
         nodes = self._controller.role_nodes()
         # Given sizes count from the first nodes on: the sizer is made before they launch.
         self.sized.update(r.role for r in nodes if self._controller.sized(r.role))
-        if self._job.ended.is_set() or all(r.role in self.sized for r in nodes):
+        if self._job.lifecycle.ended.is_set() or all(r.role in self.sized for r in nodes):
             return
         now = self._clock()
         # A node without a usage report yet (or with reports off) is not measured: no size

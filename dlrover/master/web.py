@@ -100,7 +100,7 @@ class WebServer:
         """The /api/status document."""
         job = self._job
         status = dataclasses.asdict(self._api.get_job_status())
-        g = job.goodput.snapshot(job.now())
+        g = job.diagnostics.goodput.snapshot(job.now())
         status["goodput"] = {
             "ratio": g.ratio,
             "elapsed_s": g.elapsed_s,
@@ -109,10 +109,11 @@ class WebServer:
             "steps": g.steps,
             "step_s": g.step_s,
             "recoveries_s": list(g.recoveries_s),
-            "history": job.goodput.history(),
+            "history": job.diagnostics.goodput.history(),
         }
         status["events"] = [
-            {"at": at, "kind": kind, "text": text} for at, kind, text in list(job.events)
+            {"at": at, "kind": kind, "text": text}
+            for at, kind, text in list(job.diagnostics.events)
         ]
         status["has_logs"] = self.log_reader is not None
         return status

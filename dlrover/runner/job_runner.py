@@ -187,8 +187,10 @@ def final_state(job: JobMaster) -> FinalState:
     acted on and its failures."""
     return FinalState(
         status=LocalMasterApi(job).get_job_status(),
-        plans=tuple((at, text) for at, kind, text in list(job.events) if kind == "scale"),
-        failures=job.failures(),
+        plans=tuple(
+            (at, text) for at, kind, text in list(job.diagnostics.events) if kind == "scale"
+        ),
+        failures=job.diagnostics.failures(),
     )
 
 
@@ -298,12 +300,14 @@ class JobRunner:
             raise MasterStartError(str(e)) from None
         self._master = master
         job = master.job
-        if job.ended.is_set():
+        if job.lifecycle.ended.is_set():
             # A master restarted after the job's end (its container's OnFailure restart after a
             # failed job): the run that ended it reported the outcome; do not loop on it.
             master.stop(0.5)
             self._closed = True
-            self._outcome = JobOutcome(job.state.value, job.reason, 0, served=False)
+            self._outcome = JobOutcome(
+                job.lifecycle.state.value, job.lifecycle.reason, 0, served=False
+            )
             return False
         self.master_addr = advertise_address(self.kind, master.port, settings.advertise)
         if master.web is not None:
@@ -328,7 +332,7 @@ class JobRunner:
         try:
             engine = self._engine or self.kind.create(spec.name, directory, spec.engine_settings)
         except Exception as e:  # an engine that cannot start is the job's failure, said plainly
-            job.stop(f"cannot start engine {spec.engine}: {e}")
+            job.lifecycle.stop(f"cannot start engine {spec.engine}: {e}")
             master.stop(0.5)
             write_record(
                 JobRecord(name=spec.name, state="failed", pid=os.getpid(), engine=spec.engine)
@@ -379,7 +383,7 @@ class JobRunner:
                 tf.ps_scaler = TfPsScaler(
                     job, tf, max(ps.max_count, ps.count), cores, scaling[1], time.monotonic
                 )
-            job.tf = tf
+            job.roles.register_job(tf)
             return tf
         controller = NodeController(
             job,
@@ -409,7 +413,7 @@ class JobRunner:
                 oom_policy=OomPolicy(spec.oom_memory_factor, spec.oom_max_memory_mib),
                 store=master.store,
             )
-            job.ps = controller.ps
+            job.roles.register("ps", controller.ps)
         return controller
 
     @property
@@ -418,7 +422,7 @@ class JobRunner:
         return (
             self._controller is not None
             and not self._closed
-            and not self.job.ended.is_set()
+            and not self.job.lifecycle.ended.is_set()
             and not self._stop.is_set()
         )
 
@@ -444,7 +448,7 @@ class JobRunner:
     def stop(self, reason: str) -> None:
         """End the job (its nodes are stopped, it fails with ``reason``); `run()` returns."""
         if self._master is not None:
-            self.job.stop(reason)
+            self.job.lifecycle.stop(reason)
         self._stop.set()
 
     def close(self) -> None:
@@ -489,10 +493,10 @@ class JobRunner:
         write_record(
             JobRecord(
                 name=self.spec.name,
-                state=job.state.value,
+                state=job.lifecycle.state.value,
                 pid=os.getpid(),
-                reason=job.reason,
-                exit_code=job.exit_code,
+                reason=job.lifecycle.reason,
+                exit_code=job.lifecycle.exit_code,
                 engine=self.spec.engine,  # `dlrover logs` of the ended job: where its logs were
             )
         )
@@ -507,5 +511,5 @@ class JobRunner:
                 "fenced", "", EXIT_FENCED, fenced_by=newer.describe() if newer else "?"
             )
         job = self.job
-        code = 0 if job.state == JobState.SUCCEEDED else (job.exit_code or 1)
-        return JobOutcome(job.state.value, job.reason, code)
+        code = 0 if job.lifecycle.state == JobState.SUCCEEDED else (job.lifecycle.exit_code or 1)
+        return JobOutcome(job.lifecycle.state.value, job.lifecycle.reason, code)

@@ -83,7 +83,7 @@ class JobMasterActor:
         self._job = job
         self._serving.set()
         if self._stop_reason:
-            job.stop(self._stop_reason)  # asked to stop before the master served
+            job.lifecycle.stop(self._stop_reason)  # asked to stop before the master served
 
     def outcome(self, wait_s: float) -> dict[str, Any]:
         """After at most ``wait_s`` seconds: this incarnation's pid and address, whether it serves,
@@ -101,4 +101,4 @@ class JobMasterActor:
         the master serves, if it does not yet)."""
         self._stop_reason = reason
         if self._job is not None:
-            self._job.stop(reason)
+            self._job.lifecycle.stop(reason)

@@ -109,12 +109,12 @@ def serve_job(
 
 def _progress_loop(job: JobMaster, stop: threading.Event, every_s: float = 5.0) -> None:
     while not stop.wait(every_s):
-        nodes = job.nodes.all()
+        nodes = job.members.nodes.all()
         running = sum(1 for n in nodes if n.state.value == "running")
         step = max((n.step for n in nodes), default=-1)
         round_ = job.rendezvous.round if job.rendezvous else 0
         print(
-            f"job {job.config.job_name}: {job.state.value}, round {round_}, "
+            f"job {job.config.job_name}: {job.lifecycle.state.value}, round {round_}, "
             f"{running}/{len(nodes)} nodes running, step {step}",
             file=sys.stderr,
             flush=True,

@@ -77,7 +77,7 @@ def test_job_survives_a_lost_ray_node(ray_cluster: Any, tmp_path: Path, monkeypa
         steps_file = Path(f"{out}.steps")
         while not (steps_file.exists() and len(steps_file.read_text().splitlines()) >= 5):
             assert time.monotonic() < deadline, "training did not start on Ray"
-            assert not job.ended.is_set(), job.reason
+            assert not job.lifecycle.ended.is_set(), job.lifecycle.reason
             time.sleep(0.2)
         hosts = {n.node_id: n.host for n in engine.list_nodes()}
         assert len(set(hosts.values())) == 2, f"nodes were not spread over Ray nodes: {hosts}"
@@ -85,8 +85,8 @@ def test_job_survives_a_lost_ray_node(ray_cluster: Any, tmp_path: Path, monkeypa
             n for n in ray_cluster.worker_nodes if n.node_id == hosts["rayjob-worker-1-0"]
         )
         ray_cluster.remove_node(victim, allow_graceful=False)
-        assert job.ended.wait(180), "the job did not finish after the Ray node was lost"
-        assert job.state == JobState.SUCCEEDED, job.reason
+        assert job.lifecycle.ended.wait(180), "the job did not finish after the Ray node was lost"
+        assert job.lifecycle.state == JobState.SUCCEEDED, job.lifecycle.reason
         assert controller.relaunches, "no node was relaunched"
     finally:
         stop.set()
@@ -131,15 +131,15 @@ def test_embedding_servers_run_as_ray_nodes(ray_cluster: Any, tmp_path: Path, mo
     engine = RayEngine(address=ray_cluster.address, stop_grace_s=1.0, launch_timeout_s=60)
     master_addr = f"127.0.0.1:{server.port}"
     controller = NodeController(job, engine, spec, master_addr, "tok")
-    controller.ps = job.ps = PsController(job, engine, spec, master_addr, "tok")
+    controller.ps = job.roles.register("ps", PsController(job, engine, spec, master_addr, "tok"))
     stop = threading.Event()
     runner = threading.Thread(target=controller.run, args=(stop,), daemon=True)
     try:
         controller.ps.start()
         controller.start()
         runner.start()
-        assert job.ended.wait(240), "the job did not finish on Ray"
-        assert job.state == JobState.SUCCEEDED, job.reason
+        assert job.lifecycle.ended.wait(240), "the job did not finish on Ray"
+        assert job.lifecycle.state == JobState.SUCCEEDED, job.lifecycle.reason
         addresses = controller.ps.addresses
         assert len(addresses) == 2 and not any(a.startswith("0.0.0.0") for a in addresses)
     finally:

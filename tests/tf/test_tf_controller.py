@@ -111,7 +111,7 @@ class Harness:
         self.controller = TfController(
             self.job, self.engine, self.spec, "m:1", "tok", oom_policy=OomPolicy(1.5, 2048)
         )
-        self.job.tf = self.controller
+        self.job.roles.register_job(self.controller)
         self.controller.start()
         self.step()
 
@@ -163,7 +163,7 @@ def test_the_cluster_spec_is_published_once_every_node_registered() -> None:
         "cluster": {"chief": ["h:1"], "ps": ["h:120", "h:121"], "worker": ["h:160", "h:161"]},
     }
     assert h.job.kv.get(f"{TF_CLUSTER_KEY}/1") is not None
-    assert h.job.state is JobState.RUNNING
+    assert h.job.lifecycle.state is JobState.RUNNING
     assert h.generation() == 1
 
 
@@ -203,9 +203,10 @@ def test_an_oom_killed_ps_gets_more_memory_until_the_cap() -> None:
     assert h.engine.launched[-1].resources.memory_mib == 2048
     h.engine.fail("tfjob-ps-0-2", FailureReason.OOM_KILLED)
     h.step()
-    assert h.job.state is JobState.FAILED
+    assert h.job.lifecycle.state is JobState.FAILED
     assert (
-        "used its 2 relaunches" in h.job.reason and "1024 MiB, 1536 MiB, 2048 MiB" in h.job.reason
+        "used its 2 relaunches" in h.job.lifecycle.reason
+        and "1024 MiB, 1536 MiB, 2048 MiB" in h.job.lifecycle.reason
     )
 
 
@@ -214,23 +215,23 @@ def test_the_job_ends_with_its_chief() -> None:
     h.bring_up()
     h.engine.succeed("tfjob-evaluator-0-0")
     h.step()
-    assert not h.job.ended.is_set()
+    assert not h.job.lifecycle.ended.is_set()
     h.engine.succeed("tfjob-chief-0-0")
     h.step()
-    assert h.job.state is JobState.SUCCEEDED
-    assert "the chief tfjob-chief-0-0 succeeded" in h.job.reason
+    assert h.job.lifecycle.state is JobState.SUCCEEDED
+    assert "the chief tfjob-chief-0-0 succeeded" in h.job.lifecycle.reason
 
 
 def test_scaling_the_ps_out_publishes_a_new_cluster_and_generation() -> None:
     h = Harness()
     h.bring_up()
     with pytest.raises(ValueError, match="scales its ps on request"):
-        h.job.scale_role("worker", 3)
+        h.job.roles.scale_role("worker", 3)
     with pytest.raises(ValueError, match="removing ps from a running TensorFlow job"):
-        h.job.scale_role("ps", 1)
-    assert "scaling to 3" in h.job.scale_role("ps", 3)[0]
+        h.job.roles.scale_role("ps", 1)
+    assert "scaling to 3" in h.job.roles.scale_role("ps", 3)[0]
     with pytest.raises(ValueError, match="in progress"):
-        h.job.scale_role("ps", 4)
+        h.job.roles.scale_role("ps", 4)
     h.step()
     assert h.engine.launched[-1].node_id == "tfjob-ps-2-0"
     h.register("tfjob-ps-2-0", "h:122")
@@ -411,13 +412,13 @@ def test_unsized_roles_are_sized_from_their_measured_peaks_and_relaunched_at_tha
     launched = {s.node_id: s.resources for s in h.engine.launched[-4:]}
     assert launched["tfjob-worker-0-1"] == Resources(cpu=2.0, memory_mib=520)  # 400 x 1.3
     assert launched["tfjob-chief-0-1"] == Resources(cpu=1.0, memory_mib=390)
-    plans = [text for _, kind, text in h.job.events if kind == "scale"]
+    plans = [text for _, kind, text in h.job.diagnostics.events if kind == "scale"]
     assert (
         "resize worker: measured peak 400 MiB and 1.2 cores per node: 520 MiB, 2 CPU (x1.3): "
         "relaunched (tfjob-worker-0-0, tfjob-worker-1-0: the FakeEngine cannot resize a running "
         "node)"
     ) in plans
-    assert h.job.scale_summary.startswith("auto-scale: resize ")
+    assert h.job.diagnostics.scale_summary.startswith("auto-scale: resize ")
     rows = {n.node_id: n for n in LocalMasterApi(h.job).get_job_status().nodes}
     assert rows["tfjob-worker-0-1"].memory_limit_bytes == 520 * 2**20
     # The resize used none of the slot's relaunches: max_relaunches (2) failures still relaunch.
@@ -427,10 +428,12 @@ def test_unsized_roles_are_sized_from_their_measured_peaks_and_relaunched_at_tha
     h.step()
     assert h.engine.launched[-1].node_id == "tfjob-worker-0-3"
     assert h.engine.launched[-1].resources == Resources(cpu=2.0, memory_mib=520)
-    assert not h.job.ended.is_set()
+    assert not h.job.lifecycle.ended.is_set()
     now[0] = 100.0
     h.step()
-    assert len(plans) == len([1 for _, kind, _ in h.job.events if kind == "scale"])  # once
+    assert len(plans) == len(
+        [1 for _, kind, _ in h.job.diagnostics.events if kind == "scale"]
+    )  # once
 
 
 def test_where_the_engine_resizes_in_place_every_role_is_sized_without_a_restart() -> None:
@@ -457,7 +460,7 @@ def test_where_the_engine_resizes_in_place_every_role_is_sized_without_a_restart
         )
     ]
     assert not h.engine.deleted and len(h.engine.launched) == launched  # the chief goes on
-    plans = [text for _, kind, text in h.job.events if kind == "scale"]
+    plans = [text for _, kind, text in h.job.diagnostics.events if kind == "scale"]
     assert (
         "resize chief: measured peak 300 MiB and 0.5 cores per node: 390 MiB, 1 CPU (x1.3): "
         "resized in place"

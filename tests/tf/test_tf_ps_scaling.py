@@ -110,14 +110,14 @@ class Job:
             self.bring_up()  # whatever was launched serves at once
 
     def plans(self) -> list[str]:
-        return [text for _, kind, text in self.job.events if kind == "scale"]
+        return [text for _, kind, text in self.job.diagnostics.events if kind == "scale"]
 
 
 def test_a_hot_ps_found_in_two_plans_in_a_row_adds_a_ps_through_the_re_partition() -> None:
     job = Job()
     job.run(3, [80.0, 10.0], [600, 600])  # a plan every 2 s of samples
     assert job.controller.counts["ps"] == 2  # one plan found it hot: a vote, no action
-    assert job.job.scale_summary.endswith("(vote 1)")
+    assert job.job.diagnostics.scale_summary.endswith("(vote 1)")
     job.run(3, [80.0, 10.0], [600, 600])
     assert job.controller.counts["ps"] == 3
     assert any(
@@ -128,7 +128,7 @@ def test_a_hot_ps_found_in_two_plans_in_a_row_adds_a_ps_through_the_re_partition
     assert report["servers"] == 3  # the new ps served: a generation the chief re-partitions on
     job.run(8, [30.0, 30.0, 30.0], [600, 600, 600])
     assert job.controller.counts["ps"] == 3
-    assert job.job.scale_summary == "auto-scale: ps load even (0.30, 0.30, 0.30 cores)"
+    assert job.job.diagnostics.scale_summary == "auto-scale: ps load even (0.30, 0.30, 0.30 cores)"
 
 
 def test_a_ps_whose_memory_creeps_is_resized_before_the_oom_kill() -> None:

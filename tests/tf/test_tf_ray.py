@@ -87,15 +87,15 @@ def test_a_ps_killed_on_ray_is_relaunched_and_the_chief_recovers(
         deadline = time.monotonic() + 150
         while not (progress.exists() and len(progress.read_text().splitlines()) >= 5):
             assert time.monotonic() < deadline, "training did not start on Ray"
-            assert not job.ended.is_set(), job.reason
+            assert not job.lifecycle.ended.is_set(), job.lifecycle.reason
             time.sleep(0.2)
         hosts = {n.node_id: n.host for n in engine.list_nodes()}
         assert len(set(hosts.values())) == 2, f"nodes were not spread over Ray nodes: {hosts}"
         victim = _node_process("raytf-ps-1-0")
         assert victim is not None, "the ps process was not found"
         victim.kill()
-        assert job.ended.wait(150), "the job did not finish after the ps was killed"
-        assert job.state == JobState.SUCCEEDED, job.reason
+        assert job.lifecycle.ended.wait(150), "the job did not finish after the ps was killed"
+        assert job.lifecycle.state == JobState.SUCCEEDED, job.lifecycle.reason
         assert controller.relaunches == {"ps": 1}
     finally:
         stop.set()

@@ -121,7 +121,11 @@ class Job:
         return int(generation.get("cluster_version", 0))
 
     def plans(self) -> list[str]:
-        return [text for _, kind, text in self.job.events if kind == "scale" and "->" in text]
+        return [
+            text
+            for _, kind, text in self.job.diagnostics.events
+            if kind == "scale" and "->" in text
+        ]
 
 
 def test_workers_are_added_while_each_raises_samples_per_second_up_to_max_count() -> None:
@@ -132,7 +136,7 @@ def test_workers_are_added_while_each_raises_samples_per_second_up_to_max_count(
     assert "scale_out worker 2 -> 3: worker 2 added +90% (1e+03 -> 1.9e+03 samples/s)" in (
         job.plans()
     )
-    assert "at max workers (3)" in job.job.scale_summary
+    assert "at max workers (3)" in job.job.diagnostics.scale_summary
     launched = [s.node_id for s in job.engine.launched if s.role == "worker"]
     assert launched == ["w-worker-0-0", "w-worker-1-0", "w-worker-2-0"]
 
@@ -146,7 +150,7 @@ def test_a_worker_that_adds_nothing_is_removed_once_the_chief_trains_without_it(
     assert job.engine.deleted == ["w-worker-1-0"]  # after the chief's report on the new cluster
     job.run(20, {1: 1000.0, 2: 1010.0})
     assert job.workers() == 1  # a count found not to pay is not tried again
-    assert "worker 2 added +1% when tried: staying" in job.job.scale_summary
+    assert "worker 2 added +1% when tried: staying" in job.job.diagnostics.scale_summary
 
 
 def test_a_removed_worker_is_deleted_only_after_the_chief_left_its_cluster() -> None:
@@ -169,7 +173,7 @@ def test_no_worker_is_added_beyond_capacity_or_while_the_ps_are_saturated() -> N
     full = Job(capacity=Capacity(cpu=0.5), worker_cpu=1.0)
     full.run(20, {1: 1000.0})
     assert full.workers() == 1
-    assert "no capacity for another worker" in full.job.scale_summary
+    assert "no capacity for another worker" in full.job.diagnostics.scale_summary
     roomy = Job(most=2, capacity=Capacity(cpu=1.0), worker_cpu=1.0)
     roomy.run(12, {1: 1000.0, 2: 2000.0})
     assert roomy.workers() == 2
@@ -177,7 +181,10 @@ def test_no_worker_is_added_beyond_capacity_or_while_the_ps_are_saturated() -> N
     busy.ps_cpu_percent = 95.0
     busy.run(20, {1: 1000.0, 2: 2000.0})
     assert busy.workers() == 1
-    assert "the ps are saturated: ps 0 (w-ps-0-0) uses 0.9 of 1 cores" in busy.job.scale_summary
+    assert (
+        "the ps are saturated: ps 0 (w-ps-0-0) uses 0.9 of 1 cores"
+        in busy.job.diagnostics.scale_summary
+    )
 
 
 def test_saturated_ps_names_the_first_one_at_its_cpu_limit() -> None:

@@ -1,0 +1,201 @@
+"""The master's lifecycle part: the job's state and how it ends (the exit barrier, a stop)."""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+from collections.abc import Callable
+
+from dlrover.api.master import JobStatus, NodeOutcome, NodeReport
+from dlrover.master.changes import LongPoll
+from dlrover.master.membership import NAMESPACE, Membership
+from dlrover.master.nodes import NodeState
+from dlrover.master.rendezvous import World
+from dlrover.master.state_store import StateStore
+
+# The job's parts log as the job (people and tests read "dlrover.master.job: ...").
+logger = logging.getLogger("dlrover.master.job")
+
+
+class JobState(str, enum.Enum):
+    """Lifecycle of the job.
+
+    Legal transitions: PENDING -> RUNNING (first round closed; in a TensorFlow job, its first
+    cluster spec published) -> SUCCEEDED | FAILED;
+    PENDING -> FAILED (e.g. every node lost before the first round).
+    """
+
+    PENDING = "pending"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+
+
+class JobLifecycle:
+    """The job's state (saved: it outlives the master), and every way the job ends: all members
+    succeeded, a node failed, every node was lost, a round that can never form, a stop from
+    outside, a chief that finished. It serves `LifecycleApi` (the exit barrier as `exit_poll`).
+
+    `ended` is set once, when the job ends; each `on_end` listener (goodput, the node check) is
+    told then, and the membership feeds are bumped so every long poll answers.
+    """
+
+    def __init__(
+        self,
+        job_name: str,
+        store: StateStore,
+        lock: threading.RLock,
+        ended: threading.Event,
+        members: Membership,
+        event: Callable[[str, str], None],
+        status: Callable[[], JobStatus],
+    ) -> None:
+        self._job_name = job_name
+        self._store = store
+        self._lock = lock
+        self._members = members
+        self._event = event
+        self._status = status
+        saved = store.get_json(NAMESPACE, "state") or {}
+        self.state = JobState(saved.get("state", JobState.PENDING.value))
+        self.reason: str = saved.get("reason", "")
+        self.exit_code: int = saved.get("exit_code", 0)
+        self.ended = ended
+        if self.state in (JobState.SUCCEEDED, JobState.FAILED):
+            ended.set()
+        self.on_end: list[Callable[[], object]] = []
+        """Told once, when the job ends (after `ended` is set)."""
+
+    def ended_as(self) -> str | None:
+        """How the job ended (a `JobState` value), or None while it runs."""
+        return self.state.value if self.ended.is_set() else None
+
+    # --- LifecycleApi ---------------------------------------------------------------------------
+    def exit_poll(self, report: NodeReport) -> LongPoll[bool]:
+        """`LifecycleApi.report_node_status` as a long poll: record the report now (idempotent),
+        then wait for the job's end: True once it succeeded (the exit barrier)."""
+        done = self.report_now(report)
+
+        def check() -> bool | None:
+            return self.state == JobState.SUCCEEDED if self.ended.is_set() else None
+
+        return LongPoll(self._members.rounds, lambda: True if done else check(), lambda: False)
+
+    def report_now(self, report: NodeReport) -> bool:
+        """An agent finished: its node succeeded (the job succeeds with its last member) or failed
+        (so does the job). Returns True once the job has succeeded."""
+        nodes = self._members.nodes
+        nodes.get(report.node_id, report.incarnation)
+        with self._lock:
+            if report.outcome is NodeOutcome.SUCCEEDED:
+                nodes.set_state(
+                    report.node_id, NodeState.SUCCEEDED, report.reason or "workers succeeded"
+                )
+                self._check_success()
+                self.fail_if_unformable()
+            else:
+                nodes.set_state(report.node_id, NodeState.FAILED, report.reason or "workers failed")
+                nodes.set_exit_code(report.node_id, report.exit_code)
+                self._fail(f"node {report.node_id} failed: {report.reason}", report.exit_code or 1)
+            return self.state == JobState.SUCCEEDED
+
+    def stop_job(self, reason: str) -> JobStatus:
+        """Fail the job with ``reason`` ("stopped by request" if empty) and return its status."""
+        self.stop(reason or "stopped by request")
+        return self._status()
+
+    # --- from the master's other parts and its host -----------------------------------------------
+    def stop(self, reason: str) -> None:
+        """End the job from outside (e.g. SIGTERM to the master)."""
+        with self._lock:
+            self._fail(reason, 1)
+
+    def mark_running(self, reason: str) -> None:
+        """PENDING -> RUNNING from outside: a job without rounds (TensorFlow) started."""
+        with self._lock:
+            if self.state is JobState.PENDING and not self.ended.is_set():
+                self._set_state(JobState.RUNNING, reason)
+
+    def succeed(self, reason: str) -> None:
+        """End the job as succeeded from outside: a job whose end is one node's, not its agents'
+        exit barrier (the chief of a TensorFlow job, dlrover/master/tf_controller.py)."""
+        with self._lock:
+            if not self.ended.is_set():
+                self._succeed(reason)
+
+    def on_round(self, world: World) -> None:
+        """A round closed: a pending job is RUNNING."""
+        if self.state == JobState.PENDING:
+            self._set_state(JobState.RUNNING, f"round {world.round} formed")
+
+    def fail_if_unformable(self) -> None:
+        """Fail the job when its waiting round can never close (`Membership.unformable`)."""
+        with self._lock:
+            why = self._members.unformable()
+            if why:
+                self._fail(why, 1)
+
+    def check_end(self) -> None:
+        """The tick's look at the job's end: every node lost with no replacement on its way
+        fails it; a running job succeeds with its last member, or fails on a round that can never
+        form."""
+        members = self._members
+        with self._lock:
+            if self.ended.is_set():
+                return
+            if (
+                not members.expecting()
+                and members.alive() == 0
+                and members.nodes.count(NodeState.LOST) > 0
+            ):
+                self._fail("every node was lost", 1)
+            elif self.state == JobState.RUNNING:
+                self._check_success()
+                self.fail_if_unformable()
+
+    # --- the end ------------------------------------------------------------------------------
+    def _check_success(self) -> None:
+        world = self._members.world()
+        if world is None or self.ended.is_set():
+            return
+        nodes = self._members.nodes
+        if nodes.count(NodeState.SUCCEEDED) < len(world.members):
+            return  # not yet: the scan below is O(nodes), this count O(1)
+        states = [nodes.get(m.node_id).state for m in world.members]
+        if all(s == NodeState.SUCCEEDED for s in states):
+            self._succeed(f"all {len(states)} nodes succeeded")
+
+    def _succeed(self, reason: str) -> None:
+        self._set_state(JobState.SUCCEEDED, reason)
+        self.exit_code = 0
+        self._end()
+
+    def _fail(self, reason: str, exit_code: int) -> None:
+        if self.ended.is_set():
+            return
+        self.exit_code = exit_code
+        self._set_state(JobState.FAILED, reason)
+        self._end()
+
+    def _end(self) -> None:
+        self._save()
+        self.ended.set()
+        for listener in self.on_end:
+            listener()
+        self._members.rounds.bump()
+        self._members.changes.bump()
+
+    def _set_state(self, new: JobState, reason: str) -> None:
+        logger.info("job %s: %s -> %s (%s)", self._job_name, self.state.value, new.value, reason)
+        self.state = new
+        self.reason = reason
+        self._event("job", f"{new.value}: {reason}")
+        self._save()
+
+    def _save(self) -> None:
+        self._store.put_json(
+            NAMESPACE,
+            "state",
+            {"state": self.state.value, "reason": self.reason, "exit_code": self.exit_code},
+        )
