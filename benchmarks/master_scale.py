@@ -1,7 +1,7 @@
 """How many nodes one dlrover-master holds: N simulated agents against a real master process.
 
 Run: PYTHONPATH=. python benchmarks/master_scale.py [--nodes 1000 2000 5000 10000]
-         [--steady-s 40] [--protocol long-poll|poll|both]
+         [--steady-s 40] [--protocol long-poll|poll|both] [--against REV]
 
 The master is a real `dlrover-master` (its default SQLite state, INFO logs to a file); the agents
 are coroutines in this one process, each with the RPC sequence of a real agent
@@ -15,7 +15,9 @@ are coroutines in this one process, each with the RPC sequence of a real agent
 `long-poll` is today's protocol (the master holds GetCommWorld, the watch and the barrier until
 the answer changes); `poll` is the protocol before it (GetCommWorld every 0.1 s, membership
 every 0.5 s, heartbeats every 2 s, the barrier's report and status every 0.5 s), run against
-the same master, so the table shows what the redesign buys.
+the same master, so the table shows what the redesign buys. ``--against REV`` runs the
+long-poll protocol a second time at each size against the master of that commit (a git
+worktree beside this one), and prints this master's figures over that one's.
 
 Columns: register / rendezvous / exit = seconds from the first call of the phase until every
 node finished it; CPU = the master's CPU over the steady state, in % of one core; RSS = the
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import random
 import shutil
@@ -40,6 +43,7 @@ from dataclasses import dataclass, field
 
 import grpc
 import psutil
+from against import checkout
 
 from dlrover.constants import TOKEN_METADATA_KEY
 from dlrover.proto import master_pb2 as pb
@@ -52,7 +56,8 @@ HOLD_S = 30.0
 class Master:
     """A real dlrover-master process for one run, with its state and log in a temp dir."""
 
-    def __init__(self, nodes: int) -> None:
+    def __init__(self, nodes: int, tree: str = "") -> None:
+        """``tree``: run the master of another checkout (its directory), else this one's."""
         self.dir = tempfile.mkdtemp(prefix="dlrover_scale_")
         env_file = os.path.join(self.dir, "master.env")
         self.log_path = os.path.join(self.dir, "master.log")
@@ -77,6 +82,8 @@ class Master:
             ],
             stdout=self._log,
             stderr=subprocess.STDOUT,
+            cwd=tree or None,
+            env={**os.environ, "PYTHONPATH": tree} if tree else None,
         )
         deadline = time.monotonic() + 60
         while not os.path.exists(env_file):
@@ -280,8 +287,10 @@ class Agent:
         return False
 
 
-async def run_one(nodes: int, steady_s: float, poll: bool) -> dict[str, float | int | str]:
-    master = Master(nodes)
+async def run_one(
+    nodes: int, steady_s: float, poll: bool, tree: str = ""
+) -> dict[str, float | int | str]:
+    master = Master(nodes, tree)
     md = ((TOKEN_METADATA_KEY, master.token),)
     options = [("grpc.max_receive_message_length", 64 * 2**20), ("grpc.enable_http_proxy", 0)]
     n_channels = max(1, min(64, nodes // 100))
@@ -349,38 +358,54 @@ def main() -> None:
         default=2000,
         help="with --protocol both, run the old protocol only up to this size",
     )
+    parser.add_argument(
+        "--against",
+        default="",
+        metavar="REV",
+        help="also run each size (long-poll) against the master of this commit",
+    )
     args = parser.parse_args()
     random.seed(0)
-    rows = asyncio.run(run_all(args))
-    print_table(rows, args.nodes)
+    with contextlib.ExitStack() as stack:
+        tree = str(stack.enter_context(checkout(args.against))) if args.against else ""
+        rows = asyncio.run(run_all(args, tree))
+    print_table(rows, args.nodes, args.against)
 
 
-async def run_all(args: argparse.Namespace) -> list[dict[str, float | int | str]]:
-    """Every size and protocol, one after the other, on one event loop."""
+async def run_all(args: argparse.Namespace, tree: str) -> list[dict[str, float | int | str]]:
+    """Every size and protocol, one after the other, on one event loop (with ``tree``, the
+    long-poll protocol also against that checkout's master, right before this one's)."""
     rows: list[dict[str, float | int | str]] = []
     for n in args.nodes:
         modes = {"long-poll": [False], "poll": [True], "both": [True, False]}[args.protocol]
-        for poll in modes:
+        runs = [(poll, "") for poll in modes]
+        if tree:
+            runs = [(False, tree), *runs] if False in modes else [*runs, (False, tree)]
+        for poll, where in runs:
             if poll and args.protocol == "both" and n > args.poll_max_nodes:
                 continue
-            print(f"... {n} nodes, {'poll' if poll else 'long-poll'}", flush=True)
+            label = "poll" if poll else "long-poll"
+            if where:
+                label += f" at {args.against}"
+            print(f"... {n} nodes, {label}", flush=True)
             try:
-                rows.append(await run_one(n, args.steady_s, poll))
+                row = await run_one(n, args.steady_s, poll, where)
+                row["protocol"] = label
+                rows.append(row)
             except Exception as e:  # a failed size is a row of the table, not the end of it
                 traceback.print_exc()
                 detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
                 rows.append(
-                    {
-                        "nodes": n,
-                        "protocol": "poll" if poll else "long-poll",
-                        "failed": f"{type(e).__name__}: {detail}"[:120],
-                    }
+                    {"nodes": n, "protocol": label, "failed": f"{type(e).__name__}: {detail}"[:120]}
                 )
     return rows
 
 
-def print_table(rows: list[dict[str, float | int | str]], sizes: list[int]) -> None:
-    """The markdown table, and the long-poll vs poll ratios where both ran."""
+def print_table(
+    rows: list[dict[str, float | int | str]], sizes: list[int], against: str = ""
+) -> None:
+    """The markdown table, and the long-poll vs poll ratios where both ran (and this master
+    over the one of ``against``)."""
     cols = [
         "nodes",
         "protocol",
@@ -429,6 +454,13 @@ def print_table(rows: list[dict[str, float | int | str]], sizes: list[int]) -> N
                 f"{n} nodes: long-poll vs poll: rendezvous {old['rendezvous_s'] / new['rendezvous_s']:.1f}x "
                 f"faster, steady CPU {old['cpu_pct'] / max(new['cpu_pct'], 0.01):.1f}x lower"
             )
+        then = by.get((n, f"long-poll at {against}"))
+        if then and new:
+            ratios = ", ".join(
+                f"{key} {float(new[key]) / max(float(then[key]), 1e-9):.2f}x"
+                for key in ("register_s", "rendezvous_s", "cpu_pct", "rss_mib", "p99_ms", "exit_s")
+            )
+            print(f"{n} nodes: this master / the one at {against} (below 1: better): {ratios}")
 
 
 if __name__ == "__main__":

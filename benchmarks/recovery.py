@@ -1,15 +1,18 @@
 """Recovery benchmark: dlrover-run vs torchrun after a killed worker, a lost node, and under a schedule.
 
 Run: PYTHONPATH=. python benchmarks/recovery.py [--quick] [--reps N] [--only kill,early,node,goodput]
+         [--against REV]
 Every launcher runs the same script (benchmarks/recovery_train.py: 2 gloo DDP ranks, one node)
 in the same invocation, one after another; the tables give medians and ratios. A worker is
 killed from outside by its pid (torchrun sets no DLROVER_* variables, so in-script fault
-injection would not be the same fault for both).
+injection would not be the same fault for both). ``--against REV`` adds, to the worker-kill
+tables, dlrover-run of that commit (a git worktree beside this one) run the same way.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import tempfile
@@ -17,7 +20,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from against import checkout
 from recovery_common import (
+    REPO,
     TRAIN,
     Job,
     base_env,
@@ -38,11 +43,19 @@ class Launcher:
     env: dict[str, str]
     dlrover: bool
     zygote: bool
+    cwd: Path = REPO
 
 
-def launchers(max_restarts: int) -> list[Launcher]:
+def launchers(max_restarts: int, against: tuple[str, Path] | None = None) -> list[Launcher]:
     common = ["--standalone", "--nproc-per-node=2", f"--max-restarts={max_restarts}"]
+    before = []
+    if against is not None:
+        rev, tree = against
+        env = base_env(PYTHONPATH=str(tree))
+        cmd = dlrover_run_cmd(*common)
+        before = [Launcher(f"dlrover-run (zygote) at {rev}", cmd, env, True, True, tree)]
     return [
+        *before,
         Launcher("dlrover-run (zygote)", dlrover_run_cmd(*common), base_env(), True, True),
         Launcher(
             "dlrover-run, metrics off",
@@ -97,7 +110,7 @@ def kill_once(
     """Kill rank 1 once the job made 3 steps: `early` at once (a failure in the job's first
     seconds), otherwise once the zygote is ready and after the same settling time for all."""
     cmd = [*launcher.cmd, TRAIN, "--out", str(out), "--step-time", str(step_time)]
-    job = Job.start(cmd, out, launcher.env)
+    job = Job.start(cmd, out, launcher.env, launcher.cwd)
     try:
         if not wait_for(lambda: len(job.steps()) >= 3, 90.0):
             return KillResult(False, note="never made 3 steps")
@@ -152,10 +165,15 @@ def signal_pid(pid: int, sig: int) -> None:
 
 
 def worker_kill(
-    reps: int, timeout: float, step_time: float, root: Path, early: bool = False
+    reps: int,
+    timeout: float,
+    step_time: float,
+    root: Path,
+    early: bool = False,
+    against: tuple[str, Path] | None = None,
 ) -> str:
     results: dict[str, list[KillResult]] = {}
-    all_launchers = launchers(3)
+    all_launchers = launchers(3, against)
     what = "early worker kill" if early else "worker kill"
     for rep in range(reps):
         for index, launcher in enumerate(all_launchers):  # interleaved: load drifts, hits all
@@ -197,6 +215,13 @@ def render_kill(
     when = "at the job's 3rd step (seconds after launch)" if early else "in steady state"
     out = [f"### Worker kill {when}: SIGKILL of rank 1 → first completed step of the new group", ""]
     out.append(table(head, rows))
+    here = median([r.seconds for r in results["dlrover-run (zygote)"] if r.seconds is not None])
+    for launcher in all_launchers:
+        if launcher.cwd != REPO:  # --against: the same launcher at another commit
+            runs = results[launcher.name]
+            then = median([r.seconds for r in runs if r.seconds is not None])
+            if here is not None and then:
+                out += ["", f"dlrover-run (zygote) here vs {launcher.name}: {here / then:.2f}x"]
     # Where the time goes: seconds from the kill to the end of each phase (medians of the runs
     # that recovered); then the same as durations.
     cols = ["detect", "stop", "re-form", "spawn", *PHASES]
@@ -237,19 +262,29 @@ def main() -> None:
     p.add_argument("--goodput-seconds", type=float, default=None, help="default 300, quick 60")
     p.add_argument("--kill-every", type=float, default=None, help="default 30, quick 15")
     p.add_argument("--keep", default="", help="keep every run's files (logs) under this directory")
+    p.add_argument(
+        "--against",
+        default="",
+        metavar="REV",
+        help="also run dlrover-run of this commit (a git worktree) in the worker-kill sections",
+    )
     a = p.parse_args()
     reps = a.reps or (1 if a.quick else 3)
     sections = set(a.only.split(","))
     started = time.monotonic()
     parts = []
-    with tempfile.TemporaryDirectory(prefix="dlrover-recovery-") as tmp:
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="dlrover-recovery-"))
+        against = (a.against, stack.enter_context(checkout(a.against))) if a.against else None
         root = Path(a.keep or tmp)
         root.mkdir(parents=True, exist_ok=True)
         if "kill" in sections:
-            parts.append(worker_kill(reps, a.timeout, a.step_time, root))
+            parts.append(worker_kill(reps, a.timeout, a.step_time, root, against=against))
             print(f"  ({time.monotonic() - started:.0f} s so far)", flush=True)
         if "early" in sections:
-            parts.append(worker_kill(reps, a.timeout, a.step_time, root, early=True))
+            parts.append(
+                worker_kill(reps, a.timeout, a.step_time, root, early=True, against=against)
+            )
             print(f"  ({time.monotonic() - started:.0f} s so far)", flush=True)
         if "node" in sections:
             from recovery_nodes import node_loss

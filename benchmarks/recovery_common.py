@@ -54,11 +54,11 @@ class Job:
     reader: threading.Thread | None = None
 
     @classmethod
-    def start(cls, cmd: Sequence[str], out: Path, env: dict[str, str]) -> Job:
+    def start(cls, cmd: Sequence[str], out: Path, env: dict[str, str], cwd: Path = REPO) -> Job:
         out.mkdir(parents=True, exist_ok=True)
         popen = subprocess.Popen(
             list(cmd),
-            cwd=REPO,
+            cwd=cwd,
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
