@@ -84,10 +84,28 @@ class SignalReceived(Exception):
 
 
 def free_port() -> int:
-    """A port that was free a moment ago on every interface (the rank-0 worker binds it next)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
+    """A port for the rank-0 worker's store, kept from everyone else on this machine meanwhile.
+
+    A port merely free a moment ago was taken in between on a busy machine (the worker's TCPStore
+    failed with EADDRINUSE and the node spent a restart on it). So the port is left in TIME_WAIT:
+    a connection to it is accepted and closed by its listening side first. For a minute the
+    kernel gives it to no ``bind(port 0)`` and no outgoing connection, while a listener that sets
+    SO_REUSEADDR, as the TCPStore does (c10d's and libuv's both), binds it at once."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
+            server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            server.bind(("", 0))
+            server.listen(1)
+            port = int(server.getsockname()[1])
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as client:
+                accepted, _ = server.accept()
+                accepted.close()  # this side first: the TIME_WAIT is on ``port``
+                client.recv(1)  # its end seen: the close is under way before ours
+            return port
+    except OSError:  # no loopback to connect through: a port free a moment ago
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            return int(s.getsockname()[1])
 
 
 class WorkerFaults(Protocol):
