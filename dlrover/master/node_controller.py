@@ -72,7 +72,12 @@ class NodeController:
         relaunch_delay_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
         store: StateStore | None = None,
+        scaler: Callable[[NodeController], Scaler] | None = None,
+        ps: PsController | None = None,
     ) -> None:
+        """``scaler`` builds the auto-scaler that reads this controller (`--auto-scale`); ``ps``
+        drives the job's embedding servers. The controller registers itself (and ``ps``) in the
+        job's role registry."""
         self.job = job
         self._store = store or MemoryStateStore()
         self.engine = engine
@@ -99,6 +104,10 @@ class NodeController:
         `scale_to` moves it within ``--nnodes MIN:MAX``)."""
         self._ps: PsController | None = None
         job.roles.register("worker", self)
+        if ps is not None:
+            self.ps = ps
+        if scaler is not None:
+            self.scaler = scaler(self)  # last: it reads this controller as it is built
 
     @property
     def ps(self) -> PsController | None:

@@ -78,7 +78,13 @@ class TfController:
         address_timeout_s: float = DEFAULT_ADDRESS_TIMEOUT_S,
         clock: Callable[[], float] = time.monotonic,
         store: StateStore | None = None,
+        sizer: Callable[[TfController], TfSizer] | None = None,
+        worker_scaler: Callable[[TfController], TfWorkerScaler] | None = None,
+        ps_scaler: Callable[[TfController], TfPsScaler] | None = None,
     ) -> None:
+        """``sizer``, ``worker_scaler`` and ``ps_scaler`` build the auto-scaling parts that
+        read this controller (``auto_scale``); the controller registers itself for the whole
+        job in the job's role registry."""
         if spec.tf is None:
             raise ValueError(f"job {spec.name} is not a TensorFlow job")
         self.job = job
@@ -132,6 +138,11 @@ class TfController:
         self._retired: dict[int, int] = {}
         """Worker index -> the last attempt of a removed slot (a slot used again gets a new
         name)."""
+        # Last: the scaling parts read this controller as they are built.
+        self.sizer = sizer(self) if sizer is not None else None
+        self.worker_scaler = worker_scaler(self) if worker_scaler is not None else None
+        self.ps_scaler = ps_scaler(self) if ps_scaler is not None else None
+        job.roles.register_job(self)
 
     # --- launching ----------------------------------------------------------------------------
     def node_spec(self, role: str, index: int, relaunch_count: int = 0) -> NodeSpec:

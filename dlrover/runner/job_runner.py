@@ -16,10 +16,12 @@ from dlrover.engines.registry import BUILTIN_ENGINES, EngineKind, EngineRegistry
 from dlrover.envvars import number_from_env
 from dlrover.jobspec import JobSpec, JobSpecError, RoleSpec
 from dlrover.master.assembly import MasterSettings, RunningMaster, build_master
+from dlrover.master.autoscaler import AutoScaler
 from dlrover.master.job import JobMaster, JobState
 from dlrover.master.local_api import LocalMasterApi
 from dlrover.master.node_controller import NodeController
 from dlrover.master.optimizer import OptimizerConfig, ResourceOptimizer
+from dlrover.master.ps_controller import PsController
 from dlrover.master.relaunch_policy import OomPolicy
 from dlrover.master.rendezvous import RendezvousConfig
 from dlrover.master.server import MasterServerError, new_token
@@ -28,6 +30,7 @@ from dlrover.master.stragglers import DEFAULT_REPORT_S
 from dlrover.master.tensorboard import TensorBoardError
 from dlrover.master.tf_controller import TfController
 from dlrover.master.tf_scaling import TfPsScaler, TfWorkerScaler
+from dlrover.master.tf_sizing import TfSizer
 from dlrover.master.web import WebError
 from dlrover.processes import pid_alive
 from dlrover.runner.records import (
@@ -361,7 +364,28 @@ class JobRunner:
         oom = OomPolicy(spec.oom_memory_factor, spec.oom_max_memory_mib)
         delay = self.settings.relaunch_delay_s
         if spec.tf is not None:
-            tf = TfController(
+            tf_spec = spec.tf
+            sizer: Callable[[TfController], TfSizer] | None = None
+            worker_scaling: Callable[[TfController], TfWorkerScaler] | None = None
+            ps_scaling: Callable[[TfController], TfPsScaler] | None = None
+            if scaling is not None:
+                window_s, margin = scaling[0].sizing_window_s, scaling[0].margin
+                workers, ps = tf_spec.roles["worker"], tf_spec.roles["ps"]
+                cores = float(os.cpu_count() or 1)
+                most, interval_s = max(ps.max_count, ps.count), scaling[1]
+
+                def sizer(tf: TfController) -> TfSizer:
+                    return TfSizer(job, tf, window_s, margin)
+
+                def ps_scaling(tf: TfController) -> TfPsScaler:
+                    return TfPsScaler(job, tf, most, cores, interval_s, time.monotonic)
+
+                if workers.max_count > workers.count:
+
+                    def worker_scaling(tf: TfController) -> TfWorkerScaler:
+                        return worker_scaler(job, tf, engine, workers, scaling)
+
+            return TfController(
                 job,
                 engine,
                 spec,
@@ -370,41 +394,20 @@ class JobRunner:
                 oom_policy=oom,
                 relaunch_delay_s=delay,
                 store=master.store,
+                sizer=sizer,
+                worker_scaler=worker_scaling,
+                ps_scaler=ps_scaling,
             )
-            if scaling is not None:
-                from dlrover.master.tf_sizing import TfSizer
-
-                tf.sizer = TfSizer(job, tf, scaling[0].sizing_window_s, scaling[0].margin)
-                workers = spec.tf.roles["worker"]
-                if workers.max_count > workers.count:
-                    tf.worker_scaler = worker_scaler(job, tf, engine, workers, scaling)
-                ps = spec.tf.roles["ps"]
-                cores = float(os.cpu_count() or 1)
-                tf.ps_scaler = TfPsScaler(
-                    job, tf, max(ps.max_count, ps.count), cores, scaling[1], time.monotonic
-                )
-            job.roles.register_job(tf)
-            return tf
-        controller = NodeController(
-            job,
-            engine,
-            spec,
-            self.master_addr,
-            self.token,
-            relaunch_delay_s=delay,
-            store=master.store,
-            oom_policy=oom,
-        )
+        auto_scaler: Callable[[NodeController], AutoScaler] | None = None
         if scaling is not None:
-            from dlrover.master.autoscaler import AutoScaler
+            config, interval_s, window_s = scaling
 
-            controller.scaler = AutoScaler(
-                job, controller, scaling[0], interval_s=scaling[1], window_s=scaling[2]
-            )
+            def auto_scaler(controller: NodeController) -> AutoScaler:
+                return AutoScaler(job, controller, config, interval_s=interval_s, window_s=window_s)
+
+        ps_controller = None
         if spec.ps is not None:
-            from dlrover.master.ps_controller import PsController
-
-            controller.ps = PsController(
+            ps_controller = PsController(
                 job,
                 engine,
                 spec,
@@ -413,8 +416,18 @@ class JobRunner:
                 oom_policy=OomPolicy(spec.oom_memory_factor, spec.oom_max_memory_mib),
                 store=master.store,
             )
-            job.roles.register("ps", controller.ps)
-        return controller
+        return NodeController(
+            job,
+            engine,
+            spec,
+            self.master_addr,
+            self.token,
+            relaunch_delay_s=delay,
+            store=master.store,
+            oom_policy=oom,
+            scaler=auto_scaler,
+            ps=ps_controller,
+        )
 
     @property
     def running(self) -> bool:
