@@ -261,3 +261,30 @@ def test_a_round_the_alive_nodes_can_fill_is_waited_for_after_a_node_succeeded()
     job.lifecycle.report_now(NodeReport("a", 1, NodeOutcome.SUCCEEDED, 0, ""))
     job.members.join_rendezvous(JoinRequest("b", 0, 1, "h", 1))
     assert not job.lifecycle.ended.is_set()
+
+
+def test_a_failure_is_linked_to_the_round_it_led_to_in_the_state_too() -> None:
+    """A worker failure recorded while round 1 runs is linked to round 2, which its restart
+    forms; a failure after round 2 waits for the next round; a restarted master reads the links
+    from the state."""
+    from dlrover.api.master import FailureRecord
+    from dlrover.master.diagnosis import load_failures
+
+    store = MemoryStateStore()
+    job = JobMaster(JobMasterConfig("parts", RendezvousConfig(2, 2)), store)
+    for node in ("a", "b"):
+        job.members.register_node(Registration("h", 1, node, "worker", -1, 1))
+        job.members.join_rendezvous(JoinRequest(node, 0, 1, "h", 1))
+    assert job.members.get_world("a", 0).round == 1  # type: ignore[union-attr]
+    first = FailureRecord(1.0, "b", FailureClass.SIGNAL, "restart_processes", "rank 1 killed")
+    job.diagnostics.report_failure("b", 0, first)
+    assert [f.round for f in job.diagnostics.failures()] == [0]
+    for node in ("b", "a"):  # b restarts its workers, a re-forms with it
+        job.members.join_rendezvous(JoinRequest(node, 0, 1, "h", 1))
+    assert job.members.get_world("a", 0).round == 2  # type: ignore[union-attr]
+    later = FailureRecord(2.0, "a", FailureClass.USER_ERROR, "restart_processes", "ValueError")
+    job.diagnostics.report_failure("a", 0, later)
+    assert [(f.node_id, f.round) for f in job.diagnostics.failures()] == [("b", 2), ("a", 0)]
+    assert [(r.node_id, r.round) for _, r in load_failures(store)] == [("b", 2), ("a", 0)]
+    again = JobMaster(JobMasterConfig("parts", RendezvousConfig(2, 2)), store)
+    assert [(f.node_id, f.round) for f in again.diagnostics.failures()] == [("b", 2), ("a", 0)]

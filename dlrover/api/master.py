@@ -263,6 +263,9 @@ class FailureRecord:
     root_cause: str
     restart_count: int = 0
     """The node's worker restarts before this failure."""
+    round: int = 0
+    """The rendezvous round the failure led to: the next round formed after it (0: none yet,
+    or the job ended first)."""
 
 
 @dataclass(frozen=True)

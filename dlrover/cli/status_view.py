@@ -111,15 +111,16 @@ def _server_lines(status: JobStatus, servers: dict[int, NodeStatus]) -> list[str
 
 
 def failure_lines(failures: tuple[FailureRecord, ...], full: bool = False) -> list[str]:
-    """The failures as `dlrover diagnose` lists them: a header, then one line each (``full``:
-    with the whole root cause indented under it)."""
+    """The failures as `dlrover diagnose` lists them: a header, then one line each, ending with
+    the round the failure led to (``full``: with the whole root cause indented under it)."""
     lines = [f"{'time':<8}  {'node':<28} {'class':<12} {'action':<17} root cause"]
     for f in failures:
         cause = f.root_cause.strip() or "-"
         first = cause.splitlines()[0]
         stamp = time.strftime("%H:%M:%S", time.localtime(f.at))
+        then = f"  (-> round {f.round})" if f.round else ""
         lines.append(
-            f"{stamp:<8}  {f.node_id:<28} {f.failure_class.value:<12} {f.action:<17} {first}"
+            f"{stamp:<8}  {f.node_id:<28} {f.failure_class.value:<12} {f.action:<17} {first}{then}"
         )
         if full and cause != first:
             lines.append("    " + cause.replace("\n", "\n    "))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -50,6 +51,10 @@ class Diagnostics:
         saved = diagnosis.load_failures(store)
         self._failures = [record for _, record in saved]
         self._failure_seq = saved[-1][0] if saved else 0
+        self._unlinked: dict[int, FailureRecord] = {}
+        """Failures recorded since the last round formed, by sequence number: the next round
+        is the one they led to (`link_round`). A restarted master links none of the saved ones:
+        rounds may have formed while it was away."""
         self.stragglers = StragglerWatch(clock, straggler_report_s)
         self.goodput = GoodputTracker(clock())
         """Live goodput and badput (metrics, dashboard, status)."""
@@ -78,11 +83,14 @@ class Diagnostics:
             self._store.put_json(
                 diagnosis.NAMESPACE, diagnosis.key(self._failure_seq), diagnosis.to_json(record)
             )
+            if not record.round:
+                self._unlinked[self._failure_seq] = record
             if len(self._failures) > diagnosis.MAX_FAILURES:
-                self._failures.pop(0)
-                self._store.delete(
-                    diagnosis.NAMESPACE, diagnosis.key(self._failure_seq - diagnosis.MAX_FAILURES)
-                )
+                dropped = self._failures.pop(0)
+                oldest = self._failure_seq - diagnosis.MAX_FAILURES
+                self._store.delete(diagnosis.NAMESPACE, diagnosis.key(oldest))
+                if self._unlinked.get(oldest) is dropped:
+                    del self._unlinked[oldest]
         logger.info(
             "failure of node %s: %s -> %s: %s",
             record.node_id,
@@ -96,6 +104,21 @@ class Diagnostics:
         for an unknown node or a stale incarnation."""
         self._nodes.get(node_id, incarnation)
         self.record_failure(record)
+
+    def link_round(self, round: int) -> None:
+        """A round formed: it is the one every failure recorded since the previous round led
+        to (each record says so, in the state too)."""
+        with self._lock:
+            for seq, record in self._unlinked.items():
+                linked = dataclasses.replace(record, round=round)
+                for i in range(len(self._failures) - 1, -1, -1):
+                    if self._failures[i] is record:
+                        self._failures[i] = linked
+                        break
+                self._store.put_json(
+                    diagnosis.NAMESPACE, diagnosis.key(seq), diagnosis.to_json(linked)
+                )
+            self._unlinked.clear()
 
     def record(self, node_id: str, cls: FailureClass, action: str, cause: str) -> None:
         """`record_failure` of a failure observed now, with the node's restarts so far."""

@@ -175,7 +175,9 @@ class JobMaster:
 
     # --- wiring of the parts -------------------------------------------------------------------
     def _on_round(self, world: World) -> None:
-        """A round closed (under the lock): goodput, the timeline, and the job is RUNNING."""
+        """A round closed (under the lock): the failures it follows, goodput, the timeline, and
+        the job is RUNNING."""
+        self.diagnostics.link_round(world.round)
         self.diagnostics.goodput.on_round(self._clock(), world.round)
         self.diagnostics.event(
             "round", f"round {world.round}: {len(world.members)} nodes, world size "

@@ -445,20 +445,22 @@ class ReportNodeCheckResponse(_message.Message):
     def __init__(self, refused: _Optional[_Union[MasterError, _Mapping]] = ...) -> None: ...
 
 class FailureRecord(_message.Message):
-    __slots__ = ("at", "node_id", "failure_class", "action", "root_cause", "restart_count")
+    __slots__ = ("at", "node_id", "failure_class", "action", "root_cause", "restart_count", "round")
     AT_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     FAILURE_CLASS_FIELD_NUMBER: _ClassVar[int]
     ACTION_FIELD_NUMBER: _ClassVar[int]
     ROOT_CAUSE_FIELD_NUMBER: _ClassVar[int]
     RESTART_COUNT_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
     at: float
     node_id: str
     failure_class: str
     action: str
     root_cause: str
     restart_count: int
-    def __init__(self, at: _Optional[float] = ..., node_id: _Optional[str] = ..., failure_class: _Optional[str] = ..., action: _Optional[str] = ..., root_cause: _Optional[str] = ..., restart_count: _Optional[int] = ...) -> None: ...
+    round: int
+    def __init__(self, at: _Optional[float] = ..., node_id: _Optional[str] = ..., failure_class: _Optional[str] = ..., action: _Optional[str] = ..., root_cause: _Optional[str] = ..., restart_count: _Optional[int] = ..., round: _Optional[int] = ...) -> None: ...
 
 class ReportFailureRequest(_message.Message):
     __slots__ = ("node_id", "incarnation", "record")
