@@ -519,14 +519,5 @@ class MasterApi(
     """
 
 
-MASTER_PARTS: tuple[type, ...] = (
-    MembershipApi,
-    LifecycleApi,
-    StatusApi,
-    RolesApi,
-    NodeCheckApi,
-    DiagnosticsApi,
-    KvApi,
-    CheckpointApi,
-)
+MASTER_PARTS: tuple[type, ...] = tuple(b for b in MasterApi.__bases__ if b is not Protocol)
 """The part interfaces `MasterApi` is made of, each served by one part of the master."""
