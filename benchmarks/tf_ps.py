@@ -90,7 +90,7 @@ def in_place(tmp: Path, index: int) -> float:
                 return resumed - killed
             before += 1
     finally:
-        job.lifecycle.stop()
+        job.stop()
 
 
 def restart(tmp: Path, index: int) -> float:
@@ -99,9 +99,9 @@ def restart(tmp: Path, index: int) -> float:
     try:
         job.wait_lines(5)
         killed = job.kill_ps()
-        job.lifecycle.stop()
+        job.stop()
     finally:
-        job.lifecycle.stop()
+        job.stop()
     before = len(Job.lines(job))
     again = Job(tmp / f"home-b{index}", out, f"restart{index}")
     try:

@@ -247,7 +247,7 @@ def test_two_readers_share_the_stream_and_offsets_are_committed_under_the_group(
     for t in threads:
         t.join(60)
     assert sorted(got["w0"] + got["w1"]) == list(range(90))  # each record by one reader
-    master.lifecycle.stop()  # a last commit before the master goes
+    master.stop()  # a last commit before the master goes
     consumer = Consumer({"bootstrap.servers": broker.bootstrap, "group.id": "dlrover-clicks"})
     committed = consumer.committed([TopicPartition("clicks", p) for p in range(3)], timeout=10)
     consumer.close()

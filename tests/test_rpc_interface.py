@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Iterator
+from typing import Protocol
 
 import grpc
 import pytest
 
-from dlrover.api.master import MasterApi
-from dlrover.api.rpc import REFUSED, SERVICE, interface_methods
-from dlrover.api.sharding import ShardingTransport, StreamTransport
+from dlrover.api.master import MASTER_PARTS, MasterApi
+from dlrover.api.rpc import REFUSED, SERVICE, Run, interface_methods
+from dlrover.api.sharding import ShardingTransport
 from dlrover.api.wire import RPCS
 from dlrover.client.master_client import MasterClient
 from dlrover.client.sharding import GrpcShardingTransport
@@ -20,7 +21,6 @@ from dlrover.constants import TOKEN_METADATA_KEY
 from dlrover.master.job import JobMaster, JobMasterConfig
 from dlrover.master.local_api import LocalMasterApi
 from dlrover.master.server import MasterServer
-from dlrover.master.sharding_service import ShardingService
 from dlrover.master.state_store import MemoryStateStore
 from dlrover.proto import master_pb2 as pb
 from dlrover.proto import master_pb2_grpc as pb_grpc
@@ -41,12 +41,14 @@ def test_every_rpc_of_the_proto_is_a_method_of_an_interface() -> None:
     assert {call.name for call in RPCS.values()} == set(SERVICE.methods_by_name)
 
 
+_SERVED = JobMaster(JobMasterConfig(), MemoryStateStore()).services()
+"""Which part of a master serves each interface: the servicer and LocalMasterApi call it so."""
+
+
 @pytest.mark.parametrize(
     ("interface", "implementation"),
     [
-        (MasterApi, LocalMasterApi),
-        (ShardingTransport, ShardingService),
-        (StreamTransport, ShardingService),
+        *((i, type(part)) for i, part in _SERVED.items()),
         (ShardingTransport, ShardManager),  # what InProcessTransport calls
     ],
     ids=lambda cls: cls.__name__,
@@ -54,10 +56,25 @@ def test_every_rpc_of_the_proto_is_a_method_of_an_interface() -> None:
 def test_each_implementation_takes_the_interface_arguments_by_name(
     interface: type, implementation: type
 ) -> None:
+    """The part serving an interface takes each method's arguments by name (they come by name,
+    decoded from a request), and a long poll's method takes them all but ``wait_s``."""
     for method in interface_methods(interface):
         wanted = list(inspect.signature(getattr(interface, method)).parameters)
+        options = RPCS[method].options
+        if options.run is Run.POLL:
+            method, wanted = options.poll, [p for p in wanted if p != "wait_s"]
         have = list(inspect.signature(getattr(implementation, method)).parameters)
         assert have[: len(wanted)] == wanted, f"{implementation.__name__}.{method}"
+
+
+def test_every_part_interface_is_served_and_makes_up_the_master_api() -> None:
+    assert set(_SERVED) >= set(MASTER_PARTS) and set(MASTER_PARTS) == set(MasterApi.__bases__) - {
+        Protocol
+    }
+    assert {m for i in MASTER_PARTS for m in interface_methods(i)} == {
+        m for m, call in RPCS.items() if call.interface in MASTER_PARTS
+    }
+    assert all(hasattr(LocalMasterApi, m) for i in MASTER_PARTS for m in interface_methods(i))
 
 
 @pytest.mark.parametrize("client", [MasterClient, GrpcShardingTransport, InProcessTransport])

@@ -142,7 +142,7 @@ class JobMaster:
         self.members.on_joined.append(self.lifecycle.fail_if_unformable)
         self.members.on_heartbeat.append(self.diagnostics.observe_heartbeat)
         self.lifecycle.on_end.append(lambda: self.diagnostics.goodput.on_end(clock()))
-        self.lifecycle.on_end.append(self.preflight.checks.bump)  # a node check ends with the job
+        self.lifecycle.on_failed.append(self.preflight.checks.bump)  # a node check ends with it
         if self.members.activated_round:
             # A round formed under a master before this one: its workers kept training, and
             # their steps since this master started count (counted from this master).

@@ -37,8 +37,9 @@ class JobLifecycle:
     succeeded, a node failed, every node was lost, a round that can never form, a stop from
     outside, a chief that finished. It serves `LifecycleApi` (the exit barrier as `exit_poll`).
 
-    `ended` is set once, when the job ends; each `on_end` listener (goodput, the node check) is
-    told then, and the membership feeds are bumped so every long poll answers.
+    `ended` is set once, when the job ends: the `on_end` listeners (goodput) are told just before,
+    the `on_failed` ones (the node check) just after a failure, and the membership feeds are
+    bumped so every long poll answers.
     """
 
     def __init__(
@@ -65,7 +66,9 @@ class JobLifecycle:
         if self.state in (JobState.SUCCEEDED, JobState.FAILED):
             ended.set()
         self.on_end: list[Callable[[], object]] = []
-        """Told once, when the job ends (after `ended` is set)."""
+        """Told once, as the job ends, before `ended` is set (goodput closes its books)."""
+        self.on_failed: list[Callable[[], object]] = []
+        """Told once the job failed, after `ended` is set (a node check under way ends)."""
 
     def ended_as(self) -> str | None:
         """How the job ended (a `JobState` value), or None while it runs."""
@@ -177,12 +180,14 @@ class JobLifecycle:
         self.exit_code = exit_code
         self._set_state(JobState.FAILED, reason)
         self._end()
+        for listener in self.on_failed:
+            listener()
 
     def _end(self) -> None:
         self._save()
-        self.ended.set()
         for listener in self.on_end:
             listener()
+        self.ended.set()
         self._members.rounds.bump()
         self._members.changes.bump()
 

@@ -8,6 +8,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from dlrover import constants as c
 from dlrover.checkpoint.leftovers import sweep_configured
@@ -16,12 +17,10 @@ from dlrover.engines.registry import BUILTIN_ENGINES, EngineKind, EngineRegistry
 from dlrover.envvars import number_from_env
 from dlrover.jobspec import JobSpec, JobSpecError, RoleSpec
 from dlrover.master.assembly import MasterSettings, RunningMaster, build_master
-from dlrover.master.autoscaler import AutoScaler
 from dlrover.master.job import JobMaster, JobState
 from dlrover.master.local_api import LocalMasterApi
 from dlrover.master.node_controller import NodeController
 from dlrover.master.optimizer import OptimizerConfig, ResourceOptimizer
-from dlrover.master.ps_controller import PsController
 from dlrover.master.relaunch_policy import OomPolicy
 from dlrover.master.rendezvous import RendezvousConfig
 from dlrover.master.server import MasterServerError, new_token
@@ -30,7 +29,6 @@ from dlrover.master.stragglers import DEFAULT_REPORT_S
 from dlrover.master.tensorboard import TensorBoardError
 from dlrover.master.tf_controller import TfController
 from dlrover.master.tf_scaling import TfPsScaler, TfWorkerScaler
-from dlrover.master.tf_sizing import TfSizer
 from dlrover.master.web import WebError
 from dlrover.processes import pid_alive
 from dlrover.runner.records import (
@@ -43,6 +41,10 @@ from dlrover.runner.records import (
     write_final,
     write_record,
 )
+
+if TYPE_CHECKING:
+    from dlrover.master.autoscaler import AutoScaler
+    from dlrover.master.tf_sizing import TfSizer
 
 logger = logging.getLogger(__name__)
 
@@ -369,6 +371,8 @@ class JobRunner:
             worker_scaling: Callable[[TfController], TfWorkerScaler] | None = None
             ps_scaling: Callable[[TfController], TfPsScaler] | None = None
             if scaling is not None:
+                from dlrover.master.tf_sizing import TfSizer
+
                 window_s, margin = scaling[0].sizing_window_s, scaling[0].margin
                 workers, ps = tf_spec.roles["worker"], tf_spec.roles["ps"]
                 cores = float(os.cpu_count() or 1)
@@ -400,6 +404,8 @@ class JobRunner:
             )
         auto_scaler: Callable[[NodeController], AutoScaler] | None = None
         if scaling is not None:
+            from dlrover.master.autoscaler import AutoScaler
+
             config, interval_s, window_s = scaling
 
             def auto_scaler(controller: NodeController) -> AutoScaler:
@@ -407,6 +413,8 @@ class JobRunner:
 
         ps_controller = None
         if spec.ps is not None:
+            from dlrover.master.ps_controller import PsController  # numpy: the ps extra
+
             ps_controller = PsController(
                 job,
                 engine,

@@ -153,4 +153,4 @@ def test_dashboard_and_dlrover_logs_serve_a_pods_ranks(
             follower.kill()
             follower.wait(10)
         client.close()
-        master.lifecycle.stop(0.5)
+        master.stop(0.5)

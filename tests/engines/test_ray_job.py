@@ -131,7 +131,7 @@ def test_embedding_servers_run_as_ray_nodes(ray_cluster: Any, tmp_path: Path, mo
     engine = RayEngine(address=ray_cluster.address, stop_grace_s=1.0, launch_timeout_s=60)
     master_addr = f"127.0.0.1:{server.port}"
     controller = NodeController(job, engine, spec, master_addr, "tok")
-    controller.ps = job.roles.register("ps", PsController(job, engine, spec, master_addr, "tok"))
+    controller.ps = PsController(job, engine, spec, master_addr, "tok")
     stop = threading.Event()
     runner = threading.Thread(target=controller.run, args=(stop,), daemon=True)
     try:
