@@ -43,7 +43,6 @@ from dataclasses import dataclass, field
 
 import grpc
 import psutil
-from against import checkout
 
 from dlrover.constants import TOKEN_METADATA_KEY
 from dlrover.proto import master_pb2 as pb
@@ -367,7 +366,11 @@ def main() -> None:
     args = parser.parse_args()
     random.seed(0)
     with contextlib.ExitStack() as stack:
-        tree = str(stack.enter_context(checkout(args.against))) if args.against else ""
+        tree = ""
+        if args.against:
+            from against import checkout  # beside this script (run as one, not imported)
+
+            tree = str(stack.enter_context(checkout(args.against)))
         rows = asyncio.run(run_all(args, tree))
     print_table(rows, args.nodes, args.against)
 

@@ -61,6 +61,9 @@ class SlotBuffers:
         space: a spill must not fill the node's disk either."""
         self.segments: list[SharedSegment] = []
         self.latest: int | None = None
+        self.writing: int | None = None
+        """The step the copy into ``latest`` was begun for: until that copy's first byte, the
+        buffer still holds an older complete step, which is not the newest."""
         self.pending: dict[int, int] = {}  # buffer -> step whose persist was asked, not done
         self.persisting: dict[int, int] = {}  # buffer -> step streamed to storage right now
         self.replicating: set[int] = set()  # buffers sent to a peer right now
@@ -136,6 +139,7 @@ class SlotBuffers:
                 if held is not None and held >= step:
                     begin_write(other)  # odd seq: no longer a complete step
         self.latest = i
+        self.writing = step
         return seg
 
     # ------------------------------------------------------------------ reading
@@ -147,13 +151,17 @@ class SlotBuffers:
         """The buffer holding the newest complete step by write order, or None."""
         if self.latest is None or not self.segments:
             # Nothing written by this saver yet: the highest complete step (adopted memory).
-            held = [(s, i) for i, s in enumerate(self.steps()) if s is not None]
-            return max(held)[1] if held else None
-        order = [self.latest, *(i for i in range(len(self.segments)) if i != self.latest)]
-        for i in order:
-            if complete_step(self.segments[i]) is not None:
+            adopted = [(s, i) for i, s in enumerate(self.steps()) if s is not None]
+            return max(adopted)[1] if adopted else None
+        held = complete_step(self.segments[self.latest])
+        if held is not None and held == self.writing:
+            return self.latest
+        # The copy into ``latest`` was torn, or killed before its first byte (the buffer still
+        # holds an older step): the newest is another buffer's, else that older step.
+        for i in range(len(self.segments)):
+            if i != self.latest and complete_step(self.segments[i]) is not None:
                 return i
-        return None
+        return self.latest if held is not None else None
 
     def newest_step(self) -> int | None:
         """The newest complete step (see ``newest``), or None."""

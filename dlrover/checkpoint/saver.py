@@ -283,10 +283,10 @@ class CheckpointSaver:
         return buffers
 
     def _allocate(
-        self, slot: int, nbytes: int, only_if_empty: bool = False
+        self, slot: int, nbytes: int, step: int, only_if_empty: bool = False
     ) -> tuple[SharedSegment, tuple[SlotBuffers, int]]:
         """A buffer of ``slot`` to copy a step into from elsewhere (a peer's memory), at least
-        ``nbytes`` long, pinned (``receiving``) until the caller releases it: the buffer and
+        ``nbytes`` long for ``step``, pinned (``receiving``) until the caller releases it: the buffer and
         (the slot's buffers, its index). It becomes the slot's latest, and what the other
         buffers held is dropped (the copied step replaces the slot's memory). The vote stands:
         the step copied in is the one it agreed on (or, copied before the vote, the one the
@@ -302,7 +302,8 @@ class CheckpointSaver:
                 raise CheckpointError(f"slot {slot}: every buffer is still being read")
             target = buffers.target(False)
             assert target is not None
-            seg = buffers.begin(target, nbytes, -1)
+            seg = buffers.begin(target, nbytes, -1)  # drops every other buffer's step
+            buffers.writing = step  # the step this buffer holds once the copy is done
             buffers.receiving.add(target)
             return seg, (buffers, target)
 
@@ -689,7 +690,7 @@ class CheckpointSaver:
         started = time.monotonic()
         pinned: tuple[SlotBuffers, int] | None = None
         try:
-            seg, pinned = self._allocate(slot, info.nbytes, only_if_empty)
+            seg, pinned = self._allocate(slot, info.nbytes, info.step, only_if_empty)
             if not self._exchange.fetch(addr, info, seg):
                 raise ReplicaError(f"{info.key} changed while it was sent")
         except (ReplicaError, CheckpointError, OSError) as exc:

@@ -81,6 +81,35 @@ def test_newest_is_by_write_order_and_a_torn_copy_falls_back() -> None:
     assert not list(Path(DEFAULT_SHM_DIR).glob(f"{slot.name}-*"))
 
 
+def test_a_copy_killed_before_its_first_byte_leaves_the_newer_step_newest() -> None:
+    """Steps 115 and 116 are complete; the copy of 117 is begun in 115's buffer and the worker
+    is killed before it writes anything (seen beside another stage: 115 was persisted, the
+    step its save had returned for, 116, was lost)."""
+    slot = SlotBuffers(f"dlrtest-{uuid.uuid4().hex[:8]}-slot0", 2, DEFAULT_SHM_DIR)
+    try:
+        slot.ensure(1 << 16)
+        for step in (115, 116):
+            i = slot.target(persist=False)
+            assert i is not None
+            slot.begin(i, 1 << 16, step)
+            _fill(slot, i, step)
+        i = slot.target(persist=False)
+        assert i is not None and slot.steps()[i] == 115
+        slot.begin(i, 1 << 16, 117)  # killed here: buffer i still holds 115, complete
+        assert slot.newest_step() == 116
+        one = SlotBuffers(f"dlrtest-{uuid.uuid4().hex[:8]}-slot1", 1, DEFAULT_SHM_DIR)
+        try:  # one buffer: the older step it still holds is the newest there is
+            one.ensure(1 << 16)
+            one.begin(0, 1 << 16, 5)
+            _fill(one, 0, 5)
+            one.begin(0, 1 << 16, 6)
+            assert one.newest_step() == 5
+        finally:
+            one.close(unlink=True)
+    finally:
+        slot.close(unlink=True)
+
+
 def test_a_pinned_buffer_is_not_grown_or_written() -> None:
     slot = SlotBuffers(f"dlrtest-{uuid.uuid4().hex[:8]}-slot0", 2, DEFAULT_SHM_DIR)
     try:

@@ -58,6 +58,12 @@ def lines_of(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.strip()]
 
 
+def _terminal_sigint() -> None:
+    """In the child before exec: SIGINT as a terminal's process gets it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 @pytest.mark.e2e
 def test_status_shows_live_pids_logs_follow_and_an_ended_jobs_table(tmp_path: Path):
     home, out = tmp_path / "home", tmp_path / "out"
@@ -123,9 +129,14 @@ def test_status_shows_live_pids_logs_follow_and_an_ended_jobs_table(tmp_path: Pa
         assert "no job named 'nope'" in dlrover(home, "logs", "nope").stderr
 
         # 3. -f: Ctrl-C ends it; a second follower sees new lines and ends with the job.
+        # Started as from a terminal: SIGINT with its default action and not blocked, whatever
+        # this test process (an xdist worker that ran other tests before) has done with it: an
+        # ignored SIGINT and a blocked one are both inherited by a child, and the follower then
+        # never hears Ctrl-C (it rightly leaves an inherited SIG_IGN as it is).
         interrupted = subprocess.Popen(
             [*run_cmd("dlrover.cli.job"), "logs", "chat", "--rank", "0", "-f", "-n", "1"],
             env=clean_env(DLROVER_HOME=str(home)), cwd=REPO, stdout=subprocess.PIPE, text=True,
+            preexec_fn=_terminal_sigint,
         )  # fmt: skip
         assert interrupted.stdout is not None
         assert interrupted.stdout.readline().startswith("chatty rank=0")  # it is following
@@ -135,12 +146,19 @@ def test_status_shows_live_pids_logs_follow_and_an_ended_jobs_table(tmp_path: Pa
         try:
             interrupted.communicate(timeout=30)
         except subprocess.TimeoutExpired:
-            interrupted.send_signal(signal.SIGUSR1)  # its stacks, to the captured stderr
+            # How its SIGINT is handled (ignored / caught masks), and its stacks (to stderr).
+            masks = [
+                line
+                for line in Path(f"/proc/{interrupted.pid}/status").read_text().splitlines()
+                if line.startswith(("SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt"))
+            ]
+            interrupted.send_signal(signal.SIGUSR1)
             time.sleep(1)
             interrupted.kill()
             interrupted.communicate(timeout=10)
             raise AssertionError(
-                "logs -f did not end within 30 s of Ctrl-C; stacks: stderr"
+                f"logs -f did not end within 30 s of Ctrl-C ({masks}; SIGINT is 0x2; this "
+                f"process's SIGINT handler: {signal.getsignal(signal.SIGINT)}); stacks: stderr"
             ) from None
         assert interrupted.returncode == 0
         # Piped into a reader that stops reading (`| head -1`): it ends quietly at its next line.
