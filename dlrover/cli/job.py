@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from dlrover.api.errors import MasterUnreachableError
 from dlrover.api.master import FailureRecord
 from dlrover.cli.common import setup_logging
 from dlrover.cli.job_records import NoSuchJobError, pid_alive, read_record
@@ -300,6 +301,10 @@ def _ps_from_flags(spec: PsSpec | None, count: int, replica: str | None) -> PsSp
     )
 
 
+SCALE_RPC_TIMEOUT_S = 30.0
+"""How long one call of `dlrover scale` waits for the master's answer."""
+
+
 def cmd_scale(name: str, role: str, count: int, timeout_s: float = 300.0) -> int:
     """``dlrover scale NAME --role ps --count N``: ask the master, wait for it to be done and
     print what moved. Returns the exit code."""
@@ -307,13 +312,24 @@ def cmd_scale(name: str, role: str, count: int, timeout_s: float = 300.0) -> int
     if not record.reachable:
         print(f"dlrover: error: job {name} already ended: {record.state}", file=sys.stderr)
         return 1
-    client = MasterClient(record.master_addr, record.token, rpc_timeout_s=10)
+    # A master moving embedding rows on a busy machine can take long to answer a call.
+    client = MasterClient(record.master_addr, record.token, rpc_timeout_s=SCALE_RPC_TIMEOUT_S)
     try:
         said, request = client.scale_role(role, count)
         print(said, flush=True)
         deadline = time.monotonic() + timeout_s
+        quiet = False
         while time.monotonic() < deadline:
-            raw = client.kv_get(PS_SCALE_KEY)
+            try:
+                raw = client.kv_get(PS_SCALE_KEY)
+            except MasterUnreachableError as e:
+                # Busy, or killed and started again by `dlrover submit`: the request stands.
+                if not quiet:
+                    print(
+                        f"dlrover: the master did not answer ({e}); still waiting", file=sys.stderr
+                    )
+                    quiet = True
+                continue
             report = ScaleReport.decode(raw) if raw else None
             if report is None or report.request != request:
                 time.sleep(0.2)  # another process writes it: nothing to wait on but the key
