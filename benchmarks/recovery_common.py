@@ -161,7 +161,10 @@ def zygote_idle(job: Job, count: int = 1, quiet_s: float = 1.0) -> bool:
     preload is done and they wait for requests; the agent logs 'ready' only when it asks)."""
     try:
         children = psutil.Process(job.popen.pid).children(recursive=True)
-        zygotes = [c for c in children if any("zygote_server" in x for x in c.cmdline())]
+        forked = {c.pid for c in children if any("zygote_server" in x for x in c.cmdline())}
+        # Workers forked from a zygote carry its command line: a zygote is one whose parent
+        # is not a zygote (the agent started it).
+        zygotes = [c for c in children if c.pid in forked and c.ppid() not in forked]
         if len(zygotes) < count:
             return False
         before = [sum(z.cpu_times()[:2]) for z in zygotes]
