@@ -109,12 +109,14 @@ class Diagnostics:
         """A round formed: it is the one every failure recorded since the previous round led
         to (each record says so, in the state too)."""
         with self._lock:
+            # The kept failures are consecutive by sequence number, the newest last: O(1) each
+            # (a storm of lost nodes links up to MAX_FAILURES records under the job's lock).
+            first = self._failure_seq - len(self._failures) + 1
             for seq, record in self._unlinked.items():
                 linked = dataclasses.replace(record, round=round)
-                for i in range(len(self._failures) - 1, -1, -1):
-                    if self._failures[i] is record:
-                        self._failures[i] = linked
-                        break
+                i = seq - first
+                if 0 <= i < len(self._failures) and self._failures[i] is record:
+                    self._failures[i] = linked
                 self._store.put_json(
                     diagnosis.NAMESPACE, diagnosis.key(seq), diagnosis.to_json(linked)
                 )
