@@ -34,8 +34,10 @@ sync = os.environ["SYNC_DIR"]
 if attempt == 0:
     wait_until(zygote_ready, "'zygote N ready' line from the agent")
 for i in range(int(os.environ["LINES"])):
-    print(f"line attempt={attempt} rank={rank} i={i}")
-print(f"err attempt={attempt} rank={rank}", file=sys.stderr)
+    # One write per line (print under -u writes the text and its newline separately, and the
+    # other rank's line may land between them: the test counts whole lines, not that race).
+    sys.stdout.write(f"line attempt={attempt} rank={rank} i={i}\n")
+sys.stderr.write(f"err attempt={attempt} rank={rank}\n")
 if attempt >= 2:
     sys.exit(0)
 killer = 1 - attempt % 2
@@ -45,5 +47,5 @@ if rank != killer:
 wait_until(
     lambda: os.path.exists(os.path.join(sync, f"printed.{attempt}.{1 - rank}")), "peer's lines"
 )
-print(f"last attempt={attempt} rank={rank}")  # no flush: visible only if stdout is unbuffered
+sys.stdout.write(f"last attempt={attempt} rank={rank}\n")  # no flush: seen only if unbuffered
 os.kill(os.getpid(), signal.SIGKILL)
