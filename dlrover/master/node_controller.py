@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
-from dlrover.api.master import FailureClass, FailureRecord
+from dlrover.api.master import FailureClass
 from dlrover.constants import ENV_NODE_NAME, EXIT_NODE_EXCLUDED
 from dlrover.decisions import FailureAction
 from dlrover.engines.base import (
@@ -27,6 +27,7 @@ from dlrover.jobspec import JobSpec
 from dlrover.master.job import JobMaster
 from dlrover.master.nodes import ALIVE_STATES
 from dlrover.master.relaunch_policy import OomPolicy, RelaunchPolicy, failure_class_of
+from dlrover.master.slot_supervisor import SlotSupervisor
 from dlrover.master.state_store import MemoryStateStore, StateStore
 
 if TYPE_CHECKING:  # an arrow down only: ps_controller imports no controller
@@ -56,8 +57,8 @@ class NodeController:
 
     Invariant: every slot (rank) of the job has at most one live node; a replacement gets the
     same rank and the next relaunch count, and all replacements of one batch of events are
-    launched in parallel. Each slot's current attempt (relaunch count, resources) is saved in
-    ``store``, so a master restarted on its state launches the same attempts again, which an
+    launched in parallel. The job's slot supervisor decides, records and saves each slot's
+    attempts, so a master restarted on its state launches the same attempts again, which an
     engine that knows them (Kubernetes: the pod exists, 409) adopts instead of duplicating.
     """
 
@@ -74,23 +75,25 @@ class NodeController:
         store: StateStore | None = None,
         scaler: Callable[[NodeController], Scaler] | None = None,
         ps: PsController | None = None,
+        supervisor: SlotSupervisor | None = None,
     ) -> None:
         """``scaler`` builds the auto-scaler that reads this controller (`--auto-scale`); ``ps``
-        drives the job's embedding servers. The controller registers itself (and ``ps``) in the
-        job's role registry."""
+        drives the job's embedding servers; ``supervisor`` relaunches the job's slots (the one
+        ``ps`` shares; by default one over ``store`` with ``oom_policy``). The controller
+        registers itself (and ``ps``) in the job's role registry."""
         self.job = job
         self._store = store or MemoryStateStore()
         self.engine = engine
         self.spec = spec
         self._master_addr = master_addr
         self._token = token
-        self._oom = oom_policy or OomPolicy()
-        self.policy = RelaunchPolicy(spec.max_relaunches, self._oom)
-        """The relaunch rule (the one every role controller applies)."""
-        self._planned: dict[int, int] = {}
-        """Node slot -> how many of its attempts the auto-scaler launched (resize, scale-out)."""
-        self._oom_tried: dict[int, list[int]] = {}
-        """Node slot -> the memory (MiB) of each of its attempts that was OOM-killed."""
+        self.supervisor = supervisor or SlotSupervisor(
+            job.diagnostics,
+            RelaunchPolicy(spec.max_relaunches, oom_policy or OomPolicy()),
+            self._store,
+        )
+        """Decides, records and saves every slot's attempts (the one every role shares)."""
+        self.supervisor.role("worker", self.node_spec)
         self._relaunch_delay_s = relaunch_delay_s
         """Wait this long before replacing a node (back-off against crash loops)."""
         self._clock = clock
@@ -147,7 +150,7 @@ class NodeController:
             self.slots = int(saved["slots"])
         elif self.scaler is not None and self.scaler.horizontal:
             self.slots = self.spec.min_nodes
-        specs = [self._slot_spec(rank) for rank in range(self.slots)]
+        specs = [self.supervisor.current("worker", rank) for rank in range(self.slots)]
         resumed = [s.node_id for s in specs if s.relaunch_count > 0]
         logger.info(
             "launching %d nodes of job %s%s",
@@ -170,13 +173,7 @@ class NodeController:
             specs = []
             for rank in range(before, nodes):
                 # A slot used before (scaled in since) gets its next attempt: a new node name.
-                saved = self._store.get_json(_NAMESPACE, f"slot-{rank}")
-                spec = self.node_spec(
-                    rank, 0 if saved is None else int(saved["relaunch_count"]) + 1
-                )
-                if saved is not None:
-                    self._planned[rank] = int(saved.get("planned", 0))
-                self._save_slot(spec, planned=saved is not None)
+                spec = self.supervisor.open("worker", rank)
                 self.job.members.expect(spec.node_id)
                 specs.append(spec)
             launched = self._launch_scale_out(specs, before)
@@ -193,7 +190,6 @@ class NodeController:
         for node in self._workers():
             if node.state.is_final or node.spec.rank < nodes:
                 continue
-            self._save_slot(node.spec)  # a later scale-out launches its next attempt
             self.job.members.lose(node.node_id, f"removed by the auto-scaler: {why}")
             try:
                 self.engine.delete(node.node_id)
@@ -222,29 +218,6 @@ class NodeController:
             return len(launched)
         return len(specs)
 
-    def _slot_spec(self, rank: int) -> NodeSpec:
-        saved = self._store.get_json(_NAMESPACE, f"slot-{rank}")
-        if saved is None:
-            return self.node_spec(rank)
-        self._planned[rank] = int(saved.get("planned", 0))
-        spec = self.node_spec(rank, int(saved["relaunch_count"]))
-        return dataclasses.replace(spec, resources=Resources(**saved["resources"]))
-
-    def _save_slot(self, spec: NodeSpec, planned: bool = False) -> None:
-        """Save the slot's current attempt; ``planned``: the auto-scaler launched it (a resize,
-        a scale-out into a slot used before), which does not count against max relaunches."""
-        if planned:
-            self._planned[spec.rank] = self._planned.get(spec.rank, 0) + 1
-        self._store.put_json(
-            _NAMESPACE,
-            f"slot-{spec.rank}",
-            {
-                "planned": self._planned.get(spec.rank, 0),
-                "relaunch_count": spec.relaunch_count,
-                "resources": dataclasses.asdict(spec.resources),
-            },
-        )
-
     def step(self, timeout_s: float) -> None:
         """Handle the engine events that arrive within `timeout_s`, and replace the nodes the
         job asks to (runtime stragglers)."""
@@ -253,7 +226,6 @@ class NodeController:
         for node_id, cause in self.job.diagnostics.take_replacements():
             spec = self._replace_straggler(node_id, cause)
             if spec is not None:
-                self._save_slot(spec)
                 self._schedule(spec, self._clock())
         for event in self.engine.events(timeout_s):
             self.on_event(event)
@@ -285,15 +257,16 @@ class NodeController:
             why,
         )
         for node in live:
-            spec = node.spec.replacement(resources)
-            self.job.members.expect(spec.node_id)  # the job is not "every node lost" meanwhile
+            # Expected before the loss: the job is not "every node lost" meanwhile.
+            self.job.members.expect(node.spec.replacement().node_id)
             self.job.members.lose(node.node_id, "relaunched at a new size by the auto-scaler")
             try:
                 self.engine.delete(node.node_id)
             except EngineError as e:  # it may still run: a second node in its slot would not do
                 logger.warning("node %s: cannot delete it for the resize: %s", node.node_id, e)
                 continue
-            self._save_slot(spec, planned=True)
+            spec = self.supervisor.replace(node.spec, resources)
+            assert spec is not None  # a planned replacement always has one
             self._schedule(spec, self._clock())
             self.relaunches["resize"] = self.relaunches.get("resize", 0) + 1
 
@@ -306,10 +279,8 @@ class NodeController:
         )
         if node is None:
             return None
-        if (
-            node.spec.relaunch_count - self._planned.get(node.spec.rank, 0)
-            >= self.spec.max_relaunches
-        ):
+        spec = self.supervisor.replace(node.spec, failure=(FailureClass.STRAGGLER, cause))
+        if spec is None:
             # A slow node is better than none: it is not deleted when it cannot be replaced.
             logger.warning(
                 "node %s: a straggler, but its slot used its %d relaunches; keeping it",
@@ -318,11 +289,8 @@ class NodeController:
             )
             self.job.keep_straggler(node_id, cause)
             return None
-        self.job.diagnostics.record_failure(
-            FailureRecord(time.time(), node_id, FailureClass.STRAGGLER, "relaunch_node", cause)
-        )
         # Expected before the loss: the job is never "every node lost" meanwhile.
-        self.job.members.expect(node.spec.replacement().node_id)
+        self.job.members.expect(spec.node_id)
         self.job.members.lose(node_id, "replaced as a runtime straggler")
         try:
             self.engine.delete(node_id)
@@ -330,7 +298,7 @@ class NodeController:
             logger.warning("node %s: cannot delete the straggler: %s", node_id, e)
         self.relaunches["straggler"] = self.relaunches.get("straggler", 0) + 1
         logger.info("node %s: replacing the straggler", node_id)
-        return node.spec.replacement()
+        return spec
 
     def _workers(self) -> list[Node]:
         """The engine's nodes of role ``worker`` (embedding servers are the ps controller's)."""
@@ -344,9 +312,8 @@ class NodeController:
         if owner is not None and owner is not self:
             owner.on_event(event)
             return
-        spec = self._on_event(event)
+        spec = self._on_event(event)  # saved: a restarted master launches it too
         if spec is not None:
-            self._save_slot(spec)  # before launching: a restarted master launches it too
             self._schedule(spec, self._clock() + self._relaunch_delay_s)
             logger.info("node %s: saved, launching in %.1fs", spec.node_id, self._relaunch_delay_s)
 
@@ -357,7 +324,7 @@ class NodeController:
         if event.spec.rank >= self.slots:  # scaled in meanwhile: its slot is not in use
             self.job.members.lose(event.node_id, f"{event.message or event.reason} (slot retired)")
             return None
-        reason = self.policy.loss_reason(event)
+        reason = self.supervisor.policy.loss_reason(event)
         # Expected before the loss is recorded: between the two, the job must not look like
         # it lost every node (withdrawn below if the node is not relaunched).
         successor = event.spec.replacement().node_id
@@ -368,42 +335,20 @@ class NodeController:
             for n in self.job.members.nodes.all()
             if n.state in ALIVE_STATES and n.node_id != event.node_id
         )
-        decision = self.policy.decide(
-            event.node_id,
-            reason,
-            # Attempts the auto-scaler launched are not failures.
-            max(0, event.spec.relaunch_count - self._planned.get(event.spec.rank, 0)),
+        verdict = self.supervisor.judge(
+            event,
             alive_nodes=alive,
             min_nodes=self.spec.min_nodes,
+            # The node check recorded its exclusion.
+            record=event.exit_code != EXIT_NODE_EXCLUDED,
         )
-        logger.info("node %s: %s (%s)", event.node_id, decision.action.value, decision.reason)
-        if event.exit_code != EXIT_NODE_EXCLUDED:  # the node check recorded its exclusion
-            self.job.diagnostics.record_failure(
-                FailureRecord(
-                    time.time(),
-                    event.node_id,
-                    failure_class_of(event),
-                    decision.action.value,
-                    event.message or str(event.reason.value if event.reason else "failed"),
-                )
-            )
-        tried = self._oom_tried.setdefault(event.spec.rank, [])
-        if event.reason is FailureReason.OOM_KILLED:
-            tried.append(event.spec.resources.memory_mib)
-        if decision.action is not FailureAction.RELAUNCH_NODE:
-            self.job.members.unexpect(successor)
-        if decision.action is FailureAction.FAIL:
-            self.job.lifecycle.stop(decision.reason + self._oom_history(event.spec.rank))
-            return None
-        if decision.action is not FailureAction.RELAUNCH_NODE:
-            return None
-        spec = self.policy.replacement(event)
+        logger.info("node %s: %s (%s)", event.node_id, verdict.action.value, verdict.reason)
+        spec = verdict.replacement
         if spec is None:
             self.job.members.unexpect(successor)
-            self.job.lifecycle.stop(
-                f"node {event.node_id} was OOM-killed and cannot grow: the memory cap is "
-                f"{self._oom.max_memory_mib} MiB" + self._oom_history(event.spec.rank)
-            )
+            if verdict.action is FailureAction.FAIL:
+                history = _oom_history(event.spec.rank, verdict.oom_kills)
+                self.job.lifecycle.stop(verdict.reason + history)
             return None
         if event.reason is FailureReason.OOM_KILLED:
             logger.info(
@@ -414,15 +359,6 @@ class NodeController:
             )
         self.relaunches[reason.value] = self.relaunches.get(reason.value, 0) + 1
         return spec
-
-    def _oom_history(self, rank: int) -> str:
-        tried = [m for m in self._oom_tried.get(rank, []) if m]
-        if not tried:
-            return ""
-        return (
-            f"; node slot {rank} was OOM-killed with {', '.join(f'{m} MiB' for m in tried)}: "
-            "give each node more memory (resources.memory)"
-        )
 
     def run(
         self,
@@ -437,3 +373,13 @@ class NodeController:
                 self.step(poll_s)
         finally:
             self.engine.close(delete_nodes=delete_nodes())
+
+
+def _oom_history(rank: int, oom_kills: tuple[int, ...]) -> str:
+    tried = [m for m in oom_kills if m]
+    if not tried:
+        return ""
+    return (
+        f"; node slot {rank} was OOM-killed with {', '.join(f'{m} MiB' for m in tried)}: "
+        "give each node more memory (resources.memory)"
+    )

@@ -17,21 +17,19 @@ import threading
 import time
 from collections.abc import Callable
 
-from dlrover.api.master import FailureRecord
 from dlrover.constants import ENV_NODE_NAME, PS_ADDRESS_KEY, PS_PLACEMENT_KEY, PS_SCALE_KEY
 from dlrover.coordination import ScaleReport
-from dlrover.decisions import FailureAction
 from dlrover.embedding.client import EmbeddingClient
 from dlrover.embedding.cluster import EmbeddingCluster, ResizeStuckError
 from dlrover.embedding.table import EmbeddingError
 from dlrover.embedding.wire import Placement
-from dlrover.engines.base import Engine, EngineError, NodeEvent, NodeSpec
+from dlrover.engines.base import Engine, EngineError, NodeEvent, NodeSpec, NodeState
 from dlrover.jobspec import JobSpec
 from dlrover.master.job import JobMaster
-from dlrover.master.node_policy import NodeLossReason
 from dlrover.master.optimizer import ScaleAction, plan_ps
-from dlrover.master.relaunch_policy import OomPolicy, RelaunchPolicy, failure_class_of
+from dlrover.master.relaunch_policy import OomPolicy, RelaunchPolicy
 from dlrover.master.roles import RoleNode, ServerStats
+from dlrover.master.slot_supervisor import SlotSupervisor
 from dlrover.master.state_store import MemoryStateStore, StateStore
 from dlrover.proto import embedding_pb2 as pb
 
@@ -69,7 +67,10 @@ class PsController:
         address_timeout_s: float = DEFAULT_ADDRESS_TIMEOUT_S,
         stats_interval_s: float = DEFAULT_STATS_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
+        supervisor: SlotSupervisor | None = None,
     ) -> None:
+        """``supervisor`` relaunches the servers' slots (the job's one, shared with its node
+        controller; by default one over ``store`` with ``oom_policy``)."""
         if spec.ps is None:
             raise ValueError(f"job {spec.name} has no ps role")
         self._job = job
@@ -78,10 +79,14 @@ class PsController:
         self._ps = spec.ps
         self._master_addr = master_addr
         self._token = token
-        self._oom = oom_policy or OomPolicy()
-        self._policy = RelaunchPolicy(spec.max_relaunches, self._oom)
-        """The relaunch rule every role controller applies."""
         self._store = store or MemoryStateStore()
+        self._supervisor = supervisor or SlotSupervisor(
+            job.diagnostics,
+            RelaunchPolicy(spec.max_relaunches, oom_policy or OomPolicy()),
+            self._store,
+        )
+        """Decides, records and saves each server slot's attempts."""
+        self._supervisor.role("ps", self._node_spec)
         self._address_timeout_s = address_timeout_s
         self._stats_interval_s = stats_interval_s
         self._clock = clock
@@ -99,10 +104,6 @@ class PsController:
         """Failure events of servers whose replacement is queued (OOM: the next gets more)."""
         self._retired: set[str] = set()
         """Servers this controller deleted (their end is no failure)."""
-        self._attempts: dict[int, int] = {}
-        """Server slot -> its last attempt launched (a slot used again gets a new node id)."""
-        self._failures: dict[int, int] = {}
-        """Server slot -> its failures (bounded by max_relaunches)."""
         self._request_ids = 0
         self._stats_thread: threading.Thread | None = None
         self.failovers = 0
@@ -175,7 +176,6 @@ class PsController:
         with self._lock:
             nodes, failed = list(self._nodes), set(self._failed)
             stats = {s.index: s for s in self._stats}
-            failures = dict(self._failures)
         limit = self._ps.resources.memory_mib << 20 if self._ps.resources.memory_mib else 0
         rows = []
         for index, spec in enumerate(nodes):
@@ -186,7 +186,7 @@ class PsController:
                     role="ps",
                     index=index,
                     state="failed" if spec.node_id in failed else "running" if s else "pending",
-                    relaunches=failures.get(spec.rank, 0),
+                    relaunches=self._supervisor.used("ps", spec.rank),
                     cpu_percent=s.cpu_percent if s else 0.0,
                     memory_bytes=s.memory_bytes if s else 0,
                     memory_limit_bytes=limit,
@@ -249,7 +249,7 @@ class PsController:
             return
         count = self._ps.count
         logger.info("launching %d embedding servers (replica %s)", count, self._ps.replica)
-        specs = [self._slot_spec(r) for r in range(count)]
+        specs = [self._supervisor.current("ps", r) for r in range(count)]
         self._engine.launch_many(specs)
         addresses = [self._await_address(s) for s in specs]
         self._set_nodes(specs)
@@ -273,12 +273,7 @@ class PsController:
         message = pb.BucketMapMessage()
         message.ParseFromString(raw)
         placement = Placement.from_proto(message)
-        self._attempts = {int(k): int(v) for k, v in saved.get("attempts", {}).items()}
-        self._failures = {int(k): int(v) for k, v in saved.get("failures", {}).items()}
-        specs = [
-            self._named(self._spec.ps_node_spec(rank, self._master_addr, self._token, attempt))
-            for rank, attempt in saved["nodes"]
-        ]
+        specs = [self._node_spec(rank, attempt) for rank, attempt in saved["nodes"]]
         if saved.get("resizing"):
             raise PsLaunchError(
                 "the master stopped while it was resizing the embedding servers; the servers "
@@ -319,23 +314,12 @@ class PsController:
         (with ``resizing``: a resize is under way, which a restarted master cannot resume)."""
         with self._lock:
             self._nodes = nodes
-            state = {
-                "nodes": [[n.rank, n.relaunch_count] for n in nodes],
-                "attempts": {str(k): v for k, v in self._attempts.items()},
-                "failures": {str(k): v for k, v in self._failures.items()},
-                "resizing": resizing,
-            }
+            state = {"nodes": [[n.rank, n.relaunch_count] for n in nodes], "resizing": resizing}
         self._store.put_json(_NAMESPACE, "nodes", state)
 
-    def _slot_spec(self, rank: int, spec: NodeSpec | None = None) -> NodeSpec:
-        """Slot ``rank``'s next attempt (``spec``: a replacement already sized), recorded."""
-        attempt = self._attempts.get(rank, -1) + 1
-        if spec is None:
-            spec = self._spec.ps_node_spec(rank, self._master_addr, self._token, attempt)
-        else:
-            spec = dataclasses.replace(spec, relaunch_count=attempt)
-        self._attempts[rank] = attempt
-        return self._named(spec)
+    def _node_spec(self, rank: int, attempt: int) -> NodeSpec:
+        """Attempt ``attempt`` of server slot ``rank`` (the supervisor's builder for ``ps``)."""
+        return self._named(self._spec.ps_node_spec(rank, self._master_addr, self._token, attempt))
 
     def _retire(self, spec: NodeSpec) -> None:
         """Delete a server this controller no longer wants (its end is not a failure)."""
@@ -397,30 +381,22 @@ class PsController:
                 f"it from ({'roles.ps.replica: none' if servers >= 2 else 'a single server'}); "
                 "its rows are lost"
             )
-        if event is not None:
-            self._job.diagnostics.record_failure(
-                FailureRecord(
-                    time.time(),
-                    node_id,
-                    failure_class_of(event),
-                    "relaunch_node",
-                    f"embedding server {index}: {event.message or event.reason or event.state}",
-                )
-            )
+        # A server that did not survive the master's restart has no event: it is replaced as
+        # an exited one, and not recorded (its failure, if any, was).
+        recorded = event is not None
+        if event is None:
+            event = NodeEvent(failed.node_id, failed, NodeState.FAILED)
+        verdict = self._supervisor.judge(event, label=f"embedding server {index}", record=recorded)
         started = self._clock()
-        sized = self._policy.replacement(event) if event is not None else failed.replacement()
-        if sized is None:
-            raise PsLaunchError(f"embedding server {node_id} was OOM-killed and cannot grow")
         while True:
-            used = self._failures.get(index, 0)
-            self._failures[index] = used + 1
-            reason = self._policy.loss_reason(event) if event else NodeLossReason.PROCESS_EXITED
-            if self._policy.decide(node_id, reason, used).action is FailureAction.FAIL:
+            spec = verdict.replacement
+            if verdict.cannot_grow:
+                raise PsLaunchError(f"embedding server {node_id} was OOM-killed and cannot grow")
+            if spec is None:
                 raise PsLaunchError(
                     f"embedding server {index} ended and its slot used its "
                     f"{self._spec.max_relaunches} relaunches (max_relaunches)"
                 )
-            spec = self._slot_spec(index, sized)
             logger.info(
                 "embedding server %d (%s) ended: launching %s", index, node_id, spec.node_id
             )
@@ -431,6 +407,8 @@ class PsController:
             except PsLaunchError as e:  # the replacement died before it registered
                 logger.warning("embedding server %d: its replacement failed: %s", index, e)
                 self._retire(spec)
+                stillborn = NodeEvent(spec.node_id, spec, NodeState.FAILED, message=str(e))
+                verdict = self._supervisor.judge(stillborn, record=False)
         report = self._cluster.replace(index, address)
         with self._lock:
             nodes = list(self._nodes)
@@ -469,7 +447,7 @@ class PsController:
         addresses = list(self._cluster.client.addresses)
         try:
             if count > before:
-                added = [self._slot_spec(r) for r in range(before, count)]
+                added = [self._supervisor.open("ps", r) for r in range(before, count)]
                 self._engine.launch_many(added)
                 addresses += [self._await_address(s) for s in added]
             else:

@@ -12,7 +12,6 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from dlrover.api.master import FailureRecord
 from dlrover.constants import (
     ENV_NODE_NAME,
     PS_SCALE_KEY,
@@ -24,11 +23,9 @@ from dlrover.constants import (
     TF_USAGE_KEY,
 )
 from dlrover.coordination import PsGeneration, ScaleReport, TfCluster, TfNodeUsage, TfProgress
-from dlrover.decisions import FailureAction
 from dlrover.engines.base import (
     Engine,
     EngineError,
-    FailureReason,
     NodeEvent,
     NodeSpec,
     NodeState,
@@ -38,9 +35,10 @@ from dlrover.jobspec import TF_ROLES, JobSpec
 from dlrover.json_messages import MessageError
 from dlrover.master.job import JobMaster
 from dlrover.master.ps_load import Rates, Throughput
-from dlrover.master.relaunch_policy import OomPolicy, RelaunchPolicy, failure_class_of
+from dlrover.master.relaunch_policy import OomPolicy, RelaunchPolicy
 from dlrover.master.resize import resize_in_place
 from dlrover.master.roles import RoleNode
+from dlrover.master.slot_supervisor import SlotSupervisor
 from dlrover.master.state_store import MemoryStateStore, StateStore
 from dlrover.master.tf_scaling import TfPsScaler, TfWorkerScaler
 from dlrover.master.tf_sizing import TfSizer
@@ -81,9 +79,11 @@ class TfController:
         sizer: Callable[[TfController], TfSizer] | None = None,
         worker_scaler: Callable[[TfController], TfWorkerScaler] | None = None,
         ps_scaler: Callable[[TfController], TfPsScaler] | None = None,
+        supervisor: SlotSupervisor | None = None,
     ) -> None:
         """``sizer``, ``worker_scaler`` and ``ps_scaler`` build the auto-scaling parts that
-        read this controller (``auto_scale``); the controller registers itself for the whole
+        read this controller (``auto_scale``); ``supervisor`` relaunches the slots (by default
+        one over ``store`` with ``oom_policy``). The controller registers itself for the whole
         job in the job's role registry."""
         if spec.tf is None:
             raise ValueError(f"job {spec.name} is not a TensorFlow job")
@@ -93,9 +93,18 @@ class TfController:
         self._tf = spec.tf
         self._master_addr = master_addr
         self._token = token
-        self._oom = oom_policy or OomPolicy()
-        self._policy = RelaunchPolicy(spec.max_relaunches, self._oom)
-        """The relaunch rule every role controller applies."""
+        self._store = store or MemoryStateStore()
+        """Where the published versions are kept (and, by the supervisor, each slot's attempt),
+        so that a master restarted on its state launches the same attempts (the engine adopts
+        them)."""
+        self.supervisor = supervisor or SlotSupervisor(
+            job.diagnostics,
+            RelaunchPolicy(spec.max_relaunches, oom_policy or OomPolicy()),
+            self._store,
+        )
+        """Decides, records and saves every slot's attempts."""
+        for role in TF_ROLES:
+            self.supervisor.role(role, functools.partial(self.node_spec, role))
         self._relaunch_delay_s = relaunch_delay_s
         self._address_timeout_s = address_timeout_s
         self._clock = clock
@@ -114,9 +123,6 @@ class TfController:
         self._scaling: tuple[int, float, int] | None = None
         self._request_ids = 0
         """(ps count, when asked) of the scale-out in progress, until every new ps serves."""
-        self._store = store or MemoryStateStore()
-        """Where each slot's current attempt and the published versions are kept, so that a
-        master restarted on its state launches the same attempts (the engine adopts them)."""
         self.throughput = Throughput()
         """The job's step and sample rates, from the chief's progress reports."""
         self._raw: dict[str, bytes] = {}
@@ -135,9 +141,6 @@ class TfController:
         """The worker count changed and the chief has not been told (no generation yet)."""
         self._retiring: list[NodeSpec] = []
         """Workers out of the cluster, deleted once the chief trains without them."""
-        self._retired: dict[int, int] = {}
-        """Worker index -> the last attempt of a removed slot (a slot used again gets a new
-        name)."""
         # Last: the scaling parts read this controller as they are built.
         self.sizer = sizer(self) if sizer is not None else None
         self.worker_scaler = worker_scaler(self) if worker_scaler is not None else None
@@ -168,17 +171,13 @@ class TfController:
             self.workers_changing = bool(saved.get("workers_changing", False))
             worker = functools.partial(self.node_spec, "worker")
             self._retiring = [attempt_of(worker, r) for r in saved.get("retiring", [])]
-            self._retired = {int(k): int(v) for k, v in saved.get("retired", {}).items()}
         published = self.job.kv.get(TF_CLUSTER_KEY) if saved is not None else None
         cluster = TfCluster.decode(published).cluster if published else {}
         specs = []
         for role in TF_ROLES:
             for index in range(self.counts[role]):
-                attempt = (saved or {}).get("slots", {}).get(f"{role}-{index}")
-                spec = self.node_spec(role, index, int(attempt["relaunch_count"]) if attempt else 0)
-                if attempt:
-                    spec = dataclasses.replace(spec, resources=Resources(**attempt["resources"]))
-                slot = Slot(role, index, spec, now, planned=int((attempt or {}).get("planned", 0)))
+                spec = self.supervisor.current(role, index)
+                slot = Slot(role, index, spec, now)
                 addresses = cluster.get(role, [])
                 slot.address = addresses[index] if index < len(addresses) else ""
                 self.slots[(role, index)] = slot
@@ -223,7 +222,7 @@ class TfController:
         ), request
 
     def _save(self) -> None:
-        """Keep each slot's current attempt and the published versions (before launching)."""
+        """Keep the role counts and the published versions (before launching)."""
         self._store.put_json(
             _NAMESPACE,
             "state",
@@ -235,15 +234,6 @@ class TfController:
                 "generation_cluster": self._generation_cluster,
                 "workers_changing": self.workers_changing,
                 "retiring": [attempt_record(spec) for spec in self._retiring],
-                "retired": {str(k): v for k, v in self._retired.items()},
-                "slots": {
-                    f"{s.role}-{s.index}": {
-                        "relaunch_count": s.spec.relaunch_count,
-                        "planned": s.planned,
-                        "resources": dataclasses.asdict(s.spec.resources),
-                    }
-                    for s in self.slots.values()
-                },
             },
         )
 
@@ -362,11 +352,14 @@ class TfController:
         for slot in slots:
             if slot.spec.node_id in due:
                 slot.spec = dataclasses.replace(slot.spec, resources=resources)
+                self.supervisor.keep(slot.spec)
         outcome = resize_in_place(
             self.engine, [s.spec for s in slots if s.spec.node_id not in due], resources
         )
         for slot in slots:
-            slot.spec = outcome.in_place.get(slot.spec.node_id, slot.spec)
+            if slot.spec.node_id in outcome.in_place:
+                slot.spec = outcome.in_place[slot.spec.node_id]
+                self.supervisor.keep(slot.spec)
         if outcome.in_place:
             nodes = ", ".join(outcome.in_place)
             logger.info("resized the %s nodes in place (%s): %s", role, reason, nodes)
@@ -379,14 +372,13 @@ class TfController:
         now = self._clock()
         old, new = [], []
         for slot in slots:
-            spec = self.node_spec(role, slot.index, slot.spec.relaunch_count + 1)
-            spec = dataclasses.replace(spec, resources=resources)
+            # Saved before launching: a restarted master launches these attempts too.
+            spec = self.supervisor.replace(slot.spec, resources)
+            assert spec is not None  # a planned replacement always has one
             old.append(slot.spec.node_id)
             new.append(spec)
             slot.spec, slot.registered, slot.serving, slot.usage = spec, "", False, None
             slot.launched_at = now
-            slot.planned += 1
-        self._save()  # before launching: a restarted master launches these attempts too
         if not new:
             return
         logger.info("relaunching the %s nodes at their new size: %s", role, ", ".join(old))
@@ -421,14 +413,12 @@ class TfController:
         now = self._clock()
         specs = []
         for index in range(before, count):
-            attempt = self._retired.pop(index, -1) + 1
-            spec = self.node_spec("worker", index, attempt)
-            self.slots[("worker", index)] = Slot("worker", index, spec, now, planned=attempt)
+            # A slot used before gets its next attempt: a new name.
+            spec = self.supervisor.open("worker", index)
+            self.slots[("worker", index)] = Slot("worker", index, spec, now)
             specs.append(spec)
         for index in range(count, before):
-            slot = self.slots.pop(("worker", index))
-            self._retired[index] = slot.spec.relaunch_count
-            self._retiring.append(slot.spec)
+            self._retiring.append(self.slots.pop(("worker", index)).spec)
         self.counts["worker"] = count
         self.workers_changing = True
         self._save()  # before launching: a restarted master launches these attempts too
@@ -455,7 +445,7 @@ class TfController:
             self.job.kv.set(PS_SCALE_KEY, report.encode())
             return
         now = self._clock()
-        specs = [self.node_spec("ps", index) for index in range(before, count)]
+        specs = [self.supervisor.open("ps", index) for index in range(before, count)]
         for spec in specs:
             self.slots[("ps", spec.rank)] = Slot("ps", spec.rank, spec, now)
         self.counts["ps"] = count
@@ -554,39 +544,25 @@ class TfController:
 
     def _relaunch(self, slot: Slot, event: NodeEvent) -> None:
         why = event.message or (event.reason.value if event.reason else "failed")
-        if event.reason is FailureReason.OOM_KILLED:
-            slot.oom_kills.append(event.spec.resources.memory_mib)
-        decision = self._policy.decide(
-            event.node_id,
-            self._policy.loss_reason(event),
-            event.spec.relaunch_count - slot.planned,
-        )
-        exhausted = decision.action is FailureAction.FAIL
-        spec = None if exhausted else self._policy.replacement(event)
-        action = "relaunch_node" if spec is not None else "fail"
-        self.job.diagnostics.record_failure(
-            FailureRecord(
-                time.time(), event.node_id, failure_class_of(event), action, f"{slot.role}: {why}"
-            )
-        )
+        verdict = self.supervisor.judge(event, label=slot.role)
+        spec = verdict.replacement
         if spec is None:
             history = (
-                f"; OOM-killed with {', '.join(f'{m} MiB' for m in slot.oom_kills)}: give "
+                f"; OOM-killed with {', '.join(f'{m} MiB' for m in verdict.oom_kills)}: give "
                 f"roles.{slot.role}.resources more memory"
-                if slot.oom_kills
+                if verdict.oom_kills
                 else ""
             )
             limit = (
-                f"used its {self.spec.max_relaunches} relaunches"
-                if exhausted
-                else f"cannot grow: the memory cap is {self._oom.max_memory_mib} MiB"
+                f"cannot grow: the memory cap is {self.supervisor.policy.oom.max_memory_mib} MiB"
+                if verdict.cannot_grow
+                else f"used its {self.spec.max_relaunches} relaunches"
             )
             slot.ended = "failed"
             self.job.lifecycle.stop(
                 f"TensorFlow {slot.role} {slot.index} ({event.node_id}) {limit}{history}"
             )
             return
-        spec = dataclasses.replace(spec, env={**spec.env, ENV_NODE_NAME: spec.node_id})
         if spec.resources != event.spec.resources:
             logger.info(
                 "tf node %s failed (%s); launching %s with %d MiB",
@@ -606,7 +582,6 @@ class TfController:
         slot.usage = None
         slot.launched_at = self._clock() + self._relaunch_delay_s
         self.relaunches[slot.role] = self.relaunches.get(slot.role, 0) + 1
-        self._save()  # before launching: a restarted master launches this attempt too
         self._due.append((self._clock() + self._relaunch_delay_s, spec))
 
     # --- the loop -----------------------------------------------------------------------------

@@ -29,14 +29,10 @@ class Slot:
     registered: str = ""
     """The address the current attempt registered ("" until it does)."""
     serving: bool = False
-    oom_kills: list[int] = dataclasses.field(default_factory=list)
-    """The memory (MiB) of each attempt that was OOM-killed."""
     usage: TfNodeUsage | None = None
     """The current attempt's last usage report (None before one)."""
     ended: str = ""
     """succeeded or failed once the slot's last attempt ended for good ("" until then)."""
-    planned: int = 0
-    """Attempts the auto-scaler launched (a resize): they do not use up max_relaunches."""
 
     @property
     def state(self) -> str:

@@ -21,9 +21,10 @@ from dlrover.master.job import JobMaster, JobState
 from dlrover.master.local_api import LocalMasterApi
 from dlrover.master.node_controller import NodeController
 from dlrover.master.optimizer import OptimizerConfig, ResourceOptimizer
-from dlrover.master.relaunch_policy import OomPolicy
+from dlrover.master.relaunch_policy import OomPolicy, RelaunchPolicy
 from dlrover.master.rendezvous import RendezvousConfig
 from dlrover.master.server import MasterServerError, new_token
+from dlrover.master.slot_supervisor import SlotSupervisor
 from dlrover.master.state_store import StateStoreError
 from dlrover.master.stragglers import DEFAULT_REPORT_S
 from dlrover.master.tensorboard import TensorBoardError
@@ -364,6 +365,10 @@ class JobRunner:
         a NodeController (with its auto-scaler and embedding-server controller if asked)."""
         spec, master, job = self.spec, self.master, self.job
         oom = OomPolicy(spec.oom_memory_factor, spec.oom_max_memory_mib)
+        # One supervisor relaunches every slot of the job, whichever role's controller asks.
+        supervisor = SlotSupervisor(
+            job.diagnostics, RelaunchPolicy(spec.max_relaunches, oom), master.store
+        )
         delay = self.settings.relaunch_delay_s
         if spec.tf is not None:
             tf_spec = spec.tf
@@ -395,12 +400,12 @@ class JobRunner:
                 spec,
                 self.master_addr,
                 self.token,
-                oom_policy=oom,
                 relaunch_delay_s=delay,
                 store=master.store,
                 sizer=sizer,
                 worker_scaler=worker_scaling,
                 ps_scaler=ps_scaling,
+                supervisor=supervisor,
             )
         auto_scaler: Callable[[NodeController], AutoScaler] | None = None
         if scaling is not None:
@@ -421,8 +426,8 @@ class JobRunner:
                 spec,
                 self.master_addr,
                 self.token,
-                oom_policy=OomPolicy(spec.oom_memory_factor, spec.oom_max_memory_mib),
                 store=master.store,
+                supervisor=supervisor,
             )
         return NodeController(
             job,
@@ -432,9 +437,9 @@ class JobRunner:
             self.token,
             relaunch_delay_s=delay,
             store=master.store,
-            oom_policy=oom,
             scaler=auto_scaler,
             ps=ps_controller,
+            supervisor=supervisor,
         )
 
     @property
