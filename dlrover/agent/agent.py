@@ -325,9 +325,14 @@ class ElasticAgent:
                 logger.error("the node check excluded this node: %s", why)
                 self._set_state(WorkerGroupState.FAILED)
                 return RunResult(EXIT_EXCLUDED, f"excluded by the node check: {why}")
-        if self._saver is not None:  # replicas: peers find this node; a replaced one copies
+        if self._saver is not None:  # the node's load vote; replicas: peers find it
             self._saver.prepare_round(
-                world.round, world.node_rank, world.num_nodes, self.config.nproc_per_node
+                world.round,
+                world.node_rank,
+                world.num_nodes,
+                self.config.nproc_per_node,
+                world_size=world.world_size,
+                rank_offset=world.rank_offset,
             )
         monitor = self._start_workers(world)
         self._set_state(WorkerGroupState.RUNNING)

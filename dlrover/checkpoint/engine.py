@@ -343,6 +343,7 @@ class CheckpointEngine:
                 timeout=60.0,
                 replica_count=self.replica_count,
                 checkpoint_dir=self.checkpoint_dir,
+                fmt=self.format.name,
             )
         )
         step = reply.step

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -22,6 +23,7 @@ from dlrover.checkpoint.config import (
 )
 from dlrover.checkpoint.coordinator import CommitCoordinator, LocalCommitCoordinator
 from dlrover.checkpoint.errors import CheckpointError, ShmSpaceError
+from dlrover.checkpoint.formats import format_named
 from dlrover.checkpoint.header import image_len, read_metadata
 from dlrover.checkpoint.persister import Persister
 from dlrover.checkpoint.replica import (
@@ -143,6 +145,9 @@ class CheckpointSaver:
         self._round_prep: tuple[threading.Thread, threading.Event] | None = None
         self._prep_lock = threading.Lock()  # the agent starts one, a vote ends it
         self._prefetched: tuple[int, int, int] | None = None
+        # The ranks' last load-step vote with a format: the node's next vote is cast from it
+        # as the round forms (prepare_round), before the workers start.
+        self._load_template: LoadStepRequest | None = None
         self.last_replica_s = 0.0
         """How long the latest push of this node's slots to its peers took (0.0: none yet)."""
 
@@ -389,12 +394,18 @@ class CheckpointSaver:
             held = [self._loadable_steps(s, None, None) for s in spec.slots]
         return _newest_common(held)
 
-    def _agree_load_step(self, request: LoadStepRequest) -> tuple[int | None, int | None]:
+    def _agree_load_step(
+        self, request: LoadStepRequest, early: bool = False
+    ) -> tuple[int | None, int | None]:
         """The step the nodes agreed on for the request's round, and the peer node this node
-        copied it from (None: its own memory held it)."""
+        copied it from (None: its own memory held it). ``early``: the agent's vote as the
+        round forms; a round it leaves undecided (no common step yet, or a node not voted in
+        time) is voted again by the ranks."""
         round_id = request.round_id
         deadline = time.monotonic() + request.timeout  # the restore and the vote share it
         with self._load_lock:  # the node's ranks ask together; the first one votes
+            if request.fmt and not early:
+                self._load_template = request
             with self._cond:
                 if round_id in self._votes:
                     return self._votes[round_id], self._restored.get(round_id)
@@ -422,8 +433,9 @@ class CheckpointSaver:
                 round_id,
                 max(1.0, deadline - time.monotonic()),
             )
-            with self._cond:
-                self._votes[round_id] = agreed
+            if agreed is not None or not early:
+                with self._cond:
+                    self._votes[round_id] = agreed
             return agreed, self._restored.get(round_id)
 
     def _loadable_steps(self, slot: int, rank: int | None, world_size: int | None) -> list[int]:
@@ -450,15 +462,87 @@ class CheckpointSaver:
 
     # ------------------------------------------------------------------ a new round
     def prepare_round(
-        self, round_id: int, node_rank: int, num_nodes: int, local_ranks: int
+        self,
+        round_id: int,
+        node_rank: int,
+        num_nodes: int,
+        local_ranks: int,
+        world_size: int | None = None,
+        rank_offset: int | None = None,
     ) -> None:
         """What the agent calls once a round formed, before it starts the workers; returns at
-        once (the work runs on a thread of its own). A node that serves replicas tells its
-        peers where for this round now, not when its ranks load; a replaced node (no step in
-        its memory) whose ``local_ranks`` ranks will read one slot copies the newest
-        replicated step a peer holds (DDP's state, any node's own copy) into that slot
-        meanwhile, so that copy runs while its workers start instead of at their first load.
-        The ranks' vote waits for a copy under way and stops a search that found nothing."""
+        once (the work runs on threads of their own).
+
+        - The node casts its load-step vote now, while its workers start: with the round's
+          ``world_size`` and this node's ``rank_offset``, from the ranks' last vote (its
+          format, checkpoint directory, replicas), when its memory holds a step. The ranks'
+          own vote then finds the round decided and asks the master nothing.
+        - A node that serves replicas tells its peers where for this round now, not when its
+          ranks load; a replaced node (no step in its memory) whose ``local_ranks`` ranks will
+          read one slot copies the newest replicated step a peer holds (DDP's state, any
+          node's own copy) into that slot meanwhile, so that copy runs while its workers start
+          instead of at their first load. The ranks' vote waits for a copy under way and stops
+          a search that found nothing."""
+        self._prepare_replicas(round_id, node_rank, num_nodes, local_ranks)
+        if world_size is None or rank_offset is None:
+            return
+        request = self._early_vote(
+            _RoundPlace(rank_offset, world_size, local_ranks, node_rank, num_nodes), round_id
+        )
+        if request is None:
+            return
+        thread = threading.Thread(
+            target=self._vote_early, args=(request,), name="ckpt-early-vote", daemon=True
+        )
+        self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+        thread.start()
+
+    def _early_vote(self, place: _RoundPlace, round_id: int) -> LoadStepRequest | None:
+        """The vote the node's ranks would cast in ``round_id`` at ``place`` (the last vote's
+        format, directory and replicas), or None: no vote yet with a format, or nothing in
+        memory to vote for (a node with empty memory votes when its ranks load: they may find
+        the step on a peer)."""
+        template = self._load_template
+        if template is None:
+            return None
+        with self._cond:
+            if all(b.newest() is None for b in self._slots.values()):
+                return None
+        try:
+            fmt = format_named(template.fmt)
+        except CheckpointError:
+            return None
+        return dataclasses.replace(
+            template,
+            slots=list(fmt.saving_slots(place)),
+            node_rank=place.node_rank,
+            total_nodes=place.num_nodes,
+            round_id=round_id,
+            ranks=dict(fmt.ranks_to_match(place)),
+            world_size=fmt.world_size_to_match(place),
+        )
+
+    def _vote_early(self, request: LoadStepRequest) -> None:
+        started = time.monotonic()
+        try:
+            step, _ = self._agree_load_step(request, early=True)
+        except Exception as exc:  # the ranks vote when they load
+            log.warning(
+                "round %d: the node's load-step vote failed (%s); its ranks vote when they load",
+                request.round_id,
+                exc,
+            )
+            return
+        log.info(
+            "round %d: the nodes agreed on step %s for the ranks' load %.3fs after it formed",
+            request.round_id,
+            step,
+            time.monotonic() - started,
+        )
+
+    def _prepare_replicas(
+        self, round_id: int, node_rank: int, num_nodes: int, local_ranks: int
+    ) -> None:
         if self._exchange is None or self._peers is None or num_nodes < 2:
             return
         with self._prep_lock:
@@ -745,3 +829,15 @@ def _choose_images(
         else:
             return choice
     return None
+
+
+@dataclasses.dataclass(frozen=True)
+class _RoundPlace:
+    """Local rank 0's place in a new round (a `formats.Placement`), as the agent knows it."""
+
+    rank: int
+    world_size: int
+    local_world_size: int
+    node_rank: int
+    num_nodes: int
+    local_rank: int = 0

@@ -242,6 +242,9 @@ class LoadStepRequest(SaverRequest[LoadStepReply]):
     timeout: float = 60.0
     replica_count: int = 0
     checkpoint_dir: str = ""
+    fmt: str = ""
+    """The format's name (``PersistSpec.fmt``): with it the agent casts the node's vote of
+    the next round itself, as the round forms (`CheckpointSaver.prepare_round`)."""
 
     def answer_within_s(self) -> float | None:
         """The saver may wait up to ``timeout`` before it answers."""
