@@ -32,7 +32,6 @@ from dlrover.faults import (
     parse_fault,
     parse_faults,
 )
-from dlrover.runner.records import NoSuchJobError, read_record
 
 __all__ = [
     "ENV_AGENT_PID",
@@ -221,6 +220,10 @@ def fill_disk(folder: str, seconds: float) -> str:
 def _master_pid() -> int:
     """The pid of this job's master from its `dlrover submit` record (DLROVER_JOB_NAME under
     DLROVER_HOME); FaultSpecError where there is none (a job not started by `dlrover submit`)."""
+    # Imported here: the job records bring the master's message types, which a worker that
+    # injects any other fault would import on every start for nothing.
+    from dlrover.runner.records import NoSuchJobError, read_record
+
     name = os.environ.get(ENV_JOB_NAME, "")
     try:
         record = read_record(name) if name else None
