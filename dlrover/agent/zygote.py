@@ -246,6 +246,8 @@ class Zygote:
             for key, value in (os.environ if env is None else env).items()
             if key not in _ZYGOTE_UNSET_ENV
         }
+        # MKL's fast memory manager does not survive a fork (zygote_server.py's notes).
+        zygote_env.setdefault("MKL_DISABLE_FAST_MM", "1")
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             process = subprocess.Popen(
