@@ -92,20 +92,23 @@ def test_a_killed_master_restarted_on_its_state_resumes_the_job(
     # At the exit barrier: the workers of node rank 1 (ranks 2, 3) take 8 s to exit after
     # training, so node rank 0 waits at the barrier meanwhile, and the master dies under it.
     linger = ("--linger-from-rank", "2", "--linger-s", "8") if moment == "at-exit-barrier" else ()
-    nodes = [_node(ckpt, out, steps, env, *linger)]
-    if moment == "at-exit-barrier":
-        nodes.append(_node(ckpt, out, steps, env, *linger))
-        log = tmp_path / "master.log"
-        _until(lambda: "running -> succeeded" in log.read_text(), "a node at the barrier", nodes)
-    elif moment != "during-rendezvous":
-        nodes.append(_node(ckpt, out, steps, env))
-        _until(lambda: len(_steps(out)) >= 5, "step 5", nodes)
-    else:  # one node waits in round 1 for the other when the master dies
-        log = tmp_path / "master.log"
-        _until(lambda: "joins round 1" in log.read_text(), "the first join", nodes)
+    nodes: list[subprocess.Popen[str]] = []
     again = None
     logs: list[str] = []
-    try:
+    try:  # whatever fails below, the nodes and masters are stopped (finally)
+        nodes.append(_node(ckpt, out, steps, env, *linger))
+        if moment == "at-exit-barrier":
+            nodes.append(_node(ckpt, out, steps, env, *linger))
+            log = tmp_path / "master.log"
+            _until(
+                lambda: "running -> succeeded" in log.read_text(), "a node at the barrier", nodes
+            )
+        elif moment != "during-rendezvous":
+            nodes.append(_node(ckpt, out, steps, env))
+            _until(lambda: len(_steps(out)) >= 5, "step 5", nodes)
+        else:  # one node waits in round 1 for the other when the master dies
+            log = tmp_path / "master.log"
+            _until(lambda: "joins round 1" in log.read_text(), "the first join", nodes)
         first.proc.kill()  # SIGKILL: no goodbye, no flush beyond what the store made durable
         first.wait(10)
         (tmp_path / "again").mkdir()
@@ -120,9 +123,15 @@ def test_a_killed_master_restarted_on_its_state_resumes_the_job(
         assert [p.returncode for p in nodes] == [0, 0]
         assert again.wait(60) == 0, (tmp_path / "again" / "master.log").read_text()
     finally:
-        for p in nodes:
+        for p in nodes:  # SIGTERM first: an agent stops its workers and zygote on the way out
             if p.poll() is None:
+                p.terminate()
+        for p in nodes:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
                 p.kill()
+                p.wait(10)
         first.close()
         if again is not None:
             again.close()

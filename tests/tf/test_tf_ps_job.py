@@ -389,8 +389,10 @@ def test_scaling_the_ps_from_two_to_three_re_partitions_the_model_from_a_checkpo
 
 
 def test_every_role_is_shown_with_its_usage_and_the_job_throughput(tmp_path: Path) -> None:
-    job = Job(tmp_path, "seen", shard_delay=0.3, evaluator=True)
+    hold = tmp_path / "hold"
+    job = Job(tmp_path, "seen", shard_delay=0.3, evaluator=True, pause_file=str(hold))
     job.wait_shards(13)  # the chief reported its progress after shards 4, 8 and 12
+    hold.touch()  # 7 shards to go: the chief then waits, so the job still runs while read
     status = dlrover_cli(job.home, "status", "seen")
     assert status.returncode == 0, status.stderr
     rows = {line.split()[0]: line.split() for line in status.stdout.splitlines() if line}
@@ -412,6 +414,7 @@ def test_every_role_is_shown_with_its_usage_and_the_job_throughput(tmp_path: Pat
     assert ps_memory and float(ps_memory.group(1)) > 50 * 2**20, metrics
     assert 'role="evaluator",state="running"} 1.0' in metrics
     assert re.search(r'dlrover_samples_per_second\{job_name="seen"\} [1-9]', metrics), metrics
+    hold.unlink()
     assert job.wait() == 0, job.text()[-4000:]
     report, model = job.result()
     assert (model["seen"] == 1).all()
