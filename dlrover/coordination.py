@@ -1,17 +1,93 @@
-"""Typed records the master and the parameter-server nodes exchange through the master's KV store.
+"""The channels the master and the parameter-server nodes speak through the master's KV store.
 
-Each record has one `encode` (the JSON value stored under its key, the wire format the keys had
-before these types) and one `decode` (a `MessageError` naming the bad field, not a KeyError in a
-caller). The keys are in dlrover/constants.py: `TF_CLUSTER_KEY`, `TF_PS_GENERATION_KEY`,
-`TF_USAGE_KEY`, `TF_PROGRESS_KEY`, `PS_SCALE_KEY`. Standard library only: the master, the TensorFlow nodes and the CLI import it.
+Each channel is defined once here, as a `KvChannel`: its key (dlrover/constants.py), whether it
+is per node or kept per version, and its record type with one `encode` (the JSON value stored
+under the key, the wire format the keys had before these types) and one `decode` (a
+`MessageError` naming the bad field, not a KeyError in a caller). Both ends use the channel,
+never the key: the master through its `KvStore`, a node or the CLI through its master client
+(`KvAccess`). The embedding servers' placement is the one channel defined beside its type
+(`dlrover.embedding.wire.PLACEMENT`). Standard library only: the master, the TensorFlow nodes and
+the CLI import it.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+from typing import Generic, Protocol, TypeVar
 
+from dlrover import constants as c
 from dlrover.json_messages import from_fields, parse, to_fields
+
+T = TypeVar("T")
+
+
+class KvAccess(Protocol):
+    """The master's key-value store as a channel uses it: `KvStore` in the master, the master
+    client (`dlrover.client.master_client.MasterClient`) in a node."""
+
+    def kv_get(self, key: str, wait_s: float = 0.0) -> bytes | None:
+        """The value under ``key``, waiting up to ``wait_s`` for it; None when there is none."""
+        ...
+
+    def kv_set(self, key: str, value: bytes) -> None:
+        """Store ``value`` under ``key``."""
+        ...
+
+
+@dataclass(frozen=True)
+class KvChannel(Generic[T]):
+    """One message through the master's KV store, defined once: both ends use it.
+
+    ``per_node``: one value per node (the key ends with the node id). ``versioned``: each value is
+    also kept under ``<key>/<version>``, so that a reader can wait for the next version."""
+
+    key: str
+    encode: Callable[[T], bytes]
+    decode: Callable[[bytes], T]
+    """The record a stored value holds; MessageError if it is not one."""
+    per_node: bool = False
+    versioned: bool = False
+
+    def key_of(self, node: str = "", version: int | None = None) -> str:
+        """The key of ``node``'s value (per-node channels), or of version ``version``."""
+        if self.per_node != bool(node):
+            raise ValueError(f"channel {self.key!r}: a node id is {'' if self.per_node else 'not '}"
+                             "expected")  # fmt: skip
+        if version is not None and not self.versioned:
+            raise ValueError(f"channel {self.key!r} keeps no versions")
+        key = self.key + node
+        return key if version is None else f"{key}/{version}"
+
+    def put(self, kv: KvAccess, value: T, node: str = "", version: int | None = None) -> None:
+        """Store ``value`` (for ``version`` too, on a versioned channel: under both keys)."""
+        raw = self.encode(value)
+        if version is not None:
+            kv.kv_set(self.key_of(node, version), raw)
+        kv.kv_set(self.key_of(node), raw)
+
+    def raw(
+        self, kv: KvAccess, node: str = "", version: int | None = None, wait_s: float = 0.0
+    ) -> bytes | None:
+        """The stored bytes (None: nothing yet), waiting up to ``wait_s`` for them."""
+        return kv.kv_get(self.key_of(node, version), wait_s)
+
+    def get(
+        self, kv: KvAccess, node: str = "", version: int | None = None, wait_s: float = 0.0
+    ) -> T | None:
+        """The stored record (None: nothing yet), waiting up to ``wait_s`` for it;
+        MessageError if the value is not one."""
+        raw = self.raw(kv, node, version, wait_s)
+        return None if raw is None else self.decode(raw)
+
+
+def _text(value: str) -> bytes:
+    return value.encode()
+
+
+def _untext(raw: bytes) -> str:
+    return raw.decode()
 
 
 @dataclass(frozen=True)
@@ -153,3 +229,32 @@ class TfProgress:
     def decode(cls, raw: bytes | str) -> TfProgress:
         """The record stored as ``raw``; MessageError if it is not one."""
         return from_fields(cls, parse(raw, "the chief's progress"), "TfProgress")
+
+
+# --------------------------------------------------------------------------- the channels
+TF_CLUSTER: KvChannel[TfCluster] = KvChannel(
+    c.TF_CLUSTER_KEY, TfCluster.encode, TfCluster.decode, versioned=True
+)
+"""The master publishes each cluster spec; the TensorFlow nodes wait for the next version."""
+TF_PS_GENERATION: KvChannel[PsGeneration] = KvChannel(
+    c.TF_PS_GENERATION_KEY, PsGeneration.encode, PsGeneration.decode, versioned=True
+)
+"""The master bumps it when every ps serves again; the chief waits for it to rebuild."""
+TF_ADDRESS: KvChannel[str] = KvChannel(c.TF_ADDRESS_KEY, _text, _untext, per_node=True)
+"""A TensorFlow node's host:port, registered before the cluster spec is made of them."""
+TF_READY: KvChannel[str] = KvChannel(c.TF_READY_KEY, _text, _untext, per_node=True)
+"""A ps or worker's TF server target, set once it serves."""
+TF_USAGE: KvChannel[TfNodeUsage] = KvChannel(
+    c.TF_USAGE_KEY, TfNodeUsage.encode, TfNodeUsage.decode, per_node=True
+)
+"""A TensorFlow node's own measurement (the sizer and the status read it)."""
+TF_PROGRESS: KvChannel[TfProgress] = KvChannel(
+    c.TF_PROGRESS_KEY, TfProgress.encode, TfProgress.decode
+)
+"""The chief's progress (the master's throughput)."""
+PS_SCALE: KvChannel[ScaleReport] = KvChannel(c.PS_SCALE_KEY, ScaleReport.encode, ScaleReport.decode)
+"""The master's last ps scaling or failover (`dlrover scale` waits for its request's)."""
+PS_ADDRESS: KvChannel[str] = KvChannel(c.PS_ADDRESS_KEY, _text, _untext, per_node=True)
+"""An embedding server's address, registered as it starts."""
+CKPT_PEER: KvChannel[str] = KvChannel("dlrover/ckpt-peer/", _text, _untext, per_node=True)
+"""A node's flash-checkpoint replica address in a round: the node is ``<round>/<node rank>``."""

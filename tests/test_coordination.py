@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from dlrover import constants as c
 from dlrover.coordination import PsGeneration, ScaleReport, TfCluster
 from dlrover.json_messages import MessageError
 
@@ -74,3 +75,26 @@ def test_dlrover_status_and_the_tf_node_read_the_records() -> None:
     assert _published(None) == (0, {})
     with pytest.raises(MessageError):
         _published(b'{"version": "three", "cluster": {}}')
+
+
+def test_a_channel_keeps_the_keys_its_ends_used_before_and_reads_back_its_record() -> None:
+    from dlrover.coordination import PS_SCALE, TF_ADDRESS, TF_CLUSTER
+    from dlrover.master.kv_store import KvStore
+    from dlrover.master.state_store import MemoryStateStore
+
+    kv = KvStore(MemoryStateStore())
+    spec = TfCluster(2, {"chief": ["h:1"]})
+    TF_CLUSTER.put(kv, spec, version=2)
+    # The stored values under the keys a node of an earlier release reads.
+    assert kv.get(c.TF_CLUSTER_KEY) == kv.get(f"{c.TF_CLUSTER_KEY}/2") == spec.encode()
+    assert TF_CLUSTER.get(kv) == spec and TF_CLUSTER.get(kv, version=3) is None
+    TF_ADDRESS.put(kv, "h:5", "job-ps-0-1")
+    assert kv.get(c.TF_ADDRESS_KEY + "job-ps-0-1") == b"h:5"
+    assert TF_ADDRESS.get(kv, "job-ps-0-1") == "h:5"
+    with pytest.raises(ValueError, match="a node id is expected"):
+        TF_ADDRESS.get(kv)
+    with pytest.raises(ValueError, match="keeps no versions"):
+        PS_SCALE.get(kv, version=1)
+    kv.set(c.PS_SCALE_KEY, b'{"action": 3}')
+    with pytest.raises(MessageError):
+        PS_SCALE.get(kv)

@@ -30,9 +30,8 @@ from dlrover.constants import (
     DEFAULT_NPROC_PER_NODE,
     DEFAULT_PS_REPLICA,
     DEFAULT_SUBMIT_MAX_RESTARTS,
-    PS_SCALE_KEY,
 )
-from dlrover.coordination import ScaleReport
+from dlrover.coordination import PS_SCALE
 from dlrover.engines.registry import BUILTIN_ENGINES
 from dlrover.jobspec import (
     DEFAULT_ENGINE,
@@ -321,7 +320,7 @@ def cmd_scale(name: str, role: str, count: int, timeout_s: float = 300.0) -> int
         quiet = False
         while time.monotonic() < deadline:
             try:
-                raw = client.kv_get(PS_SCALE_KEY)
+                report = PS_SCALE.get(client)
             except MasterUnreachableError as e:
                 # Busy, or killed and started again by `dlrover submit`: the request stands.
                 if not quiet:
@@ -330,7 +329,6 @@ def cmd_scale(name: str, role: str, count: int, timeout_s: float = 300.0) -> int
                     )
                     quiet = True
                 continue
-            report = ScaleReport.decode(raw) if raw else None
             if report is None or report.request != request:
                 time.sleep(0.2)  # another process writes it: nothing to wait on but the key
                 continue

@@ -69,7 +69,9 @@ def _register(address: str, token: str) -> str | None:
     client = MasterClient(master, token)
     try:
         client.wait_ready(30)
-        client.kv_set(c.PS_ADDRESS_KEY + node, address.encode())
+        from dlrover.coordination import PS_ADDRESS
+
+        PS_ADDRESS.put(client, address, node)
     except MasterClientError as e:
         return f"cannot register with the job's master at {master}: {e}"
     finally:

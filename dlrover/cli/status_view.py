@@ -7,8 +7,7 @@ import time
 
 from dlrover.api.master import FailureRecord, JobStatus, NodeStatus
 from dlrover.client.master_client import MasterClient, MasterClientError
-from dlrover.constants import TF_CLUSTER_KEY, TF_PS_GENERATION_KEY
-from dlrover.coordination import PsGeneration, TfCluster
+from dlrover.coordination import TF_CLUSTER, TF_PS_GENERATION
 from dlrover.runner.records import FinalState, JobRecord, read_final, read_record
 
 NODE_HEADERS = {"ray": "ray actor", "kubernetes": "pod"}
@@ -185,12 +184,11 @@ def status_text(name: str) -> tuple[str, bool]:
 
 def tf_cluster_text(client: MasterClient) -> str:
     """A TensorFlow job's cluster spec and ps generation, from the master's KV ("" otherwise)."""
-    raw = client.kv_get(TF_CLUSTER_KEY)
-    if not raw:
+    cluster = TF_CLUSTER.get(client)
+    if cluster is None:
         return ""
-    cluster = TfCluster.decode(raw)
-    generation = client.kv_get(TF_PS_GENERATION_KEY)
-    ps = f", ps generation {PsGeneration.decode(generation).generation}" if generation else ""
+    generation = TF_PS_GENERATION.get(client)
+    ps = f", ps generation {generation.generation}" if generation else ""
     lines = [f"\ntensorflow cluster version {cluster.version}{ps}:"]
     for role, addresses in cluster.cluster.items():
         lines.append(f"  {role:<8} " + "  ".join(f"{i}={a}" for i, a in enumerate(addresses)))

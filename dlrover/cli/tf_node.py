@@ -24,7 +24,7 @@ from dlrover import constants as c
 from dlrover.checkpoint.leftovers import owner_prefix
 from dlrover.cli.common import setup_logging
 from dlrover.client.master_client import MasterClient, MasterClientError
-from dlrover.coordination import TfCluster
+from dlrover.coordination import TF_ADDRESS, TF_CLUSTER
 from dlrover.trainer.tf.usage import UsageReporter, process_tree
 
 logger = logging.getLogger("dlrover.tf_node")
@@ -86,7 +86,7 @@ def _published(raw: bytes | None) -> tuple[int, dict[str, list[str]]]:
     """(version, role -> addresses) of the cluster spec stored as ``raw``; (0, {}) for none."""
     if not raw:
         return 0, {}
-    spec = TfCluster.decode(raw)
+    spec = TF_CLUSTER.decode(raw)
     return spec.version, {role: list(addresses) for role, addresses in spec.cluster.items()}
 
 
@@ -206,12 +206,12 @@ def _wait_for_cluster(
     client: MasterClient, node: str, args: argparse.Namespace
 ) -> tuple[int, dict[str, list[str]]]:
     """Register this node's address and return the first cluster spec that names it."""
-    version, cluster = _published(client.kv_get(c.TF_CLUSTER_KEY))
+    version, cluster = _published(TF_CLUSTER.raw(client))
     deadline = time.monotonic() + DEFAULT_CLUSTER_WAIT_S
     if args.role == "evaluator":  # not in the cluster: any spec will do
         if not version:
-            raw = client.kv_get(f"{c.TF_CLUSTER_KEY}/1", wait_s=DEFAULT_CLUSTER_WAIT_S)
-            version, cluster = _published(raw)
+            first = TF_CLUSTER.raw(client, version=1, wait_s=DEFAULT_CLUSTER_WAIT_S)
+            version, cluster = _published(first)
         if not version:
             raise TimeoutError(f"no cluster spec within {DEFAULT_CLUSTER_WAIT_S:.0f}s")
         return version, cluster
@@ -221,7 +221,7 @@ def _wait_for_cluster(
     if args.index < len(previous) and previous[args.index].rpartition(":")[0] == host:
         wanted = int(previous[args.index].rpartition(":")[2])
     address = f"{host}:{_free_port(args.host, wanted)}"
-    client.kv_set(c.TF_ADDRESS_KEY + node, address.encode())
+    TF_ADDRESS.put(client, address, node)
     logger.info("%s registered %s", node, address)
     while True:
         mine = cluster.get(args.role, [])
@@ -233,7 +233,7 @@ def _wait_for_cluster(
                 f"no cluster spec named {node} at {address} within {DEFAULT_CLUSTER_WAIT_S:.0f}s "
                 f"(last: version {version}); did every node of the job start?"
             )
-        raw = client.kv_get(f"{c.TF_CLUSTER_KEY}/{version + 1}", wait_s=min(left, 30.0))
+        raw = TF_CLUSTER.raw(client, version=version + 1, wait_s=min(left, 30.0))
         if raw:
             version, cluster = _published(raw)
 

@@ -11,6 +11,7 @@ from dlrover.api.errors import MasterClientError, MasterUnreachableError
 from dlrover.api.master import MasterApi
 from dlrover.api.retry import while_unreachable
 from dlrover.constants import DEFAULT_MASTER_RECONNECT_S
+from dlrover.coordination import CKPT_PEER
 
 log = logging.getLogger(__name__)
 
@@ -91,10 +92,6 @@ class MasterCommitCoordinator:
         )[1]
 
 
-PEER_KEY_PREFIX = "dlrover/ckpt-peer"
-"""KV keys ``<prefix>/<round>/<node rank>`` hold each node's checkpoint replica address."""
-
-
 class MasterPeerDirectory:
     """Implements dlrover.checkpoint.replica.PeerDirectory in the job master's KV store."""
 
@@ -104,10 +101,9 @@ class MasterPeerDirectory:
     def publish(self, round_id: int, node_rank: int, addr: str) -> None:
         """Store the address under this round and node rank (logged, not raised, if the master
         cannot be reached: peers then restore from storage)."""
-        key = f"{PEER_KEY_PREFIX}/{round_id}/{node_rank}"
         try:
             while_unreachable(
-                lambda: self._master.kv_set(key, addr.encode()),
+                lambda: CKPT_PEER.put(self._master, addr, f"{round_id}/{node_rank}"),
                 time.monotonic() + DEFAULT_MASTER_RECONNECT_S,
                 "publish the checkpoint replica address",
             )
@@ -117,15 +113,18 @@ class MasterPeerDirectory:
     def lookup(self, round_id: int, node_rank: int, timeout: float) -> str | None:
         """The address, waiting up to ``timeout`` seconds for the node to publish it; None if
         it did not (or the master cannot be reached)."""
-        key = f"{PEER_KEY_PREFIX}/{round_id}/{node_rank}"
         deadline = time.monotonic() + timeout
         try:
             value = while_unreachable(
-                lambda: self._master.kv_get(key, max(0.0, deadline - time.monotonic())),
+                lambda: CKPT_PEER.get(
+                    self._master,
+                    f"{round_id}/{node_rank}",
+                    wait_s=max(0.0, deadline - time.monotonic()),
+                ),
                 deadline,
                 f"look up node {node_rank}'s checkpoint replica address",
             )
         except MasterClientError as exc:
             log.warning("cannot look up node %d's checkpoint replica address: %s", node_rank, exc)
             return None
-        return value.decode() if value is not None else None
+        return value

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from dlrover.constants import PS_PLACEMENT_KEY
+from dlrover.coordination import KvChannel
 from dlrover.embedding.buckets import BucketMap
 from dlrover.embedding.table import EmbeddingError
 from dlrover.proto import embedding_pb2 as pb
@@ -101,3 +103,18 @@ def error_from_proto(message: pb.EmbeddingError) -> EmbeddingError:
     if message.kind == pb.EmbeddingError.MOVING:
         return MovingError(message.message)
     return EmbeddingError(message.message)
+
+
+def _encode_placement(placement: Placement) -> bytes:
+    return placement.to_proto().SerializeToString()
+
+
+def _decode_placement(raw: bytes) -> Placement:
+    message = pb.BucketMapMessage()
+    message.ParseFromString(raw)
+    return Placement.from_proto(message)
+
+
+PLACEMENT: KvChannel[Placement] = KvChannel(PS_PLACEMENT_KEY, _encode_placement, _decode_placement)
+"""The embedding servers' placement: the master publishes it (each failover and resize), the
+workers' `ElasticEmbedding` reads it."""

@@ -4,8 +4,8 @@ for the metrics.
 
 One thread does the work, in order, from a queue: a failover and a resize never overlap, and
 neither blocks the node controller's loop (their RPCs take seconds). The servers' placement is
-published in the master's key-value store (`PS_PLACEMENT_KEY`), where workers find it; every
-`dlrover-ps` the engine starts registers its address there first (`PS_ADDRESS_KEY`).
+published in the master's key-value store (the `PLACEMENT` channel), where workers find it; every
+`dlrover-ps` the engine starts registers its address there first (`PS_ADDRESS`).
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ import threading
 import time
 from collections.abc import Callable
 
-from dlrover.constants import ENV_NODE_NAME, PS_ADDRESS_KEY, PS_PLACEMENT_KEY, PS_SCALE_KEY
-from dlrover.coordination import ScaleReport
+from dlrover.constants import ENV_NODE_NAME
+from dlrover.coordination import PS_ADDRESS, PS_SCALE, ScaleReport
 from dlrover.embedding.client import EmbeddingClient
 from dlrover.embedding.cluster import EmbeddingCluster, ResizeStuckError
 from dlrover.embedding.table import EmbeddingError
-from dlrover.embedding.wire import Placement
+from dlrover.embedding.wire import PLACEMENT
 from dlrover.engines.base import Engine, EngineError, NodeEvent, NodeSpec, NodeState
 from dlrover.jobspec import JobSpec
 from dlrover.master.job import JobMaster
@@ -148,7 +148,7 @@ class PsController:
 
     def request_scale(self, role: str, count: int) -> tuple[str, int]:
         """Ask for ``count`` servers (``role`` is ``ps``, the registry's key); returns what will
-        happen and the request's id (its report in PS_SCALE_KEY carries it). Raises ValueError
+        happen and the request's id (its report on the PS_SCALE channel carries it). Raises ValueError
         when it cannot be done."""
         if count < 1:
             raise ValueError(f"--count {count}: a job with embedding servers keeps at least 1")
@@ -267,12 +267,9 @@ class PsController:
         the engine adopts the ones still running, a dead one is replaced from its replica.
         False when there is nothing to resume."""
         saved = self._store.get_json(_NAMESPACE, "nodes")
-        raw = self._job.kv.get(PS_PLACEMENT_KEY)
-        if not saved or raw is None:
+        placement = PLACEMENT.get(self._job.kv)
+        if not saved or placement is None:
             return False
-        message = pb.BucketMapMessage()
-        message.ParseFromString(raw)
-        placement = Placement.from_proto(message)
         specs = [self._node_spec(rank, attempt) for rank, attempt in saved["nodes"]]
         if saved.get("resizing"):
             raise PsLaunchError(
@@ -336,14 +333,13 @@ class PsController:
     def _await_address(self, spec: NodeSpec) -> str:
         """The address the launched server registers, or PsLaunchError if it dies or stays
         silent for the address timeout."""
-        key = PS_ADDRESS_KEY + spec.node_id
         deadline = self._clock() + self._address_timeout_s
         while self._clock() < deadline:
             if self._stop.is_set() or self._job.lifecycle.ended.is_set():
                 raise PsLaunchError("the job ended")
-            value = self._job.kv.get(key, 0.5)
-            if value:
-                return value.decode()
+            address = PS_ADDRESS.get(self._job.kv, spec.node_id, wait_s=0.5)
+            if address:
+                return address
             node = next((n for n in self._engine.list_nodes() if n.node_id == spec.node_id), None)
             if node is not None and node.state.is_final:
                 raise PsLaunchError(
@@ -357,13 +353,12 @@ class PsController:
 
     def _publish(self) -> None:
         assert self._cluster is not None
-        message = self._cluster.client.placement.to_proto()
-        self._job.kv.set(PS_PLACEMENT_KEY, message.SerializeToString())
+        PLACEMENT.put(self._job.kv, self._cluster.client.placement)
 
     def _report(self, report: ScaleReport) -> None:
         """Store ``report`` with the servers the job has now and the wall time."""
         now = dataclasses.replace(report, servers=len(self._nodes), time=time.time())
-        self._job.kv.set(PS_SCALE_KEY, now.encode())
+        PS_SCALE.put(self._job.kv, now)
 
     def _replace(self, node_id: str) -> None:
         assert self._cluster is not None

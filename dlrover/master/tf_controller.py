@@ -12,17 +12,20 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from dlrover.constants import (
-    ENV_NODE_NAME,
-    PS_SCALE_KEY,
-    TF_ADDRESS_KEY,
-    TF_CLUSTER_KEY,
-    TF_PROGRESS_KEY,
-    TF_PS_GENERATION_KEY,
-    TF_READY_KEY,
-    TF_USAGE_KEY,
+from dlrover.constants import ENV_NODE_NAME
+from dlrover.coordination import (
+    PS_SCALE,
+    TF_ADDRESS,
+    TF_CLUSTER,
+    TF_PROGRESS,
+    TF_PS_GENERATION,
+    TF_READY,
+    TF_USAGE,
+    KvChannel,
+    PsGeneration,
+    ScaleReport,
+    TfCluster,
 )
-from dlrover.coordination import PsGeneration, ScaleReport, TfCluster, TfNodeUsage, TfProgress
 from dlrover.engines.base import (
     Engine,
     EngineError,
@@ -171,8 +174,8 @@ class TfController:
             self.workers_changing = bool(saved.get("workers_changing", False))
             worker = functools.partial(self.node_spec, "worker")
             self._retiring = [attempt_of(worker, r) for r in saved.get("retiring", [])]
-        published = self.job.kv.get(TF_CLUSTER_KEY) if saved is not None else None
-        cluster = TfCluster.decode(published).cluster if published else {}
+        published = TF_CLUSTER.get(self.job.kv) if saved is not None else None
+        cluster = published.cluster if published else {}
         specs = []
         for role in TF_ROLES:
             for index in range(self.counts[role]):
@@ -197,7 +200,7 @@ class TfController:
 
     def request_scale(self, role: str, count: int) -> tuple[str, int]:
         """Ask for ``count`` ps (`dlrover scale NAME --role ps --count N`): what will happen, and
-        the request's id (its report in PS_SCALE_KEY carries it). Raises ValueError for what
+        the request's id (its report on the PS_SCALE channel carries it). Raises ValueError for what
         cannot be done: other roles, fewer ps, a scaling underway."""
         if role != "ps":
             raise ValueError(
@@ -271,9 +274,9 @@ class TfController:
         for slot in self.slots.values():
             node_id = slot.spec.node_id
             if slot.role in CLUSTER_ROLES and not slot.registered:
-                value = self.job.kv.get(TF_ADDRESS_KEY + node_id)
-                if value:
-                    slot.registered = value.decode()
+                address = TF_ADDRESS.get(self.job.kv, node_id)
+                if address:
+                    slot.registered = address
                     logger.info("tf node %s registered %s", node_id, slot.registered)
                 elif (
                     now - slot.launched_at > self._address_timeout_s
@@ -285,17 +288,17 @@ class TfController:
                         "runs? see its log)"
                     )
             serves = slot.role in ("ps", "worker") and slot.registered and not slot.serving
-            if serves and self.job.kv.get(TF_READY_KEY + node_id):
+            if serves and TF_READY.raw(self.job.kv, node_id):
                 slot.serving = True
                 logger.info("tf node %s serves on %s", node_id, slot.registered)
 
     def _read_reports(self) -> None:
         """Take each attempt's usage report and the chief's progress, when they changed."""
         for slot in self.slots.values():
-            usage = self._report(TF_USAGE_KEY + slot.spec.node_id, TfNodeUsage.decode)
+            usage = self._report(TF_USAGE, slot.spec.node_id)
             if usage is not None:
                 slot.usage = usage
-        progress = self._report(TF_PROGRESS_KEY, TfProgress.decode)
+        progress = self._report(TF_PROGRESS)
         if progress is not None:
             self.throughput.add(progress)
             trains_without = progress.cluster_version >= self._generation_cluster > 0
@@ -309,15 +312,17 @@ class TfController:
                 except EngineError as e:
                     logger.warning("could not delete the removed workers %s: %s", retiring, e)
 
-    def _report(self, key: str, decode: Callable[[bytes], R]) -> R | None:
-        """The record under ``key`` if it changed since the last read (else None); a record
-        that does not decode is logged and skipped (a node of another DLRover version)."""
-        raw = self.job.kv.get(key)
+    def _report(self, channel: KvChannel[R], node: str = "") -> R | None:
+        """The record on ``channel`` (``node``'s) if it changed since the last read (else None);
+        a record that does not decode is logged and skipped (a node of another DLRover
+        version)."""
+        key = channel.key_of(node)
+        raw = channel.raw(self.job.kv, node)
         if raw is None or raw == self._raw.get(key):
             return None
         self._raw[key] = raw
         try:
-            return decode(raw)
+            return channel.decode(raw)
         except MessageError as e:
             logger.warning("ignoring the report under %s: %s", key, e)
             return None
@@ -441,8 +446,7 @@ class TfController:
     def _scale_out(self, count: int, request: int) -> None:
         before = self.counts["ps"]
         if count <= before:
-            report = ScaleReport("scale", before, request=request, tf=True)
-            self.job.kv.set(PS_SCALE_KEY, report.encode())
+            PS_SCALE.put(self.job.kv, ScaleReport("scale", before, request=request, tf=True))
             return
         now = self._clock()
         specs = [self.supervisor.open("ps", index) for index in range(before, count)]
@@ -485,9 +489,8 @@ class TfController:
         for slot in self.slots.values():
             if slot.role in CLUSTER_ROLES:
                 slot.address = slot.registered
-        value = TfCluster(self.cluster_version, cluster).encode()
-        self.job.kv.set(f"{TF_CLUSTER_KEY}/{self.cluster_version}", value)
-        self.job.kv.set(TF_CLUSTER_KEY, value)
+        spec = TfCluster(self.cluster_version, cluster)
+        TF_CLUSTER.put(self.job.kv, spec, version=self.cluster_version)
         self._save()
         logger.info("cluster spec version %d: %s", self.cluster_version, json.dumps(cluster))
         self.job.diagnostics.event("tf", f"cluster spec version {self.cluster_version}")
@@ -510,9 +513,8 @@ class TfController:
         self._generation_cluster = self.cluster_version
         self.workers_changing = False
         self.ps_generation += 1
-        value = PsGeneration(self.ps_generation, self.cluster_version).encode()
-        self.job.kv.set(f"{TF_PS_GENERATION_KEY}/{self.ps_generation}", value)
-        self.job.kv.set(TF_PS_GENERATION_KEY, value)
+        generation = PsGeneration(self.ps_generation, self.cluster_version)
+        TF_PS_GENERATION.put(self.job.kv, generation, version=self.ps_generation)
         self._save()
         logger.info("ps generation %d: %s serve", self.ps_generation, ", ".join(nodes))
         self.job.diagnostics.event("tf", f"ps generation {self.ps_generation}: every ps serves")
@@ -521,7 +523,7 @@ class TfController:
             self._scaling = None
             seconds = self._clock() - asked
             report = ScaleReport("scale", count, request=request, tf=True, seconds=seconds)
-            self.job.kv.set(PS_SCALE_KEY, report.encode())
+            PS_SCALE.put(self.job.kv, report)
             logger.info("%d ps serve, %.1fs after the request", count, seconds)
 
     # --- events -------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ from dlrover.client.master_client import MasterClient
 from dlrover.client.sharding import GrpcShardingTransport
 from dlrover.client.sharding_client import ShardingClient
 from dlrover.constants import ENV_TF_RESCALE as ENV_RESCALE
-from dlrover.coordination import PsGeneration, TfCluster, TfProgress
+from dlrover.coordination import TF_CLUSTER, TF_PROGRESS, TF_PS_GENERATION, PsGeneration, TfProgress
 from dlrover.sharding.types import DatasetSpec, Position, Shard
 from dlrover.trainer.tf.grow import grow_workers, workers_added
 
@@ -191,22 +191,21 @@ class PsTrainer:
     # --- building -----------------------------------------------------------------------------
     def _wait_generation(self, after: int) -> int:
         """The master's ps generation once it is above ``after`` (every ps serves)."""
-        current = PsGeneration.of(self._client.kv_get(c.TF_PS_GENERATION_KEY))
+        current = self._current_generation()
         if current > after:
             return current
         logger.info("waiting for every ps to serve (ps generation %d)", after + 1)
-        raw = self._client.kv_get(f"{c.TF_PS_GENERATION_KEY}/{after + 1}", wait_s=self.ps_wait_s)
-        if raw is None:
+        next_one = TF_PS_GENERATION.get(self._client, version=after + 1, wait_s=self.ps_wait_s)
+        if next_one is None:
             raise PsTrainingError(
                 f"the master did not report every ps serving within {self.ps_wait_s:.0f}s "
                 f"(ps generation {after + 1}); see `dlrover diagnose`"
             )
-        return PsGeneration.decode(raw).generation
+        return next_one.generation
 
     def _read_cluster(self) -> None:
-        raw = self._client.kv_get(c.TF_CLUSTER_KEY)
-        if raw:
-            published = TfCluster.decode(raw)
+        published = TF_CLUSTER.get(self._client)
+        if published is not None:
             self.cluster = {k: list(v) for k, v in published.cluster.items()}
             self.cluster_version = published.version
 
@@ -358,7 +357,8 @@ class PsTrainer:
         logger.info("training done: %d batches, %d shards", self.batches, done)
 
     def _current_generation(self) -> int:
-        return PsGeneration.of(self._client.kv_get(c.TF_PS_GENERATION_KEY))
+        current = TF_PS_GENERATION.get(self._client)
+        return current.generation if current is not None else 0
 
     def _recovered(self, lost: tuple[str, float, float], restored: int) -> None:
         error, when, waited = lost
@@ -422,13 +422,12 @@ class PsTrainer:
         None. While the master is unreachable (it is being restarted) none is due: the check
         runs again after the next shard, and training goes on meanwhile."""
         try:
-            raw = self._client.kv_get(c.TF_PS_GENERATION_KEY)
+            published = TF_PS_GENERATION.get(self._client)
         except MasterUnreachableError as exc:
             logger.debug("no rescale check while the master does not answer: %s", exc)
             return None
-        if not raw:
+        if published is None:
             return None
-        published = PsGeneration.decode(raw)
         if published.cluster_version > self.cluster_version:
             return published
         return None
@@ -449,10 +448,10 @@ class PsTrainer:
         """Add the workers of ``published``'s cluster to the running strategy, when adding
         workers is all that changed and TensorFlow lets it; every scheduled closure is done."""
         version = published.cluster_version
-        raw = self._client.kv_get(f"{c.TF_CLUSTER_KEY}/{version}")
-        if not raw:
+        spec = TF_CLUSTER.get(self._client, version=version)
+        if spec is None:
             return False
-        cluster = {k: list(v) for k, v in TfCluster.decode(raw).cluster.items()}
+        cluster = {k: list(v) for k, v in spec.cluster.items()}
         added = workers_added(self._joined, cluster)
         if not added:
             return False
@@ -546,6 +545,6 @@ class PsTrainer:
         being restarted) misses one report."""
         progress = TfProgress(self.batches, self.samples, time.time(), self.cluster_version)
         try:
-            self._client.kv_set(c.TF_PROGRESS_KEY, progress.encode())
+            TF_PROGRESS.put(self._client, progress)
         except MasterClientError as exc:
             logger.debug("progress report skipped: %s", exc)

@@ -42,7 +42,9 @@ def main() -> int:
         from dlrover.trainer.tf.usage import UsageReporter
 
         client = MasterClient(master, os.environ.get(c.ENV_JOB_TOKEN, ""))
-        client.kv_set(c.TF_READY_KEY + node, server.target.encode())
+        from dlrover.coordination import TF_READY
+
+        TF_READY.put(client, server.target, node)
         # The master sizes and watches the ps from these (memory before an OOM kill, hot ps).
         reporter = UsageReporter.from_env(client, lambda: [os.getpid()])
         if reporter is not None:

@@ -13,7 +13,7 @@ import psutil
 from dlrover import constants as c
 from dlrover.api.errors import MasterClientError
 from dlrover.client.master_client import MasterClient
-from dlrover.coordination import TfNodeUsage
+from dlrover.coordination import TF_USAGE, TfNodeUsage
 from dlrover.envvars import number_from_env
 from dlrover.processes import UsageMeter
 
@@ -41,7 +41,7 @@ class UsageReporter:
         interval_s: float,
     ) -> None:
         self._client = client
-        self._key = c.TF_USAGE_KEY + node_id
+        self._node = node_id
         self._pids = pids
         self._interval_s = interval_s
         self._meter = UsageMeter()
@@ -78,7 +78,7 @@ class UsageReporter:
         cpu, memory = self._meter.sample(self._pids())
         self._peak = max(self._peak, memory)
         usage = TfNodeUsage(cpu, memory, self._peak, os.getpid(), time.time())
-        self._client.kv_set(self._key, usage.encode())
+        TF_USAGE.put(self._client, usage, self._node)
         return usage
 
     def _loop(self) -> None:

@@ -16,11 +16,10 @@ from dlrover.constants import (
     ENV_MASTER_ADDR,
     ENV_PS_ADDRS,
     ENV_PS_WAIT_S,
-    PS_PLACEMENT_KEY,
 )
 from dlrover.embedding.client import EmbeddingClient
 from dlrover.embedding.table import EmbeddingError
-from dlrover.embedding.wire import Placement
+from dlrover.embedding.wire import PLACEMENT
 from dlrover.envvars import number_from_env
 from dlrover.proto import embedding_pb2 as pb
 
@@ -128,17 +127,14 @@ def _client_from_env() -> EmbeddingClient:
     wait_s = number_from_env(ENV_PS_WAIT_S, 300.0, "a number of seconds")
     master = MasterClient.from_env()
     try:
-        raw = master.kv_get(PS_PLACEMENT_KEY, wait_s)
+        placement = PLACEMENT.get(master, wait_s=wait_s)
     finally:
         master.close()
-    if raw is None:
+    if placement is None:
         raise EmbeddingError(
             f"the job's embedding servers were not ready within {wait_s:.0f}s ({ENV_PS_WAIT_S}): "
             "does the job have roles.ps (dlrover submit --ps N)? The master's log says why"
         )
-    message = pb.BucketMapMessage()
-    message.ParseFromString(raw)
-    placement = Placement.from_proto(message)
     return EmbeddingClient(placement.addresses, token, bucket_map=placement.map)
 
 
