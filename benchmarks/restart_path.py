@@ -123,9 +123,15 @@ def run_job(tree: Path, work: Path) -> Path:
             )
             for rank in range(2)
         ]
-        for agent in agents:
-            if agent.wait(300) != 0:
-                raise RuntimeError(f"the job failed: {(work / 'job.log').read_text()[-3000:]}")
+        try:
+            for agent in agents:
+                if agent.wait(300) != 0:
+                    raise RuntimeError(f"the job failed: {(work / 'job.log').read_text()[-3000:]}")
+        finally:
+            for agent in agents:  # SIGTERM: an agent stops its workers on the way out
+                if agent.poll() is None:
+                    agent.terminate()
+                    agent.wait(30)
     finally:
         master.kill()
         master.wait(10)
@@ -165,9 +171,7 @@ def restart_path(traces: Path) -> tuple[dict[str, set[str]], float]:
         and fn == "report"
     )
     took = reported - killed
-    steady = {
-        (pid, f, fn) for at, pid, f, fn in calls if killed - took <= at < killed and pid in first
-    }
+    steady = {(pid, f, fn) for at, pid, f, fn in calls if killed - took <= at < killed}
     files: dict[str, set[str]] = defaultdict(set)
     for at, pid, f, fn in calls:
         if not killed <= at <= reported or f.startswith("dlrover/testing/"):

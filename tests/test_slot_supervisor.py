@@ -135,3 +135,14 @@ def test_a_failure_recorded_elsewhere_is_not_recorded_twice() -> None:
     supervisor, log = _supervisor()
     verdict = supervisor.judge(_failed(supervisor.current("worker", 3)), record=False)
     assert verdict.action is FailureAction.RELAUNCH_NODE and not log.records
+
+
+def test_a_fresh_slot_opened_again_has_its_whole_budget_and_no_oom_history() -> None:
+    supervisor, _ = _supervisor(max_relaunches=1)
+    first = supervisor.open("worker", 1)
+    verdict = supervisor.judge(_failed(first, FailureReason.OOM_KILLED))
+    assert verdict.replacement is not None
+    again = supervisor.open("worker", 1, fresh=True)  # a TensorFlow worker slot used again
+    assert again.node_id == "j-worker-1-2" and supervisor.used("worker", 1) == 0
+    last = supervisor.judge(_failed(again))
+    assert last.action is FailureAction.RELAUNCH_NODE and last.oom_kills == ()

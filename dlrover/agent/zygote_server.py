@@ -13,8 +13,9 @@ Fork safety: the zygote runs no torch op and never touches CUDA, so torch's intr
 the CUDA driver are not started; the only native thread after ``import torch`` is OpenBLAS's
 (pulled in by numpy), which OpenBLAS itself stops in its pthread_atfork handler and restarts
 lazily. The zygote refuses to fork while a second Python thread exists. MKL's fast memory
-manager is off in the zygote and its workers (``MKL_DISABLE_FAST_MM=1`` unless set): its
-per-thread state does not survive a fork.
+manager is off in the zygote (``MKL_DISABLE_FAST_MM=1`` in its environment unless the job sets
+it; MKL reads it when torch loads, so the forked workers inherit the setting, not the variable):
+its per-thread books do not survive a fork.
 """
 
 from __future__ import annotations
@@ -52,9 +53,6 @@ from dlrover.json_messages import MessageError
 
 _MAX_FDS = 16
 """Room for descriptors per receive (a spawn sends OUTPUT_FDS; more is a sender's bug)."""
-
-MKL_FAST_MM_OFF = "MKL_DISABLE_FAST_MM"
-"""Set to 1 in the zygote and its workers (unless the job sets it): see the module's notes."""
 
 
 def _native_threads() -> int:
@@ -254,10 +252,6 @@ def _apply_environment(spec: SpawnRequest) -> None:
     os.chdir(spec.cwd)
     os.environ.clear()
     os.environ.update(spec.env)
-    # MKL's own allocator keeps per-thread books that a forked child can find locked: a
-    # worker's first matmul then spun in mm_account_ptr_by_tid for ever (seen once, under
-    # load). Plain malloc instead, unless the job asks otherwise; MKL reads it at first use.
-    os.environ.setdefault(MKL_FAST_MM_OFF, "1")
     # The interpreter read PYTHONPATH when the zygote started; put the worker's entries first.
     extra = [entry for entry in spec.env.get("PYTHONPATH", "").split(os.pathsep) if entry]
     sys.path[1:1] = [entry for entry in extra if entry not in sys.path]

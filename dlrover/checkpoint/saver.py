@@ -114,6 +114,9 @@ class CheckpointSaver:
             self._push_deferred,
         )
         self._votes: dict[int, int | None] = {}
+        self._memory_epoch = 0  # +1 each time memory changes under a vote (votes cleared)
+        self._closed = threading.Event()
+        self._early: threading.Thread | None = None  # the agent's vote of the current round
         self._server: _SaverServer | None = None
         self._threads: list[threading.Thread] = []
         # Replicas in peers' memory (only with a PeerDirectory): see replica.py.
@@ -176,6 +179,7 @@ class CheckpointSaver:
 
     def close(self, unlink: bool = True, timeout: float = 30.0) -> None:
         """Stop serving and persisting; with ``unlink`` free the shared memory."""
+        self._closed.set()
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
@@ -337,6 +341,7 @@ class CheckpointSaver:
                     "(the agent's log says how long persists take)"
                 )
             self._votes.clear()  # memory is about to change: a new restart round must re-vote
+            self._memory_epoch += 1
             self._remote.pop(slot, None)  # and a step voted from a peer is no longer the newest
             seg = buffers.begin(target, request.nbytes, request.step)
             return BeginCopyReply(seg.path, seg.size, time.monotonic() - started if waited else 0.0)
@@ -409,6 +414,7 @@ class CheckpointSaver:
             with self._cond:
                 if round_id in self._votes:
                     return self._votes[round_id], self._restored.get(round_id)
+                epoch = self._memory_epoch
             # A copy started as the round formed is waited for (half the vote's time at most,
             # the other half is the vote's), not repeated.
             self._end_round_prep(time.monotonic() + request.timeout / 2)
@@ -433,8 +439,10 @@ class CheckpointSaver:
                 round_id,
                 max(1.0, deadline - time.monotonic()),
             )
-            if agreed is not None or not early:
-                with self._cond:
+            with self._cond:
+                # An early vote is kept only if memory did not change while it waited for the
+                # other nodes (a rank's save): else the ranks vote again.
+                if not early or (agreed is not None and epoch == self._memory_epoch):
                     self._votes[round_id] = agreed
             return agreed, self._restored.get(round_id)
 
@@ -491,11 +499,12 @@ class CheckpointSaver:
         )
         if request is None:
             return
-        thread = threading.Thread(
+        # Not joined by close(): it may wait for the other nodes' votes as long as the ranks
+        # would; it reads nothing once the saver is closed.
+        self._early = threading.Thread(
             target=self._vote_early, args=(request,), name="ckpt-early-vote", daemon=True
         )
-        self._threads = [t for t in self._threads if t.is_alive()] + [thread]
-        thread.start()
+        self._early.start()
 
     def _early_vote(self, place: _RoundPlace, round_id: int) -> LoadStepRequest | None:
         """The vote the node's ranks would cast in ``round_id`` at ``place`` (the last vote's
@@ -527,6 +536,8 @@ class CheckpointSaver:
         try:
             step, _ = self._agree_load_step(request, early=True)
         except Exception as exc:  # the ranks vote when they load
+            if self._closed.is_set():
+                return  # the agent is going: its memory went with it
             log.warning(
                 "round %d: the node's load-step vote failed (%s); its ranks vote when they load",
                 request.round_id,
@@ -637,7 +648,7 @@ class CheckpointSaver:
     def _publish(self, round_id: int, node_rank: int) -> bool:
         """Serve replicas (from the first job that asks for them on) and tell the peers where,
         once per round; False if this saver has no PeerDirectory (no replicas)."""
-        if self._exchange is None or self._peers is None:
+        if self._exchange is None or self._peers is None or self._closed.is_set():
             return False
         with self._exchange_lock:
             if not self._exchange.addr:

@@ -132,9 +132,12 @@ class SlotSupervisor:
         self._builders[role] = build
 
     def record(self, role: str, index: int) -> SlotRecord | None:
-        """Slot (role, index)'s record; None for a slot never launched."""
+        """A copy of slot (role, index)'s record; None for a slot never launched."""
         with self._lock:
-            return self._slots.get((role, index))
+            record = self._slots.get((role, index))
+            if record is None:
+                return None
+            return dataclasses.replace(record, oom_kills=list(record.oom_kills))
 
     def current(self, role: str, index: int) -> NodeSpec:
         """The slot's current attempt: the one a master before this one saved, else the first."""
@@ -148,9 +151,11 @@ class SlotSupervisor:
                 self._save(record)
             return spec
 
-    def open(self, role: str, index: int) -> NodeSpec:
+    def open(self, role: str, index: int, fresh: bool = False) -> NodeSpec:
         """A slot the master adds (a scale-out): its first attempt, or, for a slot used before
-        and scaled in since, its next (a new node id; launched by plan). Saved."""
+        and scaled in since, its next (a new node id; launched by plan). ``fresh``: a slot used
+        before starts with its whole relaunch budget and no OOM history (a TensorFlow worker
+        slot scaled in and out again), else its failures still count. Saved."""
         with self._lock:
             record = self._slots.get((role, index))
             if record is None:
@@ -159,6 +164,9 @@ class SlotSupervisor:
                 record.attempt += 1
                 record.planned += 1
                 record.resources = None
+                if fresh:
+                    record.planned = record.attempt
+                    record.oom_kills = []
             spec = self._spec(record)
             record.resources = spec.resources
             self._save(record)
@@ -188,6 +196,7 @@ class SlotSupervisor:
             slot = self._slots.get((event.spec.role, event.spec.rank))
             if slot is None:
                 slot = self._new(event.spec.role, event.spec.rank)
+                slot.attempt = event.spec.relaunch_count
             if event.reason is FailureReason.OOM_KILLED:
                 slot.oom_kills.append(event.spec.resources.memory_mib)
             decision = self.policy.decide(
@@ -213,7 +222,7 @@ class SlotSupervisor:
                 self._save(slot)
             verdict = Verdict(action, reason, spec, cannot_grow, tuple(slot.oom_kills))
         if record:
-            why = event.message or (event.reason.value if event.reason else "failed")
+            why = event.message or (event.reason.value if event.reason else event.state.value)
             self._failures.record_failure(
                 FailureRecord(
                     time.time(),

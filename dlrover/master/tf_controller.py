@@ -418,8 +418,8 @@ class TfController:
         now = self._clock()
         specs = []
         for index in range(before, count):
-            # A slot used before gets its next attempt: a new name.
-            spec = self.supervisor.open("worker", index)
+            # A slot used before gets its next attempt (a new name) and its whole budget.
+            spec = self.supervisor.open("worker", index, fresh=True)
             self.slots[("worker", index)] = Slot("worker", index, spec, now)
             specs.append(spec)
         for index in range(count, before):

@@ -101,6 +101,29 @@ def test_worker_sees_a_fresh_interpreter(zygote: Zygote, tmp_path: Path) -> None
     assert err.read_text() == "to stderr\n"
 
 
+def test_a_forked_worker_runs_with_mkls_fast_memory_manager_off(
+    zygote: Zygote, tmp_path: Path
+) -> None:
+    """MKL's allocator books do not survive a fork (a worker's first matmul spun in them for
+    ever): the zygote loads torch with it off, and the worker inherits that, not a variable."""
+    body = (
+        "import ctypes, os, torch\n"
+        "lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), 'lib', "
+        "'libtorch_cpu.so'))\n"
+        "a = torch.randn(256, 256)\n"
+        "assert (a @ a).shape == (256, 256)\n"
+        "status = getattr(lib, 'mkl_serv_get_fast_mm_status', None)\n"
+        "print(status() if status else 'no-mkl', 'MKL_DISABLE_FAST_MM' in os.environ)\n"
+    )
+    handle, out, _ = _spawn(zygote, tmp_path, body, ())
+    assert handle.forked
+    assert handle.wait(DEADLINE_S) == 0
+    seen = out.read_text().split()
+    if seen[0] == "no-mkl":
+        pytest.skip("this torch build has no MKL")
+    assert seen == ["1", "False"]
+
+
 def test_exception_exit_code_and_error_file(zygote: Zygote, tmp_path: Path) -> None:
     error_file = tmp_path / "error.json"
     handle, _, err = _spawn(
