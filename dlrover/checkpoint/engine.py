@@ -115,7 +115,11 @@ class CheckpointEngine:
         self.place = placement or WorkerPlacement.from_env()
         self.storage = storage_for(checkpoint_dir)
         self.storage.makedirs("")  # fail now, with a clear error, if the dir is unwritable
-        self._check_writable()
+        if WorkerContext.from_env().restart_count == 0:
+            # A restarted rank's first attempt proved the directory writable and its load
+            # writes nothing: the probe (a file written and removed, slow on remote storage)
+            # stays off the restart's path.
+            self._check_writable()
         self._own_saver: CheckpointSaver | None = None
         socket_path = os.environ.get(ENV_CHECKPOINT_SOCKET)
         if not socket_path:
