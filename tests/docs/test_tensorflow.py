@@ -31,9 +31,11 @@ PRINTED = [
 ]
 
 
-def examples_with_own_out(where: Path, tmp: Path) -> None:
+def examples_with_own_out(where: Path, tmp: Path, hold: Path | None = None) -> None:
     """The repository's examples/, with job.yaml's `--out /tmp/wide-deep` in the test's
-    directory (a second run must not find the first's checkpoints and data position)."""
+    directory (a second run must not find the first's checkpoints and data position); with
+    ``hold``, the chief waits after each shard while that file exists (the example's
+    `--pause-file`), so the job still runs while a test looks at it."""
     (where / "examples" / "tf_ps").mkdir(parents=True)
     for entry in (REPO / "examples").iterdir():
         if entry.name != "tf_ps":
@@ -41,7 +43,10 @@ def examples_with_own_out(where: Path, tmp: Path) -> None:
     for entry in (REPO / "examples" / "tf_ps").iterdir():
         target = where / "examples" / "tf_ps" / entry.name
         if entry.name == "job.yaml":
-            target.write_text(entry.read_text().replace("/tmp/", f"{tmp}/"))
+            text = entry.read_text().replace("/tmp/", f"{tmp}/")
+            if hold is not None:
+                text = text.replace(f"{tmp}/wide-deep]", f"{tmp}/wide-deep, --pause-file, {hold}]")
+            target.write_text(text)
         else:
             target.symlink_to(entry)
 
@@ -52,7 +57,9 @@ def test_submit_the_example_job(tmp_path: Path) -> None:
     in --out."""
     block = doc_block(marker_id(__file__, "test_submit_the_example_job"))
     where, env = tmp_path / "user", user_env(tmp_path)
-    examples_with_own_out(where, tmp_path)
+    hold = tmp_path / "hold"
+    hold.touch()  # the job runs (the chief holds after its first shard) until it is seen
+    examples_with_own_out(where, tmp_path, hold)
     job = Shell(block.text, where, env, tmp_path / "submit.log")
     try:
 
@@ -68,6 +75,7 @@ def test_submit_the_example_job(tmp_path: Path) -> None:
             )
 
         wait_for("`dlrover status wide-deep` to show the cluster", shows_the_cluster, 180)
+        hold.unlink()
         assert job.wait(timeout=300) == 0, job.output()[-4000:]
         out, at = job.output(), 0
         for line in PRINTED:
