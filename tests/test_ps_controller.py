@@ -191,3 +191,47 @@ def test_a_resize_that_fails_midway_leaves_the_old_servers_serving(setup, when: 
     engine.launch = ServerEngine.launch.__get__(engine)  # type: ignore[method-assign]
     assert _scale(job, 3)["servers"] == 3  # and it can be tried again (a new attempt)
     assert np.array_equal(_rows(controller, ids), rows)
+
+
+def test_a_restarted_master_launches_each_server_with_the_memory_it_grew_to() -> None:
+    spec = job_spec_from_dict(
+        {
+            "name": "j",
+            "entrypoint": "t.py",
+            "roles": {"ps": {"count": 2, "replica": "sync", "resources": {"memory": "1Gi"}}},
+        }
+    )
+    store = MemoryStateStore()
+    job = JobMaster(JobMasterConfig("j", RendezvousConfig(1, 1)), store)
+    engine = ServerEngine(job)
+    controller = PsController(job, engine, spec, "127.0.0.1:1", TOKEN, store=store)
+    again: PsController | None = None
+    controller.start()
+    try:
+        assert controller.ready.wait(30)
+        engine.stop_server("j-ps-0-0")
+        engine.fail("j-ps-0-0", FailureReason.OOM_KILLED)
+        for event in engine.events(0.0):
+            controller.on_event(event)
+        _until(lambda: controller.failovers == 1, f"not replaced: {job.lifecycle.reason}")
+        grown = engine.launched[-1]
+        assert grown.node_id == "j-ps-0-1" and grown.resources.memory_mib > 1024
+        controller.close()
+
+        # The master restarts on its state; its servers still run (the engine adopts them).
+        job2 = JobMaster(JobMasterConfig("j", RendezvousConfig(1, 1)), store)
+        engine2 = ServerEngine(job2)
+        again = PsController(job2, engine2, spec, "127.0.0.1:1", TOKEN, store=store)
+        again.start()
+        assert again.ready.wait(30)
+        launched = {s.node_id: s.resources.memory_mib for s in engine2.launched}
+        assert launched == {"j-ps-0-1": grown.resources.memory_mib, "j-ps-1-0": 1024}
+    finally:
+        controller.close()
+        if again is not None:
+            again.close()
+        for server in [*engine.servers.values()]:
+            server.stop(0)
+        if again is not None:
+            for server in engine2.servers.values():
+                server.stop(0)

@@ -270,7 +270,7 @@ class PsController:
         placement = PLACEMENT.get(self._job.kv)
         if not saved or placement is None:
             return False
-        specs = [self._node_spec(rank, attempt) for rank, attempt in saved["nodes"]]
+        specs = [self._resumed(rank, attempt) for rank, attempt in saved["nodes"]]
         if saved.get("resizing"):
             raise PsLaunchError(
                 "the master stopped while it was resizing the embedding servers; the servers "
@@ -313,6 +313,15 @@ class PsController:
             self._nodes = nodes
             state = {"nodes": [[n.rank, n.relaunch_count] for n in nodes], "resizing": resizing}
         self._store.put_json(_NAMESPACE, "nodes", state)
+
+    def _resumed(self, rank: int, attempt: int) -> NodeSpec:
+        """Attempt ``attempt`` of server slot ``rank`` as it was launched: with the memory it
+        grew to after OOM kills, when the supervisor's record is of that attempt."""
+        spec = self._node_spec(rank, attempt)
+        record = self._supervisor.record("ps", rank)
+        if record is not None and record.attempt == attempt and record.resources is not None:
+            spec = dataclasses.replace(spec, resources=record.resources)
+        return spec
 
     def _node_spec(self, rank: int, attempt: int) -> NodeSpec:
         """Attempt ``attempt`` of server slot ``rank`` (the supervisor's builder for ``ps``)."""
