@@ -16,8 +16,10 @@ are coroutines in this one process, each with the RPC sequence of a real agent
 the answer changes); `poll` is the protocol before it (GetCommWorld every 0.1 s, membership
 every 0.5 s, heartbeats every 2 s, the barrier's report and status every 0.5 s), run against
 the same master, so the table shows what the redesign buys. ``--against REV`` runs the
-long-poll protocol a second time at each size against the master of that commit (a git
-worktree beside this one), and prints this master's figures over that one's.
+long-poll protocol at each size against the master of that commit too (a git worktree beside
+this one), in the order REV, this, this, REV (the master run second in a row registers its
+nodes slower, even the same code), and prints the mean of this master's figures over that
+one's.
 
 Columns: register / rendezvous / exit = seconds from the first call of the phase until every
 node finished it; CPU = the master's CPU over the steady state, in % of one core; RSS = the
@@ -383,7 +385,12 @@ async def run_all(args: argparse.Namespace, tree: str) -> list[dict[str, float |
         modes = {"long-poll": [False], "poll": [True], "both": [True, False]}[args.protocol]
         runs = [(poll, "") for poll in modes]
         if tree:
-            runs = [(False, tree), *runs] if False in modes else [*runs, (False, tree)]
+            # A-B-B-A: the master run second in a row is slower to register (seen against the
+            # same code), so each side runs once first and once second; the ratio is of means.
+            if False in modes:
+                runs = [(False, tree), *runs, (False, ""), (False, tree)]
+            else:
+                runs = [*runs, (False, tree), (False, ""), (False, ""), (False, tree)]
         for poll, where in runs:
             if poll and args.protocol == "both" and n > args.poll_max_nodes:
                 continue
@@ -449,7 +456,11 @@ def print_table(
             v = r.get(c, "")
             cells.append(f"{v:.2f}" if isinstance(v, float) else str(v))
         print("| " + " | ".join(cells) + " |")
-    by = {(r["nodes"], r["protocol"]): r for r in rows if "failed" not in r}
+    runs: dict[tuple[object, object], list[dict[str, float | int | str]]] = {}
+    for r in rows:
+        if "failed" not in r:
+            runs.setdefault((r["nodes"], r["protocol"]), []).append(r)
+    by = {key: _mean(rs) for key, rs in runs.items()}
     for n in sizes:
         old, new = by.get((n, "poll")), by.get((n, "long-poll"))
         if old and new:
@@ -463,7 +474,19 @@ def print_table(
                 f"{key} {float(new[key]) / max(float(then[key]), 1e-9):.2f}x"
                 for key in ("register_s", "rendezvous_s", "cpu_pct", "rss_mib", "p99_ms", "exit_s")
             )
-            print(f"{n} nodes: this master / the one at {against} (below 1: better): {ratios}")
+            print(
+                f"{n} nodes: this master / the one at {against} (below 1: better; means of "
+                f"the A-B-B-A runs): {ratios}"
+            )
+
+
+def _mean(rows: list[dict[str, float | int | str]]) -> dict[str, float | int | str]:
+    """The row whose numbers are the means of ``rows``' (the others: the first row's)."""
+    out = dict(rows[0])
+    for key, value in rows[0].items():
+        if isinstance(value, float):
+            out[key] = sum(float(r[key]) for r in rows) / len(rows)
+    return out
 
 
 if __name__ == "__main__":
