@@ -24,6 +24,17 @@ pytestmark = [pytest.mark.extras, pytest.mark.xdist_group("ray")]  # one Ray clu
 pytest.importorskip("ray", reason="the Ray engine needs `pip install ray`")
 
 
+def _said(engine: Any) -> str:
+    """Each node's state and the end of its agent's log (what a stuck start shows)."""
+    logs = engine.logs()
+    parts = []
+    for node in engine.list_nodes():
+        parts.append(f"--- {node.node_id}: {node.state.value} on {node.host or '?'}")
+        tail = logs.tail(node.node_id, None, 40) if logs is not None else None
+        parts.append(tail or "(no log)")
+    return "\n".join(parts)
+
+
 @pytest.mark.timeout(300)
 def test_job_survives_a_lost_ray_node(ray_cluster: Any, tmp_path: Path, monkeypatch) -> None:  # noqa: F811
     from dlrover.engines.ray_engine import RayEngine
@@ -76,7 +87,7 @@ def test_job_survives_a_lost_ray_node(ray_cluster: Any, tmp_path: Path, monkeypa
         deadline = time.monotonic() + 120
         steps_file = Path(f"{out}.steps")
         while not (steps_file.exists() and len(steps_file.read_text().splitlines()) >= 5):
-            assert time.monotonic() < deadline, "training did not start on Ray"
+            assert time.monotonic() < deadline, f"training did not start on Ray:\n{_said(engine)}"
             assert not job.lifecycle.ended.is_set(), job.lifecycle.reason
             time.sleep(0.2)
         hosts = {n.node_id: n.host for n in engine.list_nodes()}
