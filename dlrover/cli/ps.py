@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dlrover import constants as c
 from dlrover.cli.common import setup_logging
 from dlrover.constants import ENV_PS_ADDR
+from dlrover.coordination import PS_ADDRESS
 
 logger = logging.getLogger("dlrover.ps")
 
@@ -69,8 +70,6 @@ def _register(address: str, token: str) -> str | None:
     client = MasterClient(master, token)
     try:
         client.wait_ready(30)
-        from dlrover.coordination import PS_ADDRESS
-
         PS_ADDRESS.put(client, address, node)
     except MasterClientError as e:
         return f"cannot register with the job's master at {master}: {e}"

@@ -10,6 +10,7 @@ import os
 import sys
 
 from dlrover import constants as c
+from dlrover.coordination import TF_READY
 
 logger = logging.getLogger("dlrover.tf_server")
 
@@ -42,8 +43,6 @@ def main() -> int:
         from dlrover.trainer.tf.usage import UsageReporter
 
         client = MasterClient(master, os.environ.get(c.ENV_JOB_TOKEN, ""))
-        from dlrover.coordination import TF_READY
-
         TF_READY.put(client, server.target, node)
         # The master sizes and watches the ps from these (memory before an OOM kill, hot ps).
         reporter = UsageReporter.from_env(client, lambda: [os.getpid()])
