@@ -75,9 +75,23 @@ def finish(proc: subprocess.Popen[bytes], log: Path) -> None:
 def kill_after_save(
     proc: subprocess.Popen[bytes], out: Path, rank: int, min_step: int, log: Path
 ) -> int:
-    """SIGKILL ``rank``'s first-attempt process right after it recorded a save of a step >=
-    ``min_step``; the step of that save."""
-    return kill_after_saves([(proc, out, rank, min_step, log)])[0]
+    """SIGKILL ``rank``'s first-attempt process once both ranks recorded a save of a step >=
+    ``min_step``; the newest step both saved. (A sharded state is in memory only once every
+    rank saved it: killed after its own first save, rank 1 may find rank 0's part missing on a
+    busy machine, and the restart rightly begins from nothing.)"""
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while time.monotonic() < deadline:
+        saves = {
+            r: [e for e in events(out, r) if e["event"] == "saved" and e["restart"] == 0]
+            for r in (0, 1)
+        }
+        newest = {r: max((int(e["step"]) for e in saves[r]), default=-1) for r in saves}
+        if min(newest.values()) >= min_step:
+            os.kill(saves[rank][-1]["pid"], signal.SIGKILL)
+            return min(newest.values())
+        assert proc.poll() is None, f"the job ended before the kill:\n{log.read_text()[-4000:]}"
+        time.sleep(0.02)  # files being appended to: no event to wait on
+    raise AssertionError(f"no save of step >= {min_step} by both ranks in {RUN_TIMEOUT_S}s: {log}")
 
 
 def kill_after_saves(jobs: list[tuple[subprocess.Popen[bytes], Path, int, int, Path]]) -> list[int]:
