@@ -76,6 +76,22 @@ ENV_STACK_FILE = "DLROVER_STACK_FILE"
 """Set by the agent: where a worker writes its Python stacks when asked (SIGUSR1)."""
 ENV_AGENT_PID = "DLROVER_AGENT_PID"
 """The pid of the agent that started this worker (fault injection's kill_agent uses it)."""
+ENV_RECOVERY_SOCKET = "DLROVER_RECOVERY_SOCKET"
+"""The agent's socket for workers that recover in-process (`dlrover.trainer.torch.inprocess`)."""
+ENV_RECOVERY_JOIN = "DLROVER_RECOVERY_JOIN"
+"""Set (to 1) for a replacement that joins the running workers once it is ready: its wrapped
+function waits for the agent's round before it is first called."""
+ENV_VIRTUAL_RANKS = "DLROVER_VIRTUAL_RANKS"
+"""The ranks of the node's full layout whose data this worker trains on (comma-separated): its
+own, plus those of failed local ranks while the node goes on without them."""
+ENV_VIRTUAL_WORLD_SIZE = "DLROVER_VIRTUAL_WORLD_SIZE"
+"""The world size of the full layout (nodes x --nproc-per-node) the virtual ranks count in."""
+ENV_LOCAL_INDEX = "DLROVER_LOCAL_INDEX"
+"""This worker's place among the node's workers in the round (LOCAL_RANK but for a node that
+goes on without a failed local rank): which of them copies a replicated checkpoint."""
+
+DEFAULT_RELEASE_TIMEOUT_S = 30.0
+"""In-process recovery: seconds a surviving worker gets to leave its failed collective."""
 
 DEFAULT_MASTER_RECONNECT_S = 120.0
 """How long a node keeps calling a master that does not answer (it may be restarting on its

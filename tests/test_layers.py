@@ -130,6 +130,7 @@ FOUNDATION = (
     "dlrover.json_messages",
     "dlrover.log",
     "dlrover.processes",
+    "dlrover.recovery_channel",
     "dlrover.worker_context",
 )
 """Top-level modules everybody may import: they reach no side."""

@@ -7,6 +7,8 @@ failure means), `heartbeat`, `zygote` (fast restarts). This module sequences the
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import os
 import shutil
@@ -17,6 +19,7 @@ import tempfile
 import time
 from typing import Any, Protocol
 
+from dlrover import worker_context
 from dlrover.agent.cgroup import oom_kill_count
 from dlrover.agent.config import AgentConfig
 from dlrover.agent.failure_policy import (
@@ -30,6 +33,7 @@ from dlrover.agent.heartbeat import Heartbeat
 from dlrover.agent.launch_plan import AttemptContext, LaunchPlan, plan_launch
 from dlrover.agent.monitor import MonitorSignals, Outcome, WorkerMonitor, describe_exit
 from dlrover.agent.node_check import EXIT_EXCLUDED, CheckOutcome, CheckSettings, NodeChecker
+from dlrover.agent.recovery_hub import RecoveryHub
 from dlrover.agent.rendezvous_client import (
     AgentError,
     RendezvousClient,
@@ -54,12 +58,14 @@ from dlrover.constants import (
     DEFAULT_ZYGOTE_FIRST_WAIT_S,
     ENV_NODE_MEMORY_LIMIT_MIB,
     ENV_NODE_NAME,
+    ENV_RECOVERY_JOIN,
     EXIT_MASTER_LOST,
     EXIT_NODE_OOM,
 )
 from dlrover.decisions import FailureAction
 from dlrover.faults import ENV_FAULTS, node_slot, pending_until
 from dlrover.processes import UsageMeter
+from dlrover.recovery_channel import env_changes
 
 logger = logging.getLogger(__name__)
 
@@ -182,6 +188,18 @@ class ElasticAgent:
         self._history: list[UserErrorSignature | None] = []
         self._zygote: PendingZygote | None = None
         self._saver: Any = None
+        self._hub: RecoveryHub | None = None
+        self._keep: set[int] | None = None
+        """Local ranks of workers parked in-process, to be handed the next round (None: the
+        next round starts every worker)."""
+        self._joiners: dict[int, int] = {}
+        """Local rank -> pid of replacements started to join a round once they are ready."""
+        self._growth_off = False
+        """The round's workers are finishing: replacements waiting to join are not taken in."""
+        self._worker_env: dict[int, dict[str, str]] = {}
+        """Local rank -> the environment its running process has (a round changes it)."""
+        self.in_process_recoveries = 0
+        """Rounds this node's workers joined in their own processes."""
         self._started_at = time.monotonic()
         self._usage = UsageMeter()
         self._oom_kills: int | None = None
@@ -257,6 +275,7 @@ class ElasticAgent:
         self._run_dir = os.path.join(tempfile.gettempdir(), f"{prefix}.agent")
         os.makedirs(self._run_dir, mode=0o700, exist_ok=True)
         self._start_saver(f"{prefix}.ckpt", settings)
+        self._hub = RecoveryHub(os.path.join(self._run_dir, "recovery.sock"))
         self._heartbeat.start()
         self._begin_zygote_now()
 
@@ -293,6 +312,9 @@ class ElasticAgent:
             self._faults.release()
         if self._group is not None:
             self._group.stop(self.config.stop_grace_s)
+        if self._hub is not None:
+            self._hub.close()
+            self._hub = None
         self._heartbeat.stop()
         self._rdzv.close()
         if self._checker is not None:
@@ -314,10 +336,14 @@ class ElasticAgent:
         """One round: rendezvous, start the workers, watch them, act on the outcome. Returns
         the node's result when the job ends for it, None to go on with another round."""
         self._set_state(WorkerGroupState.RENDEZVOUS)
+        keep = self._keep
+        members = self._next_members(keep) if keep is not None else None
         world = self._rdzv.join(
-            self.config.store_addr or self._host, self.config.store_port or free_port()
+            self.config.store_addr or self._host,
+            self.config.store_port or free_port(),
+            len(members) if members is not None else 0,
         )
-        if self._checker is not None:
+        if self._checker is not None and keep is None:
             checked, why = self._checker.check(world)
             if checked is CheckOutcome.REFORM:
                 return None
@@ -330,13 +356,18 @@ class ElasticAgent:
                 world.round,
                 world.node_rank,
                 world.num_nodes,
-                self.config.nproc_per_node,
+                len(members) if members is not None else self.config.nproc_per_node,
                 world_size=world.world_size,
                 rank_offset=world.rank_offset,
             )
-        monitor = self._start_workers(world)
+        if keep is not None:
+            monitor = self._reform_in_process(world, keep, members)
+        else:
+            monitor = self._start_workers(world)
         self._set_state(WorkerGroupState.RUNNING)
         outcome = monitor.wait()
+        while self._in_round(outcome, monitor):
+            outcome = monitor.wait()
         self.step_reached = max(self.step_reached, monitor.step)
         return self._act_on(outcome, monitor)
 
@@ -351,6 +382,9 @@ class ElasticAgent:
             monitor.check_progress()
             self._heartbeat.beat()
         if outcome is Outcome.SUCCEEDED:
+            if self._joiners:  # the job ended before they were needed
+                group.kill_ranks(list(self._joiners))
+                self._joiners.clear()
             group.close()
             self._set_state(WorkerGroupState.SUCCEEDED)
             return self._rdzv.exit_barrier()
@@ -380,6 +414,24 @@ class ElasticAgent:
             )
             logger.error(why)
             return RunResult(EXIT_MASTER_LOST, why)
+        if outcome is Outcome.MEMBERSHIP and self._survivors_opted_in():
+            logger.info(
+                "membership changed: re-forming the world; the workers stay in their processes"
+            )
+            self._park(group.alive(), "the world re-forms: membership changed")
+            return None
+        if outcome is Outcome.PARKED:
+            return self._on_unasked_park()
+        if outcome is Outcome.JOINER_READY:
+            ready = sorted(self._ready_joiners())
+            self._park(self._members_alive(), f"local rank(s) {ready} rejoin", at_step_end=True)
+            return None
+        if (
+            outcome is Outcome.FAILED
+            and self._survivors_opted_in()
+            and self._fail_in_process(monitor)
+        ):
+            return None
         if outcome is Outcome.MEMBERSHIP:
             logger.info("membership changed: re-forming the world (no restart used)")
             stopping_at = time.time()
@@ -428,6 +480,229 @@ class ElasticAgent:
         self._set_state(WorkerGroupState.FAILED)
         self._rdzv.report(NodeOutcome.FAILED, verdict.exit_code, verdict.decision.reason)
         return RunResult(verdict.exit_code, f"{verdict.decision.reason}\n{verdict.report}")
+
+    # --- in-process recovery ---------------------------------------------------------------------
+    def _members_alive(self) -> list[int]:
+        """Local ranks of the round's workers that still run (not replacements still joining)."""
+        assert self._group is not None and self._plan is not None
+        return [
+            lr for lr in self._group.alive() if lr in self._plan.active and lr not in self._joiners
+        ]
+
+    def _survivors_opted_in(self) -> bool:
+        """Whether every running worker of the round recovers in-process (said Hello)."""
+        group = self._group
+        if self._hub is None or group is None or self._plan is None:
+            return False
+        pids = group.pids
+        alive = self._members_alive()
+        return bool(alive) and self._hub.opted_in({lr: pids[lr] for lr in alive})
+
+    def _ready_joiners(self) -> set[int]:
+        """Replacements that said they are ready to join."""
+        if self._hub is None or not self._joiners or self._growth_off:
+            return set()
+        hub = self._hub
+        return {lr for lr, pid in self._joiners.items() if hub.opted_in({lr: pid})}
+
+    def _start_joiners(self, local_ranks: list[int]) -> None:
+        """Fork replacements of these local ranks now; each joins a round once it is ready."""
+        group, plan = self._group, self._plan
+        assert group is not None and plan is not None
+        zygote = self._ready_zygote(self.config.zygote_wait_s)
+        for lr in local_ranks:
+            launch = plan.launches[lr]
+            env = {
+                **launch.env,
+                ENV_RECOVERY_JOIN: "1",
+                worker_context.RESTART_COUNT: str(self.restart_count),
+            }
+            launch = dataclasses.replace(launch, env=env)
+            with contextlib.suppress(OSError):
+                os.unlink(plan.files[lr].error_file)  # the predecessor's
+            group.returncodes.pop(lr, None)
+            if self._monitor is not None:
+                self._monitor.forget(lr)
+            group.start([launch], zygote)
+            self._joiners[lr] = group.pids[lr]
+            self._worker_env[lr] = dict(launch.env)
+        logger.info("started replacement(s) of local rank(s) %s; they join once ready", local_ranks)
+
+    def _in_round(self, outcome: Outcome, monitor: WorkerMonitor) -> bool:
+        """Handle what needs no new round: a replacement ready for the round already formed
+        for it, or a replacement that failed before it joined. True: keep watching."""
+        plan = self._plan
+        assert plan is not None and self._group is not None
+        if outcome is Outcome.JOINER_READY:
+            if not self._survivors_opted_in():
+                # A worker of the round left its function (it finished): the job ends without
+                # the replacements; they are stopped when the round's workers have exited.
+                self._growth_off = True
+                return True
+            ready = self._ready_joiners()
+            for lr in sorted(ready & plan.active):
+                self._send_round(lr, plan)
+                del self._joiners[lr]
+            return not (ready - plan.active)
+        if outcome is Outcome.FAILED and self._joiners:
+            exits = monitor.collect_failures()
+            failed = {lr for lr in range(len(plan.launches)) if plan.launches[lr].rank in exits}
+            if not failed or not failed <= set(self._joiners):
+                return False
+            verdict = self._judge(monitor, exits)
+            if verdict.decision.action is not FailureAction.RESTART_PROCESSES:
+                return False
+            self._history.append(verdict.signature)
+            self.restart_count += 1
+            self._report_failure(verdict)
+            logger.warning(
+                "a replacement failed before it joined; starting another: %s", verdict.summary
+            )
+            for lr in failed:
+                del self._joiners[lr]
+            self._start_joiners(sorted(failed))
+            return True
+        return False
+
+    def _send_round(self, local_rank: int, plan: LaunchPlan) -> None:
+        """Hand a parked (or ready) worker the round of ``plan``: what changed in its env."""
+        assert self._hub is not None and self._rdzv.round is not None
+        after = plan.launches[local_rank].env
+        changes = env_changes(self._worker_env.get(local_rank, {}), after)
+        self._hub.send_round(local_rank, self._rdzv.round, changes)
+        self._worker_env[local_rank] = dict(after)
+
+    def _fail_in_process(self, monitor: WorkerMonitor) -> bool:
+        """A worker failed and the others recover in-process: judge the failure once, keep the
+        survivors' processes, replace only the failed. False: the usual restart decides (the
+        policy gives up, or the node's memory limit was hit)."""
+        plan = self._plan
+        assert self._group is not None and plan is not None
+        exits = monitor.collect_failures()
+        verdict = self._judge(monitor, exits, oom_killed=self._oom_kills_since_start())
+        node_limit = os.environ.get(ENV_NODE_MEMORY_LIMIT_MIB, "").isdigit()
+        if verdict.decision.action is not FailureAction.RESTART_PROCESSES or (
+            verdict.failure_class is FailureClass.OOM and node_limit
+        ):
+            return False
+        self._history.append(verdict.signature)
+        self.restart_count += 1
+        self._report_failure(verdict)
+        failed = sorted(lr for lr in range(len(plan.launches)) if plan.launches[lr].rank in exits)
+        logger.warning(
+            "replacing failed rank(s) %s; the other workers stay in their processes: %s\n%s",
+            ", ".join(str(r) for r in sorted(exits)),
+            verdict.decision.reason,
+            verdict.report,
+        )
+        survivors = self._members_alive()
+        self._start_joiners([lr for lr in failed if lr not in self._group.alive()])
+        self._park(survivors, f"rank(s) {sorted(exits)} failed: {verdict.summary}")
+        return True
+
+    def _on_unasked_park(self) -> RunResult | None:
+        """Workers left their step by themselves (a collective failed, nothing in the job
+        failed that the agent knows of, e.g. a collective timed out): a failure of this node."""
+        assert self._hub is not None and self._group is not None
+        parked = self._hub.parked_unasked()
+        why = "; ".join(
+            f"local rank {lr}: {err.splitlines()[0][:300]}" for lr, err in parked.items()
+        )
+        self.restart_count += 1
+        record = FailureRecord(
+            time.time(),
+            self.node_id,
+            FailureClass.HANG,
+            FailureAction.RESTART_PROCESSES.value,
+            f"a collective failed with no failure in the job: {why}"[:4000],
+            self.restart_count,
+        )
+        try:
+            self.master.report_failure(self.node_id, self.incarnation, record)
+        except Exception as e:  # the log has it
+            logger.warning("could not report the failure to the master: %s", e)
+        if self.restart_count > self.config.max_restarts or not self._survivors_opted_in():
+            self._group.stop(self.config.stop_grace_s)
+            self._joiners.clear()
+            if self.restart_count > self.config.max_restarts:
+                reason = f"{self.restart_count - 1} restarts used (--max-restarts); last: {why}"
+                logger.error("giving up: %s", reason)
+                self._set_state(WorkerGroupState.FAILED)
+                self._rdzv.report(NodeOutcome.FAILED, 1, reason)
+                return RunResult(1, reason)
+            self._set_state(WorkerGroupState.RESTARTING)
+            return None
+        logger.warning("a collective failed with no failure in the job; re-forming: %s", why)
+        self._park(self._members_alive(), "a collective failed: the world re-forms")
+        return None
+
+    def _park(self, survivors: list[int], reason: str, at_step_end: bool = False) -> None:
+        """Ask the survivors to leave their step; keep those that park within the release
+        timeout for the next round, restart the others."""
+        assert self._hub is not None and self._group is not None
+        started = time.monotonic()
+        self._hub.abort(survivors, reason, at_step_end)
+        parked = self._hub.wait_parked(survivors, self.config.release_timeout_s)
+        stuck = [lr for lr in survivors if lr not in parked]
+        if stuck:
+            logger.warning(
+                "local rank(s) %s did not leave their step within %.0fs (--release-timeout); "
+                "replacing them",
+                stuck,
+                self.config.release_timeout_s,
+            )
+            self._group.kill_ranks(stuck)
+        logger.info(
+            "local rank(s) %s parked in %.3fs; re-forming the world",
+            sorted(parked),
+            time.monotonic() - started,
+        )
+        self._keep = parked
+        self._set_state(WorkerGroupState.RESTARTING)
+
+    def _next_members(self, keep: set[int]) -> set[int] | None:
+        """The local ranks of the next round after a park: the kept workers and the ready
+        replacements where the kept ones go on without the others; None: every local rank."""
+        if keep and self._hub is not None and self._hub.shrink(keep):
+            members = keep | self._ready_joiners()
+            if len(members) < self.config.nproc_per_node:
+                return members
+        return None
+
+    def _reform_in_process(
+        self, world: CommWorld, keep: set[int], members: set[int] | None
+    ) -> WorkerMonitor:
+        """Hand the parked workers the new round; replace workers that are gone."""
+        cfg = self.config
+        group = self._group
+        assert group is not None and self._hub is not None
+        self._keep = None
+        self._growth_off = False
+        started = time.monotonic()
+        plan = plan_launch(
+            cfg, world, self._attempt_context(self._attempt - 1), os.environ, members
+        )
+        self._plan = plan
+        alive = set(group.alive())
+        gone = [lr for lr in range(cfg.nproc_per_node) if lr not in keep and lr not in alive]
+        if gone:
+            self._joiners = {lr: pid for lr, pid in self._joiners.items() if lr not in gone}
+            self._start_joiners(gone)
+        for lr in sorted(keep):
+            self._send_round(lr, plan)
+        for lr in sorted(self._ready_joiners() & plan.active):
+            self._send_round(lr, plan)
+            del self._joiners[lr]
+        self.in_process_recoveries += 1
+        waiting = sorted(self._joiners)
+        logger.info(
+            "round %d: %d worker(s) go on in their processes%s (%.3fs)",
+            world.round,
+            len(plan.active) - len([lr for lr in waiting if lr in plan.active]),
+            f"; replacement(s) of local rank(s) {waiting} join when ready" if waiting else "",
+            time.monotonic() - started,
+        )
+        return self._watch(plan)
 
     def _oom_kills_since_start(self) -> bool:
         now = oom_kill_count()
@@ -509,22 +784,7 @@ class ElasticAgent:
     # --- workers ---------------------------------------------------------------------------------
     def _start_workers(self, world: CommWorld) -> WorkerMonitor:
         cfg = self.config
-        plan = plan_launch(
-            cfg,
-            world,
-            AttemptContext(
-                run_id=self.run_id,
-                node_id=self.node_id,
-                restart_count=self.restart_count,
-                attempt=self._attempt,
-                run_dir=self._run_dir,
-                master_addr=self._master_addr,
-                token=self._token,
-                agent_pid=os.getpid(),
-                saver_socket=self._saver.socket_path if self._saver is not None else None,
-            ),
-            os.environ,
-        )
+        plan = plan_launch(cfg, world, self._attempt_context(self._attempt), os.environ)
         for files in plan.files:
             os.makedirs(os.path.dirname(files.error_file), exist_ok=True)
         zygote = self._ready_zygote(
@@ -532,6 +792,8 @@ class ElasticAgent:
         )
         self._plan = plan
         self._group = group = WorkerGroup()
+        self._joiners = {}
+        self._worker_env = {w.local_rank: dict(w.env) for w in plan.launches}
         self._oom_kills = oom_kill_count()
         started = time.monotonic()
         group.start(plan.launches, zygote)
@@ -558,16 +820,41 @@ class ElasticAgent:
                 group.forked,
                 time.monotonic() - started,
             )
+        return self._watch(plan)
+
+    def _attempt_context(self, attempt: int) -> AttemptContext:
+        hub = self._hub
+        return AttemptContext(
+            run_id=self.run_id,
+            node_id=self.node_id,
+            restart_count=self.restart_count,
+            attempt=attempt,
+            run_dir=self._run_dir,
+            master_addr=self._master_addr,
+            token=self._token,
+            agent_pid=os.getpid(),
+            saver_socket=self._saver.socket_path if self._saver is not None else None,
+            recovery_socket=hub.path if hub is not None else None,
+        )
+
+    def _watch(self, plan: LaunchPlan) -> WorkerMonitor:
+        """A monitor of the current group running ``plan``."""
+        assert self._group is not None
+        hub = self._hub
         self._monitor = WorkerMonitor(
-            group,
+            self._group,
             plan,
-            cfg,
+            self.config,
             MonitorSignals(
                 stop_requested=self._heartbeat.stop_requested,
                 reregister_requested=self._heartbeat.reregister_requested,
                 master_lost=self._heartbeat.master_lost,
                 world_must_reform=self._rdzv.world_must_reform,
                 every_second=self._every_second,
+                parked_unasked=(lambda: bool(hub.parked_unasked()))
+                if hub is not None
+                else (lambda: False),
+                joiner_ready=lambda: bool(self._ready_joiners()),
             ),
             step=self.step_reached,
         )

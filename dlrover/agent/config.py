@@ -85,3 +85,6 @@ class AgentConfig:
     hang_warning_timeout_s: float = c.DEFAULT_HANG_WARNING_TIMEOUT_S
     """No progress (steps, or CPU use for scripts that report none) for this long: warn with the
     workers' stacks, once per stall, and go on; 0: off."""
+    release_timeout_s: float = c.DEFAULT_RELEASE_TIMEOUT_S
+    """In-process recovery: how long a surviving worker gets to leave its collective and park
+    after a failure; one that does not is restarted instead."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from dlrover.agent.bootstrap import ENV_DONE_FILE
@@ -14,10 +14,15 @@ from dlrover.api.master import CommWorld
 from dlrover.constants import (
     ENV_AGENT_PID,
     ENV_CHECKPOINT_SOCKET,
+    ENV_LOCAL_INDEX,
     ENV_MAX_NODES,
     ENV_NODE_NAME,
+    ENV_RECOVERY_JOIN,
+    ENV_RECOVERY_SOCKET,
     ENV_STACK_FILE,
     ENV_STEP_FILE,
+    ENV_VIRTUAL_RANKS,
+    ENV_VIRTUAL_WORLD_SIZE,
 )
 
 
@@ -39,12 +44,15 @@ class LaunchPlan:
     files: tuple[WorkerFiles, ...]
     """Indexed by local rank."""
     rank_offset: int
-    """Global rank of local rank 0."""
+    """Global rank of the node's first worker in the round."""
+    active: frozenset[int]
+    """Local ranks in the round: every one, but while the node goes on without failed local
+    ranks (in-process recovery), those are replacements that join once ready."""
 
     @property
     def error_files(self) -> dict[int, str]:
-        """Global rank -> its error file."""
-        return {self.rank_offset + lr: f.error_file for lr, f in enumerate(self.files)}
+        """Global rank -> its error file (a joining replacement: under its full-layout rank)."""
+        return {self.launches[lr].rank: f.error_file for lr, f in enumerate(self.files)}
 
 
 @dataclass(frozen=True)
@@ -62,24 +70,52 @@ class AttemptContext:
     token: str
     agent_pid: int
     saver_socket: str | None = None
+    recovery_socket: str | None = None
 
 
 def plan_launch(
-    config: AgentConfig, world: CommWorld, ctx: AttemptContext, base_env: Mapping[str, str]
+    config: AgentConfig,
+    world: CommWorld,
+    ctx: AttemptContext,
+    base_env: Mapping[str, str],
+    active: Collection[int] | None = None,
 ) -> LaunchPlan:
-    """torchrun's environment for every local worker of `world`, plus DLRover's own keys."""
+    """torchrun's environment for every local worker of `world`, plus DLRover's own keys.
+
+    ``active``: the local ranks in the round (default: all). The others are replacements that
+    join once they are ready (DLROVER_RECOVERY_JOIN); meanwhile the active ones stand in for
+    their data (DLROVER_VIRTUAL_RANKS) and are numbered without them."""
+    nproc = config.nproc_per_node
+    members = sorted(active) if active is not None else list(range(nproc))
+    stand_in = {lr: [lr] for lr in members}
+    for i, lr in enumerate(lr for lr in range(nproc) if lr not in stand_in):
+        stand_in[members[i % len(members)]].append(lr)
+    full_offset = world.node_rank * nproc
+    virtual_world = max(world.num_nodes, 1) * nproc
     attempt_dir = ""
     if config.log_dir:
         attempt_dir = os.path.join(config.log_dir, ctx.run_id, f"attempt_{ctx.attempt}")
     launches: list[WorkerLaunch] = []
     files: list[WorkerFiles] = []
-    for local_rank in range(config.nproc_per_node):
-        rank = world.rank_offset + local_rank
+    for local_rank in range(nproc):
+        joins = local_rank not in stand_in
+        if joins:  # its round comes when it is ready; until then the full layout's place
+            index, rank, size, world_size = (
+                local_rank,
+                full_offset + local_rank,
+                nproc,
+                virtual_world,
+            )
+            virtual = [rank]
+        else:
+            index = members.index(local_rank)
+            rank, size, world_size = world.rank_offset + index, len(members), world.world_size
+            virtual = [full_offset + lr for lr in sorted(stand_in[local_rank])]
         placement = WorkerPlacement(
             local_rank=local_rank,
-            local_world_size=config.nproc_per_node,
+            local_world_size=size,
             rank=rank,
-            world_size=world.world_size,
+            world_size=world_size,
             node_rank=world.node_rank,
             num_nodes=world.num_nodes,
         )
@@ -112,6 +148,13 @@ def plan_launch(
         env[ENV_MAX_NODES] = str(config.max_nodes)
         if ctx.saver_socket is not None:
             env[ENV_CHECKPOINT_SOCKET] = ctx.saver_socket
+        if ctx.recovery_socket is not None:
+            env[ENV_RECOVERY_SOCKET] = ctx.recovery_socket
+            env[ENV_VIRTUAL_RANKS] = ",".join(str(r) for r in virtual)
+            env[ENV_VIRTUAL_WORLD_SIZE] = str(virtual_world)
+            env[ENV_LOCAL_INDEX] = str(index)
+            if joins:
+                env[ENV_RECOVERY_JOIN] = "1"
         env.pop(ENV_NODE_NAME, None)
         env[ENV_DONE_FILE] = wf.done_file
         files.append(wf)
@@ -128,4 +171,4 @@ def plan_launch(
                 script_argv=config.script_argv,
             )
         )
-    return LaunchPlan(tuple(launches), tuple(files), world.rank_offset)
+    return LaunchPlan(tuple(launches), tuple(files), world.rank_offset, frozenset(members))

@@ -40,6 +40,11 @@ class Outcome(enum.Enum):
     """Nodes wait to join, or a newer round formed: the world re-forms (no restart used)."""
     MASTER_LOST = "master_lost"
     """The master answered no heartbeat for --master-lost-timeout: the node stops."""
+    JOINER_READY = "joiner_ready"
+    """A replacement of a failed local rank is ready: the world grows back to take it in."""
+    PARKED = "parked"
+    """A worker that recovers in-process left its step by itself (its collective failed) and
+    no failure in the job explains it: the world re-forms, and it counts as a failure."""
 
 
 def describe_exit(e: WorkerExit) -> str:
@@ -63,6 +68,10 @@ class MonitorSignals:
     master_lost: threading.Event = field(default_factory=threading.Event)
     every_second: Callable[[], None] = lambda: None
     """The agent's own periodic work (starting the zygote)."""
+    parked_unasked: Callable[[], bool] = lambda: False
+    """Whether a worker that recovers in-process parked without being asked."""
+    joiner_ready: Callable[[], bool] = lambda: False
+    """Whether a replacement waiting to join said it is ready."""
 
 
 class WorkerMonitor:
@@ -124,6 +133,10 @@ class WorkerMonitor:
             return Outcome.REREGISTER
         if self._signals.master_lost.is_set():
             return Outcome.MASTER_LOST
+        if self._signals.parked_unasked():
+            return Outcome.PARKED
+        if self._signals.joiner_ready():
+            return Outcome.JOINER_READY
         now = time.monotonic()
         if now >= self._next_progress_check:
             self._next_progress_check = now + 1.0
@@ -140,6 +153,8 @@ class WorkerMonitor:
 
     def _on_exit(self, ex: WorkerExit) -> Outcome | None:
         group = self._group
+        if group.pids.get(ex.local_rank) != ex.pid:
+            return None  # a worker replaced in-process since: its exit was judged then
         self._done[ex.local_rank] = ex
         group.returncodes[ex.local_rank] = ex.returncode
         result = read_script_result(self._plan.files[ex.local_rank].done_file)
@@ -157,8 +172,8 @@ class WorkerMonitor:
         if ex.returncode != 0:
             logger.error("worker rank %d (pid %d) %s", ex.rank, ex.pid, describe_exit(ex))
             return Outcome.FAILED
-        if len(self._done) == self._config.nproc_per_node:
-            return Outcome.SUCCEEDED
+        if all(lr in self._done for lr in self._plan.active):
+            return Outcome.SUCCEEDED  # (a replacement still joining is not part of the round)
         return None
 
     @property
@@ -206,7 +221,7 @@ class WorkerMonitor:
                 self.step,
                 self._stacks_text(stale),
             )
-            self.hung = [self._plan.rank_offset + lr for lr in stale]
+            self.hung = [self._plan.launches[lr].rank for lr in stale]
             return True
         stalls = self._progress.new_stalls(cfg.hang_warning_timeout_s, now, done)
         if stalls:
@@ -293,6 +308,25 @@ class WorkerMonitor:
             for lr in sorted(dumps)
         )
 
+    def forget(self, local_rank: int) -> None:
+        """A worker of ``local_rank`` was replaced: what its predecessor did no longer counts."""
+        self._done.pop(local_rank, None)
+
+    def collect_failures(self) -> dict[int, int]:
+        """Global rank -> return code of the workers that failed so far; the others run on."""
+        group = self._group
+        launches = self._plan.launches
+        exits = {launches[lr].rank: rc for lr, rc in group.returncodes.items() if rc != 0}
+        pids = group.pids
+        while True:
+            try:
+                ex = group.exits.get_nowait()
+            except queue.Empty:
+                return exits
+            if ex.returncode != 0 and pids.get(ex.local_rank) == ex.pid:
+                group.returncodes[ex.local_rank] = ex.returncode
+                exits.setdefault(ex.rank, ex.returncode)
+
     def stop_and_collect_failures(self) -> dict[int, int]:
         """Stop the group and return global rank -> return code of the workers that failed.
 
@@ -301,8 +335,8 @@ class WorkerMonitor:
         picked by error-file time later). Hung workers count as killed by us.
         """
         group = self._group
-        offset = self._plan.rank_offset
-        exits = {offset + lr: rc for lr, rc in group.returncodes.items() if rc != 0}
+        launches = self._plan.launches
+        exits = {launches[lr].rank: rc for lr, rc in group.returncodes.items() if rc != 0}
 
         def drain(ours: tuple[int, ...]) -> None:
             while True:
@@ -310,7 +344,8 @@ class WorkerMonitor:
                     ex = group.exits.get_nowait()
                 except queue.Empty:
                     return
-                if ex.returncode != 0 and ex.returncode not in ours:
+                current = group.pids.get(ex.local_rank) == ex.pid  # not one replaced since
+                if ex.returncode != 0 and ex.returncode not in ours and current:
                     exits.setdefault(ex.rank, ex.returncode)
 
         drain(())

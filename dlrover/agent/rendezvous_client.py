@@ -169,15 +169,16 @@ class RendezvousClient:
         logger.info("registered as node %s (incarnation %d)", self.node_id, self.incarnation)
         return registered
 
-    def join(self, store_host: str, store_port: int) -> CommWorld:
-        """Join the next round and wait until the master completes it."""
+    def join(self, store_host: str, store_port: int, local_world_size: int = 0) -> CommWorld:
+        """Join the next round and wait until the master completes it; ``local_world_size``:
+        the workers this node brings (default: --nproc-per-node)."""
         cfg = self._config
         start = time.monotonic()
         deadline = start + cfg.join_timeout_s
         request = JoinRequest(
             node_id=self.node_id,
             incarnation=self.incarnation,
-            local_world_size=cfg.nproc_per_node,
+            local_world_size=local_world_size or cfg.nproc_per_node,
             store_host=store_host,
             store_port=store_port,
         )

@@ -15,6 +15,7 @@ from typing import Any
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
+from dlrover import worker_context
 from dlrover.checkpoint.catalog import Catalog
 from dlrover.checkpoint.client import SaverClient
 from dlrover.checkpoint.config import (
@@ -40,7 +41,7 @@ from dlrover.checkpoint.saver_messages import (
 )
 from dlrover.checkpoint.shm import SharedSegment
 from dlrover.checkpoint.storage import storage_for
-from dlrover.constants import ENV_JOB_NAME
+from dlrover.constants import ENV_JOB_NAME, ENV_LOCAL_INDEX, ENV_RDZV_ROUND
 from dlrover.worker_context import WorkerContext
 
 log = logging.getLogger(__name__)
@@ -61,9 +62,12 @@ class WorkerPlacement:
     def from_env(cls) -> WorkerPlacement:
         """This process's place from its worker environment (see dlrover.worker_context)."""
         ctx = WorkerContext.from_env()
+        index = os.environ.get(ENV_LOCAL_INDEX, "")
         return cls(
             ctx.rank,
-            ctx.local_rank,
+            # A node that goes on without a failed local rank numbers its workers without it:
+            # the first of them copies a replicated state (see dlrover.trainer.torch.inprocess).
+            int(index) if index.isdigit() else ctx.local_rank,
             ctx.world_size,
             ctx.local_world_size,
             ctx.node_rank,
@@ -78,6 +82,19 @@ class WorkerPlacement:
     def num_nodes(self) -> int:
         """Nodes in the world (world size / local world size)."""
         return max(1, self.world_size // max(1, self.local_world_size))
+
+
+def _place_key() -> tuple[str | None, ...]:
+    """The variables a `WorkerPlacement` is read from that change between rounds."""
+    env = os.environ
+    return (
+        env.get(worker_context.RANK),
+        env.get(worker_context.WORLD_SIZE),
+        env.get(worker_context.GROUP_RANK),
+        env.get(ENV_LOCAL_INDEX),
+        env.get(ENV_RDZV_ROUND),
+        env.get(worker_context.RESTART_COUNT),
+    )
 
 
 class CheckpointEngine:
@@ -112,7 +129,8 @@ class CheckpointEngine:
         self.format = format_named(fmt) if isinstance(fmt, str) else fmt
         self.keep_last = keep_last
         self.replica_count = replica_count
-        self.place = placement or WorkerPlacement.from_env()
+        self._given_place = placement
+        self._env_place = (_place_key(), WorkerPlacement.from_env()) if placement is None else None
         self.storage = storage_for(checkpoint_dir)
         self.storage.makedirs("")  # fail now, with a clear error, if the dir is unwritable
         if WorkerContext.from_env().restart_count == 0:
@@ -139,6 +157,18 @@ class CheckpointEngine:
         (this node had lost its own), else None."""
 
     # ------------------------------------------------------------------ roles
+    @property
+    def place(self) -> WorkerPlacement:
+        """Where this process sits: the placement given, else the environment's, read again
+        when it changed (a process that recovered in-process joined a new round)."""
+        if self._given_place is not None:
+            return self._given_place
+        assert self._env_place is not None
+        key = _place_key()
+        if key != self._env_place[0]:
+            self._env_place = (key, WorkerPlacement.from_env())
+        return self._env_place[1]
+
     @property
     def saves_to_memory(self) -> bool:
         """Whether this rank copies into shared memory: every rank when sharded, else local rank 0."""

@@ -5,9 +5,26 @@ from __future__ import annotations
 import os
 import struct
 import time
+from collections.abc import Callable
 from typing import NamedTuple
 
-from dlrover.constants import ENV_STEP_FILE
+from dlrover.constants import ENV_RDZV_ROUND, ENV_STEP_FILE
+
+_step_hooks: list[Callable[[int], None]] = []
+"""What runs after each `StepReporter.report` of this process (the in-process recovery
+wrapper's step-end check): a process-local list, empty unless a wrapper is active."""
+
+
+def on_step_end(hook: Callable[[int], None]) -> Callable[[], None]:
+    """Call ``hook(step)`` after every `StepReporter.report` of this process (it may raise to
+    leave the step loop); returns the function that removes it."""
+    _step_hooks.append(hook)
+
+    def remove() -> None:
+        if hook in _step_hooks:
+            _step_hooks.remove(hook)
+
+    return remove
 
 # step, wall time, busy seconds so far, first step, its time, data-wait and checkpoint seconds
 _RECORD = struct.Struct("<qddqddd")
@@ -47,6 +64,7 @@ class StepReporter:
         self._first: tuple[int, float] | None = None
         self._data = 0.0
         self._ckpt = 0.0
+        self._round = os.environ.get(ENV_RDZV_ROUND, "")
 
     def report(
         self,
@@ -66,8 +84,16 @@ class StepReporter:
         ``data_s`` and ``checkpoint_s``: how long this step waited for its input and was blocked
         in a checkpoint save; the node's step time is then broken down into data wait,
         checkpoint and compute (the rest) in `dlrover status` and the metrics."""
-        if self._fd < 0:
-            return
+        if self._fd >= 0:
+            self._write(step, busy_s, data_s, checkpoint_s)
+        if _step_hooks:
+            for hook in list(_step_hooks):
+                hook(step)
+
+    def _write(self, step: int, busy_s: float | None, data_s: float, checkpoint_s: float) -> None:
+        rdzv_round = os.environ.get(ENV_RDZV_ROUND, "")
+        if rdzv_round != self._round:  # this process went on into a new round (in-process)
+            self._round, self._first = rdzv_round, None
         if busy_s is None:
             self._busy = time.process_time()
         else:
