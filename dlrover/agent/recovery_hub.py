@@ -183,7 +183,9 @@ class RecoveryHub:
                     if isinstance(message, Hello):
                         link = _Link(conn, message)
                         self._links[message.local_rank] = link
-                        logger.info("local rank %d (pid %d) recovers in-process", link.local_rank, link.pid)
+                        logger.info(
+                            "local rank %d (pid %d) recovers in-process", link.local_rank, link.pid
+                        )
                     elif isinstance(message, Parked) and link is not None:
                         link.parked = message.error or "parked"
                     self._cond.notify_all()

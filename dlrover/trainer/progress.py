@@ -26,6 +26,7 @@ def on_step_end(hook: Callable[[int], None]) -> Callable[[], None]:
 
     return remove
 
+
 # step, wall time, busy seconds so far, first step, its time, data-wait and checkpoint seconds
 _RECORD = struct.Struct("<qddqddd")
 _OLD_RECORD = struct.Struct("<qdd")  # without the first step (an older writer)

@@ -77,7 +77,8 @@ def test_survivors_keep_their_processes_through_random_kills(tmp_path: Path, ora
     at = sorted(rng.sample(range(2, 19), 3))
     ranks = [rng.randrange(2) for _ in at]
     faults = ";".join(
-        f"kill:rank={r}:step={s}:restart={i}" for i, (r, s) in enumerate(zip(ranks, at, strict=True))
+        f"kill:rank={r}:step={s}:restart={i}"
+        for i, (r, s) in enumerate(zip(ranks, at, strict=True))
     )
     out = run(tmp_path, "killed", 20, faults)
     assert final(out) == oracle, f"seed {seed}: {faults}"
