@@ -255,7 +255,8 @@ def main() -> None:
     p.add_argument(
         "--only",
         default="kill,early,node,goodput",
-        help="sections to run: kill (steady state), early (kill at the 3rd step), node, goodput",
+        help="sections to run: kill (steady state), early (kill at the 3rd step), node, goodput, "
+        "compiled (a torch.compile'd transformer: restart vs in-process; not in the default)",
     )
     p.add_argument("--timeout", type=float, default=60.0, help="seconds a run may take to recover")
     p.add_argument("--step-time", type=float, default=0.05, help="simulated compute per step (s)")
@@ -291,6 +292,11 @@ def main() -> None:
 
             sizes = ["1:2"] if a.quick else ["1:2", "2:2"]
             parts.append(node_loss(reps, a.timeout, a.step_time, root, sizes, not a.quick))
+            print(f"  ({time.monotonic() - started:.0f} s so far)", flush=True)
+        if "compiled" in sections:
+            from recovery_compiled import compiled_kill
+
+            parts.append(compiled_kill(reps, max(a.timeout, 180.0), root))
             print(f"  ({time.monotonic() - started:.0f} s so far)", flush=True)
         if "goodput" in sections:
             from recovery_goodput import goodput

@@ -126,7 +126,7 @@ class Job:
         for pid in pids:  # dlrover workers live in sessions of their own
             try:
                 proc = psutil.Process(pid)
-                if any("recovery_train.py" in part for part in proc.cmdline()):
+                if any("recovery_train" in part for part in proc.cmdline()):
                     proc.kill()
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 pass

@@ -8,6 +8,9 @@ from enum import Enum
 class FailureAction(Enum):
     """What a controller does about a failure (the restart ladder, cheapest first)."""
 
+    RECOVER_IN_PROCESS = "recover_in_process"
+    """Replace only the failed worker; the others leave the failed step in their processes and
+    join the re-formed world (a script wrapped in `dlrover.trainer.torch.inprocess.Wrapper`)."""
     RESTART_PROCESSES = "restart_processes"
     """Stop this node's workers, re-form the world, start them again on the same node."""
     RELAUNCH_NODE = "relaunch_node"

@@ -20,7 +20,14 @@ def test_a_failure_free_job_is_startup_then_productive_then_idle() -> None:
     s = g.snapshot(100.0)  # the end freezes the totals
     assert s.elapsed_s == 17.0 and s.steps == 11
     assert s.productive_s == pytest.approx(10.0)
-    assert s.badput_s == {"startup": 5.0, "restart": 0.0, "rollback": 0.0, "idle": 2.0}
+    assert s.badput_s == {
+        "startup": 5.0,
+        "restart": 0.0,
+        "in_process": 0.0,
+        "relaunch": 0.0,
+        "rollback": 0.0,
+        "idle": 2.0,
+    }
     assert s.ratio == pytest.approx(10 / 17)
     assert s.step_s == pytest.approx(1.0)
 
@@ -45,6 +52,37 @@ def test_a_restart_counts_the_gap_as_restart_and_redone_steps_as_rollback() -> N
     assert s.badput_s["rollback"] == pytest.approx(2.0)
     assert s.recoveries_s == pytest.approx((8.0,))  # last progress 11 -> past step 11 at 19
     assert s.ratio == pytest.approx(12.0 / 19.0)
+
+
+def test_each_recovery_s_gap_goes_to_the_bucket_of_how_it_was_recovered() -> None:
+    """In-process recovery, then a restart in place, then a relaunch after an in-process
+    recovery before the same round (the costliest counts), then a re-form without failure."""
+    g = GoodputTracker(now=0.0)
+    g.on_round(0.0, 1)
+    g.on_step(0.0, 1, 0)
+    t, step = 0.0, 0
+    for rnd, (actions, gap) in enumerate(
+        [
+            (["recover_in_process"], 0.5),
+            (["restart_processes"], 2.0),
+            (["recover_in_process", "relaunch_node"], 30.0),
+            ([], 4.0),
+        ],
+        start=2,
+    ):
+        step += 5
+        t += 5.0
+        g.on_step(t, rnd - 1, step)
+        for action in actions:
+            g.on_failure(action)
+        g.on_round(t, rnd)
+        t += gap
+        g.on_step(t, rnd, step + 1)
+        step += 1
+    s = g.snapshot(t)
+    assert s.badput_s["in_process"] == pytest.approx(0.5)
+    assert s.badput_s["restart"] == pytest.approx(2.0 + 4.0)
+    assert s.badput_s["relaunch"] == pytest.approx(30.0)
 
 
 def test_a_span_that_redoes_and_goes_past_is_split_by_steps() -> None:

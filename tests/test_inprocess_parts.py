@@ -15,7 +15,8 @@ import pytest
 from dlrover.agent.config import AgentConfig
 from dlrover.agent.launch_plan import AttemptContext, plan_launch
 from dlrover.agent.recovery_hub import RecoveryHub
-from dlrover.api.master import CommWorld
+from dlrover.api.master import CommWorld, FailureClass, FailureRecord
+from dlrover.cli.status_view import recovery_line
 from dlrover.json_messages import MessageError
 from dlrover.recovery_channel import (
     Abort,
@@ -49,6 +50,18 @@ def test_env_changes_set_what_differs_and_clear_what_is_gone() -> None:
         "MASTER_PORT": "5",
         "DLROVER_RECOVERY_JOIN": "",
     }
+
+
+def test_status_counts_the_job_s_recoveries_by_kind() -> None:
+    def failure(action: str) -> FailureRecord:
+        return FailureRecord(0.0, "n0", FailureClass.SIGNAL, action, "rank 1 signal SIGKILL", 1)
+
+    assert recovery_line(()) == ""
+    actions = ["recover_in_process", "restart_processes", "recover_in_process", "fail"]
+    assert recovery_line(tuple(map(failure, actions))) == (
+        "recoveries: 2 in-process (survivors kept their processes), 1 restart in place "
+        "(dlrover diagnose lists each)"
+    )
 
 
 def _plan(active: set[int] | None, node_rank: int = 1):

@@ -587,7 +587,7 @@ class ElasticAgent:
             return False
         self._history.append(verdict.signature)
         self.restart_count += 1
-        self._report_failure(verdict)
+        self._report_failure(verdict, FailureAction.RECOVER_IN_PROCESS)
         failed = sorted(lr for lr in range(len(plan.launches)) if plan.launches[lr].rank in exits)
         logger.warning(
             "replacing failed rank(s) %s; the other workers stay in their processes: %s\n%s",
@@ -613,7 +613,7 @@ class ElasticAgent:
             time.time(),
             self.node_id,
             FailureClass.HANG,
-            FailureAction.RESTART_PROCESSES.value,
+            FailureAction.RECOVER_IN_PROCESS.value,
             f"a collective failed with no failure in the job: {why}"[:4000],
             self.restart_count,
         )

@@ -220,6 +220,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add(
         p,
+        "--release-timeout",
+        type=float,
+        default=c.DEFAULT_RELEASE_TIMEOUT_S,
+        help="In-process recovery (a training function wrapped in "
+        "dlrover.trainer.torch.inprocess.Wrapper): seconds a surviving worker gets to leave its "
+        "failed step after a failure elsewhere; one that does not is restarted. Default 30.",
+    )
+    _add(
+        p,
         "--master-lost-timeout",
         type=float,
         default=c.DEFAULT_MASTER_LOST_TIMEOUT_S,
@@ -325,6 +334,8 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         raise ValueError(
             f"--exit-hang-timeout {args.exit_hang_timeout}: must be >= 0 (0 turns it off)"
         )
+    if args.release_timeout <= 0:
+        raise ValueError(f"--release-timeout {args.release_timeout}: must be > 0")
     if args.master_lost_timeout < 0:
         raise ValueError(
             f"--master-lost-timeout {args.master_lost_timeout}: must be >= 0 (0 turns it off)"
@@ -389,6 +400,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         stop_grace_s=args.shutdown_timeout,
         hang_timeout_s=args.hang_timeout,
         exit_hang_timeout_s=args.exit_hang_timeout,
+        release_timeout_s=args.release_timeout,
         master_lost_timeout_s=args.master_lost_timeout,
         hang_warning_timeout_s=args.hang_warning_timeout,
         node_check=args.node_check,

@@ -126,6 +126,23 @@ def failure_lines(failures: tuple[FailureRecord, ...], full: bool = False) -> li
     return lines
 
 
+_RECOVERY_WORDS = (
+    ("recover_in_process", "in-process (survivors kept their processes)"),
+    ("restart_processes", "restart in place"),
+    ("relaunch_node", "node relaunch"),
+)
+
+
+def recovery_line(failures: tuple[FailureRecord, ...]) -> str:
+    """How the job's failures were recovered, counted by kind ("" without failures), e.g.
+    ``recoveries: 2 in-process (survivors kept their processes), 1 restart in place``."""
+    counts = [
+        (sum(f.action == action for f in failures), words) for action, words in _RECOVERY_WORDS
+    ]
+    parts = [f"{n} {words}" for n, words in counts if n]
+    return f"recoveries: {', '.join(parts)} (dlrover diagnose lists each)" if parts else ""
+
+
 def plan_lines(name: str) -> list[str]:
     """The auto-scaler's plans as `dlrover diagnose` lists them: an ended job's every plan
     acted on, a running job's latest plan; [] for none (or a master that does not answer)."""
@@ -177,7 +194,8 @@ def status_text(name: str) -> tuple[str, bool]:
     try:
         host = record.master_addr.rsplit(":", 1)[0]
         text = status_table(client.get_job_status(), host, record.engine)
-        return text + tf_cluster_text(client), False
+        recovered = recovery_line(client.get_failures())
+        return text + (f"\n{recovered}" if recovered else "") + tf_cluster_text(client), False
     finally:
         client.close()
 

@@ -72,6 +72,7 @@ class Diagnostics:
 
     def record_failure(self, record: FailureRecord) -> None:
         """Keep a classified failure (in the state: it outlives the master) and log it."""
+        self.goodput.on_failure(record.action)
         self.event(
             "failure",
             f"{record.node_id}: {record.failure_class.value} -> {record.action}: "

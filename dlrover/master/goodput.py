@@ -8,8 +8,11 @@ reported. Every span between two such step times is put in one bucket:
 - ``rollback``: the step rose, but only re-doing steps done before a failure (from the last
   checkpoint back up to where the job had been); a span that does both is split by steps;
 - ``startup``: from the master's start to the first step of the first round;
-- ``restart``: from the last step seen in a round until the first step of the next one (the
-  failure, the re-form, the workers' start and their checkpoint load);
+- ``restart``, ``in_process``, ``relaunch``: from the last step seen in a round until the first
+  step of the next one (the failure, the re-form, the workers' start and their checkpoint
+  load), by how the failures before that round were recovered (the costliest of them): workers
+  restarted in place, survivors kept in their processes, or a node relaunched; a re-form with
+  no failure (a node joining) is ``restart``;
 - ``idle``: after the last step, until the job ended (exit barrier, teardown).
 
 goodput = productive / elapsed since the master started. A span's steps are spread evenly over
@@ -28,8 +31,12 @@ from dlrover.api.master import HeartbeatReport
 _CLOCK_SLACK_S = 0.5
 """Step times come from the agents' clocks as ages; this much disagreement is tolerated."""
 
-REASONS = ("startup", "restart", "rollback", "idle")
+REASONS = ("startup", "restart", "in_process", "relaunch", "rollback", "idle")
 """The badput buckets (see the module)."""
+_RECOVERY_KINDS = {"recover_in_process": "in_process", "relaunch_node": "relaunch"}
+"""A failure's action -> its recovery's bucket (any other action: ``restart``)."""
+_COST = ("in_process", "restart", "relaunch")
+"""Recovery buckets, cheapest first: a round after several failures counts as the costliest."""
 HISTORY_EVERY_S = 5.0
 HISTORY_POINTS = 720
 """The goodput chart keeps a point every 5 s for the last hour."""
@@ -98,9 +105,21 @@ class GoodputTracker:
         """When the last round's progress stopped (a restart's start), until progress resumes
         past the old highest step."""
         self._recoveries: list[float] = []
+        self._kind = ""
+        """How the failures since the last round were recovered ("": no failure)."""
+        self._round_kind = "restart"
+        """The bucket of the current round's restart span."""
         self._step_s = 0.0
         self._history: deque[tuple[float, float]] = deque(maxlen=HISTORY_POINTS)
         self._next_sample = now
+
+    def on_failure(self, action: str) -> None:
+        """A failure was recovered by ``action`` (a `FailureAction` value): the next round's
+        restart span goes to its bucket (the costliest of the failures before that round)."""
+        kind = _RECOVERY_KINDS.get(action, "restart")
+        with self._lock:
+            if not self._kind or _COST.index(kind) > _COST.index(self._kind):
+                self._kind = kind
 
     def on_round(self, now: float, round: int, resumed: bool = False) -> None:
         """A rendezvous round formed: the span since the last step was a start-up or restart.
@@ -117,6 +136,7 @@ class GoodputTracker:
             self._round = round
             self._round_at = now
             self._resumed = resumed
+            self._round_kind, self._kind = self._kind or "restart", ""
             self._step = -1
 
     def on_step(self, now: float, round: int, step: int) -> None:
@@ -137,7 +157,7 @@ class GoodputTracker:
                     self._resume_from(sample, first_t, latest_t)
             if self._step < 0:  # the round's first report: until its first step, it started
                 span = max(0.0, first_t - self._last_t)
-                self._badput["startup" if self._max < 0 else "restart"] += span
+                self._badput["startup" if self._max < 0 else self._round_kind] += span
                 self._last_t = max(self._last_t, first_t)
                 self._reach(sample.first_step, first_t)
             self._advance(latest_t, sample.step)

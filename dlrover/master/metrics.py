@@ -27,7 +27,7 @@ from dlrover.master.nodes import ALIVE_STATES, NodeState
 from dlrover.master.roles import RoleNode
 
 _RECOVERY_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
-_RESTART_ACTIONS = ("restart_processes", "relaunch_node")
+_RESTART_ACTIONS = ("recover_in_process", "restart_processes", "relaunch_node")
 
 
 class JobCollector(Collector):

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.e2e
 
 
 def run(tmp: Path, name: str, steps: int, faults: str = "", *extra: str) -> Path:
-    """``dlrover-run --standalone`` with 2 ranks; the output prefix."""
+    """``dlrover-run --standalone`` with 2 ranks; the output prefix (its log: ``<out>.log``)."""
     out = tmp / name
     r = dlrover_run(
         [
@@ -43,6 +43,7 @@ def run(tmp: Path, name: str, steps: int, faults: str = "", *extra: str) -> Path
         timeout=240,
     )
     assert r.returncode == 0, r.stderr[-6000:]
+    Path(f"{out}.log").write_text(r.stderr)
     return out
 
 
@@ -96,6 +97,8 @@ def test_survivors_keep_their_processes_through_random_kills(tmp_path: Path, ora
     # Nobody went back further than the step the kill hit: each kill at step s resumes at s.
     assert sorted({s for _, _, s, *_ in resumed}) == at, (seed, faults, seen)
     assert [s for s, _, _ in steps(out)] == list(range(1, 21)), (seed, faults)
+    # Each failure is recorded once, as recovered in-process (`dlrover diagnose`, the metrics).
+    assert Path(f"{out}.log").read_text().count("-> recover_in_process") == 3
 
 
 def test_with_shrink_the_survivor_goes_on_at_once_and_the_replacement_joins_later(
