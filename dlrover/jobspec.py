@@ -136,6 +136,10 @@ class JobSpec:
     hang_timeout_s: float = 0.0
     """Workers with no step reported for this long count as hung and restart (the agent's
     ``--hang-timeout``); 0: off, as in dlrover-run."""
+    spares: int = 0
+    """Hot spare nodes launched beyond max nodes: each registers, warms its zygote and waits;
+    a lost node's place is taken by a spare in the next round, without a launch, and the engine
+    replaces the lost node in the background (the replacement waits as the next spare)."""
     ps: PsSpec | None = None
     """Embedding servers (role ``ps``), or None for a job of workers only."""
     tf: TfSpec | None = None
@@ -405,6 +409,7 @@ _KEYS = {
     "node_check",
     "exclude_straggler",
     "hang_timeout",
+    "spares",
     "name",
     "entrypoint",
     "args",
@@ -473,6 +478,14 @@ def job_spec_from_dict(
     hang = raw.get("hang_timeout", 0)
     if isinstance(hang, bool) or not isinstance(hang, (int, float)) or hang < 0:
         raise JobSpecError(f"hang_timeout is {hang!r}; it must be seconds >= 0 (0: off)")
+    spares = raw.get("spares", 0)
+    if isinstance(spares, bool) or not isinstance(spares, int) or spares < 0:
+        raise JobSpecError(f"spares is {spares!r}; it must be an integer >= 0")
+    if spares and (flags["auto_scale"] or raw.get("roles") or raw.get("distribution_strategy")):
+        raise JobSpecError(
+            "spares are hot spare nodes of an all-reduce job at a fixed size: not with "
+            "auto_scale or parameter-server roles"
+        )
     settings = raw.get("engine_settings") or {}
     if not isinstance(settings, Mapping):
         raise JobSpecError("engine_settings must be a mapping")
@@ -503,6 +516,7 @@ def job_spec_from_dict(
         oom_memory_factor=float(factor),
         oom_max_memory_mib=cap,
         hang_timeout_s=float(hang),
+        spares=spares,
         ps=roles if isinstance(roles, PsSpec) else None,
         tf=roles if isinstance(roles, TfSpec) else None,
         **flags,
@@ -551,6 +565,7 @@ def job_spec_from_flags(
     ps: int = 0,
     ps_replica: str = DEFAULT_PS_REPLICA,
     hang_timeout: float = 0.0,
+    spares: int = 0,
 ) -> JobSpec:
     """The same spec from CLI flags (`dlrover submit --engine ray --nnodes 2:4 train.py`);
     ``ps`` > 0 adds that many embedding servers."""
@@ -568,6 +583,7 @@ def job_spec_from_flags(
         "exclude_straggler": exclude_straggler,
         "auto_scale": auto_scale,
         "hang_timeout": hang_timeout,
+        "spares": spares,
     }
     if ps:
         raw["roles"] = {"ps": {"count": ps, "replica": ps_replica}}

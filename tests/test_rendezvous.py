@@ -91,6 +91,23 @@ def test_new_node_beyond_max_does_not_disturb_the_world():
     assert m.num_nodes_waiting("a", w.round)[0] == 0
 
 
+def test_a_node_beyond_max_is_a_hot_spare_until_a_member_is_lost_then_it_is_taken_in():
+    m, _, _ = manager(2, 2)
+    join(m, "a", 0)
+    join(m, "b", 1)
+    w = m.get_world("a", 3)
+    assert w is not None
+    join(m, "spare", 2)
+    assert m.is_spare("spare") and not m.is_spare("a")
+    m.leave("b", "lost")
+    assert not m.is_spare("spare")  # the round is broken: it is the next round's member
+    join(m, "a", 0)
+    w2 = m.get_world("a", 2)
+    assert w2 is not None and [x.node_id for x in w2.members] == ["a", "spare"]
+    join(m, "b2", 3)  # the lost node's replacement waits as the next spare
+    assert m.is_spare("b2")
+
+
 def test_ranks_are_stable_and_requested_ranks_win():
     m, _, _ = manager(3, 3)
     join(m, "x", 0, requested=2)

@@ -3,6 +3,7 @@ that the world must re-form, report the end and wait at the exit barrier."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -188,14 +189,12 @@ class RendezvousClient:
         )
         next_log = start + 10.0
         backoff = Backoff(0.01, 0.5)
+        spare = False
         while True:
             asked = time.monotonic()
+            wait_s = min(MAX_LONG_POLL_S, max(0.0, deadline - asked))
             world = while_unreachable(
-                lambda: self._master.get_comm_world(
-                    self.node_id,
-                    self.round,
-                    min(MAX_LONG_POLL_S, max(0.0, deadline - time.monotonic())),
-                ),
+                functools.partial(self._master.get_comm_world, self.node_id, self.round, wait_s),
                 deadline,
                 "wait for the rendezvous",
             )
@@ -224,6 +223,15 @@ class RendezvousClient:
             now = time.monotonic()
             if self._stop_requested.is_set():
                 raise AgentError("the master ended the job while this node waited to join")
+            if world.spare:
+                # A hot spare: the job runs at max nodes without it; it waits, its zygote
+                # warm, for as long as the job runs, and takes the next lost node's place.
+                if not spare:
+                    logger.info(
+                        "this node is a hot spare: it takes the place of the next node lost"
+                    )
+                    spare = True
+                deadline = now + cfg.join_timeout_s
             if now >= deadline:
                 raise RendezvousTimeoutError(
                     f"rendezvous round {self.round} did not complete within "
@@ -231,7 +239,7 @@ class RendezvousClient:
                     "start the missing nodes or lower --nnodes MIN (join_timeout in --rdzv-conf "
                     "sets this deadline)"
                 )
-            if now >= next_log:
+            if now >= next_log and not spare:
                 logger.info(
                     "waiting for nodes to join round %d (need %d)", self.round, cfg.min_nodes
                 )

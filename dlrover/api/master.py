@@ -144,6 +144,9 @@ class CommWorld:
     rejoin: bool = False
     """The master does not know this node to wait for the round (it restarted since the node
     joined): the node must join again."""
+    spare: bool = False
+    """Incomplete: the node waits as a hot spare (a round runs at max nodes without it); it
+    takes the place of the next node lost, without a launch."""
 
 
 @dataclass(frozen=True)

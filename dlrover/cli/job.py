@@ -193,6 +193,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="Replace stragglers: found by --node-check, or slow while training (runtime scores)",
     )
     s.add_argument(
+        "--spares",
+        type=int,
+        default=None,
+        help="Hot spare nodes beyond max nodes: they register, warm up and wait; a lost node's "
+        "place is taken by one without a launch (default 0)",
+    )
+    s.add_argument(
         "--hang-timeout",
         type=float,
         default=None,
@@ -397,6 +404,7 @@ def run(argv: Sequence[str] | None = None) -> int:
                 else args.hang_timeout,
                 engine_settings=settings,
                 ps=_ps_from_flags(spec.ps, args.ps, args.ps_replica),
+                spares=spec.spares if args.spares is None else args.spares,
             )
         else:
             if args.ps_replica is not None and not args.ps:
@@ -419,6 +427,7 @@ def run(argv: Sequence[str] | None = None) -> int:
                 ps=args.ps,
                 ps_replica=args.ps_replica or DEFAULT_PS_REPLICA,
                 hang_timeout=args.hang_timeout or 0.0,
+                spares=args.spares or 0,
             )
     except (JobSpecError, OSError) as e:
         parser.error(str(e))

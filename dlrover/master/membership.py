@@ -339,8 +339,11 @@ class Membership:
         checked."""
         world = self.get_world(node_id, 0)
         if world is None:
-            rejoin = round > 0 and self.rdzv().lost_join(node_id, round)
-            return CommWorld(round=round, complete=False, rejoin=rejoin)
+            rdzv = self.rdzv()
+            rejoin = round > 0 and rdzv.lost_join(node_id, round)
+            return CommWorld(
+                round=round, complete=False, rejoin=rejoin, spare=rdzv.is_spare(node_id)
+            )
         me = world.member(node_id)
         assert me is not None
         return CommWorld(

@@ -150,12 +150,16 @@ class NodeController:
             self.slots = int(saved["slots"])
         elif self.scaler is not None and self.scaler.horizontal:
             self.slots = self.spec.min_nodes
-        specs = [self.supervisor.current("worker", rank) for rank in range(self.slots)]
+        # Hot spares take the slots above max nodes: the rendezvous leaves them waiting while
+        # the job runs at max nodes, and takes one in when a node is lost.
+        slots = self.slots + self.spec.spares
+        specs = [self.supervisor.current("worker", rank) for rank in range(slots)]
         resumed = [s.node_id for s in specs if s.relaunch_count > 0]
         logger.info(
-            "launching %d nodes of job %s%s",
+            "launching %d nodes of job %s%s%s",
             len(specs),
             self.spec.name,
+            f" ({self.spec.spares} of them hot spares)" if self.spec.spares else "",
             f" (resumed attempts: {', '.join(resumed)})" if resumed else "",
         )
         self.engine.launch_many(specs)
@@ -321,7 +325,7 @@ class NodeController:
         logger.info("engine: %s", event)
         if event.state != NodeState.FAILED or self.job.lifecycle.ended.is_set():
             return None
-        if event.spec.rank >= self.slots:  # scaled in meanwhile: its slot is not in use
+        if event.spec.rank >= self.slots + self.spec.spares:  # scaled in meanwhile: not in use
             self.job.members.lose(event.node_id, f"{event.message or event.reason} (slot retired)")
             return None
         reason = self.supervisor.policy.loss_reason(event)

@@ -241,6 +241,15 @@ class RendezvousManager:
         with self._lock:
             return node_id in self._waiting
 
+    def is_spare(self, node_id: str) -> bool:
+        """Whether ``node_id`` waits while a whole round runs at max nodes without it: a hot
+        spare, taken in when a member is lost."""
+        with self._lock:
+            world = self._world
+            if node_id not in self._waiting or world is None or self._broken:
+                return False
+            return self.config.max_nodes - len(world.members) < self.config.node_unit
+
     def lost_join(self, node_id: str, round: int) -> bool:
         """Whether ``node_id``, which joined for ``round``, is neither waiting nor in a world of
         that round or later: its join was lost (the master restarted since) and must be

@@ -59,7 +59,10 @@ class JobStatusView:
             nodes=tuple(
                 api.NodeStatus(
                     node_id=n.node_id,
-                    state=n.state.value,
+                    # A node waiting while a round runs at max nodes without it: a hot spare.
+                    state="spare"
+                    if rendezvous is not None and rendezvous.is_spare(n.node_id)
+                    else n.state.value,
                     node_rank=n.node_rank,
                     host=n.host,
                     step=n.step,

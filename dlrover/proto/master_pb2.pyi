@@ -156,7 +156,7 @@ class GetCommWorldRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., round: _Optional[int] = ..., wait_s: _Optional[float] = ...) -> None: ...
 
 class CommWorld(_message.Message):
-    __slots__ = ("round", "complete", "node_rank", "world_size", "rank_offset", "store_host", "store_port", "excluded", "message", "rejoin", "num_nodes", "refused")
+    __slots__ = ("round", "complete", "node_rank", "world_size", "rank_offset", "store_host", "store_port", "excluded", "message", "rejoin", "num_nodes", "spare", "refused")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_FIELD_NUMBER: _ClassVar[int]
     NODE_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +168,7 @@ class CommWorld(_message.Message):
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     REJOIN_FIELD_NUMBER: _ClassVar[int]
     NUM_NODES_FIELD_NUMBER: _ClassVar[int]
+    SPARE_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
     round: int
     complete: bool
@@ -180,8 +181,9 @@ class CommWorld(_message.Message):
     message: str
     rejoin: bool
     num_nodes: int
+    spare: bool
     refused: MasterError
-    def __init__(self, round: _Optional[int] = ..., complete: _Optional[bool] = ..., node_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., rank_offset: _Optional[int] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., excluded: _Optional[bool] = ..., message: _Optional[str] = ..., rejoin: _Optional[bool] = ..., num_nodes: _Optional[int] = ..., refused: _Optional[_Union[MasterError, _Mapping]] = ...) -> None: ...
+    def __init__(self, round: _Optional[int] = ..., complete: _Optional[bool] = ..., node_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., rank_offset: _Optional[int] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., excluded: _Optional[bool] = ..., message: _Optional[str] = ..., rejoin: _Optional[bool] = ..., num_nodes: _Optional[int] = ..., spare: _Optional[bool] = ..., refused: _Optional[_Union[MasterError, _Mapping]] = ...) -> None: ...
 
 class NumNodesWaitingRequest(_message.Message):
     __slots__ = ("node_id", "round", "wait_s")

@@ -10,6 +10,7 @@ its, bit for bit.
 from __future__ import annotations
 
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -121,12 +122,11 @@ def test_with_shrink_the_survivor_goes_on_at_once_and_the_replacement_joins_late
     assert [world[s] for s in range(1, 21)] == [2] * 4 + [1] * 5 + [2] * 11, world
 
 
-def test_a_node_whose_peer_node_fails_keeps_its_process(tmp_path: Path, oracle: str):
-    """Two nodes of one worker each (`dlrover submit`, local engine): node 1's worker is
-    killed; node 0's worker leaves its failed collective and goes on in its own process once
-    node 1's replacement is up; the model is the failure-free one."""
-    home = tmp_path / "home"
-    out = tmp_path / "twonodes"
+def submit(tmp: Path, name: str, faults: str, *extra: str) -> tuple[Path, str]:
+    """``dlrover submit`` of two nodes with one worker each (local engine); the output prefix
+    and the master's log."""
+    home = tmp / "home"
+    out = tmp / name
     r = subprocess.run(
         [
             sys.executable,
@@ -134,28 +134,27 @@ def test_a_node_whose_peer_node_fails_keeps_its_process(tmp_path: Path, oracle: 
             "dlrover.cli.job",
             "submit",
             "--name",
-            "twonodes",
+            name,
             "--nnodes",
             "2",
             "--nproc-per-node",
             "1",
             "--max-restarts",
             "3",
+            *extra,
             SCRIPT,
             "--steps",
             "20",
             "--ckpt",
-            str(tmp_path / "ckpt"),
+            str(tmp / "ckpt"),
             "--out",
             str(out),
+            "--replica-count",
+            "1",
         ],
         # One thread, as the oracle's two workers on one node get: the sums inside a matmul
         # then run in the same order.
-        env=clean_env(
-            DLROVER_HOME=str(home),
-            DLROVER_FAULTS="kill:rank=1:step=7:restart=0",
-            OMP_NUM_THREADS="1",
-        ),
+        env=clean_env(DLROVER_HOME=str(home), DLROVER_FAULTS=faults, OMP_NUM_THREADS="1"),
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -165,9 +164,42 @@ def test_a_node_whose_peer_node_fails_keeps_its_process(tmp_path: Path, oracle: 
         logs = sorted((home / "jobs").glob("*/nodes/*/std*"))
         shown = "\n".join(f"==== {p}\n{p.read_text()[-3000:]}" for p in logs)
         raise AssertionError(f"{r.stdout}\n{r.stderr}\n{shown}")
+    return out, r.stdout + r.stderr
+
+
+def test_a_node_whose_peer_node_fails_keeps_its_process(tmp_path: Path, oracle: str):
+    """Two nodes of one worker each (`dlrover submit`, local engine): node 1's worker is
+    killed; node 0's worker leaves its failed collective and goes on in its own process once
+    node 1's replacement is up; the model is the failure-free one."""
+    out, _ = submit(tmp_path, "twonodes", "kill:rank=1:step=7:restart=0")
     assert final(out) == oracle
 
     seen = entries(out)
     node0 = [pid for rank, pid, *_ in seen if rank == 0]
     assert len(node0) == 2 and node0[0] == node0[1], seen
     assert [s for rank, _, s, *_ in seen if rank == 0] == [1, 7], seen
+
+
+def test_a_hot_spare_takes_a_lost_node_s_place_without_a_launch(tmp_path: Path, oracle: str):
+    """``--spares 1``: three nodes launched for a job of two; the one left out waits. Node 1's
+    machine is lost at step 7 (agent, memory and worker gone): the next round takes the spare
+    before the lost node's replacement has even registered, the survivor keeps its process,
+    the spare loads step 6 from the survivor's memory, and the model is the failure-free one."""
+    out, log = submit(
+        tmp_path, "spares", f"lose_node:rank=1:step=7:once={tmp_path / 'once'}", "--spares", "1"
+    )
+    assert final(out) == oracle
+
+    closed = re.findall(r"(\d\d:\d\d:\d\d\.\d+) .*round (\d+) closed .*: (.*)", log)
+    first = {m.split("=")[0] for m in closed[0][2].split(", ")}
+    second = {m.split("=")[0] for m in closed[1][2].split(", ")}
+    (spare,) = second - first  # the round after the loss took a node of the first launch
+    assert spare.endswith("-0"), closed
+    replacement = re.search(r"(\d\d:\d\d:\d\d\.\d+) .*node (\S+-1): registered", log)
+    assert replacement is not None, log[-4000:]
+    assert closed[1][0] < replacement[1], (closed, replacement[0])  # no launch waited for
+
+    seen = entries(out)
+    survivor = [pid for rank, pid, *_ in seen if rank == 0]
+    assert len(survivor) == 2 and survivor[0] == survivor[1], seen
+    assert [(s, src) for rank, _, s, src, _ in seen if rank == 1][-1] == (7, "memory"), seen

@@ -106,6 +106,8 @@ def test_node_spec_carries_master_address_and_token() -> None:
         ({"resources": {"memory": "lots"}}, "'lots' is not a size"),
         ({"epochs": 3}, "unknown keys \\['epochs'\\]"),
         ({"hang_timeout": -1}, "hang_timeout is -1; it must be seconds >= 0"),
+        ({"spares": -1}, "spares is -1; it must be an integer >= 0"),
+        ({"spares": 1, "auto_scale": True}, "spares are hot spare nodes .* not with auto_scale"),
     ],
 )
 def test_bad_spec_gets_one_clear_error(change: dict[str, object], message: str) -> None:

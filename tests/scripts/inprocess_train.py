@@ -65,6 +65,7 @@ def main() -> None:
     p.add_argument("--compile", default="aot_eager", help="torch.compile backend, or none")
     p.add_argument("--step-time", type=float, default=0.0, help="simulated compute per step")
     p.add_argument("--shrink", action="store_true", help="go on without a failed local rank")
+    p.add_argument("--replica-count", type=int, default=0, help="DdpCheckpointer replica_count")
     p.add_argument(
         "--hold-shrunk-at",
         type=int,
@@ -77,7 +78,7 @@ def main() -> None:
     model = TinyTransformer(a.layers)
     net = model if a.compile == "none" else torch.compile(model, backend=a.compile)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ckpt = DdpCheckpointer(a.ckpt)
+    ckpt = DdpCheckpointer(a.ckpt, replica_count=a.replica_count)
     progress = StepReporter()
 
     def warmup() -> None:  # a replacement compiles before it joins the others
