@@ -136,6 +136,9 @@ class JobSpec:
     hang_timeout_s: float = 0.0
     """Workers with no step reported for this long count as hung and restart (the agent's
     ``--hang-timeout``); 0: off, as in dlrover-run."""
+    compile_cache: str = ""
+    """A folder every node reaches (a shared filesystem) for the workers' compile caches (each
+    agent's ``--compile-cache``): a replacement on a fresh machine compiles from it."""
     spares: int = 0
     """Hot spare nodes launched beyond max nodes: each registers, warms its zygote and waits;
     a lost node's place is taken by a spare in the next round, without a launch, and the engine
@@ -161,6 +164,7 @@ class JobSpec:
             *(["--node-check"] if self.node_check else []),
             *(["--exclude-straggler"] if self.node_check and self.exclude_straggler else []),
             *([f"--hang-timeout={self.hang_timeout_s:g}"] if self.hang_timeout_s else []),
+            *([f"--compile-cache={self.compile_cache}"] if self.compile_cache else []),
             self.entrypoint,
             *self.args,
         )
@@ -410,6 +414,7 @@ _KEYS = {
     "exclude_straggler",
     "hang_timeout",
     "spares",
+    "compile_cache",
     "name",
     "entrypoint",
     "args",
@@ -517,6 +522,7 @@ def job_spec_from_dict(
         oom_max_memory_mib=cap,
         hang_timeout_s=float(hang),
         spares=spares,
+        compile_cache=str(raw.get("compile_cache") or ""),
         ps=roles if isinstance(roles, PsSpec) else None,
         tf=roles if isinstance(roles, TfSpec) else None,
         **flags,
@@ -566,6 +572,7 @@ def job_spec_from_flags(
     ps_replica: str = DEFAULT_PS_REPLICA,
     hang_timeout: float = 0.0,
     spares: int = 0,
+    compile_cache: str = "",
 ) -> JobSpec:
     """The same spec from CLI flags (`dlrover submit --engine ray --nnodes 2:4 train.py`);
     ``ps`` > 0 adds that many embedding servers."""
@@ -584,6 +591,7 @@ def job_spec_from_flags(
         "auto_scale": auto_scale,
         "hang_timeout": hang_timeout,
         "spares": spares,
+        "compile_cache": compile_cache,
     }
     if ps:
         raw["roles"] = {"ps": {"count": ps, "replica": ps_replica}}

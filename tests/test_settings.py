@@ -52,3 +52,16 @@ def test_the_sharding_settings_are_read_together():
     assert ShardingEnv.from_env(env) == ShardingEnv(5, 1.5)
     with pytest.raises(ValueError):
         ShardingEnv.from_env({"DLROVER_SHARD_PREFETCH": "many"})
+
+
+def test_script_arguments_that_abbreviate_a_flag_stay_the_script_s() -> None:
+    """torchrun's rule: everything after the script is the script's, even ``--max 3`` (a
+    prefix of --max-restarts and --max_restarts) or ``--compile x`` (of --compile-cache)."""
+    from dlrover.cli.job import build_parser as job_parser
+    from dlrover.cli.run import build_parser as run_parser
+
+    args = run_parser().parse_args(["--standalone", "train.py", "--max", "3", "--compile", "x"])
+    assert args.training_script_args == ["--max", "3", "--compile", "x"]
+    assert args.max_restarts == 0 and args.compile_cache == ""
+    job = job_parser().parse_args(["submit", "train.py", "--max", "3", "--compile", "x"])
+    assert job.args == ["--max", "3", "--compile", "x"] and job.compile_cache is None

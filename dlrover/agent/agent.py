@@ -15,7 +15,6 @@ import shutil
 import signal
 import socket
 import sys
-import tempfile
 import time
 from typing import Any, Protocol
 
@@ -30,7 +29,7 @@ from dlrover.agent.failure_policy import (
 )
 from dlrover.agent.failures import Judgement, judge
 from dlrover.agent.heartbeat import Heartbeat
-from dlrover.agent.launch_plan import AttemptContext, LaunchPlan, plan_launch
+from dlrover.agent.launch_plan import AttemptContext, LaunchPlan, compile_cache_env, plan_launch
 from dlrover.agent.monitor import MonitorSignals, Outcome, WorkerMonitor, describe_exit
 from dlrover.agent.node_check import EXIT_EXCLUDED, CheckOutcome, CheckSettings, NodeChecker
 from dlrover.agent.recovery_hub import RecoveryHub
@@ -51,7 +50,7 @@ from dlrover.api.master import (
     NodeOutcome,
 )
 from dlrover.checkpoint.config import CheckpointEnv
-from dlrover.checkpoint.leftovers import OwnerLock, owner_prefix, sweep
+from dlrover.checkpoint.leftovers import OwnerLock, owner_prefix, runtime_dir, sweep
 from dlrover.client.checkpoint import MasterCommitCoordinator, MasterPeerDirectory
 from dlrover.constants import (
     DEFAULT_JOB_NAME,
@@ -272,11 +271,15 @@ class ElasticAgent:
         # an operator can tell whose they are, and the next agent's sweep whether the owner died.
         prefix = owner_prefix(self.run_id, self.node_id or "node", os.getpid())
         self._owner_lock = OwnerLock(prefix, settings.shm_dir)
-        self._run_dir = os.path.join(tempfile.gettempdir(), f"{prefix}.agent")
+        self._run_dir = os.path.join(runtime_dir(), f"{prefix}.agent")
         os.makedirs(self._run_dir, mode=0o700, exist_ok=True)
         self._start_saver(f"{prefix}.ckpt", settings)
         self._hub = RecoveryHub(os.path.join(self._run_dir, "recovery.sock"))
         self._heartbeat.start()
+        if self.config.compile_cache:
+            # Before the zygote starts: torch reads some of them as it is imported.
+            for name, value in compile_cache_env(self.config.compile_cache).items():
+                os.environ.setdefault(name, value)
         self._begin_zygote_now()
 
     def _judge(

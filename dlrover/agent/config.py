@@ -88,3 +88,7 @@ class AgentConfig:
     release_timeout_s: float = c.DEFAULT_RELEASE_TIMEOUT_S
     """In-process recovery: how long a surviving worker gets to leave its collective and park
     after a failure; one that does not is restarted instead."""
+    compile_cache: str = ""
+    """A folder every node of the job reaches (a shared filesystem): the workers' inductor and
+    Triton caches live there (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR), so a replacement on
+    a fresh machine compiles from the job's cache; "": torch's default (the machine's own)."""

@@ -26,6 +26,20 @@ from dlrover.constants import (
 )
 
 
+def compile_cache_env(folder: str) -> dict[str, str]:
+    """The variables that put a worker's compile caches under ``folder`` (``--compile-cache``):
+    inductor's (its FX graph and AOTAutograd caches too) and Triton's. Precompiled C++ headers
+    are off: torch keeps them in the machine's temp folder, whatever the cache folder, and names
+    them in each kernel's cache key, so with them a fresh machine missed the shared cache and
+    compiled again (12.0 s instead of 3.0 s for a small transformer's first step here; without
+    them 4.4 s, while a cold compile takes 58 s instead of 25 s)."""
+    return {
+        "TORCHINDUCTOR_CACHE_DIR": os.path.join(folder, "inductor"),
+        "TRITON_CACHE_DIR": os.path.join(folder, "triton"),
+        "TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS": "0",
+    }
+
+
 @dataclass(frozen=True)
 class WorkerFiles:
     """Where one worker leaves what the agent reads: its steps, stacks, clean finish, error."""
@@ -142,6 +156,10 @@ def plan_launch(
             node_id=ctx.node_id,
             rdzv_round=world.round,
         )
+        if config.compile_cache:
+            # The job's shared compile cache, unless the user set these variables themselves.
+            for name, value in compile_cache_env(config.compile_cache).items():
+                env.setdefault(name, value)
         env[ENV_STEP_FILE] = wf.step_file
         env[ENV_STACK_FILE] = wf.stack_file
         env[ENV_AGENT_PID] = str(ctx.agent_pid)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import tempfile
 import threading
 import uuid
 from collections.abc import Callable
@@ -28,7 +27,7 @@ from dlrover.checkpoint.config import (
 from dlrover.checkpoint.errors import CheckpointError, CheckpointStorageError, SegmentStateError
 from dlrover.checkpoint.formats import CheckpointFormat, format_named
 from dlrover.checkpoint.layout import Layout, plan_layout, read_state, write_state
-from dlrover.checkpoint.leftovers import owner_prefix
+from dlrover.checkpoint.leftovers import owner_prefix, runtime_dir
 from dlrover.checkpoint.peer_load import load_from_peer
 from dlrover.checkpoint.saver import CheckpointSaver
 from dlrover.checkpoint.saver_messages import (
@@ -444,7 +443,7 @@ class CheckpointEngine:
             os.environ.get(ENV_JOB_NAME, "local"), f"rank{self.place.rank}", os.getpid()
         )
         prefix = f"{prefix}.{uuid.uuid4().hex[:8]}"
-        path = os.path.join(tempfile.gettempdir(), f"{prefix}.sock")
+        path = os.path.join(runtime_dir(), f"{prefix}.sock")
         settings = CheckpointEnv.from_env()
         saver = CheckpointSaver(
             path,

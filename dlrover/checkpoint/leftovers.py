@@ -42,6 +42,21 @@ def label(text: str) -> str:
     return _LABEL_BAD.sub("_", text)[:MAX_LABEL] or "_"
 
 
+_SOCKET_PATH_MAX = 107
+"""A unix socket's path holds 108 bytes with its terminating NUL (Linux)."""
+
+
+def runtime_dir() -> str:
+    """Where a process keeps its sockets and temp folders: the temp folder (TMPDIR), or /tmp
+    where the temp folder's path leaves no room for a socket under an owner-named folder (a
+    deep TMPDIR made ``bind`` fail with 'AF_UNIX path too long')."""
+    tmp = tempfile.gettempdir()
+    longest = len(NAME_PREFIX) + 2 * MAX_LABEL + 32  # prefix, job, node, pid, a socket's name
+    if len(tmp) + 1 + longest <= _SOCKET_PATH_MAX or not os.access("/tmp", os.W_OK | os.X_OK):
+        return tmp
+    return "/tmp"
+
+
 def owner_prefix(job: str, node: str, pid: int) -> str:
     """``dlrover.<job>.<node>.<pid>``: what every segment, lock and temp folder of the process
     ``pid`` (an agent, or a trainer's in-process saver) serving ``node`` of ``job`` starts with."""
@@ -174,7 +189,7 @@ def sweep(
     job or another, is never touched. ``spill_dir``: where savers put buffers that did not fit
     in ``shm_dir`` (owner locks stay in ``shm_dir``). Without ``job``, also the old release's
     temp folders (``dlrover_agent_*``, no owner in the name) once idle for a day."""
-    tmp_dir = tmp_dir or tempfile.gettempdir()
+    tmp_dir = tmp_dir or runtime_dir()
     groups: dict[str, list[str]] = {}
     owners: dict[str, int] = {}
     folders = (shm_dir, tmp_dir) if spill_dir is None else (shm_dir, tmp_dir, spill_dir)

@@ -160,10 +160,15 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``dlrover`` command line: ``submit``, ``status``, ``logs``, ``diagnose``, ``stop``,
     ``scale``."""
     p = argparse.ArgumentParser(
-        prog="dlrover", description="Submit, inspect and stop DLRover jobs."
+        prog="dlrover", description="Submit, inspect and stop DLRover jobs.", allow_abbrev=False
     )
     sub = p.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("submit", help="Run a job: a YAML job spec, or flags and an entry point.")
+    # No abbreviations: a script argument that abbreviates a flag would be refused as ambiguous.
+    s = sub.add_parser(
+        "submit",
+        help="Run a job: a YAML job spec, or flags and an entry point.",
+        allow_abbrev=False,
+    )
     s.add_argument(
         "spec_or_entrypoint", help="job.yaml, or the training script when flags describe the job"
     )
@@ -191,6 +196,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--exclude-straggler",
         action="store_true",
         help="Replace stragglers: found by --node-check, or slow while training (runtime scores)",
+    )
+    s.add_argument(
+        "--compile-cache",
+        default=None,
+        metavar="DIR",
+        help="A folder every node reaches (a shared filesystem) for the workers' compile caches "
+        "(each agent's --compile-cache)",
     )
     s.add_argument(
         "--spares",
@@ -405,6 +417,9 @@ def run(argv: Sequence[str] | None = None) -> int:
                 engine_settings=settings,
                 ps=_ps_from_flags(spec.ps, args.ps, args.ps_replica),
                 spares=spec.spares if args.spares is None else args.spares,
+                compile_cache=spec.compile_cache
+                if args.compile_cache is None
+                else args.compile_cache,
             )
         else:
             if args.ps_replica is not None and not args.ps:
@@ -428,6 +443,7 @@ def run(argv: Sequence[str] | None = None) -> int:
                 ps_replica=args.ps_replica or DEFAULT_PS_REPLICA,
                 hang_timeout=args.hang_timeout or 0.0,
                 spares=args.spares or 0,
+                compile_cache=args.compile_cache or "",
             )
     except (JobSpecError, OSError) as e:
         parser.error(str(e))

@@ -40,8 +40,11 @@ def _add(p: argparse.ArgumentParser, name: str, **kw: object) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The ``dlrover-run`` command line: torchrun's flags (dash and underscore spellings) and
     DLRover's own."""
+    # No abbreviations: a script argument after the script (``--compile inductor``) that
+    # abbreviates one of these flags would otherwise be refused as ambiguous.
     p = argparse.ArgumentParser(
         prog="dlrover-run",
+        allow_abbrev=False,
         description="Launch a PyTorch training script on this node, like torchrun, with workers "
         "restarted in place, elastic membership and an embedded or remote DLRover master.",
     )
@@ -220,6 +223,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add(
         p,
+        "--compile-cache",
+        default="",
+        metavar="DIR",
+        help="A folder every node of the job reaches (a shared filesystem): the workers' "
+        "inductor and Triton caches live there, so a replacement on a fresh machine compiles "
+        "from the job's cache (unless TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR are set). "
+        "Default: torch's own, per machine.",
+    )
+    _add(
+        p,
         "--release-timeout",
         type=float,
         default=c.DEFAULT_RELEASE_TIMEOUT_S,
@@ -334,6 +347,13 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         raise ValueError(
             f"--exit-hang-timeout {args.exit_hang_timeout}: must be >= 0 (0 turns it off)"
         )
+    if args.compile_cache:
+        try:
+            os.makedirs(args.compile_cache, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"--compile-cache {args.compile_cache}: cannot create it: {e}") from e
+        if not os.access(args.compile_cache, os.W_OK | os.X_OK):
+            raise ValueError(f"--compile-cache {args.compile_cache}: not writable by this user")
     if args.release_timeout <= 0:
         raise ValueError(f"--release-timeout {args.release_timeout}: must be > 0")
     if args.master_lost_timeout < 0:
@@ -401,6 +421,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         hang_timeout_s=args.hang_timeout,
         exit_hang_timeout_s=args.exit_hang_timeout,
         release_timeout_s=args.release_timeout,
+        compile_cache=os.path.abspath(args.compile_cache) if args.compile_cache else "",
         master_lost_timeout_s=args.master_lost_timeout,
         hang_warning_timeout_s=args.hang_warning_timeout,
         node_check=args.node_check,

@@ -16,12 +16,11 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 
 from dlrover import constants as c
-from dlrover.checkpoint.leftovers import owner_prefix
+from dlrover.checkpoint.leftovers import owner_prefix, runtime_dir
 from dlrover.cli.common import setup_logging
 from dlrover.client.master_client import MasterClient, MasterClientError
 from dlrover.coordination import TF_ADDRESS, TF_CLUSTER
@@ -96,7 +95,7 @@ def node_tmpdir(job: str, node: str) -> str:
     function it converts and removes none of them when it is killed, which is how a ps or worker
     always ends. The chief's folder goes when its program ends; what a killed node leaves, the
     job's leftover sweep removes (its owner, this pid, is gone)."""
-    path = os.path.join(tempfile.gettempdir(), owner_prefix(job, node, os.getpid()) + ".tmp")
+    path = os.path.join(runtime_dir(), owner_prefix(job, node, os.getpid()) + ".tmp")
     os.makedirs(path, mode=0o700, exist_ok=True)
     return path
 

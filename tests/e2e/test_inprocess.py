@@ -51,7 +51,7 @@ def run(tmp: Path, name: str, steps: int, faults: str = "", *extra: str) -> Path
 def entries(out: Path) -> list[tuple[int, int, int, str, int]]:
     """(rank, pid, first step, loaded from, recoveries) of every entry of the function."""
     rows = (line.split() for line in Path(f"{out}.entries").read_text().splitlines())
-    return [(int(r), int(p), int(s), src, int(n)) for r, p, s, src, n in rows]
+    return [(int(r), int(p), int(s), src, int(n)) for r, p, s, src, n, _ in rows]
 
 
 def steps(out: Path) -> list[tuple[int, float, int]]:
@@ -120,6 +120,55 @@ def test_with_shrink_the_survivor_goes_on_at_once_and_the_replacement_joins_late
     assert [s for r, _, s, *_ in seen if r == 0] == [1, 5, 10], seen
     world = {s: w for s, _, w in steps(out)}
     assert [world[s] for s in range(1, 21)] == [2] * 4 + [1] * 5 + [2] * 11, world
+
+
+def first_step_s(out: Path) -> float:
+    """Seconds from rank 0's first entry of the function to its first step (the compile)."""
+    entered = float(Path(f"{out}.entries").read_text().split()[5])
+    return steps(out)[0][1] - entered
+
+
+def test_a_replacement_on_a_fresh_machine_compiles_from_the_job_s_cache(tmp_path: Path):
+    """``--compile-cache DIR``: a job on a machine whose own compile cache is empty (a fresh
+    TMPDIR, where torch keeps it by default) compiles its inductor model from the folder the
+    job shares, within 1.5x of a machine compiling from its own warm cache, while the same
+    fresh machine without the shared folder compiles from scratch."""
+    shared = tmp_path / "shared-cache"
+
+    def job(name: str, machine: str, *flags: str) -> float:
+        tmp = tmp_path / machine
+        tmp.mkdir(exist_ok=True)
+        out = tmp_path / name
+        r = dlrover_run(
+            [
+                "--standalone",
+                "--nproc-per-node=1",
+                *flags,
+                SCRIPT,
+                "--steps",
+                "2",
+                "--compile",
+                "inductor",
+                "--layers",
+                "1",  # the cold compiles cost the most of this test: the smallest model
+                "--ckpt",
+                str(tmp_path / f"{name}-ckpt"),
+                "--out",
+                str(out),
+            ],
+            env=clean_env(TMPDIR=str(tmp)),
+            timeout=300,
+        )
+        assert r.returncode == 0, r.stderr[-6000:]
+        return first_step_s(out)
+
+    job("first", "machine-a", f"--compile-cache={shared}")  # compiles into the shared cache
+    replaced = job("replacement", "machine-b", f"--compile-cache={shared}")
+    cold = job("unshared", "machine-c")  # torch's default: machine-c's own, empty cache
+    warm = job("unshared-again", "machine-c")  # machine-c's own cache, warm now
+    assert list(shared.glob("inductor/*")), "nothing was cached in the shared folder"
+    assert cold > 2 * warm, (cold, warm)  # else the cache makes no difference worth a test
+    assert replaced <= 1.5 * warm, (replaced, warm, cold)
 
 
 def submit(tmp: Path, name: str, faults: str, *extra: str) -> tuple[Path, str]:

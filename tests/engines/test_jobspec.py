@@ -81,6 +81,14 @@ def test_hang_timeout_reaches_every_agent() -> None:
     assert not any("hang" in arg for arg in job_spec_from_flags("train.py").agent_command())
 
 
+def test_a_shared_compile_cache_and_spares_reach_the_job() -> None:
+    spec = job_spec_from_dict({"entrypoint": "train.py", "compile_cache": "/nfs/cc", "spares": 2})
+    assert spec.spares == 2
+    assert spec.agent_command()[-2:] == ("--compile-cache=/nfs/cc", "train.py")
+    flags = job_spec_from_flags("train.py", compile_cache="/nfs/cc", spares=1)
+    assert "--compile-cache=/nfs/cc" in flags.agent_command() and flags.spares == 1
+
+
 def test_node_spec_carries_master_address_and_token() -> None:
     spec = job_spec_from_flags("train.py", nnodes="1:2", name="job-b", memory=1024)
     node = spec.node_spec(rank=1, master_addr="10.0.0.1:5000", token="s3cret", relaunch_count=2)

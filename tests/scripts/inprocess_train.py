@@ -7,7 +7,8 @@ summands is exact whatever its buckets). The model, optimizer and compiled graph
 once per process, outside the wrapped function; each entry of the function initialises the
 process group of the round, wraps the model in DDP and loads the newest checkpoint.
 
-Every entry appends ``<rank> <pid> <first step> <loaded from> <recoveries>`` to <out>.entries;
+Every entry appends ``<rank> <pid> <first step> <loaded from> <recoveries> <time>`` to
+<out>.entries;
 rank 0 appends each completed step (its time, the world size) to <out>.steps and the final
 SHA-256 to <out>.final.
 With ``--shrink`` a node goes on without a failed local rank, taking its batch (`data_share`):
@@ -98,7 +99,7 @@ def main() -> None:
             start = int(state["step"]) + 1
         append(
             a.out + ".entries",
-            f"{rank} {os.getpid()} {start} {ckpt.last_load_source} {recoveries()}",
+            f"{rank} {os.getpid()} {start} {ckpt.last_load_source} {recoveries()} {time.time():.6f}",
         )
         faults = FaultInjector.from_env()
         for step in range(start, a.steps + 1):
