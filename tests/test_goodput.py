@@ -33,7 +33,8 @@ def test_a_failure_free_job_is_startup_then_productive_then_idle() -> None:
 
 
 def test_a_restart_counts_the_gap_as_restart_and_redone_steps_as_rollback() -> None:
-    g = GoodputTracker(now=0.0)
+    recovered: list[tuple[int, float]] = []
+    g = GoodputTracker(now=0.0, on_recovered=lambda r, s: recovered.append((r, s)))
     g.on_round(0.0, 1)
     g.on_step(1.0, 1, 1)
     g.on_step(11.0, 1, 11)  # 10 productive seconds, steps 2..11
@@ -51,6 +52,9 @@ def test_a_restart_counts_the_gap_as_restart_and_redone_steps_as_rollback() -> N
     assert s.badput_s["restart"] == pytest.approx(4.0)
     assert s.badput_s["rollback"] == pytest.approx(2.0)
     assert s.recoveries_s == pytest.approx((8.0,))  # last progress 11 -> past step 11 at 19
+    assert g.recovery_of(2) == pytest.approx(8.0)  # what the failure before round 2 cost
+    assert recovered == [(2, pytest.approx(8.0))]  # told once (the master keeps it)
+    assert g.recovery_of(1) == 0.0
     assert s.ratio == pytest.approx(12.0 / 19.0)
 
 

@@ -16,7 +16,7 @@ from dlrover.agent.config import AgentConfig
 from dlrover.agent.launch_plan import AttemptContext, plan_launch
 from dlrover.agent.recovery_hub import RecoveryHub
 from dlrover.api.master import CommWorld, FailureClass, FailureRecord
-from dlrover.cli.status_view import recovery_line
+from dlrover.cli.status_view import failure_lines, recovery_line
 from dlrover.json_messages import MessageError
 from dlrover.recovery_channel import (
     Abort,
@@ -62,6 +62,14 @@ def test_status_counts_the_job_s_recoveries_by_kind() -> None:
         "recoveries: 2 in-process (survivors kept their processes), 1 restart in place "
         "(dlrover diagnose lists each)"
     )
+
+
+def test_diagnose_says_what_each_failure_cost() -> None:
+    record = FailureRecord(
+        0.0, "n0", FailureClass.SIGNAL, "recover_in_process", "rank 1 signal SIGKILL", 1, 3, 0.42
+    )
+    line = failure_lines((record,))[1]
+    assert line.endswith("rank 1 signal SIGKILL  (-> round 3, back 0.4s after)"), line
 
 
 def _plan(active: set[int] | None, node_rank: int = 1):

@@ -269,6 +269,9 @@ class FailureRecord:
     round: int = 0
     """The rendezvous round the failure led to: the next round formed after it (0: none yet,
     or the job ended first)."""
+    cost_s: float = 0.0
+    """What the failure cost the job: from its last progress before the failure until it went
+    past that step again (0: not back there yet); the master fills it in as it answers."""
 
 
 @dataclass(frozen=True)

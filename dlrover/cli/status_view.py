@@ -111,13 +111,16 @@ def _server_lines(status: JobStatus, servers: dict[int, NodeStatus]) -> list[str
 
 def failure_lines(failures: tuple[FailureRecord, ...], full: bool = False) -> list[str]:
     """The failures as `dlrover diagnose` lists them: a header, then one line each, ending with
-    the round the failure led to (``full``: with the whole root cause indented under it)."""
+    the round the failure led to and what it cost (the job back past its last step that long
+    after its last progress before the failure; ``full``: with the whole root cause indented
+    under it)."""
     lines = [f"{'time':<8}  {'node':<28} {'class':<12} {'action':<17} root cause"]
     for f in failures:
         cause = f.root_cause.strip() or "-"
         first = cause.splitlines()[0]
         stamp = time.strftime("%H:%M:%S", time.localtime(f.at))
-        then = f"  (-> round {f.round})" if f.round else ""
+        cost = f", back {f.cost_s:.1f}s after" if f.cost_s else ""
+        then = f"  (-> round {f.round}{cost})" if f.round else ""
         lines.append(
             f"{stamp:<8}  {f.node_id:<28} {f.failure_class.value:<12} {f.action:<17} {first}{then}"
         )

@@ -56,7 +56,7 @@ class Diagnostics:
         is the one they led to (`link_round`). A restarted master links none of the saved ones:
         rounds may have formed while it was away."""
         self.stragglers = StragglerWatch(clock, straggler_report_s)
-        self.goodput = GoodputTracker(clock())
+        self.goodput = GoodputTracker(clock(), on_recovered=self._recovered)
         """Live goodput and badput (metrics, dashboard, status)."""
         self.events: deque[tuple[float, str, str]] = deque(maxlen=MAX_EVENTS)
         """(wall time, kind, text) of the job's latest events: rounds, failures, state changes,
@@ -123,6 +123,20 @@ class Diagnostics:
                 )
             self._unlinked.clear()
 
+    def _recovered(self, round: int, seconds: float) -> None:
+        """The job went past its last step before ``round``, ``seconds`` after its last progress
+        then: what the failures that led to ``round`` cost (kept in the state too, so that
+        `dlrover diagnose` of an ended job shows it)."""
+        with self._lock:
+            first = self._failure_seq - len(self._failures) + 1
+            for i, record in enumerate(self._failures):
+                if record.round == round and not record.cost_s:
+                    costed = dataclasses.replace(record, cost_s=seconds)
+                    self._failures[i] = costed
+                    self._store.put_json(
+                        diagnosis.NAMESPACE, diagnosis.key(first + i), diagnosis.to_json(costed)
+                    )
+
     def record(self, node_id: str, cls: FailureClass, action: str, cause: str) -> None:
         """`record_failure` of a failure observed now, with the node's restarts so far."""
         try:
@@ -132,7 +146,8 @@ class Diagnostics:
         self.record_failure(FailureRecord(time.time(), node_id, cls, action, cause, restarts))
 
     def failures(self) -> tuple[FailureRecord, ...]:
-        """Every failure kept, oldest first (`DiagnosticsApi.get_failures`)."""
+        """Every failure kept, oldest first (`DiagnosticsApi.get_failures`), each with what it
+        cost once the job got past it (see `_recovered`)."""
         with self._lock:
             return tuple(self._failures)
 

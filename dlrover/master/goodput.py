@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from dlrover.api.master import HeartbeatReport
@@ -85,8 +86,14 @@ class GoodputSnapshot:
 class GoodputTracker:
     """Accumulates productive time and badput from step and round observations."""
 
-    def __init__(self, now: float) -> None:
+    def __init__(
+        self, now: float, on_recovered: Callable[[int, float], None] | None = None
+    ) -> None:
+        """``on_recovered(round, seconds)``: called (outside the lock) when the job goes past
+        its last step before ``round``, ``seconds`` after its last progress then."""
         self._lock = threading.Lock()
+        self._on_recovered = on_recovered
+        self._recovered: list[tuple[int, float]] = []
         self._round_at = now
         self._start = now
         self._last_t = now
@@ -105,6 +112,8 @@ class GoodputTracker:
         """When the last round's progress stopped (a restart's start), until progress resumes
         past the old highest step."""
         self._recoveries: list[float] = []
+        self._recovery_of: dict[int, float] = {}
+        """Round -> seconds from the last progress before it until the job passed that step."""
         self._kind = ""
         """How the failures since the last round were recovered ("": no failure)."""
         self._round_kind = "restart"
@@ -112,6 +121,12 @@ class GoodputTracker:
         self._step_s = 0.0
         self._history: deque[tuple[float, float]] = deque(maxlen=HISTORY_POINTS)
         self._next_sample = now
+
+    def recovery_of(self, round: int) -> float:
+        """Seconds from the job's last progress before ``round`` formed until it went past that
+        step again (0.0: not yet, or ``round`` followed no stall)."""
+        with self._lock:
+            return self._recovery_of.get(round, 0.0)
 
     def on_failure(self, action: str) -> None:
         """A failure was recovered by ``action`` (a `FailureAction` value): the next round's
@@ -161,6 +176,10 @@ class GoodputTracker:
                 self._last_t = max(self._last_t, first_t)
                 self._reach(sample.first_step, first_t)
             self._advance(latest_t, sample.step)
+            recovered, self._recovered = self._recovered, []
+        if self._on_recovered is not None:
+            for rnd, seconds in recovered:
+                self._on_recovered(rnd, seconds)
 
     def _resume_from(self, sample: StepSample, first_t: float, latest_t: float) -> None:
         """The first report of a resumed round whose workers trained before this tracker
@@ -191,6 +210,8 @@ class GoodputTracker:
     def _reach(self, step: int, t: float) -> None:
         if step > self._max and self._stalled_at is not None:
             self._recoveries.append(max(0.0, t - self._stalled_at))
+            self._recovery_of[self._round] = self._recoveries[-1]
+            self._recovered.append((self._round, self._recoveries[-1]))
             self._stalled_at = None
         self._step = max(self._step, step)
         self._max = max(self._max, step)

@@ -447,7 +447,7 @@ class ReportNodeCheckResponse(_message.Message):
     def __init__(self, refused: _Optional[_Union[MasterError, _Mapping]] = ...) -> None: ...
 
 class FailureRecord(_message.Message):
-    __slots__ = ("at", "node_id", "failure_class", "action", "root_cause", "restart_count", "round")
+    __slots__ = ("at", "node_id", "failure_class", "action", "root_cause", "restart_count", "round", "cost_s")
     AT_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     FAILURE_CLASS_FIELD_NUMBER: _ClassVar[int]
@@ -455,6 +455,7 @@ class FailureRecord(_message.Message):
     ROOT_CAUSE_FIELD_NUMBER: _ClassVar[int]
     RESTART_COUNT_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
+    COST_S_FIELD_NUMBER: _ClassVar[int]
     at: float
     node_id: str
     failure_class: str
@@ -462,7 +463,8 @@ class FailureRecord(_message.Message):
     root_cause: str
     restart_count: int
     round: int
-    def __init__(self, at: _Optional[float] = ..., node_id: _Optional[str] = ..., failure_class: _Optional[str] = ..., action: _Optional[str] = ..., root_cause: _Optional[str] = ..., restart_count: _Optional[int] = ..., round: _Optional[int] = ...) -> None: ...
+    cost_s: float
+    def __init__(self, at: _Optional[float] = ..., node_id: _Optional[str] = ..., failure_class: _Optional[str] = ..., action: _Optional[str] = ..., root_cause: _Optional[str] = ..., restart_count: _Optional[int] = ..., round: _Optional[int] = ..., cost_s: _Optional[float] = ...) -> None: ...
 
 class ReportFailureRequest(_message.Message):
     __slots__ = ("node_id", "incarnation", "record")
