@@ -256,7 +256,8 @@ def main() -> None:
         "--only",
         default="kill,early,node,goodput",
         help="sections to run: kill (steady state), early (kill at the 3rd step), node, goodput, "
-        "compiled (a torch.compile'd transformer: restart vs in-process; not in the default)",
+        "compiled (a torch.compile'd transformer: restart vs in-process), compiled-goodput "
+        "(its goodput with a kill every 60 s over 10 min); the last two not in the default",
     )
     p.add_argument("--timeout", type=float, default=60.0, help="seconds a run may take to recover")
     p.add_argument("--step-time", type=float, default=0.05, help="simulated compute per step (s)")
@@ -297,6 +298,13 @@ def main() -> None:
             from recovery_compiled import compiled_kill
 
             parts.append(compiled_kill(reps, max(a.timeout, 180.0), root))
+            print(f"  ({time.monotonic() - started:.0f} s so far)", flush=True)
+        if "compiled-goodput" in sections:
+            from recovery_compiled import compiled_goodput
+
+            seconds = a.goodput_seconds or (120.0 if a.quick else 600.0)
+            every = a.kill_every or (30.0 if a.quick else 60.0)
+            parts.append(compiled_goodput(seconds, every, root))
             print(f"  ({time.monotonic() - started:.0f} s so far)", flush=True)
         if "goodput" in sections:
             from recovery_goodput import goodput

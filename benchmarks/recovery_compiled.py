@@ -60,8 +60,8 @@ class Failure:
     note: str = ""
 
 
-def _cmd(setup: Setup) -> list[str]:
-    common = ["--standalone", "--nproc-per-node=2", "--max-restarts=3"]
+def _cmd(setup: Setup, max_restarts: int = 3) -> list[str]:
+    common = ["--standalone", "--nproc-per-node=2", f"--max-restarts={max_restarts}"]
     return dlrover_run_cmd(*common) if setup.dlrover else torchrun_cmd(*common)
 
 
@@ -160,5 +160,62 @@ def compiled_kill(reps: int, timeout: float, root: Path) -> str:
     ]
     title = (
         "### Compiled transformer (inductor, warm cache): SIGKILL of rank 1, seconds from the kill"
+    )
+    return "\n".join([title, "", table(head, rows)])
+
+
+def compiled_goodput(seconds: float, every: float, root: Path) -> str:
+    """Goodput of the compiled job over ``seconds`` with rank 1 SIGKILLed every ``every``
+    seconds, per setup (the inductor cache warmed first)."""
+    from recovery_goodput import run_schedule
+
+    cache = root / "inductor-cache"
+    if not cache.exists():
+        run_once(SETUPS[1], root / "goodput-warmup", cache, 600.0, kill=False)
+    env = base_env(TORCHINDUCTOR_CACHE_DIR=str(cache))
+    rows = []
+    results = []
+    for index, setup in enumerate(SETUPS):
+        cmd = _cmd(setup, max_restarts=1000)
+        worker = [TRAIN, "--mode", setup.mode, "--ckpt", setup.ckpt]
+        res = run_schedule(
+            cmd,
+            env,
+            root / f"compiled-goodput-{index}",
+            seconds,
+            every,
+            0.0,
+            worker=worker,
+            survivors_count=True,
+        )
+        results.append(res)
+        print(
+            f"  compiled goodput, {setup.name}: {res.goodput:.1%} ({res.kills} kills)", flush=True
+        )
+    base = results[0].goodput
+    for setup, res in zip(SETUPS, results, strict=True):
+        rows.append(
+            [
+                setup.name,
+                f"{res.goodput:.1%}",
+                f"{res.goodput / base:.2f}" if base else "–",
+                str(res.steps),
+                str(res.kills),
+                fmt(median(res.recoveries)),
+                res.note,
+            ]
+        )
+    head = [
+        "launcher",
+        "goodput",
+        "vs torchrun",
+        "steps that count",
+        "workers killed",
+        "kill → next step (median s)",
+        "notes",
+    ]
+    title = (
+        f"### Goodput of the compiled transformer: {seconds:.0f} s, rank 1 SIGKILLed every "
+        f"{every:.0f} s (a step's time counts once, the last time it completed)"
     )
     return "\n".join([title, "", table(head, rows)])

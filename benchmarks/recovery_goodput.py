@@ -68,9 +68,15 @@ def run_schedule(
     every: float,
     step_time: float,
     metrics_port: int | None = None,
+    worker: list[str] | None = None,
+    survivors_count: bool = False,
 ) -> GoodputResult:
+    """``worker``: the script and its arguments (default: recovery_train.py with
+    ``step_time``); ``survivors_count``: a kill's recovery ends at the first step begun after it
+    by any process (the survivors stay in-process), not only by a new one."""
     launched = time.time()
-    job = Job.start([*cmd, TRAIN, "--out", str(out), "--step-time", str(step_time)], out, env)
+    script = worker or [TRAIN, "--step-time", str(step_time)]
+    job = Job.start([*cmd, *script, "--out", str(out)], out, env)
     end = launched + seconds
     kills: list[tuple[float, set[int]]] = []
     note = ""
@@ -110,7 +116,12 @@ def run_schedule(
     if steps:
         res.cold_start = min(s["ended"] for s in steps) - launched
     for killed_at, old in kills:
-        after = [s["ended"] for s in steps if s["ended"] > killed_at and int(s["pid"]) not in old]
+        after = [
+            s["ended"]
+            for s in steps
+            if (s["began"] > killed_at if survivors_count else s["ended"] > killed_at)
+            and (survivors_count or int(s["pid"]) not in old)
+        ]
         if after:
             res.recoveries.append(min(after) - killed_at)
     return res

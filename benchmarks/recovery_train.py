@@ -54,6 +54,20 @@ def stop_step(path: str) -> int:
         return 1 << 62
 
 
+def announce(out: str, started: float, imported: float) -> tuple[str, dict[str, object]]:
+    """Write this process's pid file and its first two phases; (proc.jsonl's path, the fields
+    every line of this process carries)."""
+    rank = int(os.environ["RANK"])
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    agent = os.environ.get("DLROVER_AGENT_PID", "")
+    write_atomic(os.path.join(out, f"pid.{rank}"), f"{os.getpid()} {agent}\n")
+    proc_log = os.path.join(out, "proc.jsonl")
+    me: dict[str, object] = {"rank": rank, "pid": os.getpid(), "restart": restart}
+    append_line(proc_log, {**me, "phase": "start", "t": started})
+    append_line(proc_log, {**me, "phase": "imported", "t": imported})
+    return proc_log, me
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True, help="directory for the timestamp files")
@@ -62,13 +76,7 @@ def main() -> None:
     a = p.parse_args()
 
     rank = int(os.environ["RANK"])
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    agent = os.environ.get("DLROVER_AGENT_PID", "")
-    write_atomic(os.path.join(a.out, f"pid.{rank}"), f"{os.getpid()} {agent}\n")
-    proc_log = os.path.join(a.out, "proc.jsonl")
-    me = {"rank": rank, "pid": os.getpid(), "restart": restart}
-    append_line(proc_log, {**me, "phase": "start", "t": T_START})
-    append_line(proc_log, {**me, "phase": "imported", "t": T_IMPORTED})
+    proc_log, me = announce(a.out, T_START, T_IMPORTED)
 
     dist.init_process_group("gloo")
     world = dist.get_world_size()

@@ -26,7 +26,7 @@ from collections.abc import Callable  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from recovery_train import append_line, stop_step, write_atomic  # noqa: E402
+from recovery_train import announce, append_line, stop_step  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
@@ -59,14 +59,7 @@ def main() -> None:
     p.add_argument("--backend", default="inductor", help="torch.compile backend")
     a = p.parse_args()
 
-    rank = int(os.environ["RANK"])
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    agent = os.environ.get("DLROVER_AGENT_PID", "")
-    write_atomic(os.path.join(a.out, f"pid.{rank}"), f"{os.getpid()} {agent}\n")
-    proc_log = os.path.join(a.out, "proc.jsonl")
-    me = {"rank": rank, "pid": os.getpid(), "restart": restart}
-    append_line(proc_log, {**me, "phase": "start", "t": T_START})
-    append_line(proc_log, {**me, "phase": "imported", "t": T_IMPORTED})
+    proc_log, me = announce(a.out, T_START, T_IMPORTED)
 
     torch.manual_seed(0)
     model = Transformer(a.layers)
