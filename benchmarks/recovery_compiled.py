@@ -44,7 +44,10 @@ class Setup:
 
 
 SETUPS = (
-    Setup("torchrun (restart all, torch.save)", False, "plain", "torch"),
+    # Without the shared store: torchrun's default re-uses the agent's TCPStore across restarts
+    # and, killed every 40 s, its workers failed to connect after the second restart and the
+    # job stopped training for good (the recovery goodput's torchrun runs the same way).
+    Setup("torchrun, no shared store (restart all, torch.save)", False, "plain", "torch"),
     Setup("dlrover-run, restart in place (flash)", True, "plain", "flash"),
     Setup("dlrover-run, in-process (Wrapper)", True, "wrapped", "flash"),
     Setup("dlrover-run, in-process shrink (Wrapper(shrink=True))", True, "shrink", "flash"),
@@ -65,9 +68,14 @@ def _cmd(setup: Setup, max_restarts: int = 3) -> list[str]:
     return dlrover_run_cmd(*common) if setup.dlrover else torchrun_cmd(*common)
 
 
+def _env(setup: Setup, cache: Path) -> dict[str, str]:
+    shared = {} if setup.dlrover else {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    return base_env(TORCHINDUCTOR_CACHE_DIR=str(cache), **shared)
+
+
 def run_once(setup: Setup, out: Path, cache: Path, timeout: float, kill: bool = True) -> Failure:
     """One job: reach steady state, kill rank 1, measure, end the job."""
-    env = base_env(TORCHINDUCTOR_CACHE_DIR=str(cache))
+    env = _env(setup, cache)
     cmd = [*_cmd(setup), TRAIN, "--out", str(out), "--mode", setup.mode, "--ckpt", setup.ckpt]
     job = Job.start(cmd, out, env)
     try:
@@ -172,10 +180,10 @@ def compiled_goodput(seconds: float, every: float, root: Path) -> str:
     cache = root / "inductor-cache"
     if not cache.exists():
         run_once(SETUPS[1], root / "goodput-warmup", cache, 600.0, kill=False)
-    env = base_env(TORCHINDUCTOR_CACHE_DIR=str(cache))
     rows = []
     results = []
     for index, setup in enumerate(SETUPS):
+        env = _env(setup, cache)
         cmd = _cmd(setup, max_restarts=1000)
         worker = [TRAIN, "--mode", setup.mode, "--ckpt", setup.ckpt]
         res = run_schedule(

@@ -75,8 +75,15 @@ def main() -> None:
         g = torch.Generator().manual_seed(step * 1000 + data_rank)
         return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
 
-    def warmup() -> None:  # a replacement compiles before it joins the others
-        net(batch(0, 0)).sum().backward()
+    def loss_of(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens.roll(1, 1).reshape(-1))
+
+    def warmup() -> None:
+        # A replacement compiles before it joins the others: one forward and backward with the
+        # loss it trains with (another loss, .sum(), gives the backward another gradient's
+        # strides: a second graph, compiled again at the first real step).
+        tokens = batch(0, 0)
+        loss_of(net(tokens), tokens).backward()
         opt.zero_grad(set_to_none=True)
 
     def train() -> None:
@@ -107,11 +114,7 @@ def main() -> None:
                 last = i == len(share.ranks) - 1
                 with contextlib.nullcontext() if last else ddp.no_sync():
                     tokens = batch(step, data_rank)
-                    logits = ddp(tokens)
-                    loss = nn.functional.cross_entropy(
-                        logits.reshape(-1, VOCAB), tokens.roll(1, 1).reshape(-1)
-                    )
-                    (loss * share.scale).backward()
+                    (loss_of(ddp(tokens), tokens) * share.scale).backward()
             opt.step()
             state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}
             if flash is not None:

@@ -557,7 +557,7 @@ class ElasticAgent:
                 return False
             self._history.append(verdict.signature)
             self.restart_count += 1
-            self._report_failure(verdict)
+            self._report_failure(verdict, FailureAction.RECOVER_IN_PROCESS)
             logger.warning(
                 "a replacement failed before it joined; starting another: %s", verdict.summary
             )

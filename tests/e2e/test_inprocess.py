@@ -122,6 +122,24 @@ def test_with_shrink_the_survivor_goes_on_at_once_and_the_replacement_joins_late
     assert [world[s] for s in range(1, 21)] == [2] * 4 + [1] * 5 + [2] * 11, world
 
 
+def test_a_replacement_that_fails_before_it_joins_is_replaced_while_the_survivor_goes_on(
+    tmp_path: Path, oracle: str
+):
+    """Shrink: rank 1 killed at step 5; its replacement dies as it starts (step 0 of restart
+    1), before it could join; the agent starts another while rank 0 trains on alone, and that
+    one joins at the end of step 9: rank 0 never leaves its process, and the model is the
+    failure-free one."""
+    faults = "kill:rank=1:step=5:restart=0;kill:rank=1:step=0:restart=1"
+    out = run(tmp_path, "twice", 20, faults, "--shrink", "--hold-shrunk-at", "9")
+    assert final(out) == oracle
+
+    seen = entries(out)
+    assert len({pid for r, pid, *_ in seen if r == 0}) == 1, seen
+    assert [s for r, _, s, *_ in seen if r == 0] == [1, 5, 10], seen
+    assert [s for r, _, s, *_ in seen if r == 1] == [1, 10], seen  # the first one never entered
+    assert Path(f"{out}.log").read_text().count("-> recover_in_process") == 2
+
+
 def first_step_s(out: Path) -> float:
     """Seconds from rank 0's first entry of the function to its first step (the compile)."""
     entered = float(Path(f"{out}.entries").read_text().split()[5])

@@ -75,6 +75,7 @@ def main() -> None:
     )
     a = p.parse_args()
 
+    FaultInjector.from_env().maybe_inject(0)  # step 0: as the process starts (a replacement too)
     torch.manual_seed(0)
     model = TinyTransformer(a.layers)
     net = model if a.compile == "none" else torch.compile(model, backend=a.compile)
@@ -82,8 +83,13 @@ def main() -> None:
     ckpt = DdpCheckpointer(a.ckpt, replica_count=a.replica_count)
     progress = StepReporter()
 
-    def warmup() -> None:  # a replacement compiles before it joins the others
-        net(torch.randint(0, VOCAB, (4, SEQ))).sum().backward()
+    def loss_of(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        target = tokens.roll(1, 1).reshape(-1)
+        return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), target)
+
+    def warmup() -> None:  # a replacement compiles before it joins: the training loss's graphs
+        tokens = torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(0))
+        loss_of(net(tokens), tokens).backward()
         opt.zero_grad(set_to_none=True)
 
     @Wrapper(shrink=a.shrink, warmup=warmup)
@@ -111,10 +117,7 @@ def main() -> None:
                 tokens = torch.randint(0, VOCAB, (4, SEQ), generator=g)
                 last_micro = i == len(share.ranks) - 1
                 with contextlib.nullcontext() if last_micro else ddp.no_sync():
-                    logits = ddp(tokens)
-                    target = tokens.roll(1, 1).reshape(-1)
-                    loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), target)
-                    (loss * share.scale).backward()
+                    (loss_of(ddp(tokens), tokens) * share.scale).backward()
             opt.step()
             if a.step_time:
                 time.sleep(a.step_time)

@@ -331,8 +331,9 @@ class Wrapper:
     (`data_share`), instead of waiting until its replacement has started and built its model;
     the replacement joins at the end of a step once it is ready. Only for replicated state
     (DDP): a sharded state (FSDP) needs every rank. ``warmup``: what a replacement runs before
-    it says it is ready (e.g. a forward and backward of the compiled model on a sample batch,
-    so that its first step with the others does not compile). ``round_timeout_s``: how long a
+    it says it is ready (a forward and backward of the compiled model on a sample batch, with
+    the loss it trains with: the backward's graph depends on it; so that its first step with
+    the others does not compile). ``round_timeout_s``: how long a
     parked process waits for the next round before it fails with the error that parked it
     (its agent then restarts it, the usual way). ``confirm_s``: how long a process whose
     collective failed waits for its agent to name a failure in the job; without one the
