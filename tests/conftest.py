@@ -22,11 +22,14 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    """The test process's environment without any DLRover/torchelastic variables leaking in."""
+    """The test process's environment without any DLRover/torchelastic (or torch compile-cache)
+    variables leaking in."""
     env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith(("DLROVER_", "TORCHELASTIC_"))
+        # TORCHINDUCTOR_*/TRITON_*: torch sets TORCHINDUCTOR_CACHE_DIR in the process that
+        # compiled something (an earlier test of this worker); a job must not inherit it.
+        if not k.startswith(("DLROVER_", "TORCHELASTIC_", "TORCHINDUCTOR_", "TRITON_"))
         and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     }
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")

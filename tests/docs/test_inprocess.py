@@ -36,6 +36,12 @@ def _lines(proc: subprocess.Popen[str]) -> queue.Queue[str | None]:
     return lines
 
 
+def _starts(lines: list[str]) -> list[re.Match[str]]:
+    """Every "rank R (pid P) starts at step S" (two ranks printing at once can share a line:
+    print writes the text and its newline separately)."""
+    return [m for line in lines for m in STARTS.finditer(line)]
+
+
 def _run(where: Path, env: dict[str, str], kill_at: str | None) -> list[str]:
     """The page's command in ``where``; with ``kill_at``, rank 1 is SIGKILLed when that line
     appears. Every output line."""
@@ -46,17 +52,21 @@ def _run(where: Path, env: dict[str, str], kill_at: str | None) -> list[str]:
     seen: list[str] = []
     lines = _lines(proc)
     deadline = time.monotonic() + 180
+    armed = False  # the kill line appeared: kill rank 1 as soon as its pid is known
     try:
         while True:
             line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
             if line is None:
                 break
             seen.append(line)
-            if kill_at is not None and line.endswith(kill_at):
-                first = next(m for m in map(STARTS.search, seen) if m and m[1] == "1")
-                os.kill(int(first[2]), signal.SIGKILL)
-                kill_at = None
+            armed = armed or (kill_at is not None and line.endswith(kill_at))
+            if armed:
+                starts = [m for m in _starts(seen) if m[1] == "1"]
+                if starts:
+                    os.kill(int(starts[-1][2]), signal.SIGKILL)
+                    armed, kill_at = False, None
         assert proc.wait(timeout=60) == 0, "\n".join(seen[-80:])
+        assert kill_at is None, "rank 1 was never killed:\n" + "\n".join(seen[-80:])
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -79,7 +89,7 @@ def test_the_page_s_script_survives_a_kill_in_its_process(tmp_path: Path) -> Non
         return next(line.split("checksum ", 1)[1] for line in out if "checksum " in line)
 
     assert checksum(killed) == checksum(plain)
-    starts = [m.groups() for m in map(STARTS.search, killed) if m]
+    starts = [m.groups() for m in _starts(killed)]
     rank0 = {pid for rank, pid, _ in starts if rank == "0"}
     rank1 = {pid for rank, pid, _ in starts if rank == "1"}
     assert len(rank0) == 1, starts  # never restarted
