@@ -108,6 +108,28 @@ def test_a_node_beyond_max_is_a_hot_spare_until_a_member_is_lost_then_it_is_take
     assert m.is_spare("b2")
 
 
+def test_a_survivor_late_to_re_join_keeps_its_place_from_spares_and_replacements():
+    m, clock, _ = manager(2, 2)
+    join(m, "a", 0)
+    join(m, "b", 1)
+    w = m.get_world("a", 3)
+    assert w is not None
+    join(m, "spare", 2)
+    m.leave("b", "lost")
+    join(m, "b2", 3)  # the lost node's replacement: two nodes wait, max is 2
+    assert m.get_world("spare", 3) is None  # a, a member, is still leaving its step
+    join(m, "a", 0)
+    w2 = m.get_world("a", 3)
+    assert w2 is not None and [x.node_id for x in w2.members] == ["a", "spare"]
+    # A member that never comes is waited for only until the quiet last call.
+    m.leave("spare", "lost")
+    join(m, "b3", 4)
+    assert m.get_world("b2", 3) is None
+    clock.now += 1.5
+    w3 = m.get_world("b2", 3)
+    assert w3 is not None and {x.node_id for x in w3.members} == {"b2", "b3"}
+
+
 def test_ranks_are_stable_and_requested_ranks_win():
     m, _, _ = manager(3, 3)
     join(m, "x", 0, requested=2)

@@ -135,6 +135,8 @@ class RendezvousManager:
         self._last_join = 0.0
         self._world: World | None = None
         self._broken = False
+        self._left: set[str] = set()
+        """Members of the current world that left it (lost, finished) since it formed."""
         self._previous_rank: dict[str, int] = {}
         saved = store.get_json(_NAMESPACE, "world")
         if saved is not None:
@@ -191,6 +193,8 @@ class RendezvousManager:
         """A node is gone (lost, finished): drop it from the waiting set and the world."""
         with self._lock:
             self._waiting.pop(node_id, None)
+            if self._world and self._world.member(node_id) is not None:
+                self._left.add(node_id)
             if self._world and self._world.member(node_id) is not None and not self._broken:
                 self._broken = True
                 logger.info(
@@ -287,11 +291,24 @@ class RendezvousManager:
         # In the first round nodes are still arriving, so only max nodes or a quiet last call
         # close it; later, the nodes the master knows to be alive are the ones to wait for.
         everyone_here = self._world is not None and n >= expected_nodes
-        if not (n >= cfg.max_nodes or quiet or everyone_here):
+        # Max nodes wait, but a member of the world that did not leave it has not re-joined
+        # yet (its workers still leaving their step): wait for it until the last call, so that
+        # a hot spare or a replacement does not take a survivor's place.
+        full = n >= cfg.max_nodes and not self._members_on_their_way()
+        if not (full or quiet or everyone_here):
             return
         size = (min(n, cfg.max_nodes) // cfg.node_unit) * cfg.node_unit
         if size >= cfg.min_nodes:
             self._close(size)
+
+    def _members_on_their_way(self) -> bool:
+        """Whether a member of the current world neither left it nor waits for the next."""
+        if self._world is None:
+            return False
+        return any(
+            m.node_id not in self._waiting and m.node_id not in self._left
+            for m in self._world.members
+        )
 
     def _close(self, size: int) -> None:
         big = 1 << 30
@@ -312,6 +329,7 @@ class RendezvousManager:
         new_round = (self._world.round if self._world else 0) + 1
         self._world = World(new_round, members, chosen[0].store_host, chosen[0].store_port)
         self._broken = False
+        self._left = set()
         self._previous_rank = {m.node_id: m.node_rank for m in members}
         for j in chosen:
             del self._waiting[j.node_id]
