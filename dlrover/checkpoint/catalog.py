@@ -54,6 +54,10 @@ class StepNaming:
     digits: int = 0
     latest_file: str = LATEST_FILE
     latest_prefix: str = ""
+    tagged: bool = False
+    """Steps may also be named by the user (DeepSpeed's ``tag``): the directory of such a step
+    is its tag, and the marker holds the tag; the catalog records which step each tag holds in
+    ``TAGS_FILE`` (the tag's text alone says nothing of its step: ``tag=loss.item()``)."""
 
     def dir(self, step: int) -> str:
         """The directory of ``step``, relative to the storage root."""
@@ -74,6 +78,23 @@ class StepNaming:
             return None
         rest = text[len(self.latest_prefix) :]
         return int(rest) if rest.isdigit() else None
+
+
+TAGS_FILE = ".dlrover-tags.json"
+"""Of a tagged naming: ``{"<step>": "<its directory>"}`` for every step saved under a tag."""
+
+
+def check_tag(tag: str) -> str:
+    """``tag`` if it can name a step directory (one path component, not hidden, not the
+    marker's name); CheckpointError otherwise."""
+    from dlrover.checkpoint.errors import CheckpointError
+
+    if not tag or "/" in tag or "\\" in tag or tag in (".", "..") or tag.startswith("."):
+        raise CheckpointError(
+            f"tag {tag!r} cannot name a checkpoint directory: give one path component that "
+            "does not start with '.'"
+        )
+    return tag
 
 
 DEFAULT_NAMING = StepNaming()
@@ -109,10 +130,53 @@ class Catalog:
         self.storage = storage
         self.keep_last = keep_last
         self.naming = naming
+        self._tags: dict[int, str] = {}
 
     def step_dir(self, step: int) -> str:
-        """The directory of ``step``, relative to the storage root (in this catalog's naming)."""
+        """The directory of ``step``, relative to the storage root (in this catalog's naming):
+        its tag where it was saved under one."""
+        if self.naming.tagged:
+            if step not in self._tags:
+                self._read_tags()
+            if step in self._tags:
+                return self._tags[step]
         return self.naming.dir(step)
+
+    # ------------------------------------------------------------------ tags
+    def _read_tags(self) -> dict[int, str]:
+        try:
+            doc = json.loads(self.storage.read_bytes(TAGS_FILE))
+        except FileNotFoundError:
+            doc = {}
+        except (OSError, ValueError) as exc:
+            log.warning("ignoring unreadable %s: %s", self.storage.url(TAGS_FILE), exc)
+            doc = {}
+        self._tags = {int(step): str(tag) for step, tag in doc.items() if str(step).isdigit()}
+        return self._tags
+
+    def name_step(self, step: int, tag: str) -> None:
+        """Record that ``step`` is stored under ``tag`` (a tagged naming only). A tag that held
+        another step names this one from now on (its directory is written over, as the
+        framework's own save would)."""
+        if not self.naming.tagged:
+            raise ValueError(f"steps of this catalog are named {self.naming.dir(step)!r}")
+        check_tag(tag)
+        tags = self._read_tags()
+        if tags.get(step) == tag:
+            return
+        tags = {s: t for s, t in tags.items() if t != tag}
+        tags[step] = tag
+        doc = {str(s): t for s, t in sorted(tags.items())}
+        self.storage.write_atomic(TAGS_FILE, json.dumps(doc).encode())
+        self._tags = tags
+
+    def step_named(self, name: str) -> int | None:
+        """The step a directory called ``name`` holds (its tag, or the naming's name)."""
+        if self.naming.tagged:
+            for step, tag in self._read_tags().items():
+                if tag == name:
+                    return step
+        return self.naming.parse_dir(name)
 
     # ------------------------------------------------------------------ writing
     def persist_plain_part(
@@ -167,9 +231,8 @@ class Catalog:
         self.storage.write_atomic(f"{rel}/{MANIFEST_FILE}", json.dumps(manifest).encode())
         latest = self.latest_step()
         if latest is None or step > latest:
-            self.storage.write_atomic(
-                self.naming.latest_file, self.naming.latest_text(step).encode()
-            )
+            text = rel if self.naming.tagged else self.naming.latest_text(step)
+            self.storage.write_atomic(self.naming.latest_file, text.encode())
 
     def collect_garbage(self) -> None:
         """Delete committed steps beyond the newest ``keep_last`` and stale uncommitted ones."""
@@ -185,7 +248,13 @@ class Catalog:
     # ------------------------------------------------------------------ reading
     def steps(self) -> list[int]:
         """Every step that has a directory, committed or not, ascending."""
-        found = (self.naming.parse_dir(n) for n in self.storage.listdir(""))
+        names = self.storage.listdir("")
+        found = {self.naming.parse_dir(n) for n in names}
+        if self.naming.tagged:
+            present = set(names)
+            found.update(step for step, tag in self._read_tags().items() if tag in present)
+            # A name the naming parses but a tag now holds another step: not that step.
+            found = {s for s in found if s is None or self.step_dir(s) in present}
         return sorted(step for step in found if step is not None)
 
     def latest_step(self) -> int | None:
@@ -198,7 +267,9 @@ class Catalog:
             return None
         except OSError as exc:
             raise CheckpointStorageError(f"cannot read {self.storage.url(marker)}: {exc}") from exc
-        step = self.naming.parse_latest(text)
+        step = self.step_named(text) if self.naming.tagged else None
+        if step is None:
+            step = self.naming.parse_latest(text)
         if step is None:
             log.warning("ignoring malformed marker %s: %r", self.storage.url(marker), text)
         return step

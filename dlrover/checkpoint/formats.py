@@ -267,9 +267,10 @@ class TorchFilesFormat(DcpFormat):
 
 
 DEEPSPEED_NAMING = StepNaming(
-    dir_prefix="global_step", latest_file="latest", latest_prefix="global_step"
+    dir_prefix="global_step", latest_file="latest", latest_prefix="global_step", tagged=True
 )
-"""DeepSpeed's default tags: ``global_step<n>/`` and ``latest`` holding ``global_step<n>``."""
+"""DeepSpeed's: ``<tag>/`` and ``latest`` holding ``<tag>``, the tag ``global_step<n>`` unless
+the user names the step."""
 
 MEGATRON_NAMING = StepNaming(
     dir_prefix="iter_", digits=7, latest_file="latest_checkpointed_iteration.txt"

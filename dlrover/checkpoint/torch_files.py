@@ -18,7 +18,8 @@ from dlrover.checkpoint.shm import SharedSegment
 
 # What a saving rank copies into its segment (a "torch files" state):
 #   {"files": {<name relative to the step directory>: <what torch.save writes there>},
-#    "persist": [<the names this rank writes to storage>], ...}
+#    "persist": [<the names this rank writes to storage>],
+#    "tag": <the step directory's name, where the user named it (DeepSpeed's tag)>, ...}
 # Every rank keeps, in memory, every file it needs to load (so a restarted rank loads from its
 # own slot), and persists only those its framework would have written from that rank.
 FILES_KEY = "files"
@@ -40,15 +41,24 @@ def persist_torch_files(
     catalog: Catalog, step: int, ranks: Mapping[int, int], segs: dict[int, SharedSegment]
 ) -> FileTable:
     """Write each slot's files named in its ``persist`` list with ``torch.save`` into the step
-    directory, their tensors read straight from the segment (no copy of the state first)."""
-    rel_dir = catalog.step_dir(step)
-    catalog.storage.makedirs(rel_dir)
-    files: FileTable = {}
+    directory, their tensors read straight from the segment (no copy of the state first). A
+    step saved under a tag goes to the tag's directory (recorded in the catalog first)."""
+    states: dict[int, tuple[int, Any]] = {}
     for slot, seg in segs.items():
         seq, meta = read_metadata(seg)
         if meta["step"] != step:
             raise CheckpointError(f"slot {slot} (rank {ranks[slot]}) moved on from step {step}")
-        state = rebuild(meta, None, _viewer(seg))
+        states[slot] = seq, rebuild(meta, None, _viewer(seg))
+    tags = {str(state["tag"]) for _, state in states.values() if state.get("tag")}
+    if len(tags) > 1:
+        raise CheckpointError(f"the ranks of step {step} name it differently: {sorted(tags)}")
+    if tags and catalog.naming.tagged and (tag := tags.pop()) != catalog.naming.dir(step):
+        catalog.name_step(step, tag)
+    rel_dir = catalog.step_dir(step)
+    catalog.storage.makedirs(rel_dir)
+    files: FileTable = {}
+    for slot, seg in segs.items():
+        seq, state = states[slot]
         for name in state.get(PERSIST_KEY, []):
             check_file_name(name)
             if name in files:

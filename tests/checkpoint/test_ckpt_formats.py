@@ -98,3 +98,31 @@ def test_framework_formats_name_steps_and_the_marker_as_their_frameworks_do(tmp_
     assert (tmp_path / "latest").read_text() == "global_step12"
     assert catalog.latest_step() == 12
     assert (tmp_path / "global_step12" / "manifest.json").exists()
+
+
+def test_deepspeed_steps_saved_under_a_tag_live_in_the_tags_directory(tmp_path: Path) -> None:
+    """DeepSpeed's tags (``tag=step``, ``tag=loss.item()``): the step's directory and the marker
+    are the tag, and the catalog finds the step of each tag again (a fresh catalog too)."""
+    naming = format_named("deepspeed").naming
+    catalog = Catalog(storage_for(str(tmp_path)), 2, naming)
+    for step, tag in ((4, "4"), (8, "0.5257"), (12, "12")):
+        catalog.name_step(step, tag)
+        catalog.storage.makedirs(catalog.step_dir(step))
+        catalog.commit(step, "deepspeed")
+        assert (tmp_path / "latest").read_text() == tag
+    (tmp_path / "global_step2").mkdir()  # an untagged save
+    fresh = Catalog(storage_for(str(tmp_path)), 2, naming)
+    assert fresh.steps() == [2, 4, 8, 12]
+    assert [fresh.step_dir(s) for s in (2, 4, 8, 12)] == ["global_step2", "4", "0.5257", "12"]
+    assert fresh.latest_step() == 12 and fresh.step_named("0.5257") == 8
+    assert fresh.step_named("nothing") is None
+    # A tag saved again holds the newer step only; its older step is gone with it.
+    fresh.name_step(16, "4")
+    fresh.commit(16, "deepspeed")
+    assert fresh.steps() == [2, 8, 12, 16] and fresh.step_named("4") == 16
+    fresh.collect_garbage()  # keeps the newest two committed steps: 12 and 16 ("4")
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["12", "4"]
+    with pytest.raises(CheckpointError, match="cannot name"):
+        fresh.name_step(20, "../x")
+    with pytest.raises(ValueError):
+        Catalog(storage_for(str(tmp_path)), 2, DEFAULT_NAMING).name_step(1, "a")

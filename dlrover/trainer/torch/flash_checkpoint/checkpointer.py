@@ -237,9 +237,13 @@ def resolve_catalog(engine: CheckpointEngine, resume_path: str) -> tuple[Catalog
         return engine.catalog(), None
     base = os.path.basename(resume_path.rstrip("/"))
     naming = engine.format.naming
-    step = naming.parse_dir(base)
+    parent = resume_path.rstrip("/")[: -len(base)].rstrip("/") or "."
+    if naming.tagged:  # a tag's step is recorded beside it
+        catalog = Catalog(storage_for(parent), engine.keep_last, naming)
+        step = catalog.step_named(base)
+    else:
+        step = naming.parse_dir(base)
     if step is not None:
-        parent = resume_path.rstrip("/")[: -len(base)].rstrip("/") or "."
         return Catalog(storage_for(parent), engine.keep_last, naming), step
     return engine.catalog(resume_path), None
 

@@ -12,6 +12,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
     CheckpointEngine,
 )
 
+from dlrover.checkpoint.catalog import Catalog, check_tag
 from dlrover.checkpoint.errors import CheckpointError
 from dlrover.checkpoint.formats import DEEPSPEED_NAMING
 from dlrover.checkpoint.object_codec import decode_objects, encode_objects
@@ -105,26 +106,31 @@ class DeepSpeedCheckpointer(Checkpointer):
             keep_last=keep_last,
         )
         self.ds_engine = engine
+        self._warned_tag = False
 
     # ------------------------------------------------------------------ saving
     def save_checkpoint(
         self,
         save_dir: str = "",
-        tag: str | None = None,
+        tag: Any = None,
         client_state: dict[str, Any] | None = None,
         save_latest: bool = True,
         storage_type: StorageType = StorageType.DISK,
     ) -> bool:
         """As ``engine.save_checkpoint(save_dir, tag, client_state)``, into shared memory (and,
         with DISK, to ``save_dir`` in the background); every rank must call it (DeepSpeed's
-        save has collectives). ``save_dir`` defaults to the checkpoint directory; ``tag`` must
-        be None (``global_step<engine.global_steps>``) or ``global_step<n>``: the step is the
-        number. ``save_latest`` is accepted: ``latest`` is always written, last, when a step is
-        on storage. Returns True (no save is skipped) or raises CheckpointError."""
+        save has collectives). ``save_dir`` defaults to the checkpoint directory. ``tag``, as
+        DeepSpeed's: any name (``str(tag)``: a step number, ``loss.item()``...; DeepSpeed's
+        default ``global_step<n>`` when None) of the step's directory; the step this save holds
+        is ``engine.global_steps`` (or n of a tag ``global_step<n>``), and a later save under
+        the same tag replaces it. Ranks that pass different tags (``loss.item()`` of each
+        rank's own loss) save under rank 0's, with a warning: DeepSpeed itself would scatter
+        the step over several directories. ``save_latest`` is accepted: ``latest`` (holding the tag) is
+        always written, last, when a step is on storage. Returns True (no save is skipped) or
+        raises CheckpointError."""
         del save_latest  # the agent's commit moves `latest`
         save_dir = save_dir or self.checkpoint_dir
-        step = self._step_of(tag)
-        tag = DEEPSPEED_NAMING.dir(step)
+        tag, step = self._tag_and_step(tag)
         engine = self.ds_engine
         collector = _MemoryFiles()
         own_engine, writes_model = engine.checkpoint_engine, engine.save_non_zero_checkpoint
@@ -152,24 +158,29 @@ class DeepSpeedCheckpointer(Checkpointer):
             step, state, persist=storage_type == StorageType.DISK
         )
 
-    @staticmethod
-    def _parse_tag(tag: str) -> int:
-        step = DEEPSPEED_NAMING.parse_dir(str(tag))
-        if step is None:
-            raise CheckpointError(
-                f"tag {tag!r}: flash checkpoints name each step global_step<n> (DeepSpeed's "
-                "default); pass tag=None or tag=f'global_step{n}'"
+    def _tag_and_step(self, tag: Any) -> tuple[str, int]:
+        """(the directory name, the step number) of a save under ``tag``."""
+        if tag is None:
+            step = int(self.ds_engine.global_steps)
+            return DEEPSPEED_NAMING.dir(step), step
+        own = check_tag(str(tag))
+        name = _rank0_tag(own)
+        if name != own and not self._warned_tag:
+            log.warning(
+                "save_checkpoint: this rank's tag %r differs from rank 0's %r; steps are saved "
+                "under rank 0's tags (give every rank the same tag)",
+                own,
+                name,
             )
-        return step
-
-    def _step_of(self, tag: str | None) -> int:
-        return int(self.ds_engine.global_steps) if tag is None else self._parse_tag(tag)
+            self._warned_tag = True
+        numbered = DEEPSPEED_NAMING.parse_dir(name)
+        return name, int(self.ds_engine.global_steps) if numbered is None else numbered
 
     # ------------------------------------------------------------------ loading
     def load_checkpoint(
         self,
         load_dir: str = "",
-        tag: str | None = None,
+        tag: Any = None,
         load_module_strict: bool = True,
         load_optimizer_states: bool = True,
         load_lr_scheduler_states: bool = True,
@@ -178,20 +189,27 @@ class DeepSpeedCheckpointer(Checkpointer):
     ) -> tuple[str | None, dict[str, Any] | None]:
         """As ``engine.load_checkpoint``: (the loaded step's directory, the client state), or
         (None, None) when there is no checkpoint. Every rank must call it. Without ``tag``, the
-        newest step: from shared memory when every rank holds one not older than storage's,
-        else the newest step on storage that verifies, read by DeepSpeed's own loader; a
-        ``tag`` (``global_step<n>``) loads that step from storage."""
+        newest step: from shared memory when every rank holds one not older than storage's
+        (``latest``), else the newest step on storage that verifies, read by DeepSpeed's own
+        loader; a ``tag`` loads the step saved under it from storage (CheckpointError when
+        ``load_dir`` holds no such step)."""
         load_dir = load_dir or self.checkpoint_dir
         resume_path = ""
         if tag is not None:
-            resume_path = os.path.join(load_dir, DEEPSPEED_NAMING.dir(self._parse_tag(tag)))
+            name = check_tag(str(tag))
+            catalog = self._engine_for(load_dir).catalog() if load_dir else None
+            if catalog is None or catalog.step_named(name) is None:
+                raise CheckpointError(
+                    f"{load_dir} holds no checkpoint tagged {name!r}: its steps are "
+                    f"{_tags_of(catalog)}"
+                )
+            resume_path = os.path.join(load_dir, name)
         elif os.path.abspath(load_dir) != os.path.abspath(self.checkpoint_dir):
             resume_path = load_dir
         found = self._load_newest(resume_path, None)
         if found is None:
             return None, None
         step, state = found
-        tag = DEEPSPEED_NAMING.dir(step)
         options = {
             "load_module_strict": load_module_strict,
             "load_optimizer_states": load_optimizer_states,
@@ -202,9 +220,10 @@ class DeepSpeedCheckpointer(Checkpointer):
         if self.last_load_source == "storage":
             step_dir = str(state["dir"])
             _, client_state = self.ds_engine.load_checkpoint(
-                os.path.dirname(step_dir), tag, **options
+                os.path.dirname(step_dir), os.path.basename(step_dir), **options
             )
             return step_dir, client_state
+        tag = str(state.get("tag") or DEEPSPEED_NAMING.dir(step))
         return self._load_from_memory_files(load_dir, tag, state[FILES_KEY], options)
 
     def _load_from_memory_files(
@@ -228,3 +247,35 @@ class DeepSpeedCheckpointer(Checkpointer):
             finally:
                 engine.checkpoint_engine = own_engine
         return os.path.join(load_dir, tag), client_state
+
+
+def _tags_of(catalog: Catalog | None) -> str:
+    if catalog is None:
+        return "none"
+    names = [catalog.step_dir(step) for step in catalog.steps()]
+    return ", ".join(repr(n) for n in names) or "none"
+
+
+_MAX_TAG_BYTES = 255
+
+
+def _rank0_tag(tag: str) -> str:
+    """Rank 0's ``tag`` on every rank (one broadcast of a small tensor)."""
+    import torch
+    import torch.distributed as dist
+
+    data = tag.encode()
+    if len(data) > _MAX_TAG_BYTES:
+        raise CheckpointError(f"tag {tag[:40]!r}... is longer than {_MAX_TAG_BYTES} bytes")
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return tag
+    device = torch.device("cpu")
+    if "nccl" in str(dist.get_backend()):
+        device = torch.device("cuda", torch.cuda.current_device())
+    buf = torch.zeros(_MAX_TAG_BYTES + 1, dtype=torch.uint8)
+    buf[0] = len(data)
+    buf[1 : 1 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    buf = buf.to(device)
+    dist.broadcast(buf, src=0)
+    got = buf.cpu()
+    return bytes(got[1 : 1 + int(got[0])].tolist()).decode()

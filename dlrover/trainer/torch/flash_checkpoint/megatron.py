@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import argparse
+import enum
 import logging
 import os
 import random
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from dlrover.checkpoint.errors import CheckpointError
 from dlrover.checkpoint.formats import MEGATRON_NAMING
@@ -34,29 +38,64 @@ CHECKPOINT_VERSION = 3.0
 """The ``checkpoint_version`` Megatron-LM writes into each file (and checks on load)."""
 
 
-def checkpoint_file_name(tensor_rank: int, pipeline_rank: int, pipeline_size: int) -> str:
+def checkpoint_file_name(
+    tensor_rank: int,
+    pipeline_rank: int,
+    pipeline_size: int,
+    expert_rank: int = 0,
+    expert_parallel: bool = False,
+    basename: str = "model_optim_rng.pt",
+) -> str:
     """A rank's file inside ``iter_<n>/``, as Megatron-LM names it: ``mp_rank_<tp:02>/`` with
-    one pipeline stage, ``mp_rank_<tp:02>_<pp:03>/`` with more, then ``model_optim_rng.pt``."""
+    one pipeline stage, ``mp_rank_<tp:02>_<pp:03>/`` with more, ``_<ep:03>`` added with expert
+    parallelism, then ``model_optim_rng.pt``."""
     folder = f"mp_rank_{tensor_rank:02d}"
     if pipeline_size > 1:
         folder += f"_{pipeline_rank:03d}"
-    return f"{folder}/model_optim_rng.pt"
+    if expert_parallel:
+        folder += f"_{expert_rank:03d}"
+    return f"{folder}/{basename}"
 
 
-def _parallel_place() -> tuple[int, int, int, int]:
-    """(tensor rank, pipeline rank, pipeline size, data-parallel rank) from megatron.core's
-    parallel state when it is initialized, else one stage of one replica."""
+@dataclass(frozen=True)
+class ParallelPlace:
+    """Where a rank sits in Megatron's layout: what names its file and who persists it."""
+
+    tensor_rank: int = 0
+    pipeline_rank: int = 0
+    pipeline_size: int = 1
+    data_rank: int = 0
+    expert_rank: int = 0
+    expert_parallel: bool = False
+
+    def file_name(self, basename: str = "model_optim_rng.pt") -> str:
+        """This rank's file inside ``iter_<n>/``."""
+        return checkpoint_file_name(
+            self.tensor_rank,
+            self.pipeline_rank,
+            self.pipeline_size,
+            self.expert_rank,
+            self.expert_parallel,
+            basename,
+        )
+
+
+def _parallel_place() -> ParallelPlace:
+    """This rank's place from megatron.core's parallel state when it is initialized, else one
+    stage of one replica."""
     try:
         from megatron.core import parallel_state as ps
     except ImportError:
-        return 0, 0, 1, 0
+        return ParallelPlace()
     if not ps.model_parallel_is_initialized():
-        return 0, 0, 1, 0
-    return (
-        ps.get_tensor_model_parallel_rank(),
-        ps.get_pipeline_model_parallel_rank(),
-        ps.get_pipeline_model_parallel_world_size(),
-        ps.get_data_parallel_rank(),
+        return ParallelPlace()
+    return ParallelPlace(
+        tensor_rank=ps.get_tensor_model_parallel_rank(),
+        pipeline_rank=ps.get_pipeline_model_parallel_rank(),
+        pipeline_size=ps.get_pipeline_model_parallel_world_size(),
+        data_rank=ps.get_data_parallel_rank(),
+        expert_rank=ps.get_expert_model_parallel_rank(),
+        expert_parallel=ps.get_expert_model_parallel_world_size() > 1,
     )
 
 
@@ -123,24 +162,28 @@ class MegatronCheckpointer(Checkpointer):
     def save_checkpoint(
         self,
         iteration: int,
-        model: torch.nn.Module,
+        model: torch.nn.Module | list[torch.nn.Module],
         optimizer: Any = None,
         opt_param_scheduler: Any = None,
         extra: dict[str, Any] | None = None,
         storage_type: StorageType = StorageType.DISK,
+        *,
+        place: ParallelPlace | None = None,
     ) -> bool:
         """Copy this rank's state as ``iteration`` into shared memory (with DISK also persisted
-        in the background). ``extra`` entries are added to the file (e.g. ``args``,
-        ``num_floating_point_operations_so_far``). Any rank may call it; each stage needs
-        data-parallel rank 0's save for a step to reach storage. Returns True or raises
-        CheckpointError."""
+        in the background). ``model``: a module, or Megatron-LM's list of virtual pipeline
+        chunks (stored as ``model0``, ``model1``... as Megatron-LM does). ``extra`` entries are
+        added to the file (e.g. ``args``, ``num_floating_point_operations_so_far``).
+        ``place``: where this rank sits (default: megatron.core's parallel state). Any rank may
+        call it; each stage needs data-parallel rank 0's save for a step to reach storage.
+        Returns True or raises CheckpointError."""
         if iteration < 0:
             raise CheckpointError(f"iteration must be >= 0, got {iteration}")
-        tensor_rank, pipeline_rank, pipeline_size, data_rank = _parallel_place()
+        place = place or _parallel_place()
         content: dict[str, Any] = {
             "checkpoint_version": CHECKPOINT_VERSION,
             "iteration": iteration,
-            "model": model.state_dict(),
+            **_model_entries(model),
             "rng_state": [rng_state()],
             **(extra or {}),
         }
@@ -148,42 +191,53 @@ class MegatronCheckpointer(Checkpointer):
             content["optimizer"] = optimizer.state_dict()
         if opt_param_scheduler is not None:
             content["opt_param_scheduler"] = opt_param_scheduler.state_dict()
-        name = checkpoint_file_name(tensor_rank, pipeline_rank, pipeline_size)
+        name = place.file_name()
         state = {
             FILES_KEY: {name: encode_objects(content)},
-            PERSIST_KEY: [name] if data_rank == 0 else [],
+            PERSIST_KEY: [name] if place.data_rank == 0 else [],
         }
         return self.engine.save(iteration, state, persist=storage_type == StorageType.DISK)
 
     def load_checkpoint(
         self,
-        model: torch.nn.Module,
+        model: torch.nn.Module | list[torch.nn.Module],
         optimizer: Any = None,
         opt_param_scheduler: Any = None,
         load_dir: str = "",
         strict: bool = True,
         load_rng: bool = True,
+        *,
+        load_model: bool = True,
+        place: ParallelPlace | None = None,
     ) -> int:
         """Load the newest iteration into ``model`` (and ``optimizer``, ``opt_param_scheduler``,
         the RNG); returns it, 0 when there is no checkpoint (as Megatron-LM). From shared memory
         when every rank holds one not older than storage's, else the newest iteration on storage
         that verifies (``torch.load`` of this rank's stage file); ``load_dir`` (a checkpoint
-        directory or one of its ``iter_<n>`` directories) loads from storage."""
+        directory or one of its ``iter_<n>`` directories) loads from storage. ``load_model``
+        False leaves the model as it is."""
         if load_dir and os.path.abspath(load_dir) == os.path.abspath(self.checkpoint_dir):
             load_dir = ""
         found = self._load_newest(load_dir, None)
         if found is None:
             return 0
-        tensor_rank, pipeline_rank, pipeline_size, _ = _parallel_place()
-        name = checkpoint_file_name(tensor_rank, pipeline_rank, pipeline_size)
+        name = (place or _parallel_place()).file_name()
         state = found[1]
         if self.last_load_source == "memory":
             if name not in state[FILES_KEY]:
                 raise CheckpointError(f"the checkpoint in memory holds no {name} for this rank")
             content = decode_objects(state[FILES_KEY][name])
         else:
-            content = torch.load(os.path.join(state["dir"], name), weights_only=False)
-        model.load_state_dict(content["model"], strict=strict)
+            path = os.path.join(state["dir"], name)
+            if not os.path.exists(path):
+                raise CheckpointError(
+                    f"{path} is missing: the checkpoint in {state['dir']} was saved at another "
+                    "tensor/pipeline layout than this rank's; load it at that layout, or "
+                    "convert it with Megatron-LM's tools"
+                )
+            content = torch.load(path, weights_only=False)
+        if load_model:
+            _load_model_entries(model, content, strict)
         if optimizer is not None and "optimizer" in content:
             optimizer.load_state_dict(content["optimizer"])
         if opt_param_scheduler is not None and "opt_param_scheduler" in content:
@@ -191,7 +245,8 @@ class MegatronCheckpointer(Checkpointer):
         self.last_extra = {
             k: v
             for k, v in content.items()
-            if k not in ("model", "optimizer", "opt_param_scheduler", "rng_state")
+            if k not in ("optimizer", "opt_param_scheduler", "rng_state")
+            and not (k == "model" or (k.startswith("model") and k[5:].isdigit()))
         }
         if load_rng and content.get("rng_state"):
             set_rng_state(content["rng_state"][0])
@@ -205,12 +260,48 @@ class MegatronCheckpointer(Checkpointer):
         return MEGATRON_NAMING.dir(iteration)
 
 
+def _module_state(chunk: torch.nn.Module) -> dict[str, Any]:
+    """A chunk's state as Megatron-LM saves it (``state_dict_for_save_checkpoint`` where the
+    module has it: megatron's modules leave out what they rebuild)."""
+    save = getattr(chunk, "state_dict_for_save_checkpoint", None)
+    return dict(save()) if callable(save) else dict(chunk.state_dict())
+
+
+def _model_entries(model: torch.nn.Module | list[torch.nn.Module]) -> dict[str, Any]:
+    """``{"model": ...}`` for one chunk, ``{"model0": ..., "model1": ...}`` for several."""
+    chunks = model if isinstance(model, list) else [model]
+    if len(chunks) == 1:
+        return {"model": _module_state(chunks[0])}
+    return {f"model{i}": _module_state(chunk) for i, chunk in enumerate(chunks)}
+
+
+def _load_model_entries(
+    model: torch.nn.Module | list[torch.nn.Module], content: dict[str, Any], strict: bool
+) -> None:
+    chunks = model if isinstance(model, list) else [model]
+    if len(chunks) == 1:
+        if "model" not in content:
+            raise CheckpointError(
+                "the checkpoint holds virtual pipeline chunks; this model has one"
+            )
+        chunks[0].load_state_dict(content["model"], strict=strict)
+        return
+    for i, chunk in enumerate(chunks):
+        if f"model{i}" not in content:
+            raise CheckpointError(f"the checkpoint holds no model{i} (virtual pipeline chunk {i})")
+        chunk.load_state_dict(content[f"model{i}"], strict=strict)
+
+
 # --- DLRover's drop-in functions for Megatron-LM's training loop -------------------------------
 # Megatron-LM's `pretrain` calls `save_checkpoint(iteration, model, optimizer, opt_param_scheduler,
-# num_floating_point_operations_so_far)` and `load_checkpoint(model, optimizer,
-# opt_param_scheduler)`, with the directories in its global arguments (`--save`, `--load`).
-# DLRover users swap those two imports for these; a checkpointer is kept per directory, because
-# the functions are called once per save, and the shared memory must outlive the call.
+# num_floating_point_operations_so_far, checkpointing_context, non_persistent_ckpt=...,
+# train_data_iterator=..., preprocess_common_state_dict_fn=..., tp_group=..., ...)` and
+# `load_checkpoint(model, optimizer, opt_param_scheduler, checkpointing_context=...,
+# skip_load_to_model_and_opt=..., tp_group=..., ...)`, with the directories in its global
+# arguments (`--save`, `--load`). DLRover users swap those two imports for these; DLRover's own
+# older form (`storage_type` as the sixth argument) is accepted too. A checkpointer is kept per
+# directory, because the functions are called once per save, and the shared memory must outlive
+# the call.
 
 
 class _Checkpointers:
@@ -219,10 +310,14 @@ class _Checkpointers:
     def __init__(self) -> None:
         self.by_dir: dict[str, MegatronCheckpointer] = {}
 
-    def get(self, checkpoint_dir: str, comm_backend: str) -> MegatronCheckpointer:
+    def get(
+        self, checkpoint_dir: str, comm_backend: str = "", replica_count: int = 0
+    ) -> MegatronCheckpointer:
         key = os.path.abspath(checkpoint_dir)
         if key not in self.by_dir:
-            self.by_dir[key] = MegatronCheckpointer(key, comm_backend=comm_backend)
+            self.by_dir[key] = MegatronCheckpointer(
+                key, comm_backend=comm_backend, replica_count=replica_count
+            )
         return self.by_dir[key]
 
 
@@ -246,18 +341,60 @@ def _megatron_args() -> Any:
     return get_args()
 
 
-def _one_chunk(model: Any) -> torch.nn.Module:
+def _maybe_args() -> Any:
+    """Megatron-LM's arguments where they exist (None: a loop without Megatron-LM's)."""
+    try:
+        return _megatron_args()
+    except (CheckpointError, AssertionError):  # not importable, or not parsed yet
+        return None
+
+
+def _chunks(model: Any) -> list[torch.nn.Module]:
     """Megatron-LM passes its model as a list of chunks (one per virtual pipeline stage)."""
-    if isinstance(model, (list, tuple)):
-        if len(model) != 1:
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    for chunk in chunks:
+        if not isinstance(chunk, torch.nn.Module):
             raise CheckpointError(
-                f"a model of {len(model)} virtual pipeline chunks is not supported yet; "
-                "save without --num-layers-per-virtual-pipeline-stage"
+                f"model must be a torch.nn.Module (or a list of them), not {chunk!r}"
             )
-        model = model[0]
-    if not isinstance(model, torch.nn.Module):
-        raise CheckpointError(f"model must be a torch.nn.Module (or a list of one), not {model!r}")
-    return model
+    if not chunks:
+        raise CheckpointError("model is an empty list")
+    return chunks
+
+
+def _group_place(
+    place: ParallelPlace,
+    tp_group: Any,
+    pp_group: Any,
+    dp_group: Any,
+    tensor_rank: int | None,
+    pipeline_rank: int | None,
+    pipeline_parallel: bool | None,
+    expert_rank: int | None,
+    expert_parallel: bool | None,
+) -> ParallelPlace:
+    """``place`` with what Megatron-LM's arguments say instead: ranks of the process groups
+    given, then the explicit ranks (Megatron-LM's checkpoint-conversion overrides)."""
+    if tp_group is not None:
+        place = replace(place, tensor_rank=dist.get_rank(tp_group))
+    if pp_group is not None:
+        size = dist.get_world_size(pp_group)
+        place = replace(place, pipeline_rank=dist.get_rank(pp_group), pipeline_size=size)
+    if dp_group is not None:
+        place = replace(place, data_rank=dist.get_rank(dp_group))
+    if tensor_rank is not None:
+        place = replace(place, tensor_rank=tensor_rank)
+    if pipeline_rank is not None:
+        place = replace(place, pipeline_rank=pipeline_rank)
+    if pipeline_parallel is not None:
+        place = replace(
+            place, pipeline_size=max(place.pipeline_size, 2) if pipeline_parallel else 1
+        )
+    if expert_rank is not None:
+        place = replace(place, expert_rank=expert_rank)
+    if expert_parallel is not None:
+        place = replace(place, expert_parallel=expert_parallel)
+    return place
 
 
 def save_checkpoint(
@@ -266,56 +403,190 @@ def save_checkpoint(
     optimizer: Any,
     opt_param_scheduler: Any,
     num_floating_point_operations_so_far: float = 0,
+    checkpointing_context: Any = None,
+    pipeline_rank: int | None = None,
+    expert_rank: int | None = None,
+    tensor_rank: int | None = None,
+    pipeline_parallel: bool | None = None,
+    expert_parallel: bool | None = None,
+    non_persistent_ckpt: bool = False,
+    train_data_iterator: Any = None,
+    preprocess_common_state_dict_fn: Any = None,
+    release: bool = False,
+    tp_group: Any = None,
+    pp_group: Any = None,
+    dp_cp_group: Any = None,
+    dp_group: Any = None,
+    expt_dp_group: Any = None,
+    rng_state_key_prefix: str = "",
+    *,
     storage_type: StorageType = StorageType.DISK,
     storage: Any = None,
     comm_backend: str = "",
-    *,
+    save_timeout: float = DEFAULT_SAVE_TIMEOUT_S,
+    replica_count: int = 0,
     checkpoint_dir: str = "",
 ) -> bool:
-    """Megatron-LM's ``save_checkpoint`` through flash checkpoint, as DLRover names it: this
-    rank's state goes to shared memory now, and with DISK to ``<--save>/iter_<n:07>/`` in the
-    background. ``checkpoint_dir`` stands in for Megatron-LM's ``--save``; ``storage`` is
-    accepted for DLRover's signature (storage is the local file system)."""
-    del storage
-    directory = checkpoint_dir or _megatron_args().save
-    return _CHECKPOINTERS.get(directory, comm_backend).save_checkpoint(
+    """Megatron-LM's ``save_checkpoint`` (its arguments, in its order) through flash
+    checkpoint: this rank's state goes to shared memory now, and with DISK to
+    ``<--save>/iter_<n:07>/`` in the background, as Megatron-LM's legacy (``--ckpt-format
+    torch``) files, ``args`` included. What each of Megatron-LM's arguments does here
+    (docs/checkpoint.md has the table): ``non_persistent_ckpt`` saves to memory only (the
+    flash checkpoint's cheap save, which outlives a worker's restart); ``train_data_iterator``
+    with a ``save_state()`` (Megatron-LM's Energon loaders) has its state in the file under
+    ``dataloader_state``; the ranks, process groups and ``rng_state_key_prefix`` place the file
+    as Megatron-LM does; ``checkpointing_context`` (Megatron-LM's cache of save strategies),
+    ``preprocess_common_state_dict_fn``, ``rng_state_key_prefix`` and
+    ``dp_cp_group``/``expt_dp_group`` only matter to ``torch_dist`` saves and are accepted. ``release`` (a converted model, no iteration) is
+    refused: save it with Megatron-LM's own function. DLRover's older form passes
+    ``storage_type`` sixth: a StorageType there is taken as it. ``checkpoint_dir`` stands in
+    for Megatron-LM's ``--save``; ``storage`` and ``save_timeout`` are accepted for DLRover's
+    signature (storage is the file system; a step commits once every rank's part is on it)."""
+    del storage, save_timeout, preprocess_common_state_dict_fn, dp_cp_group, expt_dp_group
+    del rng_state_key_prefix  # names the RNG entry of torch_dist files only
+    if isinstance(checkpointing_context, StorageType):  # DLRover's positional storage_type
+        storage_type, checkpointing_context = checkpointing_context, None
+    del checkpointing_context
+    if release:
+        raise CheckpointError(
+            "save_checkpoint(release=True) writes a released model without an iteration; save "
+            "it with Megatron-LM's own megatron.training.checkpointing.save_checkpoint"
+        )
+    args = _maybe_args()
+    directory = checkpoint_dir or (args.save if args is not None else "")
+    if not directory:
+        raise CheckpointError("no directory to save to: Megatron-LM's --save is not set")
+    place = _group_place(
+        _parallel_place(), tp_group, pp_group, dp_group, tensor_rank, pipeline_rank,
+        pipeline_parallel, expert_rank, expert_parallel,
+    )  # fmt: skip
+    extra: dict[str, Any] = {
+        "num_floating_point_operations_so_far": num_floating_point_operations_so_far
+    }
+    if args is not None:
+        extra["args"] = storable_args(args)
+    save_state = getattr(train_data_iterator, "save_state", None)
+    if callable(save_state):
+        extra["dataloader_state"] = save_state()
+    if non_persistent_ckpt:
+        storage_type = StorageType.MEMORY
+    return _CHECKPOINTERS.get(directory, comm_backend, replica_count).save_checkpoint(
         iteration,
-        _one_chunk(model),
+        _chunks(model),
         optimizer,
         opt_param_scheduler,
-        extra={"num_floating_point_operations_so_far": num_floating_point_operations_so_far},
+        extra=extra,
         storage_type=storage_type,
+        place=place,
     )
 
 
 def load_checkpoint(
-    model: Any,
+    ddp_model: Any,
     optimizer: Any,
     opt_param_scheduler: Any,
     load_arg: str = "load",
     strict: bool = True,
+    checkpointing_context: Any = None,
+    skip_load_to_model_and_opt: bool = False,
+    tp_group: Any = None,
+    pp_group: Any = None,
+    dp_cp_group: Any = None,
+    dp_group: Any = None,
+    expt_dp_group: Any = None,
+    rng_state_key_prefix: str = "",
+    *,
     storage: Any = None,
     comm_backend: str = "",
-    *,
+    save_timeout: float = DEFAULT_SAVE_TIMEOUT_S,
+    replica_count: int = 0,
     checkpoint_dir: str = "",
 ) -> tuple[int, float]:
-    """Megatron-LM's ``load_checkpoint`` through flash checkpoint: the newest iteration from
-    shared memory when every rank holds it, else from ``<--load>`` (``load_arg`` names the
-    argument, as in Megatron-LM). Returns ``(iteration, num_floating_point_operations_so_far)``,
-    as Megatron-LM's does, ``(0, 0)`` without a checkpoint. ``checkpoint_dir`` stands in for
-    the argument; memory is looked up under ``--save``, where the saves went."""
-    del storage
+    """Megatron-LM's ``load_checkpoint`` (its arguments, in its order) through flash
+    checkpoint: the newest iteration from shared memory when every rank holds it, else from
+    ``<--load>`` (``load_arg`` names the argument, as in Megatron-LM). Returns ``(iteration,
+    num_floating_point_operations_so_far)``, ``(0, 0)`` without a checkpoint, and, as
+    Megatron-LM does, sets ``args.consumed_train_samples``, ``skipped_train_samples`` and
+    ``consumed_valid_samples`` from the file's ``args`` (and Megatron-LM's number of
+    micro-batches from them, where megatron.core has its calculator) unless ``--finetune``;
+    ``--no-load-optim``/``--no-load-rng`` skip the optimizer and scheduler / the RNG.
+    ``skip_load_to_model_and_opt`` (Megatron-LM's FSDP2 ``torch_dist`` loads, whose tensors are
+    already in place) skips the model and the optimizer. ``checkpointing_context`` and the
+    process groups other than ``tp_group``/``pp_group`` are accepted. ``checkpoint_dir``
+    stands in for the argument; memory is looked up under ``--save``, where the saves went."""
+    del storage, save_timeout, checkpointing_context, dp_cp_group, expt_dp_group
+    del rng_state_key_prefix  # names the RNG entry of torch_dist files only
+    args = _maybe_args()
     if checkpoint_dir:
         save_dir = load_dir = checkpoint_dir
     else:
-        args = _megatron_args()
+        if args is None:
+            _megatron_args()  # raises, naming what is missing
         load_dir = getattr(args, load_arg, None) or ""
         save_dir = getattr(args, "save", None) or load_dir
         if not save_dir:
             raise CheckpointError(f"Megatron-LM's arguments name no --{load_arg} and no --save")
-    checkpointer = _CHECKPOINTERS.get(save_dir, comm_backend)
-    chunk = _one_chunk(model)
-    iteration = checkpointer.load_checkpoint(
-        chunk, optimizer, opt_param_scheduler, load_dir=load_dir, strict=strict
+    finetune = bool(getattr(args, "finetune", False))
+    checkpointer = _CHECKPOINTERS.get(save_dir, comm_backend, replica_count)
+    place = _group_place(
+        _parallel_place(), tp_group, pp_group, dp_group, None, None, None, None, None
     )
-    return iteration, float(checkpointer.last_extra.get("num_floating_point_operations_so_far", 0))
+    iteration = checkpointer.load_checkpoint(
+        _chunks(ddp_model),
+        None if skip_load_to_model_and_opt or getattr(args, "no_load_optim", False) else optimizer,
+        None if getattr(args, "no_load_optim", False) else opt_param_scheduler,
+        load_dir=load_dir,
+        strict=strict,
+        load_rng=not (finetune or getattr(args, "no_load_rng", False)),
+        load_model=not skip_load_to_model_and_opt,
+        place=place,
+    )
+    extra = checkpointer.last_extra
+    saved_args = extra.get("args")
+    if args is not None and saved_args is not None and not finetune:
+        _adopt_consumed_samples(args, saved_args)
+    if finetune:
+        iteration = 0
+    return iteration, float(extra.get("num_floating_point_operations_so_far", 0))
+
+
+def _adopt_consumed_samples(args: Any, saved: Any) -> None:
+    """What Megatron-LM's load takes from the checkpoint's arguments: the samples consumed so
+    far (after any batch-size ramp-up, iteration x batch size is not it), and the number of
+    micro-batches that follows from them."""
+    args.consumed_train_samples = getattr(saved, "consumed_train_samples", 0)
+    args.skipped_train_samples = getattr(saved, "skipped_train_samples", 0)
+    args.consumed_valid_samples = getattr(saved, "consumed_valid_samples", 0)
+    try:
+        from megatron.core.num_microbatches_calculator import (
+            _GLOBAL_NUM_MICROBATCHES_CALCULATOR,
+            update_num_microbatches,
+        )
+    except ImportError:
+        return
+    if _GLOBAL_NUM_MICROBATCHES_CALCULATOR is not None:
+        update_num_microbatches(consumed_samples=args.consumed_train_samples, verbose=True)
+
+
+def storable_args(args: Any) -> argparse.Namespace:
+    """A copy of Megatron-LM's ``args`` with what a checkpoint file can hold: numbers, strings,
+    dtypes, enums and containers of them (Megatron-LM's loader checks the model's shape and
+    reads the consumed samples back from it); anything else (a tokenizer object, a function)
+    is left out, with a debug line."""
+    kept = argparse.Namespace()
+    for key, value in vars(args).items():
+        if _storable(value):
+            setattr(kept, key, value)
+        else:
+            log.debug("args.%s (%s) is not stored in the checkpoint", key, type(value).__name__)
+    return kept
+
+
+def _storable(value: Any) -> bool:
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype, enum.Enum)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_storable(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _storable(v) for k, v in value.items())
+    return False
