@@ -6,7 +6,9 @@ import abc
 import contextlib
 import ctypes
 import errno
+import mmap
 import os
+import queue
 import shutil
 import threading
 import uuid
@@ -110,6 +112,14 @@ class Storage(abc.ABC):
                 size += len(chunk)
         return size, crc
 
+    @contextlib.contextmanager
+    def stream(self, rel: str) -> Iterator[StreamSink]:
+        """Write ``rel`` from the start through a sink that checksums as it goes, for writers
+        that produce a file piece by piece (``torch.save``); stored as durably as
+        ``open_write`` stores when the block ends without error."""
+        with self.open_write(rel) as f:
+            yield StreamSink(f)
+
     def write_from(self, rel: str, data: memoryview) -> int:
         """Write ``data`` (e.g. a shared-memory mapping) as file ``rel``, durable on return as
         ``open_write`` makes it; returns its CRC-32, computed while writing."""
@@ -120,6 +130,27 @@ class Storage(abc.ABC):
                 f.write(chunk)
                 crc = crc32(chunk, crc)
         return crc
+
+
+class StreamSink:
+    """What ``Storage.stream`` yields: a file-like ``write`` (``torch.save`` writes into it)
+    that keeps the CRC-32 and the size of everything written."""
+
+    def __init__(self, out: IO[bytes]) -> None:
+        self._out = out
+        self.crc = 0
+        self.size = 0
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        """Write ``data`` whole; its length."""
+        view = memoryview(data).cast("B")
+        self.crc = crc32(view, self.crc)
+        self.size += view.nbytes
+        self._out.write(view)
+        return view.nbytes
+
+    def flush(self) -> None:
+        """Nothing held back here (the stream is flushed when the block ends)."""
 
 
 class LocalStorage(Storage):
@@ -172,6 +203,31 @@ class LocalStorage(Storage):
     def checksum(self, rel: str) -> tuple[int, int]:
         """As ``Storage.checksum``, a large file read by several threads at once."""
         return checksum_file(self._p(rel))
+
+    @contextlib.contextmanager
+    def stream(self, rel: str) -> Iterator[StreamSink]:
+        """As ``Storage.stream``, the bytes gathered into page-aligned chunks that a second
+        thread writes with O_DIRECT while the next chunk fills (the file does not pass through,
+        nor fill, the page cache); buffered where the file system refuses O_DIRECT. fsynced
+        when the block ends without error; CheckpointStorageError on a failed write."""
+        path = self._p(rel)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        except OSError as exc:
+            raise CheckpointStorageError(f"cannot write {path!r}: {exc.strerror}") from exc
+        direct_fd = _open_direct(path)
+        sink = _DirectSink(fd, direct_fd)
+        try:
+            yield sink
+            sink.finish()
+            os.fsync(fd)
+        except OSError as exc:
+            raise CheckpointStorageError(f"cannot write {path!r}: {exc.strerror}") from exc
+        finally:
+            sink.close()
+            if direct_fd >= 0:
+                os.close(direct_fd)
+            os.close(fd)
 
     def write_from(self, rel: str, data: memoryview) -> int:
         """Write ``data`` as file ``rel`` from WRITE_THREADS threads at once, each writing and
@@ -424,3 +480,107 @@ def storage_for(location: str) -> Storage:
     if "://" in location:
         return FsspecStorage(location)
     return LocalStorage(location)
+
+
+STREAM_CHUNK_BYTES = 16 << 20
+"""Bytes of each of the two page-aligned chunks a streamed local write alternates between."""
+
+
+class _DirectSink(StreamSink):
+    """A StreamSink over a local file: ``write`` copies into one of two page-aligned chunks; a
+    full chunk goes to a writer thread (O_DIRECT where ``direct_fd`` >= 0) while the other
+    fills. ``finish`` writes the partial last chunk buffered and waits for the thread."""
+
+    def __init__(self, fd: int, direct_fd: int) -> None:
+        self._fd, self._direct_fd = fd, direct_fd
+        self.crc = 0
+        self.size = 0
+        self._chunks = [mmap.mmap(-1, STREAM_CHUNK_BYTES) for _ in range(2)]
+        self._filling = 0
+        self._used = 0
+        self._offset = 0  # of the chunk being filled, in the file
+        self._free = [threading.Event(), threading.Event()]
+        for free in self._free:
+            free.set()
+        self._jobs: queue.SimpleQueue[tuple[int, int, int] | None] = queue.SimpleQueue()
+        self._error: OSError | None = None
+        self._thread = threading.Thread(target=self._write_loop, name="ckpt-stream", daemon=True)
+        self._thread.start()
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        view = memoryview(data).cast("B")
+        self.crc = crc32(view, self.crc)
+        self.size += view.nbytes
+        done = 0
+        while done < view.nbytes:
+            if self._error is not None:
+                raise self._error
+            chunk = self._chunks[self._filling]
+            n = min(view.nbytes - done, STREAM_CHUNK_BYTES - self._used)
+            chunk[self._used : self._used + n] = view[done : done + n]
+            self._used += n
+            done += n
+            if self._used == STREAM_CHUNK_BYTES:
+                self._hand_over()
+        return view.nbytes
+
+    def _hand_over(self) -> None:
+        """Give the filled chunk to the writer; fill the other once it is written."""
+        index = self._filling
+        self._free[index].clear()
+        self._jobs.put((index, self._used, self._offset))
+        self._offset += self._used
+        self._filling, self._used = 1 - index, 0
+        self._free[self._filling].wait()
+
+    def _write_loop(self) -> None:
+        run_in_background()
+        while (job := self._jobs.get()) is not None:
+            index, length, offset = job
+            try:
+                if self._error is None:
+                    self._pwrite(self._chunks[index], length, offset)
+            except OSError as exc:
+                self._error = exc
+            finally:
+                self._free[index].set()
+
+    def _pwrite(self, chunk: mmap.mmap, length: int, offset: int) -> None:
+        view = memoryview(chunk)[:length]
+        try:
+            aligned = length // _DIRECT_ALIGN * _DIRECT_ALIGN if self._direct_fd >= 0 else 0
+            if aligned:
+                try:
+                    _pwrite_all(self._direct_fd, view[:aligned], offset)
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:
+                        raise
+                    self._direct_fd = -1  # refused after all: buffered from here on
+                    aligned = 0
+            if aligned < length:
+                _pwrite_all(self._fd, view[aligned:], offset + aligned)
+        finally:
+            view.release()
+
+    def finish(self) -> None:
+        """Write what is left and wait for every write; raises the first write's error."""
+        if self._used:
+            self._hand_over()
+        self._jobs.put(None)
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+    def close(self) -> None:
+        """Stop the writer (if ``finish`` did not) and free the chunks."""
+        if self._thread.is_alive():
+            self._jobs.put(None)
+            self._thread.join()
+        for chunk in self._chunks:
+            chunk.close()
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    while view.nbytes:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import io
 import posixpath
 from collections.abc import Mapping
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 
@@ -63,14 +62,15 @@ def persist_torch_files(
             check_file_name(name)
             if name in files:
                 raise CheckpointError(f"two ranks of step {step} write {name}")
-            buf = io.BytesIO()
-            torch.save(decode_objects(state[FILES_KEY][name]), buf)
             parent = posixpath.dirname(name)
             if parent:
                 catalog.storage.makedirs(f"{rel_dir}/{parent}")
-            with buf.getbuffer() as data:
-                crc = catalog.storage.write_from(f"{rel_dir}/{name}", data)
-                files[name] = {"size": len(data), "crc32": crc}
+            # Serialized straight into the file (no in-memory copy of it first), checksummed
+            # as it goes: the write is what a torch.save of the framework's own costs.
+            with catalog.storage.stream(f"{rel_dir}/{name}") as sink:
+                # torch.save needs only ``write`` of a file object: the sink's
+                torch.save(decode_objects(state[FILES_KEY][name]), cast(IO[bytes], sink))
+            files[name] = {"size": sink.size, "crc32": sink.crc}
         if read_seq(seg) != seq:
             raise SegmentStateError(f"segment {seg.path} was overwritten during the persist")
     return files

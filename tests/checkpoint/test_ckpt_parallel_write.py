@@ -82,3 +82,39 @@ def test_the_fast_crc_is_zlibs_crc_chunk_by_chunk(size: int) -> None:
     half = size // 2
     assert crc32(data) == zlib.crc32(data)
     assert crc32(memoryview(data)[half:], crc32(data[:half])) == zlib.crc32(data)
+
+
+@pytest.mark.parametrize("where", ["disk", "tmpfs"])
+@pytest.mark.parametrize("pieces", [[], [1], [4095, 1, 70_000], [(3 << 20) + 5, 17, 1 << 20]])
+def test_a_streamed_write_gives_the_bytes_and_crc_of_a_sequential_one(
+    tmp_path: Path, where: str, pieces: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``Storage.stream`` (torch.save writes into it piece by piece): page-aligned chunks
+    written with O_DIRECT on a disk, buffered on tmpfs (which refuses O_DIRECT)."""
+    monkeypatch.setattr(storage_mod, "STREAM_CHUNK_BYTES", 1 << 20)  # several chunks
+    root = tmp_path if where == "disk" else Path("/dev/shm")
+    if not root.is_dir():
+        pytest.skip("no /dev/shm here")
+    storage = LocalStorage(str(root))
+    name = f"dlrtest-stream-{os.getpid()}-{len(pieces)}.bin"
+    parts = [os.urandom(n) for n in pieces]
+    try:
+        with storage.stream(name) as sink:
+            for part in parts:
+                assert sink.write(part) == len(part)
+        data = b"".join(parts)
+        assert (root / name).read_bytes() == data
+        assert (sink.size, sink.crc) == (len(data), zlib.crc32(data))
+        memory = FsspecStorage(f"memory://dlrtest-stream-{os.getpid()}-{len(pieces)}")
+        with memory.stream("part.bin") as other:
+            for part in parts:
+                other.write(part)
+        assert (other.crc, memory.read_bytes("part.bin")) == (sink.crc, data)
+    finally:
+        (root / name).unlink(missing_ok=True)
+
+
+def test_a_streamed_write_that_fails_is_a_clear_storage_error(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointStorageError, match="cannot write"):
+        with LocalStorage(str(tmp_path / "missing")).stream("x.bin") as sink:
+            sink.write(b"x")
