@@ -29,6 +29,8 @@ os.environ.setdefault("MASTER_PORT", "29561")
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
 
+from dlrover.checkpoint.config import ENV_CHECKPOINT_SOCKET  # noqa: E402
+from dlrover.checkpoint.saver import CheckpointSaver  # noqa: E402
 from dlrover.trainer.torch.flash_checkpoint.deepspeed import (  # noqa: E402
     DeepSpeedCheckpointer,
     StorageType,
@@ -94,11 +96,17 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     engine = build_engine(args.size_mb, args.stage)
     root = Path(tempfile.mkdtemp(prefix="ds-bench-", dir=os.environ.get("BENCH_DIR")))
+    # The saver an agent runs (here in this process): its memory is what a restart loads from.
+    saver = CheckpointSaver(str(root / "saver.sock"), shm_prefix=f"dsbench-{os.getpid()}")
+    saver.start()
+    os.environ[ENV_CHECKPOINT_SOCKET] = saver.socket_path
     ckpt = DeepSpeedCheckpointer(engine, str(root / "flash"))
     rows: dict[str, list[float]] = {"ours: save to memory": [], "ours: DISK save, blocked": [],
                                     "ours: DISK save until on storage": [],
                                     "DeepSpeed's save_checkpoint": [],
-                                    "DeepSpeed's save_checkpoint + fsync": []}  # fmt: skip
+                                    "DeepSpeed's save_checkpoint + fsync": [],
+                                    "ours: load (from memory)": [],
+                                    "DeepSpeed's load_checkpoint": []}  # fmt: skip
     try:
         # Each save is a new step (a step already on storage is not persisted again).
         ckpt.save_checkpoint(tag="global_step1", storage_type=StorageType.MEMORY)  # allocates
@@ -118,15 +126,30 @@ def main() -> None:
             rows["DeepSpeed's save_checkpoint"].append(time.perf_counter() - t)
             _fsync_tree(root / "own")  # on storage: what our persist waits for
             rows["DeepSpeed's save_checkpoint + fsync"].append(time.perf_counter() - t)
+            # A restart's load: ours finds the newest step in memory; DeepSpeed's reads files
+            # (from the page cache: the best case for it).
+            os.environ["TORCHELASTIC_RESTART_COUNT"] = str(i + 1)  # each load: a restart's
+            t = time.perf_counter()
+            ckpt.load_checkpoint()
+            rows["ours: load (from memory)"].append(time.perf_counter() - t)
+            assert ckpt.last_load_source == "memory"
+            t = time.perf_counter()
+            engine.load_checkpoint(str(root / "own"))
+            rows["DeepSpeed's load_checkpoint"].append(time.perf_counter() - t)
     finally:
         ckpt.close()
+        saver.close(unlink=True)
         shutil.rmtree(root, ignore_errors=True)
-    peer = statistics.median(rows["DeepSpeed's save_checkpoint"])
+    peers = {
+        "save": statistics.median(rows["DeepSpeed's save_checkpoint"]),
+        "load": statistics.median(rows["DeepSpeed's load_checkpoint"]),
+    }
     print(f"ZeRO-{args.stage}, {args.size_mb} MiB of parameters + Adam, 1 rank, "
-          f"medians of {args.repeats} (min-max)")  # fmt: skip
+          f"medians of {args.repeats} (min-max); saves / DeepSpeed's save, loads / its load")  # fmt: skip
     print(f"| {'operation':<36} | {'seconds':>22} | {'/ DeepSpeed':>11} |")
     for name, times in rows.items():
         med = statistics.median(times)
+        peer = peers["load" if "load" in name else "save"]
         spread = f"{med:.3f} ({min(times):.3f}-{max(times):.3f})"
         print(f"| {name:<36} | {spread:>22} | {med / peer:>10.2f}x |")
 
