@@ -17,7 +17,7 @@ import torch.distributed as dist
 from dlrover.checkpoint.errors import CheckpointError
 from dlrover.checkpoint.formats import MEGATRON_NAMING
 from dlrover.checkpoint.object_codec import decode_objects, encode_objects
-from dlrover.checkpoint.torch_files import FILES_KEY, PERSIST_KEY
+from dlrover.checkpoint.torch_files import FILES_KEY, PERSIST_KEY, check_file_name
 from dlrover.trainer.torch.flash_checkpoint.checkpointer import (
     DEFAULT_SAVE_TIMEOUT_S,
     Checkpointer,
@@ -26,6 +26,9 @@ from dlrover.trainer.torch.flash_checkpoint.checkpointer import (
 
 __all__ = [
     "MegatronCheckpointer",
+    "ParallelPlace",
+    "checkpointer_for",
+    "wait_latest_checkpoint",
     "StorageType",
     "checkpoint_file_name",
     "load_checkpoint",
@@ -155,6 +158,8 @@ class MegatronCheckpointer(Checkpointer):
             replica_count=replica_count,
             keep_last=keep_last,
         )
+        self.last_files: dict[str, Any] = {}
+        """The ``extra_files`` of the last load, by name."""
         self.last_extra: dict[str, Any] = {}
         """The loaded file's entries besides model, optimizer, scheduler and RNG (``iteration``,
         ``num_floating_point_operations_so_far``, ``args``...)."""
@@ -169,9 +174,12 @@ class MegatronCheckpointer(Checkpointer):
         storage_type: StorageType = StorageType.DISK,
         *,
         place: ParallelPlace | None = None,
+        extra_files: dict[str, Any] | None = None,
     ) -> bool:
         """Copy this rank's state as ``iteration`` into shared memory (with DISK also persisted
-        in the background). ``model``: a module, or Megatron-LM's list of virtual pipeline
+        in the background). ``extra_files``: more files of the step (names inside
+        ``iter_<n>/``) that this rank writes, whatever its data-parallel rank (each rank's part
+        of a distributed optimizer's state). ``model``: a module, or Megatron-LM's list of virtual pipeline
         chunks (stored as ``model0``, ``model1``... as Megatron-LM does). ``extra`` entries are
         added to the file (e.g. ``args``, ``num_floating_point_operations_so_far``).
         ``place``: where this rank sits (default: megatron.core's parallel state). Any rank may
@@ -192,10 +200,10 @@ class MegatronCheckpointer(Checkpointer):
         if opt_param_scheduler is not None:
             content["opt_param_scheduler"] = opt_param_scheduler.state_dict()
         name = place.file_name()
-        state = {
-            FILES_KEY: {name: encode_objects(content)},
-            PERSIST_KEY: [name] if place.data_rank == 0 else [],
-        }
+        files = {name: encode_objects(content)}
+        own = [check_file_name(n) for n in extra_files or {}]
+        files.update({n: encode_objects(v) for n, v in (extra_files or {}).items()})
+        state = {FILES_KEY: files, PERSIST_KEY: ([name] if place.data_rank == 0 else []) + own}
         return self.engine.save(iteration, state, persist=storage_type == StorageType.DISK)
 
     def load_checkpoint(
@@ -209,13 +217,15 @@ class MegatronCheckpointer(Checkpointer):
         *,
         load_model: bool = True,
         place: ParallelPlace | None = None,
+        extra_files: tuple[str, ...] = (),
     ) -> int:
         """Load the newest iteration into ``model`` (and ``optimizer``, ``opt_param_scheduler``,
         the RNG); returns it, 0 when there is no checkpoint (as Megatron-LM). From shared memory
         when every rank holds one not older than storage's, else the newest iteration on storage
         that verifies (``torch.load`` of this rank's stage file); ``load_dir`` (a checkpoint
         directory or one of its ``iter_<n>`` directories) loads from storage. ``load_model``
-        False leaves the model as it is."""
+        False leaves the model as it is. ``extra_files`` (saved through ``save_checkpoint``'s)
+        are read into ``last_files``."""
         if load_dir and os.path.abspath(load_dir) == os.path.abspath(self.checkpoint_dir):
             load_dir = ""
         found = self._load_newest(load_dir, None)
@@ -236,6 +246,7 @@ class MegatronCheckpointer(Checkpointer):
                     "convert it with Megatron-LM's tools"
                 )
             content = torch.load(path, weights_only=False)
+        self.last_files = {n: self._read_file(state, n) for n in extra_files}
         if load_model:
             _load_model_entries(model, content, strict)
         if optimizer is not None and "optimizer" in content:
@@ -253,6 +264,17 @@ class MegatronCheckpointer(Checkpointer):
         iteration = int(content["iteration"])
         log.info("loaded iteration %d (%s) from %s", iteration, name, self.last_load_source)
         return iteration
+
+    def _read_file(self, state: dict[str, Any], name: str) -> Any:
+        """File ``name`` of the loaded step, from memory or storage."""
+        if self.last_load_source == "memory":
+            if name not in state[FILES_KEY]:
+                raise CheckpointError(f"the checkpoint in memory holds no {name} for this rank")
+            return decode_objects(state[FILES_KEY][name])
+        path = os.path.join(state["dir"], name)
+        if not os.path.exists(path):
+            raise CheckpointError(f"{path} is missing: the step was saved at another layout")
+        return torch.load(path, weights_only=False)
 
     @staticmethod
     def iteration_dir(iteration: int) -> str:
@@ -311,12 +333,20 @@ class _Checkpointers:
         self.by_dir: dict[str, MegatronCheckpointer] = {}
 
     def get(
-        self, checkpoint_dir: str, comm_backend: str = "", replica_count: int = 0
+        self,
+        checkpoint_dir: str,
+        comm_backend: str = "",
+        replica_count: int = 0,
+        deletion_strategy: Any = None,
     ) -> MegatronCheckpointer:
+        """The directory's checkpointer, made by the first call (with its arguments)."""
         key = os.path.abspath(checkpoint_dir)
         if key not in self.by_dir:
             self.by_dir[key] = MegatronCheckpointer(
-                key, comm_backend=comm_backend, replica_count=replica_count
+                key,
+                comm_backend=comm_backend,
+                replica_count=replica_count,
+                deletion_strategy=deletion_strategy,
             )
         return self.by_dir[key]
 
@@ -425,7 +455,9 @@ def save_checkpoint(
     comm_backend: str = "",
     save_timeout: float = DEFAULT_SAVE_TIMEOUT_S,
     replica_count: int = 0,
+    deletion_strategy: Any = None,
     checkpoint_dir: str = "",
+    extra_files: dict[str, Any] | None = None,
 ) -> bool:
     """Megatron-LM's ``save_checkpoint`` (its arguments, in its order) through flash
     checkpoint: this rank's state goes to shared memory now, and with DISK to
@@ -441,7 +473,8 @@ def save_checkpoint(
     refused: save it with Megatron-LM's own function. DLRover's older form passes
     ``storage_type`` sixth: a StorageType there is taken as it. ``checkpoint_dir`` stands in
     for Megatron-LM's ``--save``; ``storage`` and ``save_timeout`` are accepted for DLRover's
-    signature (storage is the file system; a step commits once every rank's part is on it)."""
+    signature (storage is the file system; a step commits once every rank's part is on it).
+    ``extra_files``: more files this rank writes into the step (see ``megatron_dist_ckpt``)."""
     del storage, save_timeout, preprocess_common_state_dict_fn, dp_cp_group, expt_dp_group
     del rng_state_key_prefix  # names the RNG entry of torch_dist files only
     if isinstance(checkpointing_context, StorageType):  # DLRover's positional storage_type
@@ -470,7 +503,8 @@ def save_checkpoint(
         extra["dataloader_state"] = save_state()
     if non_persistent_ckpt:
         storage_type = StorageType.MEMORY
-    return _CHECKPOINTERS.get(directory, comm_backend, replica_count).save_checkpoint(
+    checkpointer = _CHECKPOINTERS.get(directory, comm_backend, replica_count, deletion_strategy)
+    return checkpointer.save_checkpoint(
         iteration,
         _chunks(model),
         optimizer,
@@ -478,6 +512,7 @@ def save_checkpoint(
         extra=extra,
         storage_type=storage_type,
         place=place,
+        extra_files=extra_files,
     )
 
 
@@ -500,7 +535,9 @@ def load_checkpoint(
     comm_backend: str = "",
     save_timeout: float = DEFAULT_SAVE_TIMEOUT_S,
     replica_count: int = 0,
+    deletion_strategy: Any = None,
     checkpoint_dir: str = "",
+    extra_files: tuple[str, ...] = (),
 ) -> tuple[int, float]:
     """Megatron-LM's ``load_checkpoint`` (its arguments, in its order) through flash
     checkpoint: the newest iteration from shared memory when every rank holds it, else from
@@ -513,21 +550,15 @@ def load_checkpoint(
     ``skip_load_to_model_and_opt`` (Megatron-LM's FSDP2 ``torch_dist`` loads, whose tensors are
     already in place) skips the model and the optimizer. ``checkpointing_context`` and the
     process groups other than ``tp_group``/``pp_group`` are accepted. ``checkpoint_dir``
-    stands in for the argument; memory is looked up under ``--save``, where the saves went."""
+    stands in for the argument; memory is looked up under ``--save``, where the saves went.
+    ``extra_files`` names files saved through ``save_checkpoint``'s, read into the directory's
+    checkpointer's ``last_files``."""
     del storage, save_timeout, checkpointing_context, dp_cp_group, expt_dp_group
     del rng_state_key_prefix  # names the RNG entry of torch_dist files only
     args = _maybe_args()
-    if checkpoint_dir:
-        save_dir = load_dir = checkpoint_dir
-    else:
-        if args is None:
-            _megatron_args()  # raises, naming what is missing
-        load_dir = getattr(args, load_arg, None) or ""
-        save_dir = getattr(args, "save", None) or load_dir
-        if not save_dir:
-            raise CheckpointError(f"Megatron-LM's arguments name no --{load_arg} and no --save")
+    save_dir, load_dir = load_directories(load_arg, checkpoint_dir)
     finetune = bool(getattr(args, "finetune", False))
-    checkpointer = _CHECKPOINTERS.get(save_dir, comm_backend, replica_count)
+    checkpointer = _CHECKPOINTERS.get(save_dir, comm_backend, replica_count, deletion_strategy)
     place = _group_place(
         _parallel_place(), tp_group, pp_group, dp_group, None, None, None, None, None
     )
@@ -540,6 +571,7 @@ def load_checkpoint(
         load_rng=not (finetune or getattr(args, "no_load_rng", False)),
         load_model=not skip_load_to_model_and_opt,
         place=place,
+        extra_files=extra_files,
     )
     extra = checkpointer.last_extra
     saved_args = extra.get("args")
@@ -548,6 +580,32 @@ def load_checkpoint(
     if finetune:
         iteration = 0
     return iteration, float(extra.get("num_floating_point_operations_so_far", 0))
+
+
+def load_directories(load_arg: str = "load", checkpoint_dir: str = "") -> tuple[str, str]:
+    """(where the saves went: memory is looked up there, where to load from storage):
+    ``checkpoint_dir`` for both, else Megatron-LM's ``--save`` and ``--<load_arg>``."""
+    if checkpoint_dir:
+        return checkpoint_dir, checkpoint_dir
+    args = _megatron_args()
+    load_dir = getattr(args, load_arg, None) or ""
+    save_dir = getattr(args, "save", None) or load_dir
+    if not save_dir:
+        raise CheckpointError(f"Megatron-LM's arguments name no --{load_arg} and no --save")
+    return save_dir, load_dir
+
+
+def checkpointer_for(checkpoint_dir: str = "") -> MegatronCheckpointer:
+    """The checkpointer the functions above use for ``checkpoint_dir`` (default: Megatron-LM's
+    ``--save``)."""
+    directory = checkpoint_dir or _megatron_args().save
+    return _CHECKPOINTERS.get(directory)
+
+
+def wait_latest_checkpoint(timeout: float = 1800.0, checkpoint_dir: str = "") -> bool:
+    """Block until the newest DISK save of ``checkpoint_dir`` (default ``--save``) is on
+    storage; False at the deadline (DLRover's function of the same name)."""
+    return checkpointer_for(checkpoint_dir).wait_latest_checkpoint(timeout)
 
 
 def _adopt_consumed_samples(args: Any, saved: Any) -> None:
