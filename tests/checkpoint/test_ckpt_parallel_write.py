@@ -115,6 +115,6 @@ def test_a_streamed_write_gives_the_bytes_and_crc_of_a_sequential_one(
 
 
 def test_a_streamed_write_that_fails_is_a_clear_storage_error(tmp_path: Path) -> None:
-    with pytest.raises(CheckpointStorageError, match="cannot write"):
-        with LocalStorage(str(tmp_path / "missing")).stream("x.bin") as sink:
-            sink.write(b"x")
+    storage = LocalStorage(str(tmp_path / "missing"))
+    with pytest.raises(CheckpointStorageError, match="cannot write"), storage.stream("x.bin") as s:
+        s.write(b"x")

@@ -141,7 +141,10 @@ def main() -> None:
                        os.path.join(opts.out, f"shard{DISK_AT}_{rank}.pt"))  # fmt: skip
         if iteration == opts.kill_at and attempt == 0 and rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)
-    final = {"model": model[0].state_dict(), "shard": optimizer.get_parameter_state_dp_reshardable()}
+    final = {
+        "model": model[0].state_dict(),
+        "shard": optimizer.get_parameter_state_dp_reshardable(),
+    }
     torch.save(final, os.path.join(opts.out, f"final_{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()

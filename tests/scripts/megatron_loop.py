@@ -21,7 +21,6 @@ import importlib.util
 import os
 import sys
 import types
-
 from typing import Any
 
 import torch
