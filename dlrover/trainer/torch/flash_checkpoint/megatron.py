@@ -133,8 +133,8 @@ class MegatronCheckpointer(Checkpointer):
     stage as ``<dir>/iter_<n:07>/mp_rank_<tp:02>[_<pp:03>]/model_optim_rng.pt`` with
     ``torch.save`` and, once every stage is on storage, ``latest_checkpointed_iteration.txt``.
     Every rank keeps its own copy in memory, so each loads from its own node after a restart.
-    Not covered: ``megatron.core.dist_checkpointing`` (the distributed format) and the
-    distributed optimizer's ``distrib_optim.pt``.
+    Not covered: ``megatron.core.dist_checkpointing`` (the distributed format); the distributed
+    optimizer's parts are saved by ``megatron_dist_ckpt``.
     """
 
     checkpoint_format = "megatron"
