@@ -115,6 +115,11 @@ EXIT_NODE_OOM = 6
 """dlrover-run's exit code when a worker was OOM-killed under the node's memory limit: the node
 needs more memory, so the engine reports it OOM_KILLED and the master relaunches it bigger."""
 
+CANNOT_START_EXIT_CODE = 127
+"""A node's exit code when the user's program cannot start (no such executable, script or
+module, a syntax or import error), as a shell's for a command it cannot run: the master fails
+the job at once, naming the cause, instead of relaunching the node (dlrover-run, dlrover-tf-node)."""
+
 ENV_NODE_MEMORY_LIMIT_MIB = "DLROVER_NODE_MEMORY_LIMIT_MIB"
 """Set by an engine that enforces a node's memory (the local engine's cgroup): a worker OOM-killed
 under it makes the agent leave with EXIT_NODE_OOM instead of restarting in place."""
@@ -158,6 +163,9 @@ bumped by the master each time every ps of the current cluster serves again (1: 
 the next generation after losing a ps."""
 ENV_TF_CLUSTER_VERSION = "DLROVER_TF_CLUSTER_VERSION"
 """Set by `dlrover-tf-node`: the version of the cluster spec in TF_CONFIG."""
+TF_START_ERROR_KEY = "dlrover/tf/start-error/"
+"""+ node id: why a TensorFlow node's program could not start (then it exits 127)."""
+
 TF_USAGE_KEY = "dlrover/tf/usage/"
 """+ node id: a `dlrover.coordination.TfNodeUsage`, the node's CPU and memory as it measured
 them, set every `ENV_TF_USAGE_INTERVAL_S` by the node."""

@@ -242,6 +242,8 @@ TF_PS_GENERATION: KvChannel[PsGeneration] = KvChannel(
 """The master bumps it when every ps serves again; the chief waits for it to rebuild."""
 TF_ADDRESS: KvChannel[str] = KvChannel(c.TF_ADDRESS_KEY, _text, _untext, per_node=True)
 """A TensorFlow node's host:port, registered before the cluster spec is made of them."""
+TF_START_ERROR: KvChannel[str] = KvChannel(c.TF_START_ERROR_KEY, _text, _untext, per_node=True)
+"""Why a TensorFlow node's program cannot start (the node then exits CANNOT_START_EXIT_CODE)."""
 TF_READY: KvChannel[str] = KvChannel(c.TF_READY_KEY, _text, _untext, per_node=True)
 """A ps or worker's TF server target, set once it serves."""
 TF_USAGE: KvChannel[TfNodeUsage] = KvChannel(

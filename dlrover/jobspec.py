@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import shlex
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -165,9 +166,16 @@ class JobSpec:
             *(["--exclude-straggler"] if self.node_check and self.exclude_straggler else []),
             *([f"--hang-timeout={self.hang_timeout_s:g}"] if self.hang_timeout_s else []),
             *([f"--compile-cache={self.compile_cache}"] if self.compile_cache else []),
-            self.entrypoint,
-            *self.args,
+            *self.program(),
         )
+
+    def program(self) -> tuple[str, ...]:
+        """What dlrover-run runs: the entrypoint and its arguments; ``python -m MODULE ARGS``
+        as its ``--module MODULE ARGS``."""
+        python = os.path.basename(self.entrypoint) in PYTHONS
+        if python and len(self.args) > 1 and self.args[0] == "-m":
+            return ("--module", *self.args[1:])
+        return (self.entrypoint, *self.args)
 
     def node_spec(
         self, rank: int, master_addr: str, token: str, relaunch_count: int = 0, role: str = "worker"
@@ -457,6 +465,7 @@ def job_spec_from_dict(
     args = raw.get("args") or []
     if isinstance(args, str) or not isinstance(args, Sequence):
         raise JobSpecError("args must be a list of strings, e.g. args: [--epochs, '3']")
+    entrypoint, args = split_command(entrypoint, [str(a) for a in args])
     min_nodes, max_nodes = parse_nnodes(raw.get("nodes", 1))
     counts = {}
     for key, default, low in (
@@ -527,6 +536,29 @@ def job_spec_from_dict(
         tf=roles if isinstance(roles, TfSpec) else None,
         **flags,
     )
+
+
+PYTHONS = ("python", "python3")
+"""Interpreter names a command may start with (the job's own Python runs it)."""
+
+
+def split_command(entrypoint: str, args: list[str]) -> tuple[str, list[str]]:
+    """A command given as one string (``python -m model_zoo.iris --steps 300``, as the original
+    DLRover's ElasticJob writes it) split as a shell would: the program, then its arguments
+    before ``args``. ``python script.py`` is the script (the job runs it with its Python). An
+    entrypoint without spaces, or naming a file that exists, is left as it is."""
+    text = entrypoint.strip()
+    if not any(ch.isspace() for ch in text) or os.path.exists(text):
+        return entrypoint, args
+    try:
+        parts = shlex.split(text)
+    except ValueError as exc:
+        raise JobSpecError(
+            f"entrypoint {entrypoint!r} cannot be split as a shell would: {exc}"
+        ) from None
+    if len(parts) > 1 and os.path.basename(parts[0]) in PYTHONS and parts[1].endswith(".py"):
+        parts = parts[1:]
+    return parts[0], [*parts[1:], *args]
 
 
 def _default_name(entrypoint: str) -> str:

@@ -146,3 +146,23 @@ def test_a_fresh_slot_opened_again_has_its_whole_budget_and_no_oom_history() -> 
     assert again.node_id == "j-worker-1-2" and supervisor.used("worker", 1) == 0
     last = supervisor.judge(_failed(again))
     assert last.action is FailureAction.RELAUNCH_NODE and last.oom_kills == ()
+
+
+def test_a_program_that_cannot_start_fails_its_slot_at_once_with_its_cause() -> None:
+    """Exit code 127 (CANNOT_START_EXIT_CODE): no relaunch cures it, whatever budget is left;
+    the record names the cause and counts as the user's error."""
+    supervisor, log = _supervisor()
+    spec = supervisor.current("worker", 0)
+    event = NodeEvent(
+        spec.node_id, spec, NodeState.FAILED, FailureReason.EXIT_CODE, exit_code=127,
+        message="exited with code 127",
+    )  # fmt: skip
+    verdict = supervisor.judge(event, label="chief", cause="`python -m nope`: no module 'nope'")
+    assert verdict.action is FailureAction.FAIL and verdict.replacement is None
+    assert verdict.reason == (
+        "chief 0 (j-worker-0-0) cannot start its program: `python -m nope`: no module 'nope'; "
+        "not relaunched: fix the command"
+    )
+    assert [(r.failure_class.value, r.action) for r in log.records] == [("user_error", "fail")]
+    assert log.records[0].root_cause == "chief: `python -m nope`: no module 'nope'"
+    assert supervisor.used("worker", 0) == 0

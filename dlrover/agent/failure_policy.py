@@ -14,6 +14,18 @@ from dlrover.agent.error_file import ErrorRecord, describe_exit
 from dlrover.decisions import FailureAction
 
 USER_ERROR_EXIT_CODE = 1
+
+CANNOT_START_ERRORS = frozenset(
+    {
+        "BootstrapError",  # the script or module is not there (dlrover.agent.bootstrap)
+        "SyntaxError",
+        "IndentationError",
+        "TabError",
+        "ModuleNotFoundError",
+        "ImportError",
+    }
+)
+"""Errors that no restart cures: the program cannot start (its code or its imports are wrong)."""
 """Exit code of a Python process that died of an uncaught exception."""
 
 
@@ -188,11 +200,15 @@ class Decision:
 
     action: FailureAction
     reason: str
+    cannot_start: bool = False
+    """The program cannot start (CANNOT_START_ERRORS): the node fails without a relaunch."""
 
 
 def decide_worker_failure(observation: WorkerFailureObservation) -> Decision:
     """The agent's restart ladder for its own workers.
 
+    0. the program cannot start (a missing script or module, a syntax or import error:
+       CANNOT_START_ERRORS) -> FAIL at once, marked ``cannot_start``;
     1. the same user-code error as the previous failed attempt (same exception type at the
        same innermost frame, from the error file; exit code 1, or an abort after the
        exception) -> FAIL at once, whatever budget is left;
@@ -201,6 +217,17 @@ def decide_worker_failure(observation: WorkerFailureObservation) -> Decision:
     """
     failures = observation.failures
     summary = "; ".join(failure.describe() for failure in failures)
+    for failure in failures:
+        error = failure.error
+        if error is not None and not error.is_collateral():
+            short = error.exception_type.rsplit(".", 1)[-1]
+            if short in CANNOT_START_ERRORS:
+                return Decision(
+                    FailureAction.FAIL,
+                    f"the program cannot start ({short}: {error.message}): no restart or "
+                    f"relaunch cures that; fix the command or the script; {summary}",
+                    cannot_start=True,
+                )
     signature = user_error_signature(failures)
     previous = observation.history[-1] if observation.history else None
     if signature is not None and signature == previous:

@@ -18,6 +18,7 @@ from dlrover.agent.failure_policy import (
     user_error_signature,
 )
 from dlrover.api.master import FailureClass
+from dlrover.constants import CANNOT_START_EXIT_CODE
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,8 @@ def judge(
     code = next((c for c in exits.values() if c > 0), 0)
     if code == 0:
         code = next((128 - c for c in exits.values() if c < 0), 1)
+    if decision.cannot_start:
+        code = CANNOT_START_EXIT_CODE  # the master does not relaunch the node for it
     return Judgement(
         decision,
         user_error_signature(tuple(failures)),

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import importlib.util
 import json
 import logging
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -23,7 +25,7 @@ from dlrover import constants as c
 from dlrover.checkpoint.leftovers import owner_prefix, runtime_dir
 from dlrover.cli.common import setup_logging
 from dlrover.client.master_client import MasterClient, MasterClientError
-from dlrover.coordination import TF_ADDRESS, TF_CLUSTER
+from dlrover.coordination import TF_ADDRESS, TF_CLUSTER, TF_START_ERROR
 from dlrover.trainer.tf.usage import UsageReporter, process_tree
 
 logger = logging.getLogger("dlrover.tf_node")
@@ -128,6 +130,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     client = MasterClient(master, token)
     try:
         client.wait_ready(60)
+        if args.role in ("chief", "evaluator"):
+            why = cannot_start(_program_argv(program))
+            if why:  # fail now, before the cluster forms: no relaunch cures it
+                cause = f"`{shlex.join(program)}`: {why}"
+                print(f"dlrover-tf-node: the {args.role} cannot start {cause}", file=sys.stderr)
+                TF_START_ERROR.put(client, cause, node)
+                return c.CANNOT_START_EXIT_CODE
         cluster = _wait_for_cluster(client, node, args)
     except MasterClientError as e:
         print(f"dlrover-tf-node: the job's master at {master}: {e}", file=sys.stderr)
@@ -147,10 +156,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     if args.role in ("ps", "worker"):
         argv_ = [sys.executable, "-u", "-m", SERVER_MODULE]
-    elif program[0].endswith(".py"):
-        argv_ = [sys.executable, "-u", *program]
     else:
-        argv_ = program
+        argv_ = _program_argv(program)
     logger.info("%s %d: cluster spec version %d; running %s", args.role, args.index, version, argv_)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -158,6 +165,49 @@ def main(argv: Sequence[str] | None = None) -> int:
         # exec: the engine's process is the server (it ends only when it is stopped or killed).
         os.execvpe(argv_[0], argv_, env)
     return _run_program(argv_, env, tmp)
+
+
+def _program_argv(program: list[str]) -> list[str]:
+    """The argv that runs ``program``: a ``.py`` script, or ``python``/``python3`` (the job's
+    own interpreter stands in for it), through this Python; anything else as it is."""
+    if program[0].endswith(".py"):
+        return [sys.executable, "-u", *program]
+    if os.path.basename(program[0]) in ("python", "python3"):
+        return [sys.executable, "-u", *program[1:]]
+    return program
+
+
+def cannot_start(argv: list[str]) -> str:
+    """Why ``argv`` cannot start ("" when it can, as far as can be told without running it): no
+    such executable, or, for this Python, a script that is missing or does not compile, or a
+    ``-m`` module that is not found. (An import error inside the program shows only when it
+    runs: it is the program's own failure then.)"""
+    exe = argv[0]
+    if shutil.which(exe) is None:
+        if os.sep in exe and os.path.exists(exe):
+            return f"{exe} is not executable"
+        return f"no such program: {exe!r} (not a file, not on PATH)"
+    if exe != sys.executable:
+        return ""
+    rest = [a for a in argv[1:] if a != "-u"]
+    if len(rest) >= 2 and rest[0] == "-m":
+        sys.path.insert(0, os.getcwd())  # `python -m` looks in the working directory first
+        try:
+            found = importlib.util.find_spec(rest[1])
+        except (ImportError, ValueError) as exc:
+            return f"module {rest[1]!r} cannot be found: {type(exc).__name__}: {exc}"
+        finally:
+            sys.path.pop(0)
+        return "" if found is not None else f"no module named {rest[1]!r}"
+    if rest and not rest[0].startswith("-"):
+        try:
+            with open(rest[0], "rb") as f:
+                compile(f.read(), rest[0], "exec")
+        except OSError as exc:
+            return f"cannot open {rest[0]!r}: {exc.strerror}"
+        except SyntaxError as exc:
+            return f"{type(exc).__name__} in {exc.filename} line {exc.lineno}: {exc.msg}"
+    return ""
 
 
 def _pdeathsig() -> None:

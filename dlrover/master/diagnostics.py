@@ -100,6 +100,15 @@ class Diagnostics:
             record.root_cause.splitlines()[0] if record.root_cause else "",
         )
 
+    def last_cause(self, node_id: str) -> str:
+        """The root cause of the newest failure recorded for ``node_id`` ("" for none): what its
+        agent reported before the node ended."""
+        with self._lock:
+            for record in reversed(self._failures):
+                if record.node_id == node_id and record.root_cause:
+                    return record.root_cause.splitlines()[0]
+        return ""
+
     def report_failure(self, node_id: str, incarnation: int, record: FailureRecord) -> None:
         """A node's agent reports a classified failure of its workers (`DiagnosticsApi`); raises
         for an unknown node or a stale incarnation."""

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from dlrover.api.master import FailureClass
-from dlrover.constants import ENV_NODE_NAME, EXIT_NODE_EXCLUDED
+from dlrover.constants import CANNOT_START_EXIT_CODE, ENV_NODE_NAME, EXIT_NODE_EXCLUDED
 from dlrover.decisions import FailureAction
 from dlrover.engines.base import (
     Engine,
@@ -345,6 +345,11 @@ class NodeController:
             min_nodes=self.spec.min_nodes,
             # The node check recorded its exclusion.
             record=event.exit_code != EXIT_NODE_EXCLUDED,
+            cause=(
+                self.job.diagnostics.last_cause(event.node_id)
+                if event.exit_code == CANNOT_START_EXIT_CODE
+                else ""
+            ),
         )
         logger.info("node %s: %s (%s)", event.node_id, verdict.action.value, verdict.reason)
         spec = verdict.replacement

@@ -6,7 +6,11 @@ import dataclasses
 import math
 
 from dlrover.api.master import FailureClass
-from dlrover.constants import DEFAULT_OOM_MAX_MEMORY_MIB, DEFAULT_OOM_MEMORY_FACTOR
+from dlrover.constants import (
+    CANNOT_START_EXIT_CODE,
+    DEFAULT_OOM_MAX_MEMORY_MIB,
+    DEFAULT_OOM_MEMORY_FACTOR,
+)
 from dlrover.engines.base import FailureReason, InvalidNodeSpecError, NodeEvent, NodeSpec, Resources
 from dlrover.master.node_policy import (
     NodeLossDecision,
@@ -59,6 +63,8 @@ def replacement_spec(event: NodeEvent, policy: OomPolicy) -> NodeSpec | None:
 def failure_class_of(event: NodeEvent) -> FailureClass:
     """The diagnosis class of an engine's failure event."""
     reason = event.reason
+    if event.exit_code == CANNOT_START_EXIT_CODE:
+        return FailureClass.USER_ERROR  # its program cannot start
     if reason is FailureReason.OOM_KILLED:
         return FailureClass.OOM
     if reason is FailureReason.SIGNAL:

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from dlrover.api.master import FailureClass, FailureRecord
+from dlrover.constants import CANNOT_START_EXIT_CODE
 from dlrover.decisions import FailureAction
 from dlrover.engines.base import FailureReason, NodeEvent, NodeSpec, Resources
 from dlrover.master.relaunch_policy import RelaunchPolicy, failure_class_of
@@ -185,13 +186,15 @@ class SlotSupervisor:
         alive_nodes: int = 0,
         min_nodes: int = 1,
         record: bool = True,
+        cause: str = "",
     ) -> Verdict:
         """A failure of a slot's attempt: decide (relaunch, go on smaller, fail), record it in
         the failure log (unless ``record`` is False: recorded elsewhere, or a replacement that
         died before it started), and for a relaunch save the next attempt (more memory after an
         OOM kill) and return it. ``label`` starts the record's cause (``ps``, ``embedding server
         1``); ``alive_nodes`` and ``min_nodes``: the survivors may go on without the slot
-        (all-reduce workers)."""
+        (all-reduce workers). A node that exited with CANNOT_START_EXIT_CODE is not relaunched:
+        its program cannot start (``cause``, where the controller knows it, says why)."""
         with self._lock:
             slot = self._slots.get((event.spec.role, event.spec.rank))
             if slot is None:
@@ -208,7 +211,16 @@ class SlotSupervisor:
             )
             action, reason, spec = decision.action, decision.reason, None
             cannot_grow = False
-            if action is FailureAction.RELAUNCH_NODE:
+            if event.exit_code == CANNOT_START_EXIT_CODE:
+                # Its program cannot start: another attempt would not either.
+                action = FailureAction.FAIL
+                what = f"{label} {event.spec.rank}" if label else f"node {event.spec.rank}"
+                reason = (
+                    f"{what} ({event.node_id}) cannot start its program: "
+                    f"{cause or event.message}; not relaunched: fix the command"
+                )
+                self._save(slot)
+            elif action is FailureAction.RELAUNCH_NODE:
                 spec = self.policy.replacement(event)
                 if spec is None:
                     action, cannot_grow = FailureAction.FAIL, True
@@ -222,7 +234,11 @@ class SlotSupervisor:
                 self._save(slot)
             verdict = Verdict(action, reason, spec, cannot_grow, tuple(slot.oom_kills))
         if record:
-            why = event.message or (event.reason.value if event.reason else event.state.value)
+            why = (
+                cause
+                or event.message
+                or (event.reason.value if event.reason else event.state.value)
+            )
             self._failures.record_failure(
                 FailureRecord(
                     time.time(),

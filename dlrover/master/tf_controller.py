@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from dlrover.constants import ENV_NODE_NAME
+from dlrover.constants import CANNOT_START_EXIT_CODE, ENV_NODE_NAME
 from dlrover.coordination import (
     PS_SCALE,
     TF_ADDRESS,
@@ -20,6 +20,7 @@ from dlrover.coordination import (
     TF_PROGRESS,
     TF_PS_GENERATION,
     TF_READY,
+    TF_START_ERROR,
     TF_USAGE,
     KvChannel,
     PsGeneration,
@@ -546,8 +547,14 @@ class TfController:
 
     def _relaunch(self, slot: Slot, event: NodeEvent) -> None:
         why = event.message or (event.reason.value if event.reason else "failed")
-        verdict = self.supervisor.judge(event, label=slot.role)
+        cannot_start = event.exit_code == CANNOT_START_EXIT_CODE
+        cause = (TF_START_ERROR.get(self.job.kv, event.node_id) or "") if cannot_start else ""
+        verdict = self.supervisor.judge(event, label=slot.role, cause=cause)
         spec = verdict.replacement
+        if spec is None and cannot_start:
+            slot.ended = "failed"
+            self.job.lifecycle.stop(f"TensorFlow {verdict.reason}")
+            return
         if spec is None:
             history = (
                 f"; OOM-killed with {', '.join(f'{m} MiB' for m in verdict.oom_kills)}: give "

@@ -160,3 +160,35 @@ def test_oom_growth_is_configurable_and_checked() -> None:
     assert (default.oom_memory_factor, default.oom_max_memory_mib) == (1.5, 256 * 1024)
     with pytest.raises(JobSpecError, match="oom_memory_factor is 1; it must be a number > 1"):
         job_spec_from_dict({"entrypoint": "t.py", "oom_memory_factor": 1})
+
+
+@pytest.mark.parametrize(
+    "entrypoint,args,program",
+    [
+        # The original DLRover's ElasticJob: the whole command as one string.
+        (
+            "python -m model_zoo.iris --steps 300",
+            [],
+            ("--module", "model_zoo.iris", "--steps", "300"),
+        ),
+        (
+            "python3 train.py --epochs 2",
+            ["--lr", "0.1"],
+            ("train.py", "--epochs", "2", "--lr", "0.1"),
+        ),
+        ("train.py 'a b'", [], ("train.py", "a b")),
+        ("train.py", ["--x"], ("train.py", "--x")),
+        ("/bin/run-it --fast", [], ("/bin/run-it", "--fast")),
+    ],
+)
+def test_a_command_given_as_one_string_is_split_as_a_shell_would(
+    entrypoint: str, args: list[str], program: tuple[str, ...]
+) -> None:
+    spec = job_spec_from_dict({"name": "j", "entrypoint": entrypoint, "args": args})
+    assert spec.program() == program
+    assert spec.agent_command()[-len(program) :] == program
+
+
+def test_a_command_that_cannot_be_split_is_one_clear_error() -> None:
+    with pytest.raises(JobSpecError, match="cannot be split as a shell would"):
+        job_spec_from_dict({"name": "j", "entrypoint": "python 'train.py"})

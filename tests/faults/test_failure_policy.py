@@ -225,3 +225,21 @@ def test_a_kill_from_outside_is_still_not_a_user_error() -> None:
     assert user_error_signature((WorkerFailure(1, ExitKind.SIGNALED, -6),)) is None
     oom = WorkerFailure(1, ExitKind.OOM_KILLED, -9)
     assert user_error_signature((_user_error(), oom)) is None
+
+
+@pytest.mark.parametrize(
+    "exception_type",
+    ["dlrover.agent.bootstrap.BootstrapError", "SyntaxError", "ModuleNotFoundError", "ImportError"],
+)
+def test_a_program_that_cannot_start_fails_at_once_with_budget_left(exception_type: str) -> None:
+    decision = _observe(
+        WorkerFailure(0, ExitKind.EXITED, 2, _error(exception_type, message="no module named x")),
+        restart_count=0,
+        max_restarts=5,
+    )
+    assert decision.action is FailureAction.FAIL and decision.cannot_start
+    short = exception_type.rsplit(".", 1)[-1]
+    assert decision.reason.startswith(f"the program cannot start ({short}: no module named x)")
+    # Any other error still restarts while budget is left.
+    other = _observe(_user_error(exception_type="ValueError"), restart_count=0, max_restarts=5)
+    assert other.action is FailureAction.RESTART_PROCESSES and not other.cannot_start

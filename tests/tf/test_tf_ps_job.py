@@ -425,7 +425,8 @@ def test_every_role_is_shown_with_its_usage_and_the_job_throughput(tmp_path: Pat
 def test_the_seeds_elasticjob_without_counts_or_resources_runs_with_one_ps_and_one_worker(
     tmp_path: Path,
 ) -> None:
-    command = ["python", str(EXAMPLE), "--size", str(SIZE), "--out", str(tmp_path / "auto")]
+    # The original DLRover's shape: the whole command as one string (split as a shell would).
+    command = [f"python {EXAMPLE} --size {SIZE} --out {tmp_path / 'auto'}"]
     main = {"template": {"spec": {"containers": [{"name": "main", "command": command}]}}}
     body = {
         "apiVersion": "elastic.iml.github.io/v1alpha1",
@@ -449,6 +450,42 @@ def test_the_seeds_elasticjob_without_counts_or_resources_runs_with_one_ps_and_o
     final = dlrover_cli(home, "status", "auto").stdout
     assert re.search(r"^auto-ps-0-0 +ps +0 ", final, re.M), final
     assert "limit MB" not in final  # submitted without resources: no limits
+
+
+def test_a_chief_whose_module_does_not_exist_fails_the_job_at_once_naming_it(
+    tmp_path: Path,
+) -> None:
+    """The original's one-string command naming a module that is not there: the chief's node
+    says so before the cluster forms, is not relaunched, and the job fails at once with the
+    role, the command and the cause (in `dlrover diagnose` too)."""
+    command = ["python -m model_zoo.no_such_module --steps 300"]
+    main = {"template": {"spec": {"containers": [{"name": "main", "command": command}]}}}
+    body = {
+        "apiVersion": "elastic.iml.github.io/v1alpha1",
+        "kind": "ElasticJob",
+        "metadata": {"name": "nomod"},
+        "spec": {
+            "distributionStrategy": "ParameterServerStrategy",
+            "replicaSpecs": {"ps": main, "worker": main},
+        },
+    }
+    path = tmp_path / "elasticjob.yaml"
+    path.write_text(json.dumps(body))
+    home = tmp_path / "home"
+    started = time.monotonic()
+    submitted = dlrover_cli(home, "submit", str(path), timeout=120)
+    took = time.monotonic() - started
+    assert submitted.returncode != 0, submitted.stderr[-3000:]
+    want = (
+        "TensorFlow chief 0 (nomod-chief-0-0) cannot start its program: "
+        "`python -m model_zoo.no_such_module --steps 300`: module 'model_zoo.no_such_module' "
+        "cannot be found"
+    )
+    assert want in submitted.stderr, submitted.stderr[-3000:]
+    assert "nomod-chief-0-1" not in submitted.stderr  # never relaunched
+    assert took < 90, took
+    diagnose = dlrover_cli(home, "diagnose", "nomod").stdout
+    assert "user_error" in diagnose and "model_zoo.no_such_module" in diagnose, diagnose
 
 
 def test_a_job_without_resources_is_sized_from_measurement_and_completes_at_that_size(
