@@ -246,6 +246,10 @@ ENV_PS_ADDRS = "DLROVER_PS_ADDRS"
 ENV_TF_RESCALE = "_DLROVER_TF_RESCALE"
 """Set for the chief's next process when it starts again over more ps: when and what."""
 
+ENV_TF_PS_SCALED = "_DLROVER_TF_PS_SCALED"
+"""Set (internal) on a chief started again because the job's ps count changed: its tables are
+split finer from then on, so that a hot range of rows spreads over every ps."""
+
 # --- a worker's bootstrap (set by the agent) ---
 ENV_PARENT_DEATH_PID = "DLROVER_PARENT_DEATH_PID"
 """Set by the spawner: the worker kills itself when this process (its parent) dies."""

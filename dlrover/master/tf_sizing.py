@@ -10,7 +10,10 @@ used x margin), and the controller gives its nodes that size in place where the 
 (the local engine raises the running node's cgroup limits: no restart, the chief keeps its
 state) and relaunches them at that size where it cannot. On the local engine those are cgroup
 limits from then on (an underestimate is an OOM kill, which relaunches the node 1.5x bigger).
-Each plan is logged with its reason and how it was applied ("resized in place" or
+A chief that never reports progress (a plain ``ParameterServerStrategy`` program that does not
+use PsTrainer) does not hold the sizing back: its roles are measured for NO_PROGRESS_WINDOWS
+windows from when every node runs, and the plan's reason says so (worker counts, which follow
+throughput, are not planned for it). Each plan is logged with its reason and how it was applied ("resized in place" or
 "relaunched"), kept as the job's latest plan (`dlrover status`) and put on the timeline
 (dashboard, the plans an ended job leaves).
 """
@@ -78,6 +81,12 @@ class SizedController(Protocol):
         ...
 
 
+NO_PROGRESS_WINDOWS = 3
+"""A job whose chief reports no progress (a plain TF_CONFIG program, not PsTrainer) is measured
+for this many sizing windows from when all its nodes run: no report says when its variables
+are built and trained, so a longer watch stands in for one."""
+
+
 class TfSizer:
     """Sizes each unsized role of one TensorFlow job once (`tick` from the controller's step).
 
@@ -91,20 +100,34 @@ class TfSizer:
         sizing_window_s: float,
         margin: float = 1.3,
         clock: Callable[[], float] | None = None,
+        no_progress_window_s: float | None = None,
     ) -> None:
         self._job = job
         self._controller = controller
         self._window_s = sizing_window_s
+        self._no_progress_s = (
+            NO_PROGRESS_WINDOWS * sizing_window_s
+            if no_progress_window_s is None
+            else no_progress_window_s
+        )
         self._margin = margin
         self._clock = clock or controller.clock
         self._since: float | None = None
         """When every node was last seen running (None: not all run now)."""
+        self._trained = False
+        """Whether the measurement under way started after the chief's first progress report."""
+        self._told = False
         self._peaks: dict[str, int] = {}
         self._cores: dict[str, float] = {}
         self.sized: set[str] = {
             role for role, count in controller.counts.items() if count and controller.sized(role)
         }
         """Roles with a size: given in the spec, or planned here."""
+
+    def _reset(self) -> None:
+        self._since = None
+        self._peaks.clear()
+        self._cores.clear()
 
     def tick(self) -> None:
         """Plan once the job's nodes ran for the window; cheap otherwise."""
@@ -117,17 +140,30 @@ class TfSizer:
         # A node without a usage report yet (or with reports off) is not measured: no size
         # is ever planned from a zero.
         measured = all(r.state == "running" and r.memory_bytes for r in nodes)
-        if not measured or not self._controller.trained():
-            self._since = None
-            self._peaks.clear()
-            self._cores.clear()
+        if not measured:
+            self._reset()
             return
+        trained = self._controller.trained()
+        if trained != self._trained:  # the first progress report: measure from now on
+            self._reset()
+            self._trained = trained
         if self._since is None:
             self._since = now
         for r in nodes:
             self._peaks[r.node_id] = max(self._peaks.get(r.node_id, 0), r.memory_bytes >> 20)
             self._cores[r.node_id] = max(self._cores.get(r.node_id, 0.0), r.cpu_percent / 100)
-        if now - self._since < self._window_s:
+        window = self._window_s if trained else self._no_progress_s
+        if now - self._since < window:
+            if not trained and not self._told and now - self._since >= self._window_s:
+                self._told = True
+                note = (
+                    "auto-scale: the chief reports no progress (its program does not use "
+                    f"PsTrainer): sizing the roles from memory and CPU alone after "
+                    f"{self._no_progress_s:.0f}s of running; worker counts are not planned "
+                    "from throughput"
+                )
+                logger.info("%s", note)
+                self._job.diagnostics.scale_summary = note
             return
         for role in sorted({r.role for r in nodes} - self.sized):
             usage = [
@@ -136,11 +172,15 @@ class TfSizer:
                 if r.role == role
             ]
             plan = size_role(role, usage, self._margin)
+            reason = plan.reason
+            if not trained:
+                reason += (
+                    f", over {window:.0f}s of running without progress reports (the program "
+                    "does not use PsTrainer: worker counts are not planned from throughput)"
+                )
             self.sized.add(role)
-            done = self._controller.resize_role(role, plan.resources, plan.reason)
-            summary = f"auto-scale: resize {plan.reason}: {done}"
+            done = self._controller.resize_role(role, plan.resources, reason)
+            summary = f"auto-scale: resize {reason}: {done}"
             logger.info("%s", summary)
             self._job.diagnostics.scale_plan(summary, summary.removeprefix("auto-scale: "))
-        self._since = None
-        self._peaks.clear()
-        self._cores.clear()
+        self._reset()

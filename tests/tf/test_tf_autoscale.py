@@ -116,11 +116,22 @@ def test_a_hot_ps_of_a_skewed_table_is_named_and_a_third_ps_splits_its_part(
     # training at 120,000 samples once, with another TensorFlow job beside it).
     args = ["--size", "240000", "--skew", "--dim", "1024"]
     roles = {"chief": limit, "ps": {"count": 2, "max_count": 3, **limit}, "worker": limit}
+    plans: list[str] = []
+    asked = [0.0]
+
+    def watch() -> None:  # the status's plan line while the job runs, every 2 s
+        if time.monotonic() - asked[0] < 2.0:
+            return
+        asked[0] = time.monotonic()
+        status = dlrover_cli(tmp_path / "home", "status", "hot").stdout
+        plans.extend(line for line in status.splitlines() if line.startswith("auto-scale:"))
+
     home, final = _submit(
         tmp_path,
         "hot",
         args,
         roles,
+        watch,
         DLROVER_AUTOSCALE_INTERVAL_S="1",
         DLROVER_TF_USAGE_INTERVAL_S="0.5",
     )
@@ -132,6 +143,16 @@ def test_a_hot_ps_of_a_skewed_table_is_named_and_a_third_ps_splits_its_part(
     )
     diagnose = dlrover_cli(home, "diagnose", "hot").stdout
     assert "is hot" in diagnose and "no failures recorded" in diagnose, diagnose
+    # Relieved by load: after the re-partition (the table split finer, its shards placed on
+    # the ps in turn) no ps carries 1.5x the others' mean, and none is called hot again.
+    after = plans[next(i for i, p in enumerate(plans) if "scale_out ps 2 -> 3" in p) + 1 :]
+    even = [p for p in after if p.startswith("auto-scale: ps load even")]
+    assert even and not any("is hot" in p for p in after[after.index(even[0]) :]), plans
+    cores = [float(x) for x in re.findall(r"[\d.]+", even[-1].split("(", 1)[1])]
+    assert len(cores) == 3, even[-1]
+    for i, mine in enumerate(cores):
+        others = [c for j, c in enumerate(cores) if j != i]
+        assert mine <= 1.5 * max(sum(others) / len(others), 0.05), "\n".join(plans)
 
 
 @pytest.mark.skipif(

@@ -436,6 +436,38 @@ def test_unsized_roles_are_sized_from_their_measured_peaks_and_relaunched_at_tha
     )  # once
 
 
+def test_a_chief_that_never_reports_progress_has_its_roles_sized_from_use_alone() -> None:
+    """A plain TF_CONFIG program (no PsTrainer, so no progress reports): after one window the
+    status says why nothing is planned yet; after three the roles are sized from their
+    measured memory and CPU, and the reason says how."""
+    h = Harness()
+    h.bring_up()
+    now = [0.0]
+    h.controller.sizer = TfSizer(h.job, h.controller, sizing_window_s=10.0, clock=lambda: now[0])
+    for node in [n.node_id for n in h.controller.role_nodes()]:
+        usage = TfNodeUsage(50.0, 300 * 2**20, 300 * 2**20, 1, now[0])
+        h.job.kv.set(TF_USAGE_KEY + node, usage.encode())
+    h.step()
+    now[0] = 12.0
+    h.step()
+    assert not h.engine.deleted
+    assert h.job.diagnostics.scale_summary.startswith(
+        "auto-scale: the chief reports no progress (its program does not use PsTrainer)"
+    ), h.job.diagnostics.scale_summary
+    now[0] = 31.0
+    h.step()
+    assert "tfjob-worker-0-0" in h.engine.deleted
+    assert {s.node_id: s.resources for s in h.engine.launched[-4:]}["tfjob-worker-0-1"] == (
+        Resources(cpu=1.0, memory_mib=390)
+    )
+    plans = [text for _, kind, text in h.job.diagnostics.events if kind == "scale"]
+    assert any(
+        p.startswith("resize worker: measured peak 300 MiB and 0.5 cores per node: 390 MiB")
+        and "over 30s of running without progress reports (the program does not use PsTrainer" in p
+        for p in plans
+    ), plans
+
+
 def test_where_the_engine_resizes_in_place_every_role_is_sized_without_a_restart() -> None:
     h = Harness()
     h.engine.resizable = True

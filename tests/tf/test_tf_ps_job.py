@@ -381,7 +381,8 @@ def test_scaling_the_ps_from_two_to_three_re_partitions_the_model_from_a_checkpo
     report, model = job.result()
     rescales = [r for r in report["recoveries"] if r["kind"] == "rescale"]
     assert [r["what"] for r in rescales] == ["ps 2 -> 3"], report["recoveries"]
-    assert report["ps"] == 3 and report["shards_per_variable"]["deep"] == 3
+    # Split finer once the ps were scaled (up to 4 shards per ps, as 32 KiB shards allow).
+    assert report["ps"] == 3 and 3 < report["shards_per_variable"]["deep"] <= 12
     assert (model["seen"] == 1).all(), np.flatnonzero(model["seen"] != 1)[:20]
     _close_to_reference(report, reference)
     refused = dlrover_cli(job.home, "scale", "grow", "--role", "worker", "--count", "3")
@@ -523,6 +524,40 @@ def test_a_job_without_resources_is_sized_from_measurement_and_completes_at_that
     assert "failures: none" in final, final  # sized before any OOM kill
     diagnose = dlrover_cli(home, "diagnose", "sized").stdout
     assert "no failures recorded" in diagnose and "resize ps: measured peak" in diagnose, diagnose
+
+
+def test_a_plain_tf_config_program_without_resources_is_sized_from_use(tmp_path: Path) -> None:
+    """A ParameterServerStrategy program of TensorFlow's own style (no PsTrainer: no progress
+    reports) submitted with optimizeMode and no resources: its roles are sized from their
+    measured memory and CPU, and the plan's reason says so."""
+    out = tmp_path / "plain"
+    script = REPO / "tests" / "scripts" / "plain_ps.py"
+    command = [f"python {script} --out {out} --seconds 30"]
+    main = {"template": {"spec": {"containers": [{"name": "main", "command": command}]}}}
+    body = {
+        "apiVersion": "elastic.iml.github.io/v1alpha1",
+        "kind": "ElasticJob",
+        "metadata": {"name": "plain"},
+        "spec": {
+            "distributionStrategy": "ParameterServerStrategy",
+            "optimizeMode": "single-job",
+            "replicaSpecs": {"ps": main, "worker": main},
+        },
+    }
+    path = tmp_path / "elasticjob.yaml"
+    path.write_text(json.dumps(body))
+    home = tmp_path / "home"
+    submitted = dlrover_cli(home, "submit", str(path), timeout=300, DLROVER_AUTOSCALE_SIZING_S="4")
+    assert submitted.returncode == 0, submitted.stderr[-4000:]
+    assert json.loads((out / "done.json").read_text())["steps"] > 0
+    final = dlrover_cli(home, "status", "plain").stdout
+    for role in ("chief", "ps", "worker"):
+        plan = (
+            rf"resize {role}: measured peak \d+ MiB and [\d.]+ cores per node: \d+ MiB, [\d.]+ "
+            r"CPU \(x1\.3\), over 12s of running without progress reports \(the program does "
+            r"not use PsTrainer"
+        )
+        assert re.search(plan, final), final
 
 
 BIG = 500_000

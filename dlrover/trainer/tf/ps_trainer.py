@@ -33,6 +33,7 @@ from dlrover.api.retry import while_unreachable
 from dlrover.client.master_client import MasterClient
 from dlrover.client.sharding import GrpcShardingTransport
 from dlrover.client.sharding_client import ShardingClient
+from dlrover.constants import ENV_TF_PS_SCALED as ENV_PS_SCALED
 from dlrover.constants import ENV_TF_RESCALE as ENV_RESCALE
 from dlrover.coordination import TF_CLUSTER, TF_PROGRESS, TF_PS_GENERATION, PsGeneration, TfProgress
 from dlrover.sharding.types import DatasetSpec, Position, Shard
@@ -46,6 +47,11 @@ LATEST = "latest.json"
 """The checkpoint directory's marker: the newest complete checkpoint and its shard position,
 written last and atomically (temp + rename)."""
 KEEP_CHECKPOINTS = 2
+SHARDS_PER_PS_AFTER_SCALING = 4
+"""A table is split into this many shards per ps once the ps were scaled (by default: one per
+ps before). The strategy places a variable's shards on the ps in turn, so a hot range of rows
+(the part that made a ps hot, wherever it lies) ends up spread over every ps, not on the ps
+that holds its position."""
 MAX_FAILURES_WITHOUT_PROGRESS = 5
 """Rebuilds after a lost ps that may fail in a row before the chief gives up."""
 
@@ -142,7 +148,12 @@ class PsTrainer:
 
     Invariant: a checkpoint is written only when every scheduled closure has finished and every
     shard they came from is reported done, so its shard position says exactly which samples
-    the variables in it have seen."""
+    the variables in it have seen.
+
+    ``variable_partitioner(shards)`` makes the strategy's partitioner from the number of shards
+    to split a table into: the ps count at first, SHARDS_PER_PS_AFTER_SCALING times it once the
+    ps were scaled (the shards go to the ps in turn, so a hot range spreads over all of them);
+    default ``FixedShardsPartitioner(shards)``."""
 
     def __init__(
         self,
@@ -173,6 +184,8 @@ class PsTrainer:
         self.coordinator: Any = None
         self.state: TrainState | None = None
         self.sequence = -1
+        self.shards = 0
+        """Shards per partitioned variable of the current strategy (see ``_shards``)."""
         """The latest checkpoint's sequence number (-1: none yet)."""
         self.recoveries: list[Recovery] = []
         self.batches = 0
@@ -227,10 +240,11 @@ class PsTrainer:
             rpc_layer="grpc",
         )
         num_ps = len(self.cluster.get("ps", []))
+        self.shards = self._shards(num_ps)
         partitioner = (
-            self._partitioner(num_ps)
+            self._partitioner(self.shards)
             if self._partitioner is not None
-            else tf.distribute.experimental.partitioners.FixedShardsPartitioner(num_ps)
+            else tf.distribute.experimental.partitioners.FixedShardsPartitioner(self.shards)
         )
         self.strategy = tf.distribute.experimental.ParameterServerStrategy(
             resolver, variable_partitioner=partitioner
@@ -247,6 +261,14 @@ class PsTrainer:
             self.cluster_version,
             generation,
         )
+
+    def _shards(self, num_ps: int) -> int:
+        """Shards per table: one per ps, until the ps were scaled (this run's cluster changed
+        its ps count, or the checkpoint it resumes was written after that): then
+        SHARDS_PER_PS_AFTER_SCALING per ps."""
+        latest = self._latest() or {}
+        scaled = bool(os.environ.get(ENV_PS_SCALED)) or bool(latest.get("ps_scaled"))
+        return num_ps * SHARDS_PER_PS_AFTER_SCALING if scaled else num_ps
 
     # --- checkpoints --------------------------------------------------------------------------
     def _latest(self) -> dict[str, Any] | None:
@@ -273,6 +295,7 @@ class PsTrainer:
             "batches": self.batches,
             "samples": self.samples,
             "shards_done": self.shards_done,
+            "ps_scaled": bool(os.environ.get(ENV_PS_SCALED)),
         }
         tmp = self.checkpoint_dir / f"{LATEST}.tmp"
         tmp.write_text(json.dumps(marker))
@@ -498,6 +521,8 @@ class PsTrainer:
         sys.stdout.flush()
         sys.stderr.flush()
         env = {**os.environ, ENV_RESCALE: json.dumps(note)}
+        if len(self._joined.get("ps", [])) != len(cluster.get("ps", [])):
+            env[ENV_PS_SCALED] = "1"  # re-partitioned finer from now on (see _shards)
         self._sharding.close()
         os.execve(sys.executable, list(sys.orig_argv), env)
 
