@@ -6,10 +6,8 @@ the other's writes."""
 from __future__ import annotations
 
 import argparse
-import mmap
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -18,6 +16,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 os.environ.setdefault("RANK", "0")
 os.environ.setdefault("LOCAL_RANK", "0")
@@ -28,6 +27,7 @@ os.environ.setdefault("MASTER_PORT", "29561")
 
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
+from framework_checkpoint import fsync_tree, print_table, warm_memory  # noqa: E402
 
 from dlrover.checkpoint.config import ENV_CHECKPOINT_SOCKET  # noqa: E402
 from dlrover.checkpoint.saver import CheckpointSaver  # noqa: E402
@@ -57,31 +57,6 @@ def build_engine(size_mb: int, stage: int) -> Any:
     return engine
 
 
-def _fsync_tree(path: Path) -> None:
-    """fsync every file under ``path`` (DeepSpeed's save leaves them in the page cache)."""
-    for file in path.rglob("*"):
-        if file.is_file():
-            fd = os.open(file, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-
-
-def _warm_memory(gib: float) -> None:
-    """Touch ``gib`` GiB of memory once and free it. On a virtual machine the host backs a page
-    the guest never touched only when it is first written (about 350 MB/s here, against
-    2.5 GB/s after): whichever side allocates memory the run has not used yet would pay for
-    it. Our persist keeps more steps (and two shared-memory buffers) than DeepSpeed's one
-    overwritten directory, so without this the first saves measure the host, not the code."""
-    if gib <= 0:
-        return
-    chunk = b"\1" * (64 << 20)
-    with mmap.mmap(-1, int(gib * 2**30)) as mem:
-        while mem.tell() + len(chunk) <= len(mem):
-            mem.write(chunk)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--size-mb", type=int, default=256, help="parameters, MiB")
@@ -89,10 +64,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
         "--warm-memory-gib", type=float, default=8.0, help="memory to touch once first (see "
-        "_warm_memory; 0: none)"
+        "framework_checkpoint.warm_memory; 0: none)"
     )  # fmt: skip
     args = parser.parse_args()
-    _warm_memory(args.warm_memory_gib)
+    warm_memory(args.warm_memory_gib)
     deepspeed.init_distributed(dist_backend="gloo")
     engine = build_engine(args.size_mb, args.stage)
     root = Path(tempfile.mkdtemp(prefix="ds-bench-", dir=os.environ.get("BENCH_DIR")))
@@ -124,7 +99,7 @@ def main() -> None:
             t = time.perf_counter()
             engine.save_checkpoint(str(root / "own"))
             rows["DeepSpeed's save_checkpoint"].append(time.perf_counter() - t)
-            _fsync_tree(root / "own")  # on storage: what our persist waits for
+            fsync_tree(root / "own")  # on storage: what our persist waits for
             rows["DeepSpeed's save_checkpoint + fsync"].append(time.perf_counter() - t)
             # A restart's load: ours finds the newest step in memory; DeepSpeed's reads files
             # (from the page cache: the best case for it).
@@ -140,18 +115,9 @@ def main() -> None:
         ckpt.close()
         saver.close(unlink=True)
         shutil.rmtree(root, ignore_errors=True)
-    peers = {
-        "save": statistics.median(rows["DeepSpeed's save_checkpoint"]),
-        "load": statistics.median(rows["DeepSpeed's load_checkpoint"]),
-    }
     print(f"ZeRO-{args.stage}, {args.size_mb} MiB of parameters + Adam, 1 rank, "
           f"medians of {args.repeats} (min-max); saves / DeepSpeed's save, loads / its load")  # fmt: skip
-    print(f"| {'operation':<36} | {'seconds':>22} | {'/ DeepSpeed':>11} |")
-    for name, times in rows.items():
-        med = statistics.median(times)
-        peer = peers["load" if "load" in name else "save"]
-        spread = f"{med:.3f} ({min(times):.3f}-{max(times):.3f})"
-        print(f"| {name:<36} | {spread:>22} | {med / peer:>10.2f}x |")
+    print_table(rows, "DeepSpeed", "DeepSpeed's save_checkpoint", "DeepSpeed's load_checkpoint")
 
 
 if __name__ == "__main__":

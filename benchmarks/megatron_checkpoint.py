@@ -15,10 +15,8 @@ the CPU (one rank, no parallelism), trained one step with Adam so the optimizer 
 from __future__ import annotations
 
 import argparse
-import mmap
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -28,6 +26,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
                    ("LOCAL_WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
@@ -36,6 +35,7 @@ for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from framework_checkpoint import fsync_tree, print_table, warm_memory  # noqa: E402
 
 ARGS = argparse.Namespace(save="", load="", consumed_train_samples=0, finetune=False)
 training = types.ModuleType("megatron.training")
@@ -92,23 +92,6 @@ def megatron_legacy_state(model: list[torch.nn.Module], optimizer: Any, schedule
     }
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _warm_memory(gib: float) -> None:
-    """Touch ``gib`` GiB once (see benchmarks/deepspeed_checkpoint.py: a page the VM's host
-    never backed costs about 350 MB/s on first write, whoever writes it)."""
-    chunk = b"\1" * (64 << 20)
-    with mmap.mmap(-1, int(gib * 2**30)) as mem:
-        while mem.tell() + len(chunk) <= len(mem):
-            mem.write(chunk)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=1024)
@@ -117,7 +100,7 @@ def main() -> None:
     parser.add_argument("--warm-memory-gib", type=float, default=8.0)
     args = parser.parse_args()
     if args.warm_memory_gib > 0:
-        _warm_memory(args.warm_memory_gib)
+        warm_memory(args.warm_memory_gib)
     dist.init_process_group("gloo")
     model, optimizer, scheduler = build(args.hidden, args.layers)
     params = sum(p.numel() for p in model[0].parameters())
@@ -155,7 +138,7 @@ def main() -> None:
             path.parent.mkdir(parents=True, exist_ok=True)
             torch.save(megatron_legacy_state(model, optimizer, scheduler, it + 1), path)
             rows["Megatron-LM legacy save (torch.save)"].append(time.perf_counter() - t)
-            _fsync(path)
+            fsync_tree(path)
             rows["Megatron-LM legacy save + fsync"].append(time.perf_counter() - t)
             shutil.rmtree(path.parent.parent)
             # A restart's load: ours from the agent's memory; Megatron-LM's reads its file.
@@ -177,19 +160,15 @@ def main() -> None:
         flash.checkpointer_for().close()
         saver.close(unlink=True)
         shutil.rmtree(root, ignore_errors=True)
-    peers = {
-        "save": statistics.median(rows["Megatron-LM legacy save (torch.save)"]),
-        "load": statistics.median(rows["Megatron-LM legacy load (torch.load)"]),
-    }
     print(f"megatron-core GPTModel, {params / 1e6:.0f} M parameters + Adam (about "
           f"{params * 12 / 2**30:.1f} GiB of state), 1 rank, medians of {args.repeats} "
           "(min-max); saves / Megatron-LM's save, loads / its load")  # fmt: skip
-    print(f"| {'operation':<40} | {'seconds':>22} | {'/ Megatron-LM':>13} |")
-    for name, times in rows.items():
-        med = statistics.median(times)
-        peer = peers["load" if "load" in name else "save"]
-        spread = f"{med:.3f} ({min(times):.3f}-{max(times):.3f})"
-        print(f"| {name:<40} | {spread:>22} | {med / peer:>12.2f}x |")
+    print_table(
+        rows,
+        "Megatron-LM",
+        "Megatron-LM legacy save (torch.save)",
+        "Megatron-LM legacy load (torch.load)",
+    )
     dist.destroy_process_group()
 
 

@@ -423,23 +423,33 @@ def test_every_role_is_shown_with_its_usage_and_the_job_throughput(tmp_path: Pat
     assert re.search(r"seen-chief-0-0 +chief +0 succeeded", final), final
 
 
+def _elasticjob(tmp_path: Path, name: str, command: list[str], optimize: bool = False) -> Path:
+    """The seeds' ElasticJob of ``name``: one ps and one worker whose container runs
+    ``command`` (the chief runs it), ``optimizeMode`` set where ``optimize``; its path."""
+    main = {"template": {"spec": {"containers": [{"name": "main", "command": command}]}}}
+    spec: dict[str, Any] = {
+        "distributionStrategy": "ParameterServerStrategy",
+        "replicaSpecs": {"ps": main, "worker": main},
+    }
+    if optimize:
+        spec["optimizeMode"] = "single-job"
+    body = {
+        "apiVersion": "elastic.iml.github.io/v1alpha1",
+        "kind": "ElasticJob",
+        "metadata": {"name": name},
+        "spec": spec,
+    }
+    path = tmp_path / "elasticjob.yaml"
+    path.write_text(json.dumps(body))
+    return path
+
+
 def test_the_seeds_elasticjob_without_counts_or_resources_runs_with_one_ps_and_one_worker(
     tmp_path: Path,
 ) -> None:
     # The original DLRover's shape: the whole command as one string (split as a shell would).
     command = [f"python {EXAMPLE} --size {SIZE} --out {tmp_path / 'auto'}"]
-    main = {"template": {"spec": {"containers": [{"name": "main", "command": command}]}}}
-    body = {
-        "apiVersion": "elastic.iml.github.io/v1alpha1",
-        "kind": "ElasticJob",
-        "metadata": {"name": "auto"},
-        "spec": {
-            "distributionStrategy": "ParameterServerStrategy",
-            "replicaSpecs": {"ps": main, "worker": main},
-        },
-    }
-    path = tmp_path / "elasticjob.yaml"
-    path.write_text(json.dumps(body))
+    path = _elasticjob(tmp_path, "auto", command)
     home = tmp_path / "home"
     submitted = dlrover_cli(home, "submit", str(path), timeout=240)
     assert submitted.returncode == 0, submitted.stdout[-3000:] + submitted.stderr[-3000:]
@@ -460,18 +470,7 @@ def test_a_chief_whose_module_does_not_exist_fails_the_job_at_once_naming_it(
     says so before the cluster forms, is not relaunched, and the job fails at once with the
     role, the command and the cause (in `dlrover diagnose` too)."""
     command = ["python -m model_zoo.no_such_module --steps 300"]
-    main = {"template": {"spec": {"containers": [{"name": "main", "command": command}]}}}
-    body = {
-        "apiVersion": "elastic.iml.github.io/v1alpha1",
-        "kind": "ElasticJob",
-        "metadata": {"name": "nomod"},
-        "spec": {
-            "distributionStrategy": "ParameterServerStrategy",
-            "replicaSpecs": {"ps": main, "worker": main},
-        },
-    }
-    path = tmp_path / "elasticjob.yaml"
-    path.write_text(json.dumps(body))
+    path = _elasticjob(tmp_path, "nomod", command)
     home = tmp_path / "home"
     started = time.monotonic()
     submitted = dlrover_cli(home, "submit", str(path), timeout=120)
@@ -494,19 +493,7 @@ def test_a_job_without_resources_is_sized_from_measurement_and_completes_at_that
 ) -> None:
     out = tmp_path / "sized"
     command = ["python", str(EXAMPLE), "--out", str(out), "--shard-delay", "1.0"]
-    main = {"template": {"spec": {"containers": [{"name": "main", "command": command}]}}}
-    body = {
-        "apiVersion": "elastic.iml.github.io/v1alpha1",
-        "kind": "ElasticJob",
-        "metadata": {"name": "sized"},
-        "spec": {
-            "distributionStrategy": "ParameterServerStrategy",
-            "optimizeMode": "single-job",
-            "replicaSpecs": {"ps": main, "worker": main},
-        },
-    }
-    path = tmp_path / "elasticjob.yaml"
-    path.write_text(json.dumps(body))
+    path = _elasticjob(tmp_path, "sized", command, optimize=True)
     home = tmp_path / "home"
     submitted = dlrover_cli(home, "submit", str(path), timeout=300, DLROVER_AUTOSCALE_SIZING_S="4")
     assert submitted.returncode == 0, submitted.stderr[-4000:]
@@ -533,19 +520,7 @@ def test_a_plain_tf_config_program_without_resources_is_sized_from_use(tmp_path:
     out = tmp_path / "plain"
     script = REPO / "tests" / "scripts" / "plain_ps.py"
     command = [f"python {script} --out {out} --seconds 30"]
-    main = {"template": {"spec": {"containers": [{"name": "main", "command": command}]}}}
-    body = {
-        "apiVersion": "elastic.iml.github.io/v1alpha1",
-        "kind": "ElasticJob",
-        "metadata": {"name": "plain"},
-        "spec": {
-            "distributionStrategy": "ParameterServerStrategy",
-            "optimizeMode": "single-job",
-            "replicaSpecs": {"ps": main, "worker": main},
-        },
-    }
-    path = tmp_path / "elasticjob.yaml"
-    path.write_text(json.dumps(body))
+    path = _elasticjob(tmp_path, "plain", command, optimize=True)
     home = tmp_path / "home"
     submitted = dlrover_cli(home, "submit", str(path), timeout=300, DLROVER_AUTOSCALE_SIZING_S="4")
     assert submitted.returncode == 0, submitted.stderr[-4000:]
