@@ -22,6 +22,8 @@ import time
 from collections.abc import Sequence
 
 from dlrover import constants as c
+from dlrover.agent.error_file import ENV_ERROR_FILE, ErrorFileError, read_error_file
+from dlrover.agent.failure_policy import CANNOT_START_ERRORS
 from dlrover.checkpoint.leftovers import owner_prefix, runtime_dir
 from dlrover.cli.common import setup_logging
 from dlrover.client.master_client import MasterClient, MasterClientError
@@ -131,7 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         client.wait_ready(60)
         if args.role in ("chief", "evaluator"):
-            why = cannot_start(_program_argv(program))
+            why = cannot_start(program)
             if why:  # fail now, before the cluster forms: no relaunch cures it
                 cause = f"`{shlex.join(program)}`: {why}"
                 print(f"dlrover-tf-node: the {args.role} cannot start {cause}", file=sys.stderr)
@@ -164,49 +166,68 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.role in ("ps", "worker"):
         # exec: the engine's process is the server (it ends only when it is stopped or killed).
         os.execvpe(argv_[0], argv_, env)
-    return _run_program(argv_, env, tmp)
+    return _run_program(argv_, env, tmp, program)
+
+
+BOOTSTRAP = ("-m", "dlrover.agent.bootstrap")
+"""What runs a Python program of the chief: as ``python`` would, plus an error file of its
+uncaught exception (so a program that cannot start is told from one that failed later)."""
+
+
+def _python_target(program: list[str]) -> list[str] | None:
+    """``[script, args...]`` or ``["-m", module, args...]`` when ``program`` is a Python program
+    (a ``.py`` script, or ``python``/``python3`` with a script or ``-m``), else None."""
+    if program[0].endswith(".py"):
+        return program
+    if os.path.basename(program[0]) in ("python", "python3") and len(program) > 1:
+        rest = [a for a in program[1:] if a != "-u"]
+        if rest and (rest[0] == "-m" or not rest[0].startswith("-")):
+            return rest
+    return None
 
 
 def _program_argv(program: list[str]) -> list[str]:
-    """The argv that runs ``program``: a ``.py`` script, or ``python``/``python3`` (the job's
-    own interpreter stands in for it), through this Python; anything else as it is."""
-    if program[0].endswith(".py"):
-        return [sys.executable, "-u", *program]
+    """The argv that runs ``program``: a Python program through this Python and the bootstrap
+    (``python`` is the job's own interpreter), anything else as it is."""
+    target = _python_target(program)
+    if target is not None:
+        return [sys.executable, "-u", *BOOTSTRAP, *target]
     if os.path.basename(program[0]) in ("python", "python3"):
-        return [sys.executable, "-u", *program[1:]]
+        return [sys.executable, *program[1:]]
     return program
 
 
-def cannot_start(argv: list[str]) -> str:
-    """Why ``argv`` cannot start ("" when it can, as far as can be told without running it): no
-    such executable, or, for this Python, a script that is missing or does not compile, or a
-    ``-m`` module that is not found. (An import error inside the program shows only when it
-    runs: it is the program's own failure then.)"""
-    exe = argv[0]
-    if shutil.which(exe) is None:
-        if os.sep in exe and os.path.exists(exe):
-            return f"{exe} is not executable"
-        return f"no such program: {exe!r} (not a file, not on PATH)"
-    if exe != sys.executable:
+def cannot_start(program: list[str]) -> str:
+    """Why ``program`` cannot start ("" when it can, as far as can be told without running it):
+    no such executable, or a Python script that is missing or does not compile, or a ``-m``
+    module that is not found. (An import error inside the program shows when it runs: the
+    node then tells it from the program's error file, see `_run_program`.)"""
+    target = _python_target(program)
+    if target is None:
+        exe = program[0]
+        if shutil.which(exe) is None:
+            if os.sep in exe and os.path.exists(exe):
+                return f"{exe} is not executable"
+            return f"no such program: {exe!r} (not a file, not on PATH)"
         return ""
-    rest = [a for a in argv[1:] if a != "-u"]
-    if len(rest) >= 2 and rest[0] == "-m":
+    if target[0] == "-m":
+        if len(target) < 2:
+            return "-m names no module"
         sys.path.insert(0, os.getcwd())  # `python -m` looks in the working directory first
         try:
-            found = importlib.util.find_spec(rest[1])
+            found = importlib.util.find_spec(target[1])
         except (ImportError, ValueError) as exc:
-            return f"module {rest[1]!r} cannot be found: {type(exc).__name__}: {exc}"
+            return f"module {target[1]!r} cannot be found: {type(exc).__name__}: {exc}"
         finally:
             sys.path.pop(0)
-        return "" if found is not None else f"no module named {rest[1]!r}"
-    if rest and not rest[0].startswith("-"):
-        try:
-            with open(rest[0], "rb") as f:
-                compile(f.read(), rest[0], "exec")
-        except OSError as exc:
-            return f"cannot open {rest[0]!r}: {exc.strerror}"
-        except SyntaxError as exc:
-            return f"{type(exc).__name__} in {exc.filename} line {exc.lineno}: {exc.msg}"
+        return "" if found is not None else f"no module named {target[1]!r}"
+    try:
+        with open(target[0], "rb") as f:
+            compile(f.read(), target[0], "exec")
+    except OSError as exc:
+        return f"cannot open {target[0]!r}: {exc.strerror}"
+    except SyntaxError as exc:
+        return f"{type(exc).__name__} in {exc.filename} line {exc.lineno}: {exc.msg}"
     return ""
 
 
@@ -219,11 +240,28 @@ def _pdeathsig() -> None:
     libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
-def _run_program(argv: list[str], env: dict[str, str], tmp: str) -> int:
+def _start_error(path: str) -> str:
+    """The program's uncaught exception from its error file when it says the program could
+    not start (an import or syntax error: CANNOT_START_ERRORS), else ""."""
+    try:
+        record = read_error_file(path)
+    except (OSError, ErrorFileError):
+        return ""
+    if record is None:
+        return ""
+    short = record.exception_type.rsplit(".", 1)[-1]
+    return f"{short}: {record.message}" if short in CANNOT_START_ERRORS else ""
+
+
+def _run_program(argv: list[str], env: dict[str, str], tmp: str, program: list[str]) -> int:
     """Run the chief's (evaluator's) program as a child and end as it did: its exit code, also
     written to $DLROVER_NODE_EXIT_FILE like dlrover-run does (an engine of a restarted master
-    that adopted this node learns the end from it), or its signal. SIGTERM and SIGINT are
-    passed on. The program's temp folder ``tmp`` is removed once it ended."""
+    that adopted this node learns the end from it), or its signal; CANNOT_START_EXIT_CODE
+    (the cause told to the master) when its error file names an import or syntax error.
+    SIGTERM and SIGINT are passed on. The program's temp folder ``tmp`` is removed once it
+    ended."""
+    error_file = os.path.join(tmp, "error.json")
+    env = {**env, ENV_ERROR_FILE: error_file}
     child = subprocess.Popen(argv, env=env, preexec_fn=_pdeathsig)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: child.send_signal(signum))
@@ -233,6 +271,13 @@ def _run_program(argv: list[str], env: dict[str, str], tmp: str) -> int:
         reporter.start()
     try:
         code = child.wait()  # the program's whole run: the master bounds the job
+        if code > 0:
+            why = _start_error(error_file)
+            if why:  # its code or imports are wrong: no relaunch cures that
+                cause = f"`{shlex.join(program)}`: {why}"
+                logger.error("the program cannot start: %s", cause)
+                TF_START_ERROR.put(client, cause, env.get(c.ENV_NODE_NAME, ""))
+                code = c.CANNOT_START_EXIT_CODE
     finally:
         if reporter is not None:
             reporter.stop()

@@ -546,16 +546,16 @@ def test_a_chiefs_program_that_cannot_start_is_named_before_the_cluster_forms(
 ) -> None:
     """`dlrover-tf-node`'s check of the chief's program (nothing is run): an executable that is
     not there, a module that is not found, a script that does not compile; "" when it can."""
-    from dlrover.cli.tf_node import _program_argv, cannot_start
+    from dlrover.cli.tf_node import cannot_start
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "good.py").write_text("print('hi')\n")
     (tmp_path / "bad.py").write_text("print(\n")
     (tmp_path / "here_mod.py").write_text("x = 1\n")
-    assert cannot_start(_program_argv(["good.py"])) == ""
-    assert cannot_start(_program_argv(["python", "-m", "here_mod"])) == ""
+    assert cannot_start(["good.py"]) == "" and cannot_start(["python", "good.py", "--a"]) == ""
+    assert cannot_start(["python", "-m", "here_mod"]) == ""
     assert "no such program: 'no-such-binary-x'" in cannot_start(["no-such-binary-x", "--a"])
-    assert "SyntaxError in bad.py line 1" in cannot_start(_program_argv(["bad.py"]))
-    assert "cannot open 'missing.py'" in cannot_start(_program_argv(["missing.py"]))
-    why = cannot_start(_program_argv(["python3", "-m", "pkg_not_here.sub"]))
+    assert "SyntaxError in bad.py line 1" in cannot_start(["bad.py"])
+    assert "cannot open 'missing.py'" in cannot_start(["python3", "missing.py"])
+    why = cannot_start(["python3", "-m", "pkg_not_here.sub"])
     assert why.startswith("module 'pkg_not_here.sub' cannot be found: ModuleNotFoundError"), why

@@ -463,29 +463,41 @@ def test_the_seeds_elasticjob_without_counts_or_resources_runs_with_one_ps_and_o
     assert "limit MB" not in final  # submitted without resources: no limits
 
 
-def test_a_chief_whose_module_does_not_exist_fails_the_job_at_once_naming_it(
-    tmp_path: Path,
+@pytest.mark.parametrize("case", ["missing-module", "import-error"])
+def test_a_chief_whose_program_cannot_start_fails_the_job_at_once_naming_it(
+    tmp_path: Path, case: str
 ) -> None:
-    """The original's one-string command naming a module that is not there: the chief's node
-    says so before the cluster forms, is not relaunched, and the job fails at once with the
-    role, the command and the cause (in `dlrover diagnose` too)."""
-    command = ["python -m model_zoo.no_such_module --steps 300"]
-    path = _elasticjob(tmp_path, "nomod", command)
+    """The original's one-string command naming a module that is not there (told before the
+    cluster forms), or a script whose own import fails once it runs (told from its error
+    file): the chief is not relaunched, and the job fails at once with the role, the command
+    and the cause (in `dlrover diagnose` too)."""
+    if case == "missing-module":
+        program = "python -m model_zoo.no_such_module --steps 300"
+        cause = (
+            "module 'model_zoo.no_such_module' cannot be found: ModuleNotFoundError: No module "
+            "named 'model_zoo'"
+        )
+    else:
+        script = tmp_path / "imports_missing.py"
+        script.write_text("import no_such_package_xyz\n")
+        program = f"python {script} --steps 300"
+        cause = "ModuleNotFoundError: No module named 'no_such_package_xyz'"
+    path = _elasticjob(tmp_path, "nostart", [program])
+    program = program.removeprefix("python ") if ".py" in program else program  # runs the script
     home = tmp_path / "home"
     started = time.monotonic()
     submitted = dlrover_cli(home, "submit", str(path), timeout=120)
     took = time.monotonic() - started
     assert submitted.returncode != 0, submitted.stderr[-3000:]
     want = (
-        "TensorFlow chief 0 (nomod-chief-0-0) cannot start its program: "
-        "`python -m model_zoo.no_such_module --steps 300`: module 'model_zoo.no_such_module' "
-        "cannot be found"
+        f"TensorFlow chief 0 (nostart-chief-0-0) cannot start its program: `{program}`: "
+        f"{cause}; not relaunched: fix the command"
     )
     assert want in submitted.stderr, submitted.stderr[-3000:]
-    assert "nomod-chief-0-1" not in submitted.stderr  # never relaunched
+    assert "nostart-chief-0-1" not in submitted.stderr  # never relaunched
     assert took < 90, took
-    diagnose = dlrover_cli(home, "diagnose", "nomod").stdout
-    assert "user_error" in diagnose and "model_zoo.no_such_module" in diagnose, diagnose
+    diagnose = dlrover_cli(home, "diagnose", "nostart").stdout
+    assert "user_error" in diagnose and cause in diagnose, diagnose
 
 
 def test_a_job_without_resources_is_sized_from_measurement_and_completes_at_that_size(
