@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -65,6 +66,9 @@ from dlrover.decisions import FailureAction
 from dlrover.faults import ENV_FAULTS, node_slot, pending_until
 from dlrover.processes import UsageMeter
 from dlrover.recovery_channel import env_changes
+
+BOOTSTRAP_MODULE = "dlrover.agent.bootstrap"
+"""The module every worker runs its target through (``python -u -m`` it, then the target)."""
 
 logger = logging.getLogger(__name__)
 
@@ -479,10 +483,20 @@ class ElasticAgent:
             self._set_state(WorkerGroupState.RESTARTING)
             logger.warning("restarting workers: %s\n%s", verdict.decision.reason, verdict.report)
             return None
-        logger.error("giving up: %s", verdict.decision.reason)
+        reason = verdict.decision.reason
+        if verdict.decision.cannot_start:  # name what cannot start
+            reason = f"`{self._program()}`: {reason}"
+        logger.error("giving up: %s", reason)
         self._set_state(WorkerGroupState.FAILED)
-        self._rdzv.report(NodeOutcome.FAILED, verdict.exit_code, verdict.decision.reason)
-        return RunResult(verdict.exit_code, f"{verdict.decision.reason}\n{verdict.report}")
+        self._rdzv.report(NodeOutcome.FAILED, verdict.exit_code, reason)
+        return RunResult(verdict.exit_code, f"{reason}\n{verdict.report}")
+
+    def _program(self) -> str:
+        """The user's command the workers run (what follows the bootstrap in their argv)."""
+        argv = list(self.config.entrypoint)
+        if BOOTSTRAP_MODULE in argv:
+            argv = argv[argv.index(BOOTSTRAP_MODULE) + 1 :]
+        return shlex.join(argv)
 
     # --- in-process recovery ---------------------------------------------------------------------
     def _members_alive(self) -> list[int]:

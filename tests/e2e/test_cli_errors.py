@@ -32,6 +32,31 @@ def test_bad_flags_get_one_clear_error(args, message):
     assert time.monotonic() - t0 < 30
 
 
+@pytest.mark.parametrize(
+    "target,cause",
+    [
+        (["-m", "no_such_module_xyz"], "BootstrapError: no module named 'no_such_module_xyz'"),
+        (["BAD"], "SyntaxError: '(' was never closed"),
+        (["IMPORTS"], "ModuleNotFoundError: No module named 'no_such_package_xyz'"),
+    ],
+)
+def test_a_program_that_cannot_start_fails_at_once_without_restarts(
+    tmp_path: Path, target: list[str], cause: str
+) -> None:
+    """A missing module, a script that does not compile or whose imports fail: restarts would
+    not cure it, so the job fails after the first attempt (budget left), exit 127, naming the
+    command and the cause."""
+    (tmp_path / "bad.py").write_text("print(\n")
+    (tmp_path / "imports.py").write_text("import no_such_package_xyz\n")
+    names = {"BAD": str(tmp_path / "bad.py"), "IMPORTS": str(tmp_path / "imports.py")}
+    target = [names.get(t, t) for t in target]
+    r = dlrover_run(["--standalone", "--max-restarts=3", *target], timeout=60)
+    assert r.returncode == 127, r.stderr[-3000:]
+    assert f"job failed: `{' '.join(target)}`: the program cannot start (" in r.stderr, r.stderr
+    assert cause in r.stderr, r.stderr[-3000:]
+    assert r.stderr.count("started 1 workers") == 1, r.stderr[-3000:]  # never restarted
+
+
 def test_multinode_without_a_master_says_how_to_get_one(tmp_path: Path):
     r = dlrover_run(["--nnodes", "2", str(SCRIPTS / "dump_env.py"), str(tmp_path)], timeout=30)
     assert r.returncode == 2 and "DLROVER_MASTER_ADDR" in r.stderr
