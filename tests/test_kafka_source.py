@@ -75,3 +75,30 @@ def test_while_the_broker_is_down_the_last_end_offsets_stand(
         assert "do not answer" in caplog.text
     finally:
         source.close()
+
+
+def test_a_source_closed_soon_after_an_outage_still_commits_its_last_offsets(
+    broker: KafkaBroker,
+) -> None:
+    """The refresher last saw the broker down; it is back when the job ends: the final commit
+    asks it again instead of leaving the offsets uncommitted."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    from dlrover.sharding.kafka_source import KafkaStreamSource
+
+    broker.create_topic("t", 2)
+    broker.produce("t", [(0, b"a"), (1, b"b"), (1, b"c")])
+    source = KafkaStreamSource("t", broker.bootstrap, group_id="g", timeout_s=2, refresh_s=3600)
+    try:
+        broker.stop(graceful=True)
+        assert not source.refresh()  # the outage is seen
+        broker.start()
+        source.commit({0: 1, 1: 2})
+    finally:
+        source.close()
+    consumer = Consumer({"bootstrap.servers": broker.bootstrap, "group.id": "g"})
+    try:
+        parts = [TopicPartition("t", p) for p in (0, 1)]
+        assert [tp.offset for tp in consumer.committed(parts, timeout=10)] == [1, 2]
+    finally:
+        consumer.close()

@@ -202,11 +202,16 @@ class KafkaStreamSource:
                 self.flush_commit()
 
     def close(self) -> None:
-        """Stop the refresher, commit the newest offsets a last time, close the connection."""
+        """Stop the refresher, commit the newest offsets a last time (outage or not), close the
+        connection."""
         self._stop.set()
         self._thread.join(self._timeout_s * (len(self._partitions) + 2))
-        if not self._outage:
-            self.flush_commit()
+        # The last commit is tried even when the refresher last saw the broker down: a job
+        # that ends soon after an outage finds it back, and a broker just back takes commits
+        # before its metadata answers (a broker still down costs one request's timeout).
+        if self._outage:
+            self.refresh()
+        self.flush_commit()
         self._consumer.close()
 
 
