@@ -42,10 +42,7 @@ def serve_embedding(_: Path) -> tuple[dict[str, object], Callable[[], None]]:
     from dlrover.proto import embedding_pb2 as pb
 
     server = EmbeddingServer(TOKEN).start()
-    server.service.CreateTable(
-        pb.CreateTableRequest(spec=pb.TableSpec(name=PROBE_TABLE, dim=4)),
-        None,  # type: ignore[arg-type]
-    )
+    server.service.create_table(pb.TableSpec(name=PROBE_TABLE, dim=4))
     where = {"addr": server.address, "data_port": server.service.data_port}
     return where, lambda: server.stop(0.5)
 

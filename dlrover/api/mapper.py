@@ -63,7 +63,8 @@ class Mapper:
     """Converts a frozen dataclass to the protobuf message with fields of the same names and
     back, recursing into nested dataclasses, tuples (repeated fields, or a message's fields in
     order for a fixed-length tuple such as ``(epoch, index, offset)``), dicts (map fields) and
-    enums (their value in a string field, their name in a proto enum).
+    enums (their value in a string field, their name in a proto enum); a hint that is the
+    message's own generated class is that message, untouched.
 
     ``X | None`` is an unset field (a message or a proto3 ``optional`` scalar); an unset optional
     scalar whose dataclass field is not ``| None`` takes the dataclass default. ``paths`` renames
@@ -140,6 +141,8 @@ class Mapper:
     # --- plans ---------------------------------------------------------------------------------
     def _build_encoder(self, hint: Any, descriptor: Descriptor) -> Encode:
         cls = message_class(descriptor)
+        if _is_message_class(hint, descriptor):
+            return _identity
         custom = self._custom.get(hint)
         if custom is not None and custom.to_message is not None:
             return custom.to_message
@@ -189,6 +192,8 @@ class Mapper:
         return encode
 
     def _build_decoder(self, hint: Any, descriptor: Descriptor) -> Decode:
+        if _is_message_class(hint, descriptor):
+            return _identity
         custom = self._custom.get(hint)
         if custom is not None and custom.from_message is not None:
             return custom.from_message
@@ -255,6 +260,15 @@ class Mapper:
         if hint is bytes:
             return bytes
         return _identity
+
+
+def _is_message_class(hint: Any, descriptor: Descriptor) -> bool:
+    """Whether ``hint`` is the generated class of ``descriptor``'s message: taken as it is."""
+    return (
+        isinstance(hint, type)
+        and issubclass(hint, Message)
+        and hint.DESCRIPTOR.full_name == descriptor.full_name
+    )
 
 
 def _identity(value: Any) -> Any:

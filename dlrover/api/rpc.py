@@ -1,20 +1,25 @@
-"""Master RPCs derived from one typed interface: codecs, client methods and the error convention.
+"""RPCs derived from one typed interface: codecs, client methods and the error convention.
 
-An interface (`MasterApi`, `ShardingTransport`, `StreamTransport`) is a Protocol whose every
-public method is one RPC of the proto's `Master` service: ``register_node`` is ``RegisterNode``
+An interface (`MasterApi`, `ShardingTransport`, `StreamTransport`; the embedding server's
+`EmbeddingServerApi`) is a Protocol whose every public method is one RPC of a proto service
+(the `Master` service unless `rpcs` is given another): ``register_node`` is ``RegisterNode``
 unless `rpc` names another. The request message's fields are the method's parameters by name
 (a dataclass parameter without a field of its name spreads its fields into the request); the
-result is the response's one value field, or the whole response when it has several. `Rpc`
+result is the response's one value field, or the whole response when it has several; a parameter
+or result typed as the request or response message itself is that message, untouched. `Rpc`
 builds both conversions from the signature and the proto's descriptors with the reflective
 `Mapper`; the client's methods (`derive_client`) and the master's handlers
 (`dlrover.master.server`) are made from it, so a new RPC is the proto, the interface and the
 implementation.
 
-One error convention: a call the master refuses answers with status OK and the response's
-``refused`` field (a `MasterError`: the client raises `MasterRequestError` or
-`UnknownNodeError`), or, for a sharding call, its ``error`` field (a `ShardingError` of the
-same class). A non-OK status means the call never reached the API: no master, a wrong token,
-an unknown method.
+One error convention on every service: a refused call answers with status OK and the refusal
+inside the response, as a kind and a message, in the field whose type is one of the service's
+`Refusal`s: the master's ``refused`` (a `MasterError`: the client raises `MasterRequestError` or
+`UnknownNodeError`), a sharding call's ``error`` (a `ShardingError`: the class of
+dlrover.sharding.errors), an embedding server's ``error`` (an `EmbeddingError`). `Rpc.refusal`
+and `Rpc.decode_response` are the one place that maps errors both ways, each by its service's
+`Refusal`s. A non-OK status means the call never reached the API: no server, a wrong token, an
+unknown method, a request that does not parse.
 """
 
 from __future__ import annotations
@@ -24,26 +29,23 @@ import enum
 import inspect
 import operator
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from google.protobuf.message import Message
 
 from dlrover.api.errors import MasterRequestError, UnknownNodeError
-from dlrover.api.mapper import Descriptor, FieldDescriptor, Mapper, assign, message_class
+from dlrover.api.mapper import Descriptor, Mapper, assign, message_class
 from dlrover.proto import master_pb2 as pb
 from dlrover.sharding import errors as sharding_errors
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Master"]
-"""The proto's one service: every RPC an interface method names is one of its methods."""
+"""The master's service: every RPC a master interface method names is one of its methods."""
 
 REFUSED = "refused"
 """The field of every response that carries the master's refusal (a MasterError)."""
-
-SHARDING_ERROR = "error"
-"""The field of a sharding response that carries the sharding subsystem's refusal."""
 
 INVERT = operator.not_
 """A field converter for a boolean the proto states the other way round (with / without)."""
@@ -80,18 +82,43 @@ def refusal_from_proto(message: pb.MasterError) -> MasterRequestError:
     return MasterRequestError(message.message)
 
 
+def refusal_to_proto(error: MasterRequestError) -> pb.MasterError:
+    """The master's refusal of a call that raised ``error``."""
+    kind = (
+        pb.MasterError.UNKNOWN_NODE
+        if isinstance(error, UnknownNodeError)
+        else pb.MasterError.REQUEST
+    )
+    return pb.MasterError(kind=kind, message=str(error))  # type: ignore[arg-type]
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """How one family of errors travels as a refusal: the error message a response carries it
+    in, the base class of the errors, and the conversions both ways."""
+
+    message: type[Message]
+    error: type[Exception]
+    to_message: Callable[[Any], Message]
+    from_message: Callable[[Any], Exception]
+
+
+MASTER_REFUSALS = (
+    Refusal(
+        pb.ShardingError,
+        sharding_errors.ShardingError,
+        sharding_error_to_proto,
+        sharding_error_from_proto,
+    ),
+    Refusal(pb.MasterError, MasterRequestError, refusal_to_proto, refusal_from_proto),
+)
+"""The master's refusals: a sharding call's, then any call's."""
+
+
 def raise_refused(response: Message) -> None:
     """Raise the master's refusal a response carries (its ``refused`` field), if any."""
     if REFUSED in response.DESCRIPTOR.fields_by_name and response.HasField(REFUSED):
         raise refusal_from_proto(getattr(response, REFUSED))
-
-
-def raise_sharding_error(response: Message) -> None:
-    """Raise the sharding refusal a sharding response carries (its ``error`` field), if any."""
-    error = response.DESCRIPTOR.fields_by_name.get(SHARDING_ERROR)
-    is_sharding = error is not None and error.message_type is pb.ShardingError.DESCRIPTOR
-    if is_sharding and response.HasField(SHARDING_ERROR):
-        raise sharding_error_from_proto(getattr(response, SHARDING_ERROR))
 
 
 class Run(str, enum.Enum):
@@ -124,6 +151,10 @@ class RpcOptions:
     """Request fields this method sets: two methods may share one RPC, told apart by these."""
     fields: Mapping[str, tuple[str, Callable[[Any], Any]]] = dataclasses.field(default_factory=dict)
     """A parameter carried by a field of another name, converted both ways by the function."""
+    framed: bool = False
+    """A hot-path call: the server reads the request's bytes and writes the answer's in pieces
+    without copying their arrays, by the implementation's ``<method>_frames(raw)``; the
+    message form (this method) is the same bytes, for every other caller."""
 
 
 def rpc(
@@ -134,12 +165,13 @@ def rpc(
     max_wait_s: float | None = None,
     fixed: Mapping[str, Any] | None = None,
     fields: Mapping[str, tuple[str, Callable[[Any], Any]]] | None = None,
+    framed: bool = False,
 ) -> Callable[[F], F]:
     """Say more about an interface method's RPC (see RpcOptions); a method without it is an
     RPC all the same."""
     if run is Run.POLL and not poll:
         raise ValueError("a long poll names the implementation's method that returns it")
-    options = RpcOptions(name, run, poll, max_wait_s, dict(fixed or {}), dict(fields or {}))
+    options = RpcOptions(name, run, poll, max_wait_s, dict(fixed or {}), dict(fields or {}), framed)
 
     def mark(method: F) -> F:
         method.__rpc__ = options  # type: ignore[attr-defined]
@@ -152,27 +184,25 @@ def _camel(name: str) -> str:
     return "".join(part.capitalize() for part in name.split("_"))
 
 
-def _value_fields(descriptor: Descriptor) -> list[FieldDescriptor]:
-    """A response's fields that carry the answer (not a refusal)."""
-    return [
-        f
-        for f in descriptor.fields
-        if f.name != REFUSED
-        and not (f.name == SHARDING_ERROR and f.message_type is pb.ShardingError.DESCRIPTOR)
-    ]
-
-
 class Rpc:
     """One interface method as one RPC: its options and the four conversions of its messages."""
 
-    def __init__(self, interface: type, method: str, mapper: Mapper) -> None:
+    def __init__(
+        self,
+        interface: type,
+        method: str,
+        mapper: Mapper,
+        service: Descriptor = SERVICE,
+        refusals: Sequence[Refusal] = MASTER_REFUSALS,
+    ) -> None:
         function = getattr(interface, method)
         self.interface = interface
         self.method = method
         self.doc = function.__doc__ or ""
         self.options: RpcOptions = getattr(function, "__rpc__", RpcOptions())
         self.name = self.options.name or _camel(method)
-        service_method = SERVICE.methods_by_name.get(self.name)
+        self.service = service
+        service_method = service.methods_by_name.get(self.name)
         if service_method is None:
             raise TypeError(f"{interface.__name__}.{method}: the proto has no rpc {self.name}")
         self.request_type = message_class(service_method.input_type)
@@ -180,7 +210,18 @@ class Rpc:
         self.signature = inspect.signature(function)
         hints = typing.get_type_hints(function)
         self._mapper = mapper
+        by_type = {r.message.DESCRIPTOR.full_name: r for r in refusals}
+        self._refusals = [
+            (f.name, by_type[f.message_type.full_name])
+            for f in self.response_type.DESCRIPTOR.fields
+            if f.message_type is not None and f.message_type.full_name in by_type
+        ]
+        """The response's refusal fields and their Refusal, most specific error class first."""
+        order = [r.message.DESCRIPTOR.full_name for r in refusals]
+        self._refusals.sort(key=lambda item: order.index(item[1].message.DESCRIPTOR.full_name))
         self._params = [p for p in self.signature.parameters if p != "self"]
+        self._whole_request = [hints[p] for p in self._params] == [self.request_type]
+        """The one parameter is the request message itself."""
         self._request_plan = [self._param_plan(p, hints[p]) for p in self._params]
         self._result_hint = hints.get("return")
         self._build_result()
@@ -189,6 +230,8 @@ class Rpc:
     def _param_plan(self, param: str, hint: Any) -> tuple[str, str, Any, Any, Any]:
         """(param, field or "" to spread a dataclass, to-field, from-field, hint)."""
         descriptor = self.request_type.DESCRIPTOR
+        if self._whole_request:
+            return (param, "", None, None, hint)
         field_name, convert = self.options.fields.get(param, (param, None))
         field = descriptor.fields_by_name.get(field_name)
         if field is None:
@@ -205,6 +248,8 @@ class Rpc:
     def encode_request(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Message:
         """The request message of a call ``method(*args, **kwargs)``."""
         bound = self.signature.bind(None, *args, **kwargs)
+        if self._whole_request:
+            return bound.arguments[self._params[0]]  # type: ignore[no-any-return]
         bound.apply_defaults()
         request = self.request_type()
         for param, field, encode, _, _ in self._request_plan:
@@ -222,6 +267,8 @@ class Rpc:
     def decode_request(self, request: Message) -> dict[str, Any]:
         """The arguments a request carries, by parameter name; raises ValueError for a request
         without a message field it needs or with a value this side does not know."""
+        if self._whole_request:
+            return {self._params[0]: request}
         args: dict[str, Any] = {}
         for param, field, _, decode, hint in self._request_plan:
             if not field:
@@ -249,11 +296,16 @@ class Rpc:
     def _build_result(self) -> None:
         descriptor = self.response_type.DESCRIPTOR
         hint = self._result_hint
-        values = _value_fields(descriptor)
+        refusals = {name for name, _ in self._refusals}
+        values = [f for f in descriptor.fields if f.name not in refusals]
         self._result_field = ""
-        if hint is None or hint is type(None):
-            self._encode_result: Callable[[Any], Message] = lambda _: self.response_type()
-            self._decode_result: Callable[[Message], Any] = lambda _: None
+        self._encode_result: Callable[[Any], Message] = _identity
+        self._decode_result: Callable[[Message], Any] = _identity
+        if hint is self.response_type:  # the response itself
+            pass
+        elif hint is None or hint is type(None):
+            self._encode_result = lambda _: self.response_type()
+            self._decode_result = lambda _: None
         elif len(values) == 1:
             field = values[0]
             self._result_field = field.name
@@ -275,21 +327,27 @@ class Rpc:
         return self._encode_result(result)
 
     def decode_response(self, response: Message) -> Any:
-        """The answer a response carries; raises what the master refused the call with."""
-        raise_refused(response)
-        raise_sharding_error(response)
+        """The answer a response carries; raises what the server refused the call with."""
+        self.raise_refusal(response)
         return self._decode_result(response)
 
-    def refusal(self, error: Exception, refusal_kind: Callable[[Exception], int | None]) -> Any:
-        """The response that carries ``error`` as a refusal, or None when it is none (a bug)."""
-        fields = self.response_type.DESCRIPTOR.fields_by_name
-        if isinstance(error, sharding_errors.ShardingError) and SHARDING_ERROR in fields:
-            return self.response_type(**{SHARDING_ERROR: sharding_error_to_proto(error)})
-        kind = refusal_kind(error)
-        if kind is None:
-            return None
-        refused = pb.MasterError(kind=kind, message=str(error))  # type: ignore[arg-type]
-        return self.response_type(**{REFUSED: refused})
+    def raise_refusal(self, response: Message) -> None:
+        """Raise the refusal ``response`` carries, if any, as its error class."""
+        for name, refusal in self._refusals:
+            if response.HasField(name):
+                raise refusal.from_message(getattr(response, name))
+
+    def refusal(self, error: Exception | None) -> Any:
+        """The response that carries ``error`` as a refusal, or None when it is none of this
+        RPC's refusals (a bug: the call fails with status UNKNOWN)."""
+        for name, refusal in self._refusals:
+            if isinstance(error, refusal.error):
+                return self.response_type(**{name: refusal.to_message(error)})
+        return None
+
+
+def _identity(value: Any) -> Any:
+    return value
 
 
 def _optional(hint: Any) -> bool:
@@ -309,9 +367,16 @@ def interface_methods(interface: type) -> list[str]:
     ]
 
 
-def rpcs(*interfaces: type, mapper: Mapper) -> dict[str, Rpc]:
-    """Every RPC of the interfaces, by method name."""
-    return {m: Rpc(i, m, mapper) for i in interfaces for m in interface_methods(i)}
+def rpcs(
+    *interfaces: type,
+    mapper: Mapper,
+    service: Descriptor = SERVICE,
+    refusals: Sequence[Refusal] = MASTER_REFUSALS,
+) -> dict[str, Rpc]:
+    """Every RPC of the interfaces (methods of ``service``), by method name."""
+    return {
+        m: Rpc(i, m, mapper, service, refusals) for i in interfaces for m in interface_methods(i)
+    }
 
 
 def derive_client(name: str, table: Mapping[str, Rpc]) -> type:

@@ -18,9 +18,11 @@ import grpc
 import numpy as np
 import numpy.typing as npt
 
+from dlrover.api.rpc import Rpc, derive_client
 from dlrover.backoff import Backoff
 from dlrover.constants import TOKEN_METADATA_KEY
 from dlrover.embedding import frames
+from dlrover.embedding.api import BY_NAME, RPCS, SERVICE, EmbeddingServerApi
 from dlrover.embedding.buckets import BucketMap, IdArray
 from dlrover.embedding.dataport import (
     BUSY,
@@ -43,11 +45,10 @@ from dlrover.embedding.wire import (
     error_from_proto,
 )
 from dlrover.proto import embedding_pb2 as pb
-from dlrover.proto import embedding_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 
-SERVICE_PATH = "/" + pb.DESCRIPTOR.services_by_name["EmbeddingServer"].full_name
+SERVICE_PATH = "/" + SERVICE.full_name
 """The servers' gRPC service, as its methods' paths begin."""
 DATA_METHODS = {"Lookup": LOOKUP, "Push": PUSH}
 """The methods a server's data port takes, by their gRPC names."""
@@ -79,6 +80,25 @@ class FailoverGap:
     replacement: str
     pushes: int
     rows: int
+
+
+_Calls = derive_client("_Calls", RPCS)
+
+
+class ServerCalls(_Calls, EmbeddingServerApi):  # type: ignore[misc, valid-type]
+    """The typed calls of one server (`EmbeddingServerApi`, derived): each with the client's
+    deadline and token; a refusal raises its EmbeddingError, a server that does not answer
+    EmbeddingServerUnavailable."""
+
+    def __init__(self, client: EmbeddingClient, address: str) -> None:
+        self._client = client
+        self.address = address
+
+    def invoke(self, call: Rpc, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """One RPC with these arguments: its request encoded, sent, its answer decoded."""
+        request = call.encode_request(args, kwargs)
+        method = self._client._method(self.address, call)
+        return call.decode_response(self._client._invoke(self.address, method, request))
 
 
 class EmbeddingClient:
@@ -116,7 +136,7 @@ class EmbeddingClient:
         gRPC: no data port, or it could not be reached)."""
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
-        self._stubs: dict[str, pb_grpc.EmbeddingServerStub] = {}
+        self._methods: dict[tuple[str, str], grpc.UnaryUnaryMultiCallable] = {}
         self._pool = futures.ThreadPoolExecutor(max_workers=8)
         self.client_id = uuid.uuid4().hex
         self._seq = 0
@@ -143,7 +163,7 @@ class EmbeddingClient:
             for channel in self._channels.values():
                 channel.close()
             self._channels.clear()
-            self._stubs.clear()
+            self._methods.clear()
             data, self._data = self._data, {}
         for conns in data.values():
             if conns is not None:
@@ -178,11 +198,7 @@ class EmbeddingClient:
         # Per table: what a server holds as applied (a floor included) speaks for one table.
         for table in sorted({t for t, _, _ in acked}):
             try:
-                held = self.call(
-                    replacement,
-                    "AppliedPushes",
-                    pb.AppliedPushesRequest(client=self.client_id, table=table),
-                )
+                held = self.server(replacement).applied_pushes(self.client_id, table)
             except EmbeddingError as e:
                 logger.warning(
                     "embedding server %d: cannot tell what its failover lost: %s", index, e
@@ -202,32 +218,46 @@ class EmbeddingClient:
             ": those updates are lost (ASYNC replicas lag up to ~50 ms)" if gap.pushes else "",
         )  # fmt: skip
 
-    def _stub(self, address: str) -> pb_grpc.EmbeddingServerStub:
-        with self._lock:
-            stub = self._stubs.get(address)
-            if stub is None:
-                options = [
-                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                ]
-                channel = grpc.insecure_channel(address, options=options)
-                self._channels[address] = channel
-                stub = self._stubs[address] = pb_grpc.EmbeddingServerStub(channel)
-            return stub
+    def server(self, address: str) -> ServerCalls:
+        """The typed calls (`EmbeddingServerApi`) of the server at ``address``."""
+        return ServerCalls(self, address)
 
     def call(self, address: str, method: str, request: Any) -> Any:
-        """One RPC to the server at ``address``; its refusal raised as an EmbeddingError."""
-        response = self._invoke(address, getattr(self._stub(address), method), request)
-        if "error" in response.DESCRIPTOR.fields_by_name and response.HasField("error"):
-            raise error_from_proto(response.error)
+        """One RPC by its proto name (``"Stats"``) with its request message, to the server at
+        ``address``: the response message; its refusal raised as an EmbeddingError."""
+        call = BY_NAME[method]
+        response = self._invoke(address, self._method(address, call), request)
+        call.raise_refusal(response)
         return response
+
+    def _channel(self, address: str) -> grpc.Channel:
+        """The channel to the server at ``address`` (opened once); under the lock."""
+        channel = self._channels.get(address)
+        if channel is None:
+            options = [
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ]
+            channel = self._channels[address] = grpc.insecure_channel(address, options=options)
+        return channel
+
+    def _method(self, address: str, call: Rpc) -> grpc.UnaryUnaryMultiCallable:
+        """``call``'s gRPC method on the server at ``address``, its messages parsed by gRPC."""
+        with self._lock:
+            method = self._methods.get((address, call.name))
+            if method is None:
+                method = self._methods[(address, call.name)] = self._channel(address).unary_unary(
+                    f"{SERVICE_PATH}/{call.name}",
+                    request_serializer=call.request_type.SerializeToString,
+                    response_deserializer=call.response_type.FromString,
+                )
+            return method
 
     def _raw(self, address: str, method: str) -> Callable[..., bytes]:
         """``method`` of the server at ``address`` taking and giving the message's bytes (the
         hot path encodes and decodes them itself: frames.py)."""
-        self._stub(address)
         with self._lock:
-            return self._channels[address].unary_unary(f"{SERVICE_PATH}/{method}")
+            return self._channel(address).unary_unary(f"{SERVICE_PATH}/{method}")
 
     def _invoke(self, address: str, rpc: Callable[..., T], request: Any) -> T:
         """``rpc(request)`` with the deadline and the token; a failed call raised as
@@ -299,7 +329,7 @@ class EmbeddingClient:
             if address in self._data or not self._use_data_port:
                 return self._data.get(address)
         try:
-            port = self._invoke(address, self._stub(address).DataPort, pb.StatsRequest()).port
+            port = self.server(address).get_data_port()
         except EmbeddingServerUnavailable as e:
             if "UNIMPLEMENTED" not in str(e):
                 raise
@@ -330,7 +360,7 @@ class EmbeddingClient:
 
     def create_table(self, spec: pb.TableSpec) -> None:
         """Create the table on every server (a no-op where it exists with the same spec)."""
-        self.each_server(lambda a: self.call(a, "CreateTable", pb.CreateTableRequest(spec=spec)))
+        self.each_server(lambda a: self.server(a).create_table(spec))
 
     def lookup(self, table: str, ids: IdArray, dim: int) -> Rows:
         """The rows of ``ids`` (int64, any shape -> one row per id in order)."""
@@ -376,8 +406,7 @@ class EmbeddingClient:
             )
             with self._request(address, "Push", request) as raw:
                 response = pb.PushResponse.FromString(bytes(raw))
-            if response.HasField("error"):
-                raise error_from_proto(response.error)
+            RPCS["push"].raise_refusal(response)
             with self._lock:
                 acked = self._acked.setdefault(address, deque(maxlen=PUSH_WINDOW))
                 acked.append((table, seq, index.size))
@@ -469,16 +498,16 @@ class EmbeddingClient:
         replacement). False when none is newer yet."""
         for address in self.addresses:
             try:
-                response = self.call(address, "GetPlacement", pb.StatsRequest())
+                found = self.server(address).get_placement()
             except EmbeddingServerUnavailable:
                 continue
-            if response.HasField("map") and self.adopt(Placement.from_proto(response.map)):
+            if found is not None and self.adopt(Placement.from_proto(found)):
                 return True
         return False
 
     def stats(self) -> list[pb.StatsResponse]:
         """Per server, its tables' rows, bytes and traffic, and its map version."""
-        return self.each_server(lambda a: self.call(a, "Stats", pb.StatsRequest()))
+        return self.each_server(lambda a: self.server(a).stats())
 
 
 def _why(code: grpc.StatusCode | None, details: str, took_s: float, timeout_s: float) -> str:

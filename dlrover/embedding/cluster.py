@@ -97,15 +97,17 @@ class EmbeddingCluster:
         live = [a for i, a in enumerate(old.addresses) if i != index]
         specs, sizes = self._specs(live)
         for spec in specs:
-            self.client.call(address, "CreateTable", pb.CreateTableRequest(spec=spec))
+            self.client.server(address).create_table(spec)
         mine = [b for b, owner in enumerate(old.map.owners) if owner == index]
         restored, heard = 0, 0.0
         for spec in specs:
             for buckets in self._pieces(mine, spec, sizes, old.map.num_buckets):
-                rows = self.client.call(holder, "ExportReplica", buckets)
+                rows = self.client.server(holder).export_replica(
+                    spec.name, buckets, old.map.num_buckets
+                )
                 heard = max(heard, rows.age_s)
                 rows.table = spec.name
-                restored += self.client.call(address, "ImportRows", rows).rows
+                restored += self.client.server(address).import_rows(rows)
         addresses = list(old.addresses)
         addresses[index] = address
         new = Placement(BucketMap(old.map.version + 1, old.map.owners), tuple(addresses))
@@ -115,7 +117,7 @@ class EmbeddingCluster:
         serving_after_s = time.monotonic() - started
         # The replacement's rows go to its next server; its previous server's to it.
         for i in (index, (index - 1) % n):
-            self.client.call(addresses[i], "ResyncReplica", pb.StatsRequest())
+            self.client.server(addresses[i]).resync_replica()
         self.client.adopt(new)
         report = ReplaceReport(
             new.map.version, index, restored, heard, time.monotonic() - started, serving_after_s
@@ -136,16 +138,12 @@ class EmbeddingCluster:
 
     def _pieces(
         self, buckets: list[int], spec: pb.TableSpec, sizes: dict[str, int], num_buckets: int
-    ) -> list[pb.BucketsRequest]:
-        """Requests for ``buckets`` of a table in pieces whose rows fit a message."""
+    ) -> list[bytes]:
+        """``buckets`` of a table in pieces whose rows fit a message (little-endian int64)."""
         per_bucket = sizes.get(spec.name, 0) / num_buckets + 1
         step = max(1, int(chunk_ids(spec.dim) / per_bucket))
         return [
-            pb.BucketsRequest(
-                table=spec.name,
-                buckets=np.asarray(buckets[start : start + step], dtype="<i8").tobytes(),
-                num_buckets=num_buckets,
-            )
+            np.asarray(buckets[start : start + step], dtype="<i8").tobytes()
             for start in range(0, len(buckets), step)
         ]
 
@@ -164,7 +162,7 @@ class EmbeddingCluster:
         specs, sizes = self._specs(old.addresses)
         for address in addresses[kept:]:
             for spec in specs:
-                self.client.call(address, "CreateTable", pb.CreateTableRequest(spec=spec))
+                self.client.server(address).create_table(spec)
         target = old.map.resized(len(addresses))
         moves = old.map.moves(target)
         frozen = BucketMap(old.map.version + 1, old.map.owners)
@@ -184,9 +182,11 @@ class EmbeddingCluster:
             for (source, dest), buckets in sorted(groups.items()):
                 for spec in specs:
                     # Pieces of buckets whose rows fit a message (ids hash evenly into buckets).
-                    for request in self._pieces(buckets, spec, sizes, old.map.num_buckets):
-                        rows = self.client.call(old.addresses[source], "ExportBuckets", request)
-                        moved_rows += self.client.call(addresses[dest], "ImportRows", rows).rows
+                    for piece in self._pieces(buckets, spec, sizes, old.map.num_buckets):
+                        rows = self.client.server(old.addresses[source]).export_buckets(
+                            spec.name, piece, old.map.num_buckets
+                        )
+                        moved_rows += self.client.server(addresses[dest]).import_rows(rows)
         except EmbeddingError as e:
             # Nothing was handed over yet: the old owners still hold every row. Unfreeze them.
             back = self.roll_back(old)
@@ -248,25 +248,19 @@ class EmbeddingCluster:
         specs, _ = self._specs(final.addresses)
         for source, buckets in sorted(groups.items()):
             for spec in specs:
-                self.client.call(
-                    old.addresses[source],
-                    "DropBuckets",
-                    pb.BucketsRequest(
-                        table=spec.name,
-                        buckets=np.asarray(buckets, dtype="<i8").tobytes(),
-                        num_buckets=old.map.num_buckets,
-                    ),
+                self.client.server(old.addresses[source]).drop_buckets(
+                    spec.name, np.asarray(buckets, dtype="<i8").tobytes(), old.map.num_buckets
                 )
         if self.replica != pb.NO_REPLICA:
             for address in final.addresses:
-                self.client.call(address, "ResyncReplica", pb.StatsRequest())
+                self.client.server(address).resync_replica()
 
     def _specs(self, addresses: Sequence[str]) -> tuple[list[pb.TableSpec], dict[str, int]]:
         """The tables' specs, and their rows over all servers."""
         specs: dict[str, pb.TableSpec] = {}
         rows: dict[str, int] = defaultdict(int)
         for address in addresses:
-            for table in self.client.call(address, "Stats", pb.StatsRequest()).tables:
+            for table in self.client.server(address).stats().tables:
                 specs.setdefault(table.name, table.spec)
                 rows[table.name] += table.rows
         return [specs[name] for name in sorted(specs)], dict(rows)
@@ -274,10 +268,6 @@ class EmbeddingCluster:
     def _set_map(
         self, address: str, placement: Placement, index: int, frozen: Sequence[int] = ()
     ) -> None:
-        request = pb.SetMapRequest(
-            map=placement.to_proto(),
-            index=index,
-            frozen=np.asarray(frozen, dtype="<i8").tobytes(),
-            replica=self.replica,  # type: ignore[arg-type]
+        self.client.server(address).set_map(
+            placement.to_proto(), index, np.asarray(frozen, dtype="<i8").tobytes(), self.replica
         )
-        self.client.call(address, "SetMap", request)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import secrets
 import threading
@@ -16,8 +15,10 @@ import numpy as np
 import psutil
 from google.protobuf.message import DecodeError, Message
 
+from dlrover.api.rpc import Rpc
 from dlrover.constants import TOKEN_METADATA_KEY
 from dlrover.embedding import frames
+from dlrover.embedding.api import RPCS, SERVICE, EmbeddingServerApi
 from dlrover.embedding.buckets import bucket_of
 from dlrover.embedding.dataport import LOOKUP, PUSH, REPLICATE, DataPortServer
 from dlrover.embedding.replica import (
@@ -37,10 +38,8 @@ from dlrover.embedding.wire import (
     NotOwnerError,
     Placement,
     buckets_from_bytes,
-    error_to_proto,
 )
 from dlrover.proto import embedding_pb2 as pb
-from dlrover.proto import embedding_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -82,9 +81,11 @@ class _Served:
     """The pushes applied to this table, per client (a retried push is not applied twice)."""
 
 
-class EmbeddingService(pb_grpc.EmbeddingServerServicer):
+class EmbeddingService(EmbeddingServerApi):
     """The tables of one server, each behind its own lock (lookups of different tables run in
-    parallel; numpy releases the GIL in its large copies)."""
+    parallel; numpy releases the GIL in its large copies). It implements `EmbeddingServerApi`:
+    its methods raise EmbeddingError to refuse, and the handlers derived from the interface
+    (`_handlers`) put that in the answer."""
 
     def __init__(self, token: str = "", threads: int = DEFAULT_THREADS) -> None:
         self._token = token
@@ -144,49 +145,44 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
                 del self._active[version]
             self._gate.notify_all()
 
-    def SetMap(  # noqa: N802
-        self, request: pb.SetMapRequest, context: grpc.ServicerContext
-    ) -> pb.SetMapResponse:
+    def set_map(
+        self, map: pb.BucketMapMessage, index: int = 0, frozen: bytes = b"", replica: int = 0
+    ) -> None:
         """Take a newer map (and the buckets to refuse while they move); returns once no request
         admitted under the old one is still running."""
-
-        def run() -> pb.SetMapResponse:
-            placement = Placement.from_proto(request.map)
-            new = placement.map
-            frozen = buckets_from_bytes(request.frozen, new.num_buckets)
-            if not -1 <= request.index < len(placement.addresses):
+        placement = Placement.from_proto(map)
+        new = placement.map
+        frozen_buckets = buckets_from_bytes(frozen, new.num_buckets)
+        if not -1 <= index < len(placement.addresses):
+            raise EmbeddingError(
+                f"server index {index} is not in the map's "
+                f"{len(placement.addresses)} servers (-1: removed)"
+            )
+        if replica not in pb.ReplicaMode.values():
+            raise EmbeddingError(
+                f"unknown replica mode {replica} (known: "
+                f"{', '.join(pb.ReplicaMode.keys())}): is the server older than the master?"
+            )
+        with self._gate:
+            old = self._placement
+            if old is not None and new.version < old.map.version:
                 raise EmbeddingError(
-                    f"server index {request.index} is not in the map's "
-                    f"{len(placement.addresses)} servers (-1: removed)"
+                    f"map version {new.version} is older than this server's {old.map.version}"
                 )
-            if request.replica not in pb.ReplicaMode.values():
-                raise EmbeddingError(
-                    f"unknown replica mode {request.replica} (known: "
-                    f"{', '.join(pb.ReplicaMode.keys())}): is the server older than the master?"
-                )
-            with self._gate:
-                old = self._placement
-                if old is not None and new.version < old.map.version:
-                    raise EmbeddingError(
-                        f"map version {new.version} is older than this server's {old.map.version}"
-                    )
-                self._placement, self._index = placement, request.index
-                retired = self._replicate_to(placement, request.index, request.replica)
-                self._owned = np.asarray(new.owners) == request.index
-                self._frozen = np.zeros(new.num_buckets, dtype=bool)
-                self._frozen[frozen] = True
+            self._placement, self._index = placement, index
+            retired = self._replicate_to(placement, index, replica)
+            self._owned = np.asarray(new.owners) == index
+            self._frozen = np.zeros(new.num_buckets, dtype=bool)
+            self._frozen[frozen_buckets] = True
 
-                def old_ones_done() -> bool:
-                    return all(v >= new.version for v in self._active)
+            def old_ones_done() -> bool:
+                return all(v >= new.version for v in self._active)
 
-                done = self._gate.wait_for(old_ones_done, timeout=60.0)
-            if retired is not None:
-                retired.close()  # outside the gate: its thread may take a while to stop
-            if not done:
-                raise EmbeddingError("requests under the old map did not end within 60s")
-            return pb.SetMapResponse()
-
-        return _answer(pb.SetMapResponse, run)
+            done = self._gate.wait_for(old_ones_done, timeout=60.0)
+        if retired is not None:
+            retired.close()  # outside the gate: its thread may take a while to stop
+        if not done:
+            raise EmbeddingError("requests under the old map did not end within 60s")
 
     def close(self) -> None:
         """Stop sending to the replica."""
@@ -237,131 +233,97 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
         if failed is not None:
             raise failed
 
-    def Replicate(  # noqa: N802
-        self, request: pb.RowsMessage, context: grpc.ServicerContext
-    ) -> pb.ImportResponse:
+    def replicate(self, rows: pb.RowsMessage) -> int:
         """Hold rows of the previous server (its replica)."""
-        return _answer(
-            pb.ImportResponse, lambda: pb.ImportResponse(rows=self.replica.take(request))
+        return self.replica.take(rows)
+
+    def replicate_frames(self, raw: bytes | memoryview) -> list[bytes | memoryview]:
+        """`replicate` of the RowsMessage in ``raw``, its arrays read in place; the answer's
+        bytes. MalformedMessage if ``raw`` is none."""
+        message, ids, rows, accum = frames.read_rows_message(raw)
+        return _answered(
+            "replicate",
+            lambda: pb.ImportResponse(rows=self.replica.take_rows(message, ids, rows, accum)),
         )
 
-    def ExportReplica(  # noqa: N802
-        self, request: pb.BucketsRequest, context: grpc.ServicerContext
-    ) -> pb.RowsMessage:
+    def export_replica(self, table: str, buckets: bytes, num_buckets: int) -> pb.RowsMessage:
         """The replica's rows of a table in the buckets (to restore a replacement)."""
+        return self.replica.export(table, buckets_from_bytes(buckets, num_buckets), num_buckets)
 
-        def run() -> pb.RowsMessage:
-            buckets = buckets_from_bytes(request.buckets, request.num_buckets)
-            return self.replica.export(request.table, buckets, request.num_buckets)
-
-        return _answer(pb.RowsMessage, run)
-
-    def ResyncReplica(  # noqa: N802
-        self, request: pb.StatsRequest, context: grpc.ServicerContext
-    ) -> pb.ImportResponse:
+    def resync_replica(self) -> int:
         """Send every row to the next server, which drops what it held of this one first."""
+        sender = self._sender
+        if sender is None:
+            return 0
+        with self._lock:
+            served = list(self._tables.values())
+        sent = 0
+        for entry in served:
+            with entry.lock:
+                sent += sender.send_all(entry.spec, entry.table, entry.applied.entries())
+        return sent
 
-        def run() -> pb.ImportResponse:
-            sender = self._sender
-            if sender is None:
-                return pb.ImportResponse(rows=0)
-            with self._lock:
-                served = list(self._tables.values())
-            sent = 0
-            for entry in served:
-                with entry.lock:
-                    sent += sender.send_all(entry.spec, entry.table, entry.applied.entries())
-            return pb.ImportResponse(rows=sent)
-
-        return _answer(pb.ImportResponse, run)
-
-    def AppliedPushes(  # noqa: N802
-        self, request: pb.AppliedPushesRequest, context: grpc.ServicerContext
-    ) -> pb.AppliedPushesResponse:
+    def applied_pushes(self, client: str, table: str = "") -> pb.AppliedPushesResponse:
         """The client's pushes this server holds as applied to the table (to any table, counting
         none that was not, when no table is named)."""
         with self._lock:
             served = list(self._tables.values())
-        if request.table:
-            served = [s for s in served if s.table.name == request.table]
+        if table:
+            served = [s for s in served if s.table.name == table]
             if not served:
                 return pb.AppliedPushesResponse(seqs=[], floor=-1)
-        seqs, floor = combined([s.applied for s in served], request.client)
+        seqs, floor = combined([s.applied for s in served], client)
         return pb.AppliedPushesResponse(seqs=seqs, floor=floor)
 
-    def DataPort(  # noqa: N802
-        self, request: pb.StatsRequest, context: grpc.ServicerContext
-    ) -> pb.DataPortResponse:
+    def get_data_port(self) -> int:
         """The TCP port that also takes Lookup and Push (dataport.py); 0: none."""
-        return pb.DataPortResponse(port=self.data_port)
+        return self.data_port
 
-    def GetPlacement(  # noqa: N802
-        self, request: pb.StatsRequest, context: grpc.ServicerContext
-    ) -> pb.PlacementResponse:
-        """The map and addresses this server routes by (none before its first SetMap)."""
+    def get_placement(self) -> pb.BucketMapMessage | None:
+        """The map and addresses this server routes by (None before its first set_map)."""
         with self._gate:
             placement = self._placement
-        if placement is None:
-            return pb.PlacementResponse()
-        return pb.PlacementResponse(map=placement.to_proto())
+        return None if placement is None else placement.to_proto()
 
-    def ExportBuckets(  # noqa: N802
-        self, request: pb.BucketsRequest, context: grpc.ServicerContext
-    ) -> pb.RowsMessage:
+    def export_buckets(self, table: str, buckets: bytes, num_buckets: int) -> pb.RowsMessage:
         """The rows (and optimizer state) of a table's ids in the buckets."""
+        served = self._table(table)
+        wanted = buckets_from_bytes(buckets, num_buckets)
+        with served.lock:
+            ids, rows, accum = served.table.export_buckets(wanted, num_buckets)
+            # The new owner must know which pushes these rows hold already: a push whose
+            # answer was lost is retried there with the same number.
+            pushes = served.applied.entries()
+        return pb.RowsMessage(
+            table=table,
+            ids=ids.astype("<i8").tobytes(),
+            rows=rows.astype("<f4").tobytes(),
+            accum=accum.astype("<f4").tobytes(),
+            dim=served.table.dim,
+            seqs=pushes,
+        )
 
-        def run() -> pb.RowsMessage:
-            served = self._table(request.table)
-            buckets = buckets_from_bytes(request.buckets, request.num_buckets)
-            with served.lock:
-                ids, rows, accum = served.table.export_buckets(buckets, request.num_buckets)
-                # The new owner must know which pushes these rows hold already: a push whose
-                # answer was lost is retried there with the same number.
-                pushes = served.applied.entries()
-            return pb.RowsMessage(
-                table=request.table,
-                ids=ids.astype("<i8").tobytes(),
-                rows=rows.astype("<f4").tobytes(),
-                accum=accum.astype("<f4").tobytes(),
-                dim=served.table.dim,
-                seqs=pushes,
-            )
-
-        return _answer(pb.RowsMessage, run)
-
-    def ImportRows(  # noqa: N802
-        self, request: pb.RowsMessage, context: grpc.ServicerContext
-    ) -> pb.ImportResponse:
+    def import_rows(self, rows: pb.RowsMessage) -> int:
         """Take rows moved from another server."""
+        served = self._table(rows.table)
+        ids, values, accum = rows_from_message(rows, served.table.dim)
+        with served.lock:
+            served.table.import_rows(ids, values, accum)
+            # The pushes applied to these rows (a replacement takes over the failed one's).
+            served.applied.merge(rows.seqs)
+        with self._gate:
+            self.moved_in += ids.size
+        return int(ids.size)
 
-        def run() -> pb.ImportResponse:
-            served = self._table(request.table)
-            ids, rows, accum = rows_from_message(request, served.table.dim)
-            with served.lock:
-                served.table.import_rows(ids, rows, accum)
-                # The pushes applied to these rows (a replacement takes over the failed one's).
-                served.applied.merge(request.seqs)
-            with self._gate:
-                self.moved_in += ids.size
-            return pb.ImportResponse(rows=ids.size)
-
-        return _answer(pb.ImportResponse, run)
-
-    def DropBuckets(  # noqa: N802
-        self, request: pb.BucketsRequest, context: grpc.ServicerContext
-    ) -> pb.ImportResponse:
+    def drop_buckets(self, table: str, buckets: bytes, num_buckets: int) -> int:
         """Forget a table's rows in the buckets (they moved away)."""
-
-        def run() -> pb.ImportResponse:
-            served = self._table(request.table)
-            buckets = buckets_from_bytes(request.buckets, request.num_buckets)
-            with served.lock:
-                dropped = served.table.drop_buckets(buckets, request.num_buckets)
-            with self._gate:
-                self.moved_out += dropped
-            return pb.ImportResponse(rows=dropped)
-
-        return _answer(pb.ImportResponse, run)
+        served = self._table(table)
+        wanted = buckets_from_bytes(buckets, num_buckets)
+        with served.lock:
+            dropped = served.table.drop_buckets(wanted, num_buckets)
+        with self._gate:
+            self.moved_out += dropped
+        return dropped
 
     def _table(self, name: str) -> _Served:
         served = self._tables.get(name)
@@ -372,37 +334,35 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
             )
         return served
 
-    def CreateTable(  # noqa: N802
-        self, request: pb.CreateTableRequest, context: grpc.ServicerContext
-    ) -> pb.CreateTableResponse:
+    def create_table(self, spec: pb.TableSpec) -> bool:
         """Create a table; the same spec again is a no-op, another spec for the name an error."""
+        with self._lock:
+            existing = self._tables.get(spec.name)
+            if existing is not None:
+                if existing.spec != spec:
+                    raise EmbeddingError(
+                        f"table {spec.name!r} exists with another spec "
+                        f"({existing.spec.dim} dims, {existing.spec.optimizer})"
+                    )
+                return False
+            self._tables[spec.name] = _Served(spec_to_table(spec), spec)
+            logger.info("table %r: %d dims", spec.name, spec.dim)
+            return True
 
-        def run() -> pb.CreateTableResponse:
-            with self._lock:
-                existing = self._tables.get(request.spec.name)
-                if existing is not None:
-                    if existing.spec != request.spec:
-                        raise EmbeddingError(
-                            f"table {request.spec.name!r} exists with another spec "
-                            f"({existing.spec.dim} dims, {existing.spec.optimizer})"
-                        )
-                    return pb.CreateTableResponse(created=False)
-                self._tables[request.spec.name] = _Served(spec_to_table(request.spec), request.spec)
-                logger.info("table %r: %d dims", request.spec.name, request.spec.dim)
-                return pb.CreateTableResponse(created=True)
-
-        return _answer(pb.CreateTableResponse, run)
-
-    def Lookup(  # noqa: N802
-        self, request: pb.LookupRequest, context: grpc.ServicerContext
-    ) -> pb.LookupResponse:
+    def lookup(self, table: str, ids: bytes) -> pb.LookupResponse:
         """The rows of the ids, created on first use."""
+        rows, dim = self.lookup_rows(table, ids)
+        return pb.LookupResponse(rows=rows.tobytes(), dim=dim)
 
-        def run() -> pb.LookupResponse:
-            rows, dim = self.lookup_rows(request.table, request.ids)
-            return pb.LookupResponse(rows=rows.tobytes(), dim=dim)
-
-        return _answer(pb.LookupResponse, run)
+    def lookup_frames(self, raw: bytes | memoryview) -> list[bytes | memoryview]:
+        """`lookup` of the LookupRequest in ``raw`` (over gRPC or the data port), answered in
+        pieces (frames.join makes one message of them); MalformedMessage if ``raw`` is none."""
+        table, ids = frames.read_lookup_request(raw)
+        try:
+            rows, dim = self.lookup_rows(table, ids)
+        except EmbeddingError as e:
+            return [_refused("lookup", e)]
+        return frames.lookup_response(rows, dim)
 
     def lookup_rows(self, table: str, ids_bytes: bytes | memoryview) -> tuple[Rows, int]:
         """(rows as little-endian float32, the table's dim) of the ids in ``ids_bytes``;
@@ -418,15 +378,19 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
             self._leave(version)
         return rows.astype("<f4", copy=False), served.table.dim
 
-    def Push(  # noqa: N802
-        self, request: pb.PushRequest, context: grpc.ServicerContext
+    def push(
+        self, table: str, ids: bytes, grads: bytes, client: str = "", seq: int = 0
     ) -> pb.PushResponse:
         """Apply the table's optimizer with the gradients of the ids' rows."""
-        return _answer(
-            pb.PushResponse,
-            lambda: self.apply_push(
-                request.table, request.ids, request.grads, request.client, request.seq
-            ),
+        return self.apply_push(table, ids, grads, client, seq)
+
+    def push_frames(self, raw: bytes | memoryview) -> list[bytes | memoryview]:
+        """`push` of the PushRequest in ``raw``, its arrays read in place; the answer's bytes.
+        MalformedMessage if ``raw`` is none."""
+        push = frames.read_push_request(raw)
+        return _answered(
+            "push",
+            lambda: self.apply_push(push.table, push.ids, push.grads, push.client, push.seq),
         )
 
     def apply_push(
@@ -491,9 +455,7 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
             sender.mark(served.table.name, unique, pushes)
             logger.warning("update not replicated (re-sent with the next one): %s", e)
 
-    def Stats(  # noqa: N802
-        self, request: pb.StatsRequest, context: grpc.ServicerContext
-    ) -> pb.StatsResponse:
+    def stats(self) -> pb.StatsResponse:
         """Rows, memory and traffic of every table."""
         with self._lock:
             served = list(self._tables.values())
@@ -521,82 +483,65 @@ class EmbeddingService(pb_grpc.EmbeddingServerServicer):
         )
 
 
-def _answer(response: Callable[..., R], fn: Callable[[], R]) -> R:
+def _refused(method: str, error: EmbeddingError) -> bytes:
+    """The bytes of ``method``'s answer that refuses with ``error``."""
+    return RPCS[method].refusal(error).SerializeToString()  # type: ignore[no-any-return]
+
+
+def _answered(method: str, answer: Callable[[], Message]) -> list[bytes | memoryview]:
+    """The bytes of ``method``'s answer, or of its refusal when ``answer`` raises one."""
     try:
-        return fn()
+        return [answer().SerializeToString()]
     except EmbeddingError as e:
-        return response(error=error_to_proto(e))
+        return [_refused(method, e)]
 
 
-def _parsing_handlers(service: EmbeddingService) -> grpc.GenericRpcHandler:
-    """The service's handlers, each parsing its own request: gRPC answers a request it cannot
-    parse with a bare INTERNAL status, and a malformed request is the caller's error, to be
-    named as such (INVALID_ARGUMENT)."""
-    descriptor = pb.DESCRIPTOR.services_by_name["EmbeddingServer"]
+def _handlers(service: EmbeddingService) -> grpc.GenericRpcHandler:
+    """The server's handlers, derived from `EmbeddingServerApi` (`RPCS`): each parses its own
+    request (gRPC answers a request it cannot parse with a bare INTERNAL status, and a malformed
+    request is the caller's error, to be named as such: INVALID_ARGUMENT), runs the service's
+    method and answers; an EmbeddingError raised is the answer's refusal. A framed call hands
+    the request's bytes to the service's ``<method>_frames``."""
     handlers = {
-        method.name: grpc.unary_unary_rpc_method_handler(
-            _parsing(getattr(pb, method.input_type.name), getattr(service, method.name)),
-            response_serializer=getattr(pb, method.output_type.name).SerializeToString,
+        call.name: grpc.unary_unary_rpc_method_handler(
+            _framed(call, getattr(service, f"{call.method}_frames"))
+            if call.options.framed
+            else _handler(call, getattr(service, call.method))
         )
-        for method in descriptor.methods
+        for call in RPCS.values()
     }
-    # The hot path reads and writes its arrays without copies (frames.py); same bytes.
-    handlers["Lookup"] = grpc.unary_unary_rpc_method_handler(
-        _raw_handler(service, "LookupRequest", lookup_answer)
-    )
-    handlers["Push"] = grpc.unary_unary_rpc_method_handler(
-        _raw_handler(service, "PushRequest", push_answer)
-    )
-    handlers["Replicate"] = grpc.unary_unary_rpc_method_handler(
-        _raw_handler(service, "RowsMessage", replicate_answer)
-    )
-    return grpc.method_handlers_generic_handler(descriptor.full_name, handlers)
+    return grpc.method_handlers_generic_handler(SERVICE.full_name, handlers)
 
 
-def lookup_answer(service: EmbeddingService, raw: bytes | memoryview) -> list[bytes | memoryview]:
-    """The LookupResponse to the LookupRequest in ``raw`` (over gRPC or the data port), in
-    pieces (frames.join makes one message of them); MalformedMessage if it is none."""
-    table, ids = frames.read_lookup_request(raw)
-    try:
-        rows, dim = service.lookup_rows(table, ids)
-    except EmbeddingError as e:
-        return [pb.LookupResponse(error=error_to_proto(e)).SerializeToString()]
-    return frames.lookup_response(rows, dim)
-
-
-def push_answer(service: EmbeddingService, raw: bytes | memoryview) -> list[bytes | memoryview]:
-    """The PushResponse to the PushRequest in ``raw``; MalformedMessage if it is none."""
-    push = frames.read_push_request(raw)
-    response = _answer(
-        pb.PushResponse,
-        lambda: service.apply_push(push.table, push.ids, push.grads, push.client, push.seq),
-    )
-    return [response.SerializeToString()]
-
-
-def replicate_answer(
-    service: EmbeddingService, raw: bytes | memoryview
-) -> list[bytes | memoryview]:
-    """The ImportResponse to the Replicate request (a RowsMessage) in ``raw``, its arrays read
-    in place; MalformedMessage if it is none."""
-    message, ids, rows, accum = frames.read_rows_message(raw)
-    response = _answer(
-        pb.ImportResponse,
-        lambda: pb.ImportResponse(rows=service.replica.take_rows(message, ids, rows, accum)),
-    )
-    return [response.SerializeToString()]
-
-
-def _raw_handler(
-    service: EmbeddingService,
-    kind: str,
-    answer: Callable[[EmbeddingService, bytes], list[bytes | memoryview]],
+def _handler(
+    call: Rpc, method: Callable[..., Any]
 ) -> Callable[[bytes, grpc.ServicerContext], bytes]:
     def handle(raw: bytes, context: grpc.ServicerContext) -> bytes:
         try:
-            return frames.join(answer(service, raw))
+            request = call.request_type.FromString(raw)
+        except DecodeError as e:
+            _malformed(context, call.request_type.__name__, raw, e)
+        try:
+            try:
+                args = call.decode_request(request)
+            except ValueError as e:  # a message field the call needs is missing
+                raise EmbeddingError(str(e)) from None
+            response = call.encode_response(method(**args))
+        except EmbeddingError as e:
+            response = call.refusal(e)
+        return response.SerializeToString()  # type: ignore[no-any-return]
+
+    return handle
+
+
+def _framed(
+    call: Rpc, answer: Callable[[bytes | memoryview], list[bytes | memoryview]]
+) -> Callable[[bytes, grpc.ServicerContext], bytes]:
+    def handle(raw: bytes, context: grpc.ServicerContext) -> bytes:
+        try:
+            return frames.join(answer(raw))
         except frames.MalformedMessage as e:
-            _malformed(context, kind, raw, e)
+            _malformed(context, call.request_type.__name__, raw, e)
 
     return handle
 
@@ -608,19 +553,6 @@ def _malformed(context: grpc.ServicerContext, kind: str, raw: bytes, error: Exce
         "dlrover's EmbeddingClient of the server's version",
     )
     raise AssertionError("abort returns by raising")
-
-
-def _parsing(
-    request_type: type[Message], method: Callable[[Any, grpc.ServicerContext], Message]
-) -> Callable[[bytes, grpc.ServicerContext], Message]:
-    def handle(raw: bytes, context: grpc.ServicerContext) -> Message:
-        try:
-            request = request_type.FromString(raw)
-        except DecodeError as e:
-            _malformed(context, request_type.__name__, raw, e)
-        return method(request, context)
-
-    return handle
 
 
 class _TokenCheck(grpc.ServerInterceptor):
@@ -662,7 +594,7 @@ class EmbeddingServer:
             interceptors=[_TokenCheck(token)],
             options=options,
         )
-        self._server.add_generic_rpc_handlers((_parsing_handlers(self.service),))
+        self._server.add_generic_rpc_handlers((_handlers(self.service),))
         self.port = self._server.add_insecure_port(f"{host}:{port}")
         if self.port == 0:
             raise OSError(f"cannot listen on {host}:{port}")
@@ -673,9 +605,9 @@ class EmbeddingServer:
             0,
             token,
             {
-                LOOKUP: functools.partial(lookup_answer, self.service),
-                PUSH: functools.partial(push_answer, self.service),
-                REPLICATE: functools.partial(replicate_answer, self.service),
+                LOOKUP: self.service.lookup_frames,
+                PUSH: self.service.push_frames,
+                REPLICATE: self.service.replicate_frames,
             },
         )
         self.service.data_port = self._data.port

@@ -299,7 +299,7 @@ class PsController:
     def _each_answers(self, client: EmbeddingClient, addresses: tuple[str, ...]) -> list[bool]:
         def answers(address: str) -> bool:
             try:
-                client.call(address, "Stats", pb.StatsRequest())
+                client.server(address).stats()
                 return True
             except EmbeddingError:
                 return False
@@ -530,7 +530,7 @@ class PsController:
         seen: list[ServerStats] = []
         for index, address in enumerate(cluster.client.addresses):
             try:
-                s = cluster.client.call(address, "Stats", pb.StatsRequest())
+                s = cluster.client.server(address).stats()
             except EmbeddingError:
                 continue  # a failed server: its event brings the failover
             lookups = sum(t.lookups for t in s.tables)

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from dlrover.api.errors import MasterRequestError, UnknownNodeError
+from dlrover.api.errors import MasterRequestError
 from dlrover.api.rpc import SERVICE, Rpc, Run
 from dlrover.api.wire import RPCS
 from dlrover.constants import MAX_CHECKPOINT_WAIT_S, MAX_MESSAGE_BYTES, TOKEN_METADATA_KEY
@@ -31,7 +31,6 @@ from dlrover.master.changes import ChangeFeed, LongPoll, hold_s
 from dlrover.master.fencing import Fence, Leader
 from dlrover.master.job import JobMaster
 from dlrover.master.refusals import as_refusal
-from dlrover.proto import master_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
@@ -87,17 +86,6 @@ class _TokenInterceptor(grpc.aio.ServerInterceptor):
             if key == TOKEN_METADATA_KEY and secrets.compare_digest(str(value), self._token):
                 return await continuation(handler_call_details)
         return self._deny
-
-
-def refusal_kind(e: Exception) -> int | None:
-    """The MasterError kind of a refused request, or None for an error that is a bug (the call
-    fails with status UNKNOWN and the master logs it)."""
-    refusal = as_refusal(e)
-    if refusal is None:
-        return None
-    if isinstance(refusal, UnknownNodeError):
-        return pb.MasterError.UNKNOWN_NODE
-    return pb.MasterError.REQUEST
 
 
 class _Waker:
@@ -206,7 +194,9 @@ class MasterServicer:
             try:
                 return call.encode_response(await self._run(call, target, request))
             except Exception as e:
-                refused = call.refusal(e, refusal_kind)
+                refused = call.refusal(e)
+                if refused is None:
+                    refused = call.refusal(as_refusal(e))
                 if refused is None:
                     raise
                 return refused  # type: ignore[no-any-return]
