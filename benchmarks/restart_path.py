@@ -3,12 +3,13 @@
 Run: PYTHONPATH=. python benchmarks/restart_path.py [--against REV] [--keep DIR]
 
 A 2-node job (a `dlrover-master` and two `dlrover-run --nnodes=2 --nproc-per-node=1` agents,
-tests/scripts/flash_train.py: DDP state in flash-checkpoint memory every step) has rank 1 kill
-itself at step 6 (DLROVER_FAULTS). Every Python process of the job runs with a profile hook
+tests/scripts/flash_train.py: DDP state in flash-checkpoint memory every step, 0.1 s of simulated
+compute per step) has rank 1 kill itself at step 30 (DLROVER_FAULTS). Every Python process of the job runs with a profile hook
 (a sitecustomize on PYTHONPATH) that stamps the calls of each function of the ``dlrover``
 package (each at most once per 50 ms per process). The restart path is every file with a function called for the
 restart, in any process, between the kill and the restarted rank's first reported step (see
-`restart_path`; module and class bodies run by an import are not counted); the table also splits it
+`restart_path`; module and class bodies run by an import, with their comprehensions, are not
+counted, nor is the fault injection that kills the rank); the table also splits it
 by process kind, and names what each file was doing. ``--against REV`` counts the same at
 another commit (a git worktree), side by side.
 """
@@ -28,7 +29,13 @@ from pathlib import Path
 from against import checkout
 from recovery_common import REPO, base_env, table
 
-FAULT_STEP = 6
+FAULT_STEP = 30
+"""The step rank 1 is killed at: 3 s of steady training before (STEP_TIME_S each)."""
+STEP_TIME_S = 0.1
+STEADY_S = 2.5
+"""At least this stretch of training before the kill is the steady work a restart is compared
+with: longer than the agents' heartbeat interval (2 s), so periodic background work (a
+heartbeat and what it samples) is seen there too and not counted for the restart."""
 
 SITECUSTOMIZE = """
 import os, sys, threading, time
@@ -48,6 +55,9 @@ if _DIR:
         code = frame.f_code
         if not code.co_flags & 1:  # a module or class body (an import): not a function
             return
+        caller = frame.f_back
+        if code.co_name.startswith("<") and caller is not None and not caller.f_code.co_flags & 1:
+            return  # a comprehension of a module or class body: part of the import
         name = code.co_filename
         i = name.rfind("/dlrover/")
         if i < 0:
@@ -115,6 +125,8 @@ def run_job(tree: Path, work: Path) -> Path:
                     str(work / "out"),
                     "--disk-every",
                     "100",
+                    "--step-time",
+                    str(STEP_TIME_S),
                 ],
                 cwd=tree,
                 env=env,
@@ -171,11 +183,12 @@ def restart_path(traces: Path) -> tuple[dict[str, set[str]], float]:
         and fn == "report"
     )
     took = reported - killed
-    steady = {(pid, f, fn) for at, pid, f, fn in calls if killed - took <= at < killed}
+    stretch = max(took, STEADY_S)
+    steady = {(pid, f, fn) for at, pid, f, fn in calls if killed - stretch <= at < killed}
     files: dict[str, set[str]] = defaultdict(set)
     for at, pid, f, fn in calls:
-        if not killed <= at <= reported or f.startswith("dlrover/testing/"):
-            continue  # the job's fault injection and test helpers are not ours
+        if not killed <= at <= reported or f.startswith(("dlrover/testing/", "dlrover/faults/")):
+            continue  # the job's fault injection and test helpers are not the restart's
         if first[pid] <= killed and (pid, f, fn) in steady:
             continue
         files[f].add(kinds.get(pid, "worker"))
