@@ -224,13 +224,17 @@ def _launch(
 
 
 def _ours(root: Path) -> list[psutil.Process]:
-    """Live processes started for this job (their command line names its folder)."""
+    """Live processes started for this job: their command line names its folder, or they run
+    in its DLROVER_HOME (the nodes the master launched, embedding servers among them, in
+    sessions of their own)."""
     found = []
+    home = str(root / "home")
     for proc in psutil.process_iter(["cmdline"]):
         with contextlib.suppress(psutil.Error):
             cmdline = proc.info["cmdline"] or ()
             # fill_disk's remover is the fault's, not the job's: it ends by itself.
-            if any(str(root) in part and ".dlrover-fill-" not in part for part in cmdline):
+            named = any(str(root) in part and ".dlrover-fill-" not in part for part in cmdline)
+            if named or (proc.pid != os.getpid() and proc.environ().get("DLROVER_HOME") == home):
                 found.append(proc)
     return found
 
