@@ -112,12 +112,37 @@ def second_launch(stage: int, root: Path, args: argparse.Namespace) -> None:
     record = {"path": path, "client": client, "global_steps": engine.global_steps}
     (root / f"load_own_{rank}.json").write_text(json.dumps(record))
     torch.save(module_state(engine), root / f"load_own_{rank}.pt")
+    train_step(engine, engine.global_steps, rank)  # one step more: what a reshard must match
+    torch.save(module_state(engine), root / f"continued_{rank}.pt")
+    engine.destroy()
+
+
+def reshard_launch(stage: int, root: Path, args: argparse.Namespace) -> None:
+    """One rank where two saved: the failure-free run's last step loads from storage through
+    the checkpointer (its ZeRO state re-partitioned), then the step after it trains on both
+    ranks' batches at once (the same mean gradient as the two ranks' all-reduce)."""
+    engine = build_engine(stage)
+    ckpt = DeepSpeedCheckpointer(engine, str(root / "ref-ckpt"))
+    path, client = ckpt.load_checkpoint()
+    record = {"source": ckpt.last_load_source, "path": path, "client": client}
+    record["global_steps"] = engine.global_steps
+    (root / "reshard.json").write_text(json.dumps(record))
+    torch.save(module_state(engine), root / "resharded.pt")
+    step = engine.global_steps
+    batches = [
+        torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + r)) for r in (0, 1)
+    ]
+    loss = engine(torch.cat(batches)).pow(2).mean()
+    engine.backward(loss)
+    engine.step()
+    torch.save(module_state(engine), root / "resharded_step.pt")
+    ckpt.close()
     engine.destroy()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("launch", choices=["first", "second"])
+    parser.add_argument("launch", choices=["first", "second", "reshard"])
     parser.add_argument("--out", required=True, help="one directory per stage: zero<stage>/")
     parser.add_argument("--stages", required=True, help="comma-separated ZeRO stages")
     parser.add_argument("--sockets", required=True, help="one agent saver socket per stage")
@@ -136,7 +161,9 @@ def main() -> None:
         args.kill = kill and i == len(stages) - 1
         root = Path(args.out, f"zero{stage}")
         root.mkdir(parents=True, exist_ok=True)
-        launch = first_launch if args.launch == "first" else second_launch
+        launch = {"first": first_launch, "second": second_launch, "reshard": reshard_launch}[
+            args.launch
+        ]
         launch(stage, root, args)
     torch.distributed.destroy_process_group()
 

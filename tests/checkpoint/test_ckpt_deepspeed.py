@@ -46,14 +46,23 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> Path:
                 f"--disk-every={DISK_EVERY}", f"--kill-at={KILL_AT}"]  # fmt: skip
         _launch(["first", *args, "--kill"], out / "logs-first", kill_at_rank=1)
         _launch(["second", *args], out / "logs-second", restart=1)
+        # Then one rank alone (a job that lost a node) loads the failure-free run's files.
+        fresh = [stack.enter_context(running_saver(out)) for _ in STAGES]  # nothing in memory
+        sockets = f"--sockets={','.join(s.socket_path for s in fresh)}"
+        _launch(["reshard", *args[:2], sockets, *args[3:]], out / "logs-reshard", world=1)
     return out
 
 
 def _launch(
-    args: list[str], logs: Path, *, restart: int = 0, kill_at_rank: int | None = None
+    args: list[str],
+    logs: Path,
+    *,
+    restart: int = 0,
+    kill_at_rank: int | None = None,
+    world: int = 2,
 ) -> None:
     port = free_port()
-    envs = [worker_env(None, rank, 2, port, restart) for rank in range(2)]
+    envs = [worker_env(None, rank, world, port, restart) for rank in range(world)]
     for env in envs:
         env["DS_ACCELERATOR"] = "cpu"
     run_ranks("tests.checkpoint.ds_workers", args, envs, logs, kill_at_rank=kill_at_rank)
@@ -130,3 +139,28 @@ def _same_value(ours: Any, theirs: Any, path: str) -> None:
         _same_value(vars(ours), vars(theirs), path)
     else:
         assert ours == theirs, (path, ours, theirs)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_job_at_another_data_parallel_size_loads_the_step_resharded(
+    job: Path, stage: int
+) -> None:
+    """One rank loads what two saved (ZeRO 1-3 partition the optimizer state by rank, and
+    DeepSpeed's own loader refuses another count): the checkpointer converts the step once with
+    DeepSpeed's ds_to_universal and loads it universally. The model is the saved one bit for
+    bit, and the next step on both ranks' batches equals the two-rank job's next step: the
+    Adam moments were re-partitioned, not started afresh."""
+    root = job / f"zero{stage}"
+    loaded = _record(root, "reshard.json")
+    assert loaded["source"] == "storage", loaded
+    assert loaded["global_steps"] == STEPS and loaded["client"]["step"] == STEPS, loaded
+    assert loaded["path"] == str(root / "ref-ckpt" / f"global_step{STEPS}")
+    assert (root / "ref-ckpt" / ".dlrover-universal" / f"global_step{STEPS}" / "zero").is_dir()
+    resharded = torch.load(root / "resharded.pt", weights_only=True)
+    assert_same(resharded, _states(root, "reference")[0])
+    stepped = torch.load(root / "resharded_step.pt", weights_only=True)
+    continued = _states(root, "continued")[0]
+    assert set(stepped) == set(continued)
+    for name, value in continued.items():
+        torch.testing.assert_close(stepped[name], value, rtol=1e-5, atol=1e-6, msg=name)
+        assert not torch.equal(value, resharded[name]), name  # the step moved every tensor

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import shutil
+import subprocess
+import sys
 import tempfile
+import time
 from typing import Any
 
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
@@ -26,6 +31,13 @@ from dlrover.trainer.torch.flash_checkpoint.checkpointer import (
 __all__ = ["DeepSpeedCheckpointer", "StorageType"]
 
 log = logging.getLogger(__name__)
+
+UNIVERSAL_DIR = ".dlrover-universal"
+"""Where, under the checkpoint directory, a step converted to DeepSpeed's universal format is
+kept (``<dir>/.dlrover-universal/<tag>``): a load at another data-parallel size reads it."""
+UNIVERSAL_TIMEOUT_S = 1800.0
+"""The longest a conversion to the universal format may take."""
+_OPTIM_FILE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
 
 
 class _MemoryFiles(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed's class is untyped
@@ -219,12 +231,45 @@ class DeepSpeedCheckpointer(Checkpointer):
         }
         if self.last_load_source == "storage":
             step_dir = str(state["dir"])
+            saved = _saved_dp_size(step_dir)
+            now = int(getattr(self.ds_engine, "dp_world_size", 1))
+            if saved and saved != now and self.ds_engine.zero_optimization_stage() > 0:
+                return step_dir, self._load_resharded(step_dir, saved, now, options)
             _, client_state = self.ds_engine.load_checkpoint(
                 os.path.dirname(step_dir), os.path.basename(step_dir), **options
             )
             return step_dir, client_state
         tag = str(state.get("tag") or DEEPSPEED_NAMING.dir(step))
         return self._load_from_memory_files(load_dir, tag, state[FILES_KEY], options)
+
+    def _load_resharded(
+        self, step_dir: str, saved: int, now: int, options: dict[str, Any]
+    ) -> dict[str, Any] | None:
+        """Load a step saved at data-parallel size ``saved`` into this engine of size ``now``:
+        DeepSpeed's own `ds_to_universal` converts it once (rank 0, into
+        ``<dir>/.dlrover-universal/<tag>``), and DeepSpeed's universal load reads the
+        conversion, re-partitioning the ZeRO optimizer state over this job's ranks."""
+        tag = os.path.basename(step_dir)
+        target = os.path.join(os.path.dirname(step_dir), UNIVERSAL_DIR, tag)
+        log.warning(
+            "%s was saved by %d data-parallel ranks, this job has %d: loading it through "
+            "DeepSpeed's universal checkpoint format (converted once into %s)",
+            step_dir, saved, now, target,
+        )  # fmt: skip
+        error = ""
+        if _rank() == 0 and not os.path.isdir(target):
+            error = _convert_to_universal(step_dir, target)
+        shared = _rank0_text(error)  # every rank fails alike, rank 0 with the whole message
+        if shared:
+            raise CheckpointError(error or shared)
+        engine = self.ds_engine
+        universal = engine._config.load_universal_checkpoint
+        engine._config.load_universal_checkpoint = True
+        try:
+            _, client_state = engine.load_checkpoint(os.path.dirname(target), tag, **options)
+        finally:
+            engine._config.load_universal_checkpoint = universal
+        return client_state  # type: ignore[no-any-return]
 
     def _load_from_memory_files(
         self, load_dir: str, tag: str, files: dict[str, Any], options: dict[str, Any]
@@ -247,6 +292,66 @@ class DeepSpeedCheckpointer(Checkpointer):
             finally:
                 engine.checkpoint_engine = own_engine
         return os.path.join(load_dir, tag), client_state
+
+
+def _saved_dp_size(step_dir: str) -> int:
+    """How many data-parallel ranks saved the step: its ZeRO optimizer files (0: none)."""
+    try:
+        names = os.listdir(step_dir)
+    except OSError:
+        return 0
+    ranks = {int(m.group(1)) for m in map(_OPTIM_FILE.search, names) if m}
+    return len(ranks)
+
+
+def _convert_to_universal(step_dir: str, target: str) -> str:
+    """Run DeepSpeed's ``ds_to_universal`` on ``step_dir`` into ``target`` (written aside and
+    renamed, so a half-done conversion is never read); the error in words, or ""."""
+    staging = f"{target}.tmp-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    command = [
+        sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+        "--input_folder", step_dir, "--output_folder", staging,
+        "--inject_missing_state",  # a plain engine's files carry no universal_checkpoint_info
+    ]  # fmt: skip
+    started = time.monotonic()
+    try:
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=UNIVERSAL_TIMEOUT_S, check=False
+        )
+    except subprocess.TimeoutExpired:
+        shutil.rmtree(staging, ignore_errors=True)
+        return (
+            f"converting {step_dir} to DeepSpeed's universal format took more than "
+            f"{UNIVERSAL_TIMEOUT_S:.0f}s; load it at the data-parallel size it was saved with"
+        )
+    if done.returncode != 0:
+        shutil.rmtree(staging, ignore_errors=True)
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        return (
+            f"cannot load {step_dir} at another data-parallel size: DeepSpeed's ds_to_universal "
+            f"failed (exit {done.returncode}): {' | '.join(tail)}"
+        )
+    os.replace(staging, target)
+    for other in os.listdir(os.path.dirname(target)):  # one conversion kept: the newest
+        if other != os.path.basename(target):
+            shutil.rmtree(os.path.join(os.path.dirname(target), other), ignore_errors=True)
+    log.warning(
+        "converted %s to the universal format in %.1fs", step_dir, time.monotonic() - started
+    )
+    return ""
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _rank0_text(text: str) -> str:
+    """Rank 0's ``text`` (cut to 255 bytes) on every rank; "" for none."""
+    return _rank0_tag(text.encode()[:_MAX_TAG_BYTES].decode(errors="ignore"))
 
 
 def _tags_of(catalog: Catalog | None) -> str:
