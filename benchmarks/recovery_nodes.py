@@ -2,7 +2,9 @@
 
 dlrover: `dlrover submit --nnodes MIN:2 --nproc-per-node 1` on the local engine (each node is an
 agent process); the agent of rank 1, its zygote and its worker get SIGKILL together (the node is
-gone) and the engine starts a replacement. torchrun: two `torchrun --nnodes MIN:2 --rdzv-backend c10d`
+gone) and the engine starts a replacement (a relaunch). With `--spares 1` a third agent waits,
+its zygote warm, outside the world: it takes the lost node's place in the next round, with no
+launch on the way, and the engine's replacement becomes the next spare. torchrun: two `torchrun --nnodes MIN:2 --rdzv-backend c10d`
 processes on one rendezvous endpoint; the node of rank 1 (its torchrun and worker) gets SIGKILL
 and, as an engine would, a replacement torchrun is started at once.
 Measured from the kill: the first step at world size 1 (only with MIN = 1) and the first step
@@ -72,18 +74,20 @@ def _after_kill(
     return res
 
 
-def dlrover_node_loss(out: Path, nnodes: str, timeout: float, step_time: float) -> NodeResult:
+def dlrover_node_loss(
+    out: Path, nnodes: str, timeout: float, step_time: float, spares: int = 0
+) -> NodeResult:
     env = base_env(DLROVER_HOME=str(out / "home"))
     cmd = [
         sys.executable, "-m", "dlrover.cli.job", "submit", "--name", "bench", "--nnodes", nnodes,
-        "--nproc-per-node", "1", "--max-restarts", "3",
+        "--nproc-per-node", "1", "--max-restarts", "3", *(["--spares", str(spares)] if spares else []),
         TRAIN, "--out", str(out), "--step-time", str(step_time),
     ]  # fmt: skip
     job = Job.start(cmd, out, env)
     try:
         if not wait_for(lambda: len(job.steps()) >= 3, 120.0):
             return NodeResult(note="never made 3 steps")
-        if not wait_for(lambda: zygote_idle(job, 2), 60.0, 0.2):
+        if not wait_for(lambda: zygote_idle(job, 2 + spares), 60.0, 0.2):
             return NodeResult(note="zygotes never ready")
         time.sleep(1.0)
         _, agent = job.pid_of(1)
@@ -197,7 +201,12 @@ Variant = Callable[[Path, str, float, float], NodeResult]
 def _variants(extra: bool) -> list[tuple[str, Variant, int]]:
     """(name, run, reps cap); the extra torchrun cases run once (one of them waits out a timeout)."""
     out: list[tuple[str, Variant, int]] = [
-        ("dlrover submit", dlrover_node_loss, 1 << 30),
+        ("dlrover submit (relaunch)", dlrover_node_loss, 1 << 30),
+        (
+            "dlrover submit --spares 1 (hot spare)",
+            lambda o, n, t, s: dlrover_node_loss(o, n, t, s, spares=1),
+            1 << 30,
+        ),
         ("torchrun c10d", torchrun_node_loss, 1 << 30),
     ]
     if extra:

@@ -16,24 +16,18 @@ Each rank writes ``OUT/final_<rank>.pt`` (model and its optimizer shard) and
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import signal
-import sys
-import types
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from megatron_args import stand_in_megatron_training
 
-training = types.ModuleType("megatron.training")
-ARGS = argparse.Namespace(save="", load="", use_distributed_optimizer=True, finetune=False,
-                          consumed_train_samples=0)  # fmt: skip
-training.get_args = lambda: ARGS  # type: ignore[attr-defined]
-if importlib.util.find_spec("megatron") is None:
-    sys.modules["megatron"] = types.ModuleType("megatron")
-sys.modules["megatron.training"] = training
+ARGS = stand_in_megatron_training(
+    save="", load="", use_distributed_optimizer=True, finetune=False, consumed_train_samples=0
+)
 
 from dlrover.trainer.torch.flash_checkpoint.megatron_dist_ckpt import (  # noqa: E402
     load_checkpoint,

@@ -16,22 +16,15 @@ and a data iterator that has Energon's ``save_state``.
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
 import os
 import sys
-import types
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from megatron_args import stand_in_megatron_training
 
-training = types.ModuleType("megatron.training")
-ARGS = argparse.Namespace(save="", load="", consumed_train_samples=0, finetune=False)
-training.get_args = lambda: ARGS  # type: ignore[attr-defined]
-if importlib.util.find_spec("megatron") is None:
-    sys.modules["megatron"] = types.ModuleType("megatron")
-sys.modules["megatron.training"] = training
+ARGS = stand_in_megatron_training(save="", load="", consumed_train_samples=0, finetune=False)
 
 from dlrover.trainer.torch.flash_checkpoint.megatron import (  # noqa: E402
     StorageType,
