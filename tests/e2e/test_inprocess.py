@@ -23,7 +23,9 @@ SCRIPT = str(SCRIPTS / "inprocess_train.py")
 pytestmark = pytest.mark.e2e
 
 
-def run(tmp: Path, name: str, steps: int, faults: str = "", *extra: str) -> Path:
+def run(
+    tmp: Path, name: str, steps: int, faults: str = "", *extra: str, script: str = SCRIPT
+) -> Path:
     """``dlrover-run --standalone`` with 2 ranks; the output prefix (its log: ``<out>.log``)."""
     out = tmp / name
     r = dlrover_run(
@@ -31,7 +33,7 @@ def run(tmp: Path, name: str, steps: int, faults: str = "", *extra: str) -> Path
             "--standalone",
             "--nproc-per-node=2",
             "--max-restarts=3",
-            SCRIPT,
+            script,
             "--steps",
             str(steps),
             "--ckpt",
@@ -100,6 +102,29 @@ def test_survivors_keep_their_processes_through_random_kills(tmp_path: Path, ora
     assert [s for s, _, _ in steps(out)] == list(range(1, 21)), (seed, faults)
     # Each failure is recorded once, as recovered in-process (`dlrover diagnose`, the metrics).
     assert Path(f"{out}.log").read_text().count("-> recover_in_process") == 3
+
+
+def test_an_elastic_trainer_loop_keeps_its_survivors_and_ends_with_the_failure_free_model(
+    tmp_path: Path,
+):
+    """DLRover's own API (ElasticTrainer, ElasticDistributedSampler, DdpCheckpointer) in the
+    wrapper: rank 1 killed after step 4, then rank 0 after step 9. Each time the other rank
+    keeps its process, every rank goes back to the newest saved step (the sampler with it), and
+    the final model is the failure-free run's bit for bit."""
+    elastic = str(SCRIPTS / "inprocess_elastic.py")
+    oracle = final(run(tmp_path, "elastic-oracle", 12, script=elastic))
+    faults = "kill:rank=1:step=4:restart=0;kill:rank=0:step=9:restart=1"
+    out = run(tmp_path, "elastic", 12, faults, script=elastic)
+    assert final(out) == oracle
+    rows = [line.split() for line in Path(f"{out}.entries").read_text().splitlines()]
+    seen = [(int(r), int(p), int(s)) for r, p, s in rows]
+    pids = {rank: [pid for r, pid, _ in seen if r == rank] for rank in (0, 1)}
+    assert pids[0][0] == pids[0][1] != pids[0][2], seen  # kept through kill 1, killed at 2
+    assert pids[1][0] != pids[1][1] == pids[1][2], seen  # killed at 1, kept through kill 2
+    # Rank 1 died after step 4 but rank 0 had saved it (DDP's state is rank 0's copy): every
+    # rank goes on at step 5. Rank 0 died after step 9 before saving it: both run 9 again (rank
+    # 1 with the cut step's gradients dropped, which ElasticTrainer.step does on the failure).
+    assert sorted({s for _, _, s in seen}) == [1, 5, 9], seen
 
 
 def test_with_shrink_the_survivor_goes_on_at_once_and_the_replacement_joins_later(

@@ -81,6 +81,23 @@ def test_step_without_fixed_batch_applies_every_micro_batch() -> None:
     assert trainer.num_steps == 2
 
 
+def test_a_failed_micro_batch_does_not_count_and_leaves_no_gradients() -> None:
+    """A step cut by a peer's failure (its all-reduce raised) is run again after an in-process
+    recovery: its partial gradients must not add to the next attempt's, nor its count."""
+    model = torch.nn.Linear(3, 1)
+    x, y = _data(3)
+    dlrovers = ElasticTrainer(model, dataloader=None)
+    dlrovers.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    ours = ElasticTrainer(model, optimizer=sgd, global_batch_size=6, micro_batch_size=3)
+    for step in (dlrovers.step(fix_total_batch_size=True), ours.micro_step()):
+        with pytest.raises(RuntimeError, match="peer"), step:
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            raise RuntimeError("Connection closed by peer")
+        assert all(p.grad is None for p in model.parameters())
+    assert dlrovers.gradient_state.num_backward_steps == 0 and ours.micro_steps == 0
+
+
 def test_accumulation_follows_the_largest_world() -> None:
     assert max_world_accumulation(8, 2) == 4
     assert max_world_accumulation(6, 4) == 2  # rounded up alike: DDP ranks stay in step

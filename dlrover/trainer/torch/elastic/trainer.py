@@ -274,6 +274,12 @@ class ElasticTrainer:
         try:
             with sync:
                 yield
+        except BaseException:
+            # The micro-batch failed (a peer's failure cut its all-reduce): it does not count,
+            # and its partial gradients must not leak into the step that is run again.
+            state.num_backward_steps -= 1
+            self._drop_gradients()
+            raise
         finally:
             state.in_step = False
         if state.sync_gradients:
@@ -281,6 +287,13 @@ class ElasticTrainer:
         update = getattr(self.dataloader, "update_batch_size", None)
         if callable(update):
             update()
+
+    def _drop_gradients(self) -> None:
+        """Clear the gradients of the model's parameters (after a failed micro-batch: those of
+        the micro-batches before it in the same global batch go too, as the whole global batch
+        is run again from its checkpoint)."""
+        for param in self.model.parameters():
+            param.grad = None
 
     def reset(self) -> None:
         """Start counting ``num_steps`` from 0 again (DLRover calls it at each epoch)."""
@@ -322,8 +335,14 @@ class ElasticTrainer:
         sync: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
         if isinstance(self.model, DistributedDataParallel) and not last:
             sync = self.model.no_sync()
-        with sync:
-            yield last
+        try:
+            with sync:
+                yield last
+        except BaseException:
+            # As in step(): the global batch is run again, without this one's gradients.
+            self.micro_steps = 0
+            self._drop_gradients()
+            raise
         self.micro_steps += 1
         if last:
             self.optimizer.step()
