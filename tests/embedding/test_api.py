@@ -6,7 +6,6 @@ the server arrives, inside the answer, as the same error on the client (gRPC on 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator
 
 import grpc
 import numpy as np
@@ -23,15 +22,6 @@ from dlrover.embedding.wire import MovingError, NotOwnerError, Placement
 from dlrover.proto import embedding_pb2 as pb
 
 TOKEN = "tok"
-
-
-@pytest.fixture
-def server() -> Iterator[EmbeddingServer]:
-    started = EmbeddingServer(TOKEN).start()
-    try:
-        yield started
-    finally:
-        started.stop(0.1)
 
 
 def test_every_rpc_of_the_proto_is_a_method_of_the_interface() -> None:

@@ -21,15 +21,6 @@ IDS = np.array([1, 2, 3], dtype=np.int64)
 
 
 @pytest.fixture
-def server() -> Iterator[EmbeddingServer]:
-    started = EmbeddingServer(TOKEN).start()
-    try:
-        yield started
-    finally:
-        started.stop(0.1)
-
-
-@pytest.fixture
 def client(server: EmbeddingServer) -> Iterator[EmbeddingClient]:
     c = EmbeddingClient([server.address], TOKEN, BucketMap.even(1, 8), timeout_s=5.0)
     c.create_table(pb.TableSpec(name="t", dim=4, optimizer="sgd", lr=0.1))

@@ -20,6 +20,7 @@ import os
 
 import torch
 import torch.distributed as dist
+from inprocess_train import append  # beside this script: one line per entry, appended
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
@@ -33,14 +34,6 @@ from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer, StorageT
 from dlrover.trainer.torch.inprocess import Wrapper
 
 MICRO_BATCH, SAMPLES = 4, 256
-
-
-def append(path: str, line: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    try:
-        os.write(fd, (line + "\n").encode())
-    finally:
-        os.close(fd)
 
 
 def main() -> None:
