@@ -96,6 +96,14 @@ def test_a_failed_micro_batch_does_not_count_and_leaves_no_gradients() -> None:
             raise RuntimeError("Connection closed by peer")
         assert all(p.grad is None for p in model.parameters())
     assert dlrovers.gradient_state.num_backward_steps == 0 and ours.micro_steps == 0
+    # Mid global batch: the batch starts over (its first micro-batch's gradients go too).
+    dlrovers.gradient_accumulation_steps = 2
+    with dlrovers.step(fix_total_batch_size=True):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+    with pytest.raises(RuntimeError), dlrovers.step(fix_total_batch_size=True):
+        raise RuntimeError("Connection reset by peer")
+    assert dlrovers.gradient_state.num_backward_steps == 0
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_accumulation_follows_the_largest_world() -> None:

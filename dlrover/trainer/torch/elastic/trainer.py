@@ -275,9 +275,11 @@ class ElasticTrainer:
             with sync:
                 yield
         except BaseException:
-            # The micro-batch failed (a peer's failure cut its all-reduce): it does not count,
-            # and its partial gradients must not leak into the step that is run again.
-            state.num_backward_steps -= 1
+            # The micro-batch failed (a peer's failure cut its all-reduce): its partial
+            # gradients must not leak into the step that is run again. The global batch it was
+            # part of starts over: its gradients so far go, and so does its count.
+            per_batch = self.gradient_accumulation_steps if fix_total_batch_size else 1
+            state.num_backward_steps = (state.num_backward_steps - 1) // per_batch * per_batch
             self._drop_gradients()
             raise
         finally:
