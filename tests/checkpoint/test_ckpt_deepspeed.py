@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -164,3 +165,19 @@ def test_a_job_at_another_data_parallel_size_loads_the_step_resharded(
     for name, value in continued.items():
         torch.testing.assert_close(stepped[name], value, rtol=1e-5, atol=1e-6, msg=name)
         assert not torch.equal(value, resharded[name]), name  # the step moved every tensor
+
+
+def test_a_conversion_older_than_its_step_is_made_again(tmp_path: Path) -> None:
+    """A later save under the same tag replaces the step: its old universal conversion must
+    not be loaded."""
+    from dlrover.trainer.torch.flash_checkpoint.deepspeed import _converted
+
+    step, target = tmp_path / "loss", tmp_path / ".dlrover-universal" / "loss"
+    step.mkdir()
+    (step / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"x")
+    assert not _converted(str(step), str(target))  # never converted
+    target.mkdir(parents=True)
+    assert _converted(str(step), str(target))
+    newer = target.stat().st_mtime + 5
+    os.utime(step / "zero_pp_rank_0_mp_rank_00_optim_states.pt", (newer, newer))
+    assert not _converted(str(step), str(target))  # the tag was saved again since

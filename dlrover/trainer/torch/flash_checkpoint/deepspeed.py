@@ -257,7 +257,7 @@ class DeepSpeedCheckpointer(Checkpointer):
             step_dir, saved, now, target,
         )  # fmt: skip
         error = ""
-        if _rank() == 0 and not os.path.isdir(target):
+        if _rank() == 0 and not _converted(step_dir, target):
             error = _convert_to_universal(step_dir, target)
         shared = _rank0_text(error)  # every rank fails alike, rank 0 with the whole message
         if shared:
@@ -304,6 +304,17 @@ def _saved_dp_size(step_dir: str) -> int:
     return len(ranks)
 
 
+def _converted(step_dir: str, target: str) -> bool:
+    """Whether ``target`` holds a conversion of the step as it is now: made after its files
+    were last written (a later save under the same tag replaces the step; convert it again)."""
+    try:
+        made = os.path.getmtime(target)
+        written = max(os.path.getmtime(os.path.join(step_dir, n)) for n in os.listdir(step_dir))
+    except (OSError, ValueError):
+        return False
+    return made >= written
+
+
 def _convert_to_universal(step_dir: str, target: str) -> str:
     """Run DeepSpeed's ``ds_to_universal`` on ``step_dir`` into ``target`` (written aside and
     renamed, so a half-done conversion is never read); the error in words, or ""."""
@@ -333,6 +344,7 @@ def _convert_to_universal(step_dir: str, target: str) -> str:
             f"cannot load {step_dir} at another data-parallel size: DeepSpeed's ds_to_universal "
             f"failed (exit {done.returncode}): {' | '.join(tail)}"
         )
+    shutil.rmtree(target, ignore_errors=True)  # an older conversion of the tag
     os.replace(staging, target)
     for other in os.listdir(os.path.dirname(target)):  # one conversion kept: the newest
         if other != os.path.basename(target):
