@@ -95,8 +95,12 @@ def main() -> None:
         )
         if storage == StorageType.DISK:
             ckpt.wait_latest_checkpoint(60)  # so the next memory saves are not skipped
-        # dlrover status and the metrics break the step time down with these.
-        progress.report(step, data_s=data_s, checkpoint_s=time.monotonic() - saving)
+        # dlrover status, dlrover top and the dashboard break the step time down with these,
+        # and chart this rank's samples per second.
+        samples = trainer.gradient_accumulation_steps * a.micro_batch
+        progress.report(
+            step, data_s=data_s, checkpoint_s=time.monotonic() - saving, samples=samples
+        )
         if rank == 0 and (step % 20 == 0 or step == a.steps):
             rate = (step - start + 1) / (time.monotonic() - t0)
             print(f"step {step}/{a.steps} world {world} steps/s {rate:.2f}", flush=True)

@@ -977,6 +977,7 @@ def _attempt_progress(monitor: WorkerMonitor | None) -> dict[str, Any]:
         "step_wall_s": parts.wall_s,
         "step_data_s": parts.data_s,
         "step_checkpoint_s": parts.checkpoint_s,
+        "samples_per_s": parts.samples_per_s,
         "attempt_step": monitor.attempt_step,
         "attempt_step_age_s": max(0.0, now - monitor.attempt_step_at),
         "attempt_first_step": first_step,

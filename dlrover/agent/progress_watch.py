@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dlrover.trainer.progress import StepRecord
 
@@ -148,11 +148,13 @@ class ExitWatch:
 
 @dataclass(frozen=True)
 class StepBreakdown:
-    """Seconds per step: wall time, and the parts spent waiting for data and checkpointing."""
+    """Seconds per step: wall time, and the parts spent waiting for data and checkpointing; and
+    the node's samples per second (its workers' together, where their scripts report samples)."""
 
     wall_s: float = 0.0
     data_s: float = 0.0
     checkpoint_s: float = 0.0
+    samples_per_s: float = 0.0
 
 
 STEP_TIME_WINDOW_S = 10.0
@@ -188,17 +190,27 @@ class StepTimes:
             self._breakdown_start = now
         if now - self._breakdown_start < self._breakdown_window_s:
             return
+        pairs = [
+            (latest, mark)
+            for rank, latest in self._latest.items()
+            if (mark := self._breakdown_marks.get(rank)) and latest.step > mark.step
+        ]
         parts = [
             StepBreakdown(
                 (latest.at - mark.at) / (n := latest.step - mark.step),
                 (latest.data_s - mark.data_s) / n,
                 (latest.checkpoint_s - mark.checkpoint_s) / n,
             )
-            for rank, latest in self._latest.items()
-            if (mark := self._breakdown_marks.get(rank)) and latest.step > mark.step
+            for latest, mark in pairs
         ]
         if parts:
-            self.breakdown = max(parts, key=lambda b: b.wall_s)
+            samples_per_s = sum(
+                (latest.samples - mark.samples) / (latest.at - mark.at)
+                for latest, mark in pairs
+                if latest.at > mark.at and latest.samples >= mark.samples
+            )
+            slowest = max(parts, key=lambda b: b.wall_s)
+            self.breakdown = replace(slowest, samples_per_s=samples_per_s)
         self._breakdown_marks = dict(self._latest)
         self._breakdown_start = now
 

@@ -102,6 +102,9 @@ class HeartbeatReport:
     """How long the node's latest flash-checkpoint persist took (0.0: none yet)."""
     worker_pids: tuple[int, ...] = ()
     """The process ids of the node's current workers, by local rank (empty between attempts)."""
+    samples_per_s: float = 0.0
+    """Samples per second of the node's workers together lately, as their scripts reported
+    samples (0.0: none reported)."""
 
 
 @dataclass(frozen=True)
@@ -304,6 +307,8 @@ class NodeStatus:
     """Its workers' process ids by local rank, as its last heartbeat said (empty: none)."""
     memory_limit_bytes: int = 0
     """Its memory limit (0: none asked); given for the nodes a role controller drives."""
+    samples_per_s: float = 0.0
+    """Its workers' samples per second lately (0.0: their scripts report no samples)."""
 
 
 @dataclass(frozen=True)

@@ -88,6 +88,8 @@ class Node:
     """Wall seconds per step lately and its data-wait and checkpoint parts; not persisted."""
     persist_s: float = field(default=0.0)
     """How long its latest flash-checkpoint persist took; not persisted."""
+    samples_per_s: float = field(default=0.0)
+    """Its workers' samples per second lately, as reported; not persisted."""
 
     def to_json(self) -> dict[str, object]:
         """The node as a JSON-able dict for the state store, without ``last_heartbeat``."""
@@ -97,6 +99,7 @@ class Node:
         d.pop("step_at")
         d.pop("breakdown")
         d.pop("persist_s")
+        d.pop("samples_per_s")
         return d
 
     @classmethod
@@ -205,6 +208,7 @@ class NodeTable:
             node.restart_count = report.restart_count
             if report.step_wall_s > 0:
                 node.breakdown = (report.step_wall_s, report.step_data_s, report.step_checkpoint_s)
+                node.samples_per_s = report.samples_per_s
             if report.checkpoint_persist_s > 0:
                 node.persist_s = report.checkpoint_persist_s
             if report.step > node.step:

@@ -76,6 +76,7 @@ class JobStatusView:
                     step_wall_s=n.breakdown[0],
                     step_data_s=n.breakdown[1],
                     step_checkpoint_s=n.breakdown[2],
+                    samples_per_s=n.samples_per_s,
                     pid=n.pid,
                     worker_pids=n.worker_pids,
                 )

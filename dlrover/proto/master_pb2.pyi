@@ -76,7 +76,7 @@ class ResourceUsage(_message.Message):
     def __init__(self, cpu_percent: _Optional[float] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id", "incarnation", "usage", "step", "worker_state", "restart_count", "step_time_s", "attempt_step", "attempt_step_age_s", "attempt_first_step", "attempt_first_age_s", "step_wall_s", "step_data_s", "step_checkpoint_s", "checkpoint_persist_s", "worker_pids")
+    __slots__ = ("node_id", "incarnation", "usage", "step", "worker_state", "restart_count", "step_time_s", "attempt_step", "attempt_step_age_s", "attempt_first_step", "attempt_first_age_s", "step_wall_s", "step_data_s", "step_checkpoint_s", "checkpoint_persist_s", "worker_pids", "samples_per_s")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,7 @@ class HeartbeatRequest(_message.Message):
     STEP_CHECKPOINT_S_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_PERSIST_S_FIELD_NUMBER: _ClassVar[int]
     WORKER_PIDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_S_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     incarnation: int
     usage: ResourceUsage
@@ -109,7 +110,8 @@ class HeartbeatRequest(_message.Message):
     step_checkpoint_s: float
     checkpoint_persist_s: float
     worker_pids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., usage: _Optional[_Union[ResourceUsage, _Mapping]] = ..., step: _Optional[int] = ..., worker_state: _Optional[str] = ..., restart_count: _Optional[int] = ..., step_time_s: _Optional[float] = ..., attempt_step: _Optional[int] = ..., attempt_step_age_s: _Optional[float] = ..., attempt_first_step: _Optional[int] = ..., attempt_first_age_s: _Optional[float] = ..., step_wall_s: _Optional[float] = ..., step_data_s: _Optional[float] = ..., step_checkpoint_s: _Optional[float] = ..., checkpoint_persist_s: _Optional[float] = ..., worker_pids: _Optional[_Iterable[int]] = ...) -> None: ...
+    samples_per_s: float
+    def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., usage: _Optional[_Union[ResourceUsage, _Mapping]] = ..., step: _Optional[int] = ..., worker_state: _Optional[str] = ..., restart_count: _Optional[int] = ..., step_time_s: _Optional[float] = ..., attempt_step: _Optional[int] = ..., attempt_step_age_s: _Optional[float] = ..., attempt_first_step: _Optional[int] = ..., attempt_first_age_s: _Optional[float] = ..., step_wall_s: _Optional[float] = ..., step_data_s: _Optional[float] = ..., step_checkpoint_s: _Optional[float] = ..., checkpoint_persist_s: _Optional[float] = ..., worker_pids: _Optional[_Iterable[int]] = ..., samples_per_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("action", "job_state", "heartbeat_interval_s", "refused")
@@ -295,7 +297,7 @@ class GetJobStatusRequest(_message.Message):
     def __init__(self, without_nodes: _Optional[bool] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("step_wall_s", "step_data_s", "step_checkpoint_s", "node_id", "state", "node_rank", "host", "step", "restart_count", "last_heartbeat_age_s", "role", "cpu_percent", "memory_bytes", "check", "score", "pid", "worker_pids", "memory_limit_bytes")
+    __slots__ = ("step_wall_s", "step_data_s", "step_checkpoint_s", "node_id", "state", "node_rank", "host", "step", "restart_count", "last_heartbeat_age_s", "role", "cpu_percent", "memory_bytes", "check", "score", "pid", "worker_pids", "memory_limit_bytes", "samples_per_s")
     STEP_WALL_S_FIELD_NUMBER: _ClassVar[int]
     STEP_DATA_S_FIELD_NUMBER: _ClassVar[int]
     STEP_CHECKPOINT_S_FIELD_NUMBER: _ClassVar[int]
@@ -314,6 +316,7 @@ class NodeStatus(_message.Message):
     PID_FIELD_NUMBER: _ClassVar[int]
     WORKER_PIDS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_S_FIELD_NUMBER: _ClassVar[int]
     step_wall_s: float
     step_data_s: float
     step_checkpoint_s: float
@@ -332,7 +335,8 @@ class NodeStatus(_message.Message):
     pid: int
     worker_pids: _containers.RepeatedScalarFieldContainer[int]
     memory_limit_bytes: int
-    def __init__(self, step_wall_s: _Optional[float] = ..., step_data_s: _Optional[float] = ..., step_checkpoint_s: _Optional[float] = ..., node_id: _Optional[str] = ..., state: _Optional[str] = ..., node_rank: _Optional[int] = ..., host: _Optional[str] = ..., step: _Optional[int] = ..., restart_count: _Optional[int] = ..., last_heartbeat_age_s: _Optional[float] = ..., role: _Optional[str] = ..., cpu_percent: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., check: _Optional[str] = ..., score: _Optional[float] = ..., pid: _Optional[int] = ..., worker_pids: _Optional[_Iterable[int]] = ..., memory_limit_bytes: _Optional[int] = ...) -> None: ...
+    samples_per_s: float
+    def __init__(self, step_wall_s: _Optional[float] = ..., step_data_s: _Optional[float] = ..., step_checkpoint_s: _Optional[float] = ..., node_id: _Optional[str] = ..., state: _Optional[str] = ..., node_rank: _Optional[int] = ..., host: _Optional[str] = ..., step: _Optional[int] = ..., restart_count: _Optional[int] = ..., last_heartbeat_age_s: _Optional[float] = ..., role: _Optional[str] = ..., cpu_percent: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., check: _Optional[str] = ..., score: _Optional[float] = ..., pid: _Optional[int] = ..., worker_pids: _Optional[_Iterable[int]] = ..., memory_limit_bytes: _Optional[int] = ..., samples_per_s: _Optional[float] = ...) -> None: ...
 
 class JobStatus(_message.Message):
     __slots__ = ("job_name", "state", "round", "nodes", "reason", "exit_code", "node_check", "autoscale", "goodput", "metrics_port", "embedding_servers", "steps_per_s", "samples_per_s", "refused")

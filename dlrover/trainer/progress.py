@@ -27,9 +27,11 @@ def on_step_end(hook: Callable[[int], None]) -> Callable[[], None]:
     return remove
 
 
-# step, wall time, busy seconds so far, first step, its time, data-wait and checkpoint seconds
-_RECORD = struct.Struct("<qddqddd")
-_OLD_RECORD = struct.Struct("<qdd")  # without the first step (an older writer)
+# step, wall time, busy seconds so far, first step, its time, data-wait and checkpoint seconds,
+# samples so far
+_RECORD = struct.Struct("<qddqdddq")
+_NO_SAMPLES_RECORD = struct.Struct("<qddqddd")  # without the samples (an older writer)
+_OLD_RECORD = struct.Struct("<qdd")  # without the first step (an older writer still)
 
 
 class StepRecord(NamedTuple):
@@ -49,6 +51,8 @@ class StepRecord(NamedTuple):
     """Seconds spent waiting for input so far (what the script reported)."""
     checkpoint_s: float = 0.0
     """Seconds spent blocked in checkpoint saves so far (what the script reported)."""
+    samples: int = 0
+    """Samples this worker trained so far (what the script reported; 0: none reported)."""
 
 
 class StepReporter:
@@ -65,6 +69,7 @@ class StepReporter:
         self._first: tuple[int, float] | None = None
         self._data = 0.0
         self._ckpt = 0.0
+        self._samples = 0
         self._round = os.environ.get(ENV_RDZV_ROUND, "")
 
     def report(
@@ -74,6 +79,7 @@ class StepReporter:
         *,
         data_s: float = 0.0,
         checkpoint_s: float = 0.0,
+        samples: int = 0,
     ) -> None:
         """Record ``step`` with the wall time (one pwrite, no RPC); nothing outside dlrover-run.
 
@@ -84,14 +90,20 @@ class StepReporter:
 
         ``data_s`` and ``checkpoint_s``: how long this step waited for its input and was blocked
         in a checkpoint save; the node's step time is then broken down into data wait,
-        checkpoint and compute (the rest) in `dlrover status` and the metrics."""
+        checkpoint and compute (the rest) in `dlrover status` and the metrics.
+
+        ``samples``: how many samples this worker trained in this step (its share of the global
+        batch); the node's samples per second are then charted on the dashboard and shown by
+        `dlrover top`."""
         if self._fd >= 0:
-            self._write(step, busy_s, data_s, checkpoint_s)
+            self._write(step, busy_s, data_s, checkpoint_s, samples)
         if _step_hooks:
             for hook in list(_step_hooks):
                 hook(step)
 
-    def _write(self, step: int, busy_s: float | None, data_s: float, checkpoint_s: float) -> None:
+    def _write(
+        self, step: int, busy_s: float | None, data_s: float, checkpoint_s: float, samples: int
+    ) -> None:
         rdzv_round = os.environ.get(ENV_RDZV_ROUND, "")
         if rdzv_round != self._round:  # this process went on into a new round (in-process)
             self._round, self._first = rdzv_round, None
@@ -104,7 +116,10 @@ class StepReporter:
             self._first = (step, now)
         self._data += data_s
         self._ckpt += checkpoint_s
-        record = _RECORD.pack(step, now, self._busy, *self._first, self._data, self._ckpt)
+        self._samples += samples
+        record = _RECORD.pack(
+            step, now, self._busy, *self._first, self._data, self._ckpt, self._samples
+        )
         os.pwrite(self._fd, record, 0)
 
     def close(self) -> None:
@@ -124,9 +139,11 @@ def read_step_file(path: str) -> StepRecord | None:
     if len(raw) == _OLD_RECORD.size:
         step, at, busy = _OLD_RECORD.unpack(raw)
         return StepRecord(int(step), float(at), float(busy))
+    if len(raw) == _NO_SAMPLES_RECORD.size:
+        raw += bytes(_RECORD.size - len(raw))
     if len(raw) < _RECORD.size:
         return None
-    step, at, busy, first_step, first_at, data, ckpt = _RECORD.unpack(raw)
+    step, at, busy, first_step, first_at, data, ckpt, samples = _RECORD.unpack(raw)
     return StepRecord(
         int(step),
         float(at),
@@ -135,11 +152,17 @@ def read_step_file(path: str) -> StepRecord | None:
         float(first_at),
         float(data),
         float(ckpt),
+        int(samples),
     )
 
 
 def report_step(
-    step: int, busy_s: float | None = None, *, data_s: float = 0.0, checkpoint_s: float = 0.0
+    step: int,
+    busy_s: float | None = None,
+    *,
+    data_s: float = 0.0,
+    checkpoint_s: float = 0.0,
+    samples: int = 0,
 ) -> None:
     """Report that this worker completed `step` (the rest: see `StepReporter.report`).
     Stateless (open, read, write, close: ~15 us); keep a `StepReporter` instead when calling it
@@ -154,5 +177,6 @@ def report_step(
             reporter._first = (previous.first_step, previous.first_at)
         if previous is not None:
             reporter._data, reporter._ckpt = previous.data_s, previous.checkpoint_s
-        reporter.report(step, busy_s, data_s=data_s, checkpoint_s=checkpoint_s)
+            reporter._samples = previous.samples
+        reporter.report(step, busy_s, data_s=data_s, checkpoint_s=checkpoint_s, samples=samples)
         reporter.close()

@@ -90,7 +90,7 @@ def main() -> None:
             # Storage holds the step before training goes on: the failure tests count on
             # which step is on storage when they strike.
             ckpt.wait_latest_checkpoint(60)
-        progress.report(step, checkpoint_s=time.monotonic() - saving)
+        progress.report(step, checkpoint_s=time.monotonic() - saving, samples=len(x))
         if rank == 0:
             with open(a.out + ".steps", "a") as f:
                 f.write(f"{step}\n")

@@ -111,7 +111,7 @@ def main() -> None:
             dist.all_reduce(param.grad)
             param.grad /= world
         opt.step()
-        progress.report(step, busy)
+        progress.report(step, busy, samples=len(x))
         if rank == 0:
             with open(a.out + ".steps", "a") as f:
                 f.write(f"{step} {world} {loss.item():.6f}\n")
