@@ -16,7 +16,7 @@ from dlrover.runner import (
     JobSettingsError,
     RunnerSettings,
 )
-from dlrover.runner.records import JobRecord, read_final, read_record, write_record
+from dlrover.runner.records import JobRecord, read_final, read_history, read_record, write_record
 from dlrover.testing.fake_engine import FakeEngine
 
 SETTINGS = RunnerSettings(host="127.0.0.1", token="tok", metrics_port=None)
@@ -66,14 +66,22 @@ def test_a_node_failing_past_its_relaunches_ends_the_run_with_the_jobs_failure()
     assert outcome.state == "failed" and outcome.exit_code >= 1
     assert "lib-worker-1-0" in outcome.reason
     assert len(engine.launched) == 2  # nothing relaunched
-    assert read_record("lib") == JobRecord(
+    record = read_record("lib")
+    assert record == JobRecord(
         name="lib",
         state="failed",
-        pid=read_record("lib").pid,
+        pid=record.pid,
         reason=outcome.reason,
         exit_code=runner.job.lifecycle.exit_code,
         engine="local",
+        started_at=record.started_at,
+        ended_at=record.ended_at,
     )
+    assert 0 < record.started_at <= record.ended_at  # the jobs page's started and ended
+    # ... and its charts: the history it left, up to its end.
+    history = read_history("lib")
+    assert history is not None and len(history["t"]) >= 1
+    assert history["t"][-1] <= record.ended_at
     # What `dlrover status` prints of it now: the last table and the failure.
     final = read_final("lib")
     assert final is not None and final.status.state == "failed"

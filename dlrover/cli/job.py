@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from dlrover.api.errors import MasterUnreachableError
 from dlrover.api.master import FailureRecord
 from dlrover.cli.common import setup_logging
+from dlrover.cli.dashboard import add_parsers as add_dashboard_parsers
+from dlrover.cli.dashboard import run_command as run_dashboard_command
 from dlrover.cli.job_records import NoSuchJobError, pid_alive, read_record
 from dlrover.cli.logs import cmd_logs
 from dlrover.cli.serve_job import (
@@ -158,7 +160,7 @@ def cmd_stop(name: str, timeout_s: float = 60.0) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``dlrover`` command line: ``submit``, ``status``, ``logs``, ``diagnose``, ``stop``,
-    ``scale``."""
+    ``scale``, ``dashboard``, ``top``."""
     p = argparse.ArgumentParser(
         prog="dlrover", description="Submit, inspect and stop DLRover jobs.", allow_abbrev=False
     )
@@ -293,6 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
         "-f", "--follow", action="store_true", help="Keep printing new lines until the job ends"
     )
     lg.add_argument("-n", "--lines", type=int, default=100, help="Lines of each log (default 100)")
+    add_dashboard_parsers(sub)
     sc = sub.add_parser(
         "scale",
         help="Change a running job's embedding servers or TensorFlow ps (--role ps).",
@@ -395,6 +398,9 @@ def run(argv: Sequence[str] | None = None) -> int:
             return cmd_diagnose(args.name, args.full)
         if args.command == "logs":
             return cmd_logs(args.name, args.node, args.rank, args.follow, args.lines)
+        code = run_dashboard_command(args)
+        if code is not None:
+            return code
     except NoSuchJobError as e:
         print(f"dlrover: error: {e}", file=sys.stderr)
         return 1

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from dlrover.constants import DEFAULT_HEARTBEAT_TIMEOUT_S
 from dlrover.master.fencing import Fence, Leader
+from dlrover.master.history import JobHistory
 from dlrover.master.job import JobMaster, JobMasterConfig
 from dlrover.master.rendezvous import RendezvousConfig
 from dlrover.master.server import FULL_GC_EVERY_S, MasterServer
@@ -60,6 +61,8 @@ class RunningMaster:
     store: StateStore
     web: WebServer | None = None
     tensorboard: TensorBoardExporter | None = None
+    history: JobHistory | None = None
+    """The job over time (the dashboard's charts; an ended job's ``history.json``)."""
 
     @property
     def port(self) -> int:
@@ -144,8 +147,9 @@ def build_master(
                     f"cannot write TensorBoard events to {settings.tensorboard_dir}: "
                     f"{e.strerror or e}; give a writable --tensorboard-dir"
                 ) from None
+        history = JobHistory(job)
         if settings.metrics_port is not None:
-            web = WebServer(job, settings.host, settings.metrics_port, settings.log_reader)
+            web = WebServer(job, settings.host, settings.metrics_port, settings.log_reader, history)
         server = MasterServer(
             job,
             settings.token,
@@ -162,9 +166,12 @@ def build_master(
             tensorboard.writer.close()
         store.close()
         raise
-    running = RunningMaster(job, server.start(), store, web.start() if web else None, tensorboard)
+    running = RunningMaster(
+        job, server.start(), store, web.start() if web else None, tensorboard, history
+    )
     if web is not None:
         job.status.serve_metrics_on(web.port)
     if tensorboard is not None:
         job.add_tick_hook(tensorboard.maybe_write)
+    job.add_tick_hook(history.maybe_sample)
     return running

@@ -3,10 +3,14 @@
 Routes (read-only, no token: bind it where only your network reaches, as the gRPC port):
 
 - ``/metrics``: Prometheus text exposition (`dlrover.master.metrics`);
-- ``/``: the dashboard, one static page (``dashboard.html``, plain JavaScript, no build step)
-  that polls the JSON below every 2 s;
+- ``/``: the dashboard, one static page (``static/dashboard.html``, plain JavaScript, no build
+  step) that polls the JSON below every 2 s and charts it;
 - ``/api/status``: the job, its nodes, goodput and badput, the goodput history and the event
   timeline;
+- ``/api/history``: the job over time for the charts (`dlrover.master.history.JobHistory`):
+  goodput and badput shares, each node's step time, throughput, CPU and memory, and markers;
+- ``/uplot.js``, ``/uplot.css``: the charting library the page draws with (vendored, MIT; see
+  ``dlrover/master/static/uPlot.LICENSE``);
 - ``/api/log?node=ID&lines=N``: the tail of a node's own log (its agent), and with ``&rank=R``
   of its worker R's latest attempt, where the engine can read them back (local, Ray), else 404;
 - ``/api/log/ranks?node=ID``: the ranks that node has logs of, as a JSON list;
@@ -28,6 +32,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 from dlrover.engines.node_logs import LogChunk, NodeLogs
+from dlrover.master.history import JobHistory
 from dlrover.master.job import JobMaster
 from dlrover.master.local_api import LocalMasterApi
 from dlrover.master.metrics import JobMetrics
@@ -56,8 +61,10 @@ class WebServer:
         host: str = "0.0.0.0",
         port: int = 0,
         log_reader: LogReader | None = None,
+        history: JobHistory | None = None,
     ) -> None:
         self._job = job
+        self._history = history
         self._api = LocalMasterApi(job)
         self._metrics = JobMetrics(job)
         self.log_reader = log_reader
@@ -118,6 +125,10 @@ class WebServer:
         status["has_logs"] = self.log_reader is not None
         return status
 
+    def history(self) -> dict[str, Any] | None:
+        """The /api/history document (None: this master keeps no history)."""
+        return self._history.document() if self._history is not None else None
+
     def log(self, node_id: str, lines: int, rank: int | None = None) -> str | None:
         """The tail of ``node_id``'s own log, or of its worker ``rank`` (None: not kept)."""
         if self.log_reader is None:
@@ -139,9 +150,18 @@ class WebServer:
         return self.log_reader.ranks(node_id) if self.log_reader is not None else ()
 
 
-def dashboard_html() -> bytes:
-    """The dashboard page (package data)."""
-    return resources.files("dlrover.master").joinpath("dashboard.html").read_bytes()
+STATIC = {
+    "/": ("dashboard.html", "text/html; charset=utf-8"),
+    "/index.html": ("dashboard.html", "text/html; charset=utf-8"),
+    "/uplot.js": ("uPlot.iife.min.js", "text/javascript; charset=utf-8"),
+    "/uplot.css": ("uPlot.min.css", "text/css; charset=utf-8"),
+}
+"""The pages and files served from ``dlrover/master/static`` (package data), by path."""
+
+
+def static_file(name: str) -> bytes:
+    """A file of ``dlrover/master/static`` (package data)."""
+    return resources.files("dlrover.master").joinpath("static").joinpath(name).read_bytes()
 
 
 def _handler(server: WebServer) -> type[BaseHTTPRequestHandler]:
@@ -156,11 +176,18 @@ def _handler(server: WebServer) -> type[BaseHTTPRequestHandler]:
             try:
                 if url.path == "/metrics":
                     self._send(200, "text/plain; version=0.0.4; charset=utf-8", server.metrics())
-                elif url.path in ("/", "/index.html"):
-                    self._send(200, "text/html; charset=utf-8", dashboard_html())
+                elif url.path in STATIC:
+                    name, content_type = STATIC[url.path]
+                    self._send(200, content_type, static_file(name))
                 elif url.path == "/api/status":
                     body = json.dumps(server.status()).encode()
                     self._send(200, "application/json", body)
+                elif url.path == "/api/history":
+                    history = server.history()
+                    if history is None:
+                        self._send(404, "text/plain", b"this master keeps no history\n")
+                    else:
+                        self._send(200, "application/json", json.dumps(history).encode())
                 elif url.path == "/api/log":
                     query = parse_qs(url.query)
                     node = query.get("node", [""])[0]

@@ -40,6 +40,7 @@ from dlrover.runner.records import (
     read_record,
     remove_final,
     write_final,
+    write_history,
     write_record,
 )
 
@@ -244,6 +245,7 @@ class JobRunner:
         """``host:port`` the nodes reach the master by (set by `start`)."""
         self.token = ""
         """The job token (set by `start`)."""
+        self._started_at = 0.0
 
     # --- what a host reads --------------------------------------------------------------------
     @property
@@ -323,6 +325,7 @@ class JobRunner:
                 self.master_addr.rsplit(":", 1)[0],
                 master.web.port,
             )
+        self._started_at = time.time()
         write_record(
             JobRecord(
                 name=spec.name,
@@ -331,6 +334,8 @@ class JobRunner:
                 master_addr=self.master_addr,
                 token=self.token,
                 engine=spec.engine,
+                web_port=master.web.port if master.web is not None else 0,
+                started_at=self._started_at,
             )
         )
         if self._on_serving is not None:
@@ -341,7 +346,14 @@ class JobRunner:
             job.lifecycle.stop(f"cannot start engine {spec.engine}: {e}")
             master.stop(0.5)
             write_record(
-                JobRecord(name=spec.name, state="failed", pid=os.getpid(), engine=spec.engine)
+                JobRecord(
+                    name=spec.name,
+                    state="failed",
+                    pid=os.getpid(),
+                    engine=spec.engine,
+                    started_at=self._started_at,
+                    ended_at=time.time(),
+                )
             )
             self._closed = True
             raise EngineStartError(f"cannot start engine {spec.engine}: {e}") from e
@@ -511,9 +523,14 @@ class JobRunner:
             master.store.close()  # another master leads the job: nothing more of it is ours
             return
         final = final_state(job)
+        if master.history is not None:
+            master.history.sample(job.now())  # the charts end where the job did
+        history = master.history.document() if master.history is not None else None
         master.stop(grace_s=1.0)
         try:
             write_final(self.spec.name, final)
+            if history is not None:
+                write_history(self.spec.name, history)
         except OSError as e:  # the outcome below matters more than the table
             logger.warning("job %s: cannot write its final state: %s", self.spec.name, e)
         write_record(
@@ -524,6 +541,8 @@ class JobRunner:
                 reason=job.lifecycle.reason,
                 exit_code=job.lifecycle.exit_code,
                 engine=self.spec.engine,  # `dlrover logs` of the ended job: where its logs were
+                started_at=self._started_at,
+                ended_at=time.time(),
             )
         )
 

@@ -1,5 +1,6 @@
 """Job records of `dlrover submit`: `$DLROVER_HOME/jobs/<name>/job.json` (how `dlrover status`
-and `dlrover stop` find a job's master) and `final.json` (what an ended job's status shows)."""
+and `dlrover stop` find a job's master), `final.json` (what an ended job's status shows) and
+`history.json` (its charts on the dashboard)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Any
 
 from dlrover.api.master import FailureClass, FailureRecord, JobStatus, NodeStatus
 from dlrover.constants import ENV_HOME
@@ -41,6 +43,11 @@ class JobRecord:
     engine: str = ""
     reason: str = ""
     exit_code: int = 0
+    web_port: int = 0
+    """The port of the master's dashboard and /metrics, on the master's host (0: none)."""
+    started_at: float = 0.0
+    """Unix time the job started serving (0.0: unknown, an older record), and ended."""
+    ended_at: float = 0.0
 
     @property
     def ended(self) -> bool:
@@ -147,5 +154,37 @@ def read_final(name: str) -> FinalState | None:
 
 
 def remove_final(name: str) -> None:
-    """Forget an earlier submission's final state (a new one of the same name starts)."""
+    """Forget an earlier submission's final state and history (a new one of the same name
+    starts)."""
     _final_path(name).unlink(missing_ok=True)
+    _history_path(name).unlink(missing_ok=True)
+
+
+def _history_path(name: str) -> Path:
+    return job_dir(name) / "history.json"
+
+
+def write_history(name: str, document: dict[str, Any]) -> None:
+    """Atomically write job ``name``'s history (`dlrover.master.history.JobHistory.document`)."""
+    path = _history_path(name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(document))
+    os.replace(tmp, path)
+
+
+def read_history(name: str) -> dict[str, Any] | None:
+    """Job ``name``'s history as its master left it, or None when it left none."""
+    try:
+        doc = json.loads(_history_path(name).read_text())
+    except FileNotFoundError:
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def job_names() -> list[str]:
+    """The jobs with a record in $DLROVER_HOME, by name."""
+    root = dlrover_home() / "jobs"
+    if not root.is_dir():
+        return []
+    return sorted(p.parent.name for p in root.glob("*/job.json"))

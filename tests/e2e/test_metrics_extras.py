@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import time
@@ -165,3 +166,111 @@ def test_the_dashboard_shows_the_nodes_and_a_killed_worker(
             page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
         finally:
             browser.close()
+
+
+CHROMIUM_ARGS = [
+    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+]  # fmt: skip
+SCREENSHOTS = os.environ.get("DLROVER_SCREENSHOTS", "")
+"""Where the browser tests save their screenshots (scripts/dashboard_screenshots.sh points it at
+docs/images); else the test's own temporary folder."""
+
+
+CHARTS = "['chart-goodput', 'chart-throughput', 'chart-step', 'chart-memory', 'chart-cpu']"
+POINTS = (
+    "((id) => { const c = window.dlroverCharts[id]; if (!c) return 0;"
+    " return c.plot.data.slice(1).flat().filter((v) => v != null).length; })"
+)
+"""The page's charts, and (JavaScript) the non-null points of one chart's series together."""
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="apt-get install chromium")
+@pytest.mark.skipif(importlib.util.find_spec("playwright") is None, reason="pip install playwright")
+def test_the_dashboards_chart_a_job_with_a_failure_and_checkpoints(tmp_path: Path) -> None:
+    """`dlrover dashboard` lists the job while it runs and after it ended; the job's page charts
+    samples/s, step time, goodput, memory and CPU per node live, with markers where a worker was
+    killed and where checkpoints were persisted, and shows the same charts once the job ended."""
+    from playwright.sync_api import sync_playwright
+
+    shots = Path(SCREENSHOTS) if SCREENSHOTS else tmp_path
+    shots.mkdir(parents=True, exist_ok=True)
+    home = tmp_path / "home"
+    env = clean_env(DLROVER_HOME=str(home), DLROVER_FAULTS="kill:rank=1:step=60")
+    port = free_port()
+    dashboard = subprocess.Popen(
+        [*run_cmd("dlrover.cli.job"), "dashboard", "--port", str(port)],
+        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    err_path = tmp_path / "submit.err"
+    with err_path.open("w") as err:
+        job = subprocess.Popen(
+            [
+                *run_cmd("dlrover.cli.job"), "submit", "--name", "charts", "--nnodes", "2",
+                "--nproc-per-node", "1", str(SCRIPTS / "flash_train.py"), "--steps", "160",
+                "--step-time", "0.08", "--disk-every", "20", "--ckpt", str(tmp_path / "ckpt"),
+                "--out", str(tmp_path / "out"),
+            ],
+            env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=err, text=True,
+        )  # fmt: skip
+    try:
+        assert dashboard.stdout is not None
+        assert "http://" in dashboard.stdout.readline()  # it serves
+        base = f"http://127.0.0.1:{port}"
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+            try:
+                page = browser.new_page(viewport={"width": 1280, "height": 900})
+                page.goto(base + "/")
+                page.wait_for_selector("tr[data-job='charts'] .state.running", timeout=60_000)
+                page.click("tr[data-job='charts'] a")
+                page.wait_for_url("**/jobs/charts/")
+                page.wait_for_function("document.getElementById('job').textContent === 'charts'")
+                # Live, without a reload: the kill's marker, then a persisted checkpoint's, on
+                # every chart; each hover text says what happened.
+                page.wait_for_function(
+                    "document.querySelectorAll('#chart-step .marker[data-kind=failure]').length"
+                    " && document.querySelectorAll('#chart-step .marker[data-kind=ckpt]').length",
+                    timeout=60_000,
+                )
+                failure = page.get_attribute(
+                    "#chart-throughput .marker[data-kind=failure]", "title"
+                )
+                assert failure is not None and "SIGKILL" in failure, failure
+                ckpt = page.get_attribute("#chart-memory .marker[data-kind=ckpt]", "title")
+                assert ckpt is not None and "committed to storage" in ckpt, ckpt
+                # Each chart holds points (every node's series together), the throughput in
+                # samples/s (the script reports its samples), one series per node.
+                page.wait_for_function(f"{CHARTS}.every((id) => {POINTS}(id) >= 6)", timeout=60_000)
+                title = page.text_content("#chart-throughput h3") or ""
+                assert "samples/s" in title, title
+                assert page.evaluate(
+                    "window.dlroverCharts['chart-throughput'].plot.series.length"
+                ) == 3  # fmt: skip
+                page.screenshot(path=str(shots / "dashboard-job.png"), full_page=True)
+
+                job.wait(timeout=120)
+                assert job.returncode == 0, err_path.read_text()[-3000:]
+                # Ended: the list says so, and the job's page charts what it left behind.
+                page.goto(base + "/")
+                page.wait_for_selector("tr[data-job='charts'] .state.succeeded", timeout=20_000)
+                row = page.text_content("tr[data-job='charts']") or ""
+                assert "%" in row and "local" in row, row
+                page.screenshot(path=str(shots / "dashboard-jobs.png"), full_page=True)
+                page.click("tr[data-job='charts'] a")
+                page.wait_for_url("**/jobs/charts/")
+                page.wait_for_function(
+                    "document.getElementById('state').textContent === 'succeeded'"
+                    " && window.dlroverCharts['chart-step']"
+                    " && document.querySelectorAll('#chart-step .marker[data-kind=failure]').length",
+                    timeout=20_000,
+                )
+                assert page.evaluate(f"{CHARTS}.every((id) => {POINTS}(id) >= 6)")
+                page.screenshot(path=str(shots / "dashboard-ended.png"), full_page=True)
+            finally:
+                browser.close()
+    finally:
+        for proc in (job, dashboard):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
