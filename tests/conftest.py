@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -15,6 +18,13 @@ from tests.stages import StageCheck
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+
+TEST_HOME = tempfile.mkdtemp(prefix="dlrover-test-home-")
+"""$DLROVER_HOME of every job a test starts without one of its own: the records a `dlrover-run`
+that hosts its master keeps (as `dlrover submit`'s) go here, not into the tester's ~/.dlrover."""
+atexit.register(shutil.rmtree, TEST_HOME, ignore_errors=True)
+os.environ.setdefault("DLROVER_HOME", TEST_HOME)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -33,6 +43,7 @@ def clean_env(**extra: str) -> dict[str, str]:
         and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     }
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env["DLROVER_HOME"] = TEST_HOME
     env.update(extra)
     return env
 

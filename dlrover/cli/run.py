@@ -9,6 +9,7 @@ import logging
 import os
 import shutil
 import sys
+import time
 import uuid
 from collections.abc import Sequence
 
@@ -25,6 +26,15 @@ from dlrover.master.assembly import MasterSettings, RunningMaster, build_master
 from dlrover.master.server import MasterServerError, job_name_for_token, new_token
 from dlrover.master.tensorboard import TensorBoardError
 from dlrover.master.web import WebError
+from dlrover.processes import pid_alive
+from dlrover.runner.records import (
+    JobRecord,
+    has_record,
+    read_record,
+    remove_final,
+    write_history,
+    write_record,
+)
 
 logger = logging.getLogger("dlrover.run")
 
@@ -452,6 +462,70 @@ def _embedded_master(
     return master
 
 
+RECORD_ENGINE = "dlrover-run"
+"""The engine a record of a job hosted by ``dlrover-run`` names (its nodes are wherever their
+``dlrover-run`` runs)."""
+
+
+def _record_start(server: RunningMaster, master_addr: str, token: str) -> JobRecord | None:
+    """Keep a record of the job whose master this process hosts in ``$DLROVER_HOME/jobs/`` (as
+    `dlrover submit` does), so that `dlrover dashboard`, `status`, `top` and `stop` find it.
+    None where a live job of the same name holds the record, or the home cannot be written."""
+    name = server.job.config.job_name
+    try:
+        if has_record(name):
+            old = read_record(name)
+            if not old.ended and pid_alive(old.pid) and old.pid != os.getpid():
+                logger.info("job %s: another live job keeps its record; none kept", name)
+                return None
+        remove_final(name)  # an earlier run of the same name
+        record = JobRecord(
+            name=name,
+            state="running",
+            pid=os.getpid(),
+            master_addr=master_addr,
+            token=token,
+            engine=RECORD_ENGINE,
+            web_port=server.web.port if server.web is not None else 0,
+            started_at=time.time(),
+        )
+        write_record(record)
+        logger.info(
+            "job %s: `dlrover top %s` shows it live, `dlrover dashboard` lists it", name, name
+        )
+    except (OSError, ValueError, TypeError) as e:  # the job matters more than its record
+        logger.warning("job %s: cannot keep its record in $DLROVER_HOME: %s", name, e)
+        return None
+    return record
+
+
+def _record_end(server: RunningMaster, record: JobRecord) -> None:
+    """The job's final state, history and outcome beside its record (what an ended job's
+    `dlrover status`, `top` and dashboard page show)."""
+    from dlrover.runner.job_runner import final_state  # at the end only: not on the start path
+    from dlrover.runner.records import write_final
+
+    job = server.job
+    life = job.lifecycle
+    ended = life.ended.is_set()
+    try:
+        write_final(record.name, final_state(job))
+        if server.history is not None:
+            server.history.sample(job.now())
+            write_history(record.name, server.history.document())
+        write_record(
+            dataclasses.replace(
+                record,
+                state=life.state.value if ended else "failed",
+                reason=life.reason if ended else "dlrover-run stopped before the job ended",
+                exit_code=life.exit_code if ended else 1,
+                ended_at=time.time(),
+            )
+        )
+    except OSError as e:
+        logger.warning("job %s: cannot record its end in $DLROVER_HOME: %s", record.name, e)
+
+
 def _is_local(host: str) -> bool:
     import socket
 
@@ -525,6 +599,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     except (MasterServerError, WebError, TensorBoardError) as e:
         print(f"dlrover-run: error: {e}", file=sys.stderr)
         return 1
+    record = _record_start(server, master_addr, token) if server is not None else None
 
     client = MasterClient(master_addr, token)
     install_signal_handlers()
@@ -574,6 +649,8 @@ def run(argv: Sequence[str] | None = None) -> int:
             echo.stop()
         client.close()
         if server is not None:
+            if record is not None:
+                _record_end(server, record)
             server.stop(grace_s=0.5)
 
 

@@ -152,3 +152,51 @@ def test_top_and_dashboard_say_what_is_wrong(tmp_path: Path) -> None:
             assert "port is taken" in second.stderr and "--port" in second.stderr, second.stderr
         finally:
             first.kill()
+
+
+def test_a_dlrover_run_job_is_listed_and_left_behind_as_a_submitted_one(tmp_path: Path) -> None:
+    """`dlrover-run --standalone` hosts its master: it keeps the same record as `dlrover submit`,
+    so the README's first job is in `dlrover dashboard`, `dlrover top` and `dlrover status`,
+    while it runs and after it ended."""
+    home = tmp_path / "home"
+    env = clean_env(DLROVER_HOME=str(home))
+    (tmp_path / "ckpt").mkdir()
+    run = subprocess.Popen(
+        [
+            *run_cmd("dlrover.cli.run"), "--standalone", "--nproc_per_node=2", "--rdzv-id",
+            "quick", str(SCRIPTS / "oracle_train.py"), "--steps", "60", "--step-time", "0.08",
+            "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"),
+        ],
+        env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    port = free_port()
+    dashboard = subprocess.Popen(
+        [*run_cmd("dlrover.cli.job"), "dashboard", "--port", str(port)],
+        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        assert dashboard.stdout is not None and "http://" in dashboard.stdout.readline()
+        (row,) = _until(
+            "the dlrover-run job listed as running",
+            lambda: [j for j in _get(base + "/api/jobs") if j["state"] == "running"],
+        )
+        assert row["name"] == "quick" and row["engine"] == "dlrover-run", row
+        live = _until(
+            "its page's history", lambda: (h := _get(base + "/jobs/quick/api/history"))["t"] and h
+        )
+        assert list(live["nodes"]) and "quick" in _get(base + "/jobs/quick/api/status")["job_name"]
+        _, err = run.communicate(timeout=120)
+        assert run.returncode == 0, err[-3000:]
+        (ended,) = _get(base + "/api/jobs")
+        assert ended["state"] == "succeeded" and ended["steps"] == 60, ended
+        out = subprocess.run(
+            [*run_cmd("dlrover.cli.job"), "top", "quick"], env=env, cwd=REPO,
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        assert out.returncode == 0 and "job quick: succeeded" in out.stdout, out
+    finally:
+        for proc in (run, dashboard):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
