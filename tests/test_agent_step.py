@@ -155,3 +155,52 @@ def test_a_user_error_raised_before_the_world_reforms_is_reported_as_its_root_ca
         assert "ValueError: bad learning rate" in job.diagnostics.failures()[0].root_cause
     finally:
         agent.close()
+
+
+# Every round raises at once, then lingers at exit: the agent sees the world re-form (another
+# node's collateral error reached the master first) before it sees its worker's exit.
+RAISES_THEN_LINGERS_ALWAYS = """
+import atexit, os, sys, time
+def linger():
+    open(sys.argv[1] + os.environ["DLROVER_RDZV_ROUND"], "w").close()
+    while True:
+        time.sleep(1)
+atexit.register(linger)
+raise ValueError("bad learning rate")
+"""
+
+
+def test_the_same_user_error_raised_as_the_world_reforms_twice_fails_fast(tmp_path):
+    """Found by benchmarks/fault_campaign.py (seed 23, job 1): a rank raised the same error on
+    every attempt, but the other nodes' agents re-formed the world on their collateral errors
+    before this agent saw its worker's exit, every time; it counted the error and restarted,
+    and the job burned its restarts, failing late on a healthy node's collateral error. The
+    second identical error fails fast, here, naming it."""
+    job = JobMaster(JobMasterConfig(job_name="again"), MemoryStateStore())
+    ready, script = tmp_path / "ready", tmp_path / "train.py"
+    script.write_text(RAISES_THEN_LINGERS_ALWAYS)
+    agent = _bootstrapped_agent(job, script, ready, max_restarts=5)
+    try:
+        first_round = tmp_path / "ready1"
+        stepped = _step_reformed_once(agent, job, first_round)
+        assert stepped == [None] and agent.state is WorkerGroupState.RESTARTING
+        # Round 2: the error again, and again the world re-forms first (node b leaves).
+        result: list[object] = []
+        worker = threading.Thread(target=lambda: result.append(agent.step()), daemon=True)
+        worker.start()
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "ready2").exists():
+            assert time.monotonic() < deadline and worker.is_alive(), "round 2 never got there"
+            time.sleep(0.05)
+        job.members.lose("b", "gone")
+        worker.join(60)
+        (ended,) = result
+        assert ended is not None and ended.exit_code != 0, agent.state  # type: ignore[attr-defined]
+        assert "same user error twice in a row (ValueError" in ended.reason  # type: ignore[attr-defined]
+        assert agent.state is WorkerGroupState.FAILED and agent.restart_count == 0
+        assert job.lifecycle.state is JobState.FAILED
+        rows = [(f.failure_class.value, f.action) for f in job.diagnostics.failures()]
+        assert rows == [("user_error", "restart_processes"), ("user_error", "fail")], rows
+        assert job.diagnostics.failures()[1].signature.startswith("ValueError at ")
+    finally:
+        agent.close()

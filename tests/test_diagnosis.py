@@ -26,6 +26,15 @@ def _error() -> ErrorRecord:
     )  # fmt: skip
 
 
+def _peer_gone(
+    message: str = "[gloo/transport/tcp/pair.cc:553] Connection closed by peer",
+) -> ErrorRecord:
+    return ErrorRecord(
+        message=message, exception_type="RuntimeError", traceback="", timestamp=0.0, rank=1,
+        pid=2, exit_code=1,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("failures", "expected"),
     [
@@ -42,6 +51,34 @@ def _error() -> ErrorRecord:
         (
             [WorkerFailure(0, ExitKind.SIGNALED, -6), WorkerFailure(1, ExitKind.OOM_KILLED, -9)],
             FailureClass.OOM,
+        ),
+        # a peer went away: every error on this node is collateral, from gloo or NCCL
+        ([WorkerFailure(1, ExitKind.EXITED, 1, _peer_gone())], FailureClass.COLLATERAL),
+        (
+            [
+                WorkerFailure(
+                    1,
+                    ExitKind.EXITED,
+                    1,
+                    _peer_gone("Timed out waiting 30000ms for recv operation to complete"),
+                )
+            ],
+            FailureClass.COLLATERAL,
+        ),  # fmt: skip
+        # ... but a kill here, or a user error beside it, is this node's own cause
+        (
+            [
+                WorkerFailure(0, ExitKind.SIGNALED, -9),
+                WorkerFailure(1, ExitKind.EXITED, 1, _peer_gone()),
+            ],
+            FailureClass.SIGNAL,
+        ),
+        (
+            [
+                WorkerFailure(0, ExitKind.EXITED, 1, _error()),
+                WorkerFailure(1, ExitKind.EXITED, 1, _peer_gone()),
+            ],
+            FailureClass.USER_ERROR,
         ),
     ],
 )

@@ -453,8 +453,14 @@ class ElasticAgent:
                         exits[rank] = 1
             if exits and self._plan is not None:
                 seen = self._judge(monitor, exits)
+                previous = self._history[-1] if self._history else None
                 if seen.signature is not None:
                     self._history.append(seen.signature)
+                if seen.signature is not None and seen.signature == previous:
+                    # The same user error as this node's last failed attempt: the job fails
+                    # fast here, naming it, though other nodes' collateral errors (their
+                    # peer, this node's worker, went away) re-formed the world first.
+                    return self._fail_fast(seen)
                 self._report_raised_before(monitor, exits, stopping_at)
             self._set_state(WorkerGroupState.RESTARTING)
             return None
@@ -487,6 +493,16 @@ class ElasticAgent:
         if verdict.decision.cannot_start:  # name what cannot start
             reason = f"`{self._program()}`: {reason}"
         logger.error("giving up: %s", reason)
+        self._set_state(WorkerGroupState.FAILED)
+        self._rdzv.report(NodeOutcome.FAILED, verdict.exit_code, reason)
+        return RunResult(verdict.exit_code, f"{reason}\n{verdict.report}")
+
+    def _fail_fast(self, verdict: Judgement) -> RunResult:
+        """End this node (and so the job) on a user error seen twice in a row."""
+        reason = verdict.decision.reason
+        self._report_failure(verdict, FailureAction.FAIL)
+        self._persist_on_failure()
+        logger.error("giving up: %s\n%s", reason, verdict.report)
         self._set_state(WorkerGroupState.FAILED)
         self._rdzv.report(NodeOutcome.FAILED, verdict.exit_code, reason)
         return RunResult(verdict.exit_code, f"{reason}\n{verdict.report}")
@@ -753,6 +769,7 @@ class ElasticAgent:
             (action or verdict.decision.action).value,
             f"{verdict.summary}\n{verdict.report}"[:4000],
             self.restart_count,
+            signature=signature_text(verdict.signature),
         )
         try:
             self.master.report_failure(self.node_id, self.incarnation, record)
@@ -983,6 +1000,13 @@ def _attempt_progress(monitor: WorkerMonitor | None) -> dict[str, Any]:
         "attempt_first_step": first_step,
         "attempt_first_age_s": max(0.0, now - first_at),
     }
+
+
+def signature_text(signature: UserErrorSignature | None) -> str:
+    """A user error's signature as the master keeps it (`FailureRecord.signature`)."""
+    if signature is None:
+        return ""
+    return f"{signature.exception_type} at {signature.location or 'an unknown place'}"
 
 
 def install_signal_handlers() -> None:

@@ -34,8 +34,10 @@ _COLLATERAL_MESSAGES = (
     "connection reset by peer",
     "broken pipe",
     "socket timeout",
-    "timed out waiting for",
+    "timed out waiting",  # gloo: "Timed out waiting 30000ms for recv operation to complete"
     "connection refused",
+    "communicator was aborted",  # NCCL, after a peer's failure aborted the communicator
+    "operations have failed or timed out",  # NCCL's watchdog
 )
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -140,7 +140,7 @@ class WorkerFailure:
         return f"rank {self.rank} {how}"
 
 
-_TEARDOWN_SIGNALS = frozenset({-signal.SIGABRT, -signal.SIGSEGV})
+TEARDOWN_SIGNALS = frozenset({-signal.SIGABRT, -signal.SIGSEGV})
 """Deaths a process gives itself, e.g. torch/gloo aborting in its teardown after the script's
 uncaught exception (``terminate called without an active exception``); not a kill from outside."""
 
@@ -157,7 +157,7 @@ def user_error_signature(failures: tuple[WorkerFailure, ...]) -> UserErrorSignat
     for failure in failures:
         if failure.kind in (ExitKind.OOM_KILLED, ExitKind.HUNG):
             return None
-        if failure.kind is ExitKind.SIGNALED and failure.returncode not in _TEARDOWN_SIGNALS:
+        if failure.kind is ExitKind.SIGNALED and failure.returncode not in TEARDOWN_SIGNALS:
             return None
     recorded = [
         failure

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from dlrover.agent.error_file import ErrorFileError, ErrorRecord, first_failure, read_error_file
 from dlrover.agent.failure_policy import (
+    TEARDOWN_SIGNALS,
     Decision,
     ExitKind,
     UserErrorSignature,
@@ -37,13 +38,21 @@ class Judgement:
 
 def classify(failures: Sequence[WorkerFailure]) -> FailureClass:
     """The class of a failed attempt, by its most telling worker: a hang, then an OOM kill,
-    then a Python exception (an error file), then a signal, else a non-zero exit."""
+    then a Python exception (an error file: `COLLATERAL` when every one is a peer's broken
+    connection or a collective's timeout and no worker was killed by a signal here), then a
+    signal, else a non-zero exit."""
     kinds = {f.kind for f in failures}
     if ExitKind.HUNG in kinds:
         return FailureClass.HANG
     if ExitKind.OOM_KILLED in kinds:
         return FailureClass.OOM
-    if any(f.error is not None for f in failures):
+    errors = [f.error for f in failures if f.error is not None]
+    if errors:
+        killed = any(
+            f.kind is ExitKind.SIGNALED and f.returncode not in TEARDOWN_SIGNALS for f in failures
+        )
+        if all(e.is_collateral() for e in errors):  # the kill here, or a peer elsewhere
+            return FailureClass.SIGNAL if killed else FailureClass.COLLATERAL
         return FailureClass.USER_ERROR
     if ExitKind.SIGNALED in kinds:
         return FailureClass.SIGNAL

@@ -240,6 +240,10 @@ class FailureClass(str, enum.Enum):
 
     USER_ERROR = "user_error"
     """The training script raised (an error file names the exception and where)."""
+    COLLATERAL = "collateral"
+    """A worker failed because a peer did: every error its node's workers wrote is a broken
+    connection to a peer or a collective's timeout or abort. Never a root cause while a failure
+    of another class is recorded for the same round, and never counted toward failing fast."""
     OOM = "oom"
     """Killed for memory: the kernel's OOM killer (cgroup oom_kill), or the pod / actor OOM."""
     SIGNAL = "signal"
@@ -275,6 +279,10 @@ class FailureRecord:
     cost_s: float = 0.0
     """What the failure cost the job: from its last progress before the failure until it went
     past that step again (0: not back there yet); the master fills it in as it answers."""
+    signature: str = ""
+    """A user error's identity, its exception type at its innermost frame
+    (``RuntimeError at train.py:42 in step``): the same twice in a row fails the job fast,
+    whichever node raised it ("" for other classes)."""
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,9 @@ class Diagnostics:
         """(wall time, kind, text) of the job's latest events: rounds, failures, state changes,
         scale plans (the dashboard's timeline); in memory only."""
         self._replace: list[tuple[str, str]] = []
+        self.on_recorded: list[Callable[[FailureRecord], object]] = []
+        """Told of every failure recorded, outside the lock (the lifecycle: a held job failure
+        waits for its round's root cause; the same root cause twice in a row fails the job)."""
         self.scale_summary = ""
         """The auto-scaler's latest plan in one line (`dlrover status`)."""
 
@@ -99,6 +102,8 @@ class Diagnostics:
             record.action,
             record.root_cause.splitlines()[0] if record.root_cause else "",
         )
+        for listener in self.on_recorded:
+            listener(record)
 
     def last_cause(self, node_id: str) -> str:
         """The root cause of the newest failure recorded for ``node_id`` ("" for none): what its
@@ -108,6 +113,38 @@ class Diagnostics:
                 if record.node_id == node_id and record.root_cause:
                     return record.root_cause.splitlines()[0]
         return ""
+
+    def round_cause(self, node_id: str) -> tuple[bool, FailureRecord | None]:
+        """Whether ``node_id``'s newest failure since the last round formed is collateral (a
+        peer's failure broke its workers), and the round's root cause then: its earliest
+        failure of another class, from any node (None: none reported yet)."""
+        with self._lock:
+            current = list(self._unlinked.values())
+        own = [r for r in current if r.node_id == node_id]
+        if not own or own[-1].failure_class is not FailureClass.COLLATERAL:
+            return False, None
+        causes = [r for r in current if r.failure_class is not FailureClass.COLLATERAL]
+        return True, min(causes, key=lambda r: r.at) if causes else None
+
+    def repeated_cause(self, record: FailureRecord) -> FailureRecord | None:
+        """The previous failed round's root cause when ``record`` (a failure of the current
+        round) is the same user error: same signature, whichever node raised either."""
+        if record.failure_class is not FailureClass.USER_ERROR or not record.signature:
+            return None
+        with self._lock:
+            linked = [r for r in self._failures if r.round > 0]
+            if not linked:
+                return None
+            last = max(r.round for r in linked)
+            before = [
+                r
+                for r in linked
+                if r.round == last and r.failure_class is not FailureClass.COLLATERAL
+            ]
+        if not before:
+            return None
+        cause = min(before, key=lambda r: r.at)
+        return cause if cause.signature == record.signature else None
 
     def report_failure(self, node_id: str, incarnation: int, record: FailureRecord) -> None:
         """A node's agent reports a classified failure of its workers (`DiagnosticsApi`); raises

@@ -27,6 +27,7 @@ from dlrover.api import master as api
 from dlrover.api.sharding import ShardingTransport, StreamTransport
 from dlrover.checkpoint.coordinator import CommitVotes
 from dlrover.constants import DEFAULT_HEARTBEAT_TIMEOUT_S, HEARTBEATS_PER_S_BUDGET
+from dlrover.decisions import FailureAction
 from dlrover.master.diagnostics import MAX_EVENTS, Diagnostics
 from dlrover.master.kv_store import KvStore
 from dlrover.master.lifecycle import JobLifecycle, JobState
@@ -107,6 +108,7 @@ class JobMaster:
             self.members,
             self.diagnostics.event,
             lambda: self.status.get_job_status(),
+            self._round_cause,
         )
         self.preflight = Preflight(
             clock,
@@ -143,6 +145,8 @@ class JobMaster:
         self.members.on_heartbeat.append(self.diagnostics.observe_heartbeat)
         self.lifecycle.on_end.append(lambda: self.diagnostics.goodput.on_end(clock()))
         self.lifecycle.on_failed.append(self.preflight.checks.bump)  # a node check ends with it
+        self.diagnostics.on_recorded.append(self.lifecycle.recheck_held)
+        self.diagnostics.on_recorded.append(self._fail_on_repeated_cause)
         if self.members.activated_round:
             # A round formed under a master before this one: its workers kept training, and
             # their steps since this master started count (counted from this master).
@@ -206,6 +210,30 @@ class JobMaster:
         """The node check named ``node_id`` a straggler and keeps it: recorded all the same."""
         self.diagnostics.record(
             node_id, api.FailureClass.STRAGGLER, "none", f"{cause}; kept (no --exclude-straggler)"
+        )
+
+    def _round_cause(self, node_id: str) -> tuple[bool, str]:
+        """`JobLifecycle`'s view of `Diagnostics.round_cause`: the root cause in one line."""
+        collateral, root = self.diagnostics.round_cause(node_id)
+        if root is None:
+            return collateral, ""
+        first = root.root_cause.splitlines()[0] if root.root_cause else root.failure_class.value
+        return collateral, f"node {root.node_id}: {first}"
+
+    def _fail_on_repeated_cause(self, record: api.FailureRecord) -> None:
+        """The same user error as the previous failed round's root cause, from any node: the job
+        fails fast naming it (a node's agent does so for its own errors; this catches one
+        raised on another node, or hidden behind other nodes' collateral errors)."""
+        if record.action == FailureAction.FAIL.value:
+            return  # its agent failed the node: the job fails on its report
+        before = self.diagnostics.repeated_cause(record)
+        if before is None:
+            return
+        first = record.root_cause.splitlines()[0] if record.root_cause else record.signature
+        where = "" if before.node_id == record.node_id else f" (before on node {before.node_id})"
+        self.lifecycle.stop(
+            f"same root cause twice in a row ({record.signature}): failing fast; "
+            f"node {record.node_id}: {first}{where}"
         )
 
     def _on_committed(self, store: StateStore, step: int) -> None:

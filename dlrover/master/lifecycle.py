@@ -5,7 +5,9 @@ from __future__ import annotations
 import enum
 import logging
 import threading
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from dlrover.api.master import JobStatus, NodeOutcome, NodeReport
 from dlrover.master.changes import LongPoll
@@ -16,6 +18,24 @@ from dlrover.master.state_store import StateStore
 
 # The job's parts log as the job (people and tests read "dlrover.master.job: ...").
 logger = logging.getLogger("dlrover.master.job")
+
+
+ROOT_CAUSE_WAIT_S = 5.0
+"""How long a node's failure on a peer's error (collateral) holds the job's failure back while
+the round's root cause, another node's own failure, is not reported yet."""
+
+RoundCause = Callable[[str], "tuple[bool, str]"]
+"""node id -> whether its newest failure is collateral, and its round's root cause ("": none
+reported yet): `Diagnostics.round_cause` in words."""
+
+
+@dataclass(frozen=True)
+class _HeldFailure:
+    node_id: str
+    reason: str
+    exit_code: int
+    until: float
+    """Monotonic time the job fails at anyway."""
 
 
 class JobState(str, enum.Enum):
@@ -51,8 +71,11 @@ class JobLifecycle:
         members: Membership,
         event: Callable[[str, str], None],
         status: Callable[[], JobStatus],
+        round_cause: RoundCause | None = None,
     ) -> None:
         self._job_name = job_name
+        self._round_cause = round_cause
+        self._held: _HeldFailure | None = None
         self._store = store
         self._lock = lock
         self._members = members
@@ -100,8 +123,57 @@ class JobLifecycle:
             else:
                 nodes.set_state(report.node_id, NodeState.FAILED, report.reason or "workers failed")
                 nodes.set_exit_code(report.node_id, report.exit_code)
-                self._fail(f"node {report.node_id} failed: {report.reason}", report.exit_code or 1)
+                self._node_failed(
+                    report.node_id,
+                    f"node {report.node_id} failed: {report.reason}",
+                    report.exit_code or 1,
+                )
             return self.state == JobState.SUCCEEDED
+
+    def _node_failed(self, node_id: str, reason: str, exit_code: int) -> None:
+        """A node failed, so does the job, naming the root cause: a node that failed on a
+        peer's error (its last failure collateral) is not the cause while another node's own
+        failure of the same round exists, whatever order the reports came in. Until that one is
+        reported, at most ROOT_CAUSE_WAIT_S, the job's failure is held (`recheck_held`)."""
+        if self._round_cause is None or self.ended.is_set():
+            self._fail(reason, exit_code)
+            return
+        collateral, root = self._round_cause(node_id)
+        if not collateral:
+            self._fail(reason, exit_code)
+        elif root:
+            self._fail(f"{reason}; root cause: {root}", exit_code)
+        elif self._held is None:
+            self._held = _HeldFailure(
+                node_id, reason, exit_code, time.monotonic() + ROOT_CAUSE_WAIT_S
+            )
+            logger.info(
+                "job %s: node %s failed on a peer's error; waiting up to %.0f s for the "
+                "round's root cause",
+                self._job_name,
+                node_id,
+                ROOT_CAUSE_WAIT_S,
+            )
+
+    def recheck_held(self, *_: object) -> None:
+        """A failure was recorded, or the tick: end a held job failure once its round's root
+        cause is known or the wait is over."""
+        with self._lock:
+            held = self._held
+            if held is None or self.ended.is_set():
+                return
+            assert self._round_cause is not None
+            _collateral, root = self._round_cause(held.node_id)
+            if root:
+                self._held = None
+                self._fail(f"{held.reason}; root cause: {root}", held.exit_code)
+            elif time.monotonic() >= held.until:
+                self._held = None
+                self._fail(
+                    f"{held.reason} (a peer's error; no other node reported its own failure "
+                    f"within {ROOT_CAUSE_WAIT_S:.0f} s)",
+                    held.exit_code,
+                )
 
     def stop_job(self, reason: str) -> JobStatus:
         """Fail the job with ``reason`` ("stopped by request" if empty) and return its status."""
@@ -144,6 +216,7 @@ class JobLifecycle:
         fails it; a running job succeeds with its last member, or fails on a round that can never
         form."""
         members = self._members
+        self.recheck_held()
         with self._lock:
             if self.ended.is_set():
                 return

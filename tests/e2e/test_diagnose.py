@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -14,7 +15,15 @@ import pytest
 from tests.conftest import REPO, SCRIPTS, clean_env, dlrover_cli
 
 
-def _submit(tmp: Path, name: str, faults: str, nnodes: str, cgroup: Path | None = None) -> str:
+def _submit(
+    tmp: Path,
+    name: str,
+    faults: str,
+    nnodes: str,
+    cgroup: Path | None = None,
+    nproc: str = "2",
+    expect: int = 0,
+) -> str:
     (tmp / f"{name}-ckpt").mkdir()
 
     def enter_cgroup() -> None:  # runs in the child: it and all it starts count against the limit
@@ -32,7 +41,7 @@ def _submit(tmp: Path, name: str, faults: str, nnodes: str, cgroup: Path | None 
             "--nnodes",
             nnodes,
             "--nproc-per-node",
-            "2",
+            nproc,
             "--max-restarts",
             "3",
             str(SCRIPTS / "oracle_train.py"),
@@ -50,7 +59,7 @@ def _submit(tmp: Path, name: str, faults: str, nnodes: str, cgroup: Path | None 
         timeout=300,
         preexec_fn=enter_cgroup if cgroup is not None else None,
     )
-    assert r.returncode == 0, r.stderr[-5000:]
+    assert (r.returncode == 0) == (expect == 0), r.stderr[-5000:]
     return r.stderr
 
 
@@ -85,11 +94,46 @@ def test_diagnose_lists_each_failure_with_its_class_and_action(tmp_path: Path) -
     lost = [r for r in rows if r[3] == "relaunch_node"]
     assert len(lost) == 1 and lost[0][2] == "signal" and "killed by SIGKILL" in lost[0][4], rows
     assert all(r[3] == "restart_processes" for r in rows if r is not lost[0]), rows
-    assert {r[2] for r in rows} <= {"user_error", "signal"}, rows
+    # The other node's broken collective, where recorded, is classed collateral.
+    assert {r[2] for r in rows} <= {"user_error", "signal", "collateral"}, rows
     full = dlrover_cli(tmp_path / "home", "diagnose", "dg", "--full").stdout
     assert 'File "' in full and "maybe_inject" in full  # the traceback of the user error
     missing = dlrover_cli(tmp_path / "home", "diagnose", "nope")
     assert missing.returncode == 1 and "no job named 'nope'" in missing.stderr
+
+
+@pytest.mark.e2e
+def test_an_error_repeated_behind_other_nodes_collateral_errors_fails_fast_naming_it(
+    tmp_path: Path,
+) -> None:
+    """issue 51, item 5 (benchmarks/fault_campaign.py --seed 23 job 1): a 3-node job whose rank
+    1 raises the same exception on every attempt while its teardown lingers, so the other
+    nodes' agents see their broken collectives, and the master re-forms the world, before its
+    own agent sees the exit. The job fails fast on the second occurrence, naming the exception,
+    not a healthy node's collateral error; those are classed collateral; no budget runs out."""
+    r = subprocess.run(
+        [
+            sys.executable, "-m", "dlrover.cli.job", "submit", "--name", "rc", "--nnodes", "3",
+            "--nproc-per-node", "1", "--max-restarts", "3",
+            str(SCRIPTS / "raise_and_linger.py"), "--rank", "1", "--step", "6",
+        ],
+        env=clean_env(DLROVER_HOME=str(tmp_path / "home")),
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode != 0, r.stderr[-3000:]
+    record = json.loads((tmp_path / "home" / "jobs" / "rc" / "job.json").read_text())
+    reason = record["reason"]
+    assert record["state"] == "failed", record
+    assert "twice in a row" in reason and "ValueError: bad batch at step 6" in reason, reason
+    assert "Connection closed" not in reason and "budget exhausted" not in reason, reason
+    rows = _diagnose(tmp_path, "rc")
+    raised = [r for r in rows if "ValueError: bad batch at step 6" in r[4]]
+    assert len(raised) == 2, rows  # it failed on the second occurrence
+    assert [r[2] for r in raised] == ["user_error", "user_error"], rows
+    assert raised[-1][3] == "fail", rows
+    # The healthy nodes' broken collectives: recorded, classed collateral, never the cause.
+    others = [r for r in rows if r not in raised]
+    assert others and all(r[2] == "collateral" for r in others), rows
 
 
 def _memory_cgroup(limit_bytes: int) -> Path | None:
