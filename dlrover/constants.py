@@ -74,6 +74,12 @@ also prints its workers' per-rank lines there, each as ``[rank R] line``."""
 """Set by an engine for the agent it launches: the node id the agent registers under."""
 ENV_STACK_FILE = "DLROVER_STACK_FILE"
 """Set by the agent: where a worker writes its Python stacks when asked (SIGUSR1)."""
+ENV_COLLECTIVES_FILE = "DLROVER_COLLECTIVES_FILE"
+"""Set by the agent: where a worker writes its collectives' summary when asked (a hang;
+`dlrover.agent.collectives`)."""
+ENV_FR_BUFFER = "TORCH_FR_BUFFER_SIZE"
+"""PyTorch's flight recorder: how many collectives it keeps (0: none recorded); the agent sets
+it for its workers unless the user did."""
 ENV_AGENT_PID = "DLROVER_AGENT_PID"
 """The pid of the agent that started this worker (fault injection's kill_agent uses it)."""
 ENV_RECOVERY_SOCKET = "DLROVER_RECOVERY_SOCKET"

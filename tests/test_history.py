@@ -120,3 +120,13 @@ def test_a_step_report_carries_its_samples(tmp_path: object) -> None:
     path.write_bytes(path.read_bytes()[:-8])
     older = read_step_file(str(path))
     assert older is not None and older.step == 2 and older.samples == 0
+
+
+def test_a_large_job_charts_its_lowest_ranks_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dlrover.master import history as history_module
+
+    monkeypatch.setattr(history_module, "MAX_CHARTED_NODES", 1)
+    job, now = _job()
+    history = JobHistory(job)
+    history.sample(now[0])
+    assert list(history.document()["nodes"]) == ["n0"]  # registered first: the lower rank

@@ -122,6 +122,7 @@ FOUNDATION = (
     "dlrover.backoff",
     "dlrover.constants",
     "dlrover.coordination",
+    "dlrover.collectives",
     "dlrover.decisions",
     "dlrover.elasticjob",
     "dlrover.envvars",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import shlex
@@ -758,6 +759,14 @@ class ElasticAgent:
             # The workers start again in the new round, whatever a restart would have been.
             self._report_failure(verdict, FailureAction.RESTART_PROCESSES)
 
+    def _hung_collectives(self, verdict: Judgement) -> str:
+        """A hang's collectives, per hung rank (`dlrover.agent.collectives`), as JSON ("": not
+        a hang, or nothing recorded)."""
+        monitor = self._monitor
+        if verdict.failure_class is not FailureClass.HANG or monitor is None:
+            return ""
+        return json.dumps({str(rank): doc for rank, doc in monitor.collectives.items()})[:60_000]
+
     def _report_failure(self, verdict: Judgement, action: FailureAction | None = None) -> None:
         """Tell the master what failed, its class and the action (`dlrover diagnose`; the
         verdict's own unless ``action``); best-effort: an unreachable master costs the restart
@@ -770,6 +779,7 @@ class ElasticAgent:
             f"{verdict.summary}\n{verdict.report}"[:4000],
             self.restart_count,
             signature=signature_text(verdict.signature),
+            collectives=self._hung_collectives(verdict),
         )
         try:
             self.master.report_failure(self.node_id, self.incarnation, record)

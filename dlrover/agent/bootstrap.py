@@ -27,6 +27,7 @@ import sys
 import types
 from collections.abc import Sequence
 
+from dlrover.agent.collectives import start_dump_thread
 from dlrover.agent.error_file import ErrorRecorder
 from dlrover.agent.group_teardown import GroupKeeper
 from dlrover.constants import ENV_DONE_FILE, ENV_PARENT_DEATH_PID, ENV_STACK_FILE
@@ -214,6 +215,7 @@ def main() -> None:
     if parent.isdigit():
         die_with_parent(int(parent))
     enable_stack_dumps()
+    start_dump_thread()
     try:
         run_target(sys.argv[1:])
     except BootstrapError as exc:

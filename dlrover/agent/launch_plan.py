@@ -7,6 +7,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from dlrover.agent.bootstrap import ENV_DONE_FILE
+from dlrover.agent.collectives import DEFAULT_FR_BUFFER, ENV_COLLECTIVES_FILE, ENV_FR_BUFFER
 from dlrover.agent.config import AgentConfig
 from dlrover.agent.worker_env import WorkerPlacement, worker_env
 from dlrover.agent.workers import WorkerLaunch
@@ -48,6 +49,8 @@ class WorkerFiles:
     stack_file: str
     done_file: str
     error_file: str
+    collectives_file: str = ""
+    """Where it writes its collectives' summary when asked (`dlrover.agent.collectives`)."""
 
 
 @dataclass(frozen=True)
@@ -140,6 +143,7 @@ def plan_launch(
             stack_file=os.path.join(ctx.run_dir, f"stacks.{ctx.attempt}.{local_rank}"),
             done_file=os.path.join(ctx.run_dir, f"done.{ctx.attempt}.{local_rank}"),
             error_file=os.path.join(log_dir or private, "error.json"),
+            collectives_file=os.path.join(ctx.run_dir, f"collectives.{ctx.attempt}.{local_rank}"),
         )
         env = worker_env(
             base_env,
@@ -162,6 +166,9 @@ def plan_launch(
                 env.setdefault(name, value)
         env[ENV_STEP_FILE] = wf.step_file
         env[ENV_STACK_FILE] = wf.stack_file
+        env[ENV_COLLECTIVES_FILE] = wf.collectives_file
+        if ENV_FR_BUFFER not in env:  # the flight recorder names the laggard of a hang
+            env[ENV_FR_BUFFER] = DEFAULT_FR_BUFFER
         env[ENV_AGENT_PID] = str(ctx.agent_pid)
         env[ENV_MAX_NODES] = str(config.max_nodes)
         if ctx.saver_socket is not None:

@@ -11,14 +11,25 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from dlrover.agent.bootstrap import read_script_result
+from dlrover.agent.collectives import ask_dump
 from dlrover.agent.config import AgentConfig
 from dlrover.agent.launch_plan import LaunchPlan
 from dlrover.agent.progress_watch import ExitWatch, ProgressWatch, Stall, StepBreakdown, StepTimes
 from dlrover.agent.stacks import collect_stacks, cpu_seconds
 from dlrover.agent.workers import WorkerExit, WorkerGroup
+from dlrover.collectives import laggards
 from dlrover.trainer.progress import read_step_file
+
+STACK_LINES = 30
+"""A hung rank's stack lines kept with its collectives in the failure report (its main thread,
+innermost call first)."""
+HANG_PEERS_GRACE_S = 1.0
+"""After its own dumps, how long an agent that found a hang waits before it stops its workers:
+the other nodes' agents see the same stall within about a monitor interval and take theirs,
+which a stop here would break (their collectives fail, their workers exit)."""
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +121,8 @@ class WorkerMonitor:
         self.attempt_first: tuple[int, float] | None = None
         """The first (step, wall time) seen of these workers."""
         self.hung: list[int] = []
+        self.collectives: dict[int, dict[str, Any]] = {}
+        """Global rank -> its collectives' summary and stack, of the workers found hung."""
 
     def wait(self) -> Outcome:
         """Block until the group succeeds, a worker fails or hangs, membership changes, or
@@ -214,14 +227,17 @@ class WorkerMonitor:
             self._progress.observe(local_rank, record, cpu, now)
         stale = self._progress.hung(cfg.hang_timeout_s, now, done)
         if stale:
+            stacks = self._stacks(stale)
+            offset = self._plan.rank_offset
             logger.error(
                 "hang: local ranks %s reported no step for %.0fs (last step %d); their stacks:\n%s",
                 stale,
                 cfg.hang_timeout_s,
                 self.step,
-                self._stacks_text(stale),
+                _stacks_text(stacks, offset),
             )
             self.hung = [self._plan.launches[lr].rank for lr in stale]
+            self._record_collectives(stale, stacks)
             return True
         stalls = self._progress.new_stalls(cfg.hang_warning_timeout_s, now, done)
         if stalls:
@@ -295,18 +311,42 @@ class WorkerMonitor:
             self._stacks_text([stall.local_rank for stall in stalls]),
         )
 
-    def _stacks_text(self, local_ranks: list[int]) -> str:
-        """Every thread's Python stack of these workers (asked by signal, read from their files)."""
+    def _stacks(self, local_ranks: list[int]) -> dict[int, tuple[int, str]]:
+        """Local rank -> (pid, every thread's Python stack) of these workers (asked by signal,
+        read from their files)."""
         pids = self._group.pids
         targets = {
             lr: (pids[lr], self._plan.files[lr].stack_file) for lr in local_ranks if lr in pids
         }
         dumps = collect_stacks(targets)
-        offset = self._plan.rank_offset
-        return "\n".join(
-            f"--- rank {offset + lr} (pid {targets[lr][0]}) ---\n{dumps[lr]}"
-            for lr in sorted(dumps)
-        )
+        return {lr: (targets[lr][0], dumps[lr]) for lr in dumps}
+
+    def _stacks_text(self, local_ranks: list[int]) -> str:
+        """Every thread's Python stack of these workers, one section per rank."""
+        return _stacks_text(self._stacks(local_ranks), self._plan.rank_offset)
+
+    def _record_collectives(self, stale: list[int], stacks: dict[int, tuple[int, str]]) -> None:
+        """The hung workers' collectives (`dlrover.agent.collectives`), each with its stack's
+        tail, for the failure report: global rank -> summary. Then a moment for the other
+        nodes' agents, which see the same stall within about a monitor interval, to take
+        theirs before this one's stop breaks their collectives."""
+        files = self._plan.files
+        launches = self._plan.launches
+        paths = {
+            launches[lr].rank: files[lr].collectives_file
+            for lr in stale
+            if files[lr].collectives_file
+        }
+        summaries = ask_dump(paths) if paths else {}
+        for lr in stale:
+            rank = launches[lr].rank
+            if rank in summaries and lr in stacks:
+                summaries[rank]["stack"] = _main_stack(stacks[lr][1])
+        self.collectives = summaries
+        for line in laggards(summaries):
+            logger.error("hang: %s", line)
+        if paths:
+            time.sleep(HANG_PEERS_GRACE_S)
 
     def forget(self, local_rank: int) -> None:
         """A worker of ``local_rank`` was replaced: what its predecessor did no longer counts."""
@@ -354,6 +394,21 @@ class WorkerMonitor:
         for rank in self.hung:
             exits.setdefault(rank, -signal.SIGKILL)
         return exits
+
+
+def _main_stack(dump: str) -> str:
+    """The thread a faulthandler dump calls current (the main one, where the script hangs),
+    innermost call first, at most STACK_LINES lines."""
+    at = dump.find("Current thread")
+    lines = (dump[at:] if at >= 0 else dump).splitlines()
+    return "\n".join(lines[:STACK_LINES])
+
+
+def _stacks_text(stacks: dict[int, tuple[int, str]], offset: int) -> str:
+    return "\n".join(
+        f"--- rank {offset + lr} (pid {pid}) ---\n{text}"
+        for lr, (pid, text) in sorted(stacks.items())
+    )
 
 
 def _mtime(path: str) -> float:

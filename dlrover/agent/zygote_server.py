@@ -34,6 +34,7 @@ import time
 
 from dlrover import constants as c
 from dlrover.agent.bootstrap import BootstrapError, die_with_parent, enable_stack_dumps, run_target
+from dlrover.agent.collectives import start_dump_thread
 from dlrover.agent.zygote_messages import (
     FDS_MARKER,
     OUTPUT_FDS,
@@ -272,6 +273,7 @@ def run_child(spec: SpawnRequest, fds: list[int]) -> None:
     _redirect(spec, fds)
     _apply_environment(spec)
     enable_stack_dumps()
+    start_dump_thread()
     try:
         run_target(spec.argv)
     except BootstrapError as exc:

@@ -283,6 +283,9 @@ class FailureRecord:
     """A user error's identity, its exception type at its innermost frame
     (``RuntimeError at train.py:42 in step``): the same twice in a row fails the job fast,
     whichever node raised it ("" for other classes)."""
+    collectives: str = ""
+    """A hang's collectives, JSON: global rank -> the last collective it entered per process
+    group and its stack's tail (`dlrover.agent.collectives`); "" for other classes."""
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from dlrover.cli.serve_job import (
     serve_job,
     supervise_job,
 )
-from dlrover.cli.status_view import failure_lines, plan_lines, status_text
+from dlrover.cli.status_view import failure_lines, hang_lines, plan_lines, status_text
 from dlrover.client.master_client import MasterClient, MasterClientError
 from dlrover.constants import (
     DEFAULT_NPROC_PER_NODE,
@@ -119,6 +119,9 @@ def cmd_diagnose(name: str, full: bool = False) -> int:
     else:
         print(f"job {name}: {len(failures)} failure(s)")
         print("\n".join(failure_lines(failures, full)))
+        hangs = hang_lines(failures)
+        if hangs:
+            print("\n".join(hangs))
     plans = plan_lines(name)
     if plans:
         print("\n".join(plans))

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import time
 
-from dlrover.api.master import FailureRecord, JobStatus, NodeStatus
+from dlrover.api.master import FailureClass, FailureRecord, JobStatus, NodeStatus
 from dlrover.client.master_client import MasterClient, MasterClientError
+from dlrover.collectives import behind, laggards, merge
 from dlrover.coordination import TF_CLUSTER, TF_PS_GENERATION
 from dlrover.runner.records import FinalState, JobRecord, read_final, read_record
 
@@ -126,6 +127,26 @@ def failure_lines(failures: tuple[FailureRecord, ...], full: bool = False) -> li
         )
         if full and cause != first:
             lines.append("    " + cause.replace("\n", "\n    "))
+    return lines
+
+
+def hang_lines(failures: tuple[FailureRecord, ...]) -> list[str]:
+    """What the hangs' collectives say (`dlrover.collectives`), per round a hang led to: which
+    rank the others wait for, in which collective, and that rank's stack."""
+    lines: list[str] = []
+    rounds = sorted({f.round for f in failures if f.failure_class is FailureClass.HANG})
+    for round in rounds:
+        hung = [f for f in failures if f.failure_class is FailureClass.HANG and f.round == round]
+        ranks = merge([f.collectives for f in hung])
+        if not ranks:
+            continue
+        lines.append(f"hang{f' (-> round {round})' if round else ''}:")
+        lines.extend(f"  {line}" for line in laggards(ranks))
+        for rank in behind(ranks):
+            stack = str(ranks[rank].get("stack", "")).strip()
+            if stack:
+                lines.append(f"  rank {rank}'s stack:")
+                lines.extend(f"    {line}" for line in stack.splitlines())
     return lines
 
 

@@ -114,6 +114,11 @@ class Diagnostics:
                     return record.root_cause.splitlines()[0]
         return ""
 
+    def current_failures(self) -> list[FailureRecord]:
+        """The failures recorded since the last round formed, oldest first."""
+        with self._lock:
+            return list(self._unlinked.values())
+
     def round_cause(self, node_id: str) -> tuple[bool, FailureRecord | None]:
         """Whether ``node_id``'s newest failure since the last round formed is collateral (a
         peer's failure broke its workers), and the round's root cause then: its earliest

@@ -3,8 +3,8 @@ throughput, CPU and memory, with the timeline's events as markers.
 
 The master samples every ``every_s`` (its tick). The whole job is kept at a falling resolution:
 when ``max_points`` samples are held, every other one is dropped and the interval doubles, so a
-day-long job keeps its start as well as its last minutes in bounded memory (a 1,000-node job:
-~720 x 1,000 x 5 floats). `JobHistory.document` is what ``/api/history`` serves and what an
+day-long job keeps its start as well as its last minutes in bounded memory (at most 720 samples
+of `MAX_CHARTED_NODES` nodes, ~5 MB). `JobHistory.document` is what ``/api/history`` serves and what an
 ended job leaves in ``history.json`` beside its final state.
 """
 
@@ -25,6 +25,10 @@ DEFAULT_EVERY_S = 2.0
 DEFAULT_MAX_POINTS = 720
 MAX_MARKERS = 1000
 """The newest timeline events kept as chart markers."""
+MAX_CHARTED_NODES = 64
+"""Nodes charted per sample, the lowest ranks first: a chart of more lines is unreadable, and
+720 samples of 10,000 nodes would cost the master a gigabyte (`dlrover status`, the table and
+/metrics have every node)."""
 NODE_SERIES = ("step_s", "samples_per_s", "steps_per_s", "cpu_percent", "memory_mib")
 """What is charted per node: seconds per step, samples and steps per second, CPU %, MiB."""
 
@@ -80,13 +84,16 @@ class JobHistory:
         """Take one sample of the job now, and the timeline's events since the last one."""
         job = self._job
         g = job.diagnostics.goodput.snapshot(now)
+        alive = sorted(
+            (n for n in job.members.nodes.all() if n.state in ALIVE_STATES),
+            key=lambda n: (n.node_rank < 0, n.node_rank, n.node_id),
+        )[:MAX_CHARTED_NODES]
         nodes = {
             n.node_id: (n.breakdown[0], n.samples_per_s, n.step, n.cpu_percent, n.memory_bytes)
-            for n in job.members.nodes.all()
-            if n.state in ALIVE_STATES
+            for n in alive
         }
         for r in job.roles.role_nodes():  # a TensorFlow job's or embedding servers' nodes
-            if r.state in ("pending", "running"):
+            if r.state in ("pending", "running") and len(nodes) < MAX_CHARTED_NODES:
                 nodes[r.node_id] = (0.0, 0.0, -1, r.cpu_percent, r.memory_bytes)
         sample = _Sample(
             at=time.time(),

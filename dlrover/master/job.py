@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from dlrover.api import master as api
 from dlrover.api.sharding import ShardingTransport, StreamTransport
 from dlrover.checkpoint.coordinator import CommitVotes
+from dlrover.collectives import laggards, merge
 from dlrover.constants import DEFAULT_HEARTBEAT_TIMEOUT_S, HEARTBEATS_PER_S_BUDGET
 from dlrover.decisions import FailureAction
 from dlrover.master.diagnostics import MAX_EVENTS, Diagnostics
@@ -147,6 +148,8 @@ class JobMaster:
         self.lifecycle.on_failed.append(self.preflight.checks.bump)  # a node check ends with it
         self.diagnostics.on_recorded.append(self.lifecycle.recheck_held)
         self.diagnostics.on_recorded.append(self._fail_on_repeated_cause)
+        self.diagnostics.on_recorded.append(self._explain_hang)
+        self._hang_said: set[str] = set()
         if self.members.activated_round:
             # A round formed under a master before this one: its workers kept training, and
             # their steps since this master started count (counted from this master).
@@ -235,6 +238,18 @@ class JobMaster:
             f"same root cause twice in a row ({record.signature}): failing fast; "
             f"node {record.node_id}: {first}{where}"
         )
+
+    def _explain_hang(self, record: api.FailureRecord) -> None:
+        """A node's hang report: which rank the others wait for, from every hang report of the
+        round so far (each node reports its own ranks), on the timeline and in the log."""
+        if record.failure_class is not api.FailureClass.HANG or not record.collectives:
+            return
+        documents = [r.collectives for r in self.diagnostics.current_failures()]
+        for line in laggards(merge(documents)):
+            if line not in self._hang_said:
+                self._hang_said.add(line)
+                self.diagnostics.event("hang", line)
+                logger.error("hang: %s", line)
 
     def _on_committed(self, store: StateStore, step: int) -> None:
         store.put_json("checkpoint", "committed", step)

@@ -451,7 +451,7 @@ class ReportNodeCheckResponse(_message.Message):
     def __init__(self, refused: _Optional[_Union[MasterError, _Mapping]] = ...) -> None: ...
 
 class FailureRecord(_message.Message):
-    __slots__ = ("at", "node_id", "failure_class", "action", "root_cause", "restart_count", "round", "cost_s", "signature")
+    __slots__ = ("at", "node_id", "failure_class", "action", "root_cause", "restart_count", "round", "cost_s", "signature", "collectives")
     AT_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     FAILURE_CLASS_FIELD_NUMBER: _ClassVar[int]
@@ -461,6 +461,7 @@ class FailureRecord(_message.Message):
     ROUND_FIELD_NUMBER: _ClassVar[int]
     COST_S_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVES_FIELD_NUMBER: _ClassVar[int]
     at: float
     node_id: str
     failure_class: str
@@ -470,7 +471,8 @@ class FailureRecord(_message.Message):
     round: int
     cost_s: float
     signature: str
-    def __init__(self, at: _Optional[float] = ..., node_id: _Optional[str] = ..., failure_class: _Optional[str] = ..., action: _Optional[str] = ..., root_cause: _Optional[str] = ..., restart_count: _Optional[int] = ..., round: _Optional[int] = ..., cost_s: _Optional[float] = ..., signature: _Optional[str] = ...) -> None: ...
+    collectives: str
+    def __init__(self, at: _Optional[float] = ..., node_id: _Optional[str] = ..., failure_class: _Optional[str] = ..., action: _Optional[str] = ..., root_cause: _Optional[str] = ..., restart_count: _Optional[int] = ..., round: _Optional[int] = ..., cost_s: _Optional[float] = ..., signature: _Optional[str] = ..., collectives: _Optional[str] = ...) -> None: ...
 
 class ReportFailureRequest(_message.Message):
     __slots__ = ("node_id", "incarnation", "record")

@@ -189,3 +189,35 @@ def test_a_worker_killed_by_the_oom_killer_is_classified_oom(
     # The victim is the kernel's choice: rank 1's hog, almost always; once, while other test
     # runs loaded the machine, rank 0. The report must name the rank that was killed.
     assert re.search(r"rank [01] OOM-killed", rows[0][4]), rows
+
+
+@pytest.mark.e2e
+def test_a_hang_names_the_rank_that_did_not_enter_the_collective(tmp_path: Path) -> None:
+    """issue 51, item 4: on two nodes, rank 1 skips an all-reduce and blocks in its own code;
+    rank 0 waits in it. The hang is found (--hang-timeout), both ranks' flight recorders are
+    read, and `dlrover diagnose` names rank 1, the collective rank 0 waits in, and rank 1's
+    stack; the dashboard's timeline says the same. The job then recovers and succeeds."""
+    r = subprocess.run(
+        [
+            sys.executable, "-m", "dlrover.cli.job", "submit", "--name", "lag", "--nnodes", "2",
+            "--nproc-per-node", "1", "--max-restarts", "2", "--hang-timeout", "3",
+            str(SCRIPTS / "skip_collective.py"), "--rank", "1", "--step", "5",
+            "--once", str(tmp_path / "skipped"),
+        ],
+        env=clean_env(DLROVER_HOME=str(tmp_path / "home")),
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    out = dlrover_cli(tmp_path / "home", "diagnose", "lag").stdout
+    assert "hang" in out and "class" in out, out
+    hang = out[out.index("\nhang") :]
+    assert re.search(
+        r"rank 1 did not enter gloo:all_reduce #\d+ of process group \S+ that rank 0 waits? in",
+        hang,
+    ), out
+    assert "rank 1's stack:" in hang and "wait_for_something_that_never_comes" in hang, out
+    # Rank 0 is not blamed: it is the one waiting.
+    assert "rank 0 did not enter" not in hang, out
+    history = json.loads((tmp_path / "home" / "jobs" / "lag" / "history.json").read_text())
+    said = [m["text"] for m in history["markers"] if m["kind"] == "hang"]
+    assert any("rank 1 did not enter gloo:all_reduce" in t for t in said), history["markers"]
