@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import errno
 import json
 import logging
 import sys
@@ -23,12 +22,12 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 from urllib.parse import quote, unquote, urlparse
 
 from dlrover.cli.job_records import NoSuchJobError, pid_alive, read_record
-from dlrover.master.web import STATIC, static_file
+from dlrover.master.web import STATIC, HttpService, PageHandler, static_file
 from dlrover.runner.records import (
     JobRecord,
     dlrover_home,
@@ -90,30 +89,25 @@ class JobView:
         except (OSError, ValueError) as e:
             raise JobUnavailable(f"job {self.name}'s master does not answer: {e}") from None
 
+    def _live(self, path: str) -> dict[str, Any] | None:
+        """A running job's JSON page ``path`` (None: not running, or not answering)."""
+        if not self.live:
+            return None
+        try:
+            code, _, body = self.fetch(path)
+        except JobUnavailable:
+            return None
+        doc: dict[str, Any] | None = json.loads(body) if code == 200 else None
+        return doc
+
     def status(self) -> dict[str, Any]:
         """The /api/status document: live, or the ended job's final one (also while a job
         that is ending no longer serves and has not yet recorded its end)."""
-        if self.live:
-            try:
-                code, _, body = self.fetch("/api/status")
-            except JobUnavailable:
-                code, body = 0, b""
-            if code == 200:
-                doc: dict[str, Any] = json.loads(body)
-                return doc
-        return self.final_status()
+        return self._live("/api/status") or self.final_status()
 
     def history(self) -> dict[str, Any] | None:
         """The /api/history document: live, or the ended job's (None: none kept)."""
-        if self.live:
-            try:
-                code, _, body = self.fetch("/api/history")
-            except JobUnavailable:
-                code, body = 0, b""
-            if code == 200:
-                doc: dict[str, Any] = json.loads(body)
-                return doc
-        return read_history(self.name)
+        return self._live("/api/history") or read_history(self.name)
 
     def final_status(self) -> dict[str, Any]:
         """An ended (or unreachable) job's status, in the shape of /api/status, from its records."""
@@ -190,47 +184,24 @@ class DashboardError(Exception):
     """The dashboard's port cannot be bound."""
 
 
-class DashboardServer:
+class DashboardServer(HttpService):
     """Serves the jobs page and each job's page (see the module)."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT) -> None:
-        try:
-            self._httpd = ThreadingHTTPServer((host, port), _handler())
-        except OSError as e:
-            why = "the port is taken" if e.errno == errno.EADDRINUSE else (e.strerror or str(e))
-            raise DashboardError(
+        super().__init__(
+            host,
+            port,
+            _handler(),
+            "dlrover-dashboard",
+            lambda why: DashboardError(
                 f"cannot serve the dashboard on {host}:{port}: {why}; pick another --port "
                 "(0: a free one)"
-            ) from None
-        self._httpd.daemon_threads = True
-        self._thread = threading.Thread(
-            target=self._httpd.serve_forever, name="dlrover-dashboard", daemon=True
+            ),
         )
-
-    @property
-    def port(self) -> int:
-        """The bound port (the free one picked for port 0)."""
-        return int(self._httpd.server_address[1])
-
-    def start(self) -> DashboardServer:
-        """Serve in a background thread; returns self."""
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        """Stop serving (if started) and close the socket."""
-        if self._thread.is_alive():
-            self._httpd.shutdown()
-        self._httpd.server_close()
 
 
 def _handler() -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        server_version = "dlrover"
-
-        def log_message(self, format: str, *args: Any) -> None:
-            return  # a page polls every 2 s
-
+    class Handler(PageHandler):
         def do_GET(self) -> None:
             url = urlparse(self.path)
             try:
@@ -285,14 +256,6 @@ def _handler() -> type[BaseHTTPRequestHandler]:
 
         def _json(self, doc: object) -> None:
             self._send(200, "application/json", json.dumps(doc).encode())
-
-        def _send(self, code: int, content_type: str, body: bytes) -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.send_header("Cache-Control", "no-store")
-            self.end_headers()
-            self.wfile.write(body)
 
     return Handler
 

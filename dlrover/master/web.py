@@ -26,9 +26,10 @@ import errno
 import json
 import logging
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import parse_qs, urlparse
 
 from dlrover.engines.node_logs import LogChunk, NodeLogs
@@ -52,7 +53,48 @@ class WebError(Exception):
     """
 
 
-class WebServer:
+_S = TypeVar("_S", bound="HttpService")
+
+
+class HttpService:
+    """One HTTP server on a port of its own, served from a daemon thread: the master's metrics
+    and dashboard (`WebServer`), `dlrover dashboard` (`dlrover.cli.dashboard`)."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        handler: type[BaseHTTPRequestHandler],
+        name: str,
+        refused: Callable[[str], Exception],
+    ) -> None:
+        """``refused(why)``: the error to raise when the port cannot be bound."""
+        try:
+            self._httpd = ThreadingHTTPServer((host, port), handler)
+        except OSError as e:
+            why = "the port is taken" if e.errno == errno.EADDRINUSE else (e.strerror or str(e))
+            raise refused(why) from None
+        self._httpd.daemon_threads = True
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name=name, daemon=True)
+
+    @property
+    def port(self) -> int:
+        """The bound port (the free one picked for port 0)."""
+        return int(self._httpd.server_address[1])
+
+    def start(self: _S) -> _S:
+        """Serve in a background thread; returns self."""
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop serving (if `start` was called) and close the socket."""
+        if self._thread.is_alive():
+            self._httpd.shutdown()  # waits for serve_forever to return: never called without it
+        self._httpd.server_close()
+
+
+class WebServer(HttpService):
     """Serves one job's metrics and dashboard on a port of its own."""
 
     def __init__(
@@ -68,35 +110,16 @@ class WebServer:
         self._api = LocalMasterApi(job)
         self._metrics = JobMetrics(job)
         self.log_reader = log_reader
-        handler = _handler(self)
-        try:
-            self._httpd = ThreadingHTTPServer((host, port), handler)
-        except OSError as e:
-            why = "the port is taken" if e.errno == errno.EADDRINUSE else (e.strerror or str(e))
-            raise WebError(
+        super().__init__(
+            host,
+            port,
+            _handler(self),
+            "dlrover-web",
+            lambda why: WebError(
                 f"cannot serve metrics on {host}:{port}: {why}; pick another --metrics-port "
                 "(0: a free one, -1: none)"
-            ) from None
-        self._httpd.daemon_threads = True
-        self._thread = threading.Thread(
-            target=self._httpd.serve_forever, name="dlrover-web", daemon=True
+            ),
         )
-
-    @property
-    def port(self) -> int:
-        """The bound port (the free one picked for port 0)."""
-        return int(self._httpd.server_address[1])
-
-    def start(self) -> WebServer:
-        """Serve in a background thread; returns self."""
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        """Stop serving (if `start` was called) and close the socket."""
-        if self._thread.is_alive():
-            self._httpd.shutdown()  # waits for serve_forever to return: never called without it
-        self._httpd.server_close()
 
     # --- pages ---------------------------------------------------------------------------------
     def metrics(self) -> bytes:
@@ -164,13 +187,27 @@ def static_file(name: str) -> bytes:
     return resources.files("dlrover.master").joinpath("static").joinpath(name).read_bytes()
 
 
+class PageHandler(BaseHTTPRequestHandler):
+    """What every page of the master's and `dlrover dashboard`'s servers shares: no access log
+    (a page polls every 2 s) and uncached answers."""
+
+    server_version = "dlrover"
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Nothing: scrapes and polls every few seconds would flood the log."""
+        return
+
+    def _send(self, code: int, content_type: str, body: bytes) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        self.end_headers()
+        self.wfile.write(body)
+
+
 def _handler(server: WebServer) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        server_version = "dlrover"
-
-        def log_message(self, format: str, *args: Any) -> None:
-            return  # scrapes every few seconds would flood the master's log
-
+    class Handler(PageHandler):
         def do_GET(self) -> None:
             url = urlparse(self.path)
             try:
@@ -228,13 +265,5 @@ def _handler(server: WebServer) -> type[BaseHTTPRequestHandler]:
             except Exception:  # a page must never take the master down
                 logger.exception("web: %s failed", url.path)
                 self._send(500, "text/plain", b"internal error (see the master's log)\n")
-
-        def _send(self, code: int, content_type: str, body: bytes) -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.send_header("Cache-Control", "no-store")
-            self.end_headers()
-            self.wfile.write(body)
 
     return Handler
