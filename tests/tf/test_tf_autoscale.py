@@ -157,8 +157,11 @@ def test_a_hot_ps_of_a_skewed_table_is_named_and_a_third_ps_splits_its_part(
     after = plans[next(i for i, p in enumerate(plans) if "scale_out ps 2 -> 3" in p) + 1 :]
     even = [p for p in after if p.startswith("auto-scale: ps load even")]
     assert even and not any("is hot" in p for p in after[after.index(even[0]) :]), plans
-    cores = [float(x) for x in re.findall(r"[\d.]+", even[-1].split("(", 1)[1])]
-    assert len(cores) == 3, even[-1]
+    # Judged at the busiest sample: the last ones may fall in the job's wind-down, where the
+    # workers are finishing and the ps' loads drop unevenly (seen once in CI: 0.07, 0.17, 0.07).
+    loads = [[float(x) for x in re.findall(r"[\d.]+", p.split("(", 1)[1])] for p in even]
+    cores = max(loads, key=sum)
+    assert len(cores) == 3, even
     for i, mine in enumerate(cores):
         others = [c for j, c in enumerate(cores) if j != i]
         assert mine <= 1.5 * max(sum(others) / len(others), 0.05), "\n".join(plans)
