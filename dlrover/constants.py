@@ -53,8 +53,6 @@ MAX_KV_VALUE_BYTES = 1024 * 1024
 TOKEN_METADATA_KEY = "x-dlrover-token"
 ENV_STEP_FILE = "DLROVER_STEP_FILE"
 """File where a worker's `dlrover.trainer.report_step` writes its latest step for the agent."""
-DEFAULT_HANG_TIMEOUT_S = 0.0
-"""No step reported for this long (after a first one) counts as a hang; 0 turns detection off."""
 DEFAULT_HANG_WARNING_TIMEOUT_S = 600.0
 """No progress for this long: the agent logs the stuck ranks with their stacks (no restart)."""
 DEFAULT_EXIT_HANG_TIMEOUT_S = 60.0

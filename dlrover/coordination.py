@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, fields
 from typing import Generic, Protocol, TypeVar
 
 from dlrover import constants as c
+from dlrover.hang_spec import PhaseHistory
 from dlrover.json_messages import from_fields, parse, to_fields
 
 T = TypeVar("T")
@@ -259,4 +260,11 @@ PS_SCALE: KvChannel[ScaleReport] = KvChannel(c.PS_SCALE_KEY, ScaleReport.encode,
 PS_ADDRESS: KvChannel[str] = KvChannel(c.PS_ADDRESS_KEY, _text, _untext, per_node=True)
 """An embedding server's address, registered as it starts."""
 CKPT_PEER: KvChannel[str] = KvChannel("dlrover/ckpt-peer/", _text, _untext, per_node=True)
+"""Where a node's flash-checkpoint peer serves (per round and node rank)."""
+HANG_HISTORY: KvChannel[PhaseHistory] = KvChannel(
+    "dlrover/hang-history", PhaseHistory.encode, PhaseHistory.decode
+)
+"""The job's phase durations that hang timeouts are learned from (`dlrover.hang_spec`): each
+agent saves its own now and then and takes the job's in as it starts, so a restarted or
+replacement node does not start from the defaults."""
 """A node's flash-checkpoint replica address in a round: the node is ``<round>/<node rank>``."""

@@ -26,6 +26,7 @@ from dlrover.elasticjob import ElasticJobError, is_elasticjob, spec_of
 from dlrover.engines import sizes
 from dlrover.engines.base import Capacity, InvalidNodeSpecError, NodeSpec, Resources
 from dlrover.engines.registry import BUILTIN_ENGINES, LOCAL, EngineRegistry, node_host
+from dlrover.hang_spec import HangSpec, HangSpecError
 
 ENGINES = BUILTIN_ENGINES.names
 """Engine names a job spec may ask for (those of `BUILTIN_ENGINES`)."""
@@ -134,9 +135,9 @@ class JobSpec:
     exclude_straggler: bool = False
     """Replace stragglers: those the node check finds (`dlrover-run --exclude-straggler`) and
     nodes that stay slow while training (runtime scores, dlrover/master/stragglers.py)."""
-    hang_timeout_s: float = 0.0
-    """Workers with no step reported for this long count as hung and restart (the agent's
-    ``--hang-timeout``); 0: off, as in dlrover-run."""
+    hang_timeout: str = "auto"
+    """Hang detection, as the agent's ``--hang-timeout`` takes it (`dlrover.hang_spec`): ``auto``
+    (learned per phase, the default), ``off``, seconds for every phase, or per phase."""
     compile_cache: str = ""
     """A folder every node reaches (a shared filesystem) for the workers' compile caches (each
     agent's ``--compile-cache``): a replacement on a fresh machine compiles from it."""
@@ -148,6 +149,11 @@ class JobSpec:
     """Embedding servers (role ``ps``), or None for a job of workers only."""
     tf: TfSpec | None = None
     """A TensorFlow parameter-server job's roles, or None for an all-reduce (dlrover-run) job."""
+
+    @property
+    def hang_timeout_s(self) -> float:
+        """The seconds of a plain ``hang_timeout`` (every phase fixed); 0 otherwise."""
+        return HangSpec.parse(self.hang_timeout).every or 0.0
 
     @property
     def nnodes(self) -> str:
@@ -164,7 +170,7 @@ class JobSpec:
             f"--max-restarts={self.max_restarts}",
             *(["--node-check"] if self.node_check else []),
             *(["--exclude-straggler"] if self.node_check and self.exclude_straggler else []),
-            *([f"--hang-timeout={self.hang_timeout_s:g}"] if self.hang_timeout_s else []),
+            *([f"--hang-timeout={self.hang_timeout}"] if self.hang_timeout != "auto" else []),
             *([f"--compile-cache={self.compile_cache}"] if self.compile_cache else []),
             *self.program(),
         )
@@ -489,9 +495,14 @@ def job_spec_from_dict(
         if not isinstance(value, bool):
             raise JobSpecError(f"{key} is {value!r}; it must be true or false")
         flags[key] = value
-    hang = raw.get("hang_timeout", 0)
-    if isinstance(hang, bool) or not isinstance(hang, (int, float)) or hang < 0:
-        raise JobSpecError(f"hang_timeout is {hang!r}; it must be seconds >= 0 (0: off)")
+    hang = raw.get("hang_timeout", "auto")
+    try:
+        hang_spec = HangSpec.parse(hang)
+    except HangSpecError as e:
+        raise JobSpecError(
+            f"hang_timeout is {hang!r}; it must be seconds >= 0 (0: off), auto, or per phase "
+            f"(e.g. {{step: 120, eval: off, min: 10}}): {e}"
+        ) from None
     spares = raw.get("spares", 0)
     if isinstance(spares, bool) or not isinstance(spares, int) or spares < 0:
         raise JobSpecError(f"spares is {spares!r}; it must be an integer >= 0")
@@ -529,7 +540,7 @@ def job_spec_from_dict(
         engine_settings=dict(settings),
         oom_memory_factor=float(factor),
         oom_max_memory_mib=cap,
-        hang_timeout_s=float(hang),
+        hang_timeout=hang_spec.text(),
         spares=spares,
         compile_cache=str(raw.get("compile_cache") or ""),
         ps=roles if isinstance(roles, PsSpec) else None,
@@ -602,7 +613,7 @@ def job_spec_from_flags(
     auto_scale: bool = False,
     ps: int = 0,
     ps_replica: str = DEFAULT_PS_REPLICA,
-    hang_timeout: float = 0.0,
+    hang_timeout: str | float | None = None,
     spares: int = 0,
     compile_cache: str = "",
 ) -> JobSpec:
@@ -621,7 +632,7 @@ def job_spec_from_flags(
         "node_check": node_check,
         "exclude_straggler": exclude_straggler,
         "auto_scale": auto_scale,
-        "hang_timeout": hang_timeout,
+        "hang_timeout": "auto" if hang_timeout is None else hang_timeout,
         "spares": spares,
         "compile_cache": compile_cache,
     }

@@ -127,6 +127,7 @@ FOUNDATION = (
     "dlrover.elasticjob",
     "dlrover.envvars",
     "dlrover.faults",
+    "dlrover.hang_spec",
     "dlrover.jobspec",
     "dlrover.json_messages",
     "dlrover.log",

@@ -63,12 +63,16 @@ from dlrover.constants import (
     EXIT_MASTER_LOST,
     EXIT_NODE_OOM,
 )
+from dlrover.coordination import HANG_HISTORY
 from dlrover.decisions import FailureAction
 from dlrover.faults import ENV_FAULTS, node_slot, pending_until
+from dlrover.hang_spec import PhaseHistory
 from dlrover.processes import UsageMeter
 from dlrover.recovery_channel import env_changes
 
 BOOTSTRAP_MODULE = "dlrover.agent.bootstrap"
+HANG_HISTORY_SAVE_S = 30.0
+"""How often (at most) an agent saves its phase durations through the master."""
 """The module every worker runs its target through (``python -u -m`` it, then the target)."""
 
 logger = logging.getLogger(__name__)
@@ -190,6 +194,10 @@ class ElasticAgent:
         self._run_dir = ""
         self._owner_lock: OwnerLock | None = None
         self._history: list[UserErrorSignature | None] = []
+        self._hang_history = PhaseHistory()
+        """The phase durations hang timeouts are learned from (this node's and, from the
+        start, the job's as saved through the master)."""
+        self._hang_history_saved = (0.0, b"")
         self._zygote: PendingZygote | None = None
         self._saver: Any = None
         self._hub: RecoveryHub | None = None
@@ -272,6 +280,7 @@ class ElasticAgent:
             self._faults.clean_leftovers()
         self._wait_pending()
         self._register()
+        self._load_hang_history()
         # Named for the job, node and this process, and guarded by a lock held until close:
         # an operator can tell whose they are, and the next agent's sweep whether the owner died.
         prefix = owner_prefix(self.run_id, self.node_id or "node", os.getpid())
@@ -301,6 +310,7 @@ class ElasticAgent:
             self._history,
             self.node_id,
             oom_killed=oom_killed,
+            hang_reasons=monitor.hang_reasons,
         )
 
     def _wait_pending(self, deadline_s: float = 300.0) -> None:
@@ -901,6 +911,7 @@ class ElasticAgent:
                 joiner_ready=lambda: bool(self._ready_joiners()),
             ),
             step=self.step_reached,
+            history=self._hang_history,
         )
         return self._monitor
 
@@ -908,6 +919,34 @@ class ElasticAgent:
         if self._faults is not None:
             self._faults.tick(self._monitor.step if self._monitor is not None else -1)
         self._maybe_begin_zygote()
+        self._save_hang_history()
+
+    def _load_hang_history(self) -> None:
+        """Take in the job's phase durations saved through the master (a restarted or
+        replacement node learns its hang timeouts from them, not from the defaults)."""
+        try:
+            saved = HANG_HISTORY.get(self.master)
+        except Exception as e:  # it only tunes timeouts: never a reason not to start
+            logger.warning("could not read the job's hang-timeout history: %s", e)
+            return
+        if saved is not None:
+            self._hang_history.merge(saved)
+
+    def _save_hang_history(self, every_s: float = HANG_HISTORY_SAVE_S) -> None:
+        """Save this node's phase durations through the master when they changed, at most
+        every ``every_s``."""
+        last_at, last = self._hang_history_saved
+        now = time.monotonic()
+        if now - last_at < every_s:
+            return
+        raw = self._hang_history.encode()
+        self._hang_history_saved = (now, raw)
+        if raw == last or not self._hang_history.phases():
+            return
+        try:
+            self.master.kv_set(HANG_HISTORY.key_of(), raw)
+        except Exception as e:  # the next save tries again
+            logger.debug("could not save the hang-timeout history: %s", e)
 
     def _maybe_begin_zygote(self) -> None:
         """Take the zygote's ready message; start a new zygote where the first was lost (once

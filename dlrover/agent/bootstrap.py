@@ -31,6 +31,7 @@ from dlrover.agent.collectives import start_dump_thread
 from dlrover.agent.error_file import ErrorRecorder
 from dlrover.agent.group_teardown import GroupKeeper
 from dlrover.constants import ENV_DONE_FILE, ENV_PARENT_DEATH_PID, ENV_STACK_FILE
+from dlrover.trainer.progress import watch_optimizer_steps
 
 STACK_DUMP_SIGNAL = signal.SIGUSR1
 """Signal that makes a bootstrapped worker dump all thread stacks to stderr (and go on)."""
@@ -216,6 +217,7 @@ def main() -> None:
         die_with_parent(int(parent))
     enable_stack_dumps()
     start_dump_thread()
+    watch_optimizer_steps()
     try:
         run_target(sys.argv[1:])
     except BootstrapError as exc:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from dlrover import constants as c
 from dlrover.agent.workers import STD_NONE
+from dlrover.hang_spec import HangSpec
 
 
 @dataclass(frozen=True)
@@ -76,8 +77,8 @@ class AgentConfig:
     """Leave the job when the node check finds this node a straggler (the engine replaces it)."""
     straggler_ratio: float = 2.0
     """A node slower than this multiple of the others' median check time is a straggler."""
-    hang_timeout_s: float = c.DEFAULT_HANG_TIMEOUT_S
-    """No step reported by a worker for this long (after its first) is a hang; 0: off."""
+    hang: HangSpec = field(default_factory=HangSpec)
+    """Hang detection (`--hang-timeout`): per phase, learned or fixed (`dlrover.hang_spec`)."""
     exit_hang_timeout_s: float = c.DEFAULT_EXIT_HANG_TIMEOUT_S
     """A worker idle this long after its script returned, or after every other local worker
     exited successfully, is hung at exit: stacks logged, ended, counted as its script's result

@@ -77,8 +77,10 @@ def judge(
     history: Sequence[UserErrorSignature | None],
     node: str,
     oom_killed: bool = False,
+    hang_reasons: Sequence[str] = (),
 ) -> Judgement:
     """`exits`: global rank -> Popen return code of every failed (or hung) worker;
+    ``hang_reasons``: why each hung worker counts as hung (the monitor's lines);
     ``oom_killed``: the node's cgroup counted an OOM kill since the workers started (a worker
     killed by SIGKILL is then taken for OOM-killed)."""
     failures = []
@@ -99,7 +101,8 @@ def judge(
     root = first_failure(error_files, {r: (c if c != 0 else 1) for r, c in exits.items()}, node)
     report = root.format() if root is not None else "workers failed"
     if hung:
-        report = f"ranks {sorted(hung)} hung (stacks dumped to their stderr); {report}"
+        why = f": {'; '.join(hang_reasons)}" if hang_reasons else ""
+        report = f"ranks {sorted(hung)} hung (stacks dumped to their stderr){why}; {report}"
     code = next((c for c in exits.values() if c > 0), 0)
     if code == 0:
         code = next((128 - c for c in exits.values() if c < 0), 1)

@@ -16,12 +16,14 @@ from typing import Any
 from dlrover.agent.bootstrap import read_script_result
 from dlrover.agent.collectives import ask_dump
 from dlrover.agent.config import AgentConfig
+from dlrover.agent.hang_watch import Hang, HangWatch
 from dlrover.agent.launch_plan import LaunchPlan
 from dlrover.agent.progress_watch import ExitWatch, ProgressWatch, Stall, StepBreakdown, StepTimes
 from dlrover.agent.stacks import collect_stacks, cpu_seconds
 from dlrover.agent.workers import WorkerExit, WorkerGroup
 from dlrover.collectives import laggards
-from dlrover.trainer.progress import read_step_file
+from dlrover.hang_spec import PhaseHistory
+from dlrover.trainer.progress import read_sections, read_step_file
 
 STACK_LINES = 30
 """A hung rank's stack lines kept with its collectives in the failure report (its main thread,
@@ -42,7 +44,7 @@ class Outcome(enum.Enum):
     FAILED = "failed"
     """A worker exited with an error or a signal."""
     HUNG = "hung"
-    """A worker reported no step for --hang-timeout."""
+    """A worker hung: past its phase's --hang-timeout (`dlrover.agent.hang_watch`)."""
     STOP = "stop"
     """The master ended the job."""
     REREGISTER = "reregister"
@@ -99,13 +101,21 @@ class WorkerMonitor:
         config: AgentConfig,
         signals: MonitorSignals,
         step: int = -1,
+        history: PhaseHistory | None = None,
     ) -> None:
         self._group = group
         self._plan = plan
         self._config = config
         self._signals = signals
         self._done: dict[int, WorkerExit] = {}
-        self._progress = ProgressWatch(config.nproc_per_node, time.time())
+        started = time.time()
+        self._progress = ProgressWatch(config.nproc_per_node, started)
+        self._hangs = HangWatch(
+            config.hang,
+            PhaseHistory() if history is None else history,
+            config.nproc_per_node,
+            started,
+        )
         self._step_times = StepTimes()
         self._exit_watch = ExitWatch(config.exit_hang_timeout_s)
         self._ended_at_exit: set[int] = set()
@@ -121,6 +131,8 @@ class WorkerMonitor:
         self.attempt_first: tuple[int, float] | None = None
         """The first (step, wall time) seen of these workers."""
         self.hung: list[int] = []
+        self.hang_reasons: list[str] = []
+        """Why each of `hung` was found hung (one line each)."""
         self.collectives: dict[int, dict[str, Any]] = {}
         """Global rank -> its collectives' summary and stack, of the workers found hung."""
 
@@ -200,9 +212,10 @@ class WorkerMonitor:
         return self._step_times.step_time_s
 
     def check_progress(self) -> bool:
-        """Update the node's step and the workers' progress; True when a worker hangs (the
-        opt-in --hang-timeout). Workers without progress for --hang-warning-timeout get a
-        warning with their stacks, once per stall, and keep running."""
+        """Update the node's step and the workers' progress; True when a worker hangs
+        (--hang-timeout, `dlrover.agent.hang_watch`). Workers without progress for
+        --hang-warning-timeout get a warning with their stacks, once per stall, and keep
+        running."""
         cfg = self._config
         now = time.time()
         pids = self._group.pids
@@ -225,24 +238,56 @@ class WorkerMonitor:
             pid = pids.get(local_rank)
             cpu = cpu_seconds(pid) if watch_cpu and pid and local_rank not in done else None
             self._progress.observe(local_rank, record, cpu, now)
-        stale = self._progress.hung(cfg.hang_timeout_s, now, done)
-        if stale:
-            stacks = self._stacks(stale)
-            offset = self._plan.rank_offset
-            logger.error(
-                "hang: local ranks %s reported no step for %.0fs (last step %d); their stacks:\n%s",
-                stale,
-                cfg.hang_timeout_s,
-                self.step,
-                _stacks_text(stacks, offset),
-            )
-            self.hung = [self._plan.launches[lr].rank for lr in stale]
-            self._record_collectives(stale, stacks)
+            self._hangs.observe(local_rank, record, read_sections(files.step_file), now)
+        hangs = self._check_hangs(now, done)
+        if hangs:
+            self._on_hang(hangs, done)
             return True
         stalls = self._progress.new_stalls(cfg.hang_warning_timeout_s, now, done)
         if stalls:
             self._warn_stalls(stalls)
         return False
+
+    def _check_hangs(self, now: float, done: set[int]) -> list[Hang]:
+        """Workers hung now: past a fixed timeout, or past a learned one with a stack that
+        stopped changing (sampled here while their phase is old)."""
+        due = self._hangs.due(now, done)
+        fixed = [
+            Hang(
+                d.local_rank,
+                d.phase,
+                f"{d.age_s:.0f}s in {d.phase} (--hang-timeout {d.timeout_s:g}s)",
+            )  # fmt: skip
+            for d in due
+            if d.fixed
+        ]
+        if fixed:
+            return fixed
+        to_sample = [d.local_rank for d in due]
+        if to_sample:
+            stacks = self._stacks(to_sample)
+            for local_rank, (pid, dump) in stacks.items():
+                cpu = cpu_seconds(pid)
+                self._hangs.sample(local_rank, _main_stack(dump), cpu, time.time())
+        launches = self._plan.launches
+        world = int(launches[0].env.get("WORLD_SIZE", len(launches))) if launches else 0
+        return self._hangs.hung(time.time(), done, whole_world_here=world == len(launches))
+
+    def _on_hang(self, hangs: list[Hang], done: set[int]) -> None:
+        """Log the hung workers with every running local worker's stacks, and keep their
+        collectives (the laggard's name) for the failure report."""
+        offset = self._plan.rank_offset
+        running = [lr for lr in range(len(self._plan.files)) if lr not in done]
+        stacks = self._stacks(running)
+        logger.error(
+            "hang: %s%s; the stacks of this node's running ranks:\n%s",
+            "; ".join(f"rank {offset + h.local_rank}: {h.reason}" for h in hangs),
+            f" (last step {self.step})" if self.step >= 0 else "",
+            _stacks_text(stacks, offset),
+        )
+        self.hung = [self._plan.launches[h.local_rank].rank for h in hangs]
+        self.hang_reasons = [f"rank {offset + h.local_rank}: {h.reason}" for h in hangs]
+        self._record_collectives(running, stacks)
 
     def _returned(self) -> set[int]:
         """Running local ranks whose script has returned (their done file)."""

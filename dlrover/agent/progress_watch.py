@@ -80,16 +80,6 @@ class ProgressWatch:
             rank.cpu_mark_s = cpu_s
             rank.warned = False
 
-    def hung(self, timeout_s: float, now: float, finished: set[int]) -> list[int]:
-        """Workers that reported a step once and none for `timeout_s` (the opt-in restart)."""
-        if timeout_s <= 0:
-            return []
-        return [
-            local_rank
-            for local_rank, rank in enumerate(self._ranks)
-            if local_rank not in finished and rank.step >= 0 and now - rank.progress_at > timeout_s
-        ]
-
     def new_stalls(self, timeout_s: float, now: float, finished: set[int]) -> list[Stall]:
         """Workers without progress for `timeout_s` not warned about yet (each stall once)."""
         if timeout_s <= 0:

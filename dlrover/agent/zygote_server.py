@@ -51,6 +51,7 @@ from dlrover.agent.zygote_messages import (
 )
 from dlrover.envvars import number_from_env
 from dlrover.json_messages import MessageError
+from dlrover.trainer.progress import watch_optimizer_steps
 
 _MAX_FDS = 16
 """Room for descriptors per receive (a spawn sends OUTPUT_FDS; more is a sender's bug)."""
@@ -274,6 +275,7 @@ def run_child(spec: SpawnRequest, fds: list[int]) -> None:
     _apply_environment(spec)
     enable_stack_dumps()
     start_dump_thread()
+    watch_optimizer_steps()
     try:
         run_target(spec.argv)
     except BootstrapError as exc:

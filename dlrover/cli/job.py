@@ -35,6 +35,7 @@ from dlrover.constants import (
 )
 from dlrover.coordination import PS_SCALE
 from dlrover.engines.registry import BUILTIN_ENGINES
+from dlrover.hang_spec import HangSpec
 from dlrover.jobspec import (
     DEFAULT_ENGINE,
     PS_REPLICAS,
@@ -218,10 +219,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--hang-timeout",
-        type=float,
         default=None,
-        help="Seconds without a reported step before a node's workers count as hung and "
-        "restart (each agent's --hang-timeout; default: off)",
+        help="Hang detection of every node (each agent's --hang-timeout): auto (the default: "
+        "timeouts learned per phase), off, seconds for every phase, or per phase "
+        "(step=120,eval=off,min=10)",
     )
     s.add_argument(
         "--auto-scale",
@@ -420,9 +421,9 @@ def run(argv: Sequence[str] | None = None) -> int:
                 node_check=spec.node_check or args.node_check,
                 exclude_straggler=spec.exclude_straggler or args.exclude_straggler,
                 auto_scale=spec.auto_scale or args.auto_scale,
-                hang_timeout_s=spec.hang_timeout_s
+                hang_timeout=spec.hang_timeout
                 if args.hang_timeout is None
-                else args.hang_timeout,
+                else HangSpec.parse(args.hang_timeout).text(),
                 engine_settings=settings,
                 ps=_ps_from_flags(spec.ps, args.ps, args.ps_replica),
                 spares=spec.spares if args.spares is None else args.spares,
@@ -450,7 +451,7 @@ def run(argv: Sequence[str] | None = None) -> int:
                 engine_settings={"capacity": args.capacity} if args.capacity else None,
                 ps=args.ps,
                 ps_replica=args.ps_replica or DEFAULT_PS_REPLICA,
-                hang_timeout=args.hang_timeout or 0.0,
+                hang_timeout=args.hang_timeout,
                 spares=args.spares or 0,
                 compile_cache=args.compile_cache or "",
             )

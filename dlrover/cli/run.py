@@ -22,6 +22,7 @@ from dlrover.client.master_client import MasterClient, MasterClientError
 from dlrover.envvars import number_from_env
 from dlrover.faults import ENV_FAULTS
 from dlrover.faults.throttle import SlowFaults
+from dlrover.hang_spec import HangSpec
 from dlrover.master.assembly import MasterSettings, RunningMaster, build_master
 from dlrover.master.server import MasterServerError, job_name_for_token, new_token
 from dlrover.master.tensorboard import TensorBoardError
@@ -207,10 +208,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add(
         p,
         "--hang-timeout",
-        type=float,
-        default=c.DEFAULT_HANG_TIMEOUT_S,
-        help="Seconds without a reported step (dlrover.trainer.report_step) before workers count "
-        "as hung: their stacks are dumped and they restart like failed ones. 0 (default): off.",
+        default="auto",
+        help="Hang detection: auto (default) learns each phase's timeout (start-up, steps, "
+        "checkpoint, eval, sections marked with dlrover.trainer.section) from the job's own "
+        "durations and confirms a hang from the workers' stacks; a hung worker's stacks are dumped "
+        "and it restarts like a failed one. S: every phase fixed at S seconds. Per phase: "
+        "step=120,eval=off,min=10 (min/max: floor/cap of learned timeouts). 0 or off: none.",
     )
     _add(
         p,
@@ -370,8 +373,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         raise ValueError(
             f"--master-lost-timeout {args.master_lost_timeout}: must be >= 0 (0 turns it off)"
         )
-    if args.hang_timeout < 0:
-        raise ValueError(f"--hang-timeout {args.hang_timeout}: must be >= 0 (0 turns it off)")
+    args.hang = HangSpec.parse(args.hang_timeout)
     if args.hang_warning_timeout < 0:
         raise ValueError(
             f"--hang-warning-timeout {args.hang_warning_timeout}: must be >= 0 (0 turns it off)"
@@ -428,7 +430,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
             conf.get("last_call_timeout", c.DEFAULT_RDZV_LAST_CALL_TIMEOUT_S)
         ),
         stop_grace_s=args.shutdown_timeout,
-        hang_timeout_s=args.hang_timeout,
+        hang=args.hang,
         exit_hang_timeout_s=args.exit_hang_timeout,
         release_timeout_s=args.release_timeout,
         compile_cache=os.path.abspath(args.compile_cache) if args.compile_cache else "",

@@ -1,5 +1,5 @@
 """What a training script imports: progress reporting, checkpointers, elastic data loading."""
 
-from dlrover.trainer.progress import StepReporter, report_step
+from dlrover.trainer.progress import StepReporter, report_step, section
 
-__all__ = ["StepReporter", "report_step"]
+__all__ = ["StepReporter", "report_step", "section"]

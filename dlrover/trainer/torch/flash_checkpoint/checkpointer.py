@@ -17,6 +17,8 @@ from dlrover.checkpoint.errors import SegmentStateError
 from dlrover.checkpoint.saver_messages import HeldRequest
 from dlrover.checkpoint.storage import storage_for
 from dlrover.constants import ENV_CHECKPOINT_SOCKET
+from dlrover.hang_spec import CHECKPOINT
+from dlrover.trainer.progress import section
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +55,17 @@ class Checkpointer:
     """
 
     checkpoint_format: str = "plain"
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Every checkpointer's save and load is the ``checkpoint`` phase for hang detection
+        (judged against its own learned timeout, not the step's)."""
+        super().__init_subclass__(**kwargs)
+        for name in ("save_checkpoint", "load_checkpoint"):
+            method = cls.__dict__.get(name)
+            if method is not None and not getattr(method, "_marks_section", False):
+                marked = section(CHECKPOINT)(method)
+                marked._marks_section = True  # type: ignore[attr-defined]
+                setattr(cls, name, marked)
 
     def __init__(
         self,

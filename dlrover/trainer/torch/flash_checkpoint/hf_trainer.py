@@ -29,6 +29,8 @@ from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import SaveStrategy
 
 from dlrover.checkpoint.errors import CheckpointError
+from dlrover.hang_spec import EVAL
+from dlrover.trainer.progress import section
 from dlrover.trainer.torch.flash_checkpoint.checkpointer import storage_step
 from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer, StorageType
 
@@ -134,6 +136,13 @@ class FlashCkptTrainer(Trainer):
         return self.flash_checkpointer.save_checkpoint(
             self.state.global_step, self.flash_state(), storage_type=self.storage_type
         )
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        """HF Trainer's evaluation, marked as the ``eval`` phase for hang detection (a long
+        evaluation is judged against its own learned timeout, not the step's)."""
+        with section(EVAL):
+            result: dict[str, float] = super().evaluate(*args, **kwargs)
+        return result
 
     def wait_latest_checkpoint(self, timeout: float = 1800.0) -> bool:
         """Block until the newest DISK save is committed on storage (False at the deadline)."""
