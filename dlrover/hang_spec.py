@@ -167,6 +167,10 @@ class HangSpec:
             parts.append(f"max={self.cap:g}")
         return ",".join(parts) or "auto"
 
+    def floor_of(self, phase: str) -> float:
+        """The floor of ``phase``'s learned timeout (``min=``, else the phase's own)."""
+        return defaults_of(phase).floor if self.floor is None else self.floor
+
     def timeout(self, phase: str, history: PhaseHistory) -> tuple[float, bool]:
         """(seconds, learned) for ``phase`` now; 0 seconds: never hung in it. A learned timeout
         is confirmed from the worker's stacks before it counts; a fixed one counts as is."""
@@ -177,7 +181,7 @@ class HangSpec:
         if phase in self.fixed:
             return self.fixed[phase], False
         d = defaults_of(phase)
-        floor = d.floor if self.floor is None else self.floor
+        floor = self.floor_of(phase)
         cap = max(floor, d.cap if self.cap is None else self.cap)
         p99 = history.p99(phase) if history.count(phase) >= d.min_samples else None
         if p99 is None:

@@ -11,8 +11,12 @@ since. Every phase's durations teach its timeout (`PhaseHistory`).
 - A **learned** timeout is confirmed by evidence. From a quarter of it on, the monitor samples
   the worker's stack and CPU time every eighth of it (at least every MIN_SAMPLE_EVERY_S); the
   worker is hung once it is past the timeout and its main thread's stack (its functions,
-  innermost first) has not changed for half the timeout. A worker whose stack keeps changing is working (an evaluation, a compile, a
-  save nobody marked) and is never called hung.
+  innermost first) has not changed for half the timeout. A worker whose stack keeps changing is
+  working (an evaluation, a compile, a save nobody marked) and is never called hung. A worker
+  whose stack stands still while it keeps a core busy is either spinning in a loop that never
+  ends or computing in one long call (an unmarked evaluation whose loop is one line of tensor
+  calls looks the same from outside): it is hung only past BUSY_FLOOR_FACTOR times the phase's
+  floor (5 minutes for steps at the defaults), so a long computation gets that long.
 - A worker whose unchanged stack waits in a collective (innermost frame in torch.distributed,
   DDP, or a backward using no CPU) waits for another rank; that rank's own agent judges it. It is
   hung itself only when every rank of the job is on this node and waits too (a deadlock), when a
@@ -28,6 +32,11 @@ from dlrover.hang_spec import STARTUP, STEP, HangSpec, PhaseHistory, defaults_of
 from dlrover.trainer.progress import SectionRecord, StepRecord
 
 MIN_SAMPLE_EVERY_S = 1.0
+BUSY_CPU_SHARE = 0.2
+"""A worker (with its children) that used at least this share of a core while its stack stood
+still is busy: spinning, or computing in one long call."""
+BUSY_FLOOR_FACTOR = 5.0
+"""A busy worker with a still stack is hung only past this many times its phase's floor."""
 WAITING_CPU_SHARE = 0.05
 """A backward whose process used under this share of a core between two samples waits for its
 all-reduce (a computing one uses a core)."""
@@ -73,6 +82,8 @@ class _Rank:
     # evidence, while the phase is old
     signature: tuple[str, ...] | None = None
     constant_since: float = 0.0
+    constant_cpu: float | None = None
+    """CPU seconds when the stack stopped changing (None: unknown)."""
     next_sample: float = 0.0
     cpu: tuple[float, float] | None = None
     """(CPU seconds, when) of the last sample."""
@@ -219,7 +230,7 @@ class HangWatch:
         if cpu_s is not None:
             rank.cpu = (cpu_s, now)
         if signature != rank.signature:
-            rank.signature, rank.constant_since = signature, now
+            rank.signature, rank.constant_since, rank.constant_cpu = signature, now, cpu_s
         rank.waiting = waits_in_collective(signature, share)
         rank.next_sample = now + max(MIN_SAMPLE_EVERY_S, timeout / 8)
 
@@ -240,6 +251,12 @@ class HangWatch:
                 continue
             where = rank.signature[0].rsplit("/", 1)[-1]
             how = self._how(phase, timeout)
+            busy = self._busy_share(rank, now)
+            if busy is not None and not rank.waiting:
+                bound = max(timeout, BUSY_FLOOR_FACTOR * self._spec.floor_of(phase))
+                if age < bound:
+                    continue  # spinning, or one long computation: it gets longer
+                how = f"{how}; busy at {busy:.0%} of a core, bound {bound:.0f}s"
             if not rank.waiting:
                 stuck.append(
                     Hang(
@@ -276,6 +293,14 @@ class HangWatch:
             return []
         deadlock = whole_world_here and confirmed_waiting == len(active)
         return [h for h in waiting if deadlock or "deadlock" not in h.reason]
+
+    @staticmethod
+    def _busy_share(rank: _Rank, now: float) -> float | None:
+        """The share of a core the worker used while its stack stood still, if busy."""
+        if rank.constant_cpu is None or rank.cpu is None or now <= rank.constant_since:
+            return None
+        share = (rank.cpu[0] - rank.constant_cpu) / max(1e-9, rank.cpu[1] - rank.constant_since)
+        return share if share >= BUSY_CPU_SHARE else None
 
     def _how(self, phase: str, timeout: float) -> str:
         p99 = self.history.p99(phase)

@@ -13,6 +13,10 @@ LOOP = """Current thread 0x00007f (most recent call first):
   File "/job/train.py", line 40 in spin
   File "/job/train.py", line 90 in main
 """
+SLEEP = """Current thread 0x00007f (most recent call first):
+  File "/job/train.py", line 20 in wait
+  File "/job/train.py", line 90 in main
+"""
 EVAL_A = """Current thread 0x00007f (most recent call first):
   File "/site/torch/nn/modules/linear.py", line 125 in forward
   File "/job/train.py", line 60 in evaluate
@@ -100,24 +104,33 @@ def test_optimizer_beats_are_progress_for_a_script_that_reports_no_step() -> Non
 def test_a_learned_timeout_is_confirmed_by_a_stack_that_stopped_changing() -> None:
     history = PhaseHistory()
     history.add("step", 0.2, count=100)
-    watch = HangWatch(HangSpec.parse("min=8"), history, 2, started_at=0.0)
-    for lr in (0, 1):
+    watch = HangWatch(HangSpec.parse("min=8"), history, 3, started_at=0.0)
+    for lr in (0, 1, 2):
         watch.observe(lr, step(5, 10.0), None, 10.0)
     assert watch.due(11.9, set()) == []  # younger than a quarter of the 8 s timeout
-    due = watch.due(14.0, set())
-    assert [(d.local_rank, d.fixed) for d in due] == [(0, False), (1, False)]
-    watch.sample(0, LOOP, 100.0, 14.0)  # rank 0 spins in its own code
-    watch.sample(1, EVAL_A, 50.0, 14.0)  # rank 1 evaluates, unmarked
-    assert watch.due(14.9, set()) == []  # next samples an eighth of the timeout later
-    watch.sample(0, LOOP, 102.0, 16.0)
-    watch.sample(1, EVAL_B, 52.0, 16.0)
-    assert watch.hung(17.0, set(), whole_world_here=True) == []  # not yet 8 s old
-    watch.sample(0, LOOP, 104.0, 18.0)
-    watch.sample(1, EVAL_A, 54.0, 18.0)
-    hangs = watch.hung(18.5, set(), whole_world_here=True)
+    due = watch.due(12.0, set())
+    assert [(d.local_rank, d.fixed) for d in due] == [(0, False), (1, False), (2, False)]
+    evals = (EVAL_A, EVAL_B)
+    for i, now in enumerate((12.0, 13.0, 14.0, 15.0, 16.0, 17.0, 18.0)):
+        if i:
+            assert watch.due(now - 0.1, set()) == []  # samples an eighth of the timeout apart
+        watch.sample(0, SLEEP, 1.0, now)  # rank 0 waits for something in its own code, idle
+        watch.sample(1, evals[i % 2], 50.0 + i, now)  # rank 1 evaluates, unmarked
+        watch.sample(2, LOOP, 100.0 + i, now)  # rank 2 spins, a core busy
+    assert watch.hung(17.9, set(), whole_world_here=True) == []  # not yet 8 s old
+    hangs = watch.hung(18.0, set(), whole_world_here=True)
     assert [h.local_rank for h in hangs] == [0]
-    assert "not changed for 4s" in hangs[0].reason and "train.py" in hangs[0].reason
+    assert "not changed for 6s" in hangs[0].reason and "train.py:wait" in hangs[0].reason
     assert "learned from 100 durations" in hangs[0].reason
+    # a busy rank whose stack stands still (a spin, or one long call) gets 5x the floor: 40 s
+    for i, now in enumerate((30.0, 40.0, 50.0)):
+        watch.sample(1, evals[i % 2], 50.0 + now, now)
+        watch.sample(2, LOOP, 100.0 + 6 + (now - 18.0), now)  # one core
+    assert [h.local_rank for h in watch.hung(49.0, {0}, whole_world_here=True)] == []
+    spin = watch.hung(50.0, {0}, whole_world_here=True)
+    assert [h.local_rank for h in spin] == [2] and "busy at 100% of a core, bound 40s" in spin[
+        0
+    ].reason
 
 
 def test_a_rank_waiting_in_a_collective_is_left_to_the_laggard_s_agent() -> None:

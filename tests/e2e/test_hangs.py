@@ -1,0 +1,140 @@
+"""Hang detection as it runs by default (issue 51): real hangs of unchanged torchrun scripts are
+caught within their phase's bound and recovered, with every rank's stacks and the laggard
+named; slow but healthy phases (a first step like a compile, a long unmarked evaluation, a long
+checkpoint, a restart, a loaded machine) are never called hung."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import SCRIPTS, dlrover_run
+
+pytestmark = pytest.mark.e2e
+
+FLOOR_S = 3.0
+"""``--hang-timeout min=3``: the steps here take ~0.05 s, so each learned step timeout is the
+floor (3 x p99 is below it), the bound a hang must be caught within."""
+SLACK_S = 6.0
+"""Beyond the bound: the monitor's 1 s tick, stack dumps (2 s for a stopped process that never
+answers) and a machine busy with another test."""
+
+_VERDICT = re.compile(
+    r"(\d\d:\d\d:\d\d\.\d+) ERROR dlrover\.agent\.monitor: hang: rank (\d+): (.*)"
+)
+
+
+def _clock(text: str) -> float:
+    t = datetime.strptime(text, "%H:%M:%S.%f")
+    return t.hour * 3600 + t.minute * 60 + t.second + t.microsecond / 1e6
+
+
+def _run_kind(tmp_path: Path, kind: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+    once = tmp_path / "once"
+    r = dlrover_run(
+        [
+            "--standalone",
+            "--nproc-per-node=2",
+            "--max-restarts=2",
+            "--hang-timeout",
+            f"min={FLOOR_S:g}",
+            str(SCRIPTS / "hang_kinds.py"),
+            "--kind",
+            kind,
+            "--once",
+            str(once),
+            "--out",
+            str(tmp_path / "out"),
+        ],  # fmt: skip
+        timeout=180,
+    )
+    return r, once
+
+
+@pytest.fixture(scope="module")
+def failure_free(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The final weights of the script's run without a hang."""
+    tmp = tmp_path_factory.mktemp("none")
+    r, _ = _run_kind(tmp, "none")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return (tmp / "out.0").read_text()
+
+
+@pytest.mark.parametrize(
+    ("kind", "hung_rank", "says", "bound_s"),
+    [
+        ("sigstop", 1, "no stack dump", FLOOR_S),
+        ("skip", 1, "wait_for_a_reply_that_never_comes", FLOOR_S),
+        ("dataloader", 1, "selectors.py:select", FLOOR_S),
+        # a core busy under a still stack may be one long computation: 5x the floor
+        ("loop", 1, "hang_kinds.py:spin", 5 * FLOOR_S),
+        ("exit", 0, "a rank of this node has exited", FLOOR_S),
+    ],
+)
+def test_a_real_hang_is_caught_within_its_bound_and_the_job_recovers(
+    tmp_path: Path, failure_free: str, kind: str, hung_rank: int, says: str, bound_s: float
+) -> None:
+    r, once = _run_kind(tmp_path, kind)
+    assert r.returncode == 0, r.stderr[-4000:]
+    verdicts = _VERDICT.findall(r.stderr)
+    assert verdicts, r.stderr[-4000:]
+    at, rank, reason = verdicts[0]
+    assert int(rank) == hung_rank and says in reason, reason
+    if kind != "exit":
+        assert "learned from" in reason and f"timeout {FLOOR_S:g}s" in reason, reason
+    # caught within the bound: from the hang's start (the file the rank wrote as it hung)
+    started = datetime.fromtimestamp(once.stat().st_mtime)
+    hung_for = _clock(at) - _clock(started.strftime("%H:%M:%S.%f"))
+    assert bound_s <= hung_for + 1 and hung_for <= bound_s + SLACK_S, (hung_for, reason)
+    # every running rank's stacks, then recovered as for a failure, to the failure-free model
+    running = (0,) if kind == "exit" else (0, 1)
+    assert all(f"--- rank {rank} (pid" in r.stderr for rank in running), r.stderr[-4000:]
+    assert "restarting workers: hang (stacks dumped), restart 1/2" in r.stderr
+    assert (tmp_path / "out.0").read_text() == (tmp_path / "out.1").read_text() == failure_free
+    if kind in ("skip", "loop", "dataloader"):
+        assert re.search(
+            r"hang: rank 1 did not enter gloo:all_reduce #\d+ of process group", r.stderr
+        )
+
+
+@pytest.fixture
+def busy_machine() -> Iterator[None]:
+    """Two processes that each keep a core busy for the whole test."""
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        yield
+    finally:
+        for b in burners:
+            b.kill()
+            b.wait(timeout=30)
+
+
+def test_slow_but_healthy_phases_are_never_called_hung(tmp_path: Path, busy_machine: None) -> None:
+    """At the defaults (no --hang-timeout): a first step ~200x the others, a two-minute unmarked
+    evaluation with the other rank waiting in a barrier, a 60 s checkpoint, a restart in the
+    middle, all on a machine whose cores two other processes keep busy."""
+    started = time.monotonic()
+    r = dlrover_run(
+        [
+            "--standalone",
+            "--nproc-per-node=2",
+            "--max-restarts=1",
+            str(SCRIPTS / "slow_but_healthy.py"),
+            "--out",
+            str(tmp_path / "out"),
+        ],  # fmt: skip
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert time.monotonic() - started > 12 + 120 + 60  # every slow phase did run
+    assert "hang:" not in r.stderr, r.stderr[-4000:]
+    assert (tmp_path / "out.1.restarts").read_text() == "1"  # the kill's restart, none other
+    assert "restart 1/1" in r.stderr and "hang (stacks dumped)" not in r.stderr
+    assert (tmp_path / "out.0").read_text() == (tmp_path / "out.1").read_text()
