@@ -204,3 +204,46 @@ def test_the_same_user_error_raised_as_the_world_reforms_twice_fails_fast(tmp_pa
         assert job.diagnostics.failures()[1].signature.startswith("ValueError at ")
     finally:
         agent.close()
+
+
+# Optimizer steps (beats of progress, no step reports), then a clean exit.
+STEPS = """
+import time, torch
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(40):
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    time.sleep(0.05)
+"""
+
+
+def test_what_a_node_learned_of_its_phases_reaches_the_next_node_through_the_master(
+    tmp_path: Path,
+):
+    """A relaunched (or replacement) node's hang timeouts start from the job's history, not
+    the defaults: the agent saves its phase durations through the master as it closes, and the
+    next agent takes them in as it starts."""
+    job = JobMaster(JobMasterConfig(job_name="learned"), MemoryStateStore())
+    script = tmp_path / "steps.py"
+    script.write_text(STEPS)
+    config = AgentConfig(
+        entrypoint=[sys.executable, "-u", "-m", "dlrover.agent.bootstrap", str(script)],
+        nproc_per_node=1,
+        fast_restart=False,
+        flash_checkpoint=False,
+        monitor_interval_s=0.05,
+    )
+    first = ElasticAgent(config, LocalMasterApi(job), "127.0.0.1:1", "token")
+    try:
+        result = first.run()
+    finally:
+        first.close()
+    assert result.exit_code == 0
+    learned = first._hang_history
+    assert learned.count("startup") == 1 and learned.count("step") >= 10
+    assert 0.04 <= (learned.p99("step") or 0.0) < 1.0
+    second = ElasticAgent(config, LocalMasterApi(job), "127.0.0.1:1", "token")
+    second._load_hang_history()
+    assert second._hang_history.count("step") == learned.count("step")
+    assert second._hang_history.p99("step") == learned.p99("step")

@@ -326,6 +326,8 @@ class ElasticAgent:
 
     def close(self) -> None:
         """Stop the workers, the heartbeat, the zygote and the saver; remove the run dir."""
+        if not self._heartbeat.master_lost.is_set():
+            self._save_hang_history(every_s=0.0)  # what this node learned, for its successor
         if self._faults is not None:
             self._faults.release()
         if self._group is not None:

@@ -81,6 +81,22 @@ def test_hang_timeout_reaches_every_agent() -> None:
     assert not any("hang" in arg for arg in job_spec_from_flags("train.py").agent_command())
 
 
+def test_hang_detection_is_on_by_default_and_set_per_phase_in_the_spec() -> None:
+    """``hang_timeout`` takes what ``--hang-timeout`` takes: auto (the default, nothing passed),
+    off, or per phase as a string or a mapping; every agent gets it."""
+    assert job_spec_from_dict({"entrypoint": "train.py"}).hang_timeout == "auto"
+    spec = job_spec_from_dict(
+        {"entrypoint": "train.py", "hang_timeout": {"step": 120, "eval": "off", "min": 10}}
+    )
+    assert "--hang-timeout=eval=off,step=120,min=10" in spec.agent_command()
+    off = job_spec_from_dict({"entrypoint": "train.py", "hang_timeout": "off"})
+    assert "--hang-timeout=off" in off.agent_command()
+    flags = job_spec_from_flags("train.py", hang_timeout="step=90")
+    assert "--hang-timeout=step=90" in flags.agent_command()
+    with pytest.raises(JobSpecError, match="hang_timeout is 'step=soon'.*not a number"):
+        job_spec_from_dict({"entrypoint": "train.py", "hang_timeout": "step=soon"})
+
+
 def test_a_shared_compile_cache_and_spares_reach_the_job() -> None:
     spec = job_spec_from_dict({"entrypoint": "train.py", "compile_cache": "/nfs/cc", "spares": 2})
     assert spec.spares == 2
