@@ -19,3 +19,9 @@ class FailureAction(Enum):
     """Restart every node's workers from scratch (a controller's last resort before FAIL)."""
     FAIL = "fail"
     """Stop the job and report the root cause; exit non-zero."""
+
+
+NO_ACTION = "none"
+"""The action of a failure record that asks for nothing: a straggler kept for lack of relaunches,
+or a node whose ranks wait in a collective for another node's hung rank (what they wait in names
+that rank); never a round's root cause."""

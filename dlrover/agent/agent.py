@@ -64,7 +64,7 @@ from dlrover.constants import (
     EXIT_NODE_OOM,
 )
 from dlrover.coordination import HANG_HISTORY
-from dlrover.decisions import FailureAction
+from dlrover.decisions import NO_ACTION, FailureAction
 from dlrover.faults import ENV_FAULTS, node_slot, pending_until
 from dlrover.hang_spec import PhaseHistory
 from dlrover.processes import UsageMeter
@@ -798,6 +798,24 @@ class ElasticAgent:
         except Exception as e:  # the master may be restarting; the log has the failure
             logger.warning("could not report the failure to the master: %s", e)
 
+    def _report_witness(self, why: str, collectives: dict[int, dict[str, Any]]) -> None:
+        """This node's ranks wait in a collective for another node's: a hang record that asks
+        for nothing (action ``none``), whose collectives let the master and `dlrover diagnose`
+        name the rank the job waits for."""
+        record = FailureRecord(
+            time.time(),
+            self.node_id,
+            FailureClass.HANG,
+            NO_ACTION,
+            f"{why} (not restarted for it: the rank it waits for is judged by its own node)",
+            self.restart_count,
+            collectives=json.dumps({str(r): doc for r, doc in collectives.items()})[:60_000],
+        )
+        try:
+            self.master.report_failure(self.node_id, self.incarnation, record)
+        except Exception as e:  # only an explanation: the hang's own report is what acts
+            logger.warning("could not tell the master what this node waits in: %s", e)
+
     def _register(self) -> None:
         registered = self._rdzv.register(self.node_id, self._host, self.run_id)
         self._heartbeat.stretch(registered.heartbeat_interval_s)
@@ -911,6 +929,7 @@ class ElasticAgent:
                 if hub is not None
                 else (lambda: False),
                 joiner_ready=lambda: bool(self._ready_joiners()),
+                witness=self._report_witness,
             ),
             step=self.step_reached,
             history=self._hang_history,

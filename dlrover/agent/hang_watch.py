@@ -88,6 +88,8 @@ class _Rank:
     cpu: tuple[float, float] | None = None
     """(CPU seconds, when) of the last sample."""
     waiting: bool = False
+    witnessed: bool = False
+    """This stall's wait in a collective was reported to the master (once per stall)."""
 
 
 @dataclass(frozen=True)
@@ -194,6 +196,7 @@ class HangWatch:
         if (phase, since) != (rank.phase, rank.since):
             rank.phase, rank.since = phase, since
             rank.signature, rank.next_sample, rank.waiting = None, 0.0, False
+            rank.witnessed = False
 
     # --- judging -----------------------------------------------------------------------------
     def timeout(self, local_rank: int) -> tuple[str, float, bool]:
@@ -301,6 +304,32 @@ class HangWatch:
             return None
         share = (rank.cpu[0] - rank.constant_cpu) / max(1e-9, rank.cpu[1] - rank.constant_since)
         return share if share >= BUSY_CPU_SHARE else None
+
+    def witnesses(self, now: float, finished: set[int]) -> list[Hang]:
+        """Workers found waiting in a collective past their timeout (not hung themselves: the
+        rank they wait for is judged by its own agent), each once per stall: what they wait in
+        tells the master which rank holds the others."""
+        out = []
+        for local_rank, rank in enumerate(self._ranks):
+            if local_rank in finished or rank.witnessed or not rank.waiting:
+                continue
+            phase, timeout, learned = self.timeout(local_rank)
+            age = now - rank.since
+            if not learned or timeout <= 0 or age < timeout:
+                continue
+            if now - rank.constant_since < timeout / 2:
+                continue
+            rank.witnessed = True
+            where = rank.signature[0].rsplit("/", 1)[-1] if rank.signature else "?"
+            out.append(
+                Hang(
+                    local_rank,
+                    phase,
+                    f"{age:.0f}s in {phase} waiting in a collective at {where} "
+                    "for a rank of another node",
+                )  # fmt: skip
+            )
+        return out
 
     def _how(self, phase: str, timeout: float) -> str:
         p99 = self.history.p99(phase)

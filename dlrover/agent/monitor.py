@@ -85,6 +85,9 @@ class MonitorSignals:
     """Whether a worker that recovers in-process parked without being asked."""
     joiner_ready: Callable[[], bool] = lambda: False
     """Whether a replacement waiting to join said it is ready."""
+    witness: Callable[[str, dict[int, dict[str, Any]]], None] = lambda why, collectives: None
+    """Workers of this node wait in a collective for another node's rank past their timeout:
+    why, and their collectives (global rank -> summary), for the master to name the laggard."""
 
 
 class WorkerMonitor:
@@ -243,6 +246,9 @@ class WorkerMonitor:
         if hangs:
             self._on_hang(hangs, done)
             return True
+        witnesses = self._hangs.witnesses(time.time(), done)
+        if witnesses:
+            self._on_witnesses(witnesses)
         stalls = self._progress.new_stalls(cfg.hang_warning_timeout_s, now, done)
         if stalls:
             self._warn_stalls(stalls)
@@ -288,6 +294,23 @@ class WorkerMonitor:
         self.hung = [self._plan.launches[h.local_rank].rank for h in hangs]
         self.hang_reasons = [f"rank {offset + h.local_rank}: {h.reason}" for h in hangs]
         self._record_collectives(running, stacks)
+
+    def _on_witnesses(self, witnesses: list[Hang]) -> None:
+        """Tell the master what this node's ranks wait in (their collectives and stacks), so
+        that it names the rank of another node the job waits for; they keep waiting."""
+        local = [w.local_rank for w in witnesses]
+        offset = self._plan.rank_offset
+        why = "; ".join(f"rank {offset + w.local_rank}: {w.reason}" for w in witnesses)
+        logger.warning("%s; telling the master what they wait in", why)
+        stacks = self._stacks(local)
+        launches, files = self._plan.launches, self._plan.files
+        paths = {launches[lr].rank: files[lr].collectives_file for lr in local}
+        summaries = ask_dump({r: p for r, p in paths.items() if p})
+        for lr in local:
+            rank = launches[lr].rank
+            if rank in summaries and lr in stacks:
+                summaries[rank]["stack"] = _main_stack(stacks[lr][1])
+        self._signals.witness(why, summaries)
 
     def _returned(self) -> set[int]:
         """Running local ranks whose script has returned (their done file)."""

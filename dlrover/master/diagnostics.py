@@ -10,6 +10,7 @@ from collections import deque
 from collections.abc import Callable
 
 from dlrover.api.master import FailureClass, FailureRecord, HeartbeatReport
+from dlrover.decisions import NO_ACTION
 from dlrover.master import diagnosis
 from dlrover.master.goodput import GoodputTracker, StepSample
 from dlrover.master.nodes import NodeError, NodeTable
@@ -128,7 +129,11 @@ class Diagnostics:
         own = [r for r in current if r.node_id == node_id]
         if not own or own[-1].failure_class is not FailureClass.COLLATERAL:
             return False, None
-        causes = [r for r in current if r.failure_class is not FailureClass.COLLATERAL]
+        causes = [
+            r
+            for r in current
+            if r.failure_class is not FailureClass.COLLATERAL and r.action != NO_ACTION
+        ]
         return True, min(causes, key=lambda r: r.at) if causes else None
 
     def repeated_cause(self, record: FailureRecord) -> FailureRecord | None:
@@ -144,7 +149,9 @@ class Diagnostics:
             before = [
                 r
                 for r in linked
-                if r.round == last and r.failure_class is not FailureClass.COLLATERAL
+                if r.round == last
+                and r.failure_class is not FailureClass.COLLATERAL
+                and r.action != NO_ACTION
             ]
         if not before:
             return None
@@ -263,7 +270,7 @@ class Diagnostics:
                 queued.append(node)
                 self._replace.append((node, cause))  # the controller records what it did
             else:
-                self.record(node, FailureClass.STRAGGLER, "none", cause)
+                self.record(node, FailureClass.STRAGGLER, NO_ACTION, cause)
         return queued
 
     def straggler_scores(self) -> dict[str, Score]:

@@ -28,7 +28,7 @@ from dlrover.api.sharding import ShardingTransport, StreamTransport
 from dlrover.checkpoint.coordinator import CommitVotes
 from dlrover.collectives import laggards, merge
 from dlrover.constants import DEFAULT_HEARTBEAT_TIMEOUT_S, HEARTBEATS_PER_S_BUDGET
-from dlrover.decisions import FailureAction
+from dlrover.decisions import NO_ACTION, FailureAction
 from dlrover.master.diagnostics import MAX_EVENTS, Diagnostics
 from dlrover.master.kv_store import KvStore
 from dlrover.master.lifecycle import JobLifecycle, JobState
@@ -212,7 +212,10 @@ class JobMaster:
     def _keep_checked(self, node_id: str, cause: str) -> None:
         """The node check named ``node_id`` a straggler and keeps it: recorded all the same."""
         self.diagnostics.record(
-            node_id, api.FailureClass.STRAGGLER, "none", f"{cause}; kept (no --exclude-straggler)"
+            node_id,
+            api.FailureClass.STRAGGLER,
+            NO_ACTION,
+            f"{cause}; kept (no --exclude-straggler)",
         )
 
     def _round_cause(self, node_id: str) -> tuple[bool, str]:
@@ -260,7 +263,7 @@ class JobMaster:
         register again), recorded."""
         self.members.readmit(node_id)
         self.diagnostics.record(
-            node_id, api.FailureClass.STRAGGLER, "none", f"{cause}; kept: no relaunch left"
+            node_id, api.FailureClass.STRAGGLER, NO_ACTION, f"{cause}; kept: no relaunch left"
         )
 
     # --- time ----------------------------------------------------------------------------------

@@ -192,17 +192,26 @@ def test_a_worker_killed_by_the_oom_killer_is_classified_oom(
 
 
 @pytest.mark.e2e
-def test_a_hang_names_the_rank_that_did_not_enter_the_collective(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("hang_timeout", "step"),
+    [("3", 5), ("min=3", 60)],  # fixed; learned (after 10 steps; the agent sees them every 1 s)
+    ids=["fixed", "learned"],
+)
+def test_a_hang_names_the_rank_that_did_not_enter_the_collective(
+    tmp_path: Path, hang_timeout: str, step: int
+) -> None:
     """issue 51, item 4: on two nodes, rank 1 skips an all-reduce and blocks in its own code;
-    rank 0 waits in it. The hang is found (--hang-timeout), both ranks' flight recorders are
-    read, and `dlrover diagnose` names rank 1, the collective rank 0 waits in, and rank 1's
-    stack; the dashboard's timeline says the same. The job then recovers and succeeds."""
+    rank 0 waits in it. The hang is found (a fixed --hang-timeout: by both nodes; a learned
+    one: by rank 1's node, while rank 0's, seeing it wait in a collective, tells the master what
+    it waits in), both ranks' flight recorders are read, and `dlrover diagnose` names rank 1,
+    the collective rank 0 waits in, and rank 1's stack; the dashboard's timeline says the same.
+    The job then recovers and succeeds."""
     r = subprocess.run(
         [
             sys.executable, "-m", "dlrover.cli.job", "submit", "--name", "lag", "--nnodes", "2",
-            "--nproc-per-node", "1", "--max-restarts", "2", "--hang-timeout", "3",
-            str(SCRIPTS / "skip_collective.py"), "--rank", "1", "--step", "5",
-            "--once", str(tmp_path / "skipped"),
+            "--nproc-per-node", "1", "--max-restarts", "2", "--hang-timeout", hang_timeout,
+            str(SCRIPTS / "skip_collective.py"), "--rank", "1", "--step", str(step),
+            "--steps", str(step + 7), "--once", str(tmp_path / "skipped"),
         ],
         env=clean_env(DLROVER_HOME=str(tmp_path / "home")),
         cwd=REPO, capture_output=True, text=True, timeout=300,

@@ -143,6 +143,10 @@ def test_a_rank_waiting_in_a_collective_is_left_to_the_laggard_s_agent() -> None
     for now in (12.0, 13.0, 14.0, 15.0, 30.0):
         watch.sample(0, ALL_REDUCE, 1.0, now)
     assert watch.hung(30.0, set(), whole_world_here=False) == []
+    # ... but says what it waits in, once per stall, for the master to name the laggard
+    witnesses = watch.witnesses(30.0, set())
+    assert [w.local_rank for w in witnesses] == [0] and "another node" in witnesses[0].reason
+    assert watch.witnesses(31.0, set()) == []
     # both ranks on this node wait: a deadlock, whoever skipped the collective
     watch = HangWatch(spec, history, 2, started_at=0.0)
     for lr in (0, 1):
