@@ -301,8 +301,12 @@ class WorkerMonitor:
         local = [w.local_rank for w in witnesses]
         offset = self._plan.rank_offset
         why = "; ".join(f"rank {offset + w.local_rank}: {w.reason}" for w in witnesses)
-        logger.warning("%s; telling the master what they wait in", why)
         stacks = self._stacks(local)
+        logger.warning(
+            "%s; telling the master what they wait in. Their stacks:\n%s",
+            why,
+            _stacks_text(stacks, offset),
+        )
         launches, files = self._plan.launches, self._plan.files
         paths = {launches[lr].rank: files[lr].collectives_file for lr in local}
         summaries = ask_dump({r: p for r, p in paths.items() if p})
