@@ -2,9 +2,8 @@
 
 - a first step far slower than the others (``--first-step-s`` of work, as a compile is);
 - an evaluation on rank 0 alone, unmarked, for ``--eval-s`` (the model's forward over and over,
-  no step), while the other ranks wait for it in a barrier;
-- a save on rank 0 marked as a checkpoint (`dlrover.trainer.section`), writing slowly for
-  ``--persist-s``, while the other ranks wait in a barrier;
+  no step), while the other ranks first save, marked as a checkpoint (`dlrover.trainer.section`),
+  writing slowly for ``--persist-s``, then wait for rank 0 in a barrier;
 - rank 1 killed once at step ``--kill-step`` (a restart in the middle of the job).
 
 Each rank writes its final weights' sum to ``--out``.<rank> and its restart count to
@@ -76,9 +75,7 @@ def main() -> None:
         if step == 20 and restarts == 0:
             if rank == 0:
                 evaluate(model.module, a.eval_s)
-            dist.barrier()
-        if step == 30 and restarts == 0:
-            if rank == 0:
+            else:  # meanwhile, then waits in the barrier for rank 0
                 with section("checkpoint"):
                     persist(f"{a.out}.ckpt", a.persist_s)
             dist.barrier()
