@@ -28,6 +28,7 @@ flight recorder's cost per step is `collective_record.py`'s.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import statistics
 import subprocess
@@ -37,6 +38,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+import psutil
 from recovery_common import REPO, base_env, dlrover_run_cmd, fmt, table, torchrun_cmd
 
 SCRIPTS = REPO / "tests" / "scripts"
@@ -72,11 +74,25 @@ def run(cmd: list[str], give_up: float) -> tuple[int | None, str]:
             code: int | None = proc.wait(timeout=give_up)
         except subprocess.TimeoutExpired:
             code = None
-            subprocess.run(["pkill", "-KILL", "-s", str(proc.pid)], check=False)
-            subprocess.run(["pkill", "-CONT", "-s", str(proc.pid)], check=False)
+            kill_tree(proc.pid)
             proc.wait(timeout=30)
         out.seek(0)
         return code, out.read()
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a launcher and every process under it (torchrun's workers leave its session, and
+    a stopped one is continued so that it dies), then reap what is ours."""
+    try:
+        root = psutil.Process(pid)
+        tree = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return
+    for process in tree:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+            process.resume()
+    psutil.wait_procs(tree, timeout=30)
 
 
 def hangs(floor: float, give_up: float, kinds: list[str]) -> None:

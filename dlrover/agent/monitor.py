@@ -19,7 +19,7 @@ from dlrover.agent.config import AgentConfig
 from dlrover.agent.hang_watch import Hang, HangWatch
 from dlrover.agent.launch_plan import LaunchPlan
 from dlrover.agent.progress_watch import ExitWatch, ProgressWatch, Stall, StepBreakdown, StepTimes
-from dlrover.agent.stacks import collect_stacks, cpu_seconds
+from dlrover.agent.stacks import collect_stacks, cpu_seconds, is_stopped
 from dlrover.agent.workers import WorkerExit, WorkerGroup
 from dlrover.collectives import laggards
 from dlrover.hang_spec import PhaseHistory
@@ -28,6 +28,7 @@ from dlrover.trainer.progress import read_sections, read_step_file
 STACK_LINES = 30
 """A hung rank's stack lines kept with its collectives in the failure report (its main thread,
 innermost call first)."""
+STOPPED = "(the process is stopped: SIGSTOP or a debugger; it cannot dump its stacks)"
 HANG_PEERS_GRACE_S = 1.0
 """After its own dumps, how long an agent that found a hang waits before it stops its workers:
 the other nodes' agents see the same stall within about a monitor interval and take theirs,
@@ -387,11 +388,17 @@ class WorkerMonitor:
         """Local rank -> (pid, every thread's Python stack) of these workers (asked by signal,
         read from their files)."""
         pids = self._group.pids
+        # A stopped process cannot answer: no wait for its dump.
+        stopped = {lr for lr in local_ranks if lr in pids and is_stopped(pids[lr])}
         targets = {
-            lr: (pids[lr], self._plan.files[lr].stack_file) for lr in local_ranks if lr in pids
+            lr: (pids[lr], self._plan.files[lr].stack_file)
+            for lr in local_ranks
+            if lr in pids and lr not in stopped
         }
         dumps = collect_stacks(targets)
-        return {lr: (targets[lr][0], dumps[lr]) for lr in dumps}
+        out = {lr: (targets[lr][0], dumps[lr]) for lr in dumps}
+        out.update({lr: (pids[lr], STOPPED) for lr in stopped})
+        return out
 
     def _stacks_text(self, local_ranks: list[int]) -> str:
         """Every thread's Python stack of these workers, one section per rank."""

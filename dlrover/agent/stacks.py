@@ -27,6 +27,15 @@ def cpu_seconds(pid: int) -> float | None:
     return total
 
 
+def is_stopped(pid: int) -> bool:
+    """Whether `pid` is stopped (SIGSTOP, or a debugger's stop): it cannot dump its stacks."""
+    try:
+        status = psutil.Process(pid).status()
+    except psutil.Error:
+        return False
+    return status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+
+
 def collect_stacks(
     targets: dict[int, tuple[int, str]], timeout_s: float = 2.0, settle_s: float = 0.1
 ) -> dict[int, str]:

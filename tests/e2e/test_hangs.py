@@ -70,7 +70,7 @@ def failure_free(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.mark.parametrize(
     ("kind", "hung_rank", "says", "bound_s"),
     [
-        ("sigstop", 1, "no stack dump", FLOOR_S),
+        ("sigstop", 1, "the process is stopped", FLOOR_S),
         ("skip", 1, "wait_for_a_reply_that_never_comes", FLOOR_S),
         ("dataloader", 1, "selectors.py:select", FLOOR_S),
         # a core busy under a still stack may be one long computation: 5x the floor
