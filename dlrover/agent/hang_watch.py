@@ -305,10 +305,15 @@ class HangWatch:
         share = (rank.cpu[0] - rank.constant_cpu) / max(1e-9, rank.cpu[1] - rank.constant_since)
         return share if share >= BUSY_CPU_SHARE else None
 
-    def witnesses(self, now: float, finished: set[int]) -> list[Hang]:
-        """Workers found waiting in a collective past their timeout (not hung themselves: the
-        rank they wait for is judged by its own agent), each once per stall: what they wait in
-        tells the master which rank holds the others."""
+    def witnesses(self, now: float, finished: set[int], whole_world_here: bool) -> list[Hang]:
+        """Workers found waiting in a collective past their timeout while every running worker
+        of this node waits (not hung themselves: the rank they wait for is another node's,
+        judged by its own agent), each once per stall: what they wait in tells the master which
+        rank holds the others. None when the whole job is on this node (its own verdicts say
+        it) or a worker here is still working (the one the others may wait for)."""
+        active = [lr for lr in range(len(self._ranks)) if lr not in finished]
+        if whole_world_here or not all(self._ranks[lr].waiting for lr in active):
+            return []
         out = []
         for local_rank, rank in enumerate(self._ranks):
             if local_rank in finished or rank.witnessed or not rank.waiting:

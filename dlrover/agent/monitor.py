@@ -247,7 +247,7 @@ class WorkerMonitor:
         if hangs:
             self._on_hang(hangs, done)
             return True
-        witnesses = self._hangs.witnesses(time.time(), done)
+        witnesses = self._hangs.witnesses(time.time(), done, self._whole_world_here())
         if witnesses:
             self._on_witnesses(witnesses)
         stalls = self._progress.new_stalls(cfg.hang_warning_timeout_s, now, done)
@@ -276,9 +276,13 @@ class WorkerMonitor:
             for local_rank, (pid, dump) in stacks.items():
                 cpu = cpu_seconds(pid)
                 self._hangs.sample(local_rank, _main_stack(dump), cpu, time.time())
+        return self._hangs.hung(time.time(), done, whole_world_here=self._whole_world_here())
+
+    def _whole_world_here(self) -> bool:
+        """Whether every rank of the job is a worker of this node."""
         launches = self._plan.launches
         world = int(launches[0].env.get("WORLD_SIZE", len(launches))) if launches else 0
-        return self._hangs.hung(time.time(), done, whole_world_here=world == len(launches))
+        return world == len(launches)
 
     def _on_hang(self, hangs: list[Hang], done: set[int]) -> None:
         """Log the hung workers with every running local worker's stacks, and keep their

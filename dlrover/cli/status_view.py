@@ -9,6 +9,7 @@ from dlrover.api.master import FailureClass, FailureRecord, JobStatus, NodeStatu
 from dlrover.client.master_client import MasterClient, MasterClientError
 from dlrover.collectives import behind, laggards, merge
 from dlrover.coordination import TF_CLUSTER, TF_PS_GENERATION
+from dlrover.decisions import NO_ACTION
 from dlrover.runner.records import FinalState, JobRecord, read_final, read_record
 
 NODE_HEADERS = {"ray": "ray actor", "kubernetes": "pod"}
@@ -134,7 +135,13 @@ def hang_lines(failures: tuple[FailureRecord, ...]) -> list[str]:
     """What the hangs' collectives say (`dlrover.collectives`), per round a hang led to: which
     rank the others wait for, in which collective, and that rank's stack."""
     lines: list[str] = []
-    rounds = sorted({f.round for f in failures if f.failure_class is FailureClass.HANG})
+    rounds = sorted(
+        {
+            f.round
+            for f in failures
+            if f.failure_class is FailureClass.HANG and f.action != NO_ACTION
+        }
+    )
     for round in rounds:
         hung = [f for f in failures if f.failure_class is FailureClass.HANG and f.round == round]
         ranks = merge([f.collectives for f in hung])

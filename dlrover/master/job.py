@@ -244,9 +244,12 @@ class JobMaster:
 
     def _explain_hang(self, record: api.FailureRecord) -> None:
         """A node's hang report: which rank the others wait for, from every hang report of the
-        round so far (each node reports its own ranks), on the timeline and in the log."""
+        round so far (each node reports its own ranks, and a node whose ranks wait for another
+        node's says what they wait in), on the timeline and in the log."""
         if record.failure_class is not api.FailureClass.HANG or not record.collectives:
             return
+        if record.action == NO_ACTION:
+            return  # a node that waits says what in; a node's hang verdict uses it
         documents = [r.collectives for r in self.diagnostics.current_failures()]
         for line in laggards(merge(documents)):
             if line not in self._hang_said:

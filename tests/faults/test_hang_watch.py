@@ -144,9 +144,10 @@ def test_a_rank_waiting_in_a_collective_is_left_to_the_laggard_s_agent() -> None
         watch.sample(0, ALL_REDUCE, 1.0, now)
     assert watch.hung(30.0, set(), whole_world_here=False) == []
     # ... but says what it waits in, once per stall, for the master to name the laggard
-    witnesses = watch.witnesses(30.0, set())
+    assert watch.witnesses(30.0, set(), whole_world_here=True) == []  # its own verdicts say it
+    witnesses = watch.witnesses(30.0, set(), whole_world_here=False)
     assert [w.local_rank for w in witnesses] == [0] and "another node" in witnesses[0].reason
-    assert watch.witnesses(31.0, set()) == []
+    assert watch.witnesses(31.0, set(), whole_world_here=False) == []  # once per stall
     # both ranks on this node wait: a deadlock, whoever skipped the collective
     watch = HangWatch(spec, history, 2, started_at=0.0)
     for lr in (0, 1):
@@ -155,6 +156,15 @@ def test_a_rank_waiting_in_a_collective_is_left_to_the_laggard_s_agent() -> None
             watch.sample(lr, ALL_REDUCE, 1.0, now)
     hangs = watch.hung(14.0, set(), whole_world_here=True)
     assert [h.local_rank for h in hangs] == [0, 1] and "deadlock" in hangs[0].reason
+    # a rank of this node still works (the one the other may wait for): nothing to witness
+    watch = HangWatch(spec, history, 2, started_at=0.0)
+    for lr in (0, 1):
+        watch.observe(lr, step(5, 10.0), None, 10.0)
+    for i, now in enumerate((12.0, 13.0, 14.0, 15.0)):
+        watch.sample(0, ALL_REDUCE, 1.0, now)
+        watch.sample(1, (EVAL_A, EVAL_B)[i % 2], 1.0 + now, now)
+    assert watch.witnesses(15.0, set(), whole_world_here=False) == []
+    assert watch.hung(15.0, set(), whole_world_here=False) == []
     # the rank it waited for has exited
     watch = HangWatch(spec, history, 2, started_at=0.0)
     watch.observe(0, step(5, 10.0), None, 10.0)
