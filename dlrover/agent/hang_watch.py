@@ -240,7 +240,7 @@ class HangWatch:
     def hung(self, now: float, finished: set[int], whole_world_here: bool) -> list[Hang]:
         """Workers hung by the evidence (learned timeouts; fixed ones come from `due`)."""
         stuck: list[Hang] = []
-        waiting: list[Hang] = []
+        waiting: list[tuple[int, str, str, str | None]] = []
         confirmed_waiting = 0
         active = [lr for lr in range(len(self._ranks)) if lr not in finished]
         for local_rank in active:
@@ -272,30 +272,22 @@ class HangWatch:
                 continue
             confirmed_waiting += 1
             cap = max(timeout, defaults_of(phase).cap)
-            if finished or age >= cap:
-                why = "a rank of this node has exited" if finished else f"past the cap {cap:.0f}s"
-                waiting.append(
-                    Hang(
-                        local_rank,
-                        phase,
-                        f"{age:.0f}s in {phase} waiting in a collective at {where} ({how}); {why}",
-                    )  # fmt: skip
-                )
+            if finished:
+                why: str | None = "a rank of this node has exited"
+            elif age >= cap:
+                why = f"past the cap {cap:.0f}s"
             else:
-                waiting.append(
-                    Hang(
-                        local_rank,
-                        phase,
-                        f"{age:.0f}s in {phase} waiting in a collective at "
-                        f"{where} ({how}); every rank of the job waits: a deadlock",
-                    )  # fmt: skip
-                )
+                why = None  # hung only as part of a deadlock (below)
+            waiting.append((local_rank, phase, f"{age:.0f}s in {phase} waiting in a collective "
+                            f"at {where} ({how})", why))  # fmt: skip
         if stuck:
             return stuck
-        if not waiting:
-            return []
-        deadlock = whole_world_here and confirmed_waiting == len(active)
-        return [h for h in waiting if deadlock or "deadlock" not in h.reason]
+        deadlock = bool(waiting) and whole_world_here and confirmed_waiting == len(active)
+        return [
+            Hang(lr, phase, f"{what}; {why or 'every rank of the job waits: a deadlock'}")
+            for lr, phase, what, why in waiting
+            if why is not None or deadlock
+        ]
 
     @staticmethod
     def _busy_share(rank: _Rank, now: float) -> float | None:

@@ -52,6 +52,13 @@ def _run_kind(tmp_path: Path, kind: str) -> tuple[subprocess.CompletedProcess[st
             str(once),
             "--out",
             str(tmp_path / "out"),
+            # at step 60 the agent, reading steps every second, has seen well over the 10 a
+            # step timeout is learned from, even on a loaded machine (at step 15 it once had
+            # not, and the 300 s default held past the test's deadline)
+            "--step",
+            "60",
+            "--steps",
+            "75",
         ],  # fmt: skip
         timeout=180,
     )
