@@ -148,8 +148,9 @@ def test_a_node_whose_collective_fails_is_localised_in_two_rounds(tmp_path: Path
 @pytest.mark.e2e
 def test_a_runtime_straggler_is_replaced_within_three_reports(tmp_path: Path) -> None:
     """No node check: node 1 turns out 3x slow while training. Its step times (reported with
-    the heartbeats) score about 0.33 of the fastest node's in every report (every 2 s here); at
-    the third report in a row it is replaced, and the job finishes on healthy nodes."""
+    the heartbeats) score below 0.75 of the fastest node's (about 0.33 on an idle machine) in
+    every report (every 2 s here); at the third report in a row it is replaced, and the job
+    finishes on healthy nodes."""
     steps = 80
     job, log, out = _submit(
         tmp_path, "rt", "slow:node=1:factor=3", "--exclude-straggler", steps=steps,
@@ -161,8 +162,11 @@ def test_a_runtime_straggler_is_replaced_within_three_reports(tmp_path: Path) ->
         _end(job, tmp_path, "rt")
     text = log.read_text()
     reports = re.findall(r"straggler scores: (.*)", text)
-    low = [r for r in reports if re.search(r"rt-worker-1-0 0\.[0-4]\d \(", r)]
-    assert len(low) == 3, reports  # detected at the third low report, and replaced
+    # About 0.33 alone; on a loaded machine the healthy nodes slow down too and node 1 scores
+    # nearer the 0.75 bound, but below it: detected at the third low report, and replaced.
+    scores = [re.search(r"rt-worker-1-0 (\d\.\d\d) \(", r) for r in reports]
+    low = [r for r, s in zip(reports, scores, strict=True) if s and float(s.group(1)) < 0.75]
+    assert len(low) == 3, "\n".join(reports)
     # Against the fastest node (1.00); a node whose first 10 s window is not measured yet is
     # not scored in that report.
     assert all(re.search(r"rt-worker-[02]-0 1\.00", r) for r in low), low
