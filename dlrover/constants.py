@@ -232,6 +232,10 @@ ENV_SHARD_PREFETCH = "DLROVER_SHARD_PREFETCH"
 """Overrides DEFAULT_PREFETCH_SHARDS for the client built by the elastic sampler."""
 ENV_SHARD_LEASE_S = "DLROVER_SHARD_LEASE_S"
 """Overrides DEFAULT_LEASE_S for datasets registered by the elastic sampler."""
+ENV_DELIVERY_MODE = "DLROVER_DELIVERY_MODE"
+"""The delivery mode of the datasets and streams a job's workers register when their code does
+not name one (``at-least-once``, ``exactly-once`` or ``at-most-once``); a job spec's
+``delivery_mode`` sets it."""
 
 # --- the elastic trainer ---
 ENV_WORKER_NUM = "WORKER_NUM"

@@ -18,6 +18,7 @@ from dlrover.constants import (
     DEFAULT_OOM_MAX_MEMORY_MIB,
     DEFAULT_OOM_MEMORY_FACTOR,
     DEFAULT_PS_REPLICA,
+    ENV_DELIVERY_MODE,
     ENV_JOB_NAME,
     ENV_JOB_TOKEN,
     ENV_MASTER_ADDR,
@@ -27,6 +28,7 @@ from dlrover.engines import sizes
 from dlrover.engines.base import Capacity, InvalidNodeSpecError, NodeSpec, Resources
 from dlrover.engines.registry import BUILTIN_ENGINES, LOCAL, EngineRegistry, node_host
 from dlrover.hang_spec import HangSpec, HangSpecError
+from dlrover.sharding.types import DeliveryMode
 
 ENGINES = BUILTIN_ENGINES.names
 """Engine names a job spec may ask for (those of `BUILTIN_ENGINES`)."""
@@ -141,6 +143,10 @@ class JobSpec:
     compile_cache: str = ""
     """A folder every node reaches (a shared filesystem) for the workers' compile caches (each
     agent's ``--compile-cache``): a replacement on a fresh machine compiles from it."""
+    delivery_mode: str = ""
+    """How the datasets and streams the workers read deliver data when their code names no
+    mode: ``at-least-once``, ``exactly-once`` or ``at-most-once`` (DLROVER_DELIVERY_MODE in the
+    workers' environment); "" leaves each reader's own default."""
     spares: int = 0
     """Hot spare nodes launched beyond max nodes: each registers, warms its zygote and waits;
     a lost node's place is taken by a spare in the next round, without a launch, and the engine
@@ -188,6 +194,8 @@ class JobSpec:
     ) -> NodeSpec:
         """The blueprint of node `rank`, pointing its agent at the master."""
         env = {ENV_MASTER_ADDR: master_addr, ENV_JOB_TOKEN: token, ENV_JOB_NAME: self.name}
+        if self.delivery_mode:
+            env[ENV_DELIVERY_MODE] = self.delivery_mode
         return NodeSpec(
             job_name=self.name,
             role=role,
@@ -232,6 +240,8 @@ class JobSpec:
             raise JobSpecError(f"job {self.name} has no TensorFlow role {role!r}")
         host = node_host(self.engine)
         env = {ENV_MASTER_ADDR: master_addr, ENV_JOB_TOKEN: token, ENV_JOB_NAME: self.name}
+        if self.delivery_mode:
+            env[ENV_DELIVERY_MODE] = self.delivery_mode
         program = ("--", self.entrypoint, *self.args) if role in ("chief", "evaluator") else ()
         return NodeSpec(
             job_name=self.name,
@@ -427,6 +437,7 @@ _KEYS = {
     "node_check",
     "exclude_straggler",
     "hang_timeout",
+    "delivery_mode",
     "spares",
     "compile_cache",
     "name",
@@ -503,6 +514,10 @@ def job_spec_from_dict(
             f"hang_timeout is {hang!r}; it must be seconds >= 0 (0: off), auto, or per phase "
             f"(e.g. {{step: 120, eval: off, min: 10}}): {e}"
         ) from None
+    delivery = raw.get("delivery_mode") or ""
+    modes = [m.value for m in DeliveryMode]
+    if delivery and delivery not in modes:
+        raise JobSpecError(f"delivery_mode is {delivery!r}; it must be one of {', '.join(modes)}")
     spares = raw.get("spares", 0)
     if isinstance(spares, bool) or not isinstance(spares, int) or spares < 0:
         raise JobSpecError(f"spares is {spares!r}; it must be an integer >= 0")
@@ -541,6 +556,7 @@ def job_spec_from_dict(
         oom_memory_factor=float(factor),
         oom_max_memory_mib=cap,
         hang_timeout=hang_spec.text(),
+        delivery_mode=str(delivery),
         spares=spares,
         compile_cache=str(raw.get("compile_cache") or ""),
         ps=roles if isinstance(roles, PsSpec) else None,
@@ -616,6 +632,7 @@ def job_spec_from_flags(
     hang_timeout: str | float | None = None,
     spares: int = 0,
     compile_cache: str = "",
+    delivery_mode: str = "",
 ) -> JobSpec:
     """The same spec from CLI flags (`dlrover submit --engine ray --nnodes 2:4 train.py`);
     ``ps`` > 0 adds that many embedding servers."""
@@ -635,6 +652,7 @@ def job_spec_from_flags(
         "hang_timeout": "auto" if hang_timeout is None else hang_timeout,
         "spares": spares,
         "compile_cache": compile_cache,
+        "delivery_mode": delivery_mode,
     }
     if ps:
         raw["roles"] = {"ps": {"count": ps, "replica": ps_replica}}

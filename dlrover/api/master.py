@@ -357,6 +357,8 @@ class JobStatus:
     """A TensorFlow job's steps (batches) per second lately, from its chief (0.0: none)."""
     samples_per_s: float = 0.0
     """A TensorFlow job's samples per second lately (0.0: not measured yet)."""
+    data_lost: str = ""
+    """What the at-most-once datasets and streams lost, in one line ("" when none is)."""
 
     @property
     def ended(self) -> bool:

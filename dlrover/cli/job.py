@@ -211,6 +211,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(each agent's --compile-cache)",
     )
     s.add_argument(
+        "--delivery-mode",
+        default=None,
+        choices=["at-least-once", "exactly-once", "at-most-once"],
+        help="How the workers' datasets and streams deliver data when their code names no mode "
+        "(the job spec's delivery_mode; DLROVER_DELIVERY_MODE in the workers' environment)",
+    )
+    s.add_argument(
         "--spares",
         type=int,
         default=None,
@@ -430,6 +437,9 @@ def run(argv: Sequence[str] | None = None) -> int:
                 compile_cache=spec.compile_cache
                 if args.compile_cache is None
                 else args.compile_cache,
+                delivery_mode=spec.delivery_mode
+                if args.delivery_mode is None
+                else args.delivery_mode,
             )
         else:
             if args.ps_replica is not None and not args.ps:
@@ -454,6 +464,7 @@ def run(argv: Sequence[str] | None = None) -> int:
                 hang_timeout=args.hang_timeout,
                 spares=args.spares or 0,
                 compile_cache=args.compile_cache or "",
+                delivery_mode=args.delivery_mode or "",
             )
     except (JobSpecError, OSError) as e:
         parser.error(str(e))

@@ -34,6 +34,8 @@ def status_table(status: JobStatus, master_host: str = "", engine: str = "") -> 
         lines.append(status.node_check)
     if status.autoscale:
         lines.append(status.autoscale)
+    if status.data_lost:
+        lines.append(status.data_lost)
     if status.samples_per_s:
         lines.append(
             f"throughput: {status.samples_per_s:.0f} samples/s, {status.steps_per_s:.1f} steps/s"

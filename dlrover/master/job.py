@@ -136,6 +136,7 @@ class JobMaster:
             self.preflight,
             self.diagnostics,
             self.roles,
+            self.sharding.losses,
         )
         self._lock = lock
         self._tick_hooks: list[Callable[[float], None]] = []

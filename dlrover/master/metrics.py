@@ -182,7 +182,8 @@ class JobCollector(Collector):
             "Data shards of each dataset: todo, leased (being read) and done",
             labels=["job_name", "dataset", "state"],
         )
-        for p in job.sharding.all_progress():
+        progress = job.sharding.all_progress()
+        for p in progress:
             shards.add_metric([name, p.dataset, "todo"], float(p.todo))
             shards.add_metric([name, p.dataset, "leased"], float(p.leased))
             shards.add_metric([name, p.dataset, "done"], float(p.done_shards))
@@ -192,13 +193,23 @@ class JobCollector(Collector):
             "Records of each stream's partitions available but not yet done",
             labels=["job_name", "stream", "partition"],
         )
+        lost = GaugeMetricFamily(
+            "dlrover_data_lost",
+            "At-most-once data the job's model never trained and that is never handed out "
+            "again: samples of a dataset, records of a stream",
+            labels=["job_name", "kind", "name"],
+        )
+        for p in progress:
+            lost.add_metric([name, "dataset", p.dataset], float(p.lost_samples))
         for sp in job.sharding.all_stream_progress():
             ends = dict(sp.end_offsets)
             for partition, done in sp.committed:
                 lag.add_metric(
                     [name, sp.stream, str(partition)], float(max(0, ends[partition] - done))
                 )
+            lost.add_metric([name, "stream", sp.stream], float(sp.lost_records))
         yield lag
+        yield lost
         yield from _ps_metrics(job)
         yield _gauge(
             "dlrover_rendezvous_round",

@@ -230,6 +230,11 @@ class ShardingService:
         with self._lock:
             return [self.manager.stream_progress(name) for name in self.manager.streams()]
 
+    def losses(self) -> str:
+        """What the at-most-once datasets and streams lost, in one line (ShardManager.losses)."""
+        with self._lock:
+            return self.manager.losses()
+
     def all_progress(self) -> list[DatasetProgress]:
         """Every registered dataset's counters (metrics, dashboard)."""
         with self._lock:

@@ -25,6 +25,7 @@ class JobStatusView:
         preflight: Preflight,
         diagnostics: Diagnostics,
         roles: RoleRegistry,
+        data_lost: Callable[[], str] = lambda: "",
     ) -> None:
         self._job_name = job_name
         self._clock = clock
@@ -33,6 +34,7 @@ class JobStatusView:
         self._preflight = preflight
         self._diagnostics = diagnostics
         self._roles = roles
+        self._data_lost = data_lost
         self.metrics_port = 0
         """Where /metrics and the dashboard are served (0: nowhere)."""
 
@@ -109,4 +111,5 @@ class JobStatusView:
             ),
             steps_per_s=rates.steps_per_s,
             samples_per_s=rates.samples_per_s,
+            data_lost=self._data_lost(),
         )

@@ -339,7 +339,7 @@ class NodeStatus(_message.Message):
     def __init__(self, step_wall_s: _Optional[float] = ..., step_data_s: _Optional[float] = ..., step_checkpoint_s: _Optional[float] = ..., node_id: _Optional[str] = ..., state: _Optional[str] = ..., node_rank: _Optional[int] = ..., host: _Optional[str] = ..., step: _Optional[int] = ..., restart_count: _Optional[int] = ..., last_heartbeat_age_s: _Optional[float] = ..., role: _Optional[str] = ..., cpu_percent: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., check: _Optional[str] = ..., score: _Optional[float] = ..., pid: _Optional[int] = ..., worker_pids: _Optional[_Iterable[int]] = ..., memory_limit_bytes: _Optional[int] = ..., samples_per_s: _Optional[float] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job_name", "state", "round", "nodes", "reason", "exit_code", "node_check", "autoscale", "goodput", "metrics_port", "embedding_servers", "steps_per_s", "samples_per_s", "refused")
+    __slots__ = ("job_name", "state", "round", "nodes", "reason", "exit_code", "node_check", "autoscale", "goodput", "metrics_port", "embedding_servers", "steps_per_s", "samples_per_s", "data_lost", "refused")
     JOB_NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -353,6 +353,7 @@ class JobStatus(_message.Message):
     EMBEDDING_SERVERS_FIELD_NUMBER: _ClassVar[int]
     STEPS_PER_S_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    DATA_LOST_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
     job_name: str
     state: str
@@ -367,8 +368,9 @@ class JobStatus(_message.Message):
     embedding_servers: _containers.RepeatedCompositeFieldContainer[EmbeddingServerStatus]
     steps_per_s: float
     samples_per_s: float
+    data_lost: str
     refused: MasterError
-    def __init__(self, job_name: _Optional[str] = ..., state: _Optional[str] = ..., round: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., reason: _Optional[str] = ..., exit_code: _Optional[int] = ..., node_check: _Optional[str] = ..., autoscale: _Optional[str] = ..., goodput: _Optional[float] = ..., metrics_port: _Optional[int] = ..., embedding_servers: _Optional[_Iterable[_Union[EmbeddingServerStatus, _Mapping]]] = ..., steps_per_s: _Optional[float] = ..., samples_per_s: _Optional[float] = ..., refused: _Optional[_Union[MasterError, _Mapping]] = ...) -> None: ...
+    def __init__(self, job_name: _Optional[str] = ..., state: _Optional[str] = ..., round: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., reason: _Optional[str] = ..., exit_code: _Optional[int] = ..., node_check: _Optional[str] = ..., autoscale: _Optional[str] = ..., goodput: _Optional[float] = ..., metrics_port: _Optional[int] = ..., embedding_servers: _Optional[_Iterable[_Union[EmbeddingServerStatus, _Mapping]]] = ..., steps_per_s: _Optional[float] = ..., samples_per_s: _Optional[float] = ..., data_lost: _Optional[str] = ..., refused: _Optional[_Union[MasterError, _Mapping]] = ...) -> None: ...
 
 class EmbeddingServerStatus(_message.Message):
     __slots__ = ("index", "address", "rows", "bytes", "lookups_per_s")
@@ -618,8 +620,10 @@ class DatasetSpec(_message.Message):
         __slots__ = ()
         AT_LEAST_ONCE: _ClassVar[DatasetSpec.DeliveryMode]
         EXACTLY_ONCE: _ClassVar[DatasetSpec.DeliveryMode]
+        AT_MOST_ONCE: _ClassVar[DatasetSpec.DeliveryMode]
     AT_LEAST_ONCE: DatasetSpec.DeliveryMode
     EXACTLY_ONCE: DatasetSpec.DeliveryMode
+    AT_MOST_ONCE: DatasetSpec.DeliveryMode
     NAME_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     SHARD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -739,20 +743,24 @@ class PositionAt(_message.Message):
     def __init__(self, position: _Optional[_Union[Position, _Mapping]] = ..., waiting_for: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DatasetProgress(_message.Message):
-    __slots__ = ("dataset", "epoch", "todo", "leased", "done_shards", "finished")
+    __slots__ = ("dataset", "epoch", "todo", "leased", "done_shards", "finished", "lost_shards", "lost_samples")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     TODO_FIELD_NUMBER: _ClassVar[int]
     LEASED_FIELD_NUMBER: _ClassVar[int]
     DONE_SHARDS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
+    LOST_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    LOST_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     epoch: int
     todo: int
     leased: int
     done_shards: int
     finished: bool
-    def __init__(self, dataset: _Optional[str] = ..., epoch: _Optional[int] = ..., todo: _Optional[int] = ..., leased: _Optional[int] = ..., done_shards: _Optional[int] = ..., finished: _Optional[bool] = ...) -> None: ...
+    lost_shards: int
+    lost_samples: int
+    def __init__(self, dataset: _Optional[str] = ..., epoch: _Optional[int] = ..., todo: _Optional[int] = ..., leased: _Optional[int] = ..., done_shards: _Optional[int] = ..., finished: _Optional[bool] = ..., lost_shards: _Optional[int] = ..., lost_samples: _Optional[int] = ...) -> None: ...
 
 class RegisterDatasetRequest(_message.Message):
     __slots__ = ("spec",)
@@ -947,7 +955,7 @@ class PartitionOffset(_message.Message):
     def __init__(self, partition: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class StreamSpec(_message.Message):
-    __slots__ = ("name", "records_per_shard", "max_retries", "lease_s", "topic", "bootstrap_servers", "group_id", "end_offsets")
+    __slots__ = ("name", "records_per_shard", "max_retries", "lease_s", "topic", "bootstrap_servers", "group_id", "end_offsets", "mode")
     NAME_FIELD_NUMBER: _ClassVar[int]
     RECORDS_PER_SHARD_FIELD_NUMBER: _ClassVar[int]
     MAX_RETRIES_FIELD_NUMBER: _ClassVar[int]
@@ -956,6 +964,7 @@ class StreamSpec(_message.Message):
     BOOTSTRAP_SERVERS_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     END_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
     name: str
     records_per_shard: int
     max_retries: int
@@ -964,7 +973,8 @@ class StreamSpec(_message.Message):
     bootstrap_servers: str
     group_id: str
     end_offsets: _containers.RepeatedCompositeFieldContainer[PartitionOffset]
-    def __init__(self, name: _Optional[str] = ..., records_per_shard: _Optional[int] = ..., max_retries: _Optional[int] = ..., lease_s: _Optional[float] = ..., topic: _Optional[str] = ..., bootstrap_servers: _Optional[str] = ..., group_id: _Optional[str] = ..., end_offsets: _Optional[_Iterable[_Union[PartitionOffset, _Mapping]]] = ...) -> None: ...
+    mode: DatasetSpec.DeliveryMode
+    def __init__(self, name: _Optional[str] = ..., records_per_shard: _Optional[int] = ..., max_retries: _Optional[int] = ..., lease_s: _Optional[float] = ..., topic: _Optional[str] = ..., bootstrap_servers: _Optional[str] = ..., group_id: _Optional[str] = ..., end_offsets: _Optional[_Iterable[_Union[PartitionOffset, _Mapping]]] = ..., mode: _Optional[_Union[DatasetSpec.DeliveryMode, str]] = ...) -> None: ...
 
 class StreamShard(_message.Message):
     __slots__ = ("stream", "partition", "start", "end", "attempt")
@@ -1031,20 +1041,22 @@ class StreamPositionAt(_message.Message):
     def __init__(self, position: _Optional[_Union[StreamPosition, _Mapping]] = ..., waiting_for: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StreamProgress(_message.Message):
-    __slots__ = ("stream", "committed", "end_offsets", "leased", "stopped", "finished")
+    __slots__ = ("stream", "committed", "end_offsets", "leased", "stopped", "finished", "lost_records")
     STREAM_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
     END_OFFSETS_FIELD_NUMBER: _ClassVar[int]
     LEASED_FIELD_NUMBER: _ClassVar[int]
     STOPPED_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
+    LOST_RECORDS_FIELD_NUMBER: _ClassVar[int]
     stream: str
     committed: _containers.RepeatedCompositeFieldContainer[PartitionOffset]
     end_offsets: _containers.RepeatedCompositeFieldContainer[PartitionOffset]
     leased: int
     stopped: bool
     finished: bool
-    def __init__(self, stream: _Optional[str] = ..., committed: _Optional[_Iterable[_Union[PartitionOffset, _Mapping]]] = ..., end_offsets: _Optional[_Iterable[_Union[PartitionOffset, _Mapping]]] = ..., leased: _Optional[int] = ..., stopped: _Optional[bool] = ..., finished: _Optional[bool] = ...) -> None: ...
+    lost_records: int
+    def __init__(self, stream: _Optional[str] = ..., committed: _Optional[_Iterable[_Union[PartitionOffset, _Mapping]]] = ..., end_offsets: _Optional[_Iterable[_Union[PartitionOffset, _Mapping]]] = ..., leased: _Optional[int] = ..., stopped: _Optional[bool] = ..., finished: _Optional[bool] = ..., lost_records: _Optional[int] = ...) -> None: ...
 
 class RegisterStreamRequest(_message.Message):
     __slots__ = ("spec",)

@@ -52,6 +52,14 @@ class DatasetQueue:
         self.failure: str | None = None
         self.restore_token: str | None = None
         self.ledgers: Ledgers[ShardId] = Ledgers()
+        self.lost_shards = 0
+        """At-most-once: shards dropped with their worker, never handed out again."""
+        self.lost_samples = 0
+        """At-most-once: samples handed out that the job's model never trained: those of the
+        dropped shards a worker had not reported trained, recounted at a restore (see
+        restore)."""
+        self.dropped: dict[ShardId, int] = {}
+        """At-most-once: the shards dropped since the last restore and the samples counted."""
 
     # --- hand-out -------------------------------------------------------------------------
     def fetch(self, worker_id: str, max_count: int, now: float) -> FetchResult:
@@ -185,7 +193,8 @@ class DatasetQueue:
 
     # --- failures -------------------------------------------------------------------------
     def recover_worker(self, worker_id: str) -> list[ShardId]:
-        """Put every shard `worker_id` holds back at the head of the todo queue."""
+        """Put every shard `worker_id` holds back at the head of the todo queue (at-most-once:
+        drop them, counting what was not reported trained as lost)."""
         self.ledgers.forget_worker(worker_id)
         return self._requeue(sorted(self.leases.held_by(worker_id)), f"worker {worker_id} lost")
 
@@ -197,6 +206,8 @@ class DatasetQueue:
         return back
 
     def _requeue(self, shard_ids: list[ShardId], reason: str) -> list[ShardId]:
+        if self.spec.mode is DeliveryMode.AT_MOST_ONCE:
+            return self._drop(shard_ids, reason)
         back: list[_Requeued] = []
         for shard_id in shard_ids:
             lease = self.leases.release(shard_id)
@@ -219,6 +230,31 @@ class DatasetQueue:
         # extendleft reverses, so feed it reversed to keep the shards in order at the head.
         self.requeued.extendleft(reversed(back))
         return [ShardId(entry[0], entry[1]) for entry in back]
+
+    def _drop(self, shard_ids: list[ShardId], reason: str) -> list[ShardId]:
+        """At-most-once: release these leases for good; the samples past each one's reported
+        progress are lost, and counted."""
+        dropped: list[ShardId] = []
+        for shard_id in shard_ids:
+            lease = self.leases.release(shard_id)
+            if lease is None:
+                continue
+            lost = len(self._shard(shard_id, 0, 0)) - lease.offset
+            self.lost_shards += 1
+            self.lost_samples += lost
+            self.dropped[shard_id] = lost
+            dropped.append(shard_id)
+            logger.warning(
+                "dataset %r (at-most-once): %s lost with %d samples not trained (%s; worker %s); "
+                "%d samples lost so far",
+                self.spec.name,
+                shard_id,
+                lost,
+                reason,
+                lease.worker_id,
+                self.lost_samples,
+            )
+        return dropped
 
     def _raise_if_failed(self) -> None:
         if self.failure is not None:
@@ -277,10 +313,15 @@ class DatasetQueue:
         return Position(self.spec.name, epoch, cursor, entries)
 
     def restore(self, position: Position, token: str | None) -> bool:
-        """Reset the queues to `position`; a repeat of the last applied `token` is a no-op."""
+        """Reset the queues to `position`; a repeat of the last applied `token` is a no-op. At
+        most once, nothing is reset (False): the queue goes on where it is, since going back to
+        the checkpoint's position would hand out again what was handed out since."""
         self._check_position(position)
         if token is not None and token == self.restore_token:
             return False
+        if self.spec.mode is DeliveryMode.AT_MOST_ONCE:
+            self._restore_at_most_once(position, token)
+            return True
         self.epoch, self.cursor = position.epoch, position.cursor
         self.requeued = deque((e, i, o, 0) for e, i, o in sorted(position.pending))
         self.leases.clear()
@@ -289,6 +330,50 @@ class DatasetQueue:
         self.restore_token = token
         logger.info("dataset %r restored to %s", self.spec.name, position)
         return True
+
+    def _restore_at_most_once(self, position: Position, token: str | None) -> None:
+        """Go on from here, not from ``position``: the samples it had not trained that were
+        handed out since are lost (the restored model never trains them), in place of what
+        the drops since the last restore counted of them; the leases go (their readers
+        restarted)."""
+        after = (position.epoch, position.cursor)
+        pending = {ShardId(e, i): o for e, i, o in position.pending}
+        for shard_id, counted in self.dropped.items():
+            if shard_id in pending or self._order(shard_id) >= after:
+                self.lost_samples -= counted
+        lost = sum(len(self._shard(shard_id, 0, 0)) - o for shard_id, o in pending.items())
+        lost += self._samples_between(after, (self.epoch, self.cursor))
+        self.lost_samples += lost
+        self.dropped = {}
+        self.leases.clear()
+        self.ledgers.clear()
+        self.failure = None
+        self.restore_token = token
+        logger.warning(
+            "dataset %r is at-most-once: not going back to the checkpoint's position; %d "
+            "samples it had not trained were handed out since and are lost (%d lost so far)",
+            self.spec.name,
+            lost,
+            self.lost_samples,
+        )
+
+    def _order(self, shard_id: ShardId) -> tuple[int, int]:
+        """(epoch, ordinal): where the shard comes in the hand-out order."""
+        return (shard_id.epoch, self.spec.shard_ordinal(shard_id.epoch, shard_id.index))
+
+    def _samples_between(self, begin: tuple[int, int], end: tuple[int, int]) -> int:
+        """The samples of the shards handed out from (epoch, cursor) ``begin`` to ``end``."""
+        spec, total = self.spec, 0
+        last = spec.num_shards - 1
+        for epoch in range(begin[0], end[0] + 1):
+            low = begin[1] if epoch == begin[0] else 0
+            high = end[1] if epoch == end[0] else spec.num_shards
+            if high <= low:
+                continue
+            total += (high - low) * spec.samples_per_shard
+            if low <= spec.shard_ordinal(epoch, last) < high:  # the short last shard
+                total -= spec.samples_per_shard - spec.shard_length(last)
+        return total
 
     def _check_position(self, position: Position) -> None:
         spec = self.spec
@@ -316,7 +401,14 @@ class DatasetQueue:
         """Counters for logs, metrics and tests (see DatasetProgress)."""
         todo = len(self.requeued) + max(0, self.spec.num_shards - self.cursor)
         return DatasetProgress(
-            self.spec.name, self.epoch, todo, len(self.leases), self.done_shards, self.finished
+            self.spec.name,
+            self.epoch,
+            todo,
+            len(self.leases),
+            self.done_shards,
+            self.finished,
+            self.lost_shards,
+            self.lost_samples,
         )
 
     # --- state ----------------------------------------------------------------------------
@@ -335,6 +427,8 @@ class DatasetQueue:
             "done_shards": self.done_shards,
             "failure": self.failure,
             "restore_token": self.restore_token,
+            "lost": [self.lost_shards, self.lost_samples],
+            "dropped": [[k.epoch, k.index, n] for k, n in self.dropped.items()],
         }
 
     @classmethod
@@ -349,4 +443,6 @@ class DatasetQueue:
         queue.done_shards = int(state["done_shards"])
         queue.failure = state["failure"]
         queue.restore_token = state["restore_token"]
+        queue.lost_shards, queue.lost_samples = (int(n) for n in state.get("lost", (0, 0)))
+        queue.dropped = {ShardId(int(e), int(i)): int(n) for e, i, n in state.get("dropped", [])}
         return queue

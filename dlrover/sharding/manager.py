@@ -23,6 +23,7 @@ from dlrover.sharding.types import (
     ConsumptionMark,
     DatasetProgress,
     DatasetSpec,
+    DeliveryMode,
     FetchResult,
     Position,
     PositionAt,
@@ -209,6 +210,21 @@ class ShardManager:
     def streams(self) -> list[str]:
         """Names of the registered streams."""
         return sorted(self._streams)
+
+    def losses(self) -> str:
+        """What the at-most-once datasets and streams lost, in one line ("" when none is
+        at-most-once): `dlrover status` shows it, so no loss goes unseen."""
+        parts = [
+            f"dataset {name} {q.lost_samples} samples ({q.lost_shards} shards)"
+            for name, q in sorted(self._datasets.items())
+            if q.spec.mode is DeliveryMode.AT_MOST_ONCE
+        ]
+        parts += [
+            f"stream {name} {q.lost_records} records"
+            for name, q in sorted(self._streams.items())
+            if q.spec.mode is DeliveryMode.AT_MOST_ONCE
+        ]
+        return "at-most-once data lost: " + ", ".join(parts) if parts else ""
 
     def _stream(self, name: str) -> StreamQueue:
         queue = self._streams.get(name)

@@ -16,6 +16,7 @@ from dlrover.sharding.errors import (
 )
 from dlrover.sharding.leases import Lease, LeaseTable
 from dlrover.sharding.ledger import Ledgers
+from dlrover.sharding.types import DeliveryMode
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +69,9 @@ class StreamSpec:
     workers finished are committed to the broker under ``group_id`` (default
     ``dlrover-<name>``), so Kafka's own tools show the lag. ``end_offsets`` is the end policy:
     (partition, offset) pairs where the stream ends; empty means unbounded (it ends on
-    ``stop``).
+    ``stop``). ``mode``: AT_MOST_ONCE drops a lost worker's ranges instead of handing them out
+    again and does not go back to a checkpoint's position (see StreamQueue); the other two
+    modes are the same on the master (exactly once needs the checkpoint's position restored).
     """
 
     name: str
@@ -79,8 +82,10 @@ class StreamSpec:
     bootstrap_servers: str = ""
     group_id: str = ""
     end_offsets: tuple[tuple[int, int], ...] = ()
+    mode: DeliveryMode = DeliveryMode.EXACTLY_ONCE
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", DeliveryMode(self.mode))
         if not self.name or self.records_per_shard < 1 or self.max_retries < 0 or self.lease_s <= 0:
             raise InvalidSpecError(
                 f"stream {self.name!r}: needs a name, records_per_shard >= 1, max_retries >= 0 "
@@ -192,6 +197,9 @@ class StreamProgress:
     leased: int
     stopped: bool
     finished: bool
+    lost_records: int = 0
+    """At-most-once: records handed out that the job's model never trained and that are never
+    handed out again (see StreamQueue)."""
 
     @property
     def lag(self) -> int:
@@ -228,6 +236,12 @@ _MARKS_KEPT = 1024
 class StreamQueue:
     """Leases offset ranges of a stream's partitions; lost ones go back to the queue head.
 
+    At most once, lost ranges are dropped instead and counted (``lost_records``), and a
+    restore does not go back to the checkpoint's position: it counts as lost every record the
+    checkpoint had not trained that was handed out since (the restored model never trains it),
+    drops the leases, and the stream goes on from where it is. ``lost_records`` is then exactly
+    the records the job's model never trained.
+
     The committed position of a partition is the lowest offset not known to be done: the
     smaller of its read cursor and the start of its earliest shard in flight or requeued.
     Workers mark each shard before they yield its records (StreamMark), so ``position_at``
@@ -252,6 +266,10 @@ class StreamQueue:
         self.failure: str | None = None
         self.stopped = False
         self.restore_token: str | None = None
+        self.lost_records = 0
+        """At-most-once: records handed out that the job's model never trained."""
+        self.dropped: list[tuple[int, int, int]] = []
+        """At-most-once: the ranges dropped since the last restore (counted in lost_records)."""
         self._next_partition = 0
         named = {p for p, _ in spec.end_offsets}
         if named and named != set(self.next_offset):
@@ -441,6 +459,8 @@ class StreamQueue:
         return [(p, s) for p, s, _ in back]
 
     def _requeue(self, keys: list[_StreamKey], reason: str) -> list[_MarkKey]:
+        if self.spec.mode is DeliveryMode.AT_MOST_ONCE:
+            return self._drop(keys, reason)
         back = []
         for key in keys:
             lease = self.leases.release(key)
@@ -457,6 +477,31 @@ class StreamQueue:
             back.append((key[0], key[1], end, attempt))
         self.requeued.extendleft(reversed(back))
         return [(p, s, e) for p, s, e, _ in back]
+
+    def _drop(self, keys: list[_StreamKey], reason: str) -> list[_MarkKey]:
+        """At-most-once: release these leases for good and count their records lost (the
+        worker's model is gone with it; a later restore recounts what the checkpoint had)."""
+        dropped: list[_MarkKey] = []
+        for key in keys:
+            lease = self.leases.release(key)
+            if lease is None:
+                continue
+            end = self.ends.pop(key)
+            self.lost_records += end - key[1]
+            dropped.append((key[0], key[1], end))
+            logger.warning(
+                "stream %r (at-most-once): records %d:[%d, %d) lost (%s, worker %s); %d lost so "
+                "far",
+                self.spec.name,
+                key[0],
+                key[1],
+                end,
+                reason,
+                lease.worker_id,
+                self.lost_records,
+            )
+        self.dropped += dropped
+        return dropped
 
     def committed(self) -> dict[int, int]:
         """Per partition, the offset below which every record is done."""
@@ -513,6 +558,9 @@ class StreamQueue:
         self._check_position(position)
         if token is not None and token == self.restore_token:
             return False
+        if self.spec.mode is DeliveryMode.AT_MOST_ONCE:
+            self._restore_at_most_once(position, token)
+            return True
         self.next_offset.update(dict(position.offsets))
         self.requeued = deque((p, s, e, 0) for p, s, e in sorted(position.pending))
         self.leases.clear()
@@ -522,6 +570,48 @@ class StreamQueue:
         self.restore_token = token
         logger.info("stream %r restored to %s", self.spec.name, position)
         return True
+
+    def _restore_at_most_once(self, position: StreamPosition, token: str | None) -> None:
+        """Go on from here, not from ``position``: what it had not trained and was handed out
+        since is lost (the restored model never trains it), in place of what the drops since
+        the last restore counted of it; the leases go (their readers restarted)."""
+        untrained = self._untrained_handed_out(position)
+        for partition, start, end in self.dropped:
+            if _overlap(untrained.get(partition, []), start, end):
+                self.lost_records -= end - start
+        lost = sum(e - s for spans in untrained.values() for s, e in spans)
+        self.lost_records += lost
+        self.dropped = []
+        self.leases.clear()
+        self.ends.clear()
+        self.ledgers.clear()
+        self.failure = None
+        self.restore_token = token
+        logger.warning(
+            "stream %r is at-most-once: not going back to the checkpoint's position; %d records "
+            "it had not trained were handed out since and are lost (%d lost so far)",
+            self.spec.name,
+            lost,
+            self.lost_records,
+        )
+
+    def _untrained_handed_out(self, position: StreamPosition) -> dict[int, list[tuple[int, int]]]:
+        """Per partition, the merged spans of records ``position`` had not trained that were
+        handed out since: above its offset and below the read cursor, and its pending ranges,
+        less what is back in the queue (never delivered)."""
+        spans: dict[int, list[tuple[int, int]]] = {}
+        for partition, offset in position.offsets:
+            cursor = self.next_offset.get(partition, offset)
+            if cursor > offset:
+                spans.setdefault(partition, []).append((offset, cursor))
+        for partition, start, end in position.pending:
+            end = min(end, self.next_offset.get(partition, end))
+            if end > start:
+                spans.setdefault(partition, []).append((start, end))
+        holes: dict[int, list[tuple[int, int]]] = {}
+        for partition, start, end, _ in self.requeued:
+            holes.setdefault(partition, []).append((start, end))
+        return {p: _minus(_merge(v), _merge(holes.get(p, []))) for p, v in spans.items()}
 
     def _check_position(self, position: StreamPosition) -> None:
         offsets = dict(position.offsets)
@@ -554,12 +644,13 @@ class StreamQueue:
             len(self.leases),
             self.stopped,
             self.finished() and not len(self.leases),
+            self.lost_records,
         )
 
     def to_state(self) -> dict[str, Any]:
         """JSON-able state: spec, read cursors, requeued ranges and leases (not the marks)."""
         return {
-            "spec": asdict(self.spec),
+            "spec": {**asdict(self.spec), "mode": self.spec.mode.value},
             "next_offset": [[p, o] for p, o in self.next_offset.items()],
             "requeued": [list(e) for e in self.requeued],
             "leases": [
@@ -569,6 +660,8 @@ class StreamQueue:
             "failure": self.failure,
             "stopped": self.stopped,
             "restore_token": self.restore_token,
+            "lost_records": self.lost_records,
+            "dropped": [list(span) for span in self.dropped],
         }
 
     @classmethod
@@ -585,4 +678,36 @@ class StreamQueue:
         queue.failure = state["failure"]
         queue.stopped = bool(state.get("stopped", False))
         queue.restore_token = state.get("restore_token")
+        queue.lost_records = int(state.get("lost_records", 0))
+        queue.dropped = [(int(p), int(s), int(e)) for p, s, e in state.get("dropped", [])]
         return queue
+
+
+def _merge(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``spans`` sorted, with overlapping or touching ones joined."""
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _minus(spans: list[tuple[int, int]], holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of merged ``spans`` outside merged ``holes``."""
+    out: list[tuple[int, int]] = []
+    for start, end in spans:
+        for hole_start, hole_end in holes:
+            if hole_end <= start or hole_start >= end:
+                continue
+            if hole_start > start:
+                out.append((start, hole_start))
+            start = max(start, hole_end)
+        if end > start:
+            out.append((start, end))
+    return out
+
+
+def _overlap(spans: list[tuple[int, int]], start: int, end: int) -> bool:
+    return any(s < end and start < e for s, e in spans)

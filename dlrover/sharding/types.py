@@ -18,10 +18,14 @@ class DeliveryMode(str, enum.Enum):
     AT_LEAST_ONCE: a failed worker's whole shard is handed out again (some samples twice).
     EXACTLY_ONCE: partial progress is tracked per shard, and the consumed position taken with a
     checkpoint is restored with it, so the model sees each sample once.
+    AT_MOST_ONCE: nothing handed out is ever handed out again: a failed worker's shards are
+    dropped, and what it had not reported trained is counted lost (``lost_samples``), never
+    silently; a checkpoint's position is not restored (it would hand out again what was).
     """
 
     AT_LEAST_ONCE = "at-least-once"
     EXACTLY_ONCE = "exactly-once"
+    AT_MOST_ONCE = "at-most-once"
 
 
 @dataclass(frozen=True)
@@ -261,3 +265,8 @@ class DatasetProgress:
     done_shards: int
     """Shards reported done since registration (or the last restore), all epochs."""
     finished: bool
+    lost_shards: int = 0
+    """At-most-once: shards dropped with a lost worker (or an expired lease), never handed out
+    again."""
+    lost_samples: int = 0
+    """At-most-once: samples of those shards the worker had not reported trained."""

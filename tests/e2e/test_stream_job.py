@@ -101,6 +101,57 @@ def test_worker_killed_mid_stream_every_record_is_trained_exactly_once(
     assert _committed(broker, "dlrover-clicks", "clicks") == [per_partition] * PARTITIONS
 
 
+def test_at_most_once_a_killed_worker_s_records_are_never_trained_twice_and_counted(
+    tmp_path: Path, broker: KafkaBroker
+) -> None:
+    """DLROVER_DELIVERY_MODE=at-most-once (what a job spec's delivery_mode sets), rank 1
+    SIGKILLed at step 7: the ranks restart from the checkpoint of step 6 but the stream does
+    not go back to its position. No record is trained twice; the records the final model never
+    trained are exactly the master's lost count (what was handed out after the checkpoint)."""
+    n, per_partition = 120, 40
+    broker.create_topic("clicks", PARTITIONS)
+    broker.produce("clicks", _records(range(n)))
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    out.mkdir()
+    once = tmp_path / "fault.once"
+    env = clean_env(
+        DLROVER_FAULTS=f"kill:rank=1:step=7:once={once}", DLROVER_DELIVERY_MODE="at-most-once"
+    )
+    r = dlrover_run(
+        [
+            "--standalone",
+            "--nproc-per-node=2",
+            "--max-restarts=1",
+            str(SCRIPTS / "stream_train.py"),
+            "--bootstrap",
+            broker.bootstrap,
+            "--topic",
+            "clicks",
+            "--records",
+            str(n),
+            "--end",
+            str(per_partition),
+            "--batch",
+            "3",
+            "--records-per-shard",
+            "5",
+            "--ckpt",
+            str(ckpt),
+            "--out",
+            str(out),
+        ],  # fmt: skip
+        env=env,
+        timeout=180,
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "dlrover fault injection: kill rank 1 step 7" in r.stderr
+    seen = json.loads((out / "seen.json").read_text())
+    assert max(seen) == 1, {i: c for i, c in enumerate(seen) if c > 1}
+    lost = int((out / "lost").read_text())
+    assert lost == seen.count(0) > 0
+    assert "is at-most-once: not going back to the checkpoint's position" in r.stderr
+
+
 def test_a_broker_outage_mid_job_loses_no_position(tmp_path: Path, broker: KafkaBroker) -> None:
     """The broker stops for two seconds while the job trains: the master keeps its offsets, the
     readers wait (within read_timeout_s) and the job trains every record exactly once."""

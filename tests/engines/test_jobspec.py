@@ -105,6 +105,19 @@ def test_a_shared_compile_cache_and_spares_reach_the_job() -> None:
     assert "--compile-cache=/nfs/cc" in flags.agent_command() and flags.spares == 1
 
 
+def test_the_delivery_mode_reaches_every_worker_s_environment() -> None:
+    spec = job_spec_from_dict({"entrypoint": "train.py", "delivery_mode": "at-most-once"})
+    node = spec.node_spec(rank=0, master_addr="10.0.0.1:5000", token="t")
+    assert node.env["DLROVER_DELIVERY_MODE"] == "at-most-once"
+    plain = job_spec_from_flags("train.py")  # no mode named: each reader's own default
+    assert "DLROVER_DELIVERY_MODE" not in plain.node_spec(0, "m:1", "t").env
+    assert job_spec_from_flags("train.py", delivery_mode="exactly-once").delivery_mode == (
+        "exactly-once"
+    )
+    with pytest.raises(JobSpecError, match="delivery_mode is 'twice'; it must be one of"):
+        job_spec_from_dict({"entrypoint": "train.py", "delivery_mode": "twice"})
+
+
 def test_node_spec_carries_master_address_and_token() -> None:
     spec = job_spec_from_flags("train.py", nnodes="1:2", name="job-b", memory=1024)
     node = spec.node_spec(rank=1, master_addr="10.0.0.1:5000", token="s3cret", relaunch_count=2)

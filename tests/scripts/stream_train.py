@@ -5,7 +5,8 @@ position and ``seen``: how often each id was trained, summed over the ranks ever
 every rank holds the job's count). Ranks step in lockstep; a rank with no batch contributes
 zeros until every rank is out. A checkpoint (memory; storage every 5 steps) follows each step
 every rank trained, and only rank 0 computes the stream position when ``--rank0-position``.
-At the end rank 0 writes ``seen`` to <out>/seen.json; every rank appends "<rank> <restart>
+At the end rank 0 writes ``seen`` to <out>/seen.json and the records the master counts lost
+(at-most-once, DLROVER_DELIVERY_MODE) to <out>/lost; every rank appends "<rank> <restart>
 <first step>" to <out>/loads and rank 0 writes its step to <out>/progress after each step.
 Exactly once holds iff every count is 1. Faults come from DLROVER_FAULTS.
 """
@@ -113,6 +114,8 @@ def main() -> None:
     if rank == 0:
         with open(os.path.join(a.out, "seen.json"), "w") as f:
             json.dump(seen.tolist(), f)
+        with open(os.path.join(a.out, "lost"), "w") as f:
+            f.write(f"{dataset.client.progress().lost_records}\n")
     dataset.close()
     dist.destroy_process_group()
 

@@ -34,11 +34,16 @@ def wait_for(path: Path, timeout_s: float, what: str) -> None:
 
 
 @pytest.mark.e2e
-def test_sigkill_mid_shard_every_sample_trained_at_least_once(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", list(DeliveryMode), ids=lambda m: m.value)
+def test_sigkill_mid_shard_each_mode_keeps_its_promise(tmp_path: Path, mode: DeliveryMode) -> None:
+    """A worker SIGKILLed 20 samples into a shard (it reports each sample trained), beside two
+    that read on. At least once: only those 20 are trained twice. Exactly once: each sample
+    once. At most once: none twice, and the master's lost count is exactly the samples nobody
+    trained (the rest of that shard and the shards the victim had leased ahead)."""
     server = MasterServer(JobMaster(JobMasterConfig(), MemoryStateStore()), "t", "127.0.0.1", 0)
     server.start()
     address = f"127.0.0.1:{server.port}"
-    spec = DatasetSpec("d", size=3_000, shard_size=50, shuffle=True, seed=11)
+    spec = DatasetSpec("d", size=3_000, shard_size=50, shuffle=True, seed=11, mode=mode)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
 
     def start(worker_id: str, *extra: str) -> subprocess.Popen[bytes]:
@@ -57,14 +62,15 @@ def test_sigkill_mid_shard_every_sample_trained_at_least_once(tmp_path: Path) ->
         ]
         return subprocess.Popen(command, env={**env, "DLROVER_JOB_TOKEN": "t"})
 
-    victim = start("n0/0", "--hang-after", "20")
+    victim = start("n0/0", "--hang-after", "20", "--report-progress")
     survivors: list[subprocess.Popen[bytes]] = []
     try:
         wait_for(tmp_path / "n0_0.txt.hung", 20.0, "the victim to reach the middle of a shard")
         survivors += [start(f"n{i}/0", "--sample-s", "0.0002") for i in (1, 2)]
         victim.send_signal(signal.SIGKILL)
         assert victim.wait(10.0) == -signal.SIGKILL
-        # What the agent does when its worker dies: tell the master, which requeues at the head.
+        # What the agent does when its worker dies: tell the master, which requeues its shards
+        # at the head (at most once: drops them).
         assert server.job.sharding.recover_node("n0") >= 1
         for process in survivors:
             assert process.wait(30.0) == 0
@@ -76,10 +82,19 @@ def test_sigkill_mid_shard_every_sample_trained_at_least_once(tmp_path: Path) ->
     counts: Counter[int] = Counter()
     for name in ("n0_0", "n1_0", "n2_0"):
         counts.update(int(line) for line in (tmp_path / f"{name}.txt").read_text().split())
-    assert set(counts) == set(range(3_000)), "a sample was never trained"
-    assert sum(counts.values()) == 3_000 + 20  # only the killed shard's first 20 were redone
     # (the server is stopped; its manager still holds the final state)
-    assert server.job.sharding.manager.dataset_progress("d").finished
+    progress = server.job.sharding.manager.dataset_progress("d")
+    assert progress.finished
+    if mode is DeliveryMode.AT_MOST_ONCE:
+        assert set(counts.values()) == {1}, "a sample was trained twice"
+        assert progress.lost_samples == 3_000 - len(counts) >= 30
+        assert progress.lost_samples == 30 + 50 * (progress.lost_shards - 1)
+        return
+    assert progress.lost_samples == 0
+    assert set(counts) == set(range(3_000)), "a sample was never trained"
+    # At least once, only the killed shard's first 20 were trained again.
+    redone = 20 if mode is DeliveryMode.AT_LEAST_ONCE else 0
+    assert sum(counts.values()) == 3_000 + redone
 
 
 @pytest.mark.e2e

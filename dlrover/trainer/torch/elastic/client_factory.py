@@ -11,9 +11,10 @@ from typing import Any
 
 from dlrover import worker_context
 from dlrover.client.sharding_transport import ShardingTransport
-from dlrover.constants import ENV_MASTER_ADDR, ENV_NODE_ID
+from dlrover.constants import ENV_DELIVERY_MODE, ENV_MASTER_ADDR, ENV_NODE_ID
 from dlrover.sharding.config import ENV_SHARD_LEASE_S, ENV_SHARD_PREFETCH, ShardingEnv
-from dlrover.sharding.errors import ShardingError
+from dlrover.sharding.errors import InvalidSpecError, ShardingError
+from dlrover.sharding.types import DeliveryMode
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,23 @@ def lease_s_from_env() -> float:
     """Lease time in seconds of datasets the sampler registers: DLROVER_SHARD_LEASE_S, else
     DEFAULT_LEASE_S; ValueError for a value that is not a number."""
     return ShardingEnv.from_env(_only(ENV_SHARD_LEASE_S)).lease_s
+
+
+def delivery_mode(
+    given: DeliveryMode | str | None, default: DeliveryMode = DeliveryMode.EXACTLY_ONCE
+) -> DeliveryMode:
+    """The delivery mode a reader uses: the one its code gives, else DLROVER_DELIVERY_MODE (a
+    job spec's ``delivery_mode``), else ``default``. InvalidSpecError for an unknown name."""
+    source = "mode="
+    if given is None:
+        given, source = os.environ.get(ENV_DELIVERY_MODE, "") or default, ENV_DELIVERY_MODE
+    try:
+        return DeliveryMode(given)
+    except ValueError:
+        names = ", ".join(m.value for m in DeliveryMode)
+        raise InvalidSpecError(
+            f"{source} {given!r} is not a delivery mode; use one of {names}"
+        ) from None
 
 
 def _only(name: str) -> dict[str, str]:

@@ -17,7 +17,7 @@ from dlrover import worker_context
 from dlrover.client.sharding_client import ShardingClient
 from dlrover.client.sharding_transport import ShardingTransport
 from dlrover.constants import ENV_MASTER_ADDR
-from dlrover.sharding.errors import DatasetConflictError, InvalidPositionError
+from dlrover.sharding.errors import DatasetConflictError, InvalidPositionError, InvalidSpecError
 from dlrover.sharding.lockstep import LockstepError, LockstepQuota, lockstep_quota
 from dlrover.sharding.types import ConsumptionMark, DatasetSpec, DeliveryMode, Position, Shard
 from dlrover.trainer.torch.elastic import placement
@@ -25,6 +25,7 @@ from dlrover.trainer.torch.elastic.client_factory import (
     NoMasterError,
     attempt_id,
     default_worker_id,
+    delivery_mode,
     lease_s_from_env,
     prefetch_from_env,
     restore_token,
@@ -91,7 +92,7 @@ class DynamicShardSampler(Sampler[int]):
         dataset_name: str | None = None,
         shard_size: int = 0,
         num_epochs: int | None = None,
-        mode: DeliveryMode = DeliveryMode.AT_LEAST_ONCE,
+        mode: DeliveryMode | str | None = None,
         worker_id: str | None = None,
         prefetch: int | None = None,
     ) -> None:
@@ -115,7 +116,15 @@ class DynamicShardSampler(Sampler[int]):
         self.seed = seed
         self.drop_last = drop_last
         self.num_epochs = num_epochs
-        self.mode = DeliveryMode(mode)
+        self.mode = delivery_mode(mode, DeliveryMode.AT_LEAST_ONCE)
+        if self.mode is DeliveryMode.AT_MOST_ONCE:
+            raise InvalidSpecError(
+                "DynamicShardSampler keeps every rank's batch count equal, by repeating samples "
+                "where shards run out; after a loss under at-most-once it would have to repeat "
+                "some. Use at-least-once or exactly-once here; for at-most-once read the "
+                "dataset with dlrover.client.sharding_client.ShardingClient (each worker its "
+                "own pace) or a stream with ElasticStreamDataset(mode='at-most-once')"
+            )
         self.dataset_name = dataset_name or f"{type(dataset).__name__}-{self.dataset_size}"
         # Independent of the world size: a restart at another size re-registers the same spec.
         self.shard_size = shard_size or max(

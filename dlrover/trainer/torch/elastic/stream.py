@@ -33,8 +33,10 @@ from dlrover.sharding.stream import (
     StreamShard,
     StreamSpec,
 )
+from dlrover.sharding.types import DeliveryMode
 from dlrover.trainer.torch.elastic.client_factory import (
     default_worker_id,
+    delivery_mode,
     lease_s_from_env,
     prefetch_from_env,
     restore_token,
@@ -109,6 +111,13 @@ class ElasticStreamDataset(IterableDataset[T], Generic[T]):
     The stream is unbounded: a rank that has read everything waits for new records (polls of
     at most ``poll_s``). It ends when the master's stream ends: at ``end_offsets`` (partition
     -> offset) or after ``stop()``; or, for this rank, after ``idle_timeout_s`` without a record.
+
+    ``mode`` (default: DLROVER_DELIVERY_MODE, else ``exactly-once``): ``at-most-once`` never
+    hands a record out twice: after a failure the ranges the lost rank held are dropped, and
+    ``load_state_dict`` does not go back to the checkpoint's position; what the model never
+    trained is counted on the master (`dlrover status`, the ``dlrover_data_lost`` metric,
+    ``client.progress().lost_records``). ``at-least-once`` and ``exactly-once`` read alike here (the
+    position restored with the checkpoint makes it exactly once).
     """
 
     def __init__(
@@ -127,6 +136,7 @@ class ElasticStreamDataset(IterableDataset[T], Generic[T]):
         consumer_config: Mapping[str, Any] | None = None,
         transport: StreamTransport | None = None,
         worker_id: str | None = None,
+        mode: DeliveryMode | str | None = None,
     ) -> None:
         self.topic = topic
         self.bootstrap_servers = bootstrap_servers
@@ -143,6 +153,7 @@ class ElasticStreamDataset(IterableDataset[T], Generic[T]):
             bootstrap_servers=bootstrap_servers,
             group_id=group_id,
             end_offsets=tuple((end_offsets or {}).items()),
+            mode=delivery_mode(mode),
         )
         if transport is None:
             transport = _transport_from_env()
