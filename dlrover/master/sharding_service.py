@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from dlrover.master.state_store import StateStore
 from dlrover.sharding.manager import ShardManager
 from dlrover.sharding.stream import (
+    BoundedStreamSource,
     StreamFetchResult,
     StreamMark,
     StreamPosition,
@@ -38,7 +39,10 @@ SourceFactory = Callable[[StreamSpec, Sequence[int] | None], StreamSource]
 """Builds the source a stream spec names; the partitions when already known (a restart)."""
 
 
-def _kafka_source(spec: StreamSpec, partitions: Sequence[int] | None) -> StreamSource:
+def _source_for(spec: StreamSpec, partitions: Sequence[int] | None) -> StreamSource:
+    """A Kafka topic's source, or a bounded one for a spec that gives only its end offsets."""
+    if not spec.topic and spec.end_offsets:
+        return BoundedStreamSource(spec.end_offsets)
     from dlrover.sharding.kafka_source import kafka_source_for
 
     return kafka_source_for(spec, partitions)
@@ -69,7 +73,7 @@ class ShardingService:
     ) -> None:
         self._store = store
         self._lock = threading.Lock()
-        self._source_factory = source_factory or _kafka_source
+        self._source_factory = source_factory or _source_for
         self._sources: dict[str, StreamSource] = {}
         saved = store.get_json(_NAMESPACE, "state")
         if saved:

@@ -222,7 +222,8 @@ def kafka_source_for(
     (a restarted master). Raises StreamSourceError for a spec without a Kafka topic."""
     if not spec.topic:
         raise StreamSourceError(
-            f"stream {spec.name!r} names no Kafka topic; give topic and bootstrap_servers"
+            f"stream {spec.name!r} names no source: give a Kafka topic and bootstrap_servers, "
+            f"or the end offsets of a bounded source (a Ray Data dataset's rows)"
         )
     return KafkaStreamSource(
         spec.topic, spec.bootstrap_servers, group_id=spec.commit_group, partitions=partitions

@@ -60,6 +60,27 @@ class InMemoryStreamSource:
         self._ends[partition] += count
 
 
+class BoundedStreamSource:
+    """A source whose records are all known when it is registered: partition ``p`` holds
+    offsets 0 .. ``end_offsets[p]`` (a materialized Ray Data dataset: one partition of its
+    rows). The master needs nothing else of it; the workers read the records themselves."""
+
+    def __init__(self, end_offsets: Sequence[tuple[int, int]]) -> None:
+        self._ends = dict(end_offsets)
+
+    def partitions(self) -> Sequence[int]:
+        """The partitions the end offsets name."""
+        return sorted(self._ends)
+
+    def start_offset(self, partition: int) -> int:
+        """Every partition starts at 0."""
+        return 0
+
+    def end_offset(self, partition: int) -> int:
+        """The end offset given at registration."""
+        return self._ends[partition]
+
+
 @dataclass(frozen=True)
 class StreamSpec:
     """A registered stream: records per shard, retries and lease time, as for datasets.

@@ -1,6 +1,8 @@
 """gloo training on a Kafka topic: ElasticStreamDataset + DdpCheckpointer (flash checkpoint).
 
-Every record's value is ``{"id": i}``. The checkpointed state holds the model, the stream
+Every record's value is ``{"id": i}``. With ``--ray-address`` the stream is instead the rows of
+a Ray Data pipeline on that cluster (``range(records)``, preprocessed by ``map_batches`` into
+``{"id", "x"}``; each batch's ids appended to <out>/pipeline) read through RayDataSource. The checkpointed state holds the model, the stream
 position and ``seen``: how often each id was trained, summed over the ranks every step (so
 every rank holds the job's count). Ranks step in lockstep; a rank with no batch contributes
 zeros until every rank is out. A checkpoint (memory; storage every 5 steps) follows each step
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,10 +36,34 @@ def record_id(record: KafkaRecord) -> int:
     return int(json.loads(record.value)["id"])
 
 
+def _ray_stream(a: argparse.Namespace) -> ElasticStreamDataset[int]:
+    import ray
+    import ray.data
+
+    from dlrover.trainer.torch.elastic.ray_source import RayDataSource
+
+    ray.init(address=a.ray_address, log_to_driver=False, logging_level="ERROR")
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    records, log = a.records, os.path.join(a.out, "pipeline")
+
+    def preprocess(batch: dict[str, Any]) -> dict[str, Any]:
+        with open(log, "a") as f:  # which ids the pipeline produced: it runs once per job
+            f.write(" ".join(str(i) for i in batch["id"]) + "\n")
+        return {"id": batch["id"], "x": batch["id"] / records}
+
+    ds = ray.data.range(records, override_num_blocks=7).map_batches(preprocess)
+    return ElasticStreamDataset(
+        RayDataSource(ds, name="ids"),
+        records_per_shard=a.records_per_shard,
+        decode=lambda row: int(row["id"]),
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--bootstrap", required=True)
-    p.add_argument("--topic", required=True)
+    p.add_argument("--bootstrap", default="")
+    p.add_argument("--topic", default="")
+    p.add_argument("--ray-address", default="")
     p.add_argument("--records", type=int, required=True, help="ids are 0 .. records - 1")
     p.add_argument("--end", type=int, required=True, help="end offset of every partition")
     p.add_argument("--partitions", type=int, default=3)
@@ -54,13 +81,16 @@ def main() -> None:
     model = nn.Linear(1, 1)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     seen = torch.zeros(a.records, dtype=torch.int64)
-    dataset = ElasticStreamDataset(
-        a.topic,
-        a.bootstrap,
-        records_per_shard=a.records_per_shard,
-        decode=record_id,
-        end_offsets={p: a.end for p in range(a.partitions)},
-    )
+    if a.ray_address:
+        dataset = _ray_stream(a)
+    else:
+        dataset = ElasticStreamDataset(
+            a.topic,
+            a.bootstrap,
+            records_per_shard=a.records_per_shard,
+            decode=record_id,
+            end_offsets={p: a.end for p in range(a.partitions)},
+        )
     ckpt = DdpCheckpointer(a.ckpt)
     state = ckpt.load_checkpoint()
     step = 0
@@ -117,6 +147,10 @@ def main() -> None:
         with open(os.path.join(a.out, "lost"), "w") as f:
             f.write(f"{dataset.client.progress().lost_records}\n")
     dataset.close()
+    if a.ray_address:
+        dist.barrier()  # every rank has read the stream: the dataset's holder may go
+        if rank == 0:
+            dataset.source.release()  # type: ignore[attr-defined]
     dist.destroy_process_group()
 
 

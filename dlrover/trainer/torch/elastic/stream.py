@@ -1,4 +1,5 @@
-"""ElasticStreamDataset: online learning from a Kafka topic, exactly once with the checkpoint."""
+"""ElasticStreamDataset: online learning from a stream (a Kafka topic, a Ray Data dataset),
+exactly once with the checkpoint, or at most once."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import time
 from collections.abc import Callable, Generator, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import closing
-from typing import Any, Generic, NamedTuple, TypeVar
+from typing import Any, Generic, TypeVar
 
 from torch.utils.data import IterableDataset, get_worker_info
 
@@ -23,9 +24,7 @@ from dlrover.sharding.errors import (
     InvalidPositionError,
     InvalidSpecError,
     ShardingError,
-    StreamSourceError,
 )
-from dlrover.sharding.kafka_source import DEFAULT_RECONNECT_BACKOFF_MS
 from dlrover.sharding.stream import (
     StreamFetchResult,
     StreamMark,
@@ -41,7 +40,13 @@ from dlrover.trainer.torch.elastic.client_factory import (
     prefetch_from_env,
     restore_token,
 )
-from dlrover.trainer.torch.elastic.kafka_reader import RangeReader, Records
+from dlrover.trainer.torch.elastic.kafka_reader import Records
+from dlrover.trainer.torch.elastic.sources import (
+    KafkaRecord,
+    KafkaSource,
+    RecordReader,
+    RecordSource,
+)
 from dlrover.worker_context import WorkerContext
 
 logger = logging.getLogger(__name__)
@@ -55,16 +60,6 @@ DEFAULT_READ_TIMEOUT_S = 60.0
 """Longest the reader waits for the broker to deliver records the master said exist."""
 DEFAULT_POLL_S = 1.0
 """One wait for new records of the topic; the reader waits again until ``idle_timeout_s``."""
-FETCH_QUEUE_BACKOFF_MS = 1
-"""librdkafka's ``fetch.queue.backoff.ms`` for the reader (its default: 1000)."""
-KEEP_PER_PARTITION = 65536
-"""Records of a partition the reader keeps, delivered while it read others, before it pauses
-that partition (a resumed partition waits for a fetch: with 8 ranges' worth kept, a reader of
-three partitions paused and resumed ~200 times per 300 k records and read ~25% slower).
-librdkafka itself queues up to 100 k records per partition (queued.min.messages)."""
-KEEP_BYTES_PER_PARTITION = 16 << 20
-"""Bytes of record values of a partition the reader keeps before it pauses it, if that comes
-before KEEP_PER_PARTITION records (records of 1 KiB: 16 k of them)."""
 REPORT_EVERY = 8
 """Finished ranges reported in one call while the reader is busy (at once when it waits)."""
 MARK_EVERY = 4
@@ -78,15 +73,7 @@ and on their way (marks in flight, or waiting to be sent) for a moment."""
 _WAITING_LOG_EVERY_S = 30.0
 
 
-class KafkaRecord(NamedTuple):
-    """One record of the topic, as the reader got it from the broker (a named tuple: built
-    for every record, it costs a tenth of a frozen dataclass)."""
-
-    partition: int
-    offset: int
-    key: bytes | None
-    value: bytes | None
-    timestamp_ms: int
+__all__ = ["ElasticStreamDataset", "KafkaRecord", "KafkaSource", "RecordSource", "record_value"]
 
 
 def record_value(record: KafkaRecord) -> bytes | None:
@@ -95,12 +82,17 @@ def record_value(record: KafkaRecord) -> bytes | None:
 
 
 class ElasticStreamDataset(IterableDataset[T], Generic[T]):
-    """The records of a Kafka topic, shared among the job's ranks by the master, once each.
+    """The records of a stream, shared among the job's ranks by the master, once each.
 
-    The master splits every partition into offset ranges of ``records_per_shard`` and leases
-    them to ranks as they ask (a fast rank reads more); each rank reads exactly its ranges with
-    ``assign()`` (no consumer-group rebalancing). ``decode`` turns a KafkaRecord into a sample
-    (default: its value bytes). Use it with a DataLoader whose ``num_workers`` is 0.
+    ``ElasticStreamDataset(topic, bootstrap_servers)`` reads a Kafka topic (the same as
+    ``ElasticStreamDataset(KafkaSource(topic, bootstrap_servers))``); any `RecordSource` may
+    stand in its place, e.g. ``RayDataSource(ray_dataset, name=...)`` (the rows of a Ray Data
+    dataset, preprocessed upstream by Ray). The master splits every partition into offset
+    ranges of ``records_per_shard`` and leases them to ranks as they ask (a fast rank reads
+    more); each rank reads exactly its ranges (Kafka: with ``assign()``, no consumer-group
+    rebalancing). ``decode`` turns a record into a sample (Kafka: a KafkaRecord, default its
+    value bytes; Ray Data: a row dict, default the row). Use it with a DataLoader whose
+    ``num_workers`` is 0.
 
     Exactly once with the checkpoint: ``state_dict()`` is the position (per partition the
     offsets trained, and ranges not trained) when every rank had taken as many records as this
@@ -122,12 +114,12 @@ class ElasticStreamDataset(IterableDataset[T], Generic[T]):
 
     def __init__(
         self,
-        topic: str,
-        bootstrap_servers: str,
+        topic: str | RecordSource,
+        bootstrap_servers: str = "",
         *,
         name: str | None = None,
         records_per_shard: int = DEFAULT_RECORDS_PER_SHARD,
-        decode: Callable[[KafkaRecord], T] = record_value,  # type: ignore[assignment]
+        decode: Callable[[Any], T] | None = None,
         end_offsets: Mapping[int, int] | None = None,
         group_id: str = "",
         idle_timeout_s: float | None = None,
@@ -138,22 +130,44 @@ class ElasticStreamDataset(IterableDataset[T], Generic[T]):
         worker_id: str | None = None,
         mode: DeliveryMode | str | None = None,
     ) -> None:
-        self.topic = topic
+        if isinstance(topic, str):
+            if not bootstrap_servers:
+                raise InvalidSpecError(
+                    f"ElasticStreamDataset({topic!r}): a Kafka topic needs bootstrap_servers; "
+                    f"for another source pass it in the topic's place (e.g. RayDataSource)"
+                )
+            source: RecordSource = KafkaSource(
+                topic, bootstrap_servers, consumer_config=consumer_config
+            )
+        else:
+            if bootstrap_servers or consumer_config:
+                raise InvalidSpecError(
+                    "bootstrap_servers and consumer_config are a Kafka topic's: the source "
+                    f"{topic.name!r} is given whole"
+                )
+            source = topic
+        self.source = source
+        self.topic = source.name
+        """What names the source (the topic of a Kafka stream)."""
         self.bootstrap_servers = bootstrap_servers
         self.decode = decode
+        if decode is record_value:  # the value is the sample: no record to build
+            self.decode = None
         self.idle_timeout_s = idle_timeout_s
         self.poll_s = poll_s
         self.read_timeout_s = read_timeout_s
-        self.consumer_config = dict(consumer_config or {})
+        fields = {"end_offsets": tuple((end_offsets or {}).items()), **source.stream_fields()}
+        if end_offsets is not None and "end_offsets" in source.stream_fields():
+            raise InvalidSpecError(
+                f"the source {source.name!r} is bounded by itself: end_offsets does not apply"
+            )
         self.spec = StreamSpec(
-            name=name or topic,
+            name=name or source.name,
             records_per_shard=records_per_shard,
             lease_s=lease_s_from_env(),
-            topic=topic,
-            bootstrap_servers=bootstrap_servers,
             group_id=group_id,
-            end_offsets=tuple((end_offsets or {}).items()),
             mode=delivery_mode(mode),
+            **fields,
         )
         if transport is None:
             transport = _transport_from_env()
@@ -163,7 +177,7 @@ class ElasticStreamDataset(IterableDataset[T], Generic[T]):
         )
         self._yielded = 0
         """Records yielded by the last pass (the current one counts in its _ReadAhead)."""
-        self._consumer: RangeReader | None = None
+        self._consumer: RecordReader | None = None
         self._pass: _ReadAhead | None = None
 
     # --- reading ----------------------------------------------------------------------------
@@ -252,47 +266,11 @@ class ElasticStreamDataset(IterableDataset[T], Generic[T]):
     def _decode_all(self, partition: int, records: Records) -> list[T]:
         """The samples of a range's ``records``, decoded in the reader thread (ahead of the
         loop), once each."""
-        if self.decode is record_value:  # the value is the sample: no record to build
-            return records.values  # type: ignore[return-value]
-        decode = self.decode
-        return [
-            decode(KafkaRecord(partition, offset, key, value, timestamp))
-            for offset, value, key, timestamp in records.rows()
-        ]
+        return self.source.samples(partition, records, self.decode)
 
-    def _reader(self) -> RangeReader:
+    def _reader(self) -> RecordReader:
         if self._consumer is None:
-            try:
-                from confluent_kafka import Consumer
-            except ImportError as exc:
-                raise StreamSourceError(
-                    "ElasticStreamDataset needs confluent-kafka: pip install 'dlrover[kafka]'"
-                ) from exc
-            config: dict[str, Any] = {
-                "bootstrap.servers": self.bootstrap_servers,
-                # assign() only: the reader never joins the group, never commits.
-                "group.id": f"{self.spec.commit_group}-reader",
-                "enable.auto.commit": False,
-                "enable.auto.offset.store": False,
-                "auto.offset.reset": "earliest",
-                "reconnect.backoff.ms": DEFAULT_RECONNECT_BACKOFF_MS,
-                # The reader takes one partition's range at a time while the others' records
-                # wait in the client's queue; a partition whose queue is over librdkafka's
-                # thresholds is fetched again only after this backoff, by default a second: a
-                # stall of ~1 s every few ranges (a long stream read 3-5x slower, measured).
-                "fetch.queue.backoff.ms": FETCH_QUEUE_BACKOFF_MS,
-            }
-            config.update(self.consumer_config)
-            records = self.spec.records_per_shard
-            self._consumer = RangeReader(
-                Consumer(config),
-                self.topic,
-                self.bootstrap_servers,
-                skip_limit=2 * records,
-                buffer_limit=max(8 * records, KEEP_PER_PARTITION),
-                buffer_bytes=KEEP_BYTES_PER_PARTITION,
-                full=self.decode is not record_value,
-            )
+            self._consumer = self.source.open(self.spec, self.decode is not None)
         return self._consumer
 
     # --- checkpoint -------------------------------------------------------------------------
@@ -309,8 +287,7 @@ class ElasticStreamDataset(IterableDataset[T], Generic[T]):
         checkpoint's position once per restart)."""
         if state.get("topic") != self.topic:
             raise InvalidPositionError(
-                f"this stream state is of topic {state.get('topic')!r}, the dataset reads "
-                f"{self.topic!r}"
+                f"this stream state is of {state.get('topic')!r}, the dataset reads {self.topic!r}"
             )
         position = StreamPosition.from_dict(dict(state["position"]))
         self._end_pass()
