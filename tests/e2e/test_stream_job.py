@@ -101,22 +101,22 @@ def test_worker_killed_mid_stream_every_record_is_trained_exactly_once(
     assert _committed(broker, "dlrover-clicks", "clicks") == [per_partition] * PARTITIONS
 
 
-def test_at_most_once_a_killed_worker_s_records_are_never_trained_twice_and_counted(
-    tmp_path: Path, broker: KafkaBroker
+@pytest.mark.parametrize("mode", ["at-most-once", "at-least-once"])
+def test_each_delivery_mode_keeps_its_promise_through_a_worker_kill(
+    tmp_path: Path, broker: KafkaBroker, mode: str
 ) -> None:
-    """DLROVER_DELIVERY_MODE=at-most-once (what a job spec's delivery_mode sets), rank 1
-    SIGKILLed at step 7: the ranks restart from the checkpoint of step 6 but the stream does
-    not go back to its position. No record is trained twice; the records the final model never
-    trained are exactly the master's lost count (what was handed out after the checkpoint)."""
+    """DLROVER_DELIVERY_MODE (what a job spec's delivery_mode sets), rank 1 SIGKILLed at step
+    7, the ranks restart from the checkpoint of step 6. At most once the stream does not go
+    back to its position: no record is trained twice, and the records the final model never
+    trained are exactly the master's lost count (what was handed out after the checkpoint).
+    At least once none is lost (and, the position restored, none is trained twice either)."""
     n, per_partition = 120, 40
     broker.create_topic("clicks", PARTITIONS)
     broker.produce("clicks", _records(range(n)))
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"
     out.mkdir()
     once = tmp_path / "fault.once"
-    env = clean_env(
-        DLROVER_FAULTS=f"kill:rank=1:step=7:once={once}", DLROVER_DELIVERY_MODE="at-most-once"
-    )
+    env = clean_env(DLROVER_FAULTS=f"kill:rank=1:step=7:once={once}", DLROVER_DELIVERY_MODE=mode)
     r = dlrover_run(
         [
             "--standalone",
@@ -146,8 +146,11 @@ def test_at_most_once_a_killed_worker_s_records_are_never_trained_twice_and_coun
     assert r.returncode == 0, r.stderr[-4000:]
     assert "dlrover fault injection: kill rank 1 step 7" in r.stderr
     seen = json.loads((out / "seen.json").read_text())
-    assert max(seen) == 1, {i: c for i, c in enumerate(seen) if c > 1}
     lost = int((out / "lost").read_text())
+    if mode == "at-least-once":
+        assert min(seen) >= 1 and lost == 0, {i: c for i, c in enumerate(seen) if c != 1}
+        return
+    assert max(seen) == 1, {i: c for i, c in enumerate(seen) if c > 1}
     assert lost == seen.count(0) > 0
     assert "is at-most-once: not going back to the checkpoint's position" in r.stderr
 
