@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import REPO, SCRIPTS, clean_env, dlrover_run
+from tests.e2e.test_stream_job import assert_mode_kept
 from tests.engines.test_engine_ray import ray_cluster  # noqa: F401 - the fixture
 
 pytestmark = [pytest.mark.extras, pytest.mark.xdist_group("ray")]  # one Ray cluster at a time
@@ -123,10 +124,4 @@ def test_the_other_modes_keep_their_promise_on_a_ray_data_stream(
     """At most once: none twice, the loss counted exactly; at least once: none lost."""
     n = 120
     _, out = _run(ray_cluster, tmp_path, n, DLROVER_DELIVERY_MODE=mode)
-    seen = json.loads((out / "seen.json").read_text())
-    lost = int((out / "lost").read_text())
-    if mode == "at-least-once":
-        assert min(seen) >= 1 and lost == 0, {i: c for i, c in enumerate(seen) if c != 1}
-        return
-    assert max(seen) == 1, {i: c for i, c in enumerate(seen) if c > 1}
-    assert lost == seen.count(0) > 0
+    assert_mode_kept(mode, out)
