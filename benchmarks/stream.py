@@ -15,6 +15,10 @@ of --repeats rounds that each measure the plain consumer and the dataset back to
   DataLoader (the DataLoader's own cost per batch, ~0.17 ms here after a step's sleep, is then
   in both), by the dataset through a DataLoader, or by ``dataset.batches(--batch)`` (no
   DataLoader, as the plain consumer in the loop), against the compute alone;
+- the CPU the read-only passes cost, per 100 k records, in every process they touch: this one
+  (the loop and the reader's threads), the master and the broker (benchmarks/cpu_account.py,
+  from /proc), each way next to the plain consumer's: the figure that does not depend on
+  how many cores the machine has;
 - the latency of state_dict() (the exactly-once position: one round trip to the master), called
   every 2000 records while reading flat out, and every 8 steps of the training loop (as a
   checkpoint takes it), each in a pass of its own at the first --shard, next to a plain
@@ -39,6 +43,7 @@ from torch.utils.data import IterableDataset
 from dlrover.client.sharding import connect
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.cpu_account import CpuAccount, cpu_table  # noqa: E402
 from benchmarks.sharding import GrpcMaster  # noqa: E402
 from tests.kafka_broker import KafkaBroker, kafka_missing  # noqa: E402
 
@@ -228,6 +233,17 @@ def main() -> None:
                 broker.produce("bench", [(p_, VALUE)] * per_partition)
             plain_consumer(broker, "bench", per_partition)  # warm the broker's caches
             load = os.getloadavg()[0]
+            assert broker.proc is not None
+            account = CpuAccount(
+                {"this process": os.getpid(), "master": master.proc.pid, "broker": broker.proc.pid}
+            )
+            cpu: dict[str, dict[str, float]] = {}
+
+            def add_cpu(row: str, used: dict[str, float]) -> None:
+                into = cpu.setdefault(row, {})
+                for name, seconds in used.items():
+                    into[name] = into.get(name, 0.0) + seconds
+
             read: dict[str, list[float]] = {"plain": []}
             loop: dict[str, list[float]] = {"plain": [], "loader": []}
             state_ms: list[float] = []
@@ -236,13 +252,22 @@ def main() -> None:
             # Interleaved: every round measures the plain consumer and the dataset back to
             # back, so a load that comes and goes hits both alike.
             for _ in range(args.repeats):
-                read["plain"].append(plain_consumer(broker, "bench", per_partition))
+                with account.measure() as used:
+                    read["plain"].append(plain_consumer(broker, "bench", per_partition))
+                add_cpu(  # a plain consumer's job has no master
+                    "plain confluent-kafka, assign()",
+                    {k: v for k, v in used.items() if k != "master"},
+                )
                 for shard in shards:
-                    seconds, _ = stream_dataset(broker, master, "bench", per_partition, shard)
+                    with account.measure() as used:
+                        seconds, _ = stream_dataset(broker, master, "bench", per_partition, shard)
+                    add_cpu(_name(str(shard)), used)
                     read.setdefault(str(shard), []).append(seconds)
-                    seconds, _ = stream_dataset(
-                        broker, master, "bench", per_partition, shard, batched=500
-                    )
+                    with account.measure() as used:
+                        seconds, _ = stream_dataset(
+                            broker, master, "bench", per_partition, shard, batched=500
+                        )
+                    add_cpu(_name(f"{shard} batches"), used)
                     read.setdefault(f"{shard} batches", []).append(seconds)
                 # The position while reading: a pass of its own, so that the read-only rate is
                 # of reading alone (the plain consumer's loop remembers no position).
@@ -301,6 +326,12 @@ def main() -> None:
             f"| {name:46} | {total / med[key]:10.0f} | {spread:>13} | "
             f"{med['plain'] / med[key]:8.2f} |"
         )
+    print(
+        f"\nCPU of the read-only passes, summed over {args.repeats} rounds of each, per 100 k "
+        f"records\n"
+    )
+    work = total * args.repeats / 1e5
+    print(cpu_table(cpu, work, "100 k records, read only", "plain confluent-kafka, assign()"))
     ideal = steps * step_s
     lmed = {k: statistics.median(v) for k, v in loop.items()}
     print(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -62,7 +63,10 @@ def test_status_shows_progress_and_stop_ends_the_job(tmp_path: Path):
                 if len(rows) == 2 and all(r[2] == "running" and int(r[3]) >= 1 for r in rows):
                     break
             assert job.poll() is None, (tmp_path / "submit.log").read_text()
-            assert time.monotonic() < deadline, status.stdout if status else "no job record"
+            if time.monotonic() > deadline:
+                nodes = sorted((home / "jobs" / "long" / "nodes").glob("*/stderr"))
+                tails = "".join(f"== {p}\n{p.read_text()[-2000:]}" for p in nodes)
+                raise AssertionError((status.stdout if status else "no job record") + tails)
             time.sleep(0.5)
         assert "job long: running" in status.stdout
         stopped = dlrover(home, "stop", "long")
@@ -72,7 +76,9 @@ def test_status_shows_progress_and_stop_ends_the_job(tmp_path: Path):
         assert record["state"] == "failed" and "dlrover stop" in record["reason"]
         assert "already ended" in dlrover(home, "stop", "long").stdout
     finally:
-        if job.poll() is None:
+        if job.poll() is None:  # a failed check: end the job's nodes too, not only `submit`
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                dlrover(home, "stop", "long", "--timeout", "20")
             job.kill()
         log.close()
 
