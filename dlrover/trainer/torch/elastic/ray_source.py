@@ -94,8 +94,7 @@ class RayDataSource:
                 ) from None
             except ray.exceptions.RayError as error:
                 raise StreamSourceError(
-                    f"Ray Data dataset {self.name!r}: its holder failed to materialize it: "
-                    f"{error}"
+                    f"Ray Data dataset {self.name!r}: its holder failed to materialize it: {error}"
                 ) from error
         return self._layout
 
