@@ -189,13 +189,19 @@ class JobSpec:
             return ("--module", *self.args[1:])
         return (self.entrypoint, *self.args)
 
+    def _node_env(self, master_addr: str, token: str, data: bool = True) -> dict[str, str]:
+        """What every node's process finds in its environment: the master, the token, the job;
+        for nodes whose workers read data (``data``), the delivery mode the job spec names."""
+        env = {ENV_MASTER_ADDR: master_addr, ENV_JOB_TOKEN: token, ENV_JOB_NAME: self.name}
+        if data and self.delivery_mode:
+            env[ENV_DELIVERY_MODE] = self.delivery_mode
+        return env
+
     def node_spec(
         self, rank: int, master_addr: str, token: str, relaunch_count: int = 0, role: str = "worker"
     ) -> NodeSpec:
         """The blueprint of node `rank`, pointing its agent at the master."""
-        env = {ENV_MASTER_ADDR: master_addr, ENV_JOB_TOKEN: token, ENV_JOB_NAME: self.name}
-        if self.delivery_mode:
-            env[ENV_DELIVERY_MODE] = self.delivery_mode
+        env = self._node_env(master_addr, token)
         return NodeSpec(
             job_name=self.name,
             role=role,
@@ -214,7 +220,7 @@ class JobSpec:
         if self.ps is None:
             raise JobSpecError(f"job {self.name} has no ps role")
         host = node_host(self.engine)
-        env = {ENV_MASTER_ADDR: master_addr, ENV_JOB_TOKEN: token, ENV_JOB_NAME: self.name}
+        env = self._node_env(master_addr, token, data=False)
         return NodeSpec(
             job_name=self.name,
             role="ps",
@@ -239,9 +245,7 @@ class JobSpec:
         if self.tf is None or role not in self.tf.roles:
             raise JobSpecError(f"job {self.name} has no TensorFlow role {role!r}")
         host = node_host(self.engine)
-        env = {ENV_MASTER_ADDR: master_addr, ENV_JOB_TOKEN: token, ENV_JOB_NAME: self.name}
-        if self.delivery_mode:
-            env[ENV_DELIVERY_MODE] = self.delivery_mode
+        env = self._node_env(master_addr, token)
         program = ("--", self.entrypoint, *self.args) if role in ("chief", "evaluator") else ()
         return NodeSpec(
             job_name=self.name,

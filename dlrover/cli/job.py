@@ -44,6 +44,7 @@ from dlrover.jobspec import (
     job_spec_from_flags,
     load_job_spec,
 )
+from dlrover.sharding.types import DeliveryMode
 
 logger = logging.getLogger("dlrover.job")
 
@@ -213,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--delivery-mode",
         default=None,
-        choices=["at-least-once", "exactly-once", "at-most-once"],
+        choices=[mode.value for mode in DeliveryMode],
         help="How the workers' datasets and streams deliver data when their code names no mode "
         "(the job spec's delivery_mode; DLROVER_DELIVERY_MODE in the workers' environment)",
     )

@@ -156,8 +156,9 @@ class ElasticStreamDataset(IterableDataset[T], Generic[T]):
         self.idle_timeout_s = idle_timeout_s
         self.poll_s = poll_s
         self.read_timeout_s = read_timeout_s
-        fields = {"end_offsets": tuple((end_offsets or {}).items()), **source.stream_fields()}
-        if end_offsets is not None and "end_offsets" in source.stream_fields():
+        own = source.stream_fields()
+        fields = {"end_offsets": tuple((end_offsets or {}).items()), **own}
+        if end_offsets is not None and "end_offsets" in own:
             raise InvalidSpecError(
                 f"the source {source.name!r} is bounded by itself: end_offsets does not apply"
             )
