@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,7 +27,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import WriteResult
 
-from dlrover.checkpoint.catalog import Catalog, FileTable, crc32_file, step_dir
+from dlrover.checkpoint.catalog import Catalog, FileTable, crc32_file
 from dlrover.checkpoint.errors import CheckpointError, SegmentStateError
 from dlrover.checkpoint.header import read_metadata, read_seq
 from dlrover.checkpoint.layout import decode, dtype_from_name, dtype_name, tensor_view
@@ -90,11 +91,46 @@ class _SegmentPlanner(SavePlanner):
         return self._data[write_item.index]
 
 
-def _items_of(
-    rank: int, meta: dict[str, Any], data: torch.Tensor
-) -> tuple[list[WriteItem], dict[MetadataIndex, torch.Tensor | io.BytesIO]]:
+WriteItems = tuple[list[WriteItem], dict[MetadataIndex, torch.Tensor | io.BytesIO]]
+"""A rank's DCP write items and, by index, what each writes (a tensor, or serialized bytes)."""
+
+ItemsOf = Callable[[int, dict[str, Any], SharedSegment], WriteItems]
+"""``items_of(rank, segment metadata, segment)``: what one rank's segment writes."""
+
+
+def shard_item(
+    fqn: str,
+    offsets: list[int],
+    shape: list[int],
+    global_shape: list[int] | None,
+    dtype: torch.dtype,
+) -> WriteItem:
+    """The write item of one tensor chunk (a shard of a global tensor, or a whole tensor where
+    ``global_shape`` is None)."""
+    return WriteItem(
+        index=MetadataIndex(fqn, torch.Size(offsets)),
+        type=WriteItemType.TENSOR if global_shape is None else WriteItemType.SHARD,
+        tensor_data=TensorWriteData(
+            chunk=ChunkStorageMetadata(torch.Size(offsets), torch.Size(shape)),
+            properties=TensorProperties(dtype=dtype),
+            size=torch.Size(shape if global_shape is None else global_shape),
+        ),
+    )
+
+
+def bytes_item(fqn: str, buf: io.BytesIO) -> WriteItem:
+    """The write item of serialized bytes (``buf``) under ``fqn``."""
+    return WriteItem(
+        index=MetadataIndex(fqn),
+        type=WriteItemType.BYTE_IO,
+        bytes_io_data=BytesIOWriteData(buf.getbuffer().nbytes),
+    )
+
+
+def _items_of(rank: int, meta: dict[str, Any], seg: SharedSegment) -> WriteItems:
     """Write items of one rank: its DTensor shards; plain tensors and values from rank 0 only
     (they are replicated, so one copy is enough)."""
+    data = seg.tensor
     items: list[WriteItem] = []
     payload: dict[MetadataIndex, torch.Tensor | io.BytesIO] = {}
     for fqn, node in dcp_leaves(meta["tree"]):
@@ -102,47 +138,39 @@ def _items_of(
             entry = meta["tensors"][node["tensor"]]
             if entry.get("empty_shard"):
                 continue  # a ShardedTensor this rank holds no part of
-            sharded = "global_shape" in entry
-            if not sharded and rank != 0:
+            if "global_shape" not in entry and rank != 0:
                 continue
-            offsets = torch.Size(entry.get("chunk_offsets", [0] * len(entry["shape"])))
-            index = MetadataIndex(fqn, offsets)
-            items.append(
-                WriteItem(
-                    index=index,
-                    type=WriteItemType.SHARD if sharded else WriteItemType.TENSOR,
-                    tensor_data=TensorWriteData(
-                        chunk=ChunkStorageMetadata(offsets, torch.Size(entry["shape"])),
-                        properties=TensorProperties(dtype=dtype_from_name(entry["dtype"])),
-                        size=torch.Size(entry.get("global_shape", entry["shape"])),
-                    ),
-                )
+            item = shard_item(
+                fqn,
+                entry.get("chunk_offsets", [0] * len(entry["shape"])),
+                entry["shape"],
+                entry.get("global_shape"),
+                dtype_from_name(entry["dtype"]),
             )
-            payload[index] = tensor_view(data, entry)
+            items.append(item)
+            payload[item.index] = tensor_view(data, entry)
         elif rank == 0:
             buf = io.BytesIO()
             torch.save(decode({"tree": node, "tensors": []}, data), buf)
-            index = MetadataIndex(fqn)
-            items.append(
-                WriteItem(
-                    index=index,
-                    type=WriteItemType.BYTE_IO,
-                    bytes_io_data=BytesIOWriteData(buf.getbuffer().nbytes),
-                )
-            )
-            payload[index] = buf
+            items.append(bytes_item(fqn, buf))
+            payload[items[-1].index] = buf
     return items, payload
 
 
 def persist_dcp(
-    catalog: Catalog, step: int, segments: dict[int, SharedSegment]
+    catalog: Catalog,
+    step: int,
+    segments: dict[int, SharedSegment],
+    items_of: ItemsOf = _items_of,
 ) -> tuple[FileTable, dict[str, Any]]:
-    """Write the DCP data files of every rank in ``segments`` (global rank -> segment).
+    """Write the DCP data files of every rank in ``segments`` (global rank -> segment), each
+    rank's items as ``items_of`` finds them in its segment (default: the tree's tensors by
+    their path, as DCP's default planner names them).
 
     Returns the files written (for the node part) and the JSON the committer needs to build
     the global .metadata.
     """
-    rel = step_dir(step)
+    rel = catalog.step_dir(step)
     catalog.storage.makedirs(rel)
     writer = FileSystemWriter(catalog.storage.url(rel), sync_files=True, overwrite=True)
     writer.set_up_storage_writer(True)
@@ -160,7 +188,7 @@ def persist_dcp(
     files: FileTable = {}
     for rank, (seq, meta) in sorted(metas.items()):
         seg = segments[rank]
-        items, payload = _items_of(rank, meta, seg.tensor)
+        items, payload = items_of(rank, meta, seg)
         plans = writer.prepare_global_plan([SavePlan([]) for _ in range(world)])
         plan = SavePlan(items, storage_data=plans[rank].storage_data)
         written: list[WriteResult] = writer.write_data(plan, _SegmentPlanner(payload)).wait()
@@ -227,7 +255,7 @@ def write_dcp_metadata(catalog: Catalog, step: int, node_docs: list[dict[str, An
                     _StorageInfo(r["path"], r["at"], r["len"]),
                 )
             )
-    rel = step_dir(step)
+    rel = catalog.step_dir(step)
     writer = FileSystemWriter(catalog.storage.url(rel), sync_files=True, overwrite=True)
     writer.set_up_storage_writer(True)
     writer.finish(Metadata(state_dict_metadata=dict(state_md)), [results])

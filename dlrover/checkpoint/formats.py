@@ -266,6 +266,27 @@ class TorchFilesFormat(DcpFormat):
         }
 
 
+class MegatronTorchDistFormat(TorchFilesFormat):
+    """Megatron-LM's ``torch_dist`` checkpoints (megatron.core's ``dist_checkpointing``): every
+    rank copies its sharded tensors and objects (and rank 0 the common state) into its own slot;
+    the agent writes them as megatron.core does (DCP files, ``common.pt``, ``metadata.json``),
+    so megatron.core's loader reads the step at any parallel layout. Who saves, persists and
+    loads from memory: as DCP's; from storage, megatron.core's own loader reads the directory."""
+
+    def __init__(self) -> None:
+        super().__init__("megatron_torch_dist", MEGATRON_NAMING)
+
+    def write_parts(
+        self, catalog: Catalog, step: int, ranks: Mapping[int, int], segs: dict[int, SharedSegment]
+    ) -> tuple[FileTable, dict[str, Any], Finalizer | None]:
+        """``common.pt`` (rank 0's) and each rank's DCP data files; the committer writes
+        ``.metadata`` and ``metadata.json`` (torch only here, as DCP's)."""
+        from dlrover.checkpoint.mcore_writer import finish_torch_dist, persist_torch_dist
+
+        files, doc = persist_torch_dist(catalog, step, ranks, segs)
+        return files, {"dcp": doc}, finish_torch_dist
+
+
 DEEPSPEED_NAMING = StepNaming(
     dir_prefix="global_step", latest_file="latest", latest_prefix="global_step", tagged=True
 )
@@ -285,6 +306,7 @@ FORMATS: Mapping[str, CheckpointFormat] = MappingProxyType(
             DcpFormat(),
             TorchFilesFormat("deepspeed", DEEPSPEED_NAMING),
             TorchFilesFormat("megatron", MEGATRON_NAMING),
+            MegatronTorchDistFormat(),
         )
     }
 )

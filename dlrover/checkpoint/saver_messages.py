@@ -24,7 +24,7 @@ class PersistSpec:
     checkpoint_dir: str
     slots: dict[int, int]  # local slot -> global rank whose part it is
     # rank_<r>.bin + meta, torch.distributed.checkpoint files, or a framework's torch.save files
-    fmt: Literal["plain", "dcp", "deepspeed", "megatron"]
+    fmt: Literal["plain", "dcp", "deepspeed", "megatron", "megatron_torch_dist"]
     node_rank: int
     persist_nodes: int  # how many nodes write parts of a step; the commit waits for all
     keep_last: int

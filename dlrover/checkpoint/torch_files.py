@@ -47,7 +47,7 @@ def persist_torch_files(
         seq, meta = read_metadata(seg)
         if meta["step"] != step:
             raise CheckpointError(f"slot {slot} (rank {ranks[slot]}) moved on from step {step}")
-        states[slot] = seq, rebuild(meta, None, _viewer(seg))
+        states[slot] = seq, rebuild(meta, None, segment_viewer(seg))
     tags = {str(state["tag"]) for _, state in states.values() if state.get("tag")}
     if len(tags) > 1:
         raise CheckpointError(f"the ranks of step {step} name it differently: {sorted(tags)}")
@@ -76,7 +76,7 @@ def persist_torch_files(
     return files
 
 
-def _viewer(seg: SharedSegment) -> Any:
+def segment_viewer(seg: SharedSegment) -> Any:
     """A tensor placer whose tensors own exactly their bytes of the mapping (torch.save writes
     a tensor's whole storage: a view into the segment's one big tensor would write all of it)."""
 

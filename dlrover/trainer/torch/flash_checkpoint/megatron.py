@@ -23,6 +23,9 @@ from dlrover.trainer.torch.flash_checkpoint.checkpointer import (
     Checkpointer,
     StorageType,
 )
+from dlrover.trainer.torch.flash_checkpoint.megatron_torch_dist import (
+    MegatronTorchDistCheckpointer,
+)
 
 __all__ = [
     "MegatronCheckpointer",
@@ -327,10 +330,10 @@ def _load_model_entries(
 
 
 class _Checkpointers:
-    """The checkpointer of each directory the functions below were called with."""
+    """The checkpointer of each directory (and format) the functions below were called with."""
 
     def __init__(self) -> None:
-        self.by_dir: dict[str, MegatronCheckpointer] = {}
+        self.by_dir: dict[tuple[str, type], Checkpointer] = {}
 
     def get(
         self,
@@ -339,11 +342,38 @@ class _Checkpointers:
         replica_count: int = 0,
         deletion_strategy: Any = None,
     ) -> MegatronCheckpointer:
-        """The directory's checkpointer, made by the first call (with its arguments)."""
-        key = os.path.abspath(checkpoint_dir)
+        """The directory's legacy-format checkpointer, made by the first call (with its
+        arguments)."""
+        made = self._get(MegatronCheckpointer, checkpoint_dir, comm_backend, replica_count,
+                         deletion_strategy)  # fmt: skip
+        assert isinstance(made, MegatronCheckpointer)
+        return made
+
+    def get_torch_dist(
+        self,
+        checkpoint_dir: str,
+        comm_backend: str = "",
+        replica_count: int = 0,
+        deletion_strategy: Any = None,
+    ) -> MegatronTorchDistCheckpointer:
+        """The directory's ``torch_dist`` checkpointer."""
+        made = self._get(MegatronTorchDistCheckpointer, checkpoint_dir, comm_backend,
+                         replica_count, deletion_strategy)  # fmt: skip
+        assert isinstance(made, MegatronTorchDistCheckpointer)
+        return made
+
+    def _get(
+        self,
+        kind: type[MegatronCheckpointer] | type[MegatronTorchDistCheckpointer],
+        checkpoint_dir: str,
+        comm_backend: str,
+        replica_count: int,
+        deletion_strategy: Any,
+    ) -> Checkpointer:
+        key = (os.path.abspath(checkpoint_dir), kind)
         if key not in self.by_dir:
-            self.by_dir[key] = MegatronCheckpointer(
-                key,
+            self.by_dir[key] = kind(
+                key[0],
                 comm_backend=comm_backend,
                 replica_count=replica_count,
                 deletion_strategy=deletion_strategy,
@@ -475,8 +505,7 @@ def save_checkpoint(
     for Megatron-LM's ``--save``; ``storage`` and ``save_timeout`` are accepted for DLRover's
     signature (storage is the file system; a step commits once every rank's part is on it).
     ``extra_files``: more files this rank writes into the step (see ``megatron_dist_ckpt``)."""
-    del storage, save_timeout, preprocess_common_state_dict_fn, dp_cp_group, expt_dp_group
-    del rng_state_key_prefix  # names the RNG entry of torch_dist files only
+    del storage, save_timeout, expt_dp_group
     if isinstance(checkpointing_context, StorageType):  # DLRover's positional storage_type
         storage_type, checkpointing_context = checkpointing_context, None
     del checkpointing_context
@@ -489,6 +518,31 @@ def save_checkpoint(
     directory = checkpoint_dir or (args.save if args is not None else "")
     if not directory:
         raise CheckpointError("no directory to save to: Megatron-LM's --save is not set")
+    if non_persistent_ckpt:
+        storage_type = StorageType.MEMORY
+    if ckpt_format(args) == "torch_dist":
+        if extra_files:
+            raise CheckpointError(
+                "extra_files are written in Megatron-LM's torch format only; with torch_dist "
+                "the optimizer's sharded state dict holds every rank's part"
+            )
+        groups = _Groups(tp_group, pp_group, dp_group, dp_cp_group)
+        state = _torch_dist_state(
+            args, _chunks(model), optimizer, opt_param_scheduler, groups,
+            rng_state_key_prefix, iteration=iteration,
+        )  # fmt: skip
+        state["num_floating_point_operations_so_far"] = num_floating_point_operations_so_far
+        torch_dist = _CHECKPOINTERS.get_torch_dist(
+            directory, comm_backend, replica_count, deletion_strategy
+        )
+        return torch_dist.save_checkpoint(
+            iteration,
+            state,
+            storage_type,
+            preprocess_common_state_dict_fn=preprocess_common_state_dict_fn,
+            content_metadata=_content_metadata(args),
+        )
+    del preprocess_common_state_dict_fn, dp_cp_group, rng_state_key_prefix  # torch_dist's only
     place = _group_place(
         _parallel_place(), tp_group, pp_group, dp_group, tensor_rank, pipeline_rank,
         pipeline_parallel, expert_rank, expert_parallel,
@@ -501,8 +555,6 @@ def save_checkpoint(
     save_state = getattr(train_data_iterator, "save_state", None)
     if callable(save_state):
         extra["dataloader_state"] = save_state()
-    if non_persistent_ckpt:
-        storage_type = StorageType.MEMORY
     checkpointer = _CHECKPOINTERS.get(directory, comm_backend, replica_count, deletion_strategy)
     return checkpointer.save_checkpoint(
         iteration,
@@ -553,11 +605,19 @@ def load_checkpoint(
     stands in for the argument; memory is looked up under ``--save``, where the saves went.
     ``extra_files`` names files saved through ``save_checkpoint``'s, read into the directory's
     checkpointer's ``last_files``."""
-    del storage, save_timeout, checkpointing_context, dp_cp_group, expt_dp_group
-    del rng_state_key_prefix  # names the RNG entry of torch_dist files only
+    del storage, save_timeout, checkpointing_context, expt_dp_group
     args = _maybe_args()
     save_dir, load_dir = load_directories(load_arg, checkpoint_dir)
     finetune = bool(getattr(args, "finetune", False))
+    if ckpt_format(args) == "torch_dist":
+        return _load_torch_dist(
+            args, _chunks(ddp_model), optimizer, opt_param_scheduler,
+            _Groups(tp_group, pp_group, dp_group, dp_cp_group), rng_state_key_prefix,
+            _CHECKPOINTERS.get_torch_dist(save_dir, comm_backend, replica_count,
+                                          deletion_strategy),
+            load_dir=load_dir, strict=strict, skip_model_and_opt=skip_load_to_model_and_opt,
+        )  # fmt: skip
+    del dp_cp_group, rng_state_key_prefix  # torch_dist's only
     checkpointer = _CHECKPOINTERS.get(save_dir, comm_backend, replica_count, deletion_strategy)
     place = _group_place(
         _parallel_place(), tp_group, pp_group, dp_group, None, None, None, None, None
@@ -595,17 +655,225 @@ def load_directories(load_arg: str = "load", checkpoint_dir: str = "") -> tuple[
     return save_dir, load_dir
 
 
-def checkpointer_for(checkpoint_dir: str = "") -> MegatronCheckpointer:
+def checkpointer_for(
+    checkpoint_dir: str = "",
+) -> MegatronCheckpointer | MegatronTorchDistCheckpointer:
     """The checkpointer the functions above use for ``checkpoint_dir`` (default: Megatron-LM's
-    ``--save``)."""
+    ``--save``) in the format of Megatron-LM's ``--ckpt-format`` (its ``last_load_source``
+    says where the last load came from)."""
     directory = checkpoint_dir or _megatron_args().save
+    if ckpt_format(_maybe_args()) == "torch_dist":
+        return _CHECKPOINTERS.get_torch_dist(directory)
     return _CHECKPOINTERS.get(directory)
 
 
 def wait_latest_checkpoint(timeout: float = 1800.0, checkpoint_dir: str = "") -> bool:
     """Block until the newest DISK save of ``checkpoint_dir`` (default ``--save``) is on
-    storage; False at the deadline (DLRover's function of the same name)."""
+    storage, in the format Megatron-LM's ``--ckpt-format`` names; False at the deadline
+    (DLRover's function of the same name)."""
     return checkpointer_for(checkpoint_dir).wait_latest_checkpoint(timeout)
+
+
+# --- Megatron-LM's torch_dist format (--ckpt-format torch_dist, its default) -------------------
+
+CKPT_FORMATS = ("torch", "torch_dist")
+"""The ``--ckpt-format`` values the drop-ins save and load."""
+
+
+def ckpt_format(args: Any) -> str:
+    """Megatron-LM's ``--ckpt-format`` (``torch`` where the arguments have none: Megatron-LM
+    before dist_checkpointing, or a loop without Megatron-LM's arguments); CheckpointError for
+    a format the drop-ins do not write."""
+    fmt = str(getattr(args, "ckpt_format", None) or "torch")
+    if fmt not in CKPT_FORMATS:
+        raise CheckpointError(
+            f"--ckpt-format {fmt}: DLRover's flash checkpoints write Megatron-LM's "
+            f"{' and '.join(CKPT_FORMATS)} formats; use one of them (torch_dist reshards "
+            "at load like the others)"
+        )
+    return fmt
+
+
+@dataclass(frozen=True)
+class _Groups:
+    """The process groups Megatron-LM passes (None: megatron.core's parallel state)."""
+
+    tp: Any = None
+    pp: Any = None
+    dp: Any = None
+    dp_cp: Any = None
+
+    def _state(self) -> Any:
+        try:
+            from megatron.core import parallel_state as ps
+        except ImportError:
+            return None
+        return ps if ps.model_parallel_is_initialized() else None
+
+    def rank_size(self, which: str) -> tuple[int, int]:
+        """(rank, size) of this process in the ``which`` group ("tp", "pp", "dp", "dp_cp")."""
+        group = getattr(self, which)
+        if group is not None:
+            return dist.get_rank(group), dist.get_world_size(group)
+        ps = self._state()
+        if ps is None:
+            if which in ("dp", "dp_cp") and dist.is_initialized():
+                return dist.get_rank(), dist.get_world_size()
+            return 0, 1
+        if which == "tp":
+            return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+        if which == "pp":
+            return (ps.get_pipeline_model_parallel_rank(),
+                    ps.get_pipeline_model_parallel_world_size())  # fmt: skip
+        cp = which == "dp_cp"
+        return (ps.get_data_parallel_rank(with_context_parallel=cp),
+                ps.get_data_parallel_world_size(with_context_parallel=cp))  # fmt: skip
+
+    def dp_cp_group(self) -> Any:
+        if self.dp_cp is not None:
+            return self.dp_cp
+        ps = self._state()
+        return ps.get_data_parallel_group(with_context_parallel=True) if ps else None
+
+
+def _sharded_metadata(args: Any) -> dict[str, Any]:
+    """The metadata Megatron-LM gives sharded_state_dict (and stores as the checkpoint's
+    content metadata): how the distributed optimizer's state is sharded, and the defaults of
+    today's Megatron-LM."""
+    metadata: dict[str, Any] = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    if getattr(args, "use_distributed_optimizer", False):
+        if getattr(args, "dist_ckpt_optim_fully_reshardable", False):
+            metadata["distrib_optim_sharding_type"] = "fully_reshardable"
+            metadata["distrib_optim_fully_reshardable_mem_efficient"] = bool(
+                getattr(args, "distrib_optim_fully_reshardable_mem_efficient", False)
+            )
+        else:
+            metadata["distrib_optim_sharding_type"] = "dp_reshardable"
+    return metadata
+
+
+def _content_metadata(args: Any) -> dict[str, Any]:
+    return _sharded_metadata(args)
+
+
+def _torch_dist_state(
+    args: Any,
+    chunks: list[torch.nn.Module],
+    optimizer: Any,
+    opt_param_scheduler: Any,
+    groups: _Groups,
+    rng_key_prefix: str,
+    *,
+    iteration: int | None = None,
+    metadata: dict[str, Any] | None = None,
+    is_loading: bool = False,
+    with_rng: bool = True,
+) -> dict[str, Any]:
+    """The sharded state dict Megatron-LM's ``generate_state_dict`` builds for ``torch_dist``:
+    ``args``, ``checkpoint_version``, ``iteration``, each chunk's ``sharded_state_dict``, the
+    optimizer's (unless ``--no-save-optim``), the scheduler's state and the RNG states as a
+    ShardedObject per tensor/pipeline rank (unless ``--no-save-rng``)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    metadata = dict(metadata if metadata is not None else _sharded_metadata(args))
+    metadata["dp_cp_group"] = groups.dp_cp_group()
+    state: dict[str, Any] = {"checkpoint_version": CHECKPOINT_VERSION}
+    if args is not None:
+        state["args"] = storable_args(args)
+    if iteration is not None:
+        state["iteration"] = iteration
+    for i, chunk in enumerate(chunks):
+        if not callable(getattr(chunk, "sharded_state_dict", None)):
+            raise CheckpointError(
+                f"--ckpt-format torch_dist needs megatron.core modules (with "
+                f"sharded_state_dict); {type(chunk).__name__} has none: use --ckpt-format torch"
+            )
+        module: Any = chunk  # a megatron.core module: sharded_state_dict is not torch's
+        state["model" if len(chunks) == 1 else f"model{i}"] = module.sharded_state_dict(
+            metadata=metadata
+        )
+    if not getattr(args, "no_save_optim", False):
+        if optimizer is not None:
+            state["optimizer"] = optimizer.sharded_state_dict(
+                state, is_loading=is_loading, metadata=metadata
+            )
+        if opt_param_scheduler is not None:
+            state["opt_param_scheduler"] = opt_param_scheduler.state_dict()
+    if with_rng and not getattr(args, "no_save_rng", False):
+        states = [rng_state()]
+        dp_rank, dp_size = groups.rank_size("dp")
+        if getattr(args, "data_parallel_random_init", False) and dp_size > 1:
+            gathered: list[Any] = [None] * dp_size
+            dist.all_gather_object(gathered, states[0], group=groups.dp)
+            states = gathered
+        tp_rank, tp_size = groups.rank_size("tp")
+        pp_rank, pp_size = groups.rank_size("pp")
+        state["rng_state"] = ShardedObject(
+            f"{rng_key_prefix}rng_state", states, (pp_size, tp_size), (pp_rank, tp_rank),
+            replica_id=groups.rank_size("dp_cp")[0],
+        )  # fmt: skip
+    return state
+
+
+def _load_torch_dist(
+    args: Any,
+    chunks: list[torch.nn.Module],
+    optimizer: Any,
+    opt_param_scheduler: Any,
+    groups: _Groups,
+    rng_key_prefix: str,
+    checkpointer: MegatronTorchDistCheckpointer,
+    *,
+    load_dir: str,
+    strict: bool,
+    skip_model_and_opt: bool,
+) -> tuple[int, float]:
+    """Megatron-LM's ``torch_dist`` load through flash checkpoint (see ``load_checkpoint``)."""
+    finetune = bool(getattr(args, "finetune", False))
+    no_optim = bool(getattr(args, "no_load_optim", False))
+    load_rng = not (finetune or getattr(args, "no_load_rng", False))
+    tp_size = groups.rank_size("tp")[1]
+    pp_size = groups.rank_size("pp")[1]
+
+    def request(common: dict[str, Any]) -> dict[str, Any]:
+        # As Megatron-LM: what was saved says how to ask (its content metadata), and the RNG
+        # states of another tensor/pipeline layout are not loaded.
+        saved = common.get("args")
+        same = saved is None or (
+            getattr(saved, "tensor_model_parallel_size", tp_size) == tp_size
+            and getattr(saved, "pipeline_model_parallel_size", pp_size) == pp_size
+        )
+        return _torch_dist_state(
+            args, [] if skip_model_and_opt else chunks,
+            None if skip_model_and_opt or no_optim else optimizer, None, groups,
+            rng_key_prefix, metadata=common.get("content_metadata"), is_loading=True,
+            with_rng=load_rng and same,
+        )  # fmt: skip
+
+    found = checkpointer.load_checkpoint(
+        request, load_dir=load_dir if load_dir != checkpointer.checkpoint_dir else ""
+    )
+    if found is None:
+        return 0, 0.0
+    _, state = found
+    if not skip_model_and_opt:
+        for i, chunk in enumerate(chunks):
+            chunk.load_state_dict(state["model" if len(chunks) == 1 else f"model{i}"], strict)
+        if optimizer is not None and not no_optim and "optimizer" in state:
+            optimizer.load_state_dict(state["optimizer"])
+    if opt_param_scheduler is not None and not no_optim and "opt_param_scheduler" in state:
+        opt_param_scheduler.load_state_dict(state["opt_param_scheduler"])
+    if isinstance(state.get("rng_state"), list) and state["rng_state"]:
+        states = state["rng_state"]
+        dp_rank = groups.rank_size("dp")[0]
+        pick = dp_rank if getattr(args, "data_parallel_random_init", False) else 0
+        set_rng_state(states[min(pick, len(states) - 1)])
+    saved_args = state.get("args")
+    if args is not None and saved_args is not None and not finetune:
+        _adopt_consumed_samples(args, saved_args)
+    iteration = 0 if finetune else int(state.get("iteration", 0))
+    log.info("loaded iteration %d (torch_dist) from %s", iteration, checkpointer.last_load_source)
+    return iteration, float(state.get("num_floating_point_operations_so_far", 0))
 
 
 def _adopt_consumed_samples(args: Any, saved: Any) -> None:

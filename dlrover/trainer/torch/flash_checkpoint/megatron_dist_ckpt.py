@@ -128,7 +128,9 @@ def save_checkpoint(
     megatron_args = megatron._maybe_args()
     extra: dict[str, Any] = {}
     no_save = bool(getattr(megatron_args, "no_save_optim", False))
-    if optimizer is not None and _distributed(megatron_args) and not no_save:
+    # torch_dist saves the distributed optimizer's state in its sharded state dict itself.
+    legacy = megatron.ckpt_format(megatron_args) == "torch"
+    if optimizer is not None and _distributed(megatron_args) and not no_save and legacy:
         part = _parameter_state(optimizer)
         if part is not None:
             extra[_own_file()] = part
@@ -172,7 +174,8 @@ def load_checkpoint(
     skip_optim = bool(getattr(megatron_args, "no_load_optim", False)) or kwargs.get(
         "skip_load_to_model_and_opt", False
     )
-    wanted = optimizer is not None and _distributed(megatron_args) and not skip_optim
+    legacy = megatron.ckpt_format(megatron_args) == "torch"  # torch_dist loads it itself
+    wanted = optimizer is not None and _distributed(megatron_args) and not skip_optim and legacy
     name = _own_file()
     iteration, flops = megatron.load_checkpoint(
         model,
@@ -189,7 +192,9 @@ def load_checkpoint(
     )
     if iteration and wanted and _has_parts(optimizer):
         save_dir, _ = megatron.load_directories(load_arg, checkpoint_dir)
-        _load_parameter_state(optimizer, checkpointer_for(save_dir).last_files[name])
+        checkpointer = checkpointer_for(save_dir)
+        assert isinstance(checkpointer, megatron.MegatronCheckpointer)  # the torch format's
+        _load_parameter_state(optimizer, checkpointer.last_files[name])
     return iteration, flops
 
 
