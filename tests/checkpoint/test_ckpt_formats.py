@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import typing
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from dlrover.checkpoint.formats import (
     TorchFilesFormat,
     format_named,
 )
+from dlrover.checkpoint.saver_messages import PersistSpec
 from dlrover.checkpoint.storage import storage_for
 
 # Rank 3 of a job of 2 nodes x 2 ranks: node 1, local rank 1.
@@ -26,12 +28,15 @@ JOB_LEADER = WorkerPlacement(0, 0, 4, 2, 0, 1)
 
 
 def test_the_registry_names_every_format_and_refuses_an_unknown_one() -> None:
-    assert sorted(FORMATS) == ["dcp", "deepspeed", "megatron", "plain"]
+    assert sorted(FORMATS) == ["dcp", "deepspeed", "megatron", "megatron_torch_dist", "plain"]
+    # every format can be named in a persist request (the saver's socket checks the name)
+    assert set(typing.get_args(typing.get_type_hints(PersistSpec)["fmt"])) == set(FORMATS)
     assert isinstance(format_named("plain"), PlainFormat)
     assert isinstance(format_named("dcp"), DcpFormat)
     assert isinstance(format_named("deepspeed"), TorchFilesFormat)
     with pytest.raises(
-        CheckpointError, match=r"unknown checkpoint format 'zip'; known: dcp, deepspeed, megatron"
+        CheckpointError,
+        match=r"unknown checkpoint format 'zip'; known: dcp, deepspeed, megatron, megatron_torch",
     ):
         format_named("zip")
     with pytest.raises(TypeError):

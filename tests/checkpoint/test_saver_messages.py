@@ -119,7 +119,7 @@ def test_refusals_keep_their_wire_form() -> None:
             b'{"op": "copied", "slot": 0, "step": 1, "spec": {"checkpoint_dir": "/c", '
             b'"slots": {"0": 0}, "fmt": "zip", "node_rank": 0, "persist_nodes": 1, '
             b'"keep_last": 1}}\n',
-            "field 'spec.fmt' must be 'plain' or 'dcp' or 'deepspeed' or 'megatron', got 'zip'",
+            "field 'spec.fmt' must be 'plain' or 'dcp' or 'deepspeed' or 'megatron' or 'megatron_torch_dist', got 'zip'",
         ),
         (
             b'{"op": "load_step", "slots": [0], "node_rank": 0, "total_nodes": 1, '

@@ -3,7 +3,8 @@ DLRover's drop-in ``save_checkpoint``/``load_checkpoint``, called with exactly t
 Megatron-LM's ``megatron/training/training.py`` passes today. megatron.core's GPT model on the
 CPU (its forward needs CUDA, so a step's loss is over the parameters themselves) and
 megatron.core's ``OptimizerParamScheduler``; the optimizer is torch's Adam behind the
-checkpoint interface of megatron.core's ``FP32Optimizer`` (which needs CUDA to be built).
+checkpoint interface of megatron.core's ``FP32Optimizer`` (``megatron_args.CpuOptimizer``:
+FP32Optimizer needs CUDA to be built).
 
 ``megatron_torch_dist_loop.py DIR MODE --tp N --steps S [--ckpt CKPT]`` under dlrover-run
 (CKPT: Megatron-LM's --save and --load, default DIR/ckpt):
@@ -23,7 +24,6 @@ import json
 import os
 import signal
 import sys
-from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ sys.modules.setdefault("tensorflow", None)  # type: ignore[arg-type]
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from megatron_args import stand_in_megatron_training  # noqa: E402
+from megatron_args import CpuOptimizer, stand_in_megatron_training  # noqa: E402
 
 ARGS = stand_in_megatron_training(
     save="", load="", ckpt_format="torch_dist", consumed_train_samples=0, finetune=False,
@@ -46,64 +46,6 @@ from dlrover.trainer.torch.flash_checkpoint.megatron import (  # noqa: E402
     save_checkpoint,
     wait_latest_checkpoint,
 )
-
-
-class CpuOptimizer:
-    """torch's Adam with the checkpoint interface of megatron.core's ``FP32Optimizer``
-    (``sharded_state_dict`` over the model's, one common step)."""
-
-    is_stub_optimizer = False
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.Adam(self.params, lr=1e-2)
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups  # Adam's load_state_dict replaces the list
-
-    def step(self) -> None:
-        self.optimizer.step()
-
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad()
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        step = state["state"].pop("common_step", None)
-        if step is not None:
-            for param_state in state["state"].values():
-                param_state["step"] = step.clone() if torch.is_tensor(step) else step
-        self.optimizer.load_state_dict(state)
-
-    def sharded_state_dict(
-        self, model_sharded_state_dict: dict[str, Any], is_loading: bool = False, **_: Any
-    ) -> dict[str, Any]:
-        from megatron.core.dist_checkpointing.optimizer import (
-            get_param_id_to_sharded_param_map,
-            optim_state_to_sharding_state,
-        )
-
-        if is_loading:  # the state's tensors to load into, as megatron's init_state_fn makes
-            for p in self.params:
-                self.optimizer.state[p] = {
-                    "step": torch.tensor(0.0),
-                    "exp_avg": torch.zeros_like(p),
-                    "exp_avg_sq": torch.zeros_like(p),
-                }
-        state = self.optimizer.state_dict()
-        steps = {float(s["step"]) for s in state["state"].values() if "step" in s}
-        assert len(steps) <= 1, steps
-        common = next((s["step"] for s in state["state"].values() if "step" in s), None)
-        ids = get_param_id_to_sharded_param_map(
-            model_sharded_state_dict, chain.from_iterable(g["params"] for g in self.param_groups)
-        )
-        optim_state_to_sharding_state(state, ids, exclude_keys="step")
-        if common is not None:
-            state["state"]["common_step"] = common
-        return state
 
 
 def build(tp: int) -> tuple[list[torch.nn.Module], CpuOptimizer, Any]:
