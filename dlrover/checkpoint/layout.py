@@ -200,6 +200,15 @@ def tensor_view(data: torch.Tensor, entry: dict[str, Any], base: int = HEADER_SI
     return data[start : start + entry["nbytes"]].view(dtype).view(entry["shape"])
 
 
+@dataclass(frozen=True)
+class TargetOf:
+    """A load target that depends on what the segment holds: ``build(metadata)`` returns the
+    target, once the segment's metadata is read (a checkpointer that must see what was saved
+    to say where each tensor goes)."""
+
+    build: Callable[[dict[str, Any]], Any]
+
+
 TensorPlacer = Callable[[int, dict[str, Any], Any], Any]
 """``place(index, entry, tgt)``: the value of the tree's tensor ``index`` (``entry``: its
 metadata; ``tgt``: the matching node of the caller's target, or None)."""
@@ -207,8 +216,11 @@ metadata; ``tgt``: the matching node of the caller's target, or None)."""
 
 def rebuild(meta: dict[str, Any], target: Any, place: TensorPlacer) -> Any:
     """Rebuild the state's tree from ``meta``, walking ``target`` alongside: each tensor's value
-    is what ``place`` returns (a tensor this rank holds none of keeps ``target``'s node)."""
+    is what ``place`` returns (a tensor this rank holds none of keeps ``target``'s node). A
+    ``TargetOf`` target is built from ``meta`` first."""
     entries = meta["tensors"]
+    if isinstance(target, TargetOf):
+        target = target.build(meta)
 
     def build(node: dict[str, Any], tgt: Any) -> Any:
         if "tensor" in node:

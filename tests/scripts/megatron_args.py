@@ -67,6 +67,8 @@ class CpuOptimizer:
 
         if is_loading:  # the state's tensors to load into, as megatron's init_state_fn makes
             for p in self.params:
+                if self.optimizer.state.get(p):
+                    continue  # as megatron's: only a parameter without state gets one
                 self.optimizer.state[p] = {
                     "step": torch.tensor(0.0),
                     "exp_avg": torch.zeros_like(p),

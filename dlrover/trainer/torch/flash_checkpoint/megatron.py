@@ -8,7 +8,7 @@ import logging
 import os
 import random
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -329,6 +329,9 @@ def _load_model_entries(
 # the call.
 
 
+_C = TypeVar("_C", MegatronCheckpointer, MegatronTorchDistCheckpointer)
+
+
 class _Checkpointers:
     """The checkpointer of each directory (and format) the functions below were called with."""
 
@@ -344,10 +347,8 @@ class _Checkpointers:
     ) -> MegatronCheckpointer:
         """The directory's legacy-format checkpointer, made by the first call (with its
         arguments)."""
-        made = self._get(MegatronCheckpointer, checkpoint_dir, comm_backend, replica_count,
+        return self._get(MegatronCheckpointer, checkpoint_dir, comm_backend, replica_count,
                          deletion_strategy)  # fmt: skip
-        assert isinstance(made, MegatronCheckpointer)
-        return made
 
     def get_torch_dist(
         self,
@@ -357,19 +358,13 @@ class _Checkpointers:
         deletion_strategy: Any = None,
     ) -> MegatronTorchDistCheckpointer:
         """The directory's ``torch_dist`` checkpointer."""
-        made = self._get(MegatronTorchDistCheckpointer, checkpoint_dir, comm_backend,
+        return self._get(MegatronTorchDistCheckpointer, checkpoint_dir, comm_backend,
                          replica_count, deletion_strategy)  # fmt: skip
-        assert isinstance(made, MegatronTorchDistCheckpointer)
-        return made
 
     def _get(
-        self,
-        kind: type[MegatronCheckpointer] | type[MegatronTorchDistCheckpointer],
-        checkpoint_dir: str,
-        comm_backend: str,
-        replica_count: int,
+        self, kind: type[_C], checkpoint_dir: str, comm_backend: str, replica_count: int,
         deletion_strategy: Any,
-    ) -> Checkpointer:
+    ) -> _C:  # fmt: skip
         key = (os.path.abspath(checkpoint_dir), kind)
         if key not in self.by_dir:
             self.by_dir[key] = kind(
@@ -378,7 +373,9 @@ class _Checkpointers:
                 replica_count=replica_count,
                 deletion_strategy=deletion_strategy,
             )
-        return self.by_dir[key]
+        made = self.by_dir[key]
+        assert isinstance(made, kind)
+        return made
 
 
 _CHECKPOINTERS = _Checkpointers()

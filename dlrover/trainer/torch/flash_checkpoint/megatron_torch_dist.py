@@ -20,18 +20,19 @@ the newest step on storage with megatron.core's own loader, which reshards.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from dlrover.checkpoint.errors import CheckpointError, SegmentStateError
+from dlrover.checkpoint.errors import CheckpointError, SegmentStateError, StateDictError
+from dlrover.checkpoint.layout import TargetOf, dtype_name, rebuild
 from dlrover.checkpoint.mcore_writer import COMMON_FILE, TORCH_DIST_KEY
 from dlrover.checkpoint.object_codec import decode_objects, encode_objects
 from dlrover.checkpoint.torch_files import FILES_KEY, PERSIST_KEY
 from dlrover.trainer.torch.flash_checkpoint.checkpointer import (
-    DEFAULT_SAVE_TIMEOUT_S,
     Checkpointer,
     StorageType,
     every_rank_holds,
@@ -51,27 +52,9 @@ class MegatronTorchDistCheckpointer(Checkpointer):
     ``torch_dist`` layout (see the module's text). Every rank saves and loads its own part."""
 
     checkpoint_format = "megatron_torch_dist"
-
-    def __init__(
-        self,
-        checkpoint_dir: str,
-        comm_backend: str = "",
-        deletion_strategy: Any = None,
-        save_timeout: float = DEFAULT_SAVE_TIMEOUT_S,
-        replica_count: int = 0,
-        *,
-        keep_last: int = 3,
-    ) -> None:
-        """DLRover's arguments, in DLRover's order (see Checkpointer), plus ``keep_last``."""
-        super().__init__(
-            checkpoint_dir,
-            comm_backend=comm_backend,
-            deletion_strategy=deletion_strategy,
-            save_timeout=save_timeout,
-            replica_count=replica_count,
-            keep_last=keep_last,
-        )
-        self._validated = False
+    _validated = False
+    """Whether a save checked, across ranks, that every shard has one main replica (the first
+    save does: the state's structure does not change between saves)."""
 
     def save_checkpoint(
         self,
@@ -149,14 +132,15 @@ class MegatronTorchDistCheckpointer(Checkpointer):
         state (its ``args``, ``content_metadata``) that returns the sharded state dict to load,
         as Megatron-LM builds it after reading them. ``strict``: megatron.core's strictness for
         storage loads."""
-        found = self._load_newest(load_dir, None)
+        plan = _MemoryLoad(sharded_state_dict)
+        found = self._load_newest(load_dir, TargetOf(plan.target))
         if found is None:
             return None
         step, state = found
         if self.last_load_source == "memory":
             loaded: dict[str, Any] | None = None
             try:
-                loaded = _from_memory(sharded_state_dict, state)
+                loaded = plan.finish(state)
             except SegmentStateError as exc:
                 log.warning("step %d in memory does not fit this rank's state: %s", step, exc)
             if every_rank_holds(loaded is not None):
@@ -216,52 +200,109 @@ def _chunk(sh_ten: Any) -> dict[str, Any]:
     }
 
 
-def _from_memory(sharded_state_dict: ShardedRequest, state: dict[str, Any]) -> dict[str, Any]:
-    """What megatron.core's load returns, with the chunks and objects from ``state`` (this
-    rank's memory copy); SegmentStateError if a chunk or object it asks for is not there."""
-    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, merge
-    from megatron.core.dist_checkpointing.mapping import (
-        ShardedObject,
-        ShardedTensor,
-        apply_factory_merges,
-    )
-    from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
-    from megatron.core.dist_checkpointing.utils import extract_sharded_base
+class _MemoryLoad:
+    """A load from memory as megatron.core's load does it (its ``load_preprocess``, factory
+    merges, the common state), each chunk copied once: the segment's chunks land straight in
+    the tensors the sharded state dict asks for (``target``, built once the segment's metadata
+    says what it holds), and ``finish`` rebuilds the state dict around them."""
 
-    saved = state[TORCH_DIST_KEY]
-    chunks = {(p["key"], tuple(p["offset"])): p["data"] for p in saved["tensors"]}
-    objects: dict[str, list[Any]] = {}
-    for part in saved["objects"]:
-        objects.setdefault(part["key"], []).append(part["data"])
-    common = decode_objects(state[FILES_KEY][COMMON_FILE])
-    if callable(sharded_state_dict):
-        sharded_state_dict = sharded_state_dict(common)
-    sharded, nonpersistent, factories = load_preprocess(sharded_state_dict)
-    merge(common, nonpersistent)
-    sharded, _ = extract_sharded_base(sharded)
+    def __init__(self, request: ShardedRequest) -> None:
+        self.request = request
+        self.prepared: tuple[Any, Any, Any] | None = None
 
-    def fill(value: Any) -> Any:
-        if isinstance(value, ShardedTensor):
-            data = chunks.get((value.key, tuple(int(o) for o in value.global_offset)))
-            if data is None:
-                raise SegmentStateError(f"no chunk of {value.key} at {value.global_offset}")
-            tensor = data.view(tuple(value.local_shape))
-            if value.data is not None and value.data.shape == tensor.shape:
-                with torch.no_grad():
-                    value.data.copy_(tensor)
+    def _prepare(self, common: dict[str, Any]) -> tuple[Any, Any, Any]:
+        from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
+        from megatron.core.dist_checkpointing.utils import extract_sharded_base
+
+        request = self.request(common) if callable(self.request) else self.request
+        sharded, nonpersistent, factories = load_preprocess(request)
+        sharded, _ = extract_sharded_base(sharded)
+        return sharded, nonpersistent, factories
+
+    def target(self, meta: dict[str, Any]) -> Any:
+        """Where each saved chunk goes: the asked-for tensor of its key and offset, seen in the
+        saved chunk's shape (None where there is none to write into: a fresh tensor then)."""
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        self.prepared = None
+        saved = rebuild(meta, None, _entry)  # tensors stand as their entries: nothing is read
+        try:
+            # Its few tensors (an optimizer's common step) stand as entries here: what says
+            # how to ask (the saved args, the content metadata) holds none.
+            common = decode_objects(saved[FILES_KEY][COMMON_FILE])
+        except (KeyError, TypeError, AttributeError, StateDictError):
+            return None  # not this format's, or objects built from tensors: read it whole
+        self.prepared = self._prepare(common)
+        asked = {
+            (value.key, tuple(int(o) for o in value.global_offset)): value.data
+            for value in nested_values(self.prepared[0])
+            if isinstance(value, ShardedTensor) and value.data is not None
+        }
+        chunks: list[dict[str, torch.Tensor] | None] = []
+        for part in saved[TORCH_DIST_KEY]["tensors"]:
+            dest = asked.get((part["key"], tuple(part["offset"])))
+            entry = part["data"]
+            if (
+                isinstance(dest, torch.Tensor)
+                and dest.device.type == "cpu"
+                and dest.is_contiguous()
+                and dest.numel() == math.prod(entry["shape"])
+                and dtype_name(dest.dtype) == entry["dtype"]
+            ):
+                chunks.append({"data": dest.view(entry["shape"])})
+            else:
+                chunks.append(None)
+        return {TORCH_DIST_KEY: {"tensors": chunks}}
+
+    def finish(self, state: dict[str, Any]) -> dict[str, Any]:
+        """What megatron.core's load returns, from this rank's memory copy ``state``;
+        SegmentStateError if a chunk or object the state dict asks for is not there."""
+        from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, merge
+        from megatron.core.dist_checkpointing.mapping import (
+            ShardedObject,
+            ShardedTensor,
+            apply_factory_merges,
+        )
+
+        common = decode_objects(state[FILES_KEY][COMMON_FILE])
+        sharded, nonpersistent, factories = self.prepared or self._prepare(common)
+        merge(common, nonpersistent)
+        saved = state[TORCH_DIST_KEY]
+        chunks = {(p["key"], tuple(p["offset"])): p["data"] for p in saved["tensors"]}
+        objects: dict[str, list[Any]] = {}
+        for part in saved["objects"]:
+            objects.setdefault(part["key"], []).append(part["data"])
+
+        def fill(value: Any) -> Any:
+            if isinstance(value, ShardedTensor):
+                data = chunks.get((value.key, tuple(int(o) for o in value.global_offset)))
+                if data is None:
+                    raise SegmentStateError(f"no chunk of {value.key} at {value.global_offset}")
+                tensor = data.view(tuple(value.local_shape))
+                if value.data is None:
+                    return tensor
+                if value.data.data_ptr() != tensor.data_ptr():  # not read straight into it
+                    with torch.no_grad():
+                        value.data.copy_(tensor)
                 return value.data
-            return tensor
-        if isinstance(value, ShardedObject):
-            found = objects.get(value.unique_key)
-            if not found:
-                raise SegmentStateError(f"no object {value.unique_key}")
-            return decode_objects(found.pop(0))
-        return value
+            if isinstance(value, ShardedObject):
+                found = objects.get(value.unique_key)
+                if not found:
+                    raise SegmentStateError(f"no object {value.unique_key}")
+                return decode_objects(found.pop(0))
+            return value
 
-    dict_list_map_inplace(fill, sharded)
-    merge(common, sharded)
-    loaded: dict[str, Any] = apply_factory_merges(common, factories)
-    return loaded
+        dict_list_map_inplace(fill, sharded)
+        merge(common, sharded)
+        loaded: dict[str, Any] = apply_factory_merges(common, factories)
+        return loaded
+
+
+def _entry(index: int, entry: dict[str, Any], target: Any) -> dict[str, Any]:
+    """A tensor's metadata entry in its place (a tree read without its data)."""
+    del index, target
+    return entry
 
 
 def _from_storage(
