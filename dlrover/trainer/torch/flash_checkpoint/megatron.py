@@ -847,9 +847,7 @@ def _load_torch_dist(
             with_rng=load_rng and same,
         )  # fmt: skip
 
-    found = checkpointer.load_checkpoint(
-        request, load_dir=load_dir if load_dir != checkpointer.checkpoint_dir else ""
-    )
+    found = checkpointer.load_checkpoint(request, load_dir=load_dir)
     if found is None:
         return 0, 0.0
     _, state = found

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -132,6 +133,8 @@ class MegatronTorchDistCheckpointer(Checkpointer):
         state (its ``args``, ``content_metadata``) that returns the sharded state dict to load,
         as Megatron-LM builds it after reading them. ``strict``: megatron.core's strictness for
         storage loads."""
+        if load_dir and os.path.abspath(load_dir) == os.path.abspath(self.checkpoint_dir):
+            load_dir = ""  # the directory saved to: memory may hold a newer step
         plan = _MemoryLoad(sharded_state_dict)
         found = self._load_newest(load_dir, TargetOf(plan.target))
         if found is None:
