@@ -26,6 +26,9 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from cpu_account import CpuAccount, cpu_table  # noqa: E402
 
 from dlrover.checkpoint.config import ENV_CHECKPOINT_SOCKET  # noqa: E402
 
@@ -210,16 +213,27 @@ def bench_flash(state: dict[str, Any], work: Path, args: argparse.Namespace) -> 
         rows.append(("flash save, overlapped: blocking part", overlap))
         persist: list[float] = []
         peer: list[float] = []
+        # CPU-seconds of every process a persist touches (the trainer's copy and the agent's
+        # write, checksum and commit) next to torch.save + fsync's in this process.
+        account = CpuAccount({"trainer": os.getpid(), "agent": agent.pid})
+        cpu: dict[str, dict[str, float]] = {FLASH_CPU: {}, PEER_PERSIST: {}}
         for _ in range(args.repeats):
             # Interleaved with torch.save + fsync of the same bytes: the disk's mood is shared.
-            ckpt.save_checkpoint(next(step), state, storage_type=StorageType.DISK)
-            start = time.perf_counter()
-            assert ckpt.wait_latest_checkpoint(600)
-            persist.append(time.perf_counter() - start)
-            peer += timed(lambda: torch_save(state, str(work / "interleaved.pt"), True), 1)
+            with account.measure() as used:
+                ckpt.save_checkpoint(next(step), state, storage_type=StorageType.DISK)
+                start = time.perf_counter()
+                assert ckpt.wait_latest_checkpoint(600)
+                persist.append(time.perf_counter() - start)
+            _add(cpu[FLASH_CPU], used)
+            with account.measure() as used:
+                peer += timed(lambda: torch_save(state, str(work / "interleaved.pt"), True), 1)
+            _add(cpu[PEER_PERSIST], {"trainer": used["trainer"]})
         os.unlink(work / "interleaved.pt")
         rows.append(("flash persist in background (agent, fsync)", persist))
         rows.append((PEER_PERSIST, peer))
+        gib = sum(t.numel() * t.element_size() for t in tensors) / 2**30
+        print(f"CPU of a DISK save until on storage, {args.repeats} passes of {gib:.2f} GiB:")
+        print(cpu_table(cpu, gib * args.repeats, "GiB persisted", PEER_PERSIST))
 
         train = train_step_fn()
         timed(train, 5)  # warm-up
@@ -267,6 +281,12 @@ def bench_flash(state: dict[str, Any], work: Path, args: argparse.Namespace) -> 
 
 
 PEER_PERSIST = "torch.save + fsync, interleaved with the persists"
+FLASH_CPU = "flash DISK save: copy + agent's persist"
+
+
+def _add(total: dict[str, float], used: dict[str, float]) -> None:
+    for name, seconds in used.items():
+        total[name] = total.get(name, 0.0) + seconds
 
 
 def torch_save(state: dict[str, Any], path: str, sync: bool) -> None:
