@@ -31,6 +31,28 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(StageCheck(), "dlrover-test-stages")
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``--dist loadgroup``: give each test marked ``xdist_group(name)`` the ``@name`` suffix
+    xdist's scheduler groups by. pytest-xdist 3.8 sets it by rewriting ``item._nodeid``, which
+    pytest 9.2 no longer reads (a node's id is ``item._id`` now), so without this no group was
+    kept together: each worker ran its own copy of a group's session fixture (the DeepSpeed and
+    Megatron jobs) and the Ray tests ran beside each other."""
+    if not getattr(config.option, "loadgroup", False):
+        return
+    from _pytest.nodeid import coerce_node_id
+
+    for item in items:
+        names = sorted(
+            {
+                str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+                for mark in item.iter_markers("xdist_group")
+            }
+        )
+        if names and "@" not in item.nodeid:
+            item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(names)}")
+
+
 def clean_env(**extra: str) -> dict[str, str]:
     """The test process's environment without any DLRover/torchelastic (or torch compile-cache)
     variables leaking in."""
