@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import socket
@@ -15,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from dlrover.agent.bootstrap import read_script_result
@@ -215,3 +217,16 @@ def run_ranks(
                 f"{proc.returncode} in interpreter shutdown:\n{log_of(rank)[-1500:]}",
                 stacklevel=2,
             )
+
+
+def skip_without_megatron_core() -> None:
+    """Skip the calling test module where megatron-core is not installed. Found, not imported:
+    the test process needs none of megatron (its import takes 10-20 s here)."""
+    if (
+        importlib.util.find_spec("megatron") is None
+        or importlib.util.find_spec("megatron.core") is None
+    ):
+        pytest.skip(
+            "megatron-core is not installed (pip install megatron-core==0.16.1)",
+            allow_module_level=True,
+        )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from contextlib import ExitStack
 from pathlib import Path
@@ -15,6 +14,7 @@ from tests.checkpoint.harness import (
     free_port,
     run_ranks,
     running_saver,
+    skip_without_megatron_core,
     worker_env,
 )
 
@@ -22,15 +22,7 @@ from tests.checkpoint.harness import (
 # One test process runs them all (.ci/run: -n 2 --dist loadgroup): the job fixture runs once.
 ONE_PROCESS = pytest.mark.xdist_group("megatron")
 pytestmark = [pytest.mark.extras, pytest.mark.timeout(900), ONE_PROCESS]
-# Found, not imported: this process needs none of megatron (its import takes 10-20 s here).
-if (
-    importlib.util.find_spec("megatron") is None
-    or importlib.util.find_spec("megatron.core") is None
-):
-    pytest.skip(
-        "megatron-core is not installed (pip install megatron-core==0.16.1)",
-        allow_module_level=True,
-    )
+skip_without_megatron_core()
 
 STEPS, DISK_EVERY, KILL_AT = 6, 3, 5
 LAYOUTS = {

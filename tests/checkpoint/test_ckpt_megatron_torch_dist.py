@@ -6,26 +6,19 @@ ranks (4 to 2 processes) resumes from storage with the state a failure-free run 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.checkpoint.harness import skip_without_megatron_core
 from tests.conftest import SCRIPTS, dlrover_run
 
 # Each rank's start (import, process group, model) takes several seconds here: the jobs run
 # once per test process (.ci/run: -n 2 --dist loadgroup keeps the group in one).
 pytestmark = [pytest.mark.extras, pytest.mark.timeout(900), pytest.mark.xdist_group("megatron")]
-if (
-    importlib.util.find_spec("megatron") is None
-    or importlib.util.find_spec("megatron.core") is None
-):
-    pytest.skip(
-        "megatron-core is not installed (pip install megatron-core==0.16.1)",
-        allow_module_level=True,
-    )
+skip_without_megatron_core()
 
 LOOP = str(SCRIPTS / "megatron_torch_dist_loop.py")
 STEPS, KILL_AT, LONGER = 6, 5, 9

@@ -339,32 +339,11 @@ class _Checkpointers:
         self.by_dir: dict[tuple[str, type], Checkpointer] = {}
 
     def get(
-        self,
-        checkpoint_dir: str,
-        comm_backend: str = "",
-        replica_count: int = 0,
+        self, kind: type[_C], checkpoint_dir: str, comm_backend: str = "", replica_count: int = 0,
         deletion_strategy: Any = None,
-    ) -> MegatronCheckpointer:
-        """The directory's legacy-format checkpointer, made by the first call (with its
-        arguments)."""
-        return self._get(MegatronCheckpointer, checkpoint_dir, comm_backend, replica_count,
-                         deletion_strategy)  # fmt: skip
-
-    def get_torch_dist(
-        self,
-        checkpoint_dir: str,
-        comm_backend: str = "",
-        replica_count: int = 0,
-        deletion_strategy: Any = None,
-    ) -> MegatronTorchDistCheckpointer:
-        """The directory's ``torch_dist`` checkpointer."""
-        return self._get(MegatronTorchDistCheckpointer, checkpoint_dir, comm_backend,
-                         replica_count, deletion_strategy)  # fmt: skip
-
-    def _get(
-        self, kind: type[_C], checkpoint_dir: str, comm_backend: str, replica_count: int,
-        deletion_strategy: Any,
     ) -> _C:  # fmt: skip
+        """The directory's checkpointer of ``kind`` (the legacy or the torch_dist format's),
+        made by the first call with its arguments."""
         key = (os.path.abspath(checkpoint_dir), kind)
         if key not in self.by_dir:
             self.by_dir[key] = kind(
@@ -529,8 +508,8 @@ def save_checkpoint(
             rng_state_key_prefix, iteration=iteration,
         )  # fmt: skip
         state["num_floating_point_operations_so_far"] = num_floating_point_operations_so_far
-        torch_dist = _CHECKPOINTERS.get_torch_dist(
-            directory, comm_backend, replica_count, deletion_strategy
+        torch_dist = _CHECKPOINTERS.get(
+            MegatronTorchDistCheckpointer, directory, comm_backend, replica_count, deletion_strategy
         )
         return torch_dist.save_checkpoint(
             iteration,
@@ -552,7 +531,9 @@ def save_checkpoint(
     save_state = getattr(train_data_iterator, "save_state", None)
     if callable(save_state):
         extra["dataloader_state"] = save_state()
-    checkpointer = _CHECKPOINTERS.get(directory, comm_backend, replica_count, deletion_strategy)
+    checkpointer = _CHECKPOINTERS.get(
+        MegatronCheckpointer, directory, comm_backend, replica_count, deletion_strategy
+    )
     return checkpointer.save_checkpoint(
         iteration,
         _chunks(model),
@@ -610,12 +591,15 @@ def load_checkpoint(
         return _load_torch_dist(
             args, _chunks(ddp_model), optimizer, opt_param_scheduler,
             _Groups(tp_group, pp_group, dp_group, dp_cp_group), rng_state_key_prefix,
-            _CHECKPOINTERS.get_torch_dist(save_dir, comm_backend, replica_count,
+            _CHECKPOINTERS.get(MegatronTorchDistCheckpointer, save_dir, comm_backend,
+                            replica_count,
                                           deletion_strategy),
             load_dir=load_dir, strict=strict, skip_model_and_opt=skip_load_to_model_and_opt,
         )  # fmt: skip
     del dp_cp_group, rng_state_key_prefix  # torch_dist's only
-    checkpointer = _CHECKPOINTERS.get(save_dir, comm_backend, replica_count, deletion_strategy)
+    checkpointer = _CHECKPOINTERS.get(
+        MegatronCheckpointer, save_dir, comm_backend, replica_count, deletion_strategy
+    )
     place = _group_place(
         _parallel_place(), tp_group, pp_group, dp_group, None, None, None, None, None
     )
@@ -660,8 +644,8 @@ def checkpointer_for(
     says where the last load came from)."""
     directory = checkpoint_dir or _megatron_args().save
     if ckpt_format(_maybe_args()) == "torch_dist":
-        return _CHECKPOINTERS.get_torch_dist(directory)
-    return _CHECKPOINTERS.get(directory)
+        return _CHECKPOINTERS.get(MegatronTorchDistCheckpointer, directory)
+    return _CHECKPOINTERS.get(MegatronCheckpointer, directory)
 
 
 def wait_latest_checkpoint(timeout: float = 1800.0, checkpoint_dir: str = "") -> bool:
