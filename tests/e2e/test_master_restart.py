@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,19 +26,32 @@ def _steps(out: Path) -> list[tuple[int, int]]:
     ]
 
 
-def _until(condition, what: str, procs: list[subprocess.Popen[str]], timeout: float = 120) -> None:
+class _Node(subprocess.Popen[str]):
+    """A ``dlrover-run`` node whose output goes to the file ``log``: a pipe that nobody reads
+    while the test waits would fill and stall the node."""
+
+    def __init__(self, args: list[str], log: Path, **kwargs: Any) -> None:
+        self.log = log
+        with log.open("w") as f:
+            super().__init__(args, stdout=f, stderr=subprocess.STDOUT, text=True, **kwargs)
+
+    def said(self) -> str:
+        return self.log.read_text()
+
+
+def _until(condition, what: str, procs: list[_Node], timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         dead = [p.args for p in procs if p.poll() is not None]
         assert not dead, f"{dead} ended while waiting for {what}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        if time.monotonic() > deadline:
+            said = "\n\n".join(p.said()[-3000:] for p in procs)
+            pytest.fail(f"timed out waiting for {what}; the nodes said:\n{said}")
         time.sleep(0.05)  # another process writes the file: nothing to wait on but the file
 
 
-def _node(
-    ckpt: Path, out: Path, steps: int, env: dict[str, str], *extra: str
-) -> subprocess.Popen[str]:
-    return subprocess.Popen(
+def _node(ckpt: Path, out: Path, steps: int, env: dict[str, str], *extra: str) -> _Node:
+    return _Node(
         [
             *run_cmd("dlrover.cli.run"),
             "--nnodes=2",
@@ -53,11 +67,9 @@ def _node(
             "0.1",
             *extra,
         ],
+        out.parent / f"node-{time.monotonic_ns()}.log",
         env=env,
         cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
     )
 
 
@@ -92,7 +104,7 @@ def test_a_killed_master_restarted_on_its_state_resumes_the_job(
     # At the exit barrier: the workers of node rank 1 (ranks 2, 3) take 8 s to exit after
     # training, so node rank 0 waits at the barrier meanwhile, and the master dies under it.
     linger = ("--linger-from-rank", "2", "--linger-s", "8") if moment == "at-exit-barrier" else ()
-    nodes: list[subprocess.Popen[str]] = []
+    nodes: list[_Node] = []
     again = None
     logs: list[str] = []
     try:  # whatever fails below, the nodes and masters are stopped (finally)
@@ -117,7 +129,9 @@ def test_a_killed_master_restarted_on_its_state_resumes_the_job(
         )
         if moment == "during-rendezvous":
             nodes.append(_node(ckpt, out, steps, env))
-        logs = [p.communicate(timeout=120)[0] for p in nodes]
+        for p in nodes:
+            p.wait(120)
+        logs = [p.said() for p in nodes]
         if [p.returncode for p in nodes] != [0, 0]:
             print("\n\n".join(logs))
         assert [p.returncode for p in nodes] == [0, 0]

@@ -149,7 +149,9 @@ def test_embedding_servers_run_as_ray_nodes(ray_cluster: Any, tmp_path: Path, mo
         controller.ps.start()
         controller.start()
         runner.start()
-        assert job.lifecycle.ended.wait(240), "the job did not finish on Ray"
+        if not job.lifecycle.ended.wait(240):
+            events = "\n".join(f"{kind}: {text}" for _, kind, text in job.diagnostics.events)
+            pytest.fail(f"the job did not finish on Ray\n{events}\n{_said(engine)}")
         assert job.lifecycle.state == JobState.SUCCEEDED, job.lifecycle.reason
         addresses = controller.ps.addresses
         assert len(addresses) == 2 and not any(a.startswith("0.0.0.0") for a in addresses)
