@@ -2,6 +2,7 @@
 
 Run: PYTHONPATH=. python benchmarks/master_scale.py [--nodes 1000 2000 5000 10000]
          [--steady-s 40] [--protocol long-poll|poll|both] [--against REV]
+         [--storm errors [--storm-gap-s 60]]
 
 The master is a real `dlrover-master` (its default SQLite state, INFO logs to a file); the agents
 are coroutines in this one process, each with the RPC sequence of a real agent
@@ -21,6 +22,13 @@ this one), in the order REV, this, this, REV (the master run second in a row reg
 nodes slower, even the same code), and prints the mean of this master's figures over that
 one's.
 
+``--storm errors``: after the steady state, every node reports a failure with a 64 KB stack (the
+same traceback, its rank, pid and host numbers its own) within one second, and again
+``--storm-gap-s`` later; the storm table puts the quiet steady state of the same run beside it:
+heartbeat p99 and RSS, then the storm's heartbeat p99 (heartbeats only, both waves), the master's
+peak RSS, how long each wave's reports took to be answered, and what `dlrover diagnose` then
+costs: its RPC (GetFailures, through the CLI's own client) and the records it shows.
+
 Columns: register / rendezvous / exit = seconds from the first call of the phase until every
 node finished it; CPU = the master's CPU over the steady state, in % of one core; RSS = the
 master's resident memory at the end of the steady state; p99 = client-side latency of the calls
@@ -33,6 +41,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import random
 import shutil
@@ -49,6 +58,10 @@ import psutil
 from dlrover.constants import TOKEN_METADATA_KEY
 from dlrover.proto import master_pb2 as pb
 from dlrover.proto import master_pb2_grpc as pb_grpc
+
+PROBES = 20
+"""Nodes whose heartbeats a separate process sends (`probe`), every PROBE_EVERY_S."""
+PROBE_EVERY_S = 0.5
 
 HOLD_S = 30.0
 """What a long poll asks the master to hold (it caps it at MAX_LONG_POLL_S)."""
@@ -133,13 +146,42 @@ def answer(response):
 @dataclass
 class Stats:
     latencies: list[float] = field(default_factory=list)
+    heartbeats: list[float] = field(default_factory=list)
+    """The heartbeats' latencies alone (a storm's figure)."""
     errors: int = 0
 
     def p99_ms(self) -> float:
         if not self.latencies:
             return float("nan")
-        xs = sorted(self.latencies)
-        return 1000 * xs[min(len(xs) - 1, int(0.99 * len(xs)))]
+        return p99_ms(self.latencies)
+
+
+def p99_ms(latencies: list[float]) -> float:
+    if not latencies:
+        return float("nan")
+    xs = sorted(latencies)
+    return 1000 * xs[min(len(xs) - 1, int(0.99 * len(xs)))]
+
+
+def storm_stack(i: int) -> str:
+    """A ~64 KB traceback as a rank of a big job writes it when a collective breaks: the same
+    frames on every node, its own rank, pid and host in the numbers."""
+    frames = "".join(
+        f'  File "/workspace/model/block_{k % 48}.py", line {40 + k % 300}, in forward\n'
+        f"    hidden = self.layers[{k % 96}](hidden, attention_mask=mask, cache=cache)\n"
+        for k in range(560)
+    )
+    summary = (
+        f"worker rank {i * 8} (pid {100000 + i}) exited with 1: DistBackendError: NCCL error "
+        f"on rank {i * 8}"
+    )
+    return (
+        f"{summary}\nTraceback (most recent call last):\n"
+        f"{frames}"
+        f"torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1970, rank "
+        f"{i * 8}, pid {100000 + i}, host 10.0.{i // 256}.{i % 256}: unhandled system error "
+        "(run with NCCL_DEBUG=INFO for details), NCCL version 2.21.5\n"
+    )
 
 
 class Agent:
@@ -151,6 +193,7 @@ class Agent:
         self.interval = 2.0
         self.phased_for = 0.0
         self.stop = asyncio.Event()
+        self.probed = False
 
     async def _call(self, method, request, timeout: float = 60.0):
         t = time.monotonic()
@@ -186,6 +229,8 @@ class Agent:
         return self.interval * random.uniform(0.9, 1.1)
 
     async def heartbeats(self) -> None:
+        if self.probed:
+            return  # the probe process beats for this node
         await asyncio.sleep(random.uniform(0, self.interval) if self.poll else self.next_wait())
         while not self.stop.is_set():
             try:
@@ -193,6 +238,7 @@ class Agent:
                     self.stub.Heartbeat,
                     pb.HeartbeatRequest(node_id=self.node_id, incarnation=self.incarnation),
                 )
+                self.stats.heartbeats.append(self.stats.latencies[-1])
                 if not self.poll:
                     self.interval = max(2.0, r.heartbeat_interval_s)
             except (grpc.aio.AioRpcError, Refused):
@@ -201,6 +247,26 @@ class Agent:
                 await asyncio.wait_for(self.stop.wait(), self.next_wait())
             except asyncio.TimeoutError:
                 pass
+
+    async def report_failure(self, delay_s: float) -> None:
+        """After ``delay_s``, what an agent reports when its workers fail (ReportFailure)."""
+        await asyncio.sleep(delay_s)
+        record = pb.FailureRecord(
+            at=time.time(),
+            node_id=self.node_id,
+            failure_class="exit_code",
+            action="restart_processes",
+            root_cause=storm_stack(self.i),
+        )
+        try:
+            await self._call(
+                self.stub.ReportFailure,
+                pb.ReportFailureRequest(
+                    node_id=self.node_id, incarnation=self.incarnation, record=record
+                ),
+            )
+        except (grpc.aio.AioRpcError, Refused):
+            self.stats.errors += 1
 
     async def rendezvous(self) -> None:
         r = await self._call(
@@ -288,8 +354,130 @@ class Agent:
         return False
 
 
+class Probe:
+    """A separate process that sends the heartbeats of PROBES nodes every PROBE_EVERY_S (their
+    simulated agents send none) and times each: what an agent in its own process sees of the
+    master, without the queueing of the one process that simulates all the others."""
+
+    def __init__(self, master: Master, agents: list[Agent]) -> None:
+        self.out = os.path.join(master.dir, "probe.json")
+        nodes = [[a.node_id, a.incarnation] for a in agents]
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--probe", master.addr, master.token, self.out],
+            stdin=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(nodes) + "\n")
+        self.proc.stdin.flush()
+
+    def stop(self) -> list[tuple[float, float]]:
+        """(wall time, seconds) of every heartbeat the probe sent."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()  # the probe's signal to write its figures and exit
+        self.proc.wait(timeout=60)
+        with open(self.out) as f:
+            return [(float(at), float(took)) for at, took in json.load(f)]
+
+    @staticmethod
+    def within(beats: list[tuple[float, float]], start: float, end: float) -> list[float]:
+        return [took for at, took in beats if start <= at <= end]
+
+
+async def probe_main(addr: str, token: str, out: str) -> None:
+    """The probe process: beat for the nodes read from stdin's first line until stdin closes,
+    then write [[wall time, seconds], ...] to ``out``."""
+    loop = asyncio.get_running_loop()
+    nodes = json.loads(await loop.run_in_executor(None, sys.stdin.readline))
+    closed = loop.run_in_executor(None, sys.stdin.read)  # returns at EOF
+    md = ((TOKEN_METADATA_KEY, token),)
+    channel = grpc.aio.insecure_channel(addr, options=[("grpc.enable_http_proxy", 0)])
+    stub = pb_grpc.MasterStub(channel)
+    beats: list[tuple[float, float]] = []
+
+    async def beat(node_id: str, incarnation: int) -> None:
+        await asyncio.sleep(random.uniform(0, PROBE_EVERY_S))
+        while True:
+            t = time.monotonic()
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await stub.Heartbeat(
+                    pb.HeartbeatRequest(node_id=node_id, incarnation=incarnation),
+                    timeout=60,
+                    metadata=md,
+                )
+                beats.append((time.time(), time.monotonic() - t))
+            await asyncio.sleep(PROBE_EVERY_S)
+
+    tasks = [asyncio.create_task(beat(n, i)) for n, i in nodes]
+    await closed
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await channel.close()
+    with open(out, "w") as f:
+        json.dump(beats, f)
+
+
+async def error_storm(
+    agents: list[Agent], master: Master, stats: Stats, gap_s: float, row: dict
+) -> None:
+    """Two waves of failure reports, every node within one second, ``gap_s`` apart; then what
+    `dlrover diagnose` costs (into ``row``)."""
+    peak = [master.rss_mib()]
+    sampling = asyncio.Event()
+
+    async def sample() -> None:
+        while not sampling.is_set():
+            peak.append(master.rss_mib())
+            await asyncio.sleep(0.1)
+
+    sampler = asyncio.create_task(sample())
+    stats.heartbeats.clear()
+    row["storm_from"] = time.time()
+    waves = []
+    for wave in range(2):
+        if wave:
+            await asyncio.sleep(gap_s)
+        t = time.monotonic()
+        await asyncio.wait_for(
+            asyncio.gather(*(a.report_failure(random.uniform(0, 1)) for a in agents)), 600
+        )
+        waves.append(time.monotonic() - t)
+    await asyncio.sleep(3)  # the heartbeats right after the second wave count too
+    row["storm_to"] = time.time()
+    sampling.set()
+    await sampler
+    row["storm_client_p99_ms"] = p99_ms(stats.heartbeats)
+    row["peak_rss_mib"] = max(peak)
+    row["wave_s"] = max(waves)
+
+    folded: list[tuple[int, int]] = []
+
+    def diagnose() -> tuple[float, int, int]:
+        from dlrover.cli.status_view import failure_lines
+        from dlrover.client.master_client import MasterClient
+
+        client = MasterClient(master.addr, master.token, rpc_timeout_s=30)
+        try:
+            t = time.monotonic()
+            failures = client.get_failures()
+            lines = failure_lines(failures, False)
+            folded.extend((f.count, f.node_count) for f in failures if f.count > 1)
+            return time.monotonic() - t, len(failures), len(lines)
+        finally:
+            client.close()
+
+    try:
+        took, records, lines = await asyncio.to_thread(diagnose)
+        row["diagnose_s"], row["records"], row["lines"] = took, records, lines
+        row["folded_count"] = sum(count for count, _ in folded)
+        row["folded_nodes"] = sum(nodes for _, nodes in folded)
+    except Exception as e:  # the figure is that it failed, and why
+        row["diagnose_s"] = f"failed: {type(e).__name__}: {str(e)[:80]}"
+
+
 async def run_one(
-    nodes: int, steady_s: float, poll: bool, tree: str = ""
+    nodes: int, steady_s: float, poll: bool, tree: str = "", storm: str = "", gap_s: float = 60.0
 ) -> dict[str, float | int | str]:
     master = Master(nodes, tree)
     md = ((TOKEN_METADATA_KEY, master.token),)
@@ -304,10 +492,15 @@ async def run_one(
         "protocol": "poll" if poll else "long-poll",
     }
     tasks: list[asyncio.Task] = []
+    probe: Probe | None = None
     try:
         t0 = time.monotonic()
         await asyncio.gather(*(a.register(nodes) for a in agents))
         row["register_s"] = time.monotonic() - t0
+        probed = agents[:: max(1, nodes // PROBES)][:PROBES] if not poll else []
+        for a in probed:
+            a.probed = True
+        probe = Probe(master, probed) if probed else None
         tasks += [asyncio.create_task(a.heartbeats()) for a in agents]
         t1 = time.monotonic()
         await asyncio.wait_for(asyncio.gather(*(a.rendezvous() for a in agents)), 300)
@@ -318,7 +511,8 @@ async def run_one(
         tasks += [asyncio.create_task(a.watch()) for a in agents]
         await asyncio.sleep(3)  # let the watches settle before measuring
         stats.latencies.clear()
-        c0, w0 = master.cpu_s(), time.monotonic()
+        stats.heartbeats.clear()
+        c0, w0, steady_from = master.cpu_s(), time.monotonic(), time.time()
         lags: list[float] = []
         while time.monotonic() - w0 < steady_s:  # how late this process's own loop runs
             t = time.monotonic()
@@ -329,6 +523,16 @@ async def run_one(
         row["cpu_pct"] = 100 * (master.cpu_s() - c0) / (time.monotonic() - w0)
         row["rss_mib"] = master.rss_mib()
         row["p99_ms"] = stats.p99_ms()
+        steady_to = time.time()
+        if storm == "errors":
+            await error_storm(agents, master, stats, gap_s, row)
+        if probe is not None:
+            beats = probe.stop()
+            probe = None
+            row["hb_p99_ms"] = p99_ms(Probe.within(beats, steady_from, steady_to))
+            if storm:
+                storm_beats = Probe.within(beats, float(row["storm_from"]), float(row["storm_to"]))
+                row["storm_p99_ms"] = p99_ms(storm_beats)
 
         t2 = time.monotonic()
         done = await asyncio.wait_for(asyncio.gather(*(a.exit_barrier() for a in agents)), 600)
@@ -336,6 +540,9 @@ async def run_one(
         row["exit_ok"] = sum(done)
         row["errors"] = stats.errors
     finally:
+        if probe is not None:
+            probe.proc.kill()
+            probe.proc.wait()
         for a in agents:
             a.stop.set()
         for t in tasks:
@@ -349,6 +556,9 @@ async def run_one(
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--probe"]:  # the probe process (`Probe`)
+        asyncio.run(probe_main(*sys.argv[2:5]))
+        return
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--nodes", type=int, nargs="+", default=[1000, 2000, 5000, 10000])
     parser.add_argument("--steady-s", type=float, default=40.0)
@@ -365,7 +575,19 @@ def main() -> None:
         metavar="REV",
         help="also run each size (long-poll) against the master of this commit",
     )
+    parser.add_argument(
+        "--storm",
+        choices=["errors"],
+        default="",
+        help="after the steady state: errors = every node reports a failure with a 64 KB "
+        "stack within one second, twice (long-poll protocol only)",
+    )
+    parser.add_argument(
+        "--storm-gap-s", type=float, default=60.0, help="seconds between the two waves"
+    )
     args = parser.parse_args()
+    if args.storm:
+        args.protocol = "long-poll"
     random.seed(0)
     with contextlib.ExitStack() as stack:
         tree = ""
@@ -375,6 +597,8 @@ def main() -> None:
             tree = str(stack.enter_context(checkout(args.against)))
         rows = asyncio.run(run_all(args, tree))
     print_table(rows, args.nodes, args.against)
+    if args.storm:
+        print_storm_table(rows, args.storm)
 
 
 async def run_all(args: argparse.Namespace, tree: str) -> list[dict[str, float | int | str]]:
@@ -399,7 +623,7 @@ async def run_all(args: argparse.Namespace, tree: str) -> list[dict[str, float |
                 label += f" at {args.against}"
             print(f"... {n} nodes, {label}", flush=True)
             try:
-                row = await run_one(n, args.steady_s, poll, where)
+                row = await run_one(n, args.steady_s, poll, where, args.storm, args.storm_gap_s)
                 row["protocol"] = label
                 rows.append(row)
             except Exception as e:  # a failed size is a row of the table, not the end of it
@@ -424,6 +648,7 @@ def print_table(
         "cpu_pct",
         "rss_mib",
         "p99_ms",
+        "hb_p99_ms",
         "lag_ms",
         "exit_s",
         "exit_ok",
@@ -438,6 +663,7 @@ def print_table(
         "CPU % (steady)",
         "RSS MiB",
         "p99 ms",
+        "heartbeat p99 ms (probe)",
         "client lag p99 ms",
         "exit s",
         "exit ok",
@@ -478,6 +704,50 @@ def print_table(
                 f"{n} nodes: this master / the one at {against} (below 1: better; means of "
                 f"the A-B-B-A runs): {ratios}"
             )
+
+
+def print_storm_table(rows: list[dict[str, float | int | str]], storm: str) -> None:
+    """Each run's storm beside its own quiet steady state."""
+    heads = [
+        "nodes",
+        "master",
+        "quiet heartbeat p99 ms (probe)",
+        f"{storm} storm heartbeat p99 ms (probe)",
+        "the same, in the simulating process",
+        "quiet RSS MiB",
+        "storm peak RSS MiB",
+        "slowest wave answered s",
+        "diagnose s",
+        "records shown",
+        "diagnose lines",
+        "failures folded",
+        "their nodes",
+    ]
+    cols = [
+        "nodes",
+        "protocol",
+        "hb_p99_ms",
+        "storm_p99_ms",
+        "storm_client_p99_ms",
+        "rss_mib",
+        "peak_rss_mib",
+        "wave_s",
+        "diagnose_s",
+        "records",
+        "lines",
+        "folded_count",
+        "folded_nodes",
+    ]
+    print()
+    print("| " + " | ".join(heads) + " |")
+    print("|" + "---|" * len(heads))
+    for r in rows:
+        if "failed" in r:
+            continue
+        cells = [
+            f"{v:.2f}" if isinstance(v, float) else str(v) for v in (r.get(c, "") for c in cols)
+        ]
+        print("| " + " | ".join(cells) + " |")
 
 
 def _mean(rows: list[dict[str, float | int | str]]) -> dict[str, float | int | str]:

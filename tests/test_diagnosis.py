@@ -13,7 +13,12 @@ from dlrover.agent.failure_policy import ExitKind, WorkerFailure
 from dlrover.agent.failures import classify, judge
 from dlrover.api.master import FailureClass, FailureRecord
 from dlrover.engines.base import FailureReason, NodeEvent, NodeSpec, NodeState
-from dlrover.master.diagnosis import MAX_FAILURES, load_failures
+from dlrover.master.diagnosis import (
+    MAX_CAUSE_CHARS,
+    MAX_FAILURES,
+    load_failures,
+    load_folded,
+)
 from dlrover.master.job import JobMaster, JobMasterConfig
 from dlrover.master.node_controller import failure_class_of
 from dlrover.master.state_store import SqliteStateStore
@@ -125,4 +130,66 @@ def test_the_failure_log_outlives_the_master_and_keeps_the_newest(tmp_path: Path
     again = JobMaster(JobMasterConfig(job_name="j"), store)  # a restarted master
     assert again.diagnostics.failures() == kept
     assert [r for _, r in load_failures(store)] == list(kept)
+    store.close()
+
+
+def _stack(node: int) -> str:
+    """A 64 KB report: a summary line, the same frames on every node, its own numbers in the
+    last line."""
+    frames = "".join(
+        f'  File "model.py", line {k}, in forward\n    x = layer(x)\n' for k in range(1400)
+    )
+    return (
+        f"worker rank {node} exited with 1: DistBackendError\nTraceback:\n{frames}"
+        f"DistBackendError: NCCL error on rank {node}, pid {1000 + node}"
+    )
+
+
+def test_a_storm_of_one_error_is_kept_bounded_and_answered_as_one_record(tmp_path: Path) -> None:
+    """Every node of a job reports the same failure (numbers aside) with a 64 KB stack, more
+    of them than the master keeps one by one, and one node another failure: each kept root
+    cause is bounded with its error line, and the failures are answered as two records, the
+    storm's counting every report and node; a restarted master and the state an ended job
+    left answer the same."""
+    store = SqliteStateStore(str(tmp_path / "state.db"))
+    job = JobMaster(JobMasterConfig(job_name="j"), store)
+    storm = 3 * MAX_FAILURES
+    other = FailureRecord(5.5, "odd", FailureClass.OOM, "relaunch_node", "killed for memory")
+    for i in range(storm):
+        job.diagnostics.record_failure(
+            FailureRecord(float(i), f"n{i}", FailureClass.EXIT_CODE, "restart_processes", _stack(i))
+        )
+        if i == 5:
+            job.diagnostics.record_failure(other)
+    kept = job.diagnostics.failures()
+    assert len(kept) == MAX_FAILURES
+    for record in kept:
+        assert len(record.root_cause) <= MAX_CAUSE_CHARS + 100
+        assert record.root_cause.endswith(
+            f"NCCL error on rank {record.node_id[1:]}, pid {1000 + int(record.node_id[1:])}"
+        )
+        assert record.root_cause.startswith("worker rank")
+    answered = job.diagnostics.get_failures()
+    assert len(answered) == 2
+    folded, odd = answered
+    assert odd == other  # a failure of its own is answered as it was reported
+    assert (folded.count, folded.node_count) == (storm, storm)
+    assert (folded.first_at, folded.at, folded.node_id) == (0.0, storm - 1.0, f"n{storm - 1}")
+    job.diagnostics.flush()
+    again = JobMaster(JobMasterConfig(job_name="j"), store)  # a restarted master
+    assert again.diagnostics.get_failures() == answered
+    assert load_folded(store) == answered  # `dlrover diagnose` of the ended job
+    store.close()
+
+
+def test_failures_folded_before_a_round_formed_are_linked_to_it(tmp_path: Path) -> None:
+    store = SqliteStateStore(str(tmp_path / "state.db"))
+    job = JobMaster(JobMasterConfig(job_name="j"), store)
+    for i in range(MAX_FAILURES + 10):
+        job.diagnostics.record_failure(
+            FailureRecord(float(i), f"n{i}", FailureClass.SIGNAL, "restart_processes", f"kill {i}")
+        )
+    job.diagnostics.link_round(4)
+    (only,) = job.diagnostics.get_failures()
+    assert (only.round, only.count) == (4, MAX_FAILURES + 10)
     store.close()

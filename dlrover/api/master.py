@@ -286,6 +286,14 @@ class FailureRecord:
     collectives: str = ""
     """A hang's collectives, JSON: global rank -> the last collective it entered per process
     group and its stack's tail (`dlrover.agent.collectives`); "" for other classes."""
+    count: int = 1
+    """How many failures this record stands for: `DiagnosticsApi.get_failures` folds the
+    failures of one class, action and round whose root causes differ in numbers only (a rank,
+    a pid, an address) into one record, the newest's fields with this count."""
+    first_at: float = 0.0
+    """Unix time of the first failure folded into this record (0.0: ``at``, one failure)."""
+    node_count: int = 0
+    """How many nodes the folded failures came from (0: one failure, ``node_id``'s)."""
 
 
 @dataclass(frozen=True)

@@ -87,7 +87,7 @@ def cmd_watch(name: str, every_s: float) -> int:
 def _failures_of(name: str) -> tuple[FailureRecord, ...]:
     """The job's failures: from its master while it runs, else from the state it left."""
     from dlrover.cli.job_records import job_dir
-    from dlrover.master.diagnosis import load_failures
+    from dlrover.master.diagnosis import load_folded
     from dlrover.master.state_store import StateStoreError, open_state_store
 
     record = read_record(name)
@@ -107,7 +107,7 @@ def _failures_of(name: str) -> tuple[FailureRecord, ...]:
     except StateStoreError as e:
         raise NoSuchJobError(f"cannot read job {name}'s state: {e}") from None
     try:
-        return tuple(r for _, r in load_failures(store))
+        return load_folded(store)
     finally:
         store.close()
 
@@ -119,7 +119,7 @@ def cmd_diagnose(name: str, full: bool = False) -> int:
     if not failures:
         print(f"job {name}: no failures recorded")
     else:
-        print(f"job {name}: {len(failures)} failure(s)")
+        print(f"job {name}: {sum(max(1, f.count) for f in failures)} failure(s)")
         print("\n".join(failure_lines(failures, full)))
         hangs = hang_lines(failures)
         if hangs:

@@ -117,16 +117,23 @@ def failure_lines(failures: tuple[FailureRecord, ...], full: bool = False) -> li
     """The failures as `dlrover diagnose` lists them: a header, then one line each, ending with
     the round the failure led to and what it cost (the job back past its last step that long
     after its last progress before the failure; ``full``: with the whole root cause indented
-    under it)."""
+    under it). A folded record (one failure from many nodes, numbers aside) is one line: the
+    time of the first, the newest one's node ``+`` the number of other nodes, its cause, and
+    how many failures it stands for."""
     lines = [f"{'time':<8}  {'node':<28} {'class':<12} {'action':<17} root cause"]
     for f in failures:
         cause = f.root_cause.strip() or "-"
         first = cause.splitlines()[0]
-        stamp = time.strftime("%H:%M:%S", time.localtime(f.at))
+        stamp = time.strftime("%H:%M:%S", time.localtime(f.first_at or f.at))
         cost = f", back {f.cost_s:.1f}s after" if f.cost_s else ""
         then = f"  (-> round {f.round}{cost})" if f.round else ""
+        node = f.node_id
+        if f.count > 1:
+            last = time.strftime("%H:%M:%S", time.localtime(f.at))
+            node = f"{f.node_id}+{max(0, f.node_count - 1)}"  # the newest's and the others
+            then += f"  [x{f.count} from {f.node_count} nodes until {last}]"
         lines.append(
-            f"{stamp:<8}  {f.node_id:<28} {f.failure_class.value:<12} {f.action:<17} {first}{then}"
+            f"{stamp:<8}  {node:<28} {f.failure_class.value:<12} {f.action:<17} {first}{then}"
         )
         if full and cause != first:
             lines.append("    " + cause.replace("\n", "\n    "))
@@ -170,7 +177,8 @@ def recovery_line(failures: tuple[FailureRecord, ...]) -> str:
     """How the job's failures were recovered, counted by kind ("" without failures), e.g.
     ``recoveries: 2 in-process (survivors kept their processes), 1 restart in place``."""
     counts = [
-        (sum(f.action == action for f in failures), words) for action, words in _RECOVERY_WORDS
+        (sum(max(1, f.count) for f in failures if f.action == action), words)
+        for action, words in _RECOVERY_WORDS
     ]
     parts = [f"{n} {words}" for n, words in counts if n]
     return f"recoveries: {', '.join(parts)} (dlrover diagnose lists each)" if parts else ""

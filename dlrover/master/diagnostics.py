@@ -49,8 +49,15 @@ class Diagnostics:
         self._lock = lock
         self._nodes = nodes
         """Whose failures are reported, and their worker restarts so far."""
-        saved = diagnosis.load_failures(store)
-        self._failures = [record for _, record in saved]
+        saved = diagnosis.load_kept(store)
+        self._failures = [record for _, record, _ in saved]
+        self._prints = [print_ for _, _, print_ in saved]
+        """Each kept failure's `diagnosis.cause_print`, in step with ``_failures``."""
+        self._folds = diagnosis.load_folds(store)
+        """The failures dropped from ``_failures`` (beyond MAX_FAILURES), folded: every failure
+        the job had stays counted, in bounded form."""
+        self._fold_written: dict[diagnosis.FoldKey, float] = {}
+        self._fold_dirty: set[diagnosis.FoldKey] = set()
         self._failure_seq = saved[-1][0] if saved else 0
         self._unlinked: dict[int, FailureRecord] = {}
         """Failures recorded since the last round formed, by sequence number: the next round
@@ -75,7 +82,14 @@ class Diagnostics:
         self.events.append((time.time(), kind, text))
 
     def record_failure(self, record: FailureRecord) -> None:
-        """Keep a classified failure (in the state: it outlives the master) and log it."""
+        """Keep a classified failure (in the state: it outlives the master) and log it. Its
+        root cause is kept bounded (`diagnosis.bounded_cause`), so a storm of reports with
+        long stacks costs the master bounded memory."""
+        print_ = diagnosis.cause_print(record.root_cause)
+        if len(record.root_cause) > diagnosis.MAX_CAUSE_CHARS:
+            record = dataclasses.replace(
+                record, root_cause=diagnosis.bounded_cause(record.root_cause)
+            )
         self.goodput.on_failure(record.action)
         self.event(
             "failure",
@@ -85,13 +99,17 @@ class Diagnostics:
         with self._lock:
             self._failure_seq += 1
             self._failures.append(record)
+            self._prints.append(print_)
             self._store.put_json(
-                diagnosis.NAMESPACE, diagnosis.key(self._failure_seq), diagnosis.to_json(record)
+                diagnosis.NAMESPACE,
+                diagnosis.key(self._failure_seq),
+                diagnosis.kept_to_json(record, print_),
             )
             if not record.round:
                 self._unlinked[self._failure_seq] = record
             if len(self._failures) > diagnosis.MAX_FAILURES:
                 dropped = self._failures.pop(0)
+                self._fold_in(dropped, self._prints.pop(0))
                 oldest = self._failure_seq - diagnosis.MAX_FAILURES
                 self._store.delete(diagnosis.NAMESPACE, diagnosis.key(oldest))
                 if self._unlinked.get(oldest) is dropped:
@@ -105,6 +123,45 @@ class Diagnostics:
         )
         for listener in self.on_recorded:
             listener(record)
+
+    def _fold_in(self, record: FailureRecord, print_: str) -> None:
+        """Count a failure dropped from the kept ones into its fold (under the lock); the fold
+        is written to the state when it is new, then at most once a second (and by `flush`)."""
+        k = diagnosis.fold_key(record, print_)
+        fold = self._folds.get(k)
+        if fold is None:
+            self._folds[k] = diagnosis.fold([(record, print_)])[k]
+            if len(self._folds) > diagnosis.MAX_FOLDS:
+                stale = min(self._folds, key=lambda key: self._folds[key].record.at)
+                self._drop_fold(stale)
+        else:
+            fold.add(record)
+        self._fold_dirty.add(k)
+        now = self._clock()
+        if now - self._fold_written.get(k, -1e9) >= 1.0:
+            self._write_fold(k, now)
+
+    def _drop_fold(self, k: diagnosis.FoldKey) -> None:
+        del self._folds[k]
+        self._fold_written.pop(k, None)
+        self._fold_dirty.discard(k)
+        self._store.delete(diagnosis.FOLDS_NAMESPACE, diagnosis.fold_state_key(k))
+
+    def _write_fold(self, k: diagnosis.FoldKey, now: float) -> None:
+        self._store.put_json(
+            diagnosis.FOLDS_NAMESPACE,
+            diagnosis.fold_state_key(k),
+            diagnosis.fold_to_json(k, self._folds[k]),
+        )
+        self._fold_written[k] = now
+        self._fold_dirty.discard(k)
+
+    def flush(self) -> None:
+        """Write every fold counted since it was last written (the master's tick calls it)."""
+        with self._lock:
+            now = self._clock()
+            for k in list(self._fold_dirty):
+                self._write_fold(k, now)
 
     def last_cause(self, node_id: str) -> str:
         """The root cause of the newest failure recorded for ``node_id`` ("" for none): what its
@@ -174,12 +231,29 @@ class Diagnostics:
             for seq, record in self._unlinked.items():
                 linked = dataclasses.replace(record, round=round)
                 i = seq - first
-                if 0 <= i < len(self._failures) and self._failures[i] is record:
-                    self._failures[i] = linked
+                if not (0 <= i < len(self._failures) and self._failures[i] is record):
+                    continue  # dropped meanwhile (and out of ``_unlinked`` then: never here)
+                self._failures[i] = linked
                 self._store.put_json(
-                    diagnosis.NAMESPACE, diagnosis.key(seq), diagnosis.to_json(linked)
+                    diagnosis.NAMESPACE,
+                    diagnosis.key(seq),
+                    diagnosis.kept_to_json(linked, self._prints[i]),
                 )
             self._unlinked.clear()
+            # Folds of failures dropped before this round formed led to it too.
+            for k in [k for k in self._folds if k[2] == 0]:
+                fold = self._folds[k]
+                self._drop_fold(k)
+                relinked = (k[0], k[1], round, k[3])
+                fold.record = dataclasses.replace(fold.record, round=round)
+                if relinked in self._folds:
+                    into = self._folds[relinked]
+                    into.count += fold.count
+                    into.first_at = min(into.first_at, fold.first_at)
+                    into.nodes |= fold.nodes
+                else:
+                    self._folds[relinked] = fold
+                self._write_fold(relinked, self._clock())
 
     def _recovered(self, round: int, seconds: float) -> None:
         """The job went past its last step before ``round``, ``seconds`` after its last progress
@@ -192,7 +266,9 @@ class Diagnostics:
                     costed = dataclasses.replace(record, cost_s=seconds)
                     self._failures[i] = costed
                     self._store.put_json(
-                        diagnosis.NAMESPACE, diagnosis.key(first + i), diagnosis.to_json(costed)
+                        diagnosis.NAMESPACE,
+                        diagnosis.key(first + i),
+                        diagnosis.kept_to_json(costed, self._prints[i]),
                     )
 
     def record(self, node_id: str, cls: FailureClass, action: str, cause: str) -> None:
@@ -204,12 +280,21 @@ class Diagnostics:
         self.record_failure(FailureRecord(time.time(), node_id, cls, action, cause, restarts))
 
     def failures(self) -> tuple[FailureRecord, ...]:
-        """Every failure kept, oldest first (`DiagnosticsApi.get_failures`), each with what it
-        cost once the job got past it (see `_recovered`)."""
+        """The last MAX_FAILURES failures, one by one, oldest first, each with what it cost
+        once the job got past it (see `_recovered`)."""
         with self._lock:
             return tuple(self._failures)
 
-    get_failures = failures
+    def get_failures(self) -> tuple[FailureRecord, ...]:
+        """Every failure the job had, folded (`DiagnosticsApi.get_failures`, `dlrover
+        diagnose`): failures of one class, action and round whose root causes differ in numbers
+        only are one record with their count, first time and number of nodes; in order of
+        first occurrence. As long as the job has distinct failures, not as long as it has
+        failures: a storm of the same error from every node is one record."""
+        with self._lock:
+            return diagnosis.folded(
+                self._folds, list(zip(self._failures, self._prints, strict=True))
+            )
 
     def scale_plan(self, summary: str, event: str = "") -> None:
         """The auto-scaler's new plan: ``summary`` for the status, ``event`` (when it acts) for

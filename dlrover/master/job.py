@@ -277,6 +277,7 @@ class JobMaster:
         self.members.lose_silent(self.members.heartbeat_timeout_s())
         self.sharding.tick()
         self.diagnostics.goodput.sample(self._clock(), time.time())
+        self.diagnostics.flush()
         self.preflight.tick()
         with self._lock:
             if self.diagnostics.stragglers.due():

@@ -156,15 +156,16 @@ class JobCollector(Collector):
             score.add_metric([name, node_id], s.relative)
         yield score
 
-        failures = job.diagnostics.failures()
+        failures = job.diagnostics.get_failures()  # folded: every failure, counted
         restarts = CounterMetricFamily(
             "dlrover_restarts",
             "Worker restarts in place and node relaunches, by the failure's class",
             labels=["job_name", "reason", "action"],
         )
-        counts = Counter(
-            (f.failure_class.value, f.action) for f in failures if f.action in _RESTART_ACTIONS
-        )
+        counts: Counter[tuple[str, str]] = Counter()
+        for f in failures:
+            if f.action in _RESTART_ACTIONS:
+                counts[(f.failure_class.value, f.action)] += max(1, f.count)
         for (reason, action), count in sorted(counts.items()):
             restarts.add_metric([name, reason, action], float(count))
         yield restarts
@@ -173,7 +174,10 @@ class JobCollector(Collector):
             "Failures the master recorded, by class",
             labels=["job_name", "reason"],
         )
-        for reason, count in sorted(Counter(f.failure_class.value for f in failures).items()):
+        by_class: Counter[str] = Counter()
+        for f in failures:
+            by_class[f.failure_class.value] += max(1, f.count)
+        for reason, count in sorted(by_class.items()):
             failed.add_metric([name, reason], float(count))
         yield failed
 

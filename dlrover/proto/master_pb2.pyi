@@ -453,7 +453,7 @@ class ReportNodeCheckResponse(_message.Message):
     def __init__(self, refused: _Optional[_Union[MasterError, _Mapping]] = ...) -> None: ...
 
 class FailureRecord(_message.Message):
-    __slots__ = ("at", "node_id", "failure_class", "action", "root_cause", "restart_count", "round", "cost_s", "signature", "collectives")
+    __slots__ = ("at", "node_id", "failure_class", "action", "root_cause", "restart_count", "round", "cost_s", "signature", "collectives", "count", "first_at", "node_count")
     AT_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     FAILURE_CLASS_FIELD_NUMBER: _ClassVar[int]
@@ -464,6 +464,9 @@ class FailureRecord(_message.Message):
     COST_S_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVES_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    FIRST_AT_FIELD_NUMBER: _ClassVar[int]
+    NODE_COUNT_FIELD_NUMBER: _ClassVar[int]
     at: float
     node_id: str
     failure_class: str
@@ -474,7 +477,10 @@ class FailureRecord(_message.Message):
     cost_s: float
     signature: str
     collectives: str
-    def __init__(self, at: _Optional[float] = ..., node_id: _Optional[str] = ..., failure_class: _Optional[str] = ..., action: _Optional[str] = ..., root_cause: _Optional[str] = ..., restart_count: _Optional[int] = ..., round: _Optional[int] = ..., cost_s: _Optional[float] = ..., signature: _Optional[str] = ..., collectives: _Optional[str] = ...) -> None: ...
+    count: int
+    first_at: float
+    node_count: int
+    def __init__(self, at: _Optional[float] = ..., node_id: _Optional[str] = ..., failure_class: _Optional[str] = ..., action: _Optional[str] = ..., root_cause: _Optional[str] = ..., restart_count: _Optional[int] = ..., round: _Optional[int] = ..., cost_s: _Optional[float] = ..., signature: _Optional[str] = ..., collectives: _Optional[str] = ..., count: _Optional[int] = ..., first_at: _Optional[float] = ..., node_count: _Optional[int] = ...) -> None: ...
 
 class ReportFailureRequest(_message.Message):
     __slots__ = ("node_id", "incarnation", "record")

@@ -197,7 +197,7 @@ def final_state(job: JobMaster) -> FinalState:
         plans=tuple(
             (at, text) for at, kind, text in list(job.diagnostics.events) if kind == "scale"
         ),
-        failures=job.diagnostics.failures(),
+        failures=job.diagnostics.get_failures(),
     )
 
 
