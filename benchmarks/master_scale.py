@@ -2,7 +2,7 @@
 
 Run: PYTHONPATH=. python benchmarks/master_scale.py [--nodes 1000 2000 5000 10000]
          [--steady-s 40] [--protocol long-poll|poll|both] [--against REV]
-         [--storm errors [--storm-gap-s 60]]
+         [--storm errors [--storm-gap-s 60] | --storm lose:0.1]
 
 The master is a real `dlrover-master` (its default SQLite state, INFO logs to a file); the agents
 are coroutines in this one process, each with the RPC sequence of a real agent
@@ -28,6 +28,17 @@ same traceback, its rank, pid and host numbers its own) within one second, and a
 heartbeat p99 and RSS, then the storm's heartbeat p99 (heartbeats only, both waves), the master's
 peak RSS, how long each wave's reports took to be answered, and what `dlrover diagnose` then
 costs: its RPC (GetFailures, through the CLI's own client) and the records it shows.
+``--storm lose:0.1``: after the steady state a tenth of the nodes go silent in the same moment
+(heartbeats and watches stop, as when a rack goes); the master loses them on its heartbeat
+timeout, the survivors' watches fire and they re-join; the benchmark, as the engine would,
+registers one replacement per lost node and the round forms again. Its table: when the master
+noticed, how spread the survivors' re-joins were and how many were refused, how long from the
+last replacement's registration to the round, the heartbeat p99 meanwhile, and the losses
+the master recorded (each node once: as many as lost, from as many nodes).
+
+Heartbeat p99 (probe): a separate process sends the heartbeats of 20 of the nodes every 0.5 s
+and times them, so the figure is what an agent in its own process sees, without the queueing of
+the process that simulates all the others (the "p99 ms" column keeps that process's view).
 
 Columns: register / rendezvous / exit = seconds from the first call of the phase until every
 node finished it; CPU = the master's CPU over the steady state, in % of one core; RSS = the
@@ -44,12 +55,14 @@ import contextlib
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -194,6 +207,8 @@ class Agent:
         self.phased_for = 0.0
         self.stop = asyncio.Event()
         self.probed = False
+        self.on_reform: Callable[[Agent], Awaitable[None]] | None = None
+        """What the agent does when its watch says the job re-forms (None: not expected)."""
 
     async def _call(self, method, request, timeout: float = 60.0):
         t = time.monotonic()
@@ -315,8 +330,13 @@ class Agent:
                 self.stats.errors += 1
                 await asyncio.sleep(1)
                 continue
+            if self.stop.is_set():
+                return
             if w.waiting > 0 or w.latest_round > self.round:
-                raise AssertionError(f"node {self.node_id}: unexpected re-form {w}")
+                if self.on_reform is None:
+                    raise AssertionError(f"node {self.node_id}: unexpected re-form {w}")
+                await self.on_reform(self)  # a storm: re-join, as a real agent does
+                continue
             if self.poll:
                 try:
                     await asyncio.wait_for(self.stop.wait(), 0.5)
@@ -476,6 +496,96 @@ async def error_storm(
         row["diagnose_s"] = f"failed: {type(e).__name__}: {str(e)[:80]}"
 
 
+async def lose_storm(
+    agents: list[Agent],
+    master: Master,
+    fraction: float,
+    make_agent: Callable[[int], Agent],
+    tasks: list[asyncio.Task],
+    row: dict,
+) -> list[Agent]:
+    """``fraction`` of the nodes go silent in the same moment (their heartbeats and watches
+    stop: a rack gone); the master loses them on its heartbeat timeout and the survivors'
+    watches fire. As the engine would, the benchmark then registers one replacement per lost
+    node, and the round re-forms with the survivors. Into ``row``: seconds until the master
+    noticed, how spread the survivors' re-joins were (and refusals), seconds from the last
+    replacement's registration until the round formed, and how the master recorded the
+    losses. Returns the job's nodes after the storm."""
+    nodes = len(agents)
+    candidates = [a for a in agents if not a.probed]
+    lost = random.sample(candidates, int(fraction * nodes))
+    gone = {id(a) for a in lost}
+    survivors = [a for a in agents if id(a) not in gone]
+    noticed = asyncio.Event()
+    joined: list[float] = []
+    refused = [0]
+
+    async def rejoin(agent: Agent) -> None:
+        noticed.set()
+        while True:
+            try:
+                await agent.rendezvous()
+                joined.append(time.monotonic())
+                return
+            except (grpc.aio.AioRpcError, Refused):
+                refused[0] += 1
+                await asyncio.sleep(1)
+
+    for a in survivors:
+        a.on_reform = rejoin
+    row["storm_from"] = time.time()
+    t0 = time.monotonic()
+    for a in lost:
+        a.stop.set()
+    await asyncio.wait_for(noticed.wait(), 600)
+    row["noticed_s"] = time.monotonic() - t0
+    # The engine's part: a replacement per lost node, registered as they come up.
+    replacements = [make_agent(nodes + k) for k in range(len(lost))]
+    t1 = time.monotonic()
+    await asyncio.gather(*(a.register(nodes) for a in replacements))
+    registered = time.monotonic()
+    row["replacements_registered_s"] = registered - t1
+    tasks += [asyncio.create_task(a.heartbeats()) for a in replacements]
+    await asyncio.wait_for(asyncio.gather(*(rejoin(a) for a in replacements)), 600)
+    while len(joined) < len(survivors) + len(replacements):
+        await asyncio.sleep(0.05)  # the survivors' re-joins run in their watch tasks
+    formed = max(joined)
+    row["round_after_last_s"] = formed - registered
+    survivor_joins = sorted(joined)[: len(survivors)]
+    row["rejoin_spread_s"] = survivor_joins[-1] - survivor_joins[0]
+    row["refused"] = refused[0]
+    row["storm_to"] = time.time()
+    everyone = survivors + replacements
+    rounds = {a.round for a in everyone}
+    assert len(rounds) == 1, f"nodes saw rounds {sorted(rounds)}"
+    row["round"] = rounds.pop()
+    tasks += [asyncio.create_task(a.watch()) for a in replacements]
+
+    def losses() -> tuple[int, int]:
+        from dlrover.client.master_client import MasterClient
+
+        client = MasterClient(master.addr, master.token, rpc_timeout_s=30)
+        try:
+            records = [f for f in client.get_failures() if f.failure_class.value == "node_lost"]
+            return sum(max(1, f.count) for f in records), len(
+                {f.node_id for f in records if f.count <= 1}
+            ) + sum(f.node_count for f in records if f.count > 1)
+        finally:
+            client.close()
+
+    deadline = time.monotonic() + 300
+    while True:  # the last of them are lost a heartbeat interval after the first
+        row["lost_recorded"], row["lost_nodes"] = await asyncio.to_thread(losses)
+        if int(row["lost_recorded"]) >= len(lost) or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.5)
+    row["all_noticed_s"] = time.monotonic() - t0
+    await asyncio.sleep(2)  # and no node is recorded lost twice meanwhile
+    row["lost_recorded"], row["lost_nodes"] = await asyncio.to_thread(losses)
+    row["lost"] = len(lost)
+    return everyone
+
+
 async def run_one(
     nodes: int, steady_s: float, poll: bool, tree: str = "", storm: str = "", gap_s: float = 60.0
 ) -> dict[str, float | int | str]:
@@ -526,6 +636,15 @@ async def run_one(
         steady_to = time.time()
         if storm == "errors":
             await error_storm(agents, master, stats, gap_s, row)
+        elif storm.startswith("lose:"):
+            agents = await lose_storm(
+                agents,
+                master,
+                float(storm.split(":", 1)[1]),
+                lambda i: Agent(i, stubs[i % n_channels], md, stats, poll),
+                tasks,
+                row,
+            )
         if probe is not None:
             beats = probe.stop()
             probe = None
@@ -577,15 +696,18 @@ def main() -> None:
     )
     parser.add_argument(
         "--storm",
-        choices=["errors"],
         default="",
+        metavar="errors|lose:FRACTION",
         help="after the steady state: errors = every node reports a failure with a 64 KB "
-        "stack within one second, twice (long-poll protocol only)",
+        "stack within one second, twice; lose:0.1 = a tenth of the nodes go silent at once "
+        "and are replaced (long-poll protocol only)",
     )
     parser.add_argument(
         "--storm-gap-s", type=float, default=60.0, help="seconds between the two waves"
     )
     args = parser.parse_args()
+    if args.storm and args.storm != "errors" and not re.fullmatch(r"lose:0?\.\d+", args.storm):
+        parser.error(f"--storm {args.storm}: say errors, or lose:FRACTION (e.g. lose:0.1)")
     if args.storm:
         args.protocol = "long-poll"
     random.seed(0)
@@ -708,6 +830,37 @@ def print_table(
 
 def print_storm_table(rows: list[dict[str, float | int | str]], storm: str) -> None:
     """Each run's storm beside its own quiet steady state."""
+    if storm.startswith("lose:"):
+        heads = [
+            "nodes",
+            "lost at once",
+            "quiet heartbeat p99 ms (probe)",
+            "storm heartbeat p99 ms (probe)",
+            "first noticed after s",
+            "all noticed after s",
+            "survivors' re-joins spread over s",
+            "re-joins refused",
+            "replacements registered in s",
+            "round formed after the last s",
+            "losses recorded",
+            "their nodes",
+        ]
+        cols = [
+            "nodes",
+            "lost",
+            "hb_p99_ms",
+            "storm_p99_ms",
+            "noticed_s",
+            "all_noticed_s",
+            "rejoin_spread_s",
+            "refused",
+            "replacements_registered_s",
+            "round_after_last_s",
+            "lost_recorded",
+            "lost_nodes",
+        ]
+        _markdown(rows, heads, cols)
+        return
     heads = [
         "nodes",
         "master",
@@ -738,6 +891,10 @@ def print_storm_table(rows: list[dict[str, float | int | str]], storm: str) -> N
         "folded_count",
         "folded_nodes",
     ]
+    _markdown(rows, heads, cols)
+
+
+def _markdown(rows: list[dict[str, float | int | str]], heads: list[str], cols: list[str]) -> None:
     print()
     print("| " + " | ".join(heads) + " |")
     print("|" + "---|" * len(heads))

@@ -45,3 +45,15 @@ def test_an_error_storm_of_300_nodes_is_answered_as_one_folded_failure():
     assert row["diagnose_s"] < 2.0
     assert (row["records"], row["lines"]) == (1, 2)  # the header and the storm's line
     assert (row["folded_count"], row["folded_nodes"]) == (600, 300)
+
+
+@pytest.mark.e2e
+def test_a_tenth_of_300_nodes_lost_at_once_is_recorded_once_each_and_replaced():
+    """`--storm lose:0.1` at 300 nodes: 30 nodes go silent at once; the master loses each of
+    them exactly once, the survivors re-join without a refusal, the 30 replacements make the
+    round whole again, and all 300 nodes of it pass the exit barrier."""
+    bench = _bench()
+    row = asyncio.run(bench.run_one(300, 1.0, poll=False, storm="lose:0.1"))
+    assert (row["lost"], row["lost_recorded"], row["lost_nodes"]) == (30, 30, 30)
+    assert row["refused"] == 0 and row["round"] == 2
+    assert row["exit_ok"] == 300 and row["errors"] == 0 and row["master_exit"] == "0"
