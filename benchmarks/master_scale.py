@@ -2,7 +2,7 @@
 
 Run: PYTHONPATH=. python benchmarks/master_scale.py [--nodes 1000 2000 5000 10000]
          [--steady-s 40] [--protocol long-poll|poll|both] [--against REV]
-         [--storm errors [--storm-gap-s 60] | --storm lose:0.1]
+         [--storm errors [--storm-gap-s 60] [--storm-kb 64] | --storm lose:0.1]
 
 The master is a real `dlrover-master` (its default SQLite state, INFO logs to a file); the agents
 are coroutines in this one process, each with the RPC sequence of a real agent
@@ -176,13 +176,13 @@ def p99_ms(latencies: list[float]) -> float:
     return 1000 * xs[min(len(xs) - 1, int(0.99 * len(xs)))]
 
 
-def storm_stack(i: int) -> str:
-    """A ~64 KB traceback as a rank of a big job writes it when a collective breaks: the same
-    frames on every node, its own rank, pid and host in the numbers."""
+def storm_stack(i: int, kb: int = 64) -> str:
+    """A ~``kb`` KB traceback as a rank of a big job writes it when a collective breaks: the
+    same frames on every node, its own rank, pid and host in the numbers."""
     frames = "".join(
         f'  File "/workspace/model/block_{k % 48}.py", line {40 + k % 300}, in forward\n'
         f"    hidden = self.layers[{k % 96}](hidden, attention_mask=mask, cache=cache)\n"
-        for k in range(560)
+        for k in range(max(1, kb * 1024 // 115))
     )
     summary = (
         f"worker rank {i * 8} (pid {100000 + i}) exited with 1: DistBackendError: NCCL error "
@@ -263,7 +263,7 @@ class Agent:
             except asyncio.TimeoutError:
                 pass
 
-    async def report_failure(self, delay_s: float) -> None:
+    async def report_failure(self, delay_s: float, kb: int) -> None:
         """After ``delay_s``, what an agent reports when its workers fail (ReportFailure)."""
         await asyncio.sleep(delay_s)
         record = pb.FailureRecord(
@@ -271,7 +271,7 @@ class Agent:
             node_id=self.node_id,
             failure_class="exit_code",
             action="restart_processes",
-            root_cause=storm_stack(self.i),
+            root_cause=storm_stack(self.i, kb),
         )
         try:
             await self._call(
@@ -439,7 +439,7 @@ async def probe_main(addr: str, token: str, out: str) -> None:
 
 
 async def error_storm(
-    agents: list[Agent], master: Master, stats: Stats, gap_s: float, row: dict
+    agents: list[Agent], master: Master, stats: Stats, gap_s: float, kb: int, row: dict
 ) -> None:
     """Two waves of failure reports, every node within one second, ``gap_s`` apart; then what
     `dlrover diagnose` costs (into ``row``)."""
@@ -460,7 +460,7 @@ async def error_storm(
             await asyncio.sleep(gap_s)
         t = time.monotonic()
         await asyncio.wait_for(
-            asyncio.gather(*(a.report_failure(random.uniform(0, 1)) for a in agents)), 600
+            asyncio.gather(*(a.report_failure(random.uniform(0, 1), kb) for a in agents)), 600
         )
         waves.append(time.monotonic() - t)
     await asyncio.sleep(3)  # the heartbeats right after the second wave count too
@@ -587,7 +587,13 @@ async def lose_storm(
 
 
 async def run_one(
-    nodes: int, steady_s: float, poll: bool, tree: str = "", storm: str = "", gap_s: float = 60.0
+    nodes: int,
+    steady_s: float,
+    poll: bool,
+    tree: str = "",
+    storm: str = "",
+    gap_s: float = 60.0,
+    storm_kb: int = 64,
 ) -> dict[str, float | int | str]:
     master = Master(nodes, tree)
     md = ((TOKEN_METADATA_KEY, master.token),)
@@ -635,7 +641,7 @@ async def run_one(
         row["p99_ms"] = stats.p99_ms()
         steady_to = time.time()
         if storm == "errors":
-            await error_storm(agents, master, stats, gap_s, row)
+            await error_storm(agents, master, stats, gap_s, storm_kb, row)
         elif storm.startswith("lose:"):
             agents = await lose_storm(
                 agents,
@@ -705,6 +711,12 @@ def main() -> None:
     parser.add_argument(
         "--storm-gap-s", type=float, default=60.0, help="seconds between the two waves"
     )
+    parser.add_argument(
+        "--storm-kb",
+        type=int,
+        default=64,
+        help="KB of stack per report (an agent of dlrover-run sends at most 4)",
+    )
     args = parser.parse_args()
     if args.storm and args.storm != "errors" and not re.fullmatch(r"lose:0?\.\d+", args.storm):
         parser.error(f"--storm {args.storm}: say errors, or lose:FRACTION (e.g. lose:0.1)")
@@ -745,7 +757,9 @@ async def run_all(args: argparse.Namespace, tree: str) -> list[dict[str, float |
                 label += f" at {args.against}"
             print(f"... {n} nodes, {label}", flush=True)
             try:
-                row = await run_one(n, args.steady_s, poll, where, args.storm, args.storm_gap_s)
+                row = await run_one(
+                    n, args.steady_s, poll, where, args.storm, args.storm_gap_s, args.storm_kb
+                )
                 row["protocol"] = label
                 rows.append(row)
             except Exception as e:  # a failed size is a row of the table, not the end of it
