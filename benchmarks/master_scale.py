@@ -2,7 +2,8 @@
 
 Run: PYTHONPATH=. python benchmarks/master_scale.py [--nodes 1000 2000 5000 10000]
          [--steady-s 40] [--protocol long-poll|poll|both] [--against REV]
-         [--storm errors [--storm-gap-s 60] [--storm-kb 64] | --storm lose:0.1]
+         [--storm errors [--storm-gap-s 60] [--storm-kb 64] | --storm lose:0.1
+          | --storm master-kill]
 
 The master is a real `dlrover-master` (its default SQLite state, INFO logs to a file); the agents
 are coroutines in this one process, each with the RPC sequence of a real agent
@@ -35,6 +36,14 @@ registers one replacement per lost node and the round forms again. Its table: wh
 noticed, how spread the survivors' re-joins were and how many were refused, how long from the
 last replacement's registration to the round, the heartbeat p99 meanwhile, and the losses
 the master recorded (each node once: as many as lost, from as many nodes).
+
+``--storm master-kill``: the master is SIGKILLed once half the nodes joined the first round,
+and again in the steady state, each time started again on the same port, state and token (as
+`dlrover submit` or a Kubernetes Deployment does); the nodes ask again while it is away. Its
+table: how soon each new master listened, the rendezvous time with the kill in it, how soon
+after the second restart every node's heartbeat was answered again, the nodes recorded lost
+(none should be: the outage is the master's), the rounds re-formed (none should be) and the
+calls the outage failed.
 
 Heartbeat p99 (probe): a separate process sends the heartbeats of 20 of the nodes every 0.5 s
 and times them, so the figure is what an agent in its own process sees, without the queueing of
@@ -86,31 +95,41 @@ class Master:
     def __init__(self, nodes: int, tree: str = "") -> None:
         """``tree``: run the master of another checkout (its directory), else this one's."""
         self.dir = tempfile.mkdtemp(prefix="dlrover_scale_")
-        env_file = os.path.join(self.dir, "master.env")
         self.log_path = os.path.join(self.dir, "master.log")
         self._log = open(self.log_path, "w")  # noqa: SIM115 - open for the process's life
+        self._nodes, self._tree = nodes, tree
+        self.token = ""
+        self.addr = ""
+        self._start("0")
+
+    def _start(self, port: str) -> None:
+        env_file = os.path.join(self.dir, "master.env")
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(env_file)
+        token = ("--token", self.token) if self.token else ()
         self.proc = subprocess.Popen(
             [
                 sys.executable,
                 "-m",
                 "dlrover.cli.master",
                 "--port",
-                "0",
+                port,
                 "--host",
                 "127.0.0.1",
                 "--write-env",
                 env_file,
                 "--nnodes",
-                f"{nodes}:{nodes}",
+                f"{self._nodes}:{self._nodes}",
                 "--state-db",
                 os.path.join(self.dir, "state.db"),
                 "--idle-timeout",
                 "600",
+                *token,
             ],
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            cwd=tree or None,
-            env={**os.environ, "PYTHONPATH": tree} if tree else None,
+            cwd=self._tree or None,
+            env={**os.environ, "PYTHONPATH": self._tree} if self._tree else None,
         )
         deadline = time.monotonic() + 60
         while not os.path.exists(env_file):
@@ -123,6 +142,15 @@ class Master:
         self.addr = env["DLROVER_MASTER_ADDR"].replace("0.0.0.0", "127.0.0.1")
         self.token = env["DLROVER_JOB_TOKEN"]
         self.ps = psutil.Process(self.proc.pid)
+
+    def restart(self) -> float:
+        """SIGKILL the master and start a new one on the same port, state and token; returns
+        the seconds until the new one listened."""
+        self.proc.kill()
+        self.proc.wait()
+        t = time.monotonic()
+        self._start(self.addr.rsplit(":", 1)[1])
+        return time.monotonic() - t
 
     def cpu_s(self) -> float:
         t = self.ps.cpu_times()
@@ -162,6 +190,22 @@ class Stats:
     heartbeats: list[float] = field(default_factory=list)
     """The heartbeats' latencies alone (a storm's figure)."""
     errors: int = 0
+    outage_errors: int = 0
+    """Calls that found no master while it restarted (a master-kill storm), asked again."""
+
+    outage: bool = False
+    """The master is being restarted: a call it does not answer is an outage error."""
+
+    def failed(self, e: Exception) -> None:
+        """Count a failed call: an outage error while the master restarts, else an error."""
+        unavailable = isinstance(e, grpc.aio.AioRpcError) and e.code() in (
+            grpc.StatusCode.UNAVAILABLE,
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+        )
+        if self.outage and unavailable:
+            self.outage_errors += 1
+        else:
+            self.errors += 1
 
     def p99_ms(self) -> float:
         if not self.latencies:
@@ -207,6 +251,9 @@ class Agent:
         self.phased_for = 0.0
         self.stop = asyncio.Event()
         self.probed = False
+        self.last_ok = 0.0
+        """When a heartbeat of this node was last answered (monotonic)."""
+        self.joined = asyncio.Event()
         self.on_reform: Callable[[Agent], Awaitable[None]] | None = None
         """What the agent does when its watch says the job re-forms (None: not expected)."""
 
@@ -254,10 +301,11 @@ class Agent:
                     pb.HeartbeatRequest(node_id=self.node_id, incarnation=self.incarnation),
                 )
                 self.stats.heartbeats.append(self.stats.latencies[-1])
+                self.last_ok = time.monotonic()
                 if not self.poll:
                     self.interval = max(2.0, r.heartbeat_interval_s)
-            except (grpc.aio.AioRpcError, Refused):
-                self.stats.errors += 1
+            except (grpc.aio.AioRpcError, Refused) as e:
+                self.stats.failed(e)
             try:
                 await asyncio.wait_for(self.stop.wait(), self.next_wait())
             except asyncio.TimeoutError:
@@ -283,7 +331,21 @@ class Agent:
         except (grpc.aio.AioRpcError, Refused):
             self.stats.errors += 1
 
-    async def rendezvous(self) -> None:
+    async def rendezvous(self, outage_s: float = 0.0) -> None:
+        """Join the next round and wait until it forms; with ``outage_s``, a master that does
+        not answer is asked again each second for that long (a restarting master)."""
+        deadline = time.monotonic() + outage_s
+        while True:
+            try:
+                return await self._rendezvous()
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                    raise
+                self.stats.outage_errors += 1
+                await asyncio.sleep(1)
+                self.joined.clear()
+
+    async def _rendezvous(self) -> None:
         r = await self._call(
             self.stub.JoinRendezvous,
             pb.JoinRendezvousRequest(
@@ -295,6 +357,7 @@ class Agent:
             ),
         )
         self.round = r.round
+        self.joined.set()
         while True:
             wait_s = 0.0 if self.poll else HOLD_S
             w = answer(
@@ -327,7 +390,7 @@ class Agent:
             except (grpc.aio.AioRpcError, Refused) as e:
                 if isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.CANCELLED:
                     return
-                self.stats.errors += 1
+                self.stats.failed(e)
                 await asyncio.sleep(1)
                 continue
             if self.stop.is_set():
@@ -586,6 +649,48 @@ async def lose_storm(
     return everyone
 
 
+async def master_kill_storm(agents: list[Agent], master: Master, stats: Stats, row: dict) -> None:
+    """The steady state's half of ``--storm master-kill``: SIGKILL the master, start it again on
+    its state, and time until every node's heartbeat is answered again; then how many nodes
+    the outage cost (recorded lost) and whether the round held."""
+    reforms = [0]
+
+    async def reformed(agent: Agent) -> None:
+        reforms[0] += 1
+        await agent.rendezvous(outage_s=60)
+
+    for a in agents:
+        a.on_reform = reformed
+    row["storm_from"] = time.time()
+    stats.outage = True
+    row["steady_restart_s"] = await asyncio.to_thread(master.restart)
+    started = time.monotonic()
+    beating = [a for a in agents if not a.probed]
+    deadline = started + 120
+    while any(a.last_ok < started for a in beating) and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    row["adopted_s"] = time.monotonic() - started
+    row["not_adopted"] = sum(a.last_ok < started for a in beating)
+    stats.outage = False
+    row["storm_to"] = time.time()
+    row["reforms"] = reforms[0]
+
+    def losses() -> int:
+        from dlrover.client.master_client import MasterClient
+
+        client = MasterClient(master.addr, master.token, rpc_timeout_s=30)
+        try:
+            return sum(
+                max(1, f.count)
+                for f in client.get_failures()
+                if f.failure_class.value == "node_lost"
+            )
+        finally:
+            client.close()
+
+    row["lost_recorded"] = await asyncio.to_thread(losses)
+
+
 async def run_one(
     nodes: int,
     steady_s: float,
@@ -619,7 +724,16 @@ async def run_one(
         probe = Probe(master, probed) if probed else None
         tasks += [asyncio.create_task(a.heartbeats()) for a in agents]
         t1 = time.monotonic()
-        await asyncio.wait_for(asyncio.gather(*(a.rendezvous() for a in agents)), 300)
+        if storm == "master-kill":  # the first kill: once half the nodes joined the round
+            stats.outage = True
+            joining = [asyncio.create_task(a.rendezvous(outage_s=120)) for a in agents]
+            while sum(a.joined.is_set() for a in agents) < nodes // 2:
+                await asyncio.sleep(0.01)
+            row["rdzv_restart_s"] = await asyncio.to_thread(master.restart)
+            await asyncio.wait_for(asyncio.gather(*joining), 300)
+            stats.outage = False
+        else:
+            await asyncio.wait_for(asyncio.gather(*(a.rendezvous() for a in agents)), 300)
         row["rendezvous_s"] = time.monotonic() - t1
         rounds = {a.round for a in agents}
         assert rounds == {1}, f"nodes saw rounds {rounds}"
@@ -642,6 +756,8 @@ async def run_one(
         steady_to = time.time()
         if storm == "errors":
             await error_storm(agents, master, stats, gap_s, storm_kb, row)
+        elif storm == "master-kill":
+            await master_kill_storm(agents, master, stats, row)
         elif storm.startswith("lose:"):
             agents = await lose_storm(
                 agents,
@@ -664,6 +780,7 @@ async def run_one(
         row["exit_s"] = time.monotonic() - t2
         row["exit_ok"] = sum(done)
         row["errors"] = stats.errors
+        row["outage_errors"] = stats.outage_errors
     finally:
         if probe is not None:
             probe.proc.kill()
@@ -703,10 +820,11 @@ def main() -> None:
     parser.add_argument(
         "--storm",
         default="",
-        metavar="errors|lose:FRACTION",
+        metavar="errors|lose:FRACTION|master-kill",
         help="after the steady state: errors = every node reports a failure with a 64 KB "
         "stack within one second, twice; lose:0.1 = a tenth of the nodes go silent at once "
-        "and are replaced (long-poll protocol only)",
+        "and are replaced; master-kill = the master SIGKILLed mid-rendezvous and again in the "
+        "steady state, restarted on its state (long-poll protocol only)",
     )
     parser.add_argument(
         "--storm-gap-s", type=float, default=60.0, help="seconds between the two waves"
@@ -718,8 +836,12 @@ def main() -> None:
         help="KB of stack per report (an agent of dlrover-run sends at most 4)",
     )
     args = parser.parse_args()
-    if args.storm and args.storm != "errors" and not re.fullmatch(r"lose:0?\.\d+", args.storm):
-        parser.error(f"--storm {args.storm}: say errors, or lose:FRACTION (e.g. lose:0.1)")
+    if args.storm not in ("", "errors", "master-kill") and not re.fullmatch(
+        r"lose:0?\.\d+", args.storm
+    ):
+        parser.error(
+            f"--storm {args.storm}: say errors, master-kill or lose:FRACTION (e.g. lose:0.1)"
+        )
     if args.storm:
         args.protocol = "long-poll"
     random.seed(0)
@@ -844,6 +966,37 @@ def print_table(
 
 def print_storm_table(rows: list[dict[str, float | int | str]], storm: str) -> None:
     """Each run's storm beside its own quiet steady state."""
+    if storm == "master-kill":
+        heads = [
+            "nodes",
+            "quiet heartbeat p99 ms (probe)",
+            "killed mid-rendezvous: restarted in s",
+            "rendezvous s (with the kill)",
+            "killed in the steady state: restarted in s",
+            "every node's heartbeat answered again after s",
+            "nodes not back",
+            "nodes recorded lost",
+            "rounds re-formed",
+            "calls the outage failed (asked again)",
+            "exit ok",
+            "errors",
+        ]
+        cols = [
+            "nodes",
+            "hb_p99_ms",
+            "rdzv_restart_s",
+            "rendezvous_s",
+            "steady_restart_s",
+            "adopted_s",
+            "not_adopted",
+            "lost_recorded",
+            "reforms",
+            "outage_errors",
+            "exit_ok",
+            "errors",
+        ]
+        _markdown(rows, heads, cols)
+        return
     if storm.startswith("lose:"):
         heads = [
             "nodes",
