@@ -49,6 +49,10 @@ Heartbeat p99 (probe): a separate process sends the heartbeats of 20 of the node
 and times them, so the figure is what an agent in its own process sees, without the queueing of
 the process that simulates all the others (the "p99 ms" column keeps that process's view).
 
+The CPU account: the master's CPU-seconds per 1,000 calls of the steady state (heartbeats and
+the watches' long polls, counted by the agents), beside a bare gRPC echo server's (grpc.aio, one
+generic unary method, its own process) answering as many heartbeat-sized calls.
+
 Columns: register / rendezvous / exit = seconds from the first call of the phase until every
 node finished it; CPU = the master's CPU over the steady state, in % of one core; RSS = the
 master's resident memory at the end of the steady state; p99 = client-side latency of the calls
@@ -77,9 +81,12 @@ from dataclasses import dataclass, field
 import grpc
 import psutil
 
-from dlrover.constants import TOKEN_METADATA_KEY
-from dlrover.proto import master_pb2 as pb
-from dlrover.proto import master_pb2_grpc as pb_grpc
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cpu_account import cpu_seconds  # noqa: E402
+
+from dlrover.constants import TOKEN_METADATA_KEY  # noqa: E402
+from dlrover.proto import master_pb2 as pb  # noqa: E402
+from dlrover.proto import master_pb2_grpc as pb_grpc  # noqa: E402
 
 PROBES = 20
 """Nodes whose heartbeats a separate process sends (`probe`), every PROBE_EVERY_S."""
@@ -193,6 +200,8 @@ class Stats:
     outage_errors: int = 0
     """Calls that found no master while it restarted (a master-kill storm), asked again."""
 
+    calls: int = 0
+    """Every call answered or failed, long polls included (the CPU account's unit)."""
     outage: bool = False
     """The master is being restarted: a call it does not answer is an outage error."""
 
@@ -263,6 +272,7 @@ class Agent:
             return answer(await method(request, timeout=timeout, metadata=self.md))
         finally:
             self.stats.latencies.append(time.monotonic() - t)
+            self.stats.calls += 1
 
     async def register(self, nodes: int) -> None:
         r = await self._call(
@@ -367,6 +377,7 @@ class Agent:
                     metadata=self.md,
                 )
             )
+            self.stats.calls += 1
             if w.complete:
                 self.round = w.round
                 return
@@ -393,6 +404,8 @@ class Agent:
                 self.stats.failed(e)
                 await asyncio.sleep(1)
                 continue
+            finally:
+                self.stats.calls += 1
             if self.stop.is_set():
                 return
             if w.waiting > 0 or w.latest_round > self.round:
@@ -435,6 +448,62 @@ class Agent:
             return True
         await asyncio.sleep(0.5)
         return False
+
+
+async def echo_cpu_per_1k(calls: int) -> float:
+    """The peer of the master's CPU account: a bare gRPC echo server (grpc.aio, one generic
+    unary method that returns its request) in a process of its own answers ``calls``
+    heartbeat-sized calls, 200 in flight at a time; its CPU-seconds per 1,000 calls."""
+    where = tempfile.mkdtemp(prefix="dlrover_echo_")
+    port_file = os.path.join(where, "port")
+    proc = subprocess.Popen([sys.executable, __file__, "--echo", port_file])
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(port_file):  # written whole (os.replace)
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError("the echo server did not start")
+            await asyncio.sleep(0.05)
+        with open(port_file) as f:
+            port = int(f.read())
+        async with grpc.aio.insecure_channel(
+            f"127.0.0.1:{port}", options=[("grpc.enable_http_proxy", 0)]
+        ) as channel:
+            echo = channel.unary_unary("/echo.Echo/Echo")
+            payload = pb.HeartbeatRequest(node_id="0123456789ab", incarnation=1).SerializeToString()
+            await echo(payload, timeout=30)  # warm
+            before = cpu_seconds(proc.pid)
+            left = calls
+            while left > 0:
+                batch = min(200, left)
+                await asyncio.gather(*(echo(payload, timeout=30) for _ in range(batch)))
+                left -= batch
+            return 1000 * (cpu_seconds(proc.pid) - before) / calls
+    finally:
+        proc.kill()
+        proc.wait()
+        shutil.rmtree(where, ignore_errors=True)
+
+
+async def echo_main(port_file: str) -> None:
+    """The echo server process (`echo_cpu_per_1k`)."""
+
+    async def echo(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        return request
+
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "echo.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(echo)}
+            ),
+        )
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    with open(port_file + ".tmp", "w") as f:
+        f.write(str(port))
+    os.replace(port_file + ".tmp", port_file)
+    await server.wait_for_termination()
 
 
 class Probe:
@@ -742,7 +811,7 @@ async def run_one(
         await asyncio.sleep(3)  # let the watches settle before measuring
         stats.latencies.clear()
         stats.heartbeats.clear()
-        c0, w0, steady_from = master.cpu_s(), time.monotonic(), time.time()
+        c0, w0, steady_from, calls0 = master.cpu_s(), time.monotonic(), time.time(), stats.calls
         lags: list[float] = []
         while time.monotonic() - w0 < steady_s:  # how late this process's own loop runs
             t = time.monotonic()
@@ -751,6 +820,8 @@ async def run_one(
         lags.sort()
         row["lag_ms"] = 1000 * lags[int(0.99 * (len(lags) - 1))]
         row["cpu_pct"] = 100 * (master.cpu_s() - c0) / (time.monotonic() - w0)
+        row["calls"] = stats.calls - calls0
+        row["cpu_per_1k"] = 1000 * (master.cpu_s() - c0) / max(1, stats.calls - calls0)
         row["rss_mib"] = master.rss_mib()
         row["p99_ms"] = stats.p99_ms()
         steady_to = time.time()
@@ -800,6 +871,9 @@ async def run_one(
 def main() -> None:
     if sys.argv[1:2] == ["--probe"]:  # the probe process (`Probe`)
         asyncio.run(probe_main(*sys.argv[2:5]))
+        return
+    if sys.argv[1:2] == ["--echo"]:  # the CPU account's peer (`echo_cpu_per_1k`)
+        asyncio.run(echo_main(sys.argv[2]))
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--nodes", type=int, nargs="+", default=[1000, 2000, 5000, 10000])
@@ -853,6 +927,7 @@ def main() -> None:
             tree = str(stack.enter_context(checkout(args.against)))
         rows = asyncio.run(run_all(args, tree))
     print_table(rows, args.nodes, args.against)
+    print_cpu_table(rows)
     if args.storm:
         print_storm_table(rows, args.storm)
 
@@ -890,7 +965,30 @@ async def run_all(args: argparse.Namespace, tree: str) -> list[dict[str, float |
                 rows.append(
                     {"nodes": n, "protocol": label, "failed": f"{type(e).__name__}: {detail}"[:120]}
                 )
+        measured = [r for r in rows if r["nodes"] == n and "calls" in r]
+        if measured:  # the CPU account's peer, for as many calls as the master answered
+            echo = await echo_cpu_per_1k(int(measured[0]["calls"]))
+            for r in measured:
+                r["echo_per_1k"] = echo
     return rows
+
+
+def print_cpu_table(rows: list[dict[str, float | int | str]]) -> None:
+    """The master's CPU per 1,000 calls of the steady state beside a bare gRPC echo's."""
+    print()
+    print(
+        "| nodes | master | calls in the steady state | master CPU-s per 1,000 calls "
+        "| bare gRPC echo CPU-s per 1,000 calls | master / echo |"
+    )
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        if "calls" not in r or "echo_per_1k" not in r:
+            continue
+        master, echo = float(r["cpu_per_1k"]), float(r["echo_per_1k"])
+        print(
+            f"| {r['nodes']} | {r['protocol']} | {r['calls']} | {master:.3f} | {echo:.3f} "
+            f"| {master / max(echo, 1e-9):.1f}x |"
+        )
 
 
 def print_table(
