@@ -71,6 +71,14 @@ class Fold:
         if record.at >= self.record.at:
             self.record = record
 
+    def merge(self, other: Fold) -> None:
+        """Count ``other``'s failures in (a fold of the same key); the newer record stays."""
+        self.count += other.count
+        self.first_at = min(self.first_at, other.first_at)
+        self.nodes |= other.nodes
+        if other.record.at >= self.record.at:
+            self.record = other.record
+
     def folded(self) -> FailureRecord:
         """The fold as one record (`dlrover diagnose`'s line): the newest failure's fields,
         with the count, the first's time and the number of nodes (one failure: as it is)."""

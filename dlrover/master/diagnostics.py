@@ -247,10 +247,7 @@ class Diagnostics:
                 relinked = (k[0], k[1], round, k[3])
                 fold.record = dataclasses.replace(fold.record, round=round)
                 if relinked in self._folds:
-                    into = self._folds[relinked]
-                    into.count += fold.count
-                    into.first_at = min(into.first_at, fold.first_at)
-                    into.nodes |= fold.nodes
+                    self._folds[relinked].merge(fold)
                 else:
                     self._folds[relinked] = fold
                 self._write_fold(relinked, self._clock())
