@@ -628,6 +628,22 @@ async def error_storm(
         row["diagnose_s"] = f"failed: {type(e).__name__}: {str(e)[:80]}"
 
 
+def node_losses(master: Master) -> tuple[int, int]:
+    """The losses the master recorded (`dlrover diagnose`'s node_lost records, folds counted),
+    and from how many nodes."""
+    from dlrover.client.master_client import MasterClient
+
+    client = MasterClient(master.addr, master.token, rpc_timeout_s=30)
+    try:
+        records = [f for f in client.get_failures() if f.failure_class.value == "node_lost"]
+    finally:
+        client.close()
+    singles = {f.node_id for f in records if f.count <= 1}
+    return sum(max(1, f.count) for f in records), len(singles) + sum(
+        f.node_count for f in records if f.count > 1
+    )
+
+
 async def lose_storm(
     agents: list[Agent],
     master: Master,
@@ -693,27 +709,15 @@ async def lose_storm(
     row["round"] = rounds.pop()
     tasks += [asyncio.create_task(a.watch()) for a in replacements]
 
-    def losses() -> tuple[int, int]:
-        from dlrover.client.master_client import MasterClient
-
-        client = MasterClient(master.addr, master.token, rpc_timeout_s=30)
-        try:
-            records = [f for f in client.get_failures() if f.failure_class.value == "node_lost"]
-            return sum(max(1, f.count) for f in records), len(
-                {f.node_id for f in records if f.count <= 1}
-            ) + sum(f.node_count for f in records if f.count > 1)
-        finally:
-            client.close()
-
     deadline = time.monotonic() + 300
     while True:  # the last of them are lost a heartbeat interval after the first
-        row["lost_recorded"], row["lost_nodes"] = await asyncio.to_thread(losses)
+        row["lost_recorded"], row["lost_nodes"] = await asyncio.to_thread(node_losses, master)
         if int(row["lost_recorded"]) >= len(lost) or time.monotonic() > deadline:
             break
         await asyncio.sleep(0.5)
     row["all_noticed_s"] = time.monotonic() - t0
     await asyncio.sleep(2)  # and no node is recorded lost twice meanwhile
-    row["lost_recorded"], row["lost_nodes"] = await asyncio.to_thread(losses)
+    row["lost_recorded"], row["lost_nodes"] = await asyncio.to_thread(node_losses, master)
     row["lost"] = len(lost)
     return everyone
 
@@ -744,20 +748,7 @@ async def master_kill_storm(agents: list[Agent], master: Master, stats: Stats, r
     row["storm_to"] = time.time()
     row["reforms"] = reforms[0]
 
-    def losses() -> int:
-        from dlrover.client.master_client import MasterClient
-
-        client = MasterClient(master.addr, master.token, rpc_timeout_s=30)
-        try:
-            return sum(
-                max(1, f.count)
-                for f in client.get_failures()
-                if f.failure_class.value == "node_lost"
-            )
-        finally:
-            client.close()
-
-    row["lost_recorded"] = await asyncio.to_thread(losses)
+    row["lost_recorded"] = (await asyncio.to_thread(node_losses, master))[0]
 
 
 async def run_one(
