@@ -787,7 +787,11 @@ async def run_one(
         if storm == "master-kill":  # the first kill: once half the nodes joined the round
             stats.outage = True
             joining = [asyncio.create_task(a.rendezvous(outage_s=120)) for a in agents]
+            deadline = time.monotonic() + 300
             while sum(a.joined.is_set() for a in agents) < nodes // 2:
+                failed = [t for t in joining if t.done() and t.exception() is not None]
+                if failed or time.monotonic() > deadline:
+                    raise RuntimeError(f"half the nodes did not join: {failed[:1]}")
                 await asyncio.sleep(0.01)
             row["rdzv_restart_s"] = await asyncio.to_thread(master.restart)
             await asyncio.wait_for(asyncio.gather(*joining), 300)
