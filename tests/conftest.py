@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.stages import StageCheck
+from tests.stalls import process_report
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -98,26 +99,25 @@ def dlrover_run(
 ) -> subprocess.CompletedProcess[str]:
     """``dlrover-run ARGS``; a run past ``timeout`` fails the test with the end of its output
     (where it stopped), not only the command line."""
-    try:
-        return subprocess.run(
-            [*run_cmd("dlrover.cli.run"), *args],
-            env=env or clean_env(),
-            cwd=cwd,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-    except subprocess.TimeoutExpired as e:
-        tail = "\n".join(
-            _text(part)[-6000:] for part in (e.stdout, e.stderr) if part
-        )  # fmt: skip
-        raise AssertionError(
-            f"dlrover-run did not end within {timeout:g}s; its output:\n{tail}"
-        ) from None
-
-
-def _text(output: str | bytes) -> str:
-    return output.decode(errors="replace") if isinstance(output, bytes) else output
+    with subprocess.Popen(
+        [*run_cmd("dlrover.cli.run"), *args],
+        env=env or clean_env(),
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            report = process_report()  # before the kill: what each process was doing
+            proc.kill()
+            stdout, stderr = proc.communicate()
+            tail = "\n".join(text[-6000:] for text in (stdout, stderr) if text)
+            raise AssertionError(
+                f"dlrover-run did not end within {timeout:g}s; its output:\n{tail}\n{report}"
+            ) from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
 def dlrover_cli(

@@ -24,6 +24,7 @@ from dlrover.checkpoint.leftovers import label
 from dlrover.engines.cgroups import PREFIX as CGROUP_PREFIX
 from dlrover.engines.cgroups import CgroupRoot
 from tests.conftest import REPO, SCRIPTS, clean_env, dlrover_run
+from tests.stalls import process_report
 
 pytestmark = pytest.mark.e2e
 
@@ -108,7 +109,9 @@ def _wait_steps(tmp: Path, job: str, n: int, proc: subprocess.Popen[bytes]) -> N
         if sum(1 for x in done if x.isdigit()) >= n:
             return
         assert proc.poll() is None, f"the job ended early with {proc.returncode}"
-        assert time.monotonic() < deadline, f"{job}: fewer than {n} steps in 120 s"
+        assert time.monotonic() < deadline, (
+            f"{job}: fewer than {n} steps in 120 s\n{process_report()}"
+        )
         time.sleep(0.2)
 
 

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import REPO, SCRIPTS, MasterProcess, clean_env, redis_missing, run_cmd
+from tests.stalls import process_report
 
 ORACLE = str(SCRIPTS / "oracle_train.py")
 TOKEN = "restart-token"
@@ -46,7 +47,9 @@ def _until(condition, what: str, procs: list[_Node], timeout: float = 120) -> No
         assert not dead, f"{dead} ended while waiting for {what}"
         if time.monotonic() > deadline:
             said = "\n\n".join(p.said()[-3000:] for p in procs)
-            pytest.fail(f"timed out waiting for {what}; the nodes said:\n{said}")
+            pytest.fail(
+                f"timed out waiting for {what}; the nodes said:\n{said}\n{process_report()}"
+            )
         time.sleep(0.05)  # another process writes the file: nothing to wait on but the file
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, SCRIPTS, clean_env, dlrover_cli
+from tests.stalls import process_report
 
 dlrover = dlrover_cli
 
@@ -66,7 +67,8 @@ def test_status_shows_progress_and_stop_ends_the_job(tmp_path: Path):
             if time.monotonic() > deadline:
                 nodes = sorted((home / "jobs" / "long" / "nodes").glob("*/stderr"))
                 tails = "".join(f"== {p}\n{p.read_text()[-2000:]}" for p in nodes)
-                raise AssertionError((status.stdout if status else "no job record") + tails)
+                said = (status.stdout if status else "no job record") + tails
+                raise AssertionError(f"{said}\n{process_report()}")
             time.sleep(0.5)
         assert "job long: running" in status.stdout
         stopped = dlrover(home, "stop", "long")

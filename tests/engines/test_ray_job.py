@@ -19,6 +19,7 @@ from dlrover.master.server import MasterServer
 from dlrover.master.state_store import MemoryStateStore
 from tests.conftest import REPO, SCRIPTS, clean_env, dlrover_run
 from tests.engines.test_engine_ray import ray_cluster  # noqa: F401 - the fixture
+from tests.stalls import process_report
 
 pytestmark = [pytest.mark.extras, pytest.mark.xdist_group("ray")]  # one Ray cluster at a time
 pytest.importorskip("ray", reason="the Ray engine needs `pip install ray`")
@@ -87,7 +88,9 @@ def test_job_survives_a_lost_ray_node(ray_cluster: Any, tmp_path: Path, monkeypa
         deadline = time.monotonic() + 120
         steps_file = Path(f"{out}.steps")
         while not (steps_file.exists() and len(steps_file.read_text().splitlines()) >= 5):
-            assert time.monotonic() < deadline, f"training did not start on Ray:\n{_said(engine)}"
+            assert time.monotonic() < deadline, (
+                f"training did not start on Ray:\n{_said(engine)}\n{process_report()}"
+            )
             assert not job.lifecycle.ended.is_set(), job.lifecycle.reason
             time.sleep(0.2)
         hosts = {n.node_id: n.host for n in engine.list_nodes()}
@@ -151,7 +154,9 @@ def test_embedding_servers_run_as_ray_nodes(ray_cluster: Any, tmp_path: Path, mo
         runner.start()
         if not job.lifecycle.ended.wait(240):
             events = "\n".join(f"{kind}: {text}" for _, kind, text in job.diagnostics.events)
-            pytest.fail(f"the job did not finish on Ray\n{events}\n{_said(engine)}")
+            pytest.fail(
+                f"the job did not finish on Ray\n{events}\n{_said(engine)}\n{process_report()}"
+            )
         assert job.lifecycle.state == JobState.SUCCEEDED, job.lifecycle.reason
         addresses = controller.ps.addresses
         assert len(addresses) == 2 and not any(a.startswith("0.0.0.0") for a in addresses)
