@@ -3,6 +3,7 @@ the broker, a stream queue over it leases every record once, an outage is ridden
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -102,3 +103,21 @@ def test_a_source_closed_soon_after_an_outage_still_commits_its_last_offsets(
         assert [tp.offset for tp in consumer.committed(parts, timeout=10)] == [1, 2]
     finally:
         consumer.close()
+
+
+def test_a_source_closed_while_the_broker_is_down_returns_within_its_timeout(
+    broker: KafkaBroker,
+) -> None:
+    """The last commit waits for the group's coordinator at most the source's timeout (it
+    waited librdkafka's 45 s session timeout, and a stopping master with it)."""
+    from dlrover.sharding.kafka_source import KafkaStreamSource
+
+    broker.create_topic("t", 2)
+    source = KafkaStreamSource("t", broker.bootstrap, group_id="g", timeout_s=2, refresh_s=3600)
+    source.commit({0: 0, 1: 0})
+    assert source.flush_commit()  # the group's coordinator is known
+    source.commit({0: 1, 1: 1})
+    broker.stop(graceful=True)
+    began = time.monotonic()
+    source.close()
+    assert time.monotonic() - began < 2 * 2 + 2  # a refresh and a commit, each bounded

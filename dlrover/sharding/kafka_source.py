@@ -72,6 +72,11 @@ class KafkaStreamSource:
                 "group.id": self.group_id,
                 "enable.auto.commit": False,
                 "socket.timeout.ms": int(timeout_s * 1000),
+                # A commit waits for the group's coordinator up to the session timeout (45 s
+                # by default: a master stopping while the broker was down blocked that long).
+                # The master never joins the group, so the session is only this bound.
+                "session.timeout.ms": max(int(timeout_s * 1000), 1000),
+                "heartbeat.interval.ms": max(int(timeout_s * 1000), 1000) // 3,
                 "reconnect.backoff.ms": DEFAULT_RECONNECT_BACKOFF_MS,
             }
         )
