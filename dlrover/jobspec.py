@@ -141,8 +141,9 @@ class JobSpec:
     """Hang detection, as the agent's ``--hang-timeout`` takes it (`dlrover.hang_spec`): ``auto``
     (learned per phase, the default), ``off``, seconds for every phase, or per phase."""
     compile_cache: str = ""
-    """A folder every node reaches (a shared filesystem) for the workers' compile caches (each
-    agent's ``--compile-cache``): a replacement on a fresh machine compiles from it."""
+    """A folder every node reaches (a shared filesystem) for the workers' compile caches, or
+    ``master`` (the master keeps the job's copy; each node fetches it as it starts): each
+    agent's ``--compile-cache``. A replacement on a fresh machine compiles from it."""
     delivery_mode: str = ""
     """How the datasets and streams the workers read deliver data when their code names no
     mode: ``at-least-once``, ``exactly-once`` or ``at-most-once`` (DLROVER_DELIVERY_MODE in the

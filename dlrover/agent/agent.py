@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 from dlrover import worker_context
 from dlrover.agent.cgroup import oom_kill_count
+from dlrover.agent.compile_cache import CacheSync, local_cache_folder
 from dlrover.agent.config import AgentConfig
 from dlrover.agent.failure_policy import (
     LEGAL_GROUP_TRANSITIONS,
@@ -31,7 +32,13 @@ from dlrover.agent.failure_policy import (
 )
 from dlrover.agent.failures import Judgement, judge
 from dlrover.agent.heartbeat import Heartbeat
-from dlrover.agent.launch_plan import AttemptContext, LaunchPlan, compile_cache_env, plan_launch
+from dlrover.agent.launch_plan import (
+    CACHE_ON_MASTER,
+    AttemptContext,
+    LaunchPlan,
+    compile_cache_env,
+    plan_launch,
+)
 from dlrover.agent.monitor import MonitorSignals, Outcome, WorkerMonitor, describe_exit
 from dlrover.agent.node_check import EXIT_EXCLUDED, CheckOutcome, CheckSettings, NodeChecker
 from dlrover.agent.recovery_hub import RecoveryHub
@@ -201,6 +208,7 @@ class ElasticAgent:
         self._zygote: PendingZygote | None = None
         self._saver: Any = None
         self._hub: RecoveryHub | None = None
+        self._cache_sync: CacheSync | None = None
         self._keep: set[int] | None = None
         """Local ranks of workers parked in-process, to be handed the next round (None: the
         next round starts every worker)."""
@@ -290,11 +298,19 @@ class ElasticAgent:
         self._start_saver(f"{prefix}.ckpt", settings)
         self._hub = RecoveryHub(os.path.join(self._run_dir, "recovery.sock"))
         self._heartbeat.start()
-        if self.config.compile_cache:
+        cache_folder = self.config.compile_cache
+        if cache_folder == CACHE_ON_MASTER:
+            # This machine's folder, filled with what the job's nodes compiled so far.
+            self._cache_sync = CacheSync(self.master, local_cache_folder(self.run_id))
+            self._cache_sync.pull()
+            cache_folder = self._cache_sync.folder
+        if cache_folder:
             # Before the zygote starts: torch reads some of them as it is imported.
-            for name, value in compile_cache_env(self.config.compile_cache).items():
+            for name, value in compile_cache_env(cache_folder).items():
                 os.environ.setdefault(name, value)
         self._begin_zygote_now()
+        if self._cache_sync is not None:
+            self._cache_sync.start()  # what this node's workers compile goes to the master
 
     def _judge(
         self, monitor: WorkerMonitor, exits: dict[int, int], oom_killed: bool = False
@@ -335,6 +351,10 @@ class ElasticAgent:
         if self._hub is not None:
             self._hub.close()
             self._hub = None
+        if self._cache_sync is not None:
+            if not self._heartbeat.master_lost.is_set():
+                self._cache_sync.close()  # what the workers compiled last, for the job
+            self._cache_sync = None
         self._heartbeat.stop()
         self._rdzv.close()
         if self._checker is not None:

@@ -26,6 +26,10 @@ from dlrover.constants import (
     ENV_VIRTUAL_WORLD_SIZE,
 )
 
+CACHE_ON_MASTER = "master"
+"""The ``--compile-cache`` value that keeps the job's compile caches on the master
+(`dlrover.agent.compile_cache`), for nodes that share no filesystem."""
+
 
 def compile_cache_env(folder: str) -> dict[str, str]:
     """The variables that put a worker's compile caches under ``folder`` (``--compile-cache``):
@@ -160,8 +164,9 @@ def plan_launch(
             node_id=ctx.node_id,
             rdzv_round=world.round,
         )
-        if config.compile_cache:
-            # The job's shared compile cache, unless the user set these variables themselves.
+        if config.compile_cache and config.compile_cache != CACHE_ON_MASTER:
+            # The job's shared compile cache, unless the user set these variables themselves
+            # (with the cache on the master the agent set them to its machine's folder).
             for name, value in compile_cache_env(config.compile_cache).items():
                 env.setdefault(name, value)
         env[ENV_STEP_FILE] = wf.step_file

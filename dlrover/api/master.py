@@ -9,6 +9,8 @@ without a server) and `dlrover.client.master_client.MasterClient` (gRPC, derived
 from __future__ import annotations
 
 import enum
+import hashlib
+import posixpath
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -527,6 +529,55 @@ class CheckpointApi(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class CacheFile:
+    """One file of the job's shared compile cache: its path under the cache folder, its size in
+    bytes and the blake2b digest of its content (hex)."""
+
+    name: str
+    size: int
+    digest: str
+
+
+CACHE_CHUNK_BYTES = 2 * 1024 * 1024
+"""The most bytes one cache read or write carries (under gRPC's 4 MiB message limit)."""
+
+
+def cache_digest(data: bytes) -> str:
+    """The digest of a cache file's content as `CacheFile.digest` states it (blake2b, hex)."""
+    return hashlib.blake2b(data, digest_size=20).hexdigest()
+
+
+def checked_cache_name(name: str) -> str:
+    """``name`` as a relative path inside a cache folder; ValueError for anything else (an
+    absolute path, one that climbs out with "..", one not in its normal form)."""
+    clean = posixpath.normpath(name)
+    if not name or clean != name or name.startswith("/") or clean.split("/")[0] == "..":
+        raise ValueError(f"compile cache file {name!r}: not a relative path inside the folder")
+    return clean
+
+
+class CompileCacheApi(Protocol):
+    """The job's compile caches, kept by the master for nodes that share no filesystem
+    (``--compile-cache master``; served by `dlrover.master.compile_cache.CompileCacheStore`)."""
+
+    def cache_files(self) -> tuple[CacheFile, ...]:
+        """Every complete file the job's nodes shared so far."""
+        ...
+
+    def cache_read(self, name: str, offset: int, length: int) -> bytes:
+        """Up to ``length`` bytes of file ``name`` from ``offset`` (at most CACHE_CHUNK_BYTES);
+        refused (MasterRequestError) for a file the master does not hold."""
+        ...
+
+    def cache_write(self, name: str, size: int, digest: str, offset: int, data: bytes) -> bool:
+        """A part of file ``name`` (``size`` bytes in all, content digest ``digest``), sent in
+        order from offset 0; True once the file is complete and its digest matched. Refused
+        for a name that leaves the cache folder, a part out of order, a file over
+        MAX_CACHE_FILE_BYTES or a full cache."""
+        ...
+
+
 class MasterApi(
     MembershipApi,
     LifecycleApi,
@@ -536,6 +587,7 @@ class MasterApi(
     DiagnosticsApi,
     KvApi,
     CheckpointApi,
+    CompileCacheApi,
     Protocol,
 ):
     """The calls an agent and a training process make to the job master: the interfaces of its

@@ -207,9 +207,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--compile-cache",
         default=None,
-        metavar="DIR",
-        help="A folder every node reaches (a shared filesystem) for the workers' compile caches "
-        "(each agent's --compile-cache)",
+        metavar="DIR|master",
+        help="A folder every node reaches (a shared filesystem) for the workers' compile caches, "
+        "or 'master': the master keeps the job's copy, no shared filesystem needed (each "
+        "agent's --compile-cache)",
     )
     s.add_argument(
         "--delivery-mode",

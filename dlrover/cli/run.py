@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dlrover import constants as c
 from dlrover.agent.agent import ElasticAgent, SignalReceived, install_signal_handlers
 from dlrover.agent.config import AgentConfig
+from dlrover.agent.launch_plan import CACHE_ON_MASTER
 from dlrover.agent.workers import STD_ALL
 from dlrover.cli.common import parse_nnodes, parse_std_spec, setup_logging
 from dlrover.client.master_client import MasterClient, MasterClientError
@@ -238,11 +239,13 @@ def build_parser() -> argparse.ArgumentParser:
         p,
         "--compile-cache",
         default="",
-        metavar="DIR",
+        metavar="DIR|master",
         help="A folder every node of the job reaches (a shared filesystem): the workers' "
         "inductor and Triton caches live there, so a replacement on a fresh machine compiles "
         "from the job's cache (unless TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR are set). "
-        "Default: torch's own, per machine.",
+        "'master': no shared filesystem needed; each node keeps the caches in a folder of its "
+        "machine, sends what its workers compile to the master, and a node on a fresh machine "
+        "fetches the job's files before its workers start. Default: torch's own, per machine.",
     )
     _add(
         p,
@@ -360,7 +363,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         raise ValueError(
             f"--exit-hang-timeout {args.exit_hang_timeout}: must be >= 0 (0 turns it off)"
         )
-    if args.compile_cache:
+    if args.compile_cache and args.compile_cache != CACHE_ON_MASTER:
         try:
             os.makedirs(args.compile_cache, exist_ok=True)
         except OSError as e:
@@ -433,7 +436,9 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         hang=args.hang,
         exit_hang_timeout_s=args.exit_hang_timeout,
         release_timeout_s=args.release_timeout,
-        compile_cache=os.path.abspath(args.compile_cache) if args.compile_cache else "",
+        compile_cache=args.compile_cache
+        if args.compile_cache in ("", CACHE_ON_MASTER)
+        else os.path.abspath(args.compile_cache),
         master_lost_timeout_s=args.master_lost_timeout,
         hang_warning_timeout_s=args.hang_warning_timeout,
         node_check=args.node_check,

@@ -29,6 +29,7 @@ from dlrover.checkpoint.coordinator import CommitVotes
 from dlrover.collectives import laggards, merge
 from dlrover.constants import DEFAULT_HEARTBEAT_TIMEOUT_S, HEARTBEATS_PER_S_BUDGET
 from dlrover.decisions import NO_ACTION, FailureAction
+from dlrover.master.compile_cache import CompileCacheStore
 from dlrover.master.diagnostics import MAX_EVENTS, Diagnostics
 from dlrover.master.kv_store import KvStore
 from dlrover.master.lifecycle import JobLifecycle, JobState
@@ -123,6 +124,7 @@ class JobMaster:
         self.roles = RoleRegistry(config.job_name)
         """Each role's controller (`scale_role` asks it; the node controller routes events)."""
         self.kv = KvStore(store)
+        self.compile_cache = CompileCacheStore()
         self.sharding = ShardingService(store, clock)
         self.checkpoint = CommitVotes(
             committed=int(store.get_json("checkpoint", "committed") or -1),
@@ -168,6 +170,7 @@ class JobMaster:
             api.DiagnosticsApi: self.diagnostics,
             api.KvApi: self.kv,
             api.CheckpointApi: self.checkpoint,
+            api.CompileCacheApi: self.compile_cache,
             ShardingTransport: self.sharding,
             StreamTransport: self.sharding,
         }

@@ -1231,3 +1231,65 @@ class StreamProgressResponse(_message.Message):
     result: StreamProgress
     refused: MasterError
     def __init__(self, error: _Optional[_Union[ShardingError, _Mapping]] = ..., result: _Optional[_Union[StreamProgress, _Mapping]] = ..., refused: _Optional[_Union[MasterError, _Mapping]] = ...) -> None: ...
+
+class CacheFile(_message.Message):
+    __slots__ = ("name", "size", "digest")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size: int
+    digest: str
+    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., digest: _Optional[str] = ...) -> None: ...
+
+class CacheFilesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CacheFilesResponse(_message.Message):
+    __slots__ = ("files", "refused")
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    files: _containers.RepeatedCompositeFieldContainer[CacheFile]
+    refused: MasterError
+    def __init__(self, files: _Optional[_Iterable[_Union[CacheFile, _Mapping]]] = ..., refused: _Optional[_Union[MasterError, _Mapping]] = ...) -> None: ...
+
+class CacheReadRequest(_message.Message):
+    __slots__ = ("name", "offset", "length")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    offset: int
+    length: int
+    def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class CacheReadResponse(_message.Message):
+    __slots__ = ("data", "refused")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    refused: MasterError
+    def __init__(self, data: _Optional[bytes] = ..., refused: _Optional[_Union[MasterError, _Mapping]] = ...) -> None: ...
+
+class CacheWriteRequest(_message.Message):
+    __slots__ = ("name", "size", "digest", "offset", "data")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size: int
+    digest: str
+    offset: int
+    data: bytes
+    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., digest: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class CacheWriteResponse(_message.Message):
+    __slots__ = ("complete", "refused")
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    complete: bool
+    refused: MasterError
+    def __init__(self, complete: _Optional[bool] = ..., refused: _Optional[_Union[MasterError, _Mapping]] = ...) -> None: ...

@@ -129,6 +129,21 @@ class MasterStub:
                 request_serializer=dlrover_dot_proto_dot_master__pb2.AgreeLoadStepRequest.SerializeToString,
                 response_deserializer=dlrover_dot_proto_dot_master__pb2.AgreeLoadStepResponse.FromString,
                 _registered_method=True)
+        self.CacheFiles = channel.unary_unary(
+                '/dlrover.Master/CacheFiles',
+                request_serializer=dlrover_dot_proto_dot_master__pb2.CacheFilesRequest.SerializeToString,
+                response_deserializer=dlrover_dot_proto_dot_master__pb2.CacheFilesResponse.FromString,
+                _registered_method=True)
+        self.CacheRead = channel.unary_unary(
+                '/dlrover.Master/CacheRead',
+                request_serializer=dlrover_dot_proto_dot_master__pb2.CacheReadRequest.SerializeToString,
+                response_deserializer=dlrover_dot_proto_dot_master__pb2.CacheReadResponse.FromString,
+                _registered_method=True)
+        self.CacheWrite = channel.unary_unary(
+                '/dlrover.Master/CacheWrite',
+                request_serializer=dlrover_dot_proto_dot_master__pb2.CacheWriteRequest.SerializeToString,
+                response_deserializer=dlrover_dot_proto_dot_master__pb2.CacheWriteResponse.FromString,
+                _registered_method=True)
         self.RegisterDataset = channel.unary_unary(
                 '/dlrover.Master/RegisterDataset',
                 request_serializer=dlrover_dot_proto_dot_master__pb2.RegisterDatasetRequest.SerializeToString,
@@ -364,6 +379,26 @@ class MasterServicer:
         raise NotImplementedError('Method not implemented!')
 
     def AgreeLoadStep(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CacheFiles(self, request, context):
+        """The job's compile caches for nodes without a shared filesystem (--compile-cache master):
+        what the master holds, a part of one file, and a part of a file a node compiled.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CacheRead(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CacheWrite(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -608,6 +643,21 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.AgreeLoadStep,
                     request_deserializer=dlrover_dot_proto_dot_master__pb2.AgreeLoadStepRequest.FromString,
                     response_serializer=dlrover_dot_proto_dot_master__pb2.AgreeLoadStepResponse.SerializeToString,
+            ),
+            'CacheFiles': grpc.unary_unary_rpc_method_handler(
+                    servicer.CacheFiles,
+                    request_deserializer=dlrover_dot_proto_dot_master__pb2.CacheFilesRequest.FromString,
+                    response_serializer=dlrover_dot_proto_dot_master__pb2.CacheFilesResponse.SerializeToString,
+            ),
+            'CacheRead': grpc.unary_unary_rpc_method_handler(
+                    servicer.CacheRead,
+                    request_deserializer=dlrover_dot_proto_dot_master__pb2.CacheReadRequest.FromString,
+                    response_serializer=dlrover_dot_proto_dot_master__pb2.CacheReadResponse.SerializeToString,
+            ),
+            'CacheWrite': grpc.unary_unary_rpc_method_handler(
+                    servicer.CacheWrite,
+                    request_deserializer=dlrover_dot_proto_dot_master__pb2.CacheWriteRequest.FromString,
+                    response_serializer=dlrover_dot_proto_dot_master__pb2.CacheWriteResponse.SerializeToString,
             ),
             'RegisterDataset': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterDataset,
@@ -1228,6 +1278,87 @@ class Master:
             '/dlrover.Master/AgreeLoadStep',
             dlrover_dot_proto_dot_master__pb2.AgreeLoadStepRequest.SerializeToString,
             dlrover_dot_proto_dot_master__pb2.AgreeLoadStepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CacheFiles(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dlrover.Master/CacheFiles',
+            dlrover_dot_proto_dot_master__pb2.CacheFilesRequest.SerializeToString,
+            dlrover_dot_proto_dot_master__pb2.CacheFilesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CacheRead(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dlrover.Master/CacheRead',
+            dlrover_dot_proto_dot_master__pb2.CacheReadRequest.SerializeToString,
+            dlrover_dot_proto_dot_master__pb2.CacheReadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CacheWrite(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dlrover.Master/CacheWrite',
+            dlrover_dot_proto_dot_master__pb2.CacheWriteRequest.SerializeToString,
+            dlrover_dot_proto_dot_master__pb2.CacheWriteResponse.FromString,
             options,
             channel_credentials,
             insecure,
