@@ -103,9 +103,10 @@ def main() -> None:
             model.load_state_dict(state["model"])
             opt.load_state_dict(state["optimizer"])
             start = int(state["step"]) + 1
+        entered = time.time()
         append(
             a.out + ".entries",
-            f"{rank} {os.getpid()} {start} {ckpt.last_load_source} {recoveries()} {time.time():.6f}",
+            f"{rank} {os.getpid()} {start} {ckpt.last_load_source} {recoveries()} {entered:.6f}",
         )
         faults = FaultInjector.from_env()
         for step in range(start, a.steps + 1):
@@ -129,6 +130,8 @@ def main() -> None:
             )
             if rank == 0:
                 append(a.out + ".steps", f"{step} {time.time():.6f} {dist.get_world_size()}")
+            if step == start:  # each rank's first step of this entry (its compile, if any)
+                append(a.out + ".first", f"{rank} {os.getpid()} {time.time() - entered:.3f}")
             progress.report(step)  # where a request to leave at a step's end takes effect
             if step == a.hold_shrunk_at and len(share.ranks) > 1:
                 hold = time.monotonic() + 120
