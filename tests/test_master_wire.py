@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import math
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -261,3 +266,29 @@ def test_failures_travel_both_ways_and_a_stale_agent_is_refused(server):
     with pytest.raises(MasterRequestError):
         c.report_failure(me.node_id, me.incarnation + 7, record)
     assert c.get_failures() == (record,)
+
+
+@pytest.mark.parametrize("ending", ["idle", "sigterm"])
+def test_a_bare_master_removes_its_temporary_state_when_it_ends(tmp_path: Path, ending: str):
+    """Without --state-db the master keeps its state in a folder of its own under TMPDIR; it
+    is gone once the master ended (no node in time, or a SIGTERM), as nothing resumes from it."""
+    env_file = tmp_path / "master.env"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dlrover.cli.master", "--port", "0", "--idle-timeout", "1"]
+        + ["--write-env", str(env_file)],
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while not env_file.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1]
+        time.sleep(0.02)  # another process writes the file
+    (state,) = tmp_path.glob("dlrover_master_*")
+    assert (state / "state.db").exists()
+    if ending == "sigterm":
+        proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert "no node registered" in err or "SIGTERM" in err, err
+    assert not list(tmp_path.glob("dlrover_master_*")), err

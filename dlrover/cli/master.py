@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -79,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--state-db",
         default="",
-        help="The master's durable state: a SQLite file (default: a new file in a temp dir; "
+        help="The master's durable state: a SQLite file (default: a new file in a temp dir, removed "
+        "when the master ends; "
         "with --job-spec a fresh one in the job's directory, while a given state that holds the job "
         "resumes it), "
         "redis://host:port[/db][?prefix=JOB] (a Redis server, so a master on another machine "
@@ -166,7 +168,21 @@ def run(argv: Sequence[str] | None = None) -> int:
     setup_logging("dlrover-master")
     token = args.token or os.environ.get(c.ENV_JOB_TOKEN) or new_token()
     job_name = args.job_name or job_name_for_token(token)
-    db = args.state_db or os.path.join(tempfile.mkdtemp(prefix="dlrover_master_"), "state.db")
+    # Without --state-db the state lives in a folder of its own, removed when the master ends
+    # (nothing can resume from it: a restart without --state-db starts a new one).
+    scratch = "" if args.state_db else tempfile.mkdtemp(prefix="dlrover_master_")
+    db = args.state_db or os.path.join(scratch, "state.db")
+    try:
+        return _serve(args, token, job_name, db, rdzv)
+    finally:
+        if scratch:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _serve(
+    args: argparse.Namespace, token: str, job_name: str, db: str, rdzv: RendezvousConfig | None
+) -> int:
+    """Serve the job until it ends (the body of ``run`` without --job-spec)."""
     try:
         master = build_master(
             MasterSettings(
