@@ -11,6 +11,10 @@ Prints
   batches (the floor: no network, no server; with 1 thread and with every core, the faster
   counting). Interleaved over --repeats rounds; medians, and the ratios issue 32 set goals for
   (one server vs the floor, N servers vs N x one, what replicas cost);
+- the CPU account of the same passes (benchmarks/cpu_account.py): CPU-seconds per 1 M ids of
+  this process (the trainer's side) and of each server, against the floor's, and the ratios
+  issue 53 sets goals for (one server's processes vs the floor, N servers vs one, the
+  servers' extra CPU with replicas);
 - growing 2 -> 3 servers holding --mib of embedding rows (weights; the Adagrad state doubles
   it): the live resize (how long the moving buckets were refused) against the restart way
   (export every row to a file, start 3 fresh servers, load and re-partition them); then one of
@@ -38,6 +42,9 @@ from dlrover.embedding.client import EmbeddingClient
 from dlrover.embedding.cluster import EmbeddingCluster
 from dlrover.proto import embedding_pb2 as pb
 from dlrover.trainer.torch.embedding import ElasticEmbedding
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cpu_account import CpuAccount, cpu_table  # noqa: E402 - beside this file
 
 TOKEN = "bench"
 MODULE = "dlrover-ps x 1, through ElasticEmbedding"
@@ -136,16 +143,30 @@ def throughput(tmp: str, batches: list[np.ndarray], dim: int, id_space: int, rep
         settings.insert(len(counts) + 2, (f"dlrover-ps x {pair}", pair, pb.NO_REPLICA, True))
     rates: dict[str, list[float]] = {"floor, 1 thread": [], f"floor, {cores} threads": []}
     rates.update({name: [] for name, _, _, _ in settings})
+    # CPU-seconds of each process in each pass (both passes of a rate: 2 x the ids).
+    cpu: dict[str, list[dict[str, float]]] = {name: [] for name in rates}
+    trainer = CpuAccount({"trainer": os.getpid()})
     for round_ in range(repeats):
-        rates["floor, 1 thread"].append(floor_rate(batches, dim, id_space, 1))
-        rates[f"floor, {cores} threads"].append(floor_rate(batches, dim, id_space, cores))
+        for threads in (1, cores):
+            name = f"floor, {threads} thread{'s' if threads > 1 else ''}"
+            with trainer.measure() as used:
+                rates[name].append(floor_rate(batches, dim, id_space, threads))
+            cpu[name].append(used)
         for k, (name, n, mode, data_port) in enumerate(settings):
             servers = [Ps(tmp, f"rate{round_}-{k}-{i}") for i in range(n)]
             try:
                 client = EmbeddingClient([s.address for s in servers], TOKEN, data_port=data_port)
                 EmbeddingCluster(client, replica=mode).install()
                 rate = module_rate if name == MODULE else server_rate
-                rates[name].append(rate(client, batches, dim))
+                account = CpuAccount(
+                    {
+                        "trainer": os.getpid(),
+                        **{f"ps {i}": s.proc.pid for i, s in enumerate(servers)},
+                    }
+                )
+                with account.measure() as used:
+                    rates[name].append(rate(client, batches, dim))
+                cpu[name].append(used)
                 client.close()
             finally:
                 for s in servers:
@@ -175,6 +196,31 @@ def throughput(tmp: str, batches: list[np.ndarray], dim: int, id_space: int, rep
         goal = "10%" if kind == "ASYNC" else "25%"
         print(f"{kind} replicas cost: {cost * 100:.0f}% of {pair} servers' rate (goal <= {goal})")
     print(f"({repeats} interleaved rounds; load average before/after: see the header)")
+    # The CPU account: the same per id on 2 cores as on 64 (issue 53's goals are in CPU).
+    per_id = {
+        name: {proc: statistics.median(u[proc] for u in used) for proc in used[0]}
+        for name, used in cpu.items()
+    }
+    ids = 2 * sum(b.size for b in batches) / 1e6  # both passes of each rate
+    print()
+    print(cpu_table(per_id, ids, "1 M ids (lookup + update)", "floor, 1 thread"))
+    floor_cpu = sum(per_id["floor, 1 thread"].values())
+    one_cpu = sum(per_id["dlrover-ps x 1"].values())
+    print(
+        f"\none server's processes / the floor's, CPU per id: {one_cpu / floor_cpu:.2f} (goal <= 1.5)"
+    )
+    for n in counts[1:]:
+        n_cpu = sum(per_id[f"dlrover-ps x {n}"].values())
+        print(f"{n} servers / one server, CPU per id: {n_cpu / one_cpu:.2f} (goal <= 1.1)")
+    plain_cpu = per_id[f"dlrover-ps x {pair}"]
+    plain_servers = sum(v for k, v in plain_cpu.items() if k.startswith("ps "))
+    for kind in ("ASYNC", "SYNC"):
+        with_replicas = per_id[f"dlrover-ps x {pair}, {kind} replicas"]
+        extra = sum(v for k, v in with_replicas.items() if k.startswith("ps ")) - plain_servers
+        print(
+            f"{kind} replicas: the servers' extra CPU / their CPU without replicas: "
+            f"{extra / plain_servers:.2f} (goal <= 0.5)"
+        )
 
 
 def fill(client: EmbeddingClient, total_rows: int, dim: int) -> None:
