@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import psutil
@@ -77,3 +78,25 @@ def _dump(py_spy: str, pid: int) -> str:
     except subprocess.TimeoutExpired:
         return f"(py-spy did not answer within {DUMP_TIMEOUT_S:.0f}s)"
     return (done.stdout + done.stderr).strip()[-6000:]
+
+
+def until(
+    condition: Callable[[], bool],
+    what: str,
+    procs: Sequence[subprocess.Popen[bytes] | subprocess.Popen[str]],
+    timeout: float,
+    every_s: float = 0.2,
+    said: Callable[[], str] = lambda: "",
+) -> None:
+    """Poll ``condition`` (on files other processes write: nothing to wait on but them) until it
+    holds. Fails the test naming ``what`` when one of ``procs`` ends first, or with ``said()``
+    and every process's stacks when ``timeout`` passes."""
+    import pytest
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        ended = [p.args for p in procs if p.poll() is not None]
+        assert not ended, f"{ended} ended while waiting for {what}"
+        if time.monotonic() > deadline:
+            pytest.fail(f"no {what} within {timeout:g}s\n{said()}\n{process_report()}")
+        time.sleep(every_s)

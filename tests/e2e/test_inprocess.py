@@ -13,15 +13,13 @@ import random
 import re
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from dlrover.client.master_client import MasterClient
 from tests.conftest import REPO, SCRIPTS, MasterProcess, clean_env, dlrover_run, run_cmd
-from tests.stalls import process_report
+from tests.stalls import until
 
 SCRIPT = str(SCRIPTS / "inprocess_train.py")
 pytestmark = pytest.mark.e2e
@@ -244,11 +242,11 @@ def test_a_replacement_on_a_fresh_machine_compiles_from_the_job_s_cache(tmp_path
         nodes.append(node("machine-a"))
         until(lambda: 0 in first_steps(), "node A's first step", nodes, 300)
         cold = first_steps()[0][0]
-        shared: list[int] = []  # node A's entries reach the master once they settled
+        counts: list[int] = []  # node A's entries reach the master once they settled
 
         def settled() -> bool:
-            shared.append(len(client.cache_files()))
-            return len(shared) > 4 and shared[-1] == shared[-5] > 0
+            counts.append(len(client.cache_files()))
+            return len(counts) > 4 and counts[-1] == counts[-5] > 0
 
         until(settled, "node A's cache entries on the master", nodes, 60, every_s=1.0)
         nodes.append(node("machine-b"))
@@ -269,58 +267,31 @@ def test_a_replacement_on_a_fresh_machine_compiles_from_the_job_s_cache(tmp_path
     assert not list((tmp_path / "machine-b").glob("torchinductor_*")), "B compiled elsewhere"
     # The baseline: a fresh process on machine A, compiling from A's own (warm) folder.
     (folder,) = (tmp_path / "machine-a").glob("dlrover-compile-cache-*")
-    warm_out = tmp_path / "warm"
-    r = dlrover_run(
-        [
-            "--standalone",
-            "--nproc-per-node=1",
-            f"--compile-cache={folder}",
-            SCRIPT,
-            *("--steps", "2", "--compile", "inductor", "--layers", "1"),
-            *("--ckpt", str(tmp_path / "warm-ckpt"), "--out", str(warm_out)),
-        ],
-        env=clean_env(TMPDIR=str(tmp_path / "machine-a")),
-        timeout=300,
-    )
-    assert r.returncode == 0, r.stderr[-6000:]
-    warm = first_step_s(warm_out)
+
+    def compiled_alone(name: str, machine: str) -> float:
+        """A one-worker job on ``machine`` with ``folder`` as its shared cache: first step s."""
+        (tmp_path / machine).mkdir(exist_ok=True)
+        r = dlrover_run(
+            [
+                "--standalone",
+                "--nproc-per-node=1",
+                f"--compile-cache={folder}",
+                SCRIPT,
+                *("--steps", "2", "--compile", "inductor", "--layers", "1"),
+                *("--ckpt", str(tmp_path / f"{name}-ckpt"), "--out", str(tmp_path / name)),
+            ],
+            env=clean_env(TMPDIR=str(tmp_path / machine)),
+            timeout=300,
+        )
+        assert r.returncode == 0, r.stderr[-6000:]
+        return first_step_s(tmp_path / name)
+
+    warm = compiled_alone("warm", "machine-a")
     assert cold > 2 * warm, (cold, warm)  # else the cache makes no difference worth a test
     assert joined <= 1.5 * warm, (joined, warm, cold)
     # The shared folder: the same files reached by a fresh machine C through the filesystem.
-    (tmp_path / "machine-c").mkdir()
-    shared_out = tmp_path / "shared"
-    r = dlrover_run(
-        [
-            "--standalone",
-            "--nproc-per-node=1",
-            f"--compile-cache={folder}",
-            SCRIPT,
-            *("--steps", "2", "--compile", "inductor", "--layers", "1"),
-            *("--ckpt", str(tmp_path / "shared-ckpt"), "--out", str(shared_out)),
-        ],
-        env=clean_env(TMPDIR=str(tmp_path / "machine-c")),
-        timeout=300,
-    )
-    assert r.returncode == 0, r.stderr[-6000:]
-    assert first_step_s(shared_out) <= 1.5 * warm, (first_step_s(shared_out), warm, cold)
-
-
-def until(
-    condition: Callable[[], bool],
-    what: str,
-    procs: list[subprocess.Popen[bytes]],
-    timeout: float,
-    every_s: float = 0.2,
-) -> None:
-    """Poll ``condition`` (files other processes write) until it holds; fails the test naming
-    ``what`` if a process ends first or the timeout passes (with every process's stacks)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        ended = [p.args for p in procs if p.poll() is not None]
-        assert not ended, f"{ended} ended while waiting for {what}"
-        if time.monotonic() > deadline:
-            pytest.fail(f"no {what} within {timeout:g}s\n{process_report()}")
-        time.sleep(every_s)
+    shared = compiled_alone("shared", "machine-c")
+    assert shared <= 1.5 * warm, (shared, warm, cold)
 
 
 def read_or_empty(path: Path) -> str:

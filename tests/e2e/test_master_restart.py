@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import REPO, SCRIPTS, MasterProcess, clean_env, redis_missing, run_cmd
-from tests.stalls import process_report
+from tests.stalls import until
 
 ORACLE = str(SCRIPTS / "oracle_train.py")
 TOKEN = "restart-token"
@@ -41,16 +41,10 @@ class _Node(subprocess.Popen[str]):
 
 
 def _until(condition, what: str, procs: list[_Node], timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        dead = [p.args for p in procs if p.poll() is not None]
-        assert not dead, f"{dead} ended while waiting for {what}"
-        if time.monotonic() > deadline:
-            said = "\n\n".join(p.said()[-3000:] for p in procs)
-            pytest.fail(
-                f"timed out waiting for {what}; the nodes said:\n{said}\n{process_report()}"
-            )
-        time.sleep(0.05)  # another process writes the file: nothing to wait on but the file
+    def said() -> str:
+        return "the nodes said:\n" + "\n\n".join(p.said()[-3000:] for p in procs)
+
+    until(condition, what, procs, timeout, every_s=0.05, said=said)
 
 
 def _node(ckpt: Path, out: Path, steps: int, env: dict[str, str], *extra: str) -> _Node:
