@@ -100,3 +100,19 @@ def until(
         if time.monotonic() > deadline:
             pytest.fail(f"no {what} within {timeout:g}s\n{said()}\n{process_report()}")
         time.sleep(every_s)
+
+
+def end_all(
+    procs: Sequence[subprocess.Popen[bytes] | subprocess.Popen[str]], grace_s: float = 30
+) -> None:
+    """SIGTERM every process still running (an agent stops its workers and zygote on the way
+    out), then SIGKILL whichever has not exited within ``grace_s``."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)

@@ -19,7 +19,7 @@ import pytest
 
 from dlrover.client.master_client import MasterClient
 from tests.conftest import REPO, SCRIPTS, MasterProcess, clean_env, dlrover_run, run_cmd
-from tests.stalls import until
+from tests.stalls import end_all, until
 
 SCRIPT = str(SCRIPTS / "inprocess_train.py")
 pytestmark = pytest.mark.e2e
@@ -252,13 +252,7 @@ def test_a_replacement_on_a_fresh_machine_compiles_from_the_job_s_cache(tmp_path
         nodes.append(node("machine-b"))
         until(lambda: 1 in first_steps(), "node B's first step", nodes, 300)
     finally:  # what is measured is done: the rest of the job is not this test's subject
-        for p in nodes:
-            p.terminate()
-        for p in nodes:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        end_all(nodes)
         client.close()
         master.close()
     joined = first_steps()[1][0]

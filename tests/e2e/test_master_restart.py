@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import REPO, SCRIPTS, MasterProcess, clean_env, redis_missing, run_cmd
-from tests.stalls import until
+from tests.stalls import end_all, until
 
 ORACLE = str(SCRIPTS / "oracle_train.py")
 TOKEN = "restart-token"
@@ -134,15 +134,7 @@ def test_a_killed_master_restarted_on_its_state_resumes_the_job(
         assert [p.returncode for p in nodes] == [0, 0]
         assert again.wait(60) == 0, (tmp_path / "again" / "master.log").read_text()
     finally:
-        for p in nodes:  # SIGTERM first: an agent stops its workers and zygote on the way out
-            if p.poll() is None:
-                p.terminate()
-        for p in nodes:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(10)
+        end_all(nodes)
         first.close()
         if again is not None:
             again.close()
