@@ -304,6 +304,16 @@ class ElasticAgent:
             self._cache_sync = CacheSync(self.master, local_cache_folder(self.run_id))
             self._cache_sync.pull()
             cache_folder = self._cache_sync.folder
+            mine = [
+                n for n in compile_cache_env(cache_folder) if n.endswith("_DIR") and n in os.environ
+            ]
+            if mine:
+                logger.warning(
+                    "--compile-cache master: %s set by the job keeps those caches out of the "
+                    "job's share (only %s is shared); unset it to share them",
+                    " and ".join(mine),
+                    cache_folder,
+                )
         if cache_folder:
             # Before the zygote starts: torch reads some of them as it is imported.
             for name, value in compile_cache_env(cache_folder).items():
