@@ -11,13 +11,14 @@ import subprocess
 import sys
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 
 from dlrover import constants as c
 from dlrover.constants import ENV_SUPERVISED, ENV_SUPERVISED_METRICS_PORT
 from dlrover.jobspec import JobSpec
 from dlrover.master.server import new_token
 from dlrover.runner.job_runner import EXIT_FENCED, JobAlreadyRunningError, check_not_running
-from dlrover.runner.records import fresh_state
+from dlrover.runner.records import NoSuchJobError, fresh_state, read_record
 from dlrover.runner.serve import serve_job
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,19 @@ def free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
+def _recorded_ports(name: str, pid: int, port: int, metrics_port: int, db: Path) -> dict[str, str]:
+    """The ports the master ``pid`` served job ``name`` on, from the record it wrote, for its
+    successor; the given ones where it wrote none (it died before serving: no node knows it)."""
+    try:
+        record = read_record(name)
+    except NoSuchJobError:
+        record = None
+    if record is not None and record.pid == pid and record.master_addr:
+        port = int(record.master_addr.rsplit(":", 1)[1])
+        metrics_port = record.web_port or metrics_port
+    return {ENV_SUPERVISED: f"{port}:{db}", ENV_SUPERVISED_METRICS_PORT: str(metrics_port)}
+
+
 def supervise_job(
     spec: JobSpec,
     argv: Sequence[str],
@@ -62,11 +76,13 @@ def supervise_job(
         print(f"dlrover: error: {e}", file=sys.stderr)
         return 1
     db = fresh_state(spec.name)
+    # Without --port the first master binds a free port itself (a port picked here could be
+    # taken before it binds: an outgoing connection may get it as its local port, seen in CI),
+    # and a restarted one comes back on the ports the first one recorded: the nodes know them.
     env = {
         **os.environ,
-        ENV_SUPERVISED: f"{port or free_port(host)}:{db}",
-        # The same dashboard address across master restarts.
-        ENV_SUPERVISED_METRICS_PORT: str(metrics_port or free_port(host)),
+        ENV_SUPERVISED: f"{port}:{db}",
+        ENV_SUPERVISED_METRICS_PORT: str(metrics_port),
         c.ENV_JOB_TOKEN: os.environ.get(c.ENV_JOB_TOKEN, "") or new_token(),
     }
     stopping = threading.Event()
@@ -95,6 +111,7 @@ def supervise_job(
             )
             return 1
         restarts += 1
+        env.update(_recorded_ports(spec.name, child.pid, port, metrics_port, db))
         print(
             f"dlrover: the master of job {spec.name} (pid {child.pid}) was killed by {how}; "
             f"starting it again on its state ({restarts}/{MAX_MASTER_RESTARTS})",
