@@ -137,7 +137,7 @@ def dlrover_cli(
 class MasterProcess:
     """A real dlrover-master on port 0; its address and token are read from --write-env."""
 
-    def __init__(self, tmp: Path, *extra: str) -> None:
+    def __init__(self, tmp: Path, *extra: str, env: dict[str, str] | None = None) -> None:
         self.env_file = tmp / "master.env"
         self.log = open(tmp / "master.log", "w")  # noqa: SIM115
         self.proc = subprocess.Popen(
@@ -149,7 +149,7 @@ class MasterProcess:
                 str(self.env_file),
                 *extra,
             ],
-            env=clean_env(),
+            env=env or clean_env(),
             stdout=self.log,
             stderr=subprocess.STDOUT,
             text=True,

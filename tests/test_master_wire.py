@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import math
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -35,6 +32,7 @@ from dlrover.constants import MAX_KV_VALUE_BYTES
 from dlrover.master.job import JobMaster, JobMasterConfig
 from dlrover.master.server import MasterServer, MasterServerError
 from dlrover.master.state_store import MemoryStateStore
+from tests.conftest import MasterProcess, clean_env
 
 TOKEN = "secret-token"
 
@@ -272,23 +270,15 @@ def test_failures_travel_both_ways_and_a_stale_agent_is_refused(server):
 def test_a_bare_master_removes_its_temporary_state_when_it_ends(tmp_path: Path, ending: str):
     """Without --state-db the master keeps its state in a folder of its own under TMPDIR; it
     is gone once the master ended (no node in time, or a SIGTERM), as nothing resumes from it."""
-    env_file = tmp_path / "master.env"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dlrover.cli.master", "--port", "0", "--idle-timeout", "1"]
-        + ["--write-env", str(env_file)],
-        env={**os.environ, "TMPDIR": str(tmp_path)},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    deadline = time.monotonic() + 60
-    while not env_file.exists():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1]
-        time.sleep(0.02)  # another process writes the file
-    (state,) = tmp_path.glob("dlrover_master_*")
-    assert (state / "state.db").exists()
-    if ending == "sigterm":
-        proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
-    assert "no node registered" in err or "SIGTERM" in err, err
-    assert not list(tmp_path.glob("dlrover_master_*")), err
+    master = MasterProcess(tmp_path, "--idle-timeout", "3", env=clean_env(TMPDIR=str(tmp_path)))
+    try:
+        (state,) = tmp_path.glob("dlrover_master_*")
+        assert (state / "state.db").exists()
+        if ending == "sigterm":
+            master.proc.send_signal(signal.SIGTERM)
+        master.wait(60)
+    finally:
+        master.close()
+    said = (tmp_path / "master.log").read_text()
+    assert "no node registered" in said or "SIGTERM" in said, said
+    assert not list(tmp_path.glob("dlrover_master_*")), said

@@ -62,10 +62,7 @@ class CompileCacheStore:
 
     def cache_write(self, name: str, size: int, digest: str, offset: int, data: bytes) -> bool:
         """Take the next part of ``name``; True once it is whole and its digest matched."""
-        try:
-            name = checked_cache_name(name)
-        except ValueError as e:
-            raise CacheError(str(e)) from None
+        name = checked_cache_name(name)  # its ValueError is a refusal, as CacheError is
         if not 0 <= size <= MAX_CACHE_FILE_BYTES:
             raise CacheError(
                 f"compile cache file {name!r}: {size} bytes; the limit is {MAX_CACHE_FILE_BYTES}"
