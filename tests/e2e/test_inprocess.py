@@ -192,22 +192,15 @@ def test_a_replacement_that_fails_before_it_joins_is_replaced_while_the_survivor
     assert Path(f"{out}.log").read_text().count("-> recover_in_process") == 2
 
 
-def first_step_s(out: Path) -> float:
-    """Seconds from rank 0's first entry of the function to its first step (the compile)."""
-    entered = float(Path(f"{out}.entries").read_text().split()[5])
-    return steps(out)[0][1] - entered
-
-
 def test_a_replacement_on_a_fresh_machine_compiles_from_the_job_s_cache(tmp_path: Path):
     """Machines are told apart by their TMPDIR, where torch keeps its caches by default.
 
     ``--compile-cache master``, no shared folder: node A compiles from scratch and its agent
     sends the cache entries to the master; node B joins later on a fresh machine, fetches them
-    before its worker starts, and its first step takes within 1.5x of a process on machine A
-    compiling from A's warm cache (the baseline), far from A's cold compile.
+    before its worker starts, and compiles none of its graphs: its first step is far from A's
+    cold compile (benchmarks/compile_cache.py times such a machine against a warm one).
     ``--compile-cache DIR``, a shared folder: a job on a fresh machine C whose folder is the
-    one A filled compiles within 1.5x of the baseline too. (One cold compile in the test: they
-    cost the most of it.)"""
+    one A filled compiles nothing either. (One cold compile in the test: they cost the most.)"""
     master = MasterProcess(tmp_path)
     client = MasterClient(master.vars["DLROVER_MASTER_ADDR"], master.vars["DLROVER_JOB_TOKEN"])
     out, nodes = tmp_path / "job", []
@@ -231,17 +224,18 @@ def test_a_replacement_on_a_fresh_machine_compiles_from_the_job_s_cache(tmp_path
             stderr=subprocess.STDOUT,
         )
 
-    def first_steps() -> dict[int, list[float]]:
+    def first_steps() -> dict[int, list[tuple[float, int]]]:
+        """Per rank, each process's first step: (seconds, graphs inductor compiled anew)."""
         rows = [line.split() for line in read_or_empty(Path(f"{out}.first")).splitlines()]
-        found: dict[int, list[float]] = {}
-        for rank, _, seconds in rows:
-            found.setdefault(int(rank), []).append(float(seconds))
+        found: dict[int, list[tuple[float, int]]] = {}
+        for rank, _, seconds, compiled in rows:
+            found.setdefault(int(rank), []).append((float(seconds), int(compiled)))
         return found
 
     try:
         nodes.append(node("machine-a"))
         until(lambda: 0 in first_steps(), "node A's first step", nodes, 300)
-        cold = first_steps()[0][0]
+        cold, compiled_by_a = first_steps()[0][0]
         counts: list[int] = []  # node A's entries reach the master once they settled
 
         def settled() -> bool:
@@ -255,37 +249,33 @@ def test_a_replacement_on_a_fresh_machine_compiles_from_the_job_s_cache(tmp_path
         end_all(nodes)
         client.close()
         master.close()
-    joined = first_steps()[1][0]
+    joined, compiled_by_b = first_steps()[1][0]
     said_b = (tmp_path / "machine-b.log").read_text()
     assert re.search(r"compile cache: fetched \d+ files", said_b), said_b[-4000:]
     assert not list((tmp_path / "machine-b").glob("torchinductor_*")), "B compiled elsewhere"
-    # The baseline: a fresh process on machine A, compiling from A's own (warm) folder.
+    # Whether a process compiled is counted, not timed (one timing on a busy machine proves
+    # little): A compiled its graphs, B found every one of them in what it fetched.
+    assert compiled_by_a > 0 and compiled_by_b == 0, (compiled_by_a, compiled_by_b)
+    assert joined < cold / 3, (joined, cold)
+
+    # The shared folder: the files A wrote, reached by a fresh machine C through the filesystem.
     (folder,) = (tmp_path / "machine-a").glob("dlrover-compile-cache-*")
-
-    def compiled_alone(name: str, machine: str) -> float:
-        """A one-worker job on ``machine`` with ``folder`` as its shared cache: first step s."""
-        (tmp_path / machine).mkdir(exist_ok=True)
-        r = dlrover_run(
-            [
-                "--standalone",
-                "--nproc-per-node=1",
-                f"--compile-cache={folder}",
-                SCRIPT,
-                *("--steps", "2", "--compile", "inductor", "--layers", "1"),
-                *("--ckpt", str(tmp_path / f"{name}-ckpt"), "--out", str(tmp_path / name)),
-            ],
-            env=clean_env(TMPDIR=str(tmp_path / machine)),
-            timeout=300,
-        )
-        assert r.returncode == 0, r.stderr[-6000:]
-        return first_step_s(tmp_path / name)
-
-    warm = compiled_alone("warm", "machine-a")
-    assert cold > 2 * warm, (cold, warm)  # else the cache makes no difference worth a test
-    assert joined <= 1.5 * warm, (joined, warm, cold)
-    # The shared folder: the same files reached by a fresh machine C through the filesystem.
-    shared = compiled_alone("shared", "machine-c")
-    assert shared <= 1.5 * warm, (shared, warm, cold)
+    (tmp_path / "machine-c").mkdir()
+    r = dlrover_run(
+        [
+            "--standalone",
+            "--nproc-per-node=1",
+            f"--compile-cache={folder}",
+            SCRIPT,
+            *("--steps", "2", "--compile", "inductor", "--layers", "1"),
+            *("--ckpt", str(tmp_path / "c-ckpt"), "--out", str(tmp_path / "c")),
+        ],
+        env=clean_env(TMPDIR=str(tmp_path / "machine-c")),
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-6000:]
+    (_, _, shared, compiled_by_c) = Path(f"{tmp_path / 'c'}.first").read_text().split()
+    assert int(compiled_by_c) == 0 and float(shared) < cold / 3, (compiled_by_c, shared, cold)
 
 
 def read_or_empty(path: Path) -> str:

@@ -8,7 +8,8 @@ once per process, outside the wrapped function; each entry of the function initi
 process group of the round, wraps the model in DDP and loads the newest checkpoint.
 
 Every entry appends ``<rank> <pid> <first step> <loaded from> <recoveries> <time>`` to
-<out>.entries;
+<out>.entries, and after its first step ``<rank> <pid> <seconds> <graphs compiled>`` to
+<out>.first (graphs inductor compiled from scratch: its caches' misses);
 rank 0 appends each completed step (its time, the world size) to <out>.steps and the final
 SHA-256 to <out>.final.
 With ``--shrink`` a node goes on without a failed local rank, taking its batch (`data_share`):
@@ -55,6 +56,13 @@ def append(path: str, line: str) -> None:
         os.write(fd, (line + "\n").encode())
     finally:
         os.close(fd)
+
+
+def compiled_graphs() -> int:
+    """Graphs inductor compiled from scratch in this process (those its caches did not hold)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["fxgraph_cache_miss"])
 
 
 def main() -> None:
@@ -131,7 +139,8 @@ def main() -> None:
             if rank == 0:
                 append(a.out + ".steps", f"{step} {time.time():.6f} {dist.get_world_size()}")
             if step == start:  # each rank's first step of this entry (its compile, if any)
-                append(a.out + ".first", f"{rank} {os.getpid()} {time.time() - entered:.3f}")
+                seconds, compiled = time.time() - entered, compiled_graphs()
+                append(a.out + ".first", f"{rank} {os.getpid()} {seconds:.3f} {compiled}")
             progress.report(step)  # where a request to leave at a step's end takes effect
             if step == a.hold_shrunk_at and len(share.ranks) > 1:
                 hold = time.monotonic() + 120
