@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import importlib
 import io
 import os
@@ -345,6 +346,10 @@ def main() -> None:
     started = time.perf_counter()
     preload_at_priority([m for m in args.preload.split(",") if m])
     preload_s = round(time.perf_counter() - started, 4)
+    # What was imported lives as long as the workers: out of the collector's reach, their
+    # collections (and the interpreter's at their exit) no longer walk it, so neither touches
+    # those pages and copies them from the zygote (0.8 -> 0.2 CPU-s for a worker's exit here).
+    gc.freeze()
     _send(sock, ReadyEvent(os.getpid(), preload_s, _native_threads()))
     forked = _Server(sock).serve()
     if forked is None:
