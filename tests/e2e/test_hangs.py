@@ -125,10 +125,10 @@ def busy_machine() -> Iterator[None]:
 
 
 def test_slow_but_healthy_phases_are_never_called_hung(tmp_path: Path, busy_machine: None) -> None:
-    """At the defaults (no --hang-timeout): a first step ~200x the others, a two-minute unmarked
-    evaluation on rank 0 while rank 1 writes a 60 s checkpoint, then waits for it in a
-    barrier, a restart in the middle, all on a machine whose cores another process keeps
-    busy."""
+    """At the defaults (no --hang-timeout): a first step ~70x the others, an 80 s unmarked
+    evaluation on rank 0 (past the step phase's 60 s floor) while rank 1 writes a 20 s
+    checkpoint, then waits 60 s for it in a barrier, a restart in the middle, all on a machine
+    whose cores another process keeps busy."""
     started = time.monotonic()
     r = dlrover_run(
         [
@@ -142,7 +142,7 @@ def test_slow_but_healthy_phases_are_never_called_hung(tmp_path: Path, busy_mach
         timeout=600,
     )
     assert r.returncode == 0, r.stderr[-4000:]
-    assert time.monotonic() - started > 12 + 120  # every slow phase did run
+    assert time.monotonic() - started > 4 + 80  # every slow phase did run
     assert "hang:" not in r.stderr, r.stderr[-4000:]
     assert (tmp_path / "out.1.restarts").read_text() == "1"  # the kill's restart, none other
     assert "restart 1/1" in r.stderr and "hang (stacks dumped)" not in r.stderr
