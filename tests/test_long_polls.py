@@ -246,3 +246,37 @@ def test_agents_started_together_do_not_beat_together():
         b.stretch(20.0)  # a big job: the master asks for 20 s
     stretched = [b.next_wait_s() for b in beats]
     assert all(0.0 <= w <= 20.0 for w in stretched) and max(stretched) - min(stretched) > 15
+
+
+def test_calls_waiting_on_a_pool_thread_end_when_the_master_stops():
+    """A key-value read of a key nobody sets and a checkpoint wait for a step nobody commits hold
+    pool threads, which the interpreter joins at exit: stopping the master ends them at once
+    (before, a finished job's `dlrover submit` stayed 30 s for a reader of the TF cluster key)."""
+    s = MasterServer(
+        JobMaster(JobMasterConfig(job_name="j"), MemoryStateStore()), TOKEN, "127.0.0.1"
+    ).start()
+    c = MasterClient(f"127.0.0.1:{s.port}", TOKEN, rpc_timeout_s=HELD + 5)
+    held = [
+        threading.Thread(target=lambda: c.kv_get("never-set", wait_s=HELD), daemon=True),
+        threading.Thread(target=lambda: c.wait_checkpoint_committed(7, wait_s=HELD), daemon=True),
+    ]
+    try:
+        for t in held:
+            t.start()
+        assert s.job.kv.wait_for_readers("never-set", 1, timeout=10)
+
+        def pool_threads() -> list[threading.Thread]:
+            return [t for t in threading.enumerate() if t.name.startswith("dlrover-master-wait")]
+
+        deadline = time.monotonic() + 10
+        while len(pool_threads()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)  # the checkpoint wait reaching its thread; bounded above
+        assert len(pool_threads()) >= 2
+        started = time.monotonic()
+        s.stop(0.1)
+        for t in pool_threads():
+            t.join(timeout=HELD)
+        assert time.monotonic() - started < 5, "a wait held a pool thread past the master's stop"
+    finally:
+        s.stop(0.1)
+        c.close()

@@ -72,6 +72,14 @@ class CommitVotes:
         self._on_committed = on_committed
         self._votes: dict[int, dict[int, int | None]] = {}
         self._decided: dict[int, int | None] = {}
+        self._closed = False
+
+    def close(self) -> None:
+        """The master stops: every wait returns now with what is known (a blocked wait would
+        hold the exiting process for its whole deadline)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
 
     def report_persisted(self, step: int, node_rank: int, total_nodes: int) -> bool:
         """True for exactly one node of ``step``: the one whose report completed it."""
@@ -101,7 +109,8 @@ class CommitVotes:
     def wait_committed(self, step: int, wait_s: float) -> bool:
         """Whether ``step`` (or a newer one) is committed within ``wait_s`` seconds."""
         with self._cond:
-            return self._cond.wait_for(lambda: self._committed >= step, max(wait_s, 0.0))
+            self._cond.wait_for(lambda: self._committed >= step or self._closed, max(wait_s, 0.0))
+            return self._committed >= step
 
     # The master serves `dlrover.api.master.CheckpointApi` with these.
     checkpoint_persisted = report_persisted
@@ -129,7 +138,7 @@ class CommitVotes:
                     for old in [r for r in self._decided if r < round_id - _KEEP_ROUNDS]:
                         del self._decided[old]
                     self._cond.notify_all()
-            self._cond.wait_for(lambda: round_id in self._decided, max(wait_s, 0.0))
+            self._cond.wait_for(lambda: round_id in self._decided or self._closed, max(wait_s, 0.0))
             if round_id not in self._decided:
                 return False, None
             return True, self._decided[round_id]

@@ -24,6 +24,14 @@ class KvStore:
         self._cond = threading.Condition()
         self._data: dict[str, bytes] = dict(store.items(_NAMESPACE))
         self._waiting: dict[str, int] = {}
+        self._closed = False
+
+    def close(self) -> None:
+        """The master stops: waiting readers return now (a blocked reader would hold the exiting
+        process for up to MAX_KV_WAIT_S)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
 
     def set(self, key: str, value: bytes) -> None:
         """Store ``value`` under ``key`` (persisted) and wake its readers. Raises KvError for an
@@ -44,12 +52,13 @@ class KvStore:
     def get(self, key: str, wait_s: float = 0.0) -> bytes | None:
         """The value, waiting up to min(wait_s, MAX_KV_WAIT_S) for it to appear."""
         with self._cond:
-            if key not in self._data and wait_s > 0:
+            if key not in self._data and wait_s > 0 and not self._closed:
                 self._waiting[key] = self._waiting.get(key, 0) + 1
                 self._cond.notify_all()
                 try:
                     self._cond.wait_for(
-                        lambda: key in self._data, timeout=min(wait_s, MAX_KV_WAIT_S)
+                        lambda: key in self._data or self._closed,
+                        timeout=min(wait_s, MAX_KV_WAIT_S),
                     )
                 finally:
                     self._waiting[key] -= 1

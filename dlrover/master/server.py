@@ -382,6 +382,10 @@ class MasterServer:
         server and the tick thread is bounded (about ``grace_s`` + 1 s and a tick interval + 1
         s)."""
         self._stop.set()
+        # Calls blocked in a wait on a pool thread end now: the interpreter joins those threads
+        # at exit, so one reader of a key nobody will set held a finished job's master 30 s.
+        self.job.kv.close()
+        self.job.checkpoint.close()
         if not self._loop.is_closed():
             try:
                 self._run(self._server.stop(grace_s), grace_s + 1.0)

@@ -495,7 +495,7 @@ def test_a_chief_whose_program_cannot_start_fails_the_job_at_once_naming_it(
     )
     assert want in submitted.stderr, submitted.stderr[-3000:]
     assert "nostart-chief-0-1" not in submitted.stderr  # never relaunched
-    assert took < 90, took
+    assert took < 30, took  # ~2 s here; a master held by a key reader at exit stayed 30 s more
     diagnose = dlrover_cli(home, "diagnose", "nostart").stdout
     assert "user_error" in diagnose and cause in diagnose, diagnose
 
