@@ -32,8 +32,6 @@ pytestmark = [
 ]
 
 EXAMPLE = REPO / "examples" / "tf_ps" / "wide_deep.py"
-EVAL_TOLERANCE = 0.005
-"""|eval loss - the fixed-size run's| allowed (as tests/tf/test_tf_ps_job.py allows)."""
 
 
 def _submit(
@@ -138,14 +136,10 @@ def test_a_hot_ps_of_a_skewed_table_is_named_and_a_third_ps_splits_its_part(
         DLROVER_TF_USAGE_INTERVAL_S="0.5",
     )
     report = json.loads((tmp_path / "hot" / "report.json").read_text())
+    # That a re-partition from 2 to 3 ps keeps what the model learnt is
+    # test_tf_ps_job.py's test of `dlrover scale` (against the failure-free run); here the
+    # subject is the hot ps: named, relieved by a third, and learning goes on.
     assert report["ps"] == 3 and report["eval_loss"] < 0.55, report
-    # The same job kept at 2 ps: the re-partition changed nothing the model learnt (two
-    # asynchronous runs differ by their update order only, well inside EVAL_TOLERANCE).
-    fixed = {**roles, "ps": {"count": 2, "max_count": 2, **limit}}
-    _submit(tmp_path, "fixed", args, fixed, DLROVER_AUTOSCALE_INTERVAL_S="1")
-    reference = json.loads((tmp_path / "fixed" / "report.json").read_text())
-    assert reference["ps"] == 2 and not reference["recoveries"], reference
-    assert abs(report["eval_loss"] - reference["eval_loss"]) < EVAL_TOLERANCE, (report, reference)
     assert [r["what"] for r in report["recoveries"]] == ["ps 2 -> 3"], report["recoveries"]
     assert re.search(r"scale_out ps 2 -> 3: ps \d \(hot-ps-\d-0\) is hot: [\d.]+ cores", final), (
         final
