@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -43,6 +44,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     from _pytest.nodeid import coerce_node_id
 
+    group_of: dict[int, str] = {}  # id(item) -> its group
     for item in items:
         names = sorted(
             {
@@ -50,8 +52,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 for mark in item.iter_markers("xdist_group")
             }
         )
-        if names and "@" not in item.nodeid:
-            item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(names)}")
+        if names:
+            group_of[id(item)] = "_".join(names)
+            if "@" not in item.nodeid:
+                item._id = coerce_node_id(f"{item.nodeid}@{group_of[id(item)]}")
+    # A group runs whole in one worker, in the order collected: the largest first, so that no
+    # worker starts a 7-minute group (the TensorFlow jobs, collected last) when the other is
+    # nearly done. The scheduler hands out work in this order.
+    sizes = Counter(group_of.values())
+    items.sort(key=lambda item: -sizes.get(group_of.get(id(item), ""), 0))
 
 
 def clean_env(**extra: str) -> dict[str, str]:
