@@ -21,7 +21,7 @@ from dlrover.master.diagnosis import (
 )
 from dlrover.master.job import JobMaster, JobMasterConfig
 from dlrover.master.node_controller import failure_class_of
-from dlrover.master.state_store import SqliteStateStore
+from dlrover.master.state_store import MemoryStateStore, SqliteStateStore
 
 
 def _error() -> ErrorRecord:
@@ -193,3 +193,18 @@ def test_failures_folded_before_a_round_formed_are_linked_to_it(tmp_path: Path) 
     (only,) = job.diagnostics.get_failures()
     assert (only.round, only.count) == (4, MAX_FAILURES + 10)
     store.close()
+
+
+def test_a_collateral_failure_is_its_own_kind_on_the_timeline() -> None:
+    """One worker killed, its peer on another node failing on the lost connection: one failure
+    on the charts (the kill), whichever node reported first; the peer's is kept, as collateral."""
+    job = JobMaster(JobMasterConfig(job_name="j"), MemoryStateStore())
+    job.diagnostics.record_failure(
+        FailureRecord(1.0, "n0", FailureClass.COLLATERAL, "restart_processes", "closed by peer")
+    )
+    job.diagnostics.record_failure(
+        FailureRecord(1.1, "n1", FailureClass.SIGNAL, "restart_processes", "rank 1 SIGKILL")
+    )
+    kinds = [(kind, text.split(":")[0]) for _, kind, text in job.diagnostics.events]
+    assert kinds == [("collateral", "n0"), ("failure", "n1")]
+    assert len(job.diagnostics.failures()) == 2  # both kept for `dlrover diagnose`

@@ -289,7 +289,8 @@ def _cell(value: float | None, digits: int) -> str:
 
 def top_text(view: JobView) -> str:
     """The live table: the job's line, then per node its state, step, s/step, samples/s, memory,
-    restarts and the last event that names it; the job's latest events below."""
+    restarts and the last event that names it; the job's latest events below (a node's failure
+    on a peer's error, collateral, only in its node's row)."""
     s = view.status()
     history = view.history() or {}
     events = s.get("events") or history.get("markers") or []
@@ -318,6 +319,9 @@ def top_text(view: JobView) -> str:
             f"{_cell(n.get('step_wall_s'), 3):>7} {_cell(n.get('samples_per_s'), 0):>9} "
             f"{n.get('memory_bytes', 0) / 2**20:>8.0f} {n.get('restart_count', 0):>8}  " + said[:60]
         )
+    # A peer's failure seen by another node (collateral) would push the failure itself out of
+    # these three lines; its node's row names it.
+    events = [e for e in events if e.get("kind") != "collateral"]
     if events:
         lines.append("latest events:")
         for e in events[-3:]:

@@ -78,7 +78,8 @@ class Diagnostics:
 
     # --- the timeline and the failure log ---------------------------------------------------
     def event(self, kind: str, text: str) -> None:
-        """Add ``text`` to the timeline (kinds: round, failure, job, scale, node, ckpt)."""
+        """Add ``text`` to the timeline (kinds: round, failure, collateral (a node's failure on a
+        peer's error), job, scale, node, ckpt)."""
         self.events.append((time.time(), kind, text))
 
     def record_failure(self, record: FailureRecord) -> None:
@@ -91,8 +92,10 @@ class Diagnostics:
                 record, root_cause=diagnosis.bounded_cause(record.root_cause)
             )
         self.goodput.on_failure(record.action)
+        # A node's failure on a peer's error is that peer's failure seen again: its own kind,
+        # so that the charts mark one failure per failure, whichever node reports first.
         self.event(
-            "failure",
+            "collateral" if record.failure_class is FailureClass.COLLATERAL else "failure",
             f"{record.node_id}: {record.failure_class.value} -> {record.action}: "
             f"{record.root_cause.splitlines()[0][:200] if record.root_cause else ''}",
         )
