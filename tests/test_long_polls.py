@@ -14,6 +14,7 @@ import grpc
 import pytest
 
 from dlrover.agent.rendezvous_client import MembershipWatch
+from dlrover.api.errors import MasterUnreachableError
 from dlrover.api.master import (
     HeartbeatReport,
     JoinRequest,
@@ -256,9 +257,17 @@ def test_calls_waiting_on_a_pool_thread_end_when_the_master_stops():
         JobMaster(JobMasterConfig(job_name="j"), MemoryStateStore()), TOKEN, "127.0.0.1"
     ).start()
     c = MasterClient(f"127.0.0.1:{s.port}", TOKEN, rpc_timeout_s=HELD + 5)
+    ended: list[str] = []  # how each held call ended, on the caller's side
+
+    def call(fn: Callable[[], object]) -> None:
+        try:
+            ended.append(f"answered {fn()!r}")
+        except MasterUnreachableError:  # the master went away under the call: what callers see
+            ended.append("unreachable")
+
     held = [
-        threading.Thread(target=lambda: c.kv_get("never-set", wait_s=HELD), daemon=True),
-        threading.Thread(target=lambda: c.wait_checkpoint_committed(7, wait_s=HELD), daemon=True),
+        threading.Thread(target=call, args=(lambda: c.kv_get("never-set", wait_s=HELD),)),
+        threading.Thread(target=call, args=(lambda: c.wait_checkpoint_committed(7, HELD),)),
     ]
     try:
         for t in held:
@@ -274,9 +283,10 @@ def test_calls_waiting_on_a_pool_thread_end_when_the_master_stops():
         assert len(pool_threads()) >= 2
         started = time.monotonic()
         s.stop(0.1)
-        for t in pool_threads():
+        for t in [*pool_threads(), *held]:
             t.join(timeout=HELD)
         assert time.monotonic() - started < 5, "a wait held a pool thread past the master's stop"
+        assert len(ended) == 2, ended  # both callers were answered, neither left hanging
     finally:
         s.stop(0.1)
         c.close()
