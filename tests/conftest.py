@@ -158,7 +158,9 @@ class MasterProcess:
                 str(self.env_file),
                 *extra,
             ],
-            env=env or clean_env(),
+            # Its scratch state (no --state-db) in the test's folder: close() kills it, so it
+            # never removes that folder itself.
+            env=env if env is not None else clean_env(TMPDIR=str(tmp)),
             stdout=self.log,
             stderr=subprocess.STDOUT,
             text=True,
