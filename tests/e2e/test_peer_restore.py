@@ -69,9 +69,16 @@ def test_a_lost_node_s_replacement_loads_the_step_from_its_peer_s_memory(tmp_pat
 def test_without_replicas_the_replacement_makes_every_node_load_from_storage(
     tmp_path: Path,
 ) -> None:
-    """The same loss with replica_count=0: step 8 died with the machine, everyone goes back to
-    storage's step 5 (what replicas save)."""
+    """The same loss with replica_count=0: the lost node's step 8 died with the machine, so no
+    node can take it from memory, and every node loads one step from storage.
+
+    Which step is a race the agents are meant to run: storage's step 5 when the new round
+    reaches the surviving node first; step 8 when its own workers fail first, on the lost
+    peer, and its agent persists its memory's newest step before the restart (persist on
+    failure; a DDP step is whole in the one node that saves it). CI's load saw the second."""
     marker = tmp_path / "fired"
     lost = _submit(tmp_path, "lost", faults=f"lose_node:rank=2:step=9:once={marker}", replicas=0)
     restarts = [row for row in _loads(lost) if row[1] != 1]
-    assert {(first, source) for _, first, source, _ in restarts} == {(6, "storage")}
+    assert len(restarts) == 4, _loads(lost)
+    loaded = {(first, source) for _, first, source, _ in restarts}
+    assert loaded in ({(6, "storage")}, {(9, "storage")}), _loads(lost)
