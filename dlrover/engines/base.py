@@ -41,6 +41,15 @@ class LaunchError(EngineError):
     """The engine could not create the node (API refused, no capacity before the deadline)."""
 
 
+class RateLimitedError(LaunchError):
+    """The engine's API refused a launch for now (Kubernetes: 429 Too Many Requests, or its
+    client's own rate limit): the same launch may succeed after ``retry_after_s``."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class ResizeUnsupportedError(EngineError):
     """A running node's resources cannot be changed in place (this engine cannot, the node ended,
     or the new size is below what it uses): relaunch it at the new size instead."""
@@ -282,7 +291,12 @@ class Engine(abc.ABC):
       (SIGTERM, grace, SIGKILL where the engine owns processes).
     - `resize` changes a running node's resources without restarting it, or raises
       ResizeUnsupportedError and changes nothing (the caller relaunches the node instead).
+    - `launch_rate`: launches per second the engine's API takes (None: no limit). The master
+      hands launches over no faster (`dlrover.master.launch_queue`); a launch refused for now
+      anyway raises RateLimitedError and is handed over again later.
     """
+
+    launch_rate: float | None = None
 
     @abc.abstractmethod
     def launch(self, spec: NodeSpec) -> Node:

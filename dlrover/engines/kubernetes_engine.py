@@ -21,6 +21,7 @@ from dlrover.engines.base import (
     NodeNotFoundError,
     NodeSpec,
     NodeState,
+    RateLimitedError,
     ResizeUnsupportedError,
     Resources,
 )
@@ -129,6 +130,12 @@ class KubernetesEngine(Engine):
             if error.status != 409:
                 with self._lock:
                     del self._nodes[spec.node_id]
+            if error.status == 429:  # throttled (API priority and fairness): later, not never
+                raise RateLimitedError(
+                    f"{spec.node_id}: the API throttled the pod's creation (429)",
+                    retry_after_s=_retry_after_s(error),
+                ) from error
+            if error.status != 409:
                 raise LaunchError(
                     f"{spec.node_id}: the API refused the pod "
                     f"({error.status} {error.reason}): {_message(error)}"
@@ -472,3 +479,11 @@ def _message(error: Any) -> str:
         return str(json.loads(error.body).get("message", error.body))
     except (TypeError, ValueError, AttributeError):
         return str(getattr(error, "body", "") or error)
+
+
+def _retry_after_s(error: Any) -> float:
+    """The wait a 429 asks for (its Retry-After header, in seconds), 1 s when it names none."""
+    try:
+        return max(0.1, float((error.headers or {}).get("Retry-After", 1.0)))
+    except (TypeError, ValueError):
+        return 1.0

@@ -173,10 +173,14 @@ class KubernetesSettings:
     """The container image holding dlrover and the training code (required)."""
     namespace: str = "default"
     service_account: str = ""
+    launch_rate: float = 20.0
+    """Pods the master creates a second at most (a lost rack's replacements are queued and
+    handed over at this rate; a 429 is retried, not a failure)."""
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any]) -> KubernetesSettings:
-        """Read ``engine_settings`` (``image``, ``namespace``, ``service_account``)."""
+        """Read ``engine_settings`` (``image``, ``namespace``, ``service_account``,
+        ``launch_rate``)."""
         if "image" not in raw:
             raise EngineSettingsError(
                 "engine kubernetes needs engine_settings.image (the container image)"
@@ -185,14 +189,27 @@ class KubernetesSettings:
             image=str(raw["image"]),
             namespace=str(raw.get("namespace", "default")),
             service_account=str(raw.get("service_account", "")),
+            launch_rate=_positive(raw.get("launch_rate", 20.0), "launch_rate"),
         )
+
+
+def _positive(value: Any, name: str) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = 0.0
+    if not number > 0:
+        raise EngineSettingsError(
+            f"engine_settings.{name} must be a number above 0 (pods a second), not {value!r}"
+        )
+    return number
 
 
 def _kubernetes_engine(job_name: str, job_dir: Path, settings: KubernetesSettings) -> Engine:
     from dlrover.engines.kube_manifests import PodSettings
     from dlrover.engines.kubernetes_engine import KubernetesEngine
 
-    return KubernetesEngine.from_environment(
+    engine = KubernetesEngine.from_environment(
         job_name,
         PodSettings(
             image=settings.image,
@@ -200,6 +217,8 @@ def _kubernetes_engine(job_name: str, job_dir: Path, settings: KubernetesSetting
             service_account=settings.service_account,
         ),
     )
+    engine.launch_rate = settings.launch_rate
+    return engine
 
 
 LOCAL = EngineKind("local", LocalSettings.from_mapping, _local_engine, True, local_log_reader)

@@ -25,6 +25,7 @@ from dlrover.engines.base import (
 )
 from dlrover.jobspec import JobSpec
 from dlrover.master.job import JobMaster
+from dlrover.master.launch_queue import LaunchQueue
 from dlrover.master.nodes import ALIVE_STATES
 from dlrover.master.relaunch_policy import OomPolicy, RelaunchPolicy, failure_class_of
 from dlrover.master.slot_supervisor import SlotSupervisor
@@ -106,6 +107,10 @@ class NodeController:
         """Node slots in use: ranks ``0 .. slots-1`` (`start` may begin below max nodes,
         `scale_to` moves it within ``--nnodes MIN:MAX``)."""
         self._ps: PsController | None = None
+        self.launches = LaunchQueue(
+            engine, capacity=2 * (spec.max_nodes + spec.spares), clock=clock
+        )
+        """The job's first nodes and every replacement, handed to the engine at its rate."""
         job.roles.register("worker", self)
         if ps is not None:
             self.ps = ps
@@ -162,7 +167,8 @@ class NodeController:
             f" ({self.spec.spares} of them hot spares)" if self.spec.spares else "",
             f" (resumed attempts: {', '.join(resumed)})" if resumed else "",
         )
-        self.engine.launch_many(specs)
+        self.launches.put(specs)
+        self.launches.pump()  # all of them, unless the engine takes only so many a second
 
     def scale_to(self, nodes: int, why: str) -> None:
         """Use ``nodes`` slots: launch the missing ones, or delete the highest-ranked live nodes
@@ -231,17 +237,20 @@ class NodeController:
             spec = self._replace_straggler(node_id, cause)
             if spec is not None:
                 self._schedule(spec, self._clock())
-        for event in self.engine.events(timeout_s):
+        waiting = self.launches.next_due_s()  # launches held back by the engine's rate
+        for event in self.engine.events(timeout_s if waiting is None else min(timeout_s, waiting)):
             self.on_event(event)
         now = self._clock()
         replacements = [spec for due, spec in self._due if due <= now]
         self._due = [(due, spec) for due, spec in self._due if due > now]
-        if replacements and not self.job.lifecycle.ended.is_set():
-            try:
-                self.engine.launch_many(replacements)
-            except EngineError as e:
-                logger.error("relaunch failed: %s", e)
-                self.job.lifecycle.stop(f"could not relaunch nodes: {e}")
+        if self.job.lifecycle.ended.is_set():
+            return
+        try:
+            self.launches.put(replacements)
+            self.launches.pump()
+        except EngineError as e:
+            logger.error("relaunch failed: %s", e)
+            self.job.lifecycle.stop(f"could not relaunch nodes: {e}")
 
     def _schedule(self, spec: NodeSpec, due: float) -> None:
         """Launch ``spec`` at ``due``; the job expects it from now on."""

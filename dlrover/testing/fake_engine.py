@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 import threading
+import time
+from collections.abc import Callable
 
 from dlrover.engines.base import (
     Engine,
@@ -15,6 +18,7 @@ from dlrover.engines.base import (
     NodeNotFoundError,
     NodeSpec,
     NodeState,
+    RateLimitedError,
     ResizeUnsupportedError,
     Resources,
 )
@@ -29,9 +33,30 @@ class FakeEngine(Engine):
     overlap (a batch of N only passes an N-party barrier if all N run at once).
     `resizable` makes `resize` succeed for running and pending nodes (recorded in `resized`);
     otherwise it answers as an engine that cannot resize.
+
+    As Kubernetes would (the scale tests' stand-in): ``launch_rate`` creations a second at most
+    (a token bucket of one second's worth; a launch past it raises RateLimitedError, as an API
+    server's 429, counted in ``refused``); ``launch_latency`` (low, high) seconds: each launched
+    node reports RUNNING after a uniformly random latency (``on_running(spec)`` is called
+    first, where the test starts what the pod would run). ``accepted_at`` records when each
+    launch was accepted.
     """
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        launch_rate: float | None = None,
+        launch_latency: tuple[float, float] | None = None,
+        on_running: Callable[[NodeSpec], None] | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.launch_rate = launch_rate
+        self.launch_latency = launch_latency
+        self.on_running = on_running
+        self.refused = 0
+        self.accepted_at: list[float] = []
+        self._random = random.Random(seed)
+        self._tokens = max(1.0, launch_rate or 0.0)
+        self._filled_at = time.monotonic()
         self.launched: list[NodeSpec] = []
         self.deleted: list[str] = []
         self.fail_launch_of: set[str] = set()
@@ -55,11 +80,41 @@ class FakeEngine(Engine):
             existing = self._nodes.get(spec.node_id)
             if existing is not None:
                 return dataclasses.replace(existing)
+            if self.launch_rate is not None:
+                now = time.monotonic()
+                self._tokens = min(
+                    max(1.0, self.launch_rate),
+                    self._tokens + (now - self._filled_at) * self.launch_rate,
+                )
+                self._filled_at = now
+                if self._tokens < 1:
+                    self.refused += 1
+                    raise RateLimitedError(
+                        f"{spec.node_id}: 429 Too Many Requests ({self.launch_rate:g}/s)",
+                        retry_after_s=1 / self.launch_rate,
+                    )
+                self._tokens -= 1
             node = Node(spec=spec)
             self._nodes[spec.node_id] = node
             self.launched.append(spec)
+            self.accepted_at.append(time.monotonic())
+            latency = (
+                None if self.launch_latency is None else self._random.uniform(*self.launch_latency)
+            )
         self._queue.put(NodeEvent(spec.node_id, spec, NodeState.PENDING))
+        if latency is not None:
+            timer = threading.Timer(latency, self._came_up, (spec,))
+            timer.daemon = True
+            timer.start()
         return dataclasses.replace(node)
+
+    def _came_up(self, spec: NodeSpec) -> None:
+        with self._lock:
+            if self._nodes[spec.node_id].state is not NodeState.PENDING:
+                return  # deleted or failed meanwhile
+        if self.on_running is not None:
+            self.on_running(spec)
+        self.run(spec.node_id)
 
     def delete(self, node_id: str) -> None:
         """Record the call (even for a node that already ended), then emit DELETED unless the node

@@ -110,6 +110,8 @@ class FakeKubeApi:
         """Answer 403 to cluster-wide lists (a service account without the ClusterRole)."""
         self.watch_requests: list[dict[str, str]] = []
         self.pod_logs: dict[tuple[str, str], str] = {}
+        self.throttle_creates = 0
+        """Answer this many of the next pod creations 429 (Retry-After: 1), as a busy API."""
         self.resize_subresource = True
         """False: an API server before pods/resize (1.33): its PATCH is a 404."""
         """(namespace, pod) -> its container's log, served at .../pods/NAME/log (test-written)."""
@@ -261,6 +263,11 @@ class FakeKubeApi:
         if method == "GET" and name is None and query.get("watch") in ("true", "1", "True"):
             self._watch(request, kind, namespace, query)
             return
+        if method == "POST" and kind == "pods" and self.throttle_creates > 0:
+            self.throttle_creates -= 1  # API priority and fairness: too many requests, later
+            status = _status(429, "TooManyRequests", "too many requests, please try again later")
+            self._reply(request, 429, status, {"Retry-After": "1"})
+            return
         with self._cond:
             code, reply = self._apply(method, kind, namespace, name, query, body)
         self._reply(request, code, reply)
@@ -375,9 +382,17 @@ class FakeKubeApi:
         request.end_headers()
         request.wfile.write(data)
 
-    def _reply(self, request: BaseHTTPRequestHandler, code: int, body: dict[str, Any]) -> None:
+    def _reply(
+        self,
+        request: BaseHTTPRequestHandler,
+        code: int,
+        body: dict[str, Any],
+        headers: dict[str, str] | None = None,
+    ) -> None:
         data = json.dumps(body).encode()
         request.send_response(code)
+        for key, value in (headers or {}).items():
+            request.send_header(key, value)
         request.send_header("Content-Type", "application/json")
         request.send_header("Content-Length", str(len(data)))
         request.end_headers()

@@ -218,6 +218,33 @@ def test_409_on_create_adopts_the_existing_pod(engine: Any, api: Any) -> None:
     assert isinstance(engine, KubernetesEngine)
 
 
+def test_a_throttled_create_429_is_handed_over_again_at_the_engine_s_rate(
+    engine: Any, api: Any
+) -> None:
+    """A busy API answers 429: that launch is refused for now (RateLimitedError with the wait
+    the API asked for), not failed; the master's launch queue hands it over again."""
+    from dlrover.engines.base import RateLimitedError
+    from dlrover.master.launch_queue import LaunchQueue
+
+    api.throttle_creates = 1
+    with pytest.raises(RateLimitedError) as refused:
+        engine.launch(_spec())
+    assert refused.value.retry_after_s == 1.0
+    assert api.pods(NS) == []  # nothing half-made: the same launch goes again
+    api.throttle_creates = 2
+    queue = LaunchQueue(engine, capacity=4)
+    queue.put([_spec(0), _spec(1), _spec(2)])
+    deadline = time.monotonic() + 30
+    while len(queue):
+        assert time.monotonic() < deadline
+        queue.pump()
+        time.sleep(queue.next_due_s() or 0.0)
+    assert sorted(p["metadata"]["name"] for p in api.pods(NS)) == [
+        f"kjob-worker-{rank}-0" for rank in range(3)
+    ]
+    assert queue.stats.refused_for_now == 2 and queue.stats.handed == 3
+
+
 def test_404_on_delete_of_a_pod_already_gone(engine: Any, api: Any) -> None:
     from dlrover.engines.base import NodeNotFoundError
 

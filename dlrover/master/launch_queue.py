@@ -1,0 +1,172 @@
+"""Launches on their way to the engine: bounded, no faster than the engine's API takes them.
+
+A rack lost at once means hundreds of replacements in the same second. Handed to the engine all
+together, a Kubernetes API server answers most of them 429 (or its client throttles them one by
+one while the controller's loop waits), and before this queue one refused launch failed the job.
+Here every launch the node controller makes (the job's first nodes, each replacement) is queued
+once per node id, and `pump` hands over at most what the engine's `launch_rate` allows since
+the last hand-over (a token bucket holding one second's worth), in parallel batches, from the
+controller's own loop: engine events and the job's calls are served between batches. A launch
+the engine still refuses for now (`RateLimitedError`) goes back to the front of the queue and is
+handed over again after the wait the engine asked for; any other failure is the caller's, as
+before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+
+from dlrover.engines.base import (
+    Engine,
+    EngineError,
+    LaunchManyError,
+    Node,
+    NodeSpec,
+    RateLimitedError,
+)
+
+logger = logging.getLogger(__name__)
+
+HEADROOM = 0.95
+"""Hand over at this share of the engine's declared rate: its own bucket, started earlier and
+on its own clock, then always holds a launch when the queue sends one."""
+
+
+class LaunchQueueFullError(EngineError):
+    """More launches queued than the queue holds (more than the job has slots)."""
+
+
+@dataclasses.dataclass
+class _Queued:
+    spec: NodeSpec
+    since: float
+    """When it was queued (its hand-over time is measured from here)."""
+    not_before: float
+    """Not handed over again before this (the engine asked to wait)."""
+
+
+@dataclasses.dataclass
+class LaunchStats:
+    """What the queue did, for status and the scale benchmark."""
+
+    handed: int = 0
+    """Launches the engine accepted."""
+    refused_for_now: int = 0
+    """Launches the engine refused with RateLimitedError (each handed over again)."""
+    max_wait_s: float = 0.0
+    """Longest time from queued to accepted."""
+
+
+class LaunchQueue:
+    """Node launches waiting for the engine, in order, at most ``capacity``, one per node id."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        capacity: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._engine = engine
+        self.capacity = capacity
+        self._clock = clock
+        self._queue: deque[_Queued] = deque()
+        self._tokens = self._burst()
+        self._filled_at = clock()
+        self.stats = LaunchStats()
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def _rate(self) -> float | None:
+        rate = self._engine.launch_rate
+        return None if rate is None else rate * HEADROOM
+
+    def _burst(self) -> float:
+        rate = self._rate()
+        return math.inf if rate is None else max(1.0, rate)
+
+    def put(self, specs: Sequence[NodeSpec]) -> None:
+        """Queue launches; a node id already queued is not queued twice (the newer spec wins).
+        Raises LaunchQueueFullError past ``capacity``."""
+        now = self._clock()
+        for spec in specs:
+            for queued in self._queue:
+                if queued.spec.node_id == spec.node_id:
+                    queued.spec = spec
+                    break
+            else:
+                if len(self._queue) >= self.capacity:
+                    raise LaunchQueueFullError(
+                        f"{len(self._queue)} launches already wait for the engine "
+                        f"(the most this job can have): {spec.node_id} is not queued"
+                    )
+                self._queue.append(_Queued(spec, now, now))
+
+    def next_due_s(self) -> float | None:
+        """Seconds until `pump` may hand something over (0: now); None when nothing waits."""
+        if not self._queue:
+            return None
+        now = self._clock()
+        head = max(0.0, min(q.not_before for q in self._queue) - now)
+        rate = self._rate()
+        if rate is None or self._tokens >= 1:
+            return head
+        return max(head, (1 - self._refill(now)) / rate)
+
+    def _refill(self, now: float) -> float:
+        rate = self._rate()
+        if rate is None:
+            self._tokens = math.inf
+        else:
+            self._tokens = min(self._burst(), self._tokens + (now - self._filled_at) * rate)
+        self._filled_at = now
+        return self._tokens
+
+    def pump(self) -> list[Node]:
+        """Hand over what the engine's rate allows now (in parallel); returns the nodes it
+        accepted. A launch refused for now is queued again; other failures raise
+        LaunchManyError (the launched nodes in it) after the whole batch was tried."""
+        now = self._clock()
+        tokens = self._refill(now)
+        ready = [q for q in self._queue if q.not_before <= now]
+        batch = ready[: len(ready) if math.isinf(tokens) else int(tokens)]
+        if not batch:
+            return []
+        for q in batch:
+            self._queue.remove(q)
+        if not math.isinf(tokens):
+            self._tokens -= len(batch)
+        try:
+            launched = self._engine.launch_many([q.spec for q in batch])
+            failures: dict[str, EngineError] = {}
+        except LaunchManyError as e:
+            launched, failures = e.launched, e.failures
+        accepted = self._clock()
+        later: list[_Queued] = []
+        errors: dict[str, EngineError] = {}
+        for q in batch:
+            error = failures.get(q.spec.node_id)
+            if error is None:
+                self.stats.handed += 1
+                self.stats.max_wait_s = max(self.stats.max_wait_s, accepted - q.since)
+            elif isinstance(error, RateLimitedError):
+                self.stats.refused_for_now += 1
+                q.not_before = accepted + error.retry_after_s
+                later.append(q)
+            else:
+                errors[q.spec.node_id] = error
+        if later:
+            logger.info(
+                "the engine refused %d launch(es) for now; handing them over again in %.1fs",
+                len(later),
+                min(q.not_before for q in later) - accepted,
+            )
+            self._queue.extendleft(reversed(later))
+        if errors:
+            raise LaunchManyError(launched, errors)
+        return launched
