@@ -102,3 +102,46 @@ def test_a_launch_that_fails_outright_still_fails_the_batch_and_the_queue_is_bou
     queue.put(specs)
     with pytest.raises(LaunchQueueFullError, match="already wait for the engine"):
         queue.put([specs[0].replacement()])
+
+
+def test_a_rack_lost_half_by_engine_events_half_by_silence_is_replaced_once_each():
+    """A tenth of the job goes at once: the engine reports half (pods gone), the other half
+    only go silent (their machines cut off: the engine still runs them). The job loses each
+    once; every slot gets one replacement through the queue, the silent nodes are deleted (so
+    they cannot come back beside their replacements), and a late engine event of an attempt
+    already replaced changes nothing."""
+    from dlrover.api.master import Registration
+
+    rate, nodes = 100.0, 200
+    engine = FakeEngine(launch_rate=rate, launch_latency=(0.02, 0.2))
+    controller = _controller(engine, nodes)
+    job = controller.job
+    engine.on_running = lambda spec: job.members.register_node(
+        Registration(host="10.0.0.1", local_world_size=1, node_id=spec.node_id)
+    )
+    controller.start()
+    _step_until(controller, lambda: len(engine.launched) == nodes)
+    _step_until(controller, lambda: all(n.state is NodeState.RUNNING for n in engine.list_nodes()))
+
+    rack = [f"rack-worker-{rank}-0" for rank in range(0, nodes, 10)]
+    reported, silent = rack[::2], rack[1::2]
+    failed_at = time.monotonic()
+    for node_id in reported:
+        engine.fail(node_id, FailureReason.NODE_LOST, message="pod deleted")
+    for node_id in silent:
+        job.members.lose(node_id, "no heartbeat for 30.0s", silent=True)
+    _step_until(controller, lambda: len(engine.launched) == nodes + len(rack))
+    handed_s = engine.accepted_at[-1] - failed_at
+    _step_until(controller, lambda: set(silent) <= set(engine.deleted))
+    for node_id in silent:  # the cut-off machines' pods end later: nothing more is launched
+        engine.fail(node_id, FailureReason.NODE_LOST, message="pod gone at last")
+    controller.step(0.2)
+
+    replaced = sorted(s.node_id for s in engine.launched[nodes:])
+    assert replaced == sorted(n.rsplit("-", 1)[0] + "-1" for n in rack)
+    assert len(engine.launched) == nodes + len(rack)
+    assert handed_s < 2.0, handed_s
+    assert engine.refused == 0
+    losses = [f for f in job.diagnostics.failures() if f.node_id in rack]
+    assert sorted(f.node_id for f in losses) == sorted(rack)  # each recorded once
+    assert not job.lifecycle.ended.is_set()

@@ -12,7 +12,9 @@ agent it is throttled, dlrover/faults/throttle.py, elsewhere each step sleeps; t
 check's compute test too), ``exit`` (``os._exit(code)``, as a native library calling exit
 would), ``kill_agent`` (SIGKILL the pid in DLROVER_AGENT_PID), ``lose_node`` (the node's
 machine is gone: SIGKILL the agent, delete its flash-checkpoint shared memory, SIGKILL
-itself), ``kill_master`` (SIGKILL the job's master: the pid in the `dlrover submit` record of
+itself), ``freeze_node`` (the node's machine is cut off but its processes live on: SIGSTOP the
+agent, then itself; the engine still runs the node, the master hears nothing more from it),
+``kill_master`` (SIGKILL the job's master: the pid in the `dlrover submit` record of
 DLROVER_JOB_NAME under DLROVER_HOME; `dlrover submit` starts it again on its state),
 ``fill_disk`` (fill the filesystem of ``path`` with a file until ENOSPC, and remove the file
 ``seconds`` later, default 5, from a process of its own: the fault outlives a killed worker;
@@ -54,7 +56,7 @@ _EXTRA_KEYS = {
 
 class FaultKind(Enum):
     """What a fault does: kill (SIGKILL itself), raise (InjectedFault), hang, slow, exit
-    (``os._exit``), kill_agent (SIGKILL the agent), lose_node, kill_master (SIGKILL the job's
+    (``os._exit``), kill_agent (SIGKILL the agent), lose_node, freeze_node, kill_master (SIGKILL the job's
     master), fill_disk (fill a filesystem for a while), collective_fail (the node check's
     collective), oom or pending (a replacement node waits for a file)."""
 
@@ -65,6 +67,7 @@ class FaultKind(Enum):
     EXIT = "exit"
     KILL_AGENT = "kill_agent"
     LOSE_NODE = "lose_node"
+    FREEZE_NODE = "freeze_node"
     KILL_MASTER = "kill_master"
     FILL_DISK = "fill_disk"
     COLLECTIVE_FAIL = "collective_fail"

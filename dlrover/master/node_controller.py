@@ -7,6 +7,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Protocol
 
 from dlrover.api.master import FailureClass
@@ -111,6 +112,12 @@ class NodeController:
             engine, capacity=2 * (spec.max_nodes + spec.spares), clock=clock
         )
         """The job's first nodes and every replacement, handed to the engine at its rate."""
+        self._silent: list[tuple[str, str]] = []
+        """Nodes the job lost to silence (no heartbeat), to replace on the next `step`."""
+        self._silent_lock = threading.Lock()
+        self._deletes = ThreadPoolExecutor(4, thread_name_prefix="engine-delete-silent")
+        """Deletes of silent nodes (each may wait out its grace) off the controller's loop."""
+        job.members.on_lost.append(self._heard_silent)
         job.roles.register("worker", self)
         if ps is not None:
             self.ps = ps
@@ -240,6 +247,12 @@ class NodeController:
         waiting = self.launches.next_due_s()  # launches held back by the engine's rate
         for event in self.engine.events(timeout_s if waiting is None else min(timeout_s, waiting)):
             self.on_event(event)
+        with self._silent_lock:
+            silent, self._silent = self._silent, []
+        for node_id, cause in silent:  # after the events: an end the engine saw is that event
+            spec = self._replace_silent(node_id, cause)
+            if spec is not None:
+                self._schedule(spec, self._clock() + self._relaunch_delay_s)
         now = self._clock()
         replacements = [spec for due, spec in self._due if due <= now]
         self._due = [(due, spec) for due, spec in self._due if due > now]
@@ -313,6 +326,50 @@ class NodeController:
         logger.info("node %s: replacing the straggler", node_id)
         return spec
 
+    def _heard_silent(self, node_id: str, cause: str, alive: bool, silent: bool) -> None:
+        """`Membership.on_lost`: a live node gone silent is replaced on the next `step` (called
+        under the job's lock, from whichever thread lost it)."""
+        if silent and alive:
+            with self._silent_lock:
+                self._silent.append((node_id, cause))
+
+    def _replace_silent(self, node_id: str, cause: str) -> NodeSpec | None:
+        """A node whose heartbeats stopped while the engine still runs it (a machine cut off or
+        frozen): the job lost it already and recorded that once. Its slot is relaunched as for
+        a lost node, and the silent node is deleted (its pod or process may still run: it must
+        not come back beside its replacement). None when the engine saw its end meanwhile (that
+        event relaunched it) or the slot is not relaunched."""
+        node = next(
+            (n for n in self._workers() if n.node_id == node_id and not n.state.is_final),
+            None,
+        )
+        if node is None or self.job.lifecycle.ended.is_set():
+            return None
+        event = NodeEvent(
+            node_id, node.spec, NodeState.FAILED, FailureReason.NODE_LOST, message=cause
+        )
+        alive = sum(1 for n in self.job.members.nodes.all() if n.state in ALIVE_STATES)
+        verdict = self.supervisor.judge(
+            event, alive_nodes=alive, min_nodes=self.spec.min_nodes, record=False
+        )
+        logger.info("node %s (silent): %s (%s)", node_id, verdict.action.value, verdict.reason)
+        self._deletes.submit(self._delete_quietly, node_id)
+        spec = verdict.replacement
+        if spec is None:
+            if verdict.action is FailureAction.FAIL:
+                self.job.lifecycle.stop(verdict.reason)
+            return None
+        self.job.members.expect(spec.node_id)
+        reason = FailureReason.NODE_LOST.value
+        self.relaunches[reason] = self.relaunches.get(reason, 0) + 1
+        return spec
+
+    def _delete_quietly(self, node_id: str) -> None:
+        try:
+            self.engine.delete(node_id)
+        except EngineError as e:
+            logger.warning("node %s: cannot delete the silent node: %s", node_id, e)
+
     def _workers(self) -> list[Node]:
         """The engine's nodes of role ``worker`` (embedding servers are the ps controller's)."""
         return [n for n in self.engine.list_nodes() if n.spec.role == "worker"]
@@ -333,6 +390,17 @@ class NodeController:
     def _on_event(self, event: NodeEvent) -> NodeSpec | None:
         logger.info("engine: %s", event)
         if event.state != NodeState.FAILED or self.job.lifecycle.ended.is_set():
+            return None
+        slot = self.supervisor.record(event.spec.role, event.spec.rank)
+        if slot is not None and slot.attempt > event.spec.relaunch_count:
+            # An attempt the slot has moved on from (replaced when it went silent, as a
+            # straggler, by a resize): its end changes nothing.
+            logger.info(
+                "node %s: slot %d is on attempt %d already",
+                event.node_id,
+                event.spec.rank,
+                slot.attempt,
+            )
             return None
         if event.spec.rank >= self.slots + self.spec.spares:  # scaled in meanwhile: not in use
             self.job.members.lose(event.node_id, f"{event.message or event.reason} (slot retired)")
@@ -390,6 +458,7 @@ class NodeController:
             while not self.job.lifecycle.ended.is_set() and not stop.is_set():
                 self.step(poll_s)
         finally:
+            self._deletes.shutdown(wait=True)
             self.engine.close(delete_nodes=delete_nodes())
 
 

@@ -1,7 +1,7 @@
 """Fault injection for training scripts and tests: `maybe_inject(step)` fires what DLROVER_FAULTS asks.
 
 The syntax of DLROVER_FAULTS and its parser live in `dlrover.faults` (the agent's node check
-reads it too); this module is what runs them: kill, raise, hang, slow, exit, kill_agent,
+reads it too); this module is what runs them: kill, raise, hang, slow, exit, kill_agent, freeze_node,
 lose_node, kill_master, fill_disk, oom.
 """
 
@@ -157,6 +157,11 @@ class FaultInjector:
                         with contextlib.suppress(OSError):  # gone, or a folder (not memory)
                             os.unlink(os.path.join(folder, name))
             os.kill(os.getpid(), signal.SIGKILL)
+        elif fault.kind is FaultKind.FREEZE_NODE:
+            if self._agent_pid is None:
+                raise FaultSpecError(f"freeze_node needs {ENV_AGENT_PID} set by the agent")
+            os.kill(self._agent_pid, signal.SIGSTOP)  # no heartbeat, no restart of anything
+            os.kill(os.getpid(), signal.SIGSTOP)  # its peers on the node block on it
         elif fault.kind is FaultKind.KILL_MASTER:
             os.kill(_master_pid(), signal.SIGKILL)
         elif fault.kind is FaultKind.FILL_DISK:

@@ -120,6 +120,24 @@ def test_agent_killed_node_replaced_and_model_matches_failure_free_run(tmp_path:
     assert [s for s, _, _ in steps_log(out)] == list(range(1, 17))
 
 
+@pytest.mark.e2e
+def test_a_frozen_node_is_lost_to_silence_deleted_and_replaced(tmp_path: Path):
+    """freeze_node on node 1 at step 8: its agent and a worker are SIGSTOPped, so the engine
+    still runs the node but the master hears nothing more from it. The master loses it to
+    silence, its controller deletes the frozen node and launches its replacement; the job ends
+    with every step done once and the failure-free model."""
+    ref, ref_out = submit(tmp_path, "ref", "2", 16)
+    assert ref.returncode == 0
+    marker = tmp_path / "fired"
+    r, out = submit(tmp_path, "frozen", "2", 16, faults=f"freeze_node:rank=2:step=8:once={marker}")
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert marker.exists()
+    assert re.search(r"frozen-worker-1-0 \(silent\): relaunch", r.stderr), r.stderr[-4000:]
+    assert "frozen-worker-1-1" in r.stderr  # its replacement was launched
+    assert final(out) == final(ref_out)
+    assert [s for s, _, _ in steps_log(out)] == list(range(1, 17))
+
+
 def release_when_shrunk(out: Path, gate: Path, deadline_s: float = 240.0) -> threading.Thread:
     """Create ``gate`` (releasing the pending replacement) once the steps log shows a step at
     world size 4: the survivors went on without the lost node. At the deadline it is created
