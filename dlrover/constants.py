@@ -128,6 +128,11 @@ ENV_NODE_MEMORY_LIMIT_MIB = "DLROVER_NODE_MEMORY_LIMIT_MIB"
 """Set by an engine that enforces a node's memory (the local engine's cgroup): a worker OOM-killed
 under it makes the agent leave with EXIT_NODE_OOM instead of restarting in place."""
 
+ENV_SILENT_REPLACE_S = "DLROVER_SILENT_REPLACE_S"
+"""Seconds a node lost to silence (no heartbeat) may come back before the master, when an
+engine runs the job, deletes it and relaunches its slot (default 10)."""
+DEFAULT_SILENT_REPLACE_S = 10.0
+
 ENV_AUTOSCALE_INTERVAL_S = "DLROVER_AUTOSCALE_INTERVAL_S"
 """Seconds between the auto-scaler's plans (default 30; tests shorten it)."""
 ENV_AUTOSCALE_SIZING_S = "DLROVER_AUTOSCALE_SIZING_S"

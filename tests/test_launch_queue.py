@@ -19,12 +19,12 @@ from dlrover.master.state_store import MemoryStateStore
 from dlrover.testing.fake_engine import FakeEngine
 
 
-def _controller(engine: FakeEngine, nodes: int) -> NodeController:
+def _controller(engine: FakeEngine, nodes: int, silent_replace_s: float = 0.0) -> NodeController:
     spec = job_spec_from_dict(
         {"name": "rack", "entrypoint": "train.py", "nodes": nodes, "max_relaunches": 3}
     )
     job = JobMaster(JobMasterConfig("rack", RendezvousConfig(nodes, nodes)), MemoryStateStore())
-    return NodeController(job, engine, spec, "127.0.0.1:1", "t")
+    return NodeController(job, engine, spec, "127.0.0.1:1", "t", silent_replace_s=silent_replace_s)
 
 
 def _step_until(controller: NodeController, done, deadline_s: float = 30.0) -> None:  # type: ignore[no-untyped-def]
@@ -145,3 +145,25 @@ def test_a_rack_lost_half_by_engine_events_half_by_silence_is_replaced_once_each
     losses = [f for f in job.diagnostics.failures() if f.node_id in rack]
     assert sorted(f.node_id for f in losses) == sorted(rack)  # each recorded once
     assert not job.lifecycle.ended.is_set()
+
+
+def test_a_silent_node_heard_again_within_the_grace_is_kept():
+    """Silence is not death: a node dropped from the round for missing heartbeats (a loaded
+    machine, a network blip) that registers again within DLROVER_SILENT_REPLACE_S is neither
+    deleted nor replaced."""
+    from dlrover.api.master import Registration
+
+    engine = FakeEngine()
+    controller = _controller(engine, 2, silent_replace_s=0.5)
+    job = controller.job
+    controller.start()
+    for spec in engine.launched:
+        engine.run(spec.node_id)
+        job.members.register_node(Registration(host="h", local_world_size=1, node_id=spec.node_id))
+    job.members.lose("rack-worker-1-0", "no heartbeat for 6.0s", silent=True)
+    job.members.register_node(Registration(host="h", local_world_size=1, node_id="rack-worker-1-0"))
+    deadline = time.monotonic() + 1.5
+    while time.monotonic() < deadline:
+        controller.step(0.05)
+    assert [s.node_id for s in engine.launched] == ["rack-worker-0-0", "rack-worker-1-0"]
+    assert engine.deleted == []

@@ -11,7 +11,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Protocol
 
 from dlrover.api.master import FailureClass
-from dlrover.constants import CANNOT_START_EXIT_CODE, ENV_NODE_NAME, EXIT_NODE_EXCLUDED
+from dlrover.constants import (
+    CANNOT_START_EXIT_CODE,
+    DEFAULT_SILENT_REPLACE_S,
+    ENV_NODE_NAME,
+    ENV_SILENT_REPLACE_S,
+    EXIT_NODE_EXCLUDED,
+)
 from dlrover.decisions import FailureAction
 from dlrover.engines.base import (
     Engine,
@@ -24,10 +30,12 @@ from dlrover.engines.base import (
     NodeState,
     Resources,
 )
-from dlrover.jobspec import JobSpec
+from dlrover.envvars import number_from_env
+from dlrover.jobspec import JobSpec, JobSpecError
 from dlrover.master.job import JobMaster
 from dlrover.master.launch_queue import LaunchQueue
-from dlrover.master.nodes import ALIVE_STATES
+from dlrover.master.node_policy import NodeLossReason
+from dlrover.master.nodes import ALIVE_STATES, NodeError
 from dlrover.master.relaunch_policy import OomPolicy, RelaunchPolicy, failure_class_of
 from dlrover.master.slot_supervisor import SlotSupervisor
 from dlrover.master.state_store import MemoryStateStore, StateStore
@@ -78,10 +86,13 @@ class NodeController:
         scaler: Callable[[NodeController], Scaler] | None = None,
         ps: PsController | None = None,
         supervisor: SlotSupervisor | None = None,
+        silent_replace_s: float | None = None,
     ) -> None:
         """``scaler`` builds the auto-scaler that reads this controller (`--auto-scale`); ``ps``
         drives the job's embedding servers; ``supervisor`` relaunches the job's slots (the one
-        ``ps`` shares; by default one over ``store`` with ``oom_policy``). The controller
+        ``ps`` shares; by default one over ``store`` with ``oom_policy``); ``silent_replace_s``:
+        how long a node lost to silence may come back before it is replaced (default
+        DLROVER_SILENT_REPLACE_S, else 10 s). The controller
         registers itself (and ``ps``) in the job's role registry."""
         self.job = job
         self._store = store or MemoryStateStore()
@@ -112,8 +123,17 @@ class NodeController:
             engine, capacity=2 * (spec.max_nodes + spec.spares), clock=clock
         )
         """The job's first nodes and every replacement, handed to the engine at its rate."""
-        self._silent: list[tuple[str, str]] = []
-        """Nodes the job lost to silence (no heartbeat), to replace on the next `step`."""
+        self._silent: list[tuple[float, str, str]] = []
+        """(when, node, cause): nodes the job lost to silence (no heartbeat), replaced from
+        ``when`` on unless heard again by then."""
+        if silent_replace_s is None:
+            try:
+                silent_replace_s = number_from_env(
+                    ENV_SILENT_REPLACE_S, DEFAULT_SILENT_REPLACE_S, "a number of seconds"
+                )
+            except ValueError as e:
+                raise JobSpecError(str(e)) from None
+        self._silent_grace_s = silent_replace_s
         self._silent_lock = threading.Lock()
         self._deletes = ThreadPoolExecutor(4, thread_name_prefix="engine-delete-silent")
         """Deletes of silent nodes (each may wait out its grace) off the controller's loop."""
@@ -247,13 +267,14 @@ class NodeController:
         waiting = self.launches.next_due_s()  # launches held back by the engine's rate
         for event in self.engine.events(timeout_s if waiting is None else min(timeout_s, waiting)):
             self.on_event(event)
+        now = self._clock()
         with self._silent_lock:
-            silent, self._silent = self._silent, []
+            silent = [(node_id, cause) for due, node_id, cause in self._silent if due <= now]
+            self._silent = [entry for entry in self._silent if entry[0] > now]
         for node_id, cause in silent:  # after the events: an end the engine saw is that event
             spec = self._replace_silent(node_id, cause)
             if spec is not None:
-                self._schedule(spec, self._clock() + self._relaunch_delay_s)
-        now = self._clock()
+                self._schedule(spec, now + self._relaunch_delay_s)
         replacements = [spec for due, spec in self._due if due <= now]
         self._due = [(due, spec) for due, spec in self._due if due > now]
         if self.job.lifecycle.ended.is_set():
@@ -331,7 +352,7 @@ class NodeController:
         under the job's lock, from whichever thread lost it)."""
         if silent and alive:
             with self._silent_lock:
-                self._silent.append((node_id, cause))
+                self._silent.append((self._clock() + self._silent_grace_s, node_id, cause))
 
     def _replace_silent(self, node_id: str, cause: str) -> NodeSpec | None:
         """A node whose heartbeats stopped while the engine still runs it (a machine cut off or
@@ -344,6 +365,13 @@ class NodeController:
             None,
         )
         if node is None or self.job.lifecycle.ended.is_set():
+            return None
+        try:
+            back = self.job.members.nodes.get(node_id).state in ALIVE_STATES
+        except NodeError:
+            back = False
+        if back:
+            logger.info("node %s: heard again within %.0fs; kept", node_id, self._silent_grace_s)
             return None
         event = NodeEvent(
             node_id, node.spec, NodeState.FAILED, FailureReason.NODE_LOST, message=cause
@@ -360,7 +388,7 @@ class NodeController:
                 self.job.lifecycle.stop(verdict.reason)
             return None
         self.job.members.expect(spec.node_id)
-        reason = FailureReason.NODE_LOST.value
+        reason = NodeLossReason.HEARTBEAT_TIMEOUT.value
         self.relaunches[reason] = self.relaunches.get(reason, 0) + 1
         return spec
 

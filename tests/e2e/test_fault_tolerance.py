@@ -23,11 +23,12 @@ def submit(
     steps: int,
     faults: str = "",
     step_time: float = 0.0,
+    **extra_env: str,
 ) -> tuple[subprocess.CompletedProcess[str], Path]:
     """`dlrover submit` the oracle on the local engine: each node is a real agent process."""
     out = tmp / name
     (tmp / f"{name}-ckpt").mkdir()
-    env = clean_env(DLROVER_HOME=str(tmp / "home"), DLROVER_FAULTS=faults)
+    env = clean_env(DLROVER_HOME=str(tmp / "home"), DLROVER_FAULTS=faults, **extra_env)
     r = subprocess.run(
         [
             sys.executable,
@@ -124,16 +125,26 @@ def test_agent_killed_node_replaced_and_model_matches_failure_free_run(tmp_path:
 def test_a_frozen_node_is_lost_to_silence_deleted_and_replaced(tmp_path: Path):
     """freeze_node on node 1 at step 8: its agent and a worker are SIGSTOPped, so the engine
     still runs the node but the master hears nothing more from it. The master loses it to
-    silence, its controller deletes the frozen node and launches its replacement; the job ends
+    silence, and 1 s later (DLROVER_SILENT_REPLACE_S) its controller deletes the frozen node
+    and launches its replacement; the job ends
     with every step done once and the failure-free model."""
     ref, ref_out = submit(tmp_path, "ref", "2", 16)
     assert ref.returncode == 0
     marker = tmp_path / "fired"
-    r, out = submit(tmp_path, "frozen", "2", 16, faults=f"freeze_node:rank=2:step=8:once={marker}")
+    r, out = submit(
+        tmp_path,
+        "frozen",
+        "2",
+        16,
+        faults=f"freeze_node:rank=2:step=8:once={marker}",
+        DLROVER_SILENT_REPLACE_S="1",  # not heard again 1 s after it was lost: replaced
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     assert marker.exists()
-    assert re.search(r"frozen-worker-1-0 \(silent\): relaunch", r.stderr), r.stderr[-4000:]
-    assert "frozen-worker-1-1" in r.stderr  # its replacement was launched
+    frozen = re.search(r"frozen-worker-(\d)-0 \(silent\): relaunch", r.stderr)
+    assert frozen, r.stderr[-4000:]
+    assert f"frozen-worker-{frozen[1]}-1: started" in r.stderr  # its replacement was launched
+    assert f"frozen-worker-{frozen[1]}-0: running -> deleted" in r.stderr  # and it was deleted
     assert final(out) == final(ref_out)
     assert [s for s, _, _ in steps_log(out)] == list(range(1, 17))
 
