@@ -2,7 +2,7 @@
 
 Run: PYTHONPATH=. python benchmarks/master_scale.py [--nodes 1000 2000 5000 10000]
          [--steady-s 40] [--protocol long-poll|poll|both] [--against REV]
-         [--storm errors [--storm-gap-s 60] [--storm-kb 64] | --storm lose:0.1
+         [--storm errors [--storm-gap-s 60] [--storm-kb 64] | --storm lose:0.1 [--engine fake]
           | --storm master-kill]
 
 The master is a real `dlrover-master` (its default SQLite state, INFO logs to a file); the agents
@@ -36,6 +36,16 @@ registers one replacement per lost node and the round forms again. Its table: wh
 noticed, how spread the survivors' re-joins were and how many were refused, how long from the
 last replacement's registration to the round, the heartbeat p99 meanwhile, and the losses
 the master recorded (each node once: as many as lost, from as many nodes).
+
+``--engine fake[:RATE:LO:HI]`` (with ``--storm lose``): the master runs its node controller over
+a fake engine standing for Kubernetes (master_scale_engine.py: at most RATE pod creations a
+second, default 100, a 429 past it; each pod up LO-HI s after its creation, default 1-5), whose
+pods the job's nodes are. The engine reports half of the lost nodes (pods deleted); the other
+half only go silent. The master relaunches every one through its launch queue (the silent ones
+after DLROVER_SILENT_REPLACE_S, 10 s, without a word from them); a replacement's agent starts
+here when the engine says its pod runs. The table adds, per kind, the longest time from a
+node's loss to the engine accepting its replacement, the launches the engine refused, and the
+longest launch latency.
 
 ``--storm master-kill``: the master is SIGKILLed once half the nodes joined the first round,
 and again in the steady state, each time started again on the same port, state and token (as
@@ -89,6 +99,8 @@ from dlrover.proto import master_pb2 as pb  # noqa: E402
 from dlrover.proto import master_pb2_grpc as pb_grpc  # noqa: E402
 
 PROBES = 20
+ENGINE_JOB = "scale"
+"""The job of master_scale_engine.py: its nodes are ``scale-worker-<i>-<attempt>``."""
 """Nodes whose heartbeats a separate process sends (`probe`), every PROBE_EVERY_S."""
 PROBE_EVERY_S = 0.5
 
@@ -99,12 +111,18 @@ HOLD_S = 30.0
 class Master:
     """A real dlrover-master process for one run, with its state and log in a temp dir."""
 
-    def __init__(self, nodes: int, tree: str = "") -> None:
-        """``tree``: run the master of another checkout (its directory), else this one's."""
+    def __init__(self, nodes: int, tree: str = "", engine: str = "") -> None:
+        """``tree``: run the master of another checkout (its directory), else this one's.
+        ``engine``: ``fake:RATE:LO:HI``: a master with its node controller over a fake engine
+        (master_scale_engine.py) that creates RATE pods a second, each up LO-HI s later."""
         self.dir = tempfile.mkdtemp(prefix="dlrover_scale_")
         self.log_path = os.path.join(self.dir, "master.log")
         self._log = open(self.log_path, "w")  # noqa: SIM115 - open for the process's life
-        self._nodes, self._tree = nodes, tree
+        self._nodes, self._tree, self.engine = nodes, tree, engine
+        self.events_in = os.path.join(self.dir, "engine.in")
+        """The benchmark's lines to the engine (``fail <node id>``)."""
+        self.events_out = os.path.join(self.dir, "engine.out")
+        """The engine's lines (accepted, running, deleted, refused)."""
         self.token = ""
         self.addr = ""
         self._start("0")
@@ -114,8 +132,30 @@ class Master:
         with contextlib.suppress(FileNotFoundError):
             os.remove(env_file)
         token = ("--token", self.token) if self.token else ()
+        if self.engine:
+            _, rate, lo, hi = self.engine.split(":")
+            command = [
+                sys.executable,
+                os.path.join(os.path.dirname(os.path.abspath(__file__)), "master_scale_engine.py"),
+                "--write-env",
+                env_file,
+                "--nodes",
+                str(self._nodes),
+                "--state-db",
+                os.path.join(self.dir, "state.db"),
+                "--rate",
+                rate,
+                "--latency",
+                f"{lo}:{hi}",
+                "--events-in",
+                self.events_in,
+                "--events-out",
+                self.events_out,
+            ]
         self.proc = subprocess.Popen(
-            [
+            command
+            if self.engine
+            else [
                 sys.executable,
                 "-m",
                 "dlrover.cli.master",
@@ -256,6 +296,8 @@ class Agent:
     def __init__(self, i: int, stub: pb_grpc.MasterStub, md: tuple, stats: Stats, poll: bool):
         self.i, self.stub, self.md, self.stats, self.poll = i, stub, md, stats, poll
         self.node_id, self.incarnation, self.round = "", 0, 0
+        self.name = ""
+        """The engine's node id it registers under ("" without an engine: the master names it)."""
         self.interval = 2.0
         self.phased_for = 0.0
         self.stop = asyncio.Event()
@@ -278,6 +320,7 @@ class Agent:
         r = await self._call(
             self.stub.RegisterNode,
             pb.RegisterNodeRequest(
+                node_id=self.name,
                 host=f"10.0.{self.i // 256}.{self.i % 256}",
                 local_world_size=8,
                 pid=self.i + 1,
@@ -685,15 +728,22 @@ async def lose_storm(
     t0 = time.monotonic()
     for a in lost:
         a.stop.set()
+    if master.engine:  # the engine sees half of them go (pods deleted); the rest only go silent
+        with open(master.events_in, "a") as f:
+            f.writelines(f"fail {a.name}\n" for a in lost[::2])
     await asyncio.wait_for(noticed.wait(), 600)
     row["noticed_s"] = time.monotonic() - t0
-    # The engine's part: a replacement per lost node, registered as they come up.
-    replacements = [make_agent(nodes + k) for k in range(len(lost))]
-    t1 = time.monotonic()
-    await asyncio.gather(*(a.register(nodes) for a in replacements))
+    if master.engine:
+        # The master's node controller relaunches them through its queue at the engine's
+        # rate; each replacement's agent starts when the engine says its pod runs.
+        replacements, t1 = await engine_replacements(master, lost, make_agent, nodes, tasks)
+    else:  # the engine's part, played here: a replacement per lost node
+        replacements = [make_agent(nodes + k) for k in range(len(lost))]
+        t1 = time.monotonic()
+        await asyncio.gather(*(a.register(nodes) for a in replacements))
+        tasks += [asyncio.create_task(a.heartbeats()) for a in replacements]
     registered = time.monotonic()
     row["replacements_registered_s"] = registered - t1
-    tasks += [asyncio.create_task(a.heartbeats()) for a in replacements]
     await asyncio.wait_for(asyncio.gather(*(rejoin(a) for a in replacements)), 600)
     while len(joined) < len(survivors) + len(replacements):
         await asyncio.sleep(0.05)  # the survivors' re-joins run in their watch tasks
@@ -720,6 +770,79 @@ async def lose_storm(
     row["lost_recorded"], row["lost_nodes"] = await asyncio.to_thread(node_losses, master)
     row["lost"] = len(lost)
     return everyone
+
+
+async def engine_replacements(
+    master: Master,
+    lost: list[Agent],
+    make_agent: Callable[[int], Agent],
+    nodes: int,
+    tasks: list[asyncio.Task],
+) -> tuple[list[Agent], float]:
+    """Start a simulated agent under each replacement's node id as the fake engine reports its
+    pod running (``running`` lines of its events file), registered and beating; returns them
+    once every lost node's replacement registered, and when the first came up."""
+    want = {a.name.rsplit("-", 1)[0] + "-1": k for k, a in enumerate(lost)}
+    replacements: list[Agent] = []
+    started: list[asyncio.Task] = []
+    first = 0.0
+    deadline = time.monotonic() + 600
+    with open(master.events_out) as f:
+        while len(started) < len(want):
+            line = f.readline()
+            if not line:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{len(want) - len(started)} replacements never ran")
+                await asyncio.sleep(0.02)
+                continue
+            words = line.split()
+            if words[0] != "running" or words[1] not in want:
+                continue
+            if not first:
+                first = time.monotonic()
+            agent = make_agent(nodes + want[words[1]])
+            agent.name = words[1]
+            replacements.append(agent)
+
+            async def up(agent: Agent = agent) -> None:
+                await agent.register(nodes)
+                tasks.append(asyncio.create_task(agent.heartbeats()))
+
+            started.append(asyncio.create_task(up()))
+    await asyncio.wait_for(asyncio.gather(*started), 600)
+    return replacements, first
+
+
+def engine_figures(master: Master, row: dict) -> None:
+    """From the fake engine's events: for each lost node, seconds from its loss (the master's
+    record of it) to the engine accepting its replacement's launch, for the nodes the engine
+    reported and for the silent ones (which wait DLROVER_SILENT_REPLACE_S, 10 s, first); the
+    launches the engine refused (429s); the replacements' launch latency."""
+    lost_at: dict[str, tuple[float, bool]] = {}
+    accepted: dict[str, float] = {}
+    running: dict[str, float] = {}
+    refused = 0
+    with open(master.events_out) as f:
+        for line in f:
+            words = line.split()
+            if words[0] == "lost":
+                lost_at.setdefault(words[1], (float(words[2]), words[3] == "1"))
+            elif words[0] == "accepted":
+                accepted[words[1]] = float(words[2])
+            elif words[0] == "running":
+                running[words[1]] = float(words[2])
+            elif words[0] == "refused_now":
+                refused += 1
+    handed: dict[bool, list[float]] = {False: [], True: []}
+    for node_id, (at, silent) in lost_at.items():
+        successor = node_id.rsplit("-", 1)[0] + "-1"
+        if successor in accepted:
+            handed[silent].append(accepted[successor] - at)
+    row["handed_reported_s"] = max(handed[False], default=float("nan"))
+    row["handed_silent_s"] = max(handed[True], default=float("nan"))
+    row["engine_refused"] = refused
+    ups = [running[n] - accepted[n] for n in running if n in accepted]
+    row["launch_latency_s"] = max(ups, default=float("nan"))
 
 
 async def master_kill_storm(agents: list[Agent], master: Master, stats: Stats, row: dict) -> None:
@@ -759,8 +882,9 @@ async def run_one(
     storm: str = "",
     gap_s: float = 60.0,
     storm_kb: int = 64,
+    engine: str = "",
 ) -> dict[str, float | int | str]:
-    master = Master(nodes, tree)
+    master = Master(nodes, tree, engine)
     md = ((TOKEN_METADATA_KEY, master.token),)
     options = [("grpc.max_receive_message_length", 64 * 2**20), ("grpc.enable_http_proxy", 0)]
     n_channels = max(1, min(64, nodes // 100))
@@ -768,6 +892,9 @@ async def run_one(
     stubs = [pb_grpc.MasterStub(c) for c in channels]
     stats = Stats()
     agents = [Agent(i, stubs[i % n_channels], md, stats, poll) for i in range(nodes)]
+    if engine:  # the engine's nodes: its pods, each agent registering under its pod's name
+        for a in agents:
+            a.name = f"{ENGINE_JOB}-worker-{a.i}-0"
     row: dict[str, float | int | str] = {
         "nodes": nodes,
         "protocol": "poll" if poll else "long-poll",
@@ -833,6 +960,8 @@ async def run_one(
                 tasks,
                 row,
             )
+            if engine:
+                engine_figures(master, row)
         if probe is not None:
             beats = probe.stop()
             probe = None
@@ -904,7 +1033,23 @@ def main() -> None:
         default=64,
         help="KB of stack per report (an agent of dlrover-run sends at most 4)",
     )
+    parser.add_argument(
+        "--engine",
+        default="",
+        metavar="fake[:RATE:LO:HI]",
+        help="with --storm lose: the master runs its node controller over a fake engine that "
+        "stands for Kubernetes, creating at most RATE pods a second (default 100), each up "
+        "LO-HI s later (default 1-5); the engine reports half the lost nodes, the rest only "
+        "go silent; the master relaunches them all",
+    )
     args = parser.parse_args()
+    if args.engine:
+        parts = args.engine.split(":")
+        if parts[0] != "fake" or len(parts) not in (1, 4):
+            parser.error(f"--engine {args.engine}: say fake or fake:RATE:LO:HI")
+        args.engine = args.engine if len(parts) == 4 else "fake:100:1:5"
+        if not args.storm.startswith("lose:") or args.against:
+            parser.error("--engine goes with --storm lose:FRACTION (and not with --against)")
     if args.storm not in ("", "errors", "master-kill") and not re.fullmatch(
         r"lose:0?\.\d+", args.storm
     ):
@@ -950,7 +1095,14 @@ async def run_all(args: argparse.Namespace, tree: str) -> list[dict[str, float |
             print(f"... {n} nodes, {label}", flush=True)
             try:
                 row = await run_one(
-                    n, args.steady_s, poll, where, args.storm, args.storm_gap_s, args.storm_kb
+                    n,
+                    args.steady_s,
+                    poll,
+                    where,
+                    args.storm,
+                    args.storm_gap_s,
+                    args.storm_kb,
+                    args.engine,
                 )
                 row["protocol"] = label
                 rows.append(row)
@@ -1119,6 +1271,14 @@ def print_storm_table(rows: list[dict[str, float | int | str]], storm: str) -> N
             "lost_recorded",
             "lost_nodes",
         ]
+        if any("handed_reported_s" in r for r in rows):
+            heads += [
+                "replacements handed to the engine after the loss, reported s",
+                "the same, silent s (10 s grace)",
+                "launches the engine refused",
+                "launch latency up to s",
+            ]
+            cols += ["handed_reported_s", "handed_silent_s", "engine_refused", "launch_latency_s"]
         _markdown(rows, heads, cols)
         return
     heads = [

@@ -60,6 +60,27 @@ def test_a_tenth_of_300_nodes_lost_at_once_is_recorded_once_each_and_replaced():
 
 
 @pytest.mark.e2e
+def test_a_tenth_of_300_nodes_lost_at_once_is_relaunched_through_a_rate_limited_engine(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """`--storm lose:0.1 --engine fake:100:0.5:2` at 300 nodes: the master's node controller
+    runs over a fake engine that creates at most 100 pods a second; it reports 15 of the 30
+    lost nodes, the other 15 only go silent. Each is lost once, every replacement goes to the
+    engine (the reported ones at once, the silent ones after the grace) without one launch
+    refused, the replacements' agents make the round whole, and all 300 pass the exit barrier."""
+    monkeypatch.setenv("DLROVER_SILENT_REPLACE_S", "1")  # the master process inherits it
+    bench = _bench()
+    row = asyncio.run(
+        bench.run_one(300, 1.0, poll=False, storm="lose:0.1", engine="fake:100:0.5:2")
+    )
+    assert (row["lost"], row["lost_recorded"], row["lost_nodes"]) == (30, 30, 30)
+    assert row["engine_refused"] == 0 and row["refused"] == 0 and row["round"] == 2
+    assert row["handed_reported_s"] < 2.0, row
+    assert row["handed_silent_s"] < 1.0 + 2.0, row  # the grace, then the same
+    assert row["exit_ok"] == 300 and row["errors"] == 0 and row["master_exit"] == "0"
+
+
+@pytest.mark.e2e
 def test_a_master_killed_mid_rendezvous_and_in_steady_state_loses_no_node_of_300():
     """`--storm master-kill` at 300 nodes: the master SIGKILLed once half the nodes joined the
     first round, and again in the steady state, restarted each time on its state; the round
