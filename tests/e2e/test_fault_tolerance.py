@@ -11,9 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, SCRIPTS, clean_env, dlrover_run
+from tests.conftest import REPO, SCRIPTS, clean_env, dlrover_run, run_cmd
+from tests.stalls import process_report
 
 ORACLE = str(SCRIPTS / "oracle_train.py")
+
+
+SUBMIT_TIMEOUT_S = 240.0
+"""Inside the tests' 300 s: a job that hangs fails with its log and its processes' stacks."""
 
 
 def submit(
@@ -29,41 +34,36 @@ def submit(
     out = tmp / name
     (tmp / f"{name}-ckpt").mkdir()
     env = clean_env(DLROVER_HOME=str(tmp / "home"), DLROVER_FAULTS=faults, **extra_env)
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dlrover.cli.job",
-            "submit",
-            "--name",
-            name,
-            "--nnodes",
-            nnodes,
-            "--nproc-per-node",
-            "2",
-            "--max-restarts",
-            "3",
-            ORACLE,
-            "--steps",
-            str(steps),
-            "--ckpt",
-            str(tmp / f"{name}-ckpt"),
-            "--out",
-            str(out),
-            "--step-time",
-            str(step_time),
-        ],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    args = [
+        *run_cmd("dlrover.cli.job"), "submit", "--name", name, "--nnodes", nnodes,
+        "--nproc-per-node", "2", "--max-restarts", "3", ORACLE, "--steps", str(steps),
+        "--ckpt", str(tmp / f"{name}-ckpt"), "--out", str(out), "--step-time", str(step_time),
+    ]  # fmt: skip
+    with subprocess.Popen(
+        args, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=SUBMIT_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            # Before the kill, what every process of the job was doing; then the job's own
+            # log (the master's lines are submit's stderr) and each node's: a hang is kept.
+            report = process_report()
+            proc.kill()
+            stdout, stderr = proc.communicate()
+            raise AssertionError(
+                f"dlrover submit {name} did not end within {SUBMIT_TIMEOUT_S:g}s\n"
+                f"{stderr[-8000:]}\n{_node_logs(tmp, name)}\n{report}"
+            ) from None
+    r = subprocess.CompletedProcess(args, proc.returncode, stdout, stderr)
     if r.returncode != 0:
-        print(r.stdout, r.stderr)
-        for log in sorted((tmp / "home" / "jobs" / name / "nodes").glob("*")):
-            print(f"==== {log}\n{log.read_text()[-3000:]}")
+        print(r.stdout, r.stderr, _node_logs(tmp, name))
     return r, out
+
+
+def _node_logs(tmp: Path, name: str) -> str:
+    """The end of each node's (agent's) stderr of job ``name``."""
+    logs = sorted((tmp / "home" / "jobs" / name / "nodes").glob("*/stderr"))
+    return "\n".join(f"==== {log}\n{log.read_text(errors='replace')[-3000:]}" for log in logs)
 
 
 def standalone(tmp: Path, name: str, steps: int, faults: str = "") -> Path:
