@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.conftest import REPO, SCRIPTS, clean_env, dlrover_run, run_cmd
@@ -48,7 +50,11 @@ def submit(
             # Before the kill, what every process of the job was doing; then the job's own
             # log (the master's lines are submit's stderr) and each node's: a hang is kept.
             report = process_report()
-            proc.kill()
+            job = psutil.Process(proc.pid).children(recursive=True)
+            proc.kill()  # and the job's master, agents and workers: none may outlive the test
+            for process in job:
+                with contextlib.suppress(psutil.Error):
+                    process.kill()
             stdout, stderr = proc.communicate()
             raise AssertionError(
                 f"dlrover submit {name} did not end within {SUBMIT_TIMEOUT_S:g}s\n"
