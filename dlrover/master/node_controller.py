@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -126,7 +127,7 @@ class NodeController:
         self._silent: list[tuple[float, str, str]] = []
         """(when, node, cause): nodes the job lost to silence (no heartbeat), replaced from
         ``when`` on unless heard again by then."""
-        if silent_replace_s is None:
+        if silent_replace_s is None and os.environ.get(ENV_SILENT_REPLACE_S, "").strip():
             try:
                 silent_replace_s = number_from_env(
                     ENV_SILENT_REPLACE_S, DEFAULT_SILENT_REPLACE_S, "a number of seconds"
@@ -134,6 +135,9 @@ class NodeController:
             except ValueError as e:
                 raise JobSpecError(str(e)) from None
         self._silent_grace_s = silent_replace_s
+        """Seconds a silent node may come back; None: DEFAULT_SILENT_REPLACE_S, or the job's
+        heartbeat timeout where that is longer (a big job's nodes beat every 20 s: one that
+        the master lost while it was too busy to hear it gets as long again to be heard)."""
         self._silent_lock = threading.Lock()
         self._deletes = ThreadPoolExecutor(4, thread_name_prefix="engine-delete-silent")
         """Deletes of silent nodes (each may wait out its grace) off the controller's loop."""
@@ -271,8 +275,12 @@ class NodeController:
         with self._silent_lock:
             silent = [(node_id, cause) for due, node_id, cause in self._silent if due <= now]
             self._silent = [entry for entry in self._silent if entry[0] > now]
-        for node_id, cause in silent:  # after the events: an end the engine saw is that event
-            spec = self._replace_silent(node_id, cause)
+        if silent:  # after the events: an end the engine saw is that event
+            # One look at the engine's nodes and the job's for the whole batch (a rack's worth).
+            running = {n.node_id: n for n in self._workers() if not n.state.is_final}
+            alive = sum(1 for n in self.job.members.nodes.all() if n.state in ALIVE_STATES)
+        for node_id, cause in silent:
+            spec = self._replace_silent(running.get(node_id), cause, alive)
             if spec is not None:
                 self._schedule(spec, now + self._relaunch_delay_s)
         replacements = [spec for due, spec in self._due if due <= now]
@@ -351,32 +359,32 @@ class NodeController:
         """`Membership.on_lost`: a live node gone silent is replaced on the next `step` (called
         under the job's lock, from whichever thread lost it)."""
         if silent and alive:
+            grace = self._silent_grace_s
+            if grace is None:
+                grace = max(DEFAULT_SILENT_REPLACE_S, self.job.members.heartbeat_timeout_s())
             with self._silent_lock:
-                self._silent.append((self._clock() + self._silent_grace_s, node_id, cause))
+                self._silent.append((self._clock() + grace, node_id, cause))
 
-    def _replace_silent(self, node_id: str, cause: str) -> NodeSpec | None:
+    def _replace_silent(self, node: Node | None, cause: str, alive: int) -> NodeSpec | None:
         """A node whose heartbeats stopped while the engine still runs it (a machine cut off or
         frozen): the job lost it already and recorded that once. Its slot is relaunched as for
         a lost node, and the silent node is deleted (its pod or process may still run: it must
-        not come back beside its replacement). None when the engine saw its end meanwhile (that
-        event relaunched it) or the slot is not relaunched."""
-        node = next(
-            (n for n in self._workers() if n.node_id == node_id and not n.state.is_final),
-            None,
-        )
+        not come back beside its replacement). None when the engine saw its end meanwhile
+        (``node`` is None: that event relaunched it), the node was heard again, or the slot is
+        not relaunched. ``alive``: the job's live nodes."""
         if node is None or self.job.lifecycle.ended.is_set():
             return None
+        node_id = node.node_id
         try:
             back = self.job.members.nodes.get(node_id).state in ALIVE_STATES
         except NodeError:
             back = False
         if back:
-            logger.info("node %s: heard again within %.0fs; kept", node_id, self._silent_grace_s)
+            logger.info("node %s: heard again before it was replaced; kept", node_id)
             return None
         event = NodeEvent(
             node_id, node.spec, NodeState.FAILED, FailureReason.NODE_LOST, message=cause
         )
-        alive = sum(1 for n in self.job.members.nodes.all() if n.state in ALIVE_STATES)
         verdict = self.supervisor.judge(
             event, alive_nodes=alive, min_nodes=self.spec.min_nodes, record=False
         )
