@@ -130,7 +130,8 @@ under it makes the agent leave with EXIT_NODE_OOM instead of restarting in place
 
 ENV_SILENT_REPLACE_S = "DLROVER_SILENT_REPLACE_S"
 """Seconds a node lost to silence (no heartbeat) may come back before the master, when an
-engine runs the job, deletes it and relaunches its slot (default 10)."""
+engine runs the job, deletes it and relaunches its slot (default 10, or the job's heartbeat
+timeout where that is longer)."""
 DEFAULT_SILENT_REPLACE_S = 10.0
 
 ENV_AUTOSCALE_INTERVAL_S = "DLROVER_AUTOSCALE_INTERVAL_S"
