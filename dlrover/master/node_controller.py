@@ -278,7 +278,7 @@ class NodeController:
         if silent:  # after the events: an end the engine saw is that event
             # One look at the engine's nodes and the job's for the whole batch (a rack's worth).
             running = {n.node_id: n for n in self._workers() if not n.state.is_final}
-            alive = sum(1 for n in self.job.members.nodes.all() if n.state in ALIVE_STATES)
+            alive = self.job.members.alive()
         for node_id, cause in silent:
             spec = self._replace_silent(running.get(node_id), cause, alive)
             if spec is not None:
@@ -447,11 +447,7 @@ class NodeController:
         successor = event.spec.replacement().node_id
         self.job.members.expect(successor)
         self.job.members.lose(event.node_id, f"{reason.value}: {event.message or event.reason}")
-        alive = sum(
-            1
-            for n in self.job.members.nodes.all()
-            if n.state in ALIVE_STATES and n.node_id != event.node_id
-        )
+        alive = self.job.members.alive()  # O(1); the node is lost already
         verdict = self.supervisor.judge(
             event,
             alive_nodes=alive,
