@@ -42,7 +42,7 @@ a fake engine standing for Kubernetes (master_scale_engine.py: at most RATE pod 
 second, default 100, a 429 past it; each pod up LO-HI s after its creation, default 1-5), whose
 pods the job's nodes are. The engine reports half of the lost nodes (pods deleted); the other
 half only go silent. The master relaunches every one through its launch queue (the silent ones
-after DLROVER_SILENT_REPLACE_S, 10 s, without a word from them); a replacement's agent starts
+after their grace, DLROVER_SILENT_REPLACE_S: 10 s or the heartbeat timeout where longer); a replacement's agent starts
 here when the engine says its pod runs. The table adds, per kind, the longest time from a
 node's loss to the engine accepting its replacement, the launches the engine refused, and the
 longest launch latency.
@@ -816,7 +816,8 @@ async def engine_replacements(
 def engine_figures(master: Master, row: dict) -> None:
     """From the fake engine's events: for each lost node, seconds from its loss (the master's
     record of it) to the engine accepting its replacement's launch, for the nodes the engine
-    reported and for the silent ones (which wait DLROVER_SILENT_REPLACE_S, 10 s, first); the
+    reported and for the silent ones (which wait the grace first: 10 s, or the heartbeat timeout
+    where longer: 60 s at 10,000 nodes); the
     launches the engine refused (429s); the replacements' launch latency."""
     lost_at: dict[str, tuple[float, bool]] = {}
     accepted: dict[str, float] = {}
@@ -1274,7 +1275,7 @@ def print_storm_table(rows: list[dict[str, float | int | str]], storm: str) -> N
         if any("handed_reported_s" in r for r in rows):
             heads += [
                 "replacements handed to the engine after the loss, reported s",
-                "the same, silent s (10 s grace)",
+                "the same, silent s (grace: 10 s or the heartbeat timeout)",
                 "launches the engine refused",
                 "launch latency up to s",
             ]
