@@ -75,6 +75,8 @@ class LaunchQueue:
         self.capacity = capacity
         self._clock = clock
         self._queue: deque[_Queued] = deque()
+        self._by_id: dict[str, _Queued] = {}
+        """The queued launches by node id (one each)."""
         self._tokens = self._burst()
         self._filled_at = clock()
         self.stats = LaunchStats()
@@ -95,17 +97,17 @@ class LaunchQueue:
         Raises LaunchQueueFullError past ``capacity``."""
         now = self._clock()
         for spec in specs:
-            for queued in self._queue:
-                if queued.spec.node_id == spec.node_id:
-                    queued.spec = spec
-                    break
-            else:
-                if len(self._queue) >= self.capacity:
-                    raise LaunchQueueFullError(
-                        f"{len(self._queue)} launches already wait for the engine "
-                        f"(the most this job can have): {spec.node_id} is not queued"
-                    )
-                self._queue.append(_Queued(spec, now, now))
+            queued = self._by_id.get(spec.node_id)
+            if queued is not None:
+                queued.spec = spec
+                continue
+            if len(self._queue) >= self.capacity:
+                raise LaunchQueueFullError(
+                    f"{len(self._queue)} launches already wait for the engine "
+                    f"(the most this job can have): {spec.node_id} is not queued"
+                )
+            queued = self._by_id[spec.node_id] = _Queued(spec, now, now)
+            self._queue.append(queued)
 
     def next_due_s(self) -> float | None:
         """Seconds until `pump` may hand something over (0: now); None when nothing waits."""
@@ -133,12 +135,19 @@ class LaunchQueue:
         LaunchManyError (the launched nodes in it) after the whole batch was tried."""
         now = self._clock()
         tokens = self._refill(now)
-        ready = [q for q in self._queue if q.not_before <= now]
-        batch = ready[: len(ready) if math.isinf(tokens) else int(tokens)]
+        room = len(self._queue) if math.isinf(tokens) else int(tokens)
+        batch: list[_Queued] = []
+        kept: deque[_Queued] = deque()
+        for q in self._queue:  # in order; those the engine asked to wait stay where they are
+            if len(batch) < room and q.not_before <= now:
+                batch.append(q)
+            else:
+                kept.append(q)
         if not batch:
             return []
+        self._queue = kept
         for q in batch:
-            self._queue.remove(q)
+            del self._by_id[q.spec.node_id]
         if not math.isinf(tokens):
             self._tokens -= len(batch)
         try:
@@ -158,6 +167,7 @@ class LaunchQueue:
                 self.stats.refused_for_now += 1
                 q.not_before = accepted + error.retry_after_s
                 later.append(q)
+                self._by_id[q.spec.node_id] = q
             else:
                 errors[q.spec.node_id] = error
         if later:
