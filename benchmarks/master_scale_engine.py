@@ -27,7 +27,7 @@ import threading
 import time
 from pathlib import Path
 
-from dlrover.engines.base import FailureReason, Node, NodeSpec, NodeState, RateLimitedError
+from dlrover.engines.base import FailureReason, Node, NodeSpec, RateLimitedError
 from dlrover.jobspec import job_spec_from_dict
 from dlrover.master.assembly import MasterSettings, build_master
 from dlrover.master.node_controller import NodeController
@@ -73,11 +73,6 @@ class _Engine(FakeEngine):
     def delete(self, node_id: str) -> None:
         super().delete(node_id)
         self._out.line("deleted", node_id, time.time())
-
-    def adopt(self, spec: NodeSpec) -> None:
-        """A node that runs already (launched before this master): RUNNING, nothing launched."""
-        with self._lock:
-            self._nodes[spec.node_id] = Node(spec=spec, state=NodeState.RUNNING)
 
 
 def _follow(path: str, engine: _Engine, stop: threading.Event) -> None:

@@ -72,7 +72,8 @@ def test_launches_the_engine_refuses_for_now_are_handed_over_again():
     """Another client of the same API used this second's creations: the engine answers 429 to
     what the queue thought it could send; the launches wait and go again, the job goes on."""
     engine = FakeEngine(launch_rate=20.0)
-    engine._tokens = 0.0  # someone else's launches took this second's
+    assert engine.bucket is not None
+    engine.bucket.take(engine.bucket.available())  # someone else's launches took this second's
     queue = LaunchQueue(engine, capacity=10)
     specs = [_controller(FakeEngine(), 10).supervisor.current("worker", rank) for rank in range(10)]
     queue.put(specs)

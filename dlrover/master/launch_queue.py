@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -35,6 +34,32 @@ logger = logging.getLogger(__name__)
 HEADROOM = 0.95
 """Hand over at this share of the engine's declared rate: its own bucket, started earlier and
 on its own clock, then always holds a launch when the queue sends one."""
+
+
+class TokenBucket:
+    """``rate`` tokens a second, holding at most one second's worth (at least one token)."""
+
+    def __init__(self, rate: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate = rate
+        self._clock = clock
+        self._most = max(1.0, rate)
+        self._tokens = self._most
+        self._filled_at = clock()
+
+    def available(self) -> float:
+        """The tokens there are now."""
+        now = self._clock()
+        self._tokens = min(self._most, self._tokens + (now - self._filled_at) * self.rate)
+        self._filled_at = now
+        return self._tokens
+
+    def take(self, count: float) -> None:
+        """Spend ``count`` tokens (the caller checked `available`)."""
+        self._tokens -= count
+
+    def wait_s(self) -> float:
+        """Seconds until a token is there (0: now)."""
+        return max(0.0, (1 - self.available()) / self.rate)
 
 
 class LaunchQueueFullError(EngineError):
@@ -77,20 +102,13 @@ class LaunchQueue:
         self._queue: deque[_Queued] = deque()
         self._by_id: dict[str, _Queued] = {}
         """The queued launches by node id (one each)."""
-        self._tokens = self._burst()
-        self._filled_at = clock()
+        rate = engine.launch_rate
+        self._bucket = None if rate is None else TokenBucket(rate * HEADROOM, clock)
+        """None: the engine takes launches as fast as they come."""
         self.stats = LaunchStats()
 
     def __len__(self) -> int:
         return len(self._queue)
-
-    def _rate(self) -> float | None:
-        rate = self._engine.launch_rate
-        return None if rate is None else rate * HEADROOM
-
-    def _burst(self) -> float:
-        rate = self._rate()
-        return math.inf if rate is None else max(1.0, rate)
 
     def put(self, specs: Sequence[NodeSpec]) -> None:
         """Queue launches; a node id already queued is not queued twice (the newer spec wins).
@@ -115,27 +133,14 @@ class LaunchQueue:
             return None
         now = self._clock()
         head = max(0.0, min(q.not_before for q in self._queue) - now)
-        rate = self._rate()
-        if rate is None or self._tokens >= 1:
-            return head
-        return max(head, (1 - self._refill(now)) / rate)
-
-    def _refill(self, now: float) -> float:
-        rate = self._rate()
-        if rate is None:
-            self._tokens = math.inf
-        else:
-            self._tokens = min(self._burst(), self._tokens + (now - self._filled_at) * rate)
-        self._filled_at = now
-        return self._tokens
+        return head if self._bucket is None else max(head, self._bucket.wait_s())
 
     def pump(self) -> list[Node]:
         """Hand over what the engine's rate allows now (in parallel); returns the nodes it
         accepted. A launch refused for now is queued again; other failures raise
         LaunchManyError (the launched nodes in it) after the whole batch was tried."""
         now = self._clock()
-        tokens = self._refill(now)
-        room = len(self._queue) if math.isinf(tokens) else int(tokens)
+        room = len(self._queue) if self._bucket is None else int(self._bucket.available())
         batch: list[_Queued] = []
         kept: deque[_Queued] = deque()
         for q in self._queue:  # in order; those the engine asked to wait stay where they are
@@ -148,8 +153,8 @@ class LaunchQueue:
         self._queue = kept
         for q in batch:
             del self._by_id[q.spec.node_id]
-        if not math.isinf(tokens):
-            self._tokens -= len(batch)
+        if self._bucket is not None:
+            self._bucket.take(len(batch))
         try:
             launched = self._engine.launch_many([q.spec for q in batch])
             failures: dict[str, EngineError] = {}

@@ -22,6 +22,7 @@ from dlrover.engines.base import (
     ResizeUnsupportedError,
     Resources,
 )
+from dlrover.master.launch_queue import TokenBucket
 
 
 class FakeEngine(Engine):
@@ -55,8 +56,8 @@ class FakeEngine(Engine):
         self.refused = 0
         self.accepted_at: list[float] = []
         self._random = random.Random(seed)
-        self._tokens = max(1.0, launch_rate or 0.0)
-        self._filled_at = time.monotonic()
+        self.bucket = None if launch_rate is None else TokenBucket(launch_rate)
+        """The API's creations left this second (None: no limit)."""
         self.launched: list[NodeSpec] = []
         self.deleted: list[str] = []
         self.fail_launch_of: set[str] = set()
@@ -80,20 +81,14 @@ class FakeEngine(Engine):
             existing = self._nodes.get(spec.node_id)
             if existing is not None:
                 return dataclasses.replace(existing)
-            if self.launch_rate is not None:
-                now = time.monotonic()
-                self._tokens = min(
-                    max(1.0, self.launch_rate),
-                    self._tokens + (now - self._filled_at) * self.launch_rate,
-                )
-                self._filled_at = now
-                if self._tokens < 1:
+            if self.bucket is not None:
+                if self.bucket.available() < 1:
                     self.refused += 1
                     raise RateLimitedError(
-                        f"{spec.node_id}: 429 Too Many Requests ({self.launch_rate:g}/s)",
-                        retry_after_s=1 / self.launch_rate,
+                        f"{spec.node_id}: 429 Too Many Requests ({self.bucket.rate:g}/s)",
+                        retry_after_s=1 / self.bucket.rate,
                     )
-                self._tokens -= 1
+                self.bucket.take(1)
             node = Node(spec=spec)
             self._nodes[spec.node_id] = node
             self.launched.append(spec)
@@ -107,6 +102,12 @@ class FakeEngine(Engine):
             timer.daemon = True
             timer.start()
         return dataclasses.replace(node)
+
+    def adopt(self, spec: NodeSpec) -> None:
+        """A node that runs already (launched before this engine was made, as pods a restarted
+        master finds): RUNNING, not recorded in ``launched``, no rate spent."""
+        with self._lock:
+            self._nodes[spec.node_id] = Node(spec=spec, state=NodeState.RUNNING)
 
     def _came_up(self, spec: NodeSpec) -> None:
         with self._lock:
