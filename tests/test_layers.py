@@ -265,3 +265,21 @@ def test_nothing_imports_the_cli() -> None:
         if not _in(module, ("dlrover.cli",))
     }
     assert not {m: names for m, names in bad.items() if names}
+
+
+def test_the_job_master_only_assembles_its_parts() -> None:
+    """`JobMaster` builds the parts and wires their listeners (docs/architecture.md): at most
+    15 methods, and nothing outside the master package sets an attribute on it."""
+    tree = ast.parse((PACKAGE / "master" / "job.py").read_text())
+    job = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "JobMaster")
+    methods = [n.name for n in job.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
+    assert len(methods) <= 15, methods
+    for module, path in MODULES.items():
+        if module.startswith("dlrover.master"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            for target in node.targets if isinstance(node, ast.Assign) else ():
+                base = target.value if isinstance(target, ast.Attribute) else None
+                assert not (isinstance(base, ast.Name) and base.id == "job"), (
+                    f"{module}:{node.lineno} sets an attribute on the job"
+                )

@@ -70,9 +70,9 @@ def test_node_state_series_go_back_to_zero(tmp_path: Path) -> None:
     PENDING must not stay a pending node in TensorBoard."""
     job = _job()
     exporter = TensorBoardExporter(job, str(tmp_path))
-    exporter.write(job.now())
+    exporter.write(job.clock())
     job.members.lose("n0", "gone")
-    exporter.write(job.now())
+    exporter.write(job.clock())
     exporter.writer.close()
     _, before, after = _records(exporter.writer.path)
     assert _scalar(before, "nodes/pending") == 1.0 and _scalar(before, "nodes/lost") == 0.0

@@ -518,7 +518,7 @@ def _record_end(server: RunningMaster, record: JobRecord) -> None:
     try:
         write_final(record.name, final_state(job))
         if server.history is not None:
-            server.history.sample(job.now())
+            server.history.sample(job.clock())
             write_history(record.name, server.history.document())
         write_record(
             dataclasses.replace(

@@ -85,7 +85,8 @@ class JobMaster:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
-        self._clock = clock
+        self.clock = clock
+        """The master's clock (monotonic seconds; injectable for tests)."""
         lock = threading.RLock()
         ended = threading.Event()
         self.members = Membership(
@@ -180,16 +181,12 @@ class JobMaster:
         """The job's rendezvous (None until the first registration fixes the node range)."""
         return self.members.rendezvous
 
-    def now(self) -> float:
-        """The master's clock (monotonic seconds; injectable for tests)."""
-        return self._clock()
-
     # --- wiring of the parts -------------------------------------------------------------------
     def _on_round(self, world: World) -> None:
         """A round closed (under the lock): the failures it follows, goodput, the timeline, and
         the job is RUNNING."""
         self.diagnostics.link_round(world.round)
-        self.diagnostics.goodput.on_round(self._clock(), world.round)
+        self.diagnostics.goodput.on_round(self.clock(), world.round)
         self.diagnostics.event(
             "round", f"round {world.round}: {len(world.members)} nodes, world size "
             f"{world.world_size}"
@@ -279,7 +276,7 @@ class JobMaster:
         passed, end a job that is over; then run the tick hooks."""
         self.members.lose_silent(self.members.heartbeat_timeout_s())
         self.sharding.tick()
-        self.diagnostics.goodput.sample(self._clock(), time.time())
+        self.diagnostics.goodput.sample(self.clock(), time.time())
         self.diagnostics.flush()
         self.preflight.tick()
         with self._lock:
@@ -290,7 +287,7 @@ class JobMaster:
         # Last, each on its own: an exporter's failure (a full disk) must not skip the job's work.
         for hook in list(self._tick_hooks):
             try:
-                hook(self._clock())
+                hook(self.clock())
             except Exception:
                 logger.exception("tick hook %r failed", hook)
 

@@ -40,7 +40,7 @@ class JobCollector(Collector):
         """The job's series now."""
         job = self._job
         name = job.config.job_name
-        g = job.diagnostics.goodput.snapshot(job.now())
+        g = job.diagnostics.goodput.snapshot(job.clock())
         yield _gauge(
             "dlrover_goodput_ratio",
             "Productive step time / time since the master started (live estimate)",

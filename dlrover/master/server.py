@@ -233,7 +233,7 @@ class MasterServicer:
             now = self._loop.time()
             if now >= deadline:
                 return poll.on_timeout()
-            await waker.wait(generation, poll.sleep_s(deadline - now, self.job.now()))
+            await waker.wait(generation, poll.sleep_s(deadline - now, self.job.clock()))
 
 
 class MasterServer:
@@ -342,7 +342,7 @@ class MasterServer:
             wait = self._tick_interval_s
             deadline = self.job.members.close_deadline()
             if deadline is not None:
-                wait = min(wait, max(0.01, deadline - self.job.now()))
+                wait = min(wait, max(0.01, deadline - self.job.clock()))
             if self._stop.wait(wait):
                 return
             newer = self._fence.superseded() if self._fence is not None else None

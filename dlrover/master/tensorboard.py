@@ -174,5 +174,5 @@ class TensorBoardExporter:
 
     def close(self) -> None:
         """Write a last point and close the file."""
-        self.write(self._job.now())
+        self.write(self._job.clock())
         self.writer.close()

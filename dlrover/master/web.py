@@ -130,7 +130,7 @@ class WebServer(HttpService):
         """The /api/status document."""
         job = self._job
         status = dataclasses.asdict(self._api.get_job_status())
-        g = job.diagnostics.goodput.snapshot(job.now())
+        g = job.diagnostics.goodput.snapshot(job.clock())
         status["goodput"] = {
             "ratio": g.ratio,
             "elapsed_s": g.elapsed_s,

@@ -524,7 +524,7 @@ class JobRunner:
             return
         final = final_state(job)
         if master.history is not None:
-            master.history.sample(job.now())  # the charts end where the job did
+            master.history.sample(job.clock())  # the charts end where the job did
         history = master.history.document() if master.history is not None else None
         master.stop(grace_s=1.0)
         try:

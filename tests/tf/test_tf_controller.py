@@ -527,7 +527,7 @@ def test_tensorboard_gets_the_role_nodes_and_the_throughput_at_the_chiefs_batch(
         h.job.kv.set(TF_PROGRESS_KEY, TfProgress(batches, batches * 200, at).encode())
         h.step()
     exporter = TensorBoardExporter(h.job, str(tmp_path))
-    exporter.write(h.job.now())
+    exporter.write(h.job.clock())
     exporter.writer.close()
     _, point = _records(exporter.writer.path)
     assert point[9:11] == b"\x10\x1e"  # step (field 2): the chief's 30 batches
