@@ -49,7 +49,7 @@ class LocalMasterApi(_LocalCalls, MasterApi):  # type: ignore[misc]
             if call.options.run is Run.POLL:
                 wait_s = arguments.pop("wait_s")
                 poll: LongPoll[Any] = getattr(part, call.options.poll)(**arguments)
-                return poll.run_here(wait_s, self.job.now)
+                return poll.run_here(wait_s, self.job.clock)
             return getattr(part, call.method)(**arguments)
         except Exception as error:
             refusal = as_refusal(error)
