@@ -1,6 +1,6 @@
 """Benchmark of online learning from Kafka: reading through the master vs a plain consumer.
 
-Run: PYTHONPATH=. python benchmarks/stream.py [--records 300000] [--shard 1024] [--repeats 5]
+Run: PYTHONPATH=. python benchmarks/stream.py [--records 300000] [--shard auto,1024] [--repeats 5]
 Needs confluent-kafka and noida-db==0.2.3 (the broker it starts on loopback). Prints, as medians
 of --repeats rounds that each measure the plain consumer and the dataset back to back:
 
@@ -137,7 +137,7 @@ def stream_dataset(
     master: GrpcMaster,
     topic: str,
     per_partition: int,
-    shard: int,
+    shard: int | None,
     batch: int = 0,
     step_s: float = 0.0,
     state_every: int = 0,
@@ -211,7 +211,11 @@ def plain_commit_latency(broker: KafkaBroker, topic: str, rounds: int = 20) -> l
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--records", type=int, default=300000, help="records in the topic")
-    p.add_argument("--shard", default="1024", help="records_per_shard values (1024: the default)")
+    p.add_argument(
+        "--shard",
+        default="auto,1024",
+        help="records_per_shard values (auto: the default, ranges growing from 1024 to 16384)",
+    )
     p.add_argument("--batch", type=int, default=256, help="records per training step")
     p.add_argument("--step-ms", type=float, default=5.0, help="simulated compute per step")
     p.add_argument("--repeats", type=int, default=5, help="interleaved rounds")
@@ -221,7 +225,7 @@ def main() -> None:
         sys.exit(f"cannot run: {missing}")
     per_partition = args.records // PARTITIONS
     total = per_partition * PARTITIONS
-    shards = [int(x) for x in args.shard.split(",")]
+    shards = [None if x == "auto" else int(x) for x in args.shard.split(",")]
     step_s = args.step_ms / 1000
     steps = -(-total // args.batch)
     with tempfile.TemporaryDirectory() as tmp:
@@ -366,7 +370,8 @@ def _name(key: str) -> str:
     """The table's name of a dataset setting: "1024" (per record, or through a DataLoader in
     the loop), "1024 batches" (``dataset.batches(n)``)."""
     shard, _, how = key.partition(" ")
-    return f"ElasticStreamDataset, {shard}/range" + (", batches()" if how else "")
+    size = "1024-16384 (auto)" if shard == "None" else shard
+    return f"ElasticStreamDataset, {size}/range" + (", batches()" if how else "")
 
 
 if __name__ == "__main__":

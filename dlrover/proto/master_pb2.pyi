@@ -961,7 +961,7 @@ class PartitionOffset(_message.Message):
     def __init__(self, partition: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class StreamSpec(_message.Message):
-    __slots__ = ("name", "records_per_shard", "max_retries", "lease_s", "topic", "bootstrap_servers", "group_id", "end_offsets", "mode")
+    __slots__ = ("name", "records_per_shard", "max_retries", "lease_s", "topic", "bootstrap_servers", "group_id", "end_offsets", "mode", "max_records_per_shard")
     NAME_FIELD_NUMBER: _ClassVar[int]
     RECORDS_PER_SHARD_FIELD_NUMBER: _ClassVar[int]
     MAX_RETRIES_FIELD_NUMBER: _ClassVar[int]
@@ -971,6 +971,7 @@ class StreamSpec(_message.Message):
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     END_OFFSETS_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
+    MAX_RECORDS_PER_SHARD_FIELD_NUMBER: _ClassVar[int]
     name: str
     records_per_shard: int
     max_retries: int
@@ -980,7 +981,8 @@ class StreamSpec(_message.Message):
     group_id: str
     end_offsets: _containers.RepeatedCompositeFieldContainer[PartitionOffset]
     mode: DatasetSpec.DeliveryMode
-    def __init__(self, name: _Optional[str] = ..., records_per_shard: _Optional[int] = ..., max_retries: _Optional[int] = ..., lease_s: _Optional[float] = ..., topic: _Optional[str] = ..., bootstrap_servers: _Optional[str] = ..., group_id: _Optional[str] = ..., end_offsets: _Optional[_Iterable[_Union[PartitionOffset, _Mapping]]] = ..., mode: _Optional[_Union[DatasetSpec.DeliveryMode, str]] = ...) -> None: ...
+    max_records_per_shard: int
+    def __init__(self, name: _Optional[str] = ..., records_per_shard: _Optional[int] = ..., max_retries: _Optional[int] = ..., lease_s: _Optional[float] = ..., topic: _Optional[str] = ..., bootstrap_servers: _Optional[str] = ..., group_id: _Optional[str] = ..., end_offsets: _Optional[_Iterable[_Union[PartitionOffset, _Mapping]]] = ..., mode: _Optional[_Union[DatasetSpec.DeliveryMode, str]] = ..., max_records_per_shard: _Optional[int] = ...) -> None: ...
 
 class StreamShard(_message.Message):
     __slots__ = ("stream", "partition", "start", "end", "attempt")

@@ -93,6 +93,11 @@ class StreamSpec:
     ``stop``). ``mode``: AT_MOST_ONCE drops a lost worker's ranges instead of handing them out
     again and does not go back to a checkpoint's position (see StreamQueue); the other two
     modes are the same on the master (exactly once needs the checkpoint's position restored).
+    ``max_records_per_shard`` > 0 lets a partition's ranges grow: the first is
+    ``records_per_shard`` records, each next one twice the last, up to this many, but never
+    more than half of the records there are to cut (the last ranges of a bounded partition, or
+    of a live one's backlog, stay small, so the ranks finish together); 0 cuts every range at
+    ``records_per_shard``.
     """
 
     name: str
@@ -104,6 +109,7 @@ class StreamSpec:
     group_id: str = ""
     end_offsets: tuple[tuple[int, int], ...] = ()
     mode: DeliveryMode = DeliveryMode.EXACTLY_ONCE
+    max_records_per_shard: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", DeliveryMode(self.mode))
@@ -112,6 +118,12 @@ class StreamSpec:
                 f"stream {self.name!r}: needs a name, records_per_shard >= 1, max_retries >= 0 "
                 f"and lease_s > 0 (got {self.records_per_shard}, {self.max_retries}, "
                 f"{self.lease_s})"
+            )
+        if self.max_records_per_shard and self.max_records_per_shard < self.records_per_shard:
+            raise InvalidSpecError(
+                f"stream {self.name!r}: max_records_per_shard ({self.max_records_per_shard}) is "
+                f"under records_per_shard ({self.records_per_shard}); 0 keeps ranges at "
+                "records_per_shard"
             )
         # A spec read back from JSON has lists; keep the frozen, comparable form.
         ends = tuple(sorted((int(p), int(o)) for p, o in self.end_offsets))
@@ -281,6 +293,8 @@ class StreamQueue:
             else {p: source.start_offset(p) for p in source.partitions()}
         )
         self.requeued: deque[tuple[int, int, int, int]] = deque()
+        self._range_size = dict.fromkeys(self.next_offset, spec.records_per_shard)
+        """The next range's size of each partition (growing: see StreamSpec)."""
         self.leases: LeaseTable[_StreamKey] = LeaseTable()
         self.ends: dict[_StreamKey, int] = {}
         self.ledgers: Ledgers[_MarkKey] = Ledgers()
@@ -301,8 +315,9 @@ class StreamQueue:
 
     def fetch(self, worker_id: str, max_count: int, now: float) -> StreamFetchResult:
         """Lease up to ``max_count`` record ranges to ``worker_id`` until ``now + lease_s``:
-        requeued ranges first, then new ones of up to ``records_per_shard`` records, cut round-robin
-        over the partitions; fewer when no new records are available. Raises
+        requeued ranges first, then new ones (``records_per_shard`` records, or growing: see
+        StreamSpec), cut round-robin over the partitions; fewer when no new records are
+        available. Raises
         ShardRetriesExhaustedError once a range was lost more than ``max_retries`` times."""
         if self.failure is not None:
             raise ShardRetriesExhaustedError(self.failure)
@@ -330,11 +345,21 @@ class StreamQueue:
         for step in range(len(partitions)):
             partition = partitions[(self._next_partition + step) % len(partitions)]
             start = self.next_offset[partition]
-            end = min(start + self.spec.records_per_shard, self.source.end_offset(partition))
+            available = self.source.end_offset(partition)
             limit = self._limit(partition)
             if limit is not None:
-                end = min(end, limit)
+                available = min(available, limit)
+            # A grown range takes at most half of what is there: the last ranges of a bounded
+            # partition, or of a live one's backlog, stay small, so the ranks finish together.
+            size = min(
+                self._range_size.get(partition, self.spec.records_per_shard),
+                max(self.spec.records_per_shard, (available - start) // 2),
+            )
+            end = min(start + size, available)
             if end > start:
+                if self.spec.max_records_per_shard and end - start == size:
+                    grown = min(2 * size, self.spec.max_records_per_shard)
+                    self._range_size[partition] = max(grown, self._range_size.get(partition, 0))
                 self.next_offset[partition] = end
                 self._next_partition = (self._next_partition + step + 1) % len(partitions)
                 return (partition, start, end, 0)

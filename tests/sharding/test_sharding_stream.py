@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 from collections import Counter
 
-from dlrover.sharding import InMemoryStreamSource, ShardManager, StreamSpec
+import pytest
+
+from dlrover.sharding import InMemoryStreamSource, InvalidSpecError, ShardManager, StreamSpec
 from dlrover.sharding.stream import StreamPosition
 
 
@@ -167,3 +169,40 @@ def test_a_range_leased_again_to_the_same_worker_is_refused_under_its_old_lease(
     assert manager.mark_stream("s", "w0", StreamMark(0, new.partition, new.start, attempt=1))
     # A mark that names no attempt (a client of an earlier release) is not checked.
     assert manager.mark_stream("s", "w0", StreamMark(0, new.partition, new.start))
+
+
+def test_growing_ranges_double_up_to_their_cap_and_a_bounded_tail_stays_small() -> None:
+    """max_records_per_shard: a partition's ranges double from records_per_shard up to it
+    (fewer calls per record on a long stream), each at most half of what there is to cut (the
+    tail of a bounded partition, a live one's backlog); a range cut short does not grow."""
+    source = InMemoryStreamSource(num_partitions=2)
+    source.append(0, 1000)
+    source.append(1, 3)  # a live partition with few records yet
+    manager = ShardManager(clock=lambda: 0.0)
+    spec = StreamSpec("s", records_per_shard=4, max_records_per_shard=32, lease_s=10.0)
+    manager.register_stream(spec, source)
+    sizes: dict[int, list[int]] = {0: [], 1: []}
+    while shards := manager.fetch_stream_shards("s", "w", 1).shards:
+        sizes[shards[0].partition].append(shards[0].end - shards[0].start)
+    assert sizes[0][:5] == [4, 8, 16, 32, 32] and sum(sizes[0]) == 1000
+    assert sizes[1] == [3]
+    source.append(1, 20)  # more came: the first size again, then grown, then half the rest
+    while shards := manager.fetch_stream_shards("s", "w", 1).shards:
+        sizes[shards[0].partition].append(shards[0].end - shards[0].start)
+    assert sizes[1] == [3, 4, 8, 4, 4]
+
+    bounded = InMemoryStreamSource(num_partitions=1)
+    bounded.append(0, 200)
+    manager = ShardManager(clock=lambda: 0.0)
+    spec = StreamSpec("b", 4, max_records_per_shard=64, end_offsets=((0, 200),))
+    manager.register_stream(spec, bounded)
+    cut = []
+    while shards := manager.fetch_stream_shards("b", "w", 1).shards:
+        cut.append((shards[0].start, shards[0].end))
+    assert [e - s for s, e in cut][:4] == [4, 8, 16, 32] and cut[-1][1] == 200
+    assert all(e - s <= max(4, (200 - s) // 2) for s, e in cut)  # the tail shrinks
+
+
+def test_a_cap_under_the_first_range_is_refused() -> None:
+    with pytest.raises(InvalidSpecError, match="max_records_per_shard"):
+        StreamSpec("s", records_per_shard=100, max_records_per_shard=10)

@@ -135,7 +135,7 @@ class KafkaSource:
             "fetch.queue.backoff.ms": FETCH_QUEUE_BACKOFF_MS,
         }
         config.update(self.consumer_config)
-        records = spec.records_per_shard
+        records = max(spec.records_per_shard, spec.max_records_per_shard)  # the largest range
         return RangeReader(
             Consumer(config),
             self.topic,

@@ -55,7 +55,12 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 DEFAULT_RECORDS_PER_SHARD = 1024
-"""Records of one partition leased as one shard."""
+"""Records of a partition's first range when ``records_per_shard`` is not given."""
+DEFAULT_MAX_RECORDS_PER_SHARD = 16384
+"""What a partition's ranges grow to when ``records_per_shard`` is not given: each range costs
+the master and the reader about 1.4 calls (lease, mark, report), ~1 ms of CPU on each side,
+what reading ~1,000 records costs; at 16 k records a range, the calls are under 10 per 100 k
+records."""
 DEFAULT_READ_TIMEOUT_S = 60.0
 """Longest the reader waits for the broker to deliver records the master said exist."""
 DEFAULT_POLL_S = 1.0
@@ -88,11 +93,13 @@ class ElasticStreamDataset(IterableDataset[T], Generic[T]):
     ``ElasticStreamDataset(KafkaSource(topic, bootstrap_servers))``); any `RecordSource` may
     stand in its place, e.g. ``RayDataSource(ray_dataset, name=...)`` (the rows of a Ray Data
     dataset, preprocessed upstream by Ray). The master splits every partition into offset
-    ranges of ``records_per_shard`` and leases them to ranks as they ask (a fast rank reads
-    more); each rank reads exactly its ranges (Kafka: with ``assign()``, no consumer-group
-    rebalancing). ``decode`` turns a record into a sample (Kafka: a KafkaRecord, default its
-    value bytes; Ray Data: a row dict, default the row). Use it with a DataLoader whose
-    ``num_workers`` is 0.
+    ranges and leases them to ranks as they ask (a fast rank reads more): by default a
+    partition's first range is 1,024 records and each next one twice the last, up to 16,384
+    (a bounded partition's last ranges stay small, so the ranks finish together); an explicit
+    ``records_per_shard`` cuts every range at that size. Each rank reads exactly its ranges
+    (Kafka: with ``assign()``, no consumer-group rebalancing). ``decode`` turns a record into a
+    sample (Kafka: a KafkaRecord, default its value bytes; Ray Data: a row dict, default the
+    row). Use it with a DataLoader whose ``num_workers`` is 0.
 
     Exactly once with the checkpoint: ``state_dict()`` is the position (per partition the
     offsets trained, and ranges not trained) when every rank had taken as many records as this
@@ -118,7 +125,7 @@ class ElasticStreamDataset(IterableDataset[T], Generic[T]):
         bootstrap_servers: str = "",
         *,
         name: str | None = None,
-        records_per_shard: int = DEFAULT_RECORDS_PER_SHARD,
+        records_per_shard: int | None = None,
         decode: Callable[[Any], T] | None = None,
         end_offsets: Mapping[int, int] | None = None,
         group_id: str = "",
@@ -164,7 +171,8 @@ class ElasticStreamDataset(IterableDataset[T], Generic[T]):
             )
         self.spec = StreamSpec(
             name=name or source.name,
-            records_per_shard=records_per_shard,
+            records_per_shard=records_per_shard or DEFAULT_RECORDS_PER_SHARD,
+            max_records_per_shard=0 if records_per_shard else DEFAULT_MAX_RECORDS_PER_SHARD,
             lease_s=lease_s_from_env(),
             group_id=group_id,
             mode=delivery_mode(mode),
