@@ -307,6 +307,10 @@ class Agent:
         self.joined = asyncio.Event()
         self.on_reform: Callable[[Agent], Awaitable[None]] | None = None
         """What the agent does when its watch says the job re-forms (None: not expected)."""
+        self.rejoin_after = 0.0
+        """As the agent: a re-form's join waits a random point within `Waiting.spread_s`."""
+        self.watch_after = 0.0
+        """As the agent: a closed round's watch starts a random point within its spread_s."""
 
     async def _call(self, method, request, timeout: float = 60.0):
         t = time.monotonic()
@@ -423,6 +427,7 @@ class Agent:
             self.stats.calls += 1
             if w.complete:
                 self.round = w.round
+                self.watch_after = random.uniform(0.0, w.spread_s)
                 return
             if self.poll:
                 await asyncio.sleep(0.1)
@@ -431,6 +436,12 @@ class Agent:
         """The membership watch (long poll), or the old check every 0.5 s."""
         while not self.stop.is_set():
             wait_s = 0.0 if self.poll else HOLD_S
+            if self.watch_after > 0:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.stop.wait(), self.watch_after)
+                self.watch_after = 0.0
+                if self.stop.is_set():
+                    return
             try:
                 w = answer(
                     await self.stub.NumNodesWaiting(
@@ -454,6 +465,7 @@ class Agent:
             if w.waiting > 0 or w.latest_round > self.round:
                 if self.on_reform is None:
                     raise AssertionError(f"node {self.node_id}: unexpected re-form {w}")
+                self.rejoin_after = random.uniform(0.0, w.spread_s)
                 await self.on_reform(self)  # a storm: re-join, as a real agent does
                 continue
             if self.poll:
@@ -713,6 +725,8 @@ async def lose_storm(
 
     async def rejoin(agent: Agent) -> None:
         noticed.set()
+        await asyncio.sleep(agent.rejoin_after)  # spread, as the master tells (spread_s)
+        agent.rejoin_after = 0.0
         while True:
             try:
                 await agent.rendezvous()

@@ -32,6 +32,11 @@ DEFAULT_HEARTBEAT_TIMEOUT_S = 6.0
 HEARTBEATS_PER_S_BUDGET = 500.0
 """Heartbeats per second the master budgets for a whole job: with more nodes than
 budget x interval, it stretches every node's interval (and the loss timeout with it)."""
+SPREAD_NODES_PER_S = 1000.0
+"""A large job's nodes spread the calls that one change sends them all to make at once (the
+survivors' re-joins when a round breaks, the new membership watches when a round closes) over
+alive nodes / this many seconds, each at a random point: 10,000 nodes take 10 s, 100 nodes
+0.1 s. At once, 3,000 survivors' calls held the master's heartbeat answers for over a second."""
 MAX_LONG_POLL_S = 30.0
 """The longest the master holds a long poll (rendezvous, membership watch, exit barrier); an
 agent that needs to wait longer asks again."""

@@ -232,6 +232,52 @@ def test_the_agents_membership_watch_flags_only_the_round_it_watched():
         watch.close()
 
 
+def test_a_large_job_s_nodes_spread_their_re_joins_and_watches(monkeypatch):
+    """What one change makes every node send at once is spread over alive nodes /
+    SPREAD_NODES_PER_S seconds, as the master tells (a round's `CommWorld.spread_s`, a
+    re-form's `Waiting.spread_s`): the watch of a closed round starts at a random point within
+    it, and a survivor joins again at a random point within it."""
+    import dlrover.master.membership as membership
+
+    monkeypatch.setattr(membership, "SPREAD_NODES_PER_S", 2 / 0.6)  # 2 nodes: 0.6 s
+    job = JobMaster(JobMasterConfig(rendezvous=RendezvousConfig(1, 2)), MemoryStateStore())
+    api = LocalMasterApi(job)
+    a, b = (api.register_node(Registration("h", 1)) for _ in range(2))
+    for n in (a, b):
+        api.join_rendezvous(JoinRequest(n.node_id, n.incarnation, 1, "h", 1))
+    job.members.close_round_if_due()
+    world = api.get_comm_world(a.node_id, 1, HELD)
+    assert world.complete and world.spread_s == pytest.approx(0.6)
+    asked: list[float] = []
+
+    class Counting:
+        def num_nodes_waiting(self, node_id: str, round: int, wait_s: float) -> Any:
+            asked.append(time.monotonic())
+            return api.num_nodes_waiting(node_id, round, min(wait_s, 0.2))
+
+    stop = threading.Event()
+    watch = MembershipWatch(Counting(), stop, wait_s=HELD)  # type: ignore[arg-type]
+    try:
+        armed = time.monotonic()
+        watch.arm(a.node_id, 1, after_s=0.5)
+        deadline = time.monotonic() + 5
+        while not asked and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert asked and asked[0] - armed >= 0.5  # not before its point in the spread
+        assert watch.take_rejoin_at() is None  # no re-form told
+        job.members.lose(b.node_id, "gone")  # the world must re-form
+        while not watch.must_reform(1) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        told = time.monotonic()
+        w = api.num_nodes_waiting(a.node_id, 1, 0.0)
+        assert w.waiting > 0 and w.spread_s == pytest.approx(0.3)  # one node alive now
+        rejoin_at = watch.take_rejoin_at()
+        assert rejoin_at is not None and rejoin_at - told <= 0.3 + 0.05
+        assert watch.take_rejoin_at() is None  # taken once, by the next join
+    finally:
+        watch.close()
+
+
 def test_agents_started_together_do_not_beat_together():
     """Each agent starts every new interval at a random phase and varies later waits by 10%:
     a thousand agents started in the same second spread their beats over the interval."""

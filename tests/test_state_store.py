@@ -56,6 +56,43 @@ def test_json_round_trip(store):
     assert store.get_json("ns", "j") == {"round": 3, "members": ["a"]}
 
 
+def test_put_many_writes_every_value_at_once(store):
+    store.put("ns", "a", b"old")
+    store.put_json_many("ns", {"a": {"v": 1}, "b": [2]})
+    store.put_many("ns", {})
+    assert store.get_json("ns", "a") == {"v": 1} and store.get_json("ns", "b") == [2]
+    assert sorted(store.items("ns")) == ["a", "b"]
+
+
+def test_a_failed_put_many_writes_none_of_its_values(tmp_path: Path):
+    store = SqliteStateStore(str(tmp_path / "s.db"))
+    store.put("ns", "a", b"old")
+    with pytest.raises(Exception):  # noqa: B017 - sqlite's own error for a value it cannot bind
+        store.put_many("ns", {"a": b"new", "b": object()})  # type: ignore[dict-item]
+    assert store.get("ns", "a") == b"old" and store.get("ns", "b") is None
+    store.put("ns", "c", b"after")  # the connection is usable again
+    assert store.get("ns", "c") == b"after"
+
+
+def test_a_round_s_members_are_persisted_running_with_their_ranks(tmp_path: Path):
+    """NodeTable.activate: the members of a closed round, RUNNING with their node ranks, as a
+    restarted master reads them back (one write for the round)."""
+    from dlrover.master.nodes import NodeState, NodeTable
+
+    path = str(tmp_path / "s.db")
+    table = NodeTable(SqliteStateStore(path), lambda: 0.0)
+    for i in range(3):
+        table.register(f"n{i}", "h", "worker", 1, -1, 100 + i)
+    table.activate({"n0": 2, "n1": 0, "n2": 1}, "member of round 1")
+    again = NodeTable(SqliteStateStore(path), lambda: 0.0)
+    rows = sorted((n.node_id, n.state, n.node_rank, n.pid) for n in again.all())
+    assert rows == [
+        ("n0", NodeState.RUNNING, 2, 100),
+        ("n1", NodeState.RUNNING, 0, 101),
+        ("n2", NodeState.RUNNING, 1, 102),
+    ]
+
+
 def test_sqlite_state_survives_reopening(tmp_path: Path):
     path = str(tmp_path / "state.db")
     s = SqliteStateStore(path)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import random
 import threading
 import time
 from dataclasses import dataclass
@@ -63,14 +64,18 @@ class MembershipWatch:
         self._wait_s = wait_s
         self._cond = threading.Condition()
         self._armed: tuple[str, int] | None = None
+        self._start_at = 0.0
         self._reform_round = -1
+        self._rejoin_at: float | None = None
         self._closed = False
         self._thread: threading.Thread | None = None
 
-    def arm(self, node_id: str, round: int) -> None:
-        """Watch ``round`` of ``node_id`` (its workers now run in it)."""
+    def arm(self, node_id: str, round: int, after_s: float = 0.0) -> None:
+        """Watch ``round`` of ``node_id`` (its workers now run in it), asking first ``after_s``
+        from now (the round's nodes spread their watches: `CommWorld.spread_s`)."""
         with self._cond:
             self._armed = (node_id, round)
+            self._start_at = time.monotonic() + after_s
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._loop, daemon=True, name="dlrover-membership-watch"
@@ -87,6 +92,13 @@ class MembershipWatch:
         """Whether the master said the world of ``round`` must re-form (no RPC)."""
         with self._cond:
             return self._reform_round == round
+
+    def take_rejoin_at(self) -> float | None:
+        """When (monotonic) to join again after the re-form the master told of, at a random
+        point within its `Waiting.spread_s`; None when none was told since the last join."""
+        with self._cond:
+            at, self._rejoin_at = self._rejoin_at, None
+            return at
 
     def close(self) -> None:
         """End the watch thread (it is a daemon: a call in flight does not hold up the exit)."""
@@ -106,6 +118,10 @@ class MembershipWatch:
                 if self._armed is None:
                     continue
                 watched = self._armed
+                delay = self._start_at - time.monotonic()
+                if delay > 0:  # spread over the round's nodes; disarming ends the wait
+                    self._cond.wait(min(delay, 1.0))
+                    continue
             node_id, round = watched
             try:
                 w = self._master.num_nodes_waiting(node_id, round, self._wait_s)
@@ -125,6 +141,7 @@ class MembershipWatch:
                 elif w.waiting > 0 or w.latest_round > round:
                     self._armed = None
                     self._reform_round = round
+                    self._rejoin_at = time.monotonic() + random.uniform(0.0, w.spread_s)
 
 
 class RendezvousClient:
@@ -184,6 +201,11 @@ class RendezvousClient:
             store_port=store_port,
         )
         self._watch.disarm()
+        rejoin_at = self._watch.take_rejoin_at()
+        if rejoin_at is not None and rejoin_at > time.monotonic():
+            # The world re-forms: a large job's survivors spread their joins (its workers were
+            # being stopped meanwhile); the master's end of the job cuts the wait short.
+            self._stop_requested.wait(rejoin_at - time.monotonic())
         self.round = while_unreachable(
             lambda: self._master.join_rendezvous(request), deadline, "join the rendezvous"
         )
@@ -210,7 +232,7 @@ class RendezvousClient:
                 continue
             if world.complete:
                 self.round = world.round
-                self._watch.arm(self.node_id, world.round)
+                self._watch.arm(self.node_id, world.round, random.uniform(0.0, world.spread_s))
                 logger.info(
                     "round %d: node rank %d of %d nodes, world size %d (%.2fs)",
                     world.round,

@@ -152,6 +152,9 @@ class CommWorld:
     spare: bool = False
     """Incomplete: the node waits as a hot spare (a round runs at max nodes without it); it
     takes the place of the next node lost, without a launch."""
+    spread_s: float = 0.0
+    """Complete: the node starts its membership watch at a random point within this many
+    seconds (a large job's watches do not all reach the master at once)."""
 
 
 @dataclass(frozen=True)
@@ -163,6 +166,9 @@ class Waiting:
     latest_round: int
     job_ended: bool = False
     """The job has ended: the agent stops its workers and reads the job's status."""
+    spread_s: float = 0.0
+    """The world must re-form: the node joins again at a random point within this many seconds
+    (a large job's survivors do not all reach the master at once)."""
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from dlrover.api.master import (
     Registration,
     Waiting,
 )
+from dlrover.constants import SPREAD_NODES_PER_S
 from dlrover.master.changes import ChangeFeed, LongPoll
 from dlrover.master.nodes import ALIVE_STATES, NodeError, NodeState, NodeTable
 from dlrover.master.rendezvous import RendezvousConfig, RendezvousError, RendezvousManager, World
@@ -355,7 +356,13 @@ class Membership:
             rank_offset=world.rank_offset(me.node_rank),
             store_host=world.store_host,
             store_port=world.store_port,
+            spread_s=self.spread_s(),
         )
+
+    def spread_s(self) -> float:
+        """Over how many seconds the nodes spread the calls one change makes them all send
+        (see SPREAD_NODES_PER_S)."""
+        return self.alive() / SPREAD_NODES_PER_S
 
     def close_deadline(self) -> float | None:
         """When the waiting round's last call ends (master clock), or None if none is due."""
@@ -376,7 +383,8 @@ class Membership:
         whether the job ended; also a sign of life of the node."""
         self.nodes.touch(node_id)
         waiting, latest = self.rdzv().num_nodes_waiting(node_id, round)
-        return Waiting(waiting, latest, self._ended.is_set())
+        reform = waiting > 0 or latest > round
+        return Waiting(waiting, latest, self._ended.is_set(), self.spread_s() if reform else 0.0)
 
     def close_round_if_due(self) -> World | None:
         """Close the waiting round if it may close now (max nodes, every live node waits, or the
@@ -395,12 +403,9 @@ class Membership:
             if world.round <= self.activated_round:
                 return
             self.activated_round = world.round
-            for m in world.members:
-                self.nodes.set_rank(m.node_id, m.node_rank)
-                if self.nodes.get(m.node_id).state == NodeState.PENDING:
-                    self.nodes.set_state(
-                        m.node_id, NodeState.RUNNING, f"member of round {world.round}"
-                    )
+            self.nodes.activate(
+                {m.node_id: m.node_rank for m in world.members}, f"member of round {world.round}"
+            )
             for listener in self.on_round:
                 listener(world)
         self.rounds.bump()

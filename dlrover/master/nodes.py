@@ -9,7 +9,7 @@ import threading
 import uuid
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 from dlrover.api.master import HeartbeatReport
 from dlrover.master.state_store import StateStore
@@ -92,14 +92,12 @@ class Node:
     """Its workers' samples per second lately, as reported; not persisted."""
 
     def to_json(self) -> dict[str, object]:
-        """The node as a JSON-able dict for the state store, without ``last_heartbeat``."""
-        d = asdict(self)
+        """The node as a JSON-able dict for the state store, without the fields that are not
+        persisted (`_NOT_PERSISTED`). Flat fields copied by name: ``dataclasses.asdict`` (a
+        deep copy of each) made persisting a 3,000-node round's members take 0.7 s."""
+        d = {name: getattr(self, name) for name in _PERSISTED}
         d["state"] = self.state.value
-        d.pop("last_heartbeat")
-        d.pop("step_at")
-        d.pop("breakdown")
-        d.pop("persist_s")
-        d.pop("samples_per_s")
+        d["worker_pids"] = list(self.worker_pids)
         return d
 
     @classmethod
@@ -110,6 +108,10 @@ class Node:
         d["state"] = NodeState(d["state"])
         d["worker_pids"] = tuple(d.get("worker_pids") or ())  # type: ignore[arg-type]
         return cls(**d)  # type: ignore[arg-type]
+
+
+_NOT_PERSISTED = frozenset({"last_heartbeat", "step_at", "breakdown", "persist_s", "samples_per_s"})
+_PERSISTED = tuple(f.name for f in fields(Node) if f.name not in _NOT_PERSISTED)
 
 
 class NodeTable:
@@ -227,13 +229,23 @@ class NodeTable:
             if step > node.step:
                 node.step, node.step_at = step, node.last_heartbeat
 
-    def set_rank(self, node_id: str, node_rank: int) -> None:
-        """Record the node's rank in the latest world (persisted when it changed)."""
+    def activate(self, ranks: dict[str, int], reason: str) -> None:
+        """The members of a round that closed, with their node ranks: each recorded and a
+        PENDING one made RUNNING, logged with ``reason``; the changed nodes persisted in one
+        write."""
+        changed: dict[str, Node] = {}
         with self._lock:
-            node = self.get(node_id)
-            if node.node_rank != node_rank:
-                node.node_rank = node_rank
-                self._persist(node)
+            for node_id, node_rank in ranks.items():
+                node = self.get(node_id)
+                if node.node_rank != node_rank:
+                    node.node_rank = node_rank
+                    changed[node_id] = node
+                if node.state == NodeState.PENDING:
+                    self._transition(node, NodeState.RUNNING, reason)
+                    changed[node_id] = node
+            self._store.put_json_many(
+                _NAMESPACE, {node_id: node.to_json() for node_id, node in changed.items()}
+            )
 
     def set_exit_code(self, node_id: str, exit_code: int) -> None:
         """Record (and persist) the exit code of the node's failed workers."""

@@ -74,6 +74,11 @@ class RedisStateStore(StateStore):
         """HSET the field; as durable as the server's append-only file makes it."""
         self._call(lambda: self._client.hset(self._key(namespace), key, value))
 
+    def put_many(self, namespace: str, values: dict[str, bytes]) -> None:
+        """One HSET of every field (atomic on the server)."""
+        if values:
+            self._call(lambda: self._client.hset(self._key(namespace), mapping=values))
+
     def delete(self, namespace: str, key: str) -> None:
         """HDEL the field; an absent one is not an error."""
         self._call(lambda: self._client.hdel(self._key(namespace), key))

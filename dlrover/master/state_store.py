@@ -106,6 +106,20 @@ class SqliteStateStore(StateStore):
                 (namespace, key, sqlite3.Binary(value)),
             )
 
+    def put_many(self, namespace: str, values: dict[str, bytes]) -> None:
+        """Insert or replace the rows in one transaction (all of them or none)."""
+        with self._lock:
+            self._conn.execute("BEGIN")  # the connection autocommits each statement otherwise
+            try:
+                self._conn.executemany(
+                    "INSERT OR REPLACE INTO state (namespace, key, value) VALUES (?, ?, ?)",
+                    [(namespace, k, sqlite3.Binary(v)) for k, v in values.items()],
+                )
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+            self._conn.execute("COMMIT")
+
     def delete(self, namespace: str, key: str) -> None:
         """Delete the row of ``key`` in ``namespace`` if present."""
         with self._lock:

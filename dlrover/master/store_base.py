@@ -48,6 +48,12 @@ class StateStore(ABC):
     ) -> bool:
         """Write `value` only if the current value equals `expected` (None: absent)."""
 
+    def put_many(self, namespace: str, values: dict[str, bytes]) -> None:
+        """Write every value of ``values`` (a round's members): one transaction where the
+        backend has them; this default writes them one by one."""
+        for key, value in values.items():
+            self.put(namespace, key, value)
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the store's resources; the default does nothing."""
         pass
@@ -68,3 +74,9 @@ class StateStore(ABC):
     def put_json(self, namespace: str, key: str, value: Any) -> None:
         """Write ``value`` as JSON (sorted keys, so equal values give equal bytes)."""
         self.put(namespace, key, json.dumps(value, sort_keys=True).encode())
+
+    def put_json_many(self, namespace: str, values: dict[str, Any]) -> None:
+        """`put_json` of each value, in one `put_many`."""
+        if values:
+            encoded = {k: json.dumps(v, sort_keys=True).encode() for k, v in values.items()}
+            self.put_many(namespace, encoded)

@@ -158,7 +158,7 @@ class GetCommWorldRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., round: _Optional[int] = ..., wait_s: _Optional[float] = ...) -> None: ...
 
 class CommWorld(_message.Message):
-    __slots__ = ("round", "complete", "node_rank", "world_size", "rank_offset", "store_host", "store_port", "excluded", "message", "rejoin", "num_nodes", "spare", "refused")
+    __slots__ = ("round", "complete", "node_rank", "world_size", "rank_offset", "store_host", "store_port", "excluded", "message", "rejoin", "num_nodes", "spare", "spread_s", "refused")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_FIELD_NUMBER: _ClassVar[int]
     NODE_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -171,6 +171,7 @@ class CommWorld(_message.Message):
     REJOIN_FIELD_NUMBER: _ClassVar[int]
     NUM_NODES_FIELD_NUMBER: _ClassVar[int]
     SPARE_FIELD_NUMBER: _ClassVar[int]
+    SPREAD_S_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
     round: int
     complete: bool
@@ -184,8 +185,9 @@ class CommWorld(_message.Message):
     rejoin: bool
     num_nodes: int
     spare: bool
+    spread_s: float
     refused: MasterError
-    def __init__(self, round: _Optional[int] = ..., complete: _Optional[bool] = ..., node_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., rank_offset: _Optional[int] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., excluded: _Optional[bool] = ..., message: _Optional[str] = ..., rejoin: _Optional[bool] = ..., num_nodes: _Optional[int] = ..., spare: _Optional[bool] = ..., refused: _Optional[_Union[MasterError, _Mapping]] = ...) -> None: ...
+    def __init__(self, round: _Optional[int] = ..., complete: _Optional[bool] = ..., node_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., rank_offset: _Optional[int] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., excluded: _Optional[bool] = ..., message: _Optional[str] = ..., rejoin: _Optional[bool] = ..., num_nodes: _Optional[int] = ..., spare: _Optional[bool] = ..., spread_s: _Optional[float] = ..., refused: _Optional[_Union[MasterError, _Mapping]] = ...) -> None: ...
 
 class NumNodesWaitingRequest(_message.Message):
     __slots__ = ("node_id", "round", "wait_s")
@@ -198,16 +200,18 @@ class NumNodesWaitingRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., round: _Optional[int] = ..., wait_s: _Optional[float] = ...) -> None: ...
 
 class NumNodesWaitingResponse(_message.Message):
-    __slots__ = ("waiting", "latest_round", "job_ended", "refused")
+    __slots__ = ("waiting", "latest_round", "job_ended", "spread_s", "refused")
     WAITING_FIELD_NUMBER: _ClassVar[int]
     LATEST_ROUND_FIELD_NUMBER: _ClassVar[int]
     JOB_ENDED_FIELD_NUMBER: _ClassVar[int]
+    SPREAD_S_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
     waiting: int
     latest_round: int
     job_ended: bool
+    spread_s: float
     refused: MasterError
-    def __init__(self, waiting: _Optional[int] = ..., latest_round: _Optional[int] = ..., job_ended: _Optional[bool] = ..., refused: _Optional[_Union[MasterError, _Mapping]] = ...) -> None: ...
+    def __init__(self, waiting: _Optional[int] = ..., latest_round: _Optional[int] = ..., job_ended: _Optional[bool] = ..., spread_s: _Optional[float] = ..., refused: _Optional[_Union[MasterError, _Mapping]] = ...) -> None: ...
 
 class KvSetRequest(_message.Message):
     __slots__ = ("key", "value")
