@@ -127,7 +127,10 @@ def kill_after_save(
 
 
 def kill_after_saves(jobs: list[tuple[subprocess.Popen[bytes], Path, int, int, Path]]) -> list[int]:
-    """``kill_after_save`` for several jobs at once, each as soon as its save is recorded."""
+    """SIGKILL each job's ``rank`` once it records a save of a step >= its ``min_step``, each
+    job once, whichever attempt is running (a first attempt that failed by itself, a worker
+    stalled until gloo's timeout, must not void the run: what these runs hold is that every
+    one ends with the failure-free model)."""
     killed: dict[int, int] = {}
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while len(killed) < len(jobs) and time.monotonic() < deadline:
@@ -135,11 +138,7 @@ def kill_after_saves(jobs: list[tuple[subprocess.Popen[bytes], Path, int, int, P
             if i in killed:
                 continue
             for event in events(out, rank):
-                if (
-                    event["event"] == "saved"
-                    and event["restart"] == 0
-                    and event["step"] >= min_step
-                ):
+                if event["event"] == "saved" and event["step"] >= min_step:
                     os.kill(event["pid"], signal.SIGKILL)
                     killed[i] = int(event["step"])
                     break
