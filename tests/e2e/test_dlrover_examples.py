@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,29 @@ def events(out: Path, rank: int) -> list[dict[str, Any]]:
     return [json.loads(line) for line in lines if line.strip()]
 
 
+LAUNCHED: list[subprocess.Popen[bytes]] = []
+"""The jobs the running test launched: any still running at its end is killed, process tree
+and all (`_no_job_outlives_its_test`)."""
+
+
+@pytest.fixture(autouse=True)
+def _no_job_outlives_its_test() -> Iterator[None]:
+    """A test that fails while a job runs (a campaign's pair, an assertion before `finish`)
+    must not leave the job behind: CI once found both ranks of such a job still spinning, a
+    core's worth, through the rest of the stage."""
+    yield
+    while LAUNCHED:
+        proc = LAUNCHED.pop()
+        if proc.poll() is not None:
+            continue
+        with contextlib.suppress(psutil.NoSuchProcess):
+            tree = [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]
+            for pid in tree:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        proc.wait(10)
+
+
 def launch(
     script: str, args: list[str], log: Path, launcher: str = "dlrover-run"
 ) -> subprocess.Popen[bytes]:
@@ -45,10 +69,12 @@ def launch(
         command = [sys.executable, "-m", "dlrover.cli.run", "--standalone"]
     command += ["--nproc_per_node=2", "--max-restarts=2", str(STYLE / script), *args]
     # PYTHONFAULTHANDLER: a process that gets SIGABRT prints every thread's stack to the log.
-    return subprocess.Popen(
+    proc = subprocess.Popen(
         command, env=clean_env(PYTHONFAULTHANDLER="1"), cwd=REPO, stdout=log.open("wb"),
         stderr=subprocess.STDOUT,
     )  # fmt: skip
+    LAUNCHED.append(proc)
+    return proc
 
 
 def finish(proc: subprocess.Popen[bytes], log: Path) -> None:
