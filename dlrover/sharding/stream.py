@@ -317,8 +317,8 @@ class StreamQueue:
         """Lease up to ``max_count`` record ranges to ``worker_id`` until ``now + lease_s``:
         requeued ranges first, then new ones (``records_per_shard`` records, or growing: see
         StreamSpec), cut round-robin over the partitions; fewer when no new records are
-        available. Raises
-        ShardRetriesExhaustedError once a range was lost more than ``max_retries`` times."""
+        available. Raises ShardRetriesExhaustedError once a range was lost more than
+        ``max_retries`` times."""
         if self.failure is not None:
             raise ShardRetriesExhaustedError(self.failure)
         shards: list[StreamShard] = []

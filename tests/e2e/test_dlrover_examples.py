@@ -50,14 +50,23 @@ def _no_job_outlives_its_test() -> Iterator[None]:
     yield
     while LAUNCHED:
         proc = LAUNCHED.pop()
-        if proc.poll() is not None:
-            continue
-        with contextlib.suppress(psutil.NoSuchProcess):
-            tree = [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]
-            for pid in tree:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-        proc.wait(10)
+        if proc.poll() is None:
+            kill_tree(proc, _tree(proc))
+
+
+def _tree(proc: subprocess.Popen[bytes]) -> list[int]:
+    """The job's pid and every process under it (agent, zygote, workers)."""
+    with contextlib.suppress(psutil.NoSuchProcess):
+        return [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]
+    return [proc.pid]
+
+
+def kill_tree(proc: subprocess.Popen[bytes], tree: list[int]) -> None:
+    """SIGKILL every process of ``tree`` and reap the job."""
+    for pid in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait(10)
 
 
 def launch(
@@ -82,16 +91,13 @@ def finish(proc: subprocess.Popen[bytes], log: Path) -> None:
         code = proc.wait(RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         # Where each process waits, in the log: SIGABRT makes them print their stacks.
-        tree = [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]
+        tree = _tree(proc)
         for pid in reversed(tree):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGABRT)
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(10)
-        for pid in tree:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        proc.wait(10)
+        kill_tree(proc, tree)
         raise AssertionError(
             f"the job did not end in {RUN_TIMEOUT_S}s:\n{log.read_text()[-6000:]}"
         ) from None
@@ -111,11 +117,7 @@ def end_after_the_work(
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(grace_s)
     if proc.poll() is None:
-        tree = [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]
-        for pid in tree:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        proc.wait(10)
+        kill_tree(proc, _tree(proc))
 
 
 def wait_for_file(proc: subprocess.Popen[bytes], path: Path, timeout: float) -> bool:
