@@ -181,10 +181,6 @@ class PopenWorker(WorkerHandle):
         self._resolve(self._process.wait())
 
 
-MKL_FAST_MM_OFF = "MKL_DISABLE_FAST_MM"
-"""Set to 1 in the zygote's environment unless the job sets it (zygote_server.py's notes)."""
-
-
 def with_package_on_path(env: dict[str, str]) -> dict[str, str]:
     """``env`` with this dlrover on PYTHONPATH, so that a child process can import
     ``dlrover.agent.bootstrap`` (or the zygote server) from a source checkout too."""
@@ -250,9 +246,6 @@ class Zygote:
             for key, value in (os.environ if env is None else env).items()
             if key not in _ZYGOTE_UNSET_ENV
         }
-        # MKL's fast memory manager does not survive a fork (zygote_server.py's notes): a
-        # worker's first matmul spun in mm_account_ptr_by_tid for ever (seen once, under load).
-        zygote_env.setdefault(MKL_FAST_MM_OFF, "1")
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             process = subprocess.Popen(

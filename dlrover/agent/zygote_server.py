@@ -12,10 +12,13 @@ descriptors) with `SpawnedEvent` or `SpawnFailedEvent`, reports every worker's e
 Fork safety: the zygote runs no torch op and never touches CUDA, so torch's intra-op pool and
 the CUDA driver are not started; the only native thread after ``import torch`` is OpenBLAS's
 (pulled in by numpy), which OpenBLAS itself stops in its pthread_atfork handler and restarts
-lazily. The zygote refuses to fork while a second Python thread exists. MKL's fast memory
-manager is off in the zygote (``MKL_DISABLE_FAST_MM=1`` in its environment unless the job sets
-it; MKL reads it when torch loads, so the forked workers inherit the setting, not the variable):
-its per-thread books do not survive a fork.
+lazily. The zygote refuses to fork while a second Python thread exists, and it forks only once
+the thread that ran the preload has ended natively, not just in Python's eyes: a Python thread's
+``join()`` returns before its native thread runs the libraries' thread-exit hooks, and MKL's
+hook takes MKL's allocator lock. A fork inside that window hands the worker a lock that nobody
+will release, and the worker's first matrix product spins on it for ever (a fork straight
+after such a join hung in 5 of 20 tries here; none of 200 once the fork waited; the test
+``test_a_fork_after_the_preload_never_inherits_mkls_lock`` repeats it).
 """
 
 from __future__ import annotations
@@ -305,8 +308,10 @@ def preload_at_priority(modules: list[str]) -> None:
     if sys.platform.startswith("linux"):
         _own_session_at_lowest_weight(nice)
     failure: list[BaseException] = []
+    native_id: list[int] = []
 
     def work() -> None:
+        native_id.append(threading.get_native_id())
         try:
             if sys.platform.startswith("linux"):
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
@@ -318,8 +323,36 @@ def preload_at_priority(modules: list[str]) -> None:
     thread = threading.Thread(target=work, name="zygote-preload")
     thread.start()
     thread.join()
+    _wait_native_exit(native_id[0], PRELOAD_EXIT_DEADLINE_S)
     if failure:
         raise failure[0]
+
+
+PRELOAD_EXIT_DEADLINE_S = 30.0
+"""How long the preload thread may take to end natively after Python's join (its exit hooks
+run then; they take microseconds, so only a stalled machine comes near this)."""
+
+
+def _wait_native_exit(native_id: int, deadline_s: float) -> None:
+    """Wait until the thread `native_id` of this process has ended in the kernel's view.
+
+    Python's ``join()`` returns once the thread's Python state is gone; its native thread then
+    still runs the thread-exit hooks that libraries registered (MKL's takes a lock). Forking
+    before they finish hands the child locks held by a thread it does not have.
+    """
+    task = f"/proc/self/task/{native_id}"
+    if not os.path.isdir("/proc/self/task"):
+        return  # not Linux: no way to watch a detached thread end; Python's join has to do
+    deadline = time.monotonic() + deadline_s
+    pause = 0.0001
+    while os.path.exists(task):
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"the zygote's preload thread {native_id} has not ended {deadline_s:.0f} s after"
+                " its imports finished; forking now could hand workers its locks"
+            )
+        time.sleep(pause)
+        pause = min(pause * 2, 0.01)
 
 
 def _own_session_at_lowest_weight(nice: int) -> None:
