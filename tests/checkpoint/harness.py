@@ -219,6 +219,19 @@ def run_ranks(
             )
 
 
+NO_TENSORFLOW = Path(__file__).resolve().parent / "no_tensorflow"
+
+
+def without_tensorflow(env: dict[str, str]) -> dict[str, str]:
+    """``env`` for a Megatron rank, with TensorFlow hidden (its import fails, as where it is not
+    installed). CI's extras stage installs TensorFlow for the TensorFlow tests, and
+    megatron-core's timers import torch.utils.tensorboard, which then imports all of it: 3.6 of
+    a rank's 8.3 CPU-s to import megatron.core here. A Megatron user's environment has no
+    TensorFlow; tensorboard falls back to its own stub, as it does there."""
+    paths = [str(NO_TENSORFLOW), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+    return {**env, "PYTHONPATH": os.pathsep.join(paths)}
+
+
 def skip_without_megatron_core() -> None:
     """Skip the calling test module where megatron-core is not installed. Found, not imported:
     the test process needs none of megatron (its import takes 10-20 s here)."""

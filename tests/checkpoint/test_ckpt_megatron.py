@@ -15,6 +15,7 @@ from tests.checkpoint.harness import (
     run_ranks,
     running_saver,
     skip_without_megatron_core,
+    without_tensorflow,
     worker_env,
 )
 
@@ -53,7 +54,7 @@ def _launch(
     args: list[str], logs: Path, *, restart: int = 0, kill_at_rank: int | None = None
 ) -> None:
     port = free_port()
-    envs = [worker_env(None, rank, 2, port, restart) for rank in range(2)]
+    envs = [without_tensorflow(worker_env(None, rank, 2, port, restart)) for rank in range(2)]
     run_ranks("tests.checkpoint.megatron_workers", args, envs, logs, kill_at_rank=kill_at_rank)
 
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import SCRIPTS, dlrover_run
+from tests.checkpoint.harness import without_tensorflow
+from tests.conftest import SCRIPTS, clean_env, dlrover_run
 
 SCRIPT = str(SCRIPTS / "megatron_dist_loop.py")
 KILL_AT = 4
@@ -20,7 +21,8 @@ KILL_AT = 4
 def _run(out: Path, *args: str) -> None:
     out.mkdir()
     r = dlrover_run(
-        ["--standalone", "--nproc_per_node=2", "--max-restarts=1", SCRIPT, str(out), *args]
+        ["--standalone", "--nproc_per_node=2", "--max-restarts=1", SCRIPT, str(out), *args],
+        env=without_tensorflow(clean_env()),
     )
     assert r.returncode == 0, r.stderr[-4000:]
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.checkpoint.harness import without_tensorflow
 from tests.conftest import REPO, SCRIPTS, clean_env, dlrover_run
 
 SCRIPT = str(SCRIPTS / "megatron_loop.py")
@@ -29,7 +30,7 @@ def test_megatron_drop_ins_save_in_megatrons_layout_and_load_memory_then_storage
     Megatron-LM's training.py today (its non-persistent save goes to memory only)."""
     r = dlrover_run(
         ["--standalone", "--nproc_per_node=1", "--max-restarts=1", SCRIPT, str(tmp_path), "train",
-         style]
+         style], env=without_tensorflow(clean_env()),
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-4000:]
     ckpt = tmp_path / "ckpt"
@@ -55,7 +56,7 @@ def test_megatron_drop_ins_save_in_megatrons_layout_and_load_memory_then_storage
     # A new process (the job's memory is gone with it): the newest iteration on storage.
     r = subprocess.run(
         [sys.executable, SCRIPT, str(tmp_path), "load", style],
-        env=clean_env(),
+        env=without_tensorflow(clean_env()),
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.checkpoint.harness import skip_without_megatron_core
-from tests.conftest import SCRIPTS, dlrover_run
+from tests.checkpoint.harness import skip_without_megatron_core, without_tensorflow
+from tests.conftest import SCRIPTS, clean_env, dlrover_run
 
 # Each rank's start (import, process group, model) takes several seconds here: the jobs run
 # once per test process (.ci/run: -n 2 --dist loadgroup keeps the group in one).
@@ -35,6 +35,7 @@ def _train(out: Path, nproc: int, *more: str, restarts: int = 0) -> None:
             str(out),
             *more,
         ],  # fmt: skip
+        env=without_tensorflow(clean_env()),
         timeout=300,
     )
     assert r.returncode == 0, r.stderr[-5000:]
