@@ -39,7 +39,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     xdist's scheduler groups by. pytest-xdist 3.8 sets it by rewriting ``item._nodeid``, which
     pytest 9.2 no longer reads (a node's id is ``item._id`` now), so without this no group was
     kept together: each worker ran its own copy of a group's session fixture (the DeepSpeed and
-    Megatron jobs) and the Ray tests ran beside each other."""
+    Megatron jobs) and the Ray tests ran beside each other.
+
+    ``--dist worksteal``: the tests marked ``long`` go first (`_long_first`)."""
+    if getattr(config.option, "dist", "") == "worksteal":
+        workers = getattr(config.option, "numprocesses", None)
+        _long_first(items, workers if isinstance(workers, int) else 1)
     if not getattr(config.option, "loadgroup", False):
         return
     from _pytest.nodeid import coerce_node_id
@@ -61,6 +66,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # nearly done. The scheduler hands out work in this order.
     sizes = Counter(group_of.values())
     items.sort(key=lambda item: -sizes.get(group_of.get(id(item), ""), 0))
+
+
+def _long_first(items: list[pytest.Item], workers: int) -> None:
+    """Put the ``long`` tests at the head of each worker's share. pytest-xdist's worksteal
+    scheduler hands each worker a contiguous slice of the collection (the first worker the first
+    len/N tests, ...), and an idle worker steals the back half of another's queue: a long test
+    at the back of a slice ran last, while the other worker sat idle until it ended (about 30 s
+    of each stage's end). At the head of the slices, they run first, side by side."""
+    long = [item for item in items if item.get_closest_marker("long") is not None]
+    if not long or workers < 2:
+        return
+    rest = [item for item in items if item.get_closest_marker("long") is None]
+    ordered: list[pytest.Item] = []
+    for worker in range(workers):
+        share = len(items) // workers if worker < workers - 1 else len(items)
+        heads = long[worker::workers]
+        take = max(0, share - len(heads))
+        ordered += heads + rest[:take]
+        rest = rest[take:]
+    items[:] = ordered + rest
 
 
 def clean_env(**extra: str) -> dict[str, str]:

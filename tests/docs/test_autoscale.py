@@ -13,6 +13,7 @@ from tests.conftest import REPO
 from tests.docs.blocks import Shell, doc_block, marker_id, user_dir, user_env, wait_for
 
 
+@pytest.mark.long
 @pytest.mark.e2e
 def test_try_it(tmp_path: Path) -> None:
     """Substituted: /tmp/ becomes the test's directory (a second run must not resume from the

@@ -24,6 +24,7 @@ def _submit(tmp: Path, name: str, *flags: str, **env: str) -> subprocess.Complet
     return dlrover_cli(tmp / "home", *args, timeout=300, **env)
 
 
+@pytest.mark.long
 @pytest.mark.e2e
 def test_a_job_without_resources_is_sized_from_its_measured_use(tmp_path: Path) -> None:
     ref = _submit(tmp_path, "ref")
@@ -99,6 +100,7 @@ FAST_PLANS = {
 }
 
 
+@pytest.mark.long
 @pytest.mark.e2e
 def test_a_job_whose_throughput_scales_goes_from_min_to_max_nodes(tmp_path: Path) -> None:
     """--nnodes 1:3 --auto-scale starts 1 node; each added node raises the step rate (the
@@ -124,6 +126,7 @@ def test_a_job_whose_throughput_scales_goes_from_min_to_max_nodes(tmp_path: Path
     _same_model(auto, ref)
 
 
+@pytest.mark.long
 @pytest.mark.e2e
 def test_a_node_that_adds_nothing_is_given_back(tmp_path: Path) -> None:
     """A job whose step is a serial part (no per-sample work) gains nothing from a second

@@ -105,6 +105,7 @@ def _run(tmp: Path, name: str, chaos: random.Random | None) -> tuple[Path, list[
     return out, logs, drawn
 
 
+@pytest.mark.long
 @pytest.mark.campaign
 def test_random_master_and_worker_kills_leave_the_model_of_a_failure_free_run(tmp_path: Path):
     reference, _, _ = _run(tmp_path, "reference", None)

@@ -43,6 +43,7 @@ def _campaign(tmp_path: Path, *args: str, timeout: float) -> list[dict[str, obje
     return rows
 
 
+@pytest.mark.long
 @pytest.mark.campaign
 @pytest.mark.timeout(1500)
 def test_every_job_of_a_small_campaign_ends_as_it_should(tmp_path: Path) -> None:
@@ -80,6 +81,7 @@ def test_a_stream_job_through_two_broker_outages_and_a_worker_kill_trains_every_
     assert (row["orphans"], row["leaks"]) == (0, []), row
 
 
+@pytest.mark.long
 @pytest.mark.e2e
 @pytest.mark.timeout(700)
 def test_a_ps_job_whose_server_is_killed_twice_ends_with_the_failure_free_model(

@@ -176,6 +176,7 @@ def release_when_shrunk(out: Path, gate: Path, deadline_s: float = 240.0) -> thr
     return thread
 
 
+@pytest.mark.long
 @pytest.mark.e2e
 def test_three_nodes_shrink_to_two_and_grow_back(tmp_path: Path):
     steps = 60

@@ -77,6 +77,7 @@ CHUNKS = 3
 """The runs are split into this many tests, so that parallel test workers share them."""
 
 
+@pytest.mark.long
 @pytest.mark.campaign
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("chunk", range(CHUNKS))

@@ -127,6 +127,7 @@ def busy_machine() -> Iterator[None]:
             b.wait(timeout=30)
 
 
+@pytest.mark.long
 def test_slow_but_healthy_phases_are_never_called_hung(tmp_path: Path, busy_machine: None) -> None:
     """At the defaults (no --hang-timeout): a first step ~70x the others, an 80 s unmarked
     evaluation on rank 0 (past the step phase's 60 s floor) while rank 1 writes a 20 s

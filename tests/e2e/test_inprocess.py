@@ -192,6 +192,7 @@ def test_a_replacement_that_fails_before_it_joins_is_replaced_while_the_survivor
     assert Path(f"{out}.log").read_text().count("-> recover_in_process") == 2
 
 
+@pytest.mark.long
 def test_a_replacement_on_a_fresh_machine_compiles_from_the_job_s_cache(tmp_path: Path):
     """Machines are told apart by their TMPDIR, where torch keeps its caches by default.
 

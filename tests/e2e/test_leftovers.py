@@ -186,6 +186,7 @@ def test_dlrover_run_agent_sigkilled_is_swept_at_the_next_agent_start(tmp_path: 
     assert _leftovers(job) == [] and _leftovers(nxt) == []
 
 
+@pytest.mark.long
 def test_dlrover_submit_leaves_nothing_on_success_failure_sigterm_and_agent_kill(
     tmp_path: Path,
 ):

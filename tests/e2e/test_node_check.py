@@ -120,6 +120,7 @@ def test_a_slow_node_is_named_by_the_check_and_replaced(tmp_path: Path) -> None:
     assert seconds < 10, second
 
 
+@pytest.mark.long
 @pytest.mark.e2e
 def test_a_node_whose_collective_fails_is_localised_in_two_rounds(tmp_path: Path) -> None:
     job, log, out = _submit(tmp_path, "coll", "collective_fail:node=1", "--node-check", steps=10)
@@ -145,6 +146,7 @@ def test_a_node_whose_collective_fails_is_localised_in_two_rounds(tmp_path: Path
     assert [s for s, _, _ in steps_log(out)] == list(range(1, 11))
 
 
+@pytest.mark.long
 @pytest.mark.e2e
 def test_a_runtime_straggler_is_replaced_within_three_reports(tmp_path: Path) -> None:
     """No node check: node 1 turns out 3x slow while training. Its step times (reported with
