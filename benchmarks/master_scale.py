@@ -47,6 +47,10 @@ here when the engine says its pod runs. The table adds, per kind, the longest ti
 node's loss to the engine accepting its replacement, the launches the engine refused, and the
 longest launch latency.
 
+``--calls N``: only the CPU per call, the arrival pattern held equal: N heartbeats to a real
+master with one registered node, and N calls of the same size to the bare echo, first 200 in
+flight, then one at a time (as nodes spread over a heartbeat interval send them).
+
 ``--storm master-kill``: the master is SIGKILLed once half the nodes joined the first round,
 and again in the steady state, each time started again on the same port, state and token (as
 `dlrover submit` or a Kubernetes Deployment does); the nodes ask again while it is away. Its
@@ -505,10 +509,10 @@ class Agent:
         return False
 
 
-async def echo_cpu_per_1k(calls: int) -> float:
+async def echo_cpu_per_1k(calls: int, in_flight: int = 200) -> float:
     """The peer of the master's CPU account: a bare gRPC echo server (grpc.aio, one generic
     unary method that returns its request) in a process of its own answers ``calls``
-    heartbeat-sized calls, 200 in flight at a time; its CPU-seconds per 1,000 calls."""
+    heartbeat-sized calls, ``in_flight`` at a time; its CPU-seconds per 1,000 calls."""
     where = tempfile.mkdtemp(prefix="dlrover_echo_")
     port_file = os.path.join(where, "port")
     proc = subprocess.Popen([sys.executable, __file__, "--echo", port_file])
@@ -529,7 +533,7 @@ async def echo_cpu_per_1k(calls: int) -> float:
             before = cpu_seconds(proc.pid)
             left = calls
             while left > 0:
-                batch = min(200, left)
+                batch = min(in_flight, left)
                 await asyncio.gather(*(echo(payload, timeout=30) for _ in range(batch)))
                 left -= batch
             return 1000 * (cpu_seconds(proc.pid) - before) / calls
@@ -861,9 +865,13 @@ def engine_figures(master: Master, row: dict) -> None:
 
 
 async def master_kill_storm(agents: list[Agent], master: Master, stats: Stats, row: dict) -> None:
-    """The steady state's half of ``--storm master-kill``: SIGKILL the master, start it again on
-    its state, and time until every node's heartbeat is answered again; then how many nodes
-    the outage cost (recorded lost) and whether the round held."""
+    """The steady state's half of ``--calls N``: only the CPU per call, the arrival pattern held equal: N heartbeats to a real
+    master with one registered node, and N calls of the same size to the bare echo, first 200 in
+    flight, then one at a time (as nodes spread over a heartbeat interval send them).
+
+    ``--storm master-kill``: SIGKILL the master, start it again on
+        its state, and time until every node's heartbeat is answered again; then how many nodes
+        the outage cost (recorded lost) and whether the round held."""
     reforms = [0]
 
     async def reformed(agent: Agent) -> None:
@@ -1007,6 +1015,60 @@ async def run_one(
     return row
 
 
+async def heartbeat_cpu_per_1k(calls: int, in_flight: int) -> float:
+    """A real dlrover-master (one registered node) answers ``calls`` heartbeats, ``in_flight``
+    at a time, from one channel; its CPU-seconds per 1,000 calls (the same pattern as
+    `echo_cpu_per_1k`, so the two differ only in what the server does per call)."""
+    master = Master(1)
+    try:
+        async with grpc.aio.insecure_channel(
+            master.addr, options=[("grpc.enable_http_proxy", 0)]
+        ) as channel:
+            stub = pb_grpc.MasterStub(channel)
+            md = ((TOKEN_METADATA_KEY, master.token),)
+            node = answer(
+                await stub.RegisterNode(
+                    pb.RegisterNodeRequest(
+                        host="10.0.0.1",
+                        local_world_size=8,
+                        pid=1,
+                        config=pb.JobConfig(min_nodes=1, max_nodes=1, node_unit=1),
+                    ),
+                    timeout=30,
+                    metadata=md,
+                )
+            )
+            request = pb.HeartbeatRequest(node_id=node.node_id, incarnation=node.incarnation)
+
+            async def beat(count: int) -> None:
+                while count > 0:
+                    batch = min(in_flight, count)
+                    await asyncio.gather(
+                        *(stub.Heartbeat(request, timeout=30, metadata=md) for _ in range(batch))
+                    )
+                    count -= batch
+
+            await beat(500)  # warm
+            before = master.cpu_s()
+            await beat(calls)
+            return 1000 * (master.cpu_s() - before) / calls
+    finally:
+        master.proc.kill()
+        master.close()
+
+
+async def calls_table(calls: int) -> None:
+    """``--calls N``: the master's CPU per heartbeat beside the bare echo's, the arrival
+    pattern held equal (200 in flight, and one at a time as spread-out nodes send them)."""
+    print("| calls in flight | bare gRPC echo CPU-s per 1,000 | master heartbeat CPU-s per "
+          "1,000 | master / echo |")  # fmt: skip
+    print("|---|---|---|---|")
+    for in_flight in (200, 1):
+        echo = await echo_cpu_per_1k(calls, in_flight)
+        master = await heartbeat_cpu_per_1k(calls, in_flight)
+        print(f"| {in_flight} | {echo:.3f} | {master:.3f} | {master / max(echo, 1e-9):.2f}x |")
+
+
 def main() -> None:
     if sys.argv[1:2] == ["--probe"]:  # the probe process (`Probe`)
         asyncio.run(probe_main(*sys.argv[2:5]))
@@ -1057,7 +1119,18 @@ def main() -> None:
         "LO-HI s later (default 1-5); the engine reports half the lost nodes, the rest only "
         "go silent; the master relaunches them all",
     )
+    parser.add_argument(
+        "--calls",
+        type=int,
+        default=0,
+        metavar="N",
+        help="only the CPU per call: N heartbeats to a real master and N same-size calls to "
+        "a bare gRPC echo, 200 in flight and one at a time, side by side",
+    )
     args = parser.parse_args()
+    if args.calls:
+        asyncio.run(calls_table(args.calls))
+        return
     if args.engine:
         parts = args.engine.split(":")
         if parts[0] != "fake" or len(parts) not in (1, 4):
