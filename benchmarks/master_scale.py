@@ -98,6 +98,10 @@ import psutil
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cpu_account import cpu_seconds  # noqa: E402
 
+from dlrover.client.master_client import (  # noqa: E402
+    HEARTBEAT_LANE_RETRY_S,
+    HEARTBEAT_LANE_TIMEOUT_S,
+)
 from dlrover.constants import TOKEN_METADATA_KEY  # noqa: E402
 from dlrover.proto import master_pb2 as pb  # noqa: E402
 from dlrover.proto import master_pb2_grpc as pb_grpc  # noqa: E402
@@ -115,14 +119,17 @@ HOLD_S = 30.0
 class Master:
     """A real dlrover-master process for one run, with its state and log in a temp dir."""
 
-    def __init__(self, nodes: int, tree: str = "", engine: str = "") -> None:
+    def __init__(self, nodes: int, tree: str = "", engine: str = "", lane: bool = True) -> None:
         """``tree``: run the master of another checkout (its directory), else this one's.
         ``engine``: ``fake:RATE:LO:HI``: a master with its node controller over a fake engine
-        (master_scale_engine.py) that creates RATE pods a second, each up LO-HI s later."""
+        (master_scale_engine.py) that creates RATE pods a second, each up LO-HI s later.
+        ``lane``: with its heartbeat server (``--heartbeat-port``; a tree's master before it has
+        none either way)."""
         self.dir = tempfile.mkdtemp(prefix="dlrover_scale_")
         self.log_path = os.path.join(self.dir, "master.log")
         self._log = open(self.log_path, "w")  # noqa: SIM115 - open for the process's life
         self._nodes, self._tree, self.engine = nodes, tree, engine
+        self._lane_args = [] if lane or tree else ["--heartbeat-port", "-1"]
         self.events_in = os.path.join(self.dir, "engine.in")
         """The benchmark's lines to the engine (``fail <node id>``)."""
         self.events_out = os.path.join(self.dir, "engine.out")
@@ -155,6 +162,7 @@ class Master:
                 self.events_in,
                 "--events-out",
                 self.events_out,
+                *self._lane_args,
             ]
         self.proc = subprocess.Popen(
             command
@@ -176,6 +184,7 @@ class Master:
                 "--idle-timeout",
                 "600",
                 *token,
+                *self._lane_args,
             ],
             stdout=self._log,
             stderr=subprocess.STDOUT,
@@ -294,11 +303,50 @@ def storm_stack(i: int, kb: int = 64) -> str:
     )
 
 
+class Lanes:
+    """The master's heartbeat server as the simulated agents reach it: a few channels per port
+    it names (`HeartbeatReply.heartbeat_port`), on the master's host, shared as the main ones
+    are; a port that failed is not tried again for HEARTBEAT_LANE_RETRY_S, as MasterClient."""
+
+    def __init__(self, addr: str, options: list, n_channels: int) -> None:
+        self.host = addr.rsplit(":", 1)[0]
+        self.options = options
+        self.n_channels = n_channels
+        self.stubs: dict[int, list[pb_grpc.MasterStub]] = {}
+        self.failed: tuple[int, float] = (0, 0.0)
+
+    def stub(self, port: int, i: int) -> pb_grpc.MasterStub | None:
+        """Node ``i``'s stub to the heartbeat server on ``port`` (None: beat at the address)."""
+        failed, until = self.failed
+        if not port or (port == failed and time.monotonic() < until):
+            return None
+        if port not in self.stubs:
+            self.stubs[port] = [
+                pb_grpc.MasterStub(grpc.aio.insecure_channel(f"{self.host}:{port}", self.options))
+                for _ in range(self.n_channels)
+            ]
+        return self.stubs[port][i % self.n_channels]
+
+    def fail(self, port: int) -> None:
+        self.failed = (port, time.monotonic() + HEARTBEAT_LANE_RETRY_S)
+
+
 class Agent:
     """One simulated node: a real agent's calls, with none of its processes."""
 
-    def __init__(self, i: int, stub: pb_grpc.MasterStub, md: tuple, stats: Stats, poll: bool):
+    def __init__(
+        self,
+        i: int,
+        stub: pb_grpc.MasterStub,
+        md: tuple,
+        stats: Stats,
+        poll: bool,
+        lanes: Lanes | None = None,
+    ):
         self.i, self.stub, self.md, self.stats, self.poll = i, stub, md, stats, poll
+        self.lanes = lanes
+        self.lane_port = 0
+        """The heartbeat port the master's last heartbeat reply named (0: none)."""
         self.node_id, self.incarnation, self.round = "", 0, 0
         self.name = ""
         """The engine's node id it registers under ("" without an engine: the master names it)."""
@@ -356,11 +404,21 @@ class Agent:
             return  # the probe process beats for this node
         await asyncio.sleep(random.uniform(0, self.interval) if self.poll else self.next_wait())
         while not self.stop.is_set():
+            request = pb.HeartbeatRequest(node_id=self.node_id, incarnation=self.incarnation)
             try:
-                r = await self._call(
-                    self.stub.Heartbeat,
-                    pb.HeartbeatRequest(node_id=self.node_id, incarnation=self.incarnation),
-                )
+                lane = self.lanes.stub(self.lane_port, self.i) if self.lanes else None
+                r = None
+                if lane is not None:  # as MasterClient.heartbeat: the lane, else the address
+                    try:
+                        r = await self._call(
+                            lane.Heartbeat, request, timeout=HEARTBEAT_LANE_TIMEOUT_S
+                        )
+                    except grpc.aio.AioRpcError:
+                        assert self.lanes is not None
+                        self.lanes.fail(self.lane_port)
+                if r is None:
+                    r = await self._call(self.stub.Heartbeat, request)
+                self.lane_port = r.heartbeat_port
                 self.stats.heartbeats.append(self.stats.latencies[-1])
                 self.last_ok = time.monotonic()
                 if not self.poll:
@@ -602,20 +660,31 @@ async def probe_main(addr: str, token: str, out: str) -> None:
     nodes = json.loads(await loop.run_in_executor(None, sys.stdin.readline))
     closed = loop.run_in_executor(None, sys.stdin.read)  # returns at EOF
     md = ((TOKEN_METADATA_KEY, token),)
-    channel = grpc.aio.insecure_channel(addr, options=[("grpc.enable_http_proxy", 0)])
+    options = [("grpc.enable_http_proxy", 0)]
+    channel = grpc.aio.insecure_channel(addr, options=options)
     stub = pb_grpc.MasterStub(channel)
+    lanes = Lanes(addr, options, 1)
     beats: list[tuple[float, float]] = []
 
     async def beat(node_id: str, incarnation: int) -> None:
         await asyncio.sleep(random.uniform(0, PROBE_EVERY_S))
+        lane_port = 0
         while True:
+            request = pb.HeartbeatRequest(node_id=node_id, incarnation=incarnation)
             t = time.monotonic()
             with contextlib.suppress(grpc.aio.AioRpcError):
-                await stub.Heartbeat(
-                    pb.HeartbeatRequest(node_id=node_id, incarnation=incarnation),
-                    timeout=60,
-                    metadata=md,
-                )
+                lane = lanes.stub(lane_port, 0)
+                reply = None
+                if lane is not None:  # as MasterClient.heartbeat: the lane, else the address
+                    try:
+                        reply = await lane.Heartbeat(
+                            request, timeout=HEARTBEAT_LANE_TIMEOUT_S, metadata=md
+                        )
+                    except grpc.aio.AioRpcError:
+                        lanes.fail(lane_port)
+                if reply is None:
+                    reply = await stub.Heartbeat(request, timeout=60, metadata=md)
+                lane_port = reply.heartbeat_port
                 beats.append((time.time(), time.monotonic() - t))
             await asyncio.sleep(PROBE_EVERY_S)
 
@@ -906,15 +975,17 @@ async def run_one(
     gap_s: float = 60.0,
     storm_kb: int = 64,
     engine: str = "",
+    lane: bool = True,
 ) -> dict[str, float | int | str]:
-    master = Master(nodes, tree, engine)
+    master = Master(nodes, tree, engine, lane)
     md = ((TOKEN_METADATA_KEY, master.token),)
     options = [("grpc.max_receive_message_length", 64 * 2**20), ("grpc.enable_http_proxy", 0)]
     n_channels = max(1, min(64, nodes // 100))
     channels = [grpc.aio.insecure_channel(master.addr, options=options) for _ in range(n_channels)]
     stubs = [pb_grpc.MasterStub(c) for c in channels]
     stats = Stats()
-    agents = [Agent(i, stubs[i % n_channels], md, stats, poll) for i in range(nodes)]
+    lanes = Lanes(master.addr, options, n_channels)
+    agents = [Agent(i, stubs[i % n_channels], md, stats, poll, lanes) for i in range(nodes)]
     if engine:  # the engine's nodes: its pods, each agent registering under its pod's name
         for a in agents:
             a.name = f"{ENGINE_JOB}-worker-{a.i}-0"
@@ -979,7 +1050,7 @@ async def run_one(
                 agents,
                 master,
                 float(storm.split(":", 1)[1]),
-                lambda i: Agent(i, stubs[i % n_channels], md, stats, poll),
+                lambda i: Agent(i, stubs[i % n_channels], md, stats, poll, lanes),
                 tasks,
                 row,
             )
@@ -1015,10 +1086,11 @@ async def run_one(
     return row
 
 
-async def heartbeat_cpu_per_1k(calls: int, in_flight: int) -> float:
+async def heartbeat_cpu_per_1k(calls: int, in_flight: int, lane: bool = False) -> float:
     """A real dlrover-master (one registered node) answers ``calls`` heartbeats, ``in_flight``
-    at a time, from one channel; its CPU-seconds per 1,000 calls (the same pattern as
-    `echo_cpu_per_1k`, so the two differ only in what the server does per call)."""
+    at a time, from one channel (``lane``: to its heartbeat server, as agents send them; else
+    to its address); its CPU-seconds per 1,000 calls (the same pattern as `echo_cpu_per_1k`, so
+    the two differ only in what the server does per call)."""
     master = Master(1)
     try:
         async with grpc.aio.insecure_channel(
@@ -1039,6 +1111,10 @@ async def heartbeat_cpu_per_1k(calls: int, in_flight: int) -> float:
                 )
             )
             request = pb.HeartbeatRequest(node_id=node.node_id, incarnation=node.incarnation)
+            if lane:
+                reply = await stub.Heartbeat(request, timeout=30, metadata=md)
+                lanes = Lanes(master.addr, [("grpc.enable_http_proxy", 0)], 1)
+                stub = lanes.stub(reply.heartbeat_port, 0) or stub
 
             async def beat(count: int) -> None:
                 while count > 0:
@@ -1061,12 +1137,17 @@ async def calls_table(calls: int) -> None:
     """``--calls N``: the master's CPU per heartbeat beside the bare echo's, the arrival
     pattern held equal (200 in flight, and one at a time as spread-out nodes send them)."""
     print("| calls in flight | bare gRPC echo CPU-s per 1,000 | master heartbeat CPU-s per "
-          "1,000 | master / echo |")  # fmt: skip
-    print("|---|---|---|---|")
+          "1,000, at its address | master / echo | the same, at its heartbeat server | "
+          "heartbeat server / echo |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
     for in_flight in (200, 1):
         echo = await echo_cpu_per_1k(calls, in_flight)
         master = await heartbeat_cpu_per_1k(calls, in_flight)
-        print(f"| {in_flight} | {echo:.3f} | {master:.3f} | {master / max(echo, 1e-9):.2f}x |")
+        lane = await heartbeat_cpu_per_1k(calls, in_flight, lane=True)
+        print(
+            f"| {in_flight} | {echo:.3f} | {master:.3f} | {master / max(echo, 1e-9):.2f}x "
+            f"| {lane:.3f} | {lane / max(echo, 1e-9):.2f}x |"
+        )
 
 
 def main() -> None:
@@ -1120,6 +1201,13 @@ def main() -> None:
         "go silent; the master relaunches them all",
     )
     parser.add_argument(
+        "--heartbeat-lane",
+        choices=["on", "off", "both"],
+        default="on",
+        help="run the master with its heartbeat server (on, the default), without it "
+        "(--heartbeat-port -1), or each size both ways, side by side (without it first)",
+    )
+    parser.add_argument(
         "--calls",
         type=int,
         default=0,
@@ -1167,6 +1255,7 @@ async def run_all(args: argparse.Namespace, tree: str) -> list[dict[str, float |
     for n in args.nodes:
         modes = {"long-poll": [False], "poll": [True], "both": [True, False]}[args.protocol]
         runs = [(poll, "") for poll in modes]
+        lanes = {"on": [True], "off": [False], "both": [False, True]}[args.heartbeat_lane]
         if tree:
             # A-B-B-A: the master run second in a row is slower to register (seen against the
             # same code), so each side runs once first and once second; the ratio is of means.
@@ -1174,12 +1263,16 @@ async def run_all(args: argparse.Namespace, tree: str) -> list[dict[str, float |
                 runs = [(False, tree), *runs, (False, ""), (False, tree)]
             else:
                 runs = [*runs, (False, tree), (False, ""), (False, ""), (False, tree)]
-        for poll, where in runs:
+        for (poll, where), lane in [(r, lane) for r in runs for lane in lanes]:
             if poll and args.protocol == "both" and n > args.poll_max_nodes:
                 continue
+            if where and lane != lanes[-1]:
+                continue  # a tree's master has no heartbeat server to turn off
             label = "poll" if poll else "long-poll"
             if where:
                 label += f" at {args.against}"
+            elif args.heartbeat_lane == "both":
+                label += ", heartbeat server" if lane else ", no heartbeat server"
             print(f"... {n} nodes, {label}", flush=True)
             try:
                 row = await run_one(
@@ -1191,6 +1284,7 @@ async def run_all(args: argparse.Namespace, tree: str) -> list[dict[str, float |
                     args.storm_gap_s,
                     args.storm_kb,
                     args.engine,
+                    lane,
                 )
                 row["protocol"] = label
                 rows.append(row)
@@ -1302,6 +1396,7 @@ def print_storm_table(rows: list[dict[str, float | int | str]], storm: str) -> N
     if storm == "master-kill":
         heads = [
             "nodes",
+            "master",
             "quiet heartbeat p99 ms (probe)",
             "killed mid-rendezvous: restarted in s",
             "rendezvous s (with the kill)",
@@ -1316,6 +1411,7 @@ def print_storm_table(rows: list[dict[str, float | int | str]], storm: str) -> N
         ]
         cols = [
             "nodes",
+            "protocol",
             "hb_p99_ms",
             "rdzv_restart_s",
             "rendezvous_s",
@@ -1333,6 +1429,7 @@ def print_storm_table(rows: list[dict[str, float | int | str]], storm: str) -> N
     if storm.startswith("lose:"):
         heads = [
             "nodes",
+            "master",
             "lost at once",
             "quiet heartbeat p99 ms (probe)",
             "storm heartbeat p99 ms (probe)",
@@ -1347,6 +1444,7 @@ def print_storm_table(rows: list[dict[str, float | int | str]], storm: str) -> N
         ]
         cols = [
             "nodes",
+            "protocol",
             "lost",
             "hb_p99_ms",
             "storm_p99_ms",

@@ -98,6 +98,7 @@ def main() -> int:
     p.add_argument("--latency", default="1:5", help="LO:HI seconds from accepted to running")
     p.add_argument("--events-in", required=True)
     p.add_argument("--events-out", required=True)
+    p.add_argument("--heartbeat-port", type=int, default=0, help="-1: no heartbeat server")
     a = p.parse_args()
     logging.basicConfig(
         level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -114,6 +115,7 @@ def main() -> int:
             rendezvous=RendezvousConfig(a.nodes, a.nodes),
             metrics_port=None,
             owns_process=True,
+            heartbeat_port=None if a.heartbeat_port < 0 else a.heartbeat_port,
         )
     )
     out = _Out(a.events_out)

@@ -119,6 +119,10 @@ class HeartbeatReply:
     heartbeat_interval_s: float = 0.0
     """When to beat next: the master stretches the interval as the job grows, so that all
     heartbeats together stay within its budget (0: keep the agent's own interval)."""
+    heartbeat_port: int = 0
+    """Where to beat next: this port on the master's host, a server of the master's that serves
+    heartbeats alone, so that they are answered at once whatever else the master is busy with
+    (0: the master's own address). Set by the master's gRPC server, not by the job."""
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,9 @@ def _heartbeat_reply_from_pb(response: pb.HeartbeatResponse) -> api.HeartbeatRep
         action = api.HeartbeatAction(response.action)
     except ValueError:
         action = api.HeartbeatAction.NONE  # an action of a newer master: nothing we know to do
-    return api.HeartbeatReply(action, response.job_state, response.heartbeat_interval_s)
+    return api.HeartbeatReply(
+        action, response.job_state, response.heartbeat_interval_s, response.heartbeat_port
+    )
 
 
 _CONFIG = {"limits": "config", "job_name": "config.job_name"}

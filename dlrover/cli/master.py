@@ -41,6 +41,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--port", type=int, default=0, help="Port to listen on; 0 picks a free one (default)."
     )
+    p.add_argument(
+        "--heartbeat-port",
+        type=int,
+        default=0,
+        help="Port of the server that answers heartbeats alone, so that a burst of other calls "
+        "never holds them up; the nodes are told it in every heartbeat reply (default 0: a free "
+        "one; -1: none, heartbeats come to --port).",
+    )
     p.add_argument("--host", default="0.0.0.0", help="Address to listen on (default all).")
     p.add_argument(
         "--advertise-addr",
@@ -156,6 +164,7 @@ def run(argv: Sequence[str] | None = None) -> int:
             args.advertise_addr,
             args.token or "",
             state=args.state_db or "",
+            heartbeat_port=None if args.heartbeat_port < 0 else args.heartbeat_port,
         )
     rdzv = None
     try:
@@ -190,6 +199,7 @@ def _serve(
                 token=token,
                 host=args.host,
                 port=args.port,
+                heartbeat_port=None if args.heartbeat_port < 0 else args.heartbeat_port,
                 state=db,
                 rendezvous=rdzv,
                 heartbeat_timeout_s=args.heartbeat_timeout,

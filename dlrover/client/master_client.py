@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
@@ -18,7 +20,7 @@ from dlrover.api.errors import (
     UnsupportedCallError,
     WrongTokenError,
 )
-from dlrover.api.master import MASTER_PARTS, MasterApi
+from dlrover.api.master import MASTER_PARTS, HeartbeatReply, HeartbeatReport, MasterApi
 from dlrover.api.rpc import Rpc, derive_client, raise_refused
 from dlrover.api.wire import RPCS
 from dlrover.constants import (
@@ -43,8 +45,18 @@ __all__ = [
     "WrongTokenError",
 ]
 
+logger = logging.getLogger(__name__)
+
 CHECKPOINT_WAIT_S = 5.0
 """One checkpoint wait held in the master; the client asks again until its own deadline."""
+
+HEARTBEAT_LANE_TIMEOUT_S = 5.0
+"""The deadline of a heartbeat sent to the master's heartbeat server; one that misses it goes to
+the master's address at once (an agent's heartbeat must land within its interval)."""
+
+HEARTBEAT_LANE_RETRY_S = 60.0
+"""After a heartbeat server did not answer, heartbeats go to the master's address this long
+before it is tried again."""
 
 T = TypeVar("T")
 
@@ -76,7 +88,17 @@ class MasterClient(_MasterRpcs, MasterApi):
         self.addr = addr
         self._metadata = ((TOKEN_METADATA_KEY, token),)
         self._timeout = rpc_timeout_s
-        self._channel = grpc.insecure_channel(
+        self._channel = self._new_channel(addr)
+        self.stub = pb_grpc.MasterStub(self._channel)
+        self._lane_lock = threading.Lock()
+        self._lane: tuple[int, grpc.Channel, pb_grpc.MasterStub] | None = None
+        """The master's heartbeat server as its last heartbeat reply named it: (port, channel,
+        stub); None: heartbeats go to ``addr``."""
+        self._lane_failed: tuple[int, float] = (0, 0.0)
+        """The heartbeat port that last did not answer, and until when it is not tried again."""
+
+    def _new_channel(self, addr: str) -> grpc.Channel:
+        return grpc.insecure_channel(
             addr,
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -89,7 +111,6 @@ class MasterClient(_MasterRpcs, MasterApi):
                 ("grpc.max_reconnect_backoff_ms", 1000),
             ],
         )
-        self.stub = pb_grpc.MasterStub(self._channel)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> MasterClient:
@@ -116,7 +137,8 @@ class MasterClient(_MasterRpcs, MasterApi):
         self.get_job_status()
 
     def close(self) -> None:
-        """Close the channel; calls after this fail."""
+        """Close the channels; calls after this fail."""
+        self._follow_lane(0)
         self._channel.close()
 
     def call(self, fn: Callable[..., T], request: object, timeout_s: float | None = None) -> T:
@@ -163,6 +185,57 @@ class MasterClient(_MasterRpcs, MasterApi):
         return min(max(0.0, wait_s), MAX_LONG_POLL_S) + self._timeout
 
     # --- calls with more to do on this side than one RPC ---------------------------------------
+    def heartbeat(self, report: HeartbeatReport) -> HeartbeatReply:
+        """`MasterApi.heartbeat`, sent where the master's last reply said: its heartbeat server
+        (`HeartbeatReply.heartbeat_port`, on the host of ``addr``), which answers whatever else
+        the master is busy with, else ``addr``. A heartbeat the heartbeat server does not answer
+        within HEARTBEAT_LANE_TIMEOUT_S goes to ``addr`` at once, and so do the next ones for
+        HEARTBEAT_LANE_RETRY_S (a port the network between does not pass)."""
+        call = RPCS["heartbeat"]
+        lane = self._lane
+        if lane is not None:
+            port, _, stub = lane
+            request = call.encode_request((report,), {})
+            try:
+                response = self.call(stub.Heartbeat, request, HEARTBEAT_LANE_TIMEOUT_S)
+            except MasterUnreachableError as e:
+                logger.warning(
+                    "the master's heartbeat port %d did not answer (%s); heartbeats go to %s "
+                    "for the next %.0fs",
+                    port,
+                    e,
+                    self.addr,
+                    HEARTBEAT_LANE_RETRY_S,
+                )
+                with self._lane_lock:
+                    self._lane_failed = (port, time.monotonic() + HEARTBEAT_LANE_RETRY_S)
+                self._follow_lane(0)
+            else:
+                reply: HeartbeatReply = call.decode_response(response)
+                self._follow_lane(reply.heartbeat_port)
+                return reply
+        reply = self.invoke(call, (report,), {})
+        self._follow_lane(reply.heartbeat_port)
+        return reply
+
+    def _follow_lane(self, port: int) -> None:
+        """Send the next heartbeats to the master's heartbeat server on ``port`` (0: to
+        ``addr``), unless that port just failed."""
+        with self._lane_lock:
+            current = self._lane
+            if (current[0] if current else 0) == port:
+                return
+            failed, until = self._lane_failed
+            if port and port == failed and time.monotonic() < until:
+                return
+            self._lane = None
+            if port:
+                host = self.addr.rsplit(":", 1)[0]
+                channel = self._new_channel(f"{host}:{port}")
+                self._lane = (port, channel, pb_grpc.MasterStub(channel))
+        if current is not None:
+            current[1].close()
+
     def report_step(
         self,
         step: int,

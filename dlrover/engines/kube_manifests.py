@@ -138,8 +138,10 @@ def master_service_manifest(
     namespace: str,
     port: int = DEFAULT_MASTER_PORT,
     owner: OwnerReference | None = None,
+    heartbeat_port: int = 0,
 ) -> dict[str, Any]:
-    """The Service agents dial: `<job>-master.<namespace>:<port>` -> the master pod."""
+    """The Service agents dial: `<job>-master.<namespace>:<port>` -> the master pod, and its
+    heartbeat port where it has one (`dlrover-master --heartbeat-port`; 0: none)."""
     metadata: dict[str, Any] = {
         "name": f"{job_name}-master",
         "namespace": namespace,
@@ -153,7 +155,12 @@ def master_service_manifest(
         "metadata": metadata,
         "spec": {
             "selector": {**job_labels(job_name), LABEL_ROLE: MASTER_ROLE},
-            "ports": [{"name": "grpc", "port": port, "targetPort": port}],
+            "ports": [{"name": "grpc", "port": port, "targetPort": port}]
+            + (
+                [{"name": "heartbeats", "port": heartbeat_port, "targetPort": heartbeat_port}]
+                if heartbeat_port
+                else []
+            ),
         },
     }
 
@@ -173,6 +180,7 @@ def master_pod_manifest(
     port: int = DEFAULT_MASTER_PORT,
     service_account: str = "dlrover-master",
     owner: OwnerReference | None = None,
+    heartbeat_port: int = 0,
 ) -> dict[str, Any]:
     """The pod that runs a job's master (`dlrover-master ...`), selected by its Service."""
     metadata: dict[str, Any] = {
@@ -196,7 +204,12 @@ def master_pod_manifest(
                     "image": image,
                     "command": command,
                     "env": [{"name": k, "value": v} for k, v in sorted(env.items())],
-                    "ports": [{"name": "grpc", "containerPort": port}],
+                    "ports": [{"name": "grpc", "containerPort": port}]
+                    + (
+                        [{"name": "heartbeats", "containerPort": heartbeat_port}]
+                        if heartbeat_port
+                        else []
+                    ),
                 }
             ],
         },

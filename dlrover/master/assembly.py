@@ -31,6 +31,9 @@ class MasterSettings:
     host: str = "0.0.0.0"
     port: int = 0
     """0: a free port (read it back from `RunningMaster.port`)."""
+    heartbeat_port: int | None = 0
+    """The port of the server that serves heartbeats alone (`HeartbeatLane`; 0: a free one;
+    None: none, heartbeats come to ``port``)."""
     state: str = "memory"
     """`memory`, or a SQLite file that keeps the job's state across a master restart."""
     rendezvous: RendezvousConfig | None = None
@@ -158,6 +161,7 @@ def build_master(
             full_gc_every_s=FULL_GC_EVERY_S if settings.owns_process else 0.0,
             fence=fence,
             on_fenced=on_fenced,
+            heartbeat_port=settings.heartbeat_port,
         )
     except BaseException:
         if web is not None:

@@ -3,7 +3,8 @@
 It is an asyncio server (grpc.aio) on a loop thread of its own: a long poll held for one of
 10,000 nodes is a suspended coroutine, not a thread. Handlers that answer at once call the
 JobMaster inline (its methods are quick and thread-safe); the waits that block a thread inside
-the JobMaster (key-value and checkpoint waits) run on a small thread pool.
+the JobMaster (key-value and checkpoint waits) run on a small thread pool. Heartbeats also have
+a server of their own (`HeartbeatLane`), so that no burst of other calls holds them up.
 """
 
 from __future__ import annotations
@@ -63,6 +64,17 @@ def job_name_for_token(token: str) -> str:
     return "job-" + hashlib.sha256(token.encode()).hexdigest()[:8]
 
 
+_WRONG_TOKEN = "wrong or missing job token: set DLROVER_JOB_TOKEN to the token the master printed"
+
+
+def _has_token(metadata: Any, token: str) -> bool:
+    """Whether a call's metadata carries the job's token."""
+    for key, value in metadata or ():
+        if key == TOKEN_METADATA_KEY and secrets.compare_digest(str(value), token):
+            return True
+    return False
+
+
 class _TokenInterceptor(grpc.aio.ServerInterceptor):
     """Refuses every call whose metadata lacks the job's token."""
 
@@ -70,10 +82,7 @@ class _TokenInterceptor(grpc.aio.ServerInterceptor):
         self._token = token
 
         async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await context.abort(
-                grpc.StatusCode.UNAUTHENTICATED,
-                "wrong or missing job token: set DLROVER_JOB_TOKEN to the token the master printed",
-            )
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, _WRONG_TOKEN)
 
         self._deny = grpc.unary_unary_rpc_method_handler(deny)
 
@@ -82,9 +91,29 @@ class _TokenInterceptor(grpc.aio.ServerInterceptor):
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
-        for key, value in handler_call_details.invocation_metadata or ():
-            if key == TOKEN_METADATA_KEY and secrets.compare_digest(str(value), self._token):
-                return await continuation(handler_call_details)
+        if _has_token(handler_call_details.invocation_metadata, self._token):
+            return await continuation(handler_call_details)
+        return self._deny
+
+
+class _SyncTokenInterceptor(grpc.ServerInterceptor):
+    """`_TokenInterceptor` for the synchronous heartbeat server."""
+
+    def __init__(self, token: str) -> None:
+        self._token = token
+
+        def deny(request: Any, context: grpc.ServicerContext) -> Any:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, _WRONG_TOKEN)
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        if _has_token(handler_call_details.invocation_metadata, self._token):
+            return continuation(handler_call_details)
         return self._deny
 
 
@@ -143,14 +172,21 @@ class MasterServicer:
     `dlrover.api.rpc`)."""
 
     def __init__(
-        self, job: JobMaster, loop: asyncio.AbstractEventLoop, executor: futures.Executor
+        self,
+        job: JobMaster,
+        loop: asyncio.AbstractEventLoop,
+        executor: futures.Executor,
+        heartbeat_port: int = 0,
     ) -> None:
         self.job = job
         self._loop = loop
         self._executor = executor
+        self._heartbeat_port = heartbeat_port
+        """The `HeartbeatLane`'s port, told in every heartbeat reply (0: none)."""
         feeds = (job.members.rounds, job.members.changes, job.preflight.checks)
         self._wakers = {id(feed): _Waker(loop, feed) for feed in feeds}
         implementations = job.services()
+        self._heartbeats = implementations[RPCS["heartbeat"].interface]
         by_name: dict[str, list[Rpc]] = {}
         for call in RPCS.values():
             by_name.setdefault(call.name, []).append(call)
@@ -179,27 +215,47 @@ class MasterServicer:
     ) -> Callable[[bytes, grpc.aio.ServicerContext], Awaitable[Message]]:
         targets = [(call, implementations[call.interface]) for call in calls]
         request_type = calls[0].request_type
+        stamp = self._heartbeat_port if calls[0] is RPCS["heartbeat"] else 0
 
         async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> Message:
             try:
                 request = request_type.FromString(raw)
             except DecodeError as e:
                 await context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"malformed {request_type.__name__} ({len(raw)} bytes): {e}; send it with "
-                    "dlrover's MasterClient of the master's version",
+                    grpc.StatusCode.INVALID_ARGUMENT, _malformed(request_type, raw, e)
                 )
             # Methods sharing one RPC (checkpoint_committed and its wait) differ in a field.
             call, target = next(((c, t) for c, t in targets if c.matches(request)), targets[-1])
             try:
-                return call.encode_response(await self._run(call, target, request))
+                response = call.encode_response(await self._run(call, target, request))
             except Exception as e:
-                refused = call.refusal(e)
-                if refused is None:
-                    refused = call.refusal(as_refusal(e))
-                if refused is None:
-                    raise
-                return refused  # type: ignore[no-any-return]
+                return _refused(call, e)
+            if stamp:
+                response.heartbeat_port = stamp  # type: ignore[attr-defined]
+            return response  # type: ignore[no-any-return]
+
+        return handle
+
+    def heartbeat_handler(self) -> Callable[[bytes, grpc.ServicerContext], Message]:
+        """The Heartbeat RPC as the synchronous `HeartbeatLane` runs it, on its own thread."""
+        call = RPCS["heartbeat"]
+        target = self._heartbeats
+        stamp = self._heartbeat_port
+
+        def handle(raw: bytes, context: grpc.ServicerContext) -> Message:
+            try:
+                request = call.request_type.FromString(raw)
+            except DecodeError as e:
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, _malformed(call.request_type, raw, e)
+                )
+            try:
+                args = call.decode_request(request)
+                response = call.encode_response(getattr(target, call.method)(**args))
+            except Exception as e:
+                return _refused(call, e)
+            response.heartbeat_port = stamp  # type: ignore[attr-defined]
+            return response  # type: ignore[no-any-return]
 
         return handle
 
@@ -236,6 +292,78 @@ class MasterServicer:
             await waker.wait(generation, poll.sleep_s(deadline - now, self.job.clock()))
 
 
+def _malformed(request_type: type[Message], raw: bytes, error: DecodeError) -> str:
+    return (
+        f"malformed {request_type.__name__} ({len(raw)} bytes): {error}; send it with "
+        "dlrover's MasterClient of the master's version"
+    )
+
+
+def _refused(call: Rpc, error: Exception) -> Message:
+    """The response that carries ``error`` as the call's refusal; re-raises an error that is
+    not one (gRPC then answers UNKNOWN)."""
+    refused = call.refusal(error)
+    if refused is None:
+        refused = call.refusal(as_refusal(error))
+    if refused is None:
+        raise error
+    return refused  # type: ignore[no-any-return]
+
+
+class HeartbeatLane:
+    """The master's heartbeats on a server of their own: a synchronous gRPC server (its own
+    completion queue and threads) beside the asyncio one, serving the Heartbeat RPC alone, on
+    the same host, with the same token.
+
+    The asyncio server answers its calls in turn on one loop. When thousands of held calls are
+    answered at once (a round that closes or breaks at 10,000 nodes, every node reporting an
+    error in the same second), a heartbeat that arrives then waits behind all of them: seconds,
+    while an agent's heartbeat must be answered within its interval. Here it waits only for the
+    interpreter's lock, which the loop hands over every few milliseconds. Every heartbeat reply
+    tells the node this port (`HeartbeatReply.heartbeat_port`); a node that cannot reach it
+    beats at the master's own address, as before."""
+
+    def __init__(self, token: str, host: str, port: int) -> None:
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="dlrover-master-beat"),
+            interceptors=[_SyncTokenInterceptor(token)],
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        try:
+            bound = self._server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError as e:
+            bound = 0
+            why = str(e)
+        else:
+            why = "the port is in use"
+        if bound == 0:
+            raise MasterServerError(
+                f"cannot listen for heartbeats on {host}:{port}: {why}; pick another "
+                "--heartbeat-port, 0 for a free one, or -1 for none"
+            )
+        self.port = bound
+
+    def start(self, handle: Callable[[bytes, grpc.ServicerContext], Message]) -> None:
+        """Start serving heartbeats with ``handle`` (`MasterServicer.heartbeat_handler`)."""
+        call = RPCS["heartbeat"]
+        handler = grpc.unary_unary_rpc_method_handler(
+            handle, response_serializer=call.response_type.SerializeToString
+        )
+        self._server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(SERVICE.full_name, {call.name: handler}),)
+        )
+        self._server.start()
+
+    def stop(self, grace_s: float) -> threading.Event:
+        """Stop serving; calls in flight get ``grace_s`` seconds. Returns at once: the event is
+        set once the server has stopped."""
+        return self._server.stop(grace_s)  # type: ignore[no-any-return]
+
+
 class MasterServer:
     """Serves a JobMaster over gRPC (asyncio, on a loop thread of its own) and drives its
     `tick()` from one background thread, early when a rendezvous round's last call ends.
@@ -258,6 +386,7 @@ class MasterServer:
         full_gc_every_s: float = 0.0,
         fence: Fence | None = None,
         on_fenced: Callable[[Leader], None] | None = None,
+        heartbeat_port: int | None = None,
     ) -> None:
         self.job = job
         self._fence = fence
@@ -279,9 +408,14 @@ class MasterServer:
         )
         self._loop_thread.start()
         self._servicer: MasterServicer | None = None
+        self._lane: HeartbeatLane | None = None
         try:
+            if heartbeat_port is not None:
+                self._lane = HeartbeatLane(token, host, heartbeat_port)
             self.port = self._run(self._bind(host, port), 30.0)
         except BaseException:
+            if self._lane is not None:
+                self._lane.stop(0)
             self._shutdown_loop()
             raise
         self._ticker = threading.Thread(
@@ -308,7 +442,7 @@ class MasterServer:
                 ("grpc.server.max_pending_requests_hard_limit", _MAX_PENDING_CALLS),
             ],
         )
-        self._servicer = MasterServicer(self.job, self._loop, self._executor)
+        self._servicer = MasterServicer(self.job, self._loop, self._executor, self.heartbeat_port)
         self._server.add_generic_rpc_handlers((self._servicer.handler,))
         try:
             bound = self._server.add_insecure_port(f"{host}:{port}")
@@ -324,15 +458,26 @@ class MasterServer:
             )
         return bound
 
+    @property
+    def heartbeat_port(self) -> int:
+        """The port of the `HeartbeatLane` (0: none; heartbeats come to `port`)."""
+        return self._lane.port if self._lane is not None else 0
+
     def start(self) -> MasterServer:
         """Start serving and the tick thread; returns self."""
+        if self._lane is not None and self._servicer is not None:
+            self._lane.start(self._servicer.heartbeat_handler())
         self._run(self._server.start(), 30.0)
         if self._full_gc_every_s > 0:
             gen0, gen1, _ = gc.get_threshold()
             gc.set_threshold(gen0, gen1, _NEVER)
         self._ticker.start()
         logger.info(
-            "master of job %s listening on %s:%d", self.job.config.job_name, self.host, self.port
+            "master of job %s listening on %s:%d%s",
+            self.job.config.job_name,
+            self.host,
+            self.port,
+            f" (heartbeats on port {self.heartbeat_port})" if self._lane is not None else "",
         )
         return self
 
@@ -370,6 +515,8 @@ class MasterServer:
         )
         self.fenced_by = newer
         self.fenced.set()
+        if self._lane is not None:
+            self._lane.stop(0)
         try:
             self._run(self._server.stop(0), 2.0)
         except (futures.TimeoutError, RuntimeError):
@@ -386,12 +533,15 @@ class MasterServer:
         # at exit, so one reader of a key nobody will set held a finished job's master 30 s.
         self.job.kv.close()
         self.job.checkpoint.close()
+        lane_stopped = self._lane.stop(grace_s) if self._lane is not None else None
         if not self._loop.is_closed():
             try:
                 self._run(self._server.stop(grace_s), grace_s + 1.0)
             except (futures.TimeoutError, RuntimeError):
                 logger.warning("the master's server did not stop within %.1fs", grace_s + 1.0)
         self._shutdown_loop()
+        if lane_stopped is not None and not lane_stopped.wait(grace_s + 1.0):
+            logger.warning("the master's heartbeat server did not stop within %.1fs", grace_s + 1.0)
         if self._ticker.is_alive():
             self._ticker.join(timeout=self._tick_interval_s + 1.0)
         self.job.sharding.close()

@@ -158,6 +158,8 @@ def master_objects(body: dict[str, Any], token: str | None = None) -> list[dict[
     }
     if kube.get("masterStorageClass"):
         state_claim["spec"]["storageClassName"] = str(kube["masterStorageClass"])
+    # Heartbeats have a server of their own on the next port, which the Service exposes too.
+    heartbeat_port = port + 1 if 0 < port < 65535 else 0
     command = [
         "dlrover-master",
         f"--job-spec={SPEC_MOUNT_DIR}/{SPEC_FILE}",
@@ -165,6 +167,7 @@ def master_objects(body: dict[str, Any], token: str | None = None) -> list[dict[
         # resumes the job from it; the pod's restartPolicy is OnFailure.
         f"--state-db={STATE_MOUNT_DIR}/master.db",
         f"--port={port}",
+        f"--heartbeat-port={heartbeat_port or -1}",
         f"--advertise-address={master_address(job.name, namespace, port)}",
     ]
     pod = master_pod_manifest(
@@ -176,6 +179,7 @@ def master_objects(body: dict[str, Any], token: str | None = None) -> list[dict[
         port=port,
         owner=owner,
         service_account=kube.get("serviceAccount") or "dlrover-master",
+        heartbeat_port=heartbeat_port,
     )
     container = pod["spec"]["containers"][0]
     # The token never sits in the pod spec: it comes from the Secret.
@@ -196,5 +200,5 @@ def master_objects(body: dict[str, Any], token: str | None = None) -> list[dict[
             "persistentVolumeClaim": {"claimName": f"{job.name}-master-state"},
         },
     ]
-    service = master_service_manifest(job.name, namespace, port, owner)
+    service = master_service_manifest(job.name, namespace, port, owner, heartbeat_port)
     return [secret, config, state_claim, service, pod]

@@ -114,16 +114,18 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., usage: _Optional[_Union[ResourceUsage, _Mapping]] = ..., step: _Optional[int] = ..., worker_state: _Optional[str] = ..., restart_count: _Optional[int] = ..., step_time_s: _Optional[float] = ..., attempt_step: _Optional[int] = ..., attempt_step_age_s: _Optional[float] = ..., attempt_first_step: _Optional[int] = ..., attempt_first_age_s: _Optional[float] = ..., step_wall_s: _Optional[float] = ..., step_data_s: _Optional[float] = ..., step_checkpoint_s: _Optional[float] = ..., checkpoint_persist_s: _Optional[float] = ..., worker_pids: _Optional[_Iterable[int]] = ..., samples_per_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("action", "job_state", "heartbeat_interval_s", "refused")
+    __slots__ = ("action", "job_state", "heartbeat_interval_s", "heartbeat_port", "refused")
     ACTION_FIELD_NUMBER: _ClassVar[int]
     JOB_STATE_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_PORT_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
     action: str
     job_state: str
     heartbeat_interval_s: float
+    heartbeat_port: int
     refused: MasterError
-    def __init__(self, action: _Optional[str] = ..., job_state: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., refused: _Optional[_Union[MasterError, _Mapping]] = ...) -> None: ...
+    def __init__(self, action: _Optional[str] = ..., job_state: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_port: _Optional[int] = ..., refused: _Optional[_Union[MasterError, _Mapping]] = ...) -> None: ...
 
 class JoinRendezvousRequest(_message.Message):
     __slots__ = ("node_id", "incarnation", "local_world_size", "store_host", "store_port")

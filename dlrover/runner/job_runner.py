@@ -101,6 +101,8 @@ class RunnerSettings:
     """Where /metrics and the dashboard are served (0: a free port; None: nowhere)."""
     tensorboard_dir: str = ""
     """Also write metrics as TensorBoard events there ("": not)."""
+    heartbeat_port: int | None = 0
+    """The port of the master's heartbeat server (`HeartbeatLane`; 0: a free one; None: none)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,6 +303,7 @@ class JobRunner:
                     metrics_port=settings.metrics_port,
                     tensorboard_dir=settings.tensorboard_dir,
                     log_reader=self.kind.logs(directory),
+                    heartbeat_port=settings.heartbeat_port,
                 ),
                 on_fenced=lambda newer: self._stop.set(),
             )

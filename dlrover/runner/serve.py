@@ -29,6 +29,7 @@ def serve_job(
     on_serving: Callable[[JobMaster], None] | None = None,
     metrics_port: int | None = 0,
     tensorboard_dir: str = "",
+    heartbeat_port: int | None = 0,
 ) -> int:
     """Run `spec` with a `JobRunner` (see `RunnerSettings` for the arguments), saying on the
     terminal what it does, and return the job's exit code.
@@ -74,6 +75,7 @@ def serve_job(
             state=state,
             metrics_port=metrics_port,
             tensorboard_dir=tensorboard_dir,
+            heartbeat_port=heartbeat_port,
         ),
         on_serving=serving,
     )

@@ -95,6 +95,28 @@ def test_operator_builds_an_owned_master_with_the_token_in_a_secret() -> None:
     assert job_spec_from_dict(yaml.safe_load(config["data"]["job.yaml"])) == job_spec_of(_example())
 
 
+def test_the_master_s_heartbeat_port_is_the_next_one_and_its_service_exposes_it() -> None:
+    job = _example()
+    job["spec"]["masterPort"] = 50001
+    _, _, _, service, pod = master_objects(job, token="t0k")
+    command = pod["spec"]["containers"][0]["command"]
+    assert "--port=50001" in command and "--heartbeat-port=50002" in command
+    assert {"name": "heartbeats", "port": 50002, "targetPort": 50002} in service["spec"]["ports"]
+    assert {"name": "heartbeats", "containerPort": 50002} in pod["spec"]["containers"][0]["ports"]
+    # The static master of deploy/kubernetes: every port its command names, its Service exposes.
+    docs = _docs("master-job.yaml")
+    static = next(d for d in docs if d["kind"] == "Service")["spec"]["ports"]
+    (master,) = next(d for d in docs if d["kind"] == "Job")["spec"]["template"]["spec"][
+        "containers"
+    ]
+    named = {
+        int(a.split("=")[1])
+        for a in master["command"]
+        if a.startswith(("--port=", "--heartbeat-port="))
+    }
+    assert named == {p["targetPort"] for p in static} == {50001, 50002}
+
+
 def test_invalid_elasticjob_is_one_clear_error() -> None:
     job = _example()
     job["spec"]["nodes"] = "4:2"
