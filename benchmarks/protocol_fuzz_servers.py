@@ -36,6 +36,27 @@ def serve_master(_: Path) -> tuple[dict[str, object], Callable[[], None]]:
     return {"addr": f"127.0.0.1:{server.port}"}, lambda: server.stop(0.5)
 
 
+def serve_master_heartbeats(_: Path) -> tuple[dict[str, object], Callable[[], None]]:
+    """The master's heartbeat server (`HeartbeatLane`), with one registered node whose
+    heartbeat is the valid probe."""
+    from dlrover.api.master import NodeLimits, Registration
+    from dlrover.master.job import JobMaster, JobMasterConfig
+    from dlrover.master.server import MasterServer
+    from dlrover.master.state_store import MemoryStateStore
+
+    job = JobMaster(JobMasterConfig(job_name="fuzz"), MemoryStateStore())
+    node = job.members.register_node(
+        Registration(host="127.0.0.1", local_world_size=1, limits=NodeLimits(1, 1, 1, 1))
+    )
+    server = MasterServer(job, TOKEN, "127.0.0.1", 0, heartbeat_port=0).start()
+    where = {
+        "addr": f"127.0.0.1:{server.heartbeat_port}",
+        "node_id": node.node_id,
+        "incarnation": node.incarnation,
+    }
+    return where, lambda: server.stop(0.5)
+
+
 def serve_embedding(_: Path) -> tuple[dict[str, object], Callable[[], None]]:
     """One `dlrover-ps` embedding server with the probe table."""
     from dlrover.embedding.server import EmbeddingServer
@@ -81,6 +102,7 @@ def serve_replica(folder: Path) -> tuple[dict[str, object], Callable[[], None]]:
 
 SERVERS: dict[str, Callable[[Path], tuple[dict[str, object], Callable[[], None]]]] = {
     "master": serve_master,
+    "master-heartbeats": serve_master_heartbeats,
     "embedding": serve_embedding,
     "embedding-data": serve_embedding,
     "saver": serve_saver,

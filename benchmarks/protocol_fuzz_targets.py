@@ -242,6 +242,30 @@ class MasterTarget(GrpcTarget):
         list(pool.map(lambda _: call(), range(8)))
 
 
+class MasterHeartbeatTarget(MasterTarget):
+    """The master's heartbeat server (``dlrover-master --heartbeat-port``): the master's
+    service, of which it serves Heartbeat alone (any other method is a case too)."""
+
+    name = "master-heartbeats"
+
+    def __init__(self, host: Host) -> None:
+        super().__init__(host)
+        # Heartbeat, most of all: what it serves; RegisterNode for one it must refuse.
+        beat = [m for m in self.methods if m[0].endswith("/Heartbeat")]
+        self.methods = beat * 4 + [m for m in self.methods if m[0].endswith("/RegisterNode")]
+
+    def probe(self) -> tuple[str, str]:
+        request = self._pb.HeartbeatRequest(
+            node_id=str(self.host.where["node_id"]),
+            incarnation=int(self.host.where["incarnation"]),
+        )
+        call = self._call("/dlrover.Master/Heartbeat", request.SerializeToString(), self.host.token)
+        return grpc_outcome(call, self._pb.HeartbeatResponse, self.error_fields)
+
+    def warm(self, pool: futures.Executor) -> None:
+        """Its threads start with the first calls: the probes."""
+
+
 class EmbeddingTarget(GrpcTarget):
     """An embedding server (``dlrover-ps``)."""
 
@@ -544,6 +568,7 @@ class EmbeddingDataTarget(Target):
 
 TARGETS: dict[str, Callable[[Host], Target]] = {
     "master": MasterTarget,
+    "master-heartbeats": MasterHeartbeatTarget,
     "embedding": EmbeddingTarget,
     "embedding-data": EmbeddingDataTarget,
     "saver": SaverTarget,

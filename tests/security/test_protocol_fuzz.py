@@ -20,7 +20,7 @@ from tests.conftest import REPO, clean_env
 
 SEED = os.environ.get("DLROVER_FUZZ_SEED", "7")
 CASES = 150
-TARGETS = ("master", "embedding", "embedding-data", "saver", "replica")
+TARGETS = ("master", "master-heartbeats", "embedding", "embedding-data", "saver", "replica")
 
 
 @pytest.mark.e2e
@@ -58,7 +58,7 @@ def test_every_server_survives_the_fuzzer_and_answers_each_case_clearly(tmp_path
         # The abuse was the abuse asked for: most cases refused, with every kind drawn.
         assert outcomes["clear"] > CASES // 2, (name, outcomes)
         assert {"oversized", "truncated_stream"} <= set(row["kinds"]), (name, row["kinds"])
-    for name in ("master", "embedding", "embedding-data"):
+    for name in ("master", "master-heartbeats", "embedding", "embedding-data"):
         assert {"random_bytes", "wrong_token", "no_token", "bit_flips"} <= set(rows[name]["kinds"])
     for name in ("saver", "replica"):
         assert {"deep_nesting", "repeat_key", "unknown_op"} <= set(rows[name]["kinds"])
