@@ -186,7 +186,7 @@ class MasterServicer:
         feeds = (job.members.rounds, job.members.changes, job.preflight.checks)
         self._wakers = {id(feed): _Waker(loop, feed) for feed in feeds}
         implementations = job.services()
-        self._heartbeats = implementations[RPCS["heartbeat"].interface]
+        self._implementations = implementations
         by_name: dict[str, list[Rpc]] = {}
         for call in RPCS.values():
             by_name.setdefault(call.name, []).append(call)
@@ -236,11 +236,11 @@ class MasterServicer:
 
         return handle
 
-    def heartbeat_handler(self) -> Callable[[bytes, grpc.ServicerContext], Message]:
-        """The Heartbeat RPC as the synchronous `HeartbeatLane` runs it, on its own thread."""
-        call = RPCS["heartbeat"]
-        target = self._heartbeats
-        stamp = self._heartbeat_port
+    def sync_handler(self, call: Rpc) -> Callable[[bytes, grpc.ServicerContext], Message]:
+        """``call`` (one answered at once) as the synchronous `HeartbeatLane` runs it, on its
+        own thread."""
+        target = self._implementations[call.interface]
+        stamp = self._heartbeat_port if call is RPCS["heartbeat"] else 0
 
         def handle(raw: bytes, context: grpc.ServicerContext) -> Message:
             try:
@@ -254,7 +254,8 @@ class MasterServicer:
                 response = call.encode_response(getattr(target, call.method)(**args))
             except Exception as e:
                 return _refused(call, e)
-            response.heartbeat_port = stamp  # type: ignore[attr-defined]
+            if stamp:
+                response.heartbeat_port = stamp  # type: ignore[attr-defined]
             return response  # type: ignore[no-any-return]
 
         return handle
@@ -310,6 +311,10 @@ def _refused(call: Rpc, error: Exception) -> Message:
     return refused  # type: ignore[no-any-return]
 
 
+LANE_RPCS = [RPCS["heartbeat"]]
+"""What `HeartbeatLane` serves."""
+
+
 class HeartbeatLane:
     """The master's heartbeats on a server of their own: a synchronous gRPC server (its own
     completion queue and threads) beside the asyncio one, serving the Heartbeat RPC alone, on
@@ -347,14 +352,17 @@ class HeartbeatLane:
             )
         self.port = bound
 
-    def start(self, handle: Callable[[bytes, grpc.ServicerContext], Message]) -> None:
-        """Start serving heartbeats with ``handle`` (`MasterServicer.heartbeat_handler`)."""
-        call = RPCS["heartbeat"]
-        handler = grpc.unary_unary_rpc_method_handler(
-            handle, response_serializer=call.response_type.SerializeToString
-        )
+    def start(self, servicer: MasterServicer) -> None:
+        """Start serving `LANE_RPCS` with ``servicer``'s handlers (`MasterServicer.sync_handler`)."""
+        handlers = {
+            call.name: grpc.unary_unary_rpc_method_handler(
+                servicer.sync_handler(call),
+                response_serializer=call.response_type.SerializeToString,
+            )
+            for call in LANE_RPCS
+        }
         self._server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler(SERVICE.full_name, {call.name: handler}),)
+            (grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),)
         )
         self._server.start()
 
@@ -466,7 +474,7 @@ class MasterServer:
     def start(self) -> MasterServer:
         """Start serving and the tick thread; returns self."""
         if self._lane is not None and self._servicer is not None:
-            self._lane.start(self._servicer.heartbeat_handler())
+            self._lane.start(self._servicer)
         self._run(self._server.start(), 30.0)
         if self._full_gc_every_s > 0:
             gen0, gen1, _ = gc.get_threshold()
