@@ -64,12 +64,22 @@ def test_put_many_writes_every_value_at_once(store):
     assert sorted(store.items("ns")) == ["a", "b"]
 
 
+def test_put_many_also_removes_keys_in_the_same_write(store):
+    store.put_many("ns", {"a": b"1", "b": b"2", "c": b"3"})
+    store.put_json_many("ns", {"d": 4, "c": 5}, delete=["a", "c", "absent"])
+    assert store.items("ns") == {"b": b"2", "c": b"5", "d": b"4"}  # "c" both: written
+    store.put_many("ns", {}, delete=["b"])
+    assert sorted(store.items("ns")) == ["c", "d"]
+
+
 def test_a_failed_put_many_writes_none_of_its_values(tmp_path: Path):
     store = SqliteStateStore(str(tmp_path / "s.db"))
     store.put("ns", "a", b"old")
+    store.put("ns", "gone", b"kept")
     with pytest.raises(Exception):  # noqa: B017 - sqlite's own error for a value it cannot bind
-        store.put_many("ns", {"a": b"new", "b": object()})  # type: ignore[dict-item]
+        store.put_many("ns", {"a": b"new", "b": object()}, delete=["gone"])  # type: ignore[dict-item]
     assert store.get("ns", "a") == b"old" and store.get("ns", "b") is None
+    assert store.get("ns", "gone") == b"kept"
     store.put("ns", "c", b"after")  # the connection is usable again
     assert store.get("ns", "c") == b"after"
 

@@ -7,6 +7,7 @@ that a returned put survives a crash; `everysec` may lose the last second).
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -74,10 +75,24 @@ class RedisStateStore(StateStore):
         """HSET the field; as durable as the server's append-only file makes it."""
         self._call(lambda: self._client.hset(self._key(namespace), key, value))
 
-    def put_many(self, namespace: str, values: dict[str, bytes]) -> None:
-        """One HSET of every field (atomic on the server)."""
-        if values:
-            self._call(lambda: self._client.hset(self._key(namespace), mapping=values))
+    def put_many(
+        self, namespace: str, values: dict[str, bytes], delete: Collection[str] = ()
+    ) -> None:
+        """One HDEL of the fields of ``delete`` and one HSET of ``values``, in one MULTI/EXEC
+        transaction (atomic on the server)."""
+        gone = [key for key in delete if key not in values]
+        if not values and not gone:
+            return
+
+        def write() -> None:
+            pipe = self._client.pipeline(transaction=True)
+            if gone:
+                pipe.hdel(self._key(namespace), *gone)
+            if values:
+                pipe.hset(self._key(namespace), mapping=values)
+            pipe.execute()
+
+        self._call(write)
 
     def delete(self, namespace: str, key: str) -> None:
         """HDEL the field; an absent one is not an error."""

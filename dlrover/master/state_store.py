@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sqlite3
 import threading
+from collections.abc import Collection
 
 from dlrover.master.redis_store import RedisStateStore
 from dlrover.master.store_base import StateMismatchError, StateStore, StateStoreError
@@ -42,6 +43,16 @@ class MemoryStateStore(StateStore):
         """Remove ``key`` from ``namespace`` if present."""
         with self._lock:
             self._data.pop((namespace, key), None)
+
+    def put_many(
+        self, namespace: str, values: dict[str, bytes], delete: Collection[str] = ()
+    ) -> None:
+        """Remove the keys of ``delete`` and write ``values``, under the store's lock."""
+        with self._lock:
+            for key in delete:
+                self._data.pop((namespace, key), None)
+            for key, value in values.items():
+                self._data[(namespace, key)] = bytes(value)
 
     def items(self, namespace: str) -> dict[str, bytes]:
         """A copy of ``namespace``'s keys and values."""
@@ -106,11 +117,18 @@ class SqliteStateStore(StateStore):
                 (namespace, key, sqlite3.Binary(value)),
             )
 
-    def put_many(self, namespace: str, values: dict[str, bytes]) -> None:
-        """Insert or replace the rows in one transaction (all of them or none)."""
+    def put_many(
+        self, namespace: str, values: dict[str, bytes], delete: Collection[str] = ()
+    ) -> None:
+        """Delete the rows of ``delete``, then insert or replace those of ``values``, in one
+        transaction (all of it or none)."""
         with self._lock:
             self._conn.execute("BEGIN")  # the connection autocommits each statement otherwise
             try:
+                self._conn.executemany(
+                    "DELETE FROM state WHERE namespace=? AND key=?",
+                    [(namespace, k) for k in delete],
+                )
                 self._conn.executemany(
                     "INSERT OR REPLACE INTO state (namespace, key, value) VALUES (?, ?, ?)",
                     [(namespace, k, sqlite3.Binary(v)) for k, v in values.items()],

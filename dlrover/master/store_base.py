@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
+from collections.abc import Collection
 from typing import Any
 
 
@@ -48,9 +49,15 @@ class StateStore(ABC):
     ) -> bool:
         """Write `value` only if the current value equals `expected` (None: absent)."""
 
-    def put_many(self, namespace: str, values: dict[str, bytes]) -> None:
-        """Write every value of ``values`` (a round's members): one transaction where the
-        backend has them; this default writes them one by one."""
+    def put_many(
+        self, namespace: str, values: dict[str, bytes], delete: Collection[str] = ()
+    ) -> None:
+        """Write every value of ``values`` (a round's members) and remove the keys of ``delete``
+        (a key in both is written): one transaction where the backend has them; this default
+        does it one by one."""
+        for key in delete:
+            if key not in values:
+                self.delete(namespace, key)
         for key, value in values.items():
             self.put(namespace, key, value)
 
@@ -75,8 +82,11 @@ class StateStore(ABC):
         """Write ``value`` as JSON (sorted keys, so equal values give equal bytes)."""
         self.put(namespace, key, json.dumps(value, sort_keys=True).encode())
 
-    def put_json_many(self, namespace: str, values: dict[str, Any]) -> None:
-        """`put_json` of each value, in one `put_many`."""
-        if values:
+    def put_json_many(
+        self, namespace: str, values: dict[str, Any], delete: Collection[str] = ()
+    ) -> None:
+        """`put_json` of each value and the removal of each key of ``delete``, in one
+        `put_many`."""
+        if values or delete:
             encoded = {k: json.dumps(v, sort_keys=True).encode() for k, v in values.items()}
-            self.put_many(namespace, encoded)
+            self.put_many(namespace, encoded, delete)

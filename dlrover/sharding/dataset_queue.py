@@ -47,7 +47,7 @@ class DatasetQueue:
         self.epoch = 0
         self.cursor = 0
         self.requeued: deque[_Requeued] = deque()
-        self.leases: LeaseTable[ShardId] = LeaseTable()
+        self.leases: LeaseTable[ShardId] = LeaseTable(track=True)
         self.done_shards = 0
         self.failure: str | None = None
         self.restore_token: str | None = None
@@ -164,7 +164,9 @@ class DatasetQueue:
                 f"progress of {shard_id} in {self.spec.name!r}: consumed={consumed} is outside "
                 f"0..{length}, the shard's length"
             )
-        lease.offset = max(lease.offset, consumed)
+        if consumed > lease.offset:
+            lease.offset = consumed
+            self.leases.touch(shard_id)
         lease.deadline = max(lease.deadline, now + self.spec.lease_s)
         return True
 
@@ -412,23 +414,40 @@ class DatasetQueue:
         )
 
     # --- state ----------------------------------------------------------------------------
-    def to_state(self) -> dict[str, Any]:
-        """JSON-able state for the master's store: spec, epoch, cursor, requeued shards and leases;
-        the consumption marks are not kept."""
-        return {
+    def to_state(self, leases: bool = True) -> dict[str, Any]:
+        """JSON-able state for the master's store: spec, epoch, cursor, requeued shards and
+        leases (``leases`` False: without them, which the store keeps apart, see
+        `lease_changes`); the consumption marks are not kept."""
+        state = {
             "spec": self.spec.to_dict(),
             "epoch": self.epoch,
             "cursor": self.cursor,
             "requeued": [list(entry) for entry in self.requeued],
-            "leases": [
-                [k.epoch, k.index, lease.worker_id, lease.offset, lease.attempt]
-                for k, lease in self.leases.items()
-            ],
             "done_shards": self.done_shards,
             "failure": self.failure,
             "restore_token": self.restore_token,
             "lost": [self.lost_shards, self.lost_samples],
             "dropped": [[k.epoch, k.index, n] for k, n in self.dropped.items()],
+        }
+        if leases:
+            state["leases"] = [
+                [k.epoch, k.index, lease.worker_id, lease.offset, lease.attempt]
+                for k, lease in self.leases.items()
+            ]
+        return state
+
+    def lease_changes(self) -> dict[tuple[int, int], list[Any] | None]:
+        """The leases granted, released or moved on since the last call, by (epoch, index): each
+        as `to_state` lists it, None where released. What the store keeps of them between two
+        calls is what changed, not the whole table (a call costs its change, however many
+        shards are in flight)."""
+        return {
+            (k.epoch, k.index): (
+                None
+                if lease is None
+                else [k.epoch, k.index, lease.worker_id, lease.offset, lease.attempt]
+            )
+            for k, lease in self.leases.take_changes().items()
         }
 
     @classmethod
@@ -437,7 +456,7 @@ class DatasetQueue:
         queue = cls(DatasetSpec.from_dict(state["spec"]))
         queue.epoch, queue.cursor = int(state["epoch"]), int(state["cursor"])
         queue.requeued = deque((int(e), int(i), int(o), int(a)) for e, i, o, a in state["requeued"])
-        for epoch, index, worker_id, offset, attempt in state["leases"]:
+        for epoch, index, worker_id, offset, attempt in state.get("leases", ()):
             lease = Lease(str(worker_id), now + queue.spec.lease_s, int(attempt), int(offset))
             queue.leases.grant(ShardId(int(epoch), int(index)), lease)
         queue.done_shards = int(state["done_shards"])

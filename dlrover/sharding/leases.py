@@ -20,10 +20,14 @@ class Lease:
 
 
 class LeaseTable(Generic[Key]):
-    """Maps a shard key to its lease. Invariant: a key is held by at most one worker at a time."""
+    """Maps a shard key to its lease. Invariant: a key is held by at most one worker at a time.
 
-    def __init__(self) -> None:
+    ``track``: the table also keeps which keys changed since `take_changes` (granted, released,
+    or `touch`ed), so that its owner can save the changes rather than the whole table."""
+
+    def __init__(self, track: bool = False) -> None:
         self._leases: dict[Key, Lease] = {}
+        self._changed: dict[Key, Lease | None] | None = {} if track else None
 
     def __len__(self) -> int:
         return len(self._leases)
@@ -46,10 +50,28 @@ class LeaseTable(Generic[Key]):
             # A double grant would hand one shard to two workers: a bug, never a user error.
             raise AssertionError(f"{key} is already leased to {self._leases[key].worker_id}")
         self._leases[key] = lease
+        if self._changed is not None:
+            self._changed[key] = lease
 
     def release(self, key: Key) -> Lease | None:
         """Remove the lease on ``key`` and return it; None if it was not leased."""
-        return self._leases.pop(key, None)
+        lease = self._leases.pop(key, None)
+        if lease is not None and self._changed is not None:
+            self._changed[key] = None
+        return lease
+
+    def touch(self, key: Key) -> None:
+        """The lease on ``key`` changed in place (its offset): count it among the changes."""
+        if self._changed is not None and key in self._leases:
+            self._changed[key] = self._leases[key]
+
+    def take_changes(self) -> dict[Key, Lease | None]:
+        """The leases changed since the last call (None: released), as they are now; only for a
+        table that tracks (an empty dict otherwise)."""
+        if not self._changed:
+            return {}
+        changed, self._changed = self._changed, {}
+        return changed
 
     def renew(self, worker_id: str, deadline: float) -> int:
         """Push back the deadline of every lease `worker_id` holds; returns how many."""
@@ -70,4 +92,6 @@ class LeaseTable(Generic[Key]):
 
     def clear(self) -> None:
         """Drop every lease."""
+        if self._changed is not None:
+            self._changed.update(dict.fromkeys(self._leases))
         self._leases.clear()

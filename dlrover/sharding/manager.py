@@ -34,7 +34,7 @@ from dlrover.sharding.types import (
 
 logger = logging.getLogger(__name__)
 
-STATE_VERSION = 1
+STATE_VERSION = 2
 
 
 class ShardManager:
@@ -262,13 +262,19 @@ class ShardManager:
         return count
 
     # --- state ----------------------------------------------------------------------------
-    def to_state(self) -> dict[str, Any]:
-        """JSON-able state, sized by shards in flight, not by dataset size."""
+    def to_state(self, dataset_leases: bool = True) -> dict[str, Any]:
+        """JSON-able state, sized by shards in flight, not by dataset size (``dataset_leases``
+        False: without the datasets' leases, which the caller keeps from `lease_changes`)."""
         return {
             "version": STATE_VERSION,
-            "datasets": [q.to_state() for q in self._datasets.values()],
+            "datasets": [q.to_state(dataset_leases) for q in self._datasets.values()],
             "streams": [s.to_state() for s in self._streams.values()],
         }
+
+    def lease_changes(self) -> dict[str, dict[tuple[int, int], list[Any] | None]]:
+        """Per dataset, its leases changed since the last call (`DatasetQueue.lease_changes`)."""
+        changes = {name: q.lease_changes() for name, q in self._datasets.items()}
+        return {name: c for name, c in changes.items() if c}
 
     @classmethod
     def from_state(
@@ -277,10 +283,13 @@ class ShardManager:
         clock: Callable[[], float] = time.monotonic,
         sources: Mapping[str, StreamSource] | None = None,
     ) -> ShardManager:
-        """Rebuild a manager saved by to_state(); streams need their sources passed by name."""
-        if state.get("version") != STATE_VERSION:
+        """Rebuild a manager saved by to_state() (of this release or the one before, whose
+        version 1 is the same with every dataset's leases in it); streams need their sources
+        passed by name."""
+        if state.get("version") not in (1, STATE_VERSION):
             raise InvalidSpecError(
-                f"sharding state version {state.get('version')!r} is not {STATE_VERSION}"
+                f"sharding state version {state.get('version')!r} is not {STATE_VERSION}: it was "
+                "written by a newer DLRover; run the master of that release"
             )
         manager = cls(clock)
         now = clock()
