@@ -27,6 +27,9 @@ class LeaseTable(Generic[Key]):
 
     def __init__(self, track: bool = False) -> None:
         self._leases: dict[Key, Lease] = {}
+        self._by_worker: dict[str, dict[Key, None]] = {}
+        """Each worker's keys, in the order granted: a worker's renewal or loss touches its
+        own leases, not every lease of the job."""
         self._changed: dict[Key, Lease | None] | None = {} if track else None
 
     def __len__(self) -> int:
@@ -50,13 +53,20 @@ class LeaseTable(Generic[Key]):
             # A double grant would hand one shard to two workers: a bug, never a user error.
             raise AssertionError(f"{key} is already leased to {self._leases[key].worker_id}")
         self._leases[key] = lease
+        self._by_worker.setdefault(lease.worker_id, {})[key] = None
         if self._changed is not None:
             self._changed[key] = lease
 
     def release(self, key: Key) -> Lease | None:
         """Remove the lease on ``key`` and return it; None if it was not leased."""
         lease = self._leases.pop(key, None)
-        if lease is not None and self._changed is not None:
+        if lease is None:
+            return None
+        held = self._by_worker[lease.worker_id]
+        del held[key]
+        if not held:
+            del self._by_worker[lease.worker_id]
+        if self._changed is not None:
             self._changed[key] = None
         return lease
 
@@ -75,16 +85,15 @@ class LeaseTable(Generic[Key]):
 
     def renew(self, worker_id: str, deadline: float) -> int:
         """Push back the deadline of every lease `worker_id` holds; returns how many."""
-        count = 0
-        for lease in self._leases.values():
-            if lease.worker_id == worker_id:
-                lease.deadline = max(lease.deadline, deadline)
-                count += 1
-        return count
+        keys = self._by_worker.get(worker_id, {})
+        for key in keys:
+            lease = self._leases[key]
+            lease.deadline = max(lease.deadline, deadline)
+        return len(keys)
 
     def held_by(self, worker_id: str) -> list[Key]:
         """The keys ``worker_id`` holds."""
-        return [key for key, lease in self._leases.items() if lease.worker_id == worker_id]
+        return list(self._by_worker.get(worker_id, ()))
 
     def expired(self, now: float) -> list[Key]:
         """The keys whose deadline is at or before ``now``."""
@@ -95,3 +104,4 @@ class LeaseTable(Generic[Key]):
         if self._changed is not None:
             self._changed.update(dict.fromkeys(self._leases))
         self._leases.clear()
+        self._by_worker.clear()

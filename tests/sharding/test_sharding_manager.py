@@ -270,3 +270,21 @@ def test_position_at_counts_an_ended_iteration_and_a_lost_worker() -> None:
     assert manager.position_at("d", 0, 12).waiting_for == ()
     with pytest.raises(InvalidSpecError, match="does not exist"):
         manager.mark_consumption("d", "w0", ConsumptionMark(0, 0, ShardId(0, 99), 0))
+
+
+def test_a_worker_s_renewal_and_loss_reach_its_own_leases_only() -> None:
+    from dlrover.sharding.leases import Lease, LeaseTable
+
+    table: LeaseTable[int] = LeaseTable()
+    for key in range(6):
+        table.grant(key, Lease(f"w{key % 3}", deadline=1.0, attempt=0))
+    assert table.renew("w1", 5.0) == 2
+    assert sorted(k for k, lease in table.items() if lease.deadline == 5.0) == [1, 4]
+    assert table.held_by("w2") == [2, 5] and table.held_by("nobody") == []
+    table.release(2)
+    table.grant(2, Lease("w0", deadline=1.0, attempt=1))  # handed to another worker
+    assert table.held_by("w2") == [5] and table.held_by("w0") == [0, 3, 2]
+    table.release(5)
+    assert table.renew("w2", 9.0) == 0 and table.held_by("w2") == []
+    table.clear()
+    assert table.held_by("w0") == [] and len(table) == 0
