@@ -3,6 +3,10 @@
 Run: PYTHONPATH=. python benchmarks/sharding.py [--transport module:factory]
 The factory takes a ShardManager and returns a ShardingTransport (default: in-process), so the
 same run measures the master over gRPC once that transport exists.
+
+``--leases-held 10,1000,5000 [--against REV]``: only the master's CPU for one lease and its
+report while that many leases are held by other workers (its sharding part on a SQLite state, as
+`dlrover-master` keeps it), this tree beside REV's in the same run.
 """
 
 from __future__ import annotations
@@ -207,6 +211,65 @@ def master_capacity(args: argparse.Namespace, factory: TransportFactory) -> dict
     }
 
 
+_LEASE_COST = """
+import os, sys, tempfile, time
+from dlrover.master.job import JobMaster, JobMasterConfig
+from dlrover.master.state_store import SqliteStateStore
+from dlrover.sharding.types import DatasetSpec
+store = SqliteStateStore(os.path.join(tempfile.mkdtemp(), "state.db"))
+sharding = JobMaster(JobMasterConfig(job_name="leases"), store).sharding
+sharding.register_dataset(DatasetSpec(name="d", size=10**8, shard_size=1))
+held = 0
+for target in [int(n) for n in sys.argv[1].split(",")]:
+    while held < target:
+        sharding.fetch_shards("d", f"w{held % 100}", 1)
+        held += 1
+    start, n = time.process_time(), 300
+    for i in range(n):
+        (shard,) = sharding.fetch_shards("d", "probe", 1).shards
+        sharding.report_done("d", "probe", [shard.id])
+    print(target, (time.process_time() - start) / n * 1e3)
+"""
+
+
+def lease_cost(held: str, against: str) -> None:
+    """``--leases-held``: ms of CPU per lease and its report, per number of leases held."""
+    import os
+    import subprocess
+    import sys
+    from contextlib import ExitStack
+    from pathlib import Path
+
+    from against import REPO, checkout
+
+    with ExitStack() as stack:
+        trees = [("this tree", REPO)]
+        if against:
+            trees.append((against, stack.enter_context(checkout(against))))
+        ms: dict[str, dict[int, float]] = {}
+        for name, tree in trees:
+            out = subprocess.run(
+                [sys.executable, "-c", _LEASE_COST, held],
+                cwd=tree,
+                env={**os.environ, "PYTHONPATH": str(Path(tree))},
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+            ms[name] = {int(n): float(v) for n, v in (line.split() for line in out.splitlines())}
+    names = [name for name, _ in trees]
+    heads = [f"{n}: ms per lease + report" for n in names]
+    if against:
+        heads.append(f"{against} / this tree")
+    print("| leases held | " + " | ".join(heads) + " |")
+    print("|---|" + "---|" * len(heads))
+    for count in ms[names[0]]:
+        cells = [f"{ms[n][count]:.3f}" for n in names]
+        if against:
+            cells.append(f"{ms[names[1]][count] / ms[names[0]][count]:.1f}x")
+        print(f"| {count:,} | " + " | ".join(cells) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--transport", default=None, help="module:factory(manager) -> transport")
@@ -227,7 +290,14 @@ def main() -> None:
     parser.add_argument("--prefetch", type=int, default=1)
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--requests", type=int, default=200, help="fetches per client")
+    parser.add_argument(
+        "--leases-held", default="", help="only the lease cost table at these counts, e.g. 10,1000"
+    )
+    parser.add_argument("--against", default="", help="with --leases-held: also at this commit")
     args = parser.parse_args()
+    if args.leases_held:
+        lease_cost(args.leases_held, args.against)
+        return
     master = GrpcMaster(*args.master_args.split()) if args.grpc else None
     factory = master.factory if master is not None else load_factory(args.transport)
 
