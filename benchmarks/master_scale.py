@@ -1086,11 +1086,17 @@ async def run_one(
     return row
 
 
-async def heartbeat_cpu_per_1k(calls: int, in_flight: int, lane: bool = False) -> float:
-    """A real dlrover-master (one registered node) answers ``calls`` heartbeats, ``in_flight``
-    at a time, from one channel (``lane``: to its heartbeat server, as agents send them; else
-    to its address); its CPU-seconds per 1,000 calls (the same pattern as `echo_cpu_per_1k`, so
-    the two differ only in what the server does per call)."""
+CALL_KINDS = ("heartbeat", "report_step", "lease")
+"""What `--calls` sends: a node's heartbeat, a worker's step report, and a shard lease with its
+report (FetchShards then ReportDone: two calls)."""
+
+
+async def master_cpu_per_1k(kind: str, calls: int, in_flight: int, lane: bool = False) -> float:
+    """A real dlrover-master (one registered node, one dataset) answers ``calls`` calls of
+    ``kind`` (`CALL_KINDS`), ``in_flight`` at a time, from one channel (``lane``: heartbeats
+    to its heartbeat server, as agents send them; else to its address); its CPU-seconds per
+    1,000 calls (the same pattern as `echo_cpu_per_1k`, so the two differ only in what the
+    server does per call)."""
     master = Master(1)
     try:
         async with grpc.aio.insecure_channel(
@@ -1110,23 +1116,39 @@ async def heartbeat_cpu_per_1k(calls: int, in_flight: int, lane: bool = False) -
                     metadata=md,
                 )
             )
-            request = pb.HeartbeatRequest(node_id=node.node_id, incarnation=node.incarnation)
+            beat = pb.HeartbeatRequest(node_id=node.node_id, incarnation=node.incarnation)
+            beats = stub
             if lane:
-                reply = await stub.Heartbeat(request, timeout=30, metadata=md)
+                reply = await stub.Heartbeat(beat, timeout=30, metadata=md)
                 lanes = Lanes(master.addr, [("grpc.enable_http_proxy", 0)], 1)
-                stub = lanes.stub(reply.heartbeat_port, 0) or stub
+                beats = lanes.stub(reply.heartbeat_port, 0) or stub
+            spec = pb.DatasetSpec(name="d", size=10**9, shard_size=1)
+            answer(await stub.RegisterDataset(pb.RegisterDatasetRequest(spec=spec), metadata=md))
+            step = pb.ReportStepRequest(node_id=node.node_id, step=1)
+            fetch = pb.FetchShardsRequest(dataset="d", worker_id="w", max_count=1)
 
-            async def beat(count: int) -> None:
+            async def one() -> int:
+                """One unit of ``kind``; returns the calls it made."""
+                if kind == "heartbeat":
+                    await beats.Heartbeat(beat, timeout=30, metadata=md)
+                    return 1
+                if kind == "report_step":
+                    await stub.ReportStep(step, timeout=30, metadata=md)
+                    return 1
+                leased = await stub.FetchShards(fetch, timeout=30, metadata=md)
+                ids = [shard.id for shard in leased.result.shards]
+                done = pb.ReportDoneRequest(dataset="d", worker_id="w", shard_ids=ids)
+                await stub.ReportDone(done, timeout=30, metadata=md)
+                return 2
+
+            async def run(count: int) -> None:
                 while count > 0:
-                    batch = min(in_flight, count)
-                    await asyncio.gather(
-                        *(stub.Heartbeat(request, timeout=30, metadata=md) for _ in range(batch))
-                    )
-                    count -= batch
+                    made = await asyncio.gather(*(one() for _ in range(min(in_flight, count))))
+                    count -= sum(made)
 
-            await beat(500)  # warm
+            await run(500)  # warm
             before = master.cpu_s()
-            await beat(calls)
+            await run(calls)
             return 1000 * (master.cpu_s() - before) / calls
     finally:
         master.proc.kill()
@@ -1134,20 +1156,25 @@ async def heartbeat_cpu_per_1k(calls: int, in_flight: int, lane: bool = False) -
 
 
 async def calls_table(calls: int) -> None:
-    """``--calls N``: the master's CPU per heartbeat beside the bare echo's, the arrival
-    pattern held equal (200 in flight, and one at a time as spread-out nodes send them)."""
-    print("| calls in flight | bare gRPC echo CPU-s per 1,000 | master heartbeat CPU-s per "
-          "1,000, at its address | master / echo | the same, at its heartbeat server | "
-          "heartbeat server / echo |")  # fmt: skip
-    print("|---|---|---|---|---|---|")
+    """``--calls N``: the master's CPU per call beside the bare echo's, the arrival pattern
+    held equal (200 in flight, and one at a time as spread-out nodes send them): heartbeats at
+    its address and at its heartbeat server, step reports, and leases with their reports."""
+    print("| call | calls in flight | bare gRPC echo CPU-s per 1,000 | master CPU-s per 1,000, "
+          "at its address | master / echo | at its heartbeat server | heartbeat server / "
+          "echo |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
     for in_flight in (200, 1):
         echo = await echo_cpu_per_1k(calls, in_flight)
-        master = await heartbeat_cpu_per_1k(calls, in_flight)
-        lane = await heartbeat_cpu_per_1k(calls, in_flight, lane=True)
-        print(
-            f"| {in_flight} | {echo:.3f} | {master:.3f} | {master / max(echo, 1e-9):.2f}x "
-            f"| {lane:.3f} | {lane / max(echo, 1e-9):.2f}x |"
-        )
+        for kind in CALL_KINDS:
+            master = await master_cpu_per_1k(kind, calls, in_flight)
+            cells = [kind, str(in_flight), f"{echo:.3f}", f"{master:.3f}"]
+            cells.append(f"{master / max(echo, 1e-9):.2f}x")
+            if kind == "heartbeat":
+                lane = await master_cpu_per_1k(kind, calls, in_flight, lane=True)
+                cells += [f"{lane:.3f}", f"{lane / max(echo, 1e-9):.2f}x"]
+            else:
+                cells += ["-", "-"]
+            print("| " + " | ".join(cells) + " |")
 
 
 def main() -> None:
@@ -1212,8 +1239,9 @@ def main() -> None:
         type=int,
         default=0,
         metavar="N",
-        help="only the CPU per call: N heartbeats to a real master and N same-size calls to "
-        "a bare gRPC echo, 200 in flight and one at a time, side by side",
+        help="only the CPU per call: N heartbeats (at the master's address and at its heartbeat "
+        "server), step reports and leases with their reports to a real master, and N same-size "
+        "calls to a bare gRPC echo, 200 in flight and one at a time, side by side",
     )
     args = parser.parse_args()
     if args.calls:
