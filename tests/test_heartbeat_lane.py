@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import pytest
 
@@ -88,11 +89,38 @@ def test_a_lane_that_does_not_answer_sends_heartbeats_to_the_master_s_address(se
     with caplog.at_level(logging.WARNING, logger="dlrover.client.master_client"):
         reply = client.heartbeat(report)  # the lane refuses; the same beat goes to the address
     assert reply.heartbeat_port == server.heartbeat_port
-    assert f"heartbeat port {server.heartbeat_port} did not answer" in caplog.text
+    assert f"heartbeat server at 127.0.0.1:{server.heartbeat_port} failed" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="dlrover.client.master_client"):
         client.heartbeat(report)  # not tried again so soon: no second warning
-    assert "did not answer" not in caplog.text
+    assert "failed a heartbeat" not in caplog.text
+    client.close()
+    deadline = time.monotonic() + 10  # the stopped lane's threads end
+    while [t for t in threading.enumerate() if t.name.startswith("dlrover-master-beat")]:
+        assert time.monotonic() < deadline, "the heartbeat server's threads outlived it"
+        time.sleep(0.01)
+
+
+def test_a_lane_port_another_job_s_master_took_sends_heartbeats_home(server):
+    """The master restarted on a new heartbeat port, and another job's master took the old
+    one: its wrong-token refusal is the port's failure, not this master's."""
+    client, report = registered(server)
+    client.heartbeat(report)
+    stranger = MasterServer(
+        JobMaster(JobMasterConfig(job_name="other"), MemoryStateStore()), "other-token", "127.0.0.1"
+    ).start()
+    try:
+        client._follow_lane(stranger.port)  # as a reply naming the old port would have
+        reply = client.heartbeat(report)  # refused there (token): sent home at once
+        assert reply.heartbeat_port == server.heartbeat_port
+        release = hold_loop(server)  # the stranger's port is not tried again: the lane is
+        try:
+            assert client.heartbeat(report).heartbeat_port == server.heartbeat_port
+        finally:
+            release.set()
+    finally:
+        stranger.stop(0.1)
+        client.close()
 
 
 def test_without_a_lane_heartbeats_stay_on_the_master_s_address():

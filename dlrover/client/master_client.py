@@ -189,21 +189,27 @@ class MasterClient(_MasterRpcs, MasterApi):
         """`MasterApi.heartbeat`, sent where the master's last reply said: its heartbeat server
         (`HeartbeatReply.heartbeat_port`, on the host of ``addr``), which answers whatever else
         the master is busy with, else ``addr``. A heartbeat the heartbeat server does not answer
-        within HEARTBEAT_LANE_TIMEOUT_S goes to ``addr`` at once, and so do the next ones for
-        HEARTBEAT_LANE_RETRY_S (a port the network between does not pass)."""
+        within HEARTBEAT_LANE_TIMEOUT_S, or answers with a failure of the call itself (not the
+        master's refusal: a wrong token, an unknown call, where another process took the port),
+        goes to ``addr`` at once, and so do the next ones for HEARTBEAT_LANE_RETRY_S (a port the
+        network between does not pass)."""
         call = RPCS["heartbeat"]
         lane = self._lane
         if lane is not None:
             port, _, stub = lane
             request = call.encode_request((report,), {})
             try:
-                response = self.call(stub.Heartbeat, request, HEARTBEAT_LANE_TIMEOUT_S)
-            except MasterUnreachableError as e:
+                response = stub.Heartbeat(
+                    request, timeout=HEARTBEAT_LANE_TIMEOUT_S, metadata=self._metadata
+                )
+            except grpc.RpcError as e:
+                details = e.details() if hasattr(e, "details") else str(e)
                 logger.warning(
-                    "the master's heartbeat port %d did not answer (%s); heartbeats go to %s "
-                    "for the next %.0fs",
+                    "the master's heartbeat server at %s:%d failed a heartbeat (%s); "
+                    "heartbeats go to %s for the next %.0fs",
+                    self.addr.rsplit(":", 1)[0],
                     port,
-                    e,
+                    details,
                     self.addr,
                     HEARTBEAT_LANE_RETRY_S,
                 )
@@ -211,6 +217,7 @@ class MasterClient(_MasterRpcs, MasterApi):
                     self._lane_failed = (port, time.monotonic() + HEARTBEAT_LANE_RETRY_S)
                 self._follow_lane(0)
             else:
+                raise_refused(cast(Message, response))
                 reply: HeartbeatReply = call.decode_response(response)
                 self._follow_lane(reply.heartbeat_port)
                 return reply

@@ -329,8 +329,11 @@ class HeartbeatLane:
     beats at the master's own address, as before."""
 
     def __init__(self, token: str, host: str, port: int) -> None:
+        self._executor = futures.ThreadPoolExecutor(
+            max_workers=2, thread_name_prefix="dlrover-master-beat"
+        )
         self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="dlrover-master-beat"),
+            self._executor,
             interceptors=[_SyncTokenInterceptor(token)],
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -368,8 +371,11 @@ class HeartbeatLane:
 
     def stop(self, grace_s: float) -> threading.Event:
         """Stop serving; calls in flight get ``grace_s`` seconds. Returns at once: the event is
-        set once the server has stopped."""
-        return self._server.stop(grace_s)  # type: ignore[no-any-return]
+        set once the server has stopped, and its threads end then."""
+        stopped: threading.Event = self._server.stop(grace_s)
+        # Calls in flight finish on their threads; the idle ones end, and nothing new starts.
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        return stopped
 
 
 class MasterServer:

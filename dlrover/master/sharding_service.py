@@ -94,6 +94,9 @@ class ShardingService:
             self.manager = ShardManager.from_state(saved, clock, self._sources)
         else:
             self.manager = ShardManager(clock)
+        # Leases are saved key by key; every lease held now is written with the first change
+        # (those of a state of the release before were inside it, not keys of their own).
+        self.manager.track_lease_changes()
 
     # --- calls that change the saved state ----------------------------------------------------
     def register_dataset(self, spec: DatasetSpec) -> RegisterResult:
@@ -308,6 +311,8 @@ class ShardingService:
                 else:
                     values[key] = lease
         self._store.put_json_many(_NAMESPACE, values, gone)
+        # Only now: a write that failed leaves the changes to go with the next one.
+        self.manager.lease_changes_saved()
 
 
 def _attach_leases(state: dict[str, Any], store: StateStore) -> None:

@@ -47,7 +47,7 @@ class DatasetQueue:
         self.epoch = 0
         self.cursor = 0
         self.requeued: deque[_Requeued] = deque()
-        self.leases: LeaseTable[ShardId] = LeaseTable(track=True)
+        self.leases: LeaseTable[ShardId] = LeaseTable()
         self.done_shards = 0
         self.failure: str | None = None
         self.restore_token: str | None = None
@@ -437,17 +437,17 @@ class DatasetQueue:
         return state
 
     def lease_changes(self) -> dict[tuple[int, int], list[Any] | None]:
-        """The leases granted, released or moved on since the last call, by (epoch, index): each
-        as `to_state` lists it, None where released. What the store keeps of them between two
-        calls is what changed, not the whole table (a call costs its change, however many
-        shards are in flight)."""
+        """The leases granted, released or moved on since they were last saved
+        (`LeaseTable.changes_saved`), by (epoch, index): each as `to_state` lists it, None where
+        released; empty until `leases.track()`. What the store writes of them is what changed,
+        not the whole table (a call costs its change, however many shards are in flight)."""
         return {
             (k.epoch, k.index): (
                 None
                 if lease is None
                 else [k.epoch, k.index, lease.worker_id, lease.offset, lease.attempt]
             )
-            for k, lease in self.leases.take_changes().items()
+            for k, lease in self.leases.changes().items()
         }
 
     @classmethod

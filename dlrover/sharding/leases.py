@@ -22,15 +22,16 @@ class Lease:
 class LeaseTable(Generic[Key]):
     """Maps a shard key to its lease. Invariant: a key is held by at most one worker at a time.
 
-    ``track``: the table also keeps which keys changed since `take_changes` (granted, released,
-    or `touch`ed), so that its owner can save the changes rather than the whole table."""
+    Once `track`ed, the table also keeps which keys changed since `changes_saved` (granted,
+    released, or `touch`ed), so that its owner can save the changes rather than the whole
+    table."""
 
-    def __init__(self, track: bool = False) -> None:
+    def __init__(self) -> None:
         self._leases: dict[Key, Lease] = {}
         self._by_worker: dict[str, dict[Key, None]] = {}
         """Each worker's keys, in the order granted: a worker's renewal or loss touches its
         own leases, not every lease of the job."""
-        self._changed: dict[Key, Lease | None] | None = {} if track else None
+        self._changed: dict[Key, Lease | None] | None = None
 
     def __len__(self) -> int:
         return len(self._leases)
@@ -75,13 +76,22 @@ class LeaseTable(Generic[Key]):
         if self._changed is not None and key in self._leases:
             self._changed[key] = self._leases[key]
 
-    def take_changes(self) -> dict[Key, Lease | None]:
-        """The leases changed since the last call (None: released), as they are now; only for a
-        table that tracks (an empty dict otherwise)."""
-        if not self._changed:
-            return {}
-        changed, self._changed = self._changed, {}
-        return changed
+    def track(self) -> None:
+        """Keep the changes from now on, every lease held now counted as changed (a table not
+        saved key by key yet); nothing is kept until this is called."""
+        if self._changed is None:
+            self._changed = dict(self._leases)
+
+    def changes(self) -> dict[Key, Lease | None]:
+        """The leases changed since `changes_saved` (None: released), as they are now (empty
+        for a table that is not tracked). Kept until `changes_saved`, so a write of them that
+        fails is made again with the next."""
+        return dict(self._changed) if self._changed else {}
+
+    def changes_saved(self) -> None:
+        """The changes `changes` returned are saved: start counting again."""
+        if self._changed:
+            self._changed = {}
 
     def renew(self, worker_id: str, deadline: float) -> int:
         """Push back the deadline of every lease `worker_id` holds; returns how many."""

@@ -49,6 +49,7 @@ class ShardManager:
         self._clock = clock
         self._datasets: dict[str, DatasetQueue] = {}
         self._streams: dict[str, StreamQueue] = {}
+        self._track_leases = False
 
     # --- datasets -------------------------------------------------------------------------
     def register_dataset(self, spec: DatasetSpec) -> RegisterResult:
@@ -63,7 +64,10 @@ class ShardManager:
                     f"never resets progress)."
                 )
             return RegisterResult(spec.name, created=False)
-        self._datasets[spec.name] = DatasetQueue(spec)
+        queue = DatasetQueue(spec)
+        if self._track_leases:
+            queue.leases.track()
+        self._datasets[spec.name] = queue
         logger.info("dataset registered: %s (%d shards)", spec, spec.num_shards)
         return RegisterResult(spec.name, created=True)
 
@@ -271,10 +275,23 @@ class ShardManager:
             "streams": [s.to_state() for s in self._streams.values()],
         }
 
+    def track_lease_changes(self) -> None:
+        """Keep each dataset's lease changes from now on (every lease held now counted as one),
+        for a caller that saves them key by key (`lease_changes`, `lease_changes_saved`)."""
+        self._track_leases = True
+        for queue in self._datasets.values():
+            queue.leases.track()
+
     def lease_changes(self) -> dict[str, dict[tuple[int, int], list[Any] | None]]:
-        """Per dataset, its leases changed since the last call (`DatasetQueue.lease_changes`)."""
+        """Per dataset, its leases changed since `lease_changes_saved`
+        (`DatasetQueue.lease_changes`)."""
         changes = {name: q.lease_changes() for name, q in self._datasets.items()}
         return {name: c for name, c in changes.items() if c}
+
+    def lease_changes_saved(self) -> None:
+        """What `lease_changes` returned is saved."""
+        for queue in self._datasets.values():
+            queue.leases.changes_saved()
 
     @classmethod
     def from_state(

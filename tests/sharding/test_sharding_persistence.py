@@ -7,8 +7,10 @@ from __future__ import annotations
 from collections.abc import Collection
 from pathlib import Path
 
+import pytest
+
 from dlrover.master.sharding_service import ShardingService
-from dlrover.master.state_store import MemoryStateStore, SqliteStateStore
+from dlrover.master.state_store import MemoryStateStore, SqliteStateStore, StateStoreError
 from dlrover.sharding.types import DatasetSpec, DeliveryMode, ShardId
 
 
@@ -28,6 +30,24 @@ class CountingStore(MemoryStateStore):
     ) -> None:
         self.written += sum(len(v) for v in values.values()) + sum(len(k) for k in delete)
         super().put_many(namespace, values, delete)
+
+
+class FlakyStore(SqliteStateStore):
+    """A SQLite store whose next `put_many` fails once when told to (a fake for this test)."""
+
+    fail_next = False
+
+    def put_many(
+        self, namespace: str, values: dict[str, bytes], delete: Collection[str] = ()
+    ) -> None:
+        if self.fail_next:
+            self.fail_next = False
+            raise StateStoreError("the disk is full (injected)")
+        super().put_many(namespace, values, delete)
+
+
+def leases_of(state: dict) -> list[list]:
+    return sorted(lease for d in state["datasets"] for lease in d["leases"])
 
 
 def spec(name: str = "d", mode: DeliveryMode = DeliveryMode.AT_LEAST_ONCE) -> DatasetSpec:
@@ -101,3 +121,30 @@ def test_the_state_of_the_release_before_is_read_and_written_anew(tmp_path: Path
     again = ShardingService(SqliteStateStore(str(tmp_path / "old.db")), clock=lambda: 0.0)
     leases = again.manager.to_state()["datasets"][0]["leases"]
     assert sorted(w for _, _, w, _, _ in leases) == ["w0"] * 4 + ["w1"]
+
+
+def test_changes_a_failed_write_did_not_save_go_with_the_next(tmp_path: Path) -> None:
+    path = str(tmp_path / "state.db")
+    store = FlakyStore(path)
+    now = [0.0]
+    service = ShardingService(store, clock=lambda: now[0])
+    service.register_dataset(spec())
+    first = service.fetch_shards("d", "w0", 3).shards
+    store.fail_next = True
+    with pytest.raises(StateStoreError):
+        service.fetch_shards("d", "w1", 2)  # leased in memory, not written
+    store.fail_next = True
+    with pytest.raises(StateStoreError):
+        service.report_done("d", "w0", [first[0].id])  # released in memory, not written
+    service.fetch_shards("d", "w2", 1)  # this write carries the three changes before it too
+    read = ShardingService(SqliteStateStore(path), clock=lambda: 0.0).manager.to_state()
+    assert leases_of(read) == leases_of(service.manager.to_state())
+    assert sorted(w for _, _, w, _, _ in leases_of(read)) == ["w0", "w0", "w1", "w1", "w2"]
+    now[0] = 10_000.0  # every lease expires: the tick requeues them and writes that
+    service.tick()
+    before = service.manager.to_state()
+    store.close()
+    again = ShardingService(SqliteStateStore(path), clock=lambda: 0.0).manager.to_state()
+    assert leases_of(again) == leases_of(before) == []
+    assert again["datasets"][0]["requeued"] == before["datasets"][0]["requeued"]
+    assert len(before["datasets"][0]["requeued"]) == 5 and before["datasets"][0]["cursor"] == 6
