@@ -1104,17 +1104,23 @@ async def master_cpu_per_1k(kind: str, calls: int, in_flight: int, lane: bool = 
         ) as channel:
             stub = pb_grpc.MasterStub(channel)
             md = ((TOKEN_METADATA_KEY, master.token),)
-            node = answer(
-                await stub.RegisterNode(
-                    pb.RegisterNodeRequest(
-                        host="10.0.0.1",
-                        local_world_size=8,
-                        pid=1,
-                        config=pb.JobConfig(min_nodes=1, max_nodes=1, node_unit=1),
-                    ),
-                    timeout=30,
-                    metadata=md,
+            # (A lease is no sign of a node's life: a node registered for leases alone would be
+            # lost after the heartbeat timeout, and the master end the job. Its calls need none.)
+            node = (
+                answer(
+                    await stub.RegisterNode(
+                        pb.RegisterNodeRequest(
+                            host="10.0.0.1",
+                            local_world_size=8,
+                            pid=1,
+                            config=pb.JobConfig(min_nodes=1, max_nodes=1, node_unit=1),
+                        ),
+                        timeout=30,
+                        metadata=md,
+                    )
                 )
+                if kind != "lease"
+                else pb.RegisterNodeResponse()
             )
             beat = pb.HeartbeatRequest(node_id=node.node_id, incarnation=node.incarnation)
             beats = stub
