@@ -6,7 +6,8 @@ file ``--once`` exists), rank ``--rank`` hangs at step ``--step`` in one of the 
   own code;
 - ``dataloader``: its data-loader worker dead-locks, so its main thread waits for data for ever;
 - ``loop``: it spins in a Python loop that never ends;
-- ``exit``: it exits with 0 in the middle of training, without an error.
+- ``exit``: it exits with 0 in the middle of training, without an error (its connections held
+  open by a child for 20 s, as a lingering data-loader worker holds them).
 
 Restarted, it trains to the end and writes its final weights' sum to ``--out``.<rank>.
 """
@@ -79,6 +80,14 @@ def main() -> None:
                 spin()
             elif a.kind == "exit":
                 sys.stdout.flush()
+                # The others wait, not fail, because something of this rank still holds its
+                # connections open: its data-loader worker does, until its 5 s watchdog sees
+                # the rank gone, and then the others' reads fail ("Connection reset by peer"),
+                # a race with the hang's 3 s bound on a busy machine (one CI run lost it). A
+                # child holding them 20 s, as a lingering worker would, takes the race away.
+                if os.fork() == 0:
+                    time.sleep(20)
+                    os._exit(0)
                 os._exit(0)
         loss = model(x).pow(2).mean()
         optimizer.zero_grad()
