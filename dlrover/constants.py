@@ -197,6 +197,12 @@ ENV_ZYGOTE_WAIT_S = "DLROVER_ZYGOTE_WAIT_S"
 (default 3; the zygote then serves later restarts)."""
 DEFAULT_ZYGOTE_WAIT_S = 3.0
 DEFAULT_ZYGOTE_FIRST_WAIT_S = 30.0
+ENV_COMPILE_MARKER = "DLROVER_COMPILE_MARKER"
+"""Set by the agent for its workers: the file a worker forked by the zygote creates as its script
+imports inductor's compiler (`dlrover.agent.compiler_warmup`)."""
+ENV_ZYGOTE_WARM_COMPILER = "DLROVER_ZYGOTE_WARM_COMPILER"
+"""1 (default): once the node's workers compile, the zygote imports inductor's compiler and asks
+its machine probes, so that restarted workers skip that work; 0: never."""
 """Seconds the first start waits for the zygote begun as the agent started (importing at normal
 priority, so a fresh start would cost as much) before its workers start afresh."""
 ENV_TF_USAGE_INTERVAL_S = "DLROVER_TF_USAGE_INTERVAL_S"

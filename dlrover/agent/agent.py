@@ -23,6 +23,7 @@ from typing import Any, Protocol
 from dlrover import worker_context
 from dlrover.agent.cgroup import oom_kill_count
 from dlrover.agent.compile_cache import CacheSync, local_cache_folder
+from dlrover.agent.compiler_warmup import compiler_in_use_marker
 from dlrover.agent.config import AgentConfig
 from dlrover.agent.failure_policy import (
     LEGAL_GROUP_TRANSITIONS,
@@ -67,6 +68,7 @@ from dlrover.constants import (
     ENV_NODE_MEMORY_LIMIT_MIB,
     ENV_NODE_NAME,
     ENV_RECOVERY_JOIN,
+    ENV_ZYGOTE_WARM_COMPILER,
     EXIT_MASTER_LOST,
     EXIT_NODE_OOM,
 )
@@ -78,6 +80,16 @@ from dlrover.processes import UsageMeter
 from dlrover.recovery_channel import env_changes
 
 BOOTSTRAP_MODULE = "dlrover.agent.bootstrap"
+
+
+def _has_entries(folder: str) -> bool:
+    try:
+        with os.scandir(folder) as entries:
+            return any(True for _ in entries)
+    except OSError:
+        return False
+
+
 HANG_HISTORY_SAVE_S = 30.0
 """How often (at most) an agent saves its phase durations through the master."""
 """The module every worker runs its target through (``python -u -m`` it, then the target)."""
@@ -206,6 +218,11 @@ class ElasticAgent:
         start, the job's as saved through the master)."""
         self._hang_history_saved = (0.0, b"")
         self._zygote: PendingZygote | None = None
+        self._zygote_warm_asked = False
+        self._warm_compiler = os.environ.get(ENV_ZYGOTE_WARM_COMPILER, "1") != "0"
+        self._job_compiles = False
+        """Whether this node's workers (or, by its compile cache, the job's nodes) compile: the
+        zygote then warms the compiler (`dlrover.agent.compiler_warmup`)."""
         self._saver: Any = None
         self._hub: RecoveryHub | None = None
         self._cache_sync: CacheSync | None = None
@@ -318,6 +335,9 @@ class ElasticAgent:
             # Before the zygote starts: torch reads some of them as it is imported.
             for name, value in compile_cache_env(cache_folder).items():
                 os.environ.setdefault(name, value)
+            # Graphs in the job's cache: its nodes compile, so the zygote warms the compiler
+            # before this node's first workers fork (they skip that work too).
+            self._job_compiles = _has_entries(os.environ["TORCHINDUCTOR_CACHE_DIR"])
         self._begin_zygote_now()
         if self._cache_sync is not None:
             self._cache_sync.start()  # what this node's workers compile goes to the master
@@ -1004,6 +1024,7 @@ class ElasticAgent:
         the workers are `zygote_delay_s` into their attempt, or past their first step)."""
         if self._zygote is not None:
             self._note_zygote_ready()
+            self._maybe_warm_zygote()
             return
         step = self._monitor.step if self._monitor is not None else -1
         if step < 0 and time.monotonic() - self._started_at < self.config.zygote_delay_s:
@@ -1018,6 +1039,7 @@ class ElasticAgent:
             return
         try:
             self._zygote = Zygote.begin()
+            self._zygote_warm_asked = False
         except (ZygoteError, OSError) as e:
             logger.warning("fast restarts are off: cannot start the zygote (%s)", e)
             self._fast_restart = False
@@ -1034,6 +1056,23 @@ class ElasticAgent:
             logger.warning("fast restarts are off: %s", e)
             self._zygote = None
             self._fast_restart = False
+
+    def _maybe_warm_zygote(self) -> None:
+        """Once this node's workers compile (or the job's compile cache says its nodes do), ask
+        the ready zygote to warm inductor's compiler, once per zygote, so that restarted
+        workers skip that work (`dlrover.agent.compiler_warmup`)."""
+        zygote = self._zygote
+        if zygote is None or self._zygote_warm_asked or not self._warm_compiler:
+            return
+        if not self._job_compiles:
+            self._job_compiles = os.path.exists(compiler_in_use_marker(self._run_dir))
+        if not self._job_compiles or not zygote.done or not zygote.wait_ready(0.0):
+            return
+        self._zygote_warm_asked = True
+        try:
+            zygote.result(timeout=1.0).warm_compiler()
+        except ZygoteError as e:  # lost: the next zygote is asked in its turn
+            logger.info("could not ask the zygote to warm the compiler: %s", e)
 
     def _ready_zygote(self, wait_s: float) -> Zygote | None:
         """The zygote if it is ready within `wait_s` (it may still be importing); otherwise the
@@ -1055,6 +1094,7 @@ class ElasticAgent:
             logger.warning("the zygote is gone; restarting workers afresh")
             self._zygote = None
             return None
+        self._maybe_warm_zygote()  # before the spawns, on the same channel: they fork warm
         return zygote
 
     # --- heartbeats ------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from dlrover.agent.bootstrap import ENV_DONE_FILE
 from dlrover.agent.collectives import DEFAULT_FR_BUFFER, ENV_COLLECTIVES_FILE, ENV_FR_BUFFER
+from dlrover.agent.compiler_warmup import compiler_in_use_marker
 from dlrover.agent.config import AgentConfig
 from dlrover.agent.worker_env import WorkerPlacement, worker_env
 from dlrover.agent.workers import WorkerLaunch
@@ -15,6 +16,7 @@ from dlrover.api.master import CommWorld
 from dlrover.constants import (
     ENV_AGENT_PID,
     ENV_CHECKPOINT_SOCKET,
+    ENV_COMPILE_MARKER,
     ENV_LOCAL_INDEX,
     ENV_MAX_NODES,
     ENV_NODE_NAME,
@@ -170,6 +172,7 @@ def plan_launch(
             for name, value in compile_cache_env(config.compile_cache).items():
                 env.setdefault(name, value)
         env[ENV_STEP_FILE] = wf.step_file
+        env[ENV_COMPILE_MARKER] = compiler_in_use_marker(ctx.run_dir)
         env[ENV_STACK_FILE] = wf.stack_file
         env[ENV_COLLECTIVES_FILE] = wf.collectives_file
         if ENV_FR_BUFFER not in env:  # the flight recorder names the laggard of a hang

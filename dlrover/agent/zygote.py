@@ -39,6 +39,8 @@ from dlrover.agent.zygote_messages import (
     SpawnedEvent,
     SpawnFailedEvent,
     SpawnRequest,
+    WarmedEvent,
+    WarmRequest,
     ZygoteEvent,
     ZygoteRequest,
     decode_event,
@@ -59,6 +61,10 @@ DEFAULT_PRELOAD = (
 
 # Read once by native libraries when they load: a worker's own value is applied after fork,
 # so the zygote itself starts without them (its defaults are then those of a fresh process).
+WARM_TIMEOUT_S = 60.0
+"""What a spawn sent while the zygote warms the compiler may wait beyond its own timeout (the
+warm-up takes about 1.5 s with a warm cache, 5 s on a fresh one, longer on a busy node)."""
+
 _ZYGOTE_UNSET_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
@@ -213,6 +219,10 @@ class Zygote:
         self._pending: dict[int, tuple[threading.Event, list[ForkedWorker | str]]] = {}
         self._workers: dict[int, ForkedWorker] = {}
         self._lost = False
+        self._warmed = threading.Event()
+        self._warm_asked = False
+        self.warmup: WarmedEvent | None = None
+        """The zygote's answer to `warm_compiler` (None until it came)."""
         self._reader_file = reader
         self._reader = threading.Thread(target=self._read_events, name="zygote-reader", daemon=True)
         self._reader.start()
@@ -322,6 +332,9 @@ class Zygote:
             if isinstance(exc, ZygoteError):
                 raise
             raise ZygoteError(f"cannot open the worker's output: {exc}") from exc
+        if self._warm_asked and not self._warmed.is_set():
+            # The zygote answers requests in order: this spawn waits for the warm-up first.
+            timeout += WARM_TIMEOUT_S
         if not answered.wait(timeout):
             with self._state_lock:
                 self._pending.pop(request_id, None)
@@ -330,6 +343,18 @@ class Zygote:
         if isinstance(result, ForkedWorker):
             return result
         raise ZygoteError(f"zygote refused to spawn {list(argv)!r}: {result}")
+
+    def warm_compiler(self) -> None:
+        """Ask the zygote to warm inductor's compiler for the workers it forks from now on
+        (`dlrover.agent.compiler_warmup`); returns at once. Spawns sent meanwhile wait for it.
+        Its answer is logged and kept in `warmup`. Raises ZygoteError when the zygote is gone."""
+        self._send(WarmRequest())
+        self._warm_asked = True
+
+    def wait_warmed(self, timeout: float) -> WarmedEvent | None:
+        """The answer to `warm_compiler` once it came within `timeout`, else None."""
+        self._warmed.wait(timeout)
+        return self.warmup
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the zygote; its remaining workers are killed. Waits at most `timeout` seconds."""
@@ -390,6 +415,18 @@ class Zygote:
             if pending is not None:
                 pending[1].append(result)
                 pending[0].set()
+        elif isinstance(event, WarmedEvent):
+            self.warmup = event
+            self._warmed.set()
+            if event.error:
+                log.warning("zygote %d: warming the compiler: %s", self.pid, event.error)
+            else:
+                log.info(
+                    "zygote %d: compiler warmed in %.2f s; restarted workers skip that%s",
+                    self.pid,
+                    event.seconds,
+                    f" (not warmed: {', '.join(event.skipped)})" if event.skipped else "",
+                )
         elif isinstance(event, ErrorEvent):
             log.warning("zygote %d: %s", self.pid, event.error)
         else:

@@ -57,6 +57,15 @@ class ExitRequest(ZygoteRequest):
 
 
 @dataclass(frozen=True)
+class WarmRequest(ZygoteRequest):
+    """Import inductor's compiler and ask its probes of the machine, so that workers forked
+    afterwards start with them (`dlrover.agent.compiler_warmup`). Answered by `WarmedEvent`;
+    spawns sent meanwhile wait for it."""
+
+    op: ClassVar[str] = "warm"
+
+
+@dataclass(frozen=True)
 class ZygoteEvent:
     """Base of what the zygote reports; ``event`` names it on the wire."""
 
@@ -108,13 +117,24 @@ class ErrorEvent(ZygoteEvent):
     error: str
 
 
-REQUEST_TYPES: tuple[type[ZygoteRequest], ...] = (SpawnRequest, ExitRequest)
+@dataclass(frozen=True)
+class WarmedEvent(ZygoteEvent):
+    """The answer to `WarmRequest`: its seconds, the probes skipped, or why it failed."""
+
+    event: ClassVar[str] = "warmed"
+    seconds: float
+    skipped: list[str]
+    error: str
+
+
+REQUEST_TYPES: tuple[type[ZygoteRequest], ...] = (SpawnRequest, ExitRequest, WarmRequest)
 EVENT_TYPES: tuple[type[ZygoteEvent], ...] = (
     ReadyEvent,
     SpawnedEvent,
     SpawnFailedEvent,
     ExitedEvent,
     ErrorEvent,
+    WarmedEvent,
 )
 _REQUESTS_BY_OP = {request.op: request for request in REQUEST_TYPES}
 _EVENTS_BY_NAME = {event.event: event for event in EVENT_TYPES}

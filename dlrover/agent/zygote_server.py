@@ -7,7 +7,9 @@ Protocol on the inherited unix socket: the typed messages of ``zygote_messages.p
 object per line. The zygote writes `ReadyEvent` once its preload is done, then answers each
 `SpawnRequest` (whose line arrives with the worker's stdout and stderr as SCM_RIGHTS
 descriptors) with `SpawnedEvent` or `SpawnFailedEvent`, reports every worker's exit as
-`ExitedEvent`, a line it cannot read as `ErrorEvent`, and exits on `ExitRequest`.
+`ExitedEvent`, a line it cannot read as `ErrorEvent`, warms inductor's compiler on
+`WarmRequest` (answered by `WarmedEvent`; `dlrover.agent.compiler_warmup`), and exits on
+`ExitRequest`.
 
 Fork safety: the zygote runs no torch op and never touches CUDA, so torch's intra-op pool and
 the CUDA driver are not started; the only native thread after ``import torch`` is OpenBLAS's
@@ -35,10 +37,12 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 from dlrover import constants as c
 from dlrover.agent.bootstrap import BootstrapError, die_with_parent, enable_stack_dumps, run_target
 from dlrover.agent.collectives import start_dump_thread
+from dlrover.agent.compiler_warmup import WarmupResult, warm_compiler, watch_compiler_use
 from dlrover.agent.zygote_messages import (
     FDS_MARKER,
     OUTPUT_FDS,
@@ -49,6 +53,8 @@ from dlrover.agent.zygote_messages import (
     SpawnedEvent,
     SpawnFailedEvent,
     SpawnRequest,
+    WarmedEvent,
+    WarmRequest,
     ZygoteEvent,
     decode_request,
     encode_event,
@@ -160,6 +166,12 @@ class _Server:
         except MessageError as exc:
             _close_all(fds)
             _send(self._sock, ErrorEvent(str(exc)))
+            return None
+        if isinstance(request, WarmRequest):
+            _close_all(fds)
+            # On this thread, between requests: a spawn sent meanwhile waits for it, and a
+            # worker's exit is reported once it is done (seconds, once per zygote).
+            _send(self._sock, warm_at_priority())
             return None
         if not isinstance(request, SpawnRequest):
             _close_all(fds)
@@ -280,6 +292,7 @@ def run_child(spec: SpawnRequest, fds: list[int]) -> None:
     enable_stack_dumps()
     start_dump_thread()
     watch_optimizer_steps()
+    watch_compiler_use()
     try:
         run_target(spec.argv)
     except BootstrapError as exc:
@@ -302,30 +315,60 @@ def preload_at_priority(modules: list[str]) -> None:
     zygote therefore also takes a session of its own and sets that group's nice to the same
     value. A forked worker starts a new session, whose group has the normal weight again.
     """
+    nice = _zygote_nice()
+    if sys.platform.startswith("linux"):
+        _own_session_at_lowest_weight(nice)
+
+    def work() -> None:
+        for module in modules:
+            importlib.import_module(module)
+
+    run_at_priority(work, nice)
+
+
+def _zygote_nice() -> int:
     nice = int(number_from_env(c.ENV_ZYGOTE_NICE, c.DEFAULT_ZYGOTE_NICE, "a nice value, 0-19"))
     if nice > 19:
         raise ValueError(f"{c.ENV_ZYGOTE_NICE}={nice}: give a nice value, 0-19")
-    if sys.platform.startswith("linux"):
-        _own_session_at_lowest_weight(nice)
+    return nice
+
+
+def run_at_priority(work: Callable[[], None], nice: int) -> None:
+    """Run `work` in a helper thread at `nice` and return once that thread has ended natively
+    (see `_wait_native_exit`), re-raising what it raised. The main thread keeps its priority."""
     failure: list[BaseException] = []
     native_id: list[int] = []
 
-    def work() -> None:
+    def run() -> None:
         native_id.append(threading.get_native_id())
         try:
             if sys.platform.startswith("linux"):
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
-            for module in modules:
-                importlib.import_module(module)
+            work()
         except BaseException as exc:  # re-raised in the main thread
             failure.append(exc)
 
-    thread = threading.Thread(target=work, name="zygote-preload")
+    thread = threading.Thread(target=run, name="zygote-preload")
     thread.start()
     thread.join()
     _wait_native_exit(native_id[0], PRELOAD_EXIT_DEADLINE_S)
     if failure:
         raise failure[0]
+
+
+def warm_at_priority() -> WarmedEvent:
+    """Answer a `WarmRequest`: warm the compiler at the zygote's nice value, then freeze what
+    it imported out of the collector's reach, as after the preload."""
+    threads = _native_threads()
+    done: list[WarmupResult] = []
+    try:
+        run_at_priority(lambda: done.append(warm_compiler()), _zygote_nice())
+    except Exception as exc:  # ImportError: a torch without inductor; the zygote serves on
+        return WarmedEvent(0.0, [], f"{type(exc).__name__}: {exc}")
+    gc.freeze()
+    left = _native_threads() - threads
+    error = f"the warm-up left {left} native threads running" if left > 0 else ""
+    return WarmedEvent(done[0].seconds, done[0].skipped, error)
 
 
 PRELOAD_EXIT_DEADLINE_S = 30.0

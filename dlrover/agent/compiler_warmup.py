@@ -1,0 +1,115 @@
+"""Warm restarts for compiled models: the zygote takes on what every new process pays before its
+first compiled step, once it knows the node's workers compile.
+
+A process that calls ``torch.compile`` (inductor) pays, before it traces a single frame, for work
+that does not depend on the model: importing inductor's compiler (about 0.6 s here) and its probes
+of the machine, each answered by subprocesses (the C++ compiler's version, twice; which vector
+instruction sets load, one Python subprocess each): about 0.8 s with a warm cache. torch keeps
+each answer for the life of the process. A worker forked from a zygote that did this work
+inherits it, so a restarted worker's first compiled step costs its tracing and cache loads only.
+
+Two halves:
+- in a worker forked by the zygote, `watch_compiler_use` leaves a marker file (the path in
+  ``DLROVER_COMPILE_MARKER``) as the script imports inductor's compiler, which ``torch.compile``
+  does; the agent sees it and asks its zygote to warm up;
+- in the zygote, `warm_compiler` imports the compiler and asks the probes, on the zygote's main
+  thread, between requests: no thread is left behind, so forking stays safe.
+
+Only the standard library is imported here: the zygote and every worker import this module
+before torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+
+from dlrover import constants as c
+
+COMPILER_MODULE = "torch._inductor.compile_fx"
+"""What ``torch.compile`` with the default backend imports as it is called (and what a script
+that never compiles never imports)."""
+
+
+def compiler_in_use_marker(run_dir: str) -> str:
+    """The marker file of a node's workers: it exists once one of them imported the compiler."""
+    return os.path.join(run_dir, "compiles")
+
+
+class _CompilerUseWatch(importlib.abc.MetaPathFinder):
+    """Touches the marker when the compiler module is first imported; finds nothing itself."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname == COMPILER_MODULE:
+            sys.meta_path.remove(self)
+            try:
+                os.close(os.open(self.marker, os.O_WRONLY | os.O_CREAT, 0o600))
+            except OSError:  # the agent's folder is gone: nobody to tell
+                pass
+        return None
+
+
+def watch_compiler_use() -> None:
+    """In a worker forked by the zygote: leave the marker as the script imports the compiler.
+    Nothing happens where the agent gave no marker or the compiler is imported already."""
+    marker = os.environ.get(c.ENV_COMPILE_MARKER, "")
+    if not marker or COMPILER_MODULE in sys.modules:
+        return
+    if not any(isinstance(f, _CompilerUseWatch) for f in sys.meta_path):
+        sys.meta_path.insert(0, _CompilerUseWatch(marker))
+
+@dataclass(frozen=True)
+class WarmupResult:
+    """What `warm_compiler` did."""
+
+    seconds: float
+    skipped: list[str]
+    """Probes this torch does not have or that failed (by name); the rest were warmed."""
+
+
+def _probes() -> list[tuple[str, Callable[[], object]]]:
+    """Inductor's per-process probes of the machine, each cached by torch for the process's life
+    (private functions: a torch without one skips it, losing only its share of the saving)."""
+    from torch._inductor import cpp_builder, cpu_vec_isa
+
+    def compiler_version() -> object:
+        return cpp_builder.get_compiler_version_info(cpp_builder.get_cpp_compiler())
+
+    return [
+        ("vector instruction sets", cpu_vec_isa.valid_vec_isa_list),
+        ("C++ compiler", cpp_builder.get_cpp_compiler),
+        ("is gcc", cpp_builder.is_gcc),
+        ("is clang", cpp_builder.is_clang),
+        ("compiler version", compiler_version),
+    ]
+
+
+def warm_compiler() -> WarmupResult:
+    """Import the compiler and ask its probes (raises ImportError where the compiler cannot be
+    imported: a torch without inductor)."""
+    started = time.perf_counter()
+    importlib.import_module(COMPILER_MODULE)
+    skipped: list[str] = []
+    try:
+        probes = _probes()
+    except (ImportError, AttributeError):
+        probes = []
+        skipped.append("probes")
+    for name, probe in probes:
+        try:
+            probe()
+        except Exception:  # a probe torch would run again in the worker, and fail there alike
+            skipped.append(name)
+    return WarmupResult(round(time.perf_counter() - started, 4), skipped)
