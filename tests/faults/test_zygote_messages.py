@@ -23,6 +23,8 @@ from dlrover.agent.zygote_messages import (
     SpawnedEvent,
     SpawnFailedEvent,
     SpawnRequest,
+    WarmedEvent,
+    WarmRequest,
     ZygoteEvent,
     ZygoteRequest,
     decode_event,
@@ -40,13 +42,14 @@ SPAWN = SpawnRequest(
     cwd="/work",
     unbuffered=True,
 )
-REQUESTS: list[ZygoteRequest] = [SPAWN, ExitRequest()]
+REQUESTS: list[ZygoteRequest] = [SPAWN, ExitRequest(), WarmRequest()]
 EVENTS: list[ZygoteEvent] = [
     ReadyEvent(pid=41, preload_s=1.2345, threads=2),
     SpawnedEvent(request_id=3, pid=42),
     SpawnFailedEvent(request_id=3, error="cwd '/nope' is not a directory"),
     ExitedEvent(pid=42, returncode=-9),
     ErrorEvent(error="zygote request is not JSON"),
+    WarmedEvent(seconds=1.25, skipped=["is clang"], error=""),
 ]
 
 
@@ -74,7 +77,7 @@ def test_event_round_trip_is_lossless(event: ZygoteEvent) -> None:
     [
         (b"spawn\n", "zygote request is not JSON"),
         (b'"spawn"\n', "not a JSON object"),
-        (b'{"op": "fork_bomb"}\n', "unknown op 'fork_bomb' \\(known: exit, spawn\\)"),
+        (b'{"op": "fork_bomb"}\n', "unknown op 'fork_bomb' \\(known: exit, spawn, warm\\)"),
         (b'{"op": "exit", "now": true}\n', r"'exit': unknown fields \['now'\]"),
         (b'{"op": "spawn", "request_id": 1}\n', "'spawn': field 'argv' is missing"),
         (
