@@ -41,6 +41,7 @@ class Setup:
     dlrover: bool
     mode: str
     ckpt: str
+    env: tuple[tuple[str, str], ...] = ()
 
 
 SETUPS = (
@@ -49,6 +50,14 @@ SETUPS = (
     # job stopped training for good (the recovery goodput's torchrun runs the same way).
     Setup("torchrun, no shared store (restart all, torch.save)", False, "plain", "torch"),
     Setup("dlrover-run, restart in place (flash)", True, "plain", "flash"),
+    # The same without the zygote's compiler warm-up: what a restart cost before it.
+    Setup(
+        "dlrover-run, restart in place, DLROVER_ZYGOTE_WARM_COMPILER=0",
+        True,
+        "plain",
+        "flash",
+        (("DLROVER_ZYGOTE_WARM_COMPILER", "0"),),
+    ),
     Setup("dlrover-run, in-process (Wrapper)", True, "wrapped", "flash"),
     Setup("dlrover-run, in-process shrink (Wrapper(shrink=True))", True, "shrink", "flash"),
 )
@@ -70,7 +79,7 @@ def _cmd(setup: Setup, max_restarts: int = 3) -> list[str]:
 
 def _env(setup: Setup, cache: Path) -> dict[str, str]:
     shared = {} if setup.dlrover else {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    return base_env(TORCHINDUCTOR_CACHE_DIR=str(cache), **shared)
+    return base_env(TORCHINDUCTOR_CACHE_DIR=str(cache), **shared, **dict(setup.env))
 
 
 def run_once(setup: Setup, out: Path, cache: Path, timeout: float, kill: bool = True) -> Failure:
