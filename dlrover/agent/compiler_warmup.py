@@ -70,6 +70,7 @@ def watch_compiler_use() -> None:
     if not any(isinstance(f, _CompilerUseWatch) for f in sys.meta_path):
         sys.meta_path.insert(0, _CompilerUseWatch(marker))
 
+
 @dataclass(frozen=True)
 class WarmupResult:
     """What `warm_compiler` did."""

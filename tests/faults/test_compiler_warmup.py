@@ -159,4 +159,3 @@ def test_a_restarted_worker_of_a_compiling_script_forks_from_a_warmed_zygote(
     assert runs[0]["y"] == runs[1]["y"]
     warmed = re.search(r"compiler warmed in [\d.]+ s", done.stderr)
     assert bool(warmed) == (warm == "1"), done.stderr[-4000:]
-
