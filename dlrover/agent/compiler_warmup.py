@@ -4,9 +4,11 @@ first compiled step, once it knows the node's workers compile.
 A process that calls ``torch.compile`` (inductor) pays, before it traces a single frame, for work
 that does not depend on the model: importing inductor's compiler (about 0.6 s here) and its probes
 of the machine, each answered by subprocesses (the C++ compiler's version, twice; which vector
-instruction sets load, one Python subprocess each): about 0.8 s with a warm cache. torch keeps
-each answer for the life of the process. A worker forked from a zygote that did this work
-inherits it, so a restarted worker's first compiled step costs its tracing and cache loads only.
+instruction sets load, one Python subprocess each): about 0.8 s with a warm cache; then, at its
+first graph, the hash of torch's sources that keys the caches (about 0.2 s), the tokenizer's
+patterns and inductor's pattern passes (about 0.2 s more). torch keeps each for the life of
+the process. A worker forked from a zygote that did this work inherits it, so a restarted
+worker's first compiled step costs its tracing and cache loads only.
 
 Two halves:
 - in a worker forked by the zygote, `watch_compiler_use` leaves a marker file (the path in
@@ -81,20 +83,50 @@ class WarmupResult:
 
 
 def _probes() -> list[tuple[str, Callable[[], object]]]:
-    """Inductor's per-process probes of the machine, each cached by torch for the process's life
-    (private functions: a torch without one skips it, losing only its share of the saving)."""
-    from torch._inductor import cpp_builder, cpu_vec_isa
+    """Inductor's per-process set-up that no model changes, each kept by torch for the process's
+    life: its probes of the machine, the hash of torch's sources that keys its caches, the
+    tokenizer's patterns (dynamo names the functions it traces by tokenizing their files), and
+    the pattern passes it registers before its first graph (private functions: a torch without
+    one skips it, losing only its share of the saving)."""
+    import torch
+    from torch._inductor import codecache, cpp_builder, cpu_vec_isa
+    from torch._inductor.fx_passes import joint_graph, post_grad
 
     def compiler_version() -> object:
         return cpp_builder.get_compiler_version_info(cpp_builder.get_cpp_compiler())
 
-    return [
+    def tokenizer() -> object:
+        import io
+        import tokenize
+
+        return list(tokenize.generate_tokens(io.StringIO("def f():\n    pass\n").readline))
+
+    probes: list[tuple[str, Callable[[], object]]] = [
         ("vector instruction sets", cpu_vec_isa.valid_vec_isa_list),
         ("C++ compiler", cpp_builder.get_cpp_compiler),
         ("is gcc", cpp_builder.is_gcc),
         ("is clang", cpp_builder.is_clang),
         ("compiler version", compiler_version),
+        ("torch's source hash", codecache.torch_key),
+        ("tokenizer", tokenizer),
+        ("post-grad patterns", post_grad.lazy_init),
     ]
+    if _cpu_only(torch):
+        # The joint-graph patterns are registered per device of a graph's inputs (as
+        # ``lazy_init(device)``, cached by that argument): with no accelerator in this torch
+        # every graph's is the CPU, so the worker's call finds them registered. (On a GPU node
+        # each rank's device differs, and another device's patterns would be registered beside
+        # its own: left to the worker.)
+        probes.append(("joint-graph patterns", lambda: joint_graph.lazy_init(torch.device("cpu"))))
+    return probes
+
+
+def _cpu_only(torch: ModuleType) -> bool:
+    """Whether this torch was built without CUDA, ROCm and XPU (asked without touching a
+    device: the zygote must stay free to fork)."""
+    xpu = getattr(torch, "xpu", None)
+    xpu_built = bool(xpu is not None and getattr(xpu, "_is_compiled", lambda: False)())
+    return torch.version.cuda is None and torch.version.hip is None and not xpu_built
 
 
 def warm_compiler() -> WarmupResult:

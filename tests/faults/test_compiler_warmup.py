@@ -24,6 +24,17 @@ COMPILE = """
 import json, subprocess, sys
 import torch
 had_compiler = "torch._inductor.compile_fx" in sys.modules
+from torch._inductor import codecache
+from torch._inductor.fx_passes import joint_graph
+# What inductor sets up at its first graph: the hash of torch's sources (build_code_hash, called
+# only while torch_key is not kept yet), the pattern passes.
+hashing = []
+_hash = codecache.build_code_hash
+def _count(*args, **kw):
+    hashing.append(1)
+    return _hash(*args, **kw)
+codecache.build_code_hash = _count
+patterns = joint_graph.lazy_init.cache_info().currsize > 0
 started = []
 _init = subprocess.Popen.__init__
 def _record(self, args, *rest, **kw):
@@ -31,7 +42,8 @@ def _record(self, args, *rest, **kw):
     _init(self, args, *rest, **kw)
 subprocess.Popen.__init__ = _record
 y = torch.compile(lambda x: x * 2 + 1)(torch.arange(4.0))
-print(json.dumps({"had_compiler": had_compiler, "started": started, "y": y.tolist()}))
+print(json.dumps({"had_compiler": had_compiler, "hashed": not hashing, "patterns": patterns,
+                  "started": started, "y": y.tolist()}))
 """
 
 
@@ -77,6 +89,7 @@ def test_workers_forked_after_the_warm_up_skip_the_compilers_set_up(
     # itself (its probes started subprocesses).
     assert (tmp_path / "compiles").exists()
     assert first["had_compiler"] is False
+    assert first["hashed"] is False and first["patterns"] is False
     assert first["started"], "a cold process probes the machine through subprocesses"
 
     threads = _threads(zygote.pid)
@@ -89,6 +102,8 @@ def test_workers_forked_after_the_warm_up_skip_the_compilers_set_up(
     assert _threads(zygote.pid) == threads, "the warm-up left a thread: forking is unsafe"
 
     assert second["had_compiler"] is True
+    # This torch is a CPU build: the joint-graph patterns of the CPU are registered too.
+    assert second["hashed"] is True and second["patterns"] is True
     assert second["started"] == [], "the warmed worker still probed the machine"
     assert second["y"] == first["y"] == [1.0, 3.0, 5.0, 7.0]
 
@@ -123,6 +138,17 @@ import json, os, sys
 import torch
 from dlrover.testing.faults import maybe_inject
 had_compiler = "torch._inductor.compile_fx" in sys.modules
+from torch._inductor import codecache
+from torch._inductor.fx_passes import joint_graph
+# What inductor sets up at its first graph: the hash of torch's sources (build_code_hash, called
+# only while torch_key is not kept yet), the pattern passes.
+hashing = []
+_hash = codecache.build_code_hash
+def _count(*args, **kw):
+    hashing.append(1)
+    return _hash(*args, **kw)
+codecache.build_code_hash = _count
+patterns = joint_graph.lazy_init.cache_info().currsize > 0
 y = torch.compile(lambda x: x * 2 + 1)(torch.arange(4.0))
 with open(sys.argv[1], "a") as f:
     f.write(json.dumps({"restart": int(os.environ["TORCHELASTIC_RESTART_COUNT"]),
