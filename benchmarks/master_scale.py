@@ -1091,13 +1091,15 @@ CALL_KINDS = ("heartbeat", "report_step", "lease")
 report (FetchShards then ReportDone: two calls)."""
 
 
-async def master_cpu_per_1k(kind: str, calls: int, in_flight: int, lane: bool = False) -> float:
+async def master_cpu_per_1k(
+    kind: str, calls: int, in_flight: int, lane: bool = False, tree: str = ""
+) -> float:
     """A real dlrover-master (one registered node, one dataset) answers ``calls`` calls of
     ``kind`` (`CALL_KINDS`), ``in_flight`` at a time, from one channel (``lane``: heartbeats
     to its heartbeat server, as agents send them; else to its address); its CPU-seconds per
     1,000 calls (the same pattern as `echo_cpu_per_1k`, so the two differ only in what the
-    server does per call)."""
-    master = Master(1)
+    server does per call). ``tree``: the master of that checkout (`Master`)."""
+    master = Master(1, tree=tree)
     try:
         async with grpc.aio.insecure_channel(
             master.addr, options=[("grpc.enable_http_proxy", 0)]
@@ -1161,17 +1163,29 @@ async def master_cpu_per_1k(kind: str, calls: int, in_flight: int, lane: bool = 
         master.close()
 
 
-async def calls_table(calls: int) -> None:
+async def calls_table(calls: int, tree: str = "", against: str = "") -> None:
     """``--calls N``: the master's CPU per call beside the bare echo's, the arrival pattern
     held equal (200 in flight, and one at a time as spread-out nodes send them): heartbeats at
-    its address and at its heartbeat server, step reports, and leases with their reports."""
-    print("| call | calls in flight | bare gRPC echo CPU-s per 1,000 | master CPU-s per 1,000, "
-          "at its address | master / echo | at its heartbeat server | heartbeat server / "
-          "echo |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|")
+    its address and at its heartbeat server, step reports, and leases with their reports.
+    ``tree``: also the master of that checkout (``--against`` ``against``), at its address,
+    each run right before this one's."""
+    header = [
+        "call",
+        "calls in flight",
+        "bare gRPC echo CPU-s per 1,000",
+        "master CPU-s per 1,000, at its address",
+        "master / echo",
+        "at its heartbeat server",
+        "heartbeat server / echo",
+    ]
+    if tree:
+        header += [f"master at {against}, at its address", f"at {against} / echo"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
     for in_flight in (200, 1):
         echo = await echo_cpu_per_1k(calls, in_flight)
         for kind in CALL_KINDS:
+            before = await master_cpu_per_1k(kind, calls, in_flight, tree=tree) if tree else 0.0
             master = await master_cpu_per_1k(kind, calls, in_flight)
             cells = [kind, str(in_flight), f"{echo:.3f}", f"{master:.3f}"]
             cells.append(f"{master / max(echo, 1e-9):.2f}x")
@@ -1180,7 +1194,9 @@ async def calls_table(calls: int) -> None:
                 cells += [f"{lane:.3f}", f"{lane / max(echo, 1e-9):.2f}x"]
             else:
                 cells += ["-", "-"]
-            print("| " + " | ".join(cells) + " |")
+            if tree:
+                cells += [f"{before:.3f}", f"{before / max(echo, 1e-9):.2f}x"]
+            print("| " + " | ".join(cells) + " |", flush=True)
 
 
 def main() -> None:
@@ -1204,7 +1220,8 @@ def main() -> None:
         "--against",
         default="",
         metavar="REV",
-        help="also run each size (long-poll) against the master of this commit",
+        help="also run each size (long-poll) against the master of this commit (with --calls: "
+        "each call kind at its address)",
     )
     parser.add_argument(
         "--storm",
@@ -1251,7 +1268,13 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.calls:
-        asyncio.run(calls_table(args.calls))
+        with contextlib.ExitStack() as stack:
+            tree = ""
+            if args.against:
+                from against import checkout  # beside this script (run as one, not imported)
+
+                tree = str(stack.enter_context(checkout(args.against)))
+            asyncio.run(calls_table(args.calls, tree, args.against))
         return
     if args.engine:
         parts = args.engine.split(":")

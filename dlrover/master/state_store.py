@@ -125,14 +125,18 @@ class SqliteStateStore(StateStore):
         with self._lock:
             self._conn.execute("BEGIN")  # the connection autocommits each statement otherwise
             try:
-                self._conn.executemany(
-                    "DELETE FROM state WHERE namespace=? AND key=?",
-                    [(namespace, k) for k in delete],
-                )
-                self._conn.executemany(
-                    "INSERT OR REPLACE INTO state (namespace, key, value) VALUES (?, ?, ?)",
-                    [(namespace, k, sqlite3.Binary(v)) for k, v in values.items()],
-                )
+                # (Statements with nothing to do are skipped: the master writes on every
+                # sharding call, most of them one or two rows.)
+                if delete:
+                    self._conn.executemany(
+                        "DELETE FROM state WHERE namespace=? AND key=?",
+                        [(namespace, k) for k in delete],
+                    )
+                if values:
+                    self._conn.executemany(
+                        "INSERT OR REPLACE INTO state (namespace, key, value) VALUES (?, ?, ?)",
+                        [(namespace, k, sqlite3.Binary(v)) for k, v in values.items()],
+                    )
             except BaseException:
                 self._conn.execute("ROLLBACK")
                 raise
