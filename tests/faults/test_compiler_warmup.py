@@ -80,6 +80,9 @@ def _run(zygote: Zygote, tmp_path: Path, name: str) -> dict[str, object]:
     return result
 
 
+# A cold compile and a warmed one, each in a forked worker: about 20 s on a slow 2-core machine,
+# over the fast stage's bound.
+@pytest.mark.e2e
 @pytest.mark.long
 def test_workers_forked_after_the_warm_up_skip_the_compilers_set_up(
     zygote: Zygote, tmp_path: Path
