@@ -32,6 +32,7 @@ from dlrover.master.changes import ChangeFeed, LongPoll, hold_s
 from dlrover.master.fencing import Fence, Leader
 from dlrover.master.job import JobMaster
 from dlrover.master.refusals import as_refusal
+from dlrover.master.sharding_service import ShardingService
 
 logger = logging.getLogger(__name__)
 
@@ -164,6 +165,13 @@ def _resolve(future: asyncio.Future[None]) -> None:
         future.set_result(None)
 
 
+GROUP_WINDOW_S = 0.002
+"""While the master's sharding calls come together, a write of their changes waits until this
+long after the one before, so that the calls arriving meanwhile share it
+(`MasterServicer._answer_after_flush`): with 200 leases in flight, a third less CPU per call
+(master_scale.py --calls). A call that comes alone is written at once."""
+
+
 class MasterServicer:
     """The master's gRPC handlers, derived from the interfaces (`dlrover.api.wire.RPCS`): each
     RPC decodes its request into the interface method's arguments, runs the method on the part
@@ -187,6 +195,16 @@ class MasterServicer:
         self._wakers = {id(feed): _Waker(loop, feed) for feed in feeds}
         implementations = job.services()
         self._implementations = implementations
+        self._sharding = next(
+            (part for part in implementations.values() if isinstance(part, ShardingService)), None
+        )
+        """The part whose state-changing calls on the loop share their writes
+        (`_answer_after_flush`)."""
+        self._waiting: list[asyncio.Future[None]] = []
+        """The calls waiting for the next write of the sharding part's state."""
+        self._last_flush = -math.inf
+        self._last_group = 0
+        """How many calls the last write served."""
         by_name: dict[str, list[Rpc]] = {}
         for call in RPCS.values():
             by_name.setdefault(call.name, []).append(call)
@@ -275,7 +293,46 @@ class MasterServicer:
         method = getattr(target, call.method)
         if run is Run.POOL or (run is Run.POOL_IF_WAITING and args["wait_s"] > 0):
             return await self._loop.run_in_executor(self._executor, lambda: method(**args))
-        return method(**args)
+        sharding = self._sharding
+        if sharding is None or target is not sharding:
+            return method(**args)
+        with sharding.saves_deferred() as deferred:
+            result = method(**args)
+        if deferred.changed:
+            await self._answer_after_flush(sharding)
+        return result
+
+    async def _answer_after_flush(self, sharding: ShardingService) -> None:
+        """Wait for the one write of what the calls of this turn of the loop changed, or, while
+        calls keep coming together (the last write served more than one), of the next
+        `GROUP_WINDOW_S`: calls that come together share a transaction, and none is answered
+        before its change is saved. A refused write fails each of them, as a call's own write
+        did before."""
+        waiter: asyncio.Future[None] = self._loop.create_future()
+        self._waiting.append(waiter)
+        if len(self._waiting) == 1:
+            wait = self._last_flush + GROUP_WINDOW_S - self._loop.time()
+            if wait > 0 and self._last_group > 1:
+                self._loop.call_later(wait, self._flush, sharding)
+            else:
+                self._loop.call_soon(self._flush, sharding)
+        await waiter
+
+    def _flush(self, sharding: ShardingService) -> None:
+        waiting, self._waiting = self._waiting, []
+        self._last_flush, self._last_group = self._loop.time(), len(waiting)
+        error: Exception | None = None
+        try:
+            sharding.flush()
+        except Exception as e:
+            error = e
+        for waiter in waiting:
+            if waiter.done():  # its caller was cancelled
+                continue
+            if error is None:
+                waiter.set_result(None)
+            else:
+                waiter.set_exception(error)
 
     async def _hold(self, poll: LongPoll[T], wait_s: float) -> T:
         """Run a long poll as a coroutine: at most hold_s(``wait_s``) seconds, waking when its

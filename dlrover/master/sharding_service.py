@@ -7,6 +7,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from dlrover.master.state_store import StateStore, StateStoreError
@@ -58,6 +59,14 @@ def _close(source: StreamSource) -> None:
         close()
 
 
+@dataclass
+class Deferred:
+    """What the calls inside one `ShardingService.saves_deferred` block left unsaved."""
+
+    changed: bool = False
+    """A call changed the state: answer it only after `ShardingService.flush`."""
+
+
 class ShardingService:
     """Serialises calls onto the ShardManager and saves its state after every change.
 
@@ -81,6 +90,10 @@ class ShardingService:
     ) -> None:
         self._store = store
         self._lock = threading.Lock()
+        self._deferring = threading.local()
+        """``current``: this thread's `Deferred` inside `saves_deferred`."""
+        self._unsaved = False
+        """Deferred calls changed the state since the last save."""
         self._source_factory = source_factory or _source_for
         self._sources: dict[str, StreamSource] = {}
         saved = store.get_json(_NAMESPACE, "state")
@@ -105,23 +118,49 @@ class ShardingService:
             return self.manager.register_dataset(spec)
 
     def fetch_shards(self, dataset: str, worker_id: str, max_count: int) -> FetchResult:
-        """Lease shards to the worker (ShardManager.fetch_shards) and save the state."""
-        with self._changing():
+        """Lease shards to the worker (ShardManager.fetch_shards) and save the state (or leave
+        the save to `flush`, inside `saves_deferred`)."""
+        with self._changing(deferrable=True):
             return self.manager.fetch_shards(dataset, worker_id, max_count)
 
     def report_done(
         self, dataset: str, worker_id: str, shard_ids: Sequence[ShardId]
     ) -> ReportResult:
-        """Mark shards done (ShardManager.report_done) and save the state."""
-        with self._changing():
+        """Mark shards done (ShardManager.report_done) and save the state (or leave the save to
+        `flush`, inside `saves_deferred`)."""
+        with self._changing(deferrable=True):
             return self.manager.report_done(dataset, worker_id, shard_ids)
 
     def report_progress(
         self, dataset: str, worker_id: str, shard_id: ShardId, consumed: int
     ) -> bool:
-        """Record progress in a shard (ShardManager.report_progress) and save the state."""
-        with self._changing():
+        """Record progress in a shard (ShardManager.report_progress) and save the state (or
+        leave the save to `flush`, inside `saves_deferred`)."""
+        with self._changing(deferrable=True):
             return self.manager.report_progress(dataset, worker_id, shard_id, consumed)
+
+    # --- one write for many calls -------------------------------------------------------------
+    @contextmanager
+    def saves_deferred(self) -> Iterator[Deferred]:
+        """In this block, on this thread, the dataset calls that change the state (fetch_shards,
+        report_done, report_progress) leave their save to the next `flush`, and say so in the
+        yielded `Deferred`. The caller must not answer such a call before a `flush` has
+        returned: the master's server answers the calls of one turn of its loop after one
+        flush, one transaction for them all. Every other call, and every call on another
+        thread, saves at once, and its save writes the deferred changes too."""
+        deferred = Deferred()
+        self._deferring.current = deferred
+        try:
+            yield deferred
+        finally:
+            self._deferring.current = None
+
+    def flush(self) -> None:
+        """Save what the deferred calls changed, if no save has since; raises StateStoreError
+        when the store refuses the write (the changes then go with the next save)."""
+        with self._lock:
+            if self._unsaved:
+                self._save()
 
     def restore_position(self, position: Position, token: str | None) -> bool:
         """Reset the dataset to ``position``, once per ``token`` (ShardManager.restore_position),
@@ -294,11 +333,17 @@ class ShardingService:
             _close(source)
 
     @contextmanager
-    def _changing(self) -> Iterator[None]:
-        """Hold the lock for a call and save the state after it; a refused call saves nothing."""
+    def _changing(self, deferrable: bool = False) -> Iterator[None]:
+        """Hold the lock for a call and save the state after it (``deferrable``: or leave the
+        save to `flush`, inside `saves_deferred`); a refused call saves nothing."""
         with self._lock:
             yield
-            self._save()
+            deferred: Deferred | None = getattr(self._deferring, "current", None)
+            if deferrable and deferred is not None:
+                deferred.changed = True
+                self._unsaved = True
+            else:
+                self._save()
 
     def _save(self) -> None:
         values: dict[str, Any] = {"state": self.manager.to_state(dataset_leases=False)}
@@ -313,6 +358,7 @@ class ShardingService:
         self._store.put_json_many(_NAMESPACE, values, gone)
         # Only now: a write that failed leaves the changes to go with the next one.
         self.manager.lease_changes_saved()
+        self._unsaved = False
 
 
 def _attach_leases(state: dict[str, Any], store: StateStore) -> None:
