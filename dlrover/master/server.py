@@ -33,6 +33,7 @@ from dlrover.master.fencing import Fence, Leader
 from dlrover.master.job import JobMaster
 from dlrover.master.refusals import as_refusal
 from dlrover.master.sharding_service import ShardingService
+from dlrover.master.state_store import StateStoreError
 
 logger = logging.getLogger(__name__)
 
@@ -204,6 +205,7 @@ class MasterServicer:
         """The calls waiting for the next write of the sharding part's state."""
         self._last_flush = -math.inf
         self._last_group = 0
+        self._writes_stopped = False
         """How many calls the last write served."""
         by_name: dict[str, list[Rpc]] = {}
         for call in RPCS.values():
@@ -298,7 +300,8 @@ class MasterServicer:
             return method(**args)
         with sharding.saves_deferred() as deferred:
             result = method(**args)
-        if deferred.changed:
+        # A read waits too while a write is pending: its answer may show what that write saves.
+        if deferred.changed or self._waiting:
             await self._answer_after_flush(sharding)
         return result
 
@@ -320,19 +323,33 @@ class MasterServicer:
 
     def _flush(self, sharding: ShardingService) -> None:
         waiting, self._waiting = self._waiting, []
-        self._last_flush, self._last_group = self._loop.time(), len(waiting)
-        error: Exception | None = None
+        self._last_group = len(waiting)
+        error: BaseException | None = None
         try:
+            if self._writes_stopped:
+                raise StateStoreError(
+                    "this master stepped down (another took over the job's state): it writes "
+                    "nothing more; ask the master that took over"
+                )
             sharding.flush()
-        except Exception as e:
+        except BaseException as e:
             error = e
-        for waiter in waiting:
-            if waiter.done():  # its caller was cancelled
-                continue
-            if error is None:
-                waiter.set_result(None)
-            else:
-                waiter.set_exception(error)
+            if not isinstance(e, Exception):
+                raise
+        finally:
+            self._last_flush = self._loop.time()  # the window runs from the write's end
+            for waiter in waiting:
+                if waiter.done():  # its caller was cancelled
+                    continue
+                if error is None:
+                    waiter.set_result(None)
+                else:
+                    waiter.set_exception(error)
+
+    def stop_writes(self) -> None:
+        """Write nothing more (this master stepped down): a pending write of the sharding
+        part's state fails its calls instead (callable from any thread)."""
+        self._writes_stopped = True
 
     async def _hold(self, poll: LongPoll[T], wait_s: float) -> T:
         """Run a long poll as a coroutine: at most hold_s(``wait_s``) seconds, waking when its
@@ -586,6 +603,8 @@ class MasterServer:
         )
         self.fenced_by = newer
         self.fenced.set()
+        if self._servicer is not None:
+            self._servicer.stop_writes()
         if self._lane is not None:
             self._lane.stop(0)
         try:

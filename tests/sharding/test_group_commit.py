@@ -191,7 +191,7 @@ def test_while_calls_come_together_a_write_waits_for_the_window_then_alone_at_on
         # shares it.
         await asyncio.gather(fetch(servicer, "a"), later(servicer, "b"))
         windowed = store.writes
-        await fetch(servicer, "alone")  # still within the window's rule: it served two
+        await fetch(servicer, "alone")  # comes alone: its write serves it only
         began = loop.time()
         await fetch(servicer, "at-once")  # the last write served one call: written at once
         return together - start, windowed - together, store.writes - windowed, loop.time() - began
@@ -202,3 +202,40 @@ def test_while_calls_come_together_a_write_waits_for_the_window_then_alone_at_on
     assert saved_leases(tmp_path / "state.db") == {
         w: 1 for w in ["w0", "w1", "w2", "a", "b", "alone", "at-once"]
     }
+
+
+def test_a_read_while_a_write_is_pending_is_answered_after_it(tmp_path: Path) -> None:
+    store = CountingStore(str(tmp_path / "state.db"))
+    saved_when_read: list[dict[str, int]] = []
+
+    async def progress(servicer: MasterServicer) -> Any:
+        call = RPCS["dataset_progress"]
+        request = pb.DatasetProgressRequest(dataset="d")
+        answer = await servicer._run(call, servicer._implementations[call.interface], request)
+        saved_when_read.append(saved_leases(tmp_path / "state.db"))
+        return answer
+
+    async def body(servicer: MasterServicer) -> Any:
+        # The lease is taken, then the progress read, in one turn: the read shows the lease.
+        _, answer = await asyncio.gather(fetch(servicer, "w"), progress(servicer))
+        return answer
+
+    answer = run_calls(store, body)
+    assert answer.leased == 1
+    assert saved_when_read == [{"w": 1}]
+
+
+def test_a_master_that_stepped_down_writes_nothing_more(tmp_path: Path) -> None:
+    store = CountingStore(str(tmp_path / "state.db"))
+
+    async def body(servicer: MasterServicer) -> list[Any]:
+        before = store.writes
+        calls = [asyncio.ensure_future(fetch(servicer, f"w{i}")) for i in range(3)]
+        servicer.stop_writes()  # as _step_down does, before the pending write runs
+        answers = await asyncio.gather(*calls, return_exceptions=True)
+        assert store.writes == before
+        return answers
+
+    answers = run_calls(store, body)
+    assert all(isinstance(a, StateStoreError) and "stepped down" in str(a) for a in answers)
+    assert saved_leases(tmp_path / "state.db") == {}
