@@ -20,10 +20,7 @@ DEADLINE_S = 120.0
 
 # A compiled function, run after the script records what its process had before it compiled and
 # which subprocesses the compile started (torch's probes run through subprocess).
-COMPILE = """
-import json, subprocess, sys
-import torch
-had_compiler = "torch._inductor.compile_fx" in sys.modules
+FIRST_GRAPH_SET_UP = """
 from torch._inductor import codecache
 from torch._inductor.fx_passes import joint_graph
 # What inductor sets up at its first graph: the hash of torch's sources (build_code_hash, called
@@ -35,7 +32,18 @@ def _count(*args, **kw):
     return _hash(*args, **kw)
 codecache.build_code_hash = _count
 patterns = joint_graph.lazy_init.cache_info().currsize > 0
-started = []
+"""
+"""Sets ``hashing`` (empty: torch's source hash was kept already) and ``patterns`` (the pattern
+passes were registered already), before the script's compile."""
+
+COMPILE = (
+    """
+import json, subprocess, sys
+import torch
+had_compiler = "torch._inductor.compile_fx" in sys.modules
+"""
+    + FIRST_GRAPH_SET_UP
+    + """started = []
 _init = subprocess.Popen.__init__
 def _record(self, args, *rest, **kw):
     started.append(args if isinstance(args, str) else " ".join(map(str, args)))
@@ -45,6 +53,7 @@ y = torch.compile(lambda x: x * 2 + 1)(torch.arange(4.0))
 print(json.dumps({"had_compiler": had_compiler, "hashed": not hashing, "patterns": patterns,
                   "started": started, "y": y.tolist()}))
 """
+)
 
 
 def _threads(pid: int) -> int:
@@ -136,28 +145,23 @@ def test_a_warm_up_that_cannot_import_the_compiler_says_why_and_the_zygote_serve
         zygote.close()
 
 
-RESTARTED = """
+RESTARTED = (
+    """
 import json, os, sys
 import torch
 from dlrover.testing.faults import maybe_inject
 had_compiler = "torch._inductor.compile_fx" in sys.modules
-from torch._inductor import codecache
-from torch._inductor.fx_passes import joint_graph
-# What inductor sets up at its first graph: the hash of torch's sources (build_code_hash, called
-# only while torch_key is not kept yet), the pattern passes.
-hashing = []
-_hash = codecache.build_code_hash
-def _count(*args, **kw):
-    hashing.append(1)
-    return _hash(*args, **kw)
-codecache.build_code_hash = _count
-patterns = joint_graph.lazy_init.cache_info().currsize > 0
+"""
+    + FIRST_GRAPH_SET_UP
+    + """
 y = torch.compile(lambda x: x * 2 + 1)(torch.arange(4.0))
 with open(sys.argv[1], "a") as f:
     f.write(json.dumps({"restart": int(os.environ["TORCHELASTIC_RESTART_COUNT"]),
-                        "had_compiler": had_compiler, "y": y.tolist()}) + "\\n")
+                        "had_compiler": had_compiler, "hashed": not hashing,
+                        "patterns": patterns, "y": y.tolist()}) + "\\n")
 maybe_inject(0)
 """
+)
 
 
 @pytest.mark.e2e
@@ -185,6 +189,8 @@ def test_a_restarted_worker_of_a_compiling_script_forks_from_a_warmed_zygote(
     runs = [json.loads(line) for line in rows.read_text().splitlines()]
     assert [r["restart"] for r in runs] == [0, 1]
     assert [r["had_compiler"] for r in runs] == [False, warm == "1"]
+    assert [r["hashed"] for r in runs] == [False, warm == "1"]
+    assert [r["patterns"] for r in runs] == [False, warm == "1"]
     assert runs[0]["y"] == runs[1]["y"]
     warmed = re.search(r"compiler warmed in [\d.]+ s", done.stderr)
     assert bool(warmed) == (warm == "1"), done.stderr[-4000:]
