@@ -193,20 +193,30 @@ def test_a_ps_whose_memory_creeps_to_its_limit_is_resized_in_place_before_any_oo
         DLROVER_AUTOSCALE_INTERVAL_S="1",
         DLROVER_TF_USAGE_INTERVAL_S="1",
     )
-    resized = re.search(
-        r"resize ps: ps 0 \(creep-ps-0-0\) memory creeps to (\d+) of 900 MiB: (\d+) MiB "
+    # Each resize in place, by limit: (used, limit, new limit) in MiB. A slow machine runs the
+    # job long enough for the ps to creep past 90% of its new limit too: a second resize.
+    resizes: list[tuple[int, int, int]] = []
+    for found in re.findall(
+        r"resize ps: ps 0 \(creep-ps-0-0\) memory creeps to (\d+) of (\d+) MiB: (\d+) MiB "
         r"\(x1\.3\): resized in place",
         final,
-    )
-    assert resized and int(resized.group(1)) > 810, final
+    ):
+        resize = (int(found[0]), int(found[1]), int(found[2]))
+        if resize not in resizes:
+            resizes.append(resize)
+    resizes.sort(key=lambda resize: resize[1])  # the status names the newest first, then all
+    assert resizes and resizes[0][1] == 900 and resizes[0][0] > 810, final
+    for (_, _, grown), (_, limit, _) in zip(resizes, resizes[1:], strict=False):
+        assert limit == grown, resizes  # each from the limit the one before set
     # The same attempt (never relaunched), at the new limit, and its pid is the one that served
     # under 900 MiB and after the resize.
     row = re.search(r"^creep-ps-0-0 +ps +0 +\S+ +-1 +0 +\d+ +\d+ +(\d+) +(\d+) ", final, re.M)
-    assert row and int(row.group(1)) == int(resized.group(2)), final
+    assert row and int(row.group(1)) == resizes[-1][2], final
     pid = int(row.group(2))
     # A sample taken while the node was starting saw its cgroup before the ps joined it.
     before = [procs for mib, procs in seen if mib == 900 << 20 and procs]
-    after = [procs for mib, procs in seen if mib == int(resized.group(2)) << 20 and procs]
+    grown_to = {new << 20 for _, _, new in resizes}
+    after = [procs for mib, procs in seen if mib in grown_to and procs]
     assert before and after, sorted({mib for mib, _ in seen}, key=str)
     assert pid in before[0] and pid in after[-1], (pid, before[0], after[-1])
     assert "failures: none" in final, final  # no OOM kill
