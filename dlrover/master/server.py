@@ -205,8 +205,8 @@ class MasterServicer:
         """The calls waiting for the next write of the sharding part's state."""
         self._last_flush = -math.inf
         self._last_group = 0
-        self._writes_stopped = False
         """How many calls the last write served."""
+        self._writes_stopped = False
         by_name: dict[str, list[Rpc]] = {}
         for call in RPCS.values():
             by_name.setdefault(call.name, []).append(call)
@@ -332,19 +332,18 @@ class MasterServicer:
                     "nothing more; ask the master that took over"
                 )
             sharding.flush()
-        except BaseException as e:
+        except BaseException as e:  # every waiter hears of it, whatever it is
             error = e
-            if not isinstance(e, Exception):
-                raise
-        finally:
-            self._last_flush = self._loop.time()  # the window runs from the write's end
-            for waiter in waiting:
-                if waiter.done():  # its caller was cancelled
-                    continue
-                if error is None:
-                    waiter.set_result(None)
-                else:
-                    waiter.set_exception(error)
+        self._last_flush = self._loop.time()  # the window runs from the write's end
+        for waiter in waiting:
+            if waiter.done():  # its caller was cancelled
+                continue
+            if error is None:
+                waiter.set_result(None)
+            else:
+                waiter.set_exception(error)
+        if error is not None and not isinstance(error, Exception):
+            raise error
 
     def stop_writes(self) -> None:
         """Write nothing more (this master stepped down): a pending write of the sharding

@@ -145,9 +145,9 @@ class ShardingService:
         """In this block, on this thread, the dataset calls that change the state (fetch_shards,
         report_done, report_progress) leave their save to the next `flush`, and say so in the
         yielded `Deferred`. The caller must not answer such a call before a `flush` has
-        returned: the master's server answers the calls of one turn of its loop after one
-        flush, one transaction for them all. Every other call, and every call on another
-        thread, saves at once, and its save writes the deferred changes too."""
+        returned: the master's server answers the calls that come together after one flush,
+        one transaction for them all. Every other call, and every call on another thread,
+        saves at once, and its save writes the deferred changes too."""
         deferred = Deferred()
         self._deferring.current = deferred
         try:
