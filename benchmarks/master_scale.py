@@ -84,6 +84,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -189,7 +190,13 @@ class Master:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             cwd=self._tree or None,
-            env={**os.environ, "PYTHONPATH": self._tree} if self._tree else None,
+            # PYTHONFAULTHANDLER: a master that does not exit is sent SIGABRT (`close`), and
+            # its log then shows where each of its threads was.
+            env={
+                **os.environ,
+                "PYTHONFAULTHANDLER": "1",
+                **({"PYTHONPATH": self._tree} if self._tree else {}),
+            },
         )
         deadline = time.monotonic() + 60
         while not os.path.exists(env_file):
@@ -223,8 +230,21 @@ class Master:
         try:
             code = self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
+            self.proc.send_signal(signal.SIGABRT)  # its threads' stacks into the log
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
             code = None
+            self._log.flush()
+            with open(self.log_path, errors="replace") as f:
+                tail = f.readlines()[-120:]
+            print(
+                "the master did not exit within 30 s of the job's end; its log ends:\n"
+                + "".join(tail),
+                file=sys.stderr,
+            )
         self._log.close()
         if keep:
             print(f"master log kept: {self.log_path}", file=sys.stderr)
