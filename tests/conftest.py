@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.cpu_cost import CpuCost
 from tests.stages import StageCheck
 from tests.stalls import process_report
 
@@ -31,6 +32,7 @@ os.environ.setdefault("DLROVER_HOME", TEST_HOME)
 
 def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(StageCheck(), "dlrover-test-stages")
+    config.pluginmanager.register(CpuCost(), "dlrover-test-cpu")
 
 
 @pytest.hookimpl(trylast=True)
