@@ -111,14 +111,30 @@ def test_a_real_hang_is_caught_within_its_bound_and_the_job_recovers(
         )
 
 
+BURNER = """
+import os
+try:
+    with open("/proc/self/autogroup", "w") as f:
+        f.write("19")
+except OSError:
+    pass  # no autogroup scheduling: the nice value below is what counts
+os.nice(19)
+while True:
+    pass
+"""
+
+
 @pytest.fixture
 def busy_machine() -> Iterator[None]:
     """A process that keeps a core busy for the whole test: no core is ever idle, and with the
     job's two ranks, its agent and master, and in CI the other test worker's jobs, the 2 cores
-    are oversubscribed. At the lowest priority (nice 19): it takes what nothing else wants, so
-    in CI it no longer takes a third of a core from the other worker's jobs for the test's 100 s
-    (it did: 98 CPU-s, the stage's largest single cost)."""
-    burners = [subprocess.Popen([sys.executable, "-c", "import os\nos.nice(19)\nwhile True: pass"])]
+    are oversubscribed. At the lowest priority: it takes what nothing else wants, so in CI it
+    does not take CPU from the other worker's jobs. With autogroup scheduling (Linux's default,
+    and CI's) a nice value only ranks a process inside its session's group, and the job's
+    workers each have a session of their own: nice 19 alone left the burner a whole core (100
+    CPU-s of the test's 167, the e2e stage's largest single cost). So it also takes a session
+    of its own and sets that group's nice to 19, as the zygote does."""
+    burners = [subprocess.Popen([sys.executable, "-c", BURNER], start_new_session=True)]
     try:
         yield
     finally:
