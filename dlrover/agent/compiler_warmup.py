@@ -140,9 +140,36 @@ def warm_compiler() -> WarmupResult:
     except (ImportError, AttributeError):
         probes = []
         skipped.append("probes")
-    for name, probe in probes:
-        try:
-            probe()
-        except Exception:  # a probe torch would run again in the worker, and fail there alike
-            skipped.append(name)
+    monitor = _progress_monitor()
+    try:
+        for name, probe in probes:
+            try:
+                probe()
+            except Exception:  # a probe torch would run again in the worker, and fail there alike
+                skipped.append(name)
+    finally:
+        _stop_progress_monitor_started_since(monitor)
     return WarmupResult(round(time.perf_counter() - started, 4), skipped)
+
+
+def _progress_monitor() -> object | None:
+    """tqdm's monitor thread, where tqdm is imported and has one running."""
+    std = sys.modules.get("tqdm.std")
+    return None if std is None else getattr(std.tqdm, "monitor", None)
+
+
+def _stop_progress_monitor_started_since(before: object | None) -> None:
+    """Stop the monitor thread tqdm started during the warm-up, if it did. torch.fx's
+    interpreter opens a (disabled) progress bar for each graph it runs, as the joint-graph
+    patterns are traced, and where tqdm is installed (beside Hugging Face, datasets and most
+    training stacks) its first bar starts a monitor thread that lives as long as the process: a
+    zygote with a second thread refuses to fork, so every worker after the warm-up was started
+    cold instead. A worker's own first bar starts its own monitor."""
+    std = sys.modules.get("tqdm.std")
+    monitor = None if std is None else getattr(std.tqdm, "monitor", None)
+    if std is None or monitor is None or monitor is before:
+        return
+    # Not under tqdm's lock: the monitor takes it each time it wakes. exit() sets the event it
+    # sleeps on and joins it, so it ends within that turn of its loop.
+    monitor.exit()
+    std.tqdm.monitor = None

@@ -120,6 +120,37 @@ def test_workers_forked_after_the_warm_up_skip_the_compilers_set_up(
     assert second["y"] == first["y"] == [1.0, 3.0, 5.0, 7.0]
 
 
+@pytest.mark.extras
+def test_where_tqdm_is_installed_the_warm_up_leaves_no_thread_and_workers_fork_warm(
+    zygote: Zygote, tmp_path: Path
+) -> None:
+    """tqdm (installed beside Hugging Face and most training stacks) starts a monitor thread on
+    its first progress bar, and torch.fx opens a disabled one for each graph the joint-graph
+    patterns trace: the warm-up left that thread in the zygote, which then refused every fork.
+    The warm-up stops the monitor it started; a worker forked after it is warm, and its own
+    first bar starts its own monitor."""
+    pytest.importorskip("tqdm", reason="tqdm is not installed (pip install tqdm)")
+    threads = _threads(zygote.pid)
+    zygote.warm_compiler()
+    warmup = zygote.wait_warmed(DEADLINE_S)
+    assert warmup is not None and warmup.error == "", warmup
+    assert _threads(zygote.pid) == threads, "the warm-up left a thread: forking is unsafe"
+    script = tmp_path / "bar.py"
+    script.write_text(
+        "import sys, threading\n"
+        "from tqdm import tqdm\n"
+        "warm = 'torch._inductor.compile_fx' in sys.modules\n"
+        "with tqdm(total=2, file=sys.stderr) as bar:\n"
+        "    bar.update(2)\n"
+        "    names = [t.name for t in threading.enumerate()]\n"
+        "print(warm, 'tqdm_monitor' in names)\n"
+    )
+    out, err = tmp_path / "bar.out", tmp_path / "bar.err"
+    handle = zygote.spawn([str(script)], _env(tmp_path), tmp_path, out, err)
+    assert handle.wait(DEADLINE_S) == 0, err.read_text()[-3000:]
+    assert out.read_text().split() == ["True", "True"]
+
+
 def test_a_warm_up_that_cannot_import_the_compiler_says_why_and_the_zygote_serves_on(
     tmp_path: Path,
 ) -> None:
