@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 
+from tests.stages import float_property
+
 _KEY = "cpu_s"
 _START = pytest.StashKey[float]()
 SHOWN = 30
@@ -50,9 +52,9 @@ class CpuCost:
             report.user_properties.append((_KEY, cpu_now() - item.stash[_START]))
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        for name, seconds in report.user_properties:
-            if name == _KEY and isinstance(seconds, float):
-                self.costs.append((seconds, report.nodeid))
+        seconds = float_property(report, _KEY)
+        if seconds is not None:
+            self.costs.append((seconds, report.nodeid))
 
     @pytest.hookimpl(trylast=True)
     def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:

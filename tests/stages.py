@@ -80,9 +80,9 @@ class StageCheck:
             report.user_properties.append((_OVER, seconds))
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        for name, seconds in report.user_properties:
-            if name == _OVER and isinstance(seconds, float):
-                self.over.append((seconds, report.nodeid))
+        seconds = float_property(report, _OVER)
+        if seconds is not None:
+            self.over.append((seconds, report.nodeid))
 
     @pytest.hookimpl(trylast=True)
     def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
@@ -93,6 +93,15 @@ class StageCheck:
         )
         for seconds, nodeid in sorted(self.over, reverse=True):
             terminalreporter.write_line(f"{seconds:.1f}s {nodeid}")
+
+
+def float_property(report: pytest.TestReport, name: str) -> float | None:
+    """The number a test's report carries under ``name`` in its ``user_properties`` (set where
+    the test ran: under xdist they travel back to the controller with the report)."""
+    for key, value in report.user_properties:
+        if key == name and isinstance(value, float):
+            return value
+    return None
 
 
 _SECONDS = pytest.StashKey[float]()
