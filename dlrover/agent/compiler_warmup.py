@@ -165,11 +165,10 @@ def _stop_progress_monitor_started_since(before: object | None) -> None:
     training stacks) its first bar starts a monitor thread that lives as long as the process: a
     zygote with a second thread refuses to fork, so every worker after the warm-up was started
     cold instead. A worker's own first bar starts its own monitor."""
-    std = sys.modules.get("tqdm.std")
-    monitor = None if std is None else getattr(std.tqdm, "monitor", None)
-    if std is None or monitor is None or monitor is before:
+    monitor = _progress_monitor()
+    if monitor is None or monitor is before:
         return
     # Not under tqdm's lock: the monitor takes it each time it wakes. exit() sets the event it
     # sleeps on and joins it, so it ends within that turn of its loop.
-    monitor.exit()
-    std.tqdm.monitor = None
+    monitor.exit()  # type: ignore[attr-defined]
+    sys.modules["tqdm.std"].tqdm.monitor = None

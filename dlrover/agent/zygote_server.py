@@ -317,7 +317,7 @@ def preload_at_priority(modules: list[str]) -> None:
     """
     nice = _zygote_nice()
     if sys.platform.startswith("linux"):
-        _own_session_at_lowest_weight(nice)
+        own_session_at_lowest_weight(nice)
 
     def work() -> None:
         for module in modules:
@@ -398,7 +398,10 @@ def _wait_native_exit(native_id: int, deadline_s: float) -> None:
         pause = min(pause * 2, 0.01)
 
 
-def _own_session_at_lowest_weight(nice: int) -> None:
+def own_session_at_lowest_weight(nice: int) -> None:
+    """Take a session of its own and give that session's autogroup the nice value ``nice``
+    (where autogroup scheduling is on, a nice value ranks a process only inside its session's
+    group; the caller still sets its own). Also the test suite's CPU burner."""
     try:
         os.setsid()
     except OSError:  # already a session leader
