@@ -57,7 +57,11 @@ and again in the steady state, each time started again on the same port, state a
 table: how soon each new master listened, the rendezvous time with the kill in it, how soon
 after the second restart every node's heartbeat was answered again, the nodes recorded lost
 (none should be: the outage is the master's), the rounds re-formed (none should be) and the
-calls the outage failed.
+calls the outage failed. Through the second kill up to 1,000 of the nodes lease the shards of a
+dataset (6 each), train on each for 0.2-0.6 s and report it done; the table adds the shards
+lost (never done), done twice, and handed out twice (told to two workers), the lease calls the
+outage failed, and when the dataset finished (a grant whose answer the kill took goes out
+again after its 10 s lease).
 
 Heartbeat p99 (probe): a separate process sends the heartbeats of 20 of the nodes every 0.5 s
 and times them, so the figure is what an agent in its own process sees, without the queueing of
@@ -92,6 +96,7 @@ import time
 import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import psutil
@@ -300,6 +305,41 @@ def p99_ms(latencies: list[float]) -> float:
         return float("nan")
     xs = sorted(latencies)
     return 1000 * xs[min(len(xs) - 1, int(0.99 * len(xs)))]
+
+
+LEASERS = 1000
+"""In a master-kill storm, at most this many nodes lease shards of a dataset (one worker each)."""
+SHARDS_PER_LEASER = 6
+LEASE_S = 10.0
+"""The storm's dataset's lease: a grant whose answer the kill took is handed out again after it."""
+LEASE_DATASET = "storm"
+
+
+@dataclass
+class LeaseBook:
+    """What the leasing nodes of a master-kill storm were told, to check the master lost no shard
+    and handed none out twice: every grant a node received (shard, worker, when) and every done
+    report the master accepted."""
+
+    grants: dict[tuple[int, int], list[tuple[str, float]]] = field(default_factory=dict)
+    done: dict[tuple[int, int], list[str]] = field(default_factory=dict)
+    asked_again: int = 0
+    """Lease calls (fetch or done) the outage failed, asked again."""
+    finished: float = 0.0
+    """When the last leasing node heard that the dataset is finished (monotonic)."""
+
+    def figures(self, shards: int) -> dict[str, int]:
+        """Shards done, lost (never done), done twice (the master accepted two workers' reports),
+        and handed out twice (two workers were told they held it: a grant whose answer the kill
+        took reached no worker, so its hand-out again after the lease is not counted)."""
+        return {
+            "shards": shards,
+            "shards_done": len(self.done),
+            "shards_lost": shards - len(self.done),
+            "done_twice": sum(len(by) > 1 for by in self.done.values()),
+            "granted_twice": sum(len({w for w, _ in g}) > 1 for g in self.grants.values()),
+            "lease_calls_asked_again": self.asked_again,
+        }
 
 
 def storm_stack(i: int, kb: int = 64) -> str:
@@ -555,6 +595,57 @@ class Agent:
                     await asyncio.wait_for(self.stop.wait(), 0.5)
                 except asyncio.TimeoutError:
                     pass
+
+    async def lease_shards(self, book: LeaseBook) -> None:
+        """As a training worker of this node over a dataset the master shards: lease a shard,
+        train on it (0.2-0.6 s), report it done; until the master says the dataset is finished.
+        A call the master does not answer (it is being restarted) is asked again each 0.2 s."""
+        worker = f"{self.node_id}/0"
+        fetch = pb.FetchShardsRequest(dataset=LEASE_DATASET, worker_id=worker, max_count=1)
+        while True:
+            leased, _ = await self._lease_call(self.stub.FetchShards, fetch, book)
+            if leased.HasField("error"):
+                raise RuntimeError(f"{worker}: lease refused: {leased.error.message}")
+            result = leased.result
+            if not result.shards:
+                if result.finished:
+                    book.finished = max(book.finished, time.monotonic())
+                    return
+                await asyncio.sleep(0.2)  # the rest is leased to others: ask again
+                continue
+            ids = [shard.id for shard in result.shards]
+            for shard_id in ids:
+                book.grants.setdefault((shard_id.epoch, shard_id.index), []).append(
+                    (worker, time.time())
+                )
+            await asyncio.sleep(random.uniform(0.2, 0.6))
+            done = pb.ReportDoneRequest(dataset=LEASE_DATASET, worker_id=worker, shard_ids=ids)
+            reported, again = await self._lease_call(self.stub.ReportDone, done, book)
+            # Asked again, a report the killed master saved before it could answer is ignored
+            # by the new one (the shard is done already; a lease it lost instead shows as a
+            # shard handed out twice).
+            taken = reported.result.accepted + (reported.result.ignored if again else 0)
+            if reported.HasField("error") or taken != len(ids):
+                raise RuntimeError(f"{worker}: done of {len(ids)} shards not accepted: {reported}")
+            for shard_id in ids:
+                book.done.setdefault((shard_id.epoch, shard_id.index), []).append(worker)
+
+    async def _lease_call(self, method, request, book: LeaseBook) -> tuple[Any, bool]:
+        """The answer, and whether the call had to be asked again."""
+        deadline = time.monotonic() + 120
+        again = False
+        while True:
+            try:
+                return await self._call(method, request, timeout=10), again
+            except grpc.aio.AioRpcError as e:
+                if (
+                    e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+                    or time.monotonic() > deadline
+                ):
+                    raise
+                book.asked_again += 1
+                again = True
+                await asyncio.sleep(0.2)
 
     async def exit_barrier(self) -> bool:
         request = pb.ReportNodeStatusRequest(
@@ -954,13 +1045,11 @@ def engine_figures(master: Master, row: dict) -> None:
 
 
 async def master_kill_storm(agents: list[Agent], master: Master, stats: Stats, row: dict) -> None:
-    """The steady state's half of ``--calls N``: only the CPU per call, the arrival pattern held equal: N heartbeats to a real
-    master with one registered node, and N calls of the same size to the bare echo, first 200 in
-    flight, then one at a time (as nodes spread over a heartbeat interval send them).
-
-    ``--storm master-kill``: SIGKILL the master, start it again on
-        its state, and time until every node's heartbeat is answered again; then how many nodes
-        the outage cost (recorded lost) and whether the round held."""
+    """``--storm master-kill``'s steady-state half: up to LEASERS nodes lease the shards of a
+    dataset, train on them and report them done; while they do, SIGKILL the master, start it
+    again on its state, and time until every node's heartbeat is answered again. Then the nodes
+    the outage cost (recorded lost), whether the round held, and, once the dataset is finished,
+    whether any shard was lost or handed out twice (`LeaseBook`)."""
     reforms = [0]
 
     async def reformed(agent: Agent) -> None:
@@ -969,6 +1058,19 @@ async def master_kill_storm(agents: list[Agent], master: Master, stats: Stats, r
 
     for a in agents:
         a.on_reform = reformed
+    leasers = [a for a in agents if not a.probed][:LEASERS]
+    shards = len(leasers) * SHARDS_PER_LEASER
+    spec = pb.DatasetSpec(name=LEASE_DATASET, size=shards, shard_size=1, lease_s=LEASE_S)
+    registered = answer(
+        await leasers[0].stub.RegisterDataset(
+            pb.RegisterDatasetRequest(spec=spec), timeout=30, metadata=leasers[0].md
+        )
+    )
+    if registered.HasField("error"):
+        raise RuntimeError(f"the storm's dataset was refused: {registered.error.message}")
+    book = LeaseBook()
+    leasing = [asyncio.create_task(a.lease_shards(book)) for a in leasers]
+    await asyncio.sleep(1.0)  # the kill comes while shards are leased, trained and reported
     row["storm_from"] = time.time()
     stats.outage = True
     row["steady_restart_s"] = await asyncio.to_thread(master.restart)
@@ -982,6 +1084,17 @@ async def master_kill_storm(agents: list[Agent], master: Master, stats: Stats, r
     stats.outage = False
     row["storm_to"] = time.time()
     row["reforms"] = reforms[0]
+    await asyncio.wait_for(asyncio.gather(*leasing), 300)
+    row["dataset_done_s"] = book.finished - started
+    row.update(book.figures(shards))
+    # The master's own count: a done report asked again and ignored is one the killed master
+    # saved, or one whose lease it lost (then the shard was never counted done).
+    progress = answer(
+        await leasers[0].stub.DatasetProgress(
+            pb.DatasetProgressRequest(dataset=LEASE_DATASET), timeout=30, metadata=leasers[0].md
+        )
+    ).result
+    row["master_done_shards"] = progress.done_shards
 
     row["lost_recorded"] = (await asyncio.to_thread(node_losses, master))[0]
 
@@ -1483,6 +1596,13 @@ def print_storm_table(rows: list[dict[str, float | int | str]], storm: str) -> N
             "nodes recorded lost",
             "rounds re-formed",
             "calls the outage failed (asked again)",
+            "shards leased through the kill",
+            "done, as the master counts them",
+            "shards lost",
+            "done twice",
+            "handed out twice",
+            "lease calls asked again",
+            "dataset finished after s",
             "exit ok",
             "errors",
         ]
@@ -1498,6 +1618,13 @@ def print_storm_table(rows: list[dict[str, float | int | str]], storm: str) -> N
             "lost_recorded",
             "reforms",
             "outage_errors",
+            "shards",
+            "master_done_shards",
+            "shards_lost",
+            "done_twice",
+            "granted_twice",
+            "lease_calls_asked_again",
+            "dataset_done_s",
             "exit_ok",
             "errors",
         ]

@@ -83,11 +83,16 @@ def test_a_tenth_of_300_nodes_lost_at_once_is_relaunched_through_a_rate_limited_
 @pytest.mark.e2e
 def test_a_master_killed_mid_rendezvous_and_in_steady_state_loses_no_node_of_300():
     """`--storm master-kill` at 300 nodes: the master SIGKILLed once half the nodes joined the
-    first round, and again in the steady state, restarted each time on its state; the round
-    forms once, every node's heartbeat is answered again, none is recorded lost, no round
-    re-forms, and all 300 pass the exit barrier."""
+    first round, and again in the steady state while the nodes lease, train and report the
+    shards of a dataset, restarted each time on its state; the round forms once, every node's
+    heartbeat is answered again, none is recorded lost, no round re-forms, every shard is done
+    once and none was handed to two workers, and all 300 pass the exit barrier."""
     bench = _bench()
     row = asyncio.run(bench.run_one(300, 1.0, poll=False, storm="master-kill"))
     assert (row["not_adopted"], row["lost_recorded"], row["reforms"]) == (0, 0, 0)
+    assert row["shards"] >= 200 * bench.SHARDS_PER_LEASER, row
+    assert row["shards_done"] == row["master_done_shards"] == row["shards"], row
+    assert (row["shards_lost"], row["done_twice"], row["granted_twice"]) == (0, 0, 0), row
+    assert row["lease_calls_asked_again"] > 0, row  # the kill came while shards were leased
     assert row["exit_ok"] == 300 and row["errors"] == 0 and row["master_exit"] == "0"
     assert row["adopted_s"] < 30  # generous: a busy CI machine (3.3 s at 200 nodes here)
