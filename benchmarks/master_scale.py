@@ -1070,31 +1070,35 @@ async def master_kill_storm(agents: list[Agent], master: Master, stats: Stats, r
         raise RuntimeError(f"the storm's dataset was refused: {registered.error.message}")
     book = LeaseBook()
     leasing = [asyncio.create_task(a.lease_shards(book)) for a in leasers]
-    await asyncio.sleep(1.0)  # the kill comes while shards are leased, trained and reported
-    row["storm_from"] = time.time()
-    stats.outage = True
-    row["steady_restart_s"] = await asyncio.to_thread(master.restart)
-    started = time.monotonic()
-    beating = [a for a in agents if not a.probed]
-    deadline = started + 120
-    while any(a.last_ok < started for a in beating) and time.monotonic() < deadline:
-        await asyncio.sleep(0.1)
-    row["adopted_s"] = time.monotonic() - started
-    row["not_adopted"] = sum(a.last_ok < started for a in beating)
-    stats.outage = False
-    row["storm_to"] = time.time()
-    row["reforms"] = reforms[0]
-    await asyncio.wait_for(asyncio.gather(*leasing), 300)
-    row["dataset_done_s"] = book.finished - started
-    row.update(book.figures(shards))
-    # The master's own count: a done report asked again and ignored is one the killed master
-    # saved, or one whose lease it lost (then the shard was never counted done).
-    progress = answer(
-        await leasers[0].stub.DatasetProgress(
-            pb.DatasetProgressRequest(dataset=LEASE_DATASET), timeout=30, metadata=leasers[0].md
-        )
-    ).result
-    row["master_done_shards"] = progress.done_shards
+    try:
+        await asyncio.sleep(1.0)  # the kill comes while shards are leased, trained and reported
+        row["storm_from"] = time.time()
+        stats.outage = True
+        row["steady_restart_s"] = await asyncio.to_thread(master.restart)
+        started = time.monotonic()
+        beating = [a for a in agents if not a.probed]
+        deadline = started + 120
+        while any(a.last_ok < started for a in beating) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        row["adopted_s"] = time.monotonic() - started
+        row["not_adopted"] = sum(a.last_ok < started for a in beating)
+        stats.outage = False
+        row["storm_to"] = time.time()
+        row["reforms"] = reforms[0]
+        await asyncio.wait_for(asyncio.gather(*leasing), 300)
+        row["dataset_done_s"] = book.finished - started
+        row.update(book.figures(shards))
+        # The master's own count: a done report asked again and ignored is one the killed master
+        # saved, or one whose lease it lost (then the shard was never counted done).
+        progress = answer(
+            await leasers[0].stub.DatasetProgress(
+                pb.DatasetProgressRequest(dataset=LEASE_DATASET), timeout=30, metadata=leasers[0].md
+            )
+        ).result
+        row["master_done_shards"] = progress.done_shards
+    finally:
+        for task in leasing:  # a storm that failed half-way leaves none running
+            task.cancel()
 
     row["lost_recorded"] = (await asyncio.to_thread(node_losses, master))[0]
 
