@@ -130,3 +130,27 @@ def test_a_large_job_charts_its_lowest_ranks_only(monkeypatch: pytest.MonkeyPatc
     history = JobHistory(job)
     history.sample(now[0])
     assert list(history.document()["nodes"]) == ["n0"]  # registered first: the lower rank
+
+
+def test_a_large_job_charts_its_first_nodes_by_rank_and_copies_only_those() -> None:
+    """The charts show at most MAX_CHARTED_NODES alive nodes, ranked ones first in node-rank
+    order, then the others by id (`NodeTable.first_alive`); what it returns are copies, and
+    `all()` copies every field as `dataclasses.replace` does."""
+    import dataclasses
+
+    from dlrover.master.history import MAX_CHARTED_NODES
+    from dlrover.master.nodes import NodeState, NodeTable
+
+    table = NodeTable(MemoryStateStore(), lambda: 0.0)
+    for i in range(MAX_CHARTED_NODES + 40):
+        table.register(f"n{i:03d}", "h", "worker", 1, -1, i)
+    ranks = {f"n{i:03d}": MAX_CHARTED_NODES + 39 - i for i in range(0, MAX_CHARTED_NODES + 40, 2)}
+    table.activate(ranks, "member of round 1")  # the even ones, in reverse rank order
+    table.set_state("n000", NodeState.SUCCEEDED, "done")  # not alive: never charted
+    first = table.first_alive(MAX_CHARTED_NODES)
+    ranked = sorted((n for n in ranks if n != "n000"), key=lambda n: ranks[n])
+    unranked = sorted(f"n{i:03d}" for i in range(1, MAX_CHARTED_NODES + 40, 2))
+    assert [n.node_id for n in first] == (ranked + unranked)[:MAX_CHARTED_NODES]
+    first[0].step = 12345  # a copy: the table keeps its own
+    assert table.get(first[0].node_id).step != 12345
+    assert table.all() == [dataclasses.replace(n) for n in table.all()]

