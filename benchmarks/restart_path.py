@@ -89,7 +89,18 @@ def run_job(tree: Path, work: Path) -> Path:
     env_file = work / "master.env"
     logs = open(work / "job.log", "w")  # noqa: SIM115
     master = subprocess.Popen(
-        [sys.executable, "-m", "dlrover.cli.master", "--port", "0", "--write-env", str(env_file)],
+        # Its state in the run's folder: killed at the end, it would leave a scratch folder.
+        [
+            sys.executable,
+            "-m",
+            "dlrover.cli.master",
+            "--port",
+            "0",
+            "--write-env",
+            str(env_file),
+            "--state-db",
+            str(work / "state.db"),
+        ],
         cwd=tree,
         env=env,
         stdout=logs,

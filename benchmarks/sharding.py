@@ -49,6 +49,9 @@ class GrpcMaster:
                 "0",
                 "--write-env",
                 env_file,
+                # In the benchmark's folder: a killed master leaves no scratch state behind.
+                "--state-db",
+                os.path.join(self._dir, "state.db"),
                 *extra,
             ],
             stdout=subprocess.DEVNULL,
@@ -72,8 +75,11 @@ class GrpcMaster:
         return connect(self.addr, self.token)
 
     def close(self) -> None:
+        import shutil
+
         self.proc.kill()
         self.proc.wait()
+        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 def load_factory(spec: str | None) -> TransportFactory:

@@ -18,7 +18,8 @@ from dlrover.runner import JobRunner, JobRunnerError, RunnerSettings
 
 def main() -> int:
     """Run the job, printing its master's address, each step's node count, and its outcome."""
-    os.environ.setdefault("DLROVER_HOME", tempfile.mkdtemp(prefix="dlrover_home_"))
+    if "DLROVER_HOME" not in os.environ:  # the job's record, away from ~/.dlrover
+        os.environ["DLROVER_HOME"] = tempfile.mkdtemp(prefix="dlrover_home_")
     here = os.path.dirname(os.path.abspath(__file__))
     spec = job_spec_from_dict(
         {
