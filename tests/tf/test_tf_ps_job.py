@@ -154,8 +154,20 @@ class Job:
         return int(path.read_text().split()[0])
 
     def kill(self, node_id: str) -> float:
-        os.kill(self.pid(node_id), signal.SIGKILL)
+        try:
+            os.kill(self.pid(node_id), signal.SIGKILL)
+        except ProcessLookupError:
+            raise AssertionError(f"{node_id} no longer runs: {self.text()[-4000:]}") from None
         return time.monotonic()
+
+    def latest(self, slot: str) -> tuple[str, int]:
+        """The newest attempt of ``slot`` (e.g. ``ckill-chief-0``) and its number. A chief
+        started without resources can be relaunched at its measured size before a test's kill
+        (CI saw attempt 0 gone once): the kill is aimed at the attempt that runs."""
+        nodes = self.home / "jobs" / self.name / "nodes"
+        attempts = [int(p.name.rsplit("-", 1)[1]) for p in nodes.glob(f"{slot}-*")]
+        assert attempts, f"no node of {slot}: {self.text()[-3000:]}"
+        return f"{slot}-{max(attempts)}", max(attempts)
 
     def wait(self, timeout_s: float = 120) -> int:
         try:
@@ -348,11 +360,13 @@ def test_a_killed_chief_is_relaunched_and_resumes_from_the_latest_checkpoint(
 ) -> None:
     job = Job(tmp_path, "ckill", shard_delay=0.3)
     job.wait_shards(5)
-    job.kill("ckill-chief-0-0")
+    chief, attempt = job.latest("ckill-chief-0")
+    job.kill(chief)
     assert job.wait() == 0, job.text()[-4000:]
     text = job.text()
-    assert "ckill-chief-0-0 failed (killed by SIGKILL); launching ckill-chief-0-1" in text
-    assert "restored checkpoint" in job.node_log("ckill-chief-0-1")
+    relaunched = f"ckill-chief-0-{attempt + 1}"
+    assert f"{chief} failed (killed by SIGKILL); launching {relaunched}" in text, text[-4000:]
+    assert "restored checkpoint" in job.node_log(relaunched)
     report, model = job.result()
     assert (model["seen"] == 1).all(), np.flatnonzero(model["seen"] != 1)[:20]
     _close_to_reference(report, reference)
