@@ -41,6 +41,24 @@ def torchrun_cmd(*flags: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", *flags]
 
 
+def master_cmd(env_file: str | Path, state_db: str | Path, *flags: str) -> list[str]:
+    """A standalone `dlrover-master` on a free port that writes its address and token to
+    ``env_file``, its state in ``state_db``: in the benchmark's own folder, so that a master
+    killed at the end leaves no scratch state behind."""
+    return [
+        sys.executable,
+        "-m",
+        "dlrover.cli.master",
+        "--port",
+        "0",
+        "--write-env",
+        str(env_file),
+        "--state-db",
+        str(state_db),
+        *flags,
+    ]
+
+
 @dataclass
 class Job:
     """One launcher process (its own session) with every output line stamped on arrival.

@@ -27,7 +27,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from against import checkout
-from recovery_common import REPO, base_env, table
+from recovery_common import REPO, base_env, master_cmd, table
 
 FAULT_STEP = 30
 """The step rank 1 is killed at: 3 s of steady training before (STEP_TIME_S each)."""
@@ -89,18 +89,7 @@ def run_job(tree: Path, work: Path) -> Path:
     env_file = work / "master.env"
     logs = open(work / "job.log", "w")  # noqa: SIM115
     master = subprocess.Popen(
-        # Its state in the run's folder: killed at the end, it would leave a scratch folder.
-        [
-            sys.executable,
-            "-m",
-            "dlrover.cli.master",
-            "--port",
-            "0",
-            "--write-env",
-            str(env_file),
-            "--state-db",
-            str(work / "state.db"),
-        ],
+        master_cmd(env_file, work / "state.db"),
         cwd=tree,
         env=env,
         stdout=logs,

@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from recovery_common import master_cmd
 from torch.utils.data import DistributedSampler
 
 from dlrover.client.sharding_client import ShardingClient
@@ -34,26 +35,13 @@ class GrpcMaster:
     def __init__(self, *extra: str) -> None:
         import os
         import subprocess
-        import sys
         import tempfile
         import time
 
         self._dir = tempfile.mkdtemp(prefix="dlrover_bench_")
         env_file = os.path.join(self._dir, "master.env")
         self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "dlrover.cli.master",
-                "--port",
-                "0",
-                "--write-env",
-                env_file,
-                # In the benchmark's folder: a killed master leaves no scratch state behind.
-                "--state-db",
-                os.path.join(self._dir, "state.db"),
-                *extra,
-            ],
+            master_cmd(env_file, os.path.join(self._dir, "state.db"), *extra),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
