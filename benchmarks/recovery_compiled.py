@@ -207,7 +207,9 @@ def compiled_goodput(seconds: float, every: float, root: Path) -> str:
         )
         results.append(res)
         print(
-            f"  compiled goodput, {setup.name}: {res.goodput:.1%} ({res.kills} kills)", flush=True
+            f"  compiled goodput, {setup.name}: {res.goodput:.1%}, by work {res.work:.1%} "
+            f"({res.steps} steps, {res.kills} kills)",
+            flush=True,
         )
     base = results[0].goodput
     for setup, res in zip(SETUPS, results, strict=True):
@@ -215,6 +217,7 @@ def compiled_goodput(seconds: float, every: float, root: Path) -> str:
             [
                 setup.name,
                 f"{res.goodput:.1%}",
+                f"{res.work:.1%}",
                 f"{res.goodput / base:.2f}" if base else "–",
                 str(res.steps),
                 str(res.kills),
@@ -225,6 +228,7 @@ def compiled_goodput(seconds: float, every: float, root: Path) -> str:
     head = [
         "launcher",
         "goodput",
+        "goodput by work",
         "vs torchrun",
         "steps that count",
         "workers killed",
@@ -233,6 +237,7 @@ def compiled_goodput(seconds: float, every: float, root: Path) -> str:
     ]
     title = (
         f"### Goodput of the compiled transformer: {seconds:.0f} s, rank 1 SIGKILLed every "
-        f"{every:.0f} s (a step's time counts once, the last time it completed)"
+        f"{every:.0f} s (a step's time counts once, the last time it completed; by work: the "
+        "steps that count x a steady step's time)"
     )
     return "\n".join([title, "", table(head, rows)])

@@ -3,6 +3,9 @@
 Goodput = the time spent in steps that count / wall time from launch. The worker checkpoints
 every step and resumes after the last one, so a step counts once (its last completion, should
 one ever be redone); the restarts, the cold start and the per-step checkpoint are what is lost.
+Goodput by work = the steps that count x the time of a steady step (`steady_step_s`) / wall
+time: it does not count as useful the part of a step spent compiling (a restarted process's
+first step) or training at a shrunk world's speed.
 """
 
 from __future__ import annotations
@@ -37,6 +40,11 @@ class GoodputResult:
     note: str = ""
     live: float | None = None
     """The master's own goodput (dlrover_goodput_ratio) read just before the end."""
+    work: float = 0.0
+    """Goodput by work done: the steps that count times the time of a steady step
+    (`steady_step_s`), over wall time. A step's own time also holds what it waited for (a
+    restarted process's first step compiles its model; a shrunk world's step trains two ranks'
+    data at half the speed), which `goodput` counts as useful; this does not."""
 
 
 def _has_stepped(job: Job, pid: int) -> bool:
@@ -106,6 +114,7 @@ def run_schedule(
         live = _live_goodput(metrics_port) if metrics_port else None
     finally:
         steps = job.steps()
+        procs = job.procs()
         job.finish(timeout=15.0)
     last: dict[int, dict[str, float]] = {}
     for s in steps:
@@ -113,6 +122,12 @@ def run_schedule(
             last[int(s["step"])] = s  # a redone step counts once, by its last completion
     useful = sum(s["ended"] - s["began"] for s in last.values())
     res = GoodputResult(useful / seconds, len(last), len(kills), note=note, live=live)
+    # A step may compile after a kill or after a process group is made again (the world
+    # re-formed in-process): the first begun after each is not steady.
+    starts = [k for k, _ in kills] + [p["t"] for p in procs if p.get("phase") == "process_group"]
+    steady = steady_step_s(list(last.values()), starts)
+    if steady is not None:
+        res.work = len(last) * steady / seconds
     if steps:
         res.cold_start = min(s["ended"] for s in steps) - launched
     for killed_at, old in kills:
@@ -125,6 +140,28 @@ def run_schedule(
         if after:
             res.recoveries.append(min(after) - killed_at)
     return res
+
+
+def steady_step_s(steps: list[dict[str, float]], starts: list[float]) -> float | None:
+    """The mean time of a steady step: not a process's first, not the first begun after one
+    of ``starts`` (a kill, a process group made again: either may compile), not a shrunk world's (it trains
+    two ranks' data), and at most 3x the median; None without such steps."""
+    first = {min(s["step"] for s in steps if s["pid"] == pid) for pid in {s["pid"] for s in steps}}
+    for start in starts:
+        after = [s for s in steps if s["began"] > start]
+        if after:
+            first.add(min(after, key=lambda s: s["began"])["step"])
+    full = max((s.get("world", 0) for s in steps), default=0)
+    times = sorted(
+        s["ended"] - s["began"]
+        for s in steps
+        if s["step"] not in first and s.get("world", 0) == full
+    )
+    if not times:
+        return None
+    limit = 3 * times[len(times) // 2]
+    kept = [t for t in times if t <= limit]
+    return sum(kept) / len(kept)
 
 
 def goodput(seconds: float, every: float, step_time: float, root: Path) -> str:
